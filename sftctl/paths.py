@@ -1,0 +1,29 @@
+"""Where sftctl keeps its files.
+
+``$SFTCTL_HOME`` wins; otherwise the per-user data directory that platformdirs gives
+(``~/.local/share/sftctl`` on Linux). The directory is created owner-only (0700).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def sftctl_home() -> Path:
+    """Return the sftctl home directory, creating it with mode 0700 if it is missing."""
+    env = os.environ.get("SFTCTL_HOME")
+    if env:
+        home = Path(env).expanduser()
+    else:
+        import platformdirs
+
+        home = Path(platformdirs.user_data_dir("sftctl", appauthor=False))
+    if not home.is_dir():
+        home.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return home
+
+
+def job_dir(job_id: str) -> Path:
+    """Directory holding one job's local files (node dirs, logs, metrics, controller log)."""
+    return sftctl_home() / "jobs" / job_id

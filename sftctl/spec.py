@@ -1,0 +1,467 @@
+"""The job spec: pydantic v2 models and a YAML loader whose errors name the field and its line.
+
+A job spec is a YAML file (see ``examples/quickstart.yaml``)::
+
+    name: quickstart
+    workdir: ..                       # relative to this file
+    model: {framework: torch, entrypoint: examples/gpt/model.py:build, batch_size: 16}
+    train: {steps: 300, checkpoint_interval: 100}
+    resources: {accelerators: ["cpu:1"], nodes: 2}
+    run: torchrun ... examples/gpt/train.py
+
+Rules the loader enforces, so a typo is never silently accepted:
+
+* unknown keys are errors, with a did-you-mean hint; duplicate keys are errors;
+* ``${VAR}`` and ``${VAR:-default}`` are replaced from the environment in every string except
+  ``setup`` and ``run`` (those are shell scripts; the node's shell expands them); ``$${`` is a
+  literal ``${``; an unset variable without a default is an error naming its field and line;
+* ``--set key.path=value`` overrides (value parsed as a YAML scalar) are validated like the file,
+  and errors name the override instead of a line.
+
+Every problem raises :class:`sftctl.errors.SpecError` (exit code 2) with one line of the form
+``job.yaml:12: resources.acelerators: unknown field; did you mean 'accelerators'?``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+)
+
+from sftctl.errors import SpecError
+
+CLOUDS = ("local", "aws", "gcp", "kubernetes")
+_NO_INTERPOLATION = {("setup",), ("run",)}
+_MAX_NODES = 100_000  # YAML nodes visited while loading; guards against alias bombs
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    """What to compile and train: the function that builds the model, a batch and the loss."""
+
+    framework: Literal["torch", "jax"] = "torch"
+    entrypoint: str = Field(description="file.py:function, relative to workdir")
+    batch_size: PositiveInt = Field(16, description="samples per data-parallel rank per step")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_form(cls, v: str) -> str:
+        if not re.fullmatch(r"[^:]+\.py:[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError(f"expected 'file.py:function', got {v!r}")
+        return v
+
+    @property
+    def entrypoint_file(self) -> str:
+        return self.entrypoint.rsplit(":", 1)[0]
+
+
+class TrainSpec(_Strict):
+    """Training loop settings passed to the nodes as ``SFTCTL_TRAIN_STEPS`` and friends."""
+
+    steps: PositiveInt = 100
+    checkpoint_dir: str | None = Field(None, description="default: <job dir>/checkpoints")
+    checkpoint_interval: PositiveInt = Field(50, description="steps between checkpoints")
+
+
+class Accelerator(_Strict):
+    """One candidate accelerator and how many of it each node has (``H100:8``)."""
+
+    name: str = Field(min_length=1)
+    count: PositiveInt = 1
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.count}"
+
+
+class ResourcesSpec(_Strict):
+    """What the job may run on. Any one of ``accelerators`` will do; the planner picks."""
+
+    accelerators: list[Accelerator] = Field(
+        default_factory=lambda: [Accelerator(name="cpu", count=1)], min_length=1
+    )
+    nodes: PositiveInt = 1
+    spot: bool = False
+    clouds: list[Literal["local", "aws", "gcp", "kubernetes"]] | None = None
+    regions: list[str] | None = None
+    max_price_per_hour: PositiveFloat | None = Field(None, description="USD/h, all nodes together")
+    deadline: str | None = Field(None, description="a duration: 90m, 6h, 2d")
+
+    @field_validator("accelerators", mode="before")
+    @classmethod
+    def _parse_short_form(cls, v: Any) -> Any:
+        if isinstance(v, (str, dict)):
+            v = [v]
+        if isinstance(v, list):
+            return [_parse_accelerator(a) if isinstance(a, str) else a for a in v]
+        return v
+
+    @field_validator("deadline")
+    @classmethod
+    def _deadline_form(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_duration_s(v)
+        return v
+
+    @property
+    def deadline_s(self) -> float | None:
+        """The deadline in seconds after submission, or ``None``."""
+        return None if self.deadline is None else parse_duration_s(self.deadline)
+
+
+class RecoverySpec(_Strict):
+    """What to do when a node or the training process fails."""
+
+    max_restarts: NonNegativeInt = Field(0, description="relaunches from the last checkpoint")
+
+
+class JobSpec(_Strict):
+    """A whole job. ``workdir`` is absolute after :func:`load_spec`."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9-]{0,39}$")
+    workdir: str = "."
+    model: ModelSpec | None = None
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    env: dict[str, str] = Field(default_factory=dict)
+    setup: str | None = None
+    run: str = Field(min_length=1)
+    recovery: RecoverySpec = Field(default_factory=RecoverySpec)
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _stringify_env(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            out = {}
+            for key, value in v.items():
+                if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                    raise ValueError(f"{key!r} is not a valid environment variable name")
+                if isinstance(value, bool):
+                    value = "1" if value else "0"
+                elif isinstance(value, (int, float)):
+                    value = str(value)
+                out[key] = value
+            return out
+        return v
+
+
+def _parse_accelerator(text: str) -> dict[str, Any]:
+    name, sep, count = text.partition(":")
+    if not sep:
+        return {"name": name.strip(), "count": 1}
+    if not count.strip().isdigit():
+        raise ValueError(f"accelerator {text!r}: expected NAME or NAME:COUNT, e.g. 'H100:8'")
+    return {"name": name.strip(), "count": int(count)}
+
+
+def parse_duration_s(text: str) -> float:
+    """Parse ``90s``, ``30m``, ``6h`` or ``2d`` into seconds. Raises ValueError otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd])\s*", str(text))
+    if not m:
+        raise ValueError(f"expected a duration like '90m', '6h' or '2d', got {text!r}")
+    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+# --------------------------------------------------------------------------- YAML with lines
+
+Path_ = tuple  # a path into the document: ("resources", "accelerators", 0, "name")
+
+
+class _Located:
+    """Where each value of the document came from: a YAML line or a ``--set`` override."""
+
+    def __init__(self, filename: str):
+        self.filename = filename
+        self.lines: dict[Path_, int] = {}
+        self.overrides: dict[Path_, str] = {}
+
+    def where(self, path: Path_) -> str:
+        for n in range(len(path), -1, -1):
+            prefix = tuple(path[:n])
+            if prefix in self.overrides:
+                return f"--set {self.overrides[prefix]}"
+            if prefix in self.lines:
+                return f"{self.filename}:{self.lines[prefix]}"
+        return self.filename
+
+
+def _compose(text: str, loc: _Located) -> Any:
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        n_lines = max(1, len(text.splitlines()))
+        where = f"{loc.filename}:{min(mark.line + 1, n_lines)}" if mark else loc.filename
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise SpecError(
+            f"{where}: malformed YAML: {problem}",
+            hint="check the indentation and quoting on that line; strings with ': ' need quotes",
+        ) from None
+    if root is None:
+        raise SpecError(f"{loc.filename}: the spec is empty", hint="see examples/quickstart.yaml")
+    constructor = yaml.SafeLoader("")
+    budget = [_MAX_NODES]
+
+    def build(node: yaml.Node, path: Path_, active: frozenset) -> Any:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise SpecError(f"{loc.filename}: the document is too large (alias expansion?)")
+        if id(node) in active:
+            raise SpecError(f"{loc.filename}:{node.start_mark.line + 1}: recursive YAML alias")
+        loc.lines.setdefault(path, node.start_mark.line + 1)
+        line = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            out: dict[str, Any] = {}
+            inner = active | {id(node)}
+            for key_node, value_node in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != "tag:yaml.org,2002:str":
+                    raise SpecError(
+                        f"{loc.filename}:{key_node.start_mark.line + 1}: "
+                        f"{_dotted(path) or 'top level'}: keys must be plain strings",
+                        hint="quote the key, or fix the indentation",
+                    )
+                key = key_node.value
+                if key in out:
+                    raise SpecError(
+                        f"{loc.filename}:{key_node.start_mark.line + 1}: "
+                        f"{_dotted(path + (key,))}: duplicate key",
+                        hint="remove one of the two",
+                    )
+                loc.lines[path + (key,)] = key_node.start_mark.line + 1
+                out[key] = build(value_node, path + (key,), inner)
+            return out
+        if isinstance(node, yaml.SequenceNode):
+            inner = active | {id(node)}
+            return [build(item, path + (i,), inner) for i, item in enumerate(node.value)]
+        try:
+            return constructor.construct_object(node, deep=True)
+        except Exception as e:  # bad timestamps, unknown tags, ...: all the user's input
+            raise SpecError(
+                f"{loc.filename}:{line}: {_dotted(path) or 'value'}: cannot read {node.value!r}: "
+                f"{str(e).splitlines()[0]}",
+                hint="quote the value to make it a string",
+            ) from None
+
+    return build(root, (), frozenset())
+
+
+def _dotted(path: Path_) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+_VAR = re.compile(r"\$\$\{|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def _interpolate(value: Any, path: Path_, loc: _Located, environ: typing.Mapping[str, str]) -> Any:
+    if path[:1] and (path[0],) in _NO_INTERPOLATION:
+        return value
+    if isinstance(value, dict):
+        return {k: _interpolate(v, path + (k,), loc, environ) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interpolate(v, path + (i,), loc, environ) for i, v in enumerate(value)]
+    if not isinstance(value, str) or "$" not in value:
+        return value
+
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$${":
+            return "${"
+        name, default = m.group(1), m.group(2)
+        if name in environ:
+            return environ[name]
+        if default is not None:
+            return default
+        raise SpecError(
+            f"{loc.where(path)}: {_dotted(path)}: ${{{name}}} is not set in the environment",
+            hint=f"export {name}=..., or write ${{{name}:-default}}; $${{ gives a literal ${{",
+        )
+
+    return _VAR.sub(sub, value)
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def _apply_override(data: dict, assignment: str, loc: _Located) -> None:
+    key, sep, raw = assignment.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise SpecError(
+            f"--set {assignment}: expected key.path=value", hint="e.g. --set train.steps=20"
+        )
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else raw
+    except yaml.YAMLError:
+        value = raw
+    flow = raw.strip()[:1] in ("[", "{")
+    if value is None or not isinstance(value, (str, int, float, bool, list, dict)) or (
+        isinstance(value, (list, dict)) and not flow
+    ):
+        value = raw
+    parts: list[Any] = [int(p) if p.isdigit() else p for p in key.split(".")]
+    if any(p == "" for p in parts):
+        raise SpecError(f"--set {assignment}: empty segment in {key!r}", hint="e.g. train.steps")
+    node: Any = data
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        here = tuple(parts[: i + 1])
+        if isinstance(node, dict) and isinstance(part, str):
+            if last:
+                node[part] = value
+            else:
+                nxt = node.get(part)
+                if nxt is None:
+                    nxt = node[part] = {}
+                node = nxt
+        elif isinstance(node, list) and isinstance(part, int):
+            if part >= len(node):
+                raise SpecError(
+                    f"--set {assignment}: {_dotted(here)}: index {part} is out of range "
+                    f"(the list has {len(node)} items)"
+                )
+            if last:
+                node[part] = value
+            else:
+                node = node[part]
+        else:
+            raise SpecError(
+                f"--set {assignment}: {_dotted(here[:-1]) or 'top level'} is not a "
+                f"{'list' if isinstance(part, int) else 'mapping'}",
+                hint="check the key path against the spec",
+            )
+    loc.overrides[tuple(parts)] = assignment
+
+
+# --------------------------------------------------------------------------- validation errors
+
+
+def _field_model_at(path: Path_) -> type[BaseModel] | None:
+    """The pydantic model class that a document path points into, if any."""
+    model: Any = JobSpec
+    for part in path:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return None
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        model = _unwrap(field.annotation)
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _unwrap(tp: Any) -> Any:
+    for arg in typing.get_args(tp) or ():
+        inner = _unwrap(arg)
+        if isinstance(inner, type) and issubclass(inner, BaseModel):
+            return inner
+    return tp
+
+
+def _explain(err: dict, loc: _Located) -> SpecError:
+    path = tuple(p for p in err["loc"] if isinstance(p, (str, int)))
+    field = _dotted(path) or "top level"
+    where = loc.where(path)
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        parent = _field_model_at(path[:-1])
+        allowed = sorted(parent.model_fields) if parent else []
+        close = difflib.get_close_matches(str(path[-1]), allowed, n=1, cutoff=0.6)
+        suggestion = f"; did you mean '{close[0]}'?" if close else ""
+        return SpecError(
+            f"{where}: {field}: unknown field{suggestion}",
+            hint=f"fields allowed here: {', '.join(allowed)}" if allowed else None,
+        )
+    if kind == "missing":
+        return SpecError(
+            f"{where}: {field}: required field is missing",
+            hint="see examples/quickstart.yaml for a complete spec",
+        )
+    msg = err["msg"].removeprefix("Value error, ")
+    got = err.get("input")
+    got_text = "" if isinstance(got, (dict, list)) or kind == "value_error" else f" (got {got!r})"
+    return SpecError(f"{where}: {field}: {msg}{got_text}")
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def load_spec(
+    path: str | os.PathLike,
+    overrides: typing.Sequence[str] = (),
+    environ: typing.Mapping[str, str] | None = None,
+) -> JobSpec:
+    """Read, interpolate, override and validate a job spec.
+
+    Args:
+        path: the YAML file.
+        overrides: ``key.path=value`` strings from ``--set``, applied in order after the file.
+        environ: the environment for ``${VAR}``; defaults to ``os.environ``.
+
+    Returns:
+        The validated :class:`JobSpec`, with ``workdir`` made absolute (relative paths are taken
+        from the spec file's directory) and ``name`` defaulted to the file's stem.
+
+    Raises:
+        SpecError: for every problem with the file or an override (exit code 2), naming the
+            field and its line.
+    """
+    path = Path(path)
+    loc = _Located(str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such file", hint="give the path to a job spec YAML") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(f"{path}: cannot read the spec: {e}") from None
+    data = _compose(text, loc)
+    if not isinstance(data, dict):
+        raise SpecError(
+            f"{path}:1: the spec must be a mapping of fields (name, run, resources, ...)",
+            hint="see examples/quickstart.yaml",
+        )
+    data = _interpolate(data, (), loc, os.environ if environ is None else environ)
+    for assignment in overrides:
+        _apply_override(data, assignment, loc)
+    data.setdefault("name", re.sub(r"[^a-z0-9-]+", "-", path.stem.lower()).strip("-") or "job")
+    try:
+        spec = JobSpec.model_validate(data)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        first = _explain(errors[0], loc)
+        if len(errors) > 1:
+            first.message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+        raise first from None
+    workdir = (path.parent / spec.workdir).resolve()
+    if not workdir.is_dir():
+        raise SpecError(
+            f"{loc.where(('workdir',))}: workdir: {workdir} is not a directory",
+            hint="workdir is relative to the spec file's directory",
+        )
+    if spec.model is not None and not (workdir / spec.model.entrypoint_file).is_file():
+        raise SpecError(
+            f"{loc.where(('model', 'entrypoint'))}: model.entrypoint: "
+            f"{spec.model.entrypoint_file} not found in workdir {workdir}",
+            hint="the entrypoint's file is relative to workdir",
+        )
+    return spec.model_copy(update={"workdir": str(workdir)})
