@@ -1,0 +1,194 @@
+"""Train the byte-level GPT of model.py on the Python standard library's sources.
+
+Run on every node under torchrun, from the repository root, e.g.::
+
+    torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d \
+        --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=JOB examples/gpt/train.py
+
+or single-process without torchrun (``python examples/gpt/train.py``).
+
+Settings come from ``sftctl.train.config()`` (``SFTCTL_TRAIN_STEPS``, ``SFTCTL_BATCH_SIZE``,
+``SFTCTL_CHECKPOINT_INTERVAL``, ``SFTCTL_DTYPE``, ...); metrics go to ``$SFTCTL_METRICS_DIR`` and
+checkpoints to ``$SFTCTL_CHECKPOINT_DIR`` (see sftctl/train.py). The run resumes from the newest
+complete checkpoint if there is one.
+
+Test knob: ``SFTCTL_FAIL_AT_STEP=N`` makes rank 0 raise RuntimeError at step N (after that step's
+checkpoint, if any, is saved) unless the run resumed from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+try:
+    from sftctl import train as sft
+except ImportError:  # running from a checkout where sftctl is not installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from sftctl import train as sft
+
+from model import GPT, GPTConfig, get_batch, load_corpus, next_byte_loss  # noqa: E402  (script dir)
+
+SEED = 1337
+MAX_LR = 3e-3
+MIN_LR_FRACTION = 0.1
+WEIGHT_DECAY = 0.1
+GRAD_CLIP = 1.0
+VAL_FRACTION = 0.05
+VAL_BATCHES = 8
+LOG_EVERY = 10
+
+
+def lr_at(step: int, total_steps: int) -> float:
+    """Learning rate for 1-based ``step``: linear warmup, then cosine decay to MIN_LR_FRACTION."""
+    warmup = max(1, min(30, total_steps // 10))
+    if step <= warmup:
+        return MAX_LR * step / warmup
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    return MAX_LR * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def batch_generator(rank: int, step: int, salt: int = 0) -> torch.Generator:
+    """A generator seeded only by (rank, step), so a resumed run draws the same batches."""
+    return torch.Generator().manual_seed(SEED + 1_000_003 * step + 7919 * rank + 104_729 * salt)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    distributed = world_size > 1
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if distributed:
+        dist.init_process_group(backend=backend)
+    try:
+        train(rank, world_size, device, distributed)
+    finally:
+        if distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train(rank: int, world_size: int, device: torch.device, distributed: bool) -> None:
+    cfg = sft.config()
+    is_main = rank == 0
+    fail_at = int(os.environ.get("SFTCTL_FAIL_AT_STEP", "0") or 0)
+
+    data = torch.frombuffer(bytearray(load_corpus()), dtype=torch.uint8)
+    n_val = int(len(data) * VAL_FRACTION)
+    train_data, val_data = data[:-n_val], data[-n_val:]
+
+    mcfg = GPTConfig()
+    torch.manual_seed(SEED)  # same init on every rank (DDP also broadcasts rank 0's weights)
+    model = GPT(mcfg).to(device)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=MAX_LR,
+        betas=(0.9, 0.95),
+    )
+
+    start_step = 0
+    resumed = sft.load_latest_checkpoint(map_location="cpu")
+    if resumed is not None:
+        start_step, state = resumed
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        if is_main:
+            print(f"resumed from step {start_step}", flush=True)
+
+    ddp_model = DDP(model) if distributed else model
+    amp_dtype = getattr(torch, cfg.dtype)
+    autocast = (
+        torch.autocast(device_type=device.type, dtype=amp_dtype)
+        if amp_dtype != torch.float32
+        else contextlib.nullcontext()
+    )
+    if is_main:
+        print(
+            f"world_size {world_size} params {model.num_params()} steps {cfg.steps} "
+            f"batch {cfg.batch_size}/rank block {mcfg.block_size} dtype {cfg.dtype} "
+            f"train bytes {len(train_data)} val bytes {len(val_data)}",
+            flush=True,
+        )
+
+    tokens_per_step = cfg.batch_size * mcfg.block_size
+    first_loss = last_loss = None
+    model.train()
+    for step in range(start_step + 1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        x, y = get_batch(train_data, cfg.batch_size, mcfg.block_size, batch_generator(rank, step))
+        x, y = x.to(device), y.to(device)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg.steps)
+        with autocast:
+            loss = next_byte_loss(ddp_model, (x, y))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        optimizer.step()
+        loss_f = loss.item()
+        step_time_s = time.perf_counter() - t0
+        sft.report(step, loss_f, step_time_s=step_time_s, tokens_per_s=tokens_per_step / step_time_s)
+        if first_loss is None:
+            first_loss = loss_f
+        last_loss = loss_f
+        if not math.isfinite(loss_f):
+            raise RuntimeError(f"rank {rank}: loss is {loss_f} at step {step}")
+
+        if is_main and (step % LOG_EVERY == 0 or step == start_step + 1 or step == cfg.steps):
+            print(f"step {step}/{cfg.steps} loss {loss_f:.4f} ({step_time_s * 1000:.0f} ms)", flush=True)
+
+        if step % cfg.checkpoint_interval == 0 or step == cfg.steps:
+            if is_main:
+                state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+                path = sft.save_checkpoint(state, step)
+                print(f"saved checkpoint {path}", flush=True)
+            if distributed:
+                dist.barrier()
+
+        if fail_at and step == fail_at and resumed is None and is_main:
+            raise RuntimeError(f"SFTCTL_FAIL_AT_STEP={fail_at}: failing on purpose at step {step}")
+
+    val_loss = evaluate(model, val_data, mcfg, cfg.batch_size, rank, world_size, device, autocast)
+    if is_main:
+        if first_loss is None:
+            print(f"nothing to do: already at step {start_step}/{cfg.steps}", flush=True)
+        else:
+            print(f"first loss {first_loss:.4f} last loss {last_loss:.4f}", flush=True)
+        print(f"val loss {val_loss:.4f}", flush=True)
+
+
+@torch.no_grad()
+def evaluate(model, val_data, mcfg, batch_size, rank, world_size, device, autocast) -> float:
+    """Mean next-byte loss on VAL_BATCHES fixed held-out batches per rank, averaged over ranks."""
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for i in range(VAL_BATCHES):
+        x, y = get_batch(val_data, batch_size, mcfg.block_size, batch_generator(rank, i, salt=1))
+        with autocast:
+            total += next_byte_loss(model, (x.to(device), y.to(device))).double()
+    model.train()
+    if world_size > 1:
+        dist.all_reduce(total)
+    return total.item() / (VAL_BATCHES * world_size)
+
+
+if __name__ == "__main__":
+    main()

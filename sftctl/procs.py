@@ -1,0 +1,84 @@
+"""Process facts from ``/proc`` (Linux): start times, liveness, and processes tagged by env var.
+
+A pid can be reused after its process exits, so liveness checks compare the process start time
+(``/proc/<pid>/stat`` field 22, in clock ticks since boot) with the one recorded at launch. Nodes
+of the local provider are tagged with ``SFTCTL_JOB_ID`` and ``SFTCTL_NODE_ID`` in their
+environment, which every child inherits: that is how ``sftctl down`` finds all of a job's
+processes even when the state lost track of them (a controller killed mid-launch).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+_PROC = Path("/proc")
+
+
+def start_ticks(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot, or None if there is no such process."""
+    try:
+        stat = (_PROC / str(pid) / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # the command name (field 2) may contain spaces and parentheses: split after the last ')'
+    fields = stat[stat.rindex(")") + 2 :].split()
+    if fields[0] == "Z":  # a zombie has exited; only its parent has not reaped it
+        return None
+    return int(fields[19])
+
+
+def alive(pid: int | None, ticks: int | None = None) -> bool:
+    """True if ``pid`` runs and, when ``ticks`` is given, is the same process that started then."""
+    if not pid:
+        return False
+    now = start_ticks(pid)
+    return now is not None and (ticks is None or now == ticks)
+
+
+def tagged(key: str, value: str) -> list[int]:
+    """Pids of this user's processes whose environment has ``key=value``."""
+    needle = f"{key}={value}".encode()
+    me = os.getpid()
+    out = []
+    for entry in _PROC.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            env = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in env.split(b"\0"):
+            out.append(int(entry.name))
+    return out
+
+
+def kill_all(pids: list[int], grace_s: float = 10.0) -> list[int]:
+    """SIGTERM ``pids``, wait up to ``grace_s`` seconds, then SIGKILL the survivors.
+
+    Returns the pids that were still alive when SIGKILL was sent.
+    """
+    ticks = {pid: start_ticks(pid) for pid in pids}
+    live = [p for p in pids if ticks[p] is not None]
+    for pid in live:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while live and time.monotonic() < deadline:
+        time.sleep(0.05)
+        live = [p for p in live if alive(p, ticks[p])]
+    for pid in live:
+        _signal(pid, signal.SIGKILL)
+    for _ in range(100):  # SIGKILL is not instant; wait until the kernel has reaped them
+        if not any(alive(p, ticks[p]) for p in live):
+            break
+        time.sleep(0.02)
+    return live
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,396 @@
+"""Durable state: one SQLite file (WAL) holding jobs, nodes, attempts, events and metrics.
+
+The file is ``$SFTCTL_HOME/state.db``, readable by its owner only (0600). Shell scripts start many
+``sftctl`` processes at once, so every write is one short ``BEGIN IMMEDIATE`` transaction under a
+generous busy timeout: writers queue instead of failing with "database is locked". The schema
+carries a version (``PRAGMA user_version``) and is migrated forward on open, under a file lock.
+
+The store also enforces the job lifecycle: :meth:`Store.transition` is a compare-and-set on the
+job's status, so a controller and a concurrent ``sftctl down`` can never both win::
+
+    PENDING -> PROVISIONING -> LAUNCHING -> RUNNING -> SUCCEEDED | FAILED | CANCELLED
+                                  ^            |
+                                  +- RECOVERING <-+        (restart from the last checkpoint)
+
+Any live status may also go to FAILED, CANCELLED, or FAILED_CONTROLLER (the controller process
+died; ``sftctl down`` still cleans its nodes up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import os
+import secrets
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from sftctl.paths import sftctl_home
+
+
+class JobStatus(str, enum.Enum):
+    """Where a job is in its lifecycle."""
+
+    PENDING = "PENDING"
+    PROVISIONING = "PROVISIONING"
+    LAUNCHING = "LAUNCHING"
+    RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    FAILED_CONTROLLER = "FAILED_CONTROLLER"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset(
+    {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.FAILED_CONTROLLER}
+)
+_ENDINGS = {JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.FAILED_CONTROLLER}
+TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
+    JobStatus.PENDING: frozenset({JobStatus.PROVISIONING} | _ENDINGS),
+    JobStatus.PROVISIONING: frozenset({JobStatus.LAUNCHING} | _ENDINGS),
+    JobStatus.LAUNCHING: frozenset({JobStatus.RUNNING} | _ENDINGS),
+    JobStatus.RUNNING: frozenset({JobStatus.SUCCEEDED, JobStatus.RECOVERING} | _ENDINGS),
+    JobStatus.RECOVERING: frozenset({JobStatus.PROVISIONING, JobStatus.LAUNCHING} | _ENDINGS),
+    **{s: frozenset() for s in TERMINAL},
+}
+
+SCHEMA_VERSION = 1
+# Each migration takes the schema from version i to i + 1. Append; never edit a landed one.
+MIGRATIONS: list[str] = [
+    """
+    CREATE TABLE jobs (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL,
+        status TEXT NOT NULL,
+        spec_json TEXT NOT NULL,
+        spec_path TEXT,
+        provider TEXT,
+        offering_json TEXT,
+        controller_pid INTEGER,
+        controller_start_ticks INTEGER,
+        restarts INTEGER NOT NULL DEFAULT 0,
+        failure_reason TEXT,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL,
+        ended_at REAL
+    );
+    CREATE INDEX jobs_status ON jobs(status);
+    CREATE TABLE nodes (
+        id TEXT PRIMARY KEY,
+        job_id TEXT NOT NULL REFERENCES jobs(id) ON DELETE CASCADE,
+        rank INTEGER NOT NULL,
+        provider TEXT NOT NULL,
+        status TEXT NOT NULL,
+        handle_json TEXT NOT NULL DEFAULT '{}',
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    );
+    CREATE INDEX nodes_job ON nodes(job_id);
+    CREATE TABLE attempts (
+        job_id TEXT NOT NULL REFERENCES jobs(id) ON DELETE CASCADE,
+        number INTEGER NOT NULL,
+        status TEXT NOT NULL,
+        exit_code INTEGER,
+        reason TEXT,
+        started_at REAL NOT NULL,
+        ended_at REAL,
+        PRIMARY KEY (job_id, number)
+    );
+    CREATE TABLE events (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        job_id TEXT NOT NULL REFERENCES jobs(id) ON DELETE CASCADE,
+        ts REAL NOT NULL,
+        kind TEXT NOT NULL,
+        message TEXT NOT NULL,
+        data_json TEXT
+    );
+    CREATE INDEX events_job ON events(job_id, id);
+    CREATE TABLE metrics (
+        job_id TEXT NOT NULL REFERENCES jobs(id) ON DELETE CASCADE,
+        rank INTEGER NOT NULL,
+        step INTEGER NOT NULL,
+        loss REAL,
+        step_time_s REAL,
+        tokens_per_s REAL,
+        first_step INTEGER,
+        first_loss REAL,
+        ts REAL NOT NULL,
+        PRIMARY KEY (job_id, rank)
+    );
+    """,
+]
+assert len(MIGRATIONS) == SCHEMA_VERSION
+
+BUSY_TIMEOUT_MS = 60_000
+
+
+class IllegalTransition(Exception):
+    """A programming error: the controller asked for a transition the lifecycle forbids."""
+
+
+class Store:
+    """The state database. One instance per process; cheap to open (a few ms).
+
+    Args:
+        path: the SQLite file; default ``$SFTCTL_HOME/state.db``.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path = Path(path) if path is not None else sftctl_home() / "state.db"
+        self._conn = self._open()
+
+    # ---------------------------------------------------------------- connection and schema
+
+    def _open(self) -> sqlite3.Connection:
+        if not self.path.exists():
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
+        conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+        conn.row_factory = sqlite3.Row
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        conn.execute("PRAGMA foreign_keys = ON")
+        conn.execute("PRAGMA synchronous = NORMAL")
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+        if version < SCHEMA_VERSION or mode != "wal":
+            from filelock import FileLock
+
+            with FileLock(str(self.path) + ".lock"):
+                conn.execute("PRAGMA journal_mode = WAL")
+                self._migrate(conn)
+        elif version > SCHEMA_VERSION:
+            from sftctl.errors import SftctlError
+
+            raise SftctlError(
+                f"{self.path}: state schema version {version} is newer than this sftctl "
+                f"understands ({SCHEMA_VERSION})",
+                hint="upgrade sftctl (pip install -U sftctl)",
+            )
+        return conn
+
+    @staticmethod
+    def _migrate(conn: sqlite3.Connection) -> None:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            for i in range(version, SCHEMA_VERSION):
+                for statement in MIGRATIONS[i].split(";"):
+                    if statement.strip():
+                        conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {i + 1}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    @property
+    def schema_version(self) -> int:
+        return self._conn.execute("PRAGMA user_version").fetchone()[0]
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction, taken up front (``BEGIN IMMEDIATE``) so it never deadlocks."""
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._conn
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
+    def close(self) -> None:
+        self._conn.close()
+
+    # ---------------------------------------------------------------- jobs
+
+    def create_job(self, name: str, spec: dict, spec_path: str | None = None) -> str:
+        """Record a new PENDING job and return its id (``<name>-<6 hex>``)."""
+        now = time.time()
+        while True:
+            job_id = f"{name}-{secrets.token_hex(3)}"
+            try:
+                with self.write() as db:
+                    db.execute(
+                        "INSERT INTO jobs (id, name, status, spec_json, spec_path, created_at,"
+                        " updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (job_id, name, JobStatus.PENDING.value, json.dumps(spec), spec_path, now, now),
+                    )
+                    self._event(db, job_id, "status", "job submitted (PENDING)")
+                return job_id
+            except sqlite3.IntegrityError:
+                continue
+
+    def get_job(self, job_id: str) -> dict | None:
+        row = self._conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return _job(row) if row else None
+
+    def list_jobs(self, statuses: set[JobStatus] | None = None) -> list[dict]:
+        """All jobs, newest first, optionally only those with one of ``statuses``."""
+        rows = self._conn.execute("SELECT * FROM jobs ORDER BY created_at DESC").fetchall()
+        jobs = [_job(r) for r in rows]
+        if statuses is not None:
+            jobs = [j for j in jobs if j["status"] in statuses]
+        return jobs
+
+    def update_job(self, job_id: str, **fields: Any) -> None:
+        """Set columns of a job (values that are dicts are stored as JSON)."""
+        fields = {k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in fields.items()}
+        fields["updated_at"] = time.time()
+        cols = ", ".join(f"{k} = ?" for k in fields)
+        with self.write() as db:
+            db.execute(f"UPDATE jobs SET {cols} WHERE id = ?", (*fields.values(), job_id))
+
+    def transition(
+        self, job_id: str, new: JobStatus, reason: str | None = None, *, strict: bool = True
+    ) -> bool:
+        """Move a job to ``new`` if the lifecycle allows it from its current status.
+
+        Returns True if the job moved. A transition out of a terminal status returns False (the
+        job already ended, e.g. ``sftctl down`` won the race). Any other forbidden transition
+        raises :class:`IllegalTransition` when ``strict``, else returns False.
+        """
+        now = time.time()
+        with self.write() as db:
+            row = db.execute("SELECT status FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None:
+                raise KeyError(job_id)
+            old = JobStatus(row["status"])
+            if new not in TRANSITIONS[old]:
+                if old.terminal or not strict:
+                    return False
+                raise IllegalTransition(f"{job_id}: {old.value} -> {new.value}")
+            ended = now if new.terminal else None
+            db.execute(
+                "UPDATE jobs SET status = ?, updated_at = ?, ended_at = COALESCE(?, ended_at),"
+                " failure_reason = COALESCE(?, failure_reason) WHERE id = ?",
+                (new.value, now, ended, reason if new in _ENDINGS else None, job_id),
+            )
+            message = f"{old.value} -> {new.value}" + (f": {reason}" if reason else "")
+            self._event(db, job_id, "status", message)
+        return True
+
+    # ---------------------------------------------------------------- nodes
+
+    def add_node(self, job_id: str, rank: int, provider: str, status: str = "PROVISIONING") -> str:
+        """Record a node before it is created, so a crash mid-provisioning still knows of it."""
+        now = time.time()
+        node_id = f"{job_id}-n{rank}-{secrets.token_hex(2)}"
+        with self.write() as db:
+            db.execute(
+                "INSERT INTO nodes (id, job_id, rank, provider, status, created_at, updated_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (node_id, job_id, rank, provider, status, now, now),
+            )
+        return node_id
+
+    def update_node(self, node_id: str, *, status: str | None = None, handle: dict | None = None) -> None:
+        with self.write() as db:
+            if status is not None:
+                db.execute(
+                    "UPDATE nodes SET status = ?, updated_at = ? WHERE id = ?",
+                    (status, time.time(), node_id),
+                )
+            if handle is not None:
+                db.execute(
+                    "UPDATE nodes SET handle_json = ?, updated_at = ? WHERE id = ?",
+                    (json.dumps(handle), time.time(), node_id),
+                )
+
+    def nodes(self, job_id: str) -> list[dict]:
+        rows = self._conn.execute(
+            "SELECT * FROM nodes WHERE job_id = ? ORDER BY rank, created_at", (job_id,)
+        ).fetchall()
+        return [{**dict(r), "handle": json.loads(r["handle_json"])} for r in rows]
+
+    # ---------------------------------------------------------------- attempts
+
+    def start_attempt(self, job_id: str) -> int:
+        """Open the next attempt (1, 2, ...) of a job and return its number."""
+        with self.write() as db:
+            n = db.execute(
+                "SELECT COALESCE(MAX(number), 0) + 1 FROM attempts WHERE job_id = ?", (job_id,)
+            ).fetchone()[0]
+            db.execute(
+                "INSERT INTO attempts (job_id, number, status, started_at) VALUES (?, ?, ?, ?)",
+                (job_id, n, "RUNNING", time.time()),
+            )
+        return n
+
+    def end_attempt(self, job_id: str, number: int, status: str, exit_code: int | None, reason: str | None) -> None:
+        with self.write() as db:
+            db.execute(
+                "UPDATE attempts SET status = ?, exit_code = ?, reason = ?, ended_at = ?"
+                " WHERE job_id = ? AND number = ?",
+                (status, exit_code, reason, time.time(), job_id, number),
+            )
+
+    def attempts(self, job_id: str) -> list[dict]:
+        rows = self._conn.execute(
+            "SELECT * FROM attempts WHERE job_id = ? ORDER BY number", (job_id,)
+        ).fetchall()
+        return [dict(r) for r in rows]
+
+    # ---------------------------------------------------------------- events and metrics
+
+    @staticmethod
+    def _event(db: sqlite3.Connection, job_id: str, kind: str, message: str, data: dict | None = None) -> None:
+        db.execute(
+            "INSERT INTO events (job_id, ts, kind, message, data_json) VALUES (?, ?, ?, ?, ?)",
+            (job_id, time.time(), kind, message, json.dumps(data) if data else None),
+        )
+
+    def add_event(self, job_id: str, kind: str, message: str, data: dict | None = None) -> None:
+        """Append an event (``kind``: status, plan, provision, launch, node, recovery, ...)."""
+        with self.write() as db:
+            self._event(db, job_id, kind, message, data)
+
+    def events(self, job_id: str, after_id: int = 0) -> list[dict]:
+        rows = self._conn.execute(
+            "SELECT * FROM events WHERE job_id = ? AND id > ? ORDER BY id", (job_id, after_id)
+        ).fetchall()
+        return [{**dict(r), "data": json.loads(r["data_json"]) if r["data_json"] else None} for r in rows]
+
+    def record_metrics(self, job_id: str, samples: list[dict]) -> None:
+        """Keep the latest sample per rank (and the first one seen). ``samples`` are dicts with
+        rank, step, loss, step_time_s, tokens_per_s, ts, as written by :mod:`sftctl.train`."""
+        if not samples:
+            return
+        with self.write() as db:
+            for s in samples:
+                db.execute(
+                    "INSERT INTO metrics (job_id, rank, step, loss, step_time_s, tokens_per_s,"
+                    " first_step, first_loss, ts) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                    " ON CONFLICT (job_id, rank) DO UPDATE SET step = excluded.step,"
+                    " loss = excluded.loss, step_time_s = excluded.step_time_s,"
+                    " tokens_per_s = excluded.tokens_per_s, ts = excluded.ts",
+                    (
+                        job_id, int(s["rank"]), int(s["step"]), s.get("loss"), s.get("step_time_s"),
+                        s.get("tokens_per_s"), int(s["step"]), s.get("loss"), s.get("ts", time.time()),
+                    ),
+                )
+
+    def metrics(self, job_id: str | None = None) -> list[dict]:
+        """Latest metrics per rank, for one job or all jobs."""
+        if job_id is None:
+            rows = self._conn.execute("SELECT * FROM metrics ORDER BY job_id, rank").fetchall()
+        else:
+            rows = self._conn.execute(
+                "SELECT * FROM metrics WHERE job_id = ? ORDER BY rank", (job_id,)
+            ).fetchall()
+        return [dict(r) for r in rows]
+
+
+def _job(row: sqlite3.Row) -> dict:
+    job = dict(row)
+    job["spec"] = json.loads(job.pop("spec_json"))
+    offering = job.pop("offering_json")
+    job["offering"] = json.loads(offering) if offering else None
+    return job

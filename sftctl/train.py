@@ -1,0 +1,463 @@
+"""Helpers for training scripts run by sftctl: metrics, atomic checkpoints, job configuration.
+
+A training script imports this module on every rank::
+
+    from sftctl import train as sft
+
+    cfg = sft.config(steps=300)
+    resumed = sft.load_latest_checkpoint()
+    ...
+    sft.report(step, loss, step_time_s=dt_s, tokens_per_s=tokens / dt_s)
+    if step % cfg.checkpoint_interval == 0 and rank == 0:
+        sft.save_checkpoint({"model": model.state_dict()}, step)
+
+The module is deliberately light: it imports only the standard library at import time. torch is
+imported lazily by the functions that serialize tensors (``save_checkpoint`` and
+``load_latest_checkpoint``), so the script also runs, and this module can be imported, without it.
+
+Environment variables read (all optional):
+
+``SFTCTL_METRICS_DIR``
+    Directory for per-rank metrics files ``rank-<global rank>.jsonl``. Unset: ``report`` is a no-op.
+``SFTCTL_CHECKPOINT_DIR``
+    Directory holding ``step-%08d`` checkpoint directories. Default ``./checkpoints``.
+``RANK`` / ``SFTCTL_NODE_RANK``
+    Global rank of this process (``RANK`` is set by torchrun); the first one set wins, else 0.
+``SFTCTL_TRAIN_STEPS``, ``SFTCTL_BATCH_SIZE``, ``SFTCTL_CHECKPOINT_INTERVAL``, ``SFTCTL_DTYPE``,
+``SFTCTL_JOB_ID``, ``SFTCTL_NODE_RANK``, ``SFTCTL_NUM_NODES``
+    Read by ``config()``.
+
+Checkpoint layout on disk (inside ``checkpoint_dir()``)::
+
+    step-00000050/            a complete checkpoint: always has both files below
+        state.pt              torch.save() of the state dict
+        COMPLETE              {"step": 50}, written and fsynced after state.pt
+    step-00000100.tmp-4242/   being written by pid 4242 (or abandoned if that pid is dead)
+
+A checkpoint directory only ever appears under its final ``step-%08d`` name through an atomic
+``os.rename`` of a fully written and fsynced temporary directory, so a crash at any point leaves
+either the previous checkpoints or the new complete one, never a torn one that is picked up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "TrainConfig",
+    "checkpoint_dir",
+    "config",
+    "global_rank",
+    "latest_checkpoint",
+    "load_latest_checkpoint",
+    "report",
+    "save_checkpoint",
+]
+
+STATE_FILE = "state.pt"
+COMPLETE_FILE = "COMPLETE"
+DEFAULT_CHECKPOINT_DIR = "checkpoints"
+
+# Final checkpoint dirs: "step-" + the step zero padded to 8 digits ("%08d" grows past 8 digits
+# for steps >= 10**8, hence {8,}).
+_FINAL_RE = re.compile(r"^step-(\d{8,})$")
+# Temporary dirs: "step-%08d.tmp-<pid>", optionally followed by a suffix (".old" is used while
+# replacing an existing final dir).
+_TMP_RE = re.compile(r"^step-\d{8,}\.tmp-(\d+)(?:\..*)?$")
+
+# dtype spellings accepted by config(), mapped to the torch attribute name.
+_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "f32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# ranks and metrics
+# --------------------------------------------------------------------------------------------
+
+
+def global_rank() -> int:
+    """Return this process's global rank: ``$RANK``, else ``$SFTCTL_NODE_RANK``, else 0.
+
+    Raises:
+        ValueError: the variable that is used is set but is not a non-negative integer.
+    """
+    for name in ("RANK", "SFTCTL_NODE_RANK"):
+        raw = os.environ.get(name, "").strip()
+        if raw:
+            return _parse_int(name, raw, minimum=0)
+    return 0
+
+
+def report(
+    step: int,
+    loss: float,
+    *,
+    step_time_s: float | None = None,
+    tokens_per_s: float | None = None,
+) -> None:
+    """Append one metrics record for ``step`` to ``$SFTCTL_METRICS_DIR/rank-<global rank>.jsonl``.
+
+    The record is one JSON object on one line::
+
+        {"ts": <unix time, s>, "rank": <global rank>, "step": ..., "loss": ...,
+         "step_time_s": ..., "tokens_per_s": ...}
+
+    The line is written with a single ``write`` on a file opened in append mode, so a reader
+    tailing the file sees whole lines (the last one may be missing if the process is killed), and
+    each call is visible to readers when it returns. The directory is created if missing.
+
+    Does nothing when ``SFTCTL_METRICS_DIR`` is unset or empty, so a script also runs outside
+    sftctl.
+
+    Args:
+        step: the training step just finished.
+        loss: this rank's loss at that step. NaN/inf are written as ``null`` (JSON has no NaN).
+        step_time_s: wall time of the step in seconds, if measured.
+        tokens_per_s: this rank's throughput in tokens per second, if measured.
+
+    Raises:
+        ValueError: ``RANK``/``SFTCTL_NODE_RANK`` is malformed.
+        OSError: the metrics directory or file cannot be created or written.
+    """
+    metrics_dir = os.environ.get("SFTCTL_METRICS_DIR", "")
+    if not metrics_dir:
+        return
+    rank = global_rank()
+    record = {
+        "ts": time.time(),
+        "rank": rank,
+        "step": int(step),
+        "loss": _finite_or_none(loss),
+        "step_time_s": _finite_or_none(step_time_s),
+        "tokens_per_s": _finite_or_none(tokens_per_s),
+    }
+    line = (json.dumps(record, allow_nan=False) + "\n").encode("utf-8")
+    path = Path(metrics_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path / f"rank-{rank}.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        written = os.write(fd, line)
+        while written < len(line):  # only on odd filesystems; regular files write it all at once
+            written += os.write(fd, line[written:])
+    finally:
+        os.close(fd)
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return value if value == value and value not in (float("inf"), float("-inf")) else None
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoints
+# --------------------------------------------------------------------------------------------
+
+
+def checkpoint_dir() -> Path:
+    """Return the checkpoint directory: ``$SFTCTL_CHECKPOINT_DIR``, default ``./checkpoints``.
+
+    The directory is not created here; ``save_checkpoint`` creates it.
+    """
+    return Path(os.environ.get("SFTCTL_CHECKPOINT_DIR") or DEFAULT_CHECKPOINT_DIR)
+
+
+def save_checkpoint(state: dict[str, Any], step: int, *, keep: int = 3) -> Path:
+    """Atomically write ``state`` as the checkpoint for ``step`` and prune old checkpoints.
+
+    Steps:
+
+    1. ``torch.save(state)`` into ``<checkpoint_dir>/step-%08d.tmp-<pid>/state.pt``; fsync it.
+    2. Write ``COMPLETE`` (``{"step": step}``) last; fsync it and the temporary directory.
+    3. ``os.rename`` the temporary directory to ``step-%08d``; fsync ``checkpoint_dir``. If a
+       checkpoint for this step exists already, it is first renamed aside and deleted only after
+       the new one is in place.
+    4. Delete complete checkpoints older than the newest ``keep``, and temporary directories left
+       by processes that are no longer alive.
+
+    Call it from one process per checkpoint directory (typically global rank 0), and not from two
+    threads of one process at once.
+
+    Args:
+        state: anything ``torch.save`` accepts; typically model/optimizer state dicts and the step.
+        step: the training step this state is after; non-negative.
+        keep: how many complete checkpoints to keep, counting this one; at least 1.
+
+    Returns:
+        The final checkpoint directory, ``<checkpoint_dir>/step-%08d``.
+
+    Raises:
+        ValueError: ``step`` is negative or ``keep`` is below 1.
+        ImportError: torch is not installed.
+        OSError: the checkpoint could not be written (the temporary directory is removed; earlier
+            checkpoints are untouched).
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    import torch  # lazy: keep this module importable without torch
+
+    root = checkpoint_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    name = _step_name(step)
+    final = root / name
+    tmp = root / f"{name}.tmp-{os.getpid()}"
+    if tmp.exists():  # left over by an earlier failed call of this very process
+        shutil.rmtree(tmp)
+    try:
+        tmp.mkdir()
+        with open(tmp / STATE_FILE, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        with open(tmp / COMPLETE_FILE, "w", encoding="utf-8") as fh:
+            json.dump({"step": int(step)}, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        if final.exists():
+            # rename() cannot replace a non-empty directory. Move the old one aside under a
+            # temporary name (ignored by latest_checkpoint, cleaned as stale if we die here).
+            aside = root / f"{name}.tmp-{os.getpid()}.old"
+            if aside.exists():
+                shutil.rmtree(aside)
+            os.rename(final, aside)
+            os.rename(tmp, final)
+            _fsync_dir(root)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+            _fsync_dir(root)
+    except BaseException:
+        aside = root / f"{name}.tmp-{os.getpid()}.old"
+        if aside.exists() and not final.exists():  # failed between the two renames: put it back
+            os.rename(aside, final)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _prune(root, keep)
+    return final
+
+
+def latest_checkpoint() -> Path | None:
+    """Return the newest complete checkpoint directory in ``checkpoint_dir()``, or None.
+
+    A directory counts only if it is named ``step-%08d`` and holds both ``state.pt`` and a readable
+    ``COMPLETE`` marker; temporary (``*.tmp-*``) and half-written directories are never returned.
+    """
+    complete = _complete_checkpoints(checkpoint_dir())
+    return complete[-1][1] if complete else None
+
+
+def load_latest_checkpoint(map_location: Any = "cpu") -> tuple[int, dict[str, Any]] | None:
+    """Load the newest complete checkpoint.
+
+    Args:
+        map_location: passed to ``torch.load`` (default: load every tensor onto the CPU).
+
+    Returns:
+        ``(step, state)`` where ``step`` comes from the checkpoint's ``COMPLETE`` marker and
+        ``state`` is what was given to ``save_checkpoint``; None if there is no complete
+        checkpoint.
+
+    Raises:
+        ImportError: torch is not installed.
+        OSError, RuntimeError, pickle.UnpicklingError: the newest complete checkpoint cannot be
+            read. It is loaded with ``torch.load(weights_only=True)``, so ``state`` may hold only
+            tensors, containers, and plain Python values.
+    """
+    latest = latest_checkpoint()
+    if latest is None:
+        return None
+    import torch  # lazy
+
+    step = _read_complete(latest)
+    assert step is not None  # latest_checkpoint checked it
+    state = torch.load(latest / STATE_FILE, map_location=map_location, weights_only=True)
+    return step, state
+
+
+def _step_name(step: int) -> str:
+    return "step-%08d" % step
+
+
+def _read_complete(path: Path) -> int | None:
+    """Return the step in ``path/COMPLETE``, or None if it is missing or unreadable."""
+    try:
+        data = json.loads((path / COMPLETE_FILE).read_text(encoding="utf-8"))
+        return int(data["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints in ``root`` as ``(step, path)``, oldest first."""
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return []
+    found = []
+    for entry in entries:
+        match = _FINAL_RE.match(entry.name)
+        if not match or not entry.is_dir(follow_symlinks=False):
+            continue
+        path = Path(entry.path)
+        step = int(match.group(1))
+        if _read_complete(path) == step and (path / STATE_FILE).is_file():
+            found.append((step, path))
+    found.sort()
+    return found
+
+
+def _prune(root: Path, keep: int) -> None:
+    """Delete complete checkpoints beyond the newest ``keep`` and tmp dirs of dead processes."""
+    for _, path in _complete_checkpoints(root)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+    for entry in os.scandir(root):
+        match = _TMP_RE.match(entry.name)
+        if match and entry.is_dir(follow_symlinks=False) and not _pid_alive(int(match.group(1))):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this machine (a zombie counts as alive)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    except OSError as exc:  # pragma: no cover - e.g. pid out of range
+        return exc.errno != errno.ESRCH
+    return True
+
+
+def _fsync_dir(path: Path) -> None:
+    """fsync a directory so renames/creations in it are durable (best effort where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # pragma: no cover - e.g. Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover - some filesystems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------
+# job configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Training job settings, as given to the training script by sftctl through the environment.
+
+    Attributes:
+        steps: total optimizer steps of the job (a resumed run continues up to this number).
+        batch_size: sequences per step per rank.
+        checkpoint_interval: save a checkpoint every this many steps (and at the last step).
+        dtype: canonical torch dtype name: "float32", "bfloat16" or "float16".
+        job_id: sftctl job id, or None outside sftctl.
+        node_rank: index of this node, 0-based.
+        num_nodes: number of nodes in the job.
+    """
+
+    steps: int
+    batch_size: int
+    checkpoint_interval: int
+    dtype: str
+    job_id: str | None
+    node_rank: int
+    num_nodes: int
+
+
+def config(
+    *,
+    steps: int = 200,
+    batch_size: int = 16,
+    checkpoint_interval: int = 50,
+    dtype: str = "float32",
+) -> TrainConfig:
+    """Read the job's ``TrainConfig`` from the environment.
+
+    Each ``SFTCTL_*`` variable that is set (and non-empty) overrides the matching keyword default:
+    ``SFTCTL_TRAIN_STEPS``, ``SFTCTL_BATCH_SIZE``, ``SFTCTL_CHECKPOINT_INTERVAL``,
+    ``SFTCTL_DTYPE``, ``SFTCTL_JOB_ID``, ``SFTCTL_NODE_RANK`` (default 0) and
+    ``SFTCTL_NUM_NODES`` (default 1).
+
+    ``dtype`` accepts "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16"/"half" and is
+    returned in its canonical torch spelling.
+
+    Raises:
+        ValueError: a value (from the environment or a keyword) is malformed: a count that is not
+            an integer >= 1 (``SFTCTL_NODE_RANK``: >= 0 and < num_nodes), or an unknown dtype. The
+            message names the variable.
+    """
+    env = os.environ
+
+    def get_int(name: str, default: int, minimum: int) -> int:
+        raw = env.get(name, "").strip()
+        if not raw:
+            if not isinstance(default, int) or isinstance(default, bool) or default < minimum:
+                raise ValueError(f"{name}: default must be an integer >= {minimum}, got {default!r}")
+            return default
+        return _parse_int(name, raw, minimum=minimum)
+
+    steps_v = get_int("SFTCTL_TRAIN_STEPS", steps, 1)
+    batch_v = get_int("SFTCTL_BATCH_SIZE", batch_size, 1)
+    interval_v = get_int("SFTCTL_CHECKPOINT_INTERVAL", checkpoint_interval, 1)
+    num_nodes_v = get_int("SFTCTL_NUM_NODES", 1, 1)
+    node_rank_v = get_int("SFTCTL_NODE_RANK", 0, 0)
+    if node_rank_v >= num_nodes_v:
+        raise ValueError(
+            f"SFTCTL_NODE_RANK={node_rank_v} must be < SFTCTL_NUM_NODES={num_nodes_v}"
+        )
+    raw_dtype = (env.get("SFTCTL_DTYPE", "").strip() or dtype).lower()
+    if raw_dtype not in _DTYPES:
+        raise ValueError(
+            f"SFTCTL_DTYPE: unknown dtype {raw_dtype!r}; expected one of {sorted(set(_DTYPES))}"
+        )
+    job_id = env.get("SFTCTL_JOB_ID", "").strip() or None
+    return TrainConfig(
+        steps=steps_v,
+        batch_size=batch_v,
+        checkpoint_interval=interval_v,
+        dtype=_DTYPES[raw_dtype],
+        job_id=job_id,
+        node_rank=node_rank_v,
+        num_nodes=num_nodes_v,
+    )
+
+
+def _parse_int(name: str, raw: str, *, minimum: int) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer, got {raw!r}") from None
+    if value < minimum:
+        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+    return value
