@@ -1,0 +1,141 @@
+"""The local provider: a node is a process group with its own work directory on this machine.
+
+Node directory: ``$SFTCTL_HOME/jobs/<job>/nodes/<node id>/`` holding the rendered bootstrap
+(``node-<attempt>.sh``), the spec's ``setup.sh`` and ``run.sh``, ``node.log`` (stdout and stderr
+of every attempt), ``exit-<attempt>`` (the exit code, written last) and ``metrics/`` (one JSON
+lines file per training rank, see :mod:`sftctl.train`).
+
+Each node's processes run in a session of their own (so Ctrl-C in the terminal reaches only the
+controller, and a controller killed with SIGKILL leaves them running for ``sftctl down`` to find)
+and carry ``SFTCTL_JOB_ID`` and ``SFTCTL_NODE_ID`` in their environment: the local equivalent of
+cloud tags, which :mod:`sftctl.procs` finds in ``/proc``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from sftctl import procs
+from sftctl.catalog import Offering, local_offering
+from sftctl.errors import ProviderError
+from sftctl.paths import job_dir
+from sftctl.providers.base import NodeState, NodeStatus
+
+
+class LocalProvider:
+    """Nodes as process groups on this machine. Linux only (it reads ``/proc``)."""
+
+    name = "local"
+
+    def check(self) -> None:
+        if not sys.platform.startswith("linux") or not Path("/proc/self/environ").exists():
+            raise ProviderError("the local provider needs Linux (/proc)")
+
+    def offerings(self, accelerator: str, count: int) -> list[Offering]:
+        """``cpu`` only, up to one worker process per core."""
+        if accelerator.lower() != "cpu" or count > (os.cpu_count() or 1):
+            return []
+        return [local_offering(count)]
+
+    def provision(self, job_id: str, node_id: str, rank: int, offering: Offering) -> dict:
+        node_dir = job_dir(job_id) / "nodes" / node_id
+        (node_dir / "metrics").mkdir(parents=True, exist_ok=True)
+        return {"node_id": node_id, "job_id": job_id, "rank": rank, "dir": str(node_dir), "ip": "127.0.0.1"}
+
+    def launch(self, handle: dict, script: str, env: dict[str, str], attempt: int) -> dict:
+        node_dir = Path(handle["dir"])
+        path = node_dir / f"node-{attempt}.sh"
+        path.write_text(script)
+        full_env = {
+            **os.environ,
+            **env,
+            "SFTCTL_JOB_ID": handle["job_id"],
+            "SFTCTL_NODE_ID": handle["node_id"],
+            "SFTCTL_METRICS_DIR": str(node_dir / "metrics"),
+            "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
+        }
+        with open(node_dir / "node.log", "ab") as log:
+            try:
+                proc = subprocess.Popen(
+                    ["bash", str(path)],
+                    cwd=node_dir,
+                    env=full_env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            except OSError as e:
+                raise ProviderError(f"node {handle['rank']}: cannot start bash: {e}") from None
+        return {
+            **handle,
+            "pid": proc.pid,
+            "start_ticks": procs.start_ticks(proc.pid),
+            "attempt": attempt,
+            "exit_file": str(node_dir / f"exit-{attempt}"),
+        }
+
+    def status(self, handle: dict) -> NodeStatus:
+        if handle.get("terminated"):
+            return NodeStatus(NodeState.TERMINATED)
+        if "pid" not in handle:
+            return NodeStatus(NodeState.READY)
+        try:
+            code = int(Path(handle["exit_file"]).read_text().strip())
+        except (FileNotFoundError, ValueError):
+            code = None
+        if code is not None:
+            state = NodeState.SUCCEEDED if code == 0 else NodeState.FAILED
+            return NodeStatus(state, code, f"exit code {code}")
+        if procs.alive(handle["pid"], handle.get("start_ticks")):
+            return NodeStatus(NodeState.RUNNING)
+        # The bootstrap wrote no exit code: its process was killed (or the node's dir was removed)
+        return NodeStatus(NodeState.LOST, None, f"process {handle['pid']} vanished without an exit code")
+
+    def read_log(self, handle: dict, offset: int) -> tuple[bytes, int]:
+        try:
+            with open(Path(handle["dir"]) / "node.log", "rb") as f:
+                f.seek(offset)
+                data = f.read()
+        except FileNotFoundError:
+            return b"", offset
+        return data, offset + len(data)
+
+    def read_metrics(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
+        samples = []
+        for path in sorted((Path(handle["dir"]) / "metrics").glob("rank-*.jsonl")):
+            key = str(path)
+            with open(path, "rb") as f:
+                f.seek(offsets.get(key, 0))
+                data = f.read()
+            complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits
+            offsets[key] = offsets.get(key, 0) + len(complete)
+            for line in complete.splitlines():
+                try:
+                    samples.append(json.loads(line))
+                except ValueError:
+                    continue
+        return samples
+
+    def terminate(self, handle: dict) -> None:
+        pids = procs.tagged("SFTCTL_NODE_ID", handle["node_id"])
+        if handle.get("pid") and procs.alive(handle["pid"], handle.get("start_ticks")):
+            pids = sorted(set(pids) | {handle["pid"]})
+        procs.kill_all(pids)
+
+    def find_tagged(self, job_id: str) -> list[str]:
+        return [str(p) for p in procs.tagged("SFTCTL_JOB_ID", job_id)]
+
+    def terminate_tagged(self, job_id: str) -> int:
+        pids = procs.tagged("SFTCTL_JOB_ID", job_id)
+        procs.kill_all(pids)
+        return len(pids)
+
+    def delete_files(self, job_id: str) -> None:
+        """Remove the job's node directories (logs included). Used by ``sftctl down --purge``."""
+        shutil.rmtree(job_dir(job_id) / "nodes", ignore_errors=True)
