@@ -130,6 +130,7 @@ MIGRATIONS: list[str] = [
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
 BUSY_TIMEOUT_MS = 60_000
+CONTROLLER_START_GRACE_S = 30.0  # a job may wait this long for its controller to record its pid
 
 
 class IllegalTransition(Exception):
@@ -276,6 +277,35 @@ class Store:
             message = f"{old.value} -> {new.value}" + (f": {reason}" if reason else "")
             self._event(db, job_id, "status", message)
         return True
+
+    def reap_dead_controllers(self) -> list[str]:
+        """Mark live jobs whose controller process is gone as FAILED_CONTROLLER; return their ids.
+
+        Liveness compares the recorded pid *and* its start time, so a reused pid is not mistaken
+        for the controller. The job's nodes may still run: ``sftctl down`` removes them.
+        """
+        from sftctl import procs
+
+        live = [s.value for s in JobStatus if not s.terminal]
+        rows = self._conn.execute(
+            f"SELECT id, controller_pid, controller_start_ticks, created_at FROM jobs"
+            f" WHERE status IN ({','.join('?' * len(live))})",
+            live,
+        ).fetchall()
+        reaped = []
+        for r in rows:
+            pid = r["controller_pid"]
+            if pid is None and time.time() - r["created_at"] < CONTROLLER_START_GRACE_S:
+                continue
+            if pid is not None and procs.alive(pid, r["controller_start_ticks"]):
+                continue
+            reason = (
+                f"the controller (pid {pid}) exited without finishing the job"
+                if pid else "the controller never started"
+            ) + "; its nodes may still run: sftctl down " + r["id"]
+            if self.transition(r["id"], JobStatus.FAILED_CONTROLLER, reason, strict=False):
+                reaped.append(r["id"])
+        return reaped
 
     # ---------------------------------------------------------------- nodes
 

@@ -1,8 +1,8 @@
 """The local provider: a node is a process group with its own work directory on this machine.
 
-Node directory: ``$SFTCTL_HOME/jobs/<job>/nodes/<node id>/`` holding the rendered bootstrap
-(``node-<attempt>.sh``), the spec's ``setup.sh`` and ``run.sh``, ``node.log`` (stdout and stderr
-of every attempt), ``exit-<attempt>`` (the exit code, written last) and ``metrics/`` (one JSON
+Node directory (``SFTCTL_NODE_DIR``): ``$SFTCTL_HOME/jobs/<job>/nodes/<node id>/`` holding the
+rendered bootstrap (``node-<attempt>.sh``), ``node.log`` (stdout and stderr of every attempt),
+``exit-<attempt>`` (the exit code, written last by the bootstrap) and ``metrics/`` (one JSON
 lines file per training rank, see :mod:`sftctl.train`).
 
 Each node's processes run in a session of their own (so Ctrl-C in the terminal reaches only the
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,9 +55,12 @@ class LocalProvider:
             **env,
             "SFTCTL_JOB_ID": handle["job_id"],
             "SFTCTL_NODE_ID": handle["node_id"],
+            "SFTCTL_NODE_DIR": str(node_dir),
             "SFTCTL_METRICS_DIR": str(node_dir / "metrics"),
             "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
         }
+        # local nodes use sftctl's own Python environment: its python and torchrun come first
+        full_env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), full_env.get("PATH", "")])
         with open(node_dir / "node.log", "ab") as log:
             try:
                 proc = subprocess.Popen(
@@ -77,7 +79,7 @@ class LocalProvider:
             "pid": proc.pid,
             "start_ticks": procs.start_ticks(proc.pid),
             "attempt": attempt,
-            "exit_file": str(node_dir / f"exit-{attempt}"),
+            "exit_file": str(node_dir / f"exit-{attempt}"),  # written by templates/node.sh.j2
         }
 
     def status(self, handle: dict) -> NodeStatus:
@@ -136,6 +138,3 @@ class LocalProvider:
         procs.kill_all(pids)
         return len(pids)
 
-    def delete_files(self, job_id: str) -> None:
-        """Remove the job's node directories (logs included). Used by ``sftctl down --purge``."""
-        shutil.rmtree(job_dir(job_id) / "nodes", ignore_errors=True)

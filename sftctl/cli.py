@@ -1,0 +1,360 @@
+"""The ``sftctl`` command line: parse, call the core, render (rich tables or ``--json``).
+
+Thin by design. Heavy modules (pydantic specs, the controller, torch) are imported inside the
+commands that need them, so ``sftctl status`` starts fast. Exit codes: see
+:class:`sftctl.errors.ExitCode`. A :class:`~sftctl.errors.SftctlError` prints one ``error:`` line
+and a ``hint:`` line on stderr, never a traceback (``--debug`` shows it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from sftctl.errors import ExitCode, NotFoundError, SftctlError
+
+app = typer.Typer(
+    name="sftctl",
+    help="Train models on the cheapest accelerator that can run them.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+def _print_json(doc) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def _store():
+    from sftctl.state import Store
+
+    return Store()
+
+
+def _get_job(store, job_id: str) -> dict:
+    job = store.get_job(job_id)
+    if job is None:
+        matches = [j["id"] for j in store.list_jobs() if j["id"].startswith(job_id)]
+        if len(matches) == 1:
+            return store.get_job(matches[0])
+        hint = f"did you mean one of: {', '.join(matches[:5])}?" if matches else "see sftctl status"
+        raise NotFoundError(f"no job {job_id!r}", hint=hint)
+    return job
+
+
+# ------------------------------------------------------------------------------------ run
+
+
+@app.command()
+def run(
+    spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec YAML file."),
+    set_: list[str] = typer.Option([], "--set", metavar="KEY.PATH=VALUE", help="Override a spec field; repeatable."),
+    detach: bool = typer.Option(False, "--detach", "-d", help="Start a background controller and print the job id."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+    quiet_logs: bool = typer.Option(False, "--no-logs", help="Attached: do not stream node logs."),
+) -> None:
+    """Plan, provision, launch and watch a job (attached unless --detach)."""
+    from sftctl import procs
+    from sftctl.planner import plan as make_plan
+    from sftctl.spec import load_spec
+
+    spec = load_spec(spec_path, set_)
+    chosen = make_plan(spec)
+    store = _store()
+    job_id = store.create_job(spec.name, spec.model_dump(mode="json"), spec_path=str(spec_path.resolve()))
+    store.update_job(job_id, provider=chosen.offering.provider, offering_json=chosen.to_dict())
+    store.add_event(job_id, "plan", chosen.reason)
+    if detach:
+        import subprocess
+
+        from sftctl.paths import job_dir
+
+        jd = job_dir(job_id)
+        jd.mkdir(parents=True, exist_ok=True)
+        with open(jd / "controller.log", "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "sftctl.controller", job_id],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, close_fds=True,
+            )
+        store.update_job(job_id, controller_pid=proc.pid, controller_start_ticks=procs.start_ticks(proc.pid))
+        if as_json:
+            _print_json({"job_id": job_id})
+        else:
+            print(job_id)
+            _console(stderr=True).print(
+                f"[dim]{chosen.reason}\nwatch: sftctl status {job_id} --watch    logs: sftctl logs {job_id} --follow[/]"
+            )
+        return
+
+    from sftctl.controller import Controller
+    from sftctl.state import JobStatus
+    from sftctl.ui import RunView
+
+    store.update_job(job_id, controller_pid=os.getpid(), controller_start_ticks=procs.start_ticks(os.getpid()))
+    console = _console(stderr=as_json)
+    console.print(f"[bold]{job_id}[/]: {chosen.reason}")
+    started = time.monotonic()
+    with RunView(console, spec.train.steps, show_logs=not quiet_logs) as view:
+        status = Controller(store, job_id, view).run()
+    wall_s = time.monotonic() - started
+    job = _job_doc(store, store.get_job(job_id), detail=True)
+    if as_json:
+        _print_json({**job, "wall_s": round(wall_s, 2)})
+    else:
+        losses = (
+            f", loss {view.first_loss:.4f} -> {view.last_loss:.4f}" if view.first_loss is not None else ""
+        )
+        style = "green" if status == JobStatus.SUCCEEDED else "red"
+        console.print(f"[{style}]{job_id} {status.value}[/] in {wall_s:.1f} s{losses}")
+        if job["failure_reason"] and status != JobStatus.SUCCEEDED:
+            console.print(f"[red]reason:[/] {job['failure_reason']}")
+    code = {JobStatus.SUCCEEDED: ExitCode.OK, JobStatus.CANCELLED: ExitCode.INTERRUPTED}.get(status, ExitCode.JOB_FAILED)
+    raise typer.Exit(int(code))
+
+
+# ------------------------------------------------------------------------------------ status
+
+
+def _job_doc(store, job: dict, detail: bool = False, ranks: list[dict] | None = None) -> dict:
+    """A job as the JSON document ``status --json`` prints (and the table renders)."""
+    if ranks is None:
+        ranks = store.metrics(job["id"])
+    res = job["spec"]["resources"]
+    offering = (job["offering"] or {}).get("offering")
+    where = (
+        f"{offering['provider']} {offering['accelerator']}:{offering['count']} x{res['nodes']}"
+        if offering else f"x{res['nodes']}"
+    )
+    steps = [r["step"] for r in ranks]
+    losses = [r["loss"] for r in ranks if r["loss"] is not None]
+    tps = [r["tokens_per_s"] for r in ranks if r["tokens_per_s"] is not None]
+    doc = {
+        "id": job["id"],
+        "name": job["name"],
+        "status": job["status"],
+        "resources": where,
+        "provider": job["provider"],
+        "nodes": res["nodes"],
+        "step": min(steps) if steps else None,
+        "steps": job["spec"]["train"]["steps"],
+        "loss": sum(losses) / len(losses) if losses else None,
+        "tokens_per_s": sum(tps) if tps else None,
+        "restarts": job["restarts"],
+        "failure_reason": job["failure_reason"],
+        "created_at": job["created_at"],
+        "ended_at": job["ended_at"],
+        "controller_pid": job["controller_pid"],
+    }
+    if detail:
+        doc["plan"] = (job["offering"] or {}).get("reason")
+        doc["ranks"] = ranks
+        doc["nodes"] = [
+            {"id": n["id"], "rank": n["rank"], "status": n["status"],
+             "where": n["handle"].get("ip") or n["provider"]}
+            for n in store.nodes(job["id"])
+        ]
+        doc["attempts"] = store.attempts(job["id"])
+    return doc
+
+
+@app.command()
+def status(
+    job_id: Optional[str] = typer.Argument(None, metavar="[JOB]", help="One job (its id or a unique prefix)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+    watch: bool = typer.Option(False, "--watch", "-w", help="Refresh every second until the job ends (Ctrl-C stops)."),
+) -> None:
+    """Show jobs: status, resources, step, loss, throughput."""
+    store = _store()
+
+    def collect():
+        store.reap_dead_controllers()
+        if job_id:
+            return _job_doc(store, _get_job(store, job_id), detail=True)
+        by_job: dict[str, list[dict]] = {}
+        for r in store.metrics():
+            by_job.setdefault(r["job_id"], []).append(r)
+        return [_job_doc(store, j, ranks=by_job.get(j["id"], [])) for j in store.list_jobs()]
+
+    def render(doc):
+        from rich.console import Group
+
+        from sftctl.ui import job_detail, jobs_table
+
+        if job_id:
+            return Group(*job_detail(doc))
+        return jobs_table(doc) if doc else "no jobs yet: sftctl run examples/quickstart.yaml"
+
+    doc = collect()
+    if as_json and not watch:
+        _print_json(doc if job_id else {"jobs": doc})
+        return
+    console = _console()
+    if not watch:
+        console.print(render(doc))
+        return
+    from rich.live import Live
+
+    from sftctl.state import TERMINAL, JobStatus
+
+    with Live(render(doc), console=console, refresh_per_second=4) as live:
+        while not (job_id and JobStatus(doc["status"]) in TERMINAL):
+            time.sleep(1.0)
+            doc = collect()
+            live.update(render(doc))
+    if as_json:
+        _print_json(doc)
+
+
+# ------------------------------------------------------------------------------------ logs
+
+
+@app.command()
+def logs(
+    job_id: str = typer.Argument(..., metavar="JOB"),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends."),
+    node: Optional[int] = typer.Option(None, "--node", "-n", help="Only this node rank."),
+) -> None:
+    """Print a job's node logs (each line prefixed with its node when there are several)."""
+    from sftctl.providers import get_provider
+    from sftctl.state import JobStatus
+
+    store = _store()
+    job = _get_job(store, job_id)
+    provider = get_provider(job["provider"] or "local")
+    offsets: dict[str, int] = {}
+    partial: dict[str, str] = {}
+    while True:
+        nodes = [n for n in store.nodes(job["id"]) if node is None or n["rank"] == node]
+        if node is not None and not nodes and not follow:
+            raise SftctlError(f"job {job['id']} has no node {node}", hint="node ranks start at 0")
+        got = False
+        for n in nodes:
+            data, offsets[n["id"]] = provider.read_log(n["handle"], offsets.get(n["id"], 0)) if n["handle"].get("dir") else (b"", 0)
+            if not data:
+                continue
+            got = True
+            lines = (partial.get(n["id"], "") + data.decode("utf-8", "replace")).split("\n")
+            partial[n["id"]] = lines.pop()
+            prefix = f"(node {n['rank']}) " if node is None and len(nodes) > 1 else ""
+            sys.stdout.write("".join(f"{prefix}{line}\n" for line in lines))
+        sys.stdout.flush()
+        if not follow:
+            break
+        ended = JobStatus(store.get_job(job["id"])["status"]).terminal
+        if ended and not got:
+            break
+        time.sleep(0.5)
+    for nid, rest in partial.items():
+        if rest:
+            sys.stdout.write(rest + "\n")
+
+
+# ------------------------------------------------------------------------------------ down
+
+
+@app.command()
+def down(
+    job_id: Optional[str] = typer.Argument(None, metavar="[JOB]"),
+    all_: bool = typer.Option(False, "--all", help="Every job that is not finished, and their nodes."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+) -> None:
+    """Cancel a job and remove its nodes (also after its controller died)."""
+    from sftctl.controller import down as down_job
+    from sftctl.state import TERMINAL
+
+    if bool(job_id) == all_:
+        raise SftctlError("give one JOB or --all", hint="sftctl down JOB, or sftctl down --all")
+    store = _store()
+    if all_:
+        store.reap_dead_controllers()
+        ids = [
+            j["id"] for j in store.list_jobs()
+            if j["status"] not in TERMINAL or any(n["status"] != "TERMINATED" for n in store.nodes(j["id"]))
+        ]
+    else:
+        ids = [_get_job(store, job_id)["id"]]
+    summaries = [down_job(store, i) for i in ids]
+    if as_json:
+        _print_json({"down": [{"job_id": i, "status": store.get_job(i)["status"], "summary": s} for i, s in zip(ids, summaries)]})
+    else:
+        for s in summaries or ["nothing to take down"]:
+            print(s)
+
+
+# ------------------------------------------------------------------------------------ events
+
+
+@app.command()
+def events(
+    job_id: str = typer.Argument(..., metavar="JOB"),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+) -> None:
+    """Show a job's history: plan, transitions, nodes, restarts, teardown."""
+    store = _store()
+    job = _get_job(store, job_id)
+    evs = [{k: e[k] for k in ("id", "ts", "kind", "message", "data")} for e in store.events(job["id"])]
+    if as_json:
+        _print_json({"job_id": job["id"], "events": evs})
+    else:
+        from sftctl.ui import events_table
+
+        _console().print(events_table(evs))
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point. Maps errors to exit codes; ``--debug`` anywhere shows tracebacks."""
+    from typer._click.exceptions import ClickException
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    args = [a for a in args if a != "--debug"]
+    try:
+        rv = app(args=args, prog_name="sftctl", standalone_mode=False)
+        return int(rv or 0)
+    except typer.Exit as e:
+        return e.exit_code
+    except typer.Abort:
+        print("interrupted", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+    except ClickException as e:
+        e.show()
+        return getattr(e, "exit_code", ExitCode.USAGE) or ExitCode.USAGE
+    except SftctlError as e:
+        if debug:
+            raise
+        _console(stderr=True).print(f"[bold red]error:[/] {_escape(e.message)}")
+        if e.hint:
+            _console(stderr=True).print(f"[dim]hint: {_escape(e.hint)}[/]")
+        return int(e.exit_code)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""The job lifecycle as an explicit state machine, and ``sftctl down``.
+
+One controller drives one job (see :mod:`sftctl.state` for the statuses and allowed moves)::
+
+    PENDING -> PROVISIONING -> LAUNCHING -> RUNNING -> SUCCEEDED
+                                   ^           | a node failed, restarts left
+                                   +- RECOVERING
+    any live status -> FAILED | CANCELLED (Ctrl-C, SIGTERM, sftctl down) | FAILED_CONTROLLER
+
+Every transition is written to state *before* the controller acts on it, and every node is
+recorded before its provider creates it, so a controller that dies (even by SIGKILL) leaves a
+state from which ``sftctl status`` tells the truth and ``sftctl down`` removes everything.
+
+Attached, the controller runs inside ``sftctl run`` with a :class:`Reporter` that draws progress;
+detached, it runs as ``python -m sftctl.controller JOB_ID`` in a session of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Protocol
+
+from sftctl import procs
+from sftctl.catalog import Offering
+from sftctl.errors import SftctlError
+from sftctl.paths import job_dir
+from sftctl.providers import get_provider
+from sftctl.providers.base import NodeState
+from sftctl.spec import JobSpec
+from sftctl.state import JobStatus, Store
+
+POLL_S = 0.5
+DOWN_GRACE_S = 20.0  # how long `sftctl down` lets a live controller clean up before killing it
+
+
+class Cancelled(Exception):
+    """The job was cancelled (Ctrl-C, SIGTERM from ``sftctl down``, or down won a race)."""
+
+
+class Reporter(Protocol):
+    """Where the controller tells what happens. The CLI's attached view implements it."""
+
+    def event(self, message: str) -> None: ...
+
+    def log(self, rank: int, text: str) -> None: ...
+
+    def metrics(self, samples: list[dict]) -> None: ...
+
+
+class PrintReporter:
+    """Events as plain lines on stdout (the detached controller's log)."""
+
+    def event(self, message: str) -> None:
+        print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+
+    def log(self, rank: int, text: str) -> None:
+        pass
+
+    def metrics(self, samples: list[dict]) -> None:
+        pass
+
+
+class Controller:
+    """Runs one job from PENDING to a terminal status.
+
+    Args:
+        store: the state store.
+        job_id: a job created by ``Store.create_job`` with ``provider`` and ``offering_json`` set
+            (``offering_json`` holds the planner's :meth:`Plan.to_dict`).
+        reporter: receives events, node log text and training metrics.
+    """
+
+    def __init__(self, store: Store, job_id: str, reporter: Reporter | None = None):
+        self.store = store
+        self.job_id = job_id
+        self.reporter = reporter or PrintReporter()
+        job = store.get_job(job_id)
+        if job is None:
+            raise KeyError(job_id)
+        self.created_at = job["created_at"]
+        self.spec = JobSpec.model_validate(job["spec"])
+        self.offering = Offering(**job["offering"]["offering"])
+        self.provider = get_provider(self.offering.provider)
+        self.nodes: list[dict] = []  # {"id", "rank", "handle"}
+        # read offsets survive restarts: every attempt appends to the same node log and metrics
+        self.log_offsets: dict[str, int] = {}
+        self.metric_offsets: dict[str, dict[str, int]] = {}
+        self.restarts = job["restarts"]
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def run(self) -> JobStatus:
+        """Drive the job to a terminal status and return it. Nodes are always torn down."""
+        previous = _install_sigterm()
+        try:
+            self._move(JobStatus.PROVISIONING)
+            self._provision()
+            while True:
+                attempt = self.store.start_attempt(self.job_id)
+                self._move(JobStatus.LAUNCHING, f"attempt {attempt}")
+                self._launch(attempt)
+                self._move(JobStatus.RUNNING)
+                failure = self._monitor()
+                if failure is None:
+                    self.store.end_attempt(self.job_id, attempt, "SUCCEEDED", 0, None)
+                    self._move(JobStatus.SUCCEEDED)
+                    break
+                reason, code, retryable = failure
+                self.store.end_attempt(self.job_id, attempt, "FAILED", code, reason)
+                self._stop_nodes()
+                if not retryable or self.restarts >= self.spec.recovery.max_restarts:
+                    self._move(JobStatus.FAILED, reason)
+                    break
+                self.restarts += 1
+                self.store.update_job(self.job_id, restarts=self.restarts)
+                self._move(
+                    JobStatus.RECOVERING,
+                    f"{reason}; restart {self.restarts}/{self.spec.recovery.max_restarts} "
+                    "resumes from the last checkpoint",
+                )
+        except (Cancelled, KeyboardInterrupt) as e:
+            why = str(e) if isinstance(e, Cancelled) and str(e) else "cancelled by the user (Ctrl-C)"
+            self.store.transition(self.job_id, JobStatus.CANCELLED, why)
+            self.reporter.event(f"cancelled: {why}")
+        except SftctlError as e:
+            self.store.transition(self.job_id, JobStatus.FAILED, e.message)
+            self.reporter.event(f"failed: {e.message}")
+        except BaseException as e:
+            self.store.transition(self.job_id, JobStatus.FAILED, f"controller error: {e!r}")
+            raise
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut teardown
+            try:
+                self._teardown()
+            finally:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                if previous is not None:
+                    signal.signal(signal.SIGTERM, previous)
+        return JobStatus(self.store.get_job(self.job_id)["status"])
+
+    def _move(self, status: JobStatus, reason: str | None = None) -> None:
+        if not self.store.transition(self.job_id, status, reason):
+            raise Cancelled("the job was ended by another process (sftctl down)")
+        self.reporter.event(f"{status.value}" + (f": {reason}" if reason else ""))
+
+    # ---------------------------------------------------------------- steps
+
+    def _provision(self) -> None:
+        for rank in range(self.spec.resources.nodes):
+            node_id = self.store.add_node(self.job_id, rank, self.provider.name)
+            self.nodes.append({"id": node_id, "rank": rank, "handle": {}})
+            self.log_offsets[node_id], self.metric_offsets[node_id] = 0, {}
+            handle = self.provider.provision(self.job_id, node_id, rank, self.offering)
+            self.nodes[-1]["handle"] = handle
+            self.store.update_node(node_id, status=NodeState.READY.value, handle=handle)
+        self.store.add_event(self.job_id, "provision", f"{len(self.nodes)} node(s) ready on {self.provider.name}")
+        self.reporter.event(f"{len(self.nodes)} node(s) ready on {self.provider.name}")
+
+    def node_env(self, rank: int, attempt: int, master_port: int) -> dict[str, str]:
+        """The environment every node gets: the spec's ``env`` and sftctl's own variables.
+
+        ``SFTCTL_NODE_IPS`` is comma-separated in node-rank order; ``MASTER_ADDR``/``MASTER_PORT``
+        and ``SFTCTL_RDZV_ENDPOINT`` point at node 0 for torchrun's c10d rendezvous.
+        """
+        spec = self.spec
+        ips = [n["handle"].get("ip", "127.0.0.1") for n in self.nodes]
+        ckpt = spec.train.checkpoint_dir or str(job_dir(self.job_id) / "checkpoints")
+        env = dict(spec.env)
+        env.update(
+            SFTCTL_JOB_ID=self.job_id,
+            SFTCTL_NODE_RANK=str(rank),
+            SFTCTL_NUM_NODES=str(len(self.nodes)),
+            SFTCTL_NODE_IPS=",".join(ips),
+            SFTCTL_NPROC_PER_NODE=str(self.offering.count),
+            SFTCTL_ATTEMPT=str(attempt),
+            SFTCTL_CHECKPOINT_DIR=ckpt,
+            SFTCTL_CHECKPOINT_INTERVAL=str(spec.train.checkpoint_interval),
+            SFTCTL_TRAIN_STEPS=str(spec.train.steps),
+            MASTER_ADDR=ips[0],
+            MASTER_PORT=str(master_port),
+            SFTCTL_RDZV_ENDPOINT=f"{ips[0]}:{master_port}",
+            SFTCTL_RDZV_IS_HOST="1" if rank == 0 else "0",
+        )
+        if spec.model is not None:
+            env.update(
+                SFTCTL_MODEL_ENTRYPOINT=spec.model.entrypoint,
+                SFTCTL_BATCH_SIZE=str(spec.model.batch_size),
+                SFTCTL_DTYPE=spec.model.dtype,
+            )
+        return env
+
+    def _launch(self, attempt: int) -> None:
+        from sftctl.templates import render
+
+        port = _free_port()
+        for node in self.nodes:
+            script = render(
+                "node.sh.j2",
+                job_id=self.job_id,
+                node_id=node["id"],
+                rank=node["rank"],
+                attempt=attempt,
+                workdir=self.spec.workdir,
+                setup=self.spec.setup,
+                run=self.spec.run,
+            )
+            env = self.node_env(node["rank"], attempt, port)
+            node["handle"] = self.provider.launch(node["handle"], script, env, attempt)
+            self.store.update_node(node["id"], status=NodeState.RUNNING.value, handle=node["handle"])
+        self.reporter.event(f"launched attempt {attempt} on {len(self.nodes)} node(s)")
+
+    def _monitor(self) -> tuple[str, int | None, bool] | None:
+        """Poll until every node succeeded (None) or one failed: (reason, exit code, retryable)."""
+        deadline_s = self.spec.resources.deadline_s
+        while True:
+            self._drain()
+            statuses = [(n, self.provider.status(n["handle"])) for n in self.nodes]
+            for node, st in statuses:
+                if st.state in (NodeState.FAILED, NodeState.LOST):
+                    self._drain()
+                    what = f"exited with code {st.exit_code}" if st.exit_code is not None else st.detail
+                    return f"node {node['rank']} {what}", st.exit_code, True
+            if all(st.state == NodeState.SUCCEEDED for _, st in statuses):
+                self._drain()
+                return None
+            if deadline_s is not None and time.time() - self.created_at > deadline_s:
+                return f"deadline of {self.spec.resources.deadline} passed", None, False
+            time.sleep(POLL_S)
+
+    def _drain(self) -> None:
+        """Pass new log text and metrics of every node to the reporter; record metrics."""
+        latest: dict[int, dict] = {}
+        for node in self.nodes:
+            data, self.log_offsets[node["id"]] = self.provider.read_log(
+                node["handle"], self.log_offsets[node["id"]]
+            )
+            if data:
+                self.reporter.log(node["rank"], data.decode("utf-8", "replace"))
+            samples = self.provider.read_metrics(node["handle"], self.metric_offsets[node["id"]])
+            if samples:
+                self.reporter.metrics(samples)
+                for s in samples:
+                    latest[int(s.get("rank", node["rank"]))] = s
+        if latest:
+            self.store.record_metrics(self.job_id, list(latest.values()))
+
+    def _stop_nodes(self) -> None:
+        for node in self.nodes:
+            self.provider.terminate(node["handle"])
+
+    def _teardown(self) -> None:
+        for node in self.nodes:
+            if node["handle"]:
+                self.provider.terminate(node["handle"])
+            node["handle"] = {**node["handle"], "terminated": True}
+            self.store.update_node(node["id"], status=NodeState.TERMINATED.value, handle=node["handle"])
+        leftover = self.provider.terminate_tagged(self.job_id)
+        message = f"terminated {len(self.nodes)} node(s)" + (
+            f" and {leftover} stray process(es)" if leftover else ""
+        )
+        self.store.add_event(self.job_id, "teardown", message)
+        self.reporter.event(message)
+
+
+# -------------------------------------------------------------------- down and reconciliation
+
+
+def down(store: Store, job_id: str) -> str:
+    """Cancel a job if it is live and remove every node and process it has. Idempotent.
+
+    A live controller gets SIGTERM and ``DOWN_GRACE_S`` seconds to tear down by itself; then this
+    function terminates whatever the state and the provider's tags still show, and SIGKILLs a
+    controller that did not exit. Returns a one-line summary.
+    """
+    job = store.get_job(job_id)
+    if job is None:
+        raise KeyError(job_id)
+    pid, ticks = job["controller_pid"], job["controller_start_ticks"]
+    if pid and pid != os.getpid() and procs.alive(pid, ticks):
+        os.kill(pid, signal.SIGTERM)
+        end = time.monotonic() + DOWN_GRACE_S
+        while procs.alive(pid, ticks) and time.monotonic() < end:
+            time.sleep(0.1)
+        if procs.alive(pid, ticks):
+            procs.kill_all([pid], grace_s=0)
+    store.transition(job_id, JobStatus.CANCELLED, "cancelled by sftctl down", strict=False)
+    provider = get_provider(job["provider"] or "local")
+    removed = 0
+    for node in store.nodes(job_id):
+        if node["status"] != NodeState.TERMINATED.value:
+            if node["handle"]:
+                provider.terminate(node["handle"])
+            store.update_node(node["id"], status=NodeState.TERMINATED.value,
+                              handle={**node["handle"], "terminated": True})
+            removed += 1
+    strays = provider.terminate_tagged(job_id)
+    summary = f"{job_id}: {removed} node(s) terminated" + (f", {strays} stray process(es) killed" if strays else "")
+    store.add_event(job_id, "down", summary)
+    return summary
+
+
+def _install_sigterm():
+    if sys.platform == "win32" or not _in_main_thread():
+        return None
+
+    def on_sigterm(signum, frame):
+        raise Cancelled("cancelled by sftctl down (SIGTERM)")
+
+    return signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the detached controller: ``python -m sftctl.controller JOB_ID``."""
+    job_id = (argv or sys.argv[1:])[0]
+    store = Store()
+    store.update_job(job_id, controller_pid=os.getpid(), controller_start_ticks=procs.start_ticks(os.getpid()))
+    status = Controller(store, job_id).run()
+    return 0 if status == JobStatus.SUCCEEDED else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
