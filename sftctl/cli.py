@@ -341,9 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     except SftctlError as e:
         if debug:
             raise
-        _console(stderr=True).print(f"[bold red]error:[/] {_escape(e.message)}")
+        err = _console(stderr=True)
+        err.print(f"[bold red]error:[/] {_escape(e.message)}", soft_wrap=True)
         if e.hint:
-            _console(stderr=True).print(f"[dim]hint: {_escape(e.hint)}[/]")
+            err.print(f"[dim]hint: {_escape(e.hint)}[/]", soft_wrap=True)
         return int(e.exit_code)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -266,7 +266,9 @@ def _compose(text: str, loc: _Located) -> Any:
 def _dotted(path: Path_) -> str:
     out = ""
     for p in path:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+        if not isinstance(p, int) and not re.fullmatch(r"[\w-]+", p):
+            p = repr(p)  # a key with spaces or newlines stays on one readable line
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
     return out
 
 

@@ -1,0 +1,68 @@
+"""Shared fixtures: an isolated SFTCTL_HOME per test and a way to run the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """A fresh SFTCTL_HOME for this test (in this process and in the CLI processes it starts)."""
+    h = tmp_path / "home"
+    monkeypatch.setenv("SFTCTL_HOME", str(h))
+    return h
+
+
+def sftctl(*args: str, timeout: float = 300, check: bool = False, **kw) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess (``python -m sftctl.cli``) and capture its output."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "sftctl.cli", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=kw.pop("cwd", REPO), **kw,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"sftctl {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def status_json(job_id: str | None = None) -> dict:
+    args = ["status", "--json"] + ([job_id] if job_id else [])
+    return json.loads(sftctl(*args, check=True).stdout)
+
+
+def wait_for(predicate, timeout_s: float = 120, interval_s: float = 0.3, what: str = "condition"):
+    """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def job_processes(job_id: str) -> list[int]:
+    """Live processes tagged with the job's id (the local provider's node tag)."""
+    from sftctl import procs
+
+    return procs.tagged("SFTCTL_JOB_ID", job_id)
+
+
+def write_spec(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def no_traceback(proc: subprocess.CompletedProcess) -> bool:
+    return "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+
+
+os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -1,0 +1,197 @@
+"""The job spec: valid files load; every mistake is one SpecError naming the field and line."""
+
+from __future__ import annotations
+
+import string
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import REPO, no_traceback, sftctl, write_spec
+from sftctl.errors import SftctlError, SpecError
+from sftctl.spec import load_spec, parse_duration_s
+
+
+def err(tmp_path, text: str, overrides=(), environ=None, name="job.yaml") -> str:
+    path = write_spec(tmp_path / name, text)
+    with pytest.raises(SpecError) as e:
+        load_spec(path, overrides, environ={} if environ is None else environ)
+    assert e.value.exit_code == 2
+    return e.value.message.replace(f"{tmp_path}/", "")
+
+
+def test_quickstart_loads():
+    spec = load_spec(REPO / "examples" / "quickstart.yaml")
+    assert spec.name == "quickstart"
+    assert spec.workdir == str(REPO)
+    assert spec.resources.nodes == 2
+    assert spec.model.entrypoint == "examples/gpt/model.py:build"
+    assert spec.env["OMP_NUM_THREADS"] == "1"
+
+
+def test_unknown_key_names_line_and_suggests(tmp_path):
+    msg = err(tmp_path, "name: demo\nresources:\n  nodes: 2\n  acelerators: [H100:8]\nrun: echo\n")
+    assert msg == "job.yaml:4: resources.acelerators: unknown field; did you mean 'accelerators'?"
+
+
+def test_unknown_top_level_key(tmp_path):
+    msg = err(tmp_path, "name: demo\nrun: echo\nrecovry:\n  max_restarts: 1\n")
+    assert msg == "job.yaml:3: recovry: unknown field; did you mean 'recovery'?"
+
+
+def test_wrong_type_names_line(tmp_path):
+    msg = err(tmp_path, "name: demo\nrun: echo\ntrain:\n  checkpoint_interval: 5\n  steps: lots\n")
+    assert msg.startswith("job.yaml:5: train.steps: Input should be a valid integer")
+    assert "'lots'" in msg
+
+
+def test_missing_entrypoint_names_model_line(tmp_path):
+    msg = err(tmp_path, "name: demo\nrun: echo\nmodel:\n  framework: torch\n")
+    assert msg == "job.yaml:3: model.entrypoint: required field is missing"
+
+
+def test_entrypoint_file_must_exist(tmp_path):
+    msg = err(tmp_path, "name: demo\nrun: echo\nmodel:\n  entrypoint: nope.py:build\n")
+    assert msg.startswith("job.yaml:4: model.entrypoint: nope.py not found in workdir")
+
+
+def test_entrypoint_form(tmp_path):
+    msg = err(tmp_path, "name: demo\nrun: echo\nmodel:\n  entrypoint: train\n")
+    assert "job.yaml:4: model.entrypoint: expected 'file.py:function'" in msg
+
+
+def test_missing_run(tmp_path):
+    assert err(tmp_path, "name: demo\n") == "job.yaml:1: run: required field is missing"
+
+
+def test_malformed_yaml_names_line(tmp_path):
+    msg = err(tmp_path, "name: demo\nrun: echo\nresources:\n  nodes: 2\n   spot: true\n")
+    assert msg.startswith("job.yaml:5: malformed YAML")
+
+
+def test_duplicate_key(tmp_path):
+    assert err(tmp_path, "name: a\nrun: echo\nname: b\n") == "job.yaml:3: name: duplicate key"
+
+
+def test_top_level_must_be_mapping(tmp_path):
+    assert "must be a mapping" in err(tmp_path, "- a\n- b\n")
+    assert "empty" in err(tmp_path, "# nothing\n")
+
+
+def test_recursive_alias_is_an_error(tmp_path):
+    assert "recursive YAML alias" in err(tmp_path, "name: demo\nrun: echo\nenv: &a {x: *a}\n")
+
+
+def test_interpolation(tmp_path):
+    path = write_spec(
+        tmp_path / "job.yaml",
+        "name: demo\nrun: echo ${NOT_TOUCHED}\nenv:\n  A: ${HOMEDIR}/x\n  B: ${MISSING:-fallback}\n  C: $${LITERAL}\n",
+    )
+    spec = load_spec(path, environ={"HOMEDIR": "/h"})
+    assert spec.env == {"A": "/h/x", "B": "fallback", "C": "${LITERAL}"}
+    assert spec.run == "echo ${NOT_TOUCHED}"  # the node's shell expands run and setup
+
+
+def test_unset_variable_names_line(tmp_path):
+    msg = err(tmp_path, "name: demo\nrun: echo\nenv:\n  TOKEN: ${HF_TOKEN}\n")
+    assert msg == "job.yaml:4: env.TOKEN: ${HF_TOKEN} is not set in the environment"
+
+
+def test_set_overrides_are_typed_and_validated(tmp_path):
+    path = write_spec(tmp_path / "job.yaml", "name: demo\nrun: echo\nresources:\n  accelerators: [cpu]\n")
+    spec = load_spec(
+        path,
+        ["train.steps=20", "resources.spot=true", "resources.accelerators.0=cpu:2", "run=echo a: b",
+         "env.X=3"],
+        environ={},
+    )
+    assert spec.train.steps == 20 and spec.resources.spot is True
+    assert (spec.resources.accelerators[0].name, spec.resources.accelerators[0].count) == ("cpu", 2)
+    assert spec.run == "echo a: b" and spec.env == {"X": "3"}
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.stepz=1", "--set train.stepz=1: train.stepz: unknown field; did you mean 'steps'?"),
+        ("train.steps=-3", "--set train.steps=-3: train.steps: Input should be greater than 0 (got -3)"),
+        ("train.steps", "--set train.steps: expected key.path=value"),
+        ("run.x=1", "--set run.x=1: run is not a mapping"),
+        ("resources.accelerators.5=cpu", "--set resources.accelerators.5=cpu: resources.accelerators[5]: index 5 is out of range (the list has 1 items)"),
+    ],
+)
+def test_set_errors(tmp_path, override, expected):
+    text = "name: demo\nrun: echo\nresources:\n  accelerators: [cpu]\n"
+    assert err(tmp_path, text, [override]) == expected
+
+
+def test_durations():
+    assert parse_duration_s("90m") == 5400 and parse_duration_s("2d") == 172800
+    with pytest.raises(ValueError):
+        parse_duration_s("soon")
+
+
+def test_cli_spec_error_is_one_line_exit_2(tmp_path, home):
+    path = write_spec(tmp_path / "job.yaml", "name: demo\nrun: echo\ntrain:\n  stpes: 3\n")
+    proc = sftctl("run", str(path))
+    assert proc.returncode == 2
+    assert no_traceback(proc)
+    assert f"{path}:4: train.stpes: unknown field; did you mean 'steps'?" in " ".join(proc.stderr.split())
+    proc = sftctl("run", str(path), "--set", "train.steps")
+    assert proc.returncode == 2 and no_traceback(proc)
+    proc = sftctl("run", str(tmp_path / "missing.yaml"))
+    assert proc.returncode == 2 and "no such file" in proc.stderr and no_traceback(proc)
+
+
+# ------------------------------------------------------------------ property tests: never a traceback
+
+FIELDS = ["name", "workdir", "model", "train", "resources", "env", "setup", "run", "recovery",
+          "framework", "entrypoint", "batch_size", "dtype", "steps", "checkpoint_interval",
+          "accelerators", "nodes", "spot", "clouds", "regions", "max_price_per_hour", "deadline",
+          "max_restarts", "count"]
+keys = st.one_of(st.sampled_from(FIELDS), st.text(min_size=1, max_size=8))
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True), st.text(max_size=20),
+    st.sampled_from(["${HOME}", "${UNSET_VAR_X}", "$${x}", "cpu:2", "H100:8", "6h", "torch", "a.py:f"]),
+)
+documents = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(keys, inner, max_size=5)), max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(doc=st.dictionaries(keys, documents, max_size=8))
+def test_random_documents_never_crash(tmp_path_factory, doc):
+    path = tmp_path_factory.mktemp("fuzz") / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    try:
+        load_spec(path, environ={"HOME": "/h"})
+    except SftctlError as e:
+        assert e.message and "\n" not in e.message
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=st.text(alphabet=string.printable, max_size=200))
+def test_random_text_never_crashes(tmp_path_factory, text):
+    path = tmp_path_factory.mktemp("fuzz") / "job.yaml"
+    path.write_text(text)
+    try:
+        load_spec(path, environ={})
+    except SftctlError as e:
+        assert e.message and "\n" not in e.message
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    key=st.one_of(st.sampled_from(["train.steps", "resources.nodes", "resources.accelerators.0",
+                                    "model.batch_size", "env.X", "run", "name", "train", "a..b", ""]),
+                  st.text(max_size=15)),
+    value=st.one_of(st.text(max_size=20), st.sampled_from(["[1, 2]", "{a: 1}", "null", "-1", "1e9", "true", "[", "{"])),
+)
+def test_random_overrides_never_crash(tmp_path_factory, key, value):
+    path = tmp_path_factory.mktemp("fuzz") / "job.yaml"
+    path.write_text("name: demo\nrun: echo\nresources:\n  accelerators: [cpu]\n")
+    try:
+        load_spec(path, [f"{key}={value}"], environ={})
+    except SftctlError as e:
+        assert e.message and "\n" not in e.message
