@@ -305,11 +305,12 @@ def _interpolate(value: Any, path: Path_, loc: _Located, environ: typing.Mapping
 
 
 def _apply_override(data: dict, assignment: str, loc: _Located) -> None:
+    shown = assignment if assignment.isprintable() else repr(assignment)
     key, sep, raw = assignment.partition("=")
     key = key.strip()
     if not sep or not key:
         raise SpecError(
-            f"--set {assignment}: expected key.path=value", hint="e.g. --set train.steps=20"
+            f"--set {shown}: expected key.path=value", hint="e.g. --set train.steps=20"
         )
     try:
         value = yaml.safe_load(raw) if raw.strip() else raw
@@ -322,7 +323,7 @@ def _apply_override(data: dict, assignment: str, loc: _Located) -> None:
         value = raw
     parts: list[Any] = [int(p) if p.isdigit() else p for p in key.split(".")]
     if any(p == "" for p in parts):
-        raise SpecError(f"--set {assignment}: empty segment in {key!r}", hint="e.g. train.steps")
+        raise SpecError(f"--set {shown}: empty segment in {key!r}", hint="e.g. train.steps")
     node: Any = data
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
@@ -338,7 +339,7 @@ def _apply_override(data: dict, assignment: str, loc: _Located) -> None:
         elif isinstance(node, list) and isinstance(part, int):
             if part >= len(node):
                 raise SpecError(
-                    f"--set {assignment}: {_dotted(here)}: index {part} is out of range "
+                    f"--set {shown}: {_dotted(here)}: index {part} is out of range "
                     f"(the list has {len(node)} items)"
                 )
             if last:
@@ -347,11 +348,11 @@ def _apply_override(data: dict, assignment: str, loc: _Located) -> None:
                 node = node[part]
         else:
             raise SpecError(
-                f"--set {assignment}: {_dotted(here[:-1]) or 'top level'} is not a "
+                f"--set {shown}: {_dotted(here[:-1]) or 'top level'} is not a "
                 f"{'list' if isinstance(part, int) else 'mapping'}",
                 hint="check the key path against the spec",
             )
-    loc.overrides[tuple(parts)] = assignment
+    loc.overrides[tuple(parts)] = shown
 
 
 # --------------------------------------------------------------------------- validation errors
