@@ -1,0 +1,120 @@
+"""The state store: owner-only WAL file, schema versions, the lifecycle CAS, many writers."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from sftctl.errors import SftctlError
+from sftctl.state import SCHEMA_VERSION, IllegalTransition, JobStatus, Store
+
+
+def test_file_is_owner_only_wal_and_versioned(home):
+    store = Store()
+    path = home / "state.db"
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(home).st_mode) == 0o700
+    assert store.schema_version == SCHEMA_VERSION
+    mode = sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0]
+    assert mode == "wal"
+    tables = {r[0] for r in sqlite3.connect(path).execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert {"jobs", "nodes", "attempts", "events", "metrics"} <= tables
+
+
+def test_newer_schema_is_refused(home):
+    Store().close()
+    conn = sqlite3.connect(home / "state.db")
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.close()
+    with pytest.raises(SftctlError, match="newer than this sftctl"):
+        Store()
+
+
+def test_migrates_an_unversioned_file(tmp_path):
+    path = tmp_path / "old.db"
+    sqlite3.connect(path).execute("CREATE TABLE unrelated (x)").connection.close()
+    store = Store(path)
+    assert store.schema_version == SCHEMA_VERSION
+    assert store.list_jobs() == []
+
+
+def test_lifecycle_is_enforced(home):
+    store = Store()
+    job = store.create_job("demo", {"run": "true"})
+    assert store.get_job(job)["status"] == "PENDING"
+    for s in (JobStatus.PROVISIONING, JobStatus.LAUNCHING, JobStatus.RUNNING, JobStatus.RECOVERING,
+              JobStatus.LAUNCHING, JobStatus.RUNNING):
+        assert store.transition(job, s)
+    with pytest.raises(IllegalTransition):
+        store.transition(job, JobStatus.PENDING)
+    assert store.transition(job, JobStatus.CANCELLED, "cancelled by test")
+    assert not store.transition(job, JobStatus.SUCCEEDED)  # a terminal job stays where it is
+    got = store.get_job(job)
+    assert got["status"] == "CANCELLED" and got["failure_reason"] == "cancelled by test"
+    assert got["ended_at"] is not None
+    messages = [e["message"] for e in store.events(job)]
+    assert messages[0] == "job submitted (PENDING)"
+    assert messages[-1] == "RUNNING -> CANCELLED: cancelled by test"
+
+
+def test_metrics_keep_first_and_latest(home):
+    store = Store()
+    job = store.create_job("demo", {})
+    store.record_metrics(job, [{"rank": 0, "step": 1, "loss": 5.5, "ts": 1.0}])
+    store.record_metrics(job, [{"rank": 0, "step": 9, "loss": 2.0, "tokens_per_s": 10.0, "ts": 2.0}])
+    (m,) = store.metrics(job)
+    assert (m["first_step"], m["first_loss"], m["step"], m["loss"], m["tokens_per_s"]) == (1, 5.5, 9, 2.0, 10.0)
+
+
+def test_dead_controller_is_reaped_live_one_is_not(home):
+    store = Store()
+    dead = store.create_job("dead", {})
+    live = store.create_job("live", {})
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    from sftctl import procs
+
+    store.update_job(dead, controller_pid=proc.pid, controller_start_ticks=123)
+    store.update_job(live, controller_pid=os.getpid(), controller_start_ticks=procs.start_ticks(os.getpid()))
+    assert store.reap_dead_controllers() == [dead]
+    assert store.get_job(dead)["status"] == "FAILED_CONTROLLER"
+    assert "exited without finishing" in store.get_job(dead)["failure_reason"]
+    assert store.get_job(live)["status"] == "PENDING"
+
+
+WRITER = r"""
+import sys
+from sftctl.state import JobStatus, Store
+store = Store()
+for i in range(int(sys.argv[1])):
+    job = store.create_job("w", {"i": i})
+    store.transition(job, JobStatus.PROVISIONING)
+    store.add_node(job, 0, "local")
+    store.record_metrics(job, [{"rank": 0, "step": i, "loss": 1.0}])
+    store.add_event(job, "test", f"writer event {i}")
+    store.transition(job, JobStatus.CANCELLED, "done")
+print("ok")
+"""
+
+
+def test_twenty_concurrent_writers(home):
+    """20 processes writing at once: no 'database is locked', nothing lost."""
+    per_writer = 15
+    procs_ = [
+        subprocess.Popen([sys.executable, "-c", WRITER, str(per_writer)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(20)
+    ]
+    results = [p.communicate(timeout=240) for p in procs_]
+    for p, (out, errout) in zip(procs_, results):
+        assert p.returncode == 0, errout
+        assert out.strip() == "ok"
+    store = Store()
+    jobs = store.list_jobs()
+    assert len(jobs) == 20 * per_writer
+    assert all(j["status"] == "CANCELLED" for j in jobs)
+    assert sum(len(store.events(j["id"])) for j in jobs) == 20 * per_writer * 4
