@@ -32,7 +32,10 @@ app = typer.Typer(
 def _console(stderr: bool = False):
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False)
+    stream = sys.stderr if stderr else sys.stdout
+    # piped output is read by scripts and people alike: do not squeeze tables to 80 columns
+    width = None if stream.isatty() else 240
+    return Console(stderr=stderr, highlight=False, width=width)
 
 
 def _print_json(doc) -> None:

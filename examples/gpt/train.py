@@ -105,7 +105,13 @@ def train(rank: int, world_size: int, device: torch.device, distributed: bool) -
     )
 
     start_step = 0
-    resumed = sft.load_latest_checkpoint(map_location="cpu")
+    # Rank 0 reads the checkpoint and hands it to the others, so all ranks resume from the same
+    # step even when each node has its own checkpoint directory.
+    resumed = sft.load_latest_checkpoint(map_location="cpu") if is_main else None
+    if distributed:
+        box = [resumed]
+        dist.broadcast_object_list(box, src=0)
+        resumed = box[0]
     if resumed is not None:
         start_step, state = resumed
         model.load_state_dict(state["model"])

@@ -1,0 +1,146 @@
+"""The CLI end to end on the local provider, with tiny shell jobs (the quickstart has its own file)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from conftest import REPO, job_processes, no_traceback, sftctl, status_json, wait_for, write_spec
+
+TINY = """\
+name: tiny
+resources: {nodes: 2}
+run: |
+  echo "hello from node $SFTCTL_NODE_RANK of $SFTCTL_NUM_NODES ips=$SFTCTL_NODE_IPS rdzv=$SFTCTL_RDZV_ENDPOINT"
+"""
+
+SLEEPER = """\
+name: sleeper
+resources: {nodes: 2}
+run: |
+  echo started
+  sleep 300
+"""
+
+
+def test_attached_run_succeeds_and_reports(tmp_path, home):
+    spec = write_spec(tmp_path / "tiny.yaml", TINY)
+    proc = sftctl("run", str(spec), "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)  # --json: one document on stdout, nothing else
+    assert doc["status"] == "SUCCEEDED"
+    assert [n["status"] for n in doc["nodes"]] == ["TERMINATED", "TERMINATED"]
+    assert "(node 1) hello from node 1 of 2 ips=127.0.0.1,127.0.0.1" in proc.stderr
+    assert doc["plan"].startswith("chose local localhost (cpu:1) x 2 node(s)")
+    logs = sftctl("logs", doc["id"], check=True).stdout
+    assert "(node 0) hello from node 0 of 2" in logs and "(node 1) hello from node 1 of 2" in logs
+    only1 = sftctl("logs", doc["id"], "--node", "1", check=True).stdout
+    assert "hello from node 1" in only1 and "hello from node 0" not in only1
+    events = json.loads(sftctl("events", doc["id"], "--json", check=True).stdout)["events"]
+    kinds = [e["message"] for e in events if e["kind"] == "status"]
+    assert kinds == ["job submitted (PENDING)", "PENDING -> PROVISIONING", "PROVISIONING -> LAUNCHING: attempt 1",
+                     "LAUNCHING -> RUNNING", "RUNNING -> SUCCEEDED"]
+    assert job_processes(doc["id"]) == []
+
+
+def test_failed_job_restarts_then_fails_with_exit_1(tmp_path, home):
+    spec = write_spec(tmp_path / "bad.yaml", "name: bad\nrecovery: {max_restarts: 1}\nrun: echo attempt $SFTCTL_ATTEMPT; exit 3\n")
+    proc = sftctl("run", str(spec), "--json")
+    assert proc.returncode == 1
+    doc = json.loads(proc.stdout)
+    assert doc["status"] == "FAILED" and doc["restarts"] == 1
+    assert doc["failure_reason"] == "node 0 exited with code 3"
+    assert [(a["number"], a["status"], a["exit_code"]) for a in doc["attempts"]] == [(1, "FAILED", 3), (2, "FAILED", 3)]
+    assert "attempt 2" in sftctl("logs", doc["id"], check=True).stdout
+
+
+def test_twenty_concurrent_detached_runs(tmp_path, home):
+    spec = write_spec(tmp_path / "tiny.yaml", TINY.replace("nodes: 2", "nodes: 1"))
+    procs_ = [
+        subprocess.Popen([sys.executable, "-m", "sftctl.cli", "run", str(spec), "--detach", "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        for _ in range(20)
+    ]
+    ids = []
+    for p in procs_:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        ids.append(json.loads(out)["job_id"])
+    assert len(set(ids)) == 20
+
+    def all_done():
+        jobs = {j["id"]: j for j in status_json()["jobs"]}
+        return jobs if all(jobs[i]["status"] in ("SUCCEEDED", "FAILED", "FAILED_CONTROLLER") for i in ids) else None
+
+    jobs = wait_for(all_done, timeout_s=240, what="20 detached jobs to finish")
+    assert sorted(jobs) == sorted(ids)
+    assert {jobs[i]["status"] for i in ids} == {"SUCCEEDED"}
+
+
+def test_down_cancels_a_running_detached_job(tmp_path, home):
+    spec = write_spec(tmp_path / "sleeper.yaml", SLEEPER)
+    job = json.loads(sftctl("run", str(spec), "--detach", "--json", check=True).stdout)["job_id"]
+    wait_for(lambda: status_json(job)["status"] == "RUNNING", what="RUNNING")
+    wait_for(lambda: len(job_processes(job)) >= 2, what="node processes")
+    out = sftctl("down", job, check=True).stdout
+    assert out.startswith(f"{job}: ")
+    doc = status_json(job)
+    assert doc["status"] == "CANCELLED"
+    assert job_processes(job) == []
+    assert all(n["status"] == "TERMINATED" for n in doc["nodes"])
+
+
+def test_sigkilled_controller_then_down_leaves_nothing(tmp_path, home):
+    spec = write_spec(tmp_path / "sleeper.yaml", SLEEPER)
+    job = json.loads(sftctl("run", str(spec), "--detach", "--json", check=True).stdout)["job_id"]
+    wait_for(lambda: status_json(job)["status"] == "RUNNING", what="RUNNING")
+    wait_for(lambda: len(job_processes(job)) >= 2, what="node processes")
+    os.kill(status_json(job)["controller_pid"], signal.SIGKILL)
+    doc = wait_for(lambda: (d := status_json(job))["status"] == "FAILED_CONTROLLER" and d, what="FAILED_CONTROLLER")
+    assert "exited without finishing the job" in doc["failure_reason"]
+    assert len(job_processes(job)) >= 2  # the truth: its nodes still run
+    table = sftctl("status", check=True).stdout
+    assert job in table and "FAILED_CONTROLLER" in table
+    sftctl("down", job, check=True)
+    assert job_processes(job) == []
+    doc = status_json(job)
+    assert doc["status"] == "FAILED_CONTROLLER"  # what happened stays on record
+    assert all(n["status"] == "TERMINATED" for n in doc["nodes"])
+    events = json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]
+    assert events[-1]["kind"] == "down" and "2 node(s) terminated" in events[-1]["message"]
+
+
+def test_ctrl_c_cancels_attached_run(tmp_path, home):
+    spec = write_spec(tmp_path / "sleeper.yaml", SLEEPER)
+    proc = subprocess.Popen([sys.executable, "-m", "sftctl.cli", "run", str(spec)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = wait_for(lambda: (j := status_json()["jobs"]) and j[0]["status"] == "RUNNING" and j[0]["id"], what="RUNNING")
+    wait_for(lambda: len(job_processes(job)) >= 2, what="node processes")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in out + err and "cancelled by the user (Ctrl-C)" in out
+    assert status_json(job)["status"] == "CANCELLED"
+    assert job_processes(job) == []
+
+
+def test_down_all_and_usage_errors(tmp_path, home):
+    assert sftctl("status", "nope").returncode == 2
+    assert sftctl("down").returncode == 2
+    assert sftctl("logs", "nope").returncode == 2
+    proc = sftctl("run", str(write_spec(tmp_path / "x.yaml", "name: x\nresources: {accelerators: [H100:8]}\nrun: echo\n")))
+    assert proc.returncode == 3 and "no offering can run 1 node(s) of H100:8" in proc.stderr and no_traceback(proc)
+    assert sftctl("down", "--all", check=True).stdout.strip() == "nothing to take down"
+
+
+def test_status_does_not_import_heavy_modules(home):
+    code = (
+        "import sys; from sftctl.cli import main; rc = main(['status', '--json']);"
+        "heavy = [m for m in ('torch', 'jax', 'triton', 'boto3', 'google.cloud', 'kubernetes', 'numpy') if m in sys.modules];"
+        "print('HEAVY', heavy, rc)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("HEAVY [] 0")
