@@ -176,13 +176,27 @@ def _job_doc(store, job: dict, detail: bool = False, ranks: list[dict] | None = 
     return doc
 
 
+TABLE_ROWS = 50  # rich renders ~1.5k rows/s; a person reads the newest jobs first
+
+
+def _newest(jobs: list[dict]) -> list[dict]:
+    """Every live job, then the newest finished ones, up to TABLE_ROWS rows (newest first)."""
+    from sftctl.state import JobStatus
+
+    live = {j["id"] for j in jobs if not JobStatus(j["status"]).terminal}
+    finished = [j["id"] for j in jobs if j["id"] not in live][: max(0, TABLE_ROWS - len(live))]
+    keep = live | set(finished)
+    return [j for j in jobs if j["id"] in keep]
+
+
 @app.command()
 def status(
     job_id: Optional[str] = typer.Argument(None, metavar="[JOB]", help="One job (its id or a unique prefix)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh every second until the job ends (Ctrl-C stops)."),
+    all_: bool = typer.Option(False, "--all", "-a", help=f"Table: every job, not only the newest {TABLE_ROWS}."),
 ) -> None:
-    """Show jobs: status, resources, step, loss, throughput."""
+    """Show jobs: status, resources, step, loss, throughput (--json: every job)."""
     store = _store()
 
     def collect():
@@ -201,7 +215,11 @@ def status(
 
         if job_id:
             return Group(*job_detail(doc))
-        return jobs_table(doc) if doc else "no jobs yet: sftctl run examples/quickstart.yaml"
+        if not doc:
+            return "no jobs yet: sftctl run examples/quickstart.yaml"
+        shown = doc if all_ else _newest(doc)
+        more = len(doc) - len(shown)
+        return Group(jobs_table(shown), f"... and {more} older finished job(s): sftctl status --all") if more else jobs_table(shown)
 
     doc = collect()
     if as_json and not watch:

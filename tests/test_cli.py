@@ -144,3 +144,24 @@ def test_status_does_not_import_heavy_modules(home):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith("HEAVY [] 0")
+
+
+def test_status_table_shows_newest_jobs_and_all_on_request(home):
+    from sftctl.state import JobStatus, Store
+
+    store = Store()
+    spec = {"resources": {"nodes": 1}, "train": {"steps": 5}, "run": "true"}
+    ids = []
+    for _ in range(55):
+        ids.append(store.create_job("old", spec))
+        store.transition(ids[-1], JobStatus.CANCELLED, "test")
+    live = store.create_job("live", spec)
+    from sftctl import procs
+
+    store.update_job(live, controller_pid=os.getpid(), controller_start_ticks=procs.start_ticks(os.getpid()))
+    table = sftctl("status", check=True).stdout
+    assert live in table and "... and 6 older finished job(s): sftctl status --all" in table
+    assert ids[0] not in table and ids[-1] in table
+    full = sftctl("status", "--all", check=True).stdout
+    assert all(i in full for i in ids) and "older finished" not in full
+    assert len(status_json()["jobs"]) == 56
