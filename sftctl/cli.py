@@ -73,11 +73,10 @@ def run(
 ) -> None:
     """Plan, provision, launch and watch a job (attached unless --detach)."""
     from sftctl import procs
-    from sftctl.planner import plan as make_plan
     from sftctl.spec import load_spec
 
     spec = load_spec(spec_path, set_)
-    chosen = make_plan(spec)
+    chosen = _plan_with_progress(spec, strict=False, stderr=True)
     store = _store()
     job_id = store.create_job(spec.name, spec.model_dump(mode="json"), spec_path=str(spec_path.resolve()))
     store.update_job(job_id, provider=chosen.offering.provider, offering_json=chosen.to_dict())
@@ -129,6 +128,138 @@ def run(
             console.print(f"[red]reason:[/] {job['failure_reason']}")
     code = {JobStatus.SUCCEEDED: ExitCode.OK, JobStatus.CANCELLED: ExitCode.INTERRUPTED}.get(status, ExitCode.JOB_FAILED)
     raise typer.Exit(int(code))
+
+
+def _plan_with_progress(spec, strict: bool, stderr: bool):
+    """Run the planner; show tracing/compiling with a spinner on a terminal."""
+    from sftctl.planner import Predictor, plan
+
+    console = _console(stderr=stderr)
+    predictor = None
+    if spec.model is not None:
+        status = console.status("planning") if console.is_terminal else None
+
+        def progress(msg: str) -> None:
+            if status is not None:
+                status.update(msg)
+
+        predictor = Predictor(spec, progress=progress, strict=strict)
+        if status is not None:
+            with status:
+                chosen = plan(spec, predict=predictor)
+        else:
+            chosen = plan(spec, predict=predictor)
+        if predictor.error:
+            _console(stderr=True).print(f"[yellow]warning:[/] {_escape(predictor.error)}; ranking by price only", soft_wrap=True)
+        return chosen
+    return plan(spec)
+
+
+@app.command()
+def plan(
+    spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec YAML file."),
+    set_: list[str] = typer.Option([], "--set", metavar="KEY.PATH=VALUE", help="Override a spec field; repeatable."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+) -> None:
+    """Rank the offerings for a job by predicted cost: step time, memory, $/step, total (offline)."""
+    from sftctl.errors import InfeasibleError
+    from sftctl.spec import load_spec
+
+    from sftctl.ui import plan_table
+
+    spec = load_spec(spec_path, set_)
+    try:
+        chosen = _plan_with_progress(spec, strict=True, stderr=as_json)
+    except InfeasibleError as e:
+        if as_json:
+            _print_json({"job": spec.name, "chosen": None, "reason": e.message,
+                         "candidates": [c.to_dict() for c in e.candidates]})
+        elif e.candidates:
+            _console().print(plan_table(e.candidates, spec.train.steps))
+        raise
+    if as_json:
+        _print_json({"job": spec.name, "objective": spec.resources.objective, "steps": spec.train.steps,
+                     "chosen": chosen.to_dict(), "reason": chosen.reason})
+        return
+    console = _console()
+    console.print(plan_table(chosen.candidates, spec.train.steps))
+    console.print(f"[bold]{_escape(chosen.reason)}[/]", soft_wrap=True)
+
+
+@app.command()
+def catalog(
+    accelerator: Optional[str] = typer.Option(None, "--accelerator", "-a", help="Only this accelerator (e.g. H100)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+) -> None:
+    """List the offerings sftctl knows: provider, instance, accelerators, region, prices, source."""
+    from sftctl.catalog import accelerator_names, cloud_offerings, local_offering
+
+    offerings = [local_offering(1)] + cloud_offerings()
+    if accelerator:
+        names = {n.lower(): n for n in accelerator_names()}
+        if accelerator.lower() not in names:
+            import difflib
+
+            close = difflib.get_close_matches(accelerator, list(names.values()), n=1, cutoff=0.5)
+            raise SftctlError(f"--accelerator: unknown accelerator {accelerator!r}" + (f"; did you mean '{close[0]}'?" if close else ""),
+                              hint=f"known: {', '.join(names.values())}")
+        offerings = [o for o in offerings if o.accelerator.lower() == accelerator.lower()]
+    if as_json:
+        _print_json({"offerings": [o.to_dict() for o in offerings]})
+        return
+    from sftctl.ui import catalog_table
+
+    _console().print(catalog_table(offerings))
+
+
+@app.command(name="compile")
+def compile_(
+    spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec YAML file (its model is compiled)."),
+    target: str = typer.Option(..., "--target", "-t", help="Accelerator, e.g. h100, a100-80gb, mi300x, cpu."),
+    set_: list[str] = typer.Option([], "--set", metavar="KEY.PATH=VALUE", help="Override a spec field; repeatable."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Directory for plan.json and report.md (default: ./sftctl-compile/<job>-<target>)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the compiled plan as JSON on stdout."),
+    top: int = typer.Option(15, "--top", help="Kernels shown in the table, slowest first."),
+) -> None:
+    """Compile a job's whole training step for one accelerator: kernels, schedules, predicted times."""
+    from sftctl.spec import load_spec
+
+    spec = load_spec(spec_path, set_)
+    if spec.model is None:
+        raise SftctlError(f"{spec_path}: the spec has no model to compile", hint="add model: {framework, entrypoint, batch_size, dtype}")
+    from sftctl.compiler.hardware import get_accelerator
+    from sftctl.planner import Predictor
+
+    try:
+        hw = get_accelerator(target)
+    except KeyError as e:
+        raise SftctlError(f"--target: {e.args[0]}", hint="sftctl catalog lists the accelerators") from None
+    console = _console(stderr=as_json)
+    predictor = Predictor(spec)
+    from sftctl.compiler.driver import compile_for
+
+    with console.status(f"tracing {spec.model.entrypoint}") as st:
+        graph = predictor.graph
+        st.update(f"searching schedules for {hw.name}")
+        compiled = compile_for(graph, hw.name)
+    doc = compiled.to_dict() | {"job": spec.name, "graph_nodes": len(graph.nodes)}
+    out = out or Path("sftctl-compile") / f"{spec.name}-{hw.name.lower()}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(doc, indent=1) + "\n")
+    from sftctl.ui import compile_report, kernels_table
+
+    (out / "report.md").write_text(compile_report(doc, hw))
+    if as_json:
+        _print_json(doc)
+        return
+    console.print(kernels_table(compiled.kernels, top))
+    console.print(
+        f"[bold]{spec.name} on {hw.name}[/]: {len(graph.nodes)} ops -> {len(compiled.kernels)} kernels; "
+        f"predicted {compiled.compute_time_s * 1000:.2f} ms/step, peak memory {compiled.peak_memory_bytes / 2**30:.2f} GiB; "
+        f"{compiled.candidates:,} schedule candidates ({compiled.scored:,} scored after pruning) in {compiled.search_s:.1f} s\n"
+        f"wrote {out / 'plan.json'} and {out / 'report.md'}",
+        soft_wrap=True,
+    )
 
 
 # ------------------------------------------------------------------------------------ status

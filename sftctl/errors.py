@@ -53,9 +53,16 @@ class NotFoundError(SftctlError):
 
 
 class InfeasibleError(SftctlError):
-    """No offering satisfies the spec, or none has capacity. Exit code 3."""
+    """No offering satisfies the spec, or none has capacity. Exit code 3.
+
+    ``candidates`` holds what the planner considered (each with why it was rejected).
+    """
 
     exit_code = ExitCode.INFEASIBLE
+
+    def __init__(self, message: str, hint: str | None = None, candidates: list | None = None):
+        super().__init__(message, hint)
+        self.candidates = candidates or []
 
 
 class ProviderError(SftctlError):

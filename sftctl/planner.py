@@ -1,14 +1,21 @@
-"""Choose where a job runs: the cheapest feasible offering whose provider is usable here.
+"""Choose where a job runs: rank the offerings by predicted cost (or time) and take the best
+feasible one whose provider is usable here.
 
-Until the search compiler predicts step times, offerings are ranked by price per hour for all
-nodes (spot price when ``resources.spot``), cheapest first; ties go to the order the spec lists
-its accelerators in. The plan says which offering it chose and why, and why the others lost.
+For a job with a ``model``, the search compiler predicts each offering's step time and peak
+memory (:class:`Predictor`); the job's cost is then ``usd_per_hour x nodes x steps x step_time``.
+Without a model (a plain shell job), offerings are ranked by price per hour.
+
+Objective (``resources.objective``): ``cost`` takes the cheapest job within the deadline and the
+max price per hour; ``time`` the fastest within the max price. Ties go to the faster, then to the
+order the spec lists its accelerators in. Every rejected candidate says why, in the order the
+filters run: clouds, regions, spot price, price per hour, memory, deadline, provider usable.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+from typing import Callable
 
 from sftctl.catalog import Offering, accelerator_names, cloud_offerings
 from sftctl.errors import InfeasibleError, SpecError
@@ -17,49 +24,132 @@ from sftctl.spec import JobSpec
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One offering considered for the job, with its price for all nodes and why it lost."""
+    """One offering considered for the job.
+
+    ``usd_per_hour`` is for all nodes (None: no spot price). ``step_time_s``, ``total_usd`` and
+    ``hours`` are predictions (None without a model). ``rejected`` says why it cannot be used.
+    """
 
     offering: Offering
-    usd_per_hour: float | None  # all nodes together; None when the offering has no spot price
+    nodes: int
+    usd_per_hour: float | None
+    step_time_s: float | None = None
+    peak_memory_bytes: int | None = None
+    devices_needed: int | None = None
+    total_usd: float | None = None
+    hours: float | None = None
     rejected: str | None = None
+
+    def to_dict(self) -> dict:
+        o = self.offering
+        return {
+            "provider": o.provider, "instance_type": o.instance_type,
+            "accelerator": f"{o.accelerator}:{o.count}", "region": o.region, "nodes": self.nodes,
+            "usd_per_hour": self.usd_per_hour, "step_time_s": self.step_time_s,
+            "peak_memory_bytes": self.peak_memory_bytes, "devices_needed": self.devices_needed,
+            "total_usd": self.total_usd, "hours": self.hours, "rejected": self.rejected,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The chosen offering, the reason in one line, and every candidate that was considered."""
+    """The chosen candidate, the reason in one line, and every candidate, best first."""
 
-    offering: Offering
-    nodes: int
-    usd_per_hour: float
+    chosen: Candidate
     reason: str
     candidates: list[Candidate]
 
+    @property
+    def offering(self) -> Offering:
+        return self.chosen.offering
+
     def to_dict(self) -> dict:
         return {
-            "offering": self.offering.to_dict(),
-            "nodes": self.nodes,
-            "usd_per_hour": self.usd_per_hour,
+            "offering": self.chosen.offering.to_dict(),
+            "nodes": self.chosen.nodes,
+            "usd_per_hour": self.chosen.usd_per_hour,
+            "step_time_s": self.chosen.step_time_s,
+            "total_usd": self.chosen.total_usd,
             "reason": self.reason,
-            "candidates": [
-                {
-                    "provider": c.offering.provider,
-                    "instance_type": c.offering.instance_type,
-                    "accelerator": f"{c.offering.accelerator}:{c.offering.count}",
-                    "region": c.offering.region,
-                    "usd_per_hour": c.usd_per_hour,
-                    "rejected": c.rejected,
-                }
-                for c in self.candidates
-            ],
+            "candidates": [c.to_dict() for c in self.candidates],
         }
 
 
-def plan(spec: JobSpec, usable: dict[str, str | None] | None = None) -> Plan:
-    """Rank the offerings that match ``spec.resources`` and pick the cheapest usable one.
+# Predicts (step_time_s, peak_memory_bytes, devices_needed) of the job on an offering, or None.
+PredictFn = Callable[[Offering, int], "tuple[float, int, int] | None"]
+
+
+class Predictor:
+    """Traces the spec's model once and compiles it per accelerator, on demand, with caching.
+
+    Args:
+        spec: a job spec with a ``model``.
+        progress: called with a one-line message before each slow stage (trace, compile).
+    """
+
+    def __init__(self, spec: JobSpec, progress: Callable[[str], None] | None = None, strict: bool = True):
+        self.spec = spec
+        self.progress = progress or (lambda msg: None)
+        self.strict = strict
+        self.error: str | None = None  # why predictions failed, when not strict
+        self._graph = None
+        self.compiled: dict[str, object] = {}
+
+    @property
+    def graph(self):
+        if self._graph is None:
+            from sftctl.compiler.driver import trace_model
+
+            m = self.spec.model
+            self.progress(f"tracing {m.entrypoint} ({m.framework}, batch {m.batch_size}, {m.dtype})")
+            try:
+                self._graph = trace_model(m.framework, m.entrypoint, self.spec.workdir, m.batch_size, m.dtype)
+            except SpecError:
+                raise
+            except Exception as e:  # the user's model code, or an op the frontend cannot lower
+                first = str(e).splitlines()[0] if str(e) else ""
+                raise SpecError(
+                    f"model.entrypoint: cannot trace {m.entrypoint}: {type(e).__name__}: {first}",
+                    hint="sftctl compile --debug shows the traceback; leave model out to skip prediction",
+                ) from e
+        return self._graph
+
+    def __call__(self, offering: Offering, nodes: int) -> tuple[float, int, int] | None:
+        if self.error is not None:
+            return None
+        try:
+            return self._predict(offering, nodes)
+        except SpecError as e:
+            if self.strict:
+                raise
+            self.error = e.message
+        except Exception as e:  # a compiler bug must not stop a job that could run unpredicted
+            if self.strict:
+                raise
+            self.error = f"the compiler failed on {offering.accelerator}: {type(e).__name__}: {e}"
+        return None
+
+    def _predict(self, offering: Offering, nodes: int) -> tuple[float, int, int]:
+        from sftctl.compiler.driver import compile_for
+        from sftctl.compiler.hardware import get_accelerator
+        from sftctl.compiler.step import predict
+
+        name = offering.accelerator
+        if name not in self.compiled:
+            self.progress(f"compiling for {name}")
+            self.compiled[name] = compile_for(self.graph, name)
+        p = predict(self.compiled[name], get_accelerator(name), offering.count, nodes,
+                    offering.intra_node_bytes_per_s, offering.inter_node_bytes_per_s)
+        return p.step_time_s, p.peak_memory_bytes, p.devices_needed
+
+
+def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: PredictFn | None = None) -> Plan:
+    """Rank the offerings that match ``spec.resources`` and choose the best usable one.
 
     Args:
         spec: the validated job spec.
         usable: provider name -> None if usable here, else why not. Default: ask the providers.
+        predict: step-time predictor; default a :class:`Predictor` when the spec has a model.
 
     Raises:
         SpecError: an accelerator name the catalog does not know (exit 2), with a did-you-mean.
@@ -69,6 +159,8 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None) -> Plan:
         from sftctl.providers import usable_providers
 
         usable = usable_providers()
+    if predict is None and spec.model is not None:
+        predict = Predictor(spec)
     res = spec.resources
     known = {n.lower(): n for n in accelerator_names()}
     candidates: list[Candidate] = []
@@ -78,30 +170,51 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None) -> Plan:
             raise SpecError(
                 f"resources.accelerators[{i}]: unknown accelerator {acc.name!r}"
                 + (f"; did you mean '{close[0]}'?" if close else ""),
-                hint=f"known accelerators: {', '.join(known.values())}",
+                hint=f"known accelerators: {', '.join(known.values())} (sftctl catalog lists offerings)",
             )
         for offering in _offerings(acc.name, acc.count):
-            candidates.append(_judge(offering, spec, usable))
-    feasible = [c for c in candidates if c.rejected is None]
+            candidates.append(_judge(offering, spec, usable, predict))
+    ranked = sorted(candidates, key=lambda c: (c.rejected is not None, _objective(c, res.objective)))
+    feasible = [c for c in ranked if c.rejected is None]
     if not feasible:
         wanted = ", ".join(str(a) for a in res.accelerators)
-        reasons = sorted({f"{c.offering.provider}: {c.rejected}" for c in candidates})
+        reasons = list(dict.fromkeys(f"{c.offering.provider} {c.offering.instance_type}: {c.rejected}" for c in ranked))
         raise InfeasibleError(
-            f"no offering can run {res.nodes} node(s) of {wanted}"
-            + (f" ({'; '.join(reasons)})" if reasons else ": no provider offers it"),
-            hint="widen resources (accelerators, clouds, regions, max_price_per_hour, spot)",
+            candidates=ranked,
+            message=f"no offering can run {res.nodes} node(s) of {wanted}"
+            + (f" ({'; '.join(reasons[:6])}{'; ...' if len(reasons) > 6 else ''})" if reasons else ": no provider offers it"),
+            hint="widen resources (accelerators, clouds, regions, max_price_per_hour, deadline, spot); sftctl plan shows all",
         )
-    best = min(feasible, key=lambda c: c.usd_per_hour)  # min() keeps the first of equal prices
+    best = feasible[0]
+    return Plan(best, _reason(best, ranked, res.objective), ranked)
+
+
+def _objective(c: Candidate, objective: str) -> tuple:
+    price = c.usd_per_hour if c.usd_per_hour is not None else float("inf")
+    step = c.step_time_s if c.step_time_s is not None else float("inf")
+    total = c.total_usd if c.total_usd is not None else price
+    return (step, total) if objective == "time" else (total, step)
+
+
+def _reason(best: Candidate, ranked: list[Candidate], objective: str) -> str:
     o = best.offering
-    others = len(candidates) - 1
-    blocked = sorted({c.offering.provider for c in candidates if c.rejected})
-    reason = (
-        f"chose {o.provider} {o.instance_type} ({o.accelerator}:{o.count}) x {res.nodes} node(s) "
-        f"at ${best.usd_per_hour:.2f}/h: cheapest of {len(feasible)} feasible offering(s)"
-        + (f"; {others} other(s) considered" if others else "")
-        + (f", not usable here: {', '.join(blocked)}" if blocked else "")
+    feasible = sum(c.rejected is None for c in ranked)
+    what = "fastest" if objective == "time" else "cheapest"
+    pred = ""
+    if best.step_time_s is not None:
+        pred = f", predicted {best.step_time_s * 1000:.1f} ms/step, {_hours(best.hours)}, ${best.total_usd:,.2f} in all"
+    blocked = sorted({c.offering.provider for c in ranked if c.rejected and "not available" in c.rejected})
+    return (
+        f"chose {o.provider} {o.instance_type} ({o.accelerator}:{o.count}) x {best.nodes} node(s) "
+        f"at ${best.usd_per_hour:.2f}/h{pred}: {what} of {feasible} feasible offering(s) of {len(ranked)}"
+        + (f"; not usable here: {', '.join(blocked)}" if blocked else "")
     )
-    return Plan(o, res.nodes, best.usd_per_hour, reason, candidates)
+
+
+def _hours(h: float | None) -> str:
+    if h is None:
+        return "-"
+    return f"{h * 60:.1f} min" if h < 1 else f"{h:.1f} h"
 
 
 def _offerings(accelerator: str, count: int) -> list[Offering]:
@@ -109,26 +222,43 @@ def _offerings(accelerator: str, count: int) -> list[Offering]:
         from sftctl.providers.local import LocalProvider
 
         return LocalProvider().offerings(accelerator, count)
-    return [
-        o
-        for o in cloud_offerings()
-        if o.accelerator.lower() == accelerator.lower() and o.count == count
-    ]
+    return [o for o in cloud_offerings() if o.accelerator.lower() == accelerator.lower() and o.count == count]
 
 
-def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None]) -> Candidate:
+def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: PredictFn | None) -> Candidate:
     res = spec.resources
     unit = o.price(res.spot)
-    price = None if unit is None else unit * res.nodes
+    c = Candidate(o, res.nodes, None if unit is None else unit * res.nodes)
+
+    def reject(why: str) -> Candidate:
+        return dataclasses.replace(c, rejected=why)
+
     if res.clouds is not None and o.provider not in res.clouds:
-        return Candidate(o, price, f"not in resources.clouds {res.clouds}")
+        return reject(f"{o.provider} is not in resources.clouds")
     if res.regions is not None and o.region not in res.regions and o.provider != "local":
-        return Candidate(o, price, f"region {o.region} not in resources.regions")
-    if price is None:
-        return Candidate(o, price, "no spot price for this offering")
-    if res.max_price_per_hour is not None and price > res.max_price_per_hour:
-        return Candidate(o, price, f"${price:.2f}/h is above max_price_per_hour ${res.max_price_per_hour:.2f}")
-    why_not = usable.get(o.provider, "unknown provider")
+        return reject(f"region {o.region} is not in resources.regions")
+    if c.usd_per_hour is None:
+        return reject("no spot price for this offering")
+    if res.max_price_per_hour is not None and c.usd_per_hour > res.max_price_per_hour:
+        return reject(f"${c.usd_per_hour:.2f}/h is above max_price_per_hour ${res.max_price_per_hour:.2f}")
+    if predict is not None:
+        got = predict(o, res.nodes)
+        if got is not None:
+            step_s, peak, needed = got
+            hours = step_s * spec.train.steps / 3600
+            c = dataclasses.replace(c, step_time_s=step_s, peak_memory_bytes=peak, devices_needed=needed,
+                                    hours=hours, total_usd=hours * c.usd_per_hour)
+            if needed != 1:
+                gib = peak / 2**30
+                return reject(
+                    f"needs {gib:.1f} GiB per device; "
+                    + (f"would fit with parameters and optimizer state sharded over {needed} devices (not supported yet)"
+                       if needed > 1 else "its activations alone do not fit: lower model.batch_size")
+                )
+            deadline_s = res.deadline_s
+            if deadline_s is not None and hours * 3600 > deadline_s:
+                return reject(f"predicted {_hours(hours)} is past the deadline of {res.deadline}")
+    why_not = usable.get(o.provider, f"unknown provider {o.provider!r}")
     if why_not:
-        return Candidate(o, price, why_not)
-    return Candidate(o, price)
+        return reject(why_not)
+    return c

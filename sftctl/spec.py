@@ -104,6 +104,9 @@ class ResourcesSpec(_Strict):
     regions: list[str] | None = None
     max_price_per_hour: PositiveFloat | None = Field(None, description="USD/h, all nodes together")
     deadline: str | None = Field(None, description="a duration: 90m, 6h, 2d")
+    objective: Literal["cost", "time"] = Field(
+        "cost", description="cost: cheapest within deadline and price; time: fastest within price"
+    )
 
     @field_validator("accelerators", mode="before")
     @classmethod

@@ -186,3 +186,95 @@ class RunView:
             loss=f"{self.last_loss:.4f}" if self.last_loss is not None else "-",
             tps=f"{sum(self._tps.values()):,.0f}" if self._tps else "-",
         )
+
+
+def _seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 1e-3:
+        return f"{s * 1e6:.1f} us"
+    if s < 1:
+        return f"{s * 1e3:.1f} ms"
+    return f"{s:.2f} s"
+
+
+def _span(hours: float | None) -> str:
+    if hours is None:
+        return "-"
+    return f"{hours * 60:.1f} min" if hours < 1 else f"{hours:,.1f} h"
+
+
+def plan_table(candidates: list, steps: int) -> Table:
+    """``sftctl plan``: one row per candidate offering, best first, rejected ones with why."""
+    t = Table(box=None, header_style="bold", pad_edge=False, title=f"offerings for {steps:,} steps", title_justify="left")
+    for col, just in (("#", "right"), ("PROVIDER", "left"), ("INSTANCE", "left"), ("ACCEL", "left"),
+                      ("NODES", "right"), ("REGION", "left"), ("$/H", "right"), ("STEP", "right"),
+                      ("MEMORY", "right"), ("$/STEP", "right"), ("TIME", "right"), ("TOTAL $", "right"),
+                      ("VERDICT", "left")):
+        t.add_column(col, justify=just, overflow="fold", no_wrap=col != "VERDICT")
+    for i, c in enumerate(candidates, 1):
+        o = c.offering
+        per_step = c.usd_per_hour * c.step_time_s / 3600 if c.usd_per_hour is not None and c.step_time_s else None
+        verdict = Text("ok", style="green") if c.rejected is None else Text(c.rejected, style="dim")
+        if i == 1 and c.rejected is None:
+            verdict = Text("chosen", style="bold green")
+        t.add_row(
+            str(i), o.provider, o.instance_type, f"{o.accelerator}:{o.count}", str(c.nodes), o.region,
+            _num(c.usd_per_hour, ",.2f"), _seconds(c.step_time_s),
+            "-" if c.peak_memory_bytes is None else f"{c.peak_memory_bytes / 2**30:.1f} GiB",
+            "-" if per_step is None else f"{per_step:.5f}", _span(c.hours), _num(c.total_usd, ",.2f"), verdict,
+        )
+    return t
+
+
+def catalog_table(offerings: list) -> Table:
+    """``sftctl catalog``: the offerings with prices and their sources."""
+    t = Table(box=None, header_style="bold", pad_edge=False)
+    for col in ("PROVIDER", "INSTANCE", "ACCEL", "REGION", "$/H", "SPOT $/H", "VCPUS", "MEM GIB", "AS OF", "SOURCE"):
+        t.add_column(col, overflow="fold", no_wrap=col != "SOURCE")
+    for o in offerings:
+        t.add_row(o.provider, o.instance_type, f"{o.accelerator}:{o.count}", o.region, f"{o.usd_per_hour:.3f}",
+                  _num(o.spot_usd_per_hour, ".3f"), _num(o.vcpus, "d"), _num(o.memory_gib, ".0f"),
+                  getattr(o, "as_of", "") or "", o.source)
+    return t
+
+
+def kernels_table(kernels: list, top: int) -> Table:
+    """``sftctl compile``: the slowest kernels with their schedule and roofline position."""
+    total = sum(k.time_s for k in kernels) or 1.0
+    t = Table(box=None, header_style="bold", pad_edge=False,
+              title=f"slowest {min(top, len(kernels))} of {len(kernels)} kernels", title_justify="left")
+    for col in ("#", "KERNEL", "TIME", "SHARE", "BOUND", "INTENSITY", "OF ROOFLINE", "SCHEDULE"):
+        t.add_column(col, overflow="fold", no_wrap=col not in ("KERNEL", "SCHEDULE"))
+    for k in sorted(kernels, key=lambda k: -k.time_s)[:top]:
+        cfg = k.config or {}
+        sched = " ".join(f"{key.replace('BLOCK_', '')}={v}" for key, v in cfg.items()) if cfg else "-"
+        t.add_row(str(k.index), k.label, _seconds(k.time_s), f"{100 * k.time_s / total:.1f}%", k.bound,
+                  f"{k.arithmetic_intensity:.1f} F/B", f"{100 * k.roofline_fraction:.0f}%", sched)
+    return t
+
+
+def compile_report(doc: dict, hw) -> str:
+    """A readable Markdown report of a compiled step (written next to plan.json)."""
+    kernels = sorted(doc["kernels"], key=lambda k: -k["time_s"])
+    total = doc["compute_time_s"]
+    pm = doc["peak_memory"]
+    lines = [
+        f"# {doc['job']} on {hw.name}",
+        "",
+        f"- graph: {doc['graph_nodes']:,} ops, {len(doc['kernels'])} kernels; compiler {doc['compiler_version']}",
+        f"- predicted step (one device): {total * 1000:.3f} ms",
+        f"- peak memory: {sum(pm[k] for k in ('params_bytes', 'opt_state_bytes', 'batch_bytes', 'transient_peak_bytes', 'reserve_bytes')) / 2**30:.2f} GiB "
+        f"(parameters {pm['params_bytes'] / 2**20:.1f} MiB, optimizer state {pm['opt_state_bytes'] / 2**20:.1f} MiB, "
+        f"transient peak {pm['transient_peak_bytes'] / 2**20:.1f} MiB, runtime reserve {pm['reserve_bytes'] / 2**20:.0f} MiB)",
+        f"- schedule search: {doc['candidates']:,} candidates, {doc['scored']:,} scored after pruning, {doc['search_s']:.2f} s",
+        f"- roofline ridge point: {hw.matrix_peak('bfloat16') / hw.hbm_bytes_per_s:.0f} FLOP/byte (bf16 matrix peak / HBM bandwidth)",
+        "",
+        "| # | kernel | time | share | bound | FLOP/byte | of roofline | schedule |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for k in kernels:
+        cfg = " ".join(f"{a}={b}" for a, b in (k["config"] or {}).items()) or "-"
+        lines.append(f"| {k['index']} | {k['label']} | {_seconds(k['time_s'])} | {100 * k['time_s'] / total:.1f}% | "
+                     f"{k['bound']} | {k['arithmetic_intensity']:.1f} | {100 * k['roofline_fraction']:.0f}% | {cfg} |")
+    return "\n".join(lines) + "\n"

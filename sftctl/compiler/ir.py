@@ -82,8 +82,11 @@ class Graph:
     outputs: list[int] = dataclasses.field(default_factory=list)
     output_roles: list[str] = dataclasses.field(default_factory=list)
 
-    def add(self, op: str, inputs: Iterable[int], shape: Iterable[int], dtype: str, **attrs: Any) -> int:
-        """Append a node and return its id. Raises ValueError for an unknown op or dtype."""
+    def add(self, op: str, inputs: Iterable[int], shape: Iterable[int], dtype: str, /, **attrs: Any) -> int:
+        """Append a node and return its id (positional-only, so attrs may be named ``shape``).
+
+        Raises ValueError for an unknown op or dtype, or an operand that is not an earlier node.
+        """
         if op not in ALL_OPS:
             raise ValueError(f"unknown IR op {op!r}")
         if dtype not in DTYPE_BYTES:

@@ -1,0 +1,91 @@
+"""From a job's ``model`` section to compiled steps, with a disk cache for both stages.
+
+* ``trace_model``: the entrypoint's whole training step as an IR graph. Cached (pickle) under
+  ``$SFTCTL_HOME/cache/compiler/traces/``, keyed by the framework, batch size, dtype, the bytes of
+  every ``.py`` file in the entrypoint's directory, and the compiler version.
+* ``compile_for``: one accelerator's CompiledStep. Cached (JSON) under
+  ``$SFTCTL_HOME/cache/compiler/steps/``, keyed by graph signature, hardware numbers,
+  cost-model coefficients and the compiler version (:func:`sftctl.compiler.step.cache_key`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Callable
+
+from sftctl.compiler.ir import Graph
+from sftctl.compiler.step import COMPILER_VERSION, CompiledStep, cache_key, compile_graph, graph_signature
+
+
+def cache_dir() -> Path:
+    from sftctl.paths import sftctl_home
+
+    d = sftctl_home() / "cache" / "compiler"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + f".tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def trace_key(framework: str, entrypoint: str, workdir: str, batch_size: int, dtype: str) -> str:
+    file = Path(workdir) / entrypoint.rsplit(":", 1)[0]
+    h = hashlib.sha256(repr((framework, entrypoint, batch_size, dtype, COMPILER_VERSION)).encode())
+    for py in sorted(file.parent.glob("*.py")):
+        h.update(py.name.encode() + py.read_bytes())
+    return h.hexdigest()[:32]
+
+
+def trace_model(framework: str, entrypoint: str, workdir: str, batch_size: int, dtype: str,
+                use_cache: bool = True) -> Graph:
+    """Trace the whole training step that ``entrypoint`` builds (see the job spec's ``model``).
+
+    Raises:
+        SpecError: the entrypoint cannot be imported or called, or returns the wrong things.
+        NotImplementedError: the step uses an op the frontend cannot lower (named).
+    """
+    key = trace_key(framework, entrypoint, workdir, batch_size, dtype)
+    path = cache_dir() / "traces" / f"{key}.pkl"
+    if use_cache and path.exists():
+        try:
+            return pickle.loads(path.read_bytes())
+        except Exception:  # a stale or truncated cache entry is rebuilt, never trusted
+            path.unlink(missing_ok=True)
+    if framework == "jax":
+        from sftctl.compiler.frontends.jax import trace_entrypoint
+    else:
+        from sftctl.compiler.frontends.torch import trace_entrypoint
+    graph = trace_entrypoint(entrypoint, workdir, batch_size=batch_size, dtype=dtype)
+    if isinstance(graph, tuple):  # frontends return (graph, meta)
+        graph = graph[0]
+    if use_cache:
+        _atomic_write(path, pickle.dumps(graph))
+    return graph
+
+
+def compile_for(graph: Graph, accelerator: str, progress: Callable[[int, int], None] | None = None,
+                use_cache: bool = True) -> CompiledStep:
+    """Compile ``graph`` for the named accelerator (cached on disk)."""
+    from sftctl.compiler.costmodel import Coefficients
+    from sftctl.compiler.hardware import get_accelerator
+
+    hw = get_accelerator(accelerator)
+    coeffs = Coefficients.for_vendor(hw.vendor)
+    path = cache_dir() / "steps" / f"{cache_key(graph_signature(graph), hw, coeffs)}.json"
+    if use_cache and path.exists():
+        try:
+            return CompiledStep.from_dict(json.loads(path.read_text()))
+        except Exception:
+            path.unlink(missing_ok=True)
+    compiled = compile_graph(graph, hw, coeffs, progress=progress)
+    if use_cache:
+        _atomic_write(path, json.dumps(compiled.to_dict()).encode())
+    return compiled

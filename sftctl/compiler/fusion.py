@@ -1,0 +1,254 @@
+"""Cut a step's graph into kernels: which ops run together, and what each kernel moves.
+
+Rules (each saves the intermediate tensor's write and read and one launch, so under the cost
+model a legal fusion never loses; greedy application is therefore optimal for these rules):
+
+* layout ops (reshape, transpose, broadcast, slice, concatenate, pad) and sources (inputs,
+  constants, iota) are free: a consumer reads through them with index math. A transposed
+  operand of a contraction becomes part of its prologue (``a_transposed``/``b_transposed``).
+* every ``dot_general`` anchors a GEMM kernel; elementwise consumers with the same number of
+  elements that only it feeds (bias, activation, residual add, scaling, cast) become its
+  epilogue and add the bytes of their other operands.
+* elementwise ops join the kernel of a producer that only they read (single-use chains), so a
+  pointwise chain is one kernel.
+* a reduction joins the kernel of its single-use elementwise producers (prologue: ``exp(x - m)``
+  then ``sum``) and later elementwise consumers may join it as an epilogue.
+* ``gather`` and ``scatter_add`` are kernels of their own (data-dependent addressing).
+
+A kernel's bytes are what it reads from and writes to memory: each distinct external tensor it
+reads (through views; a broadcast reads its smaller source), and each tensor it produces that
+something outside the kernel (or the step's outputs) reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from sftctl.compiler.ir import (
+    CONTRACTIONS,
+    DATA,
+    ELEMENTWISE,
+    LAYOUT,
+    REDUCTIONS,
+    SOURCES,
+    Graph,
+    Node,
+)
+
+
+@dataclasses.dataclass
+class Kernel:
+    """A group of ops that runs as one kernel.
+
+    Attributes:
+        kind: ``gemm``, ``pointwise``, ``reduction`` or ``data``.
+        nodes: ids of the compute nodes in it, in graph order (the anchor first for gemm).
+        reads: ids of the materialized tensors it reads (after looking through views).
+        writes: ids of the tensors it materializes.
+        bytes_read, bytes_written: memory traffic, bytes.
+        flops: arithmetic, FLOPs (2*M*N*K*batch for a GEMM; one per element per op otherwise).
+        gemm: for ``gemm`` kernels, (batch, m, n, k, dtype, a_transposed, b_transposed,
+            epilogue_bytes_per_elem); None otherwise.
+    """
+
+    kind: str
+    nodes: list[int]
+    reads: list[int] = dataclasses.field(default_factory=list)
+    writes: list[int] = dataclasses.field(default_factory=list)
+    bytes_read: int = 0
+    bytes_written: int = 0
+    flops: float = 0.0
+    gemm: tuple | None = None
+
+    @property
+    def anchor(self) -> int:
+        return self.nodes[0]
+
+
+def source_of(graph: Graph, nid: int) -> int:
+    """Follow layout ops back to the tensor that is actually in memory."""
+    node = graph.nodes[nid]
+    while node.op in LAYOUT and node.op not in ("concatenate", "pad") and node.inputs:
+        node = graph.nodes[node.inputs[0]]
+    return node.id
+
+
+def _is_free(node: Node) -> bool:
+    return node.op in LAYOUT or node.op in SOURCES
+
+
+def fuse(graph: Graph) -> list[Kernel]:
+    """Partition ``graph``'s compute nodes into kernels, in an order that respects dependencies.
+
+    Returns the kernels with their traffic and FLOPs filled in. Raises ValueError for an op the
+    IR does not know.
+    """
+    users = graph.users()
+    # users seen through free layout ops: who really reads a materialized tensor
+    real_users: list[set[int]] = [set() for _ in graph.nodes]
+    for n in reversed(graph.nodes):
+        for u in users[n.id]:
+            if _is_free(graph.nodes[u]):
+                real_users[n.id] |= real_users[u]
+            else:
+                real_users[n.id].add(u)
+    outputs = set(graph.outputs)
+    group_of: dict[int, int] = {}
+    kernels: list[Kernel] = []
+
+    deps: list[set[int]] = []  # kernel -> kernels it reads from
+
+    def only_user_is(producer: int, consumer: int) -> bool:
+        return real_users[producer] == {consumer} and producer not in outputs
+
+    def input_kernels(node: Node) -> set[int]:
+        return {group_of[s] for s in (source_of(graph, i) for i in node.inputs) if s in group_of}
+
+    def reaches(start: int, goal: int) -> bool:
+        """Whether kernel ``start`` depends, directly or not, on kernel ``goal``."""
+        stack, seen = [start], {start}
+        while stack:
+            g = stack.pop()
+            if g == goal:
+                return True
+            for d in deps[g] - seen:
+                seen.add(d)
+                stack.append(d)
+        return False
+
+    def new_kernel(kind: str, node: Node) -> None:
+        group_of[node.id] = len(kernels)
+        kernels.append(Kernel(kind, [node.id]))
+        deps.append(input_kernels(node) - {group_of[node.id]})
+
+    for node in graph.nodes:
+        if _is_free(node):
+            continue
+        if node.op in CONTRACTIONS:
+            new_kernel("gemm", node)
+            continue
+        if node.op in DATA:
+            new_kernel("data", node)
+            continue
+        if node.op not in ELEMENTWISE and node.op not in REDUCTIONS:
+            raise ValueError(f"fusion: unknown op {node.op!r}")
+        target = None
+        for inp in node.inputs:
+            src = source_of(graph, inp)
+            if src not in group_of or not only_user_is(src, node.id):
+                continue
+            k = kernels[group_of[src]]
+            if k.kind == "gemm":
+                # epilogue: same element count as the GEMM output, applied elementwise
+                if node.op in ELEMENTWISE and node.type.numel == graph.nodes[k.anchor].type.numel:
+                    target = group_of[src]
+            elif k.kind in ("pointwise", "reduction"):
+                target = group_of[src]
+            others = input_kernels(node) - {target}
+            if target is not None and any(reaches(o, target) for o in others):
+                target = None  # joining would make the kernels depend on each other
+            if target is not None:
+                break
+        if target is None:
+            new_kernel("reduction" if node.op in REDUCTIONS else "pointwise", node)
+        else:
+            group_of[node.id] = target
+            kernels[target].nodes.append(node.id)
+            deps[target] |= input_kernels(node) - {target}
+            if node.op in REDUCTIONS:
+                kernels[target].kind = "reduction" if kernels[target].kind != "gemm" else "gemm"
+
+    for k in kernels:
+        _account(graph, k, group_of, real_users, outputs)
+    return _order(graph, kernels, group_of)
+
+
+def _account(graph: Graph, k: Kernel, group_of: dict[int, int], real_users, outputs: set[int]) -> None:
+    mine = set(k.nodes)
+    reads: dict[int, int] = {}
+    for nid in k.nodes:
+        for inp in graph.nodes[nid].inputs:
+            src = source_of(graph, inp)
+            if src in mine:
+                continue
+            srcnode = graph.nodes[src]
+            if srcnode.op in ("constant", "iota"):
+                continue
+            reads[src] = srcnode.type.nbytes
+    writes = [
+        nid for nid in k.nodes
+        if nid in outputs or any(group_of.get(u) is not group_of[nid] and u not in mine for u in real_users[nid])
+    ]
+    k.reads = sorted(reads)
+    k.writes = writes
+    k.bytes_read = sum(reads.values())
+    k.bytes_written = sum(graph.nodes[w].type.nbytes for w in writes)
+    flops = 0.0
+    for nid in k.nodes:
+        n = graph.nodes[nid]
+        if n.op in CONTRACTIONS:
+            flops += 2.0 * math.prod(_gemm_dims(graph, n))
+        elif n.op in REDUCTIONS:
+            flops += graph.nodes[n.inputs[0]].type.numel
+        else:
+            flops += n.type.numel
+    k.flops = flops
+    if k.kind == "gemm":
+        anchor = graph.nodes[k.anchor]
+        batch, m, n_, kk = _gemm_dims(graph, anchor)
+        a_t, b_t = _transposed(graph, anchor)
+        out_elems = max(1, anchor.type.numel)
+        operand_bytes = sum(graph.nodes[source_of(graph, i)].type.nbytes for i in anchor.inputs)
+        epilogue_bytes = max(0, k.bytes_read - operand_bytes) / out_elems
+        k.gemm = (batch, m, n_, kk, graph.nodes[anchor.inputs[0]].type.dtype, a_t, b_t, epilogue_bytes)
+
+
+def _gemm_dims(graph: Graph, node: Node) -> tuple[int, int, int, int]:
+    """(batch, m, n, k) of a dot_general."""
+    lhs = graph.nodes[node.inputs[0]].type.shape
+    rhs = graph.nodes[node.inputs[1]].type.shape
+    lb, rb = node.attrs["lhs_batch"], node.attrs["rhs_batch"]
+    lc, rc = node.attrs["lhs_contract"], node.attrs["rhs_contract"]
+    batch = math.prod(lhs[d] for d in lb)
+    k = math.prod(lhs[d] for d in lc)
+    m = math.prod(lhs[d] for d in range(len(lhs)) if d not in lb and d not in lc)
+    n = math.prod(rhs[d] for d in range(len(rhs)) if d not in rb and d not in rc)
+    return batch, m, n, k
+
+
+def _transposed(graph: Graph, node: Node) -> tuple[bool, bool]:
+    """Whether each operand is read K-major-wrong (needs a transposed load) in row-major terms.
+
+    A is row-major (M x K) when its contracting dim is its last; B is row-major (K x N) when its
+    contracting dim comes right after its batch dims.
+    """
+    lhs = graph.nodes[node.inputs[0]].type.shape
+    lc, rc = node.attrs["lhs_contract"], node.attrs["rhs_contract"]
+    a_t = bool(lc) and max(lc) != len(lhs) - 1
+    b_t = bool(rc) and min(rc) != len(node.attrs["rhs_batch"])
+    return a_t, b_t
+
+
+def _order(graph: Graph, kernels: list[Kernel], group_of: dict[int, int]) -> list[Kernel]:
+    """Kernels in an order where every kernel runs after the kernels it reads from."""
+    deps: list[set[int]] = [set() for _ in kernels]
+    for gi, k in enumerate(kernels):
+        for r in k.reads:
+            if r in group_of and group_of[r] != gi:
+                deps[gi].add(group_of[r])
+    done: set[int] = set()
+    order: list[int] = []
+    # kernels are created in graph order of their first node; a fused consumer can only make a
+    # kernel depend on later-created ones, so repeat passes until all are placed
+    while len(order) < len(kernels):
+        progressed = False
+        for gi in range(len(kernels)):
+            if gi not in done and deps[gi] <= done:
+                done.add(gi)
+                order.append(gi)
+                progressed = True
+        if not progressed:
+            raise ValueError("fusion produced a cycle between kernels")
+    return [kernels[i] for i in order]
+

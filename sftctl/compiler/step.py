@@ -1,0 +1,233 @@
+"""Compile a whole training step for one accelerator, and predict its time on an offering.
+
+    graph --fuse--> kernels --search each GEMM class, cost the rest--> CompiledStep
+    CompiledStep + offering (GPUs per node, nodes, links) --> StepPrediction
+
+A CompiledStep is plain data (JSON-able) so it can be cached on disk, keyed by the graph's
+signature, the accelerator's numbers, the cost model's coefficients and ``COMPILER_VERSION``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from typing import Callable
+
+from sftctl.compiler.fusion import Kernel, fuse
+from sftctl.compiler.hardware import Accelerator
+from sftctl.compiler.ir import Graph
+from sftctl.compiler.memory import peak_memory
+
+COMPILER_VERSION = "0.1.0"
+
+
+@dataclasses.dataclass
+class KernelPlan:
+    """One kernel of the compiled step and where it sits on the roofline.
+
+    ``arithmetic_intensity`` is FLOPs per byte moved; ``bound`` is ``compute`` when that
+    intensity is above the accelerator's ridge point (peak FLOP/s over HBM bytes/s), else
+    ``memory``; ``roofline_fraction`` is the predicted FLOP/s (or bytes/s) over the roofline's
+    attainable value for the kernel.
+    """
+
+    index: int
+    kind: str
+    label: str
+    n_ops: int
+    time_s: float
+    flops: float
+    bytes: int
+    arithmetic_intensity: float
+    bound: str
+    roofline_fraction: float
+    config: dict | None = None
+    candidates: int = 0
+    scored: int = 0
+
+
+@dataclasses.dataclass
+class CompiledStep:
+    """A step compiled for one accelerator (one device's share of a data-parallel step)."""
+
+    accelerator: str
+    compiler_version: str
+    graph_signature: str
+    kernels: list[KernelPlan]
+    compute_time_s: float
+    peak_memory: dict
+    grad_bytes: int
+    candidates: int
+    scored: int
+    search_s: float
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        m = self.peak_memory
+        return m["params_bytes"] + m["opt_state_bytes"] + m["batch_bytes"] + m["transient_peak_bytes"] + m["reserve_bytes"]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CompiledStep":
+        return cls(**{**d, "kernels": [KernelPlan(**k) for k in d["kernels"]]})
+
+
+def graph_signature(graph: Graph) -> str:
+    """A hash of the graph's ops, shapes, dtypes, attributes and wiring."""
+    h = hashlib.sha256()
+    for n in graph.nodes:
+        attrs = {k: v for k, v in n.attrs.items() if k != "name"}
+        h.update(repr((n.op, n.inputs, n.type.shape, n.type.dtype, sorted(attrs.items(), key=str))).encode())
+    h.update(repr((graph.outputs, graph.output_roles)).encode())
+    return h.hexdigest()[:24]
+
+
+def compile_graph(
+    graph: Graph,
+    hw: Accelerator,
+    coeffs=None,
+    progress: Callable[[int, int], None] | None = None,
+) -> CompiledStep:
+    """Fuse ``graph`` into kernels, search each GEMM's schedule, cost every kernel on ``hw``.
+
+    Args:
+        graph: a whole training step (see :mod:`sftctl.compiler.ir`).
+        hw: the accelerator.
+        coeffs: cost-model coefficients (default: ``Coefficients.for_vendor(hw.vendor)``).
+        progress: called with (done, total) GEMM classes as the search advances.
+    """
+    from sftctl.compiler import costmodel
+    from sftctl.compiler.search.gemm import search_gemm
+
+    coeffs = coeffs or costmodel.Coefficients.for_vendor(hw.vendor)
+    started = time.perf_counter()
+    kernels = fuse(graph)
+    gemm_classes: dict[tuple, object] = {}
+    total_gemm = len({k.gemm for k in kernels if k.kind == "gemm"})
+    plans: list[KernelPlan] = []
+    candidates = scored = 0
+    for i, k in enumerate(kernels):
+        config, cands, sc = None, 0, 0
+        if k.kind == "gemm":
+            if k.gemm not in gemm_classes:
+                batch, m, n, kk, dtype, a_t, b_t, epi = k.gemm
+                problem = costmodel.GemmProblem(
+                    batch=batch, m=m, n=n, k=kk, dtype=dtype, a_transposed=a_t, b_transposed=b_t,
+                    epilogue_bytes_per_elem=epi,
+                )
+                choice = search_gemm(problem, hw, coeffs)
+                gemm_classes[k.gemm] = choice
+                candidates += choice.n_candidates
+                scored += choice.n_scored
+                if progress:
+                    progress(len(gemm_classes), total_gemm)
+            choice = gemm_classes[k.gemm]
+            t, config, cands, sc = choice.time_s, dict(choice.config), choice.n_candidates, choice.n_scored
+        elif k.kind == "reduction":
+            t = costmodel.reduction_time_s(k.bytes_read + k.bytes_written, k.flops, hw, coeffs)
+        else:
+            t = costmodel.memory_bound_time_s(k.bytes_read + k.bytes_written, hw, coeffs)
+        plans.append(_kernel_plan(graph, i, k, t, hw, config, cands, sc))
+    peak = peak_memory(graph, kernels)
+    grad_bytes = sum(n.type.numel for n in graph.inputs_with_role("param")) * 4  # fp32 gradients
+    return CompiledStep(
+        accelerator=hw.name,
+        compiler_version=COMPILER_VERSION,
+        graph_signature=graph_signature(graph),
+        kernels=plans,
+        compute_time_s=sum(p.time_s for p in plans),
+        peak_memory=dataclasses.asdict(peak),
+        grad_bytes=grad_bytes,
+        candidates=candidates,
+        scored=scored,
+        search_s=time.perf_counter() - started,
+    )
+
+
+def _kernel_plan(graph: Graph, i: int, k: Kernel, t: float, hw: Accelerator, config, cands: int, sc: int) -> KernelPlan:
+    moved = k.bytes_read + k.bytes_written
+    anchor = graph.nodes[k.anchor]
+    if k.kind == "gemm":
+        batch, m, n, kk, dtype = k.gemm[:5]
+        peak_flops = hw.matrix_peak(dtype)
+        label = f"gemm {'%dx' % batch if batch > 1 else ''}{m}x{n}x{kk} {dtype}" + (
+            f" +{len(k.nodes) - 1} fused" if len(k.nodes) > 1 else "")
+    else:
+        peak_flops = hw.vector_peak(anchor.type.dtype)
+        ops = [graph.nodes[j].op for j in k.nodes]
+        label = f"{k.kind} {'+'.join(dict.fromkeys(ops))}"[:60] + f" {list(anchor.type.shape)}"
+    intensity = k.flops / moved if moved else float("inf")
+    ridge = peak_flops / hw.hbm_bytes_per_s
+    attainable = min(peak_flops, intensity * hw.hbm_bytes_per_s)
+    achieved = k.flops / t if t > 0 else 0.0
+    return KernelPlan(
+        index=i, kind=k.kind, label=label, n_ops=len(k.nodes), time_s=float(t), flops=k.flops,
+        bytes=moved, arithmetic_intensity=intensity, bound="compute" if intensity >= ridge else "memory",
+        roofline_fraction=achieved / attainable if attainable else 0.0,
+        config=config, candidates=cands, scored=sc,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPrediction:
+    """A step's predicted time and memory on an offering (data parallel over all its devices).
+
+    ``step_time_s`` = compute + the part of the gradient all-reduce that does not overlap with
+    backward compute. ``devices_needed`` is 1 when the step fits one device's memory, more when
+    it would need sharded parameters and optimizer state, 0 when activations alone do not fit.
+    """
+
+    accelerator: str
+    world_size: int
+    compute_time_s: float
+    allreduce_time_s: float
+    step_time_s: float
+    peak_memory_bytes: int
+    memory_capacity_bytes: int
+    devices_needed: int
+
+    @property
+    def fits(self) -> bool:
+        return self.devices_needed == 1
+
+
+def predict(compiled: CompiledStep, hw: Accelerator, gpus_per_node: int, nodes: int,
+            intra_node_bytes_per_s: float | None, inter_node_bytes_per_s: float | None, coeffs=None) -> StepPrediction:
+    """Step time of ``compiled`` on ``nodes`` x ``gpus_per_node`` devices (data parallel)."""
+    from sftctl.compiler import costmodel
+    from sftctl.compiler.memory import PeakMemory
+
+    coeffs = coeffs or costmodel.Coefficients.for_vendor(hw.vendor)
+    world = gpus_per_node * nodes
+    ar = 0.0
+    if world > 1:
+        ar = costmodel.allreduce_time_s(
+            compiled.grad_bytes, gpus_per_node, nodes,
+            intra_node_bytes_per_s or 1e10, inter_node_bytes_per_s or 1e9, coeffs=coeffs,
+        )
+    # gradients are reduced in buckets while backward runs (PyTorch DDP, 25 MB buckets): the
+    # overlappable part is bounded by the backward compute, about 2/3 of the step's compute
+    exposed = max(ar - coeffs.allreduce_overlap * compiled.compute_time_s * 2 / 3, ar * (1 - coeffs.allreduce_overlap))
+    pm = PeakMemory(**compiled.peak_memory)
+    return StepPrediction(
+        accelerator=compiled.accelerator,
+        world_size=world,
+        compute_time_s=compiled.compute_time_s,
+        allreduce_time_s=ar,
+        step_time_s=compiled.compute_time_s + max(0.0, exposed),
+        peak_memory_bytes=pm.total_bytes,
+        memory_capacity_bytes=hw.memory_bytes,
+        devices_needed=pm.devices_needed(hw.memory_bytes),
+    )
+
+
+def cache_key(signature: str, hw: Accelerator, coeffs) -> str:
+    """Disk-cache key: graph signature, every hardware number, coefficients, compiler version."""
+    blob = json.dumps([signature, dataclasses.asdict(hw) | {"sources": None},
+                       dataclasses.asdict(coeffs) if coeffs is not None else None, COMPILER_VERSION],
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
