@@ -1,14 +1,21 @@
 """Accelerator offerings: what each provider sells, where, and for how much.
 
 Cloud offerings come from ``offerings.csv`` (one row per instance type and region, with the source
-of its price). The local machine's offering is built from the machine itself: ``cpu`` with one
-process per node per requested count, priced at $0/h. Prices are USD per hour per node.
+of its price, the date of the price (``as_of``) and the source of its bandwidths). The local
+machine's offering is built from the machine itself: ``cpu`` with one process per node per
+requested count, priced at $0/h. Prices are USD per hour per node.
+
+Bandwidths are unidirectional bytes/s: ``intra_node_bytes_per_s`` per accelerator between the
+accelerators of one node (NVLink/NVSwitch, Infinity Fabric or PCIe; empty for single-accelerator
+nodes), ``inter_node_bytes_per_s`` per node to the other nodes (EFA, GPUDirect NICs, or the
+instance's documented "up to" network figure).
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import datetime
 import os
 from pathlib import Path
 
@@ -20,7 +27,12 @@ class Offering:
     """One way to buy nodes: ``count`` x ``accelerator`` per node of ``instance_type``.
 
     ``usd_per_hour`` is the on-demand price of one node; ``spot_usd_per_hour`` the spot price or
-    None where the catalog has none. ``source`` says where the price comes from.
+    None where the catalog has none. ``source`` says where the price comes from, ``as_of`` when it
+    was read (ISO 8601, possibly just year or year-month).
+    ``intra_node_bytes_per_s``: unidirectional bytes/s per accelerator to the other accelerators of
+    the node (None for single-accelerator nodes or where unknown). ``inter_node_bytes_per_s``:
+    unidirectional bytes/s per node to other nodes (None where unknown or not applicable).
+    ``bandwidth_source`` says where both bandwidths come from.
     """
 
     provider: str
@@ -33,6 +45,10 @@ class Offering:
     vcpus: int | None = None
     memory_gib: float | None = None
     source: str = ""
+    intra_node_bytes_per_s: float | None = None
+    inter_node_bytes_per_s: float | None = None
+    as_of: str = ""
+    bandwidth_source: str = ""
 
     def price(self, spot: bool) -> float | None:
         """USD per hour per node, or None when the offering has no spot price and spot is asked."""
@@ -57,13 +73,31 @@ def cloud_offerings() -> list[Offering]:
                 vcpus=int(r["vcpus"]),
                 memory_gib=float(r["memory_gib"]),
                 source=r["source"],
+                intra_node_bytes_per_s=_opt_float(r.get("intra_node_bytes_per_s")),
+                inter_node_bytes_per_s=_opt_float(r.get("inter_node_bytes_per_s")),
+                as_of=(r.get("as_of") or "").strip(),
+                bandwidth_source=(r.get("bandwidth_source") or "").strip(),
             )
             for r in csv.DictReader(f)
         ]
 
 
+def _opt_float(text: str | None) -> float | None:
+    text = (text or "").strip()
+    return float(text) if text else None
+
+
+# Worker processes on one machine exchange tensors through shared memory (torch.distributed gloo over
+# loopback / shm). ASSUMPTION: ~10 GB/s each way, a memcpy-class figure well below DRAM bandwidth.
+LOCAL_INTRA_NODE_BYTES_PER_S = 10e9
+
+
 def local_offering(count: int) -> Offering:
-    """This machine as one offering: ``count`` CPU worker processes per node, free."""
+    """This machine as one offering: ``count`` CPU worker processes per node, free.
+
+    Intra-node bandwidth is an assumption (shared memory, ``LOCAL_INTRA_NODE_BYTES_PER_S``); there is
+    no inter-node network. ``as_of`` is today: the price ($0) is always current.
+    """
     return Offering(
         provider="local",
         instance_type="localhost",
@@ -74,6 +108,10 @@ def local_offering(count: int) -> Offering:
         spot_usd_per_hour=0.0,
         vcpus=os.cpu_count(),
         source="this machine",
+        intra_node_bytes_per_s=LOCAL_INTRA_NODE_BYTES_PER_S,
+        inter_node_bytes_per_s=None,
+        as_of=datetime.date.today().isoformat(),
+        bandwidth_source="assumption: worker processes share memory, ~10 GB/s each way",
     )
 
 
