@@ -78,7 +78,7 @@ def compile_for(graph: Graph, accelerator: str, progress: Callable[[int, int], N
     from sftctl.compiler.hardware import get_accelerator
 
     hw = get_accelerator(accelerator)
-    coeffs = Coefficients.for_vendor(hw.vendor)
+    coeffs = Coefficients.for_accelerator(hw)
     path = cache_dir() / "steps" / f"{cache_key(graph_signature(graph), hw, coeffs)}.json"
     if use_cache and path.exists():
         try:

@@ -9,10 +9,10 @@ model a legal fusion never loses; greedy application is therefore optimal for th
 * every ``dot_general`` anchors a GEMM kernel; elementwise consumers with the same number of
   elements that only it feeds (bias, activation, residual add, scaling, cast) become its
   epilogue and add the bytes of their other operands.
-* elementwise ops join the kernel of a producer that only they read (single-use chains), so a
-  pointwise chain is one kernel.
-* a reduction joins the kernel of its single-use elementwise producers (prologue: ``exp(x - m)``
-  then ``sum``) and later elementwise consumers may join it as an epilogue.
+* elementwise ops and reductions join the kernel of a producer when they iterate over the same
+  number of elements (Inductor's rule), so a pointwise chain is one kernel and a softmax or a
+  layer norm (reductions with their prologue and epilogue) is one kernel. A producer read from
+  outside its kernel is still written.
 * ``gather`` and ``scatter_add`` are kernels of their own (data-dependent addressing).
 
 A kernel's bytes are what it reads from and writes to memory: each distinct external tensor it
@@ -117,9 +117,12 @@ def fuse(graph: Graph) -> list[Kernel]:
                 stack.append(d)
         return False
 
+    domain: list[int] = []  # kernel -> elements it iterates over
+
     def new_kernel(kind: str, node: Node) -> None:
         group_of[node.id] = len(kernels)
         kernels.append(Kernel(kind, [node.id]))
+        domain.append(_domain(graph, node))
         deps.append(input_kernels(node) - {group_of[node.id]})
 
     for node in graph.nodes:
@@ -136,14 +139,17 @@ def fuse(graph: Graph) -> list[Kernel]:
         target = None
         for inp in node.inputs:
             src = source_of(graph, inp)
-            if src not in group_of or not only_user_is(src, node.id):
+            if src not in group_of or src in outputs:
                 continue
             k = kernels[group_of[src]]
             if k.kind == "gemm":
-                # epilogue: same element count as the GEMM output, applied elementwise
-                if node.op in ELEMENTWISE and node.type.numel == graph.nodes[k.anchor].type.numel:
+                # epilogue: applied elementwise to the GEMM's output, which nothing else reads
+                if (node.op in ELEMENTWISE and only_user_is(src, node.id)
+                        and node.type.numel == graph.nodes[k.anchor].type.numel):
                     target = group_of[src]
-            elif k.kind in ("pointwise", "reduction"):
+            elif k.kind in ("pointwise", "reduction") and _domain(graph, node) == domain[group_of[src]]:
+                # same iteration space (Inductor's rule): a multi-output kernel is fine, the
+                # producer is still written if a reader outside needs it
                 target = group_of[src]
             others = input_kernels(node) - {target}
             if target is not None and any(reaches(o, target) for o in others):
@@ -162,6 +168,13 @@ def fuse(graph: Graph) -> list[Kernel]:
     for k in kernels:
         _account(graph, k, group_of, real_users, outputs)
     return _order(graph, kernels, group_of)
+
+
+def _domain(graph: Graph, node: Node) -> int:
+    """Elements a node iterates over: a reduction's input, anything else's output."""
+    if node.op in REDUCTIONS:
+        return graph.nodes[node.inputs[0]].type.numel
+    return node.type.numel
 
 
 def _account(graph: Graph, k: Kernel, group_of: dict[int, int], real_users, outputs: set[int]) -> None:

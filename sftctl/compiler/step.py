@@ -21,6 +21,14 @@ from sftctl.compiler.ir import Graph
 from sftctl.compiler.memory import peak_memory
 
 COMPILER_VERSION = "0.1.0"
+# Data-parallel gradient all-reduce (see costmodel.allreduce_time_s). PyTorch DDP all-reduces
+# 25 MB buckets while backward runs (Li et al., "PyTorch Distributed", VLDB 2020), so most of it
+# hides behind backward, which is about 2/3 of a step's compute (backward ~ 2x forward FLOPs).
+ALLREDUCE_OVERLAP = 0.8
+BACKWARD_SHARE = 2 / 3
+# Links when an offering does not say: PCIe 4.0 x16 (~25 GB/s) and a 10 Gbit/s network.
+DEFAULT_INTRA_NODE_BYTES_PER_S = 25e9
+DEFAULT_INTER_NODE_BYTES_PER_S = 1.25e9
 
 
 @dataclasses.dataclass
@@ -97,13 +105,13 @@ def compile_graph(
     Args:
         graph: a whole training step (see :mod:`sftctl.compiler.ir`).
         hw: the accelerator.
-        coeffs: cost-model coefficients (default: ``Coefficients.for_vendor(hw.vendor)``).
+        coeffs: cost-model coefficients (default: ``Coefficients.for_accelerator(hw)``).
         progress: called with (done, total) GEMM classes as the search advances.
     """
     from sftctl.compiler import costmodel
     from sftctl.compiler.search.gemm import search_gemm
 
-    coeffs = coeffs or costmodel.Coefficients.for_vendor(hw.vendor)
+    coeffs = coeffs or costmodel.Coefficients.for_accelerator(hw)
     started = time.perf_counter()
     kernels = fuse(graph)
     gemm_classes: dict[tuple, object] = {}
@@ -113,11 +121,13 @@ def compile_graph(
     for i, k in enumerate(kernels):
         config, cands, sc = None, 0, 0
         if k.kind == "gemm":
+            batch, m, n, kk, dtype, a_t, b_t, epi = k.gemm
+            gemm_flops = 2.0 * batch * m * n * kk
             if k.gemm not in gemm_classes:
-                batch, m, n, kk, dtype, a_t, b_t, epi = k.gemm
                 problem = costmodel.GemmProblem(
-                    batch=batch, m=m, n=n, k=kk, dtype=dtype, a_transposed=a_t, b_transposed=b_t,
+                    batch=batch, m=m, n=n, k=kk, dtype=_mma_dtype(dtype), a_transposed=a_t, b_transposed=b_t,
                     epilogue_bytes_per_elem=epi,
+                    epilogue_flops_per_elem=max(0.0, k.flops - gemm_flops) / max(1, batch * m * n),
                 )
                 choice = search_gemm(problem, hw, coeffs)
                 gemm_classes[k.gemm] = choice
@@ -126,11 +136,14 @@ def compile_graph(
                 if progress:
                     progress(len(gemm_classes), total_gemm)
             choice = gemm_classes[k.gemm]
-            t, config, cands, sc = choice.time_s, dict(choice.config), choice.n_candidates, choice.n_scored
-        elif k.kind == "reduction":
-            t = costmodel.reduction_time_s(k.bytes_read + k.bytes_written, k.flops, hw, coeffs)
+            cands, sc = choice.n_candidates, choice.n_scored
+            if choice.config is not None:
+                t, config = choice.time_s, dict(choice.config)
+            else:  # no tiled schedule fits (the host CPU): the plain roofline
+                t = _roofline_time_s(k, hw, coeffs, hw.matrix_peak(_mma_dtype(dtype)) * coeffs.mma_efficiency)
         else:
-            t = costmodel.memory_bound_time_s(k.bytes_read + k.bytes_written, hw, coeffs)
+            vector = hw.vector_peak(graph.nodes[k.anchor].type.dtype) * coeffs.vector_efficiency
+            t = _roofline_time_s(k, hw, coeffs, vector)
         plans.append(_kernel_plan(graph, i, k, t, hw, config, cands, sc))
     peak = peak_memory(graph, kernels)
     grad_bytes = sum(n.type.numel for n in graph.inputs_with_role("param")) * 4  # fp32 gradients
@@ -146,6 +159,20 @@ def compile_graph(
         scored=scored,
         search_s=time.perf_counter() - started,
     )
+
+
+def _mma_dtype(dtype: str) -> str:
+    """The matrix-unit input dtype of a contraction traced in ``dtype`` (float64 runs as fp32)."""
+    return "float32" if dtype == "float64" else dtype
+
+
+def _roofline_time_s(k: Kernel, hw: Accelerator, coeffs, flops_per_s: float) -> float:
+    """Memory-bound and vector kernels: launch + fill latency + max(bytes / BW, FLOPs / rate)."""
+    from sftctl.compiler.costmodel import memory_bound_time_s
+
+    mem = float(memory_bound_time_s(k.bytes_read + k.bytes_written, hw, coeffs))
+    fixed = float(memory_bound_time_s(0, hw, coeffs))
+    return max(mem, fixed + k.flops / flops_per_s)
 
 
 def _kernel_plan(graph: Graph, i: int, k: Kernel, t: float, hw: Accelerator, config, cands: int, sc: int) -> KernelPlan:
@@ -176,8 +203,8 @@ def _kernel_plan(graph: Graph, i: int, k: Kernel, t: float, hw: Accelerator, con
 class StepPrediction:
     """A step's predicted time and memory on an offering (data parallel over all its devices).
 
-    ``step_time_s`` = compute + the part of the gradient all-reduce that does not overlap with
-    backward compute. ``devices_needed`` is 1 when the step fits one device's memory, more when
+    ``step_time_s`` = compute + ``allreduce_time_s``, the part of the gradient all-reduce that
+    does not overlap with backward compute. ``devices_needed`` is 1 when the step fits one device's memory, more when
     it would need sharded parameters and optimizer state, 0 when activations alone do not fit.
     """
 
@@ -201,24 +228,24 @@ def predict(compiled: CompiledStep, hw: Accelerator, gpus_per_node: int, nodes: 
     from sftctl.compiler import costmodel
     from sftctl.compiler.memory import PeakMemory
 
-    coeffs = coeffs or costmodel.Coefficients.for_vendor(hw.vendor)
+    coeffs = coeffs or costmodel.Coefficients.for_accelerator(hw)
     world = gpus_per_node * nodes
     ar = 0.0
     if world > 1:
         ar = costmodel.allreduce_time_s(
             compiled.grad_bytes, gpus_per_node, nodes,
-            intra_node_bytes_per_s or 1e10, inter_node_bytes_per_s or 1e9, coeffs=coeffs,
+            intra_node_bytes_per_s or DEFAULT_INTRA_NODE_BYTES_PER_S,
+            (inter_node_bytes_per_s or DEFAULT_INTER_NODE_BYTES_PER_S) / gpus_per_node,  # per GPU
+            overlap_fraction=ALLREDUCE_OVERLAP,
+            backward_compute_s=compiled.compute_time_s * BACKWARD_SHARE,
         )
-    # gradients are reduced in buckets while backward runs (PyTorch DDP, 25 MB buckets): the
-    # overlappable part is bounded by the backward compute, about 2/3 of the step's compute
-    exposed = max(ar - coeffs.allreduce_overlap * compiled.compute_time_s * 2 / 3, ar * (1 - coeffs.allreduce_overlap))
     pm = PeakMemory(**compiled.peak_memory)
     return StepPrediction(
         accelerator=compiled.accelerator,
         world_size=world,
         compute_time_s=compiled.compute_time_s,
         allreduce_time_s=ar,
-        step_time_s=compiled.compute_time_s + max(0.0, exposed),
+        step_time_s=compiled.compute_time_s + ar,
         peak_memory_bytes=pm.total_bytes,
         memory_capacity_bytes=hw.memory_bytes,
         devices_needed=pm.devices_needed(hw.memory_bytes),

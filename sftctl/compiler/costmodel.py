@@ -1,0 +1,704 @@
+"""Analytical cost model: predicted seconds of GEMMs, memory-bound kernels, reductions, all-reduce.
+
+Everything here is arithmetic on numbers from :class:`~sftctl.compiler.hardware.Accelerator` and a
+small set of efficiency :class:`Coefficients` (what the hardware achieves in practice, as a
+fraction of its datasheet peak). No measurement happens here; the coefficients are the knobs a
+later calibration against measured kernels turns.
+
+GEMM model (:func:`gemm_time_s`)
+--------------------------------
+A candidate schedule is a Triton-style tiled GEMM: a grid of ``ceil(M/BLOCK_M) * ceil(N/BLOCK_N)``
+output tiles per batch entry, times ``split_k`` slices of the K loop; each program (CUDA block)
+streams ``BLOCK_M x BLOCK_K`` tiles of A and ``BLOCK_K x BLOCK_N`` tiles of B through a
+``num_stages``-deep shared-memory ring into ``num_warps`` warps of tensor-core MMAs; programs are
+issued in ``GROUP_M``-grouped order (Triton tutorial 03, "L2 cache optimizations"). The predicted
+time is::
+
+    launch + copies + split-K reduce + roofline(T_sm, T_hbm, T_l2)
+    roofline = (1 - s) * max(T_sm, T_hbm, T_l2) + s * (T_sm + T_hbm + T_l2)   (s = overlap_slack)
+    T_sm  = waves * t_fix + max(wa * t_mma, wa * t_smem, waves * t_latency) + wa * t_epilogue
+
+with ``waves = ceil(programs / (SMs * blocks_per_SM))`` and ``wa = waves * a`` where ``a`` is the
+number of programs co-resident on the busiest SM in a wave. Each term and its source:
+
+* **Tile quantization** (NVIDIA "Matrix Multiplication Background User's Guide", section "Tile
+  quantization"): the MMA work of a program is ``2 * BLOCK_M * BLOCK_N * K_s`` with ``K_s`` the
+  split's K rounded up to BLOCK_K; programs on the ragged edge of M/N do the full tile.
+* **Wave quantization** (same guide, "Wave quantization"): programs run in waves of
+  ``SMs * blocks_per_SM``; a partial last wave costs a full one.
+* **Occupancy** (CUDA C++ Programming Guide, "Occupancy calculator"; CUTLASS "Efficient GEMM in
+  CUDA"): ``blocks_per_SM = min(max_blocks_per_sm, max_warps_per_sm // num_warps,
+  regs_per_sm // (regs_per_thread * threads), smem_bytes_per_sm // smem_per_block)``; registers are
+  allocated in units of 8 per thread (256 per warp). Registers per thread are estimated as fp32
+  accumulators ``BLOCK_M * BLOCK_N / threads`` + double-buffered MMA operand fragments + (without
+  asynchronous copies) one register-staged K tile + a fixed ``reg_base``. Shared memory is
+  ``num_stages * (BLOCK_M + BLOCK_N) * BLOCK_K * bytes`` (Triton's pipeliner allocates one buffer
+  per stage; Inductor's ``get_shared_memory_estimation`` uses the same product) plus the block's
+  reserved 1 KiB (CUDA Programming Guide, "Shared memory", compute capability 8.x/9.x).
+  A candidate that needs more shared memory per block, more registers per thread or more threads
+  per block than the hardware allows, or fits zero blocks per SM, is **infeasible** (``inf``).
+* **MMA issue efficiency** (CUTLASS docs "Efficient GEMM in CUDA", warp-level tiling; "Dissecting
+  the NVIDIA Hopper architecture through microbenchmarking", Luo et al. 2024, for wgmma): the work
+  is split over MMA units (a warp for ``mma.sync``; a 4-warp warpgroup for Hopper ``wgmma`` when
+  ``num_warps % 4 == 0`` and BLOCK_M >= 64). A unit's tile of ``t`` outputs runs at
+  ``t / (t + warp_tile_overhead_elems * unit_warps)`` of the unit's peak (per-instruction
+  address/fragment overhead dominates tiny tiles). Warps beyond what the tile can feed
+  (``(BLOCK_M/mma_m) * (BLOCK_N/mma_n)`` units) replicate work, as Triton's layouts wrap
+  (``replication = units / useful_units`` multiplies MMA and shared-memory work). A program with
+  fewer than ``mma_subpartitions`` (4) warps resident per SM leaves tensor cores idle:
+  throughput ``* min(1, a * num_warps / 4)``.
+* **Shared-memory bandwidth** (CUTLASS "Efficient GEMM", 32 banks x 4 B/clk): each K step a unit
+  reads its A rows and B columns from shared memory and the stage fill writes the tile once:
+  ``t_smem = K_s * (rep * (wn*BLOCK_M + wm*BLOCK_N) + BLOCK_M + BLOCK_N) * bytes / smem_bw`` with
+  the units arranged ``wm x wn`` (the arrangement that minimises the traffic).
+* **Pipeline depth vs latency, Little's law** (Little 1961; NVIDIA "CUDA C++ Best Practices",
+  memory-latency hiding; Triton docs ``num_stages``): with ``num_stages - 1`` loads in flight, a
+  program's K loop can not run faster than one iteration per ``latency / (num_stages - 1)``;
+  ``num_stages == 1`` does not overlap loads with MMAs at all (latency + MMA per iteration).
+  Each wave also pays the fill (first load) and the final store latency and
+  ``tile_overhead_cycles`` (index math, prologue, epilogue, barriers).
+* **HBM roofline with tile reuse and L2** (NVIDIA guide, "Math and memory bounds"; Triton tutorial
+  03 on grouped ordering): A is read ``f_A`` times and B ``f_B`` times from DRAM. Under grouped
+  order, the ``min(GROUP_M, tiles_m)`` A row-panels of a group are reused by every column of the
+  group if they fit in the usable L2 (``f_A = 1``), otherwise only by the columns that run
+  concurrently (``f_A = ceil(tiles_n / cols_in_flight)``); a B column-panel is read once per group
+  of rows (or once if all of B plus the group's A panels fit in L2). Output written once in the
+  output dtype plus the fused epilogue's extra bytes per element.
+* **L2 bandwidth** (Jia et al., "Dissecting the NVIDIA Volta/Ampere GPU architecture via
+  microbenchmarking"; Luo et al. 2024 for Hopper): every program reads its panels through L2;
+  L2 bandwidth is ``l2_bytes_per_clk_per_sm * sm_count * clock_hz``.
+* **Split-K** (CUTLASS "split-K" GEMM; NVIDIA guide, "Dimension quantization effects"): split_k
+  slices multiply the programs (parallelism for small M*N), each writes an fp32 partial tile;
+  a second, memory-bound kernel reads ``split_k`` fp32 partials and writes the output.
+* **Operand layout**: an MN-major operand (A stored M-contiguous, or B stored N-contiguous, the
+  usual ``x @ W`` with W row-major) costs ``mn_major_efficiency_*`` of MMA throughput (16-bit has
+  ``ldmatrix.trans`` / wgmma transpose support: 1.0 on NVIDIA; tf32 and fp8 need a register
+  shuffle). The schedule may instead transpose-copy the operand first (a memory-bound kernel that
+  reads and writes it once).
+* **K-loop overhead**: ``k_loop_overhead_cycles`` per iteration (wait, barrier, address
+  increments; CUTLASS "Efficient GEMM", software pipelining) is added to the MMA time, so
+  BLOCK_K = 16 loops pay for their many iterations.
+* **Launch overhead**: ``hw.launch_overhead_s`` per kernel (GEMM, copies, reduce).
+
+* **Imperfect overlap** (``overlap_slack``, our assumption, to be calibrated): a pure roofline
+  max assumes compute, DRAM and L2 traffic overlap perfectly; ``s`` of the non-dominant terms
+  stays exposed.
+
+Every per-candidate time is non-decreasing in M, N, K and batch (mathematically; in floating
+point up to ~1e-15 relative, where co-residency terms equal in exact arithmetic round
+differently), and non-increasing in HBM bandwidth, matrix FLOP/s and L2 size (exactly);
+tests/test_costmodel.py checks both elementwise over the whole space. The search
+(``search/gemm.py``) relies on :func:`gemm_group_bound`, a lower bound computed through the same
+expression tree with best-case leaves, so it is <= every member's time in floating point too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from sftctl.compiler.hardware import Accelerator
+
+__all__ = [
+    "Coefficients", "GemmProblem", "LAYOUTS", "dtype_bytes", "gemm_time_s", "gemm_breakdown",
+    "gemm_group_bound", "memory_bound_time_s", "reduction_time_s", "allreduce_time_s",
+]
+
+#: Operand layout choices of a GEMM schedule (the ``layout`` candidate key, an index here).
+LAYOUTS = ("as_is", "copy_a", "copy_b", "copy_ab")
+
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "tf32": 4, "bfloat16": 2, "float16": 2,
+                "float8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
+
+MAX_THREADS_PER_BLOCK = 1024  # CUDA and HIP alike
+
+
+def dtype_bytes(dtype: str) -> int:
+    try:
+        return _DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_DTYPE_BYTES)}") from None
+
+
+def _peak_key(dtype: str) -> str:
+    return "float8" if dtype.startswith("float8") else ("float32" if dtype == "tf32" else dtype)
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """Tunable efficiency coefficients of the model (all plain numbers: hashable, comparable).
+
+    Defaults are NVIDIA datacenter-GPU values; :meth:`for_vendor` / :meth:`for_accelerator` give
+    per-vendor / per-model sets. Change one with ``dataclasses.replace(c, hbm_efficiency=0.85)``.
+
+    Attributes:
+        mma_efficiency: achievable fraction of the dense matrix peak by a large, well-tiled GEMM
+            (cuBLAS/CUTLASS reach ~0.8-0.9 on A100/H100 at large sizes; "Dissecting Hopper",
+            Luo et al. 2024; NVIDIA guide figures). MI300X hipBLASLt reaches ~0.6.
+        hbm_efficiency: achievable fraction of peak DRAM bandwidth (STREAM-like copy reaches
+            ~0.9 on A100/H100, ~0.8 on MI300X).
+        l2_bytes_per_clk_per_sm: achievable L2-to-SM bandwidth per SM per clock (A100: 5120
+            B/clk peak over 108 SMs, ~5 TB/s measured, Jia et al. microbenchmarks -> ~33;
+            H100 ~10 TB/s, Luo et al. 2024 -> ~41). Per SM and clock rather than a multiple of
+            DRAM bandwidth, so GDDR parts (L4, A10G, T4) with big, fast L2s come out right.
+        l2_usable_fraction: share of L2 that holds reusable GEMM panels (H100/A100 L2 is two
+            partitions; streaming traffic evicts the rest).
+        smem_bytes_per_clk: shared-memory (LDS) bandwidth per SM per clock (32 banks x 4 B).
+        warp_tile_overhead_elems: per-warp MMA issue overhead, in output elements; a unit with
+            a tile of t outputs runs at t / (t + this * unit_warps).
+        mma_subpartitions: tensor-core sub-partitions per SM (4 on Volta..Hopper, 4 SIMDs/CU).
+        mma_m, mma_n: smallest per-warp MMA tile (mma.sync m16n8; MFMA 16x16).
+        warpgroup_mma: Hopper wgmma: 4-warp units with a 64-row tile, operands read from smem.
+        async_copy: cp.async/TMA (no register staging of loads when num_stages >= 2).
+        reg_base: registers per thread besides accumulators and fragments (addresses, masks).
+        smem_reserved_per_block: bytes the runtime reserves per block (1 KiB on sm80/sm90).
+        tile_overhead_cycles: fixed cycles per wave of programs (index math, prologue, epilogue).
+        k_loop_overhead_cycles: cycles per K-loop iteration the tensor cores idle (wait for the
+            stage's copy, barrier, address increments); makes tiny BLOCK_K slow.
+        fill_latencies: memory latencies paid per wave outside the pipelined loop (first load,
+            final store).
+        latency_multiplier: scales ``hw.memory_latency_s`` (loaded vs idle latency).
+        epilogue_flops_per_elem: vector FLOPs per output element of the plain epilogue
+            (scale, convert, store address math).
+        vector_efficiency: achievable fraction of the vector (CUDA core) peak.
+        mn_major_efficiency_16bit: MMA throughput multiplier per MN-major 16-bit operand.
+        mn_major_efficiency_other: the same for 8- and 32-bit operands (tf32/fp8 have no
+            transposed MMA operand load).
+        splitk_partial_bytes: bytes per partial-sum element of split-K (fp32).
+        overlap_slack: share of the non-dominant roofline terms that is not hidden: the time is
+            ``(1 - s) * max(T_sm, T_hbm, T_l2) + s * (T_sm + T_hbm + T_l2)`` (0 = perfect
+            overlap, the pure roofline). Also makes a memory-bound kernel prefer the schedule
+            that wastes least compute, instead of a tie.
+    """
+
+    mma_efficiency: float = 0.88
+    hbm_efficiency: float = 0.90
+    l2_bytes_per_clk_per_sm: float = 33.0
+    l2_usable_fraction: float = 0.5
+    smem_bytes_per_clk: float = 128.0
+    warp_tile_overhead_elems: float = 256.0
+    mma_subpartitions: int = 4
+    mma_m: int = 16
+    mma_n: int = 8
+    warpgroup_mma: bool = False
+    async_copy: bool = True
+    reg_base: int = 32
+    smem_reserved_per_block: int = 1024
+    tile_overhead_cycles: float = 1000.0
+    k_loop_overhead_cycles: float = 32.0
+    fill_latencies: float = 2.0
+    latency_multiplier: float = 1.0
+    epilogue_flops_per_elem: float = 2.0
+    vector_efficiency: float = 0.7
+    mn_major_efficiency_16bit: float = 1.0
+    mn_major_efficiency_other: float = 0.85
+    splitk_partial_bytes: int = 4
+    overlap_slack: float = 0.05
+
+    #: Per-vendor overrides of the defaults (``for_vendor``).
+    VENDOR: ClassVar[dict] = {
+        "nvidia": {},
+        "amd": dict(mma_efficiency=0.65, hbm_efficiency=0.80, l2_bytes_per_clk_per_sm=20.0,
+                    mma_n=16, async_copy=False, smem_reserved_per_block=0,
+                    mn_major_efficiency_16bit=0.9),
+        "cpu": dict(mma_efficiency=0.5, hbm_efficiency=0.6),
+    }
+    #: Per-accelerator-name overrides, applied after the vendor's (calibration goes here).
+    ACCELERATOR: ClassVar[dict] = {}
+
+    @classmethod
+    def for_vendor(cls, vendor: str) -> "Coefficients":
+        return cls(**cls.VENDOR.get(vendor, {}))
+
+    @classmethod
+    def for_accelerator(cls, hw: Accelerator) -> "Coefficients":
+        """Vendor defaults, Hopper wgmma where it applies, then ``ACCELERATOR[hw.name]``."""
+        c = cls.for_vendor(hw.vendor)
+        if hw.vendor == "nvidia" and isinstance(hw.triton_arch, int) and hw.triton_arch >= 90:
+            # Hopper: wgmma (warpgroup MMA, operands from smem) and a faster L2 (~10 TB/s on
+            # H100; Luo et al. 2024).
+            c = dataclasses.replace(c, warpgroup_mma=True, l2_bytes_per_clk_per_sm=41.0)
+        return dataclasses.replace(c, **cls.ACCELERATOR.get(hw.name, {}))
+
+    def mn_major_efficiency(self, nbytes: int) -> float:
+        return self.mn_major_efficiency_16bit if nbytes == 2 else self.mn_major_efficiency_other
+
+
+@dataclass(frozen=True)
+class GemmProblem:
+    """One GEMM class ``C[b] = A[b] @ B[b]``, A is ``m x k``, B is ``k x n``, ``batch`` entries.
+
+    Attributes:
+        dtype: input dtype (``bfloat16``, ``float16``, ``float32`` (tf32 MMA), ``float8*``).
+        out_dtype: output dtype, ``"same"`` for ``dtype``.
+        a_transposed: A is stored as a row-major ``k x m`` tensor (M-contiguous, "MN-major").
+        b_transposed: B is stored as a row-major ``n x k`` tensor (K-contiguous, the
+            ``x @ W.T`` of ``nn.Linear``); False means row-major ``k x n`` (N-contiguous).
+        epilogue_bytes_per_elem: extra bytes read/written per output element by a fused
+            epilogue (bias 0 (per column, cached), residual add 2, saving a pre-activation 2 ...).
+        epilogue_flops_per_elem: extra vector FLOPs per output element (activation ...).
+        prologue_flops_per_elem: vector FLOPs per A element as it is loaded into a tile (a fused
+            elementwise op on A, e.g. dequantization or an activation's backward).
+    """
+
+    batch: int
+    m: int
+    n: int
+    k: int
+    dtype: str = "bfloat16"
+    out_dtype: str = "same"
+    a_transposed: bool = False
+    b_transposed: bool = False
+    epilogue_bytes_per_elem: float = 0.0
+    epilogue_flops_per_elem: float = 0.0
+    prologue_flops_per_elem: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "m", "n", "k"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"GemmProblem.{name} must be a positive int, got {v!r}")
+        dtype_bytes(self.dtype)
+        if self.out_dtype != "same":
+            dtype_bytes(self.out_dtype)
+        for name in ("epilogue_bytes_per_elem", "epilogue_flops_per_elem", "prologue_flops_per_elem"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"GemmProblem.{name} must be >= 0")
+
+    @property
+    def in_bytes(self) -> int:
+        return dtype_bytes(self.dtype)
+
+    @property
+    def out_bytes(self) -> int:
+        return dtype_bytes(self.dtype if self.out_dtype == "same" else self.out_dtype)
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.batch * self.m * self.n * self.k
+
+    def signature(self) -> tuple:
+        return dataclasses.astuple(self)
+
+
+# --------------------------------------------------------------------------------------------
+# Generic kernels
+
+
+def memory_bound_time_s(bytes_moved, hw: Accelerator, coeffs: Coefficients | None = None,
+                        n_kernels=1):
+    """Seconds for ``n_kernels`` memory-bound kernels moving ``bytes_moved`` bytes in all.
+
+    ``n_kernels * (launch + fill_latencies * latency) + bytes / (hbm_efficiency * peak BW)``.
+    Works elementwise on numpy arrays.
+    """
+    c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
+    lat = hw.memory_latency_s * c.latency_multiplier
+    per_kernel = hw.launch_overhead_s + c.fill_latencies * lat
+    return n_kernels * per_kernel + bytes_moved / (hw.hbm_bytes_per_s * c.hbm_efficiency)
+
+
+def reduction_time_s(rows, cols, dtype: str, hw: Accelerator, coeffs: Coefficients | None = None,
+                     out_dtype: str | None = None, flops_per_elem: float = 1.0, n_kernels: int = 1):
+    """Seconds for a row reduction of a ``rows x cols`` tensor (sum, max, softmax statistics ...).
+
+    Roofline of reading the input once and writing one value per row, against
+    ``flops_per_elem`` vector FLOPs per input element. Assumes Inductor-style split reductions
+    keep every SM busy when rows are few, so no wave term. Elementwise on arrays.
+    """
+    c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
+    in_b = dtype_bytes(dtype)
+    out_b = dtype_bytes(out_dtype) if out_dtype else in_b
+    bytes_moved = rows * cols * in_b + rows * out_b
+    mem = memory_bound_time_s(bytes_moved, hw, c, n_kernels)
+    compute = rows * cols * flops_per_elem / (hw.vector_peak("float32") * c.vector_efficiency)
+    lat = hw.memory_latency_s * c.latency_multiplier
+    fixed = n_kernels * (hw.launch_overhead_s + c.fill_latencies * lat)
+    return np.maximum(mem, fixed + compute)
+
+
+def allreduce_time_s(grad_bytes: float, gpus_per_node: int, nodes: int,
+                     intra_node_bytes_per_s: float, inter_node_bytes_per_s: float,
+                     overlap_fraction: float = 0.0, backward_compute_s: float | None = None,
+                     link_latency_s: float = 0.0) -> float:
+    """Exposed seconds of a data-parallel gradient all-reduce of ``grad_bytes`` per GPU.
+
+    Ring all-reduce (Patarasuk & Yuan 2009; NCCL docs "Performance" / nccl-tests bus bandwidth):
+    each GPU sends and receives ``2 * (n - 1) / n * bytes``, so the time is that over the
+    slowest link of the ring. Across nodes the all-reduce is hierarchical (NCCL's tree/ring
+    hierarchy, Horovod's hierarchical allreduce): reduce-scatter inside the node
+    (``(g-1)/g * B`` over the intra-node link), a ring all-reduce of each GPU's ``B/g`` shard
+    across the ``nodes`` nodes over the inter-node link (``inter_node_bytes_per_s`` is per GPU:
+    one NIC per GPU, e.g. 400 Gb/s = 50e9 B/s), then all-gather inside the node::
+
+        T = 2 (g-1)/g * B / intra + 2 (N-1)/N * (B/g) / inter + steps * link_latency_s
+
+    with ``steps = 2 (g-1) + 2 (N-1)`` ring steps.
+
+    Overlap: DDP-style bucketed all-reduce runs during the backward pass (Li et al., "PyTorch
+    Distributed", VLDB 2020). ``overlap_fraction`` of the all-reduce is hidden behind backward
+    compute, but never more than ``backward_compute_s`` when given::
+
+        exposed = T - min(overlap_fraction * T, backward_compute_s)
+    """
+    if gpus_per_node < 1 or nodes < 1:
+        raise ValueError("gpus_per_node and nodes must be >= 1")
+    if not 0.0 <= overlap_fraction <= 1.0:
+        raise ValueError("overlap_fraction must be within [0, 1]")
+    g, n_nodes, b = gpus_per_node, nodes, float(grad_bytes)
+    total = 0.0
+    if g > 1:
+        total += 2.0 * (g - 1) / g * b / intra_node_bytes_per_s
+    if n_nodes > 1:
+        total += 2.0 * (n_nodes - 1) / n_nodes * (b / g) / inter_node_bytes_per_s
+    total += (2 * (g - 1) + 2 * (n_nodes - 1)) * link_latency_s
+    hidden = overlap_fraction * total
+    if backward_compute_s is not None:
+        hidden = min(hidden, max(0.0, backward_compute_s))
+    return total - hidden
+
+
+# --------------------------------------------------------------------------------------------
+# GEMM
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    """Scalars of one (problem, hw, coeffs) triple, precomputed once per evaluation."""
+
+    batch: float
+    M: float
+    N: float
+    K: float
+    in_b: float
+    out_b: float
+    epi_bytes: float
+    pro_flops: float
+    epi_flops: float
+    sms: float
+    p_sm: float
+    smem_bw: float
+    hbm: float
+    l2bw: float
+    l2u: float
+    lat: float
+    vec_sm: float
+    launch: float
+    t_fix: float
+    t_iter: float
+    warp: float
+    max_warps: float
+    max_blocks: float
+    regs_sm: float
+    regs_max: float
+    smem_sm: float
+    smem_block: float
+    eff_a: float  # MMA multiplier when A is MN-major and not copied
+    eff_b: float
+    a_bytes: float  # DRAM bytes of A, B (real sizes)
+    b_bytes: float
+    c: Coefficients
+
+
+def _ctx(problem: GemmProblem, hw: Accelerator, c: Coefficients) -> _Ctx:
+    in_b = problem.in_bytes
+    lat = hw.memory_latency_s * c.latency_multiplier
+    batch, M, N, K = (float(problem.batch), float(problem.m), float(problem.n), float(problem.k))
+    mn_eff = c.mn_major_efficiency(in_b)
+    return _Ctx(
+        batch=batch, M=M, N=N, K=K, in_b=float(in_b), out_b=float(problem.out_bytes),
+        epi_bytes=float(problem.epilogue_bytes_per_elem),
+        pro_flops=float(problem.prologue_flops_per_elem),
+        epi_flops=float(c.epilogue_flops_per_elem + problem.epilogue_flops_per_elem),
+        sms=float(hw.sm_count),
+        p_sm=hw.matrix_peak(_peak_key(problem.dtype)) * c.mma_efficiency / hw.sm_count,
+        smem_bw=c.smem_bytes_per_clk * hw.clock_hz,
+        hbm=hw.hbm_bytes_per_s * c.hbm_efficiency,
+        l2bw=c.l2_bytes_per_clk_per_sm * hw.sm_count * hw.clock_hz,
+        l2u=hw.l2_bytes * c.l2_usable_fraction,
+        lat=lat,
+        vec_sm=hw.vector_peak("float32") * c.vector_efficiency / hw.sm_count,
+        launch=float(hw.launch_overhead_s),
+        t_fix=c.tile_overhead_cycles / hw.clock_hz + c.fill_latencies * lat,
+        t_iter=c.k_loop_overhead_cycles / hw.clock_hz,
+        warp=float(hw.warp_size), max_warps=float(hw.max_warps_per_sm),
+        max_blocks=float(hw.max_blocks_per_sm), regs_sm=float(hw.regs_per_sm),
+        regs_max=float(hw.regs_per_thread_max), smem_sm=float(hw.smem_bytes_per_sm),
+        smem_block=float(hw.smem_bytes_per_block),
+        eff_a=mn_eff if problem.a_transposed else 1.0,
+        eff_b=1.0 if problem.b_transposed else mn_eff,
+        a_bytes=batch * M * K * in_b, b_bytes=batch * N * K * in_b,
+        c=c,
+    )
+
+
+def _f(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+def _geometry_unit(ctx: _Ctx, BM, BN, W, unit_warps: float, unit_m: float, frag: bool):
+    """MMA units (warps or warpgroups) of a BM x BN tile with W warps.
+
+    Returns (useful units, replication, smem elements read per k per program, unit efficiency,
+    registers per thread of accumulators + fragments).
+    """
+    c = ctx.c
+    units = np.maximum(np.floor(W / unit_warps), 1.0)
+    max_units = np.maximum(np.floor(BM / unit_m) * np.floor(BN / c.mma_n), 1.0)
+    uu = np.minimum(units, max_units)
+    rep = units / uu
+    best = None
+    wm = 1.0
+    while wm <= 64.0:
+        wn = uu / wm
+        ok = (np.floor(wn) == wn) & (wm * unit_m <= BM) & (wn * c.mma_n <= BN)
+        cost = np.where(ok, wn * BM + wm * BN, np.inf)
+        best = cost if best is None else np.minimum(best, cost)
+        wm *= 2.0
+    best = np.where(np.isfinite(best), best, uu * BM + BN)  # fallback: all units along N
+    wt = BM * BN / uu
+    e_w = wt / (wt + c.warp_tile_overhead_elems * unit_warps)
+    acc = BM * BN / (uu * unit_warps * ctx.warp)
+    regs = acc
+    if frag:  # double-buffered k16 operand fragments in registers (mma.sync)
+        regs = acc + 2.0 * (best / uu) * 16.0 * ctx.in_b / (4.0 * ctx.warp)
+    return uu, rep, best, e_w, regs
+
+
+def _geometry(ctx: _Ctx, BM, BN, W):
+    """Per-(BM, BN, W) MMA geometry, choosing wgmma where the model's coefficients allow it."""
+    g1 = _geometry_unit(ctx, BM, BN, W, 1.0, float(ctx.c.mma_m), True)
+    if not ctx.c.warpgroup_mma:
+        return g1
+    g4 = _geometry_unit(ctx, BM, BN, W, 4.0, 64.0, False)
+    use4 = (np.remainder(W, 4.0) == 0.0) & (BM >= 64.0)
+    return tuple(np.where(use4, b, a) for a, b in zip(g1, g4))
+
+
+def _round_regs(x):
+    return np.ceil(x / 8.0) * 8.0
+
+
+def _k_tiling(ctx: _Ctx, BK, SK):
+    kspl = np.ceil(ctx.K / SK)
+    k_iters = np.maximum(np.ceil(kspl / BK), 1.0)
+    return k_iters, k_iters * BK
+
+
+def _flops_block(BM, BN, Ks, rep):
+    return 2.0 * BM * BN * Ks * rep
+
+
+def _out_bytes(ctx: _Ctx, SK):
+    """DRAM bytes the GEMM kernel writes: the output (+ epilogue) or fp32 split-K partials."""
+    mn = ctx.batch * ctx.M * ctx.N
+    return np.where(SK > 1.0, mn * ctx.c.splitk_partial_bytes * SK, mn * (ctx.out_b + ctx.epi_bytes))
+
+
+def _extra_kernels(ctx: _Ctx, hw: Accelerator, SK, L):
+    """Launch of the GEMM + split-K reduce kernel + transpose copies (seconds)."""
+    mn = ctx.batch * ctx.M * ctx.N
+    red_bytes = mn * (ctx.c.splitk_partial_bytes * SK + ctx.out_b + ctx.epi_bytes)
+    reduce = np.where(SK > 1.0, memory_bound_time_s(red_bytes, hw, ctx.c), 0.0)
+    Li = np.asarray(L).astype(np.int64)
+    copy_a = np.where((Li & 1) != 0, memory_bound_time_s(2.0 * ctx.a_bytes, hw, ctx.c), 0.0)
+    copy_b = np.where((Li & 2) != 0, memory_bound_time_s(2.0 * ctx.b_bytes, hw, ctx.c), 0.0)
+    return ctx.launch + reduce + (copy_a + copy_b)
+
+
+def _layout_eff(ctx: _Ctx, L):
+    Li = np.asarray(L).astype(np.int64)
+    ea = np.where((Li & 1) != 0, 1.0, ctx.eff_a)
+    eb = np.where((Li & 2) != 0, 1.0, ctx.eff_b)
+    return ea * eb
+
+
+def _combine(ctx, fixed, waves, wa, t_fix, xc, xs, xl, xe, t_hbm, t_l2):
+    """The one expression tree shared by the model and its lower bound."""
+    t_sm = waves * t_fix + np.maximum(np.maximum(wa * xc, wa * xs), waves * xl) + wa * xe
+    s = ctx.c.overlap_slack
+    roof = (1.0 - s) * np.maximum(np.maximum(t_sm, t_hbm), t_l2) + s * ((t_sm + t_hbm) + t_l2)
+    return fixed + roof, t_sm
+
+
+_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "split_k", "GROUP_M", "layout")
+
+
+def _evaluate(problem: GemmProblem, hw: Accelerator, cands: dict, coeffs: Coefficients | None,
+              terms: bool = False):
+    c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
+    ctx = _ctx(problem, hw, c)
+    BM, BN, BK = _f(cands["BLOCK_M"]), _f(cands["BLOCK_N"]), _f(cands["BLOCK_K"])
+    W, S = _f(cands["num_warps"]), _f(cands["num_stages"])
+    SK = _f(cands.get("split_k", 1))
+    G = _f(cands.get("GROUP_M", 8))
+    L = np.asarray(cands.get("layout", 0))
+    if L.dtype.kind in "UO":  # layout names
+        L = np.vectorize(LAYOUTS.index, otypes=[np.int64])(L)
+    L = L.astype(np.float64)
+
+    # --- resources and occupancy
+    uu, rep, smem_rd, e_w, regs_mma = _geometry(ctx, BM, BN, W)
+    threads = W * ctx.warp
+    stage_regs = (BM + BN) * BK * ctx.in_b / (4.0 * threads)
+    if c.async_copy:
+        stage_regs = np.where(S <= 1.0, stage_regs, 0.0)
+    regs = _round_regs(c.reg_base + regs_mma + stage_regs)
+    smem = np.maximum(S, 1.0) * (BM + BN) * BK * ctx.in_b + c.smem_reserved_per_block
+    occ = np.minimum(np.minimum(ctx.max_blocks, np.floor(ctx.max_warps / W)),
+                     np.minimum(np.floor(ctx.regs_sm / (regs * threads)), np.floor(ctx.smem_sm / smem)))
+    feasible = ((threads <= MAX_THREADS_PER_BLOCK) & (W <= ctx.max_warps) & (regs <= ctx.regs_max)
+                & (smem <= ctx.smem_block) & (occ >= 1.0) & (S >= 1.0) & (SK >= 1.0) & (G >= 1.0))
+    occ = np.maximum(occ, 1.0)
+
+    # --- grid, waves
+    tm, tn = np.ceil(ctx.M / BM), np.ceil(ctx.N / BN)
+    k_iters, Ks = _k_tiling(ctx, BK, SK)
+    blocks = ctx.batch * tm * tn * SK
+    slots = ctx.sms * occ
+    waves = np.ceil(blocks / slots)
+    per_sm = np.ceil(blocks / ctx.sms)
+    a = np.minimum(occ, per_sm)
+    wa = waves * a
+
+    # --- per-program times
+    e_l = _layout_eff(ctx, L)
+    F = _flops_block(BM, BN, Ks, rep)
+    share = np.minimum(1.0, a * W / c.mma_subpartitions)
+    xc = F / (ctx.p_sm * e_w * e_l * share) + BM * Ks * ctx.pro_flops / ctx.vec_sm + k_iters * ctx.t_iter
+    xs = Ks * ((rep * smem_rd + (BM + BN)) * ctx.in_b) / ctx.smem_bw
+    share1 = np.minimum(1.0, W / c.mma_subpartitions)
+    serial = np.where(S <= 1.0, F / (ctx.p_sm * e_w * e_l * share1), 0.0)
+    xl = (k_iters * ctx.lat) / np.maximum(S - 1.0, 1.0) + serial
+    xe = BM * BN * ctx.epi_flops / ctx.vec_sm
+
+    # --- DRAM traffic with grouped-order L2 reuse
+    g_eff = np.minimum(G, tm)
+    panel_a = g_eff * BM * Ks * ctx.in_b
+    conc = np.minimum(slots, tm * tn)
+    cols = np.minimum(tn, np.ceil(conc / g_eff))
+    fa = np.where(panel_a <= ctx.l2u, 1.0, np.ceil(tn / cols))
+    rows = np.minimum(tm, np.maximum(g_eff, np.floor(conc / tn)))
+    fits_b = tn * BN * Ks * ctx.in_b + panel_a <= ctx.l2u
+    fb = np.where(fits_b, 1.0, np.ceil(tm / rows))
+    out_bytes = _out_bytes(ctx, SK)
+    t_hbm = (ctx.a_bytes * fa + ctx.b_bytes * fb + out_bytes) / ctx.hbm
+    t_l2 = (ctx.batch * ctx.K * ctx.in_b * (ctx.M * tn + ctx.N * tm) + out_bytes) / ctx.l2bw
+
+    fixed = _extra_kernels(ctx, hw, SK, L)
+    total, t_sm = _combine(ctx, fixed, waves, wa, ctx.t_fix, xc, xs, xl, xe, t_hbm, t_l2)
+    total = np.where(feasible, total, np.inf)
+    if not terms:
+        return total
+    return dict(total=total, feasible=feasible, t_sm=t_sm, t_hbm=t_hbm, t_l2=t_l2, fixed=fixed,
+                mma=wa * xc, smem=wa * xs, latency=waves * xl, waves=waves, occupancy=occ,
+                regs_per_thread=regs, smem_bytes=smem, f_a=fa, f_b=fb, useful_units=uu,
+                replication=rep, unit_efficiency=e_w, tiles=blocks)
+
+
+def gemm_time_s(problem: GemmProblem, hw: Accelerator, cands: dict, coeffs: Coefficients | None = None) -> np.ndarray:
+    """Predicted seconds of each candidate schedule; ``np.inf`` where infeasible.
+
+    ``cands`` maps ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages`` and
+    optionally ``split_k`` (1), ``GROUP_M`` (8), ``layout`` (0, an index into :data:`LAYOUTS` or
+    the names) to arrays; they broadcast against each other (flat arrays of equal length, or
+    per-axis arrays shaped for broadcasting). Coefficients default to
+    ``Coefficients.for_accelerator(hw)``.
+    """
+    out = _evaluate(problem, hw, cands, coeffs)
+    shape = np.broadcast_shapes(*(np.shape(cands[k]) for k in _KEYS if k in cands))
+    return np.broadcast_to(out, shape)
+
+
+def gemm_breakdown(problem: GemmProblem, hw: Accelerator, config: dict,
+                   coeffs: Coefficients | None = None) -> dict:
+    """The model's terms for one schedule (``config`` as in ``GemmChoice.config``).
+
+    ``bound`` is ``compute`` (the SM term: MMA, shared memory, latency, wave overheads),
+    ``memory`` (HBM) or ``l2``, whichever the roofline max picks.
+    """
+    t = _evaluate(problem, hw, {k: np.asarray([v]) for k, v in config.items() if k in _KEYS},
+                  coeffs, terms=True)
+    out = {k: float(np.asarray(v).reshape(-1)[0]) for k, v in t.items()}
+    out["feasible"] = bool(out["feasible"])
+    which = max((out["t_sm"], "compute"), (out["t_hbm"], "memory"), (out["t_l2"], "l2"))
+    out["bound"] = which[1]
+    sm = max((out["mma"], "mma"), (out["smem"], "smem"), (out["latency"], "latency"))
+    out["sm_limiter"] = sm[1]
+    return out
+
+
+def gemm_group_bound(problem: GemmProblem, hw: Accelerator, prefix: dict, suffix_values: dict,
+                     coeffs: Coefficients | None = None) -> np.ndarray:
+    """Lower bound of :func:`gemm_time_s` over every schedule of a group.
+
+    A group fixes ``BLOCK_M``, ``BLOCK_N``, ``split_k``, ``num_warps`` (``prefix``: arrays that
+    broadcast against each other) and lets ``BLOCK_K``, ``num_stages``, ``GROUP_M`` and
+    ``layout`` range over ``suffix_values`` (sequences). Each leaf of the model's expression
+    tree (:func:`_combine`) is replaced by its best case over the free parameters:
+
+    * ``K_s``, ``k_iters``: their minimum over BLOCK_K; the latency term uses the deepest
+      pipeline; occupancy is bounded by the registers without K staging and the smallest smem;
+    * ``waves * a >= ceil(programs / SMs)``, ``waves >= ceil(programs / (SMs * occ_max))``,
+      tensor-core share at the largest possible co-residency;
+    * DRAM reads A and B once (``f_A = f_B = 1``); L2 traffic, the split-K reduce and the
+      launch do not depend on the free parameters; layout: the minimum over the layouts, each
+      with its exact copy time and MMA efficiency.
+
+    IEEE rounding is monotone in each operand of ``+ * /`` (positive operands) and ``max``, so
+    evaluating the same tree on leaves that are each <= the member's gives a bound that is <=
+    every member's computed time, not just mathematically. Groups with no feasible member get
+    ``inf`` (every member is ``inf`` too).
+    """
+    c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
+    ctx = _ctx(problem, hw, c)
+    BM, BN = _f(prefix["BLOCK_M"]), _f(prefix["BLOCK_N"])
+    W, SK = _f(prefix["num_warps"]), _f(prefix["split_k"])
+    bks = sorted(float(v) for v in suffix_values["BLOCK_K"])
+    stages = [float(v) for v in suffix_values["num_stages"]]
+    layouts = sorted({int(v) if not isinstance(v, str) else LAYOUTS.index(v) for v in suffix_values["layout"]})
+    groups_m = [float(v) for v in suffix_values["GROUP_M"]]
+
+    uu, rep, smem_rd, e_w, regs_mma = _geometry(ctx, BM, BN, W)
+    threads = W * ctx.warp
+    regs_lb = _round_regs(c.reg_base + regs_mma + 0.0)
+    smem_lb = max(min(stages), 1.0) * (BM + BN) * bks[0] * ctx.in_b + c.smem_reserved_per_block
+    occ_ub = np.minimum(np.minimum(ctx.max_blocks, np.floor(ctx.max_warps / W)),
+                        np.minimum(np.floor(ctx.regs_sm / (regs_lb * threads)), np.floor(ctx.smem_sm / smem_lb)))
+    any_feasible = ((threads <= MAX_THREADS_PER_BLOCK) & (W <= ctx.max_warps) & (regs_lb <= ctx.regs_max)
+                    & (smem_lb <= ctx.smem_block) & (occ_ub >= 1.0) & (min(stages) >= 1.0) & (SK >= 1.0)
+                    & (min(groups_m) >= 1.0))
+    occ_ub = np.maximum(occ_ub, 1.0)
+
+    tm, tn = np.ceil(ctx.M / BM), np.ceil(ctx.N / BN)
+    k_iters_lb, Ks_lb = None, None
+    for bk in bks:
+        ki, ks = _k_tiling(ctx, bk, SK)
+        k_iters_lb = ki if k_iters_lb is None else np.minimum(k_iters_lb, ki)
+        Ks_lb = ks if Ks_lb is None else np.minimum(Ks_lb, ks)
+    blocks = ctx.batch * tm * tn * SK
+    waves_lb = np.ceil(blocks / (ctx.sms * occ_ub))
+    per_sm = np.ceil(blocks / ctx.sms)
+    a_ub = np.minimum(occ_ub, per_sm)
+    wa_lb = per_sm
+
+    F_lb = _flops_block(BM, BN, Ks_lb, rep)
+    share_ub = np.minimum(1.0, a_ub * W / c.mma_subpartitions)
+    xs = Ks_lb * ((rep * smem_rd + (BM + BN)) * ctx.in_b) / ctx.smem_bw
+    xl = (k_iters_lb * ctx.lat) / max(max(stages) - 1.0, 1.0) + 0.0
+    xe = BM * BN * ctx.epi_flops / ctx.vec_sm
+    out_bytes = _out_bytes(ctx, SK)
+    t_hbm = (ctx.a_bytes * 1.0 + ctx.b_bytes * 1.0 + out_bytes) / ctx.hbm
+    t_l2 = (ctx.batch * ctx.K * ctx.in_b * (ctx.M * tn + ctx.N * tm) + out_bytes) / ctx.l2bw
+
+    best = None
+    for L in layouts:
+        e_l = _layout_eff(ctx, float(L))
+        xc = F_lb / (ctx.p_sm * e_w * e_l * share_ub) + BM * Ks_lb * ctx.pro_flops / ctx.vec_sm + k_iters_lb * ctx.t_iter
+        fixed = _extra_kernels(ctx, hw, SK, float(L))
+        total, _ = _combine(ctx, fixed, waves_lb, wa_lb, ctx.t_fix, xc, xs, xl, xe, t_hbm, t_l2)
+        best = total if best is None else np.minimum(best, total)
+    return np.where(any_feasible, best, np.inf)

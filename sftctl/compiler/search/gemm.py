@@ -1,0 +1,323 @@
+"""GEMM schedule search: Triton-style tile configs scored by the analytical cost model.
+
+The space (:data:`SPACE`) is the cartesian product of BLOCK_M, BLOCK_N, split_k, num_warps (the
+group *prefix*), BLOCK_K, num_stages, GROUP_M and the operand layout choice (the *suffix*):
+840,000 candidates per GEMM class. :func:`search_gemm` is an exact branch-and-bound over it:
+
+1. For each of the 1,000 prefix groups, :func:`~sftctl.compiler.costmodel.gemm_group_bound`
+   gives a lower bound of the model's time of every member (the model's expression tree on
+   best-case leaves; <= each member's time, in floating point too).
+2. Groups are sorted by (bound, group index) and scored in growing batches, all members of a
+   batch at once (numpy broadcasting over ``batch x |suffix|``).
+3. It stops before the next group whose bound exceeds the best time found, or equals it with a
+   larger group index: ties are broken lexicographically on the config tuple in :data:`ORDER`
+   (prefix first), i.e. the smallest flat index of the exhaustive enumeration, so the result is
+   exactly :func:`exhaustive_gemm`'s, config included.
+
+Results are memoized by (problem, hardware fields, coefficients, space).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from sftctl.compiler.costmodel import (
+    LAYOUTS, Coefficients, GemmProblem, gemm_group_bound, gemm_time_s,
+)
+from sftctl.compiler.hardware import Accelerator
+
+PREFIX = ("BLOCK_M", "BLOCK_N", "split_k", "num_warps")
+SUFFIX = ("BLOCK_K", "num_stages", "GROUP_M", "layout")
+#: Enumeration order of the space; also the lexicographic tie-break order of configs.
+ORDER = PREFIX + SUFFIX
+
+#: The full schedule space (layout: index into ``costmodel.LAYOUTS``).
+SPACE: dict[str, tuple[int, ...]] = {
+    "BLOCK_M": (16, 32, 64, 128, 256),
+    "BLOCK_N": (16, 32, 64, 128, 256),
+    "split_k": (1, 2, 3, 4, 6, 8, 12, 16),
+    "num_warps": (1, 2, 4, 8, 16),
+    "BLOCK_K": (16, 32, 64, 128, 256),
+    "num_stages": (1, 2, 3, 4, 5, 6, 7),
+    "GROUP_M": (1, 2, 4, 8, 16, 32),
+    "layout": (0, 1, 2, 3),
+}
+
+
+@dataclass(frozen=True)
+class GemmChoice:
+    """The best schedule of one GEMM class and what finding it took.
+
+    ``config`` is None (and ``time_s`` inf) when no candidate is feasible. ``n_scored`` counts
+    candidates whose time was computed; ``n_infeasible`` those of them that were infeasible.
+    ``seconds`` is the search's wall time (of the original search when ``cached``).
+    """
+
+    config: dict | None
+    time_s: float
+    n_candidates: int
+    n_scored: int
+    n_infeasible: int
+    seconds: float
+    n_groups: int = 0
+    n_groups_scored: int = 0
+    pruned: bool = True
+    cached: bool = False
+
+
+def _normalize(space: dict | None) -> dict[str, tuple[int, ...]]:
+    space = SPACE if space is None else space
+    out = {}
+    for key in ORDER:
+        vals = space.get(key, SPACE[key])
+        if key == "layout":
+            vals = [LAYOUTS.index(v) if isinstance(v, str) else int(v) for v in vals]
+        vals = tuple(sorted({int(v) for v in vals}))
+        if not vals:
+            raise ValueError(f"schedule space: {key} has no values")
+        out[key] = vals
+    return out
+
+
+def _axes(vals: dict, keys: tuple[str, ...], lead: int = 0) -> dict[str, np.ndarray]:
+    """Per-key float arrays shaped to broadcast over ``lead`` leading axes + ``keys``."""
+    n = lead + len(keys)
+    out = {}
+    for i, key in enumerate(keys):
+        shape = [1] * n
+        shape[lead + i] = len(vals[key])
+        out[key] = np.asarray(vals[key], dtype=np.float64).reshape(shape)
+    return out
+
+
+def schedule_space(problem: GemmProblem | None = None, hw: Accelerator | None = None,
+                   space: dict | None = None) -> dict[str, np.ndarray]:
+    """The full cartesian space as flat int64 arrays, in :data:`ORDER` (row-major).
+
+    The space does not depend on the problem or hardware (kept in the signature for callers
+    that will specialise it); the model marks what a given hardware can not run as infeasible.
+    """
+    vals = _normalize(space)
+    grids = np.meshgrid(*(np.asarray(vals[k], dtype=np.int64) for k in ORDER), indexing="ij")
+    return {k: g.reshape(-1) for k, g in zip(ORDER, grids)}
+
+
+def _config(vals: dict, rank: int) -> dict:
+    dims = [len(vals[k]) for k in ORDER]
+    idx = np.unravel_index(rank, dims)
+    cfg = {k: int(vals[k][int(i)]) for k, i in zip(ORDER, idx)}
+    cfg["layout"] = LAYOUTS[cfg["layout"]]
+    return cfg
+
+
+def _freeze(v):
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    return v
+
+
+def _hw_key(hw: Accelerator) -> tuple:
+    return tuple((f.name, _freeze(getattr(hw, f.name))) for f in dataclasses.fields(hw) if f.name != "sources")
+
+
+_CACHE: OrderedDict = OrderedDict()
+_CACHE_MAX = 4096
+
+
+def clear_cache() -> None:
+    _CACHE.clear()
+
+
+def _memo(kind: str, problem, hw, coeffs, vals, compute):
+    key = (kind, problem, _hw_key(hw), coeffs, tuple(vals.items()))
+    hit = _CACHE.get(key)
+    if hit is not None:
+        _CACHE.move_to_end(key)
+        return dataclasses.replace(hit, config=dict(hit.config) if hit.config else None, cached=True)
+    choice = compute()
+    _CACHE[key] = choice
+    if len(_CACHE) > _CACHE_MAX:
+        _CACHE.popitem(last=False)
+    return dataclasses.replace(choice, config=dict(choice.config) if choice.config else None)
+
+
+def exhaustive_gemm(problem: GemmProblem, hw: Accelerator, coeffs: Coefficients | None = None,
+                    space: dict | None = None, use_cache: bool = True) -> GemmChoice:
+    """Score every candidate; the reference :func:`search_gemm` must agree with."""
+    c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
+    vals = _normalize(space)
+
+    def run() -> GemmChoice:
+        t0 = time.perf_counter()
+        axes = _axes(vals, ORDER[1:], lead=1)
+        n_inner = math.prod(len(vals[k]) for k in ORDER[1:])
+        best_t, best_rank, n_inf = math.inf, -1, 0
+        for i, bm in enumerate(vals["BLOCK_M"]):  # one BLOCK_M slice at a time: bounded memory
+            cands = dict(axes, BLOCK_M=np.full((1,) * len(ORDER), float(bm)))
+            t = np.ascontiguousarray(gemm_time_s(problem, hw, cands, c)).reshape(-1)
+            n_inf += int(np.count_nonzero(~np.isfinite(t)))
+            j = int(np.argmin(t))
+            if t[j] < best_t:  # strict: earlier slices win ties (smaller flat index)
+                best_t, best_rank = float(t[j]), i * n_inner + j
+        n = len(vals["BLOCK_M"]) * n_inner
+        return GemmChoice(config=_config(vals, best_rank) if best_rank >= 0 else None, time_s=best_t,
+                          n_candidates=n, n_scored=n, n_infeasible=n_inf,
+                          seconds=time.perf_counter() - t0,
+                          n_groups=math.prod(len(vals[k]) for k in PREFIX),
+                          n_groups_scored=math.prod(len(vals[k]) for k in PREFIX), pruned=False)
+
+    return _memo("exhaustive", problem, hw, c, vals, run) if use_cache else run()
+
+
+def search_gemm(problem: GemmProblem, hw: Accelerator, coeffs: Coefficients | None = None,
+                prune: bool = True, space: dict | None = None, use_cache: bool = True) -> GemmChoice:
+    """The model's best schedule for ``problem`` on ``hw`` (branch-and-bound; exact).
+
+    ``prune=False`` is :func:`exhaustive_gemm`. ``space`` restricts the values per key (default
+    :data:`SPACE`). ``use_cache=False`` bypasses the memo (benchmarks).
+    """
+    if not prune:
+        return exhaustive_gemm(problem, hw, coeffs, space, use_cache)
+    c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
+    vals = _normalize(space)
+    run = functools.partial(_branch_and_bound, problem, hw, c, vals)
+    return _memo("bnb", problem, hw, c, vals, run) if use_cache else run()
+
+
+def _branch_and_bound(problem: GemmProblem, hw: Accelerator, c: Coefficients, vals: dict) -> GemmChoice:
+    t0 = time.perf_counter()
+    prefix_axes = _axes(vals, PREFIX)
+    bound = np.ascontiguousarray(
+        np.broadcast_to(gemm_group_bound(problem, hw, prefix_axes, {k: vals[k] for k in SUFFIX}, c),
+                        tuple(len(vals[k]) for k in PREFIX))).reshape(-1)
+    n_groups = bound.size
+    grids = np.meshgrid(*(np.asarray(vals[k], dtype=np.float64) for k in PREFIX), indexing="ij")
+    pvals = {k: g.reshape(-1) for k, g in zip(PREFIX, grids)}
+    order = np.lexsort((np.arange(n_groups), bound))
+    suffix_axes = _axes(vals, SUFFIX, lead=1)
+    per_group = math.prod(len(vals[k]) for k in SUFFIX)
+
+    best_t, best_rank, best_g = math.inf, -1, -1
+    n_scored = n_inf = 0
+    pos, batch = 0, 4
+    while pos < n_groups:
+        idx = order[pos:pos + batch]
+        b = bound[idx]
+        # Stop at the first group that can neither beat nor tie-win against the best so far.
+        stop = (b > best_t) | ((b == best_t) & (idx > best_g)) | ~np.isfinite(b)
+        if stop.any():
+            idx = idx[:int(np.argmax(stop))]
+        if idx.size == 0:
+            break
+        cands = dict(suffix_axes)
+        for k in PREFIX:
+            cands[k] = pvals[k][idx].reshape((-1,) + (1,) * len(SUFFIX))
+        t = np.ascontiguousarray(gemm_time_s(problem, hw, cands, c)).reshape(idx.size, per_group)
+        n_scored += t.size
+        n_inf += int(np.count_nonzero(~np.isfinite(t)))
+        m = float(t.min())
+        if math.isfinite(m) and m <= best_t:
+            rows, cols = np.nonzero(t == m)
+            ranks = idx[rows].astype(np.int64) * per_group + cols
+            r = int(ranks.min())
+            if m < best_t or r < best_rank:
+                best_t, best_rank, best_g = m, r, r // per_group
+        pos += idx.size
+        if stop.any():
+            break
+        batch = min(batch * 2, 64)
+    return GemmChoice(config=_config(vals, best_rank) if best_rank >= 0 else None, time_s=best_t,
+                      n_candidates=n_groups * per_group, n_scored=n_scored, n_infeasible=n_inf,
+                      seconds=time.perf_counter() - t0, n_groups=n_groups,
+                      n_groups_scored=n_scored // per_group, pruned=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Torch Inductor's default mm configs (the baseline the search is compared against)
+
+#: Copy of ``BaseConfigHeuristic.mm_configs`` (used by ``CUDAConfigHeuristic``) in torch 2.13.0,
+#: torch/_inductor/template_heuristics/triton.py: (BLOCK_M, BLOCK_N, BLOCK_K, num_stages,
+#: num_warps), GROUP_M=8. Used when that import fails.
+_INDUCTOR_MM_CONFIGS_2_13 = (
+    (32, 32, 16, 1, 2), (32, 32, 128, 2, 4), (32, 64, 32, 5, 8), (64, 32, 32, 5, 8),
+    (64, 32, 128, 5, 4), (64, 64, 16, 2, 4), (64, 64, 32, 2, 4), (64, 64, 64, 3, 8),
+    (64, 64, 128, 5, 4), (64, 128, 32, 3, 4), (64, 128, 32, 4, 8), (64, 128, 64, 3, 4),
+    (64, 128, 128, 4, 4), (128, 64, 32, 3, 4), (128, 64, 32, 4, 8), (128, 128, 32, 2, 8),
+    (128, 128, 32, 3, 4), (128, 128, 64, 3, 4), (128, 128, 64, 5, 8), (128, 128, 128, 4, 8),
+    (128, 256, 64, 4, 8),
+)
+
+
+def _as_config(bm, bn, bk, stages, warps, group_m=8) -> dict:
+    return {"BLOCK_M": int(bm), "BLOCK_N": int(bn), "BLOCK_K": int(bk), "num_warps": int(warps),
+            "num_stages": int(stages), "split_k": 1, "GROUP_M": int(group_m), "layout": "as_is"}
+
+
+@functools.lru_cache(maxsize=None)
+def _inductor_mm_configs(source: str) -> tuple:
+    if source in ("auto", "torch"):
+        try:  # lazy: importing torch._inductor takes seconds
+            from torch._inductor.template_heuristics.triton import CUDAConfigHeuristic
+
+            confs = tuple((x.block_m, x.block_n, x.block_k, x.num_stages, x.num_warps,
+                           getattr(x, "group_m", 8) or 8) for x in CUDAConfigHeuristic().mm_configs)
+            if confs:
+                return confs
+        except Exception:
+            if source == "torch":
+                raise
+    return tuple(t + (8,) for t in _INDUCTOR_MM_CONFIGS_2_13)
+
+
+def inductor_mm_configs(source: str = "auto") -> list[dict]:
+    """Inductor's default Triton mm configs for CUDA, as config dicts in our keys.
+
+    ``source``: ``torch`` (from the installed torch; raises if the import path moved),
+    ``fallback`` (the hard-coded copy of torch 2.13.0's list), ``auto`` (torch, else fallback).
+    """
+    if source not in ("auto", "torch", "fallback"):
+        raise ValueError(f"source must be auto, torch or fallback, not {source!r}")
+    return [_as_config(*t) for t in _inductor_mm_configs(source)]
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def inductor_scaled_configs(problem: GemmProblem, configs: list[dict] | None = None) -> list[dict]:
+    """The configs Inductor would autotune for ``problem``: its ``_scale_mm_configs`` (block sizes
+    clamped to the next power of two of m, n, k, at least 16) and ``_finalize_mm_configs``
+    (``num_warps = min(num_warps, BLOCK_M * BLOCK_N // 256)``, duplicates dropped)."""
+    configs = inductor_mm_configs() if configs is None else configs
+    m_hint = max(_next_power_of_2(problem.m), 16)
+    n_hint = max(_next_power_of_2(problem.n), 16)
+    k_hint = max(_next_power_of_2(problem.k), 16)
+    out, seen = [], set()
+    for cfg in configs:
+        bm = max(min(cfg["BLOCK_M"], m_hint), 16)
+        bn = max(min(cfg["BLOCK_N"], n_hint), 16)
+        bk = max(min(cfg["BLOCK_K"], k_hint), 16)
+        warps = max(1, min(cfg["num_warps"], bm * bn // 256))
+        new = dict(cfg, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+        key = tuple(new[k] for k in ORDER)
+        if key not in seen:
+            seen.add(key)
+            out.append(new)
+    return out
+
+
+def evaluate_configs(problem: GemmProblem, hw: Accelerator, configs: list[dict],
+                     coeffs: Coefficients | None = None) -> np.ndarray:
+    """The model's time of each config dict (``inf`` where infeasible)."""
+    if not configs:
+        return np.zeros(0)
+    cands = {k: np.asarray([cfg.get(k, SPACE[k][0] if k != "GROUP_M" else 8) for cfg in configs])
+             for k in ORDER}
+    return np.asarray(gemm_time_s(problem, hw, cands, coeffs), dtype=np.float64)
