@@ -177,6 +177,19 @@ def build(batch_size: int = 16, dtype: str = "float32", cfg: GPTConfig | None = 
     return model, example_batch, next_byte_loss
 
 
+GPT2_SMALL = GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768)
+
+
+def build_gpt2_small(batch_size: int = 8, dtype: str = "bfloat16"):
+    """GPT-2 small (124M parameters: 12 layers, 768 wide, 12 heads, 1024 tokens, vocab 50257)
+    with random weights, for planning and compiling (see examples/gpt2-small.yaml).
+
+    Same contract as :func:`build`. Radford et al. 2019, "Language Models are Unsupervised
+    Multitask Learners", Table 2 (the 117M model; 124M counting the position embedding).
+    """
+    return build(batch_size=batch_size, dtype=dtype, cfg=GPT2_SMALL)
+
+
 # ------------------------------------------------------------------------------------------------
 # data
 # ------------------------------------------------------------------------------------------------

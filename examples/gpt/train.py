@@ -35,7 +35,7 @@ except ImportError:  # running from a checkout where sftctl is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from sftctl import train as sft
 
-from model import GPT, GPTConfig, get_batch, load_corpus, next_byte_loss  # noqa: E402  (script dir)
+from model import GPT, GPT2_SMALL, GPTConfig, get_batch, load_corpus, next_byte_loss  # noqa: E402  (script dir)
 
 SEED = 1337
 MAX_LR = 3e-3
@@ -93,7 +93,9 @@ def train(rank: int, world_size: int, device: torch.device, distributed: bool) -
     n_val = int(len(data) * VAL_FRACTION)
     train_data, val_data = data[:-n_val], data[-n_val:]
 
-    mcfg = GPTConfig()
+    # the job spec's model.entrypoint names the model the compiler planned for: train that one
+    entry_fn = os.environ.get("SFTCTL_MODEL_ENTRYPOINT", "model.py:build").rsplit(":", 1)[-1]
+    mcfg = {"build": GPTConfig(), "build_gpt2_small": GPT2_SMALL}.get(entry_fn, GPTConfig())
     torch.manual_seed(SEED)  # same init on every rank (DDP also broadcasts rank 0's weights)
     model = GPT(mcfg).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]

@@ -1,0 +1,88 @@
+"""The planner: filters (clouds, spot, price, memory, deadline, usable), objective, reasons."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import write_spec
+from sftctl.errors import InfeasibleError, SpecError
+from sftctl.planner import plan
+from sftctl.spec import load_spec
+
+ALL_USABLE = {"local": None, "aws": None, "gcp": None, "kubernetes": None}
+
+
+def spec(tmp_path, resources: str, steps: int = 1000):
+    return load_spec(write_spec(tmp_path / "job.yaml", f"name: job\ntrain: {{steps: {steps}}}\nresources: {resources}\nrun: echo\n"))
+
+
+def fixed_predictor(step_s: dict[str, float], peak=10 * 2**30, needed=None):
+    """Predicts a step time per accelerator name; ``needed`` marks accelerators that do not fit."""
+    needed = needed or {}
+
+    def predict(offering, nodes):
+        return step_s[offering.accelerator], peak, needed.get(offering.accelerator, 1)
+
+    return predict
+
+
+def test_cheapest_total_wins_not_cheapest_hourly(tmp_path):
+    s = spec(tmp_path, "{accelerators: [H100:8, A100-40GB:8], clouds: [aws]}")
+    # H100 node $55.04/h, A100 node $21.96/h: A100 must be > 2.5x slower to lose
+    p = plan(s, ALL_USABLE, fixed_predictor({"H100": 0.1, "A100-40GB": 0.3}))
+    assert p.offering.accelerator == "H100"
+    assert p.chosen.total_usd == pytest.approx(55.04 * 0.1 * 1000 / 3600)
+    p = plan(s, ALL_USABLE, fixed_predictor({"H100": 0.1, "A100-40GB": 0.2}))
+    assert p.offering.accelerator == "A100-40GB"
+    assert "cheapest of" in p.reason and "ms/step" in p.reason
+
+
+def test_objective_time_takes_fastest_within_price(tmp_path):
+    s = spec(tmp_path, "{accelerators: [H100:8, A100-40GB:8], clouds: [aws], objective: time, max_price_per_hour: 30}")
+    p = plan(s, ALL_USABLE, fixed_predictor({"H100": 0.1, "A100-40GB": 0.3}))
+    assert p.offering.accelerator == "A100-40GB"  # H100 is faster but above the price cap
+    rejected = {c.offering.instance_type: c.rejected for c in p.candidates if c.rejected}
+    assert rejected["p5.48xlarge"] == "$55.04/h is above max_price_per_hour $30.00"
+
+
+def test_deadline_rejects_slow_offerings(tmp_path):
+    s = spec(tmp_path, "{accelerators: [H100:8, A100-40GB:8], clouds: [aws], deadline: 1h}", steps=10000)
+    p = plan(s, ALL_USABLE, fixed_predictor({"H100": 0.3, "A100-40GB": 0.5}))
+    assert p.offering.accelerator == "H100"  # the A100 is cheaper but takes 1.4 h
+    a100 = [c for c in p.candidates if c.offering.accelerator == "A100-40GB"]
+    assert all(c.rejected == "predicted 1.4 h is past the deadline of 1h" for c in a100)
+
+
+def test_memory_and_spot_and_usable(tmp_path):
+    s = spec(tmp_path, "{accelerators: [L4:1, T4:1], spot: true}")
+    p = plan(s, {**ALL_USABLE, "gcp": "gcp credentials not found"},
+             fixed_predictor({"L4": 1.0, "T4": 2.0}, peak=20 * 2**30, needed={"T4": 2}))
+    assert p.offering.provider == "aws" and p.offering.accelerator == "L4"
+    assert p.chosen.usd_per_hour == p.offering.spot_usd_per_hour  # spot allowed: spot price
+    reasons = {(c.offering.provider, c.offering.accelerator): c.rejected for c in p.candidates}
+    assert reasons[("gcp", "L4")] == "gcp credentials not found"
+    assert reasons[("aws", "T4")].startswith("needs 20.0 GiB per device; would fit with parameters and optimizer state sharded over 2 devices")
+
+
+def test_on_demand_price_unless_spot(tmp_path):
+    p = plan(spec(tmp_path, "{accelerators: [L4:1], clouds: [aws]}"), ALL_USABLE, fixed_predictor({"L4": 1.0}))
+    assert p.chosen.usd_per_hour == p.offering.usd_per_hour
+
+
+def test_nothing_feasible_says_why(tmp_path):
+    s = spec(tmp_path, "{accelerators: [H100:8], clouds: [aws], max_price_per_hour: 1}")
+    with pytest.raises(InfeasibleError) as e:
+        plan(s, ALL_USABLE, fixed_predictor({"H100": 0.1}))
+    assert e.value.exit_code == 3
+    assert "is above max_price_per_hour $1.00" in e.value.message
+    assert len(e.value.candidates) >= 1
+
+
+def test_unknown_accelerator_suggests(tmp_path):
+    with pytest.raises(SpecError, match=r"unknown accelerator 'H10'; did you mean 'H100'\?"):
+        plan(spec(tmp_path, "{accelerators: [H10:8]}"), ALL_USABLE)
+
+
+def test_local_cpu_without_model_ranks_by_price(tmp_path):
+    p = plan(spec(tmp_path, "{accelerators: [cpu:1, L4:1]}"), ALL_USABLE)
+    assert p.offering.provider == "local" and p.chosen.usd_per_hour == 0.0
