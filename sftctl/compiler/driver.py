@@ -2,10 +2,10 @@
 
 * ``trace_model``: the entrypoint's whole training step as an IR graph. Cached (pickle) under
   ``$SFTCTL_HOME/cache/compiler/traces/``, keyed by the framework, batch size, dtype, the bytes of
-  every ``.py`` file in the entrypoint's directory, and the compiler version.
+  every ``.py`` file in the entrypoint's directory, and the compiler's fingerprint.
 * ``compile_for``: one accelerator's CompiledStep. Cached (JSON) under
   ``$SFTCTL_HOME/cache/compiler/steps/``, keyed by graph signature, hardware numbers,
-  cost-model coefficients and the compiler version (:func:`sftctl.compiler.step.cache_key`).
+  cost-model coefficients and the compiler's fingerprint (:func:`sftctl.compiler.step.cache_key`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from sftctl.compiler.ir import Graph
-from sftctl.compiler.step import COMPILER_VERSION, CompiledStep, cache_key, compile_graph, graph_signature
+from sftctl.compiler.step import CompiledStep, cache_key, compile_graph, compiler_fingerprint, graph_signature
 
 
 def cache_dir() -> Path:
@@ -38,7 +38,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 def trace_key(framework: str, entrypoint: str, workdir: str, batch_size: int, dtype: str) -> str:
     file = Path(workdir) / entrypoint.rsplit(":", 1)[0]
-    h = hashlib.sha256(repr((framework, entrypoint, batch_size, dtype, COMPILER_VERSION)).encode())
+    h = hashlib.sha256(repr((framework, entrypoint, batch_size, dtype, compiler_fingerprint())).encode())
     for py in sorted(file.parent.glob("*.py")):
         h.update(py.name.encode() + py.read_bytes())
     return h.hexdigest()[:32]

@@ -14,6 +14,8 @@ model a legal fusion never loses; greedy application is therefore optimal for th
   layer norm (reductions with their prologue and epilogue) is one kernel. A producer read from
   outside its kernel is still written.
 * ``gather`` and ``scatter_add`` are kernels of their own (data-dependent addressing).
+* the optimizer's per-parameter updates, independent of each other, are batched into one launch
+  (horizontal fusion, as fused AdamW's ``multi_tensor_apply`` does).
 
 A kernel's bytes are what it reads from and writes to memory: each distinct external tensor it
 reads (through views; a broadcast reads its smaller source), and each tensor it produces that
@@ -60,6 +62,7 @@ class Kernel:
     bytes_written: int = 0
     flops: float = 0.0
     gemm: tuple | None = None
+    horizontal: int = 1  # independent kernels batched into this launch (multi-tensor apply)
 
     @property
     def anchor(self) -> int:
@@ -139,7 +142,7 @@ def fuse(graph: Graph) -> list[Kernel]:
         target = None
         for inp in node.inputs:
             src = source_of(graph, inp)
-            if src not in group_of or src in outputs:
+            if src not in group_of:
                 continue
             k = kernels[group_of[src]]
             if k.kind == "gemm":
@@ -167,7 +170,31 @@ def fuse(graph: Graph) -> list[Kernel]:
 
     for k in kernels:
         _account(graph, k, group_of, real_users, outputs)
-    return _order(graph, kernels, group_of)
+    return _horizontal(_order(graph, kernels, group_of), graph)
+
+
+def _horizontal(kernels: list[Kernel], graph: Graph) -> list[Kernel]:
+    """Batch the step's final pointwise updates into one launch (multi-tensor apply).
+
+    Pointwise kernels that only write step outputs (the optimizer's new parameters and state)
+    and that no other kernel reads are independent of each other, so they can run as one
+    kernel over a list of tensors, as ``torch.optim.AdamW(fused=True)`` and ``_foreach`` ops
+    do (``multi_tensor_apply``). The batch runs last; its traffic is the sum of theirs.
+    """
+    outputs = set(graph.outputs)
+    read_elsewhere = {r for k in kernels for r in k.reads}
+    leaves = [k for k in kernels if k.kind == "pointwise" and k.writes
+              and set(k.writes) <= outputs and not set(k.writes) & read_elsewhere]
+    if len(leaves) < 2:
+        return kernels
+    merged = Kernel("pointwise", [n for k in leaves for n in k.nodes],
+                    reads=sorted({r for k in leaves for r in k.reads}),
+                    writes=[w for k in leaves for w in k.writes],
+                    bytes_read=sum(k.bytes_read for k in leaves),
+                    bytes_written=sum(k.bytes_written for k in leaves),
+                    flops=sum(k.flops for k in leaves), horizontal=len(leaves))
+    ids = {id(k) for k in leaves}
+    return [k for k in kernels if id(k) not in ids] + [merged]
 
 
 def _domain(graph: Graph, node: Node) -> int:

@@ -10,9 +10,11 @@ signature, the accelerator's numbers, the cost model's coefficients and ``COMPIL
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import time
+from pathlib import Path
 from typing import Callable
 
 from sftctl.compiler.fusion import Kernel, fuse
@@ -186,7 +188,8 @@ def _kernel_plan(graph: Graph, i: int, k: Kernel, t: float, hw: Accelerator, con
     else:
         peak_flops = hw.vector_peak(anchor.type.dtype)
         ops = [graph.nodes[j].op for j in k.nodes]
-        label = f"{k.kind} {'+'.join(dict.fromkeys(ops))}"[:60] + f" {list(anchor.type.shape)}"
+        label = f"{k.kind} {'+'.join(dict.fromkeys(ops))}"[:60] + (
+            f" x{k.horizontal} tensors (multi-tensor)" if k.horizontal > 1 else f" {list(anchor.type.shape)}")
     intensity = k.flops / moved if moved else float("inf")
     ridge = peak_flops / hw.hbm_bytes_per_s
     attainable = min(peak_flops, intensity * hw.hbm_bytes_per_s)
@@ -252,9 +255,21 @@ def predict(compiled: CompiledStep, hw: Accelerator, gpus_per_node: int, nodes: 
     )
 
 
+@functools.lru_cache(maxsize=1)
+def compiler_fingerprint() -> str:
+    """COMPILER_VERSION plus a hash of the compiler's own source, so any change to the
+    compiler invalidates cached traces and plans (a forgotten version bump cannot serve stale
+    results)."""
+    h = hashlib.sha256(COMPILER_VERSION.encode())
+    root = Path(__file__).resolve().parent
+    for py in sorted(root.rglob("*.py")):
+        h.update(str(py.relative_to(root)).encode() + py.read_bytes())
+    return f"{COMPILER_VERSION}+{h.hexdigest()[:12]}"
+
+
 def cache_key(signature: str, hw: Accelerator, coeffs) -> str:
-    """Disk-cache key: graph signature, every hardware number, coefficients, compiler version."""
+    """Disk-cache key: graph signature, every hardware number, coefficients, compiler source."""
     blob = json.dumps([signature, dataclasses.asdict(hw) | {"sources": None},
-                       dataclasses.asdict(coeffs) if coeffs is not None else None, COMPILER_VERSION],
+                       dataclasses.asdict(coeffs) if coeffs is not None else None, compiler_fingerprint()],
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]

@@ -1,0 +1,552 @@
+"""JAX frontend: trace one whole training step (value_and_grad + AdamW) into the IR.
+
+``trace_step(loss_fn, params, batch)`` builds
+
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    params', m', v' = AdamW(params, grads, m, v, step)          # written in jax.numpy
+
+takes its jaxpr with ``jax.make_jaxpr`` on abstract values (``jax.ShapeDtypeStruct``: no memory is
+allocated; ``params`` / ``batch`` may hold arrays or ShapeDtypeStructs) and lowers the jaxpr
+equation by equation to the IR (:mod:`sftctl.compiler.ir`). Call-like primitives (``jit`` /
+``pjit``, ``closed_call``, ``remat``, ``custom_jvp_call``, ``custom_vjp_call``) are inlined. A
+primitive without a lowering raises ``NotImplementedError`` naming it.
+
+The graph's inputs: role ``param`` (the leaves of ``params`` in ``jax.tree_util`` order, named by
+their key paths joined with ``.``), ``opt_state`` (``<name>.exp_avg`` for each, then
+``<name>.exp_avg_sq``), ``step`` (a scalar, the 1-based number of this step; float64 when the parameters are float64,
+else float32), ``batch``
+(the leaves of ``batch``). Outputs: ``loss``, ``param:<name>`` ..., ``opt_state:<name>.exp_avg``
+..., ``opt_state:<name>.exp_avg_sq`` ... . AdamW is ``torch.optim.AdamW``'s (and optax.adamw's
+with ``eps_root=0``): decoupled weight decay ``lr * wd * p``, bias-corrected moments, ``eps``
+added after the square root.
+
+``gather`` / ``scatter-add`` are lowered for the two forms ``jax.numpy`` emits for the usual
+training code: a *take* (``x[idx]`` / ``jnp.take`` along one axis: IR ``gather`` /
+``scatter_add`` plus a transpose) and a *point gather* (all slice sizes 1, e.g.
+``jnp.take_along_axis``: an IR ``gather`` on the flattened operand at a computed linear index).
+Out-of-bounds indices are assumed not to occur (jax would clamp or fill).
+
+jax is imported lazily, inside the functions of this module.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from sftctl.compiler.ir import Graph
+
+_FLOATS = ("float64", "float32", "bfloat16", "float16")
+_DTYPES = {"float64", "float32", "bfloat16", "float16", "int64", "int32", "bool"}
+
+
+def ir_dtype(dtype) -> str:
+    name = np.dtype(dtype).name
+    if name not in _DTYPES:
+        raise NotImplementedError(f"jax frontend: dtype {name} has no IR dtype")
+    return name
+
+
+def _leaf_names(tree, prefix: str) -> list[str]:
+    import jax
+
+    names = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        try:
+            s = jax.tree_util.keystr(path, simple=True, separator=".")
+        except TypeError:  # older jax
+            s = jax.tree_util.keystr(path)
+        names.append(f"{prefix}{s}" if s else prefix.rstrip("."))
+    return names
+
+
+def adamw_update(params, grads, m, v, step, *, lr, betas, eps, weight_decay):
+    """One functional AdamW update in jax.numpy; returns ``(params', m', v')``."""
+    import jax
+    import jax.numpy as jnp
+
+    b1, b2 = betas
+    bias1 = 1 - jnp.power(b1, step)
+    bias2_sqrt = jnp.sqrt(1 - jnp.power(b2, step))
+    step_size = lr / bias1
+    new_m = jax.tree_util.tree_map(lambda m_, g: m_ + (g - m_) * (1 - b1), m, grads)
+    new_v = jax.tree_util.tree_map(lambda v_, g: v_ * b2 + g * g * (1 - b2), v, grads)
+
+    def upd(p, m_, v_):
+        p2 = p * (1 - lr * weight_decay) if weight_decay else p
+        denom = jnp.sqrt(v_) / bias2_sqrt.astype(v_.dtype) + eps
+        return p2 - step_size.astype(p.dtype) * (m_ / denom)
+
+    return jax.tree_util.tree_map(upd, params, new_m, new_v), new_m, new_v
+
+
+def make_step(loss_fn: Callable, *, lr: float, betas, eps: float, weight_decay: float) -> Callable:
+    """The traced function: ``step(params, m, v, step, batch) -> (loss, params', m', v')``."""
+    import jax
+
+    def step(params, m, v, count, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        new_p, new_m, new_v = adamw_update(params, grads, m, v, count, lr=lr, betas=betas, eps=eps,
+                                           weight_decay=weight_decay)
+        return loss, new_p, new_m, new_v
+
+    return step
+
+
+def trace_step(
+    loss_fn: Callable[[Any, Any], Any],
+    params: Any,
+    batch: Any,
+    *,
+    optimizer: str = "adamw",
+    lr: float = 3e-4,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+) -> tuple[Graph, dict[str, Any]]:
+    """Trace ``loss_fn(params, batch) -> scalar`` plus an AdamW update into an IR graph.
+
+    Returns:
+        ``(graph, meta)``: ``meta`` has ``params`` / ``opt_state`` (name -> input node id),
+        ``step`` (id), ``batch`` (ids in leaf order), ``batch_names``, ``param_names``,
+        ``outputs`` (role -> index into ``graph.outputs``), ``n_params``, ``hyper``,
+        ``jaxpr_eqns``, ``trace_s``, ``lower_s``.
+
+    Raises:
+        NotImplementedError: a primitive, dtype or gather form the lowering does not support.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    if optimizer != "adamw":
+        raise ValueError(f"optimizer must be 'adamw', got {optimizer!r}")
+
+    def abstract(x):
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+    p_abs = jax.tree_util.tree_map(abstract, params)
+    b_abs = jax.tree_util.tree_map(abstract, batch)
+    # the step count's dtype sets the precision of AdamW's scalar math (jax literals take the dtype
+    # of the array they meet): float64 when the parameters are float64, else float32
+    wide = any(np.dtype(x.dtype) == np.float64 for x in jax.tree_util.tree_leaves(params))
+    step_abs = jax.ShapeDtypeStruct((), jnp.float64 if wide else jnp.float32)
+    fn = make_step(loss_fn, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    t0 = time.perf_counter()
+    closed = jax.make_jaxpr(fn)(p_abs, p_abs, p_abs, step_abs, b_abs)
+    t1 = time.perf_counter()
+    pnames = _leaf_names(params, "")
+    bnames = _leaf_names(batch, "batch.")
+    n = len(pnames)
+    roles = ([("param", nm) for nm in pnames] + [("opt_state", nm + ".exp_avg") for nm in pnames]
+             + [("opt_state", nm + ".exp_avg_sq") for nm in pnames] + [("step", "step")]
+             + [("batch", nm) for nm in bnames])
+    out_roles = (["loss"] + [f"param:{nm}" for nm in pnames] + [f"opt_state:{nm}.exp_avg" for nm in pnames]
+                 + [f"opt_state:{nm}.exp_avg_sq" for nm in pnames])
+    graph, ids = _Lowering().run(closed, roles, out_roles)
+    t2 = time.perf_counter()
+    meta = {
+        "params": {nm: ids[i] for i, nm in enumerate(pnames)},
+        "opt_state": {**{nm + ".exp_avg": ids[n + i] for i, nm in enumerate(pnames)},
+                      **{nm + ".exp_avg_sq": ids[2 * n + i] for i, nm in enumerate(pnames)}},
+        "step": ids[3 * n],
+        "batch": ids[3 * n + 1:],
+        "batch_names": bnames,
+        "param_names": pnames,
+        "outputs": {r: i for i, r in enumerate(out_roles)},
+        "n_params": int(sum(math.prod(np.shape(x)) for x in jax.tree_util.tree_leaves(params))),
+        "hyper": {"optimizer": optimizer, "lr": lr, "betas": tuple(betas), "eps": eps,
+                  "weight_decay": weight_decay},
+        "jaxpr_eqns": len(closed.jaxpr.eqns),
+        "trace_s": t1 - t0,
+        "lower_s": t2 - t1,
+    }
+    return graph, meta
+
+
+# ------------------------------------------------------------------------------------------------
+# lowering: jaxpr -> IR
+# ------------------------------------------------------------------------------------------------
+
+
+def _jcore():
+    try:
+        from jax.extend import core  # jax >= 0.4.30
+    except ImportError:  # pragma: no cover
+        from jax import core  # type: ignore[no-redef]
+    return core
+
+
+def _strides(shape) -> list[int]:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= s
+    return out[::-1]
+
+
+_UNARY = {"neg": "neg", "exp": "exp", "log": "log", "log1p": "log1p", "expm1": "expm1", "tanh": "tanh",
+          "logistic": "sigmoid", "rsqrt": "rsqrt", "sqrt": "sqrt", "abs": "abs", "sign": "sign",
+          "sin": "sin", "cos": "cos", "erf": "erf"}
+_BINARY = {"add": "add", "add_any": "add", "sub": "sub", "mul": "mul", "div": "div", "pow": "pow",
+           "max": "maximum", "min": "minimum"}
+_COMPARE = {"eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge"}
+_IDENTITY = {"stop_gradient", "copy", "copy_p", "sharding_constraint", "mesh_cast", "optimization_barrier",
+             "device_put", "reduce_precision_noop"}
+_CALLS = {"jit", "pjit", "closed_call", "core_call", "remat", "checkpoint", "remat2", "custom_jvp_call",
+          "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"}
+
+
+class _Lowering:
+    def __init__(self) -> None:
+        self.g = Graph()
+        self._consts: dict[tuple, int] = {}
+        self.core = _jcore()
+
+    # --- builder ------------------------------------------------------------------------------
+    def add(self, op: str, inputs, shape, dtype: str, /, **attrs) -> int:
+        i = self.g.add(op, inputs, tuple(int(s) for s in shape), dtype)
+        self.g.nodes[i].attrs.update(attrs)  # attrs may be named "shape"
+        return i
+
+    def shape(self, i: int) -> tuple[int, ...]:
+        return self.g.nodes[i].type.shape
+
+    def dtype(self, i: int) -> str:
+        return self.g.nodes[i].type.dtype
+
+    def const(self, value, shape=(), dtype: str = "float32") -> int:
+        value = bool(value) if dtype == "bool" else float(value) if dtype in _FLOATS else int(value)
+        key = (repr(value), tuple(shape), dtype)
+        if key not in self._consts:
+            self._consts[key] = self.add("constant", [], shape, dtype, value=value)
+        return self._consts[key]
+
+    def cast(self, i: int, dtype: str) -> int:
+        if self.dtype(i) == dtype:
+            return i
+        n = self.g.nodes[i]
+        if n.op == "constant":
+            return self.const(n.attrs["value"], n.type.shape, dtype)
+        return self.add("cast", [i], self.shape(i), dtype)
+
+    def reshape(self, i: int, shape) -> int:
+        shape = tuple(int(s) for s in shape)
+        if self.shape(i) == shape:
+            return i
+        n = self.g.nodes[i]
+        if n.op == "constant":
+            return self.const(n.attrs["value"], shape, n.type.dtype)
+        return self.add("reshape", [i], shape, self.dtype(i), shape=shape)
+
+    def transpose(self, i: int, perm) -> int:
+        perm = tuple(int(p) for p in perm)
+        if perm == tuple(range(len(perm))):
+            return i
+        return self.add("transpose", [i], tuple(self.shape(i)[p] for p in perm), self.dtype(i), perm=perm)
+
+    def binary(self, op: str, a: int, b: int, dtype: str | None = None) -> int:
+        shape = tuple(np.broadcast_shapes(self.shape(a), self.shape(b)))
+        return self.add(op, [a, b], shape, dtype or self.dtype(a))
+
+    # --- driver -------------------------------------------------------------------------------
+    def run(self, closed, roles, out_roles) -> tuple[Graph, list[int]]:
+        jaxpr = closed.jaxpr
+        if len(jaxpr.invars) != len(roles):
+            raise RuntimeError(f"jaxpr has {len(jaxpr.invars)} inputs, expected {len(roles)}")
+        env: dict[Any, int] = {}
+        ids = []
+        for var, (role, name) in zip(jaxpr.invars, roles):
+            i = self.add("input", [], var.aval.shape, ir_dtype(var.aval.dtype), role=role, name=name)
+            env[var] = i
+            ids.append(i)
+        for var, value in zip(jaxpr.constvars, closed.consts):
+            env[var] = self.array_const(value, str(var))
+        outs = self.lower_jaxpr(jaxpr, env)
+        if len(outs) != len(out_roles):
+            raise RuntimeError(f"jaxpr has {len(outs)} outputs, expected {len(out_roles)}")
+        self.g.outputs = outs
+        self.g.output_roles = list(out_roles)
+        return _compact(self.g, ids)
+
+    def array_const(self, value, name: str) -> int:
+        arr = np.asarray(value)
+        dtype = ir_dtype(arr.dtype)
+        flat = arr.reshape(-1)
+        if flat.size == 0 or bool(np.all(flat == flat[0])):
+            return self.const(flat[0].item() if flat.size else 0, arr.shape, dtype)
+        return self.add("input", [], arr.shape, dtype, role="constant", name=name,
+                        value=arr.astype(np.float64) if dtype in _FLOATS else arr)
+
+    def read(self, env, atom) -> int:
+        if isinstance(atom, self.core.Literal):
+            val = np.asarray(atom.val)
+            return self.array_const(val, "literal") if val.ndim else self.const(
+                val.item(), tuple(atom.aval.shape), ir_dtype(atom.aval.dtype))
+        return env[atom]
+
+    def lower_jaxpr(self, jaxpr, env) -> list[int]:
+        for eqn in jaxpr.eqns:
+            args = [self.read(env, a) for a in eqn.invars]
+            outs = self.lower_eqn(eqn, args)
+            for var, i in zip(eqn.outvars, outs):
+                if not isinstance(var, self.core.DropVar):
+                    env[var] = i
+        return [self.read(env, a) for a in jaxpr.outvars]
+
+    def inline(self, sub, args) -> list[int]:
+        if isinstance(sub, self.core.ClosedJaxpr):
+            env = {v: self.array_const(c, str(v)) for v, c in zip(sub.jaxpr.constvars, sub.consts)}
+            sub = sub.jaxpr
+        else:
+            env = {}
+            if sub.constvars:
+                raise NotImplementedError("jax frontend: open sub-jaxpr with constvars")
+        env.update(zip(sub.invars, args))
+        return self.lower_jaxpr(sub, env)
+
+    def lower_eqn(self, eqn, args: list[int]) -> list[int]:
+        name = eqn.primitive.name
+        p = eqn.params
+        outs = eqn.outvars
+        if name in _CALLS or name.endswith("_call"):
+            for key in ("call_jaxpr", "jaxpr", "fun_jaxpr"):
+                sub = p.get(key)
+                if isinstance(sub, (self.core.ClosedJaxpr, self.core.Jaxpr)):
+                    return self.inline(sub, args[len(args) - len(getattr(sub, "jaxpr", sub).invars):])
+            raise NotImplementedError(f"jax frontend: primitive {name} (no inlinable jaxpr)")
+        aval = outs[0].aval
+        shape, dtype = tuple(aval.shape), ir_dtype(aval.dtype)
+        if name in _IDENTITY:
+            return list(args)
+        if name in _UNARY:
+            return [self.add(_UNARY[name], [self.cast(args[0], dtype)], shape, dtype)]
+        if name in _BINARY:
+            return [self.add(_BINARY[name], [self.cast(a, dtype) for a in args], shape, dtype)]
+        if name in _COMPARE:
+            return [self.add(_COMPARE[name], args, shape, "bool")]
+        if name in ("and", "or", "not", "xor"):
+            if any(self.dtype(a) != "bool" for a in args):
+                raise NotImplementedError(f"jax frontend: primitive {name} on integers")
+            if name == "not":
+                return [self.add("logical_not", args, shape, "bool")]
+            if name == "xor":
+                return [self.add("ne", args, shape, "bool")]
+            return [self.add("logical_" + name, args, shape, "bool")]
+        if name == "integer_pow":
+            y = int(p["y"])
+            if y == 2:
+                return [self.add("mul", [args[0], args[0]], shape, dtype)]
+            return [self.add("pow", [args[0], self.const(y, (), dtype)], shape, dtype)]
+        if name == "square":
+            return [self.add("mul", [args[0], args[0]], shape, dtype)]
+        if name == "erfc":
+            e = self.add("erf", [self.cast(args[0], dtype)], shape, dtype)
+            return [self.add("sub", [self.const(1.0, (), dtype), e], shape, dtype)]
+        if name == "is_finite":  # |x| < inf is false for inf and nan
+            x = args[0]
+            ax = self.add("abs", [x], self.shape(x), self.dtype(x))
+            return [self.add("lt", [ax, self.const(float("inf"), (), self.dtype(x))], shape, "bool")]
+        if name == "exp2":
+            return [self.add("pow", [self.const(2.0, (), dtype), args[0]], shape, dtype)]
+        if name == "select_n":
+            pred, cases = args[0], args[1:]
+            out = self.cast(cases[0], dtype)
+            for k, case in enumerate(cases[1:], start=1):
+                cond = pred if len(cases) == 2 and self.dtype(pred) == "bool" else self.binary(
+                    "eq", pred, self.const(k, (), self.dtype(pred)), "bool")
+                out = self.add("where", [cond, self.cast(case, dtype), out], shape, dtype)
+            return [out]
+        if name == "clamp":
+            lo, x, hi = args
+            y = self.add("maximum", [x, self.cast(lo, dtype)], shape, dtype)
+            return [self.add("minimum", [y, self.cast(hi, dtype)], shape, dtype)]
+        if name == "convert_element_type":
+            return [self.cast(args[0], dtype)]
+        if name in ("reduce_sum", "reduce_max", "reduce_min", "reduce_or", "reduce_and", "argmax", "argmin"):
+            op = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min", "reduce_or": "max",
+                  "reduce_and": "min"}.get(name)
+            if op is None:
+                raise NotImplementedError(f"jax frontend: primitive {name}")
+            axes = tuple(sorted(int(a) for a in p["axes"]))
+            if not axes:
+                return [self.cast(args[0], dtype)]
+            return [self.add(op, [self.cast(args[0], dtype)], shape, dtype, axes=axes, keepdim=False)]
+        if name == "broadcast_in_dim":
+            x = args[0]
+            if self.shape(x) == shape:
+                return [x]
+            n = self.g.nodes[x]
+            if n.op == "constant":
+                return [self.const(n.attrs["value"], shape, dtype)]
+            return [self.add("broadcast_in_dim", [x], shape, dtype, shape=shape,
+                             dims=tuple(int(d) for d in p["broadcast_dimensions"]))]
+        if name == "reshape":
+            if p.get("dimensions") not in (None, ()):
+                raise NotImplementedError("jax frontend: reshape with dimensions")
+            return [self.reshape(args[0], shape)]
+        if name in ("squeeze", "expand_dims"):
+            return [self.reshape(args[0], shape)]
+        if name == "transpose":
+            return [self.transpose(args[0], p["permutation"])]
+        if name == "dot_general":
+            (lc, rc), (lb, rb) = p["dimension_numbers"]
+            return [self.add("dot_general", args[:2], shape, dtype, lhs_batch=tuple(int(d) for d in lb),
+                             rhs_batch=tuple(int(d) for d in rb), lhs_contract=tuple(int(d) for d in lc),
+                             rhs_contract=tuple(int(d) for d in rc))]
+        if name == "iota":
+            return [self.add("iota", [], shape, dtype, axis=int(p["dimension"]))]
+        if name == "concatenate":
+            return [self.add("concatenate", [self.cast(a, dtype) for a in args], shape, dtype,
+                             axis=int(p["dimension"]))]
+        if name == "pad":
+            cfg = p["padding_config"]
+            if any(int(c[2]) for c in cfg):
+                raise NotImplementedError("jax frontend: pad with interior padding")
+            value = self.g.nodes[args[1]]
+            if value.op != "constant":
+                raise NotImplementedError("jax frontend: pad with a non-constant padding value")
+            return [self.add("pad", [args[0]], shape, dtype, low=tuple(int(c[0]) for c in cfg),
+                             high=tuple(int(c[1]) for c in cfg), value=value.attrs["value"])]
+        if name == "slice":
+            xs = self.shape(args[0])
+            strides = p.get("strides") or (1,) * len(xs)
+            return [self.add("slice", [args[0]], shape, dtype, start=tuple(int(s) for s in p["start_indices"]),
+                             limit=tuple(int(s) for s in p["limit_indices"]), step=tuple(int(s) for s in strides))]
+        if name == "split":
+            axis = int(p["axis"])
+            xs = self.shape(args[0])
+            res, start = [], 0
+            for size in p["sizes"]:
+                st, lim = [0] * len(xs), list(xs)
+                st[axis], lim[axis] = start, start + int(size)
+                out = list(xs)
+                out[axis] = int(size)
+                res.append(self.add("slice", [args[0]], out, dtype, start=tuple(st), limit=tuple(lim),
+                                    step=(1,) * len(xs)))
+                start += int(size)
+            return res
+        if name == "gather":
+            return [self.gather(args[0], args[1], p, shape, dtype)]
+        if name in ("scatter-add", "scatter_add"):
+            return [self.scatter_add(args[0], args[1], args[2], p, shape, dtype)]
+        raise NotImplementedError(f"jax frontend: primitive {name} has no IR lowering")
+
+    # --- gather / scatter ---------------------------------------------------------------------
+    def _take_form(self, dn, operand_shape, slice_sizes, index_shape):
+        """The axis of a *take* gather/scatter (one indexed axis, full slices), else None."""
+        smap = tuple(dn.start_index_map if hasattr(dn, "start_index_map") else dn.scatter_dims_to_operand_dims)
+        collapsed = tuple(dn.collapsed_slice_dims if hasattr(dn, "collapsed_slice_dims") else dn.inserted_window_dims)
+        batching = tuple(getattr(dn, "operand_batching_dims", ()))
+        if len(smap) != 1 or collapsed != smap or batching or index_shape[-1] != 1:
+            return None
+        a = smap[0]
+        if slice_sizes is not None and any(s != (1 if d == a else operand_shape[d])
+                                           for d, s in enumerate(slice_sizes)):
+            return None
+        return a
+
+    def _point_index(self, dn, operand_shape, idx: int) -> int:
+        """Linear index into the flattened operand for a point gather/scatter (all slices size 1)."""
+        smap = tuple(dn.start_index_map if hasattr(dn, "start_index_map") else dn.scatter_dims_to_operand_dims)
+        obatch = tuple(getattr(dn, "operand_batching_dims", ()))
+        ibatch = tuple(getattr(dn, "start_indices_batching_dims", ()) or getattr(dn, "scatter_indices_batching_dims", ()))
+        ishape = self.shape(idx)
+        bshape = ishape[:-1]
+        strides = _strides(operand_shape)
+        flat = None
+        idx64 = self.cast(idx, "int64")
+        for j, d in enumerate(smap):
+            col = self.reshape(self._slice_last(idx64, j), bshape)
+            term = col if strides[d] == 1 else self.binary("mul", col, self.const(strides[d], (), "int64"))
+            flat = term if flat is None else self.binary("add", flat, term)
+        for od, idim in zip(obatch, ibatch):
+            term = self.add("iota", [], bshape, "int64", axis=int(idim))
+            if strides[od] != 1:
+                term = self.binary("mul", term, self.const(strides[od], (), "int64"))
+            flat = term if flat is None else self.binary("add", flat, term)
+        if flat is None:
+            flat = self.const(0, bshape, "int64")
+        if self.shape(flat) != bshape:
+            flat = self.add("broadcast_in_dim", [flat], bshape, "int64", shape=bshape,
+                            dims=tuple(range(len(bshape) - len(self.shape(flat)), len(bshape))))
+        return flat
+
+    def _slice_last(self, idx: int, j: int) -> int:
+        s = self.shape(idx)
+        if s[-1] == 1:
+            return idx
+        return self.add("slice", [idx], s[:-1] + (1,), self.dtype(idx), start=(0,) * (len(s) - 1) + (j,),
+                        limit=s[:-1] + (j + 1,), step=(1,) * len(s))
+
+    def gather(self, x: int, idx: int, p, shape, dtype) -> int:
+        dn = p["dimension_numbers"]
+        xs, ishape = self.shape(x), self.shape(idx)
+        a = self._take_form(dn, xs, tuple(p["slice_sizes"]), ishape)
+        if a is not None:
+            i = self.reshape(idx, ishape[:-1])
+            nb = len(ishape) - 1
+            take_shape = xs[:a] + ishape[:-1] + xs[a + 1:]
+            t = self.add("gather", [x, i], take_shape, dtype, axis=a)
+            offset = tuple(int(d) for d in dn.offset_dims)
+            perm, j = [], 0
+            for pos in range(len(shape)):
+                if pos in offset:
+                    k = offset.index(pos)
+                    perm.append(k if k < a else k + nb)
+                else:
+                    perm.append(a + j)
+                    j += 1
+            return self.transpose(t, perm)
+        if not tuple(dn.offset_dims) and all(int(s) == 1 for s in p["slice_sizes"]):
+            flat = self._point_index(dn, xs, idx)
+            return self.add("gather", [self.reshape(x, (math.prod(xs),)), flat], shape, dtype, axis=0)
+        raise NotImplementedError(f"jax frontend: primitive gather with dimension numbers {dn}")
+
+    def scatter_add(self, x: int, idx: int, upd: int, p, shape, dtype) -> int:
+        dn = p["dimension_numbers"]
+        xs, ishape, us = self.shape(x), self.shape(idx), self.shape(upd)
+        upd = self.cast(upd, dtype)
+        a = self._take_form(dn, xs, None, ishape)
+        if a is not None and len(us) == len(xs) - 1 + len(ishape) - 1:
+            nb = len(ishape) - 1
+            window = tuple(int(d) for d in dn.update_window_dims)
+            # updates -> take order: operand dims < a, scatter (batch) dims, operand dims > a
+            scatter_pos = [d for d in range(len(us)) if d not in window]
+            perm = list(window[:a]) + scatter_pos + list(window[a:])
+            u = self.transpose(upd, perm)
+            i = self.reshape(idx, ishape[:-1])
+            full = all(us[wd] == xs[k if k < a else k + 1] for k, wd in enumerate(window))
+            if len(scatter_pos) != nb or not full:
+                raise NotImplementedError(f"jax frontend: primitive scatter-add with dimension numbers {dn}")
+            sc = self.add("scatter_add", [u, i], xs, dtype, axis=a, size=xs[a])
+        elif not tuple(dn.update_window_dims):
+            flat = self._point_index(dn, xs, idx)
+            total = (math.prod(xs),)
+            sc = self.reshape(self.add("scatter_add", [upd, flat], total, dtype, axis=0, size=total[0]), xs)
+        else:
+            raise NotImplementedError(f"jax frontend: primitive scatter-add with dimension numbers {dn}")
+        n = self.g.nodes[x]
+        if n.op == "constant" and n.attrs["value"] == 0:
+            return sc
+        return self.add("add", [x, sc], shape, dtype)
+
+
+def _compact(g: Graph, keep_inputs: list[int]) -> tuple[Graph, list[int]]:
+    """Drop nodes no output needs (inputs are always kept) and renumber."""
+    live = set(g.outputs) | set(keep_inputs)
+    for node in reversed(g.nodes):
+        if node.id in live:
+            live.update(node.inputs)
+    new = Graph()
+    remap: dict[int, int] = {}
+    for node in g.nodes:
+        if node.id in live:
+            i = new.add(node.op, [remap[j] for j in node.inputs], node.type.shape, node.type.dtype)
+            new.nodes[i].attrs.update(node.attrs)
+            remap[node.id] = i
+    new.outputs = [remap[i] for i in g.outputs]
+    new.output_roles = list(g.output_roles)
+    return new, [remap[i] for i in keep_inputs]

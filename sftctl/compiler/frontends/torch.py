@@ -1,0 +1,1234 @@
+"""PyTorch frontend: trace one whole training step (forward, loss, backward, AdamW) into the IR.
+
+``trace_step(model, batch, loss_fn)`` builds a functional step
+
+    loss, grads = torch.func.grad_and_value(loss of params)(params)   # via functional_call
+    params', m', v' = AdamW(params, grads, m, v, step)                # written in torch ops
+
+and traces it with ``make_fx`` (``tracing_mode="fake"`` by default, so a 124M-parameter model costs
+no memory: parameters and the batch may live on the ``meta`` device or be fake tensors) through
+``core_aten_decompositions()`` plus :func:`decomposition_table`'s extras (layer norm, softmax,
+GELU, ...). ``F.scaled_dot_product_attention`` is replaced while tracing by :func:`_sdpa_math`
+(matmul, scale, causal/explicit mask, float32 softmax, matmul: the math decomposition with flash
+attention's precision), so attention arrives as ``dot_general`` + masked softmax; any SDPA call
+that escapes it runs under the MATH backend. The ATen graph is then lowered op by op to the IR
+(:class:`_Lowering`); an ATen op without a lowering raises ``NotImplementedError`` naming it.
+
+The graph (see :mod:`sftctl.compiler.ir`):
+
+* inputs, in this order: role ``param`` (trainable parameters, ``named_parameters()`` order with
+  tied parameters once), ``opt_state`` (``<name>.exp_avg`` for each parameter, then
+  ``<name>.exp_avg_sq``), ``buffer`` (buffers and frozen parameters), ``step`` (float32 scalar:
+  the 1-based number of this step, i.e. torch's ``state["step"]`` after its increment), ``batch``
+  (the tensor leaves of ``batch`` in ``torch.utils._pytree`` order). Non-uniform tensor constants
+  captured from the program become inputs of role ``constant`` carrying ``attrs["value"]``.
+* outputs: ``loss``, then ``param:<name>`` for each parameter, then
+  ``opt_state:<name>.exp_avg`` for each, then ``opt_state:<name>.exp_avg_sq`` for each.
+
+AdamW is ``torch.optim.AdamW``'s (decoupled weight decay, bias correction, ``eps`` added after the
+square root), optionally preceded by ``clip_grad_norm_`` (``grad_clip``); ``lr``, betas, eps and the
+weight decay are baked into the graph as constants, the step count is an input. ``weight_decay``
+may be a callable ``(name, param) -> float`` for per-parameter groups (e.g. no decay for 1-D).
+
+Mixed precision (``autocast_dtype`` / ``trace_entrypoint(dtype=...)``): parameters, gradients and
+AdamW state stay in the model's dtype (float32 master weights) and the loss is computed under
+``torch.autocast("cpu", dtype)`` as examples/gpt/train.py does on GPU, so the trace holds the
+casts autocast inserts: matmuls (``dot_general``, with the linear layers' bias adds, the
+attention scale and mask) run in bfloat16/float16, while layer norm, GELU (computed in float32 by
+its decomposition), the attention softmax and the loss stay float32. The CPU autocast op lists are
+used; for the ops a transformer uses (linear, matmul, bmm, baddbmm) they agree with CUDA's.
+
+Lowering notes: ``torch.gather`` / ``scatter`` (take-along-axis forms) become an IR ``gather`` /
+``scatter_add`` on the flattened tensor with a computed linear index; ``index`` / ``index_put``
+with adjacent index tensors merge the indexed dims the same way; non-accumulating scatters use a
+``scatter_add`` of ones as the written mask (exact for unique indices, as torch itself only
+defines them). Random ops (dropout with p > 0) are not supported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import operator
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from sftctl.compiler.ir import Graph
+
+aten = torch.ops.aten
+
+_IR_DTYPES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16",
+              torch.float16: "float16", torch.int64: "int64", torch.int32: "int32", torch.bool: "bool"}
+_FLOATS = ("float64", "float32", "bfloat16", "float16")
+
+# extra decompositions on top of core_aten_decompositions(): ops core ATen keeps but the IR spells out
+_EXTRA_DECOMPS = (
+    "native_layer_norm", "native_group_norm", "gelu", "_softmax", "_log_softmax", "addcmul", "addcdiv", "lerp", "logsumexp", "softplus", "hardtanh",
+    "leaky_relu", "elu", "hardswish", "hardsigmoid", "mish", "log_sigmoid_forward", "rsub",
+    "masked_fill", "linalg_vector_norm", "norm", "glu", "huber_loss", "smooth_l1_loss",
+    "binary_cross_entropy", "binary_cross_entropy_with_logits", "xlogy", "logit", "stack", "repeat",
+    "tril", "triu", "_unsafe_index", "index_add",
+)
+
+
+def decomposition_table() -> dict:
+    """``core_aten_decompositions()`` plus the extras the lowering relies on."""
+    from torch._decomp import core_aten_decompositions, get_decompositions
+
+    table = dict(core_aten_decompositions())
+    table.update(get_decompositions([getattr(aten, n) for n in _EXTRA_DECOMPS if hasattr(aten, n)]))
+    return table
+
+
+def ir_dtype(dtype: torch.dtype) -> str:
+    try:
+        return _IR_DTYPES[dtype]
+    except KeyError:
+        raise NotImplementedError(f"torch frontend: dtype {dtype} has no IR dtype") from None
+
+
+# ------------------------------------------------------------------------------------------------
+# tracing
+# ------------------------------------------------------------------------------------------------
+
+
+class _LossModule(torch.nn.Module):
+    """Holds the model so ``functional_call`` can swap its parameters around ``loss_fn``."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable) -> None:
+        super().__init__()
+        self.model = model
+        self._loss_fn = loss_fn
+
+    def forward(self, batch):
+        return self._loss_fn(self.model, batch)
+
+
+def _sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False):
+    """``scaled_dot_product_attention`` as matmul, mask, float32 softmax, matmul.
+
+    The softmax runs in float32 and its result is cast back to the query's dtype before the second
+    matmul, as flash attention does; under autocast both matmuls run in the autocast dtype.
+    (torch's own CPU math kernel would upcast the matmuls to float32, and its fused CPU kernels
+    have no decomposition for their backward.) Rows that a boolean mask masks completely give NaN
+    here, where torch's math kernel gives 0.
+    """
+    if dropout_p:
+        raise NotImplementedError("torch frontend: scaled_dot_product_attention with dropout_p > 0 "
+                                  "(random ops are not supported)")
+    L, S = query.shape[-2], key.shape[-2]
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        rep = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(rep, dim=-3)
+        value = value.repeat_interleave(rep, dim=-3)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    if is_causal:
+        keep = torch.arange(S, device=query.device)[None, :] <= torch.arange(L, device=query.device)[:, None]
+        scores = scores.masked_fill(keep.logical_not(), float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+        else:
+            scores = scores + attn_mask
+    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    return torch.matmul(probs, value)
+
+
+class _DecomposeSDPA(torch.overrides.TorchFunctionMode):
+    """Routes ``F.scaled_dot_product_attention`` to :func:`_sdpa_math` while tracing."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            return _sdpa_math(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _adamw(params, grads, ms, vs, step, *, lr, betas, eps, decays, grad_clip):
+    b1, b2 = betas
+    if grad_clip is not None:
+        sq = [torch.sum(g.to(torch.float32) * g.to(torch.float32)) if g.dtype in (torch.bfloat16, torch.float16)
+              else torch.sum(g * g) for g in grads]
+        total = torch.sqrt(sum(sq[1:], sq[0]))
+        coef = torch.clamp(grad_clip / (total + 1e-6), max=1.0)
+        grads = [g * coef.to(g.dtype) for g in grads]
+    bias1 = 1 - torch.pow(b1, step)
+    bias2_sqrt = torch.sqrt(1 - torch.pow(b2, step))
+    step_size = lr / bias1
+    new_p, new_m, new_v = [], [], []
+    for p, g, m, v, wd in zip(params, grads, ms, vs, decays):
+        g = g.to(p.dtype)
+        m2 = m + (g - m) * (1 - b1)  # exp_avg.lerp_(grad, 1 - beta1)
+        v2 = v * b2 + g * g * (1 - b2)  # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2)
+        p2 = p * (1 - lr * wd) if wd else p
+        denom = torch.sqrt(v2) / bias2_sqrt.to(v2.dtype) + eps
+        p2 = p2 - step_size.to(p.dtype) * (m2 / denom)
+        new_p.append(p2)
+        new_m.append(m2)
+        new_v.append(v2)
+    return new_p, new_m, new_v
+
+
+def trace_step(
+    model: torch.nn.Module,
+    batch: Any,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    *,
+    optimizer: str = "adamw",
+    lr: float = 3e-4,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float | Callable[[str, torch.Tensor], float] = 0.01,
+    grad_clip: float | None = None,
+    fake: bool = True,
+    autocast_dtype: str | torch.dtype | None = None,
+) -> tuple[Graph, dict[str, Any]]:
+    """Trace one training step of ``model`` on ``batch`` into an IR graph.
+
+    Args:
+        model: the module; its parameters may be real, fake or on the ``meta`` device (``meta``
+            needs ``fake=True``).
+        batch: any pytree of tensors (and constants) that ``loss_fn`` takes.
+        loss_fn: ``loss_fn(model, batch) -> scalar``.
+        optimizer: only ``"adamw"``.
+        lr, betas, eps, weight_decay, grad_clip: AdamW hyperparameters (see the module docstring).
+        fake: trace with fake tensors (no memory, no compute); False runs the step for real while
+            tracing (small models; needed for tensor constants whose values the graph must hold).
+        autocast_dtype: None, or ``bfloat16``/``float16`` to run the loss under ``torch.autocast``.
+
+    Returns:
+        ``(graph, meta)``: ``meta`` has ``params`` / ``opt_state`` / ``buffers`` (name -> input node
+        id), ``step`` (id), ``batch`` (ids, pytree order), ``batch_names``, ``param_names``,
+        ``outputs`` (role -> index into ``graph.outputs``), ``n_params``, ``hyper``, ``fx_nodes``,
+        ``trace_s``, ``lower_s``.
+
+    Raises:
+        NotImplementedError: an ATen op, dtype or form the lowering does not support (named).
+        ValueError: an unknown optimizer, or meta tensors with ``fake=False``.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if optimizer != "adamw":
+        raise ValueError(f"optimizer must be 'adamw', got {optimizer!r}")
+    if isinstance(autocast_dtype, str):
+        autocast_dtype = None if autocast_dtype == "float32" else getattr(torch, autocast_dtype)
+    wrapper = _LossModule(model, loss_fn)
+    named = list(wrapper.named_parameters())  # tied parameters once
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    frozen = [(n, p) for n, p in named if not p.requires_grad] + list(wrapper.named_buffers())
+    pnames = [n[len("model."):] for n, _ in trainable]
+    bnames = [n[len("model."):] for n, _ in frozen]
+    decays = [float(weight_decay(n, p) if callable(weight_decay) else weight_decay)
+              for n, (_, p) in zip(pnames, trainable)]
+    leaves, spec = pytree.tree_flatten(batch)
+    tpos = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    batch_paths = [pytree.keystr(k) for k, _ in pytree.tree_flatten_with_path(batch)[0]]
+    batch_names = ["batch" + batch_paths[i] for i in tpos]
+
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+
+        mode = FakeTensorMode()
+
+        def to_input(t: torch.Tensor) -> torch.Tensor:
+            if is_fake(t) or t.device.type == "meta":
+                with mode:
+                    dev = "cpu" if t.device.type == "meta" else t.device
+                    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev)
+            return mode.from_tensor(t.detach())
+
+        def zeros_like(t: torch.Tensor) -> torch.Tensor:
+            return to_input(t)
+    else:
+        def to_input(t: torch.Tensor) -> torch.Tensor:
+            if t.device.type == "meta":
+                raise ValueError("meta tensors need fake=True")
+            return t.detach().clone()
+
+        def zeros_like(t: torch.Tensor) -> torch.Tensor:
+            return torch.zeros_like(t.detach())
+
+    p_in = [to_input(p) for _, p in trainable]
+    m_in = [zeros_like(p) for _, p in trainable]
+    v_in = [zeros_like(p) for _, p in trainable]
+    b_in = [to_input(b) for _, b in frozen]
+    s_in = to_input(torch.ones((), dtype=torch.float32)) if fake else torch.ones((), dtype=torch.float32)
+    x_in = [to_input(leaves[i]) for i in tpos]
+
+    def step_fn(params, ms, vs, bufs, step, xs):
+        vals = list(leaves)
+        for i, x in zip(tpos, xs):
+            vals[i] = x
+        b = pytree.tree_unflatten(vals, spec)
+        fixed = {"model." + n: t for n, t in zip(bnames, bufs)}
+
+        def loss_of(ps):
+            state = {**{"model." + n: t for n, t in zip(pnames, ps)}, **fixed}
+            ctx = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
+                   else contextlib.nullcontext())
+            with ctx, _DecomposeSDPA():
+                return torch.func.functional_call(wrapper, state, (b,))
+
+        grads, loss = torch.func.grad_and_value(loss_of)(list(params))
+        new_p, new_m, new_v = _adamw(list(params), grads, ms, vs, step, lr=lr, betas=betas, eps=eps,
+                                     decays=decays, grad_clip=grad_clip)
+        return loss, new_p, new_m, new_v
+
+    t0 = time.perf_counter()
+    with sdpa_kernel(SDPBackend.MATH):
+        gm = make_fx(step_fn, decomposition_table=decomposition_table(),
+                     tracing_mode="fake" if fake else "real")(p_in, m_in, v_in, b_in, s_in, x_in)
+    t1 = time.perf_counter()
+    gm.graph.eliminate_dead_code()
+    n = len(pnames)
+    roles = (
+        [("param", nm) for nm in pnames] + [("opt_state", nm + ".exp_avg") for nm in pnames]
+        + [("opt_state", nm + ".exp_avg_sq") for nm in pnames] + [("buffer", nm) for nm in bnames]
+        + [("step", "step")] + [("batch", nm) for nm in batch_names]
+    )
+    out_roles = (["loss"] + [f"param:{nm}" for nm in pnames] + [f"opt_state:{nm}.exp_avg" for nm in pnames]
+                 + [f"opt_state:{nm}.exp_avg_sq" for nm in pnames])
+    graph, input_ids = _Lowering(gm).run(roles, out_roles)
+    t2 = time.perf_counter()
+    ids = dict(zip(range(len(roles)), input_ids))
+    meta: dict[str, Any] = {
+        "params": {nm: ids[i] for i, nm in enumerate(pnames)},
+        "opt_state": {**{nm + ".exp_avg": ids[n + i] for i, nm in enumerate(pnames)},
+                      **{nm + ".exp_avg_sq": ids[2 * n + i] for i, nm in enumerate(pnames)}},
+        "buffers": {nm: ids[3 * n + i] for i, nm in enumerate(bnames)},
+        "step": ids[3 * n + len(bnames)],
+        "batch": [ids[3 * n + len(bnames) + 1 + i] for i in range(len(batch_names))],
+        "batch_names": batch_names,
+        "param_names": pnames,
+        "outputs": {r: i for i, r in enumerate(out_roles)},
+        "n_params": sum(p.numel() for _, p in trainable),
+        "hyper": {"optimizer": optimizer, "lr": lr, "betas": tuple(betas), "eps": eps,
+                  "weight_decay": dict(zip(pnames, decays)), "grad_clip": grad_clip,
+                  "autocast_dtype": str(autocast_dtype).replace("torch.", "") if autocast_dtype else None},
+        "fx_nodes": len(gm.graph.nodes),
+        "trace_s": t1 - t0,
+        "lower_s": t2 - t1,
+    }
+    return graph, meta
+
+
+def trace_entrypoint(entrypoint: str, workdir: str, batch_size: int, dtype: str = "float32", *,
+                     fake: bool = True, mixed_precision: bool = True, **step_kwargs: Any) -> tuple[Graph, dict]:
+    """Import ``file.py:function`` (relative to ``workdir``), build and trace its training step.
+
+    ``function(batch_size=..., dtype=...)`` must return ``(model, example_batch, loss_fn)``. With
+    ``mixed_precision`` (the default) and a ``dtype`` of bfloat16/float16 the model is built in
+    float32 (master weights, as examples/gpt/train.py trains) and the loss traced under autocast to
+    ``dtype``; with ``mixed_precision=False`` it is built in ``dtype`` and traced as is. With
+    ``fake`` the build runs under ``torch.device("meta")`` (no parameter memory; falls back to a
+    real build if the function cannot build on meta). ``step_kwargs`` go to :func:`trace_step`.
+    """
+    file, _, func = entrypoint.rpartition(":")
+    path = (Path(workdir) / file).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"entrypoint file {path} not found")
+    mod_name = f"_sftctl_entry_{abs(hash(str(path)))}"
+    mod_spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules[mod_name] = module  # dataclasses and pickling look the module up
+    sys.path.insert(0, str(path.parent))
+    try:
+        mod_spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except BaseException:
+        sys.modules.pop(mod_name, None)
+        raise
+    finally:
+        sys.path.remove(str(path.parent))
+    fn = getattr(module, func, None)
+    if not callable(fn):
+        raise AttributeError(f"{file} has no function {func!r}")
+    amp = mixed_precision and dtype != "float32"
+    build_dtype = "float32" if amp else dtype
+    built_on = "real"
+    if fake:
+        try:
+            with torch.device("meta"):
+                model, batch, loss_fn = fn(batch_size=batch_size, dtype=build_dtype)
+            built_on = "meta"
+        except Exception:  # noqa: BLE001 - any failure on meta: build for real
+            model, batch, loss_fn = fn(batch_size=batch_size, dtype=build_dtype)
+    else:
+        model, batch, loss_fn = fn(batch_size=batch_size, dtype=build_dtype)
+    graph, meta = trace_step(model, batch, loss_fn, fake=fake, autocast_dtype=dtype if amp else None,
+                             **step_kwargs)
+    meta.update(entrypoint=entrypoint, dtype=dtype, built_on=built_on,
+                precision=f"autocast {dtype}, float32 master weights" if amp else dtype)
+    return graph, meta
+
+
+# ------------------------------------------------------------------------------------------------
+# lowering: ATen FX graph -> IR
+# ------------------------------------------------------------------------------------------------
+
+
+def _strides(shape) -> list[int]:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= s
+    return out[::-1]
+
+
+def _norm_dims(dims, rank: int) -> tuple[int, ...]:
+    if dims is None:
+        return tuple(range(rank))
+    if isinstance(dims, int):
+        dims = [dims]
+    if len(dims) == 0:
+        return tuple(range(rank))
+    return tuple(sorted(d % rank if rank else 0 for d in dims))
+
+
+class _Lowering:
+    """Lowers a make_fx ATen graph to an IR :class:`Graph`, one handler per ATen op packet."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self.g = Graph()
+        self.env: dict[fx.Node, Any] = {}
+        self._consts: dict[tuple, int] = {}
+        self._node: fx.Node | None = None
+
+    # --- graph building helpers -------------------------------------------------------------
+    def add(self, op: str, inputs, shape, dtype: str, /, **attrs) -> int:
+        return _add(self.g, op, inputs, shape, dtype, attrs)
+
+    def shape(self, i: int) -> tuple[int, ...]:
+        return self.g.nodes[i].type.shape
+
+    def dtype(self, i: int) -> str:
+        return self.g.nodes[i].type.dtype
+
+    def const(self, value, shape=(), dtype: str = "float32") -> int:
+        if dtype == "bool":
+            value = bool(value)
+        elif dtype in _FLOATS:
+            value = float(value)
+        else:
+            if isinstance(value, float) and not value.is_integer():
+                raise NotImplementedError(f"torch frontend: constant {value} for dtype {dtype}")
+            value = int(value)
+        key = (repr(value), tuple(shape), dtype)
+        if key not in self._consts:
+            self._consts[key] = self.add("constant", [], shape, dtype, value=value)
+        return self._consts[key]
+
+    def is_const(self, i: int, value) -> bool:
+        n = self.g.nodes[i]
+        return n.op == "constant" and n.attrs["value"] == value
+
+    def cast(self, i: int, dtype: str) -> int:
+        if self.dtype(i) == dtype:
+            return i
+        n = self.g.nodes[i]
+        if n.op == "constant":
+            return self.const(n.attrs["value"], n.type.shape, dtype)
+        return self.add("cast", [i], self.shape(i), dtype)
+
+    def reshape(self, i: int, shape) -> int:
+        shape = tuple(int(s) for s in shape)
+        if self.shape(i) == shape:
+            return i
+        n = self.g.nodes[i]
+        if n.op == "constant":
+            return self.const(n.attrs["value"], shape, n.type.dtype)
+        return self.add("reshape", [i], shape, self.dtype(i), shape=shape)
+
+    def transpose(self, i: int, perm) -> int:
+        perm = tuple(int(p) for p in perm)
+        if perm == tuple(range(len(perm))):
+            return i
+        shape = tuple(self.shape(i)[p] for p in perm)
+        return self.add("transpose", [i], shape, self.dtype(i), perm=perm)
+
+    def bcast(self, i: int, shape) -> int:
+        """numpy-style (trailing-aligned) explicit broadcast."""
+        shape = tuple(int(s) for s in shape)
+        src = self.shape(i)
+        if src == shape:
+            return i
+        n = self.g.nodes[i]
+        if n.op == "constant":
+            return self.const(n.attrs["value"], shape, n.type.dtype)
+        dims = tuple(range(len(shape) - len(src), len(shape)))
+        return self.add("broadcast_in_dim", [i], shape, self.dtype(i), shape=shape, dims=dims)
+
+    def binary(self, op: str, a: int, b: int, dtype: str | None = None) -> int:
+        shape = tuple(torch.broadcast_shapes(self.shape(a), self.shape(b)))
+        if dtype is None:
+            dtype = self.dtype(a)
+        return self.add(op, [a, b], shape, dtype)
+
+    def iota(self, shape, axis: int, dtype: str = "int64") -> int:
+        return self.add("iota", [], shape, dtype, axis=axis)
+
+    def slice_dim(self, i: int, dim: int, start: int, stop: int, step: int = 1) -> int:
+        shape = self.shape(i)
+        if start == 0 and stop == shape[dim] and step == 1:
+            return i
+        starts = [0] * len(shape)
+        limits = list(shape)
+        steps = [1] * len(shape)
+        starts[dim], limits[dim], steps[dim] = start, stop, step
+        out = list(shape)
+        out[dim] = len(range(start, stop, step))
+        return self.add("slice", [i], out, self.dtype(i), start=tuple(starts), limit=tuple(limits),
+                        step=tuple(steps))
+
+    # --- fx helpers --------------------------------------------------------------------------
+    @staticmethod
+    def val(n: fx.Node):
+        v = n.meta.get("val")
+        if v is None:
+            raise NotImplementedError(f"torch frontend: fx node {n.name} has no meta['val']")
+        return v
+
+    def out(self) -> tuple[tuple[int, ...], str]:
+        v = self.val(self._node)
+        return tuple(int(s) for s in v.shape), ir_dtype(v.dtype)
+
+    def arg(self, a, dtype: str | None = None) -> int:
+        """An operand as an IR id: an fx node (cast to ``dtype``) or a Python scalar constant."""
+        if isinstance(a, _Id):
+            return self.cast(int(a), dtype) if dtype else int(a)
+        if isinstance(a, fx.Node):
+            i = self.env[a]
+            if not isinstance(i, int):
+                raise NotImplementedError(f"torch frontend: tuple value {a.name} used as a tensor")
+            return self.cast(i, dtype) if dtype else i
+        if isinstance(a, (bool, int, float)):
+            return self.const(a, (), dtype or ("bool" if isinstance(a, bool) else
+                                               "int64" if isinstance(a, int) else "float32"))
+        raise NotImplementedError(f"torch frontend: operand {a!r} of {self._node.target}")
+
+    def _meta_of(self, a):
+        if isinstance(a, _Id):
+            return torch.empty((1,), dtype=getattr(torch, self.dtype(int(a))), device="meta")
+        if isinstance(a, fx.Node):
+            v = a.meta["val"]
+            return torch.empty(() if v.dim() == 0 else (1,), dtype=v.dtype, device="meta")
+        return a
+
+    def promote(self, a, b) -> str:
+        return ir_dtype(torch.result_type(self._meta_of(a), self._meta_of(b)))
+
+    # --- driver ------------------------------------------------------------------------------
+    def run(self, roles: list[tuple[str, str]], out_roles: list[str]) -> tuple[Graph, list[int]]:
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(roles):
+            raise RuntimeError(f"traced graph has {len(placeholders)} inputs, expected {len(roles)}")
+        input_ids = []
+        for n, (role, name) in zip(placeholders, roles):
+            v = self.val(n)
+            i = self.add("input", [], tuple(v.shape), ir_dtype(v.dtype), role=role, name=name)
+            self.env[n] = i
+            input_ids.append(i)
+        outputs: list[int] = []
+        for n in self.gm.graph.nodes:
+            self._node = n
+            if n.op == "placeholder":
+                continue
+            if n.op == "get_attr":
+                self.env[n] = self._tensor_constant(n)
+            elif n.op == "call_function":
+                self.env[n] = self._call(n)
+            elif n.op == "output":
+                flat = pytree.tree_leaves(n.args[0])
+                outputs = [self.arg(a) for a in flat]
+            else:
+                raise NotImplementedError(f"torch frontend: fx node kind {n.op} ({n.name})")
+        if len(outputs) != len(out_roles):
+            raise RuntimeError(f"traced step has {len(outputs)} outputs, expected {len(out_roles)}")
+        self.g.outputs = outputs
+        self.g.output_roles = list(out_roles)
+        return _compact(self.g, input_ids)
+
+    def _tensor_constant(self, n: fx.Node) -> int:
+        t = getattr(self.gm, n.target)
+        if not isinstance(t, torch.Tensor):
+            raise NotImplementedError(f"torch frontend: non-tensor attribute {n.target}")
+        from torch._subclasses.fake_tensor import is_fake
+
+        dtype = ir_dtype(t.dtype)
+        if is_fake(t) and getattr(t, "constant", None) is not None:
+            t = t.constant  # a fake tensor made from a real constant keeps it
+        if is_fake(t) or t.device.type == "meta":
+            raise NotImplementedError(f"torch frontend: tensor constant {n.target} has no value in fake mode")
+        flat = t.detach().reshape(-1)
+        if flat.numel() == 0 or bool((flat == flat[0]).all()):
+            return self.const(flat[0].item() if flat.numel() else 0, tuple(t.shape), dtype)
+        value = t.detach().cpu().to(torch.float64 if dtype in _FLOATS else t.dtype).numpy()
+        return self.add("input", [], tuple(t.shape), dtype, role="constant", name=str(n.target), value=value)
+
+    def _call(self, n: fx.Node):
+        target = n.target
+        if target is operator.getitem:
+            seq = self.env[n.args[0]]
+            item = seq[n.args[1]]
+            if item is None:
+                raise NotImplementedError(f"torch frontend: output {n.args[1]} of {n.args[0].target} is not supported")
+            return item
+        if not isinstance(target, torch._ops.OpOverload):
+            raise NotImplementedError(f"torch frontend: unsupported call {target} ({n.name})")
+        packet = target._schema.name.split("::")[-1]
+        inplace = packet.endswith("_") and not packet.startswith("_") and target._schema.is_mutable
+        handler = getattr(self, "op_" + (packet[:-1] if inplace else packet), None)
+        if handler is None or target.namespace != "aten":
+            raise NotImplementedError(f"torch frontend: ATen op {target} has no IR lowering ({n.name})")
+        out = handler(n, *n.args, **n.kwargs)
+        if inplace and isinstance(n.args[0], fx.Node):
+            # in-place op: later readers of the mutated tensor see the new value (views of it
+            # taken before the mutation are not updated; make_fx graphs rarely have them)
+            self.env[n.args[0]] = out
+        return out
+
+    def unsupported(self, n: fx.Node, why: str = ""):
+        raise NotImplementedError(f"torch frontend: ATen op {n.target} {why}".rstrip())
+
+    # --- elementwise -------------------------------------------------------------------------
+    def _unary(self, irop: str, n, x):
+        shape, dtype = self.out()
+        return self.add(irop, [self.arg(x, dtype)], shape, dtype)
+
+    def op_logical_not(self, n, x):
+        shape, _ = self.out()
+        return self.add("logical_not", [self.arg(x)], shape, "bool")
+
+    def op_isnan(self, n, x):
+        shape, _ = self.out()
+        i = self.arg(x)
+        return self.add("ne", [i, i], shape, "bool")
+
+    def _abs_vs_inf(self, irop: str, x):
+        shape, _ = self.out()
+        i = self.arg(x)
+        a = self.add("abs", [i], self.shape(i), self.dtype(i))
+        return self.add(irop, [a, self.const(float("inf"), (), self.dtype(i))], shape, "bool")
+
+    def op_isinf(self, n, x):
+        return self._abs_vs_inf("eq", x)
+
+    def op_isfinite(self, n, x):  # |x| < inf: false for inf and nan
+        return self._abs_vs_inf("lt", x)
+
+    def op_bitwise_not(self, n, x):
+        if self.val(x).dtype != torch.bool:
+            self.unsupported(n, "on integers")
+        return self.op_logical_not(n, x)
+
+    def _arith(self, irop: str, a, b):
+        shape, dtype = self.out()
+        return self.add(irop, [self.arg(a, dtype), self.arg(b, dtype)], shape, dtype)
+
+    def op_add(self, n, a, b, alpha=1):
+        if alpha != 1:
+            b = self._scaled(b, alpha)
+        return self._arith("add", a, b)
+
+    def op_sub(self, n, a, b, alpha=1):
+        if alpha != 1:
+            b = self._scaled(b, alpha)
+        return self._arith("sub", a, b)
+
+    def _scaled(self, b, alpha):
+        _, dtype = self.out()
+        bi = self.arg(b, dtype)
+        return _Id(self.binary("mul", bi, self.const(alpha, (), dtype), dtype))
+
+    def op_mul(self, n, a, b):
+        return self._arith("mul", a, b)
+
+    def op_div(self, n, a, b, rounding_mode=None):
+        if rounding_mode is not None:
+            self.unsupported(n, f"with rounding_mode={rounding_mode!r}")
+        return self._arith("div", a, b)
+
+    def op_remainder(self, n, a, b):
+        """Python-style modulo on integers: ``a - trunc(a / b) * b``, plus ``b`` where signs differ."""
+        shape, dtype = self.out()
+        if dtype in _FLOATS:
+            self.unsupported(n, "on floating point (the IR has no floor)")
+        x, y = self.arg(a, dtype), self.arg(b, dtype)
+        r = self.binary("sub", x, self.binary("mul", self.binary("div", x, y), y))
+        zero = self.const(0, (), dtype)
+        differ = self.binary("ne", self.binary("lt", r, zero, "bool"), self.binary("lt", y, zero, "bool"), "bool")
+        fix = self.binary("logical_and", self.binary("ne", r, zero, "bool"), differ, "bool")
+        return self.add("where", [fix, self.binary("add", r, y), r], shape, dtype)
+
+    def op_pow(self, n, a, b):
+        return self._arith("pow", a, b)
+
+    def op_maximum(self, n, a, b):
+        return self._arith("maximum", a, b)
+
+    def op_minimum(self, n, a, b):
+        return self._arith("minimum", a, b)
+
+    def op_clamp(self, n, x, min=None, max=None):  # noqa: A002 - ATen's names
+        shape, dtype = self.out()
+        y = self.arg(x, dtype)
+        if min is not None:
+            y = self.add("maximum", [y, self.arg(min, dtype)], shape, dtype)
+        if max is not None:
+            y = self.add("minimum", [y, self.arg(max, dtype)], shape, dtype)
+        return y
+
+    def op_clamp_min(self, n, x, m):
+        return self.op_clamp(n, x, min=m)
+
+    def op_clamp_max(self, n, x, m):
+        return self.op_clamp(n, x, max=m)
+
+    def _compare(self, irop: str, a, b):
+        shape, _ = self.out()
+        dt = self.promote(a, b)
+        return self.add(irop, [self.arg(a, dt), self.arg(b, dt)], shape, "bool")
+
+    def _logical(self, irop: str, n, a, b):
+        shape, _ = self.out()
+        return self.add(irop, [self.arg(a), self.arg(b)], shape, "bool")
+
+    def op_logical_and(self, n, a, b):
+        return self._logical("logical_and", n, a, b)
+
+    def op_logical_or(self, n, a, b):
+        return self._logical("logical_or", n, a, b)
+
+    def op_logical_xor(self, n, a, b):
+        shape, _ = self.out()
+        return self.add("ne", [self.cast(self.arg(a), "bool"), self.cast(self.arg(b), "bool")], shape, "bool")
+
+    def _bitwise(self, irop, n, a, b):
+        if self.val(n).dtype != torch.bool:
+            self.unsupported(n, "on integers")
+        return self._logical(irop, n, a, b)
+
+    def op_bitwise_and(self, n, a, b):
+        return self._bitwise("logical_and", n, a, b)
+
+    def op_bitwise_or(self, n, a, b):
+        return self._bitwise("logical_or", n, a, b)
+
+    def op_bitwise_xor(self, n, a, b):
+        if self.val(n).dtype != torch.bool:
+            self.unsupported(n, "on integers")
+        return self.op_logical_xor(n, a, b)
+
+    def op_where(self, n, c, a=None, b=None):
+        if a is None:
+            self.unsupported(n, "(the nonzero form)")
+        shape, dtype = self.out()
+        return self.add("where", [self.arg(c), self.arg(a, dtype), self.arg(b, dtype)], shape, dtype)
+
+    def op_masked_fill(self, n, x, mask, value):
+        shape, dtype = self.out()
+        return self.add("where", [self.arg(mask), self.arg(value, dtype), self.arg(x, dtype)], shape, dtype)
+
+    # --- casts and identities ----------------------------------------------------------------
+    def op__to_copy(self, n, x, **kw):
+        shape, dtype = self.out()
+        return self.cast(self.arg(x), dtype)
+
+    def _identity(self, n, x, *args, **kw):
+        return self.env[x]
+
+    op_clone = op_alias = op_detach = op_lift_fresh_copy = op_contiguous = _identity
+
+    def op__assert_tensor_metadata(self, n, *args, **kw):
+        return None
+
+    def op_copy(self, n, dst, src, non_blocking=False):
+        shape, dtype = self.out()
+        return self.bcast(self.cast(self.arg(src), dtype), shape)
+
+    # --- sources -----------------------------------------------------------------------------
+    def _fill(self, value):
+        shape, dtype = self.out()
+        return self.const(value, shape, dtype)
+
+    def op_full(self, n, size, value, **kw):
+        return self._fill(value)
+
+    def op_full_like(self, n, x, value, **kw):
+        return self._fill(value)
+
+    def op_new_full(self, n, x, size, value, **kw):
+        return self._fill(value)
+
+    def op_scalar_tensor(self, n, value, **kw):
+        return self._fill(value)
+
+    def op_fill(self, n, x, value):
+        if isinstance(value, fx.Node):
+            shape, dtype = self.out()
+            return self.bcast(self.cast(self.arg(value), dtype), shape)
+        return self._fill(value)
+
+    def op_zeros(self, n, *a, **kw):
+        return self._fill(0)
+
+    op_zeros_like = op_new_zeros = op_empty = op_empty_like = op_new_empty = op_empty_strided = op_zeros
+    op_new_empty_strided = op_empty_permuted = op_zeros
+
+    def op_ones(self, n, *a, **kw):
+        return self._fill(1)
+
+    op_ones_like = op_new_ones = op_ones
+
+    def op_arange(self, n, *args, **kw):
+        nums = [a for a in args if isinstance(a, (int, float))]
+        start, step = 0, 1
+        if len(nums) == 2:
+            start = nums[0]
+        elif len(nums) >= 3:
+            start, step = nums[0], nums[2]
+        shape, dtype = self.out()
+        i = self.iota(shape, 0, dtype)
+        if step != 1:
+            i = self.binary("mul", i, self.const(step, (), dtype))
+        if start != 0:
+            i = self.binary("add", i, self.const(start, (), dtype))
+        return i
+
+    # --- reductions --------------------------------------------------------------------------
+    def _reduce(self, irop: str, x, dims, keepdim: bool, in_dtype: str | None = None):
+        shape, dtype = self.out()
+        xi = self.arg(x, in_dtype or dtype)
+        rank = len(self.shape(xi))
+        axes = _norm_dims(dims, rank)
+        if rank == 0 or not axes:
+            return self.reshape(self.cast(xi, dtype), shape)
+        y = self.add(irop, [xi], shape, in_dtype or dtype, axes=axes, keepdim=bool(keepdim))
+        return self.cast(y, dtype)
+
+    def op_sum(self, n, x, dim=None, keepdim=False, dtype=None):
+        return self._reduce("sum", x, dim, keepdim)
+
+    def op_mean(self, n, x, dim=None, keepdim=False, dtype=None):
+        shape, odt = self.out()
+        s = self._reduce("sum", x, dim, keepdim)
+        xs = self.val(x).shape
+        count = math.prod(xs[d] for d in _norm_dims(dim, len(xs))) if len(xs) else 1
+        return self.binary("div", s, self.const(count, (), odt))
+
+    def op_amax(self, n, x, dim=(), keepdim=False):
+        return self._reduce("max", x, dim, keepdim)
+
+    def op_amin(self, n, x, dim=(), keepdim=False):
+        return self._reduce("min", x, dim, keepdim)
+
+    def op_max(self, n, x, *rest, **kw):
+        if rest or kw:
+            if isinstance(rest[0] if rest else None, fx.Node):
+                return self.op_maximum(n, x, rest[0])
+            self.unsupported(n, "(values with indices)")
+        return self._reduce("max", x, None, False)
+
+    def op_min(self, n, x, *rest, **kw):
+        if rest or kw:
+            if isinstance(rest[0] if rest else None, fx.Node):
+                return self.op_minimum(n, x, rest[0])
+            self.unsupported(n, "(values with indices)")
+        return self._reduce("min", x, None, False)
+
+    def op_any(self, n, x, dim=None, keepdim=False):
+        return self._reduce("max", x, dim, keepdim, in_dtype="bool")
+
+    def op_all(self, n, x, dim=None, keepdim=False):
+        return self._reduce("min", x, dim, keepdim, in_dtype="bool")
+
+    def _var_mean(self, x, dim, correction, keepdim):
+        shape, dtype = self.out_at(0)
+        xi = self.arg(x, dtype)
+        xs = self.shape(xi)
+        axes = _norm_dims(dim, len(xs))
+        count = math.prod(xs[d] for d in axes)
+        kshape = tuple(1 if d in axes else s for d, s in enumerate(xs))
+        s = self.add("sum", [xi], kshape, dtype, axes=axes, keepdim=True)
+        mean = self.binary("div", s, self.const(count, (), dtype))
+        d = self.binary("sub", xi, mean)
+        ss = self.add("sum", [self.binary("mul", d, d)], shape, dtype, axes=axes, keepdim=bool(keepdim))
+        corr = 1 if correction is None else correction
+        var = self.binary("div", ss, self.const(max(count - corr, 0), (), dtype))
+        return var, self.reshape(mean, shape)
+
+    def out_at(self, k: int) -> tuple[tuple[int, ...], str]:
+        v = self.val(self._node)
+        v = v[k] if isinstance(v, (tuple, list)) else v
+        return tuple(int(s) for s in v.shape), ir_dtype(v.dtype)
+
+    def op_var_mean(self, n, x, dim=None, *, correction=None, keepdim=False, **kw):
+        if "unbiased" in kw:
+            correction = 1 if kw["unbiased"] else 0
+        if isinstance(dim, bool):
+            correction, dim = (1 if dim else 0), None
+        return list(self._var_mean(x, dim, correction, keepdim))
+
+    def op_var(self, n, x, dim=None, *, correction=None, keepdim=False, **kw):
+        return self.op_var_mean(n, x, dim, correction=correction, keepdim=keepdim, **kw)[0]
+
+    # --- contractions ------------------------------------------------------------------------
+    def _dot(self, a: int, b: int, lb, rb, lc, rc, dtype: str) -> int:
+        sa, sb = self.shape(a), self.shape(b)
+        shape = ([sa[d] for d in lb] + [sa[d] for d in range(len(sa)) if d not in lb and d not in lc]
+                 + [sb[d] for d in range(len(sb)) if d not in rb and d not in rc])
+        return self.add("dot_general", [a, b], shape, dtype, lhs_batch=tuple(lb), rhs_batch=tuple(rb),
+                        lhs_contract=tuple(lc), rhs_contract=tuple(rc))
+
+    def op_mm(self, n, a, b):
+        _, dtype = self.out()
+        return self._dot(self.arg(a), self.arg(b), (), (), (1,), (0,), dtype)
+
+    def op_bmm(self, n, a, b):
+        _, dtype = self.out()
+        return self._dot(self.arg(a), self.arg(b), (0,), (0,), (2,), (1,), dtype)
+
+    def op_mv(self, n, a, b):
+        _, dtype = self.out()
+        return self._dot(self.arg(a), self.arg(b), (), (), (1,), (0,), dtype)
+
+    def op_dot(self, n, a, b):
+        _, dtype = self.out()
+        return self._dot(self.arg(a), self.arg(b), (), (), (0,), (0,), dtype)
+
+    def _addmm(self, n, bias, prod: int, beta, alpha):
+        shape, dtype = self.out()
+        if alpha != 1:
+            prod = self.binary("mul", prod, self.const(alpha, (), dtype))
+        c = self.arg(bias, dtype)
+        if beta == 0:
+            return prod
+        if beta != 1:
+            c = self.binary("mul", c, self.const(beta, (), dtype))
+        return self.add("add", [prod, c], shape, dtype)
+
+    def op_addmm(self, n, bias, a, b, beta=1, alpha=1):
+        return self._addmm(n, bias, self.op_mm(n, a, b), beta, alpha)
+
+    def op_baddbmm(self, n, bias, a, b, beta=1, alpha=1):
+        return self._addmm(n, bias, self.op_bmm(n, a, b), beta, alpha)
+
+    # --- layout ------------------------------------------------------------------------------
+    def op_view(self, n, x, size):
+        if not isinstance(size, (list, tuple)):
+            self.unsupported(n, "(dtype view)")
+        shape, _ = self.out()
+        return self.reshape(self.arg(x), shape)
+
+    op__unsafe_view = op_reshape = op_view
+
+    def op_unsqueeze(self, n, x, dim):
+        shape, _ = self.out()
+        return self.reshape(self.arg(x), shape)
+
+    def op_squeeze(self, n, x, *dims):
+        shape, _ = self.out()
+        return self.reshape(self.arg(x), shape)
+
+    def op_permute(self, n, x, dims):
+        i = self.arg(x)
+        rank = len(self.shape(i))
+        return self.transpose(i, [d % rank for d in dims])
+
+    def op_t(self, n, x):
+        i = self.arg(x)
+        return self.transpose(i, (1, 0)) if len(self.shape(i)) == 2 else i
+
+    def op_transpose(self, n, x, d0, d1):
+        i = self.arg(x)
+        rank = len(self.shape(i))
+        perm = list(range(rank))
+        d0, d1 = d0 % rank, d1 % rank
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+        return self.transpose(i, perm)
+
+    def op_expand(self, n, x, size, implicit=False):
+        shape, _ = self.out()
+        return self.bcast(self.arg(x), shape)
+
+    def op_slice(self, n, x, dim=0, start=None, end=None, step=1):
+        i = self.arg(x)
+        size = self.shape(i)[dim]
+        s, e, st = slice(start, end, step).indices(size)
+        return self.slice_dim(i, dim % len(self.shape(i)), s, max(e, s), st)
+
+    def op_select(self, n, x, dim, index):
+        i = self.arg(x)
+        rank = len(self.shape(i))
+        dim %= rank
+        index %= self.shape(i)[dim]
+        shape, _ = self.out()
+        return self.reshape(self.slice_dim(i, dim, index, index + 1), shape)
+
+    def op_split_with_sizes(self, n, x, sizes, dim=0):
+        i = self.arg(x)
+        dim %= len(self.shape(i))
+        outs, start = [], 0
+        for s in sizes:
+            outs.append(self.slice_dim(i, dim, start, start + s))
+            start += s
+        return outs
+
+    def op_split(self, n, x, split_size, dim=0):
+        i = self.arg(x)
+        dim %= len(self.shape(i))
+        size = self.shape(i)[dim]
+        if isinstance(split_size, (list, tuple)):
+            return self.op_split_with_sizes(n, x, split_size, dim)
+        sizes = [min(split_size, size - s) for s in range(0, size, split_size)] or [0]
+        return self.op_split_with_sizes(n, x, sizes, dim)
+
+    def op_unbind(self, n, x, dim=0):
+        i = self.arg(x)
+        rank = len(self.shape(i))
+        dim %= rank
+        out_shape = self.shape(i)[:dim] + self.shape(i)[dim + 1:]
+        return [self.reshape(self.slice_dim(i, dim, k, k + 1), out_shape) for k in range(self.shape(i)[dim])]
+
+    def op_cat(self, n, tensors, dim=0):
+        shape, dtype = self.out()
+        ids = [self.arg(t, dtype) for t in tensors]
+        ids = [i for i in ids if self.shape(i) != (0,) or len(shape) == 1]
+        if len(ids) == 1:
+            return ids[0]
+        return self.add("concatenate", ids, shape, dtype, axis=dim % len(shape))
+
+    def op_constant_pad_nd(self, n, x, pad, value=0):
+        shape, dtype = self.out()
+        i = self.arg(x)
+        rank = len(self.shape(i))
+        low, high = [0] * rank, [0] * rank
+        for k in range(len(pad) // 2):
+            low[rank - 1 - k], high[rank - 1 - k] = pad[2 * k], pad[2 * k + 1]
+        if not any(low) and not any(high):
+            return i
+        return self.add("pad", [i], shape, dtype, low=tuple(low), high=tuple(high), value=float(value)
+                        if dtype in _FLOATS else int(value))
+
+    # --- data movement -----------------------------------------------------------------------
+    def op_embedding(self, n, weight, indices, *rest):
+        shape, dtype = self.out()
+        return self.add("gather", [self.arg(weight), self.arg(indices)], shape, dtype, axis=0)
+
+    def op_index_select(self, n, x, dim, index):
+        shape, dtype = self.out()
+        i = self.arg(x)
+        return self.add("gather", [i, self.arg(index)], shape, dtype, axis=dim % len(self.shape(i)))
+
+    def _nonneg(self, idx: int, size: int) -> int:
+        """``idx + size`` where negative (python-style wrap), int64."""
+        idx = self.cast(idx, "int64")
+        neg = self.binary("lt", idx, self.const(0, (), "int64"), "bool")
+        wrapped = self.binary("add", idx, self.const(size, (), "int64"))
+        return self.add("where", [neg, wrapped, idx], self.shape(idx), "int64")
+
+    def _linear_index(self, idxs: list[int], sizes: list[int], bshape) -> int:
+        """Row-major linear index into dims of ``sizes`` from per-dim index tensors (broadcast to ``bshape``)."""
+        strides = _strides(sizes)
+        flat = None
+        for idx, size, stride in zip(idxs, sizes, strides):
+            term = self._nonneg(idx, size)
+            if stride != 1:
+                term = self.binary("mul", term, self.const(stride, (), "int64"))
+            flat = term if flat is None else self.binary("add", flat, term)
+        return self.bcast(flat, bshape)
+
+    def _advanced(self, x: int, indices) -> tuple[int, list[int], tuple[int, ...]]:
+        """For ``x[indices]`` (adjacent tensor indices): (first indexed dim k, index ids, broadcast shape)."""
+        pos = [k for k, t in enumerate(indices) if t is not None]
+        if not pos or pos != list(range(pos[0], pos[0] + len(pos))):
+            raise NotImplementedError(f"torch frontend: ATen op {self._node.target} with non-adjacent index tensors")
+        ids = [self.arg(indices[k]) for k in pos]
+        if any(self.dtype(i) == "bool" for i in ids):
+            raise NotImplementedError(f"torch frontend: ATen op {self._node.target} with a boolean mask index")
+        bshape = tuple(torch.broadcast_shapes(*[self.shape(i) for i in ids]))
+        return pos[0], ids, bshape
+
+    def op_index(self, n, x, indices):
+        shape, dtype = self.out()
+        xi = self.arg(x)
+        k, ids, bshape = self._advanced(xi, indices)
+        xs = self.shape(xi)
+        if len(ids) == 1:
+            return self.add("gather", [xi, ids[0]], shape, dtype, axis=k)
+        merged = xs[k:k + len(ids)]
+        flat = self._linear_index(ids, list(merged), bshape)
+        x2 = self.reshape(xi, xs[:k] + (math.prod(merged),) + xs[k + len(ids):])
+        return self.add("gather", [x2, flat], shape, dtype, axis=k)
+
+    op__unsafe_index = op_index
+
+    def _written_mask(self, flat: int, axis: int, shape, idx_shape_full) -> int:
+        ones = self.const(1, idx_shape_full, "int32")
+        cnt = self.add("scatter_add", [ones, flat], shape, "int32", axis=axis, size=shape[axis])
+        return self.binary("gt", cnt, self.const(0, (), "int32"), "bool")
+
+    def op_index_put(self, n, x, indices, values, accumulate=False):
+        shape, dtype = self.out()
+        xi = self.arg(x, dtype)
+        xs = self.shape(xi)
+        k, ids, bshape = self._advanced(xi, indices)
+        m = len(ids)
+        merged = xs[k:k + m]
+        flat = ids[0] if m == 1 else self._linear_index(ids, list(merged), bshape)
+        flat = self.bcast(flat, bshape)
+        target = xs[:k] + bshape + xs[k + m:]
+        vals = self.bcast(self.arg(values, dtype), target)
+        mshape = xs[:k] + (math.prod(merged),) + xs[k + m:]
+        sc = self.add("scatter_add", [vals, flat], mshape, dtype, axis=k, size=mshape[k])
+        sc = self.reshape(sc, xs)
+        if accumulate:
+            return sc if self.is_const(xi, 0) else self.binary("add", xi, sc)
+        if self.is_const(xi, 0):
+            return sc
+        mask = self.reshape(self._written_mask(flat, k, mshape, target), xs)
+        return self.add("where", [mask, sc, xi], xs, dtype)
+
+    def _take_along_index(self, xs, dim: int, idx: int) -> int:
+        ishape = self.shape(idx)
+        strides = _strides(xs)
+        flat = self._nonneg(idx, xs[dim])
+        if strides[dim] != 1:
+            flat = self.binary("mul", flat, self.const(strides[dim], (), "int64"))
+        for d in range(len(ishape)):
+            if d == dim or ishape[d] == 1:
+                continue
+            term = self.iota(ishape, d, "int64")
+            if strides[d] != 1:
+                term = self.binary("mul", term, self.const(strides[d], (), "int64"))
+            flat = self.binary("add", flat, term)
+        return flat
+
+    def op_gather(self, n, x, dim, index, sparse_grad=False):
+        shape, dtype = self.out()
+        xi = self.arg(x)
+        xs = self.shape(xi)
+        dim %= max(len(xs), 1)
+        flat = self._take_along_index(xs, dim, self.arg(index))
+        return self.add("gather", [self.reshape(xi, (math.prod(xs),)), flat], shape, dtype, axis=0)
+
+    def _scatter(self, n, x, dim, index, src, mode: str):
+        shape, dtype = self.out()
+        xi = self.arg(x, dtype)
+        xs = self.shape(xi)
+        dim %= max(len(xs), 1)
+        idx = self.arg(index)
+        ishape = self.shape(idx)
+        flat = self._take_along_index(xs, dim, idx)
+        total = (math.prod(xs),)
+        if isinstance(src, (fx.Node, _Id)):
+            s = self.arg(src, dtype)
+            for d, size in enumerate(ishape):
+                s = self.slice_dim(s, d, 0, size)
+        else:
+            s = self.const(src, ishape, dtype)
+        if mode == "add":
+            sc = self.reshape(self.add("scatter_add", [s, flat], total, dtype, axis=0, size=total[0]), xs)
+            return sc if self.is_const(xi, 0) else self.binary("add", xi, sc)
+        mask = self.reshape(self._written_mask(flat, 0, total, ishape), xs)
+        if isinstance(src, (fx.Node, _Id)):
+            new = self.reshape(self.add("scatter_add", [s, flat], total, dtype, axis=0, size=total[0]), xs)
+        else:
+            new = self.const(src, (), dtype)
+        return self.add("where", [mask, new, xi], xs, dtype)
+
+    def op_scatter(self, n, x, dim, index, src, reduce=None):
+        if reduce is not None:
+            self.unsupported(n, f"with reduce={reduce!r}")
+        return self._scatter(n, x, dim, index, src, "set")
+
+    def op_scatter_add(self, n, x, dim, index, src):
+        return self._scatter(n, x, dim, index, src, "add")
+
+    def op_slice_scatter(self, n, x, src, dim=0, start=None, end=None, step=1):
+        shape, dtype = self.out()
+        xi = self.arg(x, dtype)
+        rank = len(shape)
+        dim %= rank
+        s, e, st = slice(start, end, step).indices(shape[dim])
+        if st != 1:
+            self.unsupported(n, "with step != 1")
+        si = self.arg(src, dtype)
+        low, high = [0] * rank, [0] * rank
+        low[dim], high[dim] = s, shape[dim] - max(e, s)
+        padded = si if not any(low) and not any(high) else self.add(
+            "pad", [si], shape, dtype, low=tuple(low), high=tuple(high),
+            value=0.0 if dtype in _FLOATS else (False if dtype == "bool" else 0))
+        if self.is_const(xi, 0) or (s == 0 and e >= shape[dim]):
+            return padded
+        ishape = tuple(shape[d] if d == dim else 1 for d in range(rank))
+        pos = self.iota(ishape, dim, "int64")
+        inside = self.binary("logical_and", self.binary("ge", pos, self.const(s, (), "int64"), "bool"),
+                             self.binary("lt", pos, self.const(e, (), "int64"), "bool"), "bool")
+        return self.add("where", [inside, padded, xi], shape, dtype)
+
+    def op_select_scatter(self, n, x, src, dim, index):
+        shape, _ = self.out()
+        dim %= len(shape)
+        index %= shape[dim]
+        si = self.arg(src)
+        s_shape = tuple(shape[:dim]) + (1,) + tuple(shape[dim + 1:])
+        return self.op_slice_scatter(n, x, _Id(self.reshape(si, s_shape)), dim, index, index + 1)
+
+    # --- random ops: explicitly unsupported -------------------------------------------------
+    def op_native_dropout(self, n, x, p, train):
+        if not train or p == 0:
+            shape, _ = self.out_at(0)
+            return [self.arg(x), self.const(True, shape, "bool")]
+        self.unsupported(n, "(random ops are not supported: set dropout to 0 or call model.eval())")
+
+
+class _Id(int):
+    """An IR id passed where an fx node is expected (an operand already lowered)."""
+
+
+def _install_elementwise() -> None:
+    unary = {"abs": "abs", "neg": "neg", "exp": "exp", "log": "log", "tanh": "tanh", "rsqrt": "rsqrt",
+             "sqrt": "sqrt", "relu": "relu", "sigmoid": "sigmoid", "erf": "erf", "reciprocal": "reciprocal",
+             "sin": "sin", "cos": "cos", "sign": "sign", "log1p": "log1p", "expm1": "expm1"}
+    for name, irop in unary.items():
+        setattr(_Lowering, "op_" + name, lambda self, n, x, _op=irop: self._unary(_op, n, x))
+    for name in ("eq", "ne", "lt", "le", "gt", "ge"):
+        setattr(_Lowering, "op_" + name, lambda self, n, a, b, _op=name: self._compare(_op, a, b))
+
+
+_install_elementwise()
+
+
+def _add(g: Graph, op: str, inputs, shape, dtype: str, attrs: dict) -> int:
+    """``Graph.add`` with attributes passed as a dict (``shape`` is both a parameter and an attribute)."""
+    i = g.add(op, inputs, shape, dtype)
+    g.nodes[i].attrs.update(attrs)
+    return i
+
+
+def _compact(g: Graph, keep_inputs: list[int]) -> tuple[Graph, list[int]]:
+    """Drop nodes no output needs (inputs are always kept) and renumber."""
+    live = set(g.outputs) | set(keep_inputs)
+    for node in reversed(g.nodes):
+        if node.id in live:
+            live.update(node.inputs)
+    new = Graph()
+    remap: dict[int, int] = {}
+    for node in g.nodes:
+        if node.id in live:
+            remap[node.id] = _add(new, node.op, [remap[i] for i in node.inputs], node.type.shape,
+                                  node.type.dtype, node.attrs)
+    new.outputs = [remap[i] for i in g.outputs]
+    new.output_roles = list(g.output_roles)
+    return new, [remap[i] for i in keep_inputs]

@@ -1,0 +1,241 @@
+"""A numpy reference interpreter of the IR (:mod:`sftctl.compiler.ir`).
+
+``run(graph, inputs, dtype="float64")`` evaluates every node in order and returns the graph's
+outputs. It is the ground truth the frontends are checked against, not a fast executor.
+
+Precision modes (``dtype``):
+
+* ``"float64"`` (the cross-check mode, the default): every floating node is computed and stored in
+  float64 whatever its IR dtype (``cast`` between float dtypes is then the identity); integer and
+  bool nodes keep their dtypes.
+* ``"float32"``: every floating node in float32.
+* ``None``: each node's own dtype is honoured. float32, float16 and float64 are numpy's. bfloat16
+  is emulated: such nodes are computed in float32 and their result is rounded to the nearest
+  bfloat16 (round-half-to-even on the bit pattern; NaN/inf kept) and stored as float32, so
+  rounding happens after every bfloat16 op as on hardware without fused accumulation (a bfloat16
+  ``dot_general`` or ``sum`` accumulates in float32 and rounds once, as tensor cores and XLA do).
+
+Semantics not fixed by the IR docstring, as implemented here: integer ``div`` truncates toward
+zero (XLA); ``cast`` from float to int truncates toward zero and to bool tests ``!= 0``;
+``sigmoid`` is the logistic function; ``relu`` is ``max(x, 0)``; ``pow`` is ``x ** y``; ``max`` /
+``min`` reductions on bool are any / all. An ``input`` node whose id is missing from ``inputs`` but
+which carries ``attrs["value"]`` (the frontends' ``constant`` role, for non-uniform tensor
+constants found in a traced program) takes that value.
+
+Every result is checked against its node's shape, so a frontend's wrong shape inference is caught
+at the node that has it (``ValueError`` naming the node).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from sftctl.compiler.ir import Graph, Node
+
+FLOAT_DTYPES = frozenset({"float64", "float32", "bfloat16", "float16"})
+_NP = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": np.float32,
+       "int64": np.int64, "int32": np.int32, "bool": np.bool_}
+
+
+def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """Round float32 values to the nearest bfloat16 (ties to even); returns float32."""
+    x = np.asarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    out = rounded.view(np.float32)
+    return np.where(np.isnan(x), x, out).astype(np.float32)
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    try:  # scipy is optional; math.erf is exact but slow
+        from scipy.special import erf  # type: ignore
+
+        return erf(x)
+    except ImportError:  # pragma: no cover - depends on the environment
+        return np.vectorize(math.erf, otypes=[np.float64])(x).astype(x.dtype)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        e = np.exp(-np.abs(x))
+        return np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(x.dtype)
+
+
+def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    if np.issubdtype(np.result_type(a, b), np.integer):
+        q = np.abs(a) // np.abs(b)
+        return np.where((a < 0) != (b < 0), -q, q)
+    return a / b
+
+
+_UNARY = {
+    "neg": np.negative, "exp": np.exp, "log": np.log, "tanh": np.tanh,
+    "rsqrt": lambda x: 1 / np.sqrt(x), "sqrt": np.sqrt, "abs": np.abs,
+    "relu": lambda x: np.maximum(x, np.zeros((), x.dtype)), "sigmoid": _sigmoid, "erf": _erf,
+    "reciprocal": lambda x: 1 / x, "sin": np.sin, "cos": np.cos,
+    "logical_not": lambda x: np.logical_not(x.astype(bool)), "sign": np.sign,
+    "log1p": np.log1p, "expm1": np.expm1,
+}
+_BINARY = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": _div, "pow": np.power,
+    "maximum": np.maximum, "minimum": np.minimum, "eq": np.equal, "ne": np.not_equal,
+    "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
+    "logical_and": lambda a, b: np.logical_and(a.astype(bool), b.astype(bool)),
+    "logical_or": lambda a, b: np.logical_or(a.astype(bool), b.astype(bool)),
+}
+
+
+def _dot_general(lhs: np.ndarray, rhs: np.ndarray, attrs: dict[str, Any], acc) -> np.ndarray:
+    lb, rb = tuple(attrs["lhs_batch"]), tuple(attrs["rhs_batch"])
+    lc, rc = tuple(attrs["lhs_contract"]), tuple(attrs["rhs_contract"])
+    lf = [d for d in range(lhs.ndim) if d not in lb and d not in lc]
+    rf = [d for d in range(rhs.ndim) if d not in rb and d not in rc]
+    bshape = [lhs.shape[d] for d in lb]
+    m = [lhs.shape[d] for d in lf]
+    n = [rhs.shape[d] for d in rf]
+    k = math.prod(lhs.shape[d] for d in lc)
+    a = lhs.transpose(*lb, *lf, *lc).reshape(math.prod(bshape), math.prod(m), k).astype(acc, copy=False)
+    b = rhs.transpose(*rb, *rc, *rf).reshape(math.prod(bshape), k, math.prod(n)).astype(acc, copy=False)
+    return np.matmul(a, b).reshape(*bshape, *m, *n)
+
+
+def _broadcast_in_dim(x: np.ndarray, shape: tuple[int, ...], dims: tuple[int, ...]) -> np.ndarray:
+    expanded = [1] * len(shape)
+    for i, d in enumerate(dims):
+        expanded[d] = x.shape[i]
+    return np.broadcast_to(x.reshape(expanded), shape)
+
+
+def _pad(x: np.ndarray, low, high, value) -> np.ndarray:
+    widths = [(max(lo, 0), max(hi, 0)) for lo, hi in zip(low, high)]
+    out = np.pad(x, widths, constant_values=value)
+    crop = tuple(slice(max(-lo, 0), out.shape[i] - max(-hi, 0)) for i, (lo, hi) in enumerate(zip(low, high)))
+    return out[crop]
+
+
+def _scatter_add(src: np.ndarray, idx: np.ndarray, shape: tuple[int, ...], axis: int, dt) -> np.ndarray:
+    out = np.zeros(shape, dtype=dt)
+    np.add.at(out, (slice(None),) * axis + (idx.astype(np.int64),), src.astype(dt, copy=False))
+    return out
+
+
+def _eval(node: Node, args: list[np.ndarray], dt, acc) -> np.ndarray:
+    op, a = node.op, node.attrs
+    shape = node.type.shape
+    if op == "constant":
+        return np.full(shape, a["value"], dtype=dt)
+    if op == "iota":
+        axis = a["axis"]
+        r = np.arange(shape[axis]).reshape([-1 if i == axis else 1 for i in range(len(shape))])
+        return np.broadcast_to(r, shape).astype(dt)
+    if op == "cast":
+        x = args[0]
+        if dt is np.bool_:
+            return x != 0
+        if np.issubdtype(np.dtype(dt), np.integer) and np.issubdtype(x.dtype, np.floating):
+            return np.trunc(x).astype(dt)
+        return x.astype(dt)
+    if op in _UNARY:
+        with np.errstate(all="ignore"):
+            return _UNARY[op](args[0].astype(acc, copy=False) if op not in ("logical_not",) else args[0])
+    if op in _BINARY:
+        x, y = args
+        if op in ("add", "sub", "mul", "div", "pow", "maximum", "minimum"):
+            x, y = x.astype(acc, copy=False), y.astype(acc, copy=False)
+        with np.errstate(all="ignore"):
+            return _BINARY[op](x, y)
+    if op == "where":
+        c, x, y = args
+        return np.where(c.astype(bool), x.astype(acc, copy=False), y.astype(acc, copy=False))
+    if op in ("sum", "max", "min"):
+        x = args[0]
+        axes = tuple(a["axes"])
+        keep = bool(a.get("keepdim", False))
+        if op == "sum":
+            if x.dtype == np.bool_:
+                x = x.astype(acc)
+            return np.sum(x, axis=axes, keepdims=keep, dtype=acc if acc is not np.bool_ else None)
+        if x.size == 0:
+            raise ValueError(f"node {node.id}: {op} of an empty tensor")
+        return (np.max if op == "max" else np.min)(x, axis=axes, keepdims=keep)
+    if op == "dot_general":
+        return _dot_general(args[0], args[1], a, acc)
+    if op == "reshape":
+        return args[0].reshape(tuple(a["shape"]))
+    if op == "transpose":
+        return np.transpose(args[0], tuple(a["perm"]))
+    if op == "broadcast_in_dim":
+        return _broadcast_in_dim(args[0], tuple(a["shape"]), tuple(a["dims"]))
+    if op == "slice":
+        return args[0][tuple(slice(s, e, st) for s, e, st in zip(a["start"], a["limit"], a["step"]))]
+    if op == "concatenate":
+        return np.concatenate([x.astype(dt, copy=False) for x in args], axis=a["axis"])
+    if op == "pad":
+        return _pad(args[0], a["low"], a["high"], a["value"])
+    if op == "gather":
+        return np.take(args[0], args[1].astype(np.int64), axis=a["axis"])
+    if op == "scatter_add":
+        return _scatter_add(args[0], args[1], shape, a["axis"], acc)
+    raise NotImplementedError(f"interpreter: IR op {op!r} (node {node.id})")
+
+
+def _mode_dtype(ir_dtype: str, mode: str | None):
+    if ir_dtype in FLOAT_DTYPES and mode is not None:
+        return _NP[mode]
+    return _NP[ir_dtype]
+
+
+def run(graph: Graph, inputs: dict[int, Any], dtype: str | None = "float64") -> list[np.ndarray]:
+    """Evaluate ``graph``; ``inputs`` maps each ``input`` node's id to its value.
+
+    Args:
+        graph: the IR graph.
+        inputs: array-likes keyed by input node id (an input with ``attrs["value"]`` may be
+            omitted).
+        dtype: ``"float64"`` (compute every floating node in float64), ``"float32"``, or ``None``
+            (honour node dtypes; bfloat16 emulated, see the module docstring).
+
+    Returns:
+        the values of ``graph.outputs``, in order (numpy arrays, 0-d for scalars).
+
+    Raises:
+        KeyError: an input node has no value. ValueError: a value's shape is not its node's.
+    """
+    if dtype not in (None, "float64", "float32"):
+        raise ValueError(f"dtype must be 'float64', 'float32' or None, got {dtype!r}")
+    users = graph.users()
+    last_use = [max(u) if u else -1 for u in users]
+    keep = set(graph.outputs)
+    vals: dict[int, np.ndarray] = {}
+    for node in graph.nodes:
+        dt = _mode_dtype(node.type.dtype, dtype)
+        bf16 = dtype is None and node.type.dtype == "bfloat16"
+        # compute dtype: the node's (float32 for float16 / emulated bfloat16: fp32 accumulation)
+        acc = np.float32 if dtype is None and node.type.dtype in ("bfloat16", "float16") else dt
+        if node.op == "input":
+            if node.id in inputs:
+                v = np.asarray(inputs[node.id])
+            elif "value" in node.attrs:
+                v = np.asarray(node.attrs["value"])
+            else:
+                raise KeyError(f"no value for input node {node.id} ({node.attrs.get('role')} "
+                               f"{node.attrs.get('name')!r})")
+            out = v.astype(dt, copy=False)
+        else:
+            out = np.asarray(_eval(node, [vals[i] for i in node.inputs], dt, acc))
+            if out.dtype != np.dtype(dt):
+                out = out.astype(dt)
+        if bf16:
+            out = round_to_bfloat16(out)
+        if tuple(out.shape) != node.type.shape:
+            raise ValueError(f"node {node.id} ({node.op}): computed shape {tuple(out.shape)}, "
+                             f"IR says {node.type.shape}")
+        vals[node.id] = out
+        for i in set(node.inputs):  # free values no later node reads
+            if last_use[i] == node.id and i not in keep:
+                vals.pop(i, None)
+    return [vals[i] for i in graph.outputs]
+
