@@ -239,7 +239,7 @@ def compile_(
     from sftctl.compiler.driver import compile_for
 
     with console.status(f"tracing {spec.model.entrypoint}") as st:
-        graph = predictor.graph
+        graph = predictor.graph()
         st.update(f"searching schedules for {hw.name}")
         compiled = compile_for(graph, hw.name)
     doc = compiled.to_dict() | {"job": spec.name, "graph_nodes": len(graph.nodes)}

@@ -188,7 +188,7 @@ class Controller:
         if spec.model is not None:
             env.update(
                 SFTCTL_MODEL_ENTRYPOINT=spec.model.entrypoint,
-                SFTCTL_BATCH_SIZE=str(spec.model.batch_size),
+                SFTCTL_BATCH_SIZE=str(max(1, spec.model.batch_size // (len(self.nodes) * self.offering.count))),
                 SFTCTL_DTYPE=spec.model.dtype,
             )
         return env

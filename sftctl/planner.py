@@ -92,18 +92,19 @@ class Predictor:
         self.progress = progress or (lambda msg: None)
         self.strict = strict
         self.error: str | None = None  # why predictions failed, when not strict
-        self._graph = None
-        self.compiled: dict[str, object] = {}
+        self._graphs: dict[int, object] = {}  # per-rank batch -> traced step
+        self.compiled: dict[tuple, object] = {}
 
-    @property
-    def graph(self):
-        if self._graph is None:
+    def graph(self, per_rank_batch: int | None = None):
+        """The traced step for one data-parallel rank's share of the global batch."""
+        m = self.spec.model
+        batch = per_rank_batch or m.batch_size
+        if batch not in self._graphs:
             from sftctl.compiler.driver import trace_model
 
-            m = self.spec.model
-            self.progress(f"tracing {m.entrypoint} ({m.framework}, batch {m.batch_size}, {m.dtype})")
+            self.progress(f"tracing {m.entrypoint} ({m.framework}, batch {batch} per rank, {m.dtype})")
             try:
-                self._graph = trace_model(m.framework, m.entrypoint, self.spec.workdir, m.batch_size, m.dtype)
+                self._graphs[batch] = trace_model(m.framework, m.entrypoint, self.spec.workdir, batch, m.dtype)
             except SpecError:
                 raise
             except Exception as e:  # the user's model code, or an op the frontend cannot lower
@@ -112,13 +113,15 @@ class Predictor:
                     f"model.entrypoint: cannot trace {m.entrypoint}: {type(e).__name__}: {first}",
                     hint="sftctl compile --debug shows the traceback; leave model out to skip prediction",
                 ) from e
-        return self._graph
+        return self._graphs[batch]
 
     def __call__(self, offering: Offering, nodes: int) -> tuple[float, int, int] | None:
         if self.error is not None:
             return None
         try:
             return self._predict(offering, nodes)
+        except _Unsplittable:
+            raise
         except SpecError as e:
             if self.strict:
                 raise
@@ -135,12 +138,24 @@ class Predictor:
         from sftctl.compiler.step import predict
 
         name = offering.accelerator
-        if name not in self.compiled:
+        world = offering.count * nodes
+        per_rank = self.spec.model.batch_size // world
+        if per_rank * world != self.spec.model.batch_size:
+            raise _Unsplittable(self.spec.model.batch_size, world)
+        if (name, per_rank) not in self.compiled:
+            graph = self.graph(per_rank)
             self.progress(f"compiling for {name}")
-            self.compiled[name] = compile_for(self.graph, name)
-        p = predict(self.compiled[name], get_accelerator(name), offering.count, nodes,
+            self.compiled[name, per_rank] = compile_for(graph, name)
+        p = predict(self.compiled[name, per_rank], get_accelerator(name), offering.count, nodes,
                     offering.intra_node_bytes_per_s, offering.inter_node_bytes_per_s)
         return p.step_time_s, p.peak_memory_bytes, p.devices_needed
+
+
+class _Unsplittable(Exception):
+    """The global batch does not divide evenly over an offering's data-parallel ranks."""
+
+    def __init__(self, batch: int, world: int):
+        super().__init__(f"model.batch_size {batch} does not split evenly over {world} data-parallel ranks")
 
 
 def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: PredictFn | None = None) -> Plan:
@@ -178,11 +193,14 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
     feasible = [c for c in ranked if c.rejected is None]
     if not feasible:
         wanted = ", ".join(str(a) for a in res.accelerators)
-        reasons = list(dict.fromkeys(f"{c.offering.provider} {c.offering.instance_type}: {c.rejected}" for c in ranked))
+        counts: dict[str, int] = {}
+        for c in ranked:
+            counts[c.rejected] = counts.get(c.rejected, 0) + 1
+        reasons = [f"{n} x {why}" for why, n in sorted(counts.items(), key=lambda kv: -kv[1])]
         raise InfeasibleError(
             candidates=ranked,
             message=f"no offering can run {res.nodes} node(s) of {wanted}"
-            + (f" ({'; '.join(reasons[:6])}{'; ...' if len(reasons) > 6 else ''})" if reasons else ": no provider offers it"),
+            + (f" ({'; '.join(reasons[:4])}{'; ...' if len(reasons) > 4 else ''})" if reasons else ": no provider offers it"),
             hint="widen resources (accelerators, clouds, regions, max_price_per_hour, deadline, spot); sftctl plan shows all",
         )
     best = feasible[0]
@@ -242,16 +260,21 @@ def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: P
     if res.max_price_per_hour is not None and c.usd_per_hour > res.max_price_per_hour:
         return reject(f"${c.usd_per_hour:.2f}/h is above max_price_per_hour ${res.max_price_per_hour:.2f}")
     if predict is not None:
-        got = predict(o, res.nodes)
+        try:
+            got = predict(o, res.nodes)
+        except _Unsplittable as e:
+            return reject(str(e))
         if got is not None:
             step_s, peak, needed = got
             hours = step_s * spec.train.steps / 3600
             c = dataclasses.replace(c, step_time_s=step_s, peak_memory_bytes=peak, devices_needed=needed,
                                     hours=hours, total_usd=hours * c.usd_per_hour)
             if needed != 1:
-                gib = peak / 2**30
+                from sftctl.compiler.hardware import get_accelerator
+
+                gib, has = peak / 2**30, get_accelerator(o.accelerator).memory_bytes / 2**30
                 return reject(
-                    f"needs {gib:.1f} GiB per device; "
+                    f"needs {gib:.1f} GiB per device, has {has:.0f} GiB; "
                     + (f"would fit with parameters and optimizer state sharded over {needed} devices (not supported yet)"
                        if needed > 1 else "its activations alone do not fit: lower model.batch_size")
                 )

@@ -4,7 +4,7 @@ A job spec is a YAML file (see ``examples/quickstart.yaml``)::
 
     name: quickstart
     workdir: ..                       # relative to this file
-    model: {framework: torch, entrypoint: examples/gpt/model.py:build, batch_size: 16}
+    model: {framework: torch, entrypoint: examples/gpt/model.py:build, batch_size: 32}
     train: {steps: 300, checkpoint_interval: 100}
     resources: {accelerators: ["cpu:1"], nodes: 2}
     run: torchrun ... examples/gpt/train.py
@@ -59,7 +59,9 @@ class ModelSpec(_Strict):
 
     framework: Literal["torch", "jax"] = "torch"
     entrypoint: str = Field(description="file.py:function, relative to workdir")
-    batch_size: PositiveInt = Field(16, description="samples per data-parallel rank per step")
+    batch_size: PositiveInt = Field(
+        16, description="global batch: samples per step, split evenly over the data-parallel ranks"
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
     @field_validator("entrypoint")

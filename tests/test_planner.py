@@ -61,7 +61,7 @@ def test_memory_and_spot_and_usable(tmp_path):
     assert p.chosen.usd_per_hour == p.offering.spot_usd_per_hour  # spot allowed: spot price
     reasons = {(c.offering.provider, c.offering.accelerator): c.rejected for c in p.candidates}
     assert reasons[("gcp", "L4")] == "gcp credentials not found"
-    assert reasons[("aws", "T4")].startswith("needs 20.0 GiB per device; would fit with parameters and optimizer state sharded over 2 devices")
+    assert reasons[("aws", "T4")].startswith("needs 20.0 GiB per device, has 16 GiB; would fit with parameters and optimizer state sharded over 2 devices")
 
 
 def test_on_demand_price_unless_spot(tmp_path):

@@ -79,6 +79,11 @@ def main() -> None:
         dist.init_process_group(backend=backend)
     try:
         train(rank, world_size, device, distributed)
+        if distributed:
+            # every rank reaches here before any tears gloo down: destroying the group while a
+            # peer still talks to it aborts the process ("terminate called without an active
+            # exception", SIGABRT) and turns a finished run into a failed attempt
+            dist.barrier()
     finally:
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
