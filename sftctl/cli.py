@@ -50,14 +50,31 @@ def _store():
 
 
 def _get_job(store, job_id: str) -> dict:
+    """A job by id or unique id prefix. Raises NotFoundError (exit 2) otherwise."""
+    if not job_id.strip():
+        raise NotFoundError("the job id is empty", hint="sftctl status lists the jobs")
     job = store.get_job(job_id)
     if job is None:
         matches = [j["id"] for j in store.list_jobs() if j["id"].startswith(job_id)]
         if len(matches) == 1:
             return store.get_job(matches[0])
-        hint = f"did you mean one of: {', '.join(matches[:5])}?" if matches else "see sftctl status"
-        raise NotFoundError(f"no job {job_id!r}", hint=hint)
+        if matches:
+            raise NotFoundError(f"{job_id!r} matches {len(matches)} jobs",
+                                hint=f"give more of the id: {', '.join(matches[:5])}")
+        raise NotFoundError(f"no job {job_id!r}", hint="sftctl status lists the jobs")
     return job
+
+
+@app.callback(invoke_without_command=True)
+def _root(
+    version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True),
+) -> None:
+    """Train models on the cheapest accelerator that can run them."""
+    if version:
+        from sftctl import __version__
+
+        print(f"sftctl {__version__}")
+        raise typer.Exit(0)
 
 
 # ------------------------------------------------------------------------------------ run
@@ -286,7 +303,8 @@ def _job_doc(store, job: dict, detail: bool = False, ranks: list[dict] | None = 
         "provider": job["provider"],
         "nodes": res["nodes"],
         "step": min(steps) if steps else None,
-        "steps": job["spec"]["train"]["steps"],
+        # a plain shell job that reports no metrics has no step count to show
+        "steps": job["spec"]["train"]["steps"] if job["spec"].get("model") or ranks else None,
         "loss": sum(losses) / len(losses) if losses else None,
         "tokens_per_s": sum(tps) if tps else None,
         "restarts": job["restarts"],
@@ -299,7 +317,7 @@ def _job_doc(store, job: dict, detail: bool = False, ranks: list[dict] | None = 
         doc["plan"] = (job["offering"] or {}).get("reason")
         doc["ranks"] = ranks
         doc["nodes"] = [
-            {"id": n["id"], "rank": n["rank"], "status": n["status"],
+            {"id": n["id"], "rank": n["rank"], "status": _node_status(job, n),
              "where": n["handle"].get("ip") or n["provider"]}
             for n in store.nodes(job["id"])
         ]
@@ -320,6 +338,15 @@ def _newest(jobs: list[dict]) -> list[dict]:
     return [j for j in jobs if j["id"] in keep]
 
 
+def _node_status(job: dict, node: dict) -> str:
+    """The node's recorded status, or, when its controller is gone, what the provider sees now."""
+    if job["status"] != "FAILED_CONTROLLER" or node["status"] == "TERMINATED" or not node["handle"]:
+        return node["status"]
+    from sftctl.providers import get_provider
+
+    return get_provider(node["provider"]).status(node["handle"]).state.value
+
+
 @app.command()
 def status(
     job_id: Optional[str] = typer.Argument(None, metavar="[JOB]", help="One job (its id or a unique prefix)."),
@@ -328,6 +355,8 @@ def status(
     all_: bool = typer.Option(False, "--all", "-a", help=f"Table: every job, not only the newest {TABLE_ROWS}."),
 ) -> None:
     """Show jobs: status, resources, step, loss, throughput (--json: every job)."""
+    from sftctl.state import JobStatus
+
     store = _store()
 
     def collect():
@@ -352,8 +381,14 @@ def status(
         more = len(doc) - len(shown)
         return Group(jobs_table(shown), f"... and {more} older finished job(s): sftctl status --all") if more else jobs_table(shown)
 
+    if job_id is not None:
+        _get_job(store, job_id)  # fail early on an unknown or ambiguous id
     doc = collect()
-    if as_json and not watch:
+    if as_json:
+        # --watch --json: wait for the job to end, then print the one document
+        while watch and job_id and not JobStatus(doc["status"]).terminal:
+            time.sleep(1.0)
+            doc = collect()
         _print_json(doc if job_id else {"jobs": doc})
         return
     console = _console()
@@ -362,15 +397,11 @@ def status(
         return
     from rich.live import Live
 
-    from sftctl.state import TERMINAL, JobStatus
-
     with Live(render(doc), console=console, refresh_per_second=4) as live:
-        while not (job_id and JobStatus(doc["status"]) in TERMINAL):
+        while not (job_id and JobStatus(doc["status"]).terminal):
             time.sleep(1.0)
             doc = collect()
             live.update(render(doc))
-    if as_json:
-        _print_json(doc)
 
 
 # ------------------------------------------------------------------------------------ logs
@@ -384,6 +415,7 @@ def logs(
 ) -> None:
     """Print a job's node logs (each line prefixed with its node when there are several)."""
     from sftctl.providers import get_provider
+    from sftctl.providers.base import NodeState
     from sftctl.state import JobStatus
 
     store = _store()
@@ -409,8 +441,10 @@ def logs(
         if not follow:
             break
         ended = JobStatus(store.get_job(job["id"])["status"]).terminal
-        if ended and not got:
-            break
+        if ended and not got and not any(
+            provider.status(n["handle"]).state == NodeState.RUNNING for n in nodes if n["handle"].get("pid")
+        ):
+            break  # the job ended and no node process writes any more (a dead controller's may)
         time.sleep(0.5)
     for nid, rest in partial.items():
         if rest:

@@ -287,18 +287,30 @@ def down(store: Store, job_id: str) -> str:
             time.sleep(0.1)
         if procs.alive(pid, ticks):
             procs.kill_all([pid], grace_s=0)
-    store.transition(job_id, JobStatus.CANCELLED, "cancelled by sftctl down", strict=False)
+    cancelled = store.transition(job_id, JobStatus.CANCELLED, "cancelled by sftctl down", strict=False)
     provider = get_provider(job["provider"] or "local")
-    removed = 0
+    running = released = 0
     for node in store.nodes(job_id):
         if node["status"] != NodeState.TERMINATED.value:
             if node["handle"]:
+                running += provider.status(node["handle"]).state == NodeState.RUNNING
                 provider.terminate(node["handle"])
             store.update_node(node["id"], status=NodeState.TERMINATED.value,
                               handle={**node["handle"], "terminated": True})
-            removed += 1
+            released += 1
     strays = provider.terminate_tagged(job_id)
-    summary = f"{job_id}: {removed} node(s) terminated" + (f", {strays} stray process(es) killed" if strays else "")
+    store.abandon_attempts(job_id, "the controller was gone; ended by sftctl down")
+    after = store.get_job(job_id)
+    if after["status"] == JobStatus.FAILED_CONTROLLER.value and after["failure_reason"]:
+        reason = after["failure_reason"].split("; its nodes may still run")[0] + "; sftctl down removed its nodes"
+        store.update_job(job_id, failure_reason=reason)
+    parts = [f"{job_id}: " + ("cancelled" if cancelled else after["status"].lower())]
+    parts.append(f"stopped {running} running node(s)" if running else "no node was running")
+    if released:
+        parts.append(f"released {released} node(s)")
+    if strays:
+        parts.append(f"killed {strays} stray process(es)")
+    summary = ", ".join(parts)
     store.add_event(job_id, "down", summary)
     return summary
 
@@ -308,7 +320,7 @@ def _install_sigterm():
         return None
 
     def on_sigterm(signum, frame):
-        raise Cancelled("cancelled by sftctl down (SIGTERM)")
+        raise Cancelled("cancelled by SIGTERM (sftctl down sends it)")
 
     return signal.signal(signal.SIGTERM, on_sigterm)
 

@@ -20,7 +20,13 @@ def sftctl_home() -> Path:
 
         home = Path(platformdirs.user_data_dir("sftctl", appauthor=False))
     if not home.is_dir():
-        home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as e:
+            from sftctl.errors import SftctlError
+
+            raise SftctlError(f"cannot use {home} as the sftctl home: {e.strerror or e}",
+                              hint="point SFTCTL_HOME at a directory you can write") from None
     return home
 
 

@@ -29,16 +29,18 @@ import os
 import re
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+from annotated_types import Ge, Gt
 
 import yaml
 from pydantic import (
     BaseModel,
+    StrictBool,
     ConfigDict,
     Field,
-    NonNegativeInt,
     PositiveFloat,
-    PositiveInt,
+    Strict,
     ValidationError,
     field_validator,
 )
@@ -46,6 +48,9 @@ from pydantic import (
 from sftctl.errors import SpecError
 
 CLOUDS = ("local", "aws", "gcp", "kubernetes")
+# counts are strict: YAML's `true` is not one node
+StrictPositiveInt = Annotated[int, Strict(), Gt(0)]
+StrictNonNegativeInt = Annotated[int, Strict(), Ge(0)]
 _NO_INTERPOLATION = {("setup",), ("run",)}
 _MAX_NODES = 100_000  # YAML nodes visited while loading; guards against alias bombs
 
@@ -59,7 +64,7 @@ class ModelSpec(_Strict):
 
     framework: Literal["torch", "jax"] = "torch"
     entrypoint: str = Field(description="file.py:function, relative to workdir")
-    batch_size: PositiveInt = Field(
+    batch_size: StrictPositiveInt = Field(
         16, description="global batch: samples per step, split evenly over the data-parallel ranks"
     )
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -79,16 +84,16 @@ class ModelSpec(_Strict):
 class TrainSpec(_Strict):
     """Training loop settings passed to the nodes as ``SFTCTL_TRAIN_STEPS`` and friends."""
 
-    steps: PositiveInt = 100
+    steps: StrictPositiveInt = 100
     checkpoint_dir: str | None = Field(None, description="default: <job dir>/checkpoints")
-    checkpoint_interval: PositiveInt = Field(50, description="steps between checkpoints")
+    checkpoint_interval: StrictPositiveInt = Field(50, description="steps between checkpoints")
 
 
 class Accelerator(_Strict):
     """One candidate accelerator and how many of it each node has (``H100:8``)."""
 
     name: str = Field(min_length=1)
-    count: PositiveInt = 1
+    count: StrictPositiveInt = 1
 
     def __str__(self) -> str:
         return f"{self.name}:{self.count}"
@@ -100,8 +105,8 @@ class ResourcesSpec(_Strict):
     accelerators: list[Accelerator] = Field(
         default_factory=lambda: [Accelerator(name="cpu", count=1)], min_length=1
     )
-    nodes: PositiveInt = 1
-    spot: bool = False
+    nodes: StrictPositiveInt = 1
+    spot: StrictBool = False
     clouds: list[Literal["local", "aws", "gcp", "kubernetes"]] | None = None
     regions: list[str] | None = None
     max_price_per_hour: PositiveFloat | None = Field(None, description="USD/h, all nodes together")
@@ -135,7 +140,7 @@ class ResourcesSpec(_Strict):
 class RecoverySpec(_Strict):
     """What to do when a node or the training process fails."""
 
-    max_restarts: NonNegativeInt = Field(0, description="relaunches from the last checkpoint")
+    max_restarts: StrictNonNegativeInt = Field(0, description="relaunches from the last checkpoint")
 
 
 class JobSpec(_Strict):
@@ -199,6 +204,9 @@ class _Located:
         self.overrides: dict[Path_, str] = {}
 
     def where(self, path: Path_) -> str:
+        inside = [shown for p, shown in self.overrides.items() if p[: len(path)] == tuple(path)]
+        if inside:  # an override changed something within the failing field
+            return f"--set {inside[-1]}"
         for n in range(len(path), -1, -1):
             prefix = tuple(path[:n])
             if prefix in self.overrides:
@@ -208,9 +216,23 @@ class _Located:
         return self.filename
 
 
+class _Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 booleans: only true/false, so ``off``, ``no`` and ``on`` stay
+    strings (YAML 1.1 would turn ``env: {A: off}`` into ``A=0`` and ``name: no`` into False)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
 def _compose(text: str, loc: _Located) -> Any:
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=_Loader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         n_lines = max(1, len(text.splitlines()))
@@ -222,7 +244,7 @@ def _compose(text: str, loc: _Located) -> Any:
         ) from None
     if root is None:
         raise SpecError(f"{loc.filename}: the spec is empty", hint="see examples/quickstart.yaml")
-    constructor = yaml.SafeLoader("")
+    constructor = _Loader("")
     budget = [_MAX_NODES]
 
     def build(node: yaml.Node, path: Path_, active: frozenset) -> Any:
@@ -317,11 +339,15 @@ def _apply_override(data: dict, assignment: str, loc: _Located) -> None:
         raise SpecError(
             f"--set {shown}: expected key.path=value", hint="e.g. --set train.steps=20"
         )
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else raw
-    except yaml.YAMLError:
-        value = raw
     flow = raw.strip()[:1] in ("[", "{")
+    try:
+        value = yaml.load(raw, Loader=_Loader) if raw.strip() else raw
+    except yaml.YAMLError as e:
+        if flow:
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise SpecError(f"--set {shown}: cannot read {raw!r} as a YAML list or mapping: {problem}",
+                            hint="e.g. --set 'resources.accelerators=[H100:8, A100-80GB:8]'") from None
+        value = raw
     if value is None or not isinstance(value, (str, int, float, bool, list, dict)) or (
         isinstance(value, (list, dict)) and not flow
     ):
@@ -405,10 +431,12 @@ def _explain(err: dict, loc: _Located) -> SpecError:
             f"{where}: {field}: required field is missing",
             hint="see examples/quickstart.yaml for a complete spec",
         )
-    msg = err["msg"].removeprefix("Value error, ")
+    msg = re.sub(r" or instance of \w+", "", err["msg"].removeprefix("Value error, "))
+    msg = msg.replace("a valid dictionary", "a mapping (key: value lines)")
     got = err.get("input")
     got_text = "" if isinstance(got, (dict, list)) or kind == "value_error" else f" (got {got!r})"
-    return SpecError(f"{where}: {field}: {msg}{got_text}")
+    return SpecError(f"{where}: {field}: {msg}{got_text}",
+                     hint="quote values meant as strings; README.md 'The job spec' lists every field's type")
 
 
 # --------------------------------------------------------------------------- entry point
@@ -456,6 +484,8 @@ def load_spec(
         spec = JobSpec.model_validate(data)
     except ValidationError as e:
         errors = e.errors(include_url=False)
+        # an error caused by a --set override is the one the user is looking at
+        errors.sort(key=lambda err: not loc.where(tuple(p for p in err["loc"] if isinstance(p, (str, int)))).startswith("--set"))
         first = _explain(errors[0], loc)
         if len(errors) > 1:
             first.message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"

@@ -146,7 +146,15 @@ class Store:
 
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = Path(path) if path is not None else sftctl_home() / "state.db"
-        self._conn = self._open()
+        try:
+            self._conn = self._open()
+        except sqlite3.DatabaseError as e:
+            from sftctl.errors import SftctlError
+
+            raise SftctlError(
+                f"{self.path}: cannot open the state database: {e}",
+                hint=f"move the file aside (mv {self.path} {self.path}.bad) and sftctl starts a new one",
+            ) from None
 
     # ---------------------------------------------------------------- connection and schema
 
@@ -361,6 +369,16 @@ class Store:
                 " WHERE job_id = ? AND number = ?",
                 (status, exit_code, reason, time.time(), job_id, number),
             )
+
+    def abandon_attempts(self, job_id: str, reason: str) -> int:
+        """End the job's attempts still marked RUNNING (their controller is gone); return how many."""
+        with self.write() as db:
+            cur = db.execute(
+                "UPDATE attempts SET status = 'ABANDONED', reason = ?, ended_at = ?"
+                " WHERE job_id = ? AND status = 'RUNNING'",
+                (reason, time.time(), job_id),
+            )
+        return cur.rowcount
 
     def attempts(self, job_id: str) -> list[dict]:
         rows = self._conn.execute(

@@ -47,14 +47,23 @@ def _num(v: float | None, fmt: str) -> str:
 def jobs_table(jobs: list[dict]) -> Table:
     """One row per job: id, status, where it runs, progress, loss, throughput, age, reason."""
     t = Table(box=None, header_style="bold", pad_edge=False)
-    for col in ("JOB", "STATUS", "RESOURCES", "STEP", "LOSS", "TOK/S", "AGE", "DURATION", "NOTE"):
-        t.add_column(col, no_wrap=col != "NOTE", overflow="fold")
-    for j in jobs:
+    steps = [_steps(j) for j in jobs]
+    # never cut an id, a status or a number: on a narrow terminal RESOURCES and NOTE give way
+    for col, values in (("JOB", [j["id"] for j in jobs]), ("STATUS", [j["status"] for j in jobs]),
+                        ("RESOURCES", None), ("STEP", steps), ("LOSS", None), ("TOK/S", None), ("AGE", None),
+                        ("DURATION", None), ("NOTE", None)):
+        if values is not None:
+            t.add_column(col, no_wrap=True, min_width=max([len(col)] + [len(v) for v in values]))
+        elif col in ("RESOURCES", "NOTE"):
+            t.add_column(col, overflow="fold", min_width=6)
+        else:  # a cut number shows an ellipsis rather than a wrong value
+            t.add_column(col, no_wrap=True, overflow="ellipsis")
+    for j, step in zip(jobs, steps):
         t.add_row(
             j["id"],
             Text(j["status"], style=STATUS_STYLE.get(j["status"], "")),
             j["resources"],
-            f"{j['step']}/{j['steps']}" if j["step"] is not None else f"-/{j['steps']}",
+            step,
             _num(j["loss"], ".4f"),
             _num(j["tokens_per_s"], ",.0f"),
             _age(j["created_at"]),
@@ -64,11 +73,17 @@ def jobs_table(jobs: list[dict]) -> Table:
     return t
 
 
+def _steps(job: dict) -> str:
+    if job["steps"] is None:
+        return "-"
+    return f"{job['step'] if job['step'] is not None else '-'}/{job['steps']}"
+
+
 def job_detail(job: dict) -> list:
     """Renderables for ``sftctl status JOB``: header, nodes, ranks, attempts."""
     head = Text.assemble(
         (job["id"], "bold"), "  ", (job["status"], STATUS_STYLE.get(job["status"], "")),
-        f"  {job['resources']}  step {job['step'] if job['step'] is not None else '-'}/{job['steps']}",
+        f"  {job['resources']}  step {_steps(job)}",
         f"  age {_age(job['created_at'])}, ran {_duration(job)}",
     )
     out: list = [head]

@@ -110,7 +110,9 @@ def test_sigkilled_controller_then_down_leaves_nothing(tmp_path, home):
     assert doc["status"] == "FAILED_CONTROLLER"  # what happened stays on record
     assert all(n["status"] == "TERMINATED" for n in doc["nodes"])
     events = json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]
-    assert events[-1]["kind"] == "down" and "2 node(s) terminated" in events[-1]["message"]
+    assert events[-1]["kind"] == "down" and "stopped 2 running node(s)" in events[-1]["message"]
+    assert doc["failure_reason"].endswith("; sftctl down removed its nodes")
+    assert [a["status"] for a in doc["attempts"]] == ["ABANDONED"]
 
 
 def test_ctrl_c_cancels_attached_run(tmp_path, home):
