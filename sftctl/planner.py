@@ -232,6 +232,8 @@ def _reason(best: Candidate, ranked: list[Candidate], objective: str) -> str:
 def _hours(h: float | None) -> str:
     if h is None:
         return "-"
+    if h < 1 / 60:
+        return f"{h * 3600:.1f} s"
     return f"{h * 60:.1f} min" if h < 1 else f"{h:.1f} h"
 
 

@@ -216,6 +216,8 @@ def _seconds(s: float | None) -> str:
 def _span(hours: float | None) -> str:
     if hours is None:
         return "-"
+    if hours < 1 / 60:
+        return f"{hours * 3600:.1f} s"
     return f"{hours * 60:.1f} min" if hours < 1 else f"{hours:,.1f} h"
 
 

@@ -75,3 +75,15 @@ def test_cli_plan_compile_catalog(tmp_path, home):
     cat = json.loads(sftctl("catalog", "--accelerator", "h100", "--json", check=True).stdout)["offerings"]
     assert cat and {o["accelerator"] for o in cat} == {"H100"}
     assert all(o["source"] for o in cat)
+
+
+def test_jax_spec_plans_and_runs(home):
+    pytest.importorskip("jax")
+    doc = json.loads(sftctl("plan", "examples/jax-mlp.yaml", "--json", check=True).stdout)
+    assert doc["chosen"]["step_time_s"] > 0
+    proc = sftctl("run", "examples/jax-mlp.yaml", "--set", "train.steps=60", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = json.loads(proc.stdout)
+    assert run["status"] == "SUCCEEDED"
+    (rank,) = run["ranks"]
+    assert rank["step"] == 60 and rank["loss"] < rank["first_loss"]

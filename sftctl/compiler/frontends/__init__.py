@@ -1,1 +1,45 @@
-"""Frontends trace a whole training step (forward, loss, backward, optimizer) into the IR."""
+"""Frontends trace a whole training step (forward, loss, backward, optimizer) into the IR.
+
+``torch.py`` (make_fx) and ``jax.py`` (make_jaxpr) each offer ``trace_step`` and
+``trace_entrypoint``; the job spec's ``model.entrypoint`` (``file.py:function``) is loaded with
+:func:`load_entrypoint`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Callable
+
+
+def load_entrypoint(entrypoint: str, workdir: str) -> Callable:
+    """Import ``file.py:function`` (``file.py`` relative to ``workdir``) and return the function.
+
+    The file's directory is on ``sys.path`` while it is imported, so it may import its siblings.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        AttributeError: the file has no such function.
+        Exception: whatever the module raises while it is imported.
+    """
+    file, _, func = entrypoint.rpartition(":")
+    path = (Path(workdir) / file).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"entrypoint file {path} not found")
+    mod_name = f"_sftctl_entry_{abs(hash(str(path)))}"
+    mod_spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules[mod_name] = module  # dataclasses and pickling look the module up
+    sys.path.insert(0, str(path.parent))
+    try:
+        mod_spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except BaseException:
+        sys.modules.pop(mod_name, None)
+        raise
+    finally:
+        sys.path.remove(str(path.parent))
+    fn = getattr(module, func, None)
+    if not callable(fn):
+        raise AttributeError(f"{file} has no function {func!r}")
+    return fn

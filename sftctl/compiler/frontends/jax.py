@@ -550,3 +550,20 @@ def _compact(g: Graph, keep_inputs: list[int]) -> tuple[Graph, list[int]]:
     new.outputs = [remap[i] for i in g.outputs]
     new.output_roles = list(g.output_roles)
     return new, [remap[i] for i in keep_inputs]
+
+
+def trace_entrypoint(entrypoint: str, workdir: str, batch_size: int, dtype: str = "float32",
+                     **step_kwargs: Any) -> tuple[Graph, dict[str, Any]]:
+    """Import ``file.py:function`` (relative to ``workdir``) and trace its JAX training step.
+
+    ``function(batch_size=..., dtype=...)`` must return ``(params, example_batch, loss_fn)`` with
+    ``loss_fn(params, batch) -> scalar`` (pytrees of arrays; see examples/jax_mlp/model.py).
+    ``step_kwargs`` go to :func:`trace_step`. Raises what the entrypoint raises, and
+    NotImplementedError for a primitive the lowering does not support.
+    """
+    from sftctl.compiler.frontends import load_entrypoint
+
+    params, batch, loss_fn = load_entrypoint(entrypoint, workdir)(batch_size=batch_size, dtype=dtype)
+    graph, meta = trace_step(loss_fn, params, batch, **step_kwargs)
+    meta.update(entrypoint=entrypoint, dtype=dtype)
+    return graph, meta

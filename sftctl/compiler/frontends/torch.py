@@ -48,12 +48,9 @@ defines them). Random ops (dropout with p > 0) are not supported.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
 import operator
-import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -333,25 +330,9 @@ def trace_entrypoint(entrypoint: str, workdir: str, batch_size: int, dtype: str 
     ``fake`` the build runs under ``torch.device("meta")`` (no parameter memory; falls back to a
     real build if the function cannot build on meta). ``step_kwargs`` go to :func:`trace_step`.
     """
-    file, _, func = entrypoint.rpartition(":")
-    path = (Path(workdir) / file).resolve()
-    if not path.is_file():
-        raise FileNotFoundError(f"entrypoint file {path} not found")
-    mod_name = f"_sftctl_entry_{abs(hash(str(path)))}"
-    mod_spec = importlib.util.spec_from_file_location(mod_name, path)
-    module = importlib.util.module_from_spec(mod_spec)
-    sys.modules[mod_name] = module  # dataclasses and pickling look the module up
-    sys.path.insert(0, str(path.parent))
-    try:
-        mod_spec.loader.exec_module(module)  # type: ignore[union-attr]
-    except BaseException:
-        sys.modules.pop(mod_name, None)
-        raise
-    finally:
-        sys.path.remove(str(path.parent))
-    fn = getattr(module, func, None)
-    if not callable(fn):
-        raise AttributeError(f"{file} has no function {func!r}")
+    from sftctl.compiler.frontends import load_entrypoint
+
+    fn = load_entrypoint(entrypoint, workdir)
     amp = mixed_precision and dtype != "float32"
     build_dtype = "float32" if amp else dtype
     built_on = "real"
