@@ -233,7 +233,7 @@ class Controller:
 
     def _drain(self) -> None:
         """Pass new log text and metrics of every node to the reporter; record metrics."""
-        latest: dict[int, dict] = {}
+        batch: list[dict] = []
         for node in self.nodes:
             data, self.log_offsets[node["id"]] = self.provider.read_log(
                 node["handle"], self.log_offsets[node["id"]]
@@ -243,10 +243,9 @@ class Controller:
             samples = self.provider.read_metrics(node["handle"], self.metric_offsets[node["id"]])
             if samples:
                 self.reporter.metrics(samples)
-                for s in samples:
-                    latest[int(s.get("rank", node["rank"]))] = s
-        if latest:
-            self.store.record_metrics(self.job_id, list(latest.values()))
+                batch += [{**s, "rank": s.get("rank", node["rank"])} for s in samples]
+        if batch:
+            self.store.record_metrics(self.job_id, batch)
 
     def _stop_nodes(self) -> None:
         for node in self.nodes:

@@ -407,12 +407,20 @@ class Store:
         return [{**dict(r), "data": json.loads(r["data_json"]) if r["data_json"] else None} for r in rows]
 
     def record_metrics(self, job_id: str, samples: list[dict]) -> None:
-        """Keep the latest sample per rank (and the first one seen). ``samples`` are dicts with
-        rank, step, loss, step_time_s, tokens_per_s, ts, as written by :mod:`sftctl.train`."""
+        """Keep the latest sample per rank, and the first one ever seen. ``samples`` (in the order
+        they were written) are dicts with rank, step, loss, step_time_s, tokens_per_s, ts, as
+        :mod:`sftctl.train` writes them."""
         if not samples:
             return
+        first: dict[int, dict] = {}
+        last: dict[int, dict] = {}
+        for s in samples:
+            r = int(s["rank"])
+            first.setdefault(r, s)
+            last[r] = s
         with self.write() as db:
-            for s in samples:
+            for r, s in last.items():
+                f = first[r]
                 db.execute(
                     "INSERT INTO metrics (job_id, rank, step, loss, step_time_s, tokens_per_s,"
                     " first_step, first_loss, ts) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
@@ -420,8 +428,8 @@ class Store:
                     " loss = excluded.loss, step_time_s = excluded.step_time_s,"
                     " tokens_per_s = excluded.tokens_per_s, ts = excluded.ts",
                     (
-                        job_id, int(s["rank"]), int(s["step"]), s.get("loss"), s.get("step_time_s"),
-                        s.get("tokens_per_s"), int(s["step"]), s.get("loss"), s.get("ts", time.time()),
+                        job_id, r, int(s["step"]), s.get("loss"), s.get("step_time_s"),
+                        s.get("tokens_per_s"), int(f["step"]), f.get("loss"), s.get("ts", time.time()),
                     ),
                 )
 
