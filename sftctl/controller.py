@@ -17,6 +17,7 @@ detached, it runs as ``python -m sftctl.controller JOB_ID`` in a session of its 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -27,6 +28,7 @@ from typing import Protocol
 from sftctl import procs
 from sftctl.catalog import Offering
 from sftctl.errors import SftctlError
+from sftctl.health.telemetry import REPLACE, RESTART
 from sftctl.paths import job_dir
 from sftctl.providers import get_provider
 from sftctl.providers.base import NodeState
@@ -35,6 +37,22 @@ from sftctl.state import JobStatus, Store
 
 POLL_S = 0.5
 DOWN_GRACE_S = 20.0  # how long `sftctl down` lets a live controller clean up before killing it
+
+
+# wait before a relaunch: 1 s, 2 s, 4 s, ... up to 30 s (restarts that fail fast do not spin)
+BACKOFF_BASE_S = 1.0
+BACKOFF_MAX_S = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """Why an attempt ended: the reason, what to do (``restart``, ``replace`` or None: give
+    up), the node it concerns, and the exit code when a script exited."""
+
+    reason: str
+    action: str | None
+    node_rank: int | None
+    exit_code: int | None = None
 
 
 class Cancelled(Exception):
@@ -89,6 +107,14 @@ class Controller:
         # read offsets survive restarts: every attempt appends to the same node log and metrics
         self.log_offsets: dict[str, int] = {}
         self.metric_offsets: dict[str, dict[str, int]] = {}
+        self.health_offsets: dict[str, dict[str, int]] = {}
+        self.monitor = None
+        if self.spec.health.enabled:
+            from sftctl.health.monitor import HealthMonitor
+
+            self.monitor = HealthMonitor(self.spec.health.thresholds(), self.spec.train.steps)
+        self.attempt = 0
+        self._reported_attempt = 0  # the attempt whose first step report has been seen
         self.restarts = job["restarts"]
 
     # ---------------------------------------------------------------- lifecycle
@@ -109,19 +135,22 @@ class Controller:
                     self.store.end_attempt(self.job_id, attempt, "SUCCEEDED", 0, None)
                     self._move(JobStatus.SUCCEEDED)
                     break
-                reason, code, retryable = failure
-                self.store.end_attempt(self.job_id, attempt, "FAILED", code, reason)
+                self.store.end_attempt(self.job_id, attempt, "FAILED", failure.exit_code, failure.reason)
                 self._stop_nodes()
-                if not retryable or self.restarts >= self.spec.recovery.max_restarts:
-                    self._move(JobStatus.FAILED, reason)
+                if failure.action is None or self.restarts >= self.spec.recovery.max_restarts:
+                    self._move(JobStatus.FAILED, failure.reason)
                     break
                 self.restarts += 1
                 self.store.update_job(self.job_id, restarts=self.restarts)
+                what = "replaces node %d and resumes" % failure.node_rank if failure.action == REPLACE else "resumes"
                 self._move(
                     JobStatus.RECOVERING,
-                    f"{reason}; restart {self.restarts}/{self.spec.recovery.max_restarts} "
-                    "resumes from the last checkpoint",
+                    f"{failure.reason}; restart {self.restarts}/{self.spec.recovery.max_restarts} "
+                    f"{what} from the last checkpoint",
                 )
+                if failure.action == REPLACE:
+                    self._replace(failure.node_rank)
+                time.sleep(min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (self.restarts - 1)))
         except (Cancelled, KeyboardInterrupt) as e:
             why = str(e) if isinstance(e, Cancelled) and str(e) else "cancelled by the user (Ctrl-C)"
             self.store.transition(self.job_id, JobStatus.CANCELLED, why)
@@ -152,8 +181,8 @@ class Controller:
     def _provision(self) -> None:
         for rank in range(self.spec.resources.nodes):
             node_id = self.store.add_node(self.job_id, rank, self.provider.name)
-            self.nodes.append({"id": node_id, "rank": rank, "handle": {}})
-            self.log_offsets[node_id], self.metric_offsets[node_id] = 0, {}
+            self.nodes.append({"id": node_id, "rank": rank, "handle": {}, "generation": 0})
+            self.log_offsets[node_id], self.metric_offsets[node_id], self.health_offsets[node_id] = 0, {}, {}
             handle = self.provider.provision(self.job_id, node_id, rank, self.offering)
             self.nodes[-1]["handle"] = handle
             self.store.update_node(node_id, status=NodeState.READY.value, handle=handle)
@@ -177,6 +206,8 @@ class Controller:
             SFTCTL_NODE_IPS=",".join(ips),
             SFTCTL_NPROC_PER_NODE=str(self.offering.count),
             SFTCTL_ATTEMPT=str(attempt),
+            SFTCTL_NODE_GENERATION=str(next(n.get("generation", 0) for n in self.nodes if n["rank"] == rank)),
+            SFTCTL_HEALTH_INTERVAL_S=str(spec.health.interval_s),
             SFTCTL_CHECKPOINT_DIR=ckpt,
             SFTCTL_CHECKPOINT_INTERVAL=str(spec.train.checkpoint_interval),
             SFTCTL_TRAIN_STEPS=str(spec.train.steps),
@@ -207,29 +238,64 @@ class Controller:
                 workdir=self.spec.workdir,
                 setup=self.spec.setup,
                 run=self.spec.run,
+                health=self.spec.health.enabled,
             )
             env = self.node_env(node["rank"], attempt, port)
             node["handle"] = self.provider.launch(node["handle"], script, env, attempt)
             self.store.update_node(node["id"], status=NodeState.RUNNING.value, handle=node["handle"])
+        self.attempt = attempt
+        if self.monitor is not None:
+            self.monitor.reset_training()
         self.reporter.event(f"launched attempt {attempt} on {len(self.nodes)} node(s)")
 
-    def _monitor(self) -> tuple[str, int | None, bool] | None:
-        """Poll until every node succeeded (None) or one failed: (reason, exit code, retryable)."""
+    def _monitor(self) -> "Failure | None":
+        """Poll until every node succeeded (None) or something failed (a :class:`Failure`).
+
+        Policy: a node whose script exited non-zero is restarted in place; a node that vanished
+        (no exit code) is replaced; a health verdict brings its own action; a passed deadline
+        is not retried.
+        """
         deadline_s = self.spec.resources.deadline_s
         while True:
             self._drain()
             statuses = [(n, self.provider.status(n["handle"])) for n in self.nodes]
             for node, st in statuses:
-                if st.state in (NodeState.FAILED, NodeState.LOST):
+                if st.state == NodeState.FAILED:
                     self._drain()
-                    what = f"exited with code {st.exit_code}" if st.exit_code is not None else st.detail
-                    return f"node {node['rank']} {what}", st.exit_code, True
+                    return Failure(f"node {node['rank']} exited with code {st.exit_code}", RESTART, node["rank"], st.exit_code)
+                if st.state == NodeState.LOST:
+                    return Failure(f"node {node['rank']}: {st.detail}", REPLACE, node["rank"])
             if all(st.state == NodeState.SUCCEEDED for _, st in statuses):
                 self._drain()
                 return None
+            if self.monitor is not None:
+                verdicts = self.monitor.verdicts(time.time())
+                if verdicts:
+                    v = verdicts[0]
+                    self.store.add_event(self.job_id, "health", f"node {v.node_rank}: {v.kind}: {v.evidence}", v.to_dict())
+                    self.reporter.event(f"health: node {v.node_rank} {v.kind} -> {v.action}: {v.evidence}")
+                    return Failure(f"node {v.node_rank} {v.kind}: {v.evidence}", v.action, v.node_rank)
             if deadline_s is not None and time.time() - self.created_at > deadline_s:
-                return f"deadline of {self.spec.resources.deadline} passed", None, False
+                return Failure(f"deadline of {self.spec.resources.deadline} passed", None, None)
             time.sleep(POLL_S)
+
+    def _replace(self, rank: int) -> None:
+        """Terminate node ``rank`` and provision a new node in its place (a new node id)."""
+        i = next(i for i, n in enumerate(self.nodes) if n["rank"] == rank)
+        old = self.nodes[i]
+        self.provider.terminate(old["handle"])
+        self.store.update_node(old["id"], status=NodeState.TERMINATED.value, handle={**old["handle"], "terminated": True})
+        node_id = self.store.add_node(self.job_id, rank, self.provider.name)
+        new = {"id": node_id, "rank": rank, "handle": {}, "generation": old.get("generation", 0) + 1}
+        self.nodes[i] = new
+        self.log_offsets[node_id], self.metric_offsets[node_id], self.health_offsets[node_id] = 0, {}, {}
+        new["handle"] = self.provider.provision(self.job_id, node_id, rank, self.offering)
+        self.store.update_node(node_id, status=NodeState.READY.value, handle=new["handle"])
+        if self.monitor is not None:
+            self.monitor.reset_node(rank)
+        message = f"node {rank} replaced: {old['id']} -> {node_id}"
+        self.store.add_event(self.job_id, "replace", message)
+        self.reporter.event(message)
 
     def _drain(self) -> None:
         """Pass new log text and metrics of every node to the reporter; record metrics."""
@@ -240,12 +306,20 @@ class Controller:
             )
             if data:
                 self.reporter.log(node["rank"], data.decode("utf-8", "replace"))
-            samples = self.provider.read_metrics(node["handle"], self.metric_offsets[node["id"]])
+            records = self.provider.read_metrics(node["handle"], self.metric_offsets[node["id"]])
+            samples = [s for s in records if "step" in s]  # the rest are heartbeats
             if samples:
                 self.reporter.metrics(samples)
                 batch += [{**s, "rank": s.get("rank", node["rank"])} for s in samples]
+            if self.monitor is not None:
+                self.monitor.add_metrics(node["rank"], records, time.time())
+                self.monitor.add_gpu(node["rank"], self.provider.read_health(node["handle"], self.health_offsets[node["id"]]))
         if batch:
             self.store.record_metrics(self.job_id, batch)
+            if self._reported_attempt != self.attempt:
+                self._reported_attempt = self.attempt
+                first = min(int(s["step"]) for s in batch)
+                self.store.add_event(self.job_id, "progress", f"attempt {self.attempt}: first step reported is {first}")
 
     def _stop_nodes(self) -> None:
         for node in self.nodes:

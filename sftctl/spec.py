@@ -143,6 +143,27 @@ class RecoverySpec(_Strict):
     max_restarts: StrictNonNegativeInt = Field(0, description="relaunches from the last checkpoint")
 
 
+class HealthSpec(_Strict):
+    """GPU and training health monitoring (see :mod:`sftctl.health`). Thresholds default to
+    :class:`sftctl.health.telemetry.Thresholds`."""
+
+    enabled: StrictBool = True
+    interval_s: PositiveFloat = Field(2.0, description="seconds between the node agent's GPU samples")
+    throttle_window_s: PositiveFloat = 10.0
+    throttle_min_fraction: float = Field(0.8, gt=0, le=1)
+    low_clock_ratio: float = Field(0.7, gt=0, lt=1)
+    straggler_ratio: float = Field(1.3, gt=1)
+    straggler_window_steps: StrictPositiveInt = 10
+    straggler_windows: StrictPositiveInt = 3
+    hang_timeout_s: PositiveFloat = 60.0
+
+    def thresholds(self):
+        """The detectors' :class:`~sftctl.health.telemetry.Thresholds` for this spec."""
+        from sftctl.health.telemetry import Thresholds
+
+        return Thresholds(**self.model_dump(exclude={"enabled", "interval_s"}))
+
+
 class JobSpec(_Strict):
     """A whole job. ``workdir`` is absolute after :func:`load_spec`."""
 
@@ -155,6 +176,7 @@ class JobSpec(_Strict):
     setup: str | None = None
     run: str = Field(min_length=1)
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
+    health: HealthSpec = Field(default_factory=HealthSpec)
 
     @field_validator("env", mode="before")
     @classmethod

@@ -47,6 +47,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -149,8 +150,12 @@ def report(
         "step_time_s": _finite_or_none(step_time_s),
         "tokens_per_s": _finite_or_none(tokens_per_s),
     }
+    _append_line(Path(metrics_dir), rank, record)
+    _start_heartbeat(Path(metrics_dir), rank)
+
+
+def _append_line(path: Path, rank: int, record: dict) -> None:
     line = (json.dumps(record, allow_nan=False) + "\n").encode("utf-8")
-    path = Path(metrics_dir)
     path.mkdir(parents=True, exist_ok=True)
     fd = os.open(path / f"rank-{rank}.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -159,6 +164,34 @@ def report(
             written += os.write(fd, line[written:])
     finally:
         os.close(fd)
+
+
+_heartbeat_started = False
+
+
+def _start_heartbeat(path: Path, rank: int) -> None:
+    """From the first report on, a daemon thread appends ``{"ts", "rank", "heartbeat": true}``
+    every ``$SFTCTL_HEARTBEAT_S`` seconds (default 2) to the same file.
+
+    The heartbeat says the process lives even while a step waits on a slow peer (collectives
+    release the GIL); a frozen or killed process stops beating, which is how the controller
+    tells the hung rank from the ranks waiting for it (:mod:`sftctl.health.detectors`).
+    """
+    global _heartbeat_started
+    if _heartbeat_started:
+        return
+    _heartbeat_started = True
+    interval_s = float(os.environ.get("SFTCTL_HEARTBEAT_S", "2") or 2)
+
+    def beat() -> None:
+        while True:
+            time.sleep(interval_s)
+            try:
+                _append_line(path, rank, {"ts": time.time(), "rank": rank, "heartbeat": True})
+            except OSError:
+                return
+
+    threading.Thread(target=beat, name="sftctl-heartbeat", daemon=True).start()
 
 
 def _finite_or_none(value: float | None) -> float | None:

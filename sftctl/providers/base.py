@@ -71,6 +71,9 @@ class Provider(Protocol):
     def read_metrics(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
         """New training metrics samples (see :mod:`sftctl.train`) since ``offsets`` (updated)."""
 
+    def read_health(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
+        """New GPU samples the node agent wrote (see :mod:`sftctl.health.telemetry`)."""
+
     def terminate(self, handle: dict) -> None:
         """Stop and delete the node and everything it started. Idempotent."""
 

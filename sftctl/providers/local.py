@@ -61,6 +61,7 @@ class LocalProvider:
         }
         # local nodes use sftctl's own Python environment: its python and torchrun come first
         full_env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), full_env.get("PATH", "")])
+        full_env["SFTCTL_PYTHON"] = sys.executable
         with open(node_dir / "node.log", "ab") as log:
             try:
                 proc = subprocess.Popen(
@@ -111,18 +112,11 @@ class LocalProvider:
     def read_metrics(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
         samples = []
         for path in sorted((Path(handle["dir"]) / "metrics").glob("rank-*.jsonl")):
-            key = str(path)
-            with open(path, "rb") as f:
-                f.seek(offsets.get(key, 0))
-                data = f.read()
-            complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits
-            offsets[key] = offsets.get(key, 0) + len(complete)
-            for line in complete.splitlines():
-                try:
-                    samples.append(json.loads(line))
-                except ValueError:
-                    continue
+            samples += _read_json_lines(path, offsets)
         return samples
+
+    def read_health(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
+        return _read_json_lines(Path(handle["dir"]) / "health.jsonl", offsets)
 
     def terminate(self, handle: dict) -> None:
         pids = procs.tagged("SFTCTL_NODE_ID", handle["node_id"])
@@ -138,3 +132,22 @@ class LocalProvider:
         procs.kill_all(pids)
         return len(pids)
 
+
+def _read_json_lines(path: Path, offsets: dict[str, int]) -> list[dict]:
+    """Complete JSON lines of ``path`` after ``offsets[path]`` (advanced past them)."""
+    key = str(path)
+    try:
+        with open(path, "rb") as f:
+            f.seek(offsets.get(key, 0))
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits
+    offsets[key] = offsets.get(key, 0) + len(complete)
+    out = []
+    for line in complete.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out

@@ -1,0 +1,117 @@
+"""The node agent: ``python -m sftctl.agent``. Samples every GPU of this node every few seconds,
+appends the samples to the node's ``health.jsonl`` (JSON lines, see
+:mod:`sftctl.health.telemetry`), and serves the latest ones in Prometheus text format under
+dcgm-exporter's metric names (``--port``, ``/metrics``).
+
+The node bootstrap (``templates/node.sh.j2``) starts it next to the training on every node.
+Settings come from flags or the node's environment:
+
+* ``--out`` / ``$SFTCTL_NODE_DIR/health.jsonl``
+* ``--interval`` / ``$SFTCTL_HEALTH_INTERVAL_S`` (seconds, default 2)
+* ``--replay`` / ``$SFTCTL_TELEMETRY_REPLAY``: read a recorded stream instead of NVML (fault
+  injection). With ``$SFTCTL_TELEMETRY_REPLAY_RANK`` it applies to that node rank only, and only
+  to the first node of that rank (``$SFTCTL_NODE_GENERATION`` 0): a replacement node is healthy.
+* ``--metrics-dir`` / ``$SFTCTL_METRICS_DIR``: the training's step reports, for ``at_step``
+* ``--port`` / ``$SFTCTL_AGENT_PORT``: serve ``/metrics`` (off when unset)
+
+It never fails a node: an unreadable GPU is a sample saying so, a machine without GPUs writes
+one ``no_gpu`` record. SIGTERM ends it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def _replay_path(explicit: str | None) -> str | None:
+    if explicit:
+        return explicit
+    path = os.environ.get("SFTCTL_TELEMETRY_REPLAY")
+    if not path:
+        return None
+    rank = os.environ.get("SFTCTL_TELEMETRY_REPLAY_RANK")
+    if rank is not None and rank != os.environ.get("SFTCTL_NODE_RANK", "0"):
+        return None
+    if os.environ.get("SFTCTL_NODE_GENERATION", "0") != "0":
+        return None  # the replacement of a faulty node is healthy
+    return path
+
+
+def _serve(port: int, latest: list, lock: threading.Lock) -> None:
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from sftctl.health.prometheus import render
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            if self.path.rstrip("/") != "/metrics":
+                self.send_error(404)
+                return
+            with lock:
+                body = render(list(latest), socket.gethostname()).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sftctl.agent", description=__doc__.splitlines()[0])
+    node_dir = os.environ.get("SFTCTL_NODE_DIR", ".")
+    ap.add_argument("--out", default=str(Path(node_dir) / "health.jsonl"))
+    ap.add_argument("--interval", type=float, default=float(os.environ.get("SFTCTL_HEALTH_INTERVAL_S", "2")))
+    ap.add_argument("--replay", default=None)
+    ap.add_argument("--metrics-dir", default=os.environ.get("SFTCTL_METRICS_DIR"))
+    ap.add_argument("--port", type=int, default=int(os.environ.get("SFTCTL_AGENT_PORT", "0") or 0))
+    ap.add_argument("--count", type=int, default=0, help="stop after this many ticks (0: run until SIGTERM)")
+    args = ap.parse_args(argv)
+
+    from sftctl.health.sources import open_source
+
+    source = open_source(replay_path=_replay_path(args.replay), metrics_dir=args.metrics_dir)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    latest: list[dict] = []
+    lock = threading.Lock()
+    if args.port:
+        _serve(args.port, latest, lock)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ticks = 0
+    with open(out, "a", buffering=1) as f:
+        while not stop.is_set():
+            now = time.time()
+            try:
+                samples = source.sample()
+            except Exception as e:  # a broken source is a sample saying so, never a dead agent
+                samples = [{"agent_error": f"{type(e).__name__}: {e}"}]
+            for s in samples:
+                s.setdefault("ts", now)
+                f.write(json.dumps(s) + "\n")
+            if samples:
+                with lock:
+                    latest[:] = [s for s in samples if "gpu" in s] or latest
+            ticks += 1
+            if args.count and ticks >= args.count:
+                break
+            stop.wait(args.interval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""GPU health end to end on the local provider: a throttling node and a hung node are caught,
+replaced, and the quickstart resumes from its checkpoint and finishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+from conftest import job_processes, sftctl, status_json, wait_for
+
+QUICK = ["--set", "train.steps=90", "--set", "train.checkpoint_interval=15",
+         "--set", "health.interval_s=1", "--set", "health.throttle_window_s=3"]
+
+
+def events(job_id: str) -> list[dict]:
+    return json.loads(sftctl("events", job_id, "--json", check=True).stdout)["events"]
+
+
+def final_loss(doc: dict) -> float:
+    return next(r["loss"] for r in doc["ranks"] if r["rank"] == 0)
+
+
+def test_throttling_node_is_replaced_and_training_resumes(home):
+    """Node 1's agent replays HW slowdown from step 40 on (tests/fixtures/throttle_at_step.jsonl)."""
+    clean = sftctl("run", "examples/quickstart.yaml", *QUICK, "--json")
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    clean_doc = json.loads(clean.stdout)
+    assert clean_doc["restarts"] == 0
+    assert not [e for e in events(clean_doc["id"]) if e["kind"] == "health"]  # no false alarm
+
+    proc = sftctl("run", "examples/quickstart.yaml", *QUICK,
+                  "--set", "env.SFTCTL_TELEMETRY_REPLAY=tests/fixtures/throttle_at_step.jsonl",
+                  "--set", "env.SFTCTL_TELEMETRY_REPLAY_RANK=1", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["status"] == "SUCCEEDED" and doc["restarts"] == 1
+    evs = events(doc["id"])
+    health = [e for e in evs if e["kind"] == "health"]
+    assert len(health) == 1 and health[0]["data"]["kind"] == "throttle"
+    assert health[0]["data"]["node_rank"] == 1 and health[0]["data"]["action"] == "replace"
+    assert "HW slowdown" in health[0]["message"]
+    assert any(e["kind"] == "replace" and e["message"].startswith("node 1 replaced") for e in evs)
+    assert [n["rank"] for n in doc["nodes"]] == [0, 1, 1]  # node 1 was replaced by a new node
+    logs = sftctl("logs", doc["id"], check=True).stdout
+    assert "resumed from step 30" in logs or "resumed from step 45" in logs or "resumed from step 60" in logs
+    # same batches per (rank, step) and an exact restore: the loss ends where the clean run's did
+    assert abs(final_loss(doc) - final_loss(clean_doc)) < 0.05
+    assert job_processes(doc["id"]) == []
+
+
+def test_hung_node_is_caught_by_its_missing_heartbeat(home):
+    job = json.loads(sftctl("run", "examples/quickstart.yaml", *QUICK, "--set", "health.hang_timeout_s=6",
+                            "--detach", "--json", check=True).stdout)["job_id"]
+    wait_for(lambda: any(r["step"] >= 20 for r in status_json(job).get("ranks", [])), timeout_s=180,
+             what="training to reach step 20")
+    node1 = next(n["id"] for n in status_json(job)["nodes"] if n["rank"] == 1)
+    from sftctl import procs
+
+    trainers = [p for p in procs.tagged("SFTCTL_NODE_ID", node1)
+                if b"train.py" in open(f"/proc/{p}/cmdline", "rb").read() and b"torchrun" not in open(f"/proc/{p}/cmdline", "rb").read()]
+    assert len(trainers) == 1
+    os.kill(trainers[0], signal.SIGSTOP)  # frozen: alive, but neither steps nor heartbeats
+    doc = wait_for(lambda: (d := status_json(job))["status"] in ("SUCCEEDED", "FAILED", "FAILED_CONTROLLER") and d,
+                   timeout_s=240, what="the job to finish")
+    assert doc["status"] == "SUCCEEDED", doc["failure_reason"]
+    health = [e for e in events(job) if e["kind"] == "health"]
+    assert [(e["data"]["kind"], e["data"]["node_rank"]) for e in health] == [("hang", 1)]
+    assert job_processes(job) == []
