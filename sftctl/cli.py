@@ -322,6 +322,8 @@ def _job_doc(store, job: dict, detail: bool = False, ranks: list[dict] | None = 
             for n in store.nodes(job["id"])
         ]
         doc["attempts"] = store.attempts(job["id"])
+        doc["health"] = [{"ts": e["ts"], "message": e["message"], **(e["data"] or {})}
+                         for e in store.events(job["id"]) if e["kind"] == "health"]
     return doc
 
 

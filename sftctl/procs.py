@@ -64,6 +64,7 @@ def kill_all(pids: list[int], grace_s: float = 10.0) -> list[int]:
     live = [p for p in pids if ticks[p] is not None]
     for pid in live:
         _signal(pid, signal.SIGTERM)
+        _signal(pid, signal.SIGCONT)  # a stopped (frozen) process handles SIGTERM only once continued
     deadline = time.monotonic() + grace_s
     while live and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -91,6 +91,9 @@ def job_detail(job: dict) -> list:
         out.append(Text(f"reason: {job['failure_reason']}", style="red"))
     if job["plan"]:
         out.append(Text(f"plan: {job['plan']}", style="dim"))
+    for h in job.get("health", []):
+        out.append(Text(f"health {time.strftime('%H:%M:%S', time.localtime(h['ts']))}: {h['message']} -> {h.get('action')}",
+                        style="yellow"))
     nodes = Table(title="nodes", box=None, header_style="bold", title_justify="left")
     for col in ("RANK", "NODE", "STATUS", "WHERE"):
         nodes.add_column(col)
