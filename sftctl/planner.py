@@ -220,7 +220,7 @@ def _reason(best: Candidate, ranked: list[Candidate], objective: str) -> str:
     what = "fastest" if objective == "time" else "cheapest"
     pred = ""
     if best.step_time_s is not None:
-        pred = f", predicted {best.step_time_s * 1000:.1f} ms/step, {_hours(best.hours)}, ${best.total_usd:,.2f} in all"
+        pred = f", predicted {best.step_time_s * 1000:.1f} ms/step, {format_hours(best.hours)}, ${best.total_usd:,.2f} in all"
     blocked = sorted({c.offering.provider for c in ranked if c.rejected and "not available" in c.rejected})
     return (
         f"chose {o.provider} {o.instance_type} ({o.accelerator}:{o.count}) x {best.nodes} node(s) "
@@ -229,7 +229,8 @@ def _reason(best: Candidate, ranked: list[Candidate], objective: str) -> str:
     )
 
 
-def _hours(h: float | None) -> str:
+def format_hours(h: float | None) -> str:
+    """A duration given in hours, in the unit a person reads best (s, min or h)."""
     if h is None:
         return "-"
     if h < 1 / 60:
@@ -282,7 +283,7 @@ def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: P
                 )
             deadline_s = res.deadline_s
             if deadline_s is not None and hours * 3600 > deadline_s:
-                return reject(f"predicted {_hours(hours)} is past the deadline of {res.deadline}")
+                return reject(f"predicted {format_hours(hours)} is past the deadline of {res.deadline}")
     why_not = usable.get(o.provider, f"unknown provider {o.provider!r}")
     if why_not:
         return reject(why_not)

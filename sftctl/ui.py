@@ -216,16 +216,9 @@ def _seconds(s: float | None) -> str:
     return f"{s:.2f} s"
 
 
-def _span(hours: float | None) -> str:
-    if hours is None:
-        return "-"
-    if hours < 1 / 60:
-        return f"{hours * 3600:.1f} s"
-    return f"{hours * 60:.1f} min" if hours < 1 else f"{hours:,.1f} h"
-
-
 def plan_table(candidates: list, steps: int) -> Table:
     """``sftctl plan``: one row per candidate offering, best first, rejected ones with why."""
+    from sftctl.planner import format_hours
     t = Table(box=None, header_style="bold", pad_edge=False, title=f"offerings for {steps:,} steps", title_justify="left")
     for col, just in (("#", "right"), ("PROVIDER", "left"), ("INSTANCE", "left"), ("ACCEL", "left"),
                       ("NODES", "right"), ("REGION", "left"), ("$/H", "right"), ("STEP", "right"),
@@ -242,7 +235,7 @@ def plan_table(candidates: list, steps: int) -> Table:
             str(i), o.provider, o.instance_type, f"{o.accelerator}:{o.count}", str(c.nodes), o.region,
             _num(c.usd_per_hour, ",.2f"), _seconds(c.step_time_s),
             "-" if c.peak_memory_bytes is None else f"{c.peak_memory_bytes / 2**30:.1f} GiB",
-            "-" if per_step is None else f"{per_step:.5f}", _span(c.hours), _num(c.total_usd, ",.2f"), verdict,
+            "-" if per_step is None else f"{per_step:.5f}", format_hours(c.hours), _num(c.total_usd, ",.2f"), verdict,
         )
     return t
 

@@ -113,3 +113,101 @@ class Graph:
         for n in self.nodes:
             counts[n.op] = counts.get(n.op, 0) + 1
         return counts
+
+    def compact(self, keep_inputs: list[int]) -> tuple["Graph", list[int]]:
+        """A copy without the nodes no output needs (``keep_inputs`` stay), renumbered.
+
+        Returns the new graph and the new ids of ``keep_inputs``.
+        """
+        live = set(self.outputs) | set(keep_inputs)
+        for node in reversed(self.nodes):
+            if node.id in live:
+                live.update(node.inputs)
+        new = Graph()
+        remap: dict[int, int] = {}
+        for node in self.nodes:
+            if node.id in live:
+                remap[node.id] = new.add(node.op, [remap[i] for i in node.inputs], node.type.shape,
+                                         node.type.dtype, **node.attrs)
+        new.outputs = [remap[i] for i in self.outputs]
+        new.output_roles = list(self.output_roles)
+        return new, [remap[i] for i in keep_inputs]
+
+
+FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+
+def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """numpy's broadcasting of shapes (trailing-aligned). Raises ValueError if incompatible."""
+    ndim = max((len(s) for s in shapes), default=0)
+    out = []
+    for axis in range(-ndim, 0):
+        sizes = {s[axis] for s in shapes if len(s) >= -axis} - {1}
+        if len(sizes) > 1:
+            raise ValueError(f"shapes {shapes} do not broadcast")
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
+
+
+class GraphBuilder:
+    """Builds a :class:`Graph` for a frontend: deduplicated constants, and no-op casts,
+    reshapes and transposes elided (constants are re-made rather than reshaped or cast)."""
+
+    def __init__(self) -> None:
+        self.g = Graph()
+        self._consts: dict[tuple, int] = {}
+
+    def add(self, op: str, inputs, shape, dtype: str, /, **attrs: Any) -> int:
+        return self.g.add(op, inputs, tuple(int(s) for s in shape), dtype, **attrs)
+
+    def shape(self, i: int) -> tuple[int, ...]:
+        return self.g.nodes[i].type.shape
+
+    def dtype(self, i: int) -> str:
+        return self.g.nodes[i].type.dtype
+
+    def const(self, value, shape=(), dtype: str = "float32") -> int:
+        """A scalar ``value`` broadcast to ``shape``. Raises NotImplementedError for a fractional
+        value of an integer dtype."""
+        if dtype == "bool":
+            value = bool(value)
+        elif dtype in FLOAT_DTYPES:
+            value = float(value)
+        else:
+            if isinstance(value, float) and not value.is_integer():
+                raise NotImplementedError(f"constant {value} for dtype {dtype}")
+            value = int(value)
+        key = (repr(value), tuple(shape), dtype)
+        if key not in self._consts:
+            self._consts[key] = self.add("constant", [], shape, dtype, value=value)
+        return self._consts[key]
+
+    def is_const(self, i: int, value) -> bool:
+        n = self.g.nodes[i]
+        return n.op == "constant" and n.attrs["value"] == value
+
+    def cast(self, i: int, dtype: str) -> int:
+        if self.dtype(i) == dtype:
+            return i
+        n = self.g.nodes[i]
+        if n.op == "constant":
+            return self.const(n.attrs["value"], n.type.shape, dtype)
+        return self.add("cast", [i], self.shape(i), dtype)
+
+    def reshape(self, i: int, shape) -> int:
+        shape = tuple(int(s) for s in shape)
+        if self.shape(i) == shape:
+            return i
+        n = self.g.nodes[i]
+        if n.op == "constant":
+            return self.const(n.attrs["value"], shape, n.type.dtype)
+        return self.add("reshape", [i], shape, self.dtype(i), shape=shape)
+
+    def transpose(self, i: int, perm) -> int:
+        perm = tuple(int(p) for p in perm)
+        if perm == tuple(range(len(perm))):
+            return i
+        return self.add("transpose", [i], tuple(self.shape(i)[p] for p in perm), self.dtype(i), perm=perm)
+
+    def binary(self, op: str, a: int, b: int, dtype: str | None = None) -> int:
+        return self.add(op, [a, b], broadcast_shapes(self.shape(a), self.shape(b)), dtype or self.dtype(a))

@@ -37,9 +37,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sftctl.compiler.ir import Graph
+from sftctl.compiler.ir import FLOAT_DTYPES, Graph, GraphBuilder
 
-_FLOATS = ("float64", "float32", "bfloat16", "float16")
 _DTYPES = {"float64", "float32", "bfloat16", "float16", "int64", "int32", "bool"}
 
 
@@ -199,57 +198,10 @@ _CALLS = {"jit", "pjit", "closed_call", "core_call", "remat", "checkpoint", "rem
           "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"}
 
 
-class _Lowering:
+class _Lowering(GraphBuilder):
     def __init__(self) -> None:
-        self.g = Graph()
-        self._consts: dict[tuple, int] = {}
+        super().__init__()
         self.core = _jcore()
-
-    # --- builder ------------------------------------------------------------------------------
-    def add(self, op: str, inputs, shape, dtype: str, /, **attrs) -> int:
-        i = self.g.add(op, inputs, tuple(int(s) for s in shape), dtype)
-        self.g.nodes[i].attrs.update(attrs)  # attrs may be named "shape"
-        return i
-
-    def shape(self, i: int) -> tuple[int, ...]:
-        return self.g.nodes[i].type.shape
-
-    def dtype(self, i: int) -> str:
-        return self.g.nodes[i].type.dtype
-
-    def const(self, value, shape=(), dtype: str = "float32") -> int:
-        value = bool(value) if dtype == "bool" else float(value) if dtype in _FLOATS else int(value)
-        key = (repr(value), tuple(shape), dtype)
-        if key not in self._consts:
-            self._consts[key] = self.add("constant", [], shape, dtype, value=value)
-        return self._consts[key]
-
-    def cast(self, i: int, dtype: str) -> int:
-        if self.dtype(i) == dtype:
-            return i
-        n = self.g.nodes[i]
-        if n.op == "constant":
-            return self.const(n.attrs["value"], n.type.shape, dtype)
-        return self.add("cast", [i], self.shape(i), dtype)
-
-    def reshape(self, i: int, shape) -> int:
-        shape = tuple(int(s) for s in shape)
-        if self.shape(i) == shape:
-            return i
-        n = self.g.nodes[i]
-        if n.op == "constant":
-            return self.const(n.attrs["value"], shape, n.type.dtype)
-        return self.add("reshape", [i], shape, self.dtype(i), shape=shape)
-
-    def transpose(self, i: int, perm) -> int:
-        perm = tuple(int(p) for p in perm)
-        if perm == tuple(range(len(perm))):
-            return i
-        return self.add("transpose", [i], tuple(self.shape(i)[p] for p in perm), self.dtype(i), perm=perm)
-
-    def binary(self, op: str, a: int, b: int, dtype: str | None = None) -> int:
-        shape = tuple(np.broadcast_shapes(self.shape(a), self.shape(b)))
-        return self.add(op, [a, b], shape, dtype or self.dtype(a))
 
     # --- driver -------------------------------------------------------------------------------
     def run(self, closed, roles, out_roles) -> tuple[Graph, list[int]]:
@@ -269,7 +221,7 @@ class _Lowering:
             raise RuntimeError(f"jaxpr has {len(outs)} outputs, expected {len(out_roles)}")
         self.g.outputs = outs
         self.g.output_roles = list(out_roles)
-        return _compact(self.g, ids)
+        return self.g.compact(ids)
 
     def array_const(self, value, name: str) -> int:
         arr = np.asarray(value)
@@ -278,7 +230,7 @@ class _Lowering:
         if flat.size == 0 or bool(np.all(flat == flat[0])):
             return self.const(flat[0].item() if flat.size else 0, arr.shape, dtype)
         return self.add("input", [], arr.shape, dtype, role="constant", name=name,
-                        value=arr.astype(np.float64) if dtype in _FLOATS else arr)
+                        value=arr.astype(np.float64) if dtype in FLOAT_DTYPES else arr)
 
     def read(self, env, atom) -> int:
         if isinstance(atom, self.core.Literal):
@@ -532,24 +484,6 @@ class _Lowering:
         if n.op == "constant" and n.attrs["value"] == 0:
             return sc
         return self.add("add", [x, sc], shape, dtype)
-
-
-def _compact(g: Graph, keep_inputs: list[int]) -> tuple[Graph, list[int]]:
-    """Drop nodes no output needs (inputs are always kept) and renumber."""
-    live = set(g.outputs) | set(keep_inputs)
-    for node in reversed(g.nodes):
-        if node.id in live:
-            live.update(node.inputs)
-    new = Graph()
-    remap: dict[int, int] = {}
-    for node in g.nodes:
-        if node.id in live:
-            i = new.add(node.op, [remap[j] for j in node.inputs], node.type.shape, node.type.dtype)
-            new.nodes[i].attrs.update(node.attrs)
-            remap[node.id] = i
-    new.outputs = [remap[i] for i in g.outputs]
-    new.output_roles = list(g.output_roles)
-    return new, [remap[i] for i in keep_inputs]
 
 
 def trace_entrypoint(entrypoint: str, workdir: str, batch_size: int, dtype: str = "float32",

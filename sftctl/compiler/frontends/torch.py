@@ -57,13 +57,12 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from sftctl.compiler.ir import Graph
+from sftctl.compiler.ir import FLOAT_DTYPES, Graph, GraphBuilder
 
 aten = torch.ops.aten
 
 _IR_DTYPES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16",
               torch.float16: "float16", torch.int64: "int64", torch.int32: "int32", torch.bool: "bool"}
-_FLOATS = ("float64", "float32", "bfloat16", "float16")
 
 # extra decompositions on top of core_aten_decompositions(): ops core ATen keeps but the IR spells out
 _EXTRA_DECOMPS = (
@@ -375,67 +374,14 @@ def _norm_dims(dims, rank: int) -> tuple[int, ...]:
     return tuple(sorted(d % rank if rank else 0 for d in dims))
 
 
-class _Lowering:
+class _Lowering(GraphBuilder):
     """Lowers a make_fx ATen graph to an IR :class:`Graph`, one handler per ATen op packet."""
 
     def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__()
         self.gm = gm
-        self.g = Graph()
         self.env: dict[fx.Node, Any] = {}
-        self._consts: dict[tuple, int] = {}
         self._node: fx.Node | None = None
-
-    # --- graph building helpers -------------------------------------------------------------
-    def add(self, op: str, inputs, shape, dtype: str, /, **attrs) -> int:
-        return _add(self.g, op, inputs, shape, dtype, attrs)
-
-    def shape(self, i: int) -> tuple[int, ...]:
-        return self.g.nodes[i].type.shape
-
-    def dtype(self, i: int) -> str:
-        return self.g.nodes[i].type.dtype
-
-    def const(self, value, shape=(), dtype: str = "float32") -> int:
-        if dtype == "bool":
-            value = bool(value)
-        elif dtype in _FLOATS:
-            value = float(value)
-        else:
-            if isinstance(value, float) and not value.is_integer():
-                raise NotImplementedError(f"torch frontend: constant {value} for dtype {dtype}")
-            value = int(value)
-        key = (repr(value), tuple(shape), dtype)
-        if key not in self._consts:
-            self._consts[key] = self.add("constant", [], shape, dtype, value=value)
-        return self._consts[key]
-
-    def is_const(self, i: int, value) -> bool:
-        n = self.g.nodes[i]
-        return n.op == "constant" and n.attrs["value"] == value
-
-    def cast(self, i: int, dtype: str) -> int:
-        if self.dtype(i) == dtype:
-            return i
-        n = self.g.nodes[i]
-        if n.op == "constant":
-            return self.const(n.attrs["value"], n.type.shape, dtype)
-        return self.add("cast", [i], self.shape(i), dtype)
-
-    def reshape(self, i: int, shape) -> int:
-        shape = tuple(int(s) for s in shape)
-        if self.shape(i) == shape:
-            return i
-        n = self.g.nodes[i]
-        if n.op == "constant":
-            return self.const(n.attrs["value"], shape, n.type.dtype)
-        return self.add("reshape", [i], shape, self.dtype(i), shape=shape)
-
-    def transpose(self, i: int, perm) -> int:
-        perm = tuple(int(p) for p in perm)
-        if perm == tuple(range(len(perm))):
-            return i
-        shape = tuple(self.shape(i)[p] for p in perm)
-        return self.add("transpose", [i], shape, self.dtype(i), perm=perm)
 
     def bcast(self, i: int, shape) -> int:
         """numpy-style (trailing-aligned) explicit broadcast."""
@@ -448,12 +394,6 @@ class _Lowering:
             return self.const(n.attrs["value"], shape, n.type.dtype)
         dims = tuple(range(len(shape) - len(src), len(shape)))
         return self.add("broadcast_in_dim", [i], shape, self.dtype(i), shape=shape, dims=dims)
-
-    def binary(self, op: str, a: int, b: int, dtype: str | None = None) -> int:
-        shape = tuple(torch.broadcast_shapes(self.shape(a), self.shape(b)))
-        if dtype is None:
-            dtype = self.dtype(a)
-        return self.add(op, [a, b], shape, dtype)
 
     def iota(self, shape, axis: int, dtype: str = "int64") -> int:
         return self.add("iota", [], shape, dtype, axis=axis)
@@ -537,7 +477,7 @@ class _Lowering:
             raise RuntimeError(f"traced step has {len(outputs)} outputs, expected {len(out_roles)}")
         self.g.outputs = outputs
         self.g.output_roles = list(out_roles)
-        return _compact(self.g, input_ids)
+        return self.g.compact(input_ids)
 
     def _tensor_constant(self, n: fx.Node) -> int:
         t = getattr(self.gm, n.target)
@@ -553,7 +493,7 @@ class _Lowering:
         flat = t.detach().reshape(-1)
         if flat.numel() == 0 or bool((flat == flat[0]).all()):
             return self.const(flat[0].item() if flat.numel() else 0, tuple(t.shape), dtype)
-        value = t.detach().cpu().to(torch.float64 if dtype in _FLOATS else t.dtype).numpy()
+        value = t.detach().cpu().to(torch.float64 if dtype in FLOAT_DTYPES else t.dtype).numpy()
         return self.add("input", [], tuple(t.shape), dtype, role="constant", name=str(n.target), value=value)
 
     def _call(self, n: fx.Node):
@@ -642,7 +582,7 @@ class _Lowering:
     def op_remainder(self, n, a, b):
         """Python-style modulo on integers: ``a - trunc(a / b) * b``, plus ``b`` where signs differ."""
         shape, dtype = self.out()
-        if dtype in _FLOATS:
+        if dtype in FLOAT_DTYPES:
             self.unsupported(n, "on floating point (the IR has no floor)")
         x, y = self.arg(a, dtype), self.arg(b, dtype)
         r = self.binary("sub", x, self.binary("mul", self.binary("div", x, y), y))
@@ -999,7 +939,7 @@ class _Lowering:
         if not any(low) and not any(high):
             return i
         return self.add("pad", [i], shape, dtype, low=tuple(low), high=tuple(high), value=float(value)
-                        if dtype in _FLOATS else int(value))
+                        if dtype in FLOAT_DTYPES else int(value))
 
     # --- data movement -----------------------------------------------------------------------
     def op_embedding(self, n, weight, indices, *rest):
@@ -1149,7 +1089,7 @@ class _Lowering:
         low[dim], high[dim] = s, shape[dim] - max(e, s)
         padded = si if not any(low) and not any(high) else self.add(
             "pad", [si], shape, dtype, low=tuple(low), high=tuple(high),
-            value=0.0 if dtype in _FLOATS else (False if dtype == "bool" else 0))
+            value=0.0 if dtype in FLOAT_DTYPES else (False if dtype == "bool" else 0))
         if self.is_const(xi, 0) or (s == 0 and e >= shape[dim]):
             return padded
         ishape = tuple(shape[d] if d == dim else 1 for d in range(rank))
@@ -1191,25 +1131,3 @@ def _install_elementwise() -> None:
 _install_elementwise()
 
 
-def _add(g: Graph, op: str, inputs, shape, dtype: str, attrs: dict) -> int:
-    """``Graph.add`` with attributes passed as a dict (``shape`` is both a parameter and an attribute)."""
-    i = g.add(op, inputs, shape, dtype)
-    g.nodes[i].attrs.update(attrs)
-    return i
-
-
-def _compact(g: Graph, keep_inputs: list[int]) -> tuple[Graph, list[int]]:
-    """Drop nodes no output needs (inputs are always kept) and renumber."""
-    live = set(g.outputs) | set(keep_inputs)
-    for node in reversed(g.nodes):
-        if node.id in live:
-            live.update(node.inputs)
-    new = Graph()
-    remap: dict[int, int] = {}
-    for node in g.nodes:
-        if node.id in live:
-            remap[node.id] = _add(new, node.op, [remap[i] for i in node.inputs], node.type.shape,
-                                  node.type.dtype, node.attrs)
-    new.outputs = [remap[i] for i in g.outputs]
-    new.output_roles = list(g.output_roles)
-    return new, [remap[i] for i in keep_inputs]
