@@ -2,8 +2,7 @@
 
 For each GEMM class of a GPT-2 small training step (batch 8 x 1024 tokens, n_embd 768, 12
 heads, MLP 3072, vocab 50257; forward, backward dX and dW, attention bmms) on an H100 and an
-A100 (from the accelerator catalog when ``get_accelerator`` is available, else built-in
-H100-/A100-like instances), measures:
+A100-80GB (from the accelerator catalog), measures:
 
 * the branch-and-bound search (``search_gemm``, memo bypassed): candidates in the space,
   candidates scored, wall time, candidates per second (space size / search time);
@@ -42,37 +41,9 @@ from sftctl.compiler.search.gemm import (  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "search_speed.json"
 
-KiB, MiB = 1024, 1024 * 1024
-_H100_LIKE = hardware.Accelerator(
-    name="H100-like", vendor="nvidia", sm_count=132, clock_hz=1.83e9,
-    matrix_flops_per_s={"bfloat16": 989e12, "float16": 989e12, "float32": 494e12, "float8": 1979e12},
-    vector_flops_per_s={"float32": 67e12}, hbm_bytes_per_s=3.35e12, l2_bytes=50 * MiB,
-    smem_bytes_per_sm=228 * KiB, smem_bytes_per_block=227 * KiB, regs_per_sm=65536,
-    regs_per_thread_max=255, max_warps_per_sm=64, max_blocks_per_sm=32, warp_size=32,
-    memory_bytes=80 * 10**9, memory_latency_s=600e-9, launch_overhead_s=4e-6,
-    triton_backend="cuda", triton_arch=90)
-_A100_LIKE = dataclasses.replace(
-    _H100_LIKE, name="A100-like", sm_count=108, clock_hz=1.41e9,
-    matrix_flops_per_s={"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
-    vector_flops_per_s={"float32": 19.5e12}, hbm_bytes_per_s=2.039e12, l2_bytes=40 * MiB,
-    smem_bytes_per_sm=164 * KiB, smem_bytes_per_block=163 * KiB, memory_latency_s=550e-9,
-    triton_arch=80)
-
-
 def accelerators() -> list[hardware.Accelerator]:
-    get = getattr(hardware, "get_accelerator", None)
-    out = []
-    for names, fallback in ((("H100",), _H100_LIKE), (("A100-80GB", "A100"), _A100_LIKE)):
-        hw = None
-        if get is not None:
-            for name in names:
-                try:
-                    hw = get(name)
-                    break
-                except Exception:
-                    continue
-        out.append(hw if hw is not None else fallback)
-    return out
+    """H100 and A100-80GB from the accelerator catalog (sftctl/catalog/accelerators.yaml)."""
+    return [hardware.get_accelerator("H100"), hardware.get_accelerator("A100-80GB")]
 
 
 def gpt2_gemms(batch: int = 8, seq: int = 1024, d: int = 768, heads: int = 12, vocab: int = 50257) -> list[tuple[str, GemmProblem]]:

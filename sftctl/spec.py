@@ -199,7 +199,7 @@ def _parse_accelerator(text: str) -> dict[str, Any]:
     name, sep, count = text.partition(":")
     if not sep:
         return {"name": name.strip(), "count": 1}
-    if not count.strip().isdigit():
+    if not re.fullmatch(r"\s*[0-9]+\s*", count):
         raise ValueError(f"accelerator {text!r}: expected NAME or NAME:COUNT, e.g. 'H100:8'")
     return {"name": name.strip(), "count": int(count)}
 
@@ -374,7 +374,7 @@ def _apply_override(data: dict, assignment: str, loc: _Located) -> None:
         isinstance(value, (list, dict)) and not flow
     ):
         value = raw
-    parts: list[Any] = [int(p) if p.isdigit() else p for p in key.split(".")]
+    parts: list[Any] = [int(p) if re.fullmatch(r"[0-9]+", p) else p for p in key.split(".")]
     if any(p == "" for p in parts):
         raise SpecError(f"--set {shown}: empty segment in {key!r}", hint="e.g. train.steps")
     node: Any = data

@@ -195,3 +195,10 @@ def test_random_overrides_never_crash(tmp_path_factory, key, value):
         load_spec(path, [f"{key}={value}"], environ={})
     except SftctlError as e:
         assert e.message and "\n" not in e.message
+
+
+@pytest.mark.parametrize("override", ["²=1", "resources.accelerators.²=cpu", "resources.accelerators=[cpu:²]"])
+def test_unicode_digits_are_not_indices(tmp_path, override):
+    """Found by hypothesis in CI: '²'.isdigit() is True but int('²') raises."""
+    msg = err(tmp_path, "name: demo\nrun: echo\nresources:\n  accelerators: [cpu]\n", [override])
+    assert msg.startswith(f"--set {override}")

@@ -137,6 +137,15 @@ class Graph:
 FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")
 
 
+def row_major_strides(shape) -> list[int]:
+    """Element strides of a contiguous row-major tensor of ``shape``."""
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= s
+    return out[::-1]
+
+
 def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
     """numpy's broadcasting of shapes (trailing-aligned). Raises ValueError if incompatible."""
     ndim = max((len(s) for s in shapes), default=0)

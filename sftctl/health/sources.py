@@ -343,7 +343,7 @@ def parse_nvidia_smi_csv(text: str, fields: Sequence[str]) -> list[dict]:
             if not cell or _SMI_MISSING.match(cell):
                 continue
             if key == "gpu":
-                if not cell.isdigit():
+                if not cell.isascii() or not cell.isdigit():
                     ok = False
                     break
                 rec["gpu"] = int(cell)

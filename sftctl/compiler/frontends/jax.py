@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sftctl.compiler.ir import FLOAT_DTYPES, Graph, GraphBuilder
+from sftctl.compiler.ir import FLOAT_DTYPES, Graph, GraphBuilder, row_major_strides
 
 _DTYPES = {"float64", "float32", "bfloat16", "float16", "int64", "int32", "bool"}
 
@@ -178,12 +178,6 @@ def _jcore():
     return core
 
 
-def _strides(shape) -> list[int]:
-    out, acc = [], 1
-    for s in reversed(shape):
-        out.append(acc)
-        acc *= s
-    return out[::-1]
 
 
 _UNARY = {"neg": "neg", "exp": "exp", "log": "log", "log1p": "log1p", "expm1": "expm1", "tanh": "tanh",
@@ -407,7 +401,7 @@ class _Lowering(GraphBuilder):
         ibatch = tuple(getattr(dn, "start_indices_batching_dims", ()) or getattr(dn, "scatter_indices_batching_dims", ()))
         ishape = self.shape(idx)
         bshape = ishape[:-1]
-        strides = _strides(operand_shape)
+        strides = row_major_strides(operand_shape)
         flat = None
         idx64 = self.cast(idx, "int64")
         for j, d in enumerate(smap):

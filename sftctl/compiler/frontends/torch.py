@@ -57,7 +57,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from sftctl.compiler.ir import FLOAT_DTYPES, Graph, GraphBuilder
+from sftctl.compiler.ir import FLOAT_DTYPES, Graph, GraphBuilder, row_major_strides
 
 aten = torch.ops.aten
 
@@ -356,12 +356,6 @@ def trace_entrypoint(entrypoint: str, workdir: str, batch_size: int, dtype: str 
 # ------------------------------------------------------------------------------------------------
 
 
-def _strides(shape) -> list[int]:
-    out, acc = [], 1
-    for s in reversed(shape):
-        out.append(acc)
-        acc *= s
-    return out[::-1]
 
 
 def _norm_dims(dims, rank: int) -> tuple[int, ...]:
@@ -960,7 +954,7 @@ class _Lowering(GraphBuilder):
 
     def _linear_index(self, idxs: list[int], sizes: list[int], bshape) -> int:
         """Row-major linear index into dims of ``sizes`` from per-dim index tensors (broadcast to ``bshape``)."""
-        strides = _strides(sizes)
+        strides = row_major_strides(sizes)
         flat = None
         for idx, size, stride in zip(idxs, sizes, strides):
             term = self._nonneg(idx, size)
@@ -1022,7 +1016,7 @@ class _Lowering(GraphBuilder):
 
     def _take_along_index(self, xs, dim: int, idx: int) -> int:
         ishape = self.shape(idx)
-        strides = _strides(xs)
+        strides = row_major_strides(xs)
         flat = self._nonneg(idx, xs[dim])
         if strides[dim] != 1:
             flat = self.binary("mul", flat, self.const(strides[dim], (), "int64"))
