@@ -103,7 +103,7 @@ class Controller:
         self.spec = JobSpec.model_validate(job["spec"])
         self.offering = Offering(**job["offering"]["offering"])
         self.provider = get_provider(self.offering.provider)
-        self.nodes: list[dict] = []  # {"id", "rank", "handle"}
+        self.nodes: list[dict] = []  # {"id", "rank", "handle", "generation" (replacements of this rank)}
         # read offsets survive restarts: every attempt appends to the same node log and metrics
         self.log_offsets: dict[str, int] = {}
         self.metric_offsets: dict[str, dict[str, int]] = {}
