@@ -56,5 +56,6 @@ def test_quickstart_resumes_from_checkpoint_after_a_failure(home):
     assert_trained(doc, home)
     assert doc["restarts"] == 1
     assert [a["status"] for a in doc["attempts"]] == ["FAILED", "SUCCEEDED"]
-    logs = sftctl("logs", doc["id"], "--node", "0", check=True).stdout
+    # c10d rendezvous ranks nodes by join order: global rank 0 may run on either node
+    logs = sftctl("logs", doc["id"], check=True).stdout
     assert "resumed from step 10" in logs
