@@ -271,7 +271,7 @@ class Controller:
             if self.monitor is not None:
                 verdicts = self.monitor.verdicts(time.time())
                 if verdicts:
-                    v = verdicts[0]
+                    v = min(verdicts, key=lambda v: (v.action != REPLACE, v.node_rank))  # replace first
                     self.store.add_event(self.job_id, "health", f"node {v.node_rank}: {v.kind}: {v.evidence}", v.to_dict())
                     self.reporter.event(f"health: node {v.node_rank} {v.kind} -> {v.action}: {v.evidence}")
                     return Failure(f"node {v.node_rank} {v.kind}: {v.evidence}", v.action, v.node_rank)

@@ -613,3 +613,33 @@ def test_prometheus_render_parses_with_dcgm_names():
     assert [f.name for f in families] == ["DCGM_FI_DEV_XID_ERRORS"]
     assert families[0].samples[0].labels["Hostname"] == 'a"b' and families[0].samples[0].value == 79
     assert render([{"ts": 0.0, "no_gpu": True}], "n") == ""
+
+
+# ---------------------------------------------------------------- stall (every process alive, no progress)
+
+
+def test_stall_when_no_rank_progresses_for_the_timeout():
+    from sftctl.health.detectors import stall_verdicts
+
+    th = Thresholds(hang_timeout_s=30)
+    ranks = {0: 0, 1: 1}
+    (v,) = stall_verdicts({0: (100.0, 41), 1: (99.0, 41)}, ranks, now=161.0, th=th)
+    assert (v.kind, v.action, v.node_rank) == ("stall", "restart", 0)
+    assert "no rank finished a step for 61 s (last step 41)" in v.evidence
+    assert stall_verdicts({0: (100.0, 41), 1: (99.0, 41)}, ranks, now=159.0, th=th) == []  # 2 x timeout
+    # one rank still progressing: not a stall
+    assert stall_verdicts({0: (100.0, 41), 1: (155.0, 42)}, ranks, now=161.0, th=th) == []
+    # finished ranks do not count
+    assert stall_verdicts({0: (10.0, 90), 1: (10.0, 90)}, ranks, now=161.0, th=th, finished_ranks={0, 1}) == []
+
+
+def test_a_hung_rank_explains_the_stall():
+    th = Thresholds(hang_timeout_s=30)
+    # rank 1 stopped beating (hung); rank 0 beats but waits for it: only rank 1's node is blamed
+    verdicts = d.evaluate({}, {}, {0: 131.0, 1: 90.0}, {0: 0, 1: 1}, 131.0, th,
+                          last_steps={0: (95.0, 10), 1: (90.0, 10)})
+    assert [(v.node_rank, v.kind, v.action) for v in verdicts] == [(1, "hang", "replace")]
+    # every rank beats, none steps: a stall, restarted in place
+    verdicts = d.evaluate({}, {}, {0: 161.0, 1: 160.0}, {0: 0, 1: 1}, 161.0, th,
+                          last_steps={0: (95.0, 10), 1: (90.0, 10)})
+    assert [(v.node_rank, v.kind, v.action) for v in verdicts] == [(0, "stall", "restart")]

@@ -85,7 +85,7 @@ XID_ACTIONS: dict[int, tuple[str | None, str]] = {
 THROTTLE_REASONS = HW_REASONS | SW_THERMAL_SLOWDOWN
 
 #: Verdict kinds in tie-break order (earlier wins among verdicts with the same action).
-KIND_ORDER = ("gpu_lost", "xid", "ecc", "throttle", "hang", "straggler")
+KIND_ORDER = ("gpu_lost", "xid", "ecc", "throttle", "hang", "straggler", "stall")
 
 _ACTION_RANK = {RESTART: 0, REPLACE: 1}
 
@@ -468,6 +468,34 @@ def hang_verdicts(
 # all together
 
 
+def stall_verdicts(
+    last_steps: Mapping[int, tuple[float, int]],
+    rank_to_node: Mapping[int, int],
+    now: float,
+    th: Thresholds,
+    finished_ranks: frozenset[int] | set[int] = frozenset(),
+) -> list[Verdict]:
+    """The whole job stopped making progress while its processes live: no unfinished rank has
+    finished a step for twice ``th.hang_timeout_s`` (``last_steps``: rank -> (arrival time,
+    step)). Twice, so that a rank that froze is first caught by its missing heartbeat.
+
+    A hung rank stops its heartbeat too and is caught by :func:`hang_verdicts` (replace its
+    node); a stall with every heartbeat alive (a deadlocked collective, a stuck data loader)
+    points at no one node, so the verdict is ``restart`` in place, filed under the lowest node.
+    """
+    pending = {r: v for r, v in last_steps.items() if r not in finished_ranks}
+    if not pending:
+        return []
+    newest_ts, step = max(pending.values())
+    idle_s = now - newest_ts
+    if idle_s < 2 * th.hang_timeout_s:
+        return []
+    node = min(rank_to_node.get(r, 0) for r in pending)
+    return [Verdict("stall", RESTART, node, None,
+                    f"no rank finished a step for {idle_s:.0f} s (last step {step}) while their heartbeats "
+                    f"continue: the job is stuck", now)]
+
+
 def peers_sm_clock_by_node(
     gpu_samples_by_node: Mapping[int, Sequence[dict]], th: Thresholds
 ) -> dict[int, float | None]:
@@ -502,8 +530,12 @@ def evaluate(
     now: float,
     th: Thresholds,
     finished_ranks: frozenset[int] | set[int] = frozenset(),
+    last_steps: Mapping[int, tuple[float, int]] | None = None,
 ) -> list[Verdict]:
     """All detectors over a job's recent history; at most one verdict per node.
+
+    ``last_steps`` (rank -> (arrival time, step) of its last step report) enables the stall
+    detector (:func:`stall_verdicts`).
 
     A node's verdict is its most severe one: ``replace`` over ``restart``, then the kind order
     :data:`KIND_ORDER` (gpu_lost, xid, ecc, throttle, hang, straggler), then the lowest GPU.
@@ -520,6 +552,8 @@ def evaluate(
         found += throttle_verdicts(samples, node, th, peers.get(node))
     found += hang_verdicts(last_reports, rank_to_node, now, th, finished_ranks)
     found += straggler_verdicts(step_times, rank_to_node, th, now=now)
+    if last_steps and not any(v.kind == "hang" for v in found):  # a hung rank explains the stall
+        found += stall_verdicts(last_steps, rank_to_node, now, th, finished_ranks)
     best: dict[int, Verdict] = {}
     for v in found:
         key = (_severity(v), v.gpu if v.gpu is not None else -1)

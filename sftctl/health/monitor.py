@@ -31,6 +31,7 @@ class HealthMonitor:
         self.gpu: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         self.step_times: dict[int, list[tuple[int, float]]] = collections.defaultdict(list)
         self.last_report: dict[int, float] = {}
+        self.last_step: dict[int, tuple[float, int]] = {}  # rank -> (arrival time, step)
         self.rank_to_node: dict[int, int] = {}
         self.finished: set[int] = set()
 
@@ -52,6 +53,7 @@ class HealthMonitor:
             self.last_report[rank] = now
             if "step" not in s:
                 continue  # a heartbeat
+            self.last_step[rank] = (now, int(s["step"]))
             if s.get("step_time_s") is not None:
                 self.step_times[rank].append((int(s["step"]), float(s["step_time_s"])))
             if int(s["step"]) >= self.total_steps:
@@ -65,6 +67,7 @@ class HealthMonitor:
         """A new attempt starts: step history and hang timers start over."""
         self.step_times.clear()
         self.last_report.clear()
+        self.last_step.clear()
         self.finished.clear()
 
     def reset_node(self, node_rank: int) -> None:
@@ -81,4 +84,5 @@ class HealthMonitor:
             now,
             self.th,
             finished_ranks=frozenset(self.finished),
+            last_steps=dict(self.last_step),
         )
