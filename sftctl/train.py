@@ -113,6 +113,7 @@ def report(
     *,
     step_time_s: float | None = None,
     tokens_per_s: float | None = None,
+    compute_time_s: float | None = None,
 ) -> None:
     """Append one metrics record for ``step`` to ``$SFTCTL_METRICS_DIR/rank-<global rank>.jsonl``.
 
@@ -133,6 +134,9 @@ def report(
         loss: this rank's loss at that step. NaN/inf are written as ``null`` (JSON has no NaN).
         step_time_s: wall time of the step in seconds, if measured.
         tokens_per_s: this rank's throughput in tokens per second, if measured.
+        compute_time_s: seconds of the step's work that waits on no other rank (e.g. the
+            forward pass), if measured: under synchronous data parallelism every rank's whole
+            step takes as long as the slowest's, so only this shows which rank is the straggler.
 
     Raises:
         ValueError: ``RANK``/``SFTCTL_NODE_RANK`` is malformed.
@@ -150,6 +154,8 @@ def report(
         "step_time_s": _finite_or_none(step_time_s),
         "tokens_per_s": _finite_or_none(tokens_per_s),
     }
+    if compute_time_s is not None:
+        record["compute_time_s"] = _finite_or_none(compute_time_s)
     _append_line(Path(metrics_dir), rank, record)
     _start_heartbeat(Path(metrics_dir), rank)
 

@@ -69,3 +69,18 @@ def test_hung_node_is_caught_by_its_missing_heartbeat(home):
     health = [e for e in events(job) if e["kind"] == "health"]
     assert [(e["data"]["kind"], e["data"]["node_rank"]) for e in health] == [("hang", 1)]
     assert job_processes(job) == []
+
+
+def test_straggling_node_is_found_by_its_compute_time_and_replaced(home):
+    """Node 1's forward pass becomes 3x slower from step 30 on. Whole-step times stay equal on
+    both ranks (each waits in the all-reduce), so the detector must use the compute time."""
+    proc = sftctl("run", "examples/quickstart.yaml", *QUICK,
+                  "--set", "health.straggler_window_steps=5", "--set", "health.straggler_windows=3",
+                  "--set", "env.SFTCTL_SLOW_NODE=1", "--set", "env.SFTCTL_SLOW_FACTOR=3",
+                  "--set", "env.SFTCTL_SLOW_FROM_STEP=30", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["status"] == "SUCCEEDED" and doc["restarts"] == 1
+    health = [e for e in events(doc["id"]) if e["kind"] == "health"]
+    assert [(e["data"]["kind"], e["data"]["node_rank"], e["data"]["action"]) for e in health] == [("straggler", 1, "replace")]
+    assert [n["rank"] for n in doc["nodes"]] == [0, 1, 1]

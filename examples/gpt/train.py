@@ -12,8 +12,10 @@ Settings come from ``sftctl.train.config()`` (``SFTCTL_TRAIN_STEPS``, ``SFTCTL_B
 checkpoints to ``$SFTCTL_CHECKPOINT_DIR`` (see sftctl/train.py). The run resumes from the newest
 complete checkpoint if there is one.
 
-Test knob: ``SFTCTL_FAIL_AT_STEP=N`` makes rank 0 raise RuntimeError at step N (after that step's
-checkpoint, if any, is saved) unless the run resumed from a checkpoint.
+Test knobs: ``SFTCTL_FAIL_AT_STEP=N`` makes rank 0 raise RuntimeError at step N (after that step's
+checkpoint, if any, is saved) unless the run resumed from a checkpoint; ``SFTCTL_SLOW_NODE``,
+``SFTCTL_SLOW_FACTOR`` and ``SFTCTL_SLOW_FROM_STEP`` make one node's forward pass slower (a
+straggler).
 """
 
 from __future__ import annotations
@@ -93,6 +95,12 @@ def train(rank: int, world_size: int, device: torch.device, distributed: bool) -
     cfg = sft.config()
     is_main = rank == 0
     fail_at = int(os.environ.get("SFTCTL_FAIL_AT_STEP", "0") or 0)
+    # test knob: on node SFTCTL_SLOW_NODE (its first node only), the forward pass takes
+    # SFTCTL_SLOW_FACTOR times longer from step SFTCTL_SLOW_FROM_STEP on (a throttled GPU)
+    slow = (os.environ.get("SFTCTL_SLOW_NODE") == os.environ.get("SFTCTL_NODE_RANK")
+            and os.environ.get("SFTCTL_NODE_GENERATION", "0") == "0")
+    slow_factor = float(os.environ.get("SFTCTL_SLOW_FACTOR", "1")) if slow else 1.0
+    slow_from = int(os.environ.get("SFTCTL_SLOW_FROM_STEP", "0") or 0)
 
     data = torch.frombuffer(bytearray(load_corpus()), dtype=torch.uint8)
     n_val = int(len(data) * VAL_FRACTION)
@@ -150,15 +158,24 @@ def train(rank: int, world_size: int, device: torch.device, distributed: bool) -
         x, y = x.to(device), y.to(device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg.steps)
+        t_fwd = time.perf_counter()
         with autocast:
             loss = next_byte_loss(ddp_model, (x, y))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if slow_factor > 1 and step >= slow_from:  # test knob: this node's "GPU" is slow
+            time.sleep((time.perf_counter() - t_fwd) * (slow_factor - 1))
+        # the forward pass runs no collective, so its time shows this rank's own speed; the whole
+        # step's time does not (under DDP every rank waits for the slowest in the all-reduce)
+        compute_time_s = time.perf_counter() - t_fwd
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         optimizer.step()
         loss_f = loss.item()
         step_time_s = time.perf_counter() - t0
-        sft.report(step, loss_f, step_time_s=step_time_s, tokens_per_s=tokens_per_step / step_time_s)
+        sft.report(step, loss_f, step_time_s=step_time_s, tokens_per_s=tokens_per_step / step_time_s,
+                   compute_time_s=compute_time_s)
         if first_loss is None:
             first_loss = loss_f
         last_loss = loss_f

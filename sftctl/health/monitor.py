@@ -54,8 +54,10 @@ class HealthMonitor:
             if "step" not in s:
                 continue  # a heartbeat
             self.last_step[rank] = (now, int(s["step"]))
-            if s.get("step_time_s") is not None:
-                self.step_times[rank].append((int(s["step"]), float(s["step_time_s"])))
+            # a rank's own compute time when reported (step times equalise under synchronous DP)
+            own = s.get("compute_time_s", s.get("step_time_s"))
+            if own is not None:
+                self.step_times[rank].append((int(s["step"]), float(own)))
             if int(s["step"]) >= self.total_steps:
                 self.finished.add(rank)
         window = self.th.straggler_window_steps * (self.th.straggler_windows + 2)
