@@ -66,34 +66,53 @@ def _serve(port: int, latest: list, lock: threading.Lock) -> None:
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
+    server = ThreadingHTTPServer(("0.0.0.0", port), Handler)  # Prometheus scrapes from outside
     threading.Thread(target=server.serve_forever, daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sftctl.agent", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m sftctl.agent",
+        description="Sample this node's GPUs into a JSON-lines file and serve them to Prometheus.",
+    )
     node_dir = os.environ.get("SFTCTL_NODE_DIR", ".")
-    ap.add_argument("--out", default=str(Path(node_dir) / "health.jsonl"))
-    ap.add_argument("--interval", type=float, default=float(os.environ.get("SFTCTL_HEALTH_INTERVAL_S", "2")))
-    ap.add_argument("--replay", default=None)
-    ap.add_argument("--metrics-dir", default=os.environ.get("SFTCTL_METRICS_DIR"))
-    ap.add_argument("--port", type=int, default=int(os.environ.get("SFTCTL_AGENT_PORT", "0") or 0))
-    ap.add_argument("--count", type=int, default=0, help="stop after this many ticks (0: run until SIGTERM)")
+    ap.add_argument("--out", default=str(Path(node_dir) / "health.jsonl"), help="JSON-lines file to append samples to")
+    ap.add_argument("--interval", type=_positive, default=_positive(os.environ.get("SFTCTL_HEALTH_INTERVAL_S", "2")),
+                    help="seconds between samples")
+    ap.add_argument("--replay", default=None, help="read a recorded stream instead of NVML (fault injection)")
+    ap.add_argument("--metrics-dir", default=os.environ.get("SFTCTL_METRICS_DIR"),
+                    help="the training's step reports, for replay records with at_step")
+    ap.add_argument("--port", type=int, default=int(os.environ.get("SFTCTL_AGENT_PORT", "0") or 0),
+                    help="serve /metrics on this port (0: off)")
+    ap.add_argument("--count", type=_non_negative, default=0, help="stop after this many samples (0: until SIGTERM)")
     args = ap.parse_args(argv)
 
-    from sftctl.health.sources import open_source
-
-    source = open_source(replay_path=_replay_path(args.replay), metrics_dir=args.metrics_dir)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    latest: list[dict] = []
-    lock = threading.Lock()
-    if args.port:
-        _serve(args.port, latest, lock)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    ticks = 0
     with open(out, "a", buffering=1) as f:
+        def problem(message: str) -> None:
+            """Say it in the stream (the controller turns it into an event) and keep going."""
+            f.write(json.dumps({"ts": time.time(), "agent_error": message}) + "\n")
+            print(f"sftctl agent: {message}", file=sys.stderr, flush=True)
+
+        from sftctl.health.sources import NoGpuSource, open_source
+
+        try:
+            source = open_source(replay_path=_replay_path(args.replay), metrics_dir=args.metrics_dir)
+        except Exception as e:  # a bad replay file: report it, sample nothing, never kill the node
+            problem(f"cannot read telemetry: {type(e).__name__}: {e}")
+            source = NoGpuSource()
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        latest: list[dict] = []
+        last_xid: dict[int, dict] = {}  # per GPU, the last sample with an XID: /metrics keeps it
+        lock = threading.Lock()
+        if args.port:
+            try:
+                _serve(args.port, latest, lock)
+            except OSError as e:
+                problem(f"cannot serve /metrics on port {args.port}: {e.strerror or e}; sampling goes on")
+        ticks = 0
         while not stop.is_set():
             now = time.time()
             try:
@@ -103,14 +122,31 @@ def main(argv: list[str] | None = None) -> int:
             for s in samples:
                 s.setdefault("ts", now)
                 f.write(json.dumps(s) + "\n")
-            if samples:
+                if s.get("xids") and "gpu" in s:
+                    last_xid[s["gpu"]] = s
+            gpus = [s for s in samples if "gpu" in s]
+            if gpus:
                 with lock:
-                    latest[:] = [s for s in samples if "gpu" in s] or latest
+                    latest[:] = [x for g, x in sorted(last_xid.items()) if x not in gpus] + gpus
             ticks += 1
             if args.count and ticks >= args.count:
                 break
             stop.wait(args.interval)
     return 0
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
 
 
 if __name__ == "__main__":

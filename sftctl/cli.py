@@ -172,6 +172,16 @@ def _plan_with_progress(spec, strict: bool, stderr: bool):
     return plan(spec)
 
 
+def _plan_doc(spec, chosen, reason: str, candidates: list) -> dict:
+    """``plan --json``: the same shape whether or not an offering was chosen."""
+    doc = chosen.to_dict() if chosen is not None else None
+    if doc is not None:
+        doc.pop("candidates")
+        doc.pop("reason")
+    return {"job": spec.name, "objective": spec.resources.objective, "steps": spec.train.steps,
+            "chosen": doc, "reason": reason, "candidates": [c.to_dict() for c in candidates]}
+
+
 @app.command()
 def plan(
     spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec YAML file."),
@@ -189,14 +199,12 @@ def plan(
         chosen = _plan_with_progress(spec, strict=True, stderr=as_json)
     except InfeasibleError as e:
         if as_json:
-            _print_json({"job": spec.name, "chosen": None, "reason": e.message,
-                         "candidates": [c.to_dict() for c in e.candidates]})
+            _print_json(_plan_doc(spec, None, e.message, e.candidates))
         elif e.candidates:
             _console().print(plan_table(e.candidates, spec.train.steps))
         raise
     if as_json:
-        _print_json({"job": spec.name, "objective": spec.resources.objective, "steps": spec.train.steps,
-                     "chosen": chosen.to_dict(), "reason": chosen.reason})
+        _print_json(_plan_doc(spec, chosen, chosen.reason, chosen.candidates))
         return
     console = _console()
     console.print(plan_table(chosen.candidates, spec.train.steps))
@@ -221,6 +229,9 @@ def catalog(
             raise SftctlError(f"--accelerator: unknown accelerator {accelerator!r}" + (f"; did you mean '{close[0]}'?" if close else ""),
                               hint=f"known: {', '.join(names.values())}")
         offerings = [o for o in offerings if o.accelerator.lower() == accelerator.lower()]
+        if not offerings and not as_json:
+            print(f"no provider sftctl supports sells {names[accelerator.lower()]} yet")
+            return
     if as_json:
         _print_json({"offerings": [o.to_dict() for o in offerings]})
         return
@@ -232,7 +243,7 @@ def catalog(
 @app.command(name="compile")
 def compile_(
     spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec YAML file (its model is compiled)."),
-    target: str = typer.Option(..., "--target", "-t", help="Accelerator, e.g. h100, a100-80gb, mi300x, cpu."),
+    target: Optional[str] = typer.Option(None, "--target", "-t", help="Accelerator, e.g. h100, a100-80gb, mi300x, cpu."),
     set_: list[str] = typer.Option([], "--set", metavar="KEY.PATH=VALUE", help="Override a spec field; repeatable."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Directory for plan.json and report.md (default: ./sftctl-compile/<job>-<target>)."),
     as_json: bool = typer.Option(False, "--json", help="Print the compiled plan as JSON on stdout."),
@@ -241,6 +252,8 @@ def compile_(
     """Compile a job's whole training step for one accelerator: kernels, schedules, predicted times."""
     from sftctl.spec import load_spec
 
+    if not target:
+        raise SftctlError("compile needs --target", hint="e.g. sftctl compile job.yaml --target h100 (sftctl catalog lists accelerators)")
     spec = load_spec(spec_path, set_)
     if spec.model is None:
         raise SftctlError(f"{spec_path}: the spec has no model to compile", hint="add model: {framework, entrypoint, batch_size, dtype}")

@@ -36,6 +36,7 @@ from sftctl.spec import JobSpec
 from sftctl.state import JobStatus, Store
 
 POLL_S = 0.5
+REPLACED = "REPLACED"  # the node status of a node a health verdict replaced (terminated too)
 DOWN_GRACE_S = 20.0  # how long `sftctl down` lets a live controller clean up before killing it
 
 
@@ -146,7 +147,7 @@ class Controller:
                 self._move(
                     JobStatus.RECOVERING,
                     f"{failure.reason}; restart {self.restarts}/{self.spec.recovery.max_restarts} "
-                    f"{what} from the last checkpoint",
+                    f"{what} {self._resume_point()}",
                 )
                 if failure.action == REPLACE:
                     self._replace(failure.node_rank)
@@ -154,6 +155,7 @@ class Controller:
         except (Cancelled, KeyboardInterrupt) as e:
             why = str(e) if isinstance(e, Cancelled) and str(e) else "cancelled by the user (Ctrl-C)"
             self.store.transition(self.job_id, JobStatus.CANCELLED, why)
+            self.store.end_open_attempts(self.job_id, "CANCELLED", why)
             self.reporter.event(f"cancelled: {why}")
         except SftctlError as e:
             self.store.transition(self.job_id, JobStatus.FAILED, e.message)
@@ -279,12 +281,22 @@ class Controller:
                 return Failure(f"deadline of {self.spec.resources.deadline} passed", None, None)
             time.sleep(POLL_S)
 
+    def _resume_point(self) -> str:
+        """Where a relaunch resumes: the newest complete checkpoint, if this machine sees it."""
+        from sftctl.train import complete_checkpoint_steps
+
+        ckpt = self.spec.train.checkpoint_dir or str(job_dir(self.job_id) / "checkpoints")
+        steps = complete_checkpoint_steps(ckpt) if self.provider.name == "local" else None
+        if steps is None:
+            return "from the last checkpoint"
+        return f"from checkpoint step {steps[-1]}" if steps else "from step 0 (no checkpoint yet)"
+
     def _replace(self, rank: int) -> None:
         """Terminate node ``rank`` and provision a new node in its place (a new node id)."""
         i = next(i for i, n in enumerate(self.nodes) if n["rank"] == rank)
         old = self.nodes[i]
         self.provider.terminate(old["handle"])
-        self.store.update_node(old["id"], status=NodeState.TERMINATED.value, handle={**old["handle"], "terminated": True})
+        self.store.update_node(old["id"], status=REPLACED, handle={**old["handle"], "terminated": True})
         node_id = self.store.add_node(self.job_id, rank, self.provider.name)
         new = {"id": node_id, "rank": rank, "handle": {}, "generation": old.get("generation", 0) + 1}
         self.nodes[i] = new
@@ -313,7 +325,13 @@ class Controller:
                 batch += [{**s, "rank": s.get("rank", node["rank"])} for s in samples]
             if self.monitor is not None:
                 self.monitor.add_metrics(node["rank"], records, time.time())
-                self.monitor.add_gpu(node["rank"], self.provider.read_health(node["handle"], self.health_offsets[node["id"]]))
+                gpu = self.provider.read_health(node["handle"], self.health_offsets[node["id"]])
+                for problem in {s["agent_error"] for s in gpu if "agent_error" in s}:
+                    # the agent keeps going without that part, so the job does too, but says so
+                    message = f"node {node['rank']}: health agent: {problem}"
+                    self.store.add_event(self.job_id, "health", message)
+                    self.reporter.event(f"warning: {message}")
+                self.monitor.add_gpu(node["rank"], gpu)
         if batch:
             self.store.record_metrics(self.job_id, batch)
             if self._reported_attempt != self.attempt:
@@ -353,7 +371,8 @@ def down(store: Store, job_id: str) -> str:
     if job is None:
         raise KeyError(job_id)
     pid, ticks = job["controller_pid"], job["controller_start_ticks"]
-    if pid and pid != os.getpid() and procs.alive(pid, ticks):
+    controller_was_alive = bool(pid and pid != os.getpid() and procs.alive(pid, ticks))
+    if controller_was_alive:
         os.kill(pid, signal.SIGTERM)
         end = time.monotonic() + DOWN_GRACE_S
         while procs.alive(pid, ticks) and time.monotonic() < end:
@@ -364,7 +383,7 @@ def down(store: Store, job_id: str) -> str:
     provider = get_provider(job["provider"] or "local")
     running = released = 0
     for node in store.nodes(job_id):
-        if node["status"] != NodeState.TERMINATED.value:
+        if node["status"] not in (NodeState.TERMINATED.value, REPLACED):
             if node["handle"]:
                 running += provider.status(node["handle"]).state == NodeState.RUNNING
                 provider.terminate(node["handle"])
@@ -372,13 +391,20 @@ def down(store: Store, job_id: str) -> str:
                               handle={**node["handle"], "terminated": True})
             released += 1
     strays = provider.terminate_tagged(job_id)
-    store.abandon_attempts(job_id, "the controller was gone; ended by sftctl down")
+    store.end_open_attempts(job_id, "ABANDONED", "the controller was gone; ended by sftctl down")
     after = store.get_job(job_id)
+    if not (cancelled or controller_was_alive or released or strays):
+        return f"{job_id}: {after['status'].lower()}, nothing left to take down"
     if after["status"] == JobStatus.FAILED_CONTROLLER.value and after["failure_reason"]:
         reason = after["failure_reason"].split("; its nodes may still run")[0] + "; sftctl down removed its nodes"
         store.update_job(job_id, failure_reason=reason)
     parts = [f"{job_id}: " + ("cancelled" if cancelled else after["status"].lower())]
-    parts.append(f"stopped {running} running node(s)" if running else "no node was running")
+    if running:
+        parts.append(f"stopped {running} running node(s)")
+    elif controller_was_alive:
+        parts.append("its controller stopped the nodes")
+    else:
+        parts.append("no node was running")
     if released:
         parts.append(f"released {released} node(s)")
     if strays:

@@ -201,7 +201,10 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
             candidates=ranked,
             message=f"no offering can run {res.nodes} node(s) of {wanted}"
             + (f" ({'; '.join(reasons[:4])}{'; ...' if len(reasons) > 4 else ''})" if reasons else ": no provider offers it"),
-            hint="widen resources (accelerators, clouds, regions, max_price_per_hour, deadline, spot); sftctl plan shows all",
+            hint=("make model.batch_size a multiple of nodes x accelerators per node"
+                  if any(c.rejected and "does not split evenly" in c.rejected for c in ranked) else
+                  "widen resources (accelerators, clouds, regions, max_price_per_hour, deadline, spot); "
+                  "sftctl plan shows all"),
         )
     best = feasible[0]
     return Plan(best, _reason(best, ranked, res.objective), ranked)

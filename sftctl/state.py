@@ -370,13 +370,14 @@ class Store:
                 (status, exit_code, reason, time.time(), job_id, number),
             )
 
-    def abandon_attempts(self, job_id: str, reason: str) -> int:
-        """End the job's attempts still marked RUNNING (their controller is gone); return how many."""
+    def end_open_attempts(self, job_id: str, status: str, reason: str) -> int:
+        """End the job's attempts still marked RUNNING with ``status`` (CANCELLED, or ABANDONED
+        when their controller is gone); return how many."""
         with self.write() as db:
             cur = db.execute(
-                "UPDATE attempts SET status = 'ABANDONED', reason = ?, ended_at = ?"
+                "UPDATE attempts SET status = ?, reason = ?, ended_at = ?"
                 " WHERE job_id = ? AND status = 'RUNNING'",
-                (reason, time.time(), job_id),
+                (status, reason, time.time(), job_id),
             )
         return cur.rowcount
 

@@ -348,6 +348,11 @@ def _read_complete(path: Path) -> int | None:
         return None
 
 
+def complete_checkpoint_steps(root: str | os.PathLike) -> list[int]:
+    """The steps of the complete checkpoints under ``root``, oldest first (what a resume sees)."""
+    return [step for step, _ in _complete_checkpoints(Path(root))]
+
+
 def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints in ``root`` as ``(step, path)``, oldest first."""
     try:

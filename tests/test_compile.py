@@ -62,7 +62,8 @@ def test_cli_plan_compile_catalog(tmp_path, home):
     doc = json.loads(proc.stdout)
     chosen = doc["chosen"]
     assert chosen["offering"]["provider"] == "local" and chosen["step_time_s"] > 0
-    assert chosen["candidates"][0]["total_usd"] == 0.0
+    assert doc["candidates"][0]["total_usd"] == 0.0 and "candidates" not in chosen
+    assert set(doc) == {"job", "objective", "steps", "chosen", "reason", "candidates"}
     out = tmp_path / "c"
     proc = sftctl("compile", "examples/quickstart.yaml", "--target", "h100", "--out", str(out))
     assert proc.returncode == 0, proc.stderr

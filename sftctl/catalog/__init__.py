@@ -116,5 +116,8 @@ def local_offering(count: int) -> Offering:
 
 
 def accelerator_names() -> list[str]:
-    """Every accelerator name the catalog knows (``cpu`` included)."""
-    return sorted({o.accelerator for o in cloud_offerings()} | {"cpu"})
+    """Every accelerator name sftctl knows: those offered, and those in the hardware table
+    (``sftctl/catalog/accelerators.yaml``, which the compiler can target even unoffered)."""
+    from sftctl.compiler.hardware import load_accelerators
+
+    return sorted({o.accelerator for o in cloud_offerings()} | set(load_accelerators()) | {"cpu"})
