@@ -14,6 +14,7 @@ instance's documented "up to" network figure).
 from __future__ import annotations
 
 import csv
+import functools
 import dataclasses
 import datetime
 import os
@@ -58,7 +59,17 @@ class Offering:
         return dataclasses.asdict(self)
 
 
+@functools.lru_cache(maxsize=1)
+def _cloud_offerings() -> tuple[Offering, ...]:
+    return tuple(_read_offerings())
+
+
 def cloud_offerings() -> list[Offering]:
+    """The cloud offerings from ``offerings.csv`` (read once per process)."""
+    return list(_cloud_offerings())
+
+
+def _read_offerings() -> list[Offering]:
     """The cloud offerings from ``offerings.csv``."""
     with _CSV.open(newline="") as f:
         return [

@@ -7,12 +7,12 @@ A provider knows nothing of the compiler or the lifecycle. The controller drives
     provider.status(handle)                                         # -> NodeStatus
     provider.read_log(handle, offset)                               # -> (bytes, next offset)
     provider.terminate(handle)                                      # nothing of it is left
-    provider.find_tagged(job_id)                                    # what exists, by tag
+    provider.terminate_tagged(job_id)                               # whatever exists, by tag
 
 A *handle* is a JSON-able dict the provider owns; the controller stores it in state after every
 call, so another process (``sftctl down``) can rebuild the provider's view from state alone.
 Every resource a provider creates carries the job id and node id as tags or labels, so
-``find_tagged`` still finds it when the state lost track (a controller killed mid-call).
+``terminate_tagged`` still finds it when the state lost track (a controller killed mid-call).
 """
 
 from __future__ import annotations
@@ -76,9 +76,6 @@ class Provider(Protocol):
 
     def terminate(self, handle: dict) -> None:
         """Stop and delete the node and everything it started. Idempotent."""
-
-    def find_tagged(self, job_id: str) -> list[str]:
-        """Identifiers of the live resources tagged with ``job_id`` (for cleanup)."""
 
     def terminate_tagged(self, job_id: str) -> int:
         """Terminate every live resource tagged with ``job_id``; return how many there were."""

@@ -124,9 +124,6 @@ class LocalProvider:
             pids = sorted(set(pids) | {handle["pid"]})
         procs.kill_all(pids)
 
-    def find_tagged(self, job_id: str) -> list[str]:
-        return [str(p) for p in procs.tagged("SFTCTL_JOB_ID", job_id)]
-
     def terminate_tagged(self, job_id: str) -> int:
         pids = procs.tagged("SFTCTL_JOB_ID", job_id)
         procs.kill_all(pids)
