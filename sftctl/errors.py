@@ -69,3 +69,49 @@ class ProviderError(SftctlError):
     """A provider failed (credentials, API error, a node that would not start). Exit code 4."""
 
     exit_code = ExitCode.PROVIDER
+
+
+class CredentialsError(ProviderError):
+    """A cloud's credentials are missing, expired or lack a permission. Exit code 4.
+
+    The message names the cloud and what failed; the hint says what to set (environment
+    variables, a credentials file, a kubeconfig context).
+    """
+
+
+class CapacityError(ProviderError):
+    """A cloud had no capacity or quota for an offering; the planner moves to the next one.
+
+    Attributes:
+        provider: ``aws``, ``gcp`` or ``kubernetes``.
+        scope: what the error blocks for this job: ``"zone"`` (only that zone: try the region's
+            other zones), ``"offering"`` (this instance type in this region), ``"region"`` (every
+            offering of the provider in ``region``, e.g. a regional GPU quota) or ``"cloud"``
+            (every offering of the provider, e.g. GCP's ``GPUS_ALL_REGIONS`` quota).
+        region, zone, instance_type: where it happened (None when not known or not relevant).
+        code: the cloud's own error code (``InsufficientInstanceCapacity``,
+            ``ZONE_RESOURCE_POOL_EXHAUSTED``, ``QUOTA_EXCEEDED`` ...).
+    """
+
+    def __init__(self, message: str, *, provider: str, scope: str = "offering", region: str | None = None,
+                 zone: str | None = None, instance_type: str | None = None, code: str = "",
+                 hint: str | None = None):
+        if scope not in ("zone", "offering", "region", "cloud"):
+            raise ValueError(f"scope {scope!r}")
+        super().__init__(message, hint)
+        self.provider, self.scope, self.region, self.zone = provider, scope, region, zone
+        self.instance_type, self.code = instance_type, code
+
+    def blocks(self, provider: str, region: str, instance_type: str, zone: str | None = None) -> bool:
+        """Whether this error rules out ``instance_type`` in ``region`` (``zone``) of ``provider``."""
+        if provider != self.provider:
+            return False
+        if self.scope == "cloud":
+            return True
+        if region != self.region:
+            return False
+        if self.scope == "region":
+            return True
+        if instance_type != self.instance_type:
+            return False
+        return self.scope == "offering" or zone == self.zone

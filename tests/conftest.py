@@ -66,3 +66,22 @@ def no_traceback(proc: subprocess.CompletedProcess) -> bool:
 
 
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """moto's server for the whole session (a real HTTP server on a free loopback port)."""
+    from servers import moto_server
+
+    with moto_server() as url:
+        yield url
+
+
+@pytest.fixture
+def aws(moto_endpoint, monkeypatch) -> str:
+    """This test's process (and the CLI processes it starts) talk to moto; yields the endpoint."""
+    from servers import aws_env
+
+    for key, value in aws_env(moto_endpoint).items():
+        monkeypatch.setenv(key, value)
+    return moto_endpoint

@@ -8,6 +8,10 @@ A provider knows nothing of the compiler or the lifecycle. The controller drives
     provider.read_log(handle, offset)                               # -> (bytes, next offset)
     provider.terminate(handle)                                      # nothing of it is left
     provider.terminate_tagged(job_id)                               # whatever exists, by tag
+    provider.list_instances(job_id=None)                            # every labelled resource
+
+Cloud providers share :class:`sftctl.providers.cloud.CloudProvider`, which builds this protocol
+from a handful of per-cloud calls (create, describe, delete, list by label).
 
 A *handle* is a JSON-able dict the provider owns; the controller stores it in state after every
 call, so another process (``sftctl down``) can rebuild the provider's view from state alone.
@@ -56,8 +60,14 @@ class Provider(Protocol):
     def offerings(self, accelerator: str, count: int) -> list[Offering]:
         """Offerings this provider could provision for ``count`` x ``accelerator`` per node."""
 
-    def provision(self, job_id: str, node_id: str, rank: int, offering: Offering) -> dict:
-        """Create one node, tagged with job and node id; return its handle when it is ready."""
+    def provision(self, job_id: str, node_id: str, rank: int, offering: Offering, *,
+                  spot: bool = False, bootstrap: str = "", image: str | None = None) -> dict:
+        """Create one node, tagged with job and node id; return its handle when it is ready.
+
+        ``spot`` asks for spot / preemptible capacity, ``bootstrap`` is the node's boot script
+        (cloud providers run it at first boot), ``image`` overrides the provider's default image.
+        Raises :class:`sftctl.errors.CapacityError` when the offering has no capacity or quota.
+        """
 
     def launch(self, handle: dict, script: str, env: dict[str, str], attempt: int) -> dict:
         """Start ``script`` (bash) on the node with ``env``; return the updated handle."""
@@ -79,3 +89,53 @@ class Provider(Protocol):
 
     def terminate_tagged(self, job_id: str) -> int:
         """Terminate every live resource tagged with ``job_id``; return how many there were."""
+
+    def list_instances(self, job_id: str | None = None) -> list[dict]:
+        """Live resources labelled with ``job_id`` (every sftctl resource when None), each a dict
+        with at least ``id``, ``job_id`` and ``node_id`` (for ``sftctl down --orphans``)."""
+
+
+#: At most this many create calls are in flight per job (cloud APIs throttle bursts; AWS's
+#: RunInstances token bucket refills at 2/s with a burst of 5 per account, so more gains little).
+MAX_PARALLEL_PROVISION = 16
+
+
+def provision_all(provider: Provider, job_id: str, nodes: list[tuple[str, int]], offering: Offering,
+                  max_parallel: int = MAX_PARALLEL_PROVISION, on_ready=None, **kwargs) -> list[dict]:
+    """Provision ``nodes`` (``(node_id, rank)`` pairs) in parallel, at most ``max_parallel`` at once.
+
+    ``on_ready(node_id, handle)`` is called (from a worker thread) as each node becomes ready, so
+    the caller can record handles before the others finish. ``kwargs`` go to ``provision``.
+    All or nothing: when any node fails, the nodes that did come up are terminated, and the
+    first error is raised (a :class:`sftctl.errors.CapacityError` before any other error, so the
+    caller can fail over).
+
+    Returns:
+        the handles in the order of ``nodes``.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sftctl.errors import CapacityError
+
+    def one(node: tuple[str, int]) -> dict:
+        handle = provider.provision(job_id, node[0], node[1], offering, **kwargs)
+        if on_ready is not None:
+            on_ready(node[0], handle)
+        return handle
+
+    with ThreadPoolExecutor(max_workers=max(1, min(max_parallel, len(nodes)))) as pool:
+        futures = [pool.submit(one, n) for n in nodes]
+        results, errors = [], []
+        for f in futures:
+            try:
+                results.append(f.result())
+            except Exception as e:  # collected: every future must finish before cleanup
+                results.append(None)
+                errors.append(e)
+    if errors:
+        for handle in results:
+            if handle is not None:
+                provider.terminate(handle)
+        capacity = [e for e in errors if isinstance(e, CapacityError)]
+        raise (capacity or errors)[0]
+    return results

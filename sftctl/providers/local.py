@@ -41,7 +41,8 @@ class LocalProvider:
             return []
         return [local_offering(count)]
 
-    def provision(self, job_id: str, node_id: str, rank: int, offering: Offering) -> dict:
+    def provision(self, job_id: str, node_id: str, rank: int, offering: Offering, **_: object) -> dict:
+        """A node directory; ``spot``, ``bootstrap`` and ``image`` mean nothing on this machine."""
         node_dir = job_dir(job_id) / "nodes" / node_id
         (node_dir / "metrics").mkdir(parents=True, exist_ok=True)
         return {"node_id": node_id, "job_id": job_id, "rank": rank, "dir": str(node_dir), "ip": "127.0.0.1"}

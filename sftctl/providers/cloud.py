@@ -1,0 +1,256 @@
+"""What AWS, GCP and Kubernetes share: zones, labels, readiness, throttling retries, teardown.
+
+A cloud provider subclasses :class:`CloudProvider` and implements the *infrastructure* half:
+
+    check()                                   credentials work, else CredentialsError (exit 4)
+    offerings(accelerator, count)             what it could provision (catalog x availability)
+    zones(region)                             the zones to try, in order
+    create_instance(InstanceRequest) -> dict  one node, labelled; CapacityError on no capacity
+    describe(handle) -> InstanceState         cheap, called every poll
+    delete_instance(handle)                   idempotent; a missing instance is not an error
+    list_instances(job_id | None) -> [dict]   live labelled resources (all sftctl's when None)
+
+This class builds the protocol of :mod:`sftctl.providers.base` on top: ``provision`` walks the
+offering's region zone by zone (a zone-scoped :class:`CapacityError` blocks that zone for this
+provider object and the next zone is tried; when none is left the error is raised with scope
+``offering`` so the controller moves to the next offering), waits until the instance runs, and
+``terminate_tagged`` deletes whatever carries the job's label. Launching the training on a cloud
+node, its logs, metrics and GPU samples go through the job's storage (a node has no inbound port
+the controller could reach): ``launch`` and the ``read_*`` calls delegate to ``self.channel``.
+
+Every resource carries the labels of :func:`labels`: ``sftctl-job``, ``sftctl-node`` and
+``sftctl-managed=true``, so ``sftctl down JOB`` and ``sftctl down --orphans`` find it from the
+cloud alone, even when the controller died between the API call and writing state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+import time
+from typing import Callable
+
+from sftctl.catalog import Offering
+from sftctl.errors import CapacityError, ProviderError
+from sftctl.providers.base import NodeState, NodeStatus
+
+#: Label / tag keys on every resource sftctl creates. Values obey GCP's label rules
+#: (lowercase letters, digits, ``-`` and ``_``, at most 63 characters), which also satisfy
+#: Kubernetes label values and EC2 tags.
+JOB_LABEL = "sftctl-job"
+NODE_LABEL = "sftctl-node"
+MANAGED_LABEL = "sftctl-managed"
+
+#: How long a node may take from the create call to RUNNING before it counts as not ready.
+READY_TIMEOUT_S = 900.0
+
+
+def label_value(value: str) -> str:
+    """``value`` made a valid GCP / Kubernetes label value (lowercase, ``[a-z0-9_-]``, <= 63)."""
+    v = re.sub(r"[^a-z0-9_-]", "-", value.lower())[:63]
+    return v.strip("-_") or "x"
+
+
+def labels(job_id: str, node_id: str | None = None) -> dict[str, str]:
+    """The labels of a resource of ``job_id`` (and of node ``node_id`` when it belongs to one)."""
+    out = {MANAGED_LABEL: "true", JOB_LABEL: label_value(job_id)}
+    if node_id is not None:
+        out[NODE_LABEL] = label_value(node_id)
+    return out
+
+
+class InstanceState(str, enum.Enum):
+    """An instance's life as its cloud reports it, mapped to four states."""
+
+    PENDING = "PENDING"  # requested, booting, or a pod not yet scheduled
+    RUNNING = "RUNNING"
+    STOPPING = "STOPPING"  # shutting down / terminating / preempted
+    GONE = "GONE"  # terminated, deleted, or not found
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceRequest:
+    """One node to create.
+
+    Attributes:
+        job_id, node_id, rank: who it is for (``node_id`` is unique per job and generation).
+        offering: the catalog offering (instance type, accelerator count, region).
+        zone: the zone to create it in (None where the cloud has no zones, e.g. Kubernetes).
+        spot: spot / preemptible capacity instead of on-demand.
+        bootstrap: the node's bootstrap script (bash; cloud-init user-data or a GCE
+            startup-script), rendered from ``sftctl/templates/``. Holds no secret values.
+        labels: the labels of :func:`labels` for this node.
+        image: an image override from the spec (an AMI id, a GCE image, a container image), or
+            None for the provider's default.
+    """
+
+    job_id: str
+    node_id: str
+    rank: int
+    offering: Offering
+    zone: str | None
+    spot: bool = False
+    bootstrap: str = ""
+    labels: dict = dataclasses.field(default_factory=dict)
+    image: str | None = None
+
+
+def retry_throttled(is_throttle: Callable[[BaseException], bool], attempts: int = 8, max_wait_s: float = 20.0):
+    """A tenacity decorator retrying calls that raise throttling errors (``is_throttle``).
+
+    Waits are random-exponential (0.25 s x 2^n, at most ``max_wait_s``), as AWS's and Google's
+    retry guidance recommend; after ``attempts`` tries the last error is re-raised.
+    """
+    import tenacity
+
+    return tenacity.retry(
+        retry=tenacity.retry_if_exception(is_throttle),
+        wait=tenacity.wait_random_exponential(multiplier=0.25, max=max_wait_s),
+        stop=tenacity.stop_after_attempt(attempts),
+        reraise=True,
+    )
+
+
+class CloudProvider:
+    """Base class of the cloud providers. See the module docstring for what a subclass implements.
+
+    Args:
+        channel: how ``launch`` and the ``read_*`` calls reach a node (the job's storage, see
+            :mod:`sftctl.storage`); None for a provider used only to create and delete nodes.
+        poll_s: seconds between ``describe`` calls while waiting for a node to run.
+        ready_timeout_s: how long a node may take to run before provisioning gives up on it.
+    """
+
+    name = "cloud"
+
+    def __init__(self, channel=None, poll_s: float = 2.0, ready_timeout_s: float = READY_TIMEOUT_S):
+        self.channel = channel
+        self.poll_s = poll_s
+        self.ready_timeout_s = ready_timeout_s
+        self.blocked_zones: set[tuple[str, str]] = set()  # (instance_type, zone)
+
+    # ------------------------------------------------------------ implemented per cloud
+
+    def check(self) -> None:
+        raise NotImplementedError
+
+    def offerings(self, accelerator: str, count: int) -> list[Offering]:
+        raise NotImplementedError
+
+    def zones(self, region: str) -> list[str | None]:
+        raise NotImplementedError
+
+    def create_instance(self, request: InstanceRequest) -> dict:
+        raise NotImplementedError
+
+    def describe(self, handle: dict) -> InstanceState:
+        raise NotImplementedError
+
+    def delete_instance(self, handle: dict) -> None:
+        raise NotImplementedError
+
+    def list_instances(self, job_id: str | None = None) -> list[dict]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ the Provider protocol
+
+    def provision(self, job_id: str, node_id: str, rank: int, offering: Offering, *,
+                  spot: bool = False, bootstrap: str = "", image: str | None = None) -> dict:
+        """Create one node in the first zone of ``offering.region`` with capacity; wait until it runs.
+
+        Raises:
+            CapacityError: no zone of the region had capacity (scope ``offering``), or the cloud
+                reported a region- or cloud-wide quota.
+            ProviderError: the node did not reach RUNNING within ``ready_timeout_s`` (it is
+                deleted first), or the cloud rejected the request.
+        """
+        zones = self.zones(offering.region)
+        tried: list[str] = []
+        last: CapacityError | None = None
+        for zone in zones:
+            if (offering.instance_type, zone) in self.blocked_zones:
+                continue
+            request = InstanceRequest(job_id, node_id, rank, offering, zone, spot, bootstrap,
+                                      labels(job_id, node_id), image)
+            try:
+                handle = self.create_instance(request)
+            except CapacityError as e:
+                if e.scope != "zone":
+                    raise
+                self.blocked_zones.add((offering.instance_type, zone))
+                tried.append(f"{zone} ({e.code or 'no capacity'})")
+                last = e
+                continue
+            handle = {**handle, "job_id": job_id, "node_id": node_id, "rank": rank}
+            return self.wait_ready(handle)
+        where = ", ".join(tried) or "every zone was already blocked for this job"
+        raise CapacityError(
+            f"{self.name}: no capacity for {offering.instance_type} in {offering.region}: {where}",
+            provider=self.name, scope="offering", region=offering.region,
+            instance_type=offering.instance_type, code=last.code if last else "",
+        )
+
+    def wait_ready(self, handle: dict) -> dict:
+        """Poll ``describe`` until RUNNING; delete the node and raise if it dies or times out."""
+        end = time.monotonic() + self.ready_timeout_s
+        while True:
+            state = self.describe(handle)
+            if state == InstanceState.RUNNING:
+                return handle
+            if state in (InstanceState.STOPPING, InstanceState.GONE) or time.monotonic() > end:
+                self.delete_instance(handle)
+                why = "stopped while starting" if state != InstanceState.PENDING else (
+                    f"was not running after {self.ready_timeout_s:.0f} s")
+                raise ProviderError(f"{self.name}: node {handle.get('node_id')} {why}",
+                                    hint="sftctl deleted it; rerun, or pick another offering")
+            time.sleep(self.poll_s)
+
+    def launch(self, handle: dict, script: str, env: dict[str, str], attempt: int) -> dict:
+        """Hand the node its attempt's script through the job's storage."""
+        self._need_channel()
+        self.channel.send_launch(handle["node_id"], attempt, script, env)
+        return {**handle, "attempt": attempt}
+
+    def status(self, handle: dict) -> NodeStatus:
+        """The node's instance state, refined by the attempt's exit code from the job's storage."""
+        if handle.get("terminated"):
+            return NodeStatus(NodeState.TERMINATED)
+        state = self.describe(handle)
+        if state in (InstanceState.GONE, InstanceState.STOPPING):
+            return NodeStatus(NodeState.LOST, None, f"{self.name} instance {handle.get('id')} is {state.value.lower()}")
+        if "attempt" not in handle or self.channel is None:
+            return NodeStatus(NodeState.READY if state == InstanceState.RUNNING else NodeState.LOST)
+        code = self.channel.exit_code(handle["node_id"], handle["attempt"])
+        if code is not None:
+            return NodeStatus(NodeState.SUCCEEDED if code == 0 else NodeState.FAILED, code, f"exit code {code}")
+        return NodeStatus(NodeState.RUNNING)
+
+    def read_log(self, handle: dict, offset: int) -> tuple[bytes, int]:
+        if self.channel is None:
+            return b"", offset
+        return self.channel.read_log(handle["node_id"], offset)
+
+    def read_metrics(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
+        return [] if self.channel is None else self.channel.read_metrics(handle["node_id"], offsets)
+
+    def read_health(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
+        return [] if self.channel is None else self.channel.read_health(handle["node_id"], offsets)
+
+    def terminate(self, handle: dict) -> None:
+        if handle.get("id"):
+            self.delete_instance(handle)
+
+    def terminate_tagged(self, job_id: str) -> int:
+        """Delete every live resource labelled with ``job_id``; return how many there were."""
+        found = self.list_instances(job_id)
+        for handle in found:
+            self.delete_instance(handle)
+        return len(found)
+
+    def _need_channel(self) -> None:
+        if self.channel is None:
+            raise ProviderError(
+                f"{self.name} nodes need the job's storage to receive their script",
+                hint="set storage: s3://BUCKET/PREFIX or gs://BUCKET/PREFIX in the job spec",
+            )
