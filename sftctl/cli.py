@@ -94,6 +94,12 @@ def run(
 
     spec = load_spec(spec_path, set_)
     chosen = _plan_with_progress(spec, strict=False, stderr=True)
+    if chosen.offering.provider != "local" and spec.storage is None:
+        raise SftctlError(
+            f"{spec_path}: storage: required for {chosen.offering.provider} nodes (they keep code, checkpoints "
+            "and logs in the job's storage)",
+            hint="add storage: s3://BUCKET/PREFIX (aws), gs://BUCKET/PREFIX (gcp) or pvc://CLAIM/PREFIX (kubernetes)",
+        )
     store = _store()
     job_id = store.create_job(spec.name, spec.model_dump(mode="json"), spec_path=str(spec_path.resolve()))
     store.update_job(job_id, provider=chosen.offering.provider, offering_json=chosen.to_dict())
@@ -357,9 +363,56 @@ def _node_status(job: dict, node: dict) -> str:
     """The node's recorded status, or, when its controller is gone, what the provider sees now."""
     if job["status"] != "FAILED_CONTROLLER" or node["status"] == "TERMINATED" or not node["handle"]:
         return node["status"]
-    from sftctl.providers import get_provider
+    from sftctl.controller import job_provider
 
-    return get_provider(node["provider"]).status(node["handle"]).state.value
+    return job_provider(job, node["provider"]).status(node["handle"]).state.value
+
+
+@app.command()
+def check(
+    clouds: list[str] = typer.Argument(None, metavar="[CLOUD]...", help="aws, gcp, kubernetes, local (default: all)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+) -> None:
+    """Say per cloud whether its credentials work here, and if not, why and what to set.
+
+    Exit code 0 when at least one cloud (besides local) works or only local was asked, else 4.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sftctl.providers import PROVIDERS, configured, get_provider
+
+    names = clouds or list(PROVIDERS)
+    for n in names:
+        if n not in PROVIDERS:
+            raise SftctlError(f"unknown cloud {n!r}", hint=f"clouds: {', '.join(PROVIDERS)}")
+
+    def one(name: str) -> dict:
+        why = configured(name)
+        if why is not None:
+            return {"cloud": name, "ok": False, "reason": why, "hint": None}
+        try:
+            get_provider(name).check()
+            return {"cloud": name, "ok": True, "reason": None, "hint": None}
+        except SftctlError as e:
+            return {"cloud": name, "ok": False, "reason": e.message, "hint": e.hint}
+
+    with ThreadPoolExecutor(max_workers=len(names)) as pool:
+        rows = list(pool.map(one, names))
+    if as_json:
+        _print_json({"clouds": rows})
+    else:
+        from rich.table import Table
+
+        table = Table(box=None, pad_edge=False)
+        for col in ("CLOUD", "OK", "DETAIL"):
+            table.add_column(col)
+        for r in rows:
+            detail = "credentials work" if r["ok"] else r["reason"] + (f" (hint: {r['hint']})" if r["hint"] else "")
+            table.add_row(r["cloud"], "[green]yes[/]" if r["ok"] else "[red]no[/]", _escape(detail))
+        _console().print(table)
+    clouds_ok = [r for r in rows if r["ok"] and r["cloud"] != "local"]
+    if not clouds_ok and any(r["cloud"] != "local" for r in rows):
+        raise typer.Exit(int(ExitCode.PROVIDER))
 
 
 @app.command()
@@ -429,13 +482,13 @@ def logs(
     node: Optional[int] = typer.Option(None, "--node", "-n", help="Only this node rank."),
 ) -> None:
     """Print a job's node logs (each line prefixed with its node when there are several)."""
-    from sftctl.providers import get_provider
+    from sftctl.controller import job_provider
     from sftctl.providers.base import NodeState
     from sftctl.state import JobStatus
 
     store = _store()
     job = _get_job(store, job_id)
-    provider = get_provider(job["provider"] or "local")
+    provider = job_provider(job)
     offsets: dict[str, int] = {}
     partial: dict[str, str] = {}
     while True:
@@ -444,7 +497,7 @@ def logs(
             raise SftctlError(f"job {job['id']} has no node {node}", hint="node ranks start at 0")
         got = False
         for n in nodes:
-            data, offsets[n["id"]] = provider.read_log(n["handle"], offsets.get(n["id"], 0)) if n["handle"].get("dir") else (b"", 0)
+            data, offsets[n["id"]] = provider.read_log(n["handle"], offsets.get(n["id"], 0)) if n["handle"].get("node_id") else (b"", 0)
             if not data:
                 continue
             got = True
@@ -457,7 +510,8 @@ def logs(
             break
         ended = JobStatus(store.get_job(job["id"])["status"]).terminal
         if ended and not got and not any(
-            provider.status(n["handle"]).state == NodeState.RUNNING for n in nodes if n["handle"].get("pid")
+            provider.status(n["handle"]).state == NodeState.RUNNING for n in nodes
+            if n["handle"].get("pid") or n["handle"].get("attempt")
         ):
             break  # the job ended and no node process writes any more (a dead controller's may)
         time.sleep(0.5)
@@ -473,14 +527,27 @@ def logs(
 def down(
     job_id: Optional[str] = typer.Argument(None, metavar="[JOB]"),
     all_: bool = typer.Option(False, "--all", help="Every job that is not finished, and their nodes."),
+    orphans: bool = typer.Option(False, "--orphans", help="Resources on any configured cloud whose job is gone or ended."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
     """Cancel a job and remove its nodes (also after its controller died)."""
     from sftctl.controller import down as down_job
     from sftctl.state import TERMINAL
 
+    if orphans:
+        if job_id or all_:
+            raise SftctlError("--orphans takes no JOB and no --all", hint="sftctl down --orphans")
+        from sftctl.controller import down_orphans
+
+        swept = down_orphans(_store())
+        if as_json:
+            _print_json({"orphans": swept})
+        else:
+            for line in swept or ["no orphaned resources"]:
+                print(line)
+        return
     if bool(job_id) == all_:
-        raise SftctlError("give one JOB or --all", hint="sftctl down JOB, or sftctl down --all")
+        raise SftctlError("give one JOB or --all", hint="sftctl down JOB, or sftctl down --all, or sftctl down --orphans")
     store = _store()
     if all_:
         store.reap_dead_controllers()

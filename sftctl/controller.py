@@ -27,11 +27,11 @@ from typing import Protocol
 
 from sftctl import procs
 from sftctl.catalog import Offering
-from sftctl.errors import SftctlError
+from sftctl.errors import CapacityError, SftctlError
 from sftctl.health.telemetry import REPLACE, RESTART
 from sftctl.paths import job_dir
 from sftctl.providers import get_provider
-from sftctl.providers.base import NodeState
+from sftctl.providers.base import NodeState, provision_all
 from sftctl.spec import JobSpec
 from sftctl.state import JobStatus, Store
 
@@ -102,8 +102,10 @@ class Controller:
             raise KeyError(job_id)
         self.created_at = job["created_at"]
         self.spec = JobSpec.model_validate(job["spec"])
-        self.offering = Offering(**job["offering"]["offering"])
-        self.provider = get_provider(self.offering.provider)
+        self.plan_doc = job["offering"]
+        self.offering = Offering(**self.plan_doc["offering"])
+        self.provider = job_provider(job, self.offering.provider)
+        self.blocked: list[CapacityError] = []  # capacity errors seen by this job: failover skips them
         self.nodes: list[dict] = []  # {"id", "rank", "handle", "generation" (replacements of this rank)}
         # read offsets survive restarts: every attempt appends to the same node log and metrics
         self.log_offsets: dict[str, int] = {}
@@ -181,15 +183,79 @@ class Controller:
     # ---------------------------------------------------------------- steps
 
     def _provision(self) -> None:
+        """Provision every node on the chosen offering; fail over down the plan on no capacity.
+
+        A :class:`CapacityError` blocks its zone, offering, region or cloud for this job (see
+        ``CapacityError.scope``); the next feasible candidate of the plan that no block rules out
+        is tried, until one has capacity or none is left (the job fails with every reason).
+        """
+        while True:
+            try:
+                self._provision_on(self.offering)
+                break
+            except CapacityError as e:
+                self.blocked.append(e)
+                nxt = self._next_offering()
+                where = {"zone": f"zone {e.zone}", "offering": f"{e.instance_type} in {e.region}",
+                         "region": f"{e.provider} region {e.region}", "cloud": f"all of {e.provider}"}[e.scope]
+                message = f"{e.message}; {where} blocked for this job"
+                if nxt is None:
+                    self.store.add_event(self.job_id, "capacity", message)
+                    reasons = "; ".join(b.message for b in self.blocked)
+                    raise SftctlError(f"no offering of the plan had capacity: {reasons}",
+                                      hint="widen resources (accelerators, clouds, regions) or retry later") from None
+                message += f"; trying {nxt.provider} {nxt.instance_type} in {nxt.region}"
+                self.store.add_event(self.job_id, "capacity", message)
+                self.reporter.event(message)
+                self.offering = nxt
+                self.provider = job_provider(self.store.get_job(self.job_id), nxt.provider)
+                self.plan_doc = {**self.plan_doc, "offering": nxt.to_dict()}
+                self.store.update_job(self.job_id, provider=nxt.provider, offering_json=self.plan_doc)
+        self.store.add_event(self.job_id, "provision", f"{len(self.nodes)} node(s) ready on {self.provider.name}")
+        self.reporter.event(f"{len(self.nodes)} node(s) ready on {self.provider.name}")
+
+    def _provision_on(self, offering: Offering) -> None:
+        """Record the nodes, then create them all in parallel; all or nothing."""
+        self.nodes = []
         for rank in range(self.spec.resources.nodes):
             node_id = self.store.add_node(self.job_id, rank, self.provider.name)
             self.nodes.append({"id": node_id, "rank": rank, "handle": {}, "generation": 0})
             self.log_offsets[node_id], self.metric_offsets[node_id], self.health_offsets[node_id] = 0, {}, {}
-            handle = self.provider.provision(self.job_id, node_id, rank, self.offering)
-            self.nodes[-1]["handle"] = handle
-            self.store.update_node(node_id, status=NodeState.READY.value, handle=handle)
-        self.store.add_event(self.job_id, "provision", f"{len(self.nodes)} node(s) ready on {self.provider.name}")
-        self.reporter.event(f"{len(self.nodes)} node(s) ready on {self.provider.name}")
+        try:
+            handles = provision_all(self.provider, self.job_id, [(n["id"], n["rank"]) for n in self.nodes],
+                                    offering, bootstrap_for=self._bootstrap, **self._provision_options())
+        except BaseException:
+            for n in self.nodes:  # provision_all removed what came up; the records say so
+                self.store.update_node(n["id"], status=NodeState.TERMINATED.value, handle={"terminated": True})
+            self.nodes = []
+            raise
+        for node, handle in zip(self.nodes, handles):
+            node["handle"] = handle
+            self.store.update_node(node["id"], status=NodeState.READY.value, handle=handle)
+
+    def _provision_options(self) -> dict:
+        return {"spot": self.spec.resources.spot, "image": self.spec.resources.image}
+
+    def _bootstrap(self, node_id: str, rank: int) -> str:
+        """The first-boot script of a cloud node: install sftctl, run the node daemon."""
+        if self.provider.name == "local":
+            return ""
+        from sftctl.templates import render
+
+        return render("bootstrap.sh.j2", job_id=self.job_id, node_id=node_id, rank=rank,
+                      storage_url=job_storage_url(self.spec, self.job_id) or "",
+                      install=os.environ.get("SFTCTL_NODE_INSTALL", _default_install()))
+
+    def _next_offering(self) -> Offering | None:
+        """The best feasible candidate of the plan after the current one that no block rules out."""
+        for c in self.plan_doc.get("candidates", []):
+            if c.get("rejected") or "offering" not in c:
+                continue
+            o = Offering(**c["offering"])
+            if o == self.offering or any(b.blocks(o.provider, o.region, o.instance_type) for b in self.blocked):
+                continue
+            return o
+        return None
 
     def node_env(self, rank: int, attempt: int, master_port: int) -> dict[str, str]:
         """The environment every node gets: the spec's ``env`` and sftctl's own variables.
@@ -301,7 +367,8 @@ class Controller:
         new = {"id": node_id, "rank": rank, "handle": {}, "generation": old.get("generation", 0) + 1}
         self.nodes[i] = new
         self.log_offsets[node_id], self.metric_offsets[node_id], self.health_offsets[node_id] = 0, {}, {}
-        new["handle"] = self.provider.provision(self.job_id, node_id, rank, self.offering)
+        new["handle"] = self.provider.provision(self.job_id, node_id, rank, self.offering,
+                                                bootstrap=self._bootstrap(node_id, rank), **self._provision_options())
         self.store.update_node(node_id, status=NodeState.READY.value, handle=new["handle"])
         if self.monitor is not None:
             self.monitor.reset_node(rank)
@@ -380,7 +447,7 @@ def down(store: Store, job_id: str) -> str:
         if procs.alive(pid, ticks):
             procs.kill_all([pid], grace_s=0)
     cancelled = store.transition(job_id, JobStatus.CANCELLED, "cancelled by sftctl down", strict=False)
-    provider = get_provider(job["provider"] or "local")
+    provider = job_provider(job)
     running = released = 0
     for node in store.nodes(job_id):
         if node["status"] not in (NodeState.TERMINATED.value, REPLACED):
@@ -412,6 +479,63 @@ def down(store: Store, job_id: str) -> str:
     summary = ", ".join(parts)
     store.add_event(job_id, "down", summary)
     return summary
+
+
+def job_storage_url(spec: JobSpec, job_id: str) -> str | None:
+    """Where this job keeps its code, checkpoints, logs and telemetry: ``<storage.url>/<job id>``."""
+    if spec.storage is None:
+        return None
+    return f"{spec.storage.url.rstrip('/')}/{job_id}"
+
+
+def job_provider(job: dict, name: str | None = None):
+    """The provider of ``job`` (``name`` overrides the recorded one), wired to the job's storage."""
+    name = name or job["provider"] or "local"
+    spec = JobSpec.model_validate(job["spec"])
+    url = job_storage_url(spec, job["id"])
+    if url is None:
+        return get_provider(name)
+    from sftctl.storage import open_storage
+    from sftctl.storage.channel import StorageChannel
+
+    return get_provider(name, channel=StorageChannel(open_storage(url)))
+
+
+def _default_install() -> str:
+    from sftctl import __version__
+
+    return f"sftctl[aws,gcp]=={__version__}"
+
+
+def down_orphans(store: Store) -> list[str]:
+    """Delete every labelled resource, on every configured provider, whose job is gone or ended.
+
+    A job is gone when this machine's state does not know it; ended when its status is terminal.
+    Returns one summary line per job swept.
+    """
+    from sftctl.providers import PROVIDERS, configured
+
+    out = []
+    for name in PROVIDERS:
+        if configured(name) is not None:
+            continue
+        try:
+            provider = get_provider(name)
+            found = provider.list_instances(None)
+        except SftctlError as e:
+            out.append(f"{name}: skipped ({e.message})")
+            continue
+        by_job: dict[str, list[dict]] = {}
+        for r in found:
+            by_job.setdefault(r.get("job_id") or "?", []).append(r)
+        for job_id, resources in sorted(by_job.items()):
+            job = store.get_job(job_id)
+            if job is not None and not JobStatus(job["status"]).terminal:
+                continue
+            n = provider.terminate_tagged(job_id)
+            why = "unknown job" if job is None else job["status"].lower()
+            out.append(f"{name}: {job_id} ({why}): removed {n} resource(s)")
+    return out
 
 
 def _install_sigterm():

@@ -48,6 +48,7 @@ class Candidate:
             "usd_per_hour": self.usd_per_hour, "step_time_s": self.step_time_s,
             "peak_memory_bytes": self.peak_memory_bytes, "devices_needed": self.devices_needed,
             "total_usd": self.total_usd, "hours": self.hours, "rejected": self.rejected,
+            "offering": o.to_dict(),
         }
 
 

@@ -40,9 +40,14 @@ def alive(pid: int | None, ticks: int | None = None) -> bool:
 
 def tagged(key: str, value: str) -> list[int]:
     """Pids of this user's processes whose environment has ``key=value``."""
-    needle = f"{key}={value}".encode()
+    return [pid for pid, v in tag_values(key).items() if v == value]
+
+
+def tag_values(key: str) -> dict[int, str]:
+    """Every readable process (but this one) whose environment has ``key``, mapped to its value."""
+    prefix = f"{key}=".encode()
     me = os.getpid()
-    out = []
+    out = {}
     for entry in _PROC.iterdir():
         if not entry.name.isdigit() or int(entry.name) == me:
             continue
@@ -50,8 +55,10 @@ def tagged(key: str, value: str) -> list[int]:
             env = (entry / "environ").read_bytes()
         except OSError:
             continue
-        if needle in env.split(b"\0"):
-            out.append(int(entry.name))
+        for item in env.split(b"\0"):
+            if item.startswith(prefix):
+                out[int(entry.name)] = item[len(prefix):].decode("utf-8", "replace")
+                break
     return out
 
 

@@ -87,6 +87,10 @@ class TrainSpec(_Strict):
     steps: StrictPositiveInt = 100
     checkpoint_dir: str | None = Field(None, description="default: <job dir>/checkpoints")
     checkpoint_interval: StrictPositiveInt = Field(50, description="steps between checkpoints")
+    keep_checkpoints: StrictPositiveInt = Field(3, description="complete checkpoints kept in the job's storage")
+    compile: Literal["none", "default", "sftensor"] = Field(
+        "none", description="torch.compile backend for the training script (SFTCTL_COMPILE): none = eager"
+    )
 
 
 class Accelerator(_Strict):
@@ -111,6 +115,7 @@ class ResourcesSpec(_Strict):
     regions: list[str] | None = None
     max_price_per_hour: PositiveFloat | None = Field(None, description="USD/h, all nodes together")
     deadline: str | None = Field(None, description="a duration: 90m, 6h, 2d")
+    image: str | None = Field(None, description="node image: an AMI id, a GCE image, a container image")
     objective: Literal["cost", "time"] = Field(
         "cost", description="cost: cheapest within deadline and price; time: fastest within price"
     )
@@ -164,6 +169,29 @@ class HealthSpec(_Strict):
         return Thresholds(**self.model_dump(exclude={"enabled", "interval_s"}))
 
 
+class StorageSpec(_Strict):
+    """The job's storage: code, checkpoints, logs and GPU telemetry that outlive every node.
+
+    ``url``: ``s3://BUCKET/PREFIX``, ``gs://BUCKET/PREFIX``, ``pvc://CLAIM/PREFIX`` (a Kubernetes
+    PersistentVolumeClaim) or a local directory. The job writes under ``<url>/<job id>/``.
+    """
+
+    url: str = Field(min_length=1)
+    create_bucket: StrictBool = Field(False, description="create the bucket if it does not exist")
+    max_workdir_mb: PositiveFloat = Field(100.0, description="refuse to upload a bigger packed workdir")
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, v: str) -> str:
+        scheme = v.split("://", 1)[0] if "://" in v else ""
+        if scheme not in ("", "s3", "gs", "pvc", "file"):
+            raise ValueError(f"unsupported storage {v!r}: use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, "
+                             "pvc://CLAIM/PREFIX or a directory")
+        if scheme in ("s3", "gs", "pvc") and not v.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError(f"storage {v!r} names no bucket: use {scheme}://BUCKET/PREFIX")
+        return v
+
+
 class JobSpec(_Strict):
     """A whole job. ``workdir`` is absolute after :func:`load_spec`."""
 
@@ -173,10 +201,29 @@ class JobSpec(_Strict):
     train: TrainSpec = Field(default_factory=TrainSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     env: dict[str, str] = Field(default_factory=dict)
+    secrets: list[str] = Field(
+        default_factory=list,
+        description="names of environment variables passed from your shell to the nodes; their values "
+        "are never written to the spec, state, storage, logs or templates",
+    )
+    storage: StorageSpec | None = None
     setup: str | None = None
     run: str = Field(min_length=1)
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     health: HealthSpec = Field(default_factory=HealthSpec)
+
+    @field_validator("storage", mode="before")
+    @classmethod
+    def _storage_string(cls, v: Any) -> Any:
+        return {"url": v} if isinstance(v, str) else v
+
+    @field_validator("secrets")
+    @classmethod
+    def _secret_names(cls, v: list[str]) -> list[str]:
+        for key in v:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise ValueError(f"{key!r} is not a valid environment variable name")
+        return v
 
     @field_validator("env", mode="before")
     @classmethod

@@ -1,40 +1,97 @@
 """Providers turn offerings into nodes. See :mod:`sftctl.providers.base` for the protocol.
 
-Cloud SDKs are imported inside their provider module only; importing this package is cheap.
+Cloud SDKs are imported inside their provider module only; importing this package is cheap, and
+so is :func:`usable_providers` (it looks for credentials where the SDKs look, without a network
+call; ``sftctl check`` makes the real calls).
 """
 
 from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from pathlib import Path
 
 from sftctl.providers.base import Provider
 
 PROVIDERS = ("local", "aws", "gcp", "kubernetes")
 
+_CLASSES = {
+    "local": ("sftctl.providers.local", "LocalProvider"),
+    "aws": ("sftctl.providers.aws", "AWSProvider"),
+    "gcp": ("sftctl.providers.gcp", "GCPProvider"),
+    "kubernetes": ("sftctl.providers.kubernetes", "KubernetesProvider"),
+}
 
-def get_provider(name: str) -> Provider:
-    """The provider called ``name``.
+_SDKS = {"aws": "boto3", "gcp": "google.cloud.compute_v1", "kubernetes": "kubernetes"}
+_EXTRAS = {"aws": "aws", "gcp": "gcp", "kubernetes": "kubernetes"}
+
+
+def get_provider(name: str, **kwargs) -> Provider:
+    """The provider called ``name``; ``kwargs`` go to its constructor (e.g. ``channel``).
 
     Raises:
-        ProviderError: the provider is not available in this build (exit code 4).
+        ProviderError: unknown provider, or its SDK is not installed (exit code 4).
     """
-    if name == "local":
-        from sftctl.providers.local import LocalProvider
-
-        return LocalProvider()
     from sftctl.errors import ProviderError
 
-    raise ProviderError(
-        f"provider {name!r} is not available in this version of sftctl",
-        hint="use resources.clouds: [local], or wait for the cloud providers to land",
-    )
+    if name not in _CLASSES:
+        raise ProviderError(f"unknown provider {name!r}", hint=f"providers: {', '.join(PROVIDERS)}")
+    module, cls = _CLASSES[name]
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if name in _SDKS and e.name and _SDKS[name].startswith(e.name.split(".")[0]):
+            raise ProviderError(
+                f"{name}: its SDK is not installed ({e.name})",
+                hint=f"pip install 'sftctl[{_EXTRAS[name]}]'",
+            ) from None
+        raise
+    return getattr(mod, cls)(**kwargs)
+
+
+def configured(name: str, environ: dict | None = None) -> str | None:
+    """None when ``name`` has credentials where its SDK looks for them, else why not (one line).
+
+    No network call and no SDK import: this is what ``sftctl plan`` and ``run`` use to rule a
+    cloud out quickly. Sources: boto3's credential chain (env, shared files, web identity,
+    container credentials), Google's Application Default Credentials, kubeconfig / in-cluster.
+    """
+    env = os.environ if environ is None else environ
+    home = Path(env.get("HOME", str(Path.home())))
+    if name == "local":
+        return None
+    if name == "aws":
+        if (env.get("AWS_ACCESS_KEY_ID") or env.get("AWS_PROFILE") or env.get("AWS_WEB_IDENTITY_TOKEN_FILE")
+                or env.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI") or env.get("AWS_CONTAINER_CREDENTIALS_FULL_URI")
+                or Path(env.get("AWS_SHARED_CREDENTIALS_FILE", home / ".aws" / "credentials")).is_file()
+                or Path(env.get("AWS_CONFIG_FILE", home / ".aws" / "config")).is_file()):
+            return None
+        return "aws: no credentials (set AWS_PROFILE or AWS_ACCESS_KEY_ID, or run aws configure)"
+    if name == "gcp":
+        adc = Path(env.get("CLOUDSDK_CONFIG", home / ".config" / "gcloud")) / "application_default_credentials.json"
+        if env.get("GOOGLE_APPLICATION_CREDENTIALS") or env.get("SFTCTL_GCE_ENDPOINT") or adc.is_file():
+            return None
+        return "gcp: no credentials (run gcloud auth application-default login, or set GOOGLE_APPLICATION_CREDENTIALS)"
+    if name == "kubernetes":
+        paths = env.get("KUBECONFIG", str(home / ".kube" / "config")).split(os.pathsep)
+        if env.get("KUBERNETES_SERVICE_HOST") or any(p and Path(p).is_file() for p in paths):
+            return None
+        return "kubernetes: no kubeconfig (set KUBECONFIG or create ~/.kube/config)"
+    return f"unknown provider {name!r}"
 
 
 def usable_providers() -> dict[str, str | None]:
-    """Each provider name mapped to None if usable here, else the reason it is not."""
+    """Each provider name mapped to None if it looks usable here, else the reason it is not."""
     out: dict[str, str | None] = {}
     for name in PROVIDERS:
-        try:
-            get_provider(name).check()
-            out[name] = None
-        except Exception as e:  # a provider that cannot be used is a reason, not a crash
-            out[name] = getattr(e, "message", str(e))
+        why = configured(name)
+        if why is None and name in _SDKS and importlib.util.find_spec(_SDKS[name].split(".")[0]) is None:
+            why = f"{name}: its SDK is not installed (pip install 'sftctl[{_EXTRAS[name]}]')"
+        if name == "local":
+            try:
+                get_provider("local").check()
+            except Exception as e:  # a provider that cannot be used is a reason, not a crash
+                why = getattr(e, "message", str(e))
+        out[name] = why
     return out

@@ -101,9 +101,11 @@ MAX_PARALLEL_PROVISION = 16
 
 
 def provision_all(provider: Provider, job_id: str, nodes: list[tuple[str, int]], offering: Offering,
-                  max_parallel: int = MAX_PARALLEL_PROVISION, on_ready=None, **kwargs) -> list[dict]:
+                  max_parallel: int = MAX_PARALLEL_PROVISION, on_ready=None, bootstrap_for=None,
+                  **kwargs) -> list[dict]:
     """Provision ``nodes`` (``(node_id, rank)`` pairs) in parallel, at most ``max_parallel`` at once.
 
+    ``bootstrap_for(node_id, rank)``, when given, renders each node's own ``bootstrap`` script.
     ``on_ready(node_id, handle)`` is called (from a worker thread) as each node becomes ready, so
     the caller can record handles before the others finish. ``kwargs`` go to ``provision``.
     All or nothing: when any node fails, the nodes that did come up are terminated, and the
@@ -118,7 +120,10 @@ def provision_all(provider: Provider, job_id: str, nodes: list[tuple[str, int]],
     from sftctl.errors import CapacityError
 
     def one(node: tuple[str, int]) -> dict:
-        handle = provider.provision(job_id, node[0], node[1], offering, **kwargs)
+        kw = dict(kwargs)
+        if bootstrap_for is not None:
+            kw["bootstrap"] = bootstrap_for(node[0], node[1])
+        handle = provider.provision(job_id, node[0], node[1], offering, **kw)
         if on_ready is not None:
             on_ready(node[0], handle)
         return handle

@@ -125,6 +125,18 @@ class LocalProvider:
             pids = sorted(set(pids) | {handle["pid"]})
         procs.kill_all(pids)
 
+    def list_instances(self, job_id: str | None = None) -> list[dict]:
+        """One entry per live node process group tagged ``SFTCTL_JOB_ID`` (of ``job_id``)."""
+        jobs = procs.tag_values("SFTCTL_JOB_ID")
+        nodes = procs.tag_values("SFTCTL_NODE_ID")
+        out: dict[tuple, dict] = {}
+        for pid, job in jobs.items():
+            if job_id is None or job == job_id:
+                key = (job, nodes.get(pid))
+                out.setdefault(key, {"id": str(pid), "job_id": job, "node_id": nodes.get(pid), "pids": []})
+                out[key]["pids"].append(pid)
+        return list(out.values())
+
     def terminate_tagged(self, job_id: str) -> int:
         pids = procs.tagged("SFTCTL_JOB_ID", job_id)
         procs.kill_all(pids)
