@@ -136,7 +136,8 @@ def run(
     console.print(f"[bold]{job_id}[/]: {chosen.reason}")
     started = time.monotonic()
     with RunView(console, spec.train.steps, show_logs=not quiet_logs) as view:
-        status = Controller(store, job_id, view).run()
+        controller = Controller(store, job_id, view)
+        status = controller.run()
     wall_s = time.monotonic() - started
     job = _job_doc(store, store.get_job(job_id), detail=True)
     if as_json:
@@ -150,6 +151,8 @@ def run(
         if job["failure_reason"] and status != JobStatus.SUCCEEDED:
             console.print(f"[red]reason:[/] {job['failure_reason']}")
     code = {JobStatus.SUCCEEDED: ExitCode.OK, JobStatus.CANCELLED: ExitCode.INTERRUPTED}.get(status, ExitCode.JOB_FAILED)
+    if code == ExitCode.JOB_FAILED and controller.error is not None:
+        code = controller.error.exit_code  # no capacity anywhere: 3; credentials or cloud API: 4
     raise typer.Exit(int(code))
 
 

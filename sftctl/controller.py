@@ -27,7 +27,7 @@ from typing import Protocol
 
 from sftctl import procs
 from sftctl.catalog import Offering
-from sftctl.errors import CapacityError, SftctlError
+from sftctl.errors import CapacityError, InfeasibleError, SftctlError
 from sftctl.health.telemetry import REPLACE, RESTART
 from sftctl.paths import job_dir
 from sftctl.providers import get_provider
@@ -119,6 +119,7 @@ class Controller:
         self.attempt = 0
         self._reported_attempt = 0  # the attempt whose first step report has been seen
         self.restarts = job["restarts"]
+        self.error: SftctlError | None = None  # what ended the job, when sftctl itself did (exit code)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -160,6 +161,7 @@ class Controller:
             self.store.end_open_attempts(self.job_id, "CANCELLED", why)
             self.reporter.event(f"cancelled: {why}")
         except SftctlError as e:
+            self.error = e
             self.store.transition(self.job_id, JobStatus.FAILED, e.message)
             self.reporter.event(f"failed: {e.message}")
         except BaseException as e:
@@ -202,7 +204,7 @@ class Controller:
                 if nxt is None:
                     self.store.add_event(self.job_id, "capacity", message)
                     reasons = "; ".join(b.message for b in self.blocked)
-                    raise SftctlError(f"no offering of the plan had capacity: {reasons}",
+                    raise InfeasibleError(f"no offering of the plan had capacity: {reasons}",
                                       hint="widen resources (accelerators, clouds, regions) or retry later") from None
                 message += f"; trying {nxt.provider} {nxt.instance_type} in {nxt.region}"
                 self.store.add_event(self.job_id, "capacity", message)

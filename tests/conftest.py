@@ -85,3 +85,12 @@ def aws(moto_endpoint, monkeypatch) -> str:
     for key, value in aws_env(moto_endpoint).items():
         monkeypatch.setenv(key, value)
     return moto_endpoint
+
+
+@pytest.fixture(scope="session")
+def gcs_endpoint():
+    """gcp-storage-emulator for the whole session (a real HTTP server on a free loopback port)."""
+    from servers import gcs_emulator_server
+
+    with gcs_emulator_server() as url:
+        yield url

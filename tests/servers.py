@@ -66,3 +66,21 @@ def aws_env(endpoint: str) -> dict[str, str]:
         "AWS_SESSION_TOKEN": "testing",
         "AWS_DEFAULT_REGION": "us-east-1",
     }
+
+
+@contextlib.contextmanager
+def gcs_emulator_server():
+    """gcp-storage-emulator (in memory) on a free loopback port; yields its endpoint URL.
+
+    google-cloud-storage reaches it through ``STORAGE_EMULATOR_HOST`` (see :func:`gcs_env`).
+    """
+    port = free_port()
+    argv = [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
+            "--port", str(port), "--in-memory", "--quiet"]
+    with server(argv, port) as url:
+        yield url
+
+
+def gcs_env(endpoint: str) -> dict[str, str]:
+    """Environment that points google-cloud-storage at the emulator at ``endpoint``."""
+    return {"STORAGE_EMULATOR_HOST": endpoint, "GOOGLE_CLOUD_PROJECT": "sftctl-test"}

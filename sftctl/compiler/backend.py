@@ -60,7 +60,8 @@ GEMM_TARGETS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
 _ACTIVATIONS = {aten.relu.default: "relu", aten.silu.default: "silu", aten.gelu.default: "gelu"}
 #: vector FLOPs per output element of each fused epilogue part (for the cost model's problem)
 _EPILOGUE_FLOPS = {"bias": 1.0, "relu": 1.0, "silu": 4.0, "gelu": 8.0, "residual": 1.0, "alpha": 1.0}
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+#: value-preserving nodes an epilogue is looked for behind
+_TRANSPARENT = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default)
 _TORCH_TO_IR = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -121,7 +122,7 @@ def sftensor_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
 
     Shapes: ``a`` ``[M, K]`` or ``[B, M, K]``, ``b`` ``[K, N]`` or ``[B, K, N]`` (any strides),
     ``bias`` ``[N]``, ``residual`` ``[M, N]`` / ``[B, M, N]``; dtypes bfloat16/float16/float32 (fp32
-    runs as TF32 on the GPU). Returns a new tensor in ``out_dtype`` (default ``a.dtype``).
+    runs as TF32 when ``torch.get_float32_matmul_precision()`` is not ``highest``, else IEEE). Returns a new tensor in ``out_dtype`` (default ``a.dtype``).
 
     Launches the generated Triton kernel with ``config`` (a :data:`~sftctl.compiler.search.gemm.SPACE`
     point). When codegen is missing, or a launch raises (logged once per config), it computes
@@ -133,7 +134,8 @@ def sftensor_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
         if key not in _codegen_state.setdefault("bad", set()):
             try:
                 out = impl(a, b, bias=bias, activation=activation, residual=residual, alpha=alpha,
-                           out_dtype=out_dtype, config=dict(config or {}))
+                           out_dtype=out_dtype, config=dict(config or {}),
+                           allow_tf32=torch.get_float32_matmul_precision() != "highest")
                 STATS["triton"] += 1
                 return out
             except Exception as e:  # noqa: BLE001 - fall back, but say so once
@@ -218,8 +220,8 @@ class GemmSite:
     """One GEMM to rewrite and the ATen nodes it absorbs.
 
     ``start`` is the mm/addmm/bmm node, ``final`` the last absorbed node (whose users get the new
-    value), ``chain`` every absorbed node in graph order. ``view_shape`` is set when the residual
-    add was found behind a view: the launcher's ``[.., M, N]`` result is viewed to it.
+    value), ``chain`` every absorbed node in graph order. ``view_shape`` is set when the epilogue
+    was found behind views (and clones): the launcher's ``[.., M, N]`` result is viewed to it.
     """
 
     start: fx.Node
@@ -349,42 +351,54 @@ def _match_site(node: fx.Node, fuse_epilogues: bool, force: bool) -> GemmSite | 
     return site
 
 
+def _walk_transparent(cur: fx.Node) -> tuple[list[fx.Node], fx.Node | None]:
+    """Follow sole users through views and clones (value-preserving) from ``cur``: returns the
+    nodes passed and the first other sole user (None when a node has several readers)."""
+    passed: list[fx.Node] = []
+    user = _sole_user(cur)
+    while user is not None and user.target in _TRANSPARENT and len(passed) < 3:
+        if user.target is aten.clone.default and user.kwargs.get("memory_format") not in (None, torch.contiguous_format):
+            break
+        passed.append(user)
+        user = _sole_user(user)
+    return passed, user
+
+
 def _absorb_epilogue(site: GemmSite) -> None:
     cur = site.start
-    n_out = _val(cur).shape[-1]
+    out = _val(cur)
+    n_out = out.shape[-1]
     # bias: mm's value plus a length-N vector
     user = _sole_user(cur)
     if user is not None and site.bias is None and site.residual is None:
         other = _other_operand(user, cur)
         v = _val(other)
-        if (isinstance(v, torch.Tensor) and v.dtype == _val(cur).dtype and _concrete(v.shape) == (n_out,)
-                and _val(user).shape == _val(cur).shape):
+        if (isinstance(v, torch.Tensor) and v.dtype == out.dtype and _concrete(v.shape) == (n_out,)
+                and _val(user).shape == out.shape):
             site.bias, cur = other, user
             site.chain.append(user)
-            user = _sole_user(cur)
-    # activation
-    if user is not None and user.target in _ACTIVATIONS and site.residual is None:
-        ok = user.target is not aten.gelu.default or user.kwargs.get(
-            "approximate", user.args[1] if len(user.args) > 1 else "none") == "none"
-        if ok:
-            site.activation, cur = _ACTIVATIONS[user.target], user
-            site.chain.append(user)
-            user = _sole_user(cur)
-    # residual add, directly or behind one view
-    if user is None or site.residual is not None:
+    if site.residual is not None:  # addmm with an [M, N] "bias": nothing may follow the add
         site.final = cur
         return
-    view = None
-    if user.target in _VIEWS and _sole_user(user) is not None:
-        view, user = user, _sole_user(user)
-    other = _other_operand(user, view or cur)
-    if other is not None and _same_tensor_type(other, user) and _same_tensor_type(user, view or cur):
-        if view is not None:
-            site.chain.append(view)
-            site.view_shape = _concrete(_val(view).shape)
-        site.residual, cur = other, user
-        site.chain.append(user)
+    # activation, possibly behind views (elementwise ops commute with them)
+    passed, user = _walk_transparent(cur)
+    if user is not None and user.target in _ACTIVATIONS:
+        approximate = user.kwargs.get("approximate", user.args[1] if len(user.args) > 1 else "none")
+        if user.target is not aten.gelu.default or approximate == "none":
+            site.activation, cur = _ACTIVATIONS[user.target], user
+            site.chain += passed + [user]
+    # residual add of a tensor of the same shape and dtype, possibly behind views
+    passed, user = _walk_transparent(cur)
+    if user is not None:
+        before = passed[-1] if passed else cur
+        other = _other_operand(user, before)
+        if other is not None and _same_tensor_type(other, user) and _same_tensor_type(user, before):
+            site.residual, cur = other, user
+            site.chain += passed + [user]
     site.final = cur
+    final_shape = _concrete(_val(cur).shape)
+    if final_shape != _concrete(out.shape):
+        site.view_shape = final_shape
 
 
 # ------------------------------------------------------------------------------------------------
@@ -465,6 +479,7 @@ def rewrite_gemms(gm: fx.GraphModule, hw, *, coeffs=None, space: dict | None = N
     sites = find_gemm_sites(gm, fuse_epilogues=fuse_epilogues, force=force)
     chosen: dict[Any, tuple[dict | None, float]] = {}
     done = []
+    replaced: dict[fx.Node, fx.Node] = {}  # an absorbed site's final node -> its new value
     for site in sites:
         site.problem = gemm_problem(site)
         if site.problem not in chosen:
@@ -472,7 +487,9 @@ def rewrite_gemms(gm: fx.GraphModule, hw, *, coeffs=None, space: dict | None = N
         site.config, site.predicted_s = chosen[site.problem]
         if site.config is None:
             continue
-        _replace(gm.graph, site)
+        for field in ("a", "b", "bias", "residual"):  # operands that an earlier rewrite replaced
+            setattr(site, field, replaced.get(getattr(site, field), getattr(site, field)))
+        replaced[site.final] = _replace(gm.graph, site)
         done.append(site)
     if done:
         gm.graph.lint()
@@ -480,7 +497,7 @@ def rewrite_gemms(gm: fx.GraphModule, hw, *, coeffs=None, space: dict | None = N
     return done
 
 
-def _replace(graph: fx.Graph, site: GemmSite) -> None:
+def _replace(graph: fx.Graph, site: GemmSite) -> fx.Node:
     out_val = _val(site.start)
     final_val = _val(site.final)
     with graph.inserting_before(site.final):
@@ -506,6 +523,7 @@ def _replace(graph: fx.Graph, site: GemmSite) -> None:
     site.final.replace_all_uses_with(new)
     for n in reversed(site.chain):
         graph.erase_node(n)
+    return new
 
 
 # ------------------------------------------------------------------------------------------------

@@ -8,6 +8,21 @@ launcher and the meaning of every argument. The schedule (tile sizes, GROUP_M, s
 import triton
 import triton.language as tl
 
+# Only builtins of triton.language are used (no tl.cdiv, tl.zeros, tl.sigmoid, tl.sum ...): those
+# are themselves @triton.jit functions, decorated in whatever mode triton was *imported* in, which
+# would tie these kernels to that mode. The helpers below are decorated with this file.
+
+
+@triton.jit
+def _cdiv(x, d):
+    return (x + d - 1) // d
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
 # Activation codes (``ACTIVATION`` constexpr); codegen/gemm.py ACTIVATIONS maps names to these.
 ACT_NONE, ACT_RELU, ACT_GELU_TANH, ACT_GELU_ERF, ACT_SILU = 0, 1, 2, 3, 4
 
@@ -19,11 +34,11 @@ def _activate(x, ACTIVATION: tl.constexpr):
         x = tl.maximum(x, 0.0)
     elif ACTIVATION == 2:
         u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        x = x * tl.sigmoid(2.0 * u)
+        x = x * _sigmoid(2.0 * u)
     elif ACTIVATION == 3:
         x = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
     elif ACTIVATION == 4:
-        x = x * tl.sigmoid(x)
+        x = x * _sigmoid(x)
     return x
 
 
@@ -77,8 +92,8 @@ def gemm_kernel(
     pid = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_k = tl.program_id(2)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_m = _cdiv(M, BLOCK_M)
+    num_pid_n = _cdiv(N, BLOCK_N)
     num_pid_in_group = GROUP_M * num_pid_n
     group_id = pid // num_pid_in_group
     first_pid_m = group_id * GROUP_M
@@ -93,7 +108,7 @@ def gemm_kernel(
     offs_bn = (offs_n % N).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
 
-    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_per_split = _cdiv(_cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
 
@@ -102,7 +117,7 @@ def gemm_kernel(
     b_ptrs = (b_ptr + pid_b.to(tl.int64) * stride_bb + (k_start + offs_k)[:, None].to(tl.int64) * stride_bk
               + offs_bn[None, :] * stride_bn)
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -151,7 +166,7 @@ def splitk_reduce_kernel(
     """
     pid = tl.program_id(0)
     pid_b = tl.program_id(1)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_n = _cdiv(N, BLOCK_N)
     pid_m = pid // num_pid_n
     pid_n = pid % num_pid_n
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -159,7 +174,7 @@ def splitk_reduce_kernel(
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     w_ptrs = (ws_ptr + pid_b.to(tl.int64) * stride_wb + offs_m[:, None].to(tl.int64) * stride_wm
               + offs_n[None, :].to(tl.int64) * stride_wn)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(w_ptrs, mask=mask, other=0.0)
         w_ptrs += stride_ws

@@ -1,0 +1,1 @@
+"""Code generation: Triton kernels for the schedules the search chooses. (docstring WIP)"""

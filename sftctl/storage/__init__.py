@@ -1,0 +1,522 @@
+"""Durable job storage: one small object-store interface over S3, GCS and a local directory.
+
+A job's storage is a URL naming a bucket and a prefix (or a directory); every key below is
+relative to that prefix::
+
+    s3://bucket/prefix          boto3; honours AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 (moto, MinIO)
+    gs://bucket/prefix          google-cloud-storage; honours STORAGE_EMULATOR_HOST
+    file:///abs/path            a directory on this machine (or a network file system)
+    /abs/path, rel/path         the same, as a plain path
+    pvc://claim-name/prefix     a Kubernetes PersistentVolumeClaim as the pods see it: the claim is
+                                mounted at $SFTCTL_PVC_MOUNT (default /mnt/sftctl), so this is the
+                                directory $SFTCTL_PVC_MOUNT/prefix
+
+What sftctl keeps there (the layout the other modules write)::
+
+    .sftctl-storage.json                 marker: written by ensure(); says whether sftctl created the bucket
+    workdir/<sha256>.tar.gz              the packed workdir (sftctl.storage.workdir)
+    checkpoints/step-%08d/...            checkpoints, MANIFEST.json written last (sftctl.storage.checkpoints)
+    nodes/<node id>/launch-<attempt>.json  the attempt's script and env (sftctl.storage.channel)
+    nodes/<node id>/<stream>/<seq>       node.log, agent.log, health.jsonl, metrics/rank-N.jsonl
+                                         as numbered segments (sftctl.storage.stream)
+    nodes/<node id>/exit-<attempt>       the attempt's exit code, after its last log segment
+
+Importing this module is cheap: boto3 and google-cloud-storage are imported by the backend that
+needs them, when a storage of that kind is opened.
+
+Errors are :class:`StorageError` (a :class:`~sftctl.errors.ProviderError`, exit code 4): one line
+naming the storage URL and what failed, with a hint. Credential values never appear in them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import posixpath
+import shutil
+import stat
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+from sftctl.errors import CredentialsError, ProviderError
+
+__all__ = [
+    "MARKER_KEY",
+    "BucketNotFoundError",
+    "LocalStorage",
+    "Storage",
+    "StorageAccessDenied",
+    "StorageError",
+    "StorageNotFound",
+    "open_storage",
+]
+
+#: The marker object ``ensure`` writes under the prefix (see :meth:`Storage.ensure`).
+MARKER_KEY = ".sftctl-storage.json"
+#: The top-level key prefixes sftctl writes; ``purge`` deletes only these and the marker.
+SFTCTL_PREFIXES = ("workdir/", "checkpoints/", "nodes/")
+#: Objects at least this big go up and down in parts (S3 multipart, GCS resumable chunks).
+MULTIPART_THRESHOLD_BYTES = 32 * 1024 * 1024
+MULTIPART_CHUNK_BYTES = 32 * 1024 * 1024
+#: Parallel part transfers per file (S3).
+TRANSFER_CONCURRENCY = 8
+
+
+# --------------------------------------------------------------------------------------------
+# errors
+# --------------------------------------------------------------------------------------------
+
+
+class StorageError(ProviderError):
+    """Job storage failed: unreachable, a missing bucket, a bad URL. Exit code 4.
+
+    ``url`` is the storage URL it happened on (never with credentials: URLs hold none).
+    """
+
+    def __init__(self, message: str, hint: str | None = None, url: str | None = None):
+        super().__init__(message, hint)
+        self.url = url
+
+
+class StorageNotFound(StorageError):
+    """A key that does not exist (``get_bytes``, ``download_file``). ``key`` names it."""
+
+    def __init__(self, message: str, hint: str | None = None, url: str | None = None, key: str = ""):
+        super().__init__(message, hint, url)
+        self.key = key
+
+
+class BucketNotFoundError(StorageError):
+    """The bucket (or the directory) of the storage URL does not exist."""
+
+
+class StorageAccessDenied(StorageError, CredentialsError):
+    """Credentials are missing or lack a permission on the bucket. Exit code 4."""
+
+
+# --------------------------------------------------------------------------------------------
+# the interface
+# --------------------------------------------------------------------------------------------
+
+
+def _check_key(key: str) -> str:
+    """Validate a storage key: relative, ``/``-separated, no empty, ``.`` or ``..`` parts."""
+    if not isinstance(key, str) or not key or key.startswith("/") or "\\" in key or "\x00" in key:
+        raise ValueError(f"bad storage key {key!r}: expected a relative 'a/b/c' path")
+    parts = key.split("/")
+    if any(p in ("", ".", "..") for p in parts[:-1]) or parts[-1] in ("", ".", ".."):
+        raise ValueError(f"bad storage key {key!r}: empty, '.' or '..' path segment")
+    return key
+
+
+def _check_prefix(prefix: str) -> str:
+    """A list prefix may be empty or end in anything (it is a string prefix, not a directory)."""
+    if prefix and (prefix.startswith("/") or "\\" in prefix or ".." in prefix.split("/")):
+        raise ValueError(f"bad storage prefix {prefix!r}")
+    return prefix
+
+
+class Storage:
+    """A bucket + prefix (or a directory) holding a job's durable objects.
+
+    Keys are relative ``/``-separated paths (``checkpoints/step-00000100/state.pt``); the
+    backend adds its prefix. Writes are whole-object and atomic: a reader sees either no object
+    or all of it (S3 and GCS give that; :class:`LocalStorage` renames a temporary file). Reads
+    after a write are strongly consistent on all three backends, and so are listings.
+
+    Subclasses implement the ``_``-less methods below; all of them raise :class:`StorageError`
+    (or a subclass) for anything that is not a programming error.
+
+    Attributes:
+        url: the storage URL this was opened from, normalized (``s3://bucket/prefix``).
+    """
+
+    url: str
+
+    # ------------------------------------------------------------ objects
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Write ``data`` as object ``key``, replacing any object there."""
+        raise NotImplementedError
+
+    def get_bytes(self, key: str, start: int = 0) -> bytes:
+        """The bytes of object ``key`` from byte ``start`` on (a range read when ``start > 0``).
+
+        Raises:
+            StorageNotFound: there is no object ``key``.
+        """
+        raise NotImplementedError
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> list[tuple[str, int]]:
+        """``[(key, size in bytes)]`` of every object whose key starts with ``prefix``, sorted by
+        key (byte order), only keys greater than ``start_after`` when given.
+
+        The marker object is listed like any other; temporary files of :class:`LocalStorage`
+        are not.
+        """
+        raise NotImplementedError
+
+    def children(self, prefix: str) -> list[str]:
+        """The names directly below the "directory" ``prefix`` (which should end in ``/``):
+        ``children("nodes/n1/metrics/")`` -> ``["rank-0.jsonl", "rank-1.jsonl"]`` whether those
+        are objects or prefixes of deeper keys. Sorted, one listing call (a delimiter listing)."""
+        raise NotImplementedError
+
+    def delete(self, key: str) -> None:
+        """Delete object ``key``; a missing object is not an error."""
+        raise NotImplementedError
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object whose key starts with ``prefix``; return how many were deleted.
+
+        ``prefix`` must not be empty (use :meth:`purge` to remove everything sftctl wrote).
+        """
+        if not prefix:
+            raise ValueError("delete_prefix needs a non-empty prefix")
+        keys = [key for key, _ in self.list(prefix)]
+        self._delete_many(keys)
+        return len(keys)
+
+    def exists(self, key: str) -> bool:
+        """Whether object ``key`` exists."""
+        return self.size(key) is not None
+
+    def size(self, key: str) -> int | None:
+        """The size of object ``key`` in bytes, or None if it does not exist."""
+        raise NotImplementedError
+
+    def upload_file(self, key: str, path: str | os.PathLike) -> None:
+        """Upload the file at ``path`` as object ``key``; big files go in parallel parts
+        (S3 multipart with boto3's TransferConfig, GCS resumable upload in chunks)."""
+        raise NotImplementedError
+
+    def download_file(self, key: str, path: str | os.PathLike) -> None:
+        """Download object ``key`` to ``path`` (written to a temporary file in the same
+        directory, then renamed: ``path`` never holds a partial object). Big objects come in
+        parallel ranged parts (S3) or chunks (GCS).
+
+        Raises:
+            StorageNotFound: there is no object ``key``.
+        """
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ the bucket
+    def ensure(self, create_bucket: bool = False) -> dict:
+        """Check the bucket exists and is writable; create it only when ``create_bucket``.
+
+        Writes the marker object :data:`MARKER_KEY` the first time, recording whether sftctl
+        created the bucket (``{"created_bucket": true|false, "created_at": unix s}``); an
+        existing marker is kept as it is, so a bucket sftctl did not create never becomes one it
+        did. Returns the marker's content.
+
+        Raises:
+            BucketNotFoundError: the bucket does not exist and ``create_bucket`` is False.
+            StorageAccessDenied: the credentials cannot read or write it.
+        """
+        created = False
+        if not self._bucket_exists():
+            if not create_bucket:
+                raise BucketNotFoundError(
+                    f"storage {self.url}: the {self._bucket_word} does not exist",
+                    hint=f"create it, or let sftctl create it; {self._bucket_hint}",
+                    url=self.url,
+                )
+            self._create_bucket()
+            created = True
+        try:
+            return json.loads(self.get_bytes(MARKER_KEY))
+        except (StorageNotFound, ValueError):
+            pass
+        marker = {"created_by": "sftctl", "created_bucket": created, "created_at": time.time()}
+        self.put_bytes(MARKER_KEY, json.dumps(marker, sort_keys=True).encode())
+        return marker
+
+    def purge(self, delete_bucket: bool = True) -> int:
+        """Delete what sftctl wrote here: the objects under ``workdir/``, ``checkpoints/`` and
+        ``nodes/``, then the marker; then the bucket itself, if the marker says sftctl created
+        it, ``delete_bucket`` is set and the bucket is now empty. Objects anywhere else, and
+        buckets sftctl did not create, are never touched. Returns the number of objects deleted.
+
+        Raises:
+            StorageError: there is no marker (``ensure`` never ran here): nothing is deleted.
+        """
+        try:
+            marker = json.loads(self.get_bytes(MARKER_KEY))
+        except (StorageNotFound, ValueError):
+            raise StorageError(
+                f"storage {self.url}: no {MARKER_KEY} marker, so sftctl did not set it up; not deleting anything",
+                hint="delete its objects yourself if they are no longer needed",
+                url=self.url,
+            ) from None
+        n = sum(self.delete_prefix(p) for p in SFTCTL_PREFIXES)
+        self.delete(MARKER_KEY)
+        n += 1
+        if delete_bucket and marker.get("created_bucket") and not self.list(""):
+            self._delete_bucket()
+        return n
+
+    # ------------------------------------------------------------ backend hooks
+    _bucket_word = "bucket"
+    _bucket_hint = "check the bucket name"
+
+    def _bucket_exists(self) -> bool:
+        raise NotImplementedError
+
+    def _create_bucket(self) -> None:
+        raise NotImplementedError
+
+    def _delete_bucket(self) -> None:
+        raise NotImplementedError
+
+    def _delete_many(self, keys: list[str]) -> None:
+        for key in keys:
+            self.delete(key)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+# --------------------------------------------------------------------------------------------
+# opening
+# --------------------------------------------------------------------------------------------
+
+
+def open_storage(url: str | os.PathLike) -> Storage:
+    """Open the storage named by ``url`` (see the module docstring for the schemes).
+
+    Nothing is contacted here (no network call, no directory created): call
+    :meth:`Storage.ensure` to check that the bucket exists.
+
+    Raises:
+        StorageError: the URL is malformed or its scheme unknown (the message names it).
+        ImportError: the backend's SDK (boto3, google-cloud-storage) is not installed.
+    """
+    raw = os.fspath(url)
+    if not raw:
+        raise StorageError("storage URL is empty", hint="use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or a directory")
+    scheme, sep, rest = raw.partition("://")
+    if not sep:
+        return LocalStorage(Path(raw).expanduser().resolve())
+    scheme = scheme.lower()
+    if scheme == "file":
+        if not rest.startswith("/"):
+            raise StorageError(f"storage URL {raw!r}: file:// needs an absolute path (file:///abs/path)",
+                               hint="write file:///abs/path, or a plain directory path")
+        return LocalStorage(Path(rest).resolve())
+    if scheme == "pvc":
+        claim, _, prefix = rest.partition("/")
+        if not claim:
+            raise StorageError(f"storage URL {raw!r}: no claim name", hint="write pvc://CLAIM/PREFIX")
+        mount = Path(os.environ.get("SFTCTL_PVC_MOUNT") or "/mnt/sftctl")
+        prefix = _clean_prefix(raw, prefix)
+        root = mount / prefix if prefix else mount
+        return LocalStorage(root, url=f"pvc://{claim}/{prefix}".rstrip("/"), mount=mount)
+    if scheme in ("s3", "gs"):
+        bucket, _, prefix = rest.partition("/")
+        if not bucket:
+            raise StorageError(f"storage URL {raw!r}: no bucket name", hint=f"write {scheme}://BUCKET/PREFIX")
+        prefix = _clean_prefix(raw, prefix)
+        if scheme == "s3":
+            from sftctl.storage.s3 import S3Storage
+
+            return S3Storage(bucket, prefix)
+        from sftctl.storage.gcs import GCSStorage
+
+        return GCSStorage(bucket, prefix)
+    raise StorageError(f"storage URL {raw!r}: unknown scheme {scheme!r}",
+                       hint="use s3://, gs://, file://, pvc:// or a plain directory path")
+
+
+def _clean_prefix(url: str, prefix: str) -> str:
+    prefix = prefix.strip("/")
+    if prefix and any(p in ("", ".", "..") for p in prefix.split("/")):
+        raise StorageError(f"storage URL {url!r}: bad prefix {prefix!r}", hint="use a/b/c without '.', '..' or '//'")
+    return prefix
+
+
+# --------------------------------------------------------------------------------------------
+# the local backend (a directory; also a Kubernetes PVC as mounted into the pods)
+# --------------------------------------------------------------------------------------------
+
+_TMP_MARK = ".sftctl-tmp-"
+
+
+class LocalStorage(Storage):
+    """Objects as files under a directory ``root``: key ``a/b`` is the file ``root/a/b``.
+
+    Writes go to a temporary file next to the target (named ``.sftctl-tmp-*``, never listed)
+    and are renamed into place, so readers on this machine or on a shared volume (NFS, a PVC)
+    see whole objects only.
+
+    Args:
+        root: the directory (the "bucket" for a ``file://`` URL or plain path).
+        url: the URL to report; default ``file://<root>``.
+        mount: for ``pvc://`` URLs, where the claim is mounted: it must exist (sftctl cannot
+            create a volume), while ``root`` below it is created by ``ensure``.
+    """
+
+    def __init__(self, root: Path, url: str | None = None, mount: Path | None = None):
+        self.root = Path(root)
+        self.url = url or f"file://{self.root}"
+        self.mount = mount
+        if mount is not None:
+            self._bucket_word = f"volume mount {mount}"
+            self._bucket_hint = "mount the claim there, or set SFTCTL_PVC_MOUNT to where it is mounted"
+        else:
+            self._bucket_word = f"directory {self.root}"
+            self._bucket_hint = f"mkdir -p {self.root}"
+
+    def _path(self, key: str) -> Path:
+        return self.root.joinpath(*_check_key(key).split("/"))
+
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except PermissionError as e:
+            raise StorageAccessDenied(f"storage {self.url}: permission denied {what}: {e.filename}",
+                                      hint="check the directory's owner and mode", url=self.url) from None
+        except (IsADirectoryError, NotADirectoryError) as e:
+            raise StorageError(f"storage {self.url}: {what}: {e.strerror}: {e.filename}",
+                               hint="a key cannot be both an object and a prefix of another key",
+                               url=self.url) from None
+        except OSError as e:
+            if isinstance(e, FileNotFoundError):
+                raise
+            raise StorageError(f"storage {self.url}: {what}: {e.strerror or e}", url=self.url) from None
+
+    def _write_atomic(self, path: Path, fill) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f"{_TMP_MARK}{path.name}.{uuid.uuid4().hex[:12]}"
+        try:
+            with open(tmp, "wb") as fh:
+                fill(fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        with self._errors(f"writing {key}"):
+            self._write_atomic(self._path(key), lambda fh: fh.write(data))
+
+    def get_bytes(self, key: str, start: int = 0) -> bytes:
+        path = self._path(key)
+        with self._errors(f"reading {key}"):
+            try:
+                with open(path, "rb") as fh:
+                    if start:
+                        fh.seek(start)
+                    return fh.read()
+            except (FileNotFoundError, IsADirectoryError):
+                raise StorageNotFound(f"storage {self.url}: no object {key}", url=self.url, key=key) from None
+
+    def size(self, key: str) -> int | None:
+        try:
+            st = self._path(key).stat()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return None if stat.S_ISDIR(st.st_mode) else st.st_size
+
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> list[tuple[str, int]]:
+        _check_prefix(prefix)
+        # walk only the deepest directory the prefix names
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        top = self.root.joinpath(*base.split("/")) if base else self.root
+        out = []
+        with self._errors(f"listing {prefix or '/'}"):
+            for dirpath, dirnames, filenames in os.walk(top):
+                rel = os.path.relpath(dirpath, self.root)
+                rel = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+                # prune directories that cannot hold keys with this prefix
+                dirnames[:] = [d for d in dirnames
+                               if (rel + d + "/").startswith(prefix) or prefix.startswith(rel + d + "/")]
+                for name in filenames:
+                    key = rel + name
+                    if name.startswith(_TMP_MARK) or not key.startswith(prefix):
+                        continue
+                    if start_after is not None and key <= start_after:
+                        continue
+                    try:
+                        out.append((key, os.stat(os.path.join(dirpath, name)).st_size))
+                    except FileNotFoundError:  # deleted while listing
+                        continue
+        out.sort(key=lambda kv: kv[0].encode())
+        return out
+
+    def children(self, prefix: str) -> list[str]:
+        _check_prefix(prefix)
+        top = self.root.joinpath(*prefix.strip("/").split("/")) if prefix.strip("/") else self.root
+        try:
+            names = os.listdir(top)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted((n for n in names if not n.startswith(_TMP_MARK)), key=str.encode)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        with self._errors(f"deleting {key}"):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                return
+        # remove directories left empty, up to the root (object stores have no directories)
+        parent = path.parent
+        while parent != self.root and self.root in parent.parents:
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+            parent = parent.parent
+
+    def upload_file(self, key: str, path: str | os.PathLike) -> None:
+        with self._errors(f"uploading {key}"), open(path, "rb") as src:
+            self._write_atomic(self._path(key), lambda fh: shutil.copyfileobj(src, fh, 8 * 1024 * 1024))
+
+    def download_file(self, key: str, path: str | os.PathLike) -> None:
+        src_path = self._path(key)
+        dest = Path(path)
+        with self._errors(f"downloading {key}"):
+            try:
+                src = open(src_path, "rb")
+            except (FileNotFoundError, IsADirectoryError):
+                raise StorageNotFound(f"storage {self.url}: no object {key}", url=self.url, key=key) from None
+            with src:
+                self._write_atomic(dest, lambda fh: shutil.copyfileobj(src, fh, 8 * 1024 * 1024))
+
+    def _bucket_exists(self) -> bool:
+        if self.mount is not None:
+            if not self.mount.is_dir():
+                return False
+            with self._errors(f"creating {self.root}"):
+                self.root.mkdir(parents=True, exist_ok=True)
+            return True
+        return self.root.is_dir()
+
+    def _create_bucket(self) -> None:
+        if self.mount is not None:  # a volume cannot be created from here
+            raise BucketNotFoundError(f"storage {self.url}: the {self._bucket_word} does not exist",
+                                      hint=self._bucket_hint, url=self.url)
+        with self._errors(f"creating {self.root}"):
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    def _delete_bucket(self) -> None:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self.root)
+
+
+def atomic_tempfile(dest: Path) -> tuple[int, str]:
+    """A temporary file next to ``dest`` (for downloads renamed into place): ``(fd, path)``."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    return tempfile.mkstemp(prefix=f"{_TMP_MARK}{dest.name}.", dir=dest.parent)
+
+
+def join_key(*parts: str) -> str:
+    """Join key parts with ``/`` (``join_key("nodes", "n1", "node.log")``)."""
+    return posixpath.join(*parts)
