@@ -120,6 +120,8 @@ class Controller:
         self._reported_attempt = 0  # the attempt whose first step report has been seen
         self.restarts = job["restarts"]
         self.error: SftctlError | None = None  # what ended the job, when sftctl itself did (exit code)
+        self.storage = getattr(getattr(self.provider, "channel", None), "storage", None)
+        self.workdir_key: str | None = None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -267,9 +269,21 @@ class Controller:
         """
         spec = self.spec
         ips = [n["handle"].get("ip", "127.0.0.1") for n in self.nodes]
-        ckpt = spec.train.checkpoint_dir or str(job_dir(self.job_id) / "checkpoints")
         env = dict(spec.env)
+        env.update({k: os.environ[k] for k in spec.secrets if k in os.environ})  # values never stored
+        url = job_storage_url(spec, self.job_id)
+        if url is not None:  # nodes keep checkpoints on their disk and in the job's storage
+            env["SFTCTL_STORAGE_URL"] = url
+            if self.workdir_key:
+                env["SFTCTL_WORKDIR_KEY"] = self.workdir_key
+                env["SFTCTL_WORKDIR_STORAGE"] = spec.storage.url
+            if spec.train.checkpoint_dir:
+                env["SFTCTL_CHECKPOINT_DIR"] = spec.train.checkpoint_dir
+        else:
+            env["SFTCTL_CHECKPOINT_DIR"] = spec.train.checkpoint_dir or str(job_dir(self.job_id) / "checkpoints")
         env.update(
+            SFTCTL_KEEP_CHECKPOINTS=str(spec.train.keep_checkpoints),
+            SFTCTL_COMPILE=spec.train.compile,
             SFTCTL_JOB_ID=self.job_id,
             SFTCTL_NODE_RANK=str(rank),
             SFTCTL_NUM_NODES=str(len(self.nodes)),
@@ -278,7 +292,6 @@ class Controller:
             SFTCTL_ATTEMPT=str(attempt),
             SFTCTL_NODE_GENERATION=str(next(n.get("generation", 0) for n in self.nodes if n["rank"] == rank)),
             SFTCTL_HEALTH_INTERVAL_S=str(spec.health.interval_s),
-            SFTCTL_CHECKPOINT_DIR=ckpt,
             SFTCTL_CHECKPOINT_INTERVAL=str(spec.train.checkpoint_interval),
             SFTCTL_TRAIN_STEPS=str(spec.train.steps),
             MASTER_ADDR=ips[0],
@@ -297,6 +310,17 @@ class Controller:
     def _launch(self, attempt: int) -> None:
         from sftctl.templates import render
 
+        if self.storage is not None and self.workdir_key is None:
+            from sftctl.storage.workdir import upload_workdir
+
+            from sftctl.storage import open_storage
+
+            # under the storage's root, not the job's prefix: an unchanged workdir is uploaded once
+            packed = upload_workdir(open_storage(self.spec.storage.url), self.spec.workdir,
+                                    max_bytes=int(self.spec.storage.max_workdir_mb * 2**20))
+            self.workdir_key = packed.key
+            self.store.add_event(self.job_id, "storage", f"workdir {packed.key} ({packed.size_bytes / 2**20:.1f} MB"
+                                 f"{', already there' if not packed.uploaded else ''}) in {self.spec.storage.url}")
         port = _free_port()
         for node in self.nodes:
             script = render(
@@ -353,8 +377,13 @@ class Controller:
         """Where a relaunch resumes: the newest complete checkpoint, if this machine sees it."""
         from sftctl.train import complete_checkpoint_steps
 
-        ckpt = self.spec.train.checkpoint_dir or str(job_dir(self.job_id) / "checkpoints")
-        steps = complete_checkpoint_steps(ckpt) if self.provider.name == "local" else None
+        if self.storage is not None:
+            from sftctl.storage.checkpoints import complete_steps
+
+            steps = complete_steps(self.storage)
+        else:
+            ckpt = self.spec.train.checkpoint_dir or str(job_dir(self.job_id) / "checkpoints")
+            steps = complete_checkpoint_steps(ckpt) if self.provider.name == "local" else None
         if steps is None:
             return "from the last checkpoint"
         return f"from checkpoint step {steps[-1]}" if steps else "from step 0 (no checkpoint yet)"
@@ -410,7 +439,7 @@ class Controller:
 
     def _stop_nodes(self) -> None:
         for node in self.nodes:
-            self.provider.terminate(node["handle"])
+            self.provider.stop_attempt(node["handle"])
 
     def _teardown(self) -> None:
         for node in self.nodes:
@@ -500,7 +529,11 @@ def job_provider(job: dict, name: str | None = None):
     from sftctl.storage import open_storage
     from sftctl.storage.channel import StorageChannel
 
-    return get_provider(name, channel=StorageChannel(open_storage(url)))
+    kwargs = {}
+    if name == "kubernetes":  # a Kubernetes Secret carries the secrets; pods learn the world size
+        kwargs = {"secrets": {k: os.environ[k] for k in spec.secrets if k in os.environ},
+                  "num_nodes": spec.resources.nodes}
+    return get_provider(name, channel=StorageChannel(open_storage(url), secret_keys=set(spec.secrets)), **kwargs)
 
 
 def _default_install() -> str:

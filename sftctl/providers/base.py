@@ -84,6 +84,9 @@ class Provider(Protocol):
     def read_health(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
         """New GPU samples the node agent wrote (see :mod:`sftctl.health.telemetry`)."""
 
+    def stop_attempt(self, handle: dict) -> None:
+        """Stop what the current attempt runs on the node; the node stays for the next attempt."""
+
     def terminate(self, handle: dict) -> None:
         """Stop and delete the node and everything it started. Idempotent."""
 

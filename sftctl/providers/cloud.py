@@ -237,6 +237,11 @@ class CloudProvider:
     def read_health(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
         return [] if self.channel is None else self.channel.read_health(handle["node_id"], offsets)
 
+    def stop_attempt(self, handle: dict) -> None:
+        """Ask the node's daemon to stop the running attempt (``nodes/<node>/stop-<attempt>``)."""
+        if self.channel is not None and handle.get("attempt"):
+            self.channel.storage.put_bytes(f"nodes/{handle['node_id']}/stop-{handle['attempt']}", b"")
+
     def terminate(self, handle: dict) -> None:
         if handle.get("id"):
             self.delete_instance(handle)

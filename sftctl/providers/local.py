@@ -27,9 +27,19 @@ from sftctl.providers.base import NodeState, NodeStatus
 
 
 class LocalProvider:
-    """Nodes as process groups on this machine. Linux only (it reads ``/proc``)."""
+    """Nodes as process groups on this machine. Linux only (it reads ``/proc``).
+
+    Args:
+        channel: the job's storage channel (:class:`sftctl.storage.channel.StorageChannel`) when
+            the job has ``storage``. Then a node works like a cloud node: it runs the node daemon
+            (``python -m sftctl.node``), which takes each attempt's script from the storage and
+            ships logs, metrics and exit codes back there; the controller reads only the storage.
+    """
 
     name = "local"
+
+    def __init__(self, channel=None, **_: object):
+        self.channel = channel
 
     def check(self) -> None:
         if not sys.platform.startswith("linux") or not Path("/proc/self/environ").exists():
@@ -48,6 +58,8 @@ class LocalProvider:
         return {"node_id": node_id, "job_id": job_id, "rank": rank, "dir": str(node_dir), "ip": "127.0.0.1"}
 
     def launch(self, handle: dict, script: str, env: dict[str, str], attempt: int) -> dict:
+        if self.channel is not None:
+            return self._launch_via_storage(handle, script, env, attempt)
         node_dir = Path(handle["dir"])
         path = node_dir / f"node-{attempt}.sh"
         path.write_text(script)
@@ -84,15 +96,40 @@ class LocalProvider:
             "exit_file": str(node_dir / f"exit-{attempt}"),  # written by templates/node.sh.j2
         }
 
+    def _launch_via_storage(self, handle: dict, script: str, env: dict[str, str], attempt: int) -> dict:
+        """Write the attempt to the job's storage; start the node daemon if it is not running."""
+        self.channel.send_launch(handle["node_id"], attempt, script, env)
+        if handle.get("pid") and procs.alive(handle["pid"], handle.get("start_ticks")):
+            return {**handle, "attempt": attempt}
+        daemon_dir = Path(handle["dir"]) / "daemon"  # the node's own disk: the controller never reads it
+        daemon_dir.mkdir(parents=True, exist_ok=True)
+        full_env = {
+            **os.environ,
+            "SFTCTL_JOB_ID": handle["job_id"],
+            "SFTCTL_NODE_ID": handle["node_id"],
+            "SFTCTL_NODE_DIR": str(daemon_dir),
+            "SFTCTL_STORAGE_URL": self.channel.storage.url,
+            "SFTCTL_PYTHON": sys.executable,
+            "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
+        }
+        with open(Path(handle["dir"]) / "daemon.log", "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "sftctl.node"], cwd=daemon_dir, env=full_env,
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        return {**handle, "pid": proc.pid, "start_ticks": procs.start_ticks(proc.pid), "attempt": attempt}
+
     def status(self, handle: dict) -> NodeStatus:
         if handle.get("terminated"):
             return NodeStatus(NodeState.TERMINATED)
         if "pid" not in handle:
             return NodeStatus(NodeState.READY)
-        try:
-            code = int(Path(handle["exit_file"]).read_text().strip())
-        except (FileNotFoundError, ValueError):
-            code = None
+        if self.channel is not None:
+            code = self.channel.exit_code(handle["node_id"], handle["attempt"])
+        else:
+            try:
+                code = int(Path(handle["exit_file"]).read_text().strip())
+            except (FileNotFoundError, ValueError):
+                code = None
         if code is not None:
             state = NodeState.SUCCEEDED if code == 0 else NodeState.FAILED
             return NodeStatus(state, code, f"exit code {code}")
@@ -102,6 +139,8 @@ class LocalProvider:
         return NodeStatus(NodeState.LOST, None, f"process {handle['pid']} vanished without an exit code")
 
     def read_log(self, handle: dict, offset: int) -> tuple[bytes, int]:
+        if self.channel is not None:
+            return self.channel.read_log(handle["node_id"], offset)
         try:
             with open(Path(handle["dir"]) / "node.log", "rb") as f:
                 f.seek(offset)
@@ -111,13 +150,21 @@ class LocalProvider:
         return data, offset + len(data)
 
     def read_metrics(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
+        if self.channel is not None:
+            return self.channel.read_metrics(handle["node_id"], offsets)
         samples = []
         for path in sorted((Path(handle["dir"]) / "metrics").glob("rank-*.jsonl")):
             samples += _read_json_lines(path, offsets)
         return samples
 
     def read_health(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
+        if self.channel is not None:
+            return self.channel.read_health(handle["node_id"], offsets)
         return _read_json_lines(Path(handle["dir"]) / "health.jsonl", offsets)
+
+    def stop_attempt(self, handle: dict) -> None:
+        """Stop the node's processes; the node (its directory) stays for the next attempt."""
+        self.terminate(handle)
 
     def terminate(self, handle: dict) -> None:
         pids = procs.tagged("SFTCTL_NODE_ID", handle["node_id"])

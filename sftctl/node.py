@@ -1,0 +1,154 @@
+"""The node daemon: ``python -m sftctl.node``, what a cloud node runs after its bootstrap.
+
+A cloud node has no inbound port the controller could reach, so everything goes through the
+job's storage (:mod:`sftctl.storage.channel`). The daemon:
+
+1. ships the node directory (``node.log``, ``metrics/``, ``health.jsonl``, ``exit-<attempt>``)
+   to ``nodes/<node id>/`` every second (:class:`sftctl.storage.stream.Shipper`);
+2. polls ``nodes/<node id>/launch-<attempt>.json`` for a newer attempt; on one, it stops the
+   previous attempt's processes, fetches the job's workdir (``SFTCTL_WORKDIR_KEY``, once per
+   content hash) and runs the attempt's script (``templates/node.sh.j2``) in a session of its own;
+3. stops the running attempt when ``nodes/<node id>/stop-<attempt>`` appears;
+4. writes ``exit-<attempt>`` itself when the script's process ended without writing one (killed),
+   so the controller always learns how an attempt ended while the node lives.
+
+On SIGTERM it stops the attempt, ships what is left and exits 0.
+
+Environment: ``SFTCTL_STORAGE_URL`` (the job's storage), ``SFTCTL_NODE_ID``, ``SFTCTL_NODE_DIR``
+(created), optional ``SFTCTL_NODE_POLL_S`` (seconds between polls, default 1).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+class NodeDaemon:
+    """One node's loop. See the module docstring.
+
+    Args:
+        storage: the job's storage (:func:`sftctl.storage.open_storage`).
+        node_id: this node's id, as the controller named it.
+        node_dir: local directory for the node's scripts, logs and workdirs.
+        poll_s: seconds between polls of the channel.
+    """
+
+    def __init__(self, storage, node_id: str, node_dir: str | os.PathLike, poll_s: float = 1.0):
+        from sftctl.storage.channel import StorageChannel
+        from sftctl.storage.stream import Shipper
+
+        self.storage, self.node_id, self.poll_s = storage, node_id, poll_s
+        self.node_dir = Path(node_dir)
+        (self.node_dir / "metrics").mkdir(parents=True, exist_ok=True)
+        self.channel = StorageChannel(storage)
+        self.shipper = Shipper(storage, node_id, self.node_dir)
+        self.attempt = 0
+        self.proc: subprocess.Popen | None = None
+        self.stopping = threading.Event()
+
+    def run(self) -> int:
+        """Poll and run attempts until :meth:`stop` (SIGTERM). Returns the process exit code."""
+        self.shipper.start()
+        try:
+            while not self.stopping.is_set():
+                self.tick()
+                self.stopping.wait(self.poll_s)
+        finally:
+            self._end_attempt()
+            self.shipper.stop()
+        return 0
+
+    def tick(self) -> None:
+        """One poll: start a newer attempt, honour a stop request, record an exit nobody wrote."""
+        from sftctl.storage import StorageError
+
+        try:
+            request = self.channel.poll_launch(self.node_id, self.attempt)
+            if request is not None:
+                self._start(*request)
+            elif self.proc is not None and self.storage.exists(f"nodes/{self.node_id}/stop-{self.attempt}"):
+                self._end_attempt()
+        except StorageError as e:  # the storage is unreachable for now: try again next tick
+            print(f"[sftctl node] {e.message} (retrying)", file=sys.stderr, flush=True)
+        self._record_exit()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _start(self, attempt: int, script: str, env: dict[str, str]) -> None:
+        self._end_attempt()
+        self.attempt = attempt
+        env = dict(env)
+        key = env.get("SFTCTL_WORKDIR_KEY")
+        if key:
+            from sftctl.storage import open_storage
+            from sftctl.storage.workdir import fetch_workdir
+
+            dest = self.node_dir / "workdir" / Path(key).name.split(".")[0]
+            if not dest.is_dir():
+                root = env.get("SFTCTL_WORKDIR_STORAGE")
+                fetch_workdir(open_storage(root) if root else self.storage, key, dest)
+            env["SFTCTL_WORKDIR"] = str(dest)
+        path = self.node_dir / f"node-{attempt}.sh"
+        path.write_text(script)
+        full_env = {**os.environ, **env, "SFTCTL_NODE_ID": self.node_id, "SFTCTL_NODE_DIR": str(self.node_dir),
+                    "SFTCTL_METRICS_DIR": str(self.node_dir / "metrics")}
+        full_env.setdefault("SFTCTL_PYTHON", sys.executable)
+        full_env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), full_env.get("PATH", "")])
+        with open(self.node_dir / "node.log", "ab") as log:
+            self.proc = subprocess.Popen(["bash", str(path)], cwd=self.node_dir, env=full_env,
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def _end_attempt(self) -> None:
+        """Stop the running attempt's whole process group (SIGTERM, then SIGKILL after 10 s)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self._record_exit()
+
+    def _record_exit(self) -> None:
+        """When the attempt's shell ended without an exit file (it was killed), write one."""
+        if self.proc is None or self.proc.poll() is None:
+            return
+        exit_file = self.node_dir / f"exit-{self.attempt}"
+        if not exit_file.exists():
+            code = self.proc.returncode
+            tmp = exit_file.with_suffix(".tmp")
+            tmp.write_text(f"{128 - code if code < 0 else code}\n")  # -9 -> 137, as a shell reports it
+            tmp.rename(exit_file)
+        self.proc = None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``python -m sftctl.node`` with the environment of the module docstring."""
+    from sftctl.storage import open_storage
+
+    missing = [k for k in ("SFTCTL_STORAGE_URL", "SFTCTL_NODE_ID", "SFTCTL_NODE_DIR") if not os.environ.get(k)]
+    if missing:
+        print(f"sftctl node: {', '.join(missing)} not set (the bootstrap sets them)", file=sys.stderr)
+        return 2
+    daemon = NodeDaemon(open_storage(os.environ["SFTCTL_STORAGE_URL"]), os.environ["SFTCTL_NODE_ID"],
+                        os.environ["SFTCTL_NODE_DIR"], float(os.environ.get("SFTCTL_NODE_POLL_S", "1")))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: daemon.stop())
+    return daemon.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,713 @@
+"""The AWS provider: a node is one EC2 instance, created with RunInstances in one Availability Zone.
+
+What a node gets:
+  * the offering's instance type, on-demand or spot (``InstanceMarketOptions``: one-time, terminate
+    on interruption), in the zone :class:`~sftctl.providers.cloud.CloudProvider` picked;
+  * the image of the spec, else the AWS Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04),
+    resolved from its public SSM parameter, else found by name with ``DescribeImages``;
+  * ``UserData`` = the node's bootstrap script (cloud-init runs it at first boot; it holds no secret:
+    nodes reach the job's storage through an instance role, never through keys in user data);
+  * tags: the labels of :func:`sftctl.providers.cloud.labels` and ``Name``, on the instance AND its
+    EBS volumes (one ``TagSpecifications`` per resource type, applied atomically by RunInstances);
+  * the job's security group ``sftctl-<job>`` (one per job and region, tagged like the nodes):
+    inbound only from itself, so the nodes of a job reach each other (NCCL, torchrun's rendezvous)
+    and nothing on the internet reaches them; the controller talks to nodes through storage.
+  * IMDSv2 only (``HttpTokens=required``), and ``InstanceInitiatedShutdownBehavior=terminate``, so a
+    node that powers itself off stops billing instead of lingering as a stopped instance.
+
+Errors (EC2 API Reference, "Error codes for the Amazon EC2 API",
+https://docs.aws.amazon.com/AWSEC2/latest/APIReference/errors-overview.html):
+  * ``InsufficientInstanceCapacity`` / ``InsufficientCapacity`` (server errors, HTTP 500): no
+    capacity for the type in the requested AZ -> :class:`CapacityError` scope ``zone`` (scope
+    ``offering`` when the message speaks of the Region rather than an Availability Zone).
+  * ``Unsupported`` (HTTP 400): e.g. "Your requested instance type (...) is not supported in your
+    requested Availability Zone (...)" -> scope ``zone``.
+  * ``SpotMaxPriceTooLow`` -> scope ``offering`` (the spot price of this type in this Region).
+  * ``MaxSpotInstanceCountExceeded`` and ``VcpuLimitExceeded`` / ``InstanceLimitExceeded``: the
+    account's vCPU quotas, per Region and instance family (EC2 User Guide, "Amazon EC2 service
+    quotas" and "Spot Instance quotas") -> scope ``region``, with the Service Quotas code to raise.
+  * ``RequestLimitExceeded`` (HTTP 503; EC2 User Guide, "Request throttling": token buckets per
+    account and Region, RunInstances refills at 2/s) and ``Throttling`` -> retried with random
+    exponential backoff (:func:`sftctl.providers.cloud.retry_throttled`), as are the transient
+    server errors ``InternalError`` / ``Unavailable`` / ``ServiceUnavailable``. RunInstances carries
+    a ``ClientToken`` so a retried call never creates a second instance (EC2 API Reference,
+    "Ensuring idempotency").
+  * ``AuthFailure``, ``InvalidClientTokenId``, ``ExpiredToken``, ``UnrecognizedClientException``,
+    ``SignatureDoesNotMatch``, ``AccessDenied``, ``UnauthorizedOperation`` and botocore's
+    ``NoCredentialsError`` -> :class:`CredentialsError` (exit code 4) with what to set.
+  * anything else -> :class:`ProviderError` with AWS's own code and message.
+
+botocore's own retries are turned off (``total_max_attempts=1``): botocore retries every HTTP 500,
+which would repeat an ``InsufficientInstanceCapacity`` RunInstances 4 times before the next zone is
+tried, and spend RunInstances tokens doing it. sftctl retries what is worth retrying, itself.
+
+boto3 is imported here only (and only when an :class:`AWSProvider` is built), so ``import sftctl``
+and ``sftctl status`` never pay for it. Credentials and endpoint come from boto3's usual chain
+(``AWS_PROFILE``, ``AWS_ACCESS_KEY_ID``..., ``~/.aws``, SSO, instance roles, ``AWS_ENDPOINT_URL``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+from sftctl.catalog import Offering, cloud_offerings
+from sftctl.errors import CapacityError, CredentialsError, ProviderError
+from sftctl.providers.cloud import (
+    JOB_LABEL,
+    MANAGED_LABEL,
+    NODE_LABEL,
+    READY_TIMEOUT_S,
+    CloudProvider,
+    InstanceRequest,
+    InstanceState,
+    label_value,
+    retry_throttled,
+)
+
+log = logging.getLogger(__name__)
+
+#: Public SSM parameter holding the newest x86_64 Deep Learning Base OSS Nvidia Driver GPU AMI
+#: (Ubuntu 22.04) of a Region (AWS Deep Learning AMIs developer guide, "Retrieve the DLAMI ID with SSM").
+DLAMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
+#: The same AMI found with DescribeImages (owner ``amazon``), when the parameter cannot be read.
+DLAMI_NAME_PATTERN = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04)*"
+
+#: EC2 limits user data to 16 KB in raw form, before base64 (EC2 User Guide, "Run commands when you
+#: launch an EC2 instance with user data input").
+MAX_USER_DATA_BYTES = 16 * 1024
+
+#: How long after RunInstances a "not found" from DescribeInstances still means "just created":
+#: the EC2 API is eventually consistent (EC2 API Reference, "Eventual consistency in the Amazon EC2
+#: API": a DescribeInstances right after RunInstances can return InvalidInstanceID.NotFound).
+EVENTUAL_CONSISTENCY_S = 120.0
+
+#: Error codes that mean the credentials are missing, wrong, expired or not allowed to act.
+CREDENTIAL_CODES = frozenset({
+    "AuthFailure", "InvalidClientTokenId", "ExpiredToken", "ExpiredTokenException",
+    "UnrecognizedClientException", "SignatureDoesNotMatch", "AccessDenied", "AccessDeniedException",
+    "UnauthorizedOperation", "InvalidAccessKeyId",
+})
+#: Error codes retried with backoff: throttling, and EC2's transient server errors.
+RETRY_CODES = frozenset({
+    "RequestLimitExceeded", "Throttling", "ThrottlingException", "TooManyRequestsException",
+    "InternalError", "InternalFailure", "ServiceUnavailable", "Unavailable",
+})
+
+#: EC2 vCPU quotas per instance family (Service Quotas, service code ``ec2``): on-demand and spot.
+#: "Running On-Demand P instances" L-417A185B, "Running On-Demand G and VT instances" L-DB2E81BA,
+#: "Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances" L-1216C47A; "All P Spot
+#: Instance Requests" L-7212CCBC, "All G and VT Spot Instance Requests" L-3819A6DF, "All Standard
+#: (A, C, D, H, I, M, R, T, Z) Spot Instance Requests" L-34B43A08 (Service Quotas console, EC2).
+QUOTA_CODES = {
+    "P": ("Running On-Demand P instances", "L-417A185B", "All P Spot Instance Requests", "L-7212CCBC"),
+    "G": ("Running On-Demand G and VT instances", "L-DB2E81BA", "All G and VT Spot Instance Requests", "L-3819A6DF"),
+    "Standard": ("Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances", "L-1216C47A",
+                 "All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests", "L-34B43A08"),
+}
+
+CREDENTIALS_HINT = ("set AWS_PROFILE (then `aws sso login` for an SSO profile), or AWS_ACCESS_KEY_ID and "
+                    "AWS_SECRET_ACCESS_KEY, or run `aws configure`")
+
+_STATES = {
+    "pending": InstanceState.PENDING,
+    "running": InstanceState.RUNNING,
+    "shutting-down": InstanceState.STOPPING,
+    "stopping": InstanceState.STOPPING,
+    "stopped": InstanceState.STOPPING,
+    "terminated": InstanceState.GONE,
+}
+_LIVE_STATES = ["pending", "running", "shutting-down", "stopping", "stopped"]
+
+
+def quota_for(instance_type: str, spot: bool) -> tuple[str, str] | None:
+    """The (name, Service Quotas code) of the vCPU quota ``instance_type`` counts against, or None.
+
+    ``instance_type`` like ``p4d.24xlarge``; the family is its leading letters (``p``, ``g``, ``vt``;
+    A, C, D, H, I, M, R, T and Z are "Standard"). Others (F, Inf, Trn, X, DL ...) give None.
+    """
+    letters = ""
+    for ch in instance_type.split(".")[0]:
+        if not ch.isalpha():
+            break
+        letters += ch
+    family = "P" if letters == "p" else "G" if letters in ("g", "vt") else (
+        "Standard" if len(letters) == 1 and letters in "acdhimrtz" else None)
+    if family is None:
+        return None
+    od_name, od_code, spot_name, spot_code = QUOTA_CODES[family]
+    return (spot_name, spot_code) if spot else (od_name, od_code)
+
+
+def _boto3():
+    try:
+        import boto3
+    except ImportError:  # an optional dependency
+        raise ProviderError("aws: boto3 is not installed", hint="pip install boto3") from None
+    return boto3
+
+
+def _error_code(e: BaseException) -> str:
+    response = getattr(e, "response", None)
+    return (response or {}).get("Error", {}).get("Code", "") if isinstance(response, dict) else ""
+
+
+def _error_message(e: BaseException) -> str:
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):
+        return " ".join(str(response.get("Error", {}).get("Message", "") or e).split())
+    return " ".join(str(e).split())
+
+
+def _is_retryable(e: BaseException) -> bool:
+    if _error_code(e) in RETRY_CODES:
+        return True
+    try:
+        from botocore.exceptions import ConnectionClosedError
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(e, ConnectionClosedError)
+
+
+def _credential_failure(e: BaseException) -> bool:
+    """Whether ``e`` says the credentials are missing or unusable (before or from AWS)."""
+    if _error_code(e) in CREDENTIAL_CODES:
+        return True
+    import botocore.exceptions as be
+
+    names = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+             "UnauthorizedSSOTokenError", "SSOTokenLoadError", "TokenRetrievalError")
+    kinds = tuple(getattr(be, n) for n in names if hasattr(be, n))
+    return isinstance(e, kinds)
+
+
+def credentials_error(e: BaseException, what: str) -> CredentialsError:
+    """A one-line :class:`CredentialsError` for ``e`` raised while doing ``what``."""
+    code = _error_code(e)
+    if code in ("UnauthorizedOperation", "AccessDenied", "AccessDeniedException") and what != "check credentials":
+        return CredentialsError(
+            f"aws: the credentials may not {what} ({code})",
+            hint="grant the IAM identity ec2:RunInstances, ec2:DescribeInstances, ec2:TerminateInstances, "
+                 "ec2:CreateTags and the ec2:*SecurityGroup* actions in this region, or use another AWS_PROFILE")
+    if code in ("ExpiredToken", "ExpiredTokenException"):
+        return CredentialsError("aws: the session token has expired",
+                                hint="refresh it: `aws sso login`, or assume the role again; " + CREDENTIALS_HINT)
+    if code:
+        return CredentialsError(f"aws: credentials were rejected ({code}: {_error_message(e)})", hint=CREDENTIALS_HINT)
+    return CredentialsError(f"aws: no usable credentials ({_error_message(e)})", hint=CREDENTIALS_HINT)
+
+
+class AWSProvider(CloudProvider):
+    """EC2 instances as nodes. See the module docstring for what a node gets and how errors map.
+
+    Args:
+        channel, poll_s, ready_timeout_s: see :class:`~sftctl.providers.cloud.CloudProvider`.
+        key_name: an EC2 key pair to put on the nodes (none by default: nodes need no SSH).
+        ami_parameter: the SSM parameter naming the default image (the DLAMI's public parameter).
+        ami_name_pattern, ami_owners: the DescribeImages fallback when the parameter is unreadable.
+        regions: the regions ``list_instances`` searches (default: the regions of the catalog's aws
+            offerings).
+        teardown_timeout_s: how long ``terminate_tagged`` waits for instances to be terminated before
+            it deletes the job's security groups.
+        throttle_attempts: tries of one API call while AWS throttles it.
+    """
+
+    name = "aws"
+
+    def __init__(self, channel=None, poll_s: float = 2.0, ready_timeout_s: float = READY_TIMEOUT_S, *,
+                 key_name: str | None = None, ami_parameter: str = DLAMI_PARAMETER,
+                 ami_name_pattern: str = DLAMI_NAME_PATTERN, ami_owners: tuple[str, ...] = ("amazon",),
+                 regions: list[str] | None = None, teardown_timeout_s: float = 600.0,
+                 throttle_attempts: int = 8, **_: object):
+        super().__init__(channel=channel, poll_s=poll_s, ready_timeout_s=ready_timeout_s)
+        self.key_name = key_name
+        self.ami_parameter = ami_parameter
+        self.ami_name_pattern = ami_name_pattern
+        self.ami_owners = tuple(ami_owners)
+        self.regions = list(regions) if regions else sorted(
+            {o.region for o in cloud_offerings() if o.provider == "aws"})
+        self.teardown_timeout_s = teardown_timeout_s
+        self._retry = retry_throttled(_is_retryable, attempts=throttle_attempts)
+        self._session = _boto3().session.Session()
+        self._lock = threading.Lock()
+        self._clients: dict[tuple[str, str], object] = {}
+        self._zones: dict[str, list[str]] = {}
+        self._type_zones: dict[tuple[str, str], set[str] | None] = {}
+        self._images: dict[str, str] = {}
+        self._groups: dict[tuple[str, str], str] = {}
+        self._key_locks: dict[tuple, threading.Lock] = {}
+        self._created: dict[str, float] = {}  # instance id -> time.monotonic() of RunInstances
+        self._watch: dict[str, dict[str, float]] = {}  # region -> {instance id: when last asked}
+        self._seen: dict[str, tuple[str | None, float]] = {}  # instance id -> (EC2 state or None, when)
+        self._offline = False  # offerings() found AWS unreachable or the credentials unusable
+
+    # ------------------------------------------------------------ plumbing
+
+    def client(self, service: str, region: str):
+        """A boto3 client of ``service`` in ``region`` (cached; clients are thread-safe, creating them
+        from one session is not, hence the lock). botocore's retries are off, see the module doc."""
+        key = (service, region)
+        with self._lock:
+            if key not in self._clients:
+                from botocore.config import Config
+
+                config = Config(retries={"mode": "standard", "total_max_attempts": 1},
+                                max_pool_connections=32, connect_timeout=10, read_timeout=60)
+                self._clients[key] = self._session.client(service, region_name=region, config=config)
+            return self._clients[key]
+
+    def _call(self, service: str, region: str, operation: str, **kwargs) -> dict:
+        """``operation`` of ``service`` in ``region``, retried while throttled."""
+        fn = getattr(self.client(service, region), operation)
+        return self._retry(fn)(**kwargs)
+
+    def _key_lock(self, key: tuple) -> threading.Lock:
+        with self._lock:
+            return self._key_locks.setdefault(key, threading.Lock())
+
+    def _fail(self, e: Exception, what: str) -> ProviderError:
+        """``e`` (raised while doing ``what``) as the SftctlError the user sees."""
+        if isinstance(e, ProviderError):
+            return e
+        if _credential_failure(e):
+            return credentials_error(e, what)
+        code = _error_code(e)
+        detail = f"{code}: {_error_message(e)}" if code else _error_message(e)
+        hint = None
+        if code in ("VPCIdNotSpecified", "MissingInput", "InvalidSubnet"):
+            hint = "sftctl launches into the region's default VPC; create one with `aws ec2 create-default-vpc`"
+        return ProviderError(f"aws: cannot {what}: {detail}", hint=hint)
+
+    def _default_region(self) -> str:
+        return self._session.region_name or (self.regions[0] if self.regions else "us-east-1")
+
+    # ------------------------------------------------------------ CloudProvider: infrastructure
+
+    def check(self) -> None:
+        """Ask STS who we are (``GetCallerIdentity`` needs no permission, so it tests credentials only).
+
+        Raises:
+            CredentialsError: credentials are missing, invalid or expired (exit code 4).
+            ProviderError: AWS could not be reached.
+        """
+        try:
+            self._call("sts", self._default_region(), "get_caller_identity")
+        except Exception as e:
+            raise self._fail(e, "check credentials") from e
+
+    def offerings(self, accelerator: str, count: int) -> list[Offering]:
+        """The catalog's aws rows for ``count`` x ``accelerator`` per node, less the instance types that
+        ``DescribeInstanceTypeOfferings`` says a region does not sell (only when credentials work;
+        without them, every catalog row is returned)."""
+        rows = [o for o in cloud_offerings() if o.provider == "aws" and o.count == count
+                and o.accelerator.lower() == accelerator.lower()]
+        out = []
+        for o in rows:
+            offered = self._region_types(o.region, sorted({r.instance_type for r in rows if r.region == o.region}))
+            if offered is None or o.instance_type in offered:
+                out.append(o)
+        return out
+
+    def _region_types(self, region: str, types: list[str]) -> set[str] | None:
+        key = ("region-types", region, tuple(types))
+        if key in self._type_zones:
+            return self._type_zones[key]
+        if self._offline:
+            return None
+        try:
+            pages = self.client("ec2", region).get_paginator("describe_instance_type_offerings").paginate(
+                LocationType="region", Filters=[{"Name": "instance-type", "Values": types}])
+            offered = {o["InstanceType"] for page in pages for o in page["InstanceTypeOfferings"]}
+        except Exception as e:  # no credentials, no network: the catalog alone decides
+            log.debug("aws: not filtering offerings in %s: %s", region, e)
+            self._offline = True
+            offered = None
+        self._type_zones[key] = offered
+        return offered
+
+    def zones(self, region: str) -> list[str]:
+        """The region's Availability Zones in state ``available`` (not Local or Wavelength Zones), sorted."""
+        with self._key_lock(("zones", region)):
+            return self._zones_locked(region)
+
+    def _zones_locked(self, region: str) -> list[str]:
+        if region not in self._zones:
+            try:
+                resp = self._call("ec2", region, "describe_availability_zones",
+                                  Filters=[{"Name": "state", "Values": ["available"]}])
+            except Exception as e:
+                raise self._fail(e, f"list the availability zones of {region}") from e
+            self._zones[region] = sorted(
+                z["ZoneName"] for z in resp["AvailabilityZones"]
+                if z.get("ZoneType", "availability-zone") == "availability-zone")
+        return list(self._zones[region])
+
+    def zones_offering(self, region: str, instance_type: str) -> set[str] | None:
+        """The zones of ``region`` that sell ``instance_type`` (``DescribeInstanceTypeOfferings``), or
+        None when AWS would not say (the zone walk then asks RunInstances itself)."""
+        key = (region, instance_type)
+        with self._key_lock(("type-zones",) + key):
+            return self._zones_offering_locked(key)
+
+    def _zones_offering_locked(self, key: tuple[str, str]) -> set[str] | None:
+        region, instance_type = key
+        if key not in self._type_zones:
+            try:
+                pages = self.client("ec2", region).get_paginator("describe_instance_type_offerings").paginate(
+                    LocationType="availability-zone", Filters=[{"Name": "instance-type", "Values": [instance_type]}])
+                self._type_zones[key] = {o["Location"] for page in pages for o in page["InstanceTypeOfferings"]}
+            except Exception as e:
+                if _credential_failure(e):
+                    raise self._fail(e, "describe instance type offerings") from e
+                self._type_zones[key] = None
+        return self._type_zones[key]
+
+    def provision(self, job_id: str, node_id: str, rank: int, offering: Offering, **kwargs) -> dict:
+        """:meth:`CloudProvider.provision`, first blocking the zones of the region that do not sell the
+        instance type at all (``DescribeInstanceTypeOfferings``), so the zone walk asks RunInstances
+        only where capacity is possible and a final error names the capacity failures."""
+        offered = self.zones_offering(offering.region, offering.instance_type)
+        if offered is not None:
+            for zone in self.zones(offering.region):
+                if zone not in offered:
+                    self.blocked_zones.add((offering.instance_type, zone))
+        return super().provision(job_id, node_id, rank, offering, **kwargs)
+
+    def create_instance(self, request: InstanceRequest) -> dict:
+        """RunInstances for one node in ``request.zone``; returns ``{id, region, zone, instance_type,
+        spot, sg}`` as soon as AWS accepted it (the base class waits for ``running``).
+
+        Raises:
+            CapacityError: no capacity or quota (scope per the module docstring).
+            CredentialsError: the credentials are missing or may not launch instances.
+            ProviderError: any other refusal, with AWS's code and message.
+        """
+        offering, zone = request.offering, request.zone
+        region, itype = offering.region, offering.instance_type
+        offered = self.zones_offering(region, itype)
+        if offered is not None and zone not in offered:
+            raise CapacityError(f"aws: {itype} is not offered in {zone}", provider=self.name, scope="zone",
+                                region=region, zone=zone, instance_type=itype, code="Unsupported")
+        user_data = request.bootstrap or ""
+        if len(user_data.encode()) > MAX_USER_DATA_BYTES:
+            raise ProviderError(f"aws: the bootstrap script is {len(user_data.encode())} bytes; EC2 user data "
+                                f"holds at most {MAX_USER_DATA_BYTES}", hint="move large files to the job's storage")
+        image = request.image or self.default_image(region)
+        sg = self.security_group(request.job_id, region)
+        tags = [{"Key": k, "Value": v} for k, v in request.labels.items()]
+        tags.append({"Key": "Name", "Value": f"sftctl-{label_value(request.job_id)}-{label_value(request.node_id)}"})
+        kwargs = dict(
+            ImageId=image, InstanceType=itype, MinCount=1, MaxCount=1,
+            Placement={"AvailabilityZone": zone}, SecurityGroupIds=[sg],
+            TagSpecifications=[{"ResourceType": "instance", "Tags": tags},
+                               {"ResourceType": "volume", "Tags": tags}],
+            MetadataOptions={"HttpTokens": "required", "HttpEndpoint": "enabled"},
+            InstanceInitiatedShutdownBehavior="terminate",
+            ClientToken=uuid.uuid4().hex,  # one per call, kept across the throttling retries
+        )
+        if user_data:
+            kwargs["UserData"] = user_data  # boto3 base64-encodes it
+        if self.key_name:
+            kwargs["KeyName"] = self.key_name
+        if request.spot:
+            kwargs["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
+                "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
+        try:
+            resp = self._call("ec2", region, "run_instances", **kwargs)
+        except Exception as e:
+            raise self._run_error(e, request) from e
+        instance_id = resp["Instances"][0]["InstanceId"]
+        with self._lock:
+            self._created[instance_id] = time.monotonic()
+        return {"id": instance_id, "region": region, "zone": zone, "instance_type": itype,
+                "spot": bool(request.spot), "sg": sg}
+
+    def _run_error(self, e: Exception, request: InstanceRequest) -> ProviderError:
+        """A RunInstances failure as CapacityError / CredentialsError / ProviderError."""
+        code, message = _error_code(e), _error_message(e)
+        region, zone, itype = request.offering.region, request.zone, request.offering.instance_type
+        market = "spot" if request.spot else "on-demand"
+
+        def capacity(scope: str, what: str, hint: str | None = None) -> CapacityError:
+            return CapacityError(f"aws: {what} ({code}: {message})", provider=self.name, scope=scope,
+                                 region=region, zone=zone, instance_type=itype, code=code, hint=hint)
+
+        if code in ("InsufficientInstanceCapacity", "InsufficientCapacity", "UnfulfillableCapacity"):
+            low = message.lower()
+            regional = "availability zone" not in low and (zone or "") not in message and "region" in low
+            return capacity("offering" if regional else "zone",
+                            f"no {market} {itype} capacity in {region if regional else zone}")
+        if code == "Unsupported":
+            return capacity("zone", f"{itype} ({market}) is not supported in {zone}")
+        if code == "SpotMaxPriceTooLow":
+            return capacity("offering", f"the spot price of {itype} in {region} is above the maximum price",
+                            hint="use on-demand capacity, or another offering")
+        if code in ("MaxSpotInstanceCountExceeded", "VcpuLimitExceeded", "InstanceLimitExceeded"):
+            quota = quota_for(itype, request.spot)
+            where = (f"the '{quota[0]}' quota (code {quota[1]})" if quota else f"the {market} vCPU quota of {itype}")
+            return capacity("region", f"{market} {itype} in {region} would exceed {where}",
+                            hint=f"request an increase: aws service-quotas request-service-quota-increase "
+                                 f"--service-code ec2 --quota-code {quota[1] if quota else 'CODE'} "
+                                 f"--region {region} --desired-value VCPUS")
+        return self._fail(e, f"launch {itype} in {zone}")
+
+    def default_image(self, region: str) -> str:
+        """The default AMI of ``region``: the SSM parameter's value, else the newest image matching
+        ``ami_name_pattern`` owned by ``ami_owners`` (cached per region).
+
+        Raises:
+            ProviderError: neither gives an image (set ``image:`` in the job spec).
+        """
+        with self._key_lock(("image", region)):
+            if region in self._images:
+                return self._images[region]
+            image = None
+            try:
+                image = self._call("ssm", region, "get_parameter", Name=self.ami_parameter)["Parameter"]["Value"]
+            except Exception as e:
+                if _credential_failure(e) and _error_code(e) not in ("AccessDenied", "AccessDeniedException"):
+                    raise self._fail(e, "read the default image parameter") from e
+                log.debug("aws: SSM parameter %s unreadable in %s: %s", self.ami_parameter, region, e)
+            if not image:
+                try:
+                    images = self._call("ec2", region, "describe_images", Owners=list(self.ami_owners), Filters=[
+                        {"Name": "name", "Values": [self.ami_name_pattern]},
+                        {"Name": "state", "Values": ["available"]}])["Images"]
+                except Exception as e:
+                    raise self._fail(e, f"find the default image in {region}") from e
+                if images:
+                    image = max(images, key=lambda i: i.get("CreationDate", ""))["ImageId"]
+            if not image:
+                raise ProviderError(f"aws: no default image in {region}: neither SSM parameter {self.ami_parameter} "
+                                    f"nor an image named {self.ami_name_pattern!r} was found",
+                                    hint="set image: ami-... in the job spec")
+            self._images[region] = image
+            return image
+
+    def security_group(self, job_id: str, region: str) -> str:
+        """The id of the job's security group in ``region``, created on first use.
+
+        Idempotent across threads (a lock per job and region) and processes (``InvalidGroup.Duplicate``
+        means another process created it: it is looked up). Inbound: all protocols from the group
+        itself only. Outbound: EC2's default (everything), which nodes need for storage and packages.
+        """
+        job = label_value(job_id)
+        key = (region, job)
+        with self._key_lock(("sg", region, job)):
+            if key in self._groups:
+                return self._groups[key]
+            name = f"sftctl-{job}"
+            try:
+                found = self._find_groups(region, job, name)
+                if found:
+                    group_id = found[0]
+                else:
+                    tags = [{"Key": MANAGED_LABEL, "Value": "true"}, {"Key": JOB_LABEL, "Value": job},
+                            {"Key": "Name", "Value": name}]
+                    try:
+                        group_id = self._call("ec2", region, "create_security_group", GroupName=name,
+                                              Description=f"sftctl job {job}: nodes reach each other only",
+                                              TagSpecifications=[{"ResourceType": "security-group", "Tags": tags}]
+                                              )["GroupId"]
+                    except Exception as e:
+                        if _error_code(e) != "InvalidGroup.Duplicate":
+                            raise
+                        found = self._find_groups(region, job, name)
+                        if not found:
+                            raise
+                        group_id = found[0]
+                try:
+                    self._call("ec2", region, "authorize_security_group_ingress", GroupId=group_id, IpPermissions=[
+                        {"IpProtocol": "-1", "UserIdGroupPairs": [{"GroupId": group_id,
+                                                                    "Description": "nodes of the same job"}]}])
+                except Exception as e:
+                    if _error_code(e) != "InvalidPermission.Duplicate":
+                        raise
+            except Exception as e:
+                raise self._fail(e, f"create security group {name} in {region}") from e
+            self._groups[key] = group_id
+            return group_id
+
+    def _find_groups(self, region: str, job: str, name: str | None = None) -> list[str]:
+        filters = [{"Name": f"tag:{JOB_LABEL}", "Values": [job]}, {"Name": f"tag:{MANAGED_LABEL}", "Values": ["true"]}]
+        if name:
+            filters.append({"Name": "group-name", "Values": [name]})
+        groups = self._call("ec2", region, "describe_security_groups", Filters=filters)["SecurityGroups"]
+        return [g["GroupId"] for g in groups]
+
+    def describe(self, handle: dict) -> InstanceState:
+        """The instance's state: pending -> PENDING, running -> RUNNING, shutting-down / stopping /
+        stopped -> STOPPING, terminated or not found -> GONE (not found within
+        ``EVENTUAL_CONSISTENCY_S`` of its creation by this object -> PENDING).
+
+        Calls are coalesced per region: one DescribeInstances (by instance ids) answers for
+        every instance this object was asked about lately, and an answer asked for at most
+        ``poll_s / 2`` before this call is reused. 64 nodes waiting to boot thus cost ~2 describe calls per ``poll_s`` instead of 64:
+        EC2 throttles Describe* calls per account and region (EC2 User Guide, "Request throttling").
+        """
+        instance_id, region = handle["id"], handle["region"]
+        oldest = time.monotonic() - self.poll_s / 2  # an answer asked for after this will do
+        with self._lock:
+            self._watch.setdefault(region, {})[instance_id] = time.monotonic()
+            seen = self._seen.get(instance_id)
+        if seen is None or seen[1] < oldest:
+            # one fetch at a time per region: threads that queue behind a fetch are in the watch
+            # list, so the next fetch answers all of them at once
+            with self._key_lock(("describe", region)):
+                seen = self._seen.get(instance_id)
+                if seen is None or seen[1] < oldest:
+                    seen = self._describe_watched(region, instance_id)
+        if seen[0] is None:
+            created = self._created.get(instance_id)
+            if created is not None and time.monotonic() - created < EVENTUAL_CONSISTENCY_S:
+                return InstanceState.PENDING
+            return InstanceState.GONE
+        return _STATES.get(seen[0], InstanceState.PENDING)
+
+    def _describe_watched(self, region: str, wanted: str) -> tuple[str | None, float]:
+        """Fetch the states of ``wanted`` and of the instances of ``region`` asked about within the
+        last few polls; return ``wanted``'s (EC2 state name or None when not found, when asked)."""
+        keep_s = 1.5 * self.poll_s + 0.05  # a waiter asks every poll_s
+        with self._lock:
+            watch = self._watch.setdefault(region, {})
+            now = time.monotonic()
+            watch[wanted] = now
+            for instance_id in [i for i, t in watch.items() if now - t > keep_s]:
+                del watch[instance_id]
+                self._seen.pop(instance_id, None)
+            ids = sorted(watch)
+        asked = time.monotonic()  # the answer is at least this fresh
+        states: dict[str, str] = {}
+        for start in range(0, len(ids), 1000):
+            states.update(self._instance_states(region, ids[start:start + 1000]))
+        with self._lock:
+            for instance_id in ids:
+                self._seen[instance_id] = (states.get(instance_id), asked)
+        return states.get(wanted), asked
+
+    def _instance_states(self, region: str, ids: list[str]) -> dict[str, str]:
+        """EC2 state names of ``ids`` (at most 1000) that exist. One DescribeInstances by id; when
+        EC2 says some id does not exist (the whole call then fails), the ids are asked one by one."""
+        try:
+            try:
+                resp = self._call("ec2", region, "describe_instances", InstanceIds=ids)
+            except Exception as e:
+                if _error_code(e) != "InvalidInstanceID.NotFound":
+                    raise
+                if len(ids) == 1:
+                    return {}
+                out: dict[str, str] = {}
+                for instance_id in ids:
+                    out.update(self._instance_states(region, [instance_id]))
+                return out
+        except Exception as e:
+            raise self._fail(e, f"describe {len(ids)} instances in {region}") from e
+        return {i["InstanceId"]: i["State"]["Name"] for r in resp["Reservations"] for i in r["Instances"]}
+
+    def _forget(self, instance_ids) -> None:
+        """Drop cached states (after asking to terminate), so the next describe asks EC2."""
+        with self._lock:
+            for instance_id in instance_ids:
+                self._seen.pop(instance_id, None)
+
+    def delete_instance(self, handle: dict) -> None:
+        """TerminateInstances; an instance that does not exist (any more) is not an error."""
+        self._forget([handle["id"]])
+        try:
+            self._call("ec2", handle["region"], "terminate_instances", InstanceIds=[handle["id"]])
+        except Exception as e:
+            if _error_code(e) != "InvalidInstanceID.NotFound":
+                raise self._fail(e, f"terminate instance {handle['id']}") from e
+
+    def list_instances(self, job_id: str | None = None) -> list[dict]:
+        """Instances tagged ``sftctl-managed=true`` (and ``sftctl-job=<job>``) in ``self.regions``,
+        not terminated, each ``{id, region, zone, instance_type, job_id, node_id, state, spot}`` (the
+        job and node ids are the tag values, i.e. :func:`label_value` of the real ids)."""
+        filters = [{"Name": f"tag:{MANAGED_LABEL}", "Values": ["true"]},
+                   {"Name": "instance-state-name", "Values": _LIVE_STATES}]
+        if job_id is not None:
+            filters.append({"Name": f"tag:{JOB_LABEL}", "Values": [label_value(job_id)]})
+        out = []
+        for region in self.regions:
+            try:
+                pages = self.client("ec2", region).get_paginator("describe_instances").paginate(Filters=filters)
+                instances = [i for page in pages for r in page["Reservations"] for i in r["Instances"]]
+            except Exception as e:
+                raise self._fail(e, f"list instances in {region}") from e
+            for i in instances:
+                tags = {t["Key"]: t["Value"] for t in i.get("Tags", [])}
+                out.append({"id": i["InstanceId"], "region": region,
+                            "zone": i.get("Placement", {}).get("AvailabilityZone"),
+                            "instance_type": i["InstanceType"], "job_id": tags.get(JOB_LABEL),
+                            "node_id": tags.get(NODE_LABEL), "state": i["State"]["Name"],
+                            "spot": i.get("InstanceLifecycle") == "spot"})
+        return out
+
+    def terminate_tagged(self, job_id: str) -> int:
+        """Terminate every live instance of ``job_id`` (one call per region), wait (at most
+        ``teardown_timeout_s``) until the job's security groups hold no live instance, and delete
+        them. Returns how many instances there were; security groups are not counted. A group still
+        in use after the wait is left (logged) for the next ``sftctl down``."""
+        found = self.list_instances(job_id)
+        by_region: dict[str, list[str]] = {}
+        for handle in found:
+            by_region.setdefault(handle["region"], []).append(handle["id"])
+        for region, ids in by_region.items():
+            self._terminate_ids(region, ids)
+        terminated = {h["id"] for h in found}
+        job = label_value(job_id)
+        end = time.monotonic() + self.teardown_timeout_s
+        for region in self.regions:
+            try:
+                groups = self._find_groups(region, job)
+            except Exception as e:
+                raise self._fail(e, f"list the security groups of job {job} in {region}") from e
+            for group_id in groups:
+                terminated |= self._delete_group(region, group_id, end, terminated)
+            with self._lock:
+                self._groups.pop((region, job), None)
+        return len(terminated)
+
+    def _terminate_ids(self, region: str, ids: list[str]) -> None:
+        for start in range(0, len(ids), 1000):  # TerminateInstances takes up to 1000 ids
+            chunk = ids[start:start + 1000]
+            self._forget(chunk)
+            try:
+                self._call("ec2", region, "terminate_instances", InstanceIds=chunk)
+            except Exception as e:
+                if _error_code(e) != "InvalidInstanceID.NotFound":
+                    raise self._fail(e, f"terminate {len(chunk)} instances in {region}") from e
+                for instance_id in chunk:  # one of them is gone already: the others one by one
+                    self.delete_instance({"id": instance_id, "region": region})
+
+    def _delete_group(self, region: str, group_id: str, end: float, terminated: set[str]) -> set[str]:
+        """Wait until no live instance uses ``group_id`` (terminating any not yet asked to, e.g. one
+        whose RunInstances was in flight when the instances were listed), then delete the group.
+        Returns the ids of the instances it terminated."""
+        extra: set[str] = set()
+        while True:
+            try:
+                resp = self._call("ec2", region, "describe_instances", Filters=[
+                    {"Name": "instance.group-id", "Values": [group_id]},
+                    {"Name": "instance-state-name", "Values": _LIVE_STATES}])
+                live = {i["InstanceId"]: i["State"]["Name"] for r in resp["Reservations"] for i in r["Instances"]}
+                late = [i for i, s in live.items() if s != "shutting-down" and i not in terminated | extra]
+                if late:
+                    self._terminate_ids(region, late)
+                    extra |= set(late)
+                if not live:
+                    self._call("ec2", region, "delete_security_group", GroupId=group_id)
+                    return extra
+            except Exception as e:
+                code = _error_code(e)
+                if code == "InvalidGroup.NotFound":
+                    return extra
+                if code != "DependencyViolation":
+                    raise self._fail(e, f"delete security group {group_id} in {region}") from e
+            if time.monotonic() > end:
+                log.warning("aws: security group %s in %s still in use after %.0f s; `sftctl down` again "
+                            "deletes it", group_id, region, self.teardown_timeout_s)
+                return extra
+            time.sleep(max(0.05, min(self.poll_s, 5.0)))
