@@ -21,6 +21,15 @@ Environment variables read (all optional):
     Directory for per-rank metrics files ``rank-<global rank>.jsonl``. Unset: ``report`` is a no-op.
 ``SFTCTL_CHECKPOINT_DIR``
     Directory holding ``step-%08d`` checkpoint directories. Default ``./checkpoints``.
+``SFTCTL_STORAGE_URL``
+    The job's durable storage (``s3://bucket/prefix``, ``gs://bucket/prefix``, a directory; see
+    :mod:`sftctl.storage`). When set, ``save_checkpoint`` also uploads every checkpoint there
+    (``checkpoints/step-%08d/`` with its ``MANIFEST.json`` written last, see
+    :mod:`sftctl.storage.checkpoints`) and prunes it to the same ``keep``; ``latest_checkpoint``
+    and ``load_latest_checkpoint`` resume from the newest complete checkpoint of the storage or
+    of the local directory, downloading it into the local directory when only the storage has
+    it (a replacement node starts with an empty disk). The local directory is then a cache.
+    Unset: everything stays on the local disk.
 ``RANK`` / ``SFTCTL_NODE_RANK``
     Global rank of this process (``RANK`` is set by torchrun); the first one set wins, else 0.
 ``SFTCTL_TRAIN_STEPS``, ``SFTCTL_BATCH_SIZE``, ``SFTCTL_CHECKPOINT_INTERVAL``, ``SFTCTL_DTYPE``,
@@ -37,6 +46,7 @@ Checkpoint layout on disk (inside ``checkpoint_dir()``)::
 A checkpoint directory only ever appears under its final ``step-%08d`` name through an atomic
 ``os.rename`` of a fully written and fsynced temporary directory, so a crash at any point leaves
 either the previous checkpoints or the new complete one, never a torn one that is picked up.
+A checkpoint downloaded from job storage goes through the same temporary directory and rename.
 """
 
 from __future__ import annotations
@@ -241,14 +251,20 @@ def save_checkpoint(state: dict[str, Any], step: int, *, keep: int = 3) -> Path:
         step: the training step this state is after; non-negative.
         keep: how many complete checkpoints to keep, counting this one; at least 1.
 
+    5. With ``$SFTCTL_STORAGE_URL`` set: upload the new checkpoint directory to the job's storage
+       (data first, ``MANIFEST.json`` last) and prune the storage to the newest ``keep`` too.
+
     Returns:
         The final checkpoint directory, ``<checkpoint_dir>/step-%08d``.
 
     Raises:
         ValueError: ``step`` is negative or ``keep`` is below 1.
-        ImportError: torch is not installed.
+        ImportError: torch is not installed (or, with job storage, its SDK: boto3,
+            google-cloud-storage).
         OSError: the checkpoint could not be written (the temporary directory is removed; earlier
             checkpoints are untouched).
+        sftctl.storage.StorageError: the upload to job storage failed. The local checkpoint is
+            in place; the storage keeps its earlier complete checkpoints.
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
@@ -294,6 +310,11 @@ def save_checkpoint(state: dict[str, Any], step: int, *, keep: int = 3) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _prune(root, keep)
+    storage = _job_storage()
+    if storage is not None:
+        from sftctl.storage.checkpoints import write_checkpoint
+
+        write_checkpoint(storage, step, final, keep=keep)
     return final
 
 
@@ -302,13 +323,75 @@ def latest_checkpoint() -> Path | None:
 
     A directory counts only if it is named ``step-%08d`` and holds both ``state.pt`` and a readable
     ``COMPLETE`` marker; temporary (``*.tmp-*``) and half-written directories are never returned.
+
+    With ``$SFTCTL_STORAGE_URL`` set, the newest complete checkpoint of the job's storage counts
+    too: when it is newer than every local one, it is downloaded (sha256-checked) into
+    ``checkpoint_dir()`` first, atomically like a save, and that directory is returned.
+
+    Raises:
+        sftctl.storage.StorageError: job storage is set and cannot be read.
     """
-    complete = _complete_checkpoints(checkpoint_dir())
-    return complete[-1][1] if complete else None
+    root = checkpoint_dir()
+    complete = _complete_checkpoints(root)
+    local = complete[-1] if complete else None
+    storage = _job_storage()
+    if storage is not None:
+        from sftctl.storage.checkpoints import latest_complete
+
+        remote = latest_complete(storage)
+        if remote is not None and (local is None or remote > local[0]):
+            return _download_checkpoint(storage, remote, root)
+    return local[1] if local else None
+
+
+def _job_storage():
+    """The job's storage from ``$SFTCTL_STORAGE_URL``, or None when it is unset."""
+    url = os.environ.get("SFTCTL_STORAGE_URL", "").strip()
+    if not url:
+        return None
+    from sftctl.storage import open_storage  # lazy: keep this module's import light
+
+    cached = _storage_cache.get(url)
+    if cached is None:
+        cached = _storage_cache[url] = open_storage(url)
+    return cached
+
+
+_storage_cache: dict[str, Any] = {}
+
+
+def _download_checkpoint(storage: Any, step: int, root: Path) -> Path:
+    """Download the storage's checkpoint of ``step`` into ``root/step-%08d`` (tmp dir + rename)."""
+    from sftctl.storage.checkpoints import download_checkpoint
+
+    root.mkdir(parents=True, exist_ok=True)
+    name = _step_name(step)
+    final = root / name
+    tmp = root / f"{name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        download_checkpoint(storage, step, tmp)
+        with open(tmp / COMPLETE_FILE, "w", encoding="utf-8") as fh:  # the manifest's step decides
+            json.dump({"step": int(step)}, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if not (tmp / STATE_FILE).is_file():
+            raise FileNotFoundError(f"checkpoint {step} in {storage.url} has no {STATE_FILE}")
+        _fsync_dir(tmp)
+        if final.exists():  # an incomplete local dir of the same step: replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
 
 
 def load_latest_checkpoint(map_location: Any = "cpu") -> tuple[int, dict[str, Any]] | None:
-    """Load the newest complete checkpoint.
+    """Load the newest complete checkpoint (of the local directory or, with
+    ``$SFTCTL_STORAGE_URL`` set, of the job's storage too: see :func:`latest_checkpoint`).
 
     Args:
         map_location: passed to ``torch.load`` (default: load every tensor onto the CPU).
@@ -349,7 +432,16 @@ def _read_complete(path: Path) -> int | None:
 
 
 def complete_checkpoint_steps(root: str | os.PathLike) -> list[int]:
-    """The steps of the complete checkpoints under ``root``, oldest first (what a resume sees)."""
+    """The steps of the complete checkpoints under ``root``, oldest first (what a resume sees).
+
+    ``root`` is a local directory, or a job storage URL (``s3://``, ``gs://``, ``file://``,
+    ``pvc://``): then the steps whose ``MANIFEST.json`` and listed objects are all there.
+    """
+    if isinstance(root, str) and "://" in root:
+        from sftctl.storage import open_storage
+        from sftctl.storage.checkpoints import complete_steps
+
+        return complete_steps(open_storage(root))
     return [step for step, _ in _complete_checkpoints(Path(root))]
 
 

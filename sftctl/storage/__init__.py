@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import posixpath
 import shutil
 import stat
 import tempfile
@@ -515,8 +514,3 @@ def atomic_tempfile(dest: Path) -> tuple[int, str]:
     """A temporary file next to ``dest`` (for downloads renamed into place): ``(fd, path)``."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     return tempfile.mkstemp(prefix=f"{_TMP_MARK}{dest.name}.", dir=dest.parent)
-
-
-def join_key(*parts: str) -> str:
-    """Join key parts with ``/`` (``join_key("nodes", "n1", "node.log")``)."""
-    return posixpath.join(*parts)

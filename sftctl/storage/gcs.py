@@ -38,12 +38,11 @@ _CRED_HINT = ("run `gcloud auth application-default login` or set GOOGLE_APPLICA
 class GCSStorage(Storage):
     """``gs://bucket/prefix`` through one google-cloud-storage client, created on first use."""
 
-    _bucket_word = "bucket"
-
     def __init__(self, bucket: str, prefix: str = ""):
         self.bucket_name = bucket
         self.prefix = prefix
         self.url = f"gs://{bucket}/{prefix}".rstrip("/")
+        self._bucket_word = f"bucket {bucket}"
         self._bucket_hint = f"gcloud storage buckets create gs://{bucket}, or check the name"
         self._client: gcs.Client | None = None
         self._lock = threading.Lock()

@@ -41,12 +41,11 @@ _CRED_HINT = ("set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, and a
 class S3Storage(Storage):
     """``s3://bucket/prefix`` through one boto3 client (thread-safe; shared by transfers)."""
 
-    _bucket_word = "bucket"
-
     def __init__(self, bucket: str, prefix: str = ""):
         self.bucket = bucket
         self.prefix = prefix
         self.url = f"s3://{bucket}/{prefix}".rstrip("/")
+        self._bucket_word = f"bucket {bucket}"
         self._bucket_hint = f"aws s3 mb s3://{bucket}, or check the name and region"
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
         config = botocore.config.Config(
@@ -79,6 +78,10 @@ class S3Storage(Storage):
             if code == "NoSuchBucket" or (code in _NO_KEY and not key):
                 raise BucketNotFoundError(f"storage {self.url}: bucket {self.bucket} does not exist ({what})",
                                           hint=self._bucket_hint, url=self.url) from None
+            if code == "InvalidBucketName":
+                raise StorageError(f"storage {self.url}: invalid bucket name {self.bucket!r}",
+                                   hint="S3 bucket names are 3-63 lowercase letters, digits, '.' and '-'",
+                                   url=self.url) from None
             if code == "BucketAlreadyExists":
                 raise StorageError(f"storage {self.url}: bucket name {self.bucket} is taken by another account",
                                    hint="bucket names are global: pick another", url=self.url) from None

@@ -1,0 +1,328 @@
+"""Checkpoints in job storage, written so that a torn one is never resumed from.
+
+Layout (keys relative to the storage's prefix)::
+
+    checkpoints/step-00000100/state.pt          data objects (any names, nested allowed)
+    checkpoints/step-00000100/COMPLETE
+    checkpoints/step-00000100/MANIFEST.json     written LAST: {"format": 1, "step": 100,
+                                                "created_at": unix s, "files": [{"name": "state.pt",
+                                                "size": bytes, "sha256": hex}, ...]}
+
+Object stores have no rename, so atomicity comes from order: every data object is uploaded
+first, the manifest last. A checkpoint counts as *complete* only when its manifest exists, parses,
+names this step, and every object it lists exists with the listed size (a writer killed after
+the manifest of a rewrite was deleted, or an object deleted by hand, is caught by that check).
+Deleting goes the other way: manifest first, then the data, so a half-deleted checkpoint is
+incomplete too. sha256 sums are checked when a checkpoint is read (:func:`download_checkpoint`,
+:func:`read_file`), not when listing (that would read every byte).
+
+One writer per storage prefix at a time (typically global rank 0).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Mapping, Union
+
+from sftctl.storage import Storage, StorageError, StorageNotFound, _check_key
+
+__all__ = [
+    "MANIFEST",
+    "CheckpointFile",
+    "Manifest",
+    "complete_steps",
+    "delete_checkpoint",
+    "download_checkpoint",
+    "latest_complete",
+    "prune",
+    "read_file",
+    "read_manifest",
+    "step_prefix",
+    "write_checkpoint",
+]
+
+PREFIX = "checkpoints/"
+MANIFEST = "MANIFEST.json"
+_STEP_RE = re.compile(r"^checkpoints/step-(\d{8,})/(.+)$")
+_HASH_CHUNK = 8 * 1024 * 1024
+
+#: A checkpoint's content: ``{name: bytes | path of a file}``, or a directory (every file below it).
+CheckpointData = Union[Mapping[str, Union[bytes, str, os.PathLike]], str, os.PathLike]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointFile:
+    """One object of a checkpoint: ``name`` relative to the step's prefix, ``size`` in bytes, ``sha256`` hex."""
+
+    name: str
+    size: int
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """A checkpoint's manifest: its ``step``, ``files`` and ``created_at`` (unix s)."""
+
+    step: int
+    files: tuple[CheckpointFile, ...]
+    created_at: float = 0.0
+
+    def to_json(self) -> bytes:
+        return json.dumps({"format": 1, "step": self.step, "created_at": self.created_at,
+                           "files": [dataclasses.asdict(f) for f in self.files]}, indent=1).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "Manifest":
+        """Parse a manifest. Raises ValueError when it is malformed."""
+        try:
+            raw = json.loads(data)
+            files = tuple(CheckpointFile(str(f["name"]), int(f["size"]), str(f["sha256"])) for f in raw["files"])
+            return cls(int(raw["step"]), files, float(raw.get("created_at", 0.0)))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"malformed checkpoint manifest: {e}") from None
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def step_prefix(step: int) -> str:
+    """The key prefix of the checkpoint of ``step``: ``checkpoints/step-%08d/``."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"{PREFIX}step-{step:08d}/"
+
+
+def _sha256_file(path: str | os.PathLike) -> tuple[int, str]:
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            h.update(chunk)
+            n += len(chunk)
+    return n, h.hexdigest()
+
+
+def _collect(data: CheckpointData) -> dict[str, bytes | Path]:
+    """The checkpoint's ``{name: bytes | Path}``, names validated as keys."""
+    if isinstance(data, (str, os.PathLike)):
+        root = Path(data)
+        if not root.is_dir():
+            raise ValueError(f"checkpoint directory {root} does not exist")
+        items = {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*")) if p.is_file()}
+    else:
+        items = {name: (value if isinstance(value, (bytes, bytearray, memoryview)) else Path(value))
+                 for name, value in data.items()}
+    for name in items:
+        _check_key(name)
+        if name == MANIFEST:
+            raise ValueError(f"a checkpoint file may not be named {MANIFEST}")
+    if not items:
+        raise ValueError("a checkpoint needs at least one file")
+    return items
+
+
+def write_checkpoint(storage: Storage, step: int, data: CheckpointData, *, keep: int | None = 3,
+                     workers: int = 4) -> Manifest:
+    """Write the checkpoint of ``step``: data objects first, ``MANIFEST.json`` last; then prune.
+
+    An existing checkpoint of the same step (complete or torn) is replaced: its manifest is
+    deleted first, so from that moment until the new manifest lands the step is incomplete and
+    :func:`latest_complete` returns the previous one.
+
+    Args:
+        storage: the job's storage.
+        step: the training step; >= 0.
+        data: ``{name: bytes | file path}`` (names are relative keys such as ``state.pt`` or
+            ``shards/rank-0.pt``), or a directory whose files are all uploaded.
+        keep: keep this many newest complete checkpoints, counting this one (older ones are
+            deleted, and torn ones older than this step); None keeps everything.
+        workers: files uploaded in parallel (each big file is also uploaded in parallel parts).
+
+    Returns:
+        The manifest written.
+
+    Raises:
+        ValueError: a bad step, ``keep`` < 1, no files, or a bad file name.
+        StorageError: an upload failed; the step stays incomplete and earlier checkpoints stay.
+        OSError: a source file cannot be read.
+    """
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    prefix = step_prefix(step)
+    items = _collect(data)
+    storage.delete(prefix + MANIFEST)
+    stale = {key for key, _ in storage.list(prefix)}
+
+    def upload(name: str) -> CheckpointFile:
+        value = items[name]
+        if isinstance(value, Path):
+            size, sha = _sha256_file(value)
+            storage.upload_file(prefix + name, value)
+        else:
+            value = bytes(value)
+            size, sha = len(value), hashlib.sha256(value).hexdigest()
+            storage.put_bytes(prefix + name, value)
+        return CheckpointFile(name, size, sha)
+
+    names = sorted(items)
+    if workers > 1 and len(names) > 1:
+        with concurrent.futures.ThreadPoolExecutor(min(workers, len(names))) as pool:
+            files = list(pool.map(upload, names))
+    else:
+        files = [upload(name) for name in names]
+    for key in sorted(stale - {prefix + n for n in names}):  # leftovers of a torn earlier write
+        storage.delete(key)
+    manifest = Manifest(int(step), tuple(files), time.time())
+    storage.put_bytes(prefix + MANIFEST, manifest.to_json())
+    if keep is not None:
+        prune(storage, keep)
+    return manifest
+
+
+def read_manifest(storage: Storage, step: int) -> Manifest | None:
+    """The manifest of ``step``, or None when it is missing or malformed (no completeness check)."""
+    try:
+        manifest = Manifest.from_json(storage.get_bytes(step_prefix(step) + MANIFEST))
+    except (StorageNotFound, ValueError):
+        return None
+    return manifest if manifest.step == step else None
+
+
+def _scan(storage: Storage) -> dict[int, dict[str, int]]:
+    """``{step: {name: size}}`` of every object under ``checkpoints/`` (one listing)."""
+    steps: dict[int, dict[str, int]] = {}
+    for key, size in storage.list(PREFIX):
+        m = _STEP_RE.match(key)
+        if m:
+            steps.setdefault(int(m.group(1)), {})[m.group(2)] = size
+    return steps
+
+
+def _is_complete(storage: Storage, step: int, objects: dict[str, int]) -> bool:
+    if MANIFEST not in objects:
+        return False
+    manifest = read_manifest(storage, step)
+    return manifest is not None and all(objects.get(f.name) == f.size for f in manifest.files)
+
+
+def complete_steps(storage: Storage) -> list[int]:
+    """The steps of every complete checkpoint, oldest first (reads each candidate's manifest)."""
+    return [step for step, objects in sorted(_scan(storage).items()) if _is_complete(storage, step, objects)]
+
+
+def latest_complete(storage: Storage) -> int | None:
+    """The newest step whose checkpoint is complete (see the module docstring), or None.
+
+    A torn checkpoint (no manifest, a malformed one, or a listed object missing or of another
+    size) is skipped and the next older one is considered.
+    """
+    for step, objects in sorted(_scan(storage).items(), reverse=True):
+        if _is_complete(storage, step, objects):
+            return step
+    return None
+
+
+def delete_checkpoint(storage: Storage, step: int) -> int:
+    """Delete the checkpoint of ``step``: manifest first, then its data. Returns objects deleted."""
+    prefix = step_prefix(step)
+    had_manifest = storage.exists(prefix + MANIFEST)
+    storage.delete(prefix + MANIFEST)
+    return storage.delete_prefix(prefix) + int(had_manifest)
+
+
+def prune(storage: Storage, keep: int) -> list[int]:
+    """Keep the newest ``keep`` complete checkpoints; delete older complete ones, and torn ones
+    older than the newest complete one (left by killed writers). Torn checkpoints newer than
+    that are left alone: one may be being written. Returns the steps deleted."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    scanned = _scan(storage)
+    complete = [s for s, objects in sorted(scanned.items()) if _is_complete(storage, s, objects)]
+    if not complete:
+        return []
+    doomed = set(complete[:-keep]) | {s for s in scanned if s not in complete and s < complete[-1]}
+    for step in sorted(doomed):
+        delete_checkpoint(storage, step)
+    return sorted(doomed)
+
+
+def _need_manifest(storage: Storage, step: int) -> Manifest:
+    manifest = read_manifest(storage, step)
+    if manifest is None:
+        raise StorageNotFound(f"storage {storage.url}: no complete checkpoint of step {step}",
+                              hint="sftctl.storage.checkpoints.complete_steps() lists those there are",
+                              url=storage.url, key=step_prefix(step) + MANIFEST)
+    return manifest
+
+
+def read_file(storage: Storage, step: int, name: str, *, verify: bool = True) -> bytes:
+    """The bytes of file ``name`` of the checkpoint of ``step``, sha256-checked when ``verify``.
+
+    Raises:
+        StorageNotFound: the step has no manifest or lists no such file.
+        StorageError: the object's sha256 does not match the manifest.
+    """
+    manifest = _need_manifest(storage, step)
+    entry = next((f for f in manifest.files if f.name == name), None)
+    if entry is None:
+        raise StorageNotFound(f"storage {storage.url}: checkpoint {step} has no file {name}",
+                              url=storage.url, key=step_prefix(step) + name)
+    data = storage.get_bytes(step_prefix(step) + name)
+    if verify and hashlib.sha256(data).hexdigest() != entry.sha256:
+        raise _corrupt(storage, step, name)
+    return data
+
+
+def _corrupt(storage: Storage, step: int, name: str) -> StorageError:
+    return StorageError(f"storage {storage.url}: checkpoint {step}: {name} does not match its manifest's sha256",
+                        hint=f"delete the checkpoint (sftctl.storage.checkpoints.delete_checkpoint(storage, {step})) "
+                             "to resume from the one before", url=storage.url)
+
+
+def download_checkpoint(storage: Storage, step: int, dest: str | os.PathLike, *, verify: bool = True,
+                        workers: int = 4) -> Manifest:
+    """Download every file of the checkpoint of ``step`` into the directory ``dest`` (created),
+    each sha256-checked against the manifest when ``verify``. Returns the manifest.
+
+    Raises:
+        StorageNotFound: the step has no manifest, or a listed object is missing or of another
+            size (the checkpoint is incomplete).
+        StorageError: a file's sha256 does not match (it is removed from ``dest``).
+    """
+    manifest = _need_manifest(storage, step)
+    dest = Path(dest)
+    prefix = step_prefix(step)
+    there = {key[len(prefix):]: size for key, size in storage.list(prefix)}
+    missing = [f.name for f in manifest.files if there.get(f.name) != f.size]
+    if missing:
+        raise StorageNotFound(f"storage {storage.url}: checkpoint {step} is incomplete: "
+                              f"{', '.join(missing[:3])} missing or of another size",
+                              hint="resume from an earlier checkpoint (latest_complete)",
+                              url=storage.url, key=prefix + missing[0])
+
+    def fetch(entry: CheckpointFile) -> None:
+        target = dest.joinpath(*entry.name.split("/"))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        storage.download_file(prefix + entry.name, target)
+        if verify:
+            size, sha = _sha256_file(target)
+            if (size, sha) != (entry.size, entry.sha256):
+                target.unlink()
+                raise _corrupt(storage, step, entry.name)
+
+    dest.mkdir(parents=True, exist_ok=True)
+    if workers > 1 and len(manifest.files) > 1:
+        with concurrent.futures.ThreadPoolExecutor(min(workers, len(manifest.files))) as pool:
+            list(pool.map(fetch, manifest.files))
+    else:
+        for entry in manifest.files:
+            fetch(entry)
+    return manifest

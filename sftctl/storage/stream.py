@@ -1,0 +1,458 @@
+"""Append-only byte streams over object storage: how a cloud node's logs, metrics and GPU samples
+reach the controller (a node has no port the controller could connect to).
+
+A stream is a key prefix holding numbered, immutable segments::
+
+    nodes/<node id>/node.log/0000000000
+    nodes/<node id>/node.log/0000000001         ...
+
+whose concatenation is the stream. The node side, :class:`StreamWriter`, buffers appended bytes
+and writes the buffer as the next segment when it reaches ``flush_bytes`` (256 KiB), when its
+oldest byte has waited ``flush_interval_s`` (2 s), and on ``flush``/``close``. A failed segment
+write keeps the buffer and retries the same sequence number, so the stream never has a gap or a
+duplicate. The controller side, :class:`StreamReader`, reads the concatenation from a byte
+offset, listing only keys after the last segment it has seen.
+
+:class:`Shipper` runs on a node: it tails the node directory's files (the layout of
+:mod:`sftctl.providers.local`: ``node.log``, ``agent.log``, ``health.jsonl``,
+``metrics/rank-*.jsonl``) into the streams ``nodes/<node id>/<relative path>`` (byte offsets in
+a stream equal offsets in the file), and ships each ``exit-<attempt>`` file as the small object
+``nodes/<node id>/exit-<attempt>`` after flushing every stream, so a controller that sees the
+exit code has every log byte the attempt wrote. A restarted shipper continues each stream after
+the bytes already there.
+
+Run it from a node's bootstrap::
+
+    python -m sftctl.storage.stream --storage s3://bucket/prefix --node-id N --node-dir DIR
+
+It ships every ``--interval`` seconds (default 1) until SIGTERM/SIGINT, then ships what is left.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from sftctl.storage import Storage, StorageError, StorageNotFound
+
+__all__ = [
+    "FLUSH_BYTES",
+    "FLUSH_INTERVAL_S",
+    "Shipper",
+    "StreamReader",
+    "StreamWriter",
+    "node_prefix",
+    "read_json_lines",
+    "segment_key",
+]
+
+#: A segment is written once this many bytes are buffered.
+FLUSH_BYTES = 256 * 1024
+#: ... or once the oldest buffered byte has waited this long (seconds).
+FLUSH_INTERVAL_S = 2.0
+#: The largest segment written; a bigger buffer is split.
+MAX_SEGMENT_BYTES = 8 * 1024 * 1024
+#: How much a reader returns at most per ``read`` call by default.
+READ_MAX_BYTES = 8 * 1024 * 1024
+
+_SEQ_RE = re.compile(r"^\d{10}$")
+
+
+def node_prefix(node_id: str) -> str:
+    """The key prefix of a node's objects: ``nodes/<node id>/``."""
+    if not node_id or "/" in node_id or node_id in (".", ".."):
+        raise ValueError(f"bad node id {node_id!r}")
+    return f"nodes/{node_id}/"
+
+
+def segment_key(prefix: str, seq: int) -> str:
+    """The key of segment ``seq`` of the stream ``prefix``: ``<prefix>/<seq:010d>``."""
+    return f"{prefix.rstrip('/')}/{seq:010d}"
+
+
+def _segments(storage: Storage, prefix: str, start_after: str | None = None) -> list[tuple[int, str, int]]:
+    """``[(seq, key, size)]`` of the stream's segments (after ``start_after``), by seq."""
+    out = []
+    base = prefix.rstrip("/") + "/"
+    for key, size in storage.list(base, start_after=start_after):
+        name = key[len(base):]
+        if _SEQ_RE.match(name):
+            out.append((int(name), key, size))
+    out.sort()
+    return out
+
+
+class StreamWriter:
+    """The node side of a stream: ``write`` bytes, segments appear as ``<prefix>/<seq:010d>``.
+
+    Opening lists the stream once and continues after its last segment (``shipped_bytes`` is
+    then the stream's length), so a restarted writer appends rather than overwrites.
+    Thread-safe.
+
+    Args:
+        storage: the job's storage.
+        prefix: the stream's key prefix, e.g. ``nodes/n1/node.log``.
+        flush_bytes: write a segment once this many bytes are buffered.
+        flush_interval_s: ... or once the oldest buffered byte is this old (checked by ``write``
+            and ``poll``; call ``poll`` periodically when writes are rare).
+        clock: monotonic seconds (tests pass a fake one).
+    """
+
+    def __init__(self, storage: Storage, prefix: str, *, flush_bytes: int = FLUSH_BYTES,
+                 flush_interval_s: float = FLUSH_INTERVAL_S, clock: Callable[[], float] = time.monotonic):
+        self.storage = storage
+        self.prefix = prefix.rstrip("/")
+        self.flush_bytes = flush_bytes
+        self.flush_interval_s = flush_interval_s
+        self.clock = clock
+        existing = _segments(storage, self.prefix)
+        self.next_seq = existing[-1][0] + 1 if existing else 0
+        self.shipped_bytes = sum(size for _, _, size in existing)
+        self._buf = bytearray()
+        self._oldest: float | None = None
+        self._lock = threading.Lock()
+        self.closed = False
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes written to this stream so far, shipped or buffered."""
+        return self.shipped_bytes + len(self._buf)
+
+    def write(self, data: bytes) -> None:
+        """Append ``data``; writes segments when a flush is due.
+
+        Raises:
+            StorageError: a due segment could not be written (the bytes stay buffered; the next
+                ``write``/``poll``/``flush`` retries).
+            ValueError: the writer is closed.
+        """
+        if not data:
+            return
+        with self._lock:
+            if self.closed:
+                raise ValueError(f"stream {self.prefix} is closed")
+            if self._oldest is None:
+                self._oldest = self.clock()
+            self._buf += data
+            if self._due():
+                self._flush_locked()
+
+    def _due(self) -> bool:
+        return bool(self._buf) and (len(self._buf) >= self.flush_bytes or
+                                    self.clock() - (self._oldest or 0.0) >= self.flush_interval_s)
+
+    def poll(self) -> bool:
+        """Write the buffer if a flush is due by size or age; return whether a segment was written."""
+        with self._lock:
+            if self._due():
+                self._flush_locked()
+                return True
+            return False
+
+    def flush(self) -> None:
+        """Write everything buffered as segments now (nothing when the buffer is empty)."""
+        with self._lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        while self._buf:
+            chunk = bytes(self._buf[:MAX_SEGMENT_BYTES])
+            self.storage.put_bytes(segment_key(self.prefix, self.next_seq), chunk)
+            self.next_seq += 1
+            self.shipped_bytes += len(chunk)
+            del self._buf[:len(chunk)]
+        self._oldest = None
+
+    def close(self) -> None:
+        """Flush and refuse further writes. Idempotent."""
+        with self._lock:
+            self._flush_locked()
+            self.closed = True
+
+    def __enter__(self) -> "StreamWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class StreamReader:
+    """The controller side of a stream: ``read(offset) -> (bytes, next offset)``.
+
+    Keeps the segment index it has seen and lists only keys after the last one; a segment is
+    immutable once written, so the last one fetched is cached (a reader that waits for the end of
+    a line re-reads the tail without another request). Segments are taken in sequence order only:
+    should a listing show a gap, the reader stops before it until the missing one appears.
+    """
+
+    def __init__(self, storage: Storage, prefix: str):
+        self.storage = storage
+        self.prefix = prefix.rstrip("/")
+        self._index: list[tuple[int, str, int]] = []  # (start offset, key, size)
+        self._end = 0
+        self._next_seq = 0
+        self._cache: tuple[str, bytes] | None = None
+
+    @property
+    def known_bytes(self) -> int:
+        """The stream's length as of the last listing."""
+        return self._end
+
+    def refresh(self) -> int:
+        """List new segments; return the stream's known length."""
+        last = self._index[-1][1] if self._index else None
+        for seq, key, size in _segments(self.storage, self.prefix, start_after=last):
+            if seq != self._next_seq:
+                break  # a gap (or a segment listed twice): wait for the listing to catch up
+            self._index.append((self._end, key, size))
+            self._end += size
+            self._next_seq += 1
+        return self._end
+
+    def _segment(self, key: str) -> bytes:
+        if self._cache is not None and self._cache[0] == key:
+            return self._cache[1]
+        data = self.storage.get_bytes(key)
+        self._cache = (key, data)
+        return data
+
+    def read(self, offset: int = 0, max_bytes: int = READ_MAX_BYTES) -> tuple[bytes, int]:
+        """The stream's bytes from ``offset``: ``(data, offset + len(data))``.
+
+        Returns at most about ``max_bytes`` (whole segments, at least the rest of the one holding
+        ``offset``); ``b""`` when there is nothing new. An offset past the known end returns
+        ``(b"", offset)``.
+        """
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0, got {offset}")
+        if self._end - offset < max_bytes:  # what is known does not fill the answer: list new segments
+            self.refresh()
+        if offset >= self._end:
+            return b"", offset
+        # the first segment holding offset (binary search over start offsets)
+        lo, hi = 0, len(self._index) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._index[mid][0] <= offset:
+                lo = mid
+            else:
+                hi = mid - 1
+        parts: list[bytes] = []
+        n = 0
+        for start, key, size in self._index[lo:]:
+            if n and n + size > max_bytes:
+                break
+            try:
+                data = self._segment(key)
+            except StorageNotFound:  # deleted under us (the job's storage was purged)
+                break
+            piece = data[offset - start:] if start < offset else data
+            parts.append(piece)
+            n += len(piece)
+            offset = start + len(data)
+        return b"".join(parts), offset
+
+
+def read_json_lines(reader: StreamReader, offsets: dict[str, int], key: str) -> list[dict]:
+    """Complete JSON lines of the stream after ``offsets[key]`` (advanced past them), like
+    :func:`sftctl.providers.local._read_json_lines`: a line still being written waits for its
+    newline; lines that do not parse are skipped."""
+    import json
+
+    start = offsets.get(key, 0)
+    out: list[dict] = []
+    while True:
+        data, end = reader.read(start)
+        complete = data[: data.rfind(b"\n") + 1]
+        start += len(complete)
+        for line in complete.splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        if not complete or len(complete) < len(data) or end >= reader.known_bytes:
+            break  # nothing new, the rest is a partial line, or everything listed was read
+    offsets[key] = start
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# the node side: tail a node directory into streams
+# --------------------------------------------------------------------------------------------
+
+_EXIT_RE = re.compile(r"^exit-(\d+)$")
+#: Files of a node directory shipped as streams (``metrics/*.jsonl`` is added by glob).
+TAILED_FILES = ("node.log", "agent.log", "health.jsonl")
+#: Read at most this much of one file per tick (a flood is shipped over several ticks).
+TAIL_MAX_BYTES = 16 * 1024 * 1024
+
+
+class Shipper:
+    """Ship a node directory's files to ``nodes/<node id>/`` in job storage.
+
+    Call :meth:`ship_once` in a loop, or :meth:`start` a thread that does it every
+    ``interval_s`` and :meth:`stop` it (which ships what is left). Storage errors during a tick
+    are remembered in ``last_error`` and retried on the next tick; nothing is lost or doubled
+    (unshipped bytes stay in the file, buffered ones in the writer).
+
+    Args:
+        storage: the job's storage.
+        node_id: this node's id (the controller's).
+        node_dir: the node directory (``$SFTCTL_NODE_DIR``).
+        interval_s: seconds between ticks of :meth:`start`'s thread.
+        flush_bytes, flush_interval_s: passed to each :class:`StreamWriter`.
+    """
+
+    def __init__(self, storage: Storage, node_id: str, node_dir: str | os.PathLike, *, interval_s: float = 1.0,
+                 flush_bytes: int = FLUSH_BYTES, flush_interval_s: float = FLUSH_INTERVAL_S):
+        self.storage = storage
+        self.node_id = node_id
+        self.prefix = node_prefix(node_id)
+        self.node_dir = Path(node_dir)
+        self.interval_s = interval_s
+        self.flush_bytes, self.flush_interval_s = flush_bytes, flush_interval_s
+        self.writers: dict[str, StreamWriter] = {}  # relative path -> writer
+        self.offsets: dict[str, int] = {}  # relative path -> bytes of the file read so far
+        self.exits_shipped: set[int] = set()
+        self.last_error: StorageError | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._tick_lock = threading.Lock()
+
+    def _files(self) -> list[str]:
+        names = [n for n in TAILED_FILES if (self.node_dir / n).is_file()]
+        metrics = self.node_dir / "metrics"
+        if metrics.is_dir():
+            names += sorted(f"metrics/{p.name}" for p in metrics.glob("*.jsonl") if p.is_file())
+        return names
+
+    def _exit_files(self) -> list[tuple[int, int]]:
+        """``[(attempt, exit code)]`` of exit files not shipped yet whose content is complete."""
+        out = []
+        try:
+            names = os.listdir(self.node_dir)
+        except FileNotFoundError:
+            return []
+        for name in names:
+            m = _EXIT_RE.match(name)
+            if not m or int(m.group(1)) in self.exits_shipped:
+                continue
+            try:
+                out.append((int(m.group(1)), int((self.node_dir / name).read_text().strip())))
+            except (OSError, ValueError):  # being written: next tick
+                continue
+        return sorted(out)
+
+    def _writer(self, rel: str) -> StreamWriter:
+        w = self.writers.get(rel)
+        if w is None:
+            w = StreamWriter(self.storage, self.prefix + rel, flush_bytes=self.flush_bytes,
+                             flush_interval_s=self.flush_interval_s)
+            self.writers[rel] = w
+            self.offsets[rel] = w.total_bytes  # continue after what an earlier shipper sent
+        return w
+
+    def _tail(self, rel: str) -> int:
+        w = self._writer(rel)
+        try:
+            with open(self.node_dir / rel, "rb") as fh:
+                fh.seek(self.offsets[rel])
+                data = fh.read(TAIL_MAX_BYTES)
+        except FileNotFoundError:
+            return 0
+        if data:
+            self.offsets[rel] += len(data)
+            w.write(data)  # may flush; on error the bytes are buffered and retried
+        return len(data)
+
+    def ship_once(self, final: bool = False) -> int:
+        """One tick: ship new bytes of every file, flush due segments (all when ``final``), then
+        the exit codes that appeared before this tick's reads. Returns the bytes read.
+
+        Raises:
+            StorageError: storage failed (also kept in ``last_error``); the next call retries.
+        """
+        with self._tick_lock:
+            try:
+                exits = self._exit_files()  # seen before the reads: their logs are complete below
+                n = 0
+                for rel in self._files():
+                    while True:  # drain: an exit code must follow every byte before it
+                        got = self._tail(rel)
+                        n += got
+                        if got < TAIL_MAX_BYTES or not (exits or final):
+                            break
+                for w in self.writers.values():
+                    if exits or final:
+                        w.flush()
+                    else:
+                        w.poll()
+                for attempt, code in exits:
+                    self.storage.put_bytes(f"{self.prefix}exit-{attempt}", f"{code}\n".encode())
+                    self.exits_shipped.add(attempt)
+                self.last_error = None
+                return n
+            except StorageError as e:
+                self.last_error = e
+                raise
+
+    def run(self) -> None:
+        """Tick every ``interval_s`` until :meth:`stop`; then a final tick (retried a few times)."""
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.ship_once()
+            except StorageError as e:
+                print(f"sftctl shipper: {e.message} (retrying)", file=sys.stderr, flush=True)
+        for i in range(5):
+            try:
+                self.ship_once(final=True)
+                return
+            except StorageError as e:
+                print(f"sftctl shipper: {e.message} (final flush, try {i + 1})", file=sys.stderr, flush=True)
+                time.sleep(min(2.0 ** i, 10.0))
+
+    def start(self) -> "Shipper":
+        """Run :meth:`run` in a daemon thread; returns self."""
+        self._thread = threading.Thread(target=self.run, name=f"sftctl-shipper-{self.node_id}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Stop the thread after a final tick (or ship what is left now if no thread runs)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        else:
+            self.ship_once(final=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sftctl.storage.stream``: ship a node directory until SIGTERM/SIGINT."""
+    import argparse
+    import signal
+
+    from sftctl.storage import open_storage
+
+    ap = argparse.ArgumentParser(prog="python -m sftctl.storage.stream",
+                                 description="Ship a node directory's logs, metrics and exit codes to job storage.")
+    ap.add_argument("--storage", default=os.environ.get("SFTCTL_STORAGE_URL"), help="job storage URL")
+    ap.add_argument("--node-id", default=os.environ.get("SFTCTL_NODE_ID"))
+    ap.add_argument("--node-dir", default=os.environ.get("SFTCTL_NODE_DIR", "."))
+    ap.add_argument("--interval", type=float, default=1.0, help="seconds between ticks")
+    args = ap.parse_args(argv)
+    if not args.storage or not args.node_id:
+        ap.error("--storage (or SFTCTL_STORAGE_URL) and --node-id (or SFTCTL_NODE_ID) are required")
+    shipper = Shipper(open_storage(args.storage), args.node_id, args.node_dir, interval_s=args.interval)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: shipper._stop.set())
+    shipper.run()
+    return 0 if shipper.last_error is None else 4
+
+
+if __name__ == "__main__":
+    sys.exit(main())
