@@ -524,7 +524,8 @@ def _combine(ctx, fixed, waves, wa, t_fix, xc, xs, xl, xe, t_hbm, t_l2):
     return fixed + roof, t_sm
 
 
-_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "split_k", "GROUP_M", "layout")
+_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "split_k", "GROUP_M", "layout",
+         "regs_per_thread", "smem_bytes")
 
 
 def _evaluate(problem: GemmProblem, hw: Accelerator, cands: dict, coeffs: Coefficients | None,
@@ -548,6 +549,14 @@ def _evaluate(problem: GemmProblem, hw: Accelerator, cands: dict, coeffs: Coeffi
         stage_regs = np.where(S <= 1.0, stage_regs, 0.0)
     regs = _round_regs(c.reg_base + regs_mma + stage_regs)
     smem = np.maximum(S, 1.0) * (BM + BN) * BK * ctx.in_b + c.smem_reserved_per_block
+    # Measured resources (codegen/targets.py: the compiled kernel's registers per thread and
+    # shared bytes per block) replace the estimates where given; NaN keeps the estimate.
+    if "regs_per_thread" in cands:
+        measured = _f(cands["regs_per_thread"])
+        regs = np.where(np.isnan(measured), regs, _round_regs(measured))
+    if "smem_bytes" in cands:
+        measured = _f(cands["smem_bytes"])
+        smem = np.where(np.isnan(measured), smem, measured + c.smem_reserved_per_block)
     occ = np.minimum(np.minimum(ctx.max_blocks, np.floor(ctx.max_warps / W)),
                      np.minimum(np.floor(ctx.regs_sm / (regs * threads)), np.floor(ctx.smem_sm / smem)))
     feasible = ((threads <= MAX_THREADS_PER_BLOCK) & (W <= ctx.max_warps) & (regs <= ctx.regs_max)
@@ -607,6 +616,12 @@ def gemm_time_s(problem: GemmProblem, hw: Accelerator, cands: dict, coeffs: Coef
     the names) to arrays; they broadcast against each other (flat arrays of equal length, or
     per-axis arrays shaped for broadcasting). Coefficients default to
     ``Coefficients.for_accelerator(hw)``.
+
+    Optional measured resources (``codegen.targets.KernelResources`` of the compiled kernel):
+    ``regs_per_thread`` and ``smem_bytes`` (per block, without the runtime's reservation)
+    replace the model's register and shared-memory estimates in the occupancy and feasibility
+    terms; NaN entries keep the estimate. A candidate whose measured resources exceed the
+    per-thread/per-block limits or fit zero blocks per SM is infeasible (``inf``).
     """
     out = _evaluate(problem, hw, cands, coeffs)
     shape = np.broadcast_shapes(*(np.shape(cands[k]) for k in _KEYS if k in cands))

@@ -27,7 +27,10 @@
   ``TRITON_INTERPRET=1``, Triton's interpreter runs it (bit-faithful tiling, slow).
 
 dtypes: fp32 (MMA in TF32 unless ``allow_tf32=False``), fp16, bf16 operands; any float output.
-Limits: batch <= 65535 and split_k <= 65535 (CUDA grid y/z); every index is 64-bit.
+Limits: batch <= 65535 and split_k <= 65535 (CUDA grid y/z). Batch and K-slice offsets are
+64-bit; in-tile offsets (row * row stride + col * col stride within one operand matrix) are
+32-bit, as in Triton's tutorial kernels, so each 2-D operand/output must span < 2**31 elements
+(32-bit offsets keep the contiguity information that vectorized and async-copy loads need).
 """
 
 from __future__ import annotations
@@ -87,7 +90,6 @@ def gemm_constexprs(config: dict, *, dot_dtype: str = "bfloat16", even_k: bool =
                     activation: str = "none", has_bias: bool = False, has_residual: bool = False,
                     has_alpha: bool = False, allow_tf32: bool = True, interpret: bool = False) -> dict:
     """The ``gemm_kernel`` constexprs for a schedule and epilogue (also used by ``targets``)."""
-    import triton.language as tl  # noqa: F401  (tl_dtype needs triton)
 
     cfg = normalize_config(config)
     dot_dtype = rt.dtype_name(dot_dtype)

@@ -177,12 +177,27 @@ def exhaustive_gemm(problem: GemmProblem, hw: Accelerator, coeffs: Coefficients 
 
 
 def search_gemm(problem: GemmProblem, hw: Accelerator, coeffs: Coefficients | None = None,
-                prune: bool = True, space: dict | None = None, use_cache: bool = True) -> GemmChoice:
+                prune: bool = True, space: dict | None = None, use_cache: bool = True,
+                measured: dict | None = None, measure=None, max_measure: int = 32) -> GemmChoice:
     """The model's best schedule for ``problem`` on ``hw`` (branch-and-bound; exact).
 
     ``prune=False`` is :func:`exhaustive_gemm`. ``space`` restricts the values per key (default
     :data:`SPACE`). ``use_cache=False`` bypasses the memo (benchmarks).
+
+    Measured resources (the occupancy hook; ``codegen/targets.py``):
+
+    * ``measured``: config (dict, or its :func:`config_key` tuple) -> resources of its compiled
+      kernel (``KernelResources``, or None / :data:`UNCOMPILABLE` when the backend refused it).
+      Those configs are scored with their measured registers and shared memory; one that does
+      not fit is infeasible. Each group's lower bound becomes ``min(bound, measured members'
+      times)``, so the search stays exact for the model with measurements.
+    * ``measure``: ``config -> resources`` (``targets.gemm_measurer(problem, hw)``): the winner
+      is compiled and measured, and the search repeats until the winner is a measured config
+      (at most ``max_measure`` compiles; then the best measured feasible config is returned).
+    Searches with measurements are not memoized.
     """
+    if measured or measure is not None:
+        return _search_measured(problem, hw, coeffs, prune, space, measured, measure, max_measure)
     if not prune:
         return exhaustive_gemm(problem, hw, coeffs, space, use_cache)
     c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
@@ -191,13 +206,22 @@ def search_gemm(problem: GemmProblem, hw: Accelerator, coeffs: Coefficients | No
     return _memo("bnb", problem, hw, c, vals, run) if use_cache else run()
 
 
-def _branch_and_bound(problem: GemmProblem, hw: Accelerator, c: Coefficients, vals: dict) -> GemmChoice:
+def _branch_and_bound(problem: GemmProblem, hw: Accelerator, c: Coefficients, vals: dict,
+                      measured_ranks: dict | None = None) -> GemmChoice:
+    """``measured_ranks``: flat rank -> measured time; those ranks' scores are replaced."""
     t0 = time.perf_counter()
     prefix_axes = _axes(vals, PREFIX)
-    bound = np.ascontiguousarray(
+    bound = np.array(
         np.broadcast_to(gemm_group_bound(problem, hw, prefix_axes, {k: vals[k] for k in SUFFIX}, c),
                         tuple(len(vals[k]) for k in PREFIX))).reshape(-1)
     n_groups = bound.size
+    per_group0 = math.prod(len(vals[k]) for k in SUFFIX)
+    by_group: dict[int, list[tuple[int, float]]] = {}
+    for rank, mt in (measured_ranks or {}).items():
+        g = rank // per_group0
+        by_group.setdefault(g, []).append((rank % per_group0, mt))
+        if mt < bound[g]:
+            bound[g] = mt
     grids = np.meshgrid(*(np.asarray(vals[k], dtype=np.float64) for k in PREFIX), indexing="ij")
     pvals = {k: g.reshape(-1) for k, g in zip(PREFIX, grids)}
     order = np.lexsort((np.arange(n_groups), bound))
@@ -219,7 +243,11 @@ def _branch_and_bound(problem: GemmProblem, hw: Accelerator, c: Coefficients, va
         cands = dict(suffix_axes)
         for k in PREFIX:
             cands[k] = pvals[k][idx].reshape((-1,) + (1,) * len(SUFFIX))
-        t = np.ascontiguousarray(gemm_time_s(problem, hw, cands, c)).reshape(idx.size, per_group)
+        t = np.array(gemm_time_s(problem, hw, cands, c)).reshape(idx.size, per_group)
+        if by_group:
+            for row, g in enumerate(idx):
+                for col, mt in by_group.get(int(g), ()):
+                    t[row, col] = mt
         n_scored += t.size
         n_inf += int(np.count_nonzero(~np.isfinite(t)))
         m = float(t.min())
@@ -313,11 +341,134 @@ def inductor_scaled_configs(problem: GemmProblem, configs: list[dict] | None = N
     return out
 
 
+def _resource_arrays(resources) -> dict:
+    """``regs_per_thread``/``smem_bytes`` arrays from measured resources (NaN where None).
+
+    An entry may be a ``codegen.targets.KernelResources`` (anything with ``registers`` and
+    ``shared_bytes``), None (not measured: the model's estimate) or :data:`UNCOMPILABLE` (the
+    backend refused the schedule: infeasible).
+    """
+    regs, smem = [], []
+    for r in resources:
+        if r is None:
+            regs.append(np.nan)
+            smem.append(np.nan)
+        elif r is UNCOMPILABLE:
+            regs.append(np.inf)
+            smem.append(np.inf)
+        else:
+            regs.append(float(r.registers))
+            smem.append(float(r.shared_bytes))
+    return {"regs_per_thread": np.asarray(regs), "smem_bytes": np.asarray(smem)}
+
+
+#: Marks a measured config whose kernel the backend could not compile (infeasible).
+UNCOMPILABLE = object()
+
+
 def evaluate_configs(problem: GemmProblem, hw: Accelerator, configs: list[dict],
-                     coeffs: Coefficients | None = None) -> np.ndarray:
-    """The model's time of each config dict (``inf`` where infeasible)."""
+                     coeffs: Coefficients | None = None, resources: list | None = None) -> np.ndarray:
+    """The model's time of each config dict (``inf`` where infeasible).
+
+    ``resources``: optional measured resources per config (same length; entries as in
+    :func:`_resource_arrays`): their registers and shared memory replace the model's estimates
+    in the occupancy term, and a config that does not fit is ``inf``.
+    """
     if not configs:
         return np.zeros(0)
     cands = {k: np.asarray([cfg.get(k, SPACE[k][0] if k != "GROUP_M" else 8) for cfg in configs])
              for k in ORDER}
+    if resources is not None:
+        if len(resources) != len(configs):
+            raise ValueError("evaluate_configs: resources must align with configs")
+        cands.update(_resource_arrays(resources))
     return np.asarray(gemm_time_s(problem, hw, cands, coeffs), dtype=np.float64)
+
+
+# --------------------------------------------------------------------------------------------
+# Measured resources (the occupancy hook)
+
+
+def config_key(config: dict) -> tuple:
+    """A config as a hashable tuple in :data:`ORDER` (layout as its index)."""
+    out = []
+    for k in ORDER:
+        v = config.get(k, 8 if k == "GROUP_M" else (1 if k == "split_k" else (0 if k == "layout" else None)))
+        if k == "layout" and isinstance(v, str):
+            v = LAYOUTS.index(v)
+        if v is None:
+            raise ValueError(f"config misses {k}")
+        out.append(int(v))
+    return tuple(out)
+
+
+def _rank_of(vals: dict, key: tuple) -> int | None:
+    """Flat rank of a config key in the normalized space, None when outside it."""
+    idx = []
+    for k, v in zip(ORDER, key):
+        if v not in vals[k]:
+            return None
+        idx.append(vals[k].index(v))
+    return int(np.ravel_multi_index(idx, [len(vals[k]) for k in ORDER]))
+
+
+def _search_measured(problem, hw, coeffs, prune, space, measured, measure, max_measure) -> GemmChoice:
+    c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
+    vals = _normalize(space)
+    table: dict[tuple, object] = {}
+    for cfg, res in (measured or {}).items():
+        key = cfg if isinstance(cfg, tuple) else config_key(cfg)
+        table[key] = UNCOMPILABLE if res is None else res
+    t0 = time.perf_counter()
+    n_compiles = 0
+    while True:
+        ranks = {}
+        if table:
+            keys = list(table)
+            cfgs = [dict(zip(ORDER, k)) for k in keys]
+            times = evaluate_configs(problem, hw, cfgs, c, [table[k] for k in keys])
+            for k, mt in zip(keys, times):
+                r = _rank_of(vals, k)
+                if r is not None:
+                    ranks[r] = float(mt)
+        if prune:
+            choice = _branch_and_bound(problem, hw, c, vals, ranks)
+        else:
+            choice = _exhaustive_measured(problem, hw, c, vals, ranks)
+        if choice.config is None or measure is None:
+            break
+        key = config_key(choice.config)
+        if key in table:
+            break
+        if n_compiles >= max_measure:  # give up: the best measured feasible config
+            feasible = {r: t for r, t in ranks.items() if math.isfinite(t)}
+            if not feasible:
+                choice = dataclasses.replace(choice, config=None, time_s=math.inf)
+            else:
+                r = min(feasible, key=lambda x: (feasible[x], x))
+                choice = dataclasses.replace(choice, config=_config(vals, r), time_s=feasible[r])
+            break
+        res = measure(dict(choice.config))
+        table[key] = UNCOMPILABLE if res is None else res
+        n_compiles += 1
+    return dataclasses.replace(choice, seconds=time.perf_counter() - t0, cached=False)
+
+
+def _exhaustive_measured(problem, hw, c, vals, ranks: dict) -> GemmChoice:
+    choice = exhaustive_gemm(problem, hw, c, {k: list(v) for k, v in vals.items()}, use_cache=False)
+    # rescore: the exhaustive minimum with measured configs replaced
+    t0 = time.perf_counter()
+    axes = _axes(vals, ORDER[1:], lead=1)
+    n_inner = math.prod(len(vals[k]) for k in ORDER[1:])
+    best_t, best_rank = math.inf, -1
+    for i, bm in enumerate(vals["BLOCK_M"]):
+        cands = dict(axes, BLOCK_M=np.full((1,) * len(ORDER), float(bm)))
+        t = np.array(gemm_time_s(problem, hw, cands, c)).reshape(-1)
+        for r, mt in ranks.items():
+            if i * n_inner <= r < (i + 1) * n_inner:
+                t[r - i * n_inner] = mt
+        j = int(np.argmin(t))
+        if t[j] < best_t:
+            best_t, best_rank = float(t[j]), i * n_inner + j
+    return dataclasses.replace(choice, config=_config(vals, best_rank) if best_rank >= 0 else None,
+                               time_s=best_t, seconds=choice.seconds + time.perf_counter() - t0)

@@ -104,18 +104,20 @@ def gemm_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     # Rows/columns past the edge wrap around (loads stay in bounds without masks; the store masks).
-    offs_am = (offs_m % M).to(tl.int64)
-    offs_bn = (offs_n % N).to(tl.int64)
+    offs_am = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M)
+    offs_bn = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
 
     k_per_split = _cdiv(_cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
 
-    a_ptrs = (a_ptr + pid_b.to(tl.int64) * stride_ab + offs_am[:, None] * stride_am
-              + (k_start + offs_k)[None, :].to(tl.int64) * stride_ak)
-    b_ptrs = (b_ptr + pid_b.to(tl.int64) * stride_bb + (k_start + offs_k)[:, None].to(tl.int64) * stride_bk
-              + offs_bn[None, :] * stride_bn)
+    # 64-bit scalar bases (batch, K slice); 32-bit in-tile offsets keep the contiguity the
+    # vectorizer and the async-copy pipeliner need (rows/cols * strides < 2**31 per operand).
+    a_base = a_ptr + pid_b.to(tl.int64) * stride_ab + k_start.to(tl.int64) * stride_ak
+    b_base = b_ptr + pid_b.to(tl.int64) * stride_bb + k_start.to(tl.int64) * stride_bk
+    a_ptrs = a_base + (offs_am[:, None] * stride_am + offs_k[None, :] * stride_ak)
+    b_ptrs = b_base + (offs_k[:, None] * stride_bk + offs_bn[None, :] * stride_bn)
 
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
