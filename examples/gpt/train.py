@@ -12,6 +12,10 @@ Settings come from ``sftctl.train.config()`` (``SFTCTL_TRAIN_STEPS``, ``SFTCTL_B
 checkpoints to ``$SFTCTL_CHECKPOINT_DIR`` (see sftctl/train.py). The run resumes from the newest
 complete checkpoint if there is one.
 
+``SFTCTL_COMPILE`` picks how the step runs: ``none`` (default, eager), ``default``
+(``torch.compile``) or ``sftensor`` (``torch.compile(backend="sftensor")``, sftctl's search
+compiler; eager with a warning on a CPU).
+
 Test knobs: ``SFTCTL_FAIL_AT_STEP=N`` makes rank 0 raise RuntimeError at step N (after that step's
 checkpoint, if any, is saved) unless the run resumed from a checkpoint; ``SFTCTL_SLOW_NODE``,
 ``SFTCTL_SLOW_FACTOR`` and ``SFTCTL_SLOW_FROM_STEP`` make one node's forward pass slower (a
@@ -61,6 +65,29 @@ def lr_at(step: int, total_steps: int) -> float:
 def batch_generator(rank: int, step: int, salt: int = 0) -> torch.Generator:
     """A generator seeded only by (rank, step), so a resumed run draws the same batches."""
     return torch.Generator().manual_seed(SEED + 1_000_003 * step + 7919 * rank + 104_729 * salt)
+
+
+COMPILE_MODES = ("none", "default", "sftensor")
+
+
+def compile_model(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` as ``SFTCTL_COMPILE`` asks: ``none`` (default: eager), ``default``
+    (``torch.compile`` with Inductor) or ``sftensor`` (``torch.compile(backend="sftensor")``: the
+    search compiler's Triton GEMMs; on a CPU it warns once and runs eager).
+
+    Raises:
+        ValueError: any other value.
+    """
+    mode = (os.environ.get("SFTCTL_COMPILE") or "none").strip().lower()
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"SFTCTL_COMPILE must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    if mode == "none":
+        return module
+    if mode == "default":
+        return torch.compile(module)
+    import sftctl.compiler  # noqa: F401  (registers the backend when the entry point is not installed)
+
+    return torch.compile(module, backend="sftensor")
 
 
 def main() -> None:
@@ -134,7 +161,7 @@ def train(rank: int, world_size: int, device: torch.device, distributed: bool) -
         if is_main:
             print(f"resumed from step {start_step}", flush=True)
 
-    ddp_model = DDP(model) if distributed else model
+    ddp_model = compile_model(DDP(model) if distributed else model)
     amp_dtype = getattr(torch, cfg.dtype)
     autocast = (
         torch.autocast(device_type=device.type, dtype=amp_dtype)

@@ -639,7 +639,7 @@ def _warn_no_gpu() -> None:
     global _warned_no_gpu
     if not _warned_no_gpu:
         _warned_no_gpu = True
-        log.warning(NO_GPU_MESSAGE)
+        log.info(NO_GPU_MESSAGE)
         warnings.warn(NO_GPU_MESSAGE, RuntimeWarning, stacklevel=3)
 
 
