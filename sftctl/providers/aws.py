@@ -205,6 +205,8 @@ class AWSProvider(CloudProvider):
     Args:
         channel, poll_s, ready_timeout_s: see :class:`~sftctl.providers.cloud.CloudProvider`.
         key_name: an EC2 key pair to put on the nodes (none by default: nodes need no SSH).
+        instance_profile: an IAM instance profile name for the nodes (how they reach the job's S3
+            storage without keys in user data); None launches them without one.
         ami_parameter: the SSM parameter naming the default image (the DLAMI's public parameter).
         ami_name_pattern, ami_owners: the DescribeImages fallback when the parameter is unreadable.
         regions: the regions ``list_instances`` searches (default: the regions of the catalog's aws
@@ -217,12 +219,13 @@ class AWSProvider(CloudProvider):
     name = "aws"
 
     def __init__(self, channel=None, poll_s: float = 2.0, ready_timeout_s: float = READY_TIMEOUT_S, *,
-                 key_name: str | None = None, ami_parameter: str = DLAMI_PARAMETER,
+                 key_name: str | None = None, instance_profile: str | None = None, ami_parameter: str = DLAMI_PARAMETER,
                  ami_name_pattern: str = DLAMI_NAME_PATTERN, ami_owners: tuple[str, ...] = ("amazon",),
                  regions: list[str] | None = None, teardown_timeout_s: float = 600.0,
                  throttle_attempts: int = 8, **_: object):
         super().__init__(channel=channel, poll_s=poll_s, ready_timeout_s=ready_timeout_s)
         self.key_name = key_name
+        self.instance_profile = instance_profile
         self.ami_parameter = ami_parameter
         self.ami_name_pattern = ami_name_pattern
         self.ami_owners = tuple(ami_owners)
@@ -232,15 +235,18 @@ class AWSProvider(CloudProvider):
         self._retry = retry_throttled(_is_retryable, attempts=throttle_attempts)
         self._session = _boto3().session.Session()
         self._lock = threading.Lock()
+        self._client_lock = threading.Lock()  # creating a client loads its model: ~0.1 s
         self._clients: dict[tuple[str, str], object] = {}
         self._zones: dict[str, list[str]] = {}
-        self._type_zones: dict[tuple[str, str], set[str] | None] = {}
+        self._type_zones: dict[tuple[str, str], set[str] | None] = {}  # (region, type) -> zones
+        self._region_types_cache: dict[tuple, set[str] | None] = {}  # (region, types) -> offered
         self._images: dict[str, str] = {}
         self._groups: dict[tuple[str, str], str] = {}
         self._key_locks: dict[tuple, threading.Lock] = {}
         self._created: dict[str, float] = {}  # instance id -> time.monotonic() of RunInstances
         self._watch: dict[str, dict[str, float]] = {}  # region -> {instance id: when last asked}
         self._seen: dict[str, tuple[str | None, float]] = {}  # instance id -> (EC2 state or None, when)
+        self._inflight: dict[str, dict] = {}  # region -> {instance id: Future of a DescribeInstances}
         self._offline = False  # offerings() found AWS unreachable or the credentials unusable
 
     # ------------------------------------------------------------ plumbing
@@ -249,7 +255,7 @@ class AWSProvider(CloudProvider):
         """A boto3 client of ``service`` in ``region`` (cached; clients are thread-safe, creating them
         from one session is not, hence the lock). botocore's retries are off, see the module doc."""
         key = (service, region)
-        with self._lock:
+        with self._client_lock:
             if key not in self._clients:
                 from botocore.config import Config
 
@@ -262,6 +268,11 @@ class AWSProvider(CloudProvider):
         """``operation`` of ``service`` in ``region``, retried while throttled."""
         fn = getattr(self.client(service, region), operation)
         return self._retry(fn)(**kwargs)
+
+    def _pages(self, service: str, region: str, operation: str, **kwargs) -> list[dict]:
+        """Every page of a paginated ``operation``, the whole walk retried while throttled."""
+        paginator = self.client(service, region).get_paginator(operation)
+        return self._retry(lambda: list(paginator.paginate(**kwargs)))()
 
     def _key_lock(self, key: tuple) -> threading.Lock:
         with self._lock:
@@ -311,20 +322,20 @@ class AWSProvider(CloudProvider):
         return out
 
     def _region_types(self, region: str, types: list[str]) -> set[str] | None:
-        key = ("region-types", region, tuple(types))
-        if key in self._type_zones:
-            return self._type_zones[key]
+        key = (region, tuple(types))
+        if key in self._region_types_cache:
+            return self._region_types_cache[key]
         if self._offline:
             return None
         try:
-            pages = self.client("ec2", region).get_paginator("describe_instance_type_offerings").paginate(
-                LocationType="region", Filters=[{"Name": "instance-type", "Values": types}])
+            pages = self._pages("ec2", region, "describe_instance_type_offerings",
+                                LocationType="region", Filters=[{"Name": "instance-type", "Values": types}])
             offered = {o["InstanceType"] for page in pages for o in page["InstanceTypeOfferings"]}
         except Exception as e:  # no credentials, no network: the catalog alone decides
             log.debug("aws: not filtering offerings in %s: %s", region, e)
             self._offline = True
             offered = None
-        self._type_zones[key] = offered
+        self._region_types_cache[key] = offered
         return offered
 
     def zones(self, region: str) -> list[str]:
@@ -355,8 +366,8 @@ class AWSProvider(CloudProvider):
         region, instance_type = key
         if key not in self._type_zones:
             try:
-                pages = self.client("ec2", region).get_paginator("describe_instance_type_offerings").paginate(
-                    LocationType="availability-zone", Filters=[{"Name": "instance-type", "Values": [instance_type]}])
+                pages = self._pages("ec2", region, "describe_instance_type_offerings", LocationType="availability-zone",
+                                    Filters=[{"Name": "instance-type", "Values": [instance_type]}])
                 self._type_zones[key] = {o["Location"] for page in pages for o in page["InstanceTypeOfferings"]}
             except Exception as e:
                 if _credential_failure(e):
@@ -411,6 +422,8 @@ class AWSProvider(CloudProvider):
             kwargs["UserData"] = user_data  # boto3 base64-encodes it
         if self.key_name:
             kwargs["KeyName"] = self.key_name
+        if self.instance_profile:
+            kwargs["IamInstanceProfile"] = {"Name": self.instance_profile}
         if request.spot:
             kwargs["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
                 "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
@@ -542,50 +555,70 @@ class AWSProvider(CloudProvider):
         stopped -> STOPPING, terminated or not found -> GONE (not found within
         ``EVENTUAL_CONSISTENCY_S`` of its creation by this object -> PENDING).
 
-        Calls are coalesced per region: one DescribeInstances (by instance ids) answers for
-        every instance this object was asked about lately, and an answer asked for at most
-        ``poll_s / 2`` before this call is reused. 64 nodes waiting to boot thus cost ~2 describe calls per ``poll_s`` instead of 64:
-        EC2 throttles Describe* calls per account and region (EC2 User Guide, "Request throttling").
+        Calls are coalesced per region (see :meth:`_state_of`): 64 nodes waiting to boot cost about
+        one DescribeInstances per ``poll_s`` instead of 64. EC2 throttles Describe* calls per
+        account and region with a token bucket (EC2 User Guide, "Request throttling"), which 64
+        nodes polled one by one every 2 s would drain.
         """
         instance_id, region = handle["id"], handle["region"]
-        oldest = time.monotonic() - self.poll_s / 2  # an answer asked for after this will do
-        with self._lock:
+        seen = self._state_of(region, instance_id)
+        with self._lock:  # the next poll is due poll_s after the answer, however long it took
             self._watch.setdefault(region, {})[instance_id] = time.monotonic()
-            seen = self._seen.get(instance_id)
-        if seen is None or seen[1] < oldest:
-            # one fetch at a time per region: threads that queue behind a fetch are in the watch
-            # list, so the next fetch answers all of them at once
-            with self._key_lock(("describe", region)):
-                seen = self._seen.get(instance_id)
-                if seen is None or seen[1] < oldest:
-                    seen = self._describe_watched(region, instance_id)
-        if seen[0] is None:
+        if seen is None:
             created = self._created.get(instance_id)
             if created is not None and time.monotonic() - created < EVENTUAL_CONSISTENCY_S:
                 return InstanceState.PENDING
             return InstanceState.GONE
-        return _STATES.get(seen[0], InstanceState.PENDING)
+        return _STATES.get(seen, InstanceState.PENDING)
 
-    def _describe_watched(self, region: str, wanted: str) -> tuple[str | None, float]:
-        """Fetch the states of ``wanted`` and of the instances of ``region`` asked about within the
-        last few polls; return ``wanted``'s (EC2 state name or None when not found, when asked)."""
+    def _state_of(self, region: str, instance_id: str) -> str | None:
+        """EC2's state name of ``instance_id`` (None: not found), coalescing concurrent askers.
+
+        An answer asked for at most ``poll_s / 2`` before this call is reused; a DescribeInstances
+        already in flight for this id is waited for; else this thread fetches the id together with
+        every instance of the region asked about within the last ``1.5 poll_s`` that no fetch in
+        flight covers. Fetches for different ids run in parallel.
+        """
+        from concurrent.futures import Future
+
+        now = time.monotonic()
         keep_s = 1.5 * self.poll_s + 0.05  # a waiter asks every poll_s
         with self._lock:
             watch = self._watch.setdefault(region, {})
-            now = time.monotonic()
-            watch[wanted] = now
-            for instance_id in [i for i, t in watch.items() if now - t > keep_s]:
-                del watch[instance_id]
-                self._seen.pop(instance_id, None)
-            ids = sorted(watch)
+            watch[instance_id] = now
+            seen = self._seen.get(instance_id)
+            if seen is not None and seen[1] >= now - self.poll_s / 2:
+                return seen[0]
+            inflight = self._inflight.setdefault(region, {})
+            future = inflight.get(instance_id)
+            owner = future is None
+            if owner:
+                for stale in [i for i, t in watch.items() if now - t > keep_s]:
+                    del watch[stale]
+                    self._seen.pop(stale, None)
+                ids = sorted(i for i in watch if i not in inflight)
+                future = Future()
+                for i in ids:
+                    inflight[i] = future
+        if not owner:
+            return future.result().get(instance_id)
         asked = time.monotonic()  # the answer is at least this fresh
-        states: dict[str, str] = {}
-        for start in range(0, len(ids), 1000):
-            states.update(self._instance_states(region, ids[start:start + 1000]))
+        try:
+            states: dict[str, str] = {}
+            for start in range(0, len(ids), 1000):
+                states.update(self._instance_states(region, ids[start:start + 1000]))
+        except BaseException as e:
+            with self._lock:
+                for i in ids:
+                    inflight.pop(i, None)
+            future.set_exception(e)
+            raise
         with self._lock:
-            for instance_id in ids:
-                self._seen[instance_id] = (states.get(instance_id), asked)
-        return states.get(wanted), asked
+            for i in ids:
+                self._seen[i] = (states.get(i), asked)
+                inflight.pop(i, None)
+        future.set_result(states)
+        return states.get(instance_id)
 
     def _instance_states(self, region: str, ids: list[str]) -> dict[str, str]:
         """EC2 state names of ``ids`` (at most 1000) that exist. One DescribeInstances by id; when
@@ -632,7 +665,7 @@ class AWSProvider(CloudProvider):
         out = []
         for region in self.regions:
             try:
-                pages = self.client("ec2", region).get_paginator("describe_instances").paginate(Filters=filters)
+                pages = self._pages("ec2", region, "describe_instances", Filters=filters)
                 instances = [i for page in pages for r in page["Reservations"] for i in r["Instances"]]
             except Exception as e:
                 raise self._fail(e, f"list instances in {region}") from e
