@@ -81,7 +81,8 @@ def test_end_to_end_two_nodes(aws, job, ami):
         assert (h["region"], h["zone"], h["instance_type"], h["spot"]) == (REGION, "us-east-1a", "p4d.24xlarge", False)
         assert p.describe(h) == InstanceState.RUNNING
         assert p.status(h).state == NodeState.READY
-    assert handles[0]["sg"] == handles[1]["sg"]
+        assert h["ip"].count(".") == 3 and not h["ip"].startswith("127.")  # the rendezvous address
+    assert handles[0]["sg"] == handles[1]["sg"] and handles[0]["ip"] != handles[1]["ip"]
 
     # one security group per job: inbound only from itself, nothing from the internet
     (group,) = job_groups(job)

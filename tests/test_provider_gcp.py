@@ -67,6 +67,7 @@ def test_provision_describe_terminate_two_nodes(provider, gce):
     handles = provision_all(provider, "train-ab12cd", nodes, t4, bootstrap="#!/bin/bash\necho boot\n",
                             on_ready=lambda node_id, h: ready.append(node_id))
     assert sorted(ready) == sorted(n for n, _ in nodes)
+    assert all(h["ip"].startswith("10.128.0.") for h in handles)  # networkIP: the rendezvous address
     for (node_id, rank), h in zip(nodes, handles):
         assert h["id"] == instance_name(node_id) and h["zone"] == "us-central1-a"
         assert h["project"] == gce.project and h["instance_type"] == "n1-standard-4+T4" and h["spot"] is False

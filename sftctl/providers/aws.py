@@ -550,6 +550,18 @@ class AWSProvider(CloudProvider):
         groups = self._call("ec2", region, "describe_security_groups", Filters=filters)["SecurityGroups"]
         return [g["GroupId"] for g in groups]
 
+    def private_ip(self, handle: dict) -> str | None:
+        """The instance's private IPv4 address (DescribeInstances ``PrivateIpAddress``)."""
+        try:
+            out = self._call("ec2", handle["region"], "describe_instances", InstanceIds=[handle["id"]])
+        except Exception as e:  # an address we cannot read is not worth a failed node: None
+            log.debug("aws: no private address for %s: %s", handle["id"], e)
+            return None
+        for res in out.get("Reservations", []):
+            for inst in res.get("Instances", []):
+                return inst.get("PrivateIpAddress")
+        return None
+
     def describe(self, handle: dict) -> InstanceState:
         """The instance's state: pending -> PENDING, running -> RUNNING, shutting-down / stopping /
         stopped -> STOPPING, terminated or not found -> GONE (not found within

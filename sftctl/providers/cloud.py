@@ -150,6 +150,10 @@ class CloudProvider:
     def delete_instance(self, handle: dict) -> None:
         raise NotImplementedError
 
+    def private_ip(self, handle: dict) -> str | None:
+        """The node's address inside the job's network (MASTER_ADDR for rank 0), or None."""
+        return None
+
     def list_instances(self, job_id: str | None = None) -> list[dict]:
         raise NotImplementedError
 
@@ -197,7 +201,8 @@ class CloudProvider:
         while True:
             state = self.describe(handle)
             if state == InstanceState.RUNNING:
-                return handle
+                ip = self.private_ip(handle)  # the rendezvous address other nodes dial
+                return {**handle, "ip": ip} if ip else handle
             if state in (InstanceState.STOPPING, InstanceState.GONE) or time.monotonic() > end:
                 self.delete_instance(handle)
                 why = "stopped while starting" if state != InstanceState.PENDING else (

@@ -465,6 +465,17 @@ class GCPProvider(CloudProvider):
             raise self._api_error(e, f"describing {handle['id']}") from None
         return STATUS.get(inst.status, InstanceState.PENDING)
 
+    def private_ip(self, handle: dict) -> str | None:
+        """The instance's internal address (``networkInterfaces[0].networkIP``)."""
+        from google.api_core import exceptions as gexc
+
+        try:
+            inst = self._call(self._client("instances").get, project=handle.get("project") or self.project,
+                              zone=handle["zone"], instance=handle["id"])
+        except gexc.GoogleAPICallError:
+            return None
+        return inst.network_interfaces[0].network_i_p if inst.network_interfaces else None
+
     def delete_instance(self, handle: dict) -> None:
         """Delete the instance and wait for it to be gone; a missing instance is not an error."""
         from google.api_core import exceptions as gexc
