@@ -80,6 +80,18 @@ def _root(
 # ------------------------------------------------------------------------------------ run
 
 
+def _check_storage(storage) -> None:
+    """Before anything is created: the job's storage must exist (or be created, with
+    ``create_bucket``) and be writable. A plain directory is created; a ``pvc://`` claim is only
+    mounted on the nodes, so it is not checked here."""
+    from sftctl.storage import LocalStorage, open_storage
+
+    s = open_storage(storage.url)
+    if isinstance(s, LocalStorage) and s.mount is not None:
+        return
+    s.ensure(create_bucket=storage.create_bucket or isinstance(s, LocalStorage))
+
+
 @app.command()
 def run(
     spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec YAML file."),
@@ -93,6 +105,12 @@ def run(
     from sftctl.spec import load_spec
 
     spec = load_spec(spec_path, set_)
+    missing = [k for k in spec.secrets if k not in os.environ]
+    if missing:
+        from sftctl.errors import SpecError
+
+        raise SpecError(f"{spec_path}: secrets: {', '.join(missing)} not set in this shell",
+                        hint="export it before sftctl run (secrets come from your environment), or drop it from secrets")
     chosen = _plan_with_progress(spec, strict=False, stderr=True)
     if chosen.offering.provider != "local" and spec.storage is None:
         raise SftctlError(
@@ -100,6 +118,8 @@ def run(
             "and logs in the job's storage)",
             hint="add storage: s3://BUCKET/PREFIX (aws), gs://BUCKET/PREFIX (gcp) or pvc://CLAIM/PREFIX (kubernetes)",
         )
+    if spec.storage is not None:
+        _check_storage(spec.storage)
     store = _store()
     job_id = store.create_job(spec.name, spec.model_dump(mode="json"), spec_path=str(spec_path.resolve()))
     store.update_job(job_id, provider=chosen.offering.provider, offering_json=chosen.to_dict())

@@ -165,9 +165,11 @@ class Controller:
         except SftctlError as e:
             self.error = e
             self.store.transition(self.job_id, JobStatus.FAILED, e.message)
+            self.store.end_open_attempts(self.job_id, "FAILED", e.message)
             self.reporter.event(f"failed: {e.message}")
         except BaseException as e:
             self.store.transition(self.job_id, JobStatus.FAILED, f"controller error: {e!r}")
+            self.store.end_open_attempts(self.job_id, "FAILED", f"controller error: {e!r}")
             raise
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut teardown

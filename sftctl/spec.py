@@ -188,7 +188,8 @@ class StorageSpec(_Strict):
             raise ValueError(f"unsupported storage {v!r}: use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, "
                              "pvc://CLAIM/PREFIX or a directory")
         if scheme in ("s3", "gs", "pvc") and not v.split("://", 1)[1].split("/", 1)[0]:
-            raise ValueError(f"storage {v!r} names no bucket: use {scheme}://BUCKET/PREFIX")
+            what = "CLAIM" if scheme == "pvc" else "BUCKET"
+            raise ValueError(f"storage {v!r} names no {what.lower()}: use {scheme}://{what}/PREFIX")
         return v
 
 
@@ -435,6 +436,8 @@ def _apply_override(data: dict, assignment: str, loc: _Located) -> None:
                 nxt = node.get(part)
                 if nxt is None:
                     nxt = node[part] = {}
+                elif here == ("storage",) and isinstance(nxt, str):  # storage: URL is {url: URL}
+                    nxt = node[part] = {"url": nxt}
                 node = nxt
         elif isinstance(node, list) and isinstance(part, int):
             if part >= len(node):
@@ -504,8 +507,10 @@ def _explain(err: dict, loc: _Located) -> SpecError:
     msg = msg.replace("a valid dictionary", "a mapping (key: value lines)")
     got = err.get("input")
     got_text = "" if isinstance(got, (dict, list)) or kind == "value_error" else f" (got {got!r})"
-    return SpecError(f"{where}: {field}: {msg}{got_text}",
-                     hint="quote values meant as strings; README.md 'The job spec' lists every field's type")
+    hint = "README.md 'The job spec' lists every field's type"
+    if kind == "string_type":  # YAML read an unquoted value as a number, bool or null
+        hint = "quote values meant as strings; " + hint
+    return SpecError(f"{where}: {field}: {msg}{got_text}", hint=hint)
 
 
 # --------------------------------------------------------------------------- entry point

@@ -167,3 +167,38 @@ def test_status_table_shows_newest_jobs_and_all_on_request(home):
     full = sftctl("status", "--all", check=True).stdout
     assert all(i in full for i in ids) and "older finished" not in full
     assert len(status_json()["jobs"]) == 56
+
+
+def test_run_checks_storage_before_creating_anything(tmp_path, home):
+    spec = write_spec(tmp_path / "tiny.yaml", TINY)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    for bad in (str(blocker), "/proc/sftctl-not-here"):
+        proc = sftctl("run", str(spec), "--set", f"storage={bad}")
+        assert proc.returncode == 4 and no_traceback(proc), proc.stderr
+        assert proc.stderr.startswith(f"error: storage file://{bad}: cannot create the directory"), proc.stderr
+    assert status_json()["jobs"] == []
+
+
+def test_down_orphans_spares_another_homes_local_nodes(tmp_path, home):
+    from sftctl.providers.local import HOME_TAG, LocalProvider
+
+    env = {**os.environ, "SFTCTL_JOB_ID": "other-home-job", HOME_TAG: str(tmp_path / "elsewhere")}
+    other = subprocess.Popen(["sleep", "60"], env=env, start_new_session=True)
+    try:
+        wait_for(lambda: other.pid in job_processes("other-home-job"), timeout_s=10, what="the tagged process")
+        assert LocalProvider().list_instances(None) == []
+        assert "other-home-job" not in sftctl("down", "--orphans", check=True).stdout
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_run_refuses_a_secret_that_is_not_set(tmp_path, home):
+    spec = write_spec(tmp_path / "tiny.yaml", TINY)
+    env = {k: v for k, v in os.environ.items() if k != "SFTCTL_TEST_SECRET"}
+    proc = sftctl("run", str(spec), "--set", "secrets=[SFTCTL_TEST_SECRET]", env=env)
+    assert proc.returncode == 2 and no_traceback(proc)
+    assert "secrets: SFTCTL_TEST_SECRET not set" in proc.stderr.splitlines()[0], proc.stderr
+    assert status_json()["jobs"] == []

@@ -112,6 +112,14 @@ def test_set_overrides_are_typed_and_validated(tmp_path):
     assert spec.run == "echo a: b" and spec.env == {"X": "3"}
 
 
+def test_set_a_storage_field_over_a_storage_string(tmp_path):
+    path = write_spec(tmp_path / "job.yaml", "name: demo\nrun: echo\nstorage: s3://b/p\n")
+    spec = load_spec(path, ["storage.create_bucket=true"], environ={})
+    assert spec.storage.url == "s3://b/p" and spec.storage.create_bucket is True
+    spec = load_spec(path, ["storage=/tmp/x", "storage.max_workdir_mb=5"], environ={})
+    assert spec.storage.url == "/tmp/x" and spec.storage.max_workdir_mb == 5
+
+
 @pytest.mark.parametrize(
     "override, expected",
     [

@@ -81,3 +81,17 @@ def test_quickstart_on_s3_replaces_a_lost_node_and_resumes_from_the_bucket(home,
         assert secret.encode() not in s3.get_object(Bucket="sftctl-e2e", Key=key)["Body"].read(), key
     assert secret not in (home / "state.db").read_bytes().decode("latin-1")
     assert job_processes(job) == []
+
+
+def test_run_checks_the_bucket_first_and_creates_it_only_when_asked(home, aws, tmp_path):
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text("name: tiny\nresources: {nodes: 1}\nrun: echo hi\n")
+    proc = sftctl("run", str(spec), "--set", "storage=s3://sftctl-not-there/p")
+    assert proc.returncode == 4 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("error: storage s3://sftctl-not-there/p: the bucket sftctl-not-there does not exist")
+    assert "create_bucket: true" in proc.stderr
+    assert status_json()["jobs"] == []  # refused before anything was created
+    # a string storage takes a field by --set; create_bucket makes the bucket
+    sftctl("run", str(spec), "--set", "storage=s3://sftctl-made/p", "--set", "storage.create_bucket=true",
+           check=True)
+    assert "sftctl-made" in [b["Name"] for b in boto3.client("s3").list_buckets()["Buckets"]]

@@ -434,8 +434,10 @@ class AWSProvider(CloudProvider):
         instance_id = resp["Instances"][0]["InstanceId"]
         with self._lock:
             self._created[instance_id] = time.monotonic()
-        return {"id": instance_id, "region": region, "zone": zone, "instance_type": itype,
-                "spot": bool(request.spot), "sg": sg}
+        handle = {"id": instance_id, "region": region, "zone": zone, "instance_type": itype,
+                  "spot": bool(request.spot), "sg": sg}
+        ip = resp["Instances"][0].get("PrivateIpAddress")  # assigned at launch: no extra call
+        return {**handle, "ip": ip} if ip else handle
 
     def _run_error(self, e: Exception, request: InstanceRequest) -> ProviderError:
         """A RunInstances failure as CapacityError / CredentialsError / ProviderError."""
@@ -551,7 +553,9 @@ class AWSProvider(CloudProvider):
         return [g["GroupId"] for g in groups]
 
     def private_ip(self, handle: dict) -> str | None:
-        """The instance's private IPv4 address (DescribeInstances ``PrivateIpAddress``)."""
+        """The instance's private IPv4 address (from RunInstances, else DescribeInstances)."""
+        if handle.get("ip"):
+            return handle["ip"]
         try:
             out = self._call("ec2", handle["region"], "describe_instances", InstanceIds=[handle["id"]])
         except Exception as e:  # an address we cannot read is not worth a failed node: None

@@ -22,7 +22,7 @@ from pathlib import Path
 from sftctl import procs
 from sftctl.catalog import Offering, local_offering
 from sftctl.errors import ProviderError
-from sftctl.paths import job_dir
+from sftctl.paths import job_dir, sftctl_home
 from sftctl.providers.base import NodeState, NodeStatus
 
 
@@ -68,6 +68,7 @@ class LocalProvider:
             **env,
             "SFTCTL_JOB_ID": handle["job_id"],
             "SFTCTL_NODE_ID": handle["node_id"],
+            HOME_TAG: _home_tag(),
             "SFTCTL_NODE_DIR": str(node_dir),
             "SFTCTL_METRICS_DIR": str(node_dir / "metrics"),
             "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
@@ -107,6 +108,7 @@ class LocalProvider:
             **os.environ,
             "SFTCTL_JOB_ID": handle["job_id"],
             "SFTCTL_NODE_ID": handle["node_id"],
+            HOME_TAG: _home_tag(),
             "SFTCTL_NODE_DIR": str(daemon_dir),
             "SFTCTL_STORAGE_URL": self.channel.storage.url,
             "SFTCTL_PYTHON": sys.executable,
@@ -173,8 +175,11 @@ class LocalProvider:
         procs.kill_all(pids)
 
     def list_instances(self, job_id: str | None = None) -> list[dict]:
-        """One entry per live node process group tagged ``SFTCTL_JOB_ID`` (of ``job_id``)."""
-        jobs = procs.tag_values("SFTCTL_JOB_ID")
+        """One entry per live node process group tagged ``SFTCTL_JOB_ID`` (of ``job_id``) that
+        this sftctl home started: another home's jobs (another state, a test) are not ours."""
+        homes = procs.tag_values(HOME_TAG)
+        jobs = {pid: job for pid, job in procs.tag_values("SFTCTL_JOB_ID").items()
+                if homes.get(pid) == _home_tag()}
         nodes = procs.tag_values("SFTCTL_NODE_ID")
         out: dict[tuple, dict] = {}
         for pid, job in jobs.items():
@@ -185,9 +190,18 @@ class LocalProvider:
         return list(out.values())
 
     def terminate_tagged(self, job_id: str) -> int:
-        pids = procs.tagged("SFTCTL_JOB_ID", job_id)
+        pids = [pid for r in self.list_instances(job_id) for pid in r["pids"]]
         procs.kill_all(pids)
         return len(pids)
+
+
+#: Every local node process carries the sftctl home that started it, so ``sftctl down
+#: --orphans`` under one ``$SFTCTL_HOME`` never sweeps another's jobs.
+HOME_TAG = "SFTCTL_NODE_HOME"
+
+
+def _home_tag() -> str:
+    return str(sftctl_home().resolve())
 
 
 def _read_json_lines(path: Path, offsets: dict[str, int]) -> list[dict]:

@@ -220,7 +220,7 @@ class Storage:
             if not create_bucket:
                 raise BucketNotFoundError(
                     f"storage {self.url}: the {self._bucket_word} does not exist",
-                    hint=f"create it, or let sftctl create it; {self._bucket_hint}",
+                    hint=f"create it ({self._bucket_hint}), or let sftctl: storage: {{url: {self.url}, create_bucket: true}}",
                     url=self.url,
                 )
             self._create_bucket()
@@ -503,7 +503,11 @@ class LocalStorage(Storage):
             raise BucketNotFoundError(f"storage {self.url}: the {self._bucket_word} does not exist",
                                       hint=self._bucket_hint, url=self.url)
         with self._errors(f"creating {self.root}"):
-            self.root.mkdir(parents=True, exist_ok=True)
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except (FileExistsError, NotADirectoryError, FileNotFoundError) as e:  # a file in the way; /proc
+                raise StorageError(f"storage {self.url}: cannot create the directory {self.root}: {e.strerror}",
+                                   hint="use a directory you can write to", url=self.url) from None
 
     def _delete_bucket(self) -> None:
         with contextlib.suppress(OSError):
