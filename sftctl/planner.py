@@ -18,7 +18,7 @@ import difflib
 from typing import Callable
 
 from sftctl.catalog import Offering, accelerator_names, cloud_offerings
-from sftctl.errors import InfeasibleError, SpecError
+from sftctl.errors import InfeasibleError, SftctlError, SpecError
 from sftctl.spec import JobSpec
 
 
@@ -188,7 +188,7 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
                 + (f"; did you mean '{close[0]}'?" if close else ""),
                 hint=f"known accelerators: {', '.join(known.values())} (sftctl catalog lists offerings)",
             )
-        for offering in _offerings(acc.name, acc.count):
+        for offering in _offerings(acc.name, acc.count, usable, res.clouds):
             candidates.append(_judge(offering, spec, usable, predict))
     ranked = sorted(candidates, key=lambda c: (c.rejected is not None, _objective(c, res.objective)))
     feasible = [c for c in ranked if c.rejected is None]
@@ -242,12 +242,25 @@ def format_hours(h: float | None) -> str:
     return f"{h * 60:.1f} min" if h < 1 else f"{h:.1f} h"
 
 
-def _offerings(accelerator: str, count: int) -> list[Offering]:
+def _offerings(accelerator: str, count: int, usable: dict[str, str | None] | None = None,
+               clouds: list[str] | None = None) -> list[Offering]:
+    """The catalog's offerings of ``count`` x ``accelerator``, plus what a usable Kubernetes
+    cluster offers (read from its nodes' GPU labels: a cluster has no catalog)."""
     if accelerator.lower() == "cpu":
         from sftctl.providers.local import LocalProvider
 
-        return LocalProvider().offerings(accelerator, count)
-    return [o for o in cloud_offerings() if o.accelerator.lower() == accelerator.lower() and o.count == count]
+        out = LocalProvider().offerings(accelerator, count)
+    else:
+        out = [o for o in cloud_offerings() if o.accelerator.lower() == accelerator.lower() and o.count == count]
+    wanted = "kubernetes" in clouds if clouds is not None else accelerator.lower() != "cpu"
+    if usable is not None and usable.get("kubernetes", "") is None and wanted:
+        from sftctl.providers import get_provider
+
+        try:
+            out += get_provider("kubernetes").offerings(accelerator, count)
+        except SftctlError as e:  # an unreachable cluster is a reason, shown by sftctl check
+            usable["kubernetes"] = e.message
+    return out
 
 
 def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: PredictFn | None) -> Candidate:

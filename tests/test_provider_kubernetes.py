@@ -411,3 +411,16 @@ def test_emulator_rejects_unknown_fields_strictly(cluster):
 def test_the_provider_module_does_not_import_the_sdk():
     code = "import sys, sftctl.providers.kubernetes; assert 'kubernetes' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_planner_offers_what_the_cluster_has(kubeconfig):
+    """A cluster has no catalog: plan() ranks the GPU nodes it reads from the cluster's labels."""
+    from sftctl.planner import plan
+    from sftctl.spec import JobSpec
+
+    spec = JobSpec.model_validate({"name": "k8s-plan", "run": "true", "resources": {
+        "accelerators": ["H100:8", "L4:1"], "nodes": 1, "clouds": ["kubernetes"]}})
+    chosen = plan(spec, usable={"local": None, "aws": "no", "gcp": "no", "kubernetes": None})
+    assert chosen.offering.provider == "kubernetes"
+    offered = {(c.offering.accelerator, c.offering.count) for c in chosen.candidates if c.rejected is None}
+    assert ("H100", 8) in offered and ("L4", 1) in offered
