@@ -33,11 +33,13 @@ from sftctl.paths import job_dir
 from sftctl.providers import get_provider
 from sftctl.providers.base import NodeState, provision_all
 from sftctl.spec import JobSpec
+from sftctl.storage import StorageError
 from sftctl.state import JobStatus, Store
 
 POLL_S = 0.5
 REPLACED = "REPLACED"  # the node status of a node a health verdict replaced (terminated too)
-DOWN_GRACE_S = 20.0  # how long `sftctl down` lets a live controller clean up before killing it
+DOWN_GRACE_S = 20.0
+STORAGE_OUTAGE_S = 300.0  # how long the job's storage may be unreachable before the job fails  # how long `sftctl down` lets a live controller clean up before killing it
 
 
 # wait before a relaunch: 1 s, 2 s, 4 s, ... up to 30 s (restarts that fail fast do not spin)
@@ -352,9 +354,25 @@ class Controller:
         is not retried.
         """
         deadline_s = self.spec.resources.deadline_s
+        outage_since: float | None = None  # when the job's storage stopped answering
         while True:
-            self._drain()
-            statuses = [(n, self.provider.status(n["handle"])) for n in self.nodes]
+            try:
+                self._drain()
+                statuses = [(n, self.provider.status(n["handle"])) for n in self.nodes]
+            except StorageError as e:  # nodes keep training and buffering: wait for the storage
+                now = time.monotonic()
+                if outage_since is None:
+                    outage_since = now
+                    message = f"job storage unreachable, retrying for {STORAGE_OUTAGE_S:.0f} s: {e.message}"
+                    self.store.add_event(self.job_id, "storage", message)
+                    self.reporter.event(f"warning: {message}")
+                if now - outage_since > STORAGE_OUTAGE_S:
+                    raise
+                time.sleep(POLL_S * 4)
+                continue
+            if outage_since is not None:
+                outage_since = None
+                self.store.add_event(self.job_id, "storage", "job storage answers again")
             for node, st in statuses:
                 if st.state == NodeState.FAILED:
                     self._drain()

@@ -8,6 +8,7 @@ job's storage (:mod:`sftctl.storage.channel`). The daemon:
 2. polls ``nodes/<node id>/launch-<attempt>.json`` for a newer attempt; on one, it stops the
    previous attempt's processes, fetches the job's workdir (``SFTCTL_WORKDIR_KEY``, once per
    content hash) and runs the attempt's script (``templates/node.sh.j2``) in a session of its own;
+   and acknowledges it (``nodes/<node id>/ack-<attempt>``);
 3. stops the running attempt when ``nodes/<node id>/stop-<attempt>`` appears;
 4. writes ``exit-<attempt>`` itself when the script's process ended without writing one (killed),
    so the controller always learns how an attempt ended while the node lives.
@@ -105,6 +106,8 @@ class NodeDaemon:
             self.proc = subprocess.Popen(["bash", str(path)], cwd=self.node_dir, env=full_env,
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
+        # the controller gives a node launch_timeout_s to take an attempt; this says it did
+        self.storage.put_bytes(f"nodes/{self.node_id}/ack-{attempt}", f"{self.proc.pid}\n".encode())
 
     def _end_attempt(self) -> None:
         """Stop the running attempt's whole process group (SIGTERM, then SIGKILL after 10 s)."""

@@ -109,7 +109,8 @@ def test_bad_credentials_exit_4_with_one_line(home, aws, spec):
         run = sftctl("run", str(spec), env=env)
     assert run.returncode == 4, run.stderr[-2000:]
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "aws" in errors[0].lower(), run.stderr[-2000:]
+    # the job's storage is checked first, before any instance: the same credentials fail there
+    assert len(errors) == 1 and "access denied" in errors[0] and "s3://cloud-e2e" in errors[0], run.stderr[-2000:]
     assert "Traceback" not in run.stderr
     assert _instances() == [] or all(i["State"]["Name"] == "terminated" for i in _instances())
 

@@ -585,3 +585,28 @@ def test_secret_names():
         assert is_secret_name(name), name
     for name in ("SFTCTL_NODE_RANK", "OMP_NUM_THREADS", "PATH", "MASTER_ADDR"):
         assert not is_secret_name(name), name
+
+
+def test_a_node_whose_daemon_never_takes_the_attempt_is_lost(tmp_path):
+    """A bootstrap that never started the daemon: after launch_timeout_s without an ack the node
+    is LOST (the controller replaces it) instead of RUNNING forever; an ack keeps it RUNNING."""
+    from sftctl.providers.base import NodeState
+    from sftctl.providers.cloud import CloudProvider, InstanceState
+
+    class Fake(CloudProvider):
+        name = "fake"
+
+        def describe(self, handle):
+            return InstanceState.RUNNING
+
+    store = open_storage(tmp_path / "s")
+    store.ensure(create_bucket=True)
+    provider = Fake(channel=StorageChannel(store))
+    provider.launch_timeout_s = 5.0
+    handle = provider.launch({"node_id": "n0", "id": "i-1"}, "echo hi", {}, attempt=1)
+    assert provider.status(handle).state == NodeState.RUNNING
+    late = {**handle, "launched_at": handle["launched_at"] - 6.0}
+    status = provider.status(late)
+    assert status.state == NodeState.LOST and "did not take attempt 1 within 5 s" in status.detail
+    store.put_bytes("nodes/n0/ack-1", b"123\n")
+    assert provider.status(late).state == NodeState.RUNNING

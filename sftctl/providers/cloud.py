@@ -44,6 +44,9 @@ MANAGED_LABEL = "sftctl-managed"
 
 #: How long a node may take from the create call to RUNNING before it counts as not ready.
 READY_TIMEOUT_S = 900.0
+#: How long a running node's daemon may take to acknowledge an attempt (its bootstrap installs
+#: sftctl first) before the node counts as LOST and is replaced.
+LAUNCH_TIMEOUT_S = 900.0
 
 
 def label_value(value: str) -> str:
@@ -129,6 +132,8 @@ class CloudProvider:
         self.poll_s = poll_s
         self.ready_timeout_s = ready_timeout_s
         self.blocked_zones: set[tuple[str, str]] = set()  # (instance_type, zone)
+        self.launch_timeout_s = LAUNCH_TIMEOUT_S
+        self._acked: set[tuple[str, int]] = set()  # (node id, attempt) the node's daemon took
 
     # ------------------------------------------------------------ implemented per cloud
 
@@ -215,7 +220,7 @@ class CloudProvider:
         """Hand the node its attempt's script through the job's storage."""
         self._need_channel()
         self.channel.send_launch(handle["node_id"], attempt, script, env)
-        return {**handle, "attempt": attempt}
+        return {**handle, "attempt": attempt, "launched_at": time.time()}
 
     def status(self, handle: dict) -> NodeStatus:
         """The node's instance state, refined by the attempt's exit code from the job's storage."""
@@ -226,9 +231,17 @@ class CloudProvider:
             return NodeStatus(NodeState.LOST, None, f"{self.name} instance {handle.get('id')} is {state.value.lower()}")
         if "attempt" not in handle or self.channel is None:
             return NodeStatus(NodeState.READY if state == InstanceState.RUNNING else NodeState.LOST)
-        code = self.channel.exit_code(handle["node_id"], handle["attempt"])
+        node_id, attempt = handle["node_id"], handle["attempt"]
+        code = self.channel.exit_code(node_id, attempt)
         if code is not None:
             return NodeStatus(NodeState.SUCCEEDED if code == 0 else NodeState.FAILED, code, f"exit code {code}")
+        if (node_id, attempt) not in self._acked:
+            if self.channel.storage.exists(f"nodes/{node_id}/ack-{attempt}"):
+                self._acked.add((node_id, attempt))
+            elif time.time() - handle.get("launched_at", time.time()) > self.launch_timeout_s:
+                return NodeStatus(NodeState.LOST, None, (
+                    f"its daemon did not take attempt {attempt} within {self.launch_timeout_s:.0f} s "
+                    "(the bootstrap failed? see /var/lib/sftctl/<node>/bootstrap.log on the node)"))
         return NodeStatus(NodeState.RUNNING)
 
     def read_log(self, handle: dict, offset: int) -> tuple[bytes, int]:

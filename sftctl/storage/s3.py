@@ -85,7 +85,7 @@ class S3Storage(Storage):
             if code == "BucketAlreadyExists":
                 raise StorageError(f"storage {self.url}: bucket name {self.bucket} is taken by another account",
                                    hint="bucket names are global: pick another", url=self.url) from None
-            if code in _DENIED:
+            if code in _DENIED or code in ("401", "403"):  # HeadBucket has no body: only the status
                 raise StorageAccessDenied(f"storage {self.url}: access denied {what} ({code})",
                                           hint=_CRED_HINT, url=self.url) from None
             raise StorageError(f"storage {self.url}: {what} failed: {code or 'error'}",
