@@ -29,7 +29,6 @@ The ``kubernetes`` package is imported inside the functions, never at module imp
 
 from __future__ import annotations
 
-import base64
 import datetime
 import hashlib
 import json
@@ -37,7 +36,6 @@ import os
 import re
 import threading
 import time
-from functools import lru_cache
 
 from sftctl.catalog import Offering
 from sftctl.errors import CapacityError, CredentialsError, ProviderError
@@ -225,31 +223,11 @@ def _quantity(value) -> float:
 # -------------------------------------------------------------------- templates
 
 
-def _yaml_scalar(value) -> str:
-    """``value`` as a YAML double-quoted scalar (every character escaped as YAML needs, one line)."""
-    import yaml
-
-    return yaml.safe_dump(str(value), default_style='"', width=float("inf"), allow_unicode=False).rstrip("\n")
-
-
-@lru_cache(maxsize=1)
-def _templates():
-    import jinja2
-
-    env = jinja2.Environment(
-        loader=jinja2.PackageLoader("sftctl", "templates/k8s"),
-        undefined=jinja2.StrictUndefined,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
-    env.filters["yq"] = _yaml_scalar
-    env.filters["b64"] = lambda v: base64.b64encode(str(v).encode()).decode()
-    return env
-
-
 def render(name: str, **context) -> str:
     """Render ``sftctl/templates/k8s/<name>`` (YAML text); a missing variable raises an error."""
-    return _templates().get_template(name).render(**context)
+    from sftctl import templates
+
+    return templates.render(f"k8s/{name}", **context)
 
 
 def manifest(name: str, **context) -> dict:

@@ -1,9 +1,21 @@
-"""Jinja2 templates for node bootstrap scripts (and, later, cloud user-data and manifests)."""
+"""Jinja2 templates: node scripts (``node.sh.j2``), the cloud bootstrap (``bootstrap.sh.j2``) and
+Kubernetes manifests (``k8s/*.yaml.j2``).
+
+Filters: ``q`` shell-quotes a value; ``yq`` makes it a one-line YAML double-quoted scalar
+(every character escaped as YAML needs); ``b64`` base64-encodes its UTF-8 text (Secret data).
+"""
 
 from __future__ import annotations
 
+import base64
 import shlex
 from functools import lru_cache
+
+
+def _yaml_scalar(value) -> str:
+    import yaml
+
+    return yaml.safe_dump(str(value), default_style='"', width=float("inf"), allow_unicode=False).rstrip("\n")
 
 
 @lru_cache(maxsize=1)
@@ -17,6 +29,8 @@ def _env():
         autoescape=False,
     )
     env.filters["q"] = lambda v: shlex.quote(str(v))
+    env.filters["yq"] = _yaml_scalar
+    env.filters["b64"] = lambda v: base64.b64encode(str(v).encode()).decode()
     return env
 
 
