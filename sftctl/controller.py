@@ -38,8 +38,8 @@ from sftctl.state import JobStatus, Store
 
 POLL_S = 0.5
 REPLACED = "REPLACED"  # the node status of a node a health verdict replaced (terminated too)
-DOWN_GRACE_S = 20.0
-STORAGE_OUTAGE_S = 300.0  # how long the job's storage may be unreachable before the job fails  # how long `sftctl down` lets a live controller clean up before killing it
+DOWN_GRACE_S = 20.0  # how long `sftctl down` lets a live controller clean up before killing it
+STORAGE_OUTAGE_S = 300.0  # how long the job's storage may be unreachable before the job fails
 
 
 # wait before a relaunch: 1 s, 2 s, 4 s, ... up to 30 s (restarts that fail fast do not spin)
@@ -315,9 +315,8 @@ class Controller:
         from sftctl.templates import render
 
         if self.storage is not None and self.workdir_key is None:
-            from sftctl.storage.workdir import upload_workdir
-
             from sftctl.storage import open_storage
+            from sftctl.storage.workdir import upload_workdir
 
             # under the storage's root, not the job's prefix: an unchanged workdir is uploaded once
             packed = upload_workdir(open_storage(self.spec.storage.url), self.spec.workdir,
@@ -397,13 +396,9 @@ class Controller:
         """Where a relaunch resumes: the newest complete checkpoint, if this machine sees it."""
         from sftctl.train import complete_checkpoint_steps
 
-        if self.storage is not None:
-            from sftctl.storage.checkpoints import complete_steps
-
-            steps = complete_steps(self.storage)
-        else:
-            ckpt = self.spec.train.checkpoint_dir or str(job_dir(self.job_id) / "checkpoints")
-            steps = complete_checkpoint_steps(ckpt) if self.provider.name == "local" else None
+        url = self.storage.url if self.storage is not None else None  # canonical: file:// for a directory
+        root = url or self.spec.train.checkpoint_dir or str(job_dir(self.job_id) / "checkpoints")
+        steps = complete_checkpoint_steps(root) if url or self.provider.name == "local" else None
         if steps is None:
             return "from the last checkpoint"
         return f"from checkpoint step {steps[-1]}" if steps else "from step 0 (no checkpoint yet)"
@@ -580,10 +575,7 @@ def down_orphans(store: Store) -> list[str]:
         except SftctlError as e:
             out.append(f"{name}: skipped ({e.message})")
             continue
-        by_job: dict[str, list[dict]] = {}
-        for r in found:
-            by_job.setdefault(r.get("job_id") or "?", []).append(r)
-        for job_id, resources in sorted(by_job.items()):
+        for job_id in sorted({r.get("job_id") or "?" for r in found}):
             job = store.get_job(job_id)
             if job is not None and not JobStatus(job["status"]).terminal:
                 continue
