@@ -80,6 +80,16 @@ def _root(
 # ------------------------------------------------------------------------------------ run
 
 
+def _need_storage(spec, spec_path: Path, where: str) -> None:
+    """Cloud nodes keep code, checkpoints and logs in the job's storage: refuse a spec without."""
+    if where != "local" and spec.storage is None:
+        raise SftctlError(
+            f"{spec_path}: storage: required for {where} nodes (they keep code, checkpoints and logs in the "
+            "job's storage)",
+            hint="add storage: s3://BUCKET/PREFIX (aws), gs://BUCKET/PREFIX (gcp) or pvc://CLAIM/PREFIX (kubernetes)",
+        )
+
+
 def _check_storage(storage) -> None:
     """Before anything is created: the job's storage must exist (or be created, with
     ``create_bucket``) and be writable. A plain directory is created; a ``pvc://`` claim is only
@@ -111,13 +121,11 @@ def run(
 
         raise SpecError(f"{spec_path}: secrets: {', '.join(missing)} not set in this shell",
                         hint="export it before sftctl run (secrets come from your environment), or drop it from secrets")
+    clouds = spec.resources.clouds
+    if clouds is not None and "local" not in clouds:  # known before planning: say it now
+        _need_storage(spec, spec_path, "/".join(clouds))
     chosen = _plan_with_progress(spec, strict=False, stderr=True)
-    if chosen.offering.provider != "local" and spec.storage is None:
-        raise SftctlError(
-            f"{spec_path}: storage: required for {chosen.offering.provider} nodes (they keep code, checkpoints "
-            "and logs in the job's storage)",
-            hint="add storage: s3://BUCKET/PREFIX (aws), gs://BUCKET/PREFIX (gcp) or pvc://CLAIM/PREFIX (kubernetes)",
-        )
+    _need_storage(spec, spec_path, chosen.offering.provider)
     if spec.storage is not None:
         _check_storage(spec.storage)
     store = _store()

@@ -202,3 +202,15 @@ def test_run_refuses_a_secret_that_is_not_set(tmp_path, home):
     assert proc.returncode == 2 and no_traceback(proc)
     assert "secrets: SFTCTL_TEST_SECRET not set" in proc.stderr.splitlines()[0], proc.stderr
     assert status_json()["jobs"] == []
+
+
+def test_a_cloud_job_without_storage_is_refused_before_anything(home, tmp_path):
+    """Cloud nodes keep everything in the job's storage: no storage, one line and exit 2, before
+    planning when the spec already rules this machine out, after it when the plan picks a cloud."""
+    spec = tmp_path / "cloud.yaml"
+    spec.write_text("name: c\nresources: {accelerators: ['H100:8'], clouds: [aws, gcp]}\nrun: 'true'\n")
+    proc = sftctl("run", str(spec))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert "storage: required for aws/gcp nodes" in line
+    assert status_json()["jobs"] == []  # nothing was created
