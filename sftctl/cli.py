@@ -494,6 +494,17 @@ def status(
     if not watch:
         console.print(render(doc))
         return
+    if not console.is_terminal:  # a pipe: print each state as it changes (Live would wait to the end)
+        last = None
+        while True:
+            if doc != last:
+                console.print(render(doc))
+                sys.stdout.flush()
+                last = doc
+            if job_id and JobStatus(doc["status"]).terminal:
+                return
+            time.sleep(1.0)
+            doc = collect()
     from rich.live import Live
 
     with Live(render(doc), console=console, refresh_per_second=4) as live:
