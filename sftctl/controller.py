@@ -37,6 +37,9 @@ from sftctl.storage import StorageError
 from sftctl.state import JobStatus, Store
 
 POLL_S = 0.5
+#: With job storage every poll lists each node's streams (about 5 requests per node): poll less
+#: often there; S3 charges per request and a node ships its files every second anyway.
+STORAGE_POLL_S = 2.0
 REPLACED = "REPLACED"  # the node status of a node a health verdict replaced (terminated too)
 DOWN_GRACE_S = 20.0  # how long `sftctl down` lets a live controller clean up before killing it
 STORAGE_OUTAGE_S = 300.0  # how long the job's storage may be unreachable before the job fails
@@ -367,7 +370,7 @@ class Controller:
                     self.reporter.event(f"warning: {message}")
                 if now - outage_since > STORAGE_OUTAGE_S:
                     raise
-                time.sleep(POLL_S * 4)
+                time.sleep(STORAGE_POLL_S)
                 continue
             if outage_since is not None:
                 outage_since = None
@@ -390,7 +393,7 @@ class Controller:
                     return Failure(f"node {v.node_rank} {v.kind}: {v.evidence}", v.action, v.node_rank)
             if deadline_s is not None and time.time() - self.created_at > deadline_s:
                 return Failure(f"deadline of {self.spec.resources.deadline} passed", None, None)
-            time.sleep(POLL_S)
+            time.sleep(POLL_S if self.storage is None else STORAGE_POLL_S)
 
     def _resume_point(self) -> str:
         """Where a relaunch resumes: the newest complete checkpoint, if this machine sees it."""

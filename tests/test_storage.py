@@ -29,6 +29,7 @@ from sftctl.storage import (
     StorageNotFound,
     open_storage,
 )
+from sftctl.providers.cloud import CloudProvider, InstanceState
 from sftctl.storage import checkpoints as ck
 from sftctl.storage.channel import StorageChannel, is_secret_name
 from sftctl.storage.stream import Shipper, StreamReader, StreamWriter
@@ -335,6 +336,7 @@ def test_checkpoints_write_resume_keep(store, tmp_path):
 _INTERRUPTED_WRITER = r"""
 import os, sys, time
 from sftctl.storage import open_storage
+from sftctl.providers.cloud import CloudProvider, InstanceState
 from sftctl.storage import checkpoints as ck
 
 store = open_storage(sys.argv[1])
@@ -538,17 +540,10 @@ def test_shipper_and_channel_round_trip(store, tmp_path):
 
 def test_cloud_provider_speaks_to_storage_channel(tmp_path):
     from sftctl.providers.base import NodeState
-    from sftctl.providers.cloud import CloudProvider, InstanceState
-
-    class Fake(CloudProvider):
-        name = "fake"
-
-        def describe(self, handle):
-            return InstanceState.RUNNING
 
     store = open_storage(tmp_path / "s")
     store.ensure(create_bucket=True)
-    provider = Fake(channel=StorageChannel(store))
+    provider = RunningCloud(channel=StorageChannel(store))
     handle = provider.launch({"node_id": "n0", "id": "i-1"}, "echo hi", {"A": "1"}, attempt=1)
     assert provider.status(handle).state == NodeState.RUNNING
     node = tmp_path / "node"
@@ -591,17 +586,10 @@ def test_a_node_whose_daemon_never_takes_the_attempt_is_lost(tmp_path):
     """A bootstrap that never started the daemon: after launch_timeout_s without an ack the node
     is LOST (the controller replaces it) instead of RUNNING forever; an ack keeps it RUNNING."""
     from sftctl.providers.base import NodeState
-    from sftctl.providers.cloud import CloudProvider, InstanceState
-
-    class Fake(CloudProvider):
-        name = "fake"
-
-        def describe(self, handle):
-            return InstanceState.RUNNING
 
     store = open_storage(tmp_path / "s")
     store.ensure(create_bucket=True)
-    provider = Fake(channel=StorageChannel(store))
+    provider = RunningCloud(channel=StorageChannel(store))
     provider.launch_timeout_s = 5.0
     handle = provider.launch({"node_id": "n0", "id": "i-1"}, "echo hi", {}, attempt=1)
     assert provider.status(handle).state == NodeState.RUNNING
@@ -610,3 +598,13 @@ def test_a_node_whose_daemon_never_takes_the_attempt_is_lost(tmp_path):
     assert status.state == NodeState.LOST and "did not take attempt 1 within 5 s" in status.detail
     store.put_bytes("nodes/n0/ack-1", b"123\n")
     assert provider.status(late).state == NodeState.RUNNING
+
+
+
+class RunningCloud(CloudProvider):
+    """A cloud whose every instance runs: only the storage channel decides the node's state."""
+
+    name = "fake"
+
+    def describe(self, handle):
+        return InstanceState.RUNNING
