@@ -304,18 +304,26 @@ def find_gemm_sites(gm: fx.GraphModule, *, fuse_epilogues: bool = True, force: b
     also needs ``beta == 1`` and a bias of shape ``[N]``/``[1, N]`` (bias) or ``[M, N]`` (residual).
     Epilogue nodes are absorbed only when the GEMM's value has no other reader (e.g. a forward
     activation whose input is saved for backward is not fused).
+
+    Each epilogue node is absorbed by one site only: in ``A(x) + B(x)`` (Llama's backward sums
+    the input gradients of its gate/up and q/k/v projections so) the first GEMM in graph order
+    takes the ``add`` as its residual and the second keeps a plain epilogue-free site, whose
+    rewritten value the first one's launcher then reads.
     """
     sites = []
+    claimed: set[fx.Node] = set()  # epilogue nodes an earlier site absorbed
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in GEMM_TARGETS:
             continue
-        site = _match_site(node, fuse_epilogues, force)
+        site = _match_site(node, fuse_epilogues, force, claimed)
         if site is not None:
             sites.append(site)
+            claimed.update(site.chain[1:])
     return sites
 
 
-def _match_site(node: fx.Node, fuse_epilogues: bool, force: bool) -> GemmSite | None:
+def _match_site(node: fx.Node, fuse_epilogues: bool, force: bool,
+                claimed: set[fx.Node] = frozenset()) -> GemmSite | None:
     out = _val(node)
     if not isinstance(out, torch.Tensor) or _concrete(out.shape) is None or out.numel() == 0:
         return None
@@ -347,7 +355,7 @@ def _match_site(node: fx.Node, fuse_epilogues: bool, force: bool) -> GemmSite | 
         else:
             return None
     if fuse_epilogues:
-        _absorb_epilogue(site)
+        _absorb_epilogue(site, claimed)
     return site
 
 
@@ -364,13 +372,19 @@ def _walk_transparent(cur: fx.Node) -> tuple[list[fx.Node], fx.Node | None]:
     return passed, user
 
 
-def _absorb_epilogue(site: GemmSite) -> None:
+def _absorb_epilogue(site: GemmSite, claimed: set[fx.Node] = frozenset()) -> None:
+    """Extend ``site.chain`` by the bias / activation / residual nodes that follow its GEMM,
+    never taking a node in ``claimed`` (absorbed by another site already)."""
     cur = site.start
     out = _val(cur)
     n_out = out.shape[-1]
+
+    def free(*nodes) -> bool:
+        return not any(n in claimed for n in nodes)
+
     # bias: mm's value plus a length-N vector
     user = _sole_user(cur)
-    if user is not None and site.bias is None and site.residual is None:
+    if user is not None and site.bias is None and site.residual is None and free(user):
         other = _other_operand(user, cur)
         v = _val(other)
         if (isinstance(v, torch.Tensor) and v.dtype == out.dtype and _concrete(v.shape) == (n_out,)
@@ -382,14 +396,14 @@ def _absorb_epilogue(site: GemmSite) -> None:
         return
     # activation, possibly behind views (elementwise ops commute with them)
     passed, user = _walk_transparent(cur)
-    if user is not None and user.target in _ACTIVATIONS:
+    if user is not None and user.target in _ACTIVATIONS and free(user, *passed):
         approximate = user.kwargs.get("approximate", user.args[1] if len(user.args) > 1 else "none")
         if user.target is not aten.gelu.default or approximate == "none":
             site.activation, cur = _ACTIVATIONS[user.target], user
             site.chain += passed + [user]
     # residual add of a tensor of the same shape and dtype, possibly behind views
     passed, user = _walk_transparent(cur)
-    if user is not None:
+    if user is not None and free(user, *passed):
         before = passed[-1] if passed else cur
         other = _other_operand(user, before)
         if other is not None and _same_tensor_type(other, user) and _same_tensor_type(user, before):
