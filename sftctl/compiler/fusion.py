@@ -29,6 +29,7 @@ import math
 
 from sftctl.compiler.ir import (
     CONTRACTIONS,
+    DTYPE_BYTES,
     DATA,
     ELEMENTWISE,
     LAYOUT,
@@ -51,7 +52,11 @@ class Kernel:
         bytes_read, bytes_written: memory traffic, bytes.
         flops: arithmetic, FLOPs (2*M*N*K*batch for a GEMM; one per element per op otherwise).
         gemm: for ``gemm`` kernels, (batch, m, n, k, dtype, a_transposed, b_transposed,
-            epilogue_bytes_per_elem); None otherwise.
+            epilogue_bytes_per_elem); None otherwise. ``epilogue_bytes_per_elem`` is every byte the
+            kernel moves besides its operands and its main output (in ``out_dtype``), per output
+            element: the epilogue's extra operands (bias, residual) and its extra outputs (a
+            saved pre-activation, an fp32 copy).
+        out_dtype: for ``gemm`` kernels, the dtype of the main output the kernel stores.
     """
 
     kind: str
@@ -62,6 +67,7 @@ class Kernel:
     bytes_written: int = 0
     flops: float = 0.0
     gemm: tuple | None = None
+    out_dtype: str | None = None  # gemm: dtype of the output the GEMM stores (its epilogue's result)
     horizontal: int = 1  # independent kernels batched into this launch (multi-tensor apply)
 
     @property
@@ -215,7 +221,13 @@ def _account(graph: Graph, k: Kernel, group_of: dict[int, int], real_users, outp
             srcnode = graph.nodes[src]
             if srcnode.op in ("constant", "iota"):
                 continue
-            reads[src] = srcnode.type.nbytes
+            nbytes = srcnode.type.nbytes
+            node = graph.nodes[nid]
+            if node.op == "gather" and inp == node.inputs[0]:
+                # a gather reads one source element per output element (index count x row bytes),
+                # not its whole source (an embedding lookup, a cross-entropy's target logits)
+                nbytes = min(nbytes, node.type.numel * DTYPE_BYTES[srcnode.type.dtype])
+            reads[src] = max(reads.get(src, 0), nbytes)
     writes = [
         nid for nid in k.nodes
         if nid in outputs or any(group_of.get(u) is not group_of[nid] and u not in mine for u in real_users[nid])
@@ -240,8 +252,14 @@ def _account(graph: Graph, k: Kernel, group_of: dict[int, int], real_users, outp
         a_t, b_t = _transposed(graph, anchor)
         out_elems = max(1, anchor.type.numel)
         operand_bytes = sum(graph.nodes[source_of(graph, i)].type.nbytes for i in anchor.inputs)
-        epilogue_bytes = max(0, k.bytes_read - operand_bytes) / out_elems
-        k.gemm = (batch, m, n_, kk, graph.nodes[anchor.inputs[0]].type.dtype, a_t, b_t, epilogue_bytes)
+        # the main output: the last full-size tensor the kernel writes (its epilogue's result);
+        # every other write (a saved pre-activation, an fp32 copy) is charged as epilogue bytes
+        full = [w for w in writes if graph.nodes[w].type.numel == anchor.type.numel]
+        main = graph.nodes[full[-1]] if full else anchor
+        main_bytes = main.type.nbytes if full else 0
+        extra = max(0, k.bytes_read - operand_bytes) + max(0, k.bytes_written - main_bytes)
+        k.out_dtype = main.type.dtype
+        k.gemm = (batch, m, n_, kk, graph.nodes[anchor.inputs[0]].type.dtype, a_t, b_t, extra / out_elems)
 
 
 def _gemm_dims(graph: Graph, node: Node) -> tuple[int, int, int, int]:

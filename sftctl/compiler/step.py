@@ -117,7 +117,7 @@ def compile_graph(
     started = time.perf_counter()
     kernels = fuse(graph)
     gemm_classes: dict[tuple, object] = {}
-    total_gemm = len({k.gemm for k in kernels if k.kind == "gemm"})
+    total_gemm = len({(k.gemm, k.out_dtype) for k in kernels if k.kind == "gemm"})
     plans: list[KernelPlan] = []
     candidates = scored = 0
     for i, k in enumerate(kernels):
@@ -125,19 +125,21 @@ def compile_graph(
         if k.kind == "gemm":
             batch, m, n, kk, dtype, a_t, b_t, epi = k.gemm
             gemm_flops = 2.0 * batch * m * n * kk
-            if k.gemm not in gemm_classes:
+            key = (k.gemm, k.out_dtype)
+            if key not in gemm_classes:
                 problem = costmodel.GemmProblem(
-                    batch=batch, m=m, n=n, k=kk, dtype=_mma_dtype(dtype), a_transposed=a_t, b_transposed=b_t,
+                    batch=batch, m=m, n=n, k=kk, dtype=_mma_dtype(dtype),
+                    out_dtype=_out_dtype(k.out_dtype or dtype), a_transposed=a_t, b_transposed=b_t,
                     epilogue_bytes_per_elem=epi,
                     epilogue_flops_per_elem=max(0.0, k.flops - gemm_flops) / max(1, batch * m * n),
                 )
                 choice = search_gemm(problem, hw, coeffs)
-                gemm_classes[k.gemm] = choice
+                gemm_classes[key] = choice
                 candidates += choice.n_candidates
                 scored += choice.n_scored
                 if progress:
                     progress(len(gemm_classes), total_gemm)
-            choice = gemm_classes[k.gemm]
+            choice = gemm_classes[key]
             cands, sc = choice.n_candidates, choice.n_scored
             if choice.config is not None:
                 t, config = choice.time_s, dict(choice.config)
@@ -166,6 +168,11 @@ def compile_graph(
 def _mma_dtype(dtype: str) -> str:
     """The matrix-unit input dtype of a contraction traced in ``dtype`` (float64 runs as fp32)."""
     return "float32" if dtype == "float64" else dtype
+
+
+def _out_dtype(dtype: str) -> str:
+    """The cost model's name for a GEMM output dtype (float64 and integers are stored as 8/4 bytes)."""
+    return {"float64": "float64", "int64": "float64", "int32": "float32", "bool": "int8"}.get(dtype, dtype)
 
 
 def _roofline_time_s(k: Kernel, hw: Accelerator, coeffs, flops_per_s: float) -> float:

@@ -40,7 +40,9 @@ used; for the ops a transformer uses (linear, matmul, bmm, baddbmm) they agree w
 
 Lowering notes: ``torch.gather`` / ``scatter`` (take-along-axis forms) become an IR ``gather`` /
 ``scatter_add`` on the flattened tensor with a computed linear index; ``index`` / ``index_put``
-with adjacent index tensors merge the indexed dims the same way; non-accumulating scatters use a
+with adjacent index tensors merge the indexed dims the same way; a scatter with one index per row
+(``nll_loss`` backward) is a compare against an ``iota`` (elementwise, so it fuses into its
+consumer as Inductor's lowering does); other non-accumulating scatters use a
 ``scatter_add`` of ones as the written mask (exact for unique indices, as torch itself only
 defines them). Random ops (dropout with p > 0) are not supported.
 """
@@ -1044,6 +1046,23 @@ class _Lowering(GraphBuilder):
         dim %= max(len(xs), 1)
         idx = self.arg(index)
         ishape = self.shape(idx)
+        if len(ishape) == len(xs) and ishape[dim] == 1 and all(
+                ishape[d] == xs[d] for d in range(len(xs)) if d != dim):
+            # one index per row (nll_loss backward, one-hot targets): a compare against the
+            # position along ``dim``, elementwise, so it fuses into its consumer as Inductor's
+            # lowering does, instead of a materialized "written" mask of the whole tensor
+            pos = self.iota(tuple(xs[d] if d == dim else 1 for d in range(len(xs))), dim, "int64")
+            hit = self.binary("eq", pos, self._nonneg(idx, xs[dim]), "bool")
+            if isinstance(src, (fx.Node, _Id)):
+                s = self.arg(src, dtype)
+                for d, size in enumerate(ishape):
+                    s = self.slice_dim(s, d, 0, size)
+            else:
+                s = self.const(src, (), dtype)
+            if mode == "add":
+                contrib = self.add("where", [hit, s, self.const(0, (), dtype)], xs, dtype)
+                return contrib if self.is_const(xi, 0) else self.binary("add", xi, contrib)
+            return self.add("where", [hit, s, xi], xs, dtype)
         flat = self._take_along_index(xs, dim, idx)
         total = (math.prod(xs),)
         if isinstance(src, (fx.Node, _Id)):
