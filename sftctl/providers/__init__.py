@@ -38,6 +38,9 @@ def get_provider(name: str, **kwargs) -> Provider:
     if name not in _CLASSES:
         raise ProviderError(f"unknown provider {name!r}", hint=f"providers: {', '.join(PROVIDERS)}")
     module, cls = _CLASSES[name]
+    missing = sdk_missing(name)
+    if missing is not None:
+        raise ProviderError(missing, hint=f"pip install 'sftctl[{_EXTRAS[name]}]'")
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as e:
@@ -48,6 +51,21 @@ def get_provider(name: str, **kwargs) -> Provider:
             ) from None
         raise
     return getattr(mod, cls)(**kwargs)
+
+
+def sdk_missing(name: str) -> str | None:
+    """None when ``name``'s SDK can be imported here (or it needs none), else one line saying
+    which is missing (``pip install 'sftctl[<name>]'`` installs it). Looks the module up without importing it."""
+    sdk = _SDKS.get(name)
+    if sdk is None:
+        return None
+    try:
+        found = importlib.util.find_spec(sdk) is not None
+    except (ImportError, ValueError):  # a parent package is missing, or a stub without a spec
+        found = False
+    if found:
+        return None
+    return f"{name}: its SDK ({sdk}) is not installed"
 
 
 def configured(name: str, environ: dict | None = None) -> str | None:
@@ -86,8 +104,8 @@ def usable_providers() -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for name in PROVIDERS:
         why = configured(name)
-        if why is None and name in _SDKS and importlib.util.find_spec(_SDKS[name].split(".")[0]) is None:
-            why = f"{name}: its SDK is not installed (pip install 'sftctl[{_EXTRAS[name]}]')"
+        if why is None and sdk_missing(name):
+            why = f"{sdk_missing(name)} (pip install 'sftctl[{_EXTRAS[name]}]')"
         if name == "local":
             try:
                 get_provider("local").check()

@@ -145,7 +145,7 @@ def _boto3():
     try:
         import boto3
     except ImportError:  # an optional dependency
-        raise ProviderError("aws: boto3 is not installed", hint="pip install boto3") from None
+        raise ProviderError("aws: its SDK (boto3) is not installed", hint="pip install 'sftctl[aws]'") from None
     return boto3
 
 
