@@ -50,9 +50,13 @@ def _store():
 
 
 def _get_job(store, job_id: str) -> dict:
-    """A job by id or unique id prefix. Raises NotFoundError (exit 2) otherwise."""
+    """A job by id or unique id prefix. Raises NotFoundError (exit 2) otherwise.
+
+    Every read path goes through here, so every one of them sees a dead controller: live jobs
+    whose controller process is gone are marked FAILED_CONTROLLER first."""
     if not job_id.strip():
         raise NotFoundError("the job id is empty", hint="sftctl status lists the jobs")
+    store.reap_dead_controllers()
     job = store.get_job(job_id)
     if job is None:
         matches = [j["id"] for j in store.list_jobs() if j["id"].startswith(job_id)]
@@ -550,7 +554,14 @@ def logs(
         sys.stdout.flush()
         if not follow:
             break
-        ended = JobStatus(store.get_job(job["id"])["status"]).terminal
+        store.reap_dead_controllers()
+        now = store.get_job(job["id"])
+        if now["status"] == JobStatus.FAILED_CONTROLLER.value:
+            # nobody supervises the nodes any more: following them could last forever
+            _console(stderr=True).print(f"[yellow]warning:[/] {_escape(now['failure_reason'] or 'the controller died')}",
+                                        soft_wrap=True)
+            break
+        ended = JobStatus(now["status"]).terminal
         if ended and not got and not any(
             provider.status(n["handle"]).state == NodeState.RUNNING for n in nodes
             if n["handle"].get("pid") or n["handle"].get("attempt")

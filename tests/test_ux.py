@@ -60,3 +60,57 @@ def test_check_and_down_orphans_without_cloud_sdks_name_the_extra(tmp_path, home
     assert proc.stdout.splitlines() == [f"{c}: skipped ({c}: its SDK ({s}) is not installed)"
                                         for c, s in (("aws", "boto3"), ("gcp", "google.cloud.compute_v1"),
                                                      ("kubernetes", "kubernetes"))]
+
+
+SLEEPER = """\
+name: sleeper
+resources: {nodes: 2}
+run: |
+  echo started
+  sleep 300
+"""
+
+
+def test_every_read_path_sees_a_dead_controller(tmp_path, home):
+    """Item 2: `logs --follow` returns, and `events` shows FAILED_CONTROLLER, once the controller died."""
+    spec = write_spec(tmp_path / "sleeper.yaml", SLEEPER)
+    job = json.loads(sftctl("run", str(spec), "--detach", "--json", check=True).stdout)["job_id"]
+    try:
+        wait_for(lambda: status_json(job)["status"] == "RUNNING", what="RUNNING")
+        wait_for(lambda: "started" in sftctl("logs", job, "--node", "1").stdout, what="node 1's first line")
+        from sftctl.state import Store
+
+        os.kill(Store().get_job(job)["controller_pid"], signal.SIGKILL)
+        # events, not status, is the first command run after the controller died
+        events = wait_for(lambda: [e for e in json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]
+                                   if "FAILED_CONTROLLER" in e["message"]], what="events to see the dead controller")
+        assert "exited without finishing the job" in events[0]["message"]
+        proc = sftctl("logs", job, "--follow", timeout=120)  # the nodes still sleep for minutes
+        assert proc.returncode == 0 and "(node 1) started" in proc.stdout
+        assert "exited without finishing the job" in proc.stderr and f"sftctl down {job}" in proc.stderr
+    finally:
+        sftctl("down", job)
+    assert job_processes(job) == []
+
+
+def test_logs_follow_returns_when_the_controller_dies_while_following(tmp_path, home):
+    """Item 2: a follower already attached when the controller dies returns too."""
+    spec = write_spec(tmp_path / "sleeper.yaml", SLEEPER.replace("nodes: 2", "nodes: 1"))
+    job = json.loads(sftctl("run", str(spec), "--detach", "--json", check=True).stdout)["job_id"]
+    try:
+        wait_for(lambda: status_json(job)["status"] == "RUNNING", what="RUNNING")
+        follower = subprocess.Popen([sys.executable, "-m", "sftctl.cli", "logs", job, "--follow"], cwd=REPO,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            from sftctl.state import Store
+
+            os.kill(Store().get_job(job)["controller_pid"], signal.SIGKILL)
+            out, err = follower.communicate(timeout=120)
+        finally:
+            if follower.poll() is None:
+                follower.kill()
+                follower.wait()
+        assert follower.returncode == 0 and "exited without finishing the job" in err, err
+    finally:
+        sftctl("down", job)
+    assert job_processes(job) == []
