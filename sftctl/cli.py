@@ -8,6 +8,7 @@ and a ``hint:`` line on stderr, never a traceback (``--debug`` shows it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -30,12 +31,13 @@ app = typer.Typer(
 
 
 def _console(stderr: bool = False):
-    from rich.console import Console
+    from sftctl.ui import SafeConsole
 
     stream = sys.stderr if stderr else sys.stdout
     # piped output is read by scripts and people alike: do not squeeze tables to 80 columns
     width = None if stream.isatty() else 240
-    return Console(stderr=stderr, highlight=False, width=width)
+    # a closed pipe or terminal silences the output, never ends the command (or its job)
+    return SafeConsole(stderr=stderr, highlight=False, width=width)
 
 
 def _print_json(doc) -> None:
@@ -173,7 +175,8 @@ def run(
     wall_s = time.monotonic() - started
     job = _job_doc(store, store.get_job(job_id), detail=True)
     if as_json:
-        _print_json({**job, "wall_s": round(wall_s, 2)})
+        with contextlib.suppress(OSError):  # stdout closed (| head, SIGHUP): the job is over anyway
+            _print_json({**job, "wall_s": round(wall_s, 2)})
     else:
         losses = (
             f", loss {view.first_loss:.4f} -> {view.last_loss:.4f}" if view.first_loss is not None else ""

@@ -88,6 +88,29 @@ class PrintReporter:
         pass
 
 
+class _Guarded:
+    """A reporter whose failures never reach the job: output that cannot be written (a closed
+    pipe, a terminal that hung up) is dropped; the events are in state anyway."""
+
+    def __init__(self, inner: Reporter):
+        self.inner = inner
+        self.broken = False
+
+    def __getattr__(self, name: str):
+        fn = getattr(self.inner, name)
+
+        def call(*args, **kwargs):
+            if self.broken:
+                return None
+            try:
+                return fn(*args, **kwargs)
+            except (OSError, ValueError):  # EIO, EPIPE, "I/O operation on closed file"
+                self.broken = True
+                return None
+
+        return call
+
+
 class Controller:
     """Runs one job from PENDING to a terminal status.
 
@@ -101,7 +124,7 @@ class Controller:
     def __init__(self, store: Store, job_id: str, reporter: Reporter | None = None):
         self.store = store
         self.job_id = job_id
-        self.reporter = reporter or PrintReporter()
+        self.reporter = _Guarded(reporter or PrintReporter())
         job = store.get_job(job_id)
         if job is None:
             raise KeyError(job_id)
@@ -132,7 +155,7 @@ class Controller:
 
     def run(self) -> JobStatus:
         """Drive the job to a terminal status and return it. Nodes are always torn down."""
-        previous = _install_sigterm()
+        previous = _install_cancel_signals()
         try:
             self._move(JobStatus.PROVISIONING)
             self._provision()
@@ -178,12 +201,14 @@ class Controller:
             raise
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut teardown
+            for signum in previous:  # nor a SIGHUP or SIGTERM that follows the first one
+                signal.signal(signum, signal.SIG_IGN)
             try:
                 self._teardown()
             finally:
                 signal.signal(signal.SIGINT, signal.default_int_handler)
-                if previous is not None:
-                    signal.signal(signal.SIGTERM, previous)
+                for signum, handler in previous.items():
+                    signal.signal(signum, handler)
         return JobStatus(self.store.get_job(self.job_id)["status"])
 
     def _move(self, status: JobStatus, reason: str | None = None) -> None:
@@ -588,14 +613,27 @@ def down_orphans(store: Store) -> list[str]:
     return out
 
 
-def _install_sigterm():
+CANCEL_SIGNALS = {
+    "SIGTERM": "cancelled by SIGTERM (sftctl down sends it)",
+    # a closed terminal or a dropped ssh session: the nodes must not keep running (and billing)
+    # unsupervised, so the job is cancelled and torn down exactly as on Ctrl-C
+    "SIGHUP": "cancelled: the terminal closed (SIGHUP)",
+}
+
+
+def _install_cancel_signals() -> dict:
+    """SIGTERM and SIGHUP raise :class:`Cancelled` (SIGINT raises KeyboardInterrupt already).
+    Returns the previous handlers by signal number, to restore."""
     if sys.platform == "win32" or not _in_main_thread():
-        return None
+        return {}
+    previous = {}
+    for name, why in CANCEL_SIGNALS.items():
+        def handler(signum, frame, why=why):
+            raise Cancelled(why)
 
-    def on_sigterm(signum, frame):
-        raise Cancelled("cancelled by SIGTERM (sftctl down sends it)")
-
-    return signal.signal(signal.SIGTERM, on_sigterm)
+        signum = getattr(signal, name)
+        previous[signum] = signal.signal(signum, handler)
+    return previous
 
 
 def _in_main_thread() -> bool:

@@ -5,11 +5,38 @@ Rendering only; no state is changed here. ``--json`` output is built in :mod:`sf
 
 from __future__ import annotations
 
+import os
 import time
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+class SafeConsole(Console):
+    """A rich Console whose output may vanish without ending the program.
+
+    ``sftctl run ... | head`` closes the pipe after ten lines and a closed terminal (SIGHUP)
+    turns every write into EIO; the job goes on either way. rich's own answer to a broken pipe
+    is ``SystemExit(1)``, which would end the controller mid-job: here the console goes quiet
+    instead (its file descriptor is pointed at /dev/null, so later flushes are silent too).
+    """
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        try:
+            fd = self.file.fileno()
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+        except (OSError, ValueError):  # a file without a descriptor: quiet is enough
+            pass
+
+    def _check_buffer(self) -> None:
+        try:
+            super()._check_buffer()
+        except OSError:  # EIO from a terminal that is gone
+            self.on_broken_pipe()
+
 
 STATUS_STYLE = {
     "PENDING": "dim",

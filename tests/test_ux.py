@@ -114,3 +114,53 @@ def test_logs_follow_returns_when_the_controller_dies_while_following(tmp_path, 
     finally:
         sftctl("down", job)
     assert job_processes(job) == []
+
+
+def test_sighup_cancels_an_attached_run_and_tears_it_down(tmp_path, home):
+    """Item 3: a closed terminal (SIGHUP) is handled like Ctrl-C: the job is cancelled, the nodes go."""
+    spec = write_spec(tmp_path / "sleeper.yaml", SLEEPER)
+    proc = subprocess.Popen([sys.executable, "-m", "sftctl.cli", "run", str(spec)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        job = wait_for(lambda: (j := status_json()["jobs"]) and j[0]["status"] == "RUNNING" and j[0]["id"],
+                       what="RUNNING")
+        wait_for(lambda: len(job_processes(job)) >= 2, what="node processes")
+        proc.send_signal(signal.SIGHUP)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    doc = status_json(job)
+    assert doc["status"] == "CANCELLED" and doc["failure_reason"] == "cancelled: the terminal closed (SIGHUP)"
+    assert all(n["status"] == "TERMINATED" for n in doc["nodes"])
+    assert job_processes(job) == []
+
+
+def test_a_closed_stdout_does_not_end_the_job(tmp_path, home):
+    """Item 3: `sftctl run job.yaml | head` : the reader goes away, the job still runs to success."""
+    flag = tmp_path / "go"
+    spec = write_spec(tmp_path / "talker.yaml", f"""\
+name: talker
+run: |
+  echo first
+  while [ ! -e {flag} ]; do sleep 0.1; done
+  for i in $(seq 1 200); do echo "line $i"; done
+""")
+    proc = subprocess.Popen([sys.executable, "-m", "sftctl.cli", "run", str(spec)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in proc.stdout:  # like head: read a little, then leave
+            if "(node 0) first" in line:
+                break
+        proc.stdout.close()
+        flag.write_text("")
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    (job,) = status_json()["jobs"]
+    assert job["status"] == "SUCCEEDED", job["failure_reason"]
+    assert job_processes(job["id"]) == []
