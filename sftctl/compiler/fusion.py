@@ -3,10 +3,11 @@
 Rules (each saves the intermediate tensor's write and read and one launch, so under the cost
 model a legal fusion never loses; greedy application is therefore optimal for these rules):
 
-* layout ops (reshape, transpose, broadcast, slice, concatenate, pad) and sources (inputs,
+* layout ops (reshape, transpose, broadcast, slice, concatenate, pad, reverse) and sources (inputs,
   constants, iota) are free: a consumer reads through them with index math. A transposed
   operand of a contraction becomes part of its prologue (``a_transposed``/``b_transposed``).
-* every ``dot_general`` anchors a GEMM kernel; elementwise consumers with the same number of
+* every ``dot_general`` and every ``conv`` (an implicit GEMM: M = output positions, N = output
+  channels, K = input channels x kernel taps, per group) anchors a GEMM kernel; elementwise consumers with the same number of
   elements that only it feeds (bias, activation, residual add, scaling, cast) become its
   epilogue and add the bytes of their other operands.
 * elementwise ops and reductions join the kernel of a producer when they iterate over the same
@@ -37,6 +38,7 @@ from sftctl.compiler.ir import (
     SOURCES,
     Graph,
     Node,
+    conv_gemm_dims,
 )
 
 
@@ -263,9 +265,12 @@ def _account(graph: Graph, k: Kernel, group_of: dict[int, int], real_users, outp
 
 
 def _gemm_dims(graph: Graph, node: Node) -> tuple[int, int, int, int]:
-    """(batch, m, n, k) of a dot_general."""
+    """(batch, m, n, k) of a dot_general, or of the implicit GEMM of a ``conv``
+    (:func:`~sftctl.compiler.ir.conv_gemm_dims`)."""
     lhs = graph.nodes[node.inputs[0]].type.shape
     rhs = graph.nodes[node.inputs[1]].type.shape
+    if node.op == "conv":
+        return conv_gemm_dims(lhs, rhs, node.type.shape, node.attrs)
     lb, rb = node.attrs["lhs_batch"], node.attrs["rhs_batch"]
     lc, rc = node.attrs["lhs_contract"], node.attrs["rhs_contract"]
     batch = math.prod(lhs[d] for d in lb)
@@ -281,6 +286,10 @@ def _transposed(graph: Graph, node: Node) -> tuple[bool, bool]:
     A is row-major (M x K) when its contracting dim is its last; B is row-major (K x N) when its
     contracting dim comes right after its batch dims.
     """
+    if node.op == "conv":
+        # implicit GEMM as cuDNN / CUTLASS run it on tensor cores: channels-last activations
+        # (A is K-contiguous) and filters [O, taps x C] (B is K-contiguous too)
+        return False, True
     lhs = graph.nodes[node.inputs[0]].type.shape
     lc, rc = node.attrs["lhs_contract"], node.attrs["rhs_contract"]
     a_t = bool(lc) and max(lc) != len(lhs) - 1

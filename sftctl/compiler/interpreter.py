@@ -102,6 +102,36 @@ def _dot_general(lhs: np.ndarray, rhs: np.ndarray, attrs: dict[str, Any], acc) -
     return np.matmul(a, b).reshape(*bshape, *m, *n)
 
 
+def _conv(lhs: np.ndarray, rhs: np.ndarray, attrs: dict[str, Any], shape: tuple[int, ...], acc) -> np.ndarray:
+    """XLA's ``conv_general_dilated`` in the IR's layout (see :mod:`sftctl.compiler.ir`), one
+    einsum per kernel tap, accumulated in ``acc``."""
+    lhs = lhs.astype(acc, copy=False)
+    rhs = rhs.astype(acc, copy=False)
+    ld, rd, st = attrs["lhs_dilation"], attrs["rhs_dilation"], attrs["stride"]
+    if any(d != 1 for d in ld):  # insert (d - 1) zeros between input elements
+        dil = np.zeros(lhs.shape[:2] + tuple((s - 1) * d + 1 for s, d in zip(lhs.shape[2:], ld)), dtype=acc)
+        dil[(slice(None), slice(None)) + tuple(slice(None, None, d) for d in ld)] = lhs
+        lhs = dil
+    pad = attrs["padding"]
+    lhs = _pad(lhs, (0, 0) + tuple(p[0] for p in pad), (0, 0) + tuple(p[1] for p in pad), 0)
+    fg, bg = int(attrs.get("feature_group_count", 1)), int(attrs.get("batch_group_count", 1))
+    out_sp = shape[2:]
+    out = np.zeros(shape, dtype=acc)
+    n, c = lhs.shape[:2]
+    o = rhs.shape[0]
+    for tap in np.ndindex(*rhs.shape[2:]):
+        win = lhs[(slice(None), slice(None)) + tuple(
+            slice(t * d, t * d + s * (os - 1) + 1, s) for t, d, s, os in zip(tap, rd, st, out_sp))]
+        w = rhs[(slice(None), slice(None)) + tap]  # [O, C / fg]
+        if bg > 1:
+            x = win.reshape((bg, n // bg, c) + out_sp)
+            out += np.einsum("bnc...,boc->nbo...", x, w.reshape(bg, o // bg, c)).reshape(shape)
+        else:
+            x = win.reshape((n, fg, c // fg) + out_sp)
+            out += np.einsum("ngc...,goc->ngo...", x, w.reshape(fg, o // fg, c // fg)).reshape(shape)
+    return out
+
+
 def _broadcast_in_dim(x: np.ndarray, shape: tuple[int, ...], dims: tuple[int, ...]) -> np.ndarray:
     expanded = [1] * len(shape)
     for i, d in enumerate(dims):
@@ -163,6 +193,10 @@ def _eval(node: Node, args: list[np.ndarray], dt, acc) -> np.ndarray:
         return (np.max if op == "max" else np.min)(x, axis=axes, keepdims=keep)
     if op == "dot_general":
         return _dot_general(args[0], args[1], a, acc)
+    if op == "conv":
+        return _conv(args[0], args[1], a, shape, acc)
+    if op == "reverse":
+        return np.flip(args[0], axis=tuple(a["axes"]))
     if op == "reshape":
         return args[0].reshape(tuple(a["shape"]))
     if op == "transpose":

@@ -15,8 +15,20 @@ Op vocabulary (``Node.op``; attribute names in brackets). Semantics follow numpy
 * reductions: ``sum``, ``max``, ``min`` [axes: tuple[int], keepdim: bool]
 * contraction: ``dot_general`` [lhs_batch, rhs_batch, lhs_contract, rhs_contract: tuple[int]];
   the result is batch dims, then lhs free dims, then rhs free dims (as ``jax.lax.dot_general``)
+* convolution: ``conv`` [stride, padding: tuple of (low, high), lhs_dilation, rhs_dilation:
+  one int per spatial dim; feature_group_count, batch_group_count] is XLA's
+  ``conv_general_dilated`` in one fixed layout: lhs ``[N, C, *spatial]``, rhs
+  ``[O, C / feature_group_count, *kernel]``, result ``[N / batch_group_count, O, *out]`` with
+  ``out = (dilated_in + low + high - dilated_kernel) // stride + 1`` per spatial dim
+  (``dilated_in = (in - 1) * lhs_dilation + 1``, ``dilated_kernel = (k - 1) * rhs_dilation + 1``);
+  padding may be negative (cropping). ``feature_group_count = G`` splits C and O into G groups
+  (grouped / depthwise convolution); ``batch_group_count = B`` splits the lhs's first dim and O
+  into B groups (the weight gradient of a grouped convolution). At most one of them exceeds 1.
+  Forward convolution, its input gradient (``lhs_dilation`` = the stride, flipped kernel) and
+  its weight gradient (activations as lhs, output gradient as kernel) are all ``conv`` nodes.
 * layout (no arithmetic): ``reshape`` [shape], ``transpose`` [perm], ``broadcast_in_dim``
-  [shape, dims], ``slice`` [start, limit, step], ``concatenate`` [axis], ``pad`` [low, high, value]
+  [shape, dims], ``slice`` [start, limit, step], ``concatenate`` [axis], ``pad`` [low, high, value],
+  ``reverse`` [axes] (``np.flip`` over ``axes``)
 * data movement: ``gather`` [axis] (operand 0 indexed by integer operand 1 along ``axis``,
   i.e. ``np.take``), ``scatter_add`` [axis, size] (adds operand 0 rows into a zero tensor of the
   node's shape at indices operand 1 along ``axis``: the transpose of ``gather``)
@@ -37,8 +49,8 @@ BINARY = frozenset({"add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq
                     "gt", "ge", "logical_and", "logical_or"})
 ELEMENTWISE = UNARY | BINARY | {"where"}
 REDUCTIONS = frozenset({"sum", "max", "min"})
-CONTRACTIONS = frozenset({"dot_general"})
-LAYOUT = frozenset({"reshape", "transpose", "broadcast_in_dim", "slice", "concatenate", "pad"})
+CONTRACTIONS = frozenset({"dot_general", "conv"})
+LAYOUT = frozenset({"reshape", "transpose", "broadcast_in_dim", "slice", "concatenate", "pad", "reverse"})
 DATA = frozenset({"gather", "scatter_add"})
 SOURCES = frozenset({"input", "constant", "iota"})
 ALL_OPS = ELEMENTWISE | REDUCTIONS | CONTRACTIONS | LAYOUT | DATA | SOURCES
@@ -135,6 +147,32 @@ class Graph:
 
 
 FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+
+def conv_output_spatial(in_spatial, kernel, stride, padding, lhs_dilation, rhs_dilation) -> tuple[int, ...]:
+    """Output spatial sizes of a ``conv`` node (see the module docstring); all per spatial dim,
+    ``padding`` as (low, high) pairs. Raises ValueError when a size would be below 1."""
+    out = []
+    for i, k, s, (lo, hi), ld, rd in zip(in_spatial, kernel, stride, padding, lhs_dilation, rhs_dilation):
+        size = ((i - 1) * ld + 1 + lo + hi - ((k - 1) * rd + 1)) // s + 1
+        if size < 1:
+            raise ValueError(f"conv: output size {size} < 1 (input {i}, kernel {k}, stride {s}, padding {lo, hi})")
+        out.append(size)
+    return tuple(out)
+
+
+def conv_gemm_dims(lhs_shape, rhs_shape, out_shape, attrs) -> tuple[int, int, int, int]:
+    """(batch, m, n, k) of the implicit GEMM a ``conv`` node is: per group (batch = feature
+    groups x batch groups), M = output rows x output positions, N = output features per group,
+    K = input features per group x kernel taps. With ``lhs_dilation`` s > 1 (the input gradient
+    of a strided convolution) only every s-th output position per dim receives a given tap, so
+    M counts ``ceil(out / s)`` positions per dim: the work equals the forward convolution's, as
+    cuDNN's strided dgrad does it, not the zeros a literal dilation would multiply."""
+    g = int(attrs.get("feature_group_count", 1)) * int(attrs.get("batch_group_count", 1))
+    m = out_shape[0] * math.prod(-(-o // ld) for o, ld in zip(out_shape[2:], attrs["lhs_dilation"]))
+    n = out_shape[1] // g
+    k = rhs_shape[1] * math.prod(rhs_shape[2:])
+    return g, m, n, k
 
 
 def row_major_strides(shape) -> list[int]:

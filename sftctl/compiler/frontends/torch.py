@@ -50,6 +50,7 @@ defines them). Random ops (dropout with p > 0) are not supported.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import operator
 import time
@@ -73,6 +74,8 @@ _EXTRA_DECOMPS = (
     "masked_fill", "linalg_vector_norm", "norm", "glu", "huber_loss", "smooth_l1_loss",
     "binary_cross_entropy", "binary_cross_entropy_with_logits", "xlogy", "logit", "stack", "repeat",
     "tril", "triu", "_unsafe_index", "index_add",
+    "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+    "_native_batch_norm_legit_no_training",
 )
 
 
@@ -839,6 +842,292 @@ class _Lowering(GraphBuilder):
 
     def op_baddbmm(self, n, bias, a, b, beta=1, alpha=1):
         return self._addmm(n, bias, self.op_bmm(n, a, b), beta, alpha)
+
+    # --- convolution -------------------------------------------------------------------------
+    def _conv(self, x: int, w: int, dtype: str, *, stride, padding, lhs_dilation, rhs_dilation,
+              fgc: int = 1, bgc: int = 1) -> int:
+        """An IR ``conv`` node (shape inferred); ``padding`` as (low, high) pairs."""
+        from sftctl.compiler.ir import conv_output_spatial
+
+        xs, ws = self.shape(x), self.shape(w)
+        nsp = len(xs) - 2
+        attrs = dict(stride=tuple(stride), padding=tuple((int(lo), int(hi)) for lo, hi in padding),
+                     lhs_dilation=tuple(lhs_dilation), rhs_dilation=tuple(rhs_dilation),
+                     feature_group_count=int(fgc), batch_group_count=int(bgc))
+        sp = conv_output_spatial(xs[2:], ws[2:], attrs["stride"], attrs["padding"], attrs["lhs_dilation"],
+                                 attrs["rhs_dilation"])
+        assert len(sp) == nsp
+        return self.add("conv", [x, w], (xs[0] // bgc, ws[0]) + sp, dtype, **attrs)
+
+    @staticmethod
+    def _per_dim(v, nsp: int) -> list[int]:
+        v = list(v) if isinstance(v, (list, tuple)) else [v]
+        return [int(x) for x in (v * nsp if len(v) == 1 else v)]
+
+    def _conv_input_grad(self, gy: int, w: int, dtype: str, in_spatial, stride, padding, dilation, groups: int,
+                         output_padding=None) -> int:
+        """The transposed convolution: the gradient w.r.t. the input of ``conv(x, w)`` (and the
+        forward of ``ConvTranspose``), a ``conv`` of ``gy`` dilated by the stride with the
+        flipped kernel whose in/out channels are swapped per group. Returns ``[N, C, *in_spatial]``."""
+        ws = self.shape(w)
+        o, cg, ks = ws[0], ws[1], ws[2:]
+        nsp = len(ks)
+        wt = self.reshape(w, (groups, o // groups, cg) + tuple(ks))
+        wt = self.transpose(wt, (0, 2, 1) + tuple(range(3, 3 + nsp)))
+        wt = self.reshape(wt, (groups * cg, o // groups) + tuple(ks))
+        wt = self.add("reverse", [wt], self.shape(wt), self.dtype(wt), axes=tuple(range(2, 2 + nsp)))
+        out_sp = self.shape(gy)[2:]
+        pads = []
+        for d in range(nsp):
+            lo = dilation[d] * (ks[d] - 1) - padding[d]
+            hi = in_spatial[d] - 1 - stride[d] * (out_sp[d] - 1) + padding[d]
+            pads.append((lo, hi))
+        return self._conv(gy, wt, dtype, stride=[1] * nsp, padding=pads, lhs_dilation=stride,
+                          rhs_dilation=dilation, fgc=groups)
+
+    def _conv_weight_grad(self, x: int, gy: int, dtype: str, kernel, stride, padding, dilation, groups: int) -> int:
+        """The gradient w.r.t. the weight of ``conv(x, w)``: a ``conv`` of the input (batch and
+        channels swapped) with the output gradient as the kernel, batch-grouped by ``groups``.
+        Returns ``[O, C / groups, *kernel]``."""
+        xs, out_sp = self.shape(x), self.shape(gy)[2:]
+        nsp = len(kernel)
+        rest = tuple(range(2, 2 + nsp))
+        xt = self.transpose(x, (1, 0) + rest)
+        gt = self.transpose(gy, (1, 0) + rest)
+        pads = [(padding[d], dilation[d] * (kernel[d] - 1) + stride[d] * (out_sp[d] - 1) + 1 - xs[2 + d] - padding[d])
+                for d in range(nsp)]
+        g = self._conv(xt, gt, dtype, stride=dilation, padding=pads, lhs_dilation=[1] * nsp, rhs_dilation=stride,
+                       bgc=groups)
+        return self.transpose(g, (1, 0) + rest)
+
+    def op_convolution(self, n, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+        shape, dtype = self.out()
+        xi, wi = self.arg(x, dtype), self.arg(w, dtype)
+        nsp = len(self.shape(xi)) - 2
+        stride, padding, dilation = (self._per_dim(v, nsp) for v in (stride, padding, dilation))
+        if transposed:
+            y = self._conv_input_grad(xi, wi, dtype, shape[2:], stride, padding, dilation, groups)
+        else:
+            y = self._conv(xi, wi, dtype, stride=stride, padding=[(p, p) for p in padding], lhs_dilation=[1] * nsp,
+                           rhs_dilation=dilation, fgc=groups)
+        if tuple(self.shape(y)) != shape:
+            self.unsupported(n, f"(lowered shape {self.shape(y)} != {shape})")
+        if bias is not None:
+            b = self.reshape(self.arg(bias, dtype), (1, shape[1]) + (1,) * nsp)
+            y = self.binary("add", y, b)
+        return y
+
+    def op_convolution_backward(self, n, gy, x, w, bias_sizes, stride, padding, dilation, transposed,
+                                output_padding, groups, output_mask):
+        gyi = self.arg(gy)
+        xi, wi = self.arg(x), self.arg(w)
+        nsp = len(self.shape(xi)) - 2
+        stride, padding, dilation = (self._per_dim(v, nsp) for v in (stride, padding, dilation))
+        outs: list[int | None] = [None, None, None]
+        # a transposed convolution is the adjoint of the convolution with the same weight: its
+        # input gradient is that convolution, its weight gradient has input and output swapped
+        if output_mask[0]:
+            gx_shape, gx_dt = self.out_at(0)
+            gyc, wc = self.cast(gyi, gx_dt), self.cast(wi, gx_dt)
+            outs[0] = (self._conv(gyc, wc, gx_dt, stride=stride, padding=[(p, p) for p in padding],
+                                  lhs_dilation=[1] * nsp, rhs_dilation=dilation, fgc=groups) if transposed else
+                       self._conv_input_grad(gyc, wc, gx_dt, gx_shape[2:], stride, padding, dilation, groups))
+        if output_mask[1]:
+            gw_dt = self.out_at(1)[1]
+            a, b = (gyi, xi) if transposed else (xi, gyi)
+            outs[1] = self._conv_weight_grad(self.cast(a, gw_dt), self.cast(b, gw_dt), gw_dt,
+                                             self.shape(wi)[2:], stride, padding, dilation, groups)
+        if output_mask[2]:
+            gb_shape, gb_dt = self.out_at(2)
+            axes = (0,) + tuple(range(2, 2 + nsp))
+            outs[2] = self.add("sum", [self.cast(gyi, gb_dt)], gb_shape, gb_dt, axes=axes, keepdim=False)
+        for k, o in enumerate(outs):
+            if o is not None and tuple(self.shape(o)) != self.out_at(k)[0]:
+                self.unsupported(n, f"(output {k}: lowered shape {self.shape(o)} != {self.out_at(k)[0]})")
+        return outs
+
+    # --- pooling -----------------------------------------------------------------------------
+    def _pool_geometry(self, in_sp, out_sp, kernel, stride, padding, dilation):
+        """Per spatial dim (low pad, high pad) so that ``out_sp`` windows fit (ceil_mode's extra
+        window included; a negative high pad crops)."""
+        return [(padding[d], (out_sp[d] - 1) * stride[d] + dilation[d] * (kernel[d] - 1) + 1 - in_sp[d] - padding[d])
+                for d in range(len(in_sp))]
+
+    def _taps(self, xp: int, out_sp, kernel, stride, dilation):
+        """(tap index tuple, strided window view [.., *out_sp]) for every kernel tap of padded ``xp``."""
+        lead = len(self.shape(xp)) - len(kernel)
+        for tap in itertools.product(*(range(k) for k in kernel)):
+            v = xp
+            for d, t in enumerate(tap):
+                start = t * dilation[d]
+                v = self.slice_dim(v, lead + d, start, start + stride[d] * (out_sp[d] - 1) + 1, stride[d])
+            yield tap, v
+
+    def _pad_spatial(self, x: int, pads, value) -> int:
+        xs = self.shape(x)
+        lead = len(xs) - len(pads)
+        if not any(lo or hi for lo, hi in pads):
+            return x
+        low = (0,) * lead + tuple(lo for lo, _ in pads)
+        high = (0,) * lead + tuple(hi for _, hi in pads)
+        shape = xs[:lead] + tuple(s + lo + hi for s, (lo, hi) in zip(xs[lead:], pads))
+        return self.add("pad", [x], shape, self.dtype(x), low=low, high=high, value=value)
+
+    def _pool_args(self, x: int, kernel_size, stride, padding, dilation, n_out_sp):
+        nsp = n_out_sp
+        kernel = self._per_dim(kernel_size, nsp)
+        stride = self._per_dim(stride, nsp) if stride not in (None, [], ()) else list(kernel)
+        return kernel, stride, self._per_dim(padding, nsp), self._per_dim(dilation, nsp)
+
+    def op_max_pool2d_with_indices(self, n, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+        """Max over each window of the -inf-padded input (strided slices, one per tap, and
+        ``maximum``); indices (int64, flat over the input's spatial dims) follow torch: the
+        first tap holding the maximum wins."""
+        (shape, dtype), (ishape, idt) = self.out_at(0), self.out_at(1)
+        xi = self.arg(x, dtype)
+        xs = self.shape(xi)
+        nsp = 2
+        in_sp, out_sp = xs[-nsp:], shape[-nsp:]
+        kernel, stride, padding, dilation = self._pool_args(xi, kernel_size, stride, padding, dilation, nsp)
+        pads = self._pool_geometry(in_sp, out_sp, kernel, stride, padding, dilation)
+        xp = self._pad_spatial(xi, pads, float("-inf"))
+        best = idx = None
+        for tap, v in self._taps(xp, out_sp, kernel, stride, dilation):
+            # flat input position of this tap for every output position
+            pos = None
+            for d in range(nsp):
+                term = self.iota(tuple(out_sp), d, "int64")
+                term = self.binary("add", self.binary("mul", term, self.const(stride[d], (), "int64")),
+                                   self.const(tap[d] * dilation[d] - padding[d], (), "int64"))
+                term = self.binary("mul", term, self.const(math.prod(in_sp[d + 1:]), (), "int64"))
+                pos = term if pos is None else self.binary("add", pos, term)
+            pos = self.bcast(pos, shape)
+            if best is None:
+                best, idx = v, pos
+                continue
+            better = self.add("gt", [v, best], shape, "bool")
+            idx = self.add("where", [better, pos, idx], shape, "int64")
+            best = self.add("maximum", [best, v], shape, dtype)
+        return [best, self.cast(idx, idt)]
+
+    def op_max_pool2d_with_indices_backward(self, n, gy, x, kernel_size, stride, padding, dilation, ceil_mode,
+                                            indices):
+        """The output gradient added at each window's argmax: a ``scatter_add`` over the
+        flattened spatial dims (as torch's kernel does)."""
+        shape, dtype = self.out()
+        gyi = self.arg(gy, dtype)
+        gs = self.shape(gyi)
+        nsp = 2
+        lead = gs[:-nsp]
+        flat_out, flat_in = math.prod(gs[-nsp:]), math.prod(shape[-nsp:])
+        g2 = self.reshape(gyi, lead + (flat_out,))
+        i2 = self.reshape(self.arg(indices, "int64"), lead + (flat_out,))
+        zero = _Id(self.const(0, lead + (flat_in,), dtype))
+        sc = self._scatter_flat(zero, len(lead), i2, g2, lead + (flat_in,), dtype)
+        return self.reshape(sc, shape)
+
+    def _scatter_flat(self, zero, dim: int, idx: int, src: int, xs, dtype: str) -> int:
+        flat = self._take_along_index(xs, dim, idx)
+        total = (math.prod(xs),)
+        return self.reshape(self.add("scatter_add", [self.reshape(src, (math.prod(self.shape(src)),)),
+                                                     self.reshape(flat, (math.prod(self.shape(flat)),))],
+                                     total, dtype, axis=0, size=total[0]), xs)
+
+    def _avg_divisor(self, in_sp, out_sp, kernel, stride, padding, pads, count_include_pad, divisor_override,
+                     dtype: str):
+        """The divisor of every window: ``divisor_override``, else the taps inside the input
+        (plus its zero padding when ``count_include_pad``), as torch's kernels count them."""
+        if divisor_override:
+            return self.const(divisor_override, (), dtype)
+        if all(lo == padding[d] and hi == padding[d] for d, (lo, hi) in enumerate(pads)) and (
+                count_include_pad or not any(padding)):
+            return self.const(math.prod(kernel), (), dtype)
+        if count_include_pad:  # padding counts, ceil_mode's overflow beyond it does not
+            ones = self.const(1, tuple(s + 2 * p for s, p in zip(in_sp, padding)), dtype)
+            mask = self._pad_spatial(ones, [(0, hi - p) for (lo, hi), p in zip(pads, padding)], 0.0)
+        else:
+            mask = self._pad_spatial(self.const(1, tuple(in_sp), dtype), pads, 0.0)
+        total = None
+        for _, v in self._taps(mask, out_sp, kernel, stride, [1] * len(kernel)):
+            total = v if total is None else self.binary("add", total, v)
+        return total
+
+    def op_avg_pool2d(self, n, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+                      divisor_override=None):
+        shape, dtype = self.out()
+        xi = self.arg(x, dtype)
+        nsp = 2
+        in_sp, out_sp = self.shape(xi)[-nsp:], shape[-nsp:]
+        kernel, stride, padding, dilation = self._pool_args(xi, kernel_size, stride, padding, 1, nsp)
+        pads = self._pool_geometry(in_sp, out_sp, kernel, stride, padding, dilation)
+        xp = self._pad_spatial(xi, pads, 0.0)
+        total = None
+        for _, v in self._taps(xp, out_sp, kernel, stride, dilation):
+            total = v if total is None else self.binary("add", total, v)
+        div = self._avg_divisor(in_sp, out_sp, kernel, stride, padding, pads, count_include_pad, divisor_override,
+                                dtype)
+        return self.binary("div", total, div)
+
+    def _place_strided(self, g: int, sp_axis: int, tap: int, stride: int, size: int) -> int:
+        """``g`` along ``sp_axis`` moved to positions ``tap + stride * i`` of a zero tensor of
+        length ``size`` on that axis (the transpose of a strided slice), with reshapes and pads."""
+        gs = self.shape(g)
+        count = gs[sp_axis]
+        if stride > 1:
+            g = self.reshape(g, gs[:sp_axis + 1] + (1,) + gs[sp_axis + 1:])
+            low = [0] * (len(gs) + 1)
+            high = [0] * (len(gs) + 1)
+            high[sp_axis + 1] = stride - 1
+            shp = gs[:sp_axis + 1] + (stride,) + gs[sp_axis + 1:]
+            g = self.add("pad", [g], shp, self.dtype(g), low=tuple(low), high=tuple(high), value=0.0)
+            g = self.reshape(g, gs[:sp_axis] + (count * stride,) + gs[sp_axis + 1:])
+        cur = self.shape(g)[sp_axis]
+        low = [0] * len(gs)
+        high = [0] * len(gs)
+        low[sp_axis], high[sp_axis] = tap, size - tap - cur
+        if tap == 0 and size == cur:
+            return g
+        shp = gs[:sp_axis] + (size,) + gs[sp_axis + 1:]
+        return self.add("pad", [g], shp, self.dtype(g), low=tuple(low), high=tuple(high), value=0.0)
+
+    def op_avg_pool2d_backward(self, n, gy, x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                               divisor_override):
+        shape, dtype = self.out()
+        gyi = self.arg(gy, dtype)
+        nsp = 2
+        rank = len(shape)
+        in_sp, out_sp = shape[-nsp:], self.shape(gyi)[-nsp:]
+        kernel, stride, padding, dilation = self._pool_args(gyi, kernel_size, stride, padding, 1, nsp)
+        pads = self._pool_geometry(in_sp, out_sp, kernel, stride, padding, dilation)
+        div = self._avg_divisor(in_sp, out_sp, kernel, stride, padding, pads, count_include_pad, divisor_override,
+                                dtype)
+        g = self.binary("div", gyi, div)
+        padded = [s + lo + hi for s, (lo, hi) in zip(in_sp, pads)]
+        total = None
+        for tap in itertools.product(*(range(k) for k in kernel)):
+            v = g
+            for d in range(nsp):
+                v = self._place_strided(v, rank - nsp + d, tap[d], stride[d], padded[d])
+            total = v if total is None else self.binary("add", total, v)
+        for d, (lo, _) in enumerate(pads):  # drop the padding
+            total = self.slice_dim(total, rank - nsp + d, lo, lo + in_sp[d])
+        return total
+
+    def op__adaptive_avg_pool2d(self, n, x, output_size):
+        shape, _ = self.out()
+        xs = self.val(x).shape
+        if any(i % o for i, o in zip(xs[-2:], shape[-2:])):
+            self.unsupported(n, f"(input {tuple(xs[-2:])} not a multiple of output {shape[-2:]})")
+        k = [i // o for i, o in zip(xs[-2:], shape[-2:])]
+        return self.op_avg_pool2d(n, x, k, k, 0)
+
+    def op__adaptive_avg_pool2d_backward(self, n, gy, x):
+        shape, _ = self.out()
+        gs = self.val(gy).shape
+        if any(i % o for i, o in zip(shape[-2:], gs[-2:])):
+            self.unsupported(n, f"(input {shape[-2:]} not a multiple of output {tuple(gs[-2:])})")
+        k = [i // o for i, o in zip(shape[-2:], gs[-2:])]
+        return self.op_avg_pool2d_backward(n, gy, x, k, k, 0, False, True, None)
 
     # --- layout ------------------------------------------------------------------------------
     def op_view(self, n, x, size):
