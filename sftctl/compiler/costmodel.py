@@ -168,6 +168,11 @@ class Coefficients:
         mn_major_efficiency_other: the same for 8- and 32-bit operands (tf32/fp8 have no
             transposed MMA operand load).
         splitk_partial_bytes: bytes per partial-sum element of split-K (fp32).
+        conv_efficiency: a convolution is priced as its implicit GEMM (``fusion``: M = output
+            positions, N = output channels, K = input channels x taps) and the time divided by
+            this: what implicit-GEMM convolution (cuDNN, CUTLASS) achieves relative to a plain
+            GEMM of the same size (im2col address math, halo loads). 1.0 until calibrated
+            against measured convolutions (none yet in ``shared/h200``).
         overlap_slack: share of the non-dominant roofline terms that is not hidden: the time is
             ``(1 - s) * max(T_sm, T_hbm, T_l2) + s * (T_sm + T_hbm + T_l2)`` (0 = perfect
             overlap, the pure roofline). Also makes a memory-bound kernel prefer the schedule
@@ -197,6 +202,7 @@ class Coefficients:
     mn_major_efficiency_other: float = 0.85
     splitk_partial_bytes: int = 4
     overlap_slack: float = 0.05
+    conv_efficiency: float = 1.0
 
     #: Per-vendor overrides of the defaults (``for_vendor``).
     VENDOR: ClassVar[dict] = {

@@ -39,6 +39,7 @@ from sftctl.compiler.ir import (
     Graph,
     Node,
     conv_gemm_dims,
+    conv_lhs_touched,
 )
 
 
@@ -229,6 +230,11 @@ def _account(graph: Graph, k: Kernel, group_of: dict[int, int], real_users, outp
                 # a gather reads one source element per output element (index count x row bytes),
                 # not its whole source (an embedding lookup, a cross-entropy's target logits)
                 nbytes = min(nbytes, node.type.numel * DTYPE_BYTES[srcnode.type.dtype])
+            elif node.op == "conv" and inp == node.inputs[0]:
+                # a strided convolution reads only the input positions its windows cover
+                touched = conv_lhs_touched(graph.nodes[inp].type.shape, graph.nodes[node.inputs[1]].type.shape,
+                                           node.type.shape, node.attrs)
+                nbytes = min(nbytes, touched * DTYPE_BYTES[srcnode.type.dtype])
             reads[src] = max(reads.get(src, 0), nbytes)
     writes = [
         nid for nid in k.nodes
@@ -253,7 +259,7 @@ def _account(graph: Graph, k: Kernel, group_of: dict[int, int], real_users, outp
         batch, m, n_, kk = _gemm_dims(graph, anchor)
         a_t, b_t = _transposed(graph, anchor)
         out_elems = max(1, anchor.type.numel)
-        operand_bytes = sum(graph.nodes[source_of(graph, i)].type.nbytes for i in anchor.inputs)
+        operand_bytes = sum(reads.get(source_of(graph, i), 0) for i in dict.fromkeys(anchor.inputs))
         # the main output: the last full-size tensor the kernel writes (its epilogue's result);
         # every other write (a saved pre-activation, an fp32 copy) is charged as epilogue bytes
         full = [w for w in writes if graph.nodes[w].type.numel == anchor.type.numel]
@@ -261,7 +267,12 @@ def _account(graph: Graph, k: Kernel, group_of: dict[int, int], real_users, outp
         main_bytes = main.type.nbytes if full else 0
         extra = max(0, k.bytes_read - operand_bytes) + max(0, k.bytes_written - main_bytes)
         k.out_dtype = main.type.dtype
-        k.gemm = (batch, m, n_, kk, graph.nodes[anchor.inputs[0]].type.dtype, a_t, b_t, extra / out_elems)
+        gemm_elems = max(1, batch * m * n_)
+        if gemm_elems < out_elems:
+            # a strided convolution's input gradient: the GEMM computes ceil(out / stride)
+            # positions per dim, the kernel still stores every element of its (larger) output
+            extra += (out_elems - gemm_elems) * DTYPE_BYTES[main.type.dtype]
+        k.gemm = (batch, m, n_, kk, graph.nodes[anchor.inputs[0]].type.dtype, a_t, b_t, extra / gemm_elems)
 
 
 def _gemm_dims(graph: Graph, node: Node) -> tuple[int, int, int, int]:

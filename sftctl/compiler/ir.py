@@ -161,6 +161,22 @@ def conv_output_spatial(in_spatial, kernel, stride, padding, lhs_dilation, rhs_d
     return tuple(out)
 
 
+def conv_lhs_touched(lhs_shape, rhs_shape, out_shape, attrs) -> int:
+    """Elements of a ``conv`` node's lhs that some output reads: all of them unless the stride
+    skips positions (a 1x1 convolution of stride 2 reads a quarter of its input)."""
+    count = lhs_shape[0] * lhs_shape[1]
+    for d, (size, k, o) in enumerate(zip(lhs_shape[2:], rhs_shape[2:], out_shape[2:])):
+        st, rd, ld = attrs["stride"][d], attrs["rhs_dilation"][d], attrs["lhs_dilation"][d]
+        lo = attrs["padding"][d][0]
+        if st <= rd * (k - 1) + 1 and ld == 1:  # windows overlap or touch: every row is read
+            count *= size
+            continue
+        hit = {(i * st + t * rd - lo) // ld for i in range(o) for t in range(k)
+               if (i * st + t * rd - lo) % ld == 0 and 0 <= (i * st + t * rd - lo) // ld < size}
+        count *= len(hit)
+    return count
+
+
 def conv_gemm_dims(lhs_shape, rhs_shape, out_shape, attrs) -> tuple[int, int, int, int]:
     """(batch, m, n, k) of the implicit GEMM a ``conv`` node is: per group (batch = feature
     groups x batch groups), M = output rows x output positions, N = output features per group,

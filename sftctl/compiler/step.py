@@ -145,6 +145,8 @@ def compile_graph(
                 t, config = choice.time_s, dict(choice.config)
             else:  # no tiled schedule fits (the host CPU): the plain roofline
                 t = _roofline_time_s(k, hw, coeffs, hw.matrix_peak(_mma_dtype(dtype)) * coeffs.mma_efficiency)
+            if graph.nodes[k.anchor].op == "conv":
+                t = t / coeffs.conv_efficiency  # implicit GEMM vs a plain GEMM of its size
         else:
             vector = hw.vector_peak(graph.nodes[k.anchor].type.dtype) * coeffs.vector_efficiency
             t = _roofline_time_s(k, hw, coeffs, vector)
@@ -190,7 +192,7 @@ def _kernel_plan(graph: Graph, i: int, k: Kernel, t: float, hw: Accelerator, con
     if k.kind == "gemm":
         batch, m, n, kk, dtype = k.gemm[:5]
         peak_flops = hw.matrix_peak(dtype)
-        label = f"gemm {'%dx' % batch if batch > 1 else ''}{m}x{n}x{kk} {dtype}" + (
+        label = f"{'conv' if anchor.op == 'conv' else 'gemm'} {'%dx' % batch if batch > 1 else ''}{m}x{n}x{kk} {dtype}" + (
             f" +{len(k.nodes) - 1} fused" if len(k.nodes) > 1 else "")
     else:
         peak_flops = hw.vector_peak(anchor.type.dtype)

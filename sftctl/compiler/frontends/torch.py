@@ -45,6 +45,14 @@ with adjacent index tensors merge the indexed dims the same way; a scatter with 
 consumer as Inductor's lowering does); other non-accumulating scatters use a
 ``scatter_add`` of ones as the written mask (exact for unique indices, as torch itself only
 defines them). Random ops (dropout with p > 0) are not supported.
+``convolution`` (N-d, stride, padding, dilation, groups, transposed) and ``convolution_backward``
+become IR ``conv`` nodes (input gradient: a ``conv`` of the output gradient dilated by the
+stride with the flipped, channel-swapped kernel; weight gradient: a batch-grouped ``conv`` of the
+input with the output gradient as kernel). ``max_pool2d_with_indices`` is a ``maximum`` over
+strided slices of the -inf-padded input with torch's first-maximum indices, its backward a
+``scatter_add``; ``avg_pool2d`` (and ``_adaptive_avg_pool2d`` when the sizes divide) sums strided
+slices and divides by torch's window counts, its backward places the gradient back with pads and
+reshapes. Batch norm (every ``native_batch_norm`` variant) uses torch's decompositions.
 """
 
 from __future__ import annotations
