@@ -34,8 +34,9 @@ def _console(stderr: bool = False):
     from sftctl.ui import SafeConsole
 
     stream = sys.stderr if stderr else sys.stdout
-    # piped output is read by scripts and people alike: do not squeeze tables to 80 columns
-    width = None if stream.isatty() else 240
+    # piped output is read by scripts and people alike: do not squeeze tables to 80 columns,
+    # unless COLUMNS says how wide (rich reads it when width is None)
+    width = None if stream.isatty() or os.environ.get("COLUMNS", "").isdigit() else 240
     # a closed pipe or terminal silences the output, never ends the command (or its job)
     return SafeConsole(stderr=stderr, highlight=False, width=width)
 

@@ -5,6 +5,7 @@ Rendering only; no state is changed here. ``--json`` output is built in :mod:`sf
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -36,6 +37,96 @@ class SafeConsole(Console):
             super()._check_buffer()
         except OSError:  # EIO from a terminal that is gone
             self.on_broken_pipe()
+
+
+@dataclasses.dataclass
+class Col:
+    """A column of a :class:`FitTable`.
+
+    ``drop``: columns with a number are hidden at narrow widths, the lowest number first (None:
+    always shown). ``wrap``: long text folded over several lines (takes the width left over);
+    every other column is shown whole, never cut, so a number is always exact.
+    """
+
+    name: str
+    justify: str = "left"
+    drop: int | None = None
+    wrap: bool = False
+    min_wrap: int = 16
+
+
+def _cells(value) -> int:
+    return value.cell_len if isinstance(value, Text) else Text(str(value)).cell_len
+
+
+class FitTable:
+    """A table laid out for the width it is rendered at (a rich renderable).
+
+    Numbers, ids and statuses are never cut: when the table does not fit, optional columns are
+    hidden (the line under the table says which; ``--json`` has everything) and text columns
+    fold. ``notes`` are printed under the table, folded at word boundaries.
+    """
+
+    GAP = 2  # cells between columns (padding 1 on each side, none at the edges)
+
+    def __init__(self, cols: list[Col], rows: list[list], title: str | None = None,
+                 notes: list | None = None):
+        self.cols, self.rows, self.title, self.notes = cols, rows, title, notes or []
+
+    def layout(self, width: int) -> tuple[list[int], dict[int, int]]:
+        """The indices of the columns shown at ``width`` cells and each one's width."""
+        natural = [max([_cells(c.name)] + [_cells(r[i]) for r in self.rows]) for i, c in enumerate(self.cols)]
+        least = [min(n, max(c.min_wrap, _cells(c.name))) if c.wrap else n for c, n in zip(self.cols, natural)]
+        shown = list(range(len(self.cols)))
+        droppable = sorted((c.drop, i) for i, c in enumerate(self.cols) if c.drop is not None)
+
+        def need(idx):
+            return sum(least[i] for i in idx) + self.GAP * (len(idx) - 1)
+
+        while need(shown) > width and droppable:
+            shown.remove(droppable.pop(0)[1])
+        widths = {i: least[i] for i in shown}
+        spare = width - need(shown)
+        for i in shown:  # text columns take what is left, up to their natural width
+            if self.cols[i].wrap and spare > 0:
+                extra = min(spare, natural[i] - least[i])
+                widths[i] += extra
+                spare -= extra
+        return shown, widths
+
+    def __rich_console__(self, console, options):
+        shown, widths = self.layout(options.max_width)
+        t = Table(box=None, header_style="bold", pad_edge=False, title=self.title, title_justify="left")
+        for i in shown:
+            c = self.cols[i]
+            t.add_column(c.name, justify=c.justify, width=widths[i], no_wrap=not c.wrap,
+                         overflow="fold" if c.wrap else "crop")
+        for r in self.rows:
+            t.add_row(*[r[i] for i in shown])
+        yield t
+        hidden = [c.name for i, c in enumerate(self.cols) if i not in shown]
+        if hidden:
+            yield Text(f"{len(hidden)} column(s) hidden at {options.max_width} columns: {', '.join(hidden)}"
+                       " (a wider terminal or --json shows them)", style="dim")
+        for note in self.notes:
+            yield note if isinstance(note, Text) else Text(str(note))
+
+
+def _grouped(reasons: list[str | None]) -> tuple[list[str], list[Text]]:
+    """Long reasons as short references (``[1]``) plus one note per distinct reason, so a
+    reason shared by many rows is printed once, folded under the table."""
+    keys: dict[str, int] = {}
+    refs = []
+    for r in reasons:
+        if r is None:
+            refs.append("")
+            continue
+        keys.setdefault(r, len(keys) + 1)
+        refs.append(f"[{keys[r]}]")
+    counts = {r: reasons.count(r) for r in keys}
+    notes = [Text.assemble((f"[{k}] ", "bold"), (f"{counts[r]} x " if counts[r] > 1 else ""), r, style="dim")
+             for r, k in keys.items()]
+    return refs, notes
 
 
 STATUS_STYLE = {
@@ -71,33 +162,18 @@ def _num(v: float | None, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def jobs_table(jobs: list[dict]) -> Table:
-    """One row per job: id, status, where it runs, progress, loss, throughput, age, reason."""
-    t = Table(box=None, header_style="bold", pad_edge=False)
-    steps = [_steps(j) for j in jobs]
-    # never cut an id, a status or a number: on a narrow terminal RESOURCES and NOTE give way
-    for col, values in (("JOB", [j["id"] for j in jobs]), ("STATUS", [j["status"] for j in jobs]),
-                        ("RESOURCES", None), ("STEP", steps), ("LOSS", None), ("TOK/S", None), ("AGE", None),
-                        ("DURATION", None), ("NOTE", None)):
-        if values is not None:
-            t.add_column(col, no_wrap=True, min_width=max([len(col)] + [len(v) for v in values]))
-        elif col in ("RESOURCES", "NOTE"):
-            t.add_column(col, overflow="fold", min_width=6)
-        else:  # a cut number shows an ellipsis rather than a wrong value
-            t.add_column(col, no_wrap=True, overflow="ellipsis")
-    for j, step in zip(jobs, steps):
-        t.add_row(
-            j["id"],
-            Text(j["status"], style=STATUS_STYLE.get(j["status"], "")),
-            j["resources"],
-            step,
-            _num(j["loss"], ".4f"),
-            _num(j["tokens_per_s"], ",.0f"),
-            _age(j["created_at"]),
-            _duration(j),
-            j["failure_reason"] or (f"{j['restarts']} restart(s)" if j["restarts"] else ""),
-        )
-    return t
+def jobs_table(jobs: list[dict]) -> FitTable:
+    """One row per job: id, status, where it runs, progress, loss, throughput, age, reason.
+
+    Ids, statuses and numbers are never cut: on a narrow terminal the optional columns go first
+    (DURATION, AGE, TOK/S, LOSS, RESOURCES) and the note folds."""
+    cols = [Col("JOB"), Col("STATUS"), Col("RESOURCES", drop=5), Col("STEP", "right"), Col("LOSS", "right", drop=4),
+            Col("TOK/S", "right", drop=3), Col("AGE", "right", drop=2), Col("DURATION", "right", drop=1),
+            Col("NOTE", wrap=True, min_wrap=20)]
+    rows = [[j["id"], Text(j["status"], style=STATUS_STYLE.get(j["status"], "")), j["resources"], _steps(j),
+             _num(j["loss"], ".4f"), _num(j["tokens_per_s"], ",.0f"), _age(j["created_at"]), _duration(j),
+             j["failure_reason"] or (f"{j['restarts']} restart(s)" if j["restarts"] else "")] for j in jobs]
+    return FitTable(cols, rows)
 
 
 def _steps(job: dict) -> str:
@@ -148,13 +224,10 @@ def job_detail(job: dict) -> list:
     return out
 
 
-def events_table(events: list[dict]) -> Table:
-    t = Table(box=None, header_style="bold", pad_edge=False)
-    for col in ("TIME", "KIND", "MESSAGE"):
-        t.add_column(col, overflow="fold")
-    for e in events:
-        t.add_row(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["ts"])), e["kind"], e["message"])
-    return t
+def events_table(events: list[dict]) -> FitTable:
+    """``sftctl events``: time and kind whole, the message folded."""
+    rows = [[time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["ts"])), e["kind"], e["message"]] for e in events]
+    return FitTable([Col("TIME"), Col("KIND"), Col("MESSAGE", wrap=True, min_wrap=24)], rows)
 
 
 class RunView:
@@ -243,55 +316,58 @@ def _seconds(s: float | None) -> str:
     return f"{s:.2f} s"
 
 
-def plan_table(candidates: list, steps: int) -> Table:
-    """``sftctl plan``: one row per candidate offering, best first, rejected ones with why."""
+def plan_table(candidates: list, steps: int) -> FitTable:
+    """``sftctl plan``: one row per candidate offering, best first.
+
+    A rejected row says ``no [k]``; reason ``k`` is printed once under the table, with how many
+    rows share it. Numbers are never cut: narrow terminals hide $/STEP, NODES, REGION, MEMORY,
+    TIME and INSTANCE, in that order."""
     from sftctl.planner import format_hours
-    t = Table(box=None, header_style="bold", pad_edge=False, title=f"offerings for {steps:,} steps", title_justify="left")
-    for col, just in (("#", "right"), ("PROVIDER", "left"), ("INSTANCE", "left"), ("ACCEL", "left"),
-                      ("NODES", "right"), ("REGION", "left"), ("$/H", "right"), ("STEP", "right"),
-                      ("MEMORY", "right"), ("$/STEP", "right"), ("TIME", "right"), ("TOTAL $", "right"),
-                      ("VERDICT", "left")):
-        t.add_column(col, justify=just, overflow="fold", no_wrap=col != "VERDICT")
-    for i, c in enumerate(candidates, 1):
+
+    refs, notes = _grouped([c.rejected for c in candidates])
+    cols = [Col("#", "right"), Col("PROVIDER"), Col("INSTANCE", drop=6), Col("ACCEL"), Col("NODES", "right", drop=2),
+            Col("REGION", drop=3), Col("$/H", "right"), Col("STEP", "right"), Col("MEMORY", "right", drop=4),
+            Col("$/STEP", "right", drop=1), Col("TIME", "right", drop=5), Col("TOTAL $", "right"), Col("VERDICT")]
+    rows = []
+    for i, (c, ref) in enumerate(zip(candidates, refs), 1):
         o = c.offering
         per_step = c.usd_per_hour * c.step_time_s / 3600 if c.usd_per_hour is not None and c.step_time_s else None
-        verdict = Text("ok", style="green") if c.rejected is None else Text(c.rejected, style="dim")
+        verdict = Text("ok", style="green") if c.rejected is None else Text(f"no {ref}", style="dim")
         if i == 1 and c.rejected is None:
             verdict = Text("chosen", style="bold green")
-        t.add_row(
+        rows.append([
             str(i), o.provider, o.instance_type, f"{o.accelerator}:{o.count}", str(c.nodes), o.region,
             _num(c.usd_per_hour, ",.2f"), _seconds(c.step_time_s),
             "-" if c.peak_memory_bytes is None else f"{c.peak_memory_bytes / 2**30:.1f} GiB",
             "-" if per_step is None else f"{per_step:.5f}", format_hours(c.hours), _num(c.total_usd, ",.2f"), verdict,
-        )
-    return t
+        ])
+    return FitTable(cols, rows, title=f"offerings for {steps:,} steps", notes=notes)
 
 
-def catalog_table(offerings: list) -> Table:
-    """``sftctl catalog``: the offerings with prices and their sources."""
-    t = Table(box=None, header_style="bold", pad_edge=False)
-    for col in ("PROVIDER", "INSTANCE", "ACCEL", "REGION", "$/H", "SPOT $/H", "VCPUS", "MEM GIB", "AS OF", "SOURCE"):
-        t.add_column(col, overflow="fold", no_wrap=col != "SOURCE")
-    for o in offerings:
-        t.add_row(o.provider, o.instance_type, f"{o.accelerator}:{o.count}", o.region, f"{o.usd_per_hour:.3f}",
-                  _num(o.spot_usd_per_hour, ".3f"), _num(o.vcpus, "d"), _num(o.memory_gib, ".0f"),
-                  getattr(o, "as_of", "") or "", o.source)
-    return t
+def catalog_table(offerings: list) -> FitTable:
+    """``sftctl catalog``: the offerings with prices and their sources (folded)."""
+    cols = [Col("PROVIDER"), Col("INSTANCE"), Col("ACCEL"), Col("REGION", drop=5), Col("$/H", "right"),
+            Col("SPOT $/H", "right", drop=4), Col("VCPUS", "right", drop=2), Col("MEM GIB", "right", drop=3),
+            Col("AS OF", drop=1), Col("SOURCE", wrap=True, drop=6)]
+    rows = [[o.provider, o.instance_type, f"{o.accelerator}:{o.count}", o.region, f"{o.usd_per_hour:.3f}",
+             _num(o.spot_usd_per_hour, ".3f"), _num(o.vcpus, "d"), _num(o.memory_gib, ".0f"),
+             getattr(o, "as_of", "") or "", o.source] for o in offerings]
+    return FitTable(cols, rows)
 
 
-def kernels_table(kernels: list, top: int) -> Table:
+def kernels_table(kernels: list, top: int) -> FitTable:
     """``sftctl compile``: the slowest kernels with their schedule and roofline position."""
     total = sum(k.time_s for k in kernels) or 1.0
-    t = Table(box=None, header_style="bold", pad_edge=False,
-              title=f"slowest {min(top, len(kernels))} of {len(kernels)} kernels", title_justify="left")
-    for col in ("#", "KERNEL", "TIME", "SHARE", "BOUND", "INTENSITY", "OF ROOFLINE", "SCHEDULE"):
-        t.add_column(col, overflow="fold", no_wrap=col not in ("KERNEL", "SCHEDULE"))
+    cols = [Col("#", "right"), Col("KERNEL", wrap=True, min_wrap=16), Col("TIME", "right"), Col("SHARE", "right"),
+            Col("BOUND", drop=2), Col("INTENSITY", "right", drop=1), Col("OF ROOFLINE", "right", drop=3),
+            Col("SCHEDULE", wrap=True, min_wrap=16, drop=4)]
+    rows = []
     for k in sorted(kernels, key=lambda k: -k.time_s)[:top]:
         cfg = k.config or {}
         sched = " ".join(f"{key.replace('BLOCK_', '')}={v}" for key, v in cfg.items()) if cfg else "-"
-        t.add_row(str(k.index), k.label, _seconds(k.time_s), f"{100 * k.time_s / total:.1f}%", k.bound,
-                  f"{k.arithmetic_intensity:.1f} F/B", f"{100 * k.roofline_fraction:.0f}%", sched)
-    return t
+        rows.append([str(k.index), k.label, _seconds(k.time_s), f"{100 * k.time_s / total:.1f}%", k.bound,
+                     f"{k.arithmetic_intensity:.1f} F/B", f"{100 * k.roofline_fraction:.0f}%", sched])
+    return FitTable(cols, rows, title=f"slowest {min(top, len(kernels))} of {len(kernels)} kernels")
 
 
 def compile_report(doc: dict, hw) -> str:

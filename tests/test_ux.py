@@ -164,3 +164,77 @@ run: |
     (job,) = status_json()["jobs"]
     assert job["status"] == "SUCCEEDED", job["failure_reason"]
     assert job_processes(job["id"]) == []
+
+
+def _render(renderable, width: int) -> list[str]:
+    import io
+
+    from rich.console import Console
+
+    buf = io.StringIO()
+    Console(file=buf, width=width, color_system=None, highlight=False).print(renderable)
+    return buf.getvalue().splitlines()
+
+
+@pytest.mark.parametrize("width", [80, 120, 200])
+def test_plan_table_never_cuts_a_number_and_groups_reasons(tmp_path, width):
+    """Item 4: at 80/120/200 columns every price and name is whole, each long reason is printed
+    once under the table (before: 1,621 lines at 120 columns for gpt2-small, '21' for 21.96 at 80)."""
+    from sftctl.errors import InfeasibleError
+    from sftctl.planner import plan
+    from sftctl.spec import load_spec
+    from sftctl.ui import plan_table
+
+    spec = load_spec(write_spec(tmp_path / "big.yaml", "name: big\nresources: {accelerators: "
+                                "[H100:8, H200:8, A100-80GB:8, A100-40GB:8, L4:1, A10G:1, T4:1, V100:1]}\nrun: 'true'\n"))
+    env = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith(("AWS_", "GOOGLE_", "KUBE"))}
+    try:
+        try:
+            candidates = plan(spec).candidates
+        except InfeasibleError as e:
+            candidates = e.candidates
+    finally:
+        os.environ.update(env)
+    assert len(candidates) >= 10
+    lines = _render(plan_table(candidates, 100), width)
+    assert all(len(line) <= width for line in lines)
+    reasons = {c.rejected for c in candidates if c.rejected}
+    assert len(lines) <= len(candidates) + 2 * len(reasons) + 4  # the table, its header, the notes
+    text = "\n".join(lines)
+    for c in candidates:
+        assert f"{c.usd_per_hour:,.2f}" in text and f"{c.offering.accelerator}:{c.offering.count}" in text
+    joined = " ".join(text.split())
+    for r in reasons:  # each reason once, folded at word boundaries
+        assert joined.count(" ".join(r.split())) == 1, r
+    if width == 80:
+        assert "hidden at 80 columns" in text
+
+
+def test_catalog_at_80_columns_keeps_accelerators_and_prices_whole(home):
+    """Item 4: `catalog` at 80 columns printed `A100-80GB:` for `A100-80GB:8`."""
+    doc = json.loads(sftctl("catalog", "--json", check=True).stdout)["offerings"]
+    proc = sftctl("catalog", env={**os.environ, "COLUMNS": "80"}, check=True)
+    lines = proc.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
+    for o in doc:
+        row = next(line for line in lines if line.split()[:2] == [o["provider"], o["instance_type"]])
+        assert f"{o['accelerator']}:{o['count']}" in row.split()
+        assert f"{o['usd_per_hour']:.3f}" in row.split()
+
+
+def test_jobs_and_events_tables_fit_80_columns(home):
+    """Item 4: ids, statuses and steps whole; a long reason folds instead of stretching the table."""
+    from sftctl.state import JobStatus, Store
+    from sftctl.ui import events_table, jobs_table
+
+    store = Store()
+    job = store.create_job("a-rather-long-job-name", {"resources": {"nodes": 2}, "train": {"steps": 300}, "run": "x"})
+    store.transition(job, JobStatus.FAILED, "node 1 exited with code 137: killed by the kernel's OOM killer " * 3)
+    doc = {"id": job, "status": "FAILED", "resources": "local cpu:1 x2", "step": 120, "steps": 300, "loss": 2.123456,
+           "tokens_per_s": 12345.0, "created_at": 0.0, "ended_at": 10.0, "restarts": 0,
+           "failure_reason": store.get_job(job)["failure_reason"]}
+    lines = _render(jobs_table([doc]), 80)
+    assert all(len(line) <= 80 for line in lines)
+    assert job in lines[1] and "FAILED" in lines[1] and "120/300" in lines[1]
+    lines = _render(events_table(store.events(job)), 80)
+    assert all(len(line) <= 80 for line in lines) and len(lines) > 3
