@@ -2,8 +2,9 @@
 
 Everything here is arithmetic on numbers from :class:`~sftctl.compiler.hardware.Accelerator` and a
 small set of efficiency :class:`Coefficients` (what the hardware achieves in practice, as a
-fraction of its datasheet peak). No measurement happens here; the coefficients are the knobs a
-later calibration against measured kernels turns.
+fraction of its datasheet peak). No measurement happens here; the coefficients are the knobs
+``calibration.py`` fits to measured kernels (``calibrations/<accelerator>.json``, loaded by
+:meth:`Coefficients.for_accelerator`).
 
 GEMM model (:func:`gemm_time_s`)
 --------------------------------
@@ -35,8 +36,14 @@ number of programs co-resident on the busiest SM in a wave. Each term and its so
   ``num_stages * (BLOCK_M + BLOCK_N) * BLOCK_K * bytes`` (Triton's pipeliner allocates one buffer
   per stage; Inductor's ``get_shared_memory_estimation`` uses the same product) plus the block's
   reserved 1 KiB (CUDA Programming Guide, "Shared memory", compute capability 8.x/9.x).
-  A candidate that needs more shared memory per block, more registers per thread or more threads
-  per block than the hardware allows, or fits zero blocks per SM, is **infeasible** (``inf``).
+  A candidate that needs more shared memory per block or more threads per block than the
+  hardware allows, or fits zero blocks per SM, is **infeasible** (``inf``). One that needs more
+  registers than a thread may have **spills**: it runs, slowly (H200 measurements: 5-15x slower
+  than the best config, ``calibrations/data/h200``).
+* **Register spills** (ptxas ``bytes spill stores``, from ``codegen/targets.py`` where the
+  kernel was compiled; else ``spill_estimate_factor`` bytes per register over the limit): each K
+  iteration a thread stores and reloads its spilled bytes through local memory (L1/L2) at
+  ``spill_bytes_per_clk`` per SM, serial with its MMAs.
 * **MMA issue efficiency** (CUTLASS docs "Efficient GEMM in CUDA", warp-level tiling; "Dissecting
   the NVIDIA Hopper architecture through microbenchmarking", Luo et al. 2024, for wgmma): the work
   is split over MMA units (a warp for ``mma.sync``; a 4-warp warpgroup for Hopper ``wgmma`` when
@@ -105,6 +112,7 @@ from sftctl.compiler.hardware import Accelerator
 __all__ = [
     "Coefficients", "GemmProblem", "LAYOUTS", "dtype_bytes", "gemm_time_s", "gemm_breakdown",
     "gemm_group_bound", "memory_bound_time_s", "reduction_time_s", "allreduce_time_s",
+    "row_kernel_time_s", "elementwise_time_s", "STREAM_KERNELS",
 ]
 
 #: Operand layout choices of a GEMM schedule (the ``layout`` candidate key, an index here).
@@ -177,6 +185,26 @@ class Coefficients:
             ``(1 - s) * max(T_sm, T_hbm, T_l2) + s * (T_sm + T_hbm + T_l2)`` (0 = perfect
             overlap, the pure roofline). Also makes a memory-bound kernel prefer the schedule
             that wastes least compute, instead of a tie.
+        spill_bytes_per_clk: local-memory bandwidth per SM per clock that register-spill traffic
+            gets (spill stores and reloads go through L1/L2): a GEMM that spills ``s`` bytes per
+            thread pays ``2 * s * threads`` bytes of that traffic per K iteration, serial with its
+            MMAs. Spilling configs are slow (measured 5-15x on H200), not impossible.
+        spill_estimate_factor: spilled bytes per thread per register over the limit, used when no
+            compiled kernel's ptxas spill count is given (Triton 3.9 sm_90 GEMMs spill ~8x the
+            4 bytes of the registers the model's estimate exceeds; our compile of the H200
+            calibration configs, ``calibrations/data/h200/resources_sm90.json``).
+        launch_multiplier: scales ``hw.launch_overhead_s`` (the fixed time of one kernel as
+            back-to-back launches see it).
+        block_launch_cycles: cycles an SM spends launching and retiring one block (CTA); caps
+            the block rate of kernels made of many short programs (row and elementwise kernels).
+        stream_latency_multiplier: scales ``hw.memory_latency_s`` for streaming (row and
+            elementwise) kernels: the loaded DRAM latency a program waits per dependent load.
+        row_reduce_cycles: cycles of one block-wide reduction step (shared memory + barrier);
+            a row reduction over ``w`` warps takes ``1 + log2(w)`` of them.
+        warp_ipc: instructions per cycle one warp issues on its own (dependent instruction
+            latency); an SM issues ``min(4, resident_warps * warp_ipc)`` per cycle.
+        stream_combine_p: exponent of the smooth maximum ``(sum t_i^p)^(1/p)`` that combines the
+            DRAM, latency (Little's law), block-rate and issue limits of a streaming kernel.
     """
 
     mma_efficiency: float = 0.88
@@ -203,6 +231,14 @@ class Coefficients:
     splitk_partial_bytes: int = 4
     overlap_slack: float = 0.05
     conv_efficiency: float = 1.0
+    spill_bytes_per_clk: float = 64.0
+    spill_estimate_factor: float = 8.0
+    launch_multiplier: float = 1.0
+    block_launch_cycles: float = 150.0
+    stream_latency_multiplier: float = 1.5
+    row_reduce_cycles: float = 100.0
+    warp_ipc: float = 0.5
+    stream_combine_p: float = 4.0
 
     #: Per-vendor overrides of the defaults (``for_vendor``).
     VENDOR: ClassVar[dict] = {
@@ -220,13 +256,20 @@ class Coefficients:
         return cls(**cls.VENDOR.get(vendor, {}))
 
     @classmethod
-    def for_accelerator(cls, hw: Accelerator) -> "Coefficients":
-        """Vendor defaults, Hopper wgmma where it applies, then ``ACCELERATOR[hw.name]``."""
+    def for_accelerator(cls, hw: Accelerator, calibrated: bool = True) -> "Coefficients":
+        """Vendor defaults, Hopper wgmma where it applies, the shipped calibration of ``hw``
+        (``calibrations/<name>.json``, or the one of the accelerator it shares a die with, e.g.
+        H100 <- H200: ``calibration.CARRIES_OVER``) unless ``calibrated=False``, then
+        ``ACCELERATOR[hw.name]``."""
         c = cls.for_vendor(hw.vendor)
         if hw.vendor == "nvidia" and isinstance(hw.triton_arch, int) and hw.triton_arch >= 90:
             # Hopper: wgmma (warpgroup MMA, operands from smem) and a faster L2 (~10 TB/s on
             # H100; Luo et al. 2024).
             c = dataclasses.replace(c, warpgroup_mma=True, l2_bytes_per_clk_per_sm=41.0)
+        if calibrated:
+            from sftctl.compiler.calibration import coefficient_overrides
+
+            c = dataclasses.replace(c, **coefficient_overrides(hw.name))
         return dataclasses.replace(c, **cls.ACCELERATOR.get(hw.name, {}))
 
     def mn_major_efficiency(self, nbytes: int) -> float:
@@ -303,7 +346,7 @@ def memory_bound_time_s(bytes_moved, hw: Accelerator, coeffs: Coefficients | Non
     """
     c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
     lat = hw.memory_latency_s * c.latency_multiplier
-    per_kernel = hw.launch_overhead_s + c.fill_latencies * lat
+    per_kernel = hw.launch_overhead_s * c.launch_multiplier + c.fill_latencies * lat
     return n_kernels * per_kernel + bytes_moved / (hw.hbm_bytes_per_s * c.hbm_efficiency)
 
 
@@ -322,8 +365,128 @@ def reduction_time_s(rows, cols, dtype: str, hw: Accelerator, coeffs: Coefficien
     mem = memory_bound_time_s(bytes_moved, hw, c, n_kernels)
     compute = rows * cols * flops_per_elem / (hw.vector_peak("float32") * c.vector_efficiency)
     lat = hw.memory_latency_s * c.latency_multiplier
-    fixed = n_kernels * (hw.launch_overhead_s + c.fill_latencies * lat)
+    fixed = n_kernels * (hw.launch_overhead_s * c.launch_multiplier + c.fill_latencies * lat)
     return np.maximum(mem, fixed + compute)
+
+
+#: Per-element work of the streaming kernels :func:`row_kernel_time_s` and
+#: :func:`elementwise_time_s` model, counted from their Triton source (``calibrations/data/h200/
+#: kernels.py``; SASS instructions per element, approximate): ``instr`` per element per thread,
+#: ``reductions`` block-wide reductions per row, ``regs_per_elem`` fp32 registers each element a
+#: thread holds needs (from ptxas register counts of those kernels on sm_90), ``params`` per-column
+#: parameter vectors read per program (weight, bias: from L2).
+STREAM_KERNELS = {
+    "layernorm": dict(instr=14.0, reductions=2.0, regs_per_elem=3.3, params=2.0),
+    "softmax": dict(instr=10.0, reductions=2.0, regs_per_elem=1.5, params=0.0),
+    "rmsnorm": dict(instr=10.0, reductions=1.0, regs_per_elem=2.5, params=1.0),
+    "bias_gelu": dict(instr=30.0, reductions=0.0, regs_per_elem=1.3, params=1.0),
+    "elementwise": dict(instr=8.0, reductions=0.0, regs_per_elem=1.0, params=0.0),
+}
+
+_STREAM_REG_BASE = 16.0
+
+
+def _stream_time(kind, programs, work_per_program, rows_per_program, elems_per_thread, warps,
+                 bytes_moved, hw: Accelerator, c: Coefficients, registers=None, spill_bytes=None,
+                 terms: bool = False):
+    """The streaming-kernel model shared by row and elementwise kernels (numpy, elementwise).
+
+    A program (block of ``warps`` warps) handles ``rows_per_program`` dependent steps, each a
+    load of its data, ``elems_per_thread`` elements of work per thread and (rows) block-wide
+    reductions, then a store. Limits, combined by a smooth maximum ``(sum t^p)^(1/p)``:
+
+    * DRAM: ``bytes / (hbm_efficiency * peak)`` (HBM roofline);
+    * latency, Little's law: each resident program has one step's loads in flight, so an SM with
+      ``a`` resident programs finishes ``a`` steps per step latency; programs run in
+      ``ceil(per_sm / a)`` rounds (wave quantization over the busiest SM);
+    * block rate: an SM launches one block per ``block_launch_cycles``;
+    * issue: ``instr`` per element over the SM's issue rate ``min(4, a*warps*warp_ipc)``/clock
+      (4 schedulers; CUDA C++ Programming Guide, "Hardware Multithreading").
+    Occupancy (blocks per SM) from warps, blocks and registers per SM as the CUDA Occupancy
+    Calculator computes it; registers from ptxas when given, else estimated.
+    """
+    k = STREAM_KERNELS[kind]
+    clock = hw.clock_hz
+    W = _f(warps)
+    threads = W * hw.warp_size
+    e = _f(elems_per_thread)
+    regs_est = _STREAM_REG_BASE + k["regs_per_elem"] * e
+    regs = regs_est if registers is None else np.where(np.isnan(_f(registers)), regs_est, _f(registers))
+    spill = np.maximum(regs - hw.regs_per_thread_max, 0.0) * c.spill_estimate_factor
+    if spill_bytes is not None:
+        spill = np.where(np.isnan(_f(spill_bytes)), spill, _f(spill_bytes))
+    regs = _round_regs(np.minimum(regs, hw.regs_per_thread_max))
+    occ = np.minimum(np.minimum(float(hw.max_blocks_per_sm), np.floor(hw.max_warps_per_sm / W)),
+                     np.floor(hw.regs_per_sm / (regs * threads)))
+    feasible = (threads <= MAX_THREADS_PER_BLOCK) & (occ >= 1.0)
+    occ = np.maximum(occ, 1.0)
+    P = _f(programs)
+    per_sm = np.ceil(P / hw.sm_count)
+    a = np.minimum(occ, per_sm)
+    rounds = np.ceil(per_sm / a)
+    lat = hw.memory_latency_s * c.stream_latency_multiplier
+    issue = np.minimum(float(c.mma_subpartitions), a * W * c.warp_ipc)
+    single = np.minimum(float(c.mma_subpartitions), W * c.warp_ipc)
+    red = k["reductions"] * c.row_reduce_cycles * (1.0 + np.log2(W)) / clock
+    spill_t = 2.0 * spill * e / (c.spill_bytes_per_clk * clock) * hw.warp_size
+    step = lat + red + e * k["instr"] / (single * clock) + spill_t
+    t_lat = rounds * _f(rows_per_program) * step
+    t_hbm = _f(bytes_moved) / (hw.hbm_bytes_per_s * c.hbm_efficiency)
+    t_blk = per_sm * c.block_launch_cycles / clock
+    t_iss = per_sm * _f(work_per_program) * k["instr"] / (hw.warp_size * issue * clock)
+    p = c.stream_combine_p
+    body = (t_hbm ** p + t_lat ** p + t_blk ** p + t_iss ** p) ** (1.0 / p)
+    fixed = hw.launch_overhead_s * c.launch_multiplier
+    total = np.where(feasible, fixed + body, np.inf)
+    if not terms:
+        return total
+    return dict(total=total, fixed=np.broadcast_to(fixed, np.shape(total)), t_hbm=t_hbm, t_latency=t_lat,
+                t_blocks=t_blk, t_issue=t_iss, occupancy=occ, registers=regs, spill_bytes=spill,
+                feasible=feasible)
+
+
+def row_kernel_time_s(kind: str, rows, cols, config: dict, hw: Accelerator,
+                      coeffs: Coefficients | None = None, dtype: str = "bfloat16",
+                      registers=None, spill_bytes=None, terms: bool = False):
+    """Predicted seconds of a row kernel over a ``rows x cols`` tensor (``kind``: ``layernorm``,
+    ``softmax``, ``rmsnorm``), each program normalizing ``ROWS`` consecutive rows one after the
+    other with a ``BLOCK_N``-wide block of ``num_warps`` warps (``config``; BLOCK_N >= cols,
+    the whole row in registers), as ``layernorm_fwd`` / ``softmax_fwd`` in
+    ``calibrations/data/h200/kernels.py``: grid ``ceil(rows / ROWS)``; reads ``x`` and writes
+    ``y`` (``dtype``) once, parameters per program from L2.
+
+    ``config`` values may be numpy arrays (broadcast). ``registers`` / ``spill_bytes``: ptxas
+    figures of the compiled kernel (NaN: estimate). ``inf`` where the block cannot run (more
+    than 1024 threads). Raises KeyError for an unknown ``kind``.
+    """
+    c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
+    if kind not in STREAM_KERNELS or STREAM_KERNELS[kind]["reductions"] == 0:
+        raise KeyError(f"unknown row kernel {kind!r}")
+    R = _f(config.get("ROWS", 1))
+    BN = _f(config["BLOCK_N"])
+    W = _f(config["num_warps"])
+    e = np.maximum(BN / (W * hw.warp_size), 1.0)
+    b = dtype_bytes(dtype)
+    moved = 2.0 * _f(rows) * _f(cols) * b
+    return _stream_time(kind, np.ceil(_f(rows) / R), R * BN, R, e, W, moved, hw, c, registers,
+                        spill_bytes, terms)
+
+
+def elementwise_time_s(n_elements, config: dict, hw: Accelerator, coeffs: Coefficients | None = None,
+                       kind: str = "bias_gelu", bytes_per_element: float = 4.0,
+                       registers=None, spill_bytes=None, terms: bool = False):
+    """Predicted seconds of a 1-D elementwise kernel over ``n_elements`` (``bias_gelu`` of
+    ``calibrations/data/h200/kernels.py``: grid ``ceil(n / BLOCK)``, ``BLOCK`` elements per
+    program over ``num_warps`` warps; ``bytes_per_element`` read + written from DRAM: 4 for a
+    bf16 input and output). ``config`` values may be arrays. Registers and spills as in
+    :func:`row_kernel_time_s`."""
+    c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
+    B = _f(config["BLOCK"])
+    W = _f(config["num_warps"])
+    e = np.maximum(B / (W * hw.warp_size), 1.0)
+    n = _f(n_elements)
+    return _stream_time(kind, np.ceil(n / B), B, 1.0, e, W, n * bytes_per_element, hw, c, registers,
+                        spill_bytes, terms)
 
 
 def allreduce_time_s(grad_bytes: float, gpus_per_node: int, nodes: int,
@@ -393,6 +556,7 @@ class _Ctx:
     lat: float
     vec_sm: float
     launch: float
+    spill_bw: float
     t_fix: float
     t_iter: float
     warp: float
@@ -427,7 +591,8 @@ def _ctx(problem: GemmProblem, hw: Accelerator, c: Coefficients) -> _Ctx:
         l2u=hw.l2_bytes * c.l2_usable_fraction,
         lat=lat,
         vec_sm=hw.vector_peak("float32") * c.vector_efficiency / hw.sm_count,
-        launch=float(hw.launch_overhead_s),
+        launch=float(hw.launch_overhead_s) * c.launch_multiplier,
+        spill_bw=c.spill_bytes_per_clk * hw.clock_hz,
         t_fix=c.tile_overhead_cycles / hw.clock_hz + c.fill_latencies * lat,
         t_iter=c.k_loop_overhead_cycles / hw.clock_hz,
         warp=float(hw.warp_size), max_warps=float(hw.max_warps_per_sm),
@@ -531,7 +696,14 @@ def _combine(ctx, fixed, waves, wa, t_fix, xc, xs, xl, xe, t_hbm, t_l2):
 
 
 _KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "split_k", "GROUP_M", "layout",
-         "regs_per_thread", "smem_bytes")
+         "regs_per_thread", "smem_bytes", "spill_bytes")
+
+
+def _spills(ctx: _Ctx, regs):
+    """(registers allocated, estimated spill bytes per thread) of an estimated register need:
+    what exceeds the per-thread limit spills, ``spill_estimate_factor`` bytes per register."""
+    excess = np.maximum(regs - ctx.regs_max, 0.0)
+    return np.minimum(regs, ctx.regs_max), excess * ctx.c.spill_estimate_factor
 
 
 def _evaluate(problem: GemmProblem, hw: Accelerator, cands: dict, coeffs: Coefficients | None,
@@ -553,20 +725,25 @@ def _evaluate(problem: GemmProblem, hw: Accelerator, cands: dict, coeffs: Coeffi
     stage_regs = (BM + BN) * BK * ctx.in_b / (4.0 * threads)
     if c.async_copy:
         stage_regs = np.where(S <= 1.0, stage_regs, 0.0)
-    regs = _round_regs(c.reg_base + regs_mma + stage_regs)
+    regs_raw, spill = _spills(ctx, _round_regs(c.reg_base + regs_mma + stage_regs))
     smem = np.maximum(S, 1.0) * (BM + BN) * BK * ctx.in_b + c.smem_reserved_per_block
-    # Measured resources (codegen/targets.py: the compiled kernel's registers per thread and
-    # shared bytes per block) replace the estimates where given; NaN keeps the estimate.
+    # Measured resources (codegen/targets.py: the compiled kernel's registers per thread, spill
+    # bytes and shared bytes per block) replace the estimates where given; NaN keeps the estimate.
     if "regs_per_thread" in cands:
         measured = _f(cands["regs_per_thread"])
-        regs = np.where(np.isnan(measured), regs, _round_regs(measured))
+        regs_raw = np.where(np.isnan(measured), regs_raw, measured)
+        spill = np.where(np.isnan(measured), spill, 0.0)
+    if "spill_bytes" in cands:
+        measured = _f(cands["spill_bytes"])
+        spill = np.where(np.isnan(measured), spill, measured)
+    regs = _round_regs(regs_raw)  # allocation granularity 8 per thread (256 per warp)
     if "smem_bytes" in cands:
         measured = _f(cands["smem_bytes"])
         smem = np.where(np.isnan(measured), smem, measured + c.smem_reserved_per_block)
     occ = np.minimum(np.minimum(ctx.max_blocks, np.floor(ctx.max_warps / W)),
                      np.minimum(np.floor(ctx.regs_sm / (regs * threads)), np.floor(ctx.smem_sm / smem)))
-    feasible = ((threads <= MAX_THREADS_PER_BLOCK) & (W <= ctx.max_warps) & (regs <= ctx.regs_max)
-                & (smem <= ctx.smem_block) & (occ >= 1.0) & (S >= 1.0) & (SK >= 1.0) & (G >= 1.0))
+    feasible = ((threads <= MAX_THREADS_PER_BLOCK) & (W <= ctx.max_warps) & (regs_raw <= ctx.regs_max)
+                & (spill >= 0.0) & (smem <= ctx.smem_block) & (occ >= 1.0) & (S >= 1.0) & (SK >= 1.0) & (G >= 1.0))
     occ = np.maximum(occ, 1.0)
 
     # --- grid, waves
@@ -583,7 +760,8 @@ def _evaluate(problem: GemmProblem, hw: Accelerator, cands: dict, coeffs: Coeffi
     e_l = _layout_eff(ctx, L)
     F = _flops_block(BM, BN, Ks, rep)
     share = np.minimum(1.0, a * W / c.mma_subpartitions)
-    xc = F / (ctx.p_sm * e_w * e_l * share) + BM * Ks * ctx.pro_flops / ctx.vec_sm + k_iters * ctx.t_iter
+    xc = (F / (ctx.p_sm * e_w * e_l * share) + BM * Ks * ctx.pro_flops / ctx.vec_sm + k_iters * ctx.t_iter
+          + k_iters * 2.0 * spill * threads / ctx.spill_bw)
     xs = Ks * ((rep * smem_rd + (BM + BN)) * ctx.in_b) / ctx.smem_bw
     share1 = np.minimum(1.0, W / c.mma_subpartitions)
     serial = np.where(S <= 1.0, F / (ctx.p_sm * e_w * e_l * share1), 0.0)
@@ -610,7 +788,7 @@ def _evaluate(problem: GemmProblem, hw: Accelerator, cands: dict, coeffs: Coeffi
         return total
     return dict(total=total, feasible=feasible, t_sm=t_sm, t_hbm=t_hbm, t_l2=t_l2, fixed=fixed,
                 mma=wa * xc, smem=wa * xs, latency=waves * xl, waves=waves, occupancy=occ,
-                regs_per_thread=regs, smem_bytes=smem, f_a=fa, f_b=fb, useful_units=uu,
+                regs_per_thread=regs_raw, spill_bytes=spill, smem_bytes=smem, f_a=fa, f_b=fb, useful_units=uu,
                 replication=rep, unit_efficiency=e_w, tiles=blocks)
 
 
@@ -685,11 +863,12 @@ def gemm_group_bound(problem: GemmProblem, hw: Accelerator, prefix: dict, suffix
 
     uu, rep, smem_rd, e_w, regs_mma = _geometry(ctx, BM, BN, W)
     threads = W * ctx.warp
-    regs_lb = _round_regs(c.reg_base + regs_mma + 0.0)
+    regs_lb, spill_lb = _spills(ctx, _round_regs(c.reg_base + regs_mma + 0.0))
+    regs_lb = _round_regs(regs_lb)
     smem_lb = max(min(stages), 1.0) * (BM + BN) * bks[0] * ctx.in_b + c.smem_reserved_per_block
     occ_ub = np.minimum(np.minimum(ctx.max_blocks, np.floor(ctx.max_warps / W)),
                         np.minimum(np.floor(ctx.regs_sm / (regs_lb * threads)), np.floor(ctx.smem_sm / smem_lb)))
-    any_feasible = ((threads <= MAX_THREADS_PER_BLOCK) & (W <= ctx.max_warps) & (regs_lb <= ctx.regs_max)
+    any_feasible = ((threads <= MAX_THREADS_PER_BLOCK) & (W <= ctx.max_warps)
                     & (smem_lb <= ctx.smem_block) & (occ_ub >= 1.0) & (min(stages) >= 1.0) & (SK >= 1.0)
                     & (min(groups_m) >= 1.0))
     occ_ub = np.maximum(occ_ub, 1.0)
@@ -718,7 +897,8 @@ def gemm_group_bound(problem: GemmProblem, hw: Accelerator, prefix: dict, suffix
     best = None
     for L in layouts:
         e_l = _layout_eff(ctx, float(L))
-        xc = F_lb / (ctx.p_sm * e_w * e_l * share_ub) + BM * Ks_lb * ctx.pro_flops / ctx.vec_sm + k_iters_lb * ctx.t_iter
+        xc = (F_lb / (ctx.p_sm * e_w * e_l * share_ub) + BM * Ks_lb * ctx.pro_flops / ctx.vec_sm
+              + k_iters_lb * ctx.t_iter + k_iters_lb * 2.0 * spill_lb * threads / ctx.spill_bw)
         fixed = _extra_kernels(ctx, hw, SK, float(L))
         total, _ = _combine(ctx, fixed, waves_lb, wa_lb, ctx.t_fix, xc, xs, xl, xe, t_hbm, t_l2)
         best = total if best is None else np.minimum(best, total)

@@ -345,21 +345,26 @@ def _resource_arrays(resources) -> dict:
     """``regs_per_thread``/``smem_bytes`` arrays from measured resources (NaN where None).
 
     An entry may be a ``codegen.targets.KernelResources`` (anything with ``registers`` and
-    ``shared_bytes``), None (not measured: the model's estimate) or :data:`UNCOMPILABLE` (the
-    backend refused the schedule: infeasible).
+    ``shared_bytes``, optionally ``spill_bytes``), None (not measured: the model's estimate) or
+    :data:`UNCOMPILABLE` (the backend refused the schedule: infeasible). Spilled bytes cost time
+    (``Coefficients.spill_bytes_per_clk``); they do not make a config infeasible.
     """
-    regs, smem = [], []
+    regs, smem, spill = [], [], []
     for r in resources:
         if r is None:
             regs.append(np.nan)
             smem.append(np.nan)
+            spill.append(np.nan)
         elif r is UNCOMPILABLE:
             regs.append(np.inf)
             smem.append(np.inf)
+            spill.append(np.nan)
         else:
             regs.append(float(r.registers))
             smem.append(float(r.shared_bytes))
-    return {"regs_per_thread": np.asarray(regs), "smem_bytes": np.asarray(smem)}
+            spill.append(float(getattr(r, "spill_bytes", 0) or 0))
+    return {"regs_per_thread": np.asarray(regs), "smem_bytes": np.asarray(smem),
+            "spill_bytes": np.asarray(spill)}
 
 
 #: Marks a measured config whose kernel the backend could not compile (infeasible).
