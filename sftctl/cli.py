@@ -367,6 +367,7 @@ def _job_doc(store, job: dict, detail: bool = False, ranks: list[dict] | None = 
         "tokens_per_s": sum(tps) if tps else None,
         "restarts": job["restarts"],
         "failure_reason": job["failure_reason"],
+        "pending_reason": job.get("pending_reason") if job["status"] == "PENDING" else None,
         "created_at": job["created_at"],
         "ended_at": job["ended_at"],
         "controller_pid": job["controller_pid"],

@@ -45,6 +45,48 @@ DOWN_GRACE_S = 20.0  # how long `sftctl down` lets a live controller clean up be
 STORAGE_OUTAGE_S = 300.0  # how long the job's storage may be unreachable before the job fails
 
 
+#: Local admission control (see Controller._admit): how often a queued job looks again, and
+#: the memory one worker process is expected to take. 0.8 GiB: the quickstart's two torch nodes
+#: took about 1.6 GB (measured on this project's 2-core test machine, issue 14); a plain shell
+#: job takes next to nothing.
+ADMIT_POLL_S = 1.0
+LOCAL_WORKER_MEMORY_GIB = {"model": 0.8, "shell": 0.05}
+_LIVE_ADMITTED = frozenset({JobStatus.PROVISIONING, JobStatus.LAUNCHING, JobStatus.RUNNING, JobStatus.RECOVERING})
+
+
+def _machine_busy(store: Store, job_id: str, need_cpus: int, need_gib: float) -> str | None:
+    """None when a local job needing ``need_cpus`` worker CPUs and ``need_gib`` GiB can start
+    now, else why not (one line). Only other admitted local jobs of this store count for CPUs;
+    memory is what the kernel reports available (``MemAvailable`` in /proc/meminfo)."""
+    others = [j for j in store.list_jobs(set(_LIVE_ADMITTED))
+              if j["id"] != job_id and (j["provider"] or "local") == "local"]
+    if not others:
+        return None
+    cpus = os.cpu_count() or 1
+    used = 0
+    for j in others:
+        count = ((j["offering"] or {}).get("offering") or {}).get("count", 1)
+        used += j["spec"]["resources"]["nodes"] * count
+    if used + need_cpus > cpus:
+        return (f"waiting for CPUs: {used} of this machine's {cpus} are taken by {len(others)} local job(s), "
+                f"this job needs {need_cpus}")
+    avail = _mem_available_gib()
+    if avail is not None and avail < need_gib:
+        return f"waiting for memory: {avail:.1f} GiB available, this job needs about {need_gib:.1f} GiB"
+    return None
+
+
+def _mem_available_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        return None
+    return None
+
+
 # wait before a relaunch: 1 s, 2 s, 4 s, ... up to 30 s (restarts that fail fast do not spin)
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 30.0
@@ -157,7 +199,7 @@ class Controller:
         """Drive the job to a terminal status and return it. Nodes are always torn down."""
         previous = _install_cancel_signals()
         try:
-            self._move(JobStatus.PROVISIONING)
+            self._admit()
             self._provision()
             while True:
                 attempt = self.store.start_attempt(self.job_id)
@@ -210,6 +252,45 @@ class Controller:
                 for signum, handler in previous.items():
                     signal.signal(signum, handler)
         return JobStatus(self.store.get_job(self.job_id)["status"])
+
+    def _admit(self) -> None:
+        """PENDING -> PROVISIONING once this machine has room for the job's local nodes.
+
+        Cloud jobs go on at once. A local job waits (PENDING, with ``pending_reason`` saying
+        why) while other local jobs of this ``$SFTCTL_HOME`` hold the CPUs it needs (one per
+        worker process: nodes x the offering's count) or while the machine's available memory
+        is below its estimate (``LOCAL_WORKER_MEMORY_GIB``). Admission is decided under a file
+        lock, so two controllers never take the same CPUs. A job that needs more than the
+        machine has runs when nothing else does.
+        """
+        if self.provider.name != "local":
+            self._move(JobStatus.PROVISIONING)
+            return
+        from filelock import FileLock
+
+        from sftctl.paths import sftctl_home
+
+        need_cpus = self.spec.resources.nodes * self.offering.count
+        per_worker = LOCAL_WORKER_MEMORY_GIB["model" if self.spec.model is not None else "shell"]
+        need_gib = need_cpus * per_worker
+        said = None
+        while True:
+            with FileLock(str(sftctl_home() / "admission.lock")):
+                self.store.reap_dead_controllers()
+                if JobStatus(self.store.get_job(self.job_id)["status"]).terminal:
+                    raise Cancelled("the job was ended by another process (sftctl down)")
+                why = _machine_busy(self.store, self.job_id, need_cpus, need_gib)
+                if why is None:
+                    if said is not None:
+                        self.store.update_job(self.job_id, pending_reason=None)
+                    self._move(JobStatus.PROVISIONING)
+                    return
+            if why != said:
+                self.store.update_job(self.job_id, pending_reason=why)
+                self.store.add_event(self.job_id, "admission", why)
+                self.reporter.event(f"PENDING: {why}")
+                said = why
+            time.sleep(ADMIT_POLL_S)
 
     def _move(self, status: JobStatus, reason: str | None = None) -> None:
         if not self.store.transition(self.job_id, status, reason):

@@ -62,7 +62,7 @@ TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     **{s: frozenset() for s in TERMINAL},
 }
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 # Each migration takes the schema from version i to i + 1. Append; never edit a landed one.
 MIGRATIONS: list[str] = [
     """
@@ -125,6 +125,10 @@ MIGRATIONS: list[str] = [
         ts REAL NOT NULL,
         PRIMARY KEY (job_id, rank)
     );
+    """,
+    # 2: why a job still waits in PENDING (local admission control: CPUs or memory taken)
+    """
+    ALTER TABLE jobs ADD COLUMN pending_reason TEXT;
     """,
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION

@@ -172,7 +172,8 @@ def jobs_table(jobs: list[dict]) -> FitTable:
             Col("NOTE", wrap=True, min_wrap=20)]
     rows = [[j["id"], Text(j["status"], style=STATUS_STYLE.get(j["status"], "")), j["resources"], _steps(j),
              _num(j["loss"], ".4f"), _num(j["tokens_per_s"], ",.0f"), _age(j["created_at"]), _duration(j),
-             j["failure_reason"] or (f"{j['restarts']} restart(s)" if j["restarts"] else "")] for j in jobs]
+             j["failure_reason"] or j.get("pending_reason") or (f"{j['restarts']} restart(s)" if j["restarts"] else "")]
+            for j in jobs]
     return FitTable(cols, rows)
 
 
@@ -192,6 +193,8 @@ def job_detail(job: dict) -> list:
     out: list = [head]
     if job["failure_reason"]:
         out.append(Text(f"reason: {job['failure_reason']}", style="red"))
+    if job.get("pending_reason"):
+        out.append(Text(f"pending: {job['pending_reason']}", style="yellow"))
     if job["plan"]:
         out.append(Text(f"plan: {job['plan']}", style="dim"))
     for h in job.get("health", []):

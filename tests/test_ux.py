@@ -238,3 +238,73 @@ def test_jobs_and_events_tables_fit_80_columns(home):
     assert job in lines[1] and "FAILED" in lines[1] and "120/300" in lines[1]
     lines = _render(events_table(store.events(job)), 80)
     assert all(len(line) <= 80 for line in lines) and len(lines) > 3
+
+
+def test_local_jobs_queue_while_the_cpus_are_taken(tmp_path, home):
+    """Item 5: a local job waits PENDING, with a reason and no process, while other local jobs
+    hold the machine's CPUs; it runs once they are released."""
+    cpus = os.cpu_count() or 1
+    hog = write_spec(tmp_path / "hog.yaml", SLEEPER.replace("name: sleeper", "name: hog").replace("nodes: 2", f"nodes: {cpus}"))
+    small = write_spec(tmp_path / "small.yaml", "name: small\nrun: echo small ran\n")
+    a = json.loads(sftctl("run", str(hog), "--detach", "--json", check=True).stdout)["job_id"]
+    b = None
+    try:
+        wait_for(lambda: status_json(a)["status"] == "RUNNING", what="the first job RUNNING")
+        b = json.loads(sftctl("run", str(small), "--detach", "--json", check=True).stdout)["job_id"]
+        doc = wait_for(lambda: (d := status_json(b))["pending_reason"] and d, what="the second job to queue")
+        assert doc["status"] == "PENDING" and job_processes(b) == []
+        assert doc["pending_reason"] == (f"waiting for CPUs: {cpus} of this machine's {cpus} are taken by 1 local "
+                                         "job(s), this job needs 1")
+        assert doc["pending_reason"] in sftctl("status", env={**os.environ, "COLUMNS": "200"}, check=True).stdout
+        sftctl("down", a, check=True)
+        done = wait_for(lambda: (d := status_json(b))["status"] in ("SUCCEEDED", "FAILED") and d, what="the second job")
+        assert done["status"] == "SUCCEEDED" and done["pending_reason"] is None
+        assert "small ran" in sftctl("logs", b, check=True).stdout
+        kinds = [e["kind"] for e in json.loads(sftctl("events", b, "--json", check=True).stdout)["events"]]
+        assert kinds.count("admission") == 1
+    finally:
+        for job in (a, b):
+            if job:
+                sftctl("down", job)
+    assert job_processes(a) == [] and job_processes(b) == []
+
+
+BARRIER_MODEL = '''
+import os, time
+import torch
+
+def build(batch_size=2, dtype="float32"):
+    with open(os.environ["TRACE_LOG"], "a") as f:
+        f.write("build\\n")
+    # hold this trace until every process has asked for the model: without sharing, all trace
+    while open(os.environ["TRACE_LOG"]).read().count("asked") < 3:
+        time.sleep(0.05)
+    model = torch.nn.Linear(4, 2)
+    x, y = torch.randn(batch_size, 4), torch.randn(batch_size, 2)
+    return model, (x, y), lambda m, b: ((m(b[0]) - b[1]) ** 2).mean()
+'''
+
+
+def test_concurrent_cold_traces_of_one_model_trace_it_once(tmp_path, home):
+    """Item 5: three cold runs of one model share its trace (one traces, two wait and read)."""
+    (tmp_path / "m.py").write_text(BARRIER_MODEL)
+    log = tmp_path / "trace.log"
+    code = ("import os, sys; from sftctl.compiler.driver import trace_model\n"
+            "open(os.environ['TRACE_LOG'], 'a').write('asked\\n')\n"
+            f"g = trace_model('torch', 'm.py:build', {str(tmp_path)!r}, 2, 'float32'); print(len(g.nodes))")
+    env = {**os.environ, "TRACE_LOG": str(log)}
+    ps = [subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = []
+    try:
+        for p in ps:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err
+            outs.append(out.strip())
+    finally:
+        for p in ps:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert len(set(outs)) == 1 and int(outs[0]) > 0
+    assert log.read_text().count("build") == 1

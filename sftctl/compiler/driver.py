@@ -54,11 +54,34 @@ def trace_model(framework: str, entrypoint: str, workdir: str, batch_size: int, 
     """
     key = trace_key(framework, entrypoint, workdir, batch_size, dtype)
     path = cache_dir() / "traces" / f"{key}.pkl"
-    if use_cache and path.exists():
+    if not use_cache:
+        return _trace(framework, entrypoint, workdir, batch_size, dtype)
+    cached = _load_trace(path)
+    if cached is not None:
+        return cached
+    from filelock import FileLock
+
+    # concurrent cold runs of one model trace it once: the others wait here, then read the cache
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        cached = _load_trace(path)
+        if cached is not None:
+            return cached
+        graph = _trace(framework, entrypoint, workdir, batch_size, dtype)
+        _atomic_write(path, pickle.dumps(graph))
+    return graph
+
+
+def _load_trace(path: Path) -> Graph | None:
+    if path.exists():
         try:
             return pickle.loads(path.read_bytes())
         except Exception:  # a stale or truncated cache entry is rebuilt, never trusted
             path.unlink(missing_ok=True)
+    return None
+
+
+def _trace(framework: str, entrypoint: str, workdir: str, batch_size: int, dtype: str) -> Graph:
     if framework == "jax":
         from sftctl.compiler.frontends.jax import trace_entrypoint
     else:
@@ -66,8 +89,6 @@ def trace_model(framework: str, entrypoint: str, workdir: str, batch_size: int, 
     graph = trace_entrypoint(entrypoint, workdir, batch_size=batch_size, dtype=dtype)
     if isinstance(graph, tuple):  # frontends return (graph, meta)
         graph = graph[0]
-    if use_cache:
-        _atomic_write(path, pickle.dumps(graph))
     return graph
 
 
