@@ -61,6 +61,7 @@ GEMM_PARAMS = {
     "tile_overhead_cycles": (50.0, 20000.0),
     "k_loop_overhead_cycles": (1.0, 1000.0),
     "warp_tile_overhead_elems": (8.0, 4096.0),
+    "l2_bytes_per_clk_per_sm": (16.0, 128.0),
 }
 #: Fitted streaming-kernel (row, elementwise) coefficients and bounds.
 STREAM_PARAMS = {
@@ -72,6 +73,7 @@ STREAM_PARAMS = {
     "stream_combine_p": (1.0, 16.0),
 }
 RANK_WEIGHT = 1.0
+STARTS = 4
 TAU = 0.05
 PAIR_MARGIN = 1.03
 
@@ -279,7 +281,15 @@ def fit_params(groups: list[Group], hw, base, params: dict, iters: int = 200, re
         return sum(group_loss(predict_group(g, hw, c), g.measured) for g in groups) / max(len(groups), 1)
 
     z0 = [_to_unit(getattr(base, k), *params[k]) for k in names]
-    z, _ = nelder_mead(loss, z0, iters=iters, restarts=restarts)
+    # multi-start: the defaults and STARTS deterministic points spread over the bounded box
+    # (a Halton-like pattern in the transformed space), a short search from each, then the
+    # best one polished
+    starts = [z0]
+    for j in range(STARTS):
+        starts.append([1.6 * math.sin(2.3 * (j + 1) * (i + 1) + 0.7 * j) for i in range(len(names))])
+    short = [nelder_mead(loss, z, iters=max(iters // 4, 20), restarts=0) for z in starts]
+    z, _ = min(short, key=lambda zf: zf[1])
+    z, _ = nelder_mead(loss, z, iters=iters, restarts=restarts)
     return coeffs_of(z)
 
 

@@ -426,10 +426,11 @@ def _stream_time(kind, programs, work_per_program, rows_per_program, elems_per_t
     rounds = np.ceil(per_sm / a)
     lat = hw.memory_latency_s * c.stream_latency_multiplier
     issue = np.minimum(float(c.mma_subpartitions), a * W * c.warp_ipc)
-    single = np.minimum(float(c.mma_subpartitions), W * c.warp_ipc)
     red = k["reductions"] * c.row_reduce_cycles * (1.0 + np.log2(W)) / clock
-    spill_t = 2.0 * spill * e / (c.spill_bytes_per_clk * clock) * hw.warp_size
-    step = lat + red + e * k["instr"] / (single * clock) + spill_t
+    spill_t = 2.0 * spill * threads / (c.spill_bytes_per_clk * clock)  # store + reload per step
+    # a warp issues its threads' elements one instruction after another: the step's compute
+    # latency grows with elements per thread whatever the number of warps
+    step = lat + red + e * k["instr"] / (c.warp_ipc * clock) + spill_t
     t_lat = rounds * _f(rows_per_program) * step
     t_hbm = _f(bytes_moved) / (hw.hbm_bytes_per_s * c.hbm_efficiency)
     t_blk = per_sm * c.block_launch_cycles / clock
@@ -552,6 +553,7 @@ class _Ctx:
     smem_bw: float
     hbm: float
     l2bw: float
+    l2bw_sm: float
     l2u: float
     lat: float
     vec_sm: float
@@ -588,6 +590,7 @@ def _ctx(problem: GemmProblem, hw: Accelerator, c: Coefficients) -> _Ctx:
         smem_bw=c.smem_bytes_per_clk * hw.clock_hz,
         hbm=hw.hbm_bytes_per_s * c.hbm_efficiency,
         l2bw=c.l2_bytes_per_clk_per_sm * hw.sm_count * hw.clock_hz,
+        l2bw_sm=c.l2_bytes_per_clk_per_sm * hw.clock_hz,
         l2u=hw.l2_bytes * c.l2_usable_fraction,
         lat=lat,
         vec_sm=hw.vector_peak("float32") * c.vector_efficiency / hw.sm_count,
@@ -765,7 +768,10 @@ def _evaluate(problem: GemmProblem, hw: Accelerator, cands: dict, coeffs: Coeffi
     xs = Ks * ((rep * smem_rd + (BM + BN)) * ctx.in_b) / ctx.smem_bw
     share1 = np.minimum(1.0, W / c.mma_subpartitions)
     serial = np.where(S <= 1.0, F / (ctx.p_sm * e_w * e_l * share1), 0.0)
-    xl = (k_iters * ctx.lat) / np.maximum(S - 1.0, 1.0) + serial
+    # a stage arrives ``lat`` after its request plus its transfer at the SM's share of L2
+    # bandwidth (``a`` co-resident programs share it); ``S - 1`` stages are in flight
+    stage_bytes = (BM + BN) * BK * ctx.in_b
+    xl = (k_iters * (ctx.lat + (a * stage_bytes) / ctx.l2bw_sm)) / np.maximum(S - 1.0, 1.0) + serial
     xe = BM * BN * ctx.epi_flops / ctx.vec_sm
 
     # --- DRAM traffic with grouped-order L2 reuse
@@ -888,7 +894,8 @@ def gemm_group_bound(problem: GemmProblem, hw: Accelerator, prefix: dict, suffix
     F_lb = _flops_block(BM, BN, Ks_lb, rep)
     share_ub = np.minimum(1.0, a_ub * W / c.mma_subpartitions)
     xs = Ks_lb * ((rep * smem_rd + (BM + BN)) * ctx.in_b) / ctx.smem_bw
-    xl = (k_iters_lb * ctx.lat) / max(max(stages) - 1.0, 1.0) + 0.0
+    stage_bytes_lb = (BM + BN) * bks[0] * ctx.in_b
+    xl = (k_iters_lb * (ctx.lat + (1.0 * stage_bytes_lb) / ctx.l2bw_sm)) / max(max(stages) - 1.0, 1.0) + 0.0
     xe = BM * BN * ctx.epi_flops / ctx.vec_sm
     out_bytes = _out_bytes(ctx, SK)
     t_hbm = (ctx.a_bytes * 1.0 + ctx.b_bytes * 1.0 + out_bytes) / ctx.hbm
