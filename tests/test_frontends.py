@@ -293,9 +293,9 @@ def test_gpt2_small_fake_trace_flops():
     """GPT-2 small (12 x 768, 12 heads, block 1024, vocab 50257, batch 8), traced in fake mode.
 
     Expected matmul FLOPs = 6 * n_params * tokens (2 forward + 4 backward per parameter and token;
-    counts the embeddings as if multiplied, an overestimate of <1%) + attention
-    12 * n_layer * B * T^2 * C (QK^T and PV: 2 * B * T^2 * C each forward, times 3 for fwd+bwd;
-    no causal saving). Must agree within 10%.
+    counts the embeddings as if multiplied, an overestimate of <1%), within 10%. Attention is one
+    op (flash attention): exactly 14 * n_layer * B * T^2 * C * (T+1)/(2T) FLOPs (QK^T and PV
+    forward, 4 * B * T^2 * C; five products backward, 10 * B * T^2 * C; causal keeps (T+1)/(2T)).
     """
     L, B, T, C, V = 12, 8, 1024, 768, 50257
     cfg = gpt.GPTConfig(block_size=T, vocab_size=V, n_layer=L, n_head=12, n_embd=C)
@@ -313,7 +313,12 @@ def test_gpt2_small_fake_trace_flops():
     n_params = model.num_params()
     assert meta["n_params"] == n_params
     flops = _dot_flops(graph)
-    expected = 6 * n_params * B * T + 12 * L * B * T * T * C
+    expected = 6 * n_params * B * T
+    from sftctl.compiler.fusion import fuse
+
+    attn = [k for k in fuse(graph) if k.kind == "attention"]
+    assert len(attn) == 2 * L
+    assert sum(k.flops for k in attn) == pytest.approx(14 * L * B * T * T * C * (T + 1) / (2 * T), rel=1e-12)
     print(f"GPT-2 small: build {t1 - t0:.2f}s, trace+lower {t2 - t1:.2f}s (make_fx {meta['trace_s']:.2f}s), "
           f"{len(graph.nodes)} IR nodes, {meta['fx_nodes']} fx nodes, flops {flops:.4e} vs {expected:.4e} "
           f"({flops / expected:.4f}), peak RSS +{grew_mib:.0f} MiB")

@@ -15,6 +15,13 @@ model a legal fusion never loses; greedy application is therefore optimal for th
   layer norm (reductions with their prologue and epilogue) is one kernel. A producer read from
   outside its kernel is still written.
 * ``gather`` and ``scatter_add`` are kernels of their own (data-dependent addressing).
+* attention is a kernel of its own (kind ``attention``), as flash attention runs it: the
+  ``attention`` and ``attention_lse`` nodes of one call are one forward kernel (reads Q, K, V and
+  the mask; writes O and the LSE), and the ``attention_grad`` nodes of one call are one backward
+  kernel (reads Q, K, V, O, dO, LSE and the mask; writes dQ, dK, dV). K and V are read at their
+  own head count (GQA). FLOPs are the matrix products flash attention does, over the kept
+  fraction of the score matrix (:func:`attention_flops`); the S x S scores are never memory.
+  ``rng_bernoulli`` is elementwise (a random mask generated where it is used).
 * the optimizer's per-parameter updates, independent of each other, are batched into one launch
   (horizontal fusion, as fused AdamW's ``multi_tensor_apply`` does).
 
@@ -29,10 +36,12 @@ import dataclasses
 import math
 
 from sftctl.compiler.ir import (
+    ATTENTION,
     CONTRACTIONS,
     DTYPE_BYTES,
     DATA,
     ELEMENTWISE,
+    RANDOM,
     LAYOUT,
     REDUCTIONS,
     SOURCES,
@@ -48,7 +57,7 @@ class Kernel:
     """A group of ops that runs as one kernel.
 
     Attributes:
-        kind: ``gemm``, ``pointwise``, ``reduction`` or ``data``.
+        kind: ``gemm``, ``pointwise``, ``reduction``, ``data`` or ``attention``.
         nodes: ids of the compute nodes in it, in graph order (the anchor first for gemm).
         reads: ids of the materialized tensors it reads (after looking through views).
         writes: ids of the tensors it materializes.
@@ -71,6 +80,7 @@ class Kernel:
     flops: float = 0.0
     gemm: tuple | None = None
     out_dtype: str | None = None  # gemm: dtype of the output the GEMM stores (its epilogue's result)
+    attention: dict | None = None  # for ``attention`` kernels: see :func:`attention_shape`
     horizontal: int = 1  # independent kernels batched into this launch (multi-tensor apply)
 
     @property
@@ -137,16 +147,27 @@ def fuse(graph: Graph) -> list[Kernel]:
         domain.append(_domain(graph, node))
         deps.append(input_kernels(node) - {group_of[node.id]})
 
+    attention_calls: dict[tuple, int] = {}  # one kernel per attention call and direction
     for node in graph.nodes:
         if _is_free(node):
             continue
         if node.op in CONTRACTIONS:
             new_kernel("gemm", node)
             continue
+        if node.op in ATTENTION:
+            call = ("bwd" if node.op == "attention_grad" else "fwd", node.inputs,
+                    tuple(sorted((k, v) for k, v in node.attrs.items() if k != "wrt")))
+            if call in attention_calls:
+                group_of[node.id] = attention_calls[call]
+                kernels[attention_calls[call]].nodes.append(node.id)
+            else:
+                new_kernel("attention", node)
+                attention_calls[call] = group_of[node.id]
+            continue
         if node.op in DATA:
             new_kernel("data", node)
             continue
-        if node.op not in ELEMENTWISE and node.op not in REDUCTIONS:
+        if node.op not in ELEMENTWISE and node.op not in REDUCTIONS and node.op not in RANDOM:
             raise ValueError(f"fusion: unknown op {node.op!r}")
         target = None
         for inp in node.inputs:
@@ -156,7 +177,7 @@ def fuse(graph: Graph) -> list[Kernel]:
             k = kernels[group_of[src]]
             if k.kind == "gemm":
                 # epilogue: applied elementwise to the GEMM's output, which nothing else reads
-                if (node.op in ELEMENTWISE and only_user_is(src, node.id)
+                if ((node.op in ELEMENTWISE or node.op in RANDOM) and only_user_is(src, node.id)
                         and node.type.numel == graph.nodes[k.anchor].type.numel):
                     target = group_of[src]
             elif k.kind in ("pointwise", "reduction") and _domain(graph, node) == domain[group_of[src]]:
@@ -245,6 +266,10 @@ def _account(graph: Graph, k: Kernel, group_of: dict[int, int], real_users, outp
     k.bytes_read = sum(reads.values())
     k.bytes_written = sum(graph.nodes[w].type.nbytes for w in writes)
     flops = 0.0
+    if k.kind == "attention":
+        k.attention = attention_shape(graph, graph.nodes[k.anchor])
+        k.flops = attention_flops(k.attention)
+        return
     for nid in k.nodes:
         n = graph.nodes[nid]
         if n.op in CONTRACTIONS:
@@ -273,6 +298,50 @@ def _account(graph: Graph, k: Kernel, group_of: dict[int, int], real_users, outp
             # positions per dim, the kernel still stores every element of its (larger) output
             extra += (out_elems - gemm_elems) * DTYPE_BYTES[main.type.dtype]
         k.gemm = (batch, m, n_, kk, graph.nodes[anchor.inputs[0]].type.dtype, a_t, b_t, extra / gemm_elems)
+
+
+def causal_fraction(L: int, S: int) -> float:
+    """Fraction of an L x S score matrix a top-left-aligned causal mask keeps (j <= i)."""
+    kept = sum(min(i + 1, S) for i in range(L)) if L <= 4096 else (
+        min(L, S) * (min(L, S) + 1) / 2 + max(0, L - S) * S)
+    return kept / (L * S) if L and S else 0.0
+
+
+def attention_shape(graph: Graph, node: Node) -> dict:
+    """The problem an attention kernel solves, from one of its nodes.
+
+    Returns ``{"direction": "forward"|"backward", "batch", "q_heads", "kv_heads", "q_len",
+    "kv_len", "head_dim", "v_head_dim", "dtype", "causal", "masked", "dropout_p",
+    "kept_fraction"}`` (lengths in tokens; ``kept_fraction`` is the causal fraction, 1.0 otherwise:
+    an explicit mask is not assumed to skip work, as a kernel given a mask tensor computes every
+    tile).
+    """
+    q, k, v = (graph.nodes[i].type for i in node.inputs[:3])
+    B, Hq, L, D = q.shape
+    _, Hkv, S, _ = k.shape
+    causal = bool(node.attrs.get("causal"))
+    backward = node.op == "attention_grad"
+    return {
+        "direction": "backward" if backward else "forward", "batch": B, "q_heads": Hq, "kv_heads": Hkv,
+        "q_len": L, "kv_len": S, "head_dim": D, "v_head_dim": v.shape[-1], "dtype": q.dtype,
+        "causal": causal, "masked": len(node.inputs) > (6 if backward else 3),
+        "dropout_p": float(node.attrs.get("dropout_p", 0.0)),
+        "kept_fraction": causal_fraction(L, S) if causal else 1.0,
+    }
+
+
+def attention_flops(a: dict) -> float:
+    """Matrix FLOPs of flash attention (Dao et al., FlashAttention-2, 2023, section 3).
+
+    Forward: ``Q K^T`` and ``P V``: ``2 * L * S * (D + Dv)`` per (batch, query head).
+    Backward: ``Q K^T`` recomputed, ``dV = P^T dO``, ``dP = dO V^T``, ``dQ = dS K``,
+    ``dK = dS^T Q``: ``2 * L * S * (3 * D + 2 * Dv)`` (2.5x forward when D == Dv).
+    Both times the kept fraction of the scores (causal: about half). Softmax exponentials and
+    the rescaling are vector work, not counted here.
+    """
+    per = a["q_len"] * a["kv_len"] * a["kept_fraction"] * a["batch"] * a["q_heads"]
+    D, Dv = a["head_dim"], a["v_head_dim"]
+    return 2.0 * per * ((3 * D + 2 * Dv) if a["direction"] == "backward" else (D + Dv))
 
 
 def _gemm_dims(graph: Graph, node: Node) -> tuple[int, int, int, int]:

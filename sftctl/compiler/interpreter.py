@@ -22,6 +22,13 @@ zero (XLA); ``cast`` from float to int truncates toward zero and to bool tests `
 which carries ``attrs["value"]`` (the frontends' ``constant`` role, for non-uniform tensor
 constants found in a traced program) takes that value.
 
+Random ops draw from ``numpy.random.default_rng([seed, stream, rng])`` (``run``'s ``seed``; stream
+0 for ``rng_bernoulli``, 1 for attention dropout; ``rng`` the node's attribute), so a node's
+values depend only on the seed and the node, never on evaluation order, and the forward and
+backward of an attention with dropout see the same keep-mask. ``attention`` and its
+``attention_lse`` / ``attention_grad`` nodes are evaluated exactly (the scores materialized, in the
+compute dtype): softmax with the row maximum subtracted, fully masked rows giving 0.
+
 Every result is checked against its node's shape, so a frontend's wrong shape inference is caught
 at the node that has it (``ValueError`` naming the node).
 """
@@ -152,9 +159,72 @@ def _scatter_add(src: np.ndarray, idx: np.ndarray, shape: tuple[int, ...], axis:
     return out
 
 
-def _eval(node: Node, args: list[np.ndarray], dt, acc) -> np.ndarray:
+def _keep_mask(seed: int, stream: int, rng: int, shape, p_keep: float) -> np.ndarray:
+    """Bernoulli(``p_keep``) bool array of ``shape`` from random stream (seed, stream, rng)."""
+    gen = np.random.default_rng([int(seed), int(stream), int(rng)])
+    return gen.random(shape) < p_keep
+
+
+def _attention_probs(q, k, v, mask, attrs, acc, seed):
+    """(scores-softmax P [B,Hq,L,S], dropped-and-scaled P, LSE [B,Hq,L], kv-group size)."""
+    q, k, v = (x.astype(acc, copy=False) for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    if group != 1:
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * acc(attrs["scale"])
+    L, S = s.shape[-2], s.shape[-1]
+    if attrs.get("causal"):
+        s = np.where(np.arange(S)[None, :] <= np.arange(L)[:, None], s, -np.inf)
+    if mask is not None:
+        s = np.where(mask, s, -np.inf) if mask.dtype == np.bool_ else s + mask.astype(acc, copy=False)
+    with np.errstate(all="ignore"):
+        m = np.max(s, axis=-1, keepdims=True)
+        m_safe = np.where(np.isfinite(m), m, 0)
+        e = np.exp(s - m_safe)
+        denom = np.sum(e, axis=-1, keepdims=True)
+        p = np.where(denom > 0, e / np.where(denom > 0, denom, 1), 0).astype(acc, copy=False)
+        lse = np.where(denom[..., 0] > 0, np.log(np.where(denom[..., 0] > 0, denom[..., 0], 1)) + m_safe[..., 0], np.inf)
+    dp = float(attrs.get("dropout_p", 0.0))
+    pd = p
+    if dp > 0:
+        keep = _keep_mask(seed, 1, attrs["rng"], p.shape, 1.0 - dp)
+        pd = np.where(keep, p / acc(1.0 - dp), 0).astype(acc, copy=False)
+    return p, pd, lse, group, k, v, (None if dp <= 0 else keep)
+
+
+def _attention(node: Node, args: list[np.ndarray], acc, seed: int) -> np.ndarray:
+    a = node.attrs
+    if node.op in ("attention", "attention_lse"):
+        q, k, v = args[:3]
+        mask = args[3] if len(args) > 3 else None
+        _, pd, lse, _, _, vr, _ = _attention_probs(q, k, v, mask, a, acc, seed)
+        return lse if node.op == "attention_lse" else np.matmul(pd, vr)
+    q, k, v, o, do, _lse = args[:6]
+    mask = args[6] if len(args) > 6 else None
+    p, pd, _, group, kr, vr, keep = _attention_probs(q, k, v, mask, a, acc, seed)
+    do = do.astype(acc, copy=False)
+    wrt = a["wrt"]
+    if wrt == "v":
+        g = np.matmul(np.swapaxes(pd, -1, -2), do)
+    else:
+        dpd = np.matmul(do, np.swapaxes(vr, -1, -2))  # d(dropped P)
+        dpp = dpd if keep is None else np.where(keep, dpd / acc(1.0 - float(a["dropout_p"])), 0)
+        rowdot = np.sum(dpp * p, axis=-1, keepdims=True)  # = rowsum(dO * O)
+        ds = p * (dpp - rowdot) * acc(a["scale"])
+        g = np.matmul(ds, kr) if wrt == "q" else np.matmul(np.swapaxes(ds, -1, -2), q.astype(acc, copy=False))
+    if wrt != "q" and group != 1:
+        b, h, s_, d = g.shape
+        g = g.reshape(b, h // group, group, s_, d).sum(axis=2)
+    return g
+
+
+def _eval(node: Node, args: list[np.ndarray], dt, acc, seed: int = 0) -> np.ndarray:
     op, a = node.op, node.attrs
     shape = node.type.shape
+    if op in ("attention", "attention_lse", "attention_grad"):
+        return _attention(node, args, acc, seed)
+    if op == "rng_bernoulli":
+        return _keep_mask(seed, 0, a["rng"], shape, float(a["p"]))
     if op == "constant":
         return np.full(shape, a["value"], dtype=dt)
     if op == "iota":
@@ -222,7 +292,7 @@ def _mode_dtype(ir_dtype: str, mode: str | None):
     return _NP[ir_dtype]
 
 
-def run(graph: Graph, inputs: dict[int, Any], dtype: str | None = "float64") -> list[np.ndarray]:
+def run(graph: Graph, inputs: dict[int, Any], dtype: str | None = "float64", seed: int = 0) -> list[np.ndarray]:
     """Evaluate ``graph``; ``inputs`` maps each ``input`` node's id to its value.
 
     Args:
@@ -231,6 +301,7 @@ def run(graph: Graph, inputs: dict[int, Any], dtype: str | None = "float64") -> 
             omitted).
         dtype: ``"float64"`` (compute every floating node in float64), ``"float32"``, or ``None``
             (honour node dtypes; bfloat16 emulated, see the module docstring).
+        seed: the step's random seed (random ops and attention dropout; see the module docstring).
 
     Returns:
         the values of ``graph.outputs``, in order (numpy arrays, 0-d for scalars).
@@ -259,7 +330,7 @@ def run(graph: Graph, inputs: dict[int, Any], dtype: str | None = "float64") -> 
                                f"{node.attrs.get('name')!r})")
             out = v.astype(dt, copy=False)
         else:
-            out = np.asarray(_eval(node, [vals[i] for i in node.inputs], dt, acc))
+            out = np.asarray(_eval(node, [vals[i] for i in node.inputs], dt, acc, seed))
             if out.dtype != np.dtype(dt):
                 out = out.astype(dt)
         if bf16:

@@ -32,6 +32,26 @@ Op vocabulary (``Node.op``; attribute names in brackets). Semantics follow numpy
 * data movement: ``gather`` [axis] (operand 0 indexed by integer operand 1 along ``axis``,
   i.e. ``np.take``), ``scatter_add`` [axis, size] (adds operand 0 rows into a zero tensor of the
   node's shape at indices operand 1 along ``axis``: the transpose of ``gather``)
+* attention (one fused kernel, as flash attention runs it; the S x S scores are never stored):
+
+  - ``attention`` [causal, scale, dropout_p, rng]: operands ``q`` [B, Hq, L, D], ``k``
+    [B, Hkv, S, D], ``v`` [B, Hkv, S, Dv] and optionally ``mask`` (4-D, broadcastable to
+    [B, Hq, L, S]; bool: True attends, float: added to the scores). ``Hq`` is a multiple of
+    ``Hkv`` (grouped-query attention: query head h reads kv head ``h // (Hq // Hkv)``). Result
+    ``O = dropout(softmax(scale * q k^T + mask)) v``, [B, Hq, L, Dv]. ``causal`` keeps key j
+    for query i when ``j <= i`` (top-left aligned, as ``is_causal`` in PyTorch). A row with no
+    key kept gives 0. Dropout (``dropout_p`` > 0) drops probabilities with a keep-mask drawn
+    from stream ``rng`` (see ``rng_bernoulli``) and scales the kept ones by ``1/(1-p)``.
+  - ``attention_lse``: same operands and attributes; the row log-sum-exp of the masked, scaled
+    scores (float32 [B, Hq, L]; ``+inf`` for a row with no key kept), which backward reads.
+  - ``attention_grad`` [wrt: ``q`` | ``k`` | ``v``, and the forward's attributes]: operands
+    ``q, k, v, o, do, lse`` and the forward's ``mask`` if it had one; the gradient of the
+    forward's ``O`` with respect to ``wrt`` given ``dO`` (shape of that operand; ``dk``/``dv``
+    sum over the query heads of a group).
+* random: ``rng_bernoulli`` [p, rng]: a bool tensor of the node's shape, True with probability
+  ``p`` independently per element, from random stream ``rng`` (an int unique in the graph) of
+  the step's seed. Values are defined by the reference interpreter's generator (the IR fixes
+  the distribution, not the bits a GPU's Philox would draw).
 
 Dtypes are the strings ``float64``, ``float32``, ``bfloat16``, ``float16``, ``int64``, ``int32``,
 ``bool``.
@@ -53,7 +73,9 @@ CONTRACTIONS = frozenset({"dot_general", "conv"})
 LAYOUT = frozenset({"reshape", "transpose", "broadcast_in_dim", "slice", "concatenate", "pad", "reverse"})
 DATA = frozenset({"gather", "scatter_add"})
 SOURCES = frozenset({"input", "constant", "iota"})
-ALL_OPS = ELEMENTWISE | REDUCTIONS | CONTRACTIONS | LAYOUT | DATA | SOURCES
+ATTENTION = frozenset({"attention", "attention_lse", "attention_grad"})
+RANDOM = frozenset({"rng_bernoulli"})
+ALL_OPS = ELEMENTWISE | REDUCTIONS | CONTRACTIONS | LAYOUT | DATA | SOURCES | ATTENTION | RANDOM
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1}
 

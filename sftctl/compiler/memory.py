@@ -4,7 +4,11 @@ Model: the step's inputs (parameters, optimizer state, the batch) stay resident 
 step. The optimizer updates parameters and state in place (as ``torch.optim.AdamW(fused=True)``
 and XLA's buffer donation do), so the step's updated outputs alias their inputs and cost nothing
 extra. Every other tensor a kernel writes (activations saved for backward, gradients, temporaries)
-is allocated when its kernel runs and freed after the last kernel that reads it. Peak is the
+is allocated when its kernel runs and freed after the last kernel that reads it. An attention
+kernel writes only O and its row log-sum-exp (fusion kind ``attention``), so what lives from the
+forward to the backward of attention is Q, K, V (and a mask), O and the LSE: never the S x S
+scores, which exist only in the kernel's on-chip tiles, as in flash attention. A dropout keeps its
+bool keep-mask (1 byte per element) until backward reads it. Peak is the
 resident inputs plus the largest sum of live tensors at any kernel, plus a fixed runtime
 reserve (CUDA context, allocator slack) that we state, not measure: ``RUNTIME_RESERVE_BYTES``.
 """

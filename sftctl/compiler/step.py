@@ -147,6 +147,8 @@ def compile_graph(
                 t = _roofline_time_s(k, hw, coeffs, hw.matrix_peak(_mma_dtype(dtype)) * coeffs.mma_efficiency)
             if graph.nodes[k.anchor].op == "conv":
                 t = t / coeffs.conv_efficiency  # implicit GEMM vs a plain GEMM of its size
+        elif k.kind == "attention":
+            t = attention_time_s(k, hw, coeffs)
         else:
             vector = hw.vector_peak(graph.nodes[k.anchor].type.dtype) * coeffs.vector_efficiency
             t = _roofline_time_s(k, hw, coeffs, vector)
@@ -177,6 +179,14 @@ def _out_dtype(dtype: str) -> str:
     return {"float64": "float64", "int64": "float64", "int32": "float32", "bool": "int8"}.get(dtype, dtype)
 
 
+def attention_time_s(k: Kernel, hw: Accelerator, coeffs) -> float:
+    """A flash-attention kernel (fusion kind ``attention``) as a roofline: its matrix FLOPs at
+    the matrix peak of its dtype times ``coeffs.mma_efficiency``, against its bytes at HBM
+    bandwidth, plus launch and fill latency (:func:`_roofline_time_s`). Seconds."""
+    dtype = _mma_dtype(k.attention["dtype"])
+    return _roofline_time_s(k, hw, coeffs, hw.matrix_peak(dtype) * coeffs.mma_efficiency)
+
+
 def _roofline_time_s(k: Kernel, hw: Accelerator, coeffs, flops_per_s: float) -> float:
     """Memory-bound and vector kernels: launch + fill latency + max(bytes / BW, FLOPs / rate)."""
     from sftctl.compiler.costmodel import memory_bound_time_s
@@ -194,6 +204,14 @@ def _kernel_plan(graph: Graph, i: int, k: Kernel, t: float, hw: Accelerator, con
         peak_flops = hw.matrix_peak(dtype)
         label = f"{'conv' if anchor.op == 'conv' else 'gemm'} {'%dx' % batch if batch > 1 else ''}{m}x{n}x{kk} {dtype}" + (
             f" +{len(k.nodes) - 1} fused" if len(k.nodes) > 1 else "")
+    elif k.kind == "attention":
+        a = k.attention
+        peak_flops = hw.matrix_peak(_mma_dtype(a["dtype"]))
+        heads = f"{a['q_heads']}/{a['kv_heads']}" if a["q_heads"] != a["kv_heads"] else f"{a['q_heads']}"
+        label = (f"attention {'bwd' if a['direction'] == 'backward' else 'fwd'} {a['batch']}x{heads}h "
+                 f"{a['q_len']}x{a['kv_len']} d{a['head_dim']} {a['dtype']}"
+                 + (" causal" if a["causal"] else "") + (" masked" if a["masked"] else "")
+                 + (f" dropout {a['dropout_p']:g}" if a["dropout_p"] else ""))
     else:
         peak_flops = hw.vector_peak(anchor.type.dtype)
         ops = [graph.nodes[j].op for j in k.nodes]

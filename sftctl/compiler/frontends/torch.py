@@ -1,18 +1,40 @@
 """PyTorch frontend: trace one whole training step (forward, loss, backward, AdamW) into the IR.
 
-``trace_step(model, batch, loss_fn)`` builds a functional step
+``trace_step(model, batch, loss_fn)`` captures the step's joint graph, as AOTAutograd does:
 
-    loss, grads = torch.func.grad_and_value(loss of params)(params)   # via functional_call
-    params', m', v' = AdamW(params, grads, m, v, step)                # written in torch ops
+    loss = functional_call(model, params + buffers, batch)     # params require grad
+    grads = torch.autograd.grad(loss, params)                  # autograd runs the backward
+    params', m', v' = AdamW(params, grads, m, v, step)         # written in torch ops, no_grad
 
-and traces it with ``make_fx`` (``tracing_mode="fake"`` by default, so a 124M-parameter model costs
-no memory: parameters and the batch may live on the ``meta`` device or be fake tensors) through
+all inside one ``make_fx`` (``tracing_mode="fake"`` by default, so a 1B-parameter model costs no
+memory: parameters and the batch may live on the ``meta`` device or be fake tensors), which
+records the ATen ops of forward, backward and update below autograd, through
 ``core_aten_decompositions()`` plus :func:`decomposition_table`'s extras (layer norm, softmax,
-GELU, ...). ``F.scaled_dot_product_attention`` is replaced while tracing by :func:`_sdpa_math`
-(matmul, scale, causal/explicit mask, float32 softmax, matmul: the math decomposition with flash
-attention's precision), so attention arrives as ``dot_general`` + masked softmax; any SDPA call
-that escapes it runs under the MATH backend. The ATen graph is then lowered op by op to the IR
-(:class:`_Lowering`); an ATen op without a lowering raises ``NotImplementedError`` naming it.
+GELU, ...). Why this capture: the model runs on plain FakeTensors, exactly as under
+``torch.compile``/``torch.export`` (so library code that checks "am I being traced?", such as
+transformers' ``is_tracing``, takes its tracing path instead of asking a tensor for its value),
+autograd itself derives the backward (every op with a derivative formula works, custom
+``autograd.Function`` included), and in-place buffer updates (BatchNorm's running statistics)
+are ordinary ATen ops on the buffer inputs, returned as step outputs. ``torch.func.grad``
+(the previous capture) hands the model functorch wrapper tensors instead, which libraries cannot
+recognize as traced and which forbid in-place updates of closed-over buffers.
+
+``F.scaled_dot_product_attention`` is routed while tracing (:class:`_DecomposeSDPA`) to the custom
+op ``sftctl::attention`` (forward: O and the row log-sum-exp) whose autograd formula is
+``sftctl::attention_backward`` (dQ, dK, dV from Q, K, V, O, dO, LSE), so attention arrives as the
+IR's ``attention`` / ``attention_lse`` / ``attention_grad`` ops: one flash-attention kernel each way,
+with no S x S score matrix. All SDPA forms lower: masks (bool or additive, broadcast), ``is_causal``,
+``scale``, GQA (``enable_gqa``, K/V kept at their own head count) and ``dropout_p`` (the op draws its
+keep-mask from a random stream numbered by call). A mask that requires grad falls back to the
+materialized math (:func:`_sdpa_math`). Attention written out by hand (matmul, softmax, matmul;
+transformers' ``attn_implementation="eager"``) stays that, as it runs on a GPU.
+
+Dropout (``aten.native_dropout``) lowers to an ``rng_bernoulli`` keep-mask (a bool tensor: what
+torch saves for backward, 1 byte per element) and a ``where``; its backward reads the mask.
+
+make_fx records each node's ``nn_module_stack`` and ``stack_trace``: an ATen op without a lowering
+raises ``NotImplementedError`` naming the op, the module path and the model's file:line, and a
+data-dependent branch (Python control flow on a tensor's value) names the model's line that took it.
 
 The graph (see :mod:`sftctl.compiler.ir`):
 
@@ -23,7 +45,9 @@ The graph (see :mod:`sftctl.compiler.ir`):
   (the tensor leaves of ``batch`` in ``torch.utils._pytree`` order). Non-uniform tensor constants
   captured from the program become inputs of role ``constant`` carrying ``attrs["value"]``.
 * outputs: ``loss``, then ``param:<name>`` for each parameter, then
-  ``opt_state:<name>.exp_avg`` for each, then ``opt_state:<name>.exp_avg_sq`` for each.
+  ``opt_state:<name>.exp_avg`` for each, then ``opt_state:<name>.exp_avg_sq`` for each, then
+  ``buffer:<name>`` for each buffer the step updated in place (e.g. BatchNorm's ``running_mean``,
+  ``running_var``, ``num_batches_tracked`` in train mode), its value after the step.
 
 AdamW is ``torch.optim.AdamW``'s (decoupled weight decay, bias correction, ``eps`` added after the
 square root), optionally preceded by ``clip_grad_norm_`` (``grad_clip``); ``lr``, betas, eps and the
@@ -33,9 +57,10 @@ may be a callable ``(name, param) -> float`` for per-parameter groups (e.g. no d
 Mixed precision (``autocast_dtype`` / ``trace_entrypoint(dtype=...)``): parameters, gradients and
 AdamW state stay in the model's dtype (float32 master weights) and the loss is computed under
 ``torch.autocast("cpu", dtype)`` as examples/gpt/train.py does on GPU, so the trace holds the
-casts autocast inserts: matmuls (``dot_general``, with the linear layers' bias adds, the
-attention scale and mask) run in bfloat16/float16, while layer norm, GELU (computed in float32 by
-its decomposition), the attention softmax and the loss stay float32. The CPU autocast op lists are
+casts autocast inserts: matmuls (``dot_general``, with the linear layers' bias adds) and the
+attention op (q, k, v cast to the autocast dtype, as CUDA autocast does for SDPA; its softmax
+statistics in float32 as flash attention keeps them) run in bfloat16/float16, while layer norm,
+GELU (computed in float32 by its decomposition) and the loss stay float32. The CPU autocast op lists are
 used; for the ops a transformer uses (linear, matmul, bmm, baddbmm) they agree with CUDA's.
 
 Lowering notes: ``torch.gather`` / ``scatter`` (take-along-axis forms) become an IR ``gather`` /
@@ -44,7 +69,7 @@ with adjacent index tensors merge the indexed dims the same way; a scatter with 
 (``nll_loss`` backward) is a compare against an ``iota`` (elementwise, so it fuses into its
 consumer as Inductor's lowering does); other non-accumulating scatters use a
 ``scatter_add`` of ones as the written mask (exact for unique indices, as torch itself only
-defines them). Random ops (dropout with p > 0) are not supported.
+defines them).
 ``convolution`` (N-d, stride, padding, dilation, groups, transposed) and ``convolution_backward``
 become IR ``conv`` nodes (input gradient: a ``conv`` of the output gradient dilated by the
 stride with the flipped, channel-swapped kernel; weight gradient: a batch-grouped ``conv`` of the
@@ -122,17 +147,16 @@ class _LossModule(torch.nn.Module):
 
 def _sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                enable_gqa=False):
-    """``scaled_dot_product_attention`` as matmul, mask, float32 softmax, matmul.
+    """``scaled_dot_product_attention`` as matmul, mask, float32 softmax, matmul (materialized).
 
+    Used only where the attention op cannot stand for the call (a mask that needs a gradient).
     The softmax runs in float32 and its result is cast back to the query's dtype before the second
-    matmul, as flash attention does; under autocast both matmuls run in the autocast dtype.
-    (torch's own CPU math kernel would upcast the matmuls to float32, and its fused CPU kernels
-    have no decomposition for their backward.) Rows that a boolean mask masks completely give NaN
-    here, where torch's math kernel gives 0.
+    matmul, as flash attention does. Rows that a boolean mask masks completely give NaN here,
+    where torch's math kernel gives 0.
     """
     if dropout_p:
-        raise NotImplementedError("torch frontend: scaled_dot_product_attention with dropout_p > 0 "
-                                  "(random ops are not supported)")
+        raise NotImplementedError("torch frontend: scaled_dot_product_attention with dropout_p > 0 and a "
+                                  "mask that requires grad (set the attention dropout to 0)")
     L, S = query.shape[-2], key.shape[-2]
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         rep = query.shape[-3] // key.shape[-3]
@@ -152,13 +176,154 @@ def _sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     return torch.matmul(probs, value)
 
 
+# --- the attention op: F.scaled_dot_product_attention as one op with a flash-attention backward ---
+
+
+def _attn_keep(shape, dropout_p: float, rng: int, device) -> torch.Tensor:
+    """A keep-mask for attention dropout in real mode (deterministic per ``rng``)."""
+    gen = torch.Generator(device="cpu").manual_seed(1_000_003 * int(rng) + 17)
+    return (torch.rand(shape, generator=gen) >= dropout_p).to(device)
+
+
+def _attn_reference(q, k, v, mask, causal: bool, scale: float, dropout_p: float, rng: int):
+    """Exact attention in ``q``'s dtype (real mode): (P, dropped P, LSE float32, K, V repeated)."""
+    group = q.shape[1] // k.shape[1]
+    kr = k.repeat_interleave(group, dim=1) if group != 1 else k
+    vr = v.repeat_interleave(group, dim=1) if group != 1 else v
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    s = torch.matmul(q.to(acc), kr.to(acc).transpose(-2, -1)) * scale
+    L, S = s.shape[-2], s.shape[-1]
+    if causal:
+        keep = torch.arange(S, device=q.device)[None, :] <= torch.arange(L, device=q.device)[:, None]
+        s = s.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(acc)
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    den = e.sum(-1, keepdim=True)
+    p = torch.where(den > 0, e / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(e))
+    lse = torch.where(den[..., 0] > 0, torch.log(torch.where(den > 0, den, torch.ones_like(den)))[..., 0] + m[..., 0],
+                      torch.full_like(m[..., 0], float("inf")))
+    pd, keepm = p, None
+    if dropout_p > 0:
+        keepm = _attn_keep(p.shape, dropout_p, rng, q.device)
+        pd = torch.where(keepm, p / (1 - dropout_p), torch.zeros_like(p))
+    return p, pd, lse.to(torch.float32), kr.to(acc), vr.to(acc), keepm, group, acc
+
+
+@torch.library.custom_op("sftctl::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  causal: bool, scale: float, dropout_p: float, rng: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward (see the IR's ``attention``): q [B,Hq,L,D], k [B,Hkv,S,D], v [B,Hkv,S,Dv],
+    mask None or 4-D broadcastable to [B,Hq,L,S] -> (O [B,Hq,L,Dv] in q's dtype, LSE [B,Hq,L] float32)."""
+    _, pd, lse, _, vr, _, _, _ = _attn_reference(q, k, v, mask, causal, scale, dropout_p, rng)
+    return torch.matmul(pd, vr).to(q.dtype), lse
+
+
+@_attention_op.register_fake
+def _(q, k, v, mask, causal, scale, dropout_p, rng):
+    return (q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],)),
+            q.new_empty(tuple(q.shape[:-1]), dtype=torch.float32))
+
+
+@torch.library.custom_op("sftctl::attention_backward", mutates_args=())
+def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           mask: torch.Tensor | None, o: torch.Tensor, lse: torch.Tensor, causal: bool,
+                           scale: float, dropout_p: float, rng: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flash-attention backward: (dQ, dK, dV) in the shapes and dtypes of q, k, v."""
+    p, pd, _, kr, vr, keepm, group, acc = _attn_reference(q, k, v, mask, causal, scale, dropout_p, rng)
+    do_ = do.to(acc)
+    dv = torch.matmul(pd.transpose(-2, -1), do_)
+    dpd = torch.matmul(do_, vr.transpose(-2, -1))
+    dpp = dpd if keepm is None else torch.where(keepm, dpd / (1 - dropout_p), torch.zeros_like(dpd))
+    ds = p * (dpp - (dpp * p).sum(-1, keepdim=True)) * scale
+    dq = torch.matmul(ds, kr)
+    dk = torch.matmul(ds.transpose(-2, -1), q.to(acc))
+    if group != 1:
+        b, h, s_, _ = dk.shape
+        dk = dk.reshape(b, h // group, group, s_, -1).sum(2)
+        dv = dv.reshape(b, h // group, group, s_, -1).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@_attention_backward_op.register_fake
+def _(do, q, k, v, mask, o, lse, causal, scale, dropout_p, rng):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, mask, causal, scale, dropout_p, rng = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, mask, o, lse)
+    ctx.attrs = (causal, scale, dropout_p, rng)
+
+
+def _attention_grad(ctx, do, dlse):
+    q, k, v, mask, o, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.sftctl.attention_backward(do, q, k, v, mask, o, lse, *ctx.attrs)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_attention_op.register_autograd(_attention_grad, setup_context=_attention_setup)
+
+
+def _sdpa_to_op(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False, *, rng: int = 0):
+    """``F.scaled_dot_product_attention`` through ``sftctl::attention`` (4-D [B, H, L, D] form).
+
+    Under autocast, q, k, v (and a float mask) are cast to the autocast dtype, as SDPA is on
+    CUDA's lower-precision list. Leading dims other than the head dim are flattened into B; a
+    3-D call is one batch of heads. GQA (``enable_gqa``) keeps K and V at their own head count.
+    Falls back to :func:`_sdpa_math` (materialized scores) where a mask needs a gradient.
+    """
+    if attn_mask is not None and attn_mask.requires_grad:
+        return _sdpa_math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if torch.is_autocast_enabled("cpu"):
+        dt = torch.get_autocast_dtype("cpu")
+        query, key, value = query.to(dt), key.to(dt), value.to(dt)
+        if attn_mask is not None and attn_mask.dtype != torch.bool:
+            attn_mask = attn_mask.to(dt)
+    if query.dim() < 3 or key.dim() != query.dim() or value.dim() != query.dim():
+        raise NotImplementedError(f"torch frontend: scaled_dot_product_attention with query {tuple(query.shape)}, "
+                                  f"key {tuple(key.shape)}, value {tuple(value.shape)} (needs >= 3 matching dims)")
+    lead = tuple(query.shape[:-3])
+    hq, L, D = query.shape[-3:]
+    hk, S = key.shape[-3], key.shape[-2]
+    if hk != hq and not (enable_gqa and hq % hk == 0):
+        raise NotImplementedError(f"torch frontend: scaled_dot_product_attention with {hq} query heads and "
+                                  f"{hk} key heads without enable_gqa")
+    B = math.prod(lead)
+    q4 = query.reshape(B, hq, L, D)
+    k4 = key.expand(*lead, *key.shape[-3:]).reshape(B, hk, S, D)
+    v4 = value.expand(*lead, *value.shape[-3:]).reshape(B, hk, S, value.shape[-1])
+    m4 = None
+    if attn_mask is not None:
+        m = attn_mask
+        while m.dim() < max(query.dim(), 4):
+            m = m.unsqueeze(0)
+        if m.dim() > 4:  # fold the extra leading dims into B
+            m = m.expand(*lead, *m.shape[-3:]).reshape(B, *m.shape[-3:])
+        m4 = m
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    out, _ = torch.ops.sftctl.attention(q4, k4, v4, m4, bool(is_causal), scale, float(dropout_p), int(rng))
+    return out.reshape(*lead, hq, L, value.shape[-1])
+
+
 class _DecomposeSDPA(torch.overrides.TorchFunctionMode):
-    """Routes ``F.scaled_dot_product_attention`` to :func:`_sdpa_math` while tracing."""
+    """Routes ``F.scaled_dot_product_attention`` to the attention op (:func:`_sdpa_to_op`) while
+    tracing, numbering the calls so each dropout draws from its own random stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.nn.functional.scaled_dot_product_attention:
-            return _sdpa_math(*args, **kwargs)
+            self.calls += 1
+            return _sdpa_to_op(*args, **kwargs, rng=self.calls)
         return func(*args, **kwargs)
 
 
@@ -185,6 +350,123 @@ def _adamw(params, grads, ms, vs, step, *, lr, betas, eps, decays, grad_clip):
         new_m.append(m2)
         new_v.append(v2)
     return new_p, new_m, new_v
+
+
+def _model_frame(tb) -> str:
+    """``file:line (function)`` of the innermost traceback frame in the model's code: the first
+    frame, from the inside out, that is not in torch, in this compiler or in the standard library."""
+    import os
+    import sysconfig
+    import traceback
+
+    skip = tuple(os.path.dirname(m) + os.sep for m in (torch.__file__, __file__))
+    skip += (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)
+    frames = traceback.extract_tb(tb)
+    for f in reversed(frames):
+        if not os.path.abspath(f.filename).startswith(skip):
+            return f"{f.filename}:{f.lineno} ({f.name})"
+    return "an unknown place (no frame outside torch)"
+
+
+def _stack_frame(stack_trace: str | None) -> str | None:
+    """The innermost ``file:line`` of an fx node's recorded ``stack_trace`` outside torch."""
+    import os
+    import re
+
+    if not stack_trace:
+        return None
+    tdir = os.path.dirname(torch.__file__) + os.sep
+    found = None
+    for m in re.finditer(r'File "([^"]+)", line (\d+), in (\S+)', stack_trace):
+        if not m.group(1).startswith(tdir) and "sftctl/compiler/" not in m.group(1):
+            found = f"{m.group(1)}:{m.group(2)} ({m.group(3)})"
+    return found
+
+
+@contextlib.contextmanager
+def _module_stack_meta(root: torch.nn.Module):
+    """Record each traced node's module path, as ``node.meta["nn_module_stack"]`` (an ordered dict
+    ``path -> (path, "module.QualName")``, outermost first, paths relative to ``root``; the
+    convention of torch.export), through global module hooks and FX's preserved node meta (much
+    cheaper than make_fx's ``record_module_stack`` tracer). Backward nodes get their forward
+    node's stack as ``meta["fwd_nn_module_stack"]`` (:func:`_backward_module_stacks`)."""
+    from torch.fx import traceback as fx_traceback
+    from torch.nn.modules import module as nn_module
+
+    paths: dict[int, str] = {}
+    for name, m in root.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), name)
+    saved: list = []
+
+    def pre(mod, args):
+        path = paths.get(id(mod))
+        if path is None:
+            return
+        stack = fx_traceback.current_meta.get("nn_module_stack")
+        saved.append(stack)
+        new = dict(stack or {})
+        new[path] = (path, f"{type(mod).__module__}.{type(mod).__qualname__}")
+        fx_traceback.current_meta["nn_module_stack"] = new
+
+    def post(mod, args, out):
+        if id(mod) not in paths or not saved:
+            return
+        prev = saved.pop()
+        if prev is None:
+            fx_traceback.current_meta.pop("nn_module_stack", None)
+        else:
+            fx_traceback.current_meta["nn_module_stack"] = prev
+
+    with fx_traceback.preserve_node_meta():
+        h1 = nn_module.register_module_forward_pre_hook(pre)
+        h2 = nn_module.register_module_forward_hook(post, always_call=True)
+        try:
+            yield
+        finally:
+            h1.remove()
+            h2.remove()
+
+
+def _tag_backward(loss: torch.Tensor) -> None:
+    """Let backward nodes carry their forward op's autograd sequence number (AOTAutograd's hooks)."""
+    try:
+        from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
+    except ImportError:  # private API moved: backward nodes go without module paths
+        return
+    if loss.grad_fn is not None:
+        setup_stacktrace_preservation_hooks([loss.grad_fn])
+
+
+def _backward_module_stacks(gm: fx.GraphModule) -> None:
+    """Give each backward node (``meta["autograd_backward"]``) the ``nn_module_stack`` of the
+    forward node with its autograd ``seq_nr``, as ``meta["fwd_nn_module_stack"]`` (what
+    AOTAutograd's ``copy_fwd_metadata_to_bw_nodes`` does for its joint graphs)."""
+    fwd: dict[int, dict] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and not n.meta.get("autograd_backward") and "seq_nr" in n.meta:
+            if n.meta.get("nn_module_stack"):
+                fwd.setdefault(n.meta["seq_nr"], n.meta["nn_module_stack"])
+    for n in gm.graph.nodes:
+        if n.meta.get("autograd_backward") and n.meta.get("seq_nr") in fwd:
+            n.meta["fwd_nn_module_stack"] = fwd[n.meta["seq_nr"]]
+
+
+@contextlib.contextmanager
+def _model_errors():
+    """Turn a data-dependent branch met while tracing into a NotImplementedError that names the
+    model's line that took it and what to try."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    try:
+        yield
+    except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode) as e:
+        what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise NotImplementedError(
+            f"torch frontend: the model's code at {_model_frame(e.__traceback__)} needs a tensor's value "
+            f"while tracing ({type(e).__name__}: {what}); the step is traced without data, so Python "
+            "control flow or shapes cannot depend on tensor values: compute it from the batch's shape, "
+            "use torch.where instead of an if, or move it out of the step") from e
 
 
 def trace_step(
@@ -267,36 +549,46 @@ def trace_step(
         def zeros_like(t: torch.Tensor) -> torch.Tensor:
             return torch.zeros_like(t.detach())
 
-    p_in = [to_input(p) for _, p in trainable]
+    p_in = [to_input(p).requires_grad_(True) for _, p in trainable]
     m_in = [zeros_like(p) for _, p in trainable]
     v_in = [zeros_like(p) for _, p in trainable]
     b_in = [to_input(b) for _, b in frozen]
     s_in = to_input(torch.ones((), dtype=torch.float32)) if fake else torch.ones((), dtype=torch.float32)
     x_in = [to_input(leaves[i]) for i in tpos]
+    mutated: list[int] = []  # indices into bnames of the buffers the step updates in place
 
     def step_fn(params, ms, vs, bufs, step, xs):
+        # The joint graph, as AOTAutograd builds it: the forward runs under autograd on tensors
+        # that require grad, torch.autograd.grad runs its backward, and make_fx records the ATen
+        # ops of both below autograd. The model sees plain (fake) tensors, not functorch wrappers.
         vals = list(leaves)
         for i, x in zip(tpos, xs):
             vals[i] = x
         b = pytree.tree_unflatten(vals, spec)
-        fixed = {"model." + n: t for n, t in zip(bnames, bufs)}
-
-        def loss_of(ps):
-            state = {**{"model." + n: t for n, t in zip(pnames, ps)}, **fixed}
-            ctx = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
-                   else contextlib.nullcontext())
-            with ctx, _DecomposeSDPA():
-                return torch.func.functional_call(wrapper, state, (b,))
-
-        grads, loss = torch.func.grad_and_value(loss_of)(list(params))
-        new_p, new_m, new_v = _adamw(list(params), grads, ms, vs, step, lr=lr, betas=betas, eps=eps,
-                                     decays=decays, grad_clip=grad_clip)
-        return loss, new_p, new_m, new_v
+        versions = [t._version for t in bufs]
+        state = {**{"model." + n: t for n, t in zip(pnames, params)},
+                 **{"model." + n: t for n, t in zip(bnames, bufs)}}
+        ctx = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
+               else contextlib.nullcontext())
+        with torch.enable_grad(), ctx, _DecomposeSDPA():
+            loss = torch.func.functional_call(wrapper, state, (b,))
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+        _tag_backward(loss)
+        grads = list(torch.autograd.grad(loss, list(params), allow_unused=True)) if params else []
+        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+        with torch.no_grad():
+            new_p, new_m, new_v = _adamw([p.detach() for p in params], grads, ms, vs, step, lr=lr, betas=betas,
+                                         eps=eps, decays=decays, grad_clip=grad_clip)
+        mutated[:] = [i for i, (t, v0) in enumerate(zip(bufs, versions)) if t._version != v0]
+        return loss.detach(), new_p, new_m, new_v, [bufs[i] for i in mutated]
 
     t0 = time.perf_counter()
-    with sdpa_kernel(SDPBackend.MATH):
+    with sdpa_kernel(SDPBackend.MATH), _model_errors(), _module_stack_meta(wrapper):
         gm = make_fx(step_fn, decomposition_table=decomposition_table(),
                      tracing_mode="fake" if fake else "real")(p_in, m_in, v_in, b_in, s_in, x_in)
+    _backward_module_stacks(gm)
     t1 = time.perf_counter()
     gm.graph.eliminate_dead_code()
     n = len(pnames)
@@ -306,7 +598,7 @@ def trace_step(
         + [("step", "step")] + [("batch", nm) for nm in batch_names]
     )
     out_roles = (["loss"] + [f"param:{nm}" for nm in pnames] + [f"opt_state:{nm}.exp_avg" for nm in pnames]
-                 + [f"opt_state:{nm}.exp_avg_sq" for nm in pnames])
+                 + [f"opt_state:{nm}.exp_avg_sq" for nm in pnames] + [f"buffer:{bnames[i]}" for i in mutated])
     graph, input_ids = _Lowering(gm).run(roles, out_roles)
     t2 = time.perf_counter()
     ids = dict(zip(range(len(roles)), input_ids))
@@ -389,6 +681,7 @@ class _Lowering(GraphBuilder):
         self.gm = gm
         self.env: dict[fx.Node, Any] = {}
         self._node: fx.Node | None = None
+        self._rng = 1 << 20  # random streams of dropout ops (attention dropout uses its call number)
 
     def bcast(self, i: int, shape) -> int:
         """numpy-style (trailing-aligned) explicit broadcast."""
@@ -516,8 +809,15 @@ class _Lowering(GraphBuilder):
         packet = target._schema.name.split("::")[-1]
         inplace = packet.endswith("_") and not packet.startswith("_") and target._schema.is_mutable
         handler = getattr(self, "op_" + (packet[:-1] if inplace else packet), None)
-        if handler is None or target.namespace != "aten":
-            raise NotImplementedError(f"torch frontend: ATen op {target} has no IR lowering ({n.name})")
+        if target.namespace == "sftctl":
+            handler = getattr(self, "op_sftctl_" + packet, None)
+        elif target.namespace != "aten":
+            handler = None
+        if handler is None:
+            raise NotImplementedError(
+                f"torch frontend: ATen op {target} has no IR lowering{self.where(n)}; try an equivalent "
+                "written with supported ops, a different module or attn_implementation, or add a "
+                "handler op_" + packet + " to sftctl/compiler/frontends/torch.py")
         out = handler(n, *n.args, **n.kwargs)
         if inplace and isinstance(n.args[0], fx.Node):
             # in-place op: later readers of the mutated tensor see the new value (views of it
@@ -526,7 +826,22 @@ class _Lowering(GraphBuilder):
         return out
 
     def unsupported(self, n: fx.Node, why: str = ""):
-        raise NotImplementedError(f"torch frontend: ATen op {n.target} {why}".rstrip())
+        raise NotImplementedError(f"torch frontend: ATen op {n.target} {why}".rstrip() + self.where(n))
+
+    @staticmethod
+    def where(n: fx.Node) -> str:
+        """`` (in module <path> (<type>), at <file:line>)`` for an fx node, from make_fx's
+        ``nn_module_stack`` and ``stack_trace``; empty when neither was recorded."""
+        parts = []
+        stack = n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack") or {}
+        if stack:
+            path, typ = list(stack.values())[-1]
+            typ = getattr(typ, "__name__", str(typ).rsplit(".", 1)[-1].rstrip("'>"))
+            parts.append(f"in module {path or '<root>'} ({typ})")
+        frame = _stack_frame(n.meta.get("stack_trace"))
+        if frame:
+            parts.append(f"at {frame}")
+        return f" ({', '.join(parts)})" if parts else ""
 
     # --- elementwise -------------------------------------------------------------------------
     def _unary(self, irop: str, n, x):
@@ -1416,12 +1731,58 @@ class _Lowering(GraphBuilder):
         s_shape = tuple(shape[:dim]) + (1,) + tuple(shape[dim + 1:])
         return self.op_slice_scatter(n, x, _Id(self.reshape(si, s_shape)), dim, index, index + 1)
 
-    # --- random ops: explicitly unsupported -------------------------------------------------
+    # --- random ops ---------------------------------------------------------------------------
     def op_native_dropout(self, n, x, p, train):
+        """(x * keep / (1 - p), keep) with keep ~ Bernoulli(1 - p): an ``rng_bernoulli`` mask,
+        saved for backward as torch saves it (bool, 1 byte per element)."""
+        shape, dtype = self.out_at(0)
+        xi = self.arg(x, dtype)
         if not train or p == 0:
-            shape, _ = self.out_at(0)
-            return [self.arg(x), self.const(True, shape, "bool")]
-        self.unsupported(n, "(random ops are not supported: set dropout to 0 or call model.eval())")
+            return [xi, self.const(True, shape, "bool")]
+        if p >= 1:
+            return [self.const(0, shape, dtype), self.const(False, shape, "bool")]
+        self._rng += 1
+        keep = self.add("rng_bernoulli", [], shape, "bool", p=1.0 - float(p), rng=self._rng)
+        scaled = self.binary("mul", xi, self.const(1.0 / (1.0 - float(p)), (), dtype))
+        return [self.add("where", [keep, scaled, self.const(0, (), dtype)], shape, dtype), keep]
+
+    def op_native_dropout_backward(self, n, grad, mask, scale):
+        shape, dtype = self.out()
+        g = self.binary("mul", self.arg(grad, dtype), self.const(float(scale), (), dtype))
+        return self.add("where", [self.arg(mask, "bool"), g, self.const(0, (), dtype)], shape, dtype)
+
+    def _bernoulli(self, n, p):
+        shape, dtype = self.out()
+        if isinstance(p, fx.Node):
+            self.unsupported(n, "with a tensor of probabilities")
+        self._rng += 1
+        keep = self.add("rng_bernoulli", [], shape, "bool", p=float(p), rng=self._rng)
+        return self.cast(keep, dtype)
+
+    def op_bernoulli(self, n, x, p=None, *, generator=None):
+        if p is None:
+            self.unsupported(n, "with a tensor of probabilities")
+        return self._bernoulli(n, p)
+
+    # --- attention -----------------------------------------------------------------------------
+    def op_sftctl_attention(self, n, q, k, v, mask, causal, scale, dropout_p, rng):
+        """``sftctl::attention`` -> IR ``attention`` (O) and ``attention_lse`` (LSE)."""
+        (oshape, odt), (lshape, ldt) = self.out_at(0), self.out_at(1)
+        ops = [self.arg(q, odt), self.arg(k, odt), self.arg(v, odt)]
+        if mask is not None:
+            ops.append(self.arg(mask))
+        attrs = dict(causal=bool(causal), scale=float(scale), dropout_p=float(dropout_p), rng=int(rng))
+        return [self.add("attention", ops, oshape, odt, **attrs), self.add("attention_lse", ops, lshape, ldt, **attrs)]
+
+    def op_sftctl_attention_backward(self, n, do, q, k, v, mask, o, lse, causal, scale, dropout_p, rng):
+        """``sftctl::attention_backward`` -> three IR ``attention_grad`` nodes (dQ, dK, dV)."""
+        _, dt = self.out_at(0)
+        ops = [self.arg(q, dt), self.arg(k, dt), self.arg(v, dt), self.arg(o, dt), self.arg(do, dt), self.arg(lse)]
+        if mask is not None:
+            ops.append(self.arg(mask))
+        attrs = dict(causal=bool(causal), scale=float(scale), dropout_p=float(dropout_p), rng=int(rng))
+        return [self.add("attention_grad", ops, self.out_at(j)[0], self.out_at(j)[1], wrt=w, **attrs)
+                for j, w in enumerate("qkv")]
 
 
 class _Id(int):

@@ -1,0 +1,134 @@
+"""How the torch frontend captures a step: the joint graph under make_fx (model code sees fake
+tensors), in-place buffer updates as step outputs, and errors that name the model's code."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn as nn  # noqa: E402
+
+from stepcheck import assert_step_matches, interpreted_loss_and_grads  # noqa: E402
+
+from sftctl.compiler.frontends import torch as torch_frontend  # noqa: E402
+
+
+class RunningStats(nn.Module):
+    """Updates buffers in place in train mode, as BatchNorm does with its running statistics."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.register_buffer("running_mean", torch.zeros(d))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.register_buffer("untouched", torch.ones(d))
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.training:
+            with torch.no_grad():
+                self.running_mean.mul_(0.9).add_(0.1 * y.mean(0))
+                self.seen.add_(1)
+        return (y - self.running_mean).pow(2).mean() * self.untouched.sum()
+
+
+def test_in_place_buffer_updates_are_step_outputs():
+    torch.manual_seed(0)
+    model = RunningStats().train()
+    x = torch.randn(5, 6)
+    loss, grads, graph, meta = interpreted_loss_and_grads(model, {"x": x}, lambda m, b: m(b["x"]))
+    roles = graph.output_roles
+    assert "buffer:running_mean" in roles and "buffer:seen" in roles
+    assert "buffer:untouched" not in roles  # not updated: no output
+    assert set(meta["buffers"]) == {"running_mean", "seen", "untouched"}
+    # run again to read the buffer outputs, against torch
+    from sftctl.compiler import interpreter
+
+    m64 = RunningStats().double().train()
+    m64.load_state_dict(model.state_dict())
+    feed = {meta["params"][n]: p.detach().numpy() for n, p in m64.named_parameters()}
+    feed.update({i: np.zeros(graph.nodes[i].type.shape) for i in meta["opt_state"].values()})
+    feed.update({meta["buffers"][n]: b.numpy() for n, b in m64.named_buffers()})
+    feed[meta["step"]] = 1.0
+    feed[meta["batch"][0]] = x.double().numpy()
+    out = dict(zip(roles, interpreter.run(graph, feed)))
+    ref_loss = m64(x.double())
+    np.testing.assert_allclose(out["loss"], ref_loss.item(), rtol=1e-12)
+    np.testing.assert_allclose(out["buffer:running_mean"], m64.running_mean.numpy(), rtol=1e-12)
+    assert int(out["buffer:seen"]) == 1
+    assert_step_matches(model, {"x": x}, lambda m, b: m(b["x"]))
+
+
+def test_model_sees_fake_tensors_not_wrappers():
+    """Library code that asks "am I traced?" (transformers' is_tracing) gets yes, and a step whose
+    model would branch on a value in eager mode traces."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    seen = []
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, mask):
+            seen.append(type(x))
+            if not isinstance(mask, FakeTensor) and bool(mask.all()):  # transformers' pattern
+                mask = None
+            y = self.lin(x)
+            return (y if mask is None else y * mask).sum()
+
+    x = torch.empty(3, 4, device="meta")
+    mask = torch.ones(3, 4, device="meta")
+    graph, _ = torch_frontend.trace_step(Probe(), {"x": x, "m": mask}, lambda m, b: m(b["x"], b["m"]))
+    assert seen and all(issubclass(t, FakeTensor) for t in seen)
+
+
+def test_data_dependent_branch_names_the_model_line():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            if y.sum() > 0:  # the line the error must name
+                return y.sum()
+            return -y.sum()
+
+    x = torch.empty(3, 4, device="meta")
+    with pytest.raises(NotImplementedError) as info:
+        torch_frontend.trace_step(Branchy(), {"x": x}, lambda m, b: m(b["x"]))
+    msg = str(info.value)
+    import inspect
+
+    line = inspect.getsourcelines(Branchy.forward)[1] + 2
+    assert f"test_capture.py:{line} (forward)" in msg, msg
+    assert "torch.where" in msg
+
+
+def test_unsupported_op_names_op_module_and_line():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.cumsum(self.lin(x), dim=0)  # no lowering for cumsum
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x):
+            return self.block(x).sum()
+
+    x = torch.empty(3, 4, device="meta")
+    with pytest.raises(NotImplementedError) as info:
+        torch_frontend.trace_step(Net(), {"x": x}, lambda m, b: m(b["x"]))
+    msg = str(info.value)
+    assert "aten.cumsum" in msg, msg
+    assert "module model.block (Block)" in msg, msg
+    assert "try" in msg, msg
