@@ -132,3 +132,25 @@ def test_unsupported_op_names_op_module_and_line():
     assert "aten.cumsum" in msg, msg
     assert "module model.block (Block)" in msg, msg
     assert "try" in msg, msg
+
+
+def test_batchnorm_train_mode_running_stats_are_outputs():
+    """nn.BatchNorm1d in train mode: loss, gradients and the updated running statistics match torch."""
+    from sftctl.compiler import interpreter
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 1)).train()
+    x = torch.randn(8, 5)
+    loss_fn = lambda m, b: m(b["x"]).pow(2).mean()  # noqa: E731
+    graph, meta = assert_step_matches(model, {"x": x}, loss_fn)
+    m64 = __import__("copy").deepcopy(model).double()
+    feed = {meta["params"][n]: p.detach().numpy() for n, p in m64.named_parameters()}
+    feed.update({i: np.zeros(graph.nodes[i].type.shape) for i in meta["opt_state"].values()})
+    feed.update({meta["buffers"][n]: b.numpy() for n, b in m64.named_buffers()})
+    feed[meta["step"]] = 1.0
+    feed[meta["batch"][0]] = x.double().numpy()
+    out = dict(zip(graph.output_roles, interpreter.run(graph, feed)))
+    loss_fn(m64, {"x": x.double()})
+    for name in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
+        np.testing.assert_allclose(out[f"buffer:{name}"], dict(m64.named_buffers())[name].numpy(), rtol=1e-12)
+    assert int(out["buffer:1.num_batches_tracked"]) == 1

@@ -352,6 +352,26 @@ def _adamw(params, grads, ms, vs, step, *, lr, betas, eps, decays, grad_clip):
     return new_p, new_m, new_v
 
 
+def _mutated_inputs(gm: fx.GraphModule, first: int, count: int) -> list[int]:
+    """Indices ``0..count-1`` of the placeholders ``first..first+count-1`` that an op of ``gm``
+    writes in place (an argument its schema marks as written: ``copy_``, ``add_``, ...). A
+    decomposition's ``copy_`` into a running statistic is seen here, where autograd's version
+    counter is not (``native_batch_norm`` does not declare its running stats as written)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][first:first + count]
+    index = {n: i for i, n in enumerate(placeholders)}
+    out: set[int] = set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        for k, arg in enumerate(n.target._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            val = n.args[k] if k < len(n.args) else n.kwargs.get(arg.name)
+            if isinstance(val, fx.Node) and val in index:
+                out.add(index[val])
+    return sorted(out)
+
+
 def _model_frame(tb) -> str:
     """``file:line (function)`` of the innermost traceback frame in the model's code: the first
     frame, from the inside out, that is not in torch, in this compiler or in the standard library."""
@@ -555,7 +575,6 @@ def trace_step(
     b_in = [to_input(b) for _, b in frozen]
     s_in = to_input(torch.ones((), dtype=torch.float32)) if fake else torch.ones((), dtype=torch.float32)
     x_in = [to_input(leaves[i]) for i in tpos]
-    mutated: list[int] = []  # indices into bnames of the buffers the step updates in place
 
     def step_fn(params, ms, vs, bufs, step, xs):
         # The joint graph, as AOTAutograd builds it: the forward runs under autograd on tensors
@@ -565,7 +584,6 @@ def trace_step(
         for i, x in zip(tpos, xs):
             vals[i] = x
         b = pytree.tree_unflatten(vals, spec)
-        versions = [t._version for t in bufs]
         state = {**{"model." + n: t for n, t in zip(pnames, params)},
                  **{"model." + n: t for n, t in zip(bnames, bufs)}}
         ctx = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
@@ -581,8 +599,7 @@ def trace_step(
         with torch.no_grad():
             new_p, new_m, new_v = _adamw([p.detach() for p in params], grads, ms, vs, step, lr=lr, betas=betas,
                                          eps=eps, decays=decays, grad_clip=grad_clip)
-        mutated[:] = [i for i, (t, v0) in enumerate(zip(bufs, versions)) if t._version != v0]
-        return loss.detach(), new_p, new_m, new_v, [bufs[i] for i in mutated]
+        return loss.detach(), new_p, new_m, new_v, list(bufs)
 
     t0 = time.perf_counter()
     with sdpa_kernel(SDPBackend.MATH), _model_errors(), _module_stack_meta(wrapper):
@@ -591,6 +608,7 @@ def trace_step(
     _backward_module_stacks(gm)
     t1 = time.perf_counter()
     gm.graph.eliminate_dead_code()
+    mutated = _mutated_inputs(gm, first=3 * len(pnames), count=len(bnames))
     n = len(pnames)
     roles = (
         [("param", nm) for nm in pnames] + [("opt_state", nm + ".exp_avg") for nm in pnames]
@@ -599,7 +617,8 @@ def trace_step(
     )
     out_roles = (["loss"] + [f"param:{nm}" for nm in pnames] + [f"opt_state:{nm}.exp_avg" for nm in pnames]
                  + [f"opt_state:{nm}.exp_avg_sq" for nm in pnames] + [f"buffer:{bnames[i]}" for i in mutated])
-    graph, input_ids = _Lowering(gm).run(roles, out_roles)
+    keep = list(range(1 + 3 * len(pnames))) + [1 + 3 * len(pnames) + i for i in mutated]
+    graph, input_ids = _Lowering(gm).run(roles, out_roles, keep_outputs=keep)
     t2 = time.perf_counter()
     ids = dict(zip(range(len(roles)), input_ids))
     meta: dict[str, Any] = {
@@ -749,7 +768,10 @@ class _Lowering(GraphBuilder):
         return ir_dtype(torch.result_type(self._meta_of(a), self._meta_of(b)))
 
     # --- driver ------------------------------------------------------------------------------
-    def run(self, roles: list[tuple[str, str]], out_roles: list[str]) -> tuple[Graph, list[int]]:
+    def run(self, roles: list[tuple[str, str]], out_roles: list[str],
+            keep_outputs: list[int] | None = None) -> tuple[Graph, list[int]]:
+        """Lower the graph; ``keep_outputs`` selects (by flat index) the outputs that ``out_roles``
+        names (all of them by default)."""
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(roles):
             raise RuntimeError(f"traced graph has {len(placeholders)} inputs, expected {len(roles)}")
@@ -770,6 +792,8 @@ class _Lowering(GraphBuilder):
                 self.env[n] = self._call(n)
             elif n.op == "output":
                 flat = pytree.tree_leaves(n.args[0])
+                if keep_outputs is not None:
+                    flat = [flat[i] for i in keep_outputs]
                 outputs = [self.arg(a) for a in flat]
             else:
                 raise NotImplementedError(f"torch frontend: fx node kind {n.op} ({n.name})")
