@@ -21,6 +21,9 @@ Environment variables read (all optional):
     Directory for per-rank metrics files ``rank-<global rank>.jsonl``. Unset: ``report`` is a no-op.
 ``SFTCTL_CHECKPOINT_DIR``
     Directory holding ``step-%08d`` checkpoint directories. Default ``./checkpoints``.
+``SFTCTL_KEEP_CHECKPOINTS``
+    How many complete checkpoints ``save_checkpoint`` keeps when not given ``keep`` (the spec's
+    ``train.keep_checkpoints``); default 3.
 ``SFTCTL_STORAGE_URL``
     The job's durable storage (``s3://bucket/prefix``, ``gs://bucket/prefix``, a directory; see
     :mod:`sftctl.storage`). When set, ``save_checkpoint`` also uploads every checkpoint there
@@ -230,7 +233,10 @@ def checkpoint_dir() -> Path:
     return Path(os.environ.get("SFTCTL_CHECKPOINT_DIR") or DEFAULT_CHECKPOINT_DIR)
 
 
-def save_checkpoint(state: dict[str, Any], step: int, *, keep: int = 3) -> Path:
+DEFAULT_KEEP_CHECKPOINTS = 3  # the spec's train.keep_checkpoints default
+
+
+def save_checkpoint(state: dict[str, Any], step: int, *, keep: int | None = None) -> Path:
     """Atomically write ``state`` as the checkpoint for ``step`` and prune old checkpoints.
 
     Steps:
@@ -249,7 +255,9 @@ def save_checkpoint(state: dict[str, Any], step: int, *, keep: int = 3) -> Path:
     Args:
         state: anything ``torch.save`` accepts; typically model/optimizer state dicts and the step.
         step: the training step this state is after; non-negative.
-        keep: how many complete checkpoints to keep, counting this one; at least 1.
+        keep: how many complete checkpoints to keep, counting this one; at least 1. Default:
+            ``$SFTCTL_KEEP_CHECKPOINTS`` (the controller sets it from the spec's
+            ``train.keep_checkpoints``), else 3.
 
     5. With ``$SFTCTL_STORAGE_URL`` set: upload the new checkpoint directory to the job's storage
        (data first, ``MANIFEST.json`` last) and prune the storage to the newest ``keep`` too.
@@ -258,7 +266,8 @@ def save_checkpoint(state: dict[str, Any], step: int, *, keep: int = 3) -> Path:
         The final checkpoint directory, ``<checkpoint_dir>/step-%08d``.
 
     Raises:
-        ValueError: ``step`` is negative or ``keep`` is below 1.
+        ValueError: ``step`` is negative, ``keep`` (or ``$SFTCTL_KEEP_CHECKPOINTS``) is below 1
+            or not an integer.
         ImportError: torch is not installed (or, with job storage, its SDK: boto3,
             google-cloud-storage).
         OSError: the checkpoint could not be written (the temporary directory is removed; earlier
@@ -268,6 +277,9 @@ def save_checkpoint(state: dict[str, Any], step: int, *, keep: int = 3) -> Path:
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
+    if keep is None:
+        raw = os.environ.get("SFTCTL_KEEP_CHECKPOINTS", "").strip()
+        keep = _parse_int("SFTCTL_KEEP_CHECKPOINTS", raw, minimum=1) if raw else DEFAULT_KEEP_CHECKPOINTS
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     import torch  # lazy: keep this module importable without torch

@@ -24,6 +24,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 ENV_VARS = (
     "SFTCTL_METRICS_DIR",
     "SFTCTL_CHECKPOINT_DIR",
+    "SFTCTL_KEEP_CHECKPOINTS",
     "RANK",
     "SFTCTL_NODE_RANK",
     "SFTCTL_NUM_NODES",
@@ -193,6 +194,19 @@ def test_keep_deletes_older_checkpoints(ckpt_dir):
     assert sorted(p.name for p in ckpt_dir.iterdir()) == [
         "step-00000040", "step-00000050", "step-00000060",
     ]
+
+
+def test_keep_defaults_to_the_specs_keep_checkpoints(ckpt_dir, monkeypatch):
+    """Issue 14.6: the controller exports train.keep_checkpoints; save_checkpoint honours it."""
+    monkeypatch.setenv("SFTCTL_KEEP_CHECKPOINTS", "1")
+    for step in (10, 20, 30):
+        sft.save_checkpoint({"v": torch.tensor([float(step)])}, step)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step-00000030"]
+    sft.save_checkpoint({"v": torch.tensor([40.0])}, 40, keep=2)  # an explicit keep wins
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step-00000030", "step-00000040"]
+    monkeypatch.setenv("SFTCTL_KEEP_CHECKPOINTS", "zero")
+    with pytest.raises(ValueError, match="SFTCTL_KEEP_CHECKPOINTS: expected an integer"):
+        sft.save_checkpoint({"v": torch.tensor([50.0])}, 50)
 
 
 def test_latest_is_by_step_number_not_name_or_mtime(ckpt_dir):

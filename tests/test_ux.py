@@ -308,3 +308,21 @@ def test_concurrent_cold_traces_of_one_model_trace_it_once(tmp_path, home):
                 p.wait()
     assert len(set(outs)) == 1 and int(outs[0]) > 0
     assert log.read_text().count("build") == 1
+
+
+def test_keep_checkpoints_reaches_the_training_script(tmp_path, home):
+    """Item 6: `train.keep_checkpoints: 2` keeps two checkpoints (it kept 3 whatever the spec said)."""
+    spec = write_spec(tmp_path / "keep.yaml", """\
+name: keep
+train: {keep_checkpoints: 2}
+run: |
+  "$SFTCTL_PYTHON" -c "
+  import os, sftctl.train as t
+  for s in range(5):
+      t.save_checkpoint({'step': s}, s)
+  print('kept', sorted(os.listdir(os.environ['SFTCTL_CHECKPOINT_DIR'])))
+  "
+""")
+    proc = sftctl("run", str(spec), "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert "kept ['step-00000003', 'step-00000004']" in sftctl("logs", json.loads(proc.stdout)["id"], check=True).stdout
