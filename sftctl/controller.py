@@ -648,8 +648,9 @@ def job_provider(job: dict, name: str | None = None):
     name = name or job["provider"] or "local"
     spec = JobSpec.model_validate(job["spec"])
     url = job_storage_url(spec, job["id"])
+    options = _provider_options(spec, name)
     if url is None:
-        return get_provider(name)
+        return get_provider(name, **options)
     from sftctl.storage import open_storage
     from sftctl.storage.channel import StorageChannel
 
@@ -657,7 +658,18 @@ def job_provider(job: dict, name: str | None = None):
     if name == "kubernetes":  # a Kubernetes Secret carries the secrets; pods learn the world size
         kwargs = {"secrets": {k: os.environ[k] for k in spec.secrets if k in os.environ},
                   "num_nodes": spec.resources.nodes}
-    return get_provider(name, channel=StorageChannel(open_storage(url), secret_keys=set(spec.secrets)), **kwargs)
+    return get_provider(name, channel=StorageChannel(open_storage(url), secret_keys=set(spec.secrets)),
+                        **kwargs, **options)
+
+
+def _provider_options(spec: JobSpec, name: str) -> dict:
+    """Per-cloud settings from the spec, else from this shell's configuration: the IAM instance
+    profile of AWS nodes (``resources.instance_profile``, else ``$SFTCTL_AWS_INSTANCE_PROFILE``)."""
+    if name == "aws":
+        profile = spec.resources.instance_profile or os.environ.get("SFTCTL_AWS_INSTANCE_PROFILE", "").strip()
+        if profile:
+            return {"instance_profile": profile}
+    return {}
 
 
 def _default_install() -> str:

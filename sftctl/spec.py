@@ -116,6 +116,11 @@ class ResourcesSpec(_Strict):
     max_price_per_hour: PositiveFloat | None = Field(None, description="USD/h, all nodes together")
     deadline: str | None = Field(None, description="a duration: 90m, 6h, 2d")
     image: str | None = Field(None, description="node image: an AMI id, a GCE image, a container image")
+    instance_profile: str | None = Field(
+        None, pattern=r"^[\w+=,.@-]{1,128}$",
+        description="aws: the IAM instance profile the nodes run with (how they read S3 job storage); "
+                    "default $SFTCTL_AWS_INSTANCE_PROFILE",
+    )
     objective: Literal["cost", "time"] = Field(
         "cost", description="cost: cheapest within deadline and price; time: fastest within price"
     )
