@@ -67,7 +67,12 @@ class ModelSpec(_Strict):
     batch_size: StrictPositiveInt = Field(
         16, description="global batch: samples per step, split evenly over the data-parallel ranks"
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="compute dtype; bfloat16/float16 is mixed precision in both frameworks: float32 "
+                    "master weights and AdamW state, matmuls in this dtype (torch: autocast; JAX: "
+                    "parameters cast at the loss function's entry)",
+    )
 
     @field_validator("entrypoint")
     @classmethod

@@ -20,6 +20,26 @@ else float32), ``batch``
 with ``eps_root=0``): decoupled weight decay ``lr * wd * p``, bias-corrected moments, ``eps``
 added after the square root.
 
+Models: ``params`` is any pytree of arrays (plain JAX, or a flax.linen ``variables`` dict with
+``loss_fn(variables, batch)`` calling ``module.apply``), or a **flax.nnx** ``Module``: it is split
+with ``nnx.split(model, nnx.Param, ...)``, its ``nnx.Param`` leaves are the parameters (named by
+their state paths, e.g. ``blocks.0.attn.qkv.kernel``), other state (batch statistics, RNG
+counters) is closed over as constants, and ``loss_fn(model, batch)`` receives the module merged
+back from the traced parameters.
+
+Mixed precision (``compute_dtype`` / ``trace_entrypoint(dtype=...)``), the same scheme as the
+torch frontend: parameters, gradients and AdamW state stay float32 (master weights) and the
+loss function sees the parameters and the floating batch leaves cast to ``compute_dtype``
+(bfloat16/float16), so its matmuls run in that dtype; the gradients flow back through the casts
+to float32, the loss is returned as float32. This is ``jmp``'s ``params=float32,
+compute=bfloat16, output=float32`` policy, and what flax modules built with
+``param_dtype=float32, dtype=bfloat16`` do. JAX has no autocast: ops a model does not upcast
+itself (flax's LayerNorm and softmax compute their statistics in float32) run in
+``compute_dtype`` too, where torch's autocast keeps its float32 list in float32.
+
+``conv_general_dilated`` (any dimension numbers) becomes an IR ``conv`` between transposes to the
+IR's NCHW/OIHW layout; ``rev`` an IR ``reverse``.
+
 ``gather`` / ``scatter-add`` are lowered for the two forms ``jax.numpy`` emits for the usual
 training code: a *take* (``x[idx]`` / ``jnp.take`` along one axis: IR ``gather`` /
 ``scatter_add`` plus a transpose) and a *point gather* (all slice sizes 1, e.g.
@@ -105,8 +125,13 @@ def trace_step(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.01,
+    compute_dtype: str | None = None,
 ) -> tuple[Graph, dict[str, Any]]:
     """Trace ``loss_fn(params, batch) -> scalar`` plus an AdamW update into an IR graph.
+
+    ``params`` may be a flax.nnx ``Module`` (then ``loss_fn(model, batch)``; see the module
+    docstring). ``compute_dtype`` (``bfloat16``/``float16``): the loss function sees the
+    parameters and floating batch leaves cast to it (float32 master weights and AdamW state).
 
     Returns:
         ``(graph, meta)``: ``meta`` has ``params`` / ``opt_state`` (name -> input node id),
@@ -122,6 +147,9 @@ def trace_step(
 
     if optimizer != "adamw":
         raise ValueError(f"optimizer must be 'adamw', got {optimizer!r}")
+    loss_fn, params = _nnx_split(loss_fn, params)
+    if compute_dtype not in (None, "float32"):
+        loss_fn = _with_compute_dtype(loss_fn, jnp.dtype(compute_dtype))
 
     def abstract(x):
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
@@ -157,12 +185,49 @@ def trace_step(
         "outputs": {r: i for i, r in enumerate(out_roles)},
         "n_params": int(sum(math.prod(np.shape(x)) for x in jax.tree_util.tree_leaves(params))),
         "hyper": {"optimizer": optimizer, "lr": lr, "betas": tuple(betas), "eps": eps,
-                  "weight_decay": weight_decay},
+                  "weight_decay": weight_decay, "compute_dtype": compute_dtype},
         "jaxpr_eqns": len(closed.jaxpr.eqns),
         "trace_s": t1 - t0,
         "lower_s": t2 - t1,
     }
     return graph, meta
+
+
+def _with_compute_dtype(loss_fn: Callable, dtype) -> Callable:
+    """``loss_fn`` on parameters and floating batch leaves cast to ``dtype``; float32 loss."""
+    import jax
+    import jax.numpy as jnp
+
+    def cast(x):
+        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    def wrapped(params, batch):
+        loss = loss_fn(jax.tree_util.tree_map(cast, params), jax.tree_util.tree_map(cast, batch))
+        return loss.astype(jnp.float32)
+
+    return wrapped
+
+
+def _nnx_split(loss_fn: Callable, params: Any) -> tuple[Callable, Any]:
+    """For a flax.nnx Module: (loss of its ``nnx.Param`` state as a nested dict, that state).
+    Anything else is returned unchanged. Other state (batch stats, RNG keys) stays constant."""
+    import jax
+
+    try:
+        from flax import nnx
+    except ImportError:  # flax not installed: not an nnx module
+        return loss_fn, params
+    if not isinstance(params, nnx.Module):
+        return loss_fn, params
+    graphdef, state, rest = nnx.split(params, nnx.Param, ...)
+    pure = state.to_pure_dict() if hasattr(state, "to_pure_dict") else nnx.to_pure_dict(state)
+
+    def loss_of(p, batch):
+        st = jax.tree_util.tree_map(lambda x: x, state)  # a copy to fill
+        nnx.replace_by_pure_dict(st, p)
+        return loss_fn(nnx.merge(graphdef, st, rest), batch)
+
+    return loss_of, pure
 
 
 # ------------------------------------------------------------------------------------------------
@@ -342,6 +407,10 @@ class _Lowering(GraphBuilder):
             return [self.add("dot_general", args[:2], shape, dtype, lhs_batch=tuple(int(d) for d in lb),
                              rhs_batch=tuple(int(d) for d in rb), lhs_contract=tuple(int(d) for d in lc),
                              rhs_contract=tuple(int(d) for d in rc))]
+        if name == "conv_general_dilated":
+            return [self.conv(args[0], args[1], p, shape, dtype)]
+        if name == "rev":
+            return [self.add("reverse", [args[0]], shape, dtype, axes=tuple(int(d) for d in p["dimensions"]))]
         if name == "iota":
             return [self.add("iota", [], shape, dtype, axis=int(p["dimension"]))]
         if name == "concatenate":
@@ -379,6 +448,27 @@ class _Lowering(GraphBuilder):
         if name in ("scatter-add", "scatter_add"):
             return [self.scatter_add(args[0], args[1], args[2], p, shape, dtype)]
         raise NotImplementedError(f"jax frontend: primitive {name} has no IR lowering")
+
+    # --- convolution ---------------------------------------------------------------------------
+    def conv(self, lhs: int, rhs: int, p, shape, dtype) -> int:
+        """``lax.conv_general_dilated``: operands transposed to NCHW / OIHW, an IR ``conv``, the
+        result transposed back from NCHW to the equation's output layout."""
+        dn = p["dimension_numbers"]
+        lspec, rspec, ospec = (tuple(int(d) for d in s_) for s_ in (dn.lhs_spec, dn.rhs_spec, dn.out_spec))
+        x = self.transpose(self.cast(lhs, dtype), lspec)
+        w = self.transpose(self.cast(rhs, dtype), rspec)
+        nsp = len(lspec) - 2
+        lhs_dil = tuple(int(d) for d in (p.get("lhs_dilation") or (1,) * nsp))
+        rhs_dil = tuple(int(d) for d in (p.get("rhs_dilation") or (1,) * nsp))
+        out_nchw = tuple(shape[d] for d in ospec)
+        y = self.add("conv", [x, w], out_nchw, dtype, stride=tuple(int(s_) for s_ in p["window_strides"]),
+                     padding=tuple((int(lo), int(hi)) for lo, hi in p["padding"]), lhs_dilation=lhs_dil,
+                     rhs_dilation=rhs_dil, feature_group_count=int(p["feature_group_count"]),
+                     batch_group_count=int(p["batch_group_count"]))
+        inv = [0] * len(ospec)
+        for i, d in enumerate(ospec):
+            inv[d] = i
+        return self.transpose(y, inv)
 
     # --- gather / scatter ---------------------------------------------------------------------
     def _take_form(self, dn, operand_shape, slice_sizes, index_shape):
@@ -480,18 +570,25 @@ class _Lowering(GraphBuilder):
         return self.add("add", [x, sc], shape, dtype)
 
 
-def trace_entrypoint(entrypoint: str, workdir: str, batch_size: int, dtype: str = "float32",
-                     **step_kwargs: Any) -> tuple[Graph, dict[str, Any]]:
+def trace_entrypoint(entrypoint: str, workdir: str, batch_size: int, dtype: str = "float32", *,
+                     mixed_precision: bool = True, **step_kwargs: Any) -> tuple[Graph, dict[str, Any]]:
     """Import ``file.py:function`` (relative to ``workdir``) and trace its JAX training step.
 
     ``function(batch_size=..., dtype=...)`` must return ``(params, example_batch, loss_fn)`` with
-    ``loss_fn(params, batch) -> scalar`` (pytrees of arrays; see examples/jax_mlp/model.py).
-    ``step_kwargs`` go to :func:`trace_step`. Raises what the entrypoint raises, and
-    NotImplementedError for a primitive the lowering does not support.
+    ``loss_fn(params, batch) -> scalar`` (pytrees of arrays, or a flax.nnx Module as ``params``;
+    see examples/jax_mlp/model.py). As in the torch frontend, with ``mixed_precision`` (the
+    default) a ``dtype`` of bfloat16/float16 means float32 master weights and AdamW state (the
+    function is called with ``dtype="float32"``) and compute in ``dtype`` (``compute_dtype``);
+    ``mixed_precision=False`` builds and trains in ``dtype`` as is. ``step_kwargs`` go to
+    :func:`trace_step`. Raises what the entrypoint raises, and NotImplementedError for a
+    primitive the lowering does not support.
     """
     from sftctl.compiler.frontends import load_entrypoint
 
-    params, batch, loss_fn = load_entrypoint(entrypoint, workdir)(batch_size=batch_size, dtype=dtype)
-    graph, meta = trace_step(loss_fn, params, batch, **step_kwargs)
-    meta.update(entrypoint=entrypoint, dtype=dtype)
+    amp = mixed_precision and dtype != "float32"
+    params, batch, loss_fn = load_entrypoint(entrypoint, workdir)(batch_size=batch_size,
+                                                                  dtype="float32" if amp else dtype)
+    graph, meta = trace_step(loss_fn, params, batch, compute_dtype=dtype if amp else None, **step_kwargs)
+    meta.update(entrypoint=entrypoint, dtype=dtype,
+                precision=f"compute {dtype}, float32 master weights" if amp else dtype)
     return graph, meta

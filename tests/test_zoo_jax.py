@@ -1,0 +1,244 @@
+"""JAX models in the zoo: a flax.linen GPT and a flax.nnx vision transformer (conv patches).
+
+For each: the step traces; the float64 reference interpreter reproduces JAX's float64 loss and
+every parameter gradient (fresh random weights and batch; rtol 1e-7 relative to each gradient's
+largest magnitude, floored at 1e-6 of the largest gradient of all); the contraction FLOPs equal the analytic count; and no kernel is predicted
+above 100 % of its roofline. Gradients are read from the traced AdamW step: with ``beta1 = 0``
+and zero moments, ``opt_state:<name>.exp_avg`` is the gradient.
+
+Also: the same ``dtype`` means the same precision scheme in both frontends (float32 master
+weights and AdamW state, matmuls in bfloat16).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+flax = pytest.importorskip("flax")
+import jax.numpy as jnp  # noqa: E402
+from flax import linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from conftest import REPO  # noqa: E402
+from sftctl.compiler import interpreter  # noqa: E402
+from sftctl.compiler.frontends import jax as jax_frontend  # noqa: E402
+from sftctl.compiler.fusion import _gemm_dims  # noqa: E402
+from sftctl.compiler.hardware import get_accelerator  # noqa: E402
+from sftctl.compiler.step import compile_graph  # noqa: E402
+
+RTOL = 1e-7
+
+
+@pytest.fixture
+def x64():
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", previous)
+
+
+def _seed() -> int:
+    return int(np.random.SeedSequence().entropy % (2**31))
+
+
+def contraction_flops(graph) -> float:
+    return sum(2.0 * math.prod(_gemm_dims(graph, n)) for n in graph.nodes if n.op in ("dot_general", "conv"))
+
+
+def assert_within_roofline(graph, what: str) -> None:
+    for target in ("H100", "L4"):
+        compiled = compile_graph(graph, get_accelerator(target))
+        over = [(k.label, round(k.roofline_fraction, 3)) for k in compiled.kernels if k.roofline_fraction > 1 + 1e-9]
+        assert not over, f"{what} on {target}: kernels above their roofline: {over[:5]}"
+        assert math.isfinite(compiled.compute_time_s) and compiled.compute_time_s > 0
+
+
+def check_step_float64(loss_fn, params, batch, grads, loss, seed):
+    """Trace, interpret in float64, compare loss and gradients (``grads``: a pytree like the
+    traced parameters). Returns the graph."""
+    graph, meta = jax_frontend.trace_step(loss_fn, params, batch, betas=(0.0, 0.999))
+    if isinstance(params, nnx.Module):
+        params = nnx.to_pure_dict(nnx.split(params, nnx.Param, ...)[1])
+    leaves = dict(zip(meta["param_names"], jax.tree_util.tree_leaves(params)))
+    feed = {meta["params"][n]: np.asarray(leaves[n]) for n in meta["param_names"]}
+    for i in meta["opt_state"].values():
+        feed[i] = np.zeros(graph.nodes[i].type.shape)
+    feed[meta["step"]] = 1.0
+    for i, x in zip(meta["batch"], jax.tree_util.tree_leaves(batch)):
+        feed[i] = np.asarray(x)
+    out = interpreter.run(graph, feed, dtype="float64")
+    np.testing.assert_allclose(out[meta["outputs"]["loss"]], float(loss), rtol=RTOL, err_msg=f"loss (seed {seed})")
+    gleaves = dict(zip(meta["param_names"], jax.tree_util.tree_leaves(grads)))
+    overall = max(float(np.abs(np.asarray(g)).max()) for g in gleaves.values())
+    for n in meta["param_names"]:
+        want = np.asarray(gleaves[n])
+        got = out[meta["outputs"][f"opt_state:{n}.exp_avg"]]
+        # a gradient that is zero in exact arithmetic (attention's key bias) is rounding noise:
+        # its scale is floored at 1e-6 of the largest gradient
+        err = float(np.abs(got - want).max()) / max(float(np.abs(want).max()), 1e-6 * overall)
+        assert err < RTOL, f"gradient of {n}: error {err:.3g} of its largest magnitude (seed {seed})"
+    return graph, meta
+
+
+# ------------------------------------------------------------------------------------------------
+# flax.linen GPT
+# ------------------------------------------------------------------------------------------------
+
+
+class LinenBlock(nn.Module):
+    heads: int
+
+    @nn.compact
+    def __call__(self, x):
+        b, t, d = x.shape
+        h = nn.LayerNorm()(x)
+        qkv = nn.Dense(3 * d)(h).reshape(b, t, 3, self.heads, d // self.heads)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // self.heads)
+        s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e30)
+        y = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v).reshape(b, t, d)
+        x = x + nn.Dense(d)(y)
+        h = nn.LayerNorm()(x)
+        return x + nn.Dense(d)(nn.gelu(nn.Dense(4 * d)(h), approximate=False))
+
+
+class LinenGPT(nn.Module):
+    vocab: int
+    block: int
+    dim: int
+    heads: int
+    layers: int
+
+    @nn.compact
+    def __call__(self, idx):
+        wte = nn.Embed(self.vocab, self.dim)
+        x = wte(idx) + self.param("wpe", nn.initializers.normal(0.02), (self.block, self.dim))[: idx.shape[1]]
+        for _ in range(self.layers):
+            x = LinenBlock(self.heads)(x)
+        return wte.attend(nn.LayerNorm()(x))  # tied output head
+
+
+def test_flax_linen_gpt_float64_loss_gradients_flops_roofline(x64):
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    b, t, vocab, dim, heads, layers = 2, 8, 32, 16, 2, 2
+    model = LinenGPT(vocab, t, dim, heads, layers)
+    idx = jnp.asarray(rng.integers(0, vocab, (b, t)))
+    tgt = jnp.asarray(rng.integers(0, vocab, (b, t)))
+    variables = model.init(jax.random.PRNGKey(seed), idx)
+    variables = jax.tree_util.tree_map(
+        lambda p: jnp.asarray(rng.normal(size=p.shape) * 0.3 + (1.0 if p.ndim == 1 else 0.0)), variables)
+
+    def loss_fn(v, batch):
+        x, y = batch
+        logp = jax.nn.log_softmax(model.apply(v, x))
+        return -jnp.mean(jnp.take_along_axis(logp, y[..., None], axis=-1))
+
+    loss, grads = jax.value_and_grad(loss_fn)(variables, (idx, tgt))
+    graph, meta = check_step_float64(loss_fn, variables, (idx, tgt), grads, loss, seed)
+    assert "params.wpe" in meta["param_names"]
+    tokens = b * t
+    macs = layers * (tokens * 12 * dim * dim + 2 * b * t * t * dim) + tokens * dim * vocab
+    assert contraction_flops(graph) == 2 * 3 * macs  # forward, input and weight gradients
+    f32 = jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), variables)
+    g16, m16 = jax_frontend.trace_step(loss_fn, f32, (idx, tgt), compute_dtype="bfloat16")
+    assert_within_roofline(g16, "flax.linen GPT")
+
+
+# ------------------------------------------------------------------------------------------------
+# flax.nnx ViT (convolutional patch embedding)
+# ------------------------------------------------------------------------------------------------
+
+
+def _attention(q, k, v, *args, **kwargs):
+    """Softmax attention in the inputs' dtype. (flax's default ``dot_product_attention`` forces
+    its softmax to float32, which would make the float64 reference a float32 one.)"""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+class NnxViT(nnx.Module):
+    def __init__(self, image: int, patch: int, dim: int, heads: int, classes: int, *, rngs: nnx.Rngs,
+                 param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.patch = nnx.Conv(3, dim, (patch, patch), strides=patch, padding="VALID", **kw)
+        self.pos = nnx.Param(jax.random.normal(rngs.params(), ((image // patch) ** 2, dim), param_dtype) * 0.02)
+        self.ln1 = nnx.LayerNorm(dim, **kw)
+        self.attn = nnx.MultiHeadAttention(heads, dim, decode=False, attention_fn=_attention, **kw)
+        self.ln2 = nnx.LayerNorm(dim, **kw)
+        self.fc1 = nnx.Linear(dim, 2 * dim, **kw)
+        self.fc2 = nnx.Linear(2 * dim, dim, **kw)
+        self.head = nnx.Linear(dim, classes, **kw)
+
+    def __call__(self, x):  # x: [B, H, W, 3] (NHWC, flax's layout)
+        h = self.patch(x)
+        h = h.reshape(h.shape[0], -1, h.shape[-1]) + self.pos[...]
+        h = h + self.attn(self.ln1(h))
+        h = h + self.fc2(jax.nn.relu(self.fc1(self.ln2(h))))
+        return self.head(h.mean(axis=1))
+
+
+def _nnx_loss(model, batch):
+    x, y = batch
+    logp = jax.nn.log_softmax(model(x))
+    return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=-1))
+
+
+def test_flax_nnx_vit_float64_loss_gradients_flops_roofline(x64):
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    b, image, patch, dim, heads, classes = 2, 8, 4, 8, 2, 3
+    model = NnxViT(image, patch, dim, heads, classes, rngs=nnx.Rngs(seed), param_dtype=jnp.float64)
+    graphdef, state, rest = nnx.split(model, nnx.Param, ...)
+    pure = jax.tree_util.tree_map(lambda p: rng.normal(size=p.shape) * 0.3 + (1.0 if p.ndim == 1 else 0.0),
+                                  nnx.to_pure_dict(state))
+    nnx.replace_by_pure_dict(state, jax.tree_util.tree_map(jnp.asarray, pure))
+    model = nnx.merge(graphdef, state, rest)
+    x = jnp.asarray(rng.normal(size=(b, image, image, 3)))
+    y = jnp.asarray(rng.integers(0, classes, b))
+    loss, grads = nnx.value_and_grad(_nnx_loss)(model, (x, y))
+    graph, meta = check_step_float64(_nnx_loss, model, (x, y), nnx.to_pure_dict(grads), loss, seed)
+    assert "attn.query.kernel" in meta["param_names"] and "patch.kernel" in meta["param_names"]
+    assert graph.op_counts()["conv"] == 2  # patch embedding forward and weight gradient
+    t = (image // patch) ** 2
+    patch_macs = b * t * dim * 3 * patch * patch
+    linear_macs = b * t * (4 * dim * dim + 2 * 2 * dim * dim) + b * dim * classes
+    attn_macs = 2 * b * t * t * dim
+    assert contraction_flops(graph) == 2 * (2 * patch_macs + 3 * linear_macs + 3 * attn_macs)
+    f32 = NnxViT(image, patch, dim, heads, classes, rngs=nnx.Rngs(0))
+    g16, _ = jax_frontend.trace_step(_nnx_loss, f32, (x.astype(jnp.float32), y), compute_dtype="bfloat16")
+    assert_within_roofline(g16, "flax.nnx ViT")
+
+
+# ------------------------------------------------------------------------------------------------
+# one precision scheme for both frontends
+# ------------------------------------------------------------------------------------------------
+
+
+def test_same_dtype_same_precision_scheme_in_both_frontends():
+    """``dtype: bfloat16`` in a spec: float32 master weights and AdamW state, bfloat16
+    matmuls, float32 loss, in the torch frontend (autocast) and in the JAX one (casts)."""
+    from sftctl.compiler.frontends import torch as torch_frontend
+
+    graphs = {
+        "jax": jax_frontend.trace_entrypoint("examples/jax_mlp/model.py:build", str(REPO), 8, "bfloat16"),
+        "torch": torch_frontend.trace_entrypoint("examples/gpt/model.py:build", str(REPO), 2, "bfloat16"),
+    }
+    for name, (graph, meta) in graphs.items():
+        for role in ("param", "opt_state"):
+            dtypes = {n.type.dtype for n in graph.inputs_with_role(role)}
+            assert dtypes == {"float32"}, (name, role, dtypes)
+        dots = {n.type.dtype for n in graph.nodes if n.op == "dot_general"}
+        assert "bfloat16" in dots, (name, dots)
+        assert graph.nodes[graph.outputs[0]].type.dtype == "float32", name
+        assert meta["precision"].endswith("bfloat16, float32 master weights"), (name, meta["precision"])
+    # without mixed precision, JAX trains the parameters as built: in bfloat16 (the example's
+    # ``w / np.sqrt(fan_in)`` promotes its two weight matrices back to float32)
+    graph, meta = jax_frontend.trace_entrypoint("examples/jax_mlp/model.py:build", str(REPO), 8, "bfloat16",
+                                                mixed_precision=False)
+    assert "bfloat16" in {n.type.dtype for n in graph.inputs_with_role("param")}
+    assert meta["precision"] == "bfloat16"
