@@ -113,12 +113,20 @@ _EXTRA_DECOMPS = (
 
 
 def decomposition_table() -> dict:
-    """``core_aten_decompositions()`` plus the extras the lowering relies on."""
+    """``core_aten_decompositions()`` plus the extras the lowering relies on, less the ops the
+    lowering keeps whole (``native_dropout`` and its backward: a bool keep-mask, as torch saves
+    it, instead of the decomposition's float mask)."""
     from torch._decomp import core_aten_decompositions, get_decompositions
 
     table = dict(core_aten_decompositions())
     table.update(get_decompositions([getattr(aten, n) for n in _EXTRA_DECOMPS if hasattr(aten, n)]))
+    for op in _KEEP_WHOLE:
+        for overload in op.overloads():
+            table.pop(getattr(op, overload), None)
     return table
+
+
+_KEEP_WHOLE = (aten.native_dropout, aten.native_dropout_backward)
 
 
 def ir_dtype(dtype: torch.dtype) -> str:
@@ -311,9 +319,19 @@ def _sdpa_to_op(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     return out.reshape(*lead, hq, L, value.shape[-1])
 
 
+def _dropout(input, p=0.5, training=True, inplace=False):
+    """``F.dropout`` as the GPU runs it: ``aten.native_dropout`` (a bool keep-mask saved for
+    backward), where torch's CPU path would multiply by a float noise tensor. ``inplace`` returns
+    the result instead of writing it into ``input``."""
+    if not training or p == 0:
+        return input
+    return torch.ops.aten.native_dropout(input, float(p), True)[0]
+
+
 class _DecomposeSDPA(torch.overrides.TorchFunctionMode):
     """Routes ``F.scaled_dot_product_attention`` to the attention op (:func:`_sdpa_to_op`) while
-    tracing, numbering the calls so each dropout draws from its own random stream."""
+    tracing, numbering the calls so each dropout draws from its own random stream, and
+    ``F.dropout`` to ``native_dropout`` (:func:`_dropout`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -324,6 +342,8 @@ class _DecomposeSDPA(torch.overrides.TorchFunctionMode):
         if func is torch.nn.functional.scaled_dot_product_attention:
             self.calls += 1
             return _sdpa_to_op(*args, **kwargs, rng=self.calls)
+        if func is torch.nn.functional.dropout:
+            return _dropout(*args, **kwargs)
         return func(*args, **kwargs)
 
 
