@@ -4,8 +4,8 @@
     python benchmarks/gpu_validate.py --dry-run    # CPU, TRITON_INTERPRET=1, tiny sizes (plumbing check)
 
 Parts, each behind a time guard (``--budget-s``, default 470 s for the whole run; shares: a 10%,
-b 42%, c 5%, d what is left but 3% kept for e; a part that runs out of time stops where it is
-and says so):
+b 30%, r 12%, c 5%, d what is left but 3% kept for e; a part that runs out of time stops where
+it is and says so):
 
 a. **correctness**: every codegen kernel family (GEMM 2-D/batched/transposed/split-K/fused
    epilogue in bf16/fp16/fp32, softmax, log-softmax, row sum/max, fused cross-entropy, layer norm
@@ -18,6 +18,11 @@ b. **schedules vs the cost model**: GPT-2 small's GEMMs (M=8192 tokens; qkv 8192
    the measured times (numpy; no scipy), and the measured time of the model's top choice over the
    best measured. Kernels are compiled first in a process pool (Triton's disk cache), so timing
    does not wait on compiles.
+r. **calibration records**: the reference kernels the H200 calibration set measured
+   (``sftctl/compiler/calibrations/data/h200/kernels.py``: GEMM, layer norm, softmax, bias+GELU)
+   on GPT-2's shapes and others, each config checked against fp32 and timed with ``do_bench``,
+   written as JSON-lines records in that set's format to ``<results>.records.jsonl`` beside the
+   JSON: one GPU run adds calibration data (``python -m sftctl.compiler.calibration fit --data``).
 c. **generated GEMM vs cuBLAS**: square bf16 GEMMs 1024..8192, the search's config vs
    ``torch.mm``: TFLOP/s and ratio.
 d. **training step**: GPT-2 small, batch 8 x 1024, bf16 autocast, fused AdamW: eager vs
@@ -579,6 +584,168 @@ def part_b(device: str, dry: bool, deadline: float, hw, n_configs: int, workers:
 
 
 # ------------------------------------------------------------------------------------------------
+# r. calibration records: the reference kernels of sftctl/compiler/calibrations/data/h200/kernels.py
+# ------------------------------------------------------------------------------------------------
+
+#: (shape_name, M, N, K) of the GEMMs timed as records (A row-major M x K, B row-major K x N).
+RECORD_GEMMS = [("gpt2_qkv", 8192, 2304, 768), ("gpt2_proj", 8192, 768, 768), ("gpt2_fc", 8192, 3072, 768),
+                ("gpt2_fc_proj", 8192, 768, 3072), ("gpt2_dw_fc", 768, 3072, 8192), ("square4096", 4096, 4096, 4096)]
+RECORD_ROWS = [(8192, 768), (8192, 3072), (16384, 1024), (4096, 4096)]
+RECORD_EW = [(8192, 768), (8192, 3072), (65536, 1024)]
+
+
+def reference_kernels():
+    """The module of the measured reference kernels (``calibrations/data/h200/kernels.py``)."""
+    import importlib.util
+
+    path = REPO / "sftctl" / "compiler" / "calibrations" / "data" / "h200" / "kernels.py"
+    spec = importlib.util.spec_from_file_location("sftctl_reference_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def record_cases(dry: bool, hw, n_gemm: int) -> list[dict]:
+    """Records to measure: per GEMM shape a seeded sample of the sane subspace plus the
+    calibrated model's top 5 (``sftctl.compiler.predict``); every row/elementwise config."""
+    import itertools
+
+    from sftctl.compiler.predict import normalize, predict_records
+
+    out = []
+    gemms = [("tiny", 64, 96, 64)] if dry else RECORD_GEMMS
+    space = SANE_DRY if dry else SANE
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP_M")
+    allc = [dict(zip(keys, v)) for v in itertools.product(space["BLOCK_M"], space["BLOCK_N"], space["BLOCK_K"],
+                                                          space["num_warps"], space["num_stages"], (1, 8))]
+    for name, M, N, K in gemms:
+        # the dry run's interpreter mis-computes bf16 tl.dot (Triton 3.9): its plumbing check uses fp32
+        recs = [{"kernel": "gemm", "shape_name": name, "M": M, "N": N, "K": K,
+                 "dtype": "float32" if dry else "bfloat16", "config": c} for c in allc]
+        t = predict_records([normalize(r) for r in recs], hw)
+        top = [recs[i] for i in np.argsort(t)[:5]]
+        rest = [recs[i] for i in range(len(recs))]
+        random.Random(sum(map(ord, name))).shuffle(rest)
+        seen, picked = set(), []
+        for r in top + rest:
+            key = json.dumps(r["config"], sort_keys=True)
+            if key not in seen and len(picked) < (3 if dry else n_gemm):
+                seen.add(key)
+                picked.append(r)
+        out += picked
+    rows = [(16, 48)] if dry else RECORD_ROWS
+    for kernel in ("layernorm", "softmax"):
+        for M, N in rows:
+            bn = 1 << (N - 1).bit_length()
+            for R in ((1, 4) if dry else (1, 2, 4, 8, 16)):
+                for w in ((4,) if dry else (1, 2, 4, 8, 16, 32)):
+                    out.append({"kernel": kernel, "M": M, "N": N, "dtype": "bfloat16",
+                                "config": {"ROWS": R, "BLOCK_N": bn, "num_warps": w}})
+    for M, N in ([(16, 48)] if dry else RECORD_EW):
+        for B in ((256,) if dry else (256, 512, 1024, 2048, 4096, 8192)):
+            for w in ((4,) if dry else (1, 2, 4, 8, 16)):
+                if B >= 32 * w:
+                    out.append({"kernel": "bias_gelu", "M": M, "N": N, "dtype": "bfloat16",
+                                "config": {"BLOCK": B, "num_warps": w}})
+    return out
+
+
+def _record_launcher(K, rec: dict, device: str):
+    """(run, check) of one record: ``run()`` launches the kernel; ``check()`` returns the max
+    error of its output over max |fp32 reference|."""
+    import torch
+    import triton
+
+    c, M, N = rec["config"], rec["M"], rec["N"]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    bf = getattr(torch, rec["dtype"])
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=bf)
+
+    if rec["kernel"] == "gemm":
+        Kd = rec["K"]
+        a, b = rnd(M, Kd), rnd(Kd, N)
+        out = torch.empty(M, N, device=device, dtype=bf)
+        grid = (triton.cdiv(M, c["BLOCK_M"]) * triton.cdiv(N, c["BLOCK_N"]),)
+
+        def run():
+            K.mm_kernel[grid](a, b, out, M, N, Kd, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+                              out.stride(0), out.stride(1), BM=c["BLOCK_M"], BN=c["BLOCK_N"], BK=c["BLOCK_K"],
+                              GROUP_M=c["GROUP_M"], num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+        def ref():
+            return a.float() @ b.float()
+    elif rec["kernel"] in ("layernorm", "softmax"):
+        x = rnd(M, N)
+        w, bias = rnd(N), rnd(N)
+        out = torch.empty_like(x)
+        grid = (triton.cdiv(M, c["ROWS"]),)
+
+        def run():
+            if rec["kernel"] == "layernorm":
+                K.layernorm_fwd[grid](x, w, bias, out, M, N, 1e-5, ROWS=c["ROWS"], BLOCK_N=c["BLOCK_N"],
+                                      num_warps=c["num_warps"])
+            else:
+                K.softmax_fwd[grid](x, out, M, N, ROWS=c["ROWS"], BLOCK_N=c["BLOCK_N"], num_warps=c["num_warps"])
+
+        def ref():
+            if rec["kernel"] == "layernorm":
+                return torch.nn.functional.layer_norm(x.float(), (N,), w.float(), bias.float(), 1e-5)
+            return torch.softmax(x.float(), -1)
+    else:
+        x, bias = rnd(M, N), rnd(N)
+        out = torch.empty_like(x)
+        grid = (triton.cdiv(M * N, c["BLOCK"]),)
+
+        def run():
+            K.bias_gelu[grid](x, bias, out, M * N, N, BLOCK=c["BLOCK"], num_warps=c["num_warps"])
+
+        def ref():
+            return torch.nn.functional.gelu(x.float() + bias.float(), approximate="tanh")
+
+    def check():
+        run()
+        r = ref()
+        return float((out.float() - r).abs().max() / r.abs().max().clamp_min(1e-30))
+
+    return run, check
+
+
+def part_r(device: str, dry: bool, deadline: float, hw, records_path: Path, n_gemm: int = 40) -> dict:
+    """Time the reference kernels as calibration records: one JSON line per (kernel, shape,
+    config) in the format of ``calibrations/data/h200/README.md`` (``measured_s`` null and an
+    ``error`` where a config fails to run or to match the fp32 reference), appended to
+    ``records_path`` as each is measured, so ``python -m sftctl.compiler.calibration fit --data``
+    (with the file named ``train.jsonl``) or ``python -m sftctl.compiler.predict`` reads it."""
+    K = reference_kernels()
+    cases = record_cases(dry, hw, n_gemm)
+    records_path.parent.mkdir(parents=True, exist_ok=True)
+    done = errors = 0
+    with records_path.open("a") as f:
+        for rec in cases:
+            if time.monotonic() > deadline:
+                break
+            rec = dict(rec)
+            try:
+                run, check = _record_launcher(K, rec, device)
+                err = check()
+                tol = 2e-2
+                if not err <= tol:
+                    raise ValueError(f"output error {err:.3g} of max |fp32 reference| > {tol}")
+                rec["measured_s"] = bench(run, dry) * 1e-3
+            except Exception as e:  # noqa: BLE001 - a config that fails is a record too
+                rec["measured_s"] = None
+                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                errors += 1
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            done += 1
+    return {"records": str(records_path), "measured": done, "failed": errors, "planned": len(cases),
+            "complete": done == len(cases)}
+
+
+# ------------------------------------------------------------------------------------------------
 # c. generated GEMM vs cuBLAS
 # ------------------------------------------------------------------------------------------------
 
@@ -884,7 +1051,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny sizes, few configs")
     ap.add_argument("--budget-s", type=float, default=None, help="whole-run time budget (default 470; dry 300)")
     ap.add_argument("--configs", type=int, default=None, help="shared GEMM configs per shape (default 110; dry 3)")
-    ap.add_argument("--parts", default="abcde", help="subset of parts to run, e.g. 'ab'")
+    ap.add_argument("--parts", default="abrcde", help="subset of parts to run, e.g. 'ab'")
     ap.add_argument("--workers", type=int, default=None, help="compile processes (default cores - 2, max 14)")
     ap.add_argument("--out", default=None, help="result JSON path")
     ap.add_argument("--train-variant", default=None, help=argparse.SUPPRESS)
@@ -925,15 +1092,17 @@ def main(argv=None) -> int:
                          "cpus": os.cpu_count()})
     workers = args.workers or max(1, min(14, (os.cpu_count() or 4) - 2))
     n_cfg = args.configs or (3 if dry else 110)
-    # shares of the budget: a 10%, b 42%, c 5%; d gets what is left but 3% kept for e
+    # shares of the budget: a 10%, b 30%, r 12%, c 5%; d gets what is left but 3% kept for e
+    records_path = path.with_name(path.stem + ".records.jsonl")
     parts = {
         "a": ("a_correctness", 0.10, lambda dl: part_a(device, dry, dl)),
-        "b": ("b_schedules", 0.42, lambda dl: part_b(device, dry, dl, hw, n_cfg, workers, res)),
+        "b": ("b_schedules", 0.30, lambda dl: part_b(device, dry, dl, hw, n_cfg, workers, res)),
+        "r": ("r_records", 0.12, lambda dl: part_r(device, dry, dl, hw, records_path)),
         "c": ("c_vs_cublas", 0.05, lambda dl: part_c(device, dry, dl, hw)),
         "d": ("d_train_step", None, lambda dl: part_d(dry, dl)),
         "e": ("e_fit", None, lambda dl: part_e(res.doc["parts"].get("b_schedules", {}), hw, dl)),
     }
-    for letter in "abcde":
+    for letter in "abrcde":
         if letter not in args.parts:
             continue
         name, share, fn = parts[letter]

@@ -86,3 +86,26 @@ def test_bad_input_one_line_naming_the_line(lines, where, what):
 def test_unknown_target():
     out = _run([], "--target", "h900")
     assert out.returncode == 2 and "--target" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_gpu_validate_writes_records_the_predictor_and_calibration_read(tmp_path):
+    """benchmarks/gpu_validate.py part r (dry run: Triton's interpreter on the CPU) times the
+    reference kernels and writes records in the calibration format."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_validate.py"), "--dry-run", "--parts", "r",
+                          "--out", str(tmp_path / "gv.json")], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = (tmp_path / "gv.records.jsonl").read_text().splitlines()
+    recs = [json.loads(line) for line in lines]
+    assert {r["kernel"] for r in recs} == {"gemm", "layernorm", "softmax", "bias_gelu"}
+    for r in recs:
+        assert r["measured_s"] is not None and r["measured_s"] > 0, r
+        assert set(r) <= {"kernel", "shape_name", "M", "N", "K", "dtype", "config", "measured_s", "error"}
+    pred = _run(lines, "--target", "h200", "--no-compile")
+    assert pred.returncode == 0, pred.stderr
+    assert all(json.loads(line)["predicted_s"] > 0 for line in pred.stdout.splitlines())
+    from sftctl.compiler import calibration as C
+    from sftctl.compiler.hardware import get_accelerator
+
+    groups = C.prepare(recs, get_accelerator("H200"))
+    assert sum(len(g.records) for g in groups) == len(recs)

@@ -388,7 +388,7 @@ _STREAM_REG_BASE = 16.0
 
 def _stream_time(kind, programs, work_per_program, rows_per_program, elems_per_thread, warps,
                  bytes_moved, hw: Accelerator, c: Coefficients, registers=None, spill_bytes=None,
-                 terms: bool = False):
+                 terms: bool = False, instr: float | None = None):
     """The streaming-kernel model shared by row and elementwise kernels (numpy, elementwise).
 
     A program (block of ``warps`` warps) handles ``rows_per_program`` dependent steps, each a
@@ -405,7 +405,9 @@ def _stream_time(kind, programs, work_per_program, rows_per_program, elems_per_t
     Occupancy (blocks per SM) from warps, blocks and registers per SM as the CUDA Occupancy
     Calculator computes it; registers from ptxas when given, else estimated.
     """
-    k = STREAM_KERNELS[kind]
+    k = dict(STREAM_KERNELS[kind])
+    if instr is not None:
+        k["instr"] = float(instr)
     clock = hw.clock_hz
     W = _f(warps)
     threads = W * hw.warp_size
@@ -451,8 +453,8 @@ def row_kernel_time_s(kind: str, rows, cols, config: dict, hw: Accelerator,
                       registers=None, spill_bytes=None, terms: bool = False):
     """Predicted seconds of a row kernel over a ``rows x cols`` tensor (``kind``: ``layernorm``,
     ``softmax``, ``rmsnorm``), each program normalizing ``ROWS`` consecutive rows one after the
-    other with a ``BLOCK_N``-wide block of ``num_warps`` warps (``config``; BLOCK_N >= cols,
-    the whole row in registers), as ``layernorm_fwd`` / ``softmax_fwd`` in
+    other with a ``BLOCK_N``-wide block of ``num_warps`` warps (``config``; a row longer than
+    BLOCK_N is walked in ``ceil(cols / BLOCK_N)`` dependent chunks, as the codegen kernels do), as ``layernorm_fwd`` / ``softmax_fwd`` in
     ``calibrations/data/h200/kernels.py``: grid ``ceil(rows / ROWS)``; reads ``x`` and writes
     ``y`` (``dtype``) once, parameters per program from L2.
 
@@ -467,27 +469,30 @@ def row_kernel_time_s(kind: str, rows, cols, config: dict, hw: Accelerator,
     BN = _f(config["BLOCK_N"])
     W = _f(config["num_warps"])
     e = np.maximum(BN / (W * hw.warp_size), 1.0)
+    chunks = np.ceil(_f(cols) / BN)  # a row longer than BLOCK_N: dependent chunks (codegen kernels)
     b = dtype_bytes(dtype)
     moved = 2.0 * _f(rows) * _f(cols) * b
-    return _stream_time(kind, np.ceil(_f(rows) / R), R * BN, R, e, W, moved, hw, c, registers,
-                        spill_bytes, terms)
+    return _stream_time(kind, np.ceil(_f(rows) / R), R * BN * chunks, R * chunks, e, W, moved, hw, c,
+                        registers, spill_bytes, terms)
 
 
 def elementwise_time_s(n_elements, config: dict, hw: Accelerator, coeffs: Coefficients | None = None,
                        kind: str = "bias_gelu", bytes_per_element: float = 4.0,
-                       registers=None, spill_bytes=None, terms: bool = False):
+                       registers=None, spill_bytes=None, terms: bool = False,
+                       instr_per_element: float | None = None):
     """Predicted seconds of a 1-D elementwise kernel over ``n_elements`` (``bias_gelu`` of
     ``calibrations/data/h200/kernels.py``: grid ``ceil(n / BLOCK)``, ``BLOCK`` elements per
     program over ``num_warps`` warps; ``bytes_per_element`` read + written from DRAM: 4 for a
     bf16 input and output). ``config`` values may be arrays. Registers and spills as in
-    :func:`row_kernel_time_s`."""
+    :func:`row_kernel_time_s`; ``instr_per_element`` overrides the kind's instruction count
+    (generated chains: more ops, more instructions)."""
     c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
     B = _f(config["BLOCK"])
     W = _f(config["num_warps"])
     e = np.maximum(B / (W * hw.warp_size), 1.0)
     n = _f(n_elements)
     return _stream_time(kind, np.ceil(n / B), B, 1.0, e, W, n * bytes_per_element, hw, c, registers,
-                        spill_bytes, terms)
+                        spill_bytes, terms, instr_per_element)
 
 
 def allreduce_time_s(grad_bytes: float, gpus_per_node: int, nodes: int,

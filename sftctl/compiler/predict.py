@@ -255,9 +255,14 @@ def main(argv=None) -> int:
     res = [resources_for(r["kernel"], r["config"], hw, r["dtype"], compile=not args.no_compile) for r in recs]
     times = predict_records(recs, hw, coeffs, res)
     w = sys.stdout
-    for rec, t in zip(raw, times):
-        w.write(json.dumps(dict(rec, predicted_s=t if math.isfinite(t) else None)) + "\n")
-    w.flush()
+    try:
+        for rec, t in zip(raw, times):
+            w.write(json.dumps(dict(rec, predicted_s=t if math.isfinite(t) else None)) + "\n")
+        w.flush()
+    except BrokenPipeError:  # the reader stopped early (| head): not an error
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

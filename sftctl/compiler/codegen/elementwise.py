@@ -25,8 +25,8 @@ output shape and every operand is addressed through its own strides, stride 0 al
 dims (those terms are left out of the generated source). Adjacent dims that are contiguous for
 every operand are merged first, so same-shape contiguous operands run as a 1-D kernel.
 
-Schedule: ``config = {"BLOCK": power of two (default 1024), "num_warps": (default 4)}``;
-``BLOCK`` is ``tl.constexpr``.
+Schedule: ``config = {"BLOCK": power of two, "num_warps": int}``; without one, the cost
+model's best for the size and accelerator (:func:`search_config`); ``BLOCK`` is ``tl.constexpr``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Mapping, Sequence
 from sftctl.compiler.codegen import _runtime as rt
 
 __all__ = ["Chain", "OPS", "DEFAULT_CONFIG", "collapse_dims", "elementwise", "generate_source",
-           "generated_kernel"]
+           "generated_kernel", "search_config"]
 
 _UNARY = {
     "neg": "(-{0})", "abs": "tl.abs({0})", "exp": "tl.exp({0})", "log": "tl.log({0})",
@@ -290,6 +290,20 @@ def collapse_dims(shape: Sequence[int], strides: Sequence[Sequence[int]]):
     return tuple(new_shape), [tuple(ns) for ns in new_strides]
 
 
+def search_config(chain: Chain, numel: int, bytes_per_operand: Sequence[int], like=None, hw=None) -> dict:
+    """The ``{"BLOCK", "num_warps"}`` the cost model predicts fastest for ``chain`` over
+    ``numel`` elements (``search.stream.search_elementwise_config``) on ``hw`` (default: the
+    accelerator of tensor ``like``). ``bytes_per_operand``: DRAM bytes per element of each
+    operand (0 for a broadcast input, read from cache). Instructions per element: 4 plus 3 per
+    op of the chain (address math, loads and stores; a transcendental op counts as 3)."""
+    from sftctl.compiler.search import stream
+
+    hw = hw if hw is not None else stream.accelerator_for_tensor(like)
+    best, _ = stream.search_elementwise_config(numel, hw, bytes_per_element=float(max(sum(bytes_per_operand), 1)),
+                                               instr_per_element=4.0 + 3.0 * len(chain.ops))
+    return best
+
+
 def elementwise(chain: Chain | Mapping, inputs: Mapping | Sequence, *, out_dtypes=None, out=None,
                 config: dict | None = None):
     """Run ``chain`` over broadcast ``inputs`` in one kernel.
@@ -301,7 +315,8 @@ def elementwise(chain: Chain | Mapping, inputs: Mapping | Sequence, *, out_dtype
         out_dtypes: one dtype or a sequence per output; default the promoted dtype of the
             floating inputs (``torch.promote_types``), float32 when there are none.
         out: optional preallocated output tensor(s) (any strides, the broadcast shape).
-        config: ``{"BLOCK", "num_warps"}`` (:data:`DEFAULT_CONFIG`).
+        config: ``{"BLOCK", "num_warps"}`` (missing keys from :data:`DEFAULT_CONFIG`); None:
+            searched with the cost model (:func:`search_config`).
 
     Returns:
         One tensor for a one-output chain, else a tuple in ``chain.outputs`` order.
@@ -328,6 +343,7 @@ def elementwise(chain: Chain | Mapping, inputs: Mapping | Sequence, *, out_dtype
     cfg = dict(DEFAULT_CONFIG, **(config or {}))
     if set(cfg) != set(DEFAULT_CONFIG) or not rt.is_power_of_2(cfg["BLOCK"]) or not rt.is_power_of_2(cfg["num_warps"]):
         raise ValueError(f"elementwise: bad config {config!r} (keys BLOCK, num_warps: powers of two)")
+    searched = not config
     rt.check_device(*tensors)
     try:
         shape = tuple(torch.broadcast_shapes(*(t.shape for t in tensors)))
@@ -369,6 +385,9 @@ def elementwise(chain: Chain | Mapping, inputs: Mapping | Sequence, *, out_dtype
     kern = gk.kernel(rt.use_interpreter(*tensors))
     args = [*[t.expand(shape) for t in tensors], *outs, numel, *cshape[1:],
             *[s for st in cstrides for s in st]]
+    if searched:  # no schedule given: the cost model's best for this size and accelerator
+        cfg = search_config(chain, numel, [t.element_size() * (t.numel() == numel) for t in tensors]
+                            + [o.element_size() for o in outs], tensors[0] if tensors else outs[0])
     grid = (math.ceil(numel / cfg["BLOCK"]),)
     kern[grid](*args, BLOCK=cfg["BLOCK"], num_warps=cfg["num_warps"])
     return outs[0] if n_out == 1 else tuple(outs)

@@ -8,7 +8,8 @@ arithmetic is fp32 whatever the storage dtype (fp32, fp16, bf16); statistics (``
 
 The schedule is ``config``: ``{"BLOCK_N": power of two, "num_warps": int}`` for row kernels
 (default :func:`row_config`: the row rounded up to a power of two, capped at 4096 elements, 16
-KiB fp32, so a row chunk lives in registers), and for :func:`column_sum` ``{"BLOCK_M",
+KiB fp32, so a row chunk lives in registers; ``num_warps`` searched with the cost model for the
+launch's rows and the tensor's accelerator), and for :func:`column_sum` ``{"BLOCK_M",
 "BLOCK_N", "split", "num_warps"}`` (``split`` row slices, summed by a second pass in a fixed
 order: deterministic). ``BLOCK_*`` are ``tl.constexpr``.
 
@@ -30,14 +31,30 @@ __all__ = ["column_sum", "cross_entropy_fwd_bwd", "layer_norm_bwd", "layer_norm_
 _FLOATS = ("float32", "float16", "bfloat16")
 
 
-def row_config(n: int, config: dict | None = None) -> dict:
+def row_config(n: int, config: dict | None = None, *, rows: int | None = None, kind: str = "softmax",
+               x=None, hw=None, dtype: str | None = None) -> dict:
     """The row-kernel schedule for rows of ``n`` elements (``config`` overrides keys).
+
+    With ``rows`` (the number of rows the launch covers), ``num_warps`` is searched with the
+    cost model (``search.stream.search_row_config``: ``kind`` ``softmax``/``layernorm``/
+    ``rmsnorm``) for ``hw`` (default: the accelerator of tensor ``x``,
+    ``search.stream.accelerator_for_tensor``); without it, the fixed rule: 4 warps up to 1024
+    elements, else 8. BLOCK_N is the row rounded up to a power of two, within [16, 4096].
 
     Raises:
         ValueError: BLOCK_N not a power of two, or num_warps not a positive power of two.
     """
     block = min(rt.next_power_of_2(max(n, 1)), 4096)
     cfg = {"BLOCK_N": max(block, 16), "num_warps": 4 if block <= 1024 else 8}
+    if rows is not None and not (config and "num_warps" in config):
+        from sftctl.compiler.search import stream
+
+        hw = hw if hw is not None else stream.accelerator_for_tensor(x)
+        if dtype is None:
+            dtype = rt.dtype_name(x.dtype) if x is not None else "bfloat16"
+        best, _ = stream.search_row_config(kind, rows, n, hw, dtype=dtype if dtype in
+                                           ("float32", "float16", "bfloat16") else "float32")
+        cfg["num_warps"] = best["num_warps"]
     if config:
         unknown = set(config) - set(cfg)
         if unknown:
@@ -75,7 +92,7 @@ def _row_reduce(x, op: int, config, out):
     import torch
 
     x2 = _rows(x)
-    cfg = row_config(x2.shape[1], config)
+    cfg = row_config(x2.shape[1], config, rows=x2.shape[0], kind="softmax", x=x2)
     lead = tuple(x.shape[:-1])
     if out is None:
         out = torch.empty(lead, dtype=x.dtype, device=x.device)
@@ -102,7 +119,7 @@ def _softmax(x, log: bool, config, out):
     import torch
 
     x2 = _rows(x)
-    cfg = row_config(x2.shape[1], config)
+    cfg = row_config(x2.shape[1], config, rows=x2.shape[0], kind="softmax", x=x2)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if tuple(out.shape) != tuple(x.shape):
@@ -164,7 +181,7 @@ def cross_entropy_fwd_bwd(logits, target, *, ignore_index: int = -100, grad_scal
         bad = (t1 != ignore_index) & ((t1 < 0) | (t1 >= V))
         if bool(bad.any()):
             raise ValueError(f"target index out of range [0, {V})")
-    cfg = row_config(V, config)
+    cfg = row_config(V, config, rows=rows, kind="softmax", x=x2)
     loss = torch.empty(tuple(logits.shape[:-1]), dtype=torch.float32, device=logits.device)
     if dlogits is None:
         dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
@@ -199,7 +216,7 @@ def _norm_fwd(x, weight, bias, eps: float, rms: bool, config):
     weight = _check_param(weight, n, "weight")
     bias = _check_param(bias, n, "bias")
     rt.check_device(x, weight, bias)
-    cfg = row_config(n, config)
+    cfg = row_config(n, config, rows=rows, kind="rmsnorm" if rms else "layernorm", x=x2)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     lead = tuple(x.shape[:-1])
     mean = None if rms else torch.empty(lead, dtype=torch.float32, device=x.device)
@@ -253,7 +270,7 @@ def _norm_bwd(dy, x, weight, mean, rstd, rms: bool, config, colsum_config, need_
     rt.check_device(dy, x, weight, mean, rstd)
     rstd1 = rstd.reshape(-1).float().contiguous()
     mean1 = None if mean is None else mean.reshape(-1).float().contiguous()
-    cfg = row_config(n, config)
+    cfg = row_config(n, config, rows=rows, kind="rmsnorm" if rms else "layernorm", x=x2)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     mod = _mod(x)
     if rows:
