@@ -667,10 +667,13 @@ def main(argv: list[str] | None = None) -> int:
     except SftctlError as e:
         if debug:
             raise
+        from rich.text import Text
+
         err = _console(stderr=True)
-        err.print(f"[bold red]error:[/] {_escape(e.message)}", soft_wrap=True)
+        # Text, not markup: a message quoting user input prints "[bold]" and ":smile:" as typed
+        err.print(Text.assemble(("error:", "bold red"), " ", e.message), soft_wrap=True)
         if e.hint:
-            err.print(f"[dim]hint: {_escape(e.hint)}[/]", soft_wrap=True)
+            err.print(Text(f"hint: {e.hint}", style="dim"), soft_wrap=True)
         return int(e.exit_code)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -53,6 +53,19 @@ StrictPositiveInt = Annotated[int, Strict(), Gt(0)]
 StrictNonNegativeInt = Annotated[int, Strict(), Ge(0)]
 _NO_INTERPOLATION = {("setup",), ("run",)}
 _MAX_NODES = 100_000  # YAML nodes visited while loading; guards against alias bombs
+MAX_SPEC_BYTES = 1 << 20  # a job spec is a page of YAML; 1 MiB is far beyond any real one
+MAX_DEPTH = 32  # mappings and lists nested deeper than this are refused before composing
+_SHOWN_CHARS = 60  # an error message shows at most this much of a bad value
+
+
+def shown(value: Any) -> str:
+    """A bad value as an error message shows it: one line, at most ``_SHOWN_CHARS`` characters
+    (a 5,000-digit number or a binary blob is cut, with its length said)."""
+    text = value if isinstance(value, str) else repr(value)
+    one = text if text.isprintable() else repr(text)
+    if len(one) <= _SHOWN_CHARS:
+        return one
+    return f"{one[:_SHOWN_CHARS]}... ({len(text):,} characters)"
 
 
 class _Strict(BaseModel):
@@ -310,8 +323,23 @@ _Loader.add_implicit_resolver(
 )
 
 
+def _check_depth(text: str, loc: _Located) -> None:
+    """Refuse nesting deeper than MAX_DEPTH from the parser's events (no recursion: PyYAML's
+    composer recurses once per level and would hit Python's recursion limit first)."""
+    depth = 0
+    for event in yaml.parse(text, Loader=_Loader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise SpecError(f"{loc.filename}:{event.start_mark.line + 1}: nested more than {MAX_DEPTH} levels deep",
+                                hint="a job spec needs a few levels; check the brackets and indentation")
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+
+
 def _compose(text: str, loc: _Located) -> Any:
     try:
+        _check_depth(text, loc)
         root = yaml.compose(text, Loader=_Loader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
@@ -362,8 +390,8 @@ def _compose(text: str, loc: _Located) -> Any:
             return constructor.construct_object(node, deep=True)
         except Exception as e:  # bad timestamps, unknown tags, ...: all the user's input
             raise SpecError(
-                f"{loc.filename}:{line}: {_dotted(path) or 'value'}: cannot read {node.value!r}: "
-                f"{str(e).splitlines()[0]}",
+                f"{loc.filename}:{line}: {_dotted(path) or 'value'}: cannot read {shown(node.value)}: "
+                f"{shown(str(e).splitlines()[0] if str(e) else type(e).__name__)}",
                 hint="quote the value to make it a string",
             ) from None
 
@@ -412,20 +440,29 @@ def _interpolate(value: Any, path: Path_, loc: _Located, environ: typing.Mapping
 
 
 def _apply_override(data: dict, assignment: str, loc: _Located) -> None:
-    shown = assignment if assignment.isprintable() else repr(assignment)
     key, sep, raw = assignment.partition("=")
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SpecError(f"--set {shown(assignment)}: the value is longer than {MAX_SPEC_BYTES:,} characters")
+    shown_ = shown(assignment)
     key = key.strip()
     if not sep or not key:
         raise SpecError(
-            f"--set {shown}: expected key.path=value", hint="e.g. --set train.steps=20"
+            f"--set {shown_}: expected key.path=value", hint="e.g. --set train.steps=20"
         )
     flow = raw.strip()[:1] in ("[", "{")
     try:
+        if flow:
+            _check_depth(raw, _Located(f"--set {shown_}"))
         value = yaml.load(raw, Loader=_Loader) if raw.strip() else raw
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        digits = raw.strip().lstrip("+-")
+        why = f"a number of {len(digits):,} digits" if digits.isdigit() else shown(str(e).splitlines()[0])
+        raise SpecError(f"--set {shown_}: cannot read the value: {why}",
+                        hint="give a number of a sensible size, or quote a string") from None
     except yaml.YAMLError as e:
         if flow:
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise SpecError(f"--set {shown}: cannot read {raw!r} as a YAML list or mapping: {problem}",
+            raise SpecError(f"--set {shown_}: cannot read {shown(raw)} as a YAML list or mapping: {problem}",
                             hint="e.g. --set 'resources.accelerators=[H100:8, A100-80GB:8]'") from None
         value = raw
     if value is None or not isinstance(value, (str, int, float, bool, list, dict)) or (
@@ -434,7 +471,7 @@ def _apply_override(data: dict, assignment: str, loc: _Located) -> None:
         value = raw
     parts: list[Any] = [int(p) if re.fullmatch(r"[0-9]+", p) else p for p in key.split(".")]
     if any(p == "" for p in parts):
-        raise SpecError(f"--set {shown}: empty segment in {key!r}", hint="e.g. train.steps")
+        raise SpecError(f"--set {shown_}: empty segment in {key!r}", hint="e.g. train.steps")
     node: Any = data
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
@@ -452,7 +489,7 @@ def _apply_override(data: dict, assignment: str, loc: _Located) -> None:
         elif isinstance(node, list) and isinstance(part, int):
             if part >= len(node):
                 raise SpecError(
-                    f"--set {shown}: {_dotted(here)}: index {part} is out of range "
+                    f"--set {shown_}: {_dotted(here)}: index {part} is out of range "
                     f"(the list has {len(node)} items)"
                 )
             if last:
@@ -461,11 +498,11 @@ def _apply_override(data: dict, assignment: str, loc: _Located) -> None:
                 node = node[part]
         else:
             raise SpecError(
-                f"--set {shown}: {_dotted(here[:-1]) or 'top level'} is not a "
+                f"--set {shown_}: {_dotted(here[:-1]) or 'top level'} is not a "
                 f"{'list' if isinstance(part, int) else 'mapping'}",
                 hint="check the key path against the spec",
             )
-    loc.overrides[tuple(parts)] = shown
+    loc.overrides[tuple(parts)] = shown_
 
 
 # --------------------------------------------------------------------------- validation errors
@@ -516,7 +553,7 @@ def _explain(err: dict, loc: _Located) -> SpecError:
     msg = re.sub(r" or instance of \w+", "", err["msg"].removeprefix("Value error, "))
     msg = msg.replace("a valid dictionary", "a mapping (key: value lines)")
     got = err.get("input")
-    got_text = "" if isinstance(got, (dict, list)) or kind == "value_error" else f" (got {got!r})"
+    got_text = "" if isinstance(got, (dict, list)) or kind == "value_error" else f" (got {shown(repr(got))})"
     hint = "README.md 'The job spec' lists every field's type"
     if kind == "string_type":  # YAML read an unquoted value as a number, bool or null
         hint = "quote values meant as strings; " + hint
@@ -524,6 +561,39 @@ def _explain(err: dict, loc: _Located) -> SpecError:
 
 
 # --------------------------------------------------------------------------- entry point
+
+
+def _read_spec_file(path: Path) -> str:
+    """The spec's text. Type and size are checked before reading: a FIFO, a device such as
+    /dev/zero, or a file over MAX_SPEC_BYTES is refused, never read (nor waited on)."""
+    import stat
+
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such file", hint="give the path to a job spec YAML") from None
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read the spec: {e.strerror or e}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise SpecError(f"{path}: is a directory, not a job spec", hint="give the path to a job spec YAML")
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a regular file"
+        raise SpecError(f"{path}: is {kind}, not a job spec file", hint="give the path to a job spec YAML file")
+    if st.st_size > MAX_SPEC_BYTES:
+        raise SpecError(f"{path}: {st.st_size:,} bytes; a job spec is at most {MAX_SPEC_BYTES:,}",
+                        hint="is this the right file? keep data in the workdir, not in the spec")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)  # the file may have grown since stat
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read the spec: {e.strerror or e}") from None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SpecError(f"{path}: larger than {MAX_SPEC_BYTES:,} bytes", hint="is this the right file?")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{path}: not UTF-8 text (byte {e.start}): not a job spec",
+                        hint="give the path to a job spec YAML file") from None
 
 
 def load_spec(
@@ -548,12 +618,7 @@ def load_spec(
     """
     path = Path(path)
     loc = _Located(str(path))
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError(f"{path}: no such file", hint="give the path to a job spec YAML") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecError(f"{path}: cannot read the spec: {e}") from None
+    text = _read_spec_file(path)
     data = _compose(text, loc)
     if not isinstance(data, dict):
         raise SpecError(

@@ -22,6 +22,11 @@ class SafeConsole(Console):
     instead (its file descriptor is pointed at /dev/null, so later flushes are silent too).
     """
 
+    def __init__(self, *args, **kwargs):
+        # user input (job names, reasons, log lines) never turns into emoji: ":smile:" stays text
+        kwargs.setdefault("emoji", False)
+        super().__init__(*args, **kwargs)
+
     def on_broken_pipe(self) -> None:
         self.quiet = True
         try:
@@ -101,8 +106,8 @@ class FitTable:
             c = self.cols[i]
             t.add_column(c.name, justify=c.justify, width=widths[i], no_wrap=not c.wrap,
                          overflow="fold" if c.wrap else "crop")
-        for r in self.rows:
-            t.add_row(*[r[i] for i in shown])
+        for r in self.rows:  # plain strings are user data: shown as they are, never as markup
+            t.add_row(*[r[i] if isinstance(r[i], Text) else Text(str(r[i])) for i in shown])
         yield t
         hidden = [c.name for i, c in enumerate(self.cols) if i not in shown]
         if hidden:
@@ -204,7 +209,7 @@ def job_detail(job: dict) -> list:
     for col in ("RANK", "NODE", "STATUS", "WHERE"):
         nodes.add_column(col)
     for n in job["nodes"]:
-        nodes.add_row(str(n["rank"]), n["id"], n["status"], n["where"])
+        nodes.add_row(*(Text(str(v)) for v in (n["rank"], n["id"], n["status"], n["where"])))
     out.append(nodes)
     if job["ranks"]:
         ranks = Table(title="training ranks", box=None, header_style="bold", title_justify="left")
@@ -222,7 +227,7 @@ def job_detail(job: dict) -> list:
         for col in ("#", "STATUS", "EXIT", "REASON"):
             att.add_column(col)
         for a in job["attempts"]:
-            att.add_row(str(a["number"]), a["status"], _num(a["exit_code"], "d"), a["reason"] or "")
+            att.add_row(str(a["number"]), a["status"], _num(a["exit_code"], "d"), Text(a["reason"] or ""))
         out.append(att)
     return out
 

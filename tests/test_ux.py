@@ -326,3 +326,48 @@ run: |
     proc = sftctl("run", str(spec), "--json")
     assert proc.returncode == 0, proc.stderr
     assert "kept ['step-00000003', 'step-00000004']" in sftctl("logs", json.loads(proc.stdout)["id"], check=True).stdout
+
+
+def _one_clear_line(proc, *needles):
+    assert proc.returncode == 2 and no_traceback(proc), proc.stderr[-2000:]
+    error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and len(error[0]) < 300, proc.stderr[:1000]
+    for n in needles:
+        assert n in error[0], error[0]
+    return error[0]
+
+
+def test_hostile_specs_get_one_line_and_exit_2(tmp_path, home):
+    """Item 10: huge numbers, deep nesting, FIFOs, devices and huge files: one line, exit 2,
+    nothing read that is not a regular file of sensible size, never a hang or a traceback."""
+    ok = write_spec(tmp_path / "ok.yaml", "name: ok\nrun: echo\n")
+    _one_clear_line(sftctl("plan", str(ok), "--set", "train.steps=" + "9" * 5000, timeout=60),
+                    "--set train.steps=999", "5,000 digits")
+    big_int = write_spec(tmp_path / "int.yaml", "name: ok\nrun: echo\ntrain: {steps: " + "9" * 5000 + "}\n")
+    _one_clear_line(sftctl("plan", str(big_int), timeout=60), "train.steps")
+    flow = write_spec(tmp_path / "flow.yaml", "name: ok\nrun: echo\nenv: " + "[" * 500 + "]" * 500 + "\n")
+    _one_clear_line(sftctl("plan", str(flow), timeout=60), "flow.yaml:3: nested more than 32 levels deep")
+    block = write_spec(tmp_path / "block.yaml", "name: ok\nrun: echo\nenv:\n" +
+                       "".join("  " * (i + 1) + f"k{i}:\n" for i in range(500)))
+    _one_clear_line(sftctl("plan", str(block), timeout=60), "nested more than 32 levels deep")
+    _one_clear_line(sftctl("plan", str(ok), "--set", "env={a: " + "[" * 500 + "}", timeout=60), "nested")
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    _one_clear_line(sftctl("plan", str(fifo), timeout=60), "is a FIFO")
+    for dev in ("/dev/zero", "/dev/urandom"):
+        _one_clear_line(sftctl("plan", dev, timeout=60), f"{dev}: is a device")
+    huge = tmp_path / "huge.yaml"
+    with open(huge, "wb") as f:
+        f.write(b"name: ok\nrun: echo\n")
+        f.truncate(100 * 2**20)  # 100 MB without writing them
+    _one_clear_line(sftctl("plan", str(huge), timeout=60), "104,857,600 bytes")
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(bytes(range(256)) * 10)
+    _one_clear_line(sftctl("plan", str(binary), timeout=60), "not UTF-8")
+
+
+def test_markup_and_emoji_codes_in_user_input_print_as_typed(tmp_path, home):
+    """Item 10: rich never renders markup or emoji codes that come from the user."""
+    spec = write_spec(tmp_path / "m.yaml", 'name: "[bold]x[/bold]:smile:"\nrun: echo\n')
+    line = _one_clear_line(sftctl("plan", str(spec), timeout=60), "name:")
+    assert "[bold]x[/bold]:smile:" in line and "\U0001f604" not in line
