@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -678,6 +679,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return ExitCode.INTERRUPTED
+    except sqlite3.DatabaseError as e:  # a state.db damaged after it was opened
+        if debug:
+            raise
+        from sftctl.paths import sftctl_home
+
+        path = sftctl_home() / "state.db"
+        print(f"error: {path}: the state database is damaged: {e}", file=sys.stderr)
+        print(f"hint: move it aside (mv {path} {path}.bad) and sftctl starts a new one; "
+              "sftctl down --orphans removes cloud resources of jobs it no longer knows", file=sys.stderr)
+        return int(ExitCode.USAGE)
 
 
 def _escape(text: str) -> str:

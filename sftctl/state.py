@@ -163,15 +163,31 @@ class Store:
     # ---------------------------------------------------------------- connection and schema
 
     def _open(self) -> sqlite3.Connection:
+        from sftctl.errors import SftctlError
+
         if not self.path.exists():
-            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
+            self._create()
+        elif self.path.stat().st_size == 0 and not _nonempty(Path(str(self.path) + "-wal")):
+            # sftctl creates the file whole (see _create): an empty one was truncated
+            raise SftctlError(
+                f"{self.path}: the state database is empty (0 bytes): it was truncated, and the jobs "
+                "it recorded are lost",
+                hint=f"move it aside (mv {self.path} {self.path}.bad) and sftctl starts a new one; "
+                     "sftctl down --orphans removes cloud resources of jobs it no longer knows",
+            )
         conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
         conn.row_factory = sqlite3.Row
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA foreign_keys = ON")
         conn.execute("PRAGMA synchronous = NORMAL")
         version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:  # whatever the journal mode: never touch a newer schema
+            conn.close()
+            raise SftctlError(
+                f"{self.path}: state schema version {version} is newer than this sftctl "
+                f"understands ({SCHEMA_VERSION})",
+                hint="upgrade sftctl (pip install -U sftctl)",
+            )
         mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
         if version < SCHEMA_VERSION or mode != "wal":
             from filelock import FileLock
@@ -179,15 +195,28 @@ class Store:
             with FileLock(str(self.path) + ".lock"):
                 conn.execute("PRAGMA journal_mode = WAL")
                 self._migrate(conn)
-        elif version > SCHEMA_VERSION:
-            from sftctl.errors import SftctlError
-
-            raise SftctlError(
-                f"{self.path}: state schema version {version} is newer than this sftctl "
-                f"understands ({SCHEMA_VERSION})",
-                hint="upgrade sftctl (pip install -U sftctl)",
-            )
         return conn
+
+    def _create(self) -> None:
+        """Create the database whole: schema built in a temporary file, then linked into place,
+        so ``state.db`` is never an empty file (an empty one means it was truncated)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = self.path.with_name(f"{self.path.name}.new-{os.getpid()}-{secrets.token_hex(3)}")
+        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        try:
+            conn = sqlite3.connect(tmp, isolation_level=None)
+            try:
+                conn.execute("PRAGMA journal_mode = WAL")
+                self._migrate(conn)
+            finally:
+                conn.close()
+            try:
+                os.link(tmp, self.path)
+            except FileExistsError:  # another process created it first: theirs is as good
+                pass
+        finally:
+            for suffix in ("", "-wal", "-shm"):
+                Path(str(tmp) + suffix).unlink(missing_ok=True)
 
     @staticmethod
     def _migrate(conn: sqlite3.Connection) -> None:
@@ -447,6 +476,13 @@ class Store:
                 "SELECT * FROM metrics WHERE job_id = ? ORDER BY rank", (job_id,)
             ).fetchall()
         return [dict(r) for r in rows]
+
+
+def _nonempty(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
 
 
 def _job(row: sqlite3.Row) -> dict:

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from conftest import sftctl
 from sftctl.errors import SftctlError
 from sftctl.state import SCHEMA_VERSION, IllegalTransition, JobStatus, Store
 
@@ -118,3 +119,57 @@ def test_twenty_concurrent_writers(home):
     assert len(jobs) == 20 * per_writer
     assert all(j["status"] == "CANCELLED" for j in jobs)
     assert sum(len(store.events(j["id"])) for j in jobs) == 20 * per_writer * 4
+
+
+def test_newer_schema_is_refused_also_when_not_in_wal_mode(home):
+    """Issue 14.11: the future-schema check ran only for WAL files; a newer file in rollback
+    mode was converted to WAL and used."""
+    Store().close()
+    conn = sqlite3.connect(home / "state.db")
+    conn.execute("PRAGMA journal_mode = DELETE")
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.close()
+    with pytest.raises(SftctlError, match="newer than this sftctl"):
+        Store()
+    assert sqlite3.connect(home / "state.db").execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+
+
+def test_a_truncated_state_db_is_an_error_not_an_empty_history(home):
+    """Issue 14.11: a 0-byte state.db silently became a new, empty one (every job gone)."""
+    store = Store()
+    store.create_job("a", {"resources": {"nodes": 1}, "run": "true"})
+    store.close()
+    os.truncate(home / "state.db", 0)
+    for suffix in ("-wal", "-shm"):
+        (home / f"state.db{suffix}").unlink(missing_ok=True)
+    proc = sftctl("status")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[0].endswith("the state database is empty (0 bytes): it was truncated, "
+                                                 "and the jobs it recorded are lost")
+    assert os.path.getsize(home / "state.db") == 0  # left as found, for the user to look at
+
+
+def test_a_new_state_db_is_never_an_empty_file(home):
+    Store().close()
+    assert os.path.getsize(home / "state.db") > 0
+    assert sorted(p.name for p in home.iterdir() if p.name.startswith("state.db.new")) == []
+
+
+def test_a_corrupted_state_db_gives_one_line_not_a_traceback(home):
+    """Issue 14.11: damaged pages inside the file (the header intact) broke every command with a
+    traceback at the first query."""
+    store = Store()
+    spec = {"resources": {"nodes": 1}, "run": "true", "note": "x" * 2000}
+    for _ in range(40):
+        store.create_job("a", spec)
+    store.close()
+    path = home / "state.db"
+    data = bytearray(path.read_bytes())
+    assert len(data) > 8 * 4096
+    data[2 * 4096:len(data) - 4096] = os.urandom(len(data) - 3 * 4096)
+    path.write_bytes(bytes(data))
+    for args in (("status",), ("status", "--json"), ("events", "a")):
+        proc = sftctl(*args)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+        assert "state database" in line and str(path) in line
