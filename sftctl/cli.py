@@ -89,8 +89,9 @@ def _root(
 
 
 def _need_storage(spec, spec_path: Path, where: str) -> None:
-    """Cloud nodes keep code, checkpoints and logs in the job's storage: refuse a spec without."""
-    if where != "local" and spec.storage is None:
+    """Cloud nodes keep code, checkpoints and logs in the job's storage: refuse a spec without.
+    Local and Slurm nodes keep them on a filesystem sftctl reads (Slurm: the cluster's own)."""
+    if not set(where.split("/")) & {"local", "slurm"} and spec.storage is None:
         raise SftctlError(
             f"{spec_path}: storage: required for {where} nodes (they keep code, checkpoints and logs in the "
             "job's storage)",

@@ -482,6 +482,14 @@ class Controller:
                 outage_since = None
                 self.store.add_event(self.job_id, "storage", "job storage answers again")
             for node, st in statuses:
+                if st.state == NodeState.RUNNING and st.detail != node.get("detail", ""):
+                    # what the provider says of a running node (a Slurm job's pending reason)
+                    node["detail"] = st.detail
+                    if st.detail:
+                        self.store.add_event(self.job_id, "node", f"node {node['rank']}: {st.detail}")
+                        self.reporter.event(f"node {node['rank']}: {st.detail}")
+                    pending = st.detail.startswith("pending")
+                    self.store.update_node(node["id"], status="PENDING" if pending else NodeState.RUNNING.value)
                 if st.state == NodeState.FAILED:
                     self._drain()
                     return Failure(f"node {node['rank']} exited with code {st.exit_code}", RESTART, node["rank"], st.exit_code)
@@ -648,6 +656,9 @@ def job_provider(job: dict, name: str | None = None):
     name = name or job["provider"] or "local"
     spec = JobSpec.model_validate(job["spec"])
     url = job_storage_url(spec, job["id"])
+    if name == "slurm":  # one allocation of resources.nodes, --time from the deadline
+        return get_provider(name, config=spec.slurm.model_dump() if spec.slurm else None,
+                            num_nodes=spec.resources.nodes, time_limit_s=spec.resources.deadline_s)
     options = _provider_options(spec, name)
     if url is None:
         return get_provider(name, **options)

@@ -39,6 +39,15 @@ class Candidate:
     total_usd: float | None = None
     hours: float | None = None
     rejected: str | None = None
+    queue_wait_s: float | None = None  # Slurm: the scheduler's estimate of the wait before the start
+    queue_detail: str | None = None
+
+    @property
+    def finish_s(self) -> float | None:
+        """Seconds from now to the predicted end: the queue wait plus the run (None without a model)."""
+        if self.hours is None:
+            return None
+        return (self.queue_wait_s or 0.0) + self.hours * 3600
 
     def to_dict(self) -> dict:
         o = self.offering
@@ -48,6 +57,7 @@ class Candidate:
             "usd_per_hour": self.usd_per_hour, "step_time_s": self.step_time_s,
             "peak_memory_bytes": self.peak_memory_bytes, "devices_needed": self.devices_needed,
             "total_usd": self.total_usd, "hours": self.hours, "rejected": self.rejected,
+            "queue_wait_s": self.queue_wait_s, "finish_s": self.finish_s,
             "offering": o.to_dict(),
         }
 
@@ -188,8 +198,11 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
                 + (f"; did you mean '{close[0]}'?" if close else ""),
                 hint=f"known accelerators: {', '.join(known.values())} (sftctl catalog lists offerings)",
             )
-        for offering in _offerings(acc.name, acc.count, usable, res.clouds):
-            candidates.append(_judge(offering, spec, usable, predict))
+        for offering in _offerings(acc.name, acc.count, usable, res.clouds, spec=spec):
+            c = _judge(offering, spec, usable, predict)
+            if offering.provider == "slurm" and c.rejected is None:
+                c = _queue(c, spec)
+            candidates.append(c)
     ranked = sorted(candidates, key=lambda c: (c.rejected is not None, _objective(c, res.objective)))
     feasible = [c for c in ranked if c.rejected is None]
     if not feasible:
@@ -215,7 +228,34 @@ def _objective(c: Candidate, objective: str) -> tuple:
     price = c.usd_per_hour if c.usd_per_hour is not None else float("inf")
     step = c.step_time_s if c.step_time_s is not None else float("inf")
     total = c.total_usd if c.total_usd is not None else price
-    return (step, total) if objective == "time" else (total, step)
+    wait = c.queue_wait_s or 0.0
+    if objective == "time":  # the finish: a Slurm queue's wait counts as much as the run
+        finish = c.finish_s if c.finish_s is not None else float("inf")
+        return (finish, step, total, wait)
+    return (total, step, wait)
+
+
+def _slurm_provider(spec: JobSpec):
+    from sftctl.providers import get_provider
+
+    cfg = spec.slurm.model_dump() if spec.slurm is not None else None
+    return get_provider("slurm", config=cfg, num_nodes=spec.resources.nodes, time_limit_s=spec.resources.deadline_s)
+
+
+def _queue(c: Candidate, spec: JobSpec) -> Candidate:
+    """A Slurm candidate with the scheduler's start estimate (``sbatch --test-only``); rejected
+    when Slurm says the allocation can never run, or when wait + run is past the deadline."""
+    try:
+        wait_s, detail = _slurm_provider(spec).estimate_start(c.offering, c.nodes)
+    except SftctlError as e:
+        return dataclasses.replace(c, rejected=e.message)
+    c = dataclasses.replace(c, queue_wait_s=wait_s, queue_detail=detail)
+    deadline_s = spec.resources.deadline_s
+    if deadline_s is not None and c.hours is not None and c.finish_s > deadline_s:
+        return dataclasses.replace(c, rejected=(
+            f"queue wait {format_hours(wait_s / 3600)} + predicted {format_hours(c.hours)} "
+            f"is past the deadline of {spec.resources.deadline}"))
+    return c
 
 
 def _reason(best: Candidate, ranked: list[Candidate], objective: str) -> str:
@@ -226,6 +266,10 @@ def _reason(best: Candidate, ranked: list[Candidate], objective: str) -> str:
     if best.step_time_s is not None:
         pred = f", predicted {best.step_time_s * 1000:.1f} ms/step, {format_hours(best.hours)}, ${best.total_usd:,.2f} in all"
     blocked = sorted({c.offering.provider for c in ranked if c.rejected and "not available" in c.rejected})
+    if best.queue_wait_s is not None:
+        pred += f", Slurm start in {format_hours(best.queue_wait_s / 3600)}"
+        if best.finish_s is not None:
+            pred += f", finish in {format_hours(best.finish_s / 3600)}"
     return (
         f"chose {o.provider} {o.instance_type} ({o.accelerator}:{o.count}) x {best.nodes} node(s) "
         f"at ${best.usd_per_hour:.2f}/h{pred}: {what} of {feasible} feasible offering(s) of {len(ranked)}"
@@ -243,7 +287,7 @@ def format_hours(h: float | None) -> str:
 
 
 def _offerings(accelerator: str, count: int, usable: dict[str, str | None] | None = None,
-               clouds: list[str] | None = None) -> list[Offering]:
+               clouds: list[str] | None = None, spec: JobSpec | None = None) -> list[Offering]:
     """The catalog's offerings of ``count`` x ``accelerator``, plus what a usable Kubernetes
     cluster offers (read from its nodes' GPU labels: a cluster has no catalog)."""
     if accelerator.lower() == "cpu":
@@ -260,6 +304,13 @@ def _offerings(accelerator: str, count: int, usable: dict[str, str | None] | Non
             out += get_provider("kubernetes").offerings(accelerator, count)
         except SftctlError as e:  # an unreachable cluster is a reason, shown by sftctl check
             usable["kubernetes"] = e.message
+    # a Slurm cluster offers what sinfo reports; cpu partitions only when the spec names slurm
+    wanted = "slurm" in clouds if clouds is not None else accelerator.lower() != "cpu"
+    if usable is not None and usable.get("slurm", "") is None and wanted and spec is not None:
+        try:
+            out += _slurm_provider(spec).offerings(accelerator, count)
+        except SftctlError as e:
+            usable["slurm"] = e.message
     return out
 
 
@@ -273,7 +324,7 @@ def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: P
 
     if res.clouds is not None and o.provider not in res.clouds:
         return reject(f"{o.provider} is not in resources.clouds")
-    if res.regions is not None and o.region not in res.regions and o.provider != "local":
+    if res.regions is not None and o.region not in res.regions and o.provider not in ("local", "slurm"):
         return reject(f"region {o.region} is not in resources.regions")
     if c.usd_per_hour is None:
         return reject("no spot price for this offering")

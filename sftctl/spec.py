@@ -47,7 +47,7 @@ from pydantic import (
 
 from sftctl.errors import SpecError
 
-CLOUDS = ("local", "aws", "gcp", "kubernetes")
+CLOUDS = ("local", "aws", "gcp", "kubernetes", "slurm")
 # counts are strict: YAML's `true` is not one node
 StrictPositiveInt = Annotated[int, Strict(), Gt(0)]
 StrictNonNegativeInt = Annotated[int, Strict(), Ge(0)]
@@ -129,7 +129,7 @@ class ResourcesSpec(_Strict):
     )
     nodes: StrictPositiveInt = 1
     spot: StrictBool = False
-    clouds: list[Literal["local", "aws", "gcp", "kubernetes"]] | None = None
+    clouds: list[Literal["local", "aws", "gcp", "kubernetes", "slurm"]] | None = None
     regions: list[str] | None = None
     max_price_per_hour: PositiveFloat | None = Field(None, description="USD/h, all nodes together")
     deadline: str | None = Field(None, description="a duration: 90m, 6h, 2d")
@@ -216,6 +216,25 @@ class StorageSpec(_Strict):
         return v
 
 
+class SlurmSpec(_Strict):
+    """How to reach a Slurm cluster and what to ask it for; overlays the ``slurm:`` section of
+    ``$SFTCTL_HOME/config.yaml`` field by field (see :class:`sftctl.providers.slurm.SlurmConfig`)."""
+
+    host: str | None = Field(None, description="login node for SSH; unset: sftctl runs on a login node")
+    user: str | None = None
+    port: StrictPositiveInt | None = None
+    key: str | None = Field(None, description="SSH identity file")
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    gpu_hour_usd: Annotated[float, Ge(0)] | None = Field(None, description="what a GPU-hour costs the lab; 0 = owned")
+    cpu_hour_usd: Annotated[float, Ge(0)] | None = None
+    cpus_per_node: StrictPositiveInt | None = None
+    mem_per_node: str | None = Field(None, pattern=r"^[0-9]+[KMGT]?$", description="sbatch --mem, e.g. 64G")
+    remote_dir: str | None = None
+    python: str | None = None
+
+
 class JobSpec(_Strict):
     """A whole job. ``workdir`` is absolute after :func:`load_spec`."""
 
@@ -235,6 +254,7 @@ class JobSpec(_Strict):
     run: str = Field(min_length=1)
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     health: HealthSpec = Field(default_factory=HealthSpec)
+    slurm: SlurmSpec | None = None
 
     @field_validator("storage", mode="before")
     @classmethod

@@ -14,13 +14,14 @@ from pathlib import Path
 
 from sftctl.providers.base import Provider
 
-PROVIDERS = ("local", "aws", "gcp", "kubernetes")
+PROVIDERS = ("local", "aws", "gcp", "kubernetes", "slurm")
 
 _CLASSES = {
     "local": ("sftctl.providers.local", "LocalProvider"),
     "aws": ("sftctl.providers.aws", "AWSProvider"),
     "gcp": ("sftctl.providers.gcp", "GCPProvider"),
     "kubernetes": ("sftctl.providers.kubernetes", "KubernetesProvider"),
+    "slurm": ("sftctl.providers.slurm", "SlurmProvider"),
 }
 
 _SDKS = {"aws": "boto3", "gcp": "google.cloud.compute_v1", "kubernetes": "kubernetes"}
@@ -96,6 +97,10 @@ def configured(name: str, environ: dict | None = None) -> str | None:
         if env.get("KUBERNETES_SERVICE_HOST") or any(p and Path(p).is_file() for p in paths):
             return None
         return "kubernetes: no kubeconfig (set KUBECONFIG or create ~/.kube/config)"
+    if name == "slurm":  # a login node (sinfo and a slurm.conf here) or slurm.host in the config
+        from sftctl.providers.slurm import configured_reason
+
+        return configured_reason(env)
     return f"unknown provider {name!r}"
 
 

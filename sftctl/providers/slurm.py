@@ -1,0 +1,933 @@
+"""Slurm: a job is one ``sbatch`` allocation per attempt on the lab's own cluster.
+
+Two ways to reach the cluster (:class:`SlurmConfig`):
+
+* **login node** (no ``host``): sftctl runs where ``sinfo`` works; ``SLURM_CONF`` is honoured by
+  Slurm's own commands. The job's files live under ``$SFTCTL_HOME/jobs/<job>/slurm/``, which the
+  compute nodes must see (a shared filesystem, as ``$HOME`` is on nearly every cluster).
+* **SSH** (``host`` set): every Slurm command and file read goes through the system ``ssh`` to the
+  login node, with connection reuse (``ControlMaster=auto``, ``ControlPersist``): the first call
+  opens the connection, the others ride on it (a few ms each). The job's files live under
+  ``remote_dir`` on the cluster (``~/.sftctl/jobs`` by default); the spec's workdir is copied
+  there once per job (a tar stream over the same connection).
+
+Layout on the cluster (``<root>`` = the job's directory there)::
+
+    <root>/nodes/<node id>/   node-<attempt>.sh (templates/node.sh.j2), env-<attempt> (0600),
+                              node.log, exit-<attempt>, host-<attempt> (the Slurm node it ran on),
+                              metrics/rank-*.jsonl, health.jsonl: as the local provider's node dir
+    <root>/attempt-<n>/       sbatch.sh and step.sh (templates/slurm/*.j2), slurm_job_id
+    <root>/slurm-<job id>.out the batch script's own output
+
+The controller calls ``provision`` and ``launch`` once per node. ``provision`` creates nothing on
+the cluster (rank 0 asks ``sbatch --test-only`` whether the allocation could ever run, so an
+impossible request fails at once with exit 3); ``launch`` writes each node's script and
+environment, and the launch of the last node submits the attempt's one allocation: ``--nodes``,
+one task per node, GPUs (``--gpus-per-node`` or a typed ``--gres=gpu:TYPE:N`` when the partition
+types its GPUs), CPUs, memory, partition, account, QOS, ``--time`` from the spec's deadline,
+``--requeue``, ``--signal`` before the time limit, output files, ``--exclude`` of nodes that
+failed this job, and ``--comment`` carrying sftctl's labels. ``srun`` starts one step task per
+node, which runs that node's script with its ``SFTCTL_*`` variables; the rendezvous host is the
+allocation's first node (``scontrol show hostnames``, its ``NodeAddr``).
+
+Status: ``squeue``, then ``scontrol show job`` (both forget a job ``MinJobAge`` after it ends),
+then ``sacct`` where accounting exists, then the node's exit file, which the node script writes
+last. A pending job is RUNNING to the controller with ``detail`` = the pending reason in words.
+A node whose allocation ended without an exit code is LOST (replaced: the next allocation
+excludes its Slurm node); Slurm's own requeue (``--requeue``, after preemption or NODE_FAIL) is
+followed: the job stays RUNNING and resumes from its checkpoint when it starts again.
+
+Teardown: ``scancel``. ``list_instances`` / ``terminate_tagged`` find sftctl's jobs by their
+comment (``sftctl-managed=true,sftctl-job=<job>,sftctl-home=<hash>``), only the user's own and
+only those of this sftctl home.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from sftctl.catalog import Offering
+from sftctl.errors import CapacityError, ProviderError
+from sftctl.providers.base import NodeState, NodeStatus
+
+#: Pending reasons of ``squeue`` (``%r``) in words. Source: Slurm's squeue man page, "JOB REASON
+#: CODES" (22.05 and 24.11 list the same codes for these).
+REASONS = {
+    "Resources": "waiting for resources: the nodes it needs are busy",
+    "Priority": "other jobs of higher priority are ahead in the queue",
+    "None": "just submitted, not yet looked at by the scheduler",
+    "BeginTime": "its earliest start time has not come yet (a requeued job waits a moment)",
+    "Dependency": "waiting for a job it depends on",
+    "QOSMaxGRESPerUser": "your QOS's limit on GPUs per user is reached",
+    "QOSMaxNodePerUserLimit": "your QOS's limit on nodes per user is reached",
+    "QOSMaxJobsPerUserLimit": "your QOS's limit on running jobs per user is reached",
+    "QOSGrpGRES": "the QOS's GPU limit for the whole group is reached",
+    "AssocGrpGRES": "your account's GPU limit is reached",
+    "AssocMaxJobsLimit": "your account's limit on running jobs is reached",
+    "ReqNodeNotAvail": "a node it needs is unavailable (down, drained or reserved)",
+    "PartitionNodeLimit": "it asks for more nodes than the partition allows",
+    "PartitionTimeLimit": "its time limit is above the partition's",
+    "PartitionDown": "the partition is down",
+    "PartitionInactive": "the partition is inactive",
+    "NodeDown": "a node it needs is down",
+    "BadConstraints": "its constraints cannot be satisfied",
+    "JobHeldUser": "held by its user (scontrol release)",
+    "JobHeldAdmin": "held by an administrator",
+    "Reservation": "waiting for its reservation",
+    "launch failed requeued held": "its launch failed and Slurm held it",
+}
+
+#: Slurm job states after which the allocation is gone (squeue's long names).
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+         "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
+
+#: GPU type names clusters use (``gres.conf`` ``Type=``) -> the catalog's accelerator, where the
+#: name alone would be ambiguous or spelled differently. Anything else matches the catalog name
+#: case-insensitively with ``-``/``_`` ignored (``h100`` -> H100); ``slurm.gpu_types`` overrides.
+GPU_TYPE_ALIASES = {"a100": "A100-40GB", "a10040gb": "A100-40GB", "a10080gb": "A100-80GB", "a100_80gb": "A100-80GB",
+                    "a100-sxm4-80gb": "A100-80GB", "h100_80gb": "H100", "mi300": "MI300X", "tesla_t4": "T4",
+                    "v100s": "V100", "h200_141gb": "H200"}
+
+#: Seconds before the time limit at which Slurm signals the batch script (``--signal=B:USR1@``).
+SIGNAL_BEFORE_S = 90
+#: How long one squeue answer serves every node of an attempt (one poll reads all nodes).
+STATE_TTL_S = 0.5
+
+COMMENT_PREFIX = "sftctl-managed=true"
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmConfig:
+    """How to reach the cluster and what to ask it for (the ``slurm:`` section of the config
+    file ``$SFTCTL_HOME/config.yaml`` or of the job spec; the spec's fields win).
+
+    Attributes:
+        host: the login node for SSH mode; None: sftctl runs on a login node itself.
+        user, port, key: SSH user, port (22) and identity file.
+        partition, account, qos: passed to sbatch when given (default: the cluster's default
+            partition, the user's default account and QOS).
+        gpu_hour_usd: what one GPU-hour costs the lab (0: "owned"); cpu offerings cost
+            ``cpu_hour_usd`` per CPU-hour.
+        cpus_per_node, mem_per_node: ``--cpus-per-task`` (one task per node) and ``--mem``
+            (``64G``); None: Slurm's defaults.
+        remote_dir: the job files' root on the cluster in SSH mode (``~`` is the remote home).
+        python: the Python with sftctl installed that nodes use (SSH mode; the login-node mode
+            uses sftctl's own interpreter, which a shared filesystem makes visible).
+        requeue: ``--requeue`` (Slurm requeues the job after preemption or a node failure).
+        gpu_types: Slurm GPU type -> catalog accelerator, for names sftctl cannot map itself.
+    """
+
+    host: str | None = None
+    user: str | None = None
+    port: int = 22
+    key: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    gpu_hour_usd: float = 0.0
+    cpu_hour_usd: float = 0.0
+    cpus_per_node: int | None = None
+    mem_per_node: str | None = None
+    remote_dir: str = "~/.sftctl/jobs"
+    python: str | None = None
+    requeue: bool = True
+    gpu_types: dict = dataclasses.field(default_factory=dict)
+    ssh_options: tuple = ()
+
+    @classmethod
+    def load(cls, spec_section: dict | None = None) -> "SlurmConfig":
+        """The config file's ``slurm:`` section overlaid with the spec's (``spec_section``)."""
+        merged = {**config_file_section(), **{k: v for k, v in (spec_section or {}).items() if v is not None}}
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(merged) - fields)
+        if unknown:
+            raise ProviderError(f"slurm config: unknown field(s) {', '.join(unknown)}",
+                                hint=f"fields: {', '.join(sorted(fields))}")
+        if "ssh_options" in merged:
+            merged["ssh_options"] = tuple(merged["ssh_options"])
+        return cls(**merged)
+
+
+def config_path() -> Path:
+    """``$SFTCTL_CONFIG`` or ``$SFTCTL_HOME/config.yaml``."""
+    env = os.environ.get("SFTCTL_CONFIG")
+    if env:
+        return Path(env).expanduser()
+    from sftctl.paths import sftctl_home
+
+    return sftctl_home() / "config.yaml"
+
+
+def config_file_section() -> dict:
+    """The ``slurm:`` mapping of the config file, or {} when there is none.
+
+    Raises:
+        ProviderError: the file is not YAML or ``slurm`` is not a mapping (exit 4).
+    """
+    path = config_path()
+    if not path.is_file():
+        return {}
+    import yaml
+
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ProviderError(f"{path}: malformed YAML: {str(e).splitlines()[0]}") from None
+    section = doc.get("slurm") if isinstance(doc, dict) else None
+    if section is None:
+        return {}
+    if not isinstance(section, dict):
+        raise ProviderError(f"{path}: slurm: expected a mapping (host, user, partition, ...)")
+    return section
+
+
+def login_node_reason(environ: dict | None = None) -> str | None:
+    """None when Slurm's client commands work in this shell (cheap: no call), else why not."""
+    env = os.environ if environ is None else environ
+    if shutil.which("sinfo", path=env.get("PATH")) is None:
+        return "slurm: sinfo is not on PATH (not a login node; set slurm.host in the config to use SSH)"
+    conf = env.get("SLURM_CONF")
+    if conf:
+        return None if Path(conf).is_file() else f"slurm: SLURM_CONF={conf} does not exist"
+    if any(Path(p).is_file() for p in ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf",
+                                        "/usr/local/etc/slurm.conf")):
+        return None
+    if Path("/run/slurm/conf/slurm.conf").is_file():  # configless: slurmd caches it here
+        return None
+    return "slurm: no slurm.conf (set SLURM_CONF, or slurm.host in the config to use SSH)"
+
+
+def configured_reason(environ: dict | None = None) -> str | None:
+    """None when Slurm looks usable (an SSH host in the config, or a login node), else why not."""
+    try:
+        if config_file_section().get("host"):
+            return None
+    except ProviderError as e:
+        return e.message
+    return login_node_reason(environ)
+
+
+def home_tag() -> str:
+    """A short hash of this sftctl home: jobs of another home (another state, a test) are not ours."""
+    from sftctl.paths import sftctl_home
+
+    return hashlib.sha256(str(sftctl_home().resolve()).encode()).hexdigest()[:10]
+
+
+def comment(job_id: str) -> str:
+    return f"{COMMENT_PREFIX},sftctl-job={job_id},sftctl-home={home_tag()}"
+
+
+def parse_comment(text: str) -> dict[str, str]:
+    return dict(p.split("=", 1) for p in text.split(",") if "=" in p)
+
+
+def accelerator_of(gpu_type: str, overrides: dict | None = None) -> str:
+    """The catalog accelerator of a Slurm GPU type (``h100`` -> ``H100``), or ``""`` if unknown."""
+    from sftctl.catalog import accelerator_names
+
+    if overrides and gpu_type in overrides:
+        return overrides[gpu_type]
+    key = gpu_type.lower()
+    if key in GPU_TYPE_ALIASES:
+        return GPU_TYPE_ALIASES[key]
+    norm = re.sub(r"[-_]", "", key)
+    for name in accelerator_names():
+        if re.sub(r"[-_]", "", name.lower()) == norm:
+            return name
+    return ""
+
+
+def parse_gres(text: str) -> list[tuple[str, int]]:
+    """GPU entries of a ``sinfo %G`` field: ``gpu:h100:4(S:0-1),shard:8`` -> ``[("h100", 4)]``;
+    an untyped ``gpu:2`` gives ``("", 2)``."""
+    out = []
+    for part in re.split(r",(?![^()]*\))", text or ""):
+        part = re.sub(r"\(.*\)$", "", part.strip())
+        bits = part.split(":")
+        if bits[0] != "gpu" or len(bits) < 2:
+            continue
+        if len(bits) == 2:
+            typ, count = "", bits[1]
+        else:
+            typ, count = bits[1], bits[2]
+        m = re.match(r"\d+", count)
+        if m:
+            out.append((typ if typ != "(null)" else "", int(m.group(0))))
+    return out
+
+
+def duration(seconds: float) -> str:
+    """``--time`` for sbatch: ``D-HH:MM:SS`` (rounded up to a minute, at least one)."""
+    minutes = max(1, int(-(-seconds // 60)))
+    d, rem = divmod(minutes, 1440)
+    h, m = divmod(rem, 60)
+    return f"{d}-{h:02d}:{m:02d}:00"
+
+
+# -------------------------------------------------------------------- where commands run
+
+
+#: What a remote read does: given {"files": {path: offset}, "globs": [pattern]}, print JSON
+#: {path: [size, base64 bytes from its offset]} for each file that exists. Runs with the remote
+#: python3 (SSH mode) or in this process (login-node mode): one round trip per node per poll.
+_READ_SCRIPT = r"""
+import base64, glob, json, os, sys
+req = json.loads(sys.argv[1])
+files = dict(req.get("files", {}))
+for pattern in req.get("globs", []):
+    for p in glob.glob(pattern):
+        files.setdefault(p, 0)
+out = {}
+for p, off in files.items():
+    try:
+        with open(p, "rb") as f:
+            f.seek(off)
+            data = f.read(16 << 20)
+        out[p] = base64.b64encode(data).decode()
+    except OSError:
+        pass
+print(json.dumps(out))
+"""
+
+
+def _read_local(req: dict) -> dict[str, bytes]:
+    import glob
+
+    files = dict(req.get("files", {}))
+    for pattern in req.get("globs", []):
+        for p in glob.glob(pattern):
+            files.setdefault(p, 0)
+    out = {}
+    for p, off in files.items():
+        try:
+            with open(p, "rb") as f:
+                f.seek(off)
+                out[p] = f.read(16 << 20)
+        except OSError:
+            pass
+    return out
+
+
+class Runner:
+    """Runs commands and moves files where Slurm is: here (login node) or over SSH."""
+
+    remote = False
+
+    def run(self, argv: list[str], *, input: bytes | None = None, timeout: float = 60,
+            check: bool = True) -> subprocess.CompletedProcess:
+        raise NotImplementedError
+
+    def write_files(self, files: dict[str, tuple[str, int]]) -> None:
+        """Write ``{path: (text, mode)}``, creating directories (0700)."""
+        raise NotImplementedError
+
+    def read(self, req: dict) -> dict[str, bytes]:
+        raise NotImplementedError
+
+    def home(self) -> str:
+        raise NotImplementedError
+
+
+class LocalRunner(Runner):
+    """Slurm commands in this shell (a login node); files on this (shared) filesystem."""
+
+    def run(self, argv, *, input=None, timeout=60, check=True):
+        try:
+            proc = subprocess.run(argv, input=input, capture_output=True, timeout=timeout)
+        except FileNotFoundError:
+            raise ProviderError(f"slurm: {argv[0]} not found", hint="run sftctl on a login node, or set slurm.host") from None
+        except subprocess.TimeoutExpired:
+            raise ProviderError(f"slurm: {' '.join(argv[:2])} did not answer within {timeout:.0f} s",
+                                hint="is slurmctld up? scontrol ping") from None
+        if check and proc.returncode != 0:
+            raise _command_error(argv, proc)
+        return proc
+
+    def write_files(self, files):
+        for path, (text, mode) in files.items():
+            p = Path(path)
+            p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            tmp = p.with_name(p.name + ".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.chmod(tmp, mode)
+            tmp.replace(p)
+
+    def read(self, req):
+        return _read_local(req)
+
+    def home(self):
+        return str(Path.home())
+
+
+class SSHRunner(Runner):
+    """Every command through the system ``ssh`` to the login node, over one reused connection.
+
+    ``ControlMaster=auto`` with a control socket per (user, host, port) under ``$SFTCTL_HOME``
+    and ``ControlPersist=300``: the first command pays the handshake, later ones reuse it.
+    ``BatchMode=yes``: a missing key is an error, never a password prompt.
+    """
+
+    remote = True
+
+    def __init__(self, cfg: SlurmConfig):
+        from sftctl.paths import sftctl_home
+
+        self.cfg = cfg
+        self.target = f"{cfg.user}@{cfg.host}" if cfg.user else cfg.host
+        digest = hashlib.sha256(f"{self.target}:{cfg.port}".encode()).hexdigest()[:12]
+        sock_dir = sftctl_home() / "ssh"
+        sock_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.control_path = str(sock_dir / f"cm-{digest}")  # short: a unix socket path has ~104 chars
+        self._home: str | None = None
+
+    def ssh_argv(self) -> list[str]:
+        argv = ["ssh", "-p", str(self.cfg.port), "-o", "BatchMode=yes", "-o", "ControlMaster=auto",
+                "-o", f"ControlPath={self.control_path}", "-o", "ControlPersist=300",
+                "-o", "ConnectTimeout=15", "-o", "ServerAliveInterval=15"]
+        if self.cfg.key:
+            argv += ["-i", str(Path(self.cfg.key).expanduser()), "-o", "IdentitiesOnly=yes"]
+        for opt in self.cfg.ssh_options:
+            argv += ["-o", str(opt)]
+        return argv + [self.target]
+
+    def run(self, argv, *, input=None, timeout=60, check=True):
+        cmd = self.ssh_argv() + ["--", " ".join(shlex.quote(a) for a in argv)]
+        try:
+            proc = subprocess.run(cmd, input=input, capture_output=True, timeout=timeout,
+                                  stdin=None if input is not None else subprocess.DEVNULL)
+        except FileNotFoundError:
+            raise ProviderError("slurm: the ssh client is not installed", hint="apt-get install openssh-client") from None
+        except subprocess.TimeoutExpired:
+            raise ProviderError(f"slurm: ssh {self.target} did not answer within {timeout:.0f} s",
+                                hint=f"check ssh -p {self.cfg.port} {self.target} works") from None
+        if proc.returncode == 255:
+            err = proc.stderr.decode(errors="replace").strip().splitlines()
+            raise ProviderError(f"slurm: ssh {self.target}: {err[-1] if err else 'connection failed'}",
+                                hint="check slurm.host, slurm.user, slurm.key (ssh -i KEY USER@HOST works?)")
+        if check and proc.returncode != 0:
+            raise _command_error(argv, proc)
+        return proc
+
+    def write_files(self, files):
+        # one round trip: a tar stream unpacked under / (paths are absolute)
+        import io
+        import tarfile
+
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            dirs = sorted({str(Path(p).parent) for p in files})
+            for path, (text, mode) in files.items():
+                data = text.encode()
+                info = tarfile.TarInfo(path.lstrip("/"))
+                info.size, info.mode, info.mtime = len(data), mode, int(time.time())
+                tar.addfile(info, io.BytesIO(data))
+        script = f"mkdir -p -m 700 {' '.join(shlex.quote(d) for d in dirs)} && tar -x -C / -f -"
+        self.run(["bash", "-c", script], input=buf.getvalue())
+
+    def read(self, req):
+        proc = self.run(["python3", "-c", _READ_SCRIPT, json.dumps(req)], check=False)
+        if proc.returncode != 0:
+            raise ProviderError(f"slurm: reading job files on {self.target} failed: "
+                                f"{proc.stderr.decode(errors='replace').strip()[-300:]}",
+                                hint="the login node needs python3")
+        return {p: base64.b64decode(d) for p, d in json.loads(proc.stdout or b"{}").items()}
+
+    def home(self):
+        if self._home is None:
+            self._home = self.run(["bash", "-c", "echo $HOME"]).stdout.decode().strip()
+        return self._home
+
+    def upload_dir(self, local: str, remote: str) -> None:
+        """Copy directory ``local`` to ``remote`` (a tar stream; ``.git``, venvs, caches left out)."""
+        tar = subprocess.Popen(["tar", "-C", local, "--exclude=.git", "--exclude=.venv", "--exclude=.ci-venv",
+                                "--exclude=__pycache__", "--exclude=*.pyc", "-cf", "-", "."],
+                               stdout=subprocess.PIPE)
+        data = tar.stdout.read()
+        tar.wait()
+        self.run(["bash", "-c", f"mkdir -p {shlex.quote(remote)} && tar -x -C {shlex.quote(remote)} -f -"],
+                 input=data, timeout=600)
+
+
+def _command_error(argv: list[str], proc: subprocess.CompletedProcess) -> ProviderError:
+    err = (proc.stderr or b"").decode(errors="replace").strip()
+    line = err.splitlines()[-1] if err else f"exit code {proc.returncode}"
+    return ProviderError(f"slurm: {argv[0]} failed: {line}", hint="sftctl check slurm; sinfo shows the cluster")
+
+
+# -------------------------------------------------------------------- the provider
+
+
+class SlurmProvider:
+    """Nodes of one Slurm allocation per attempt. See the module docstring.
+
+    Args:
+        channel: ignored for now: the job's files live on the cluster's filesystem (and are read
+            from there), whether or not the spec names a storage.
+        config: the ``slurm:`` settings; default :meth:`SlurmConfig.load` (the config file).
+        num_nodes: nodes per allocation (the spec's ``resources.nodes``); default: as many as
+            were provisioned.
+        time_limit_s: ``--time`` (the spec's deadline); None: the partition's default.
+        runner: where commands run (tests pass one); default from ``config.host``.
+    """
+
+    name = "slurm"
+
+    def __init__(self, channel=None, config: SlurmConfig | dict | None = None, num_nodes: int | None = None,
+                 time_limit_s: float | None = None, runner: Runner | None = None, **_: object):
+        if config is None or isinstance(config, dict):
+            config = SlurmConfig.load(config)
+        self.cfg = config
+        self.channel = channel
+        self.num_nodes = num_nodes
+        self.time_limit_s = time_limit_s
+        self.runner = runner or (SSHRunner(config) if config.host else LocalRunner())
+        self._lock = threading.Lock()
+        self._nodes: dict[str, dict[int, str]] = {}  # job -> rank -> node id (provisioned)
+        self._pending: dict[tuple[str, int], dict[int, dict]] = {}  # (job, attempt) -> rank -> launch
+        self._submitted: dict[tuple[str, int], str] = {}  # (job, attempt) -> Slurm job id
+        self._states: dict[str, tuple[float, dict | None]] = {}  # Slurm job id -> (when, state)
+        self.excluded: set[str] = set()  # Slurm nodes that failed this job
+        self.uploaded: dict[str, str] = {}  # job -> remote workdir
+        self.offers_cache: dict | None = None
+
+    # ---------------------------------------------------------------- paths
+
+    def job_root(self, job_id: str) -> str:
+        """The job's directory on the cluster (see the module docstring)."""
+        if self.runner.remote:
+            base = self.cfg.remote_dir
+            if base.startswith("~"):
+                base = self.runner.home() + base[1:]
+            return f"{base.rstrip('/')}/{job_id}"
+        from sftctl.paths import job_dir
+
+        return str(job_dir(job_id) / "slurm")
+
+    # ---------------------------------------------------------------- protocol: cluster
+
+    def check(self) -> None:
+        """``sinfo`` answers (over SSH when ``host`` is set), else ProviderError (exit 4)."""
+        if not self.runner.remote:
+            why = login_node_reason()
+            if why:
+                raise ProviderError(why, hint="run sftctl on a login node, or set slurm.host in $SFTCTL_HOME/config.yaml")
+        self.runner.run(["sinfo", "-h", "-o", "%P"], timeout=30)
+
+    def cluster(self) -> list[dict]:
+        """One dict per (node, partition) from ``sinfo``: ``node``, ``partition``, ``default``,
+        ``gpus`` ([(type, count)]), ``cpus``, ``memory_mb``, ``state``, ``avail``."""
+        out = self.runner.run(["sinfo", "-h", "-N", "-o", "%N|%P|%G|%c|%m|%t|%a"], timeout=30).stdout.decode()
+        rows = []
+        for line in out.splitlines():
+            bits = line.strip().split("|")
+            if len(bits) != 7:
+                continue
+            node, part, gres, cpus, mem, state, avail = bits
+            rows.append({"node": node, "partition": part.rstrip("*"), "default": part.endswith("*"),
+                         "gpus": parse_gres(gres), "cpus": _int(cpus), "memory_mb": _int(mem),
+                         "state": state, "avail": avail})
+        return rows
+
+    def offerings(self, accelerator: str, count: int) -> list[Offering]:
+        """One offering per partition (and GPU type) whose nodes have ``count`` x ``accelerator``.
+
+        ``cpu`` is offered by every partition with nodes of >= ``count`` CPUs. Price: the
+        config's ``gpu_hour_usd`` x ``count`` per node (``cpu_hour_usd`` for cpu), 0 = owned.
+        ``source`` says how many of the partition's matching nodes are idle now.
+        """
+        want = accelerator.lower()
+        groups: dict[tuple[str, str], dict] = {}
+        for r in self.cluster():
+            if r["avail"] not in ("up", "UP"):
+                continue
+            if self.cfg.partition and r["partition"] != self.cfg.partition:
+                continue
+            if want == "cpu":
+                if r["cpus"] < count:
+                    continue
+                name, gpu_type = "cpu", ""
+            else:
+                match = [(t, n) for t, n in r["gpus"] if n >= count and accelerator_of(t, self.cfg.gpu_types).lower() == want]
+                if not match:
+                    continue
+                name, gpu_type = accelerator_of(match[0][0], self.cfg.gpu_types), match[0][0]
+            g = groups.setdefault((r["partition"], gpu_type), {"name": name, "nodes": set(), "idle": set(),
+                                                               "cpus": r["cpus"], "mem": r["memory_mb"]})
+            g["nodes"].add(r["node"])
+            if r["state"] in ("idle",):
+                g["idle"].add(r["node"])
+            g["cpus"], g["mem"] = min(g["cpus"], r["cpus"]), min(g["mem"], r["memory_mb"])
+        out = []
+        for (part, gpu_type), g in sorted(groups.items()):
+            rate = self.cfg.cpu_hour_usd if want == "cpu" else self.cfg.gpu_hour_usd
+            price = float(rate) * count
+            out.append(Offering(
+                provider=self.name, instance_type=f"{part}" + (f"/{gpu_type}" if gpu_type else ""),
+                accelerator=g["name"], count=count, region=self.region(), usd_per_hour=price,
+                spot_usd_per_hour=price, vcpus=g["cpus"] or None,
+                memory_gib=round(g["mem"] / 1024, 1) if g["mem"] else None,
+                source=(f"slurm partition {part}: {len(g['idle'])}/{len(g['nodes'])} node(s) idle; "
+                        + ("owned (slurm.gpu_hour_usd is 0)" if not price else f"lab price {rate}/h per "
+                           + ("CPU" if want == 'cpu' else "GPU"))),
+                as_of=datetime.date.today().isoformat(),
+            ))
+        return out
+
+    def region(self) -> str:
+        return f"slurm:{self.cfg.host}" if self.cfg.host else "slurm"
+
+    def estimate_start(self, offering: Offering, nodes: int) -> tuple[float, str]:
+        """Slurm's own estimate of when an allocation for ``offering`` x ``nodes`` would start:
+        ``(seconds from now, the line sbatch --test-only printed)``.
+
+        Raises:
+            CapacityError: Slurm says the allocation can never run (more nodes than the
+                partition has, a GPU type it lacks, a time limit above the partition's).
+        """
+        argv = ["sbatch", "--test-only", *self._allocation_args(offering, nodes, exclude=self.excluded),
+                "--wrap", "true"]
+        proc = self.runner.run(argv, check=False, timeout=30)
+        text = (proc.stderr or b"").decode(errors="replace").strip()
+        m = re.search(r"to start at (\S+)", text)
+        if proc.returncode != 0 or not m:
+            line = text.splitlines()[-1] if text else f"exit code {proc.returncode}"
+            line = re.sub(r"^sbatch: error: ", "", line)
+            raise CapacityError(f"slurm: {offering.instance_type} cannot run {nodes} node(s) of "
+                                f"{offering.accelerator}:{offering.count}: {line}", provider=self.name,
+                                scope="offering", region=offering.region, instance_type=offering.instance_type)
+        try:
+            start = datetime.datetime.fromisoformat(m.group(1))
+            wait = max(0.0, (start - datetime.datetime.now()).total_seconds())
+        except ValueError:
+            wait = 0.0
+        return wait, text.removeprefix("sbatch: ")
+
+    # ---------------------------------------------------------------- protocol: nodes
+
+    def provision(self, job_id: str, node_id: str, rank: int, offering: Offering, **_: object) -> dict:
+        """Record the node (no Slurm call creates anything); rank 0 checks with ``sbatch
+        --test-only`` that the allocation can run at all (CapacityError if not)."""
+        with self._lock:
+            self._nodes.setdefault(job_id, {})[rank] = node_id
+        if rank == 0:
+            self.estimate_start(offering, self.num_nodes or 1)
+        root = self.job_root(job_id)
+        return {"job_id": job_id, "node_id": node_id, "rank": rank, "root": root,
+                "dir": f"{root}/nodes/{node_id}", "offering": offering.to_dict(),
+                "exclude": sorted(self.excluded)}
+
+    def launch(self, handle: dict, script: str, env: dict[str, str], attempt: int) -> dict:
+        """Write the node's script and environment; the last node's launch submits the attempt."""
+        job_id, rank = handle["job_id"], handle["rank"]
+        with self._lock:
+            nodes = self._nodes.setdefault(job_id, {})
+            nodes[rank] = handle["node_id"]
+            pending = self._pending.setdefault((job_id, attempt), {})
+            pending[rank] = {"handle": handle, "script": script, "env": env}
+            total = self.num_nodes or len(nodes)
+            ready = len(pending) >= total
+        handle = {**handle, "attempt": attempt}
+        if not ready:
+            return handle
+        slurm_id = self._submit(job_id, attempt, [pending[r] for r in sorted(pending)])
+        with self._lock:
+            self._pending.pop((job_id, attempt), None)
+        return {**handle, "slurm_job_id": slurm_id}
+
+    def _submit(self, job_id: str, attempt: int, launches: list[dict]) -> str:
+        from sftctl.templates import render
+
+        root = self.job_root(job_id)
+        offering = Offering(**launches[0]["handle"]["offering"])
+        workdir = None
+        files: dict[str, tuple[str, int]] = {}
+        python = self.cfg.python or (None if self.runner.remote else sys.executable)
+        for item in launches:
+            h, env = item["handle"], dict(item["env"])
+            node_dir = h["dir"]
+            if self.runner.remote:  # the nodes see the cluster's filesystem, not this machine's
+                workdir = workdir or self._upload_workdir(job_id, root)
+                env["SFTCTL_WORKDIR"] = workdir
+                if env.get("SFTCTL_CHECKPOINT_DIR", "").startswith(_local_jobs_dir()):
+                    env["SFTCTL_CHECKPOINT_DIR"] = f"{root}/checkpoints"
+            env.update(SFTCTL_JOB_ID=job_id, SFTCTL_NODE_ID=h["node_id"], SFTCTL_NODE_DIR=node_dir,
+                       SFTCTL_METRICS_DIR=f"{node_dir}/metrics")
+            if python:
+                env["SFTCTL_PYTHON"] = python
+            files[f"{node_dir}/node-{attempt}.sh"] = (item["script"], 0o700)
+            files[f"{node_dir}/env-{attempt}"] = ("".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in env.items()), 0o600)
+            files[f"{node_dir}/metrics/.keep"] = ("", 0o600)
+        node_ids = [item["handle"]["node_id"] for item in launches]
+        adir = f"{root}/attempt-{attempt}"
+        files[f"{adir}/step.sh"] = (render("slurm/step.sh.j2", job_id=job_id, attempt=attempt, root=root,
+                                           node_ids=node_ids, python_dir=str(Path(python).parent) if python else ""), 0o700)
+        opts = self._allocation_args(offering, len(launches), exclude=self.excluded)
+        files[f"{adir}/sbatch.sh"] = (render(
+            "slurm/sbatch.sh.j2", job_id=job_id, attempt=attempt, root=root, options=opts, nodes=len(launches),
+            signal_s=SIGNAL_BEFORE_S, comment=comment(job_id)), 0o700)
+        self.runner.write_files(files)
+        proc = self.runner.run(["sbatch", "--parsable", f"{adir}/sbatch.sh"], check=False, timeout=60)
+        if proc.returncode != 0:
+            err = (proc.stderr or b"").decode(errors="replace").strip()
+            line = re.sub(r"^sbatch: error: ", "", err.splitlines()[-1] if err else f"exit code {proc.returncode}")
+            raise CapacityError(f"slurm: sbatch refused attempt {attempt}: {line}", provider=self.name,
+                                scope="offering", region=offering.region, instance_type=offering.instance_type)
+        slurm_id = proc.stdout.decode().strip().split(";")[0]
+        self.runner.write_files({f"{adir}/slurm_job_id": (slurm_id + "\n", 0o600)})
+        with self._lock:
+            self._submitted[(job_id, attempt)] = slurm_id
+        return slurm_id
+
+    def _upload_workdir(self, job_id: str, root: str) -> str:
+        if job_id not in self.uploaded:
+            from sftctl.state import Store
+
+            job = Store().get_job(job_id)
+            local = (job or {}).get("spec", {}).get("workdir") or "."
+            remote = f"{root}/workdir"
+            self.runner.upload_dir(local, remote)
+            self.uploaded[job_id] = remote
+        return self.uploaded[job_id]
+
+    def _allocation_args(self, offering: Offering, nodes: int, exclude=()) -> list[str]:
+        """sbatch options of an allocation: ``nodes`` x ``offering`` (see the module docstring)."""
+        part, _, gpu_type = offering.instance_type.partition("/")
+        args = [f"--nodes={nodes}", "--ntasks-per-node=1", f"--partition={self.cfg.partition or part}"]
+        if offering.accelerator.lower() != "cpu":
+            args.append(f"--gres=gpu:{gpu_type}:{offering.count}" if gpu_type else f"--gpus-per-node={offering.count}")
+            if self.cfg.cpus_per_node:
+                args.append(f"--cpus-per-task={self.cfg.cpus_per_node}")
+        else:
+            args.append(f"--cpus-per-task={self.cfg.cpus_per_node or offering.count}")
+        if self.cfg.mem_per_node:
+            args.append(f"--mem={self.cfg.mem_per_node}")
+        if self.cfg.account:
+            args.append(f"--account={self.cfg.account}")
+        if self.cfg.qos:
+            args.append(f"--qos={self.cfg.qos}")
+        if self.time_limit_s:
+            args.append(f"--time={duration(self.time_limit_s)}")
+        if exclude:
+            args.append(f"--exclude={','.join(sorted(exclude))}")
+        return args
+
+    # ---------------------------------------------------------------- status
+
+    def slurm_id(self, handle: dict) -> str | None:
+        """The Slurm job of the handle's attempt: from the handle, this process, or the cluster."""
+        if handle.get("slurm_job_id"):
+            return handle["slurm_job_id"]
+        key = (handle.get("job_id"), handle.get("attempt"))
+        if key in self._submitted:
+            return self._submitted[key]
+        if not handle.get("attempt"):
+            return None
+        path = f"{handle['root']}/attempt-{handle['attempt']}/slurm_job_id"
+        data = self.runner.read({"files": {path: 0}}).get(path)
+        if data and data.strip():
+            with self._lock:
+                self._submitted[key] = data.decode().strip()
+            return self._submitted[key]
+        return None
+
+    def job_state(self, slurm_id: str, fresh: bool = False) -> dict | None:
+        """``{"state", "reason", "nodes", "restarts", "source"}`` of a Slurm job, or None when Slurm
+        has forgotten it. squeue first, then ``scontrol show job``, then ``sacct``."""
+        now = time.monotonic()
+        cached = self._states.get(slurm_id)
+        if cached and not fresh and now - cached[0] < STATE_TTL_S:
+            return cached[1]
+        state = self._query_state(slurm_id)
+        self._states[slurm_id] = (now, state)
+        return state
+
+    def _query_state(self, slurm_id: str) -> dict | None:
+        proc = self.runner.run(["squeue", "-h", "-j", slurm_id, "-o", "%T|%r|%N"], check=False)
+        line = proc.stdout.decode().strip()
+        if proc.returncode == 0 and line:
+            state, reason, nodes = (line.split("|") + ["", ""])[:3]
+            return {"state": state, "reason": reason, "nodes": nodes, "source": "squeue"}
+        proc = self.runner.run(["scontrol", "show", "job", "-o", slurm_id], check=False)
+        text = proc.stdout.decode()
+        if proc.returncode == 0 and "JobState=" in text:
+            f = dict(re.findall(r"(\w+)=(\S*)", text))
+            return {"state": f.get("JobState", ""), "reason": f.get("Reason", ""),
+                    "nodes": f.get("NodeList", ""), "restarts": _int(f.get("Restarts", "0")), "source": "scontrol"}
+        proc = self.runner.run(["sacct", "-n", "-P", "-X", "-j", slurm_id, "-o", "State,Reason,NodeList"], check=False)
+        line = proc.stdout.decode().strip().splitlines()
+        if proc.returncode == 0 and line and line[0].strip():
+            state, reason, nodes = (line[0].split("|") + ["", ""])[:3]
+            return {"state": state.split()[0], "reason": reason, "nodes": nodes, "source": "sacct"}
+        return None
+
+    def _files(self, handle: dict, offsets: dict | None = None, log_offset: int | None = None) -> dict[str, bytes]:
+        d, a = handle["dir"], handle.get("attempt")
+        files = {f"{d}/exit-{a}": 0, f"{d}/host-{a}": 0}
+        if log_offset is not None:
+            files[f"{d}/node.log"] = log_offset
+        return self.runner.read({"files": files})
+
+    def exit_code(self, handle: dict) -> int | None:
+        got = self._files(handle).get(f"{handle['dir']}/exit-{handle.get('attempt')}")
+        try:
+            return int(got.decode().strip()) if got else None
+        except ValueError:
+            return None
+
+    def status(self, handle: dict) -> NodeStatus:
+        if handle.get("terminated"):
+            return NodeStatus(NodeState.TERMINATED)
+        if not handle.get("attempt"):
+            return NodeStatus(NodeState.READY)
+        got = self._files(handle)
+        code_text = got.get(f"{handle['dir']}/exit-{handle['attempt']}")
+        if code_text and code_text.strip():
+            code = int(code_text.decode().strip())
+            return NodeStatus(NodeState.SUCCEEDED if code == 0 else NodeState.FAILED, code, f"exit code {code}")
+        slurm_id = self.slurm_id(handle)
+        if slurm_id is None:
+            return NodeStatus(NodeState.RUNNING, None, "waiting for the other nodes' launch")
+        st = self.job_state(slurm_id)
+        host = (got.get(f"{handle['dir']}/host-{handle['attempt']}") or b"").decode().strip()
+        if st is None:
+            if self.exit_code(handle) is not None:
+                return self.status(handle)
+            return NodeStatus(NodeState.LOST, None, f"Slurm no longer knows job {slurm_id} and node "
+                                                    f"{handle['rank']} wrote no exit code")
+        state = st["state"]
+        if state == "PENDING":
+            reason = st.get("reason") or "None"
+            return NodeStatus(NodeState.RUNNING, None, f"pending in Slurm job {slurm_id}: {reason}: "
+                                                       f"{REASONS.get(reason, reason)}")
+        if state not in ENDED:
+            return NodeStatus(NodeState.RUNNING, None, "" if state == "RUNNING" else f"Slurm job {slurm_id} {state.lower()}")
+        code = self.exit_code(handle)  # the allocation ended: the node may have written it just now
+        if code is not None:
+            return NodeStatus(NodeState.SUCCEEDED if code == 0 else NodeState.FAILED, code, f"exit code {code}")
+        where = f" on {host}" if host else ""
+        if state == "NODE_FAIL" and host and not self._node_down(host):
+            # another node of the allocation failed: this one waits for the replacement's relaunch
+            return NodeStatus(NodeState.RUNNING, None, f"Slurm job {slurm_id} NODE_FAIL (not this node)")
+        if state == "TIMEOUT":
+            return NodeStatus(NodeState.FAILED, None, f"Slurm job {slurm_id} hit its time limit{where}")
+        return NodeStatus(NodeState.LOST, None, f"Slurm job {slurm_id} ended {state}{where} "
+                                                f"({st.get('reason') or 'no reason given'}) without an exit code")
+
+    def _node_down(self, host: str) -> bool:
+        proc = self.runner.run(["sinfo", "-h", "-N", "-n", host, "-o", "%t"], check=False)
+        states = proc.stdout.decode().split()
+        return not states or any(s.rstrip("*~#!%$@^-") in ("down", "drain", "drng", "fail", "failg", "unk", "boot")
+                                 or s.endswith("*") for s in states)
+
+    def read_log(self, handle: dict, offset: int) -> tuple[bytes, int]:
+        if not handle.get("dir"):
+            return b"", offset
+        path = f"{handle['dir']}/node.log"
+        data = self.runner.read({"files": {path: offset}}).get(path, b"")
+        return data, offset + len(data)
+
+    def read_metrics(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
+        if not handle.get("dir"):
+            return []
+        pattern = f"{handle['dir']}/metrics/rank-*.jsonl"
+        got = self.runner.read({"globs": [pattern], "files": {p: o for p, o in offsets.items() if p.startswith(handle["dir"])}})
+        out = []
+        for path in sorted(got):
+            if not path.endswith(".jsonl"):
+                continue
+            out += _json_lines(path, got[path], offsets)
+        return out
+
+    def read_health(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
+        if not handle.get("dir"):
+            return []
+        path = f"{handle['dir']}/health.jsonl"
+        got = self.runner.read({"files": {path: offsets.get(path, 0)}})
+        return _json_lines(path, got[path], offsets) if path in got else []
+
+    # ---------------------------------------------------------------- teardown
+
+    def stop_attempt(self, handle: dict) -> None:
+        """Cancel the attempt's allocation (every node of it); the next attempt submits anew."""
+        self._cancel(handle)
+
+    def terminate(self, handle: dict) -> None:
+        """Cancel the allocation of the node's attempt; a node that had run on a Slurm node that
+        is down now puts that node on this job's ``--exclude`` list."""
+        if handle.get("attempt"):
+            host = (self._files(handle).get(f"{handle['dir']}/host-{handle['attempt']}") or b"").decode().strip()
+            if host and self._node_down(host):
+                self.excluded.add(host)
+        self._cancel(handle)
+
+    def _cancel(self, handle: dict) -> None:
+        with self._lock:
+            self._pending.pop((handle.get("job_id"), handle.get("attempt")), None)
+        slurm_id = self.slurm_id(handle) if handle.get("attempt") and handle.get("root") else None
+        if slurm_id:
+            self.runner.run(["scancel", slurm_id], check=False)
+            self._states.pop(slurm_id, None)
+
+    def list_instances(self, job_id: str | None = None) -> list[dict]:
+        """The user's live Slurm jobs whose comment carries sftctl's labels and this home."""
+        user = ["--me"] if not self.runner.remote and os.geteuid() != 0 else ["-u", self.cfg.user] if self.cfg.user else ["--me"]
+        proc = self.runner.run(["squeue", "-h", *user, "-o", "%i|%T|%k"], check=False)
+        if proc.returncode != 0:
+            proc = self.runner.run(["squeue", "-h", "-o", "%i|%T|%k"], check=False)
+        out = []
+        mine = home_tag()
+        for line in proc.stdout.decode().splitlines():
+            bits = line.strip().split("|", 2)
+            if len(bits) != 3 or COMMENT_PREFIX not in bits[2]:
+                continue
+            labels = parse_comment(bits[2])
+            if labels.get("sftctl-home") != mine:
+                continue
+            if job_id is None or labels.get("sftctl-job") == job_id:
+                out.append({"id": bits[0], "job_id": labels.get("sftctl-job"), "node_id": None, "state": bits[1]})
+        return out
+
+    def terminate_tagged(self, job_id: str) -> int:
+        found = self.list_instances(job_id)
+        if found:
+            self.runner.run(["scancel", *[f["id"] for f in found]], check=False)
+        return len(found)
+
+
+def _json_lines(path: str, data: bytes, offsets: dict[str, int]) -> list[dict]:
+    complete = data[: data.rfind(b"\n") + 1]
+    offsets[path] = offsets.get(path, 0) + len(complete)
+    out = []
+    for line in complete.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def _int(text: str) -> int:
+    m = re.match(r"\d+", str(text).strip())
+    return int(m.group(0)) if m else 0
+
+
+def _local_jobs_dir() -> str:
+    from sftctl.paths import sftctl_home
+
+    return str(sftctl_home() / "jobs")

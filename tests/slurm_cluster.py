@@ -1,0 +1,277 @@
+"""A real Slurm cluster on this machine for the tests: munged, slurmctld and one slurmd per node.
+
+Debian's ``slurm-wlm`` (22.05 on bookworm) and ``munge`` packages; ``.ci/run`` installs them.
+Everything lives in one temporary directory (configuration, munge key and socket, state, spool,
+logs, pid files) and every port is chosen free on 127.0.0.1, so the cluster never touches the
+machine's own Slurm or munge. The nodes are ``node1..nodeN``, each its own ``slurmd -N nodeK``
+with its own ``Port=`` (Slurm's "multiple slurmd" mode), all with ``NodeAddr=127.0.0.1``.
+
+GPUs cannot exist here, so each node declares typed GPUs as a counted GRES without device
+files (``gres.conf``: ``AutoDetect=off``, ``Name=gpu Type=h100 Count=2``): ``--gpus-per-node``
+and ``--gres=gpu:h100:N`` are scheduled for real and ``sinfo`` reports the types.
+
+    with SlurmCluster(tmp_path, nodes=2) as cluster:
+        env = cluster.env()      # SLURM_CONF for the client commands (sinfo, sbatch, ...)
+
+The cluster runs as root (``SlurmUser=root``); tests skip when the binaries are missing or
+this process is not root (:func:`skip_reason`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+BINARIES = ("munged", "slurmctld", "slurmd", "sinfo", "sbatch", "squeue", "scancel", "scontrol", "srun")
+GPU_TYPE = "h100"
+GPUS_PER_NODE = 2
+CPUS_PER_NODE = 2
+MEMORY_MB = 2000
+
+
+def _which(name: str) -> str | None:
+    return shutil.which(name) or next((p for p in (f"/usr/sbin/{name}", f"/usr/bin/{name}") if os.access(p, os.X_OK)), None)
+
+
+def skip_reason() -> str | None:
+    """None when a cluster can start here, else why not (for ``pytest.skip``)."""
+    missing = [b for b in BINARIES if _which(b) is None]
+    if missing:
+        return (f"Slurm is not installed ({', '.join(missing)} missing): "
+                "apt-get install slurm-wlm munge (.ci/run does)")
+    if os.geteuid() != 0:
+        return "the test Slurm cluster runs slurmd, which needs root"
+    return None
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+class SlurmCluster:
+    """A throwaway Slurm cluster under ``root`` (a directory). See the module docstring.
+
+    Args:
+        root: directory for everything the cluster writes (created).
+        nodes: slurmd daemons (``node1..nodeN``), one partition ``gpu`` holding them all.
+        gpus_per_node: typed GPUs (``h100``) each node declares; 0 for none.
+    """
+
+    def __init__(self, root: Path, nodes: int = 2, gpus_per_node: int = GPUS_PER_NODE):
+        self.root = Path(root)
+        self.n = nodes
+        self.gpus = gpus_per_node
+        self.names = [f"node{i + 1}" for i in range(nodes)]
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.conf = self.root / "etc" / "slurm.conf"
+        self.munge_socket = self.root / "munge" / "munge.socket"
+        self.hostname = socket.gethostname().split(".")[0]
+
+    # ---------------------------------------------------------------- set up
+
+    def write_config(self) -> None:
+        for d in ("etc", "munge", "state", "log", "run", "spool"):
+            (self.root / d).mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root / "munge", 0o700)
+        ctld_port, *node_ports = free_ports(1 + self.n)
+        self.ctld_port = ctld_port
+        self.node_ports = dict(zip(self.names, node_ports))
+        gres = f" Gres=gpu:{GPU_TYPE}:{self.gpus}" if self.gpus else ""
+        node_lines = "\n".join(
+            f"NodeName={name} NodeHostname={self.hostname} NodeAddr=127.0.0.1 Port={port} "
+            f"CPUs={CPUS_PER_NODE} RealMemory={MEMORY_MB}{gres} State=UNKNOWN"
+            for name, port in self.node_ports.items()
+        )
+        r = self.root
+        self.conf.write_text(f"""\
+# written by tests/slurm_cluster.py
+ClusterName=sftctltest
+SlurmctldHost={self.hostname}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={self.munge_socket}
+StateSaveLocation={r}/state
+SlurmdSpoolDir={r}/spool/%n
+SlurmctldPidFile={r}/run/slurmctld.pid
+SlurmdPidFile={r}/run/slurmd-%n.pid
+SlurmctldLogFile={r}/log/slurmctld.log
+SlurmdLogFile={r}/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SwitchType=switch/none
+LaunchParameters=use_interactive_step
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+GresTypes=gpu
+ReturnToService=2
+SlurmdTimeout=10
+SlurmctldTimeout=10
+MessageTimeout=10
+KillWait=3
+MinJobAge=30
+InactiveLimit=0
+Waittime=0
+{node_lines}
+PartitionName=gpu Nodes={','.join(self.names)} Default=YES MaxTime=INFINITE State=UP
+""")
+        if self.gpus:
+            # one character device per GPU (copies of /dev/null: Slurm wants a device per GPU
+            # and hands it to the job in CUDA_VISIBLE_DEVICES order; nothing ever opens them)
+            dev = self.root / "dev"
+            dev.mkdir(exist_ok=True)
+            for i in range(self.gpus):
+                path = dev / f"gpu{i}"
+                if not path.exists():
+                    try:
+                        os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+                    except OSError:  # no mknod here: slurmd logs an error but counts the file
+                        path.touch()
+            files = f"{dev}/gpu[0-{self.gpus - 1}]" if self.gpus > 1 else f"{dev}/gpu0"
+            (self.root / "etc" / "gres.conf").write_text(
+                f"AutoDetect=off\nNodeName={','.join(self.names)} Name=gpu Type={GPU_TYPE} File={files}\n")
+        else:
+            (self.root / "etc" / "gres.conf").write_text("AutoDetect=off\n")
+        key = self.root / "munge" / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        os.chmod(key, 0o400)
+
+    def env(self) -> dict[str, str]:
+        """The environment variables a client (sinfo, sbatch, sftctl) needs for this cluster."""
+        return {"SLURM_CONF": str(self.conf)}
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.root / "log" / f"{name}.out", "ab")
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **self.env()}, start_new_session=True)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def start(self, timeout_s: float = 60) -> "SlurmCluster":
+        self.write_config()
+        m = self.root / "munge"
+        self._spawn("munged", [_which("munged"), "--foreground", "--force", f"--socket={self.munge_socket}",
+                               f"--key-file={m / 'munge.key'}", f"--pid-file={m / 'munged.pid'}",
+                               f"--log-file={m / 'munged.log'}", f"--seed-file={m / 'munged.seed'}"])
+        _wait(lambda: self.munge_socket.exists(), 10, "munged's socket", self)
+        self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(self.conf)])
+        _wait(lambda: self._run(["scontrol", "ping"]).stdout.find("UP") >= 0, timeout_s, "slurmctld to answer", self)
+        for name in self.names:
+            self.start_node(name)
+        _wait(lambda: self.idle_nodes() == set(self.names), timeout_s, "every node to be idle", self)
+        return self
+
+    def start_node(self, name: str) -> None:
+        (self.root / "spool" / name).mkdir(parents=True, exist_ok=True)
+        self._spawn(f"slurmd-{name}", [_which("slurmd"), "-D", "-N", name, "-f", str(self.conf)])
+
+    def kill_node(self, name: str) -> None:
+        """SIGKILL the node's slurmd (its job steps keep running, as on a real node that lost
+        its daemon; slurmctld declares the node DOWN after ``SlurmdTimeout``)."""
+        proc = self.procs.pop(f"slurmd-{name}")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+
+    def _run(self, argv: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **self.env()}, timeout=30)
+
+    def scontrol(self, *args: str) -> str:
+        return self._run(["scontrol", *args]).stdout
+
+    def idle_nodes(self) -> set[str]:
+        out = self._run(["sinfo", "-h", "-N", "-o", "%N %t"]).stdout.split("\n")
+        return {line.split()[0] for line in out if line.strip() and line.split()[1] == "idle"}
+
+    def jobs(self) -> list[str]:
+        """Every job id Slurm still shows in ``squeue`` (pending, running or completing)."""
+        out = self._run(["squeue", "-h", "-o", "%i %T"]).stdout
+        return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+    # ---------------------------------------------------------------- tear down
+
+    def stop(self) -> None:
+        """Cancel every job, stop the daemons (SIGTERM, then SIGKILL) and their job steps."""
+        if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
+            self._run(["scancel", "--full", "--user=root"]) if self.jobs() else None
+        for name in sorted(self.procs, key=lambda n: n == "munged"):  # munge last
+            proc = self.procs[name]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for name, proc in self.procs.items():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
+        self.procs.clear()
+        _kill_stepds(self.root)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        out = []
+        for p in sorted((self.root / "log").glob("*.log")):
+            out.append(f"--- {p.name}\n{p.read_text(errors='replace')[-chars:]}")
+        return "\n".join(out)
+
+    def __enter__(self) -> "SlurmCluster":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _kill_stepds(root: Path) -> None:
+    """slurmstepd processes outlive a killed slurmd; end the ones of this cluster (by config)."""
+    conf = str(root / "etc" / "slurm.conf")
+    for pid_dir in Path("/proc").iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        try:
+            cmd = (pid_dir / "cmdline").read_bytes().split(b"\0")
+            env = (pid_dir / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmd and cmd[0].endswith(b"slurmstepd") and (f"SLURM_CONF={conf}".encode() in env):
+            try:
+                os.kill(int(pid_dir.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _wait(pred, timeout_s: float, what: str, cluster: SlurmCluster) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            if pred():
+                return
+        except (OSError, subprocess.SubprocessError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"test Slurm cluster: timed out waiting for {what}\n{cluster.log_tail()}")
