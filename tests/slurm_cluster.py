@@ -106,7 +106,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={self.munge_socket}
+AuthInfo=socket={self.munge_socket},cred_expire=5
 StateSaveLocation={r}/state
 SlurmdSpoolDir={r}/spool/%n
 SlurmctldPidFile={r}/run/slurmctld.pid
@@ -124,11 +124,12 @@ MpiDefault=none
 SwitchType=switch/none
 LaunchParameters=use_interactive_step
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 GresTypes=gpu
 ReturnToService=2
-SlurmdTimeout=10
+SlurmdTimeout=6
 SlurmctldTimeout=10
 MessageTimeout=10
 KillWait=3
@@ -165,8 +166,10 @@ PartitionName=gpu Nodes={','.join(self.names)} Default=YES MaxTime=INFINITE Stat
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.root / "log" / f"{name}.out", "ab")
+        # the marker reaches the slurmstepd processes a slurmd forks: kill_node finds them by it
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **self.env()}, start_new_session=True)
+                                env={**os.environ, **self.env(), DAEMON_TAG: f"{self.root}:{name}"},
+                                start_new_session=True)
         log.close()
         self.procs[name] = proc
         return proc
@@ -190,11 +193,12 @@ PartitionName=gpu Nodes={','.join(self.names)} Default=YES MaxTime=INFINITE Stat
         self._spawn(f"slurmd-{name}", [_which("slurmd"), "-D", "-N", name, "-f", str(self.conf)])
 
     def kill_node(self, name: str) -> None:
-        """SIGKILL the node's slurmd (its job steps keep running, as on a real node that lost
-        its daemon; slurmctld declares the node DOWN after ``SlurmdTimeout``)."""
+        """The node dies: SIGKILL its slurmd, its slurmstepd processes and everything they run
+        (slurmctld declares the node DOWN after ``SlurmdTimeout``, the job NODE_FAIL)."""
         proc = self.procs.pop(f"slurmd-{name}")
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
+        _kill_trees(_tagged(f"{self.root}:slurmd-{name}"))
 
     def _run(self, argv: list[str]) -> subprocess.CompletedProcess:
         return subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **self.env()}, timeout=30)
@@ -247,22 +251,52 @@ PartitionName=gpu Nodes={','.join(self.names)} Default=YES MaxTime=INFINITE Stat
         self.stop()
 
 
-def _kill_stepds(root: Path) -> None:
-    """slurmstepd processes outlive a killed slurmd; end the ones of this cluster (by config)."""
-    conf = str(root / "etc" / "slurm.conf")
+DAEMON_TAG = "SFTCTL_TEST_SLURM_DAEMON"
+
+
+def _tagged(value_prefix: str) -> list[int]:
+    """Processes whose environment has ``DAEMON_TAG`` starting with ``value_prefix``."""
+    want = f"{DAEMON_TAG}={value_prefix}".encode()
+    out = []
     for pid_dir in Path("/proc").iterdir():
-        if not pid_dir.name.isdigit():
+        if not pid_dir.name.isdigit() or int(pid_dir.name) == os.getpid():
             continue
         try:
-            cmd = (pid_dir / "cmdline").read_bytes().split(b"\0")
             env = (pid_dir / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if cmd and cmd[0].endswith(b"slurmstepd") and (f"SLURM_CONF={conf}".encode() in env):
+        if any(e.startswith(want) for e in env):
+            out.append(int(pid_dir.name))
+    return out
+
+
+def _kill_trees(roots: list[int]) -> None:
+    """SIGKILL ``roots`` and all their descendants (by parent pid, read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for pid_dir in Path("/proc").iterdir():
+        if pid_dir.name.isdigit():
             try:
-                os.kill(int(pid_dir.name), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+                ppid = int((pid_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(pid_dir.name))
+    todo, seen = list(roots), set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        todo += children.get(pid, [])
+    for pid in seen:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _kill_stepds(root: Path) -> None:
+    """slurmstepd processes outlive a killed slurmd; end this cluster's and what they run."""
+    _kill_trees(_tagged(f"{root}:"))
 
 
 def _wait(pred, timeout_s: float, what: str, cluster: SlurmCluster) -> None:

@@ -680,7 +680,7 @@ class SlurmProvider:
         opts = self._allocation_args(offering, len(launches), exclude=self.excluded)
         files[f"{adir}/sbatch.sh"] = (render(
             "slurm/sbatch.sh.j2", job_id=job_id, attempt=attempt, root=root, options=opts, nodes=len(launches),
-            signal_s=SIGNAL_BEFORE_S, comment=comment(job_id)), 0o700)
+            signal_s=SIGNAL_BEFORE_S, comment=comment(job_id), requeue=self.cfg.requeue), 0o700)
         self.runner.write_files(files)
         proc = self.runner.run(["sbatch", "--parsable", f"{adir}/sbatch.sh"], check=False, timeout=60)
         if proc.returncode != 0:
@@ -762,7 +762,12 @@ class SlurmProvider:
         line = proc.stdout.decode().strip()
         if proc.returncode == 0 and line:
             state, reason, nodes = (line.split("|") + ["", ""])[:3]
-            return {"state": state, "reason": reason, "nodes": nodes, "source": "squeue"}
+            out = {"state": state, "reason": reason, "nodes": nodes, "source": "squeue"}
+            if state == "PENDING":  # was it requeued? (squeue does not say; scontrol does)
+                f = dict(re.findall(r"(\w+)=(\S*)", self.runner.run(["scontrol", "show", "job", "-o", slurm_id],
+                                                                     check=False).stdout.decode()))
+                out["restarts"] = _int(f.get("Restarts", "0"))
+            return out
         proc = self.runner.run(["scontrol", "show", "job", "-o", slurm_id], check=False)
         text = proc.stdout.decode()
         if proc.returncode == 0 and "JobState=" in text:
@@ -813,8 +818,10 @@ class SlurmProvider:
         state = st["state"]
         if state == "PENDING":
             reason = st.get("reason") or "None"
+            again = (f" (requeued by Slurm, restart {st['restarts']}: it resumes from the last checkpoint)"
+                     if st.get("restarts") else "")
             return NodeStatus(NodeState.RUNNING, None, f"pending in Slurm job {slurm_id}: {reason}: "
-                                                       f"{REASONS.get(reason, reason)}")
+                                                       f"{REASONS.get(reason, reason)}{again}")
         if state not in ENDED:
             return NodeStatus(NodeState.RUNNING, None, "" if state == "RUNNING" else f"Slurm job {slurm_id} {state.lower()}")
         code = self.exit_code(handle)  # the allocation ended: the node may have written it just now

@@ -1,0 +1,295 @@
+"""The Slurm provider against a real Slurm cluster on this machine (tests/slurm_cluster.py).
+
+Each test starts its own cluster (munged, slurmctld, one slurmd per node, about a second) and
+ends by asserting that ``squeue`` is empty: sftctl never leaks a Slurm job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, sftctl, status_json, wait_for, write_spec
+from slurm_cluster import GPU_TYPE, SlurmCluster, skip_reason
+
+pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
+
+SHELL_JOB = """\
+name: slurm-shell
+workdir: {workdir}
+resources: {{accelerators: ["cpu:1"], nodes: {nodes}, clouds: [slurm]}}
+health: {{enabled: false}}
+run: |
+  echo "rank=$SFTCTL_NODE_RANK nodes=$SFTCTL_NUM_NODES slurm_node=$SFTCTL_SLURM_NODE master=$MASTER_ADDR ips=$SFTCTL_NODE_IPS rdzv=$SFTCTL_RDZV_ENDPOINT host=$SFTCTL_RDZV_IS_HOST job=$SFTCTL_JOB_ID attempt=$SFTCTL_ATTEMPT"
+  {extra}
+"""
+
+
+@pytest.fixture
+def cluster(tmp_path, monkeypatch, home):
+    """A 3-node cluster; SLURM_CONF points this process and its CLI children at it."""
+    with SlurmCluster(tmp_path / "slurm", nodes=3) as c:
+        for k, v in c.env().items():
+            monkeypatch.setenv(k, v)
+        yield c
+        # a cancelled job may still be COMPLETING (Slurm cleaning up) for a few seconds; a job
+        # that is still PENDING or RUNNING after that was leaked
+        end = time.monotonic() + 30
+        while c.jobs() and time.monotonic() < end:
+            time.sleep(0.5)
+        leaked = c.jobs()
+        assert leaked == [], f"sftctl left Slurm jobs behind: {leaked}"
+
+
+def shell_spec(tmp_path: Path, nodes: int = 2, extra: str = "sleep 1") -> Path:
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    return write_spec(tmp_path / "job.yaml", SHELL_JOB.format(workdir=work, nodes=nodes, extra=extra))
+
+
+def scontrol_job(cluster: SlurmCluster, slurm_id: str) -> dict:
+    import re
+
+    return dict(re.findall(r"(\w+)=(\S*)", cluster.scontrol("show", "job", "-o", slurm_id)))
+
+
+# -------------------------------------------------------------------- pure parts
+
+
+def test_gres_parsing_and_gpu_type_names():
+    from sftctl.providers.slurm import accelerator_of, duration, parse_gres
+
+    assert parse_gres("gpu:h100:4(S:0-1),shard:8") == [("h100", 4)]
+    assert parse_gres("gpu:2") == [("", 2)]
+    assert parse_gres("(null)") == []
+    assert parse_gres("gpu:a100:2,gpu:h100:1") == [("a100", 2), ("h100", 1)]
+    assert accelerator_of("h100") == "H100"
+    assert accelerator_of("H200") == "H200"
+    assert accelerator_of("a100_80gb") == "A100-80GB"
+    assert accelerator_of("mystery") == ""
+    assert accelerator_of("mystery", {"mystery": "L4"}) == "L4"
+    assert duration(90) == "0-00:02:00" and duration(6 * 3600) == "0-06:00:00" and duration(2 * 86400 + 1) == "2-00:01:00"
+
+
+def test_not_configured_without_sinfo_or_conf(tmp_path, home, monkeypatch):
+    from sftctl.providers import configured
+
+    assert "sinfo is not on PATH" in configured("slurm", {"PATH": str(tmp_path)})
+    monkeypatch.delenv("SFTCTL_CONFIG", raising=False)
+    assert "does not exist" in configured("slurm", {"PATH": os.environ["PATH"], "SLURM_CONF": str(tmp_path / "no.conf")})
+    (home).mkdir(parents=True, exist_ok=True)
+    (home / "config.yaml").write_text("slurm: {host: login.example.org}\n")
+    assert configured("slurm", {"PATH": str(tmp_path)}) is None  # SSH mode needs no local Slurm
+
+
+# -------------------------------------------------------------------- the cluster
+
+
+def test_offerings_come_from_sinfo_with_owned_or_lab_price(cluster, home):
+    from sftctl.providers.slurm import SlurmProvider
+
+    p = SlurmProvider()
+    [h100] = p.offerings("H100", 2)
+    assert (h100.provider, h100.instance_type, h100.accelerator, h100.count) == ("slurm", f"gpu/{GPU_TYPE}", "H100", 2)
+    assert h100.usd_per_hour == 0.0 and "owned" in h100.source and "3/3 node(s) idle" in h100.source
+    assert h100.vcpus == 2 and h100.memory_gib == round(2000 / 1024, 1)
+    assert p.offerings("H100", 3) == []  # each node has 2
+    assert p.offerings("A100-80GB", 1) == []
+    [cpu] = p.offerings("cpu", 2)
+    assert (cpu.instance_type, cpu.accelerator) == ("gpu", "cpu")
+    priced = SlurmProvider(config={"gpu_hour_usd": 1.75})
+    assert priced.offerings("H100", 2)[0].usd_per_hour == pytest.approx(3.5)
+
+
+def test_plan_weighs_the_queue_and_rejects_impossible_allocations(cluster, tmp_path):
+    spec = write_spec(tmp_path / "gpu.yaml", f"""\
+name: gpu-plan
+workdir: {tmp_path}
+resources: {{accelerators: ["H100:2"], nodes: 2, clouds: [slurm]}}
+run: "true"
+""")
+    doc = json.loads(sftctl("plan", str(spec), "--json", check=True).stdout)
+    chosen = doc["candidates"][0] if "candidates" in doc else doc
+    text = json.dumps(doc)
+    assert "slurm" in text and '"queue_wait_s": 0.0' in text
+    # more nodes than the partition has: Slurm's own refusal, exit 3, nothing submitted
+    proc = sftctl("plan", str(spec), "--set", "resources.nodes=4")
+    assert proc.returncode == 3, proc.stderr
+    assert "gpu/h100 cannot run 4 node(s)" in proc.stderr and "Traceback" not in proc.stderr
+    assert chosen is not None
+
+
+def test_shell_job_on_two_nodes(cluster, tmp_path):
+    proc = sftctl("run", str(shell_spec(tmp_path)), "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["status"] == "SUCCEEDED" and doc["provider"] == "slurm"
+    assert all(n["status"] == "TERMINATED" for n in doc["nodes"])
+    logs = sftctl("logs", doc["id"], check=True).stdout
+    lines = sorted(line for line in logs.splitlines() if "rank=" in line)
+    assert len(lines) == 2, logs
+    ranks = {}
+    for line in lines:
+        kv = dict(p.split("=", 1) for p in line.split(") ", 1)[1].split())
+        ranks[kv["rank"]] = kv
+    assert set(ranks) == {"0", "1"}
+    assert ranks["0"]["slurm_node"] != ranks["1"]["slurm_node"]  # one task per Slurm node
+    assert all(r["nodes"] == "2" and r["ips"] == "127.0.0.1,127.0.0.1" and r["master"] == "127.0.0.1"
+               and r["rdzv"].startswith("127.0.0.1:") and r["job"] == doc["id"] and r["attempt"] == "1"
+               for r in ranks.values())
+    assert (ranks["0"]["host"], ranks["1"]["host"]) == ("1", "0")
+
+
+def test_sbatch_options_reach_slurm(cluster, tmp_path, home):
+    """Typed GRES, --time from the deadline, the comment labels, requeue: as Slurm recorded them."""
+    spec = write_spec(tmp_path / "gpu.yaml", f"""\
+name: gpu-job
+workdir: {tmp_path}
+resources: {{accelerators: ["H100:2"], nodes: 2, clouds: [slurm], deadline: 90m}}
+slurm: {{cpus_per_node: 1, mem_per_node: 500M}}
+health: {{enabled: false}}
+run: 'echo "gpus=$CUDA_VISIBLE_DEVICES"; sleep 60'
+""")
+    job = json.loads(sftctl("run", str(spec), "--detach", "--json", check=True).stdout)["job_id"]
+    ids = wait_for(lambda: cluster.jobs(), what="the Slurm job to be submitted")
+    wait_for(lambda: "gpus=" in sftctl("logs", job).stdout, timeout_s=60, what="the nodes to start")
+    f = scontrol_job(cluster, ids[0])
+    assert f["JobState"] == "RUNNING" and f["NumNodes"] == "2" and f["TimeLimit"] == "01:30:00"
+    assert f["Requeue"] == "1" and f["Partition"] == "gpu" and f["MinMemoryNode"] == "500M"
+    assert f"gres:gpu:{GPU_TYPE}=2" in f["TresPerNode"] or f"gpu:{GPU_TYPE}:2" in f["TresPerNode"]
+    assert f"sftctl-job={job}" in f["Comment"] and "sftctl-managed=true" in f["Comment"]
+    assert "gpus=0,1" in sftctl("logs", job).stdout
+    summary = sftctl("down", job, check=True).stdout
+    assert "cancelled" in summary
+    wait_for(lambda: cluster.jobs() == [], timeout_s=30, what="scancel to take effect")
+
+
+def test_pending_reason_in_status_and_events(cluster, tmp_path, home):
+    # a job of someone else holds every node: ours waits for Resources, then runs
+    blocker = subprocess.run(["sbatch", "--parsable", "-N3", "--exclusive", "--wrap", "sleep 300"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+    try:
+        job = json.loads(sftctl("run", str(shell_spec(tmp_path)), "--detach", "--json", check=True).stdout)["job_id"]
+        wait_for(lambda: any("Resources" in e["message"] for e in
+                             json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]),
+                 timeout_s=60, what="the pending reason in the events")
+        events = json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]
+        pending = [e["message"] for e in events if "pending" in e["message"]]
+        assert any("waiting for resources" in m for m in pending), pending
+        doc = status_json(job)
+        assert doc["status"] == "RUNNING" and {n["status"] for n in doc["nodes"]} == {"PENDING"}
+    finally:
+        subprocess.run(["scancel", blocker], check=True)
+    wait_for(lambda: status_json(job)["status"] in ("SUCCEEDED", "FAILED"), timeout_s=90, what="the job to finish")
+    assert status_json(job)["status"] == "SUCCEEDED"
+
+
+def test_kill_9_controller_then_down_cancels_the_slurm_job(cluster, tmp_path, home):
+    job = json.loads(sftctl("run", str(shell_spec(tmp_path, extra="sleep 120")), "--detach", "--json",
+                            check=True).stdout)["job_id"]
+    wait_for(lambda: "rank=" in sftctl("logs", job).stdout, timeout_s=60, what="the nodes to start")
+    assert len(cluster.jobs()) == 1
+    os.kill(status_json(job)["controller_pid"], signal.SIGKILL)
+    time.sleep(0.5)
+    assert len(cluster.jobs()) == 1  # nothing cancels it but sftctl down
+    summary = sftctl("down", job, check=True).stdout
+    assert job in summary
+    wait_for(lambda: cluster.jobs() == [], timeout_s=30, what="the Slurm job to be cancelled")
+
+
+def test_down_orphans_finds_jobs_by_comment(cluster, tmp_path, home):
+    from sftctl.providers.slurm import comment
+
+    # a Slurm job sftctl's state does not know (its controller died before recording it)
+    mine = subprocess.run(["sbatch", "--parsable", f"--comment={comment('ghost-job')}", "--wrap", "sleep 300"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    theirs = subprocess.run(["sbatch", "--parsable", "--comment=sftctl-managed=true,sftctl-job=x,sftctl-home=other",
+                             "--wrap", "sleep 300"], capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        out = sftctl("down", "--orphans", check=True).stdout
+        assert "slurm: ghost-job (unknown job): removed 1 resource(s)" in out, out
+        wait_for(lambda: cluster.jobs() == [theirs], timeout_s=30, what="only the other home's job to remain")
+    finally:
+        subprocess.run(["scancel", mine, theirs])
+    wait_for(lambda: cluster.jobs() == [], timeout_s=30, what="cleanup")
+
+
+def test_failing_node_restarts_in_a_new_allocation(cluster, tmp_path, home):
+    extra = 'if [ "$SFTCTL_ATTEMPT" = 1 ] && [ "$SFTCTL_NODE_RANK" = 1 ]; then exit 3; fi'
+    spec = shell_spec(tmp_path, extra=extra)
+    proc = sftctl("run", str(spec), "--set", "recovery.max_restarts=1", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["status"] == "SUCCEEDED" and doc["restarts"] == 1
+    assert [a["status"] for a in doc["attempts"]] == ["FAILED", "SUCCEEDED"]
+    assert "node 1 exited with code 3" in doc["attempts"][0]["reason"]
+
+
+LOOP_JOB = """\
+name: slurm-loop
+workdir: {workdir}
+resources: {{accelerators: ["cpu:1"], nodes: 2, clouds: [slurm]}}
+health: {{enabled: false}}
+recovery: {{max_restarts: 1}}
+run: |
+  ckpt="{workdir}/ckpt-$SFTCTL_NODE_RANK"
+  start=$(cat "$ckpt" 2>/dev/null || echo 0)
+  echo "rank $SFTCTL_NODE_RANK on $SFTCTL_SLURM_NODE resumes from $start"
+  for i in $(seq "$start" 30); do echo "$i" > "$ckpt"; sleep 0.3; done
+"""
+
+
+def test_node_failure_resumes_on_the_remaining_nodes(cluster, tmp_path, home):
+    """slurmd and everything of node K killed mid-run: Slurm marks it DOWN, the job NODE_FAIL and
+    (--requeue) requeues it; it starts again on the two live nodes and resumes from its checkpoint."""
+    work = tmp_path / "work"
+    work.mkdir()
+    spec = write_spec(tmp_path / "loop.yaml", LOOP_JOB.format(workdir=work))
+    job = json.loads(sftctl("run", str(spec), "--detach", "--json", check=True).stdout)["job_id"]
+    wait_for(lambda: (work / "ckpt-1").exists() and int((work / "ckpt-1").read_text() or 0) >= 3, timeout_s=60,
+             what="rank 1 to checkpoint step 3")
+    first = {line.split()[1]: line.split()[3] for line in sftctl("logs", job).stdout.splitlines()
+             if "resumes from" in line for line in [line.split(") ", 1)[1]]}
+    victim = first["1"]
+    cluster.kill_node(victim)
+    killed_at = int((work / "ckpt-1").read_text())
+    wait_for(lambda: status_json(job)["status"] in ("SUCCEEDED", "FAILED", "FAILED_CONTROLLER"), timeout_s=150,
+             what="the job to finish after the node failure")
+    doc = status_json(job)
+    assert doc["status"] == "SUCCEEDED", doc["failure_reason"]
+    runs: dict[str, list[list[str]]] = {}  # rank -> its runs' "rank R on NODE resumes from STEP"
+    for line in sftctl("logs", job).stdout.splitlines():
+        if "resumes from" in line:
+            words = line.split(") ", 1)[1].split()
+            runs.setdefault(words[1], []).append(words)
+    assert [len(runs["0"]), len(runs["1"])] == [2, 2], runs  # every node ran again
+    again = runs["1"][1]
+    assert again[3] != victim and int(again[6]) >= killed_at - 1  # elsewhere, from its checkpoint
+    assert int(runs["0"][1][6]) > 0
+    events = [e["message"] for e in json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]]
+    assert any("requeued by Slurm" in m for m in events), events
+    assert int((work / "ckpt-1").read_text()) == 30
+
+
+def test_quickstart_on_two_slurm_nodes(cluster, home):
+    """The quickstart (DDP over gloo, c10d rendezvous on the allocation's first node) on Slurm."""
+    proc = sftctl("run", "examples/quickstart.yaml", "--set", "resources.clouds=[slurm]", "--set", "train.steps=20",
+                  "--set", "train.checkpoint_interval=10", "--json", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["status"] == "SUCCEEDED" and doc["provider"] == "slurm", doc["failure_reason"]
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1]
+    for r in doc["ranks"]:
+        assert r["step"] == 20 and r["loss"] < r["first_loss"]
+    ckpts = sorted(p.name for p in (home / "jobs" / doc["id"] / "checkpoints").glob("step-*"))
+    assert "step-00000020" in ckpts
+    logs = sftctl("logs", doc["id"], check=True).stdout
+    assert "(node 0)" in logs and "(node 1)" in logs
+    table = sftctl("status", doc["id"], check=True).stdout
+    assert "SUCCEEDED" in table and "slurm" in table
