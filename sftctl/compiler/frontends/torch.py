@@ -62,6 +62,9 @@ attention op (q, k, v cast to the autocast dtype, as CUDA autocast does for SDPA
 statistics in float32 as flash attention keeps them) run in bfloat16/float16, while layer norm,
 GELU (computed in float32 by its decomposition) and the loss stay float32. The CPU autocast op lists are
 used; for the ops a transformer uses (linear, matmul, bmm, baddbmm) they agree with CUDA's.
+This is the one scheme a spec's ``model.dtype`` names in both frontends: the JAX frontend gives
+the same float32 master weights and AdamW state with bfloat16/float16 compute
+(``frontends/jax.py``, ``compute_dtype``).
 
 Lowering notes: ``torch.gather`` / ``scatter`` (take-along-axis forms) become an IR ``gather`` /
 ``scatter_add`` on the flattened tensor with a computed linear index; ``index`` / ``index_put``
