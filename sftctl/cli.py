@@ -255,6 +255,8 @@ def plan(
         return
     console = _console()
     console.print(plan_table(chosen.candidates, spec.train.steps))
+    for note in dict.fromkeys(c.note for c in chosen.candidates if c.note):
+        console.print(f"note: {_escape(note)}", soft_wrap=True)
     console.print(f"[bold]{_escape(chosen.reason)}[/]", soft_wrap=True)
 
 
@@ -314,29 +316,36 @@ def compile_(
     console = _console(stderr=as_json)
     predictor = Predictor(spec)
     from sftctl.compiler.driver import compile_for
+    from sftctl.compiler.report import compile_doc, write_report
 
     with console.status(f"tracing {spec.model.entrypoint}") as st:
         graph = predictor.graph()
         st.update(f"searching schedules for {hw.name}")
-        compiled = compile_for(graph, hw.name)
-    doc = compiled.to_dict() | {"job": spec.name, "graph_nodes": len(graph.nodes)}
+        compiled = compile_for(graph, hw.name, matmul_precision=spec.model.matmul_precision)
+    doc = compile_doc(compiled, graph, spec, hw, predictor.mode)
     out = out or Path("sftctl-compile") / f"{spec.name}-{hw.name.lower()}"
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(doc, indent=1) + "\n")
-    from sftctl.ui import compile_report, kernels_table
-
-    (out / "report.md").write_text(compile_report(doc, hw))
+    write_report(doc, hw, out)
     if as_json:
         _print_json(doc)
         return
+    from sftctl.ui import kernels_table
+
     console.print(kernels_table(compiled.kernels, top))
+    mode = predictor.mode
+    times = ", ".join(f"{m} {doc['modes'][m] * 1000:.2f} ms" for m in doc["modes"])
+    peak = doc["peak_memory"]["peak_bytes"]
     console.print(
-        f"[bold]{spec.name} on {hw.name}[/]: {len(graph.nodes)} ops -> {len(compiled.kernels)} kernels; "
-        f"predicted {compiled.compute_time_s * 1000:.2f} ms/step, peak memory {compiled.peak_memory_bytes / 2**30:.2f} GiB; "
-        f"{compiled.candidates:,} schedule candidates ({compiled.scored:,} scored after pruning) in {compiled.search_s:.1f} s\n"
-        f"wrote {out / 'plan.json'} and {out / 'report.md'}",
+        f"[bold]{spec.name} on {hw.name}[/]: {len(graph.nodes)} ops -> {len(compiled.kernels)} kernels (sftensor); "
+        f"predicted {doc['step_time_s'] * 1000:.2f} ms/step in {mode} mode (train.compile: {spec.train.compile}; "
+        f"{times}), peak memory {peak / 2**30:.2f} GiB; "
+        f"{compiled.candidates:,} schedule candidates ({compiled.scored:,} scored after pruning) in {compiled.search_s:.1f} s",
         soft_wrap=True,
     )
+    if not doc["fits"]:
+        console.print(f"[bold red]does not fit:[/] {_escape(doc['fit_note'])}", soft_wrap=True)
+    console.print(f"wrote {out / 'plan.json'}, {out / 'report.md'} and {out / 'roofline.svg'}", soft_wrap=True)
 
 
 # ------------------------------------------------------------------------------------ status

@@ -417,6 +417,7 @@ class Controller:
                 SFTCTL_MODEL_ENTRYPOINT=spec.model.entrypoint,
                 SFTCTL_BATCH_SIZE=str(max(1, spec.model.batch_size // (len(self.nodes) * self.offering.count))),
                 SFTCTL_DTYPE=spec.model.dtype,
+                SFTCTL_MATMUL_PRECISION=spec.model.matmul_precision,
             )
         return env
 

@@ -2,7 +2,10 @@
 feasible one whose provider is usable here.
 
 For a job with a ``model``, the search compiler predicts each offering's step time and peak
-memory (:class:`Predictor`); the job's cost is then ``usd_per_hour x nodes x steps x step_time``.
+memory (:class:`Predictor`) in the execution mode the job runs (``train.compile``: ``none`` ->
+``eager``, ``default`` -> ``default``, ``sftensor`` -> ``sftensor``; JAX steps are jitted:
+``default``; see :mod:`sftctl.compiler.modes`); the job's cost is then
+``usd_per_hour x nodes x steps x step_time``.
 Without a model (a plain shell job), offerings are ranked by price per hour.
 
 Objective (``resources.objective``): ``cost`` takes the cheapest job within the deadline and the
@@ -41,6 +44,8 @@ class Candidate:
     rejected: str | None = None
     queue_wait_s: float | None = None  # Slurm: the scheduler's estimate of the wait before the start
     queue_detail: str | None = None
+    mode: str | None = None  # the execution mode step_time_s is predicted for
+    note: str | None = None  # what a person should know about this prediction (precision ...)
 
     @property
     def finish_s(self) -> float | None:
@@ -58,7 +63,7 @@ class Candidate:
             "peak_memory_bytes": self.peak_memory_bytes, "devices_needed": self.devices_needed,
             "total_usd": self.total_usd, "hours": self.hours, "rejected": self.rejected,
             "queue_wait_s": self.queue_wait_s, "finish_s": self.finish_s,
-            "offering": o.to_dict(),
+            "mode": self.mode, "note": self.note, "offering": o.to_dict(),
         }
 
 
@@ -80,6 +85,7 @@ class Plan:
             "nodes": self.chosen.nodes,
             "usd_per_hour": self.chosen.usd_per_hour,
             "step_time_s": self.chosen.step_time_s,
+            "mode": self.chosen.mode,
             "total_usd": self.chosen.total_usd,
             "reason": self.reason,
             "candidates": [c.to_dict() for c in self.candidates],
@@ -105,6 +111,8 @@ class Predictor:
         self.error: str | None = None  # why predictions failed, when not strict
         self._graphs: dict[int, object] = {}  # per-rank batch -> traced step
         self.compiled: dict[tuple, object] = {}
+        self.notes: dict[str, str] = {}  # accelerator -> a note on its prediction
+        self.mode = execution_mode(spec)
 
     def graph(self, per_rank_batch: int | None = None):
         """The traced step for one data-parallel rank's share of the global batch."""
@@ -153,13 +161,43 @@ class Predictor:
         per_rank = self.spec.model.batch_size // world
         if per_rank * world != self.spec.model.batch_size:
             raise _Unsplittable(self.spec.model.batch_size, world)
+        precision = self.spec.model.matmul_precision
+        hw = get_accelerator(name)
         if (name, per_rank) not in self.compiled:
             graph = self.graph(per_rank)
             self.progress(f"compiling for {name}")
-            self.compiled[name, per_rank] = compile_for(graph, name)
-        p = predict(self.compiled[name, per_rank], get_accelerator(name), offering.count, nodes,
-                    offering.intra_node_bytes_per_s, offering.inter_node_bytes_per_s)
+            self.compiled[name, per_rank] = compile_for(graph, name, matmul_precision=precision)
+            if self.spec.model.dtype == "bfloat16" and lacks_bf16_tensor_cores(hw):
+                fp16 = compile_for(graph, name, matmul_precision=precision, mma_dtype_map={"bfloat16": "float16"})
+                self.notes[name] = (
+                    f"{name} has no bfloat16 tensor cores: bf16 matmuls run on its CUDA cores at "
+                    f"{hw.matrix_peak('bfloat16') / 1e12:.1f} TFLOP/s; model.dtype float16 would run them on its "
+                    f"tensor cores ({hw.matrix_peak('float16') / 1e12:.0f} TFLOP/s): predicted "
+                    f"{fp16.mode_time_s(self.mode) * 1e3:.1f} ms/step instead of "
+                    f"{self.compiled[name, per_rank].mode_time_s(self.mode) * 1e3:.1f} ({self.mode})")
+        p = predict(self.compiled[name, per_rank], hw, offering.count, nodes,
+                    offering.intra_node_bytes_per_s, offering.inter_node_bytes_per_s, mode=self.mode)
         return p.step_time_s, p.peak_memory_bytes, p.devices_needed
+
+
+def execution_mode(spec: JobSpec) -> str:
+    """The execution mode the job's step runs in (see :mod:`sftctl.compiler.modes`): the spec's
+    ``train.compile`` for PyTorch; a JAX step is jitted (XLA fuses as ``default`` does)."""
+    from sftctl.compiler.modes import COMPILE_TO_MODE
+
+    if spec.model is not None and spec.model.framework == "jax":
+        return "default"
+    return COMPILE_TO_MODE[spec.train.compile]
+
+
+def lacks_bf16_tensor_cores(hw) -> bool:
+    """True where bfloat16 matmuls run no faster than FP32 on the CUDA cores (T4, V100: the
+    catalog gives their bf16 matrix rate as the FP32 rate) but float16 has tensor cores."""
+    try:
+        bf16, fp16 = hw.matrix_peak("bfloat16"), hw.matrix_peak("float16")
+    except KeyError:
+        return False
+    return bf16 <= hw.vector_peak("float32") * 1.01 and fp16 > 2 * bf16
 
 
 class _Unsplittable(Exception):
@@ -264,7 +302,9 @@ def _reason(best: Candidate, ranked: list[Candidate], objective: str) -> str:
     what = "fastest" if objective == "time" else "cheapest"
     pred = ""
     if best.step_time_s is not None:
-        pred = f", predicted {best.step_time_s * 1000:.1f} ms/step, {format_hours(best.hours)}, ${best.total_usd:,.2f} in all"
+        how = f" ({best.mode} mode)" if best.mode else ""
+        pred = (f", predicted {best.step_time_s * 1000:.1f} ms/step{how}, {format_hours(best.hours)}, "
+                f"${best.total_usd:,.2f} in all")
     blocked = sorted({c.offering.provider for c in ranked if c.rejected and "not available" in c.rejected})
     if best.queue_wait_s is not None:
         pred += f", Slurm start in {format_hours(best.queue_wait_s / 3600)}"
@@ -339,7 +379,9 @@ def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: P
             step_s, peak, needed = got
             hours = step_s * spec.train.steps / 3600
             c = dataclasses.replace(c, step_time_s=step_s, peak_memory_bytes=peak, devices_needed=needed,
-                                    hours=hours, total_usd=hours * c.usd_per_hour)
+                                    hours=hours, total_usd=hours * c.usd_per_hour,
+                                    mode=getattr(predict, "mode", None),
+                                    note=getattr(predict, "notes", {}).get(o.accelerator))
             if needed != 1:
                 from sftctl.compiler.hardware import get_accelerator
 

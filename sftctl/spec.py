@@ -86,6 +86,11 @@ class ModelSpec(_Strict):
                     "master weights and AdamW state, matmuls in this dtype (torch: autocast; JAX: "
                     "parameters cast at the loss function's entry)",
     )
+    matmul_precision: Literal["highest", "high", "medium"] = Field(
+        "highest",
+        description="float32 matmuls as torch.set_float32_matmul_precision runs them (SFTCTL_MATMUL_PRECISION): "
+        "highest = IEEE FP32 on CUDA cores (torch's default), high = TF32 tensor cores, medium = as high on CUDA",
+    )
 
     @field_validator("entrypoint")
     @classmethod

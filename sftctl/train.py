@@ -60,6 +60,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -532,6 +533,10 @@ class TrainConfig:
         job_id: sftctl job id, or None outside sftctl.
         node_rank: index of this node, 0-based.
         num_nodes: number of nodes in the job.
+        matmul_precision: ``torch.set_float32_matmul_precision``'s setting for float32 matmuls
+            (``highest``: IEEE FP32, torch's default; ``high``: TF32; ``medium``: bfloat16), from
+            the job spec's ``model.matmul_precision``. :func:`config` applies it when torch is
+            already imported, so the step runs at the precision the planner priced.
     """
 
     steps: int
@@ -541,6 +546,7 @@ class TrainConfig:
     job_id: str | None
     node_rank: int
     num_nodes: int
+    matmul_precision: str = "highest"
 
 
 def config(
@@ -554,8 +560,9 @@ def config(
 
     Each ``SFTCTL_*`` variable that is set (and non-empty) overrides the matching keyword default:
     ``SFTCTL_TRAIN_STEPS``, ``SFTCTL_BATCH_SIZE``, ``SFTCTL_CHECKPOINT_INTERVAL``,
-    ``SFTCTL_DTYPE``, ``SFTCTL_JOB_ID``, ``SFTCTL_NODE_RANK`` (default 0) and
-    ``SFTCTL_NUM_NODES`` (default 1).
+    ``SFTCTL_DTYPE``, ``SFTCTL_JOB_ID``, ``SFTCTL_NODE_RANK`` (default 0),
+    ``SFTCTL_NUM_NODES`` (default 1) and ``SFTCTL_MATMUL_PRECISION`` (default ``highest``; applied
+    with ``torch.set_float32_matmul_precision`` when torch is imported).
 
     ``dtype`` accepts "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16"/"half" and is
     returned in its canonical torch spelling.
@@ -590,6 +597,12 @@ def config(
             f"SFTCTL_DTYPE: unknown dtype {raw_dtype!r}; expected one of {sorted(set(_DTYPES))}"
         )
     job_id = env.get("SFTCTL_JOB_ID", "").strip() or None
+    precision = env.get("SFTCTL_MATMUL_PRECISION", "").strip().lower() or "highest"
+    if precision not in ("highest", "high", "medium"):
+        raise ValueError(f"SFTCTL_MATMUL_PRECISION: expected highest, high or medium, got {precision!r}")
+    torch = sys.modules.get("torch")
+    if torch is not None:  # the script imported torch: run float32 matmuls as the plan priced them
+        torch.set_float32_matmul_precision(precision)
     return TrainConfig(
         steps=steps_v,
         batch_size=batch_v,
@@ -598,6 +611,7 @@ def config(
         job_id=job_id,
         node_rank=node_rank_v,
         num_nodes=num_nodes_v,
+        matmul_precision=precision,
     )
 
 

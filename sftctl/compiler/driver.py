@@ -93,20 +93,25 @@ def _trace(framework: str, entrypoint: str, workdir: str, batch_size: int, dtype
 
 
 def compile_for(graph: Graph, accelerator: str, progress: Callable[[int, int], None] | None = None,
-                use_cache: bool = True) -> CompiledStep:
-    """Compile ``graph`` for the named accelerator (cached on disk)."""
+                use_cache: bool = True, matmul_precision: str = "highest",
+                mma_dtype_map: dict[str, str] | None = None) -> CompiledStep:
+    """Compile ``graph`` for the named accelerator (cached on disk); ``matmul_precision`` and
+    ``mma_dtype_map`` as :func:`sftctl.compiler.step.compile_graph` takes them."""
     from sftctl.compiler.costmodel import Coefficients
     from sftctl.compiler.hardware import get_accelerator
 
     hw = get_accelerator(accelerator)
     coeffs = Coefficients.for_accelerator(hw)
-    path = cache_dir() / "steps" / f"{cache_key(graph_signature(graph), hw, coeffs)}.json"
+    variant = json.dumps([matmul_precision, sorted((mma_dtype_map or {}).items())])
+    key = cache_key(graph_signature(graph) + variant, hw, coeffs)
+    path = cache_dir() / "steps" / f"{key}.json"
     if use_cache and path.exists():
         try:
             return CompiledStep.from_dict(json.loads(path.read_text()))
         except Exception:
             path.unlink(missing_ok=True)
-    compiled = compile_graph(graph, hw, coeffs, progress=progress)
+    compiled = compile_graph(graph, hw, coeffs, progress=progress, matmul_precision=matmul_precision,
+                             mma_dtype_map=mma_dtype_map)
     if use_cache:
         _atomic_write(path, json.dumps(compiled.to_dict()).encode())
     return compiled

@@ -100,14 +100,9 @@ def _is_free(node: Node) -> bool:
     return node.op in LAYOUT or node.op in SOURCES
 
 
-def fuse(graph: Graph) -> list[Kernel]:
-    """Partition ``graph``'s compute nodes into kernels, in an order that respects dependencies.
-
-    Returns the kernels with their traffic and FLOPs filled in. Raises ValueError for an op the
-    IR does not know.
-    """
+def _real_users(graph: Graph) -> list[set[int]]:
+    """For each node, the compute nodes that read it (seen through free layout ops)."""
     users = graph.users()
-    # users seen through free layout ops: who really reads a materialized tensor
     real_users: list[set[int]] = [set() for _ in graph.nodes]
     for n in reversed(graph.nodes):
         for u in users[n.id]:
@@ -115,6 +110,51 @@ def fuse(graph: Graph) -> list[Kernel]:
                 real_users[n.id] |= real_users[u]
             else:
                 real_users[n.id].add(u)
+    return real_users
+
+
+def kind_of(graph: Graph, nodes: list[int]) -> str:
+    """The kernel kind of a group of compute nodes: ``gemm`` if it contracts, ``data`` for a
+    gather/scatter, ``reduction`` if it reduces, else ``pointwise``."""
+    ops = {graph.nodes[i].op for i in nodes}
+    if ops & CONTRACTIONS:
+        return "gemm"
+    if ops & DATA:
+        return "data"
+    return "reduction" if ops & REDUCTIONS else "pointwise"
+
+
+def regroup(graph: Graph, groups: list[list[int]], kinds: list[str] | None = None) -> list[Kernel]:
+    """Kernels from explicit groups of compute nodes (each group one launch), accounted like
+    :func:`fuse`'s and put in dependency order. Used for the execution modes that do not fuse as
+    :func:`fuse` does (eager PyTorch: one kernel per dispatched ATen op; see
+    :mod:`sftctl.compiler.modes`). A contraction is each group's anchor (listed first).
+    """
+    real_users = _real_users(graph)
+    outputs = set(graph.outputs)
+    group_of: dict[int, int] = {}
+    kernels: list[Kernel] = []
+    for gi, nodes in enumerate(groups):
+        nodes = sorted(nodes, key=lambda i: (graph.nodes[i].op not in CONTRACTIONS, i))
+        kernels.append(Kernel(kinds[gi] if kinds else kind_of(graph, nodes), nodes))
+        for i in nodes:
+            group_of[i] = gi
+    for k in kernels:
+        _account(graph, k, group_of, real_users, outputs)
+    return _order(graph, kernels, group_of)
+
+
+def fuse(graph: Graph, gemm_epilogues: bool = True, horizontal: bool = True) -> list[Kernel]:
+    """Partition ``graph``'s compute nodes into kernels, in an order that respects dependencies.
+
+    ``gemm_epilogues=False`` keeps every GEMM alone (a library GEMM, as Inductor's extern
+    ``mm``: elementwise consumers then fuse among themselves); ``horizontal=False`` leaves the
+    optimizer's per-parameter updates as separate kernels.
+
+    Returns the kernels with their traffic and FLOPs filled in. Raises ValueError for an op the
+    IR does not know.
+    """
+    real_users = _real_users(graph)
     outputs = set(graph.outputs)
     group_of: dict[int, int] = {}
     kernels: list[Kernel] = []
@@ -177,7 +217,7 @@ def fuse(graph: Graph) -> list[Kernel]:
             k = kernels[group_of[src]]
             if k.kind == "gemm":
                 # epilogue: applied elementwise to the GEMM's output, which nothing else reads
-                if ((node.op in ELEMENTWISE or node.op in RANDOM) and only_user_is(src, node.id)
+                if (gemm_epilogues and (node.op in ELEMENTWISE or node.op in RANDOM) and only_user_is(src, node.id)
                         and node.type.numel == graph.nodes[k.anchor].type.numel):
                     target = group_of[src]
             elif k.kind in ("pointwise", "reduction") and _domain(graph, node) == domain[group_of[src]]:
@@ -200,7 +240,8 @@ def fuse(graph: Graph) -> list[Kernel]:
 
     for k in kernels:
         _account(graph, k, group_of, real_users, outputs)
-    return _horizontal(_order(graph, kernels, group_of), graph)
+    ordered = _order(graph, kernels, group_of)
+    return _horizontal(ordered, graph) if horizontal else ordered
 
 
 def _horizontal(kernels: list[Kernel], graph: Graph) -> list[Kernel]:
@@ -259,7 +300,7 @@ def _account(graph: Graph, k: Kernel, group_of: dict[int, int], real_users, outp
             reads[src] = max(reads.get(src, 0), nbytes)
     writes = [
         nid for nid in k.nodes
-        if nid in outputs or any(group_of.get(u) is not group_of[nid] and u not in mine for u in real_users[nid])
+        if nid in outputs or any(group_of.get(u) != group_of[nid] and u not in mine for u in real_users[nid])
     ]
     k.reads = sorted(reads)
     k.writes = writes

@@ -72,6 +72,20 @@ class CompiledStep:
     candidates: int
     scored: int
     search_s: float
+    matmul_precision: str = "highest"
+    #: per execution mode (``eager``, ``default``, ``sftensor``): :func:`sftctl.compiler.modes.predict_mode`'s summary
+    modes: dict = dataclasses.field(default_factory=dict)
+
+    def mode_time_s(self, mode: str) -> float:
+        """Predicted compute seconds of one step in ``mode`` (``sftensor`` is ``compute_time_s``)."""
+        if mode == "sftensor" or mode not in self.modes:
+            return self.compute_time_s
+        return self.modes[mode]["compute_time_s"]
+
+    def mode_peak_bytes(self, mode: str) -> int:
+        if mode == "sftensor" or mode not in self.modes:
+            return self.peak_memory_bytes
+        return self.modes[mode]["peak_bytes"]
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -96,11 +110,16 @@ def graph_signature(graph: Graph) -> str:
     return h.hexdigest()[:24]
 
 
+MATMUL_PRECISIONS = ("highest", "high", "medium")
+
+
 def compile_graph(
     graph: Graph,
     hw: Accelerator,
     coeffs=None,
     progress: Callable[[int, int], None] | None = None,
+    matmul_precision: str = "highest",
+    mma_dtype_map: dict[str, str] | None = None,
 ) -> CompiledStep:
     """Fuse ``graph`` into kernels, search each GEMM's schedule, cost every kernel on ``hw``.
 
@@ -109,7 +128,21 @@ def compile_graph(
         hw: the accelerator.
         coeffs: cost-model coefficients (default: ``Coefficients.for_accelerator(hw)``).
         progress: called with (done, total) GEMM classes as the search advances.
+        matmul_precision: how float32 matmuls run, as ``torch.set_float32_matmul_precision``
+            says: ``highest`` (torch's default) is IEEE FP32 on the CUDA cores, priced at the
+            vector FP32 peak times ``mma_efficiency`` with no tensor-core schedule; ``high`` is
+            TF32 on the tensor cores (the schedule search, at the float32 matrix peak); ``medium``
+            runs as ``high`` on CUDA (PyTorch has no bfloat16-internal FP32 GEMM there).
+        mma_dtype_map: price contractions of one dtype as another (``{"bfloat16": "float16"}``
+            answers "what would fp16 give" where bf16 has no tensor cores); the bytes stay.
+
+    Raises:
+        ValueError: an unknown ``matmul_precision``.
     """
+    if matmul_precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, got {matmul_precision!r}")
+    ieee_fp32 = matmul_precision == "highest"
+    dtype_map = dict(mma_dtype_map or {})
     from sftctl.compiler import costmodel
     from sftctl.compiler.search.gemm import search_gemm
 
@@ -124,8 +157,14 @@ def compile_graph(
         config, cands, sc = None, 0, 0
         if k.kind == "gemm":
             batch, m, n, kk, dtype, a_t, b_t, epi = k.gemm
+            dtype = dtype_map.get(dtype, dtype)
             gemm_flops = 2.0 * batch * m * n * kk
             key = (k.gemm, k.out_dtype)
+            if ieee_fp32 and _mma_dtype(dtype) == "float32":
+                # IEEE FP32 (no TF32): CUDA-core SGEMM at the vector peak, no tensor-core schedule
+                t = _roofline_time_s(k, hw, coeffs, hw.vector_peak("float32") * coeffs.mma_efficiency)
+                plans.append(_kernel_plan(graph, i, k, t, hw, None, 0, 0, ieee_fp32, dtype_map))
+                continue
             if key not in gemm_classes:
                 problem = costmodel.GemmProblem(
                     batch=batch, m=m, n=n, k=kk, dtype=_mma_dtype(dtype),
@@ -152,9 +191,14 @@ def compile_graph(
         else:
             vector = hw.vector_peak(graph.nodes[k.anchor].type.dtype) * coeffs.vector_efficiency
             t = _roofline_time_s(k, hw, coeffs, vector)
-        plans.append(_kernel_plan(graph, i, k, t, hw, config, cands, sc))
+        plans.append(_kernel_plan(graph, i, k, t, hw, config, cands, sc, ieee_fp32, dtype_map))
     peak = peak_memory(graph, kernels)
     grad_bytes = sum(n.type.numel for n in graph.inputs_with_role("param")) * 4  # fp32 gradients
+    from sftctl.compiler.modes import predict_mode
+
+    modes = {m: predict_mode(graph, hw, m, coeffs, matmul_precision, dtype_map) for m in ("eager", "default")}
+    modes["sftensor"] = predict_mode(graph, hw, "sftensor", coeffs, matmul_precision, dtype_map, kernels=kernels,
+                                     kernel_times=[p.time_s for p in plans])
     return CompiledStep(
         accelerator=hw.name,
         compiler_version=COMPILER_VERSION,
@@ -166,6 +210,8 @@ def compile_graph(
         candidates=candidates,
         scored=scored,
         search_s=time.perf_counter() - started,
+        matmul_precision=matmul_precision,
+        modes=modes,
     )
 
 
@@ -196,12 +242,14 @@ def _roofline_time_s(k: Kernel, hw: Accelerator, coeffs, flops_per_s: float) -> 
     return max(mem, fixed + k.flops / flops_per_s)
 
 
-def _kernel_plan(graph: Graph, i: int, k: Kernel, t: float, hw: Accelerator, config, cands: int, sc: int) -> KernelPlan:
+def _kernel_plan(graph: Graph, i: int, k: Kernel, t: float, hw: Accelerator, config, cands: int, sc: int,
+                 ieee_fp32: bool = False, dtype_map: dict | None = None) -> KernelPlan:
     moved = k.bytes_read + k.bytes_written
     anchor = graph.nodes[k.anchor]
     if k.kind == "gemm":
         batch, m, n, kk, dtype = k.gemm[:5]
-        peak_flops = hw.matrix_peak(dtype)
+        mma = _mma_dtype((dtype_map or {}).get(dtype, dtype))
+        peak_flops = hw.vector_peak("float32") if ieee_fp32 and mma == "float32" else hw.matrix_peak(mma)
         label = f"{'conv' if anchor.op == 'conv' else 'gemm'} {'%dx' % batch if batch > 1 else ''}{m}x{n}x{kk} {dtype}" + (
             f" +{len(k.nodes) - 1} fused" if len(k.nodes) > 1 else "")
     elif k.kind == "attention":
@@ -246,6 +294,7 @@ class StepPrediction:
     peak_memory_bytes: int
     memory_capacity_bytes: int
     devices_needed: int
+    mode: str = "sftensor"
 
     @property
     def fits(self) -> bool:
@@ -253,13 +302,17 @@ class StepPrediction:
 
 
 def predict(compiled: CompiledStep, hw: Accelerator, gpus_per_node: int, nodes: int,
-            intra_node_bytes_per_s: float | None, inter_node_bytes_per_s: float | None, coeffs=None) -> StepPrediction:
-    """Step time of ``compiled`` on ``nodes`` x ``gpus_per_node`` devices (data parallel)."""
+            intra_node_bytes_per_s: float | None, inter_node_bytes_per_s: float | None, coeffs=None,
+            mode: str = "sftensor") -> StepPrediction:
+    """Step time of ``compiled`` on ``nodes`` x ``gpus_per_node`` devices (data parallel), in
+    execution ``mode`` (``eager``, ``default`` or ``sftensor``; see :mod:`sftctl.compiler.modes`)."""
     from sftctl.compiler import costmodel
     from sftctl.compiler.memory import PeakMemory
 
     coeffs = coeffs or costmodel.Coefficients.for_accelerator(hw)
     world = gpus_per_node * nodes
+    compute = compiled.mode_time_s(mode)
+    pm = PeakMemory(**(compiled.modes[mode]["peak_memory"] if mode in compiled.modes else compiled.peak_memory))
     ar = 0.0
     if world > 1:
         ar = costmodel.allreduce_time_s(
@@ -267,18 +320,18 @@ def predict(compiled: CompiledStep, hw: Accelerator, gpus_per_node: int, nodes: 
             intra_node_bytes_per_s or DEFAULT_INTRA_NODE_BYTES_PER_S,
             (inter_node_bytes_per_s or DEFAULT_INTER_NODE_BYTES_PER_S) / gpus_per_node,  # per GPU
             overlap_fraction=ALLREDUCE_OVERLAP,
-            backward_compute_s=compiled.compute_time_s * BACKWARD_SHARE,
+            backward_compute_s=compute * BACKWARD_SHARE,
         )
-    pm = PeakMemory(**compiled.peak_memory)
     return StepPrediction(
         accelerator=compiled.accelerator,
         world_size=world,
-        compute_time_s=compiled.compute_time_s,
+        compute_time_s=compute,
         allreduce_time_s=ar,
-        step_time_s=compiled.compute_time_s + ar,
+        step_time_s=compute + ar,
         peak_memory_bytes=pm.total_bytes,
         memory_capacity_bytes=hw.memory_bytes,
         devices_needed=pm.devices_needed(hw.memory_bytes),
+        mode=mode,
     )
 
 

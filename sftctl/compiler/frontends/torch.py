@@ -549,6 +549,7 @@ def trace_step(
         NotImplementedError: an ATen op, dtype or form the lowering does not support (named).
         ValueError: an unknown optimizer, or meta tensors with ``fake=False``.
     """
+    import torch.fx.traceback as fx_traceback
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -611,15 +612,17 @@ def trace_step(
                  **{"model." + n: t for n, t in zip(bnames, bufs)}}
         ctx = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
                else contextlib.nullcontext())
-        with torch.enable_grad(), ctx, _DecomposeSDPA():
+        # phases for the execution-mode predictions (sftctl.compiler.modes), as node.meta["custom"]
+        with torch.enable_grad(), ctx, _DecomposeSDPA(), fx_traceback.annotate({"phase": "forward"}):
             loss = torch.func.functional_call(wrapper, state, (b,))
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
                              + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
         _tag_backward(loss)
-        grads = list(torch.autograd.grad(loss, list(params), allow_unused=True)) if params else []
-        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
-        with torch.no_grad():
+        with fx_traceback.annotate({"phase": "backward"}):
+            grads = list(torch.autograd.grad(loss, list(params), allow_unused=True)) if params else []
+            grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+        with torch.no_grad(), fx_traceback.annotate({"phase": "optimizer"}):
             new_p, new_m, new_v = _adamw([p.detach() for p in params], grads, ms, vs, step, lr=lr, betas=betas,
                                          eps=eps, decays=decays, grad_clip=grad_clip)
         return loss.detach(), new_p, new_m, new_v, list(bufs)
@@ -812,7 +815,9 @@ class _Lowering(GraphBuilder):
             if n.op == "get_attr":
                 self.env[n] = self._tensor_constant(n)
             elif n.op == "call_function":
+                first = len(self.g.nodes)
                 self.env[n] = self._call(n)
+                self._tag(n, first)
             elif n.op == "output":
                 flat = pytree.tree_leaves(n.args[0])
                 if keep_outputs is not None:
@@ -825,6 +830,37 @@ class _Lowering(GraphBuilder):
         self.g.outputs = outputs
         self.g.output_roles = list(out_roles)
         return self.g.compact(input_ids)
+
+    def _tag(self, n: fx.Node, first: int) -> None:
+        """Tag the IR nodes lowered from FX node ``n`` (ids ``first``..) with where they came from:
+        ``aten`` (the ATen op eager PyTorch dispatches, before decomposition: ``native_layer_norm``,
+        not its parts), ``call`` (one number per dispatched op instance: the FX nodes of one
+        decomposed call share it), ``phase`` (forward, backward, optimizer) and ``module`` (the
+        nn.Module path inside the model, from ``nn_module_stack``; a backward op has its forward
+        op's; ``""`` outside the model). Untagged FX nodes (no preserved meta) leave the IR nodes
+        untagged."""
+        if first == len(self.g.nodes):
+            return
+        orig = n.meta.get("original_aten")
+        custom = n.meta.get("custom") or {}
+        if orig is None and not custom:
+            return
+        phase = "backward" if n.meta.get("autograd_backward") else custom.get("phase", "")
+        stack = n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack") or {}
+        module = list(stack.values())[-1][0] if stack else ""
+        module = "" if module == "model" else module.removeprefix("model.")
+        target = orig if orig is not None else n.target
+        aten = getattr(target, "_schema", None)
+        aten = aten.name.split("::")[-1] if aten is not None else str(target)
+        key = (aten, n.meta.get("seq_nr")) if orig is not None and orig is not n.target else n.name
+        if key != getattr(self, "_call_key", None):
+            self._call_key = key
+            self._calls = getattr(self, "_calls", 0) + 1
+        tags = {"aten": aten, "call": self._calls, "phase": phase, "module": module}
+        for i in range(first, len(self.g.nodes)):
+            attrs = self.g.nodes[i].attrs
+            for k, v in tags.items():
+                attrs.setdefault(k, v)
 
     def _tensor_constant(self, n: fx.Node) -> int:
         t = getattr(self.gm, n.target)

@@ -1,0 +1,447 @@
+"""Execution modes: the same traced step, predicted as each way PyTorch can run it on a GPU.
+
+* ``eager`` (``train.compile: none``, what the quickstart and most users run): one kernel per ATen
+  op as PyTorch dispatches it, read from the frontend's node tags (``attrs["aten"]``/``"call"``:
+  the op before decomposition, so ``native_layer_norm`` is one kernel, not its parts). GEMMs are
+  cuBLAS (:func:`cublas_time_s`), attention is SDPA's flash kernel, memory-bound ops run at the
+  bandwidth torch's own eager kernels reach (:data:`EAGER_KERNELS`), autocast's casts are kernels
+  of their own, and AdamW is PyTorch's multi-tensor (``foreach``) implementation
+  (:func:`foreach_adamw_passes`). Graphs without tags (JAX, hand-built) run op by op.
+* ``default`` (``train.compile: default``, ``torch.compile`` with Inductor): pointwise and
+  reduction ops fuse as :func:`sftctl.compiler.fusion.fuse` fuses them (Inductor's rule: same
+  iteration space), but every GEMM stays a library call (Inductor's extern ``mm``/``addmm``;
+  activations are not fused into it), attention is flash attention, and what runs outside the
+  compiled ``nn.Module`` (the loss a training script computes on the logits, and its backward)
+  runs eager, as does the optimizer step (``torch.compile(model)`` does not compile it).
+* ``sftensor`` (``train.compile: sftensor``): the search compiler's own kernels: searched GEMM
+  schedules with fused epilogues (:func:`sftctl.compiler.step.compile_graph`).
+
+Hardware numbers and where they come from:
+
+* cuBLAS: ``waves x (tile FLOPs / (CUBLAS_MMA_EFFICIENCY x per-SM peak) + CUBLAS_WAVE_CYCLES /
+  clock)`` over 128x128 output tiles, or the HBM time of its bytes if larger, plus the launch.
+  The two coefficients are solved from two H200 cuBLAS measurements
+  (``../shared/h200/peers.jsonl``: ``torch.mm`` bf16 4096^3 = 175.4 us, i.e. 784 TFLOP/s, and GPT-2's
+  QKV 8192x2304x768 = 47.7 us, 608 TFLOP/s; torch 2.11, CUDA 13.0, ``do_bench`` median): MMA
+  efficiency 0.875 of the dense peak, 1.47 us per wave (prologue, epilogue store, tail).
+* Eager memory-bound kernels: bandwidth and a per-kernel fixed time solved from torch's eager
+  kernels at two sizes on the same H200 (``peers.jsonl``: layer norm, softmax and bias+GELU at
+  8192x768 and 65536x1024, bf16). The bandwidth scales with the accelerator's HBM bandwidth (as a
+  fraction of the H200's 4.8 TB/s); the fixed time is taken as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from sftctl.compiler.fusion import Kernel, fuse, kind_of, regroup, source_of
+from sftctl.compiler.hardware import Accelerator
+from sftctl.compiler.ir import CONTRACTIONS, LAYOUT, SOURCES, Graph
+
+MODES = ("eager", "default", "sftensor")
+#: ``train.compile`` (spec.py) -> the mode that runs.
+COMPILE_TO_MODE = {"none": "eager", "default": "default", "sftensor": "sftensor"}
+
+H200_HBM_BYTES_PER_S = 4.8e12  # NVIDIA H200 datasheet (the catalog's figure), for the fractions below
+#: torch copy_ of 2 GiB on the H200 (read + write), peers.jsonl: 4.24 TB/s, the practical ceiling
+COPY_HBM_FRACTION = 4.241e12 / H200_HBM_BYTES_PER_S
+
+#: cuBLAS (see the module docstring; solved from peers.jsonl's two bf16 torch.mm timings).
+CUBLAS_TILE = (128, 128)
+CUBLAS_MMA_EFFICIENCY = 0.875
+CUBLAS_WAVE_S = 1.47e-6
+CUBLAS_SOURCE = ("H200 torch.mm (cuBLAS) bf16, ../shared/h200/peers.jsonl: 4096^3 175.4 us (784 TFLOP/s), "
+                 "8192x2304x768 47.7 us (608 TFLOP/s); torch 2.11 + CUDA 13.0, triton do_bench median")
+
+
+@dataclasses.dataclass(frozen=True)
+class EagerKernelClass:
+    """A class of torch eager memory-bound kernels: achieved bandwidth as a fraction of HBM peak
+    and a fixed GPU time per kernel (ramp-up, tail, event), both from two measured sizes."""
+
+    hbm_fraction: float
+    fixed_s: float
+    source: str
+
+
+# (bytes, seconds) pairs from ../shared/h200/peers.jsonl -> bandwidth = dB/dt, fixed = t - B/bw
+EAGER_KERNELS = {
+    # layer norm bf16: 8192x768 21.65 us, 65536x1024 155.55 us (read + write x, 8 B/row stats)
+    "layernorm": EagerKernelClass(1.817e12 / H200_HBM_BYTES_PER_S, 7.8e-6,
+                                  "torch eager F.layer_norm bf16 on H200, peers.jsonl"),
+    # softmax bf16: 8192x768 19.39 us, 65536x1024 108.96 us
+    "softmax": EagerKernelClass(2.715e12 / H200_HBM_BYTES_PER_S, 10.1e-6,
+                                "torch eager softmax bf16 on H200, peers.jsonl"),
+    # bias + GELU as eager runs it, two kernels (add, gelu), 8 B/element: 8192x768 30.16 us,
+    # 65536x1024 243.81 us -> 2.28 TB/s and 4.0 us per kernel: elementwise ops with
+    # transcendental math (GELU, its backward, exp, erf, tanh)
+    "elementwise": EagerKernelClass(2.278e12 / H200_HBM_BYTES_PER_S, 4.0e-6,
+                                    "torch eager x + b then F.gelu, bf16 on H200, peers.jsonl"),
+    # plain elementwise ops (casts, adds, multiplies, where): torch's copy_ of 2 GiB reaches
+    # 4.24 TB/s (peers.jsonl), with the elementwise class's 4.0 us per kernel
+    "copy": EagerKernelClass(COPY_HBM_FRACTION, 4.0e-6,
+                             "torch eager copy_ of 2 GiB on H200 (4.24 TB/s), peers.jsonl"),
+}
+_TRANSCENDENTAL = frozenset({"exp", "log", "tanh", "erf", "sigmoid", "sin", "cos", "pow", "log1p", "expm1",
+                             "rsqrt", "sqrt"})
+_LAYERNORM_OPS = ("native_layer_norm", "native_layer_norm_backward", "native_group_norm",
+                  "native_group_norm_backward", "native_batch_norm", "native_batch_norm_backward",
+                  "_fused_rms_norm", "_fused_rms_norm_backward")
+_SOFTMAX_OPS = ("_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data")
+
+# torch/csrc/.../cuda/MultiTensorApply.cuh: tensors per launch by list depth, blocks per launch,
+# elements per chunk (one block per chunk)
+_MTA_MAX_TENSORS = {1: 110, 2: 64, 3: 48, 4: 36, 5: 30}
+_MTA_MAX_BLOCKS = 320
+_MTA_CHUNK = 65536
+
+
+def foreach_adamw_passes(grad_clip: bool) -> list[tuple[str, int, int, int]]:
+    """PyTorch's default CUDA AdamW (``foreach``; torch/optim/adam.py ``_multi_tensor_adam`` with
+    decoupled weight decay, not capturable, steps on the CPU) as multi-tensor passes over the
+    parameter-sized fp32 lists: ``(op, lists read, lists written, list depth)``. With
+    ``grad_clip``, ``clip_grad_norm_``'s ``_foreach_norm`` and ``_foreach_mul_`` come first."""
+    passes = []
+    if grad_clip:
+        passes += [("_foreach_norm(grads)", 1, 0, 1), ("_foreach_mul_(grads, clip)", 1, 1, 1)]
+    passes += [
+        ("_foreach_mul_(params, 1 - lr*wd)", 1, 1, 1),
+        ("_foreach_lerp_(exp_avgs, grads)", 2, 1, 2),
+        ("_foreach_mul_(exp_avg_sqs, beta2)", 1, 1, 1),
+        ("_foreach_addcmul_(exp_avg_sqs, grads, grads)", 2, 1, 3),
+        ("_foreach_sqrt(exp_avg_sqs)", 1, 1, 2),
+        ("_foreach_div_(denom, bias_correction2_sqrt)", 1, 1, 1),
+        ("_foreach_add_(denom, eps)", 1, 1, 1),
+        ("_foreach_addcdiv_(params, exp_avgs, denom)", 3, 1, 3),
+    ]
+    return passes
+
+
+def cublas_time_s(batch: int, m: int, n: int, k: int, bytes_moved: float, peak_flops: float,
+                  hw: Accelerator) -> float:
+    """Seconds of one cuBLAS GEMM (see the module docstring): wave-quantized tiles at
+    ``CUBLAS_MMA_EFFICIENCY`` of ``peak_flops`` plus ``CUBLAS_WAVE_S`` per wave, never faster than
+    its bytes at HBM speed, plus the launch."""
+    bm, bn = CUBLAS_TILE
+    tiles = batch * math.ceil(m / bm) * math.ceil(n / bn)
+    waves = math.ceil(tiles / hw.sm_count)
+    tile_s = 2.0 * bm * bn * k / (CUBLAS_MMA_EFFICIENCY * peak_flops / hw.sm_count)
+    compute = waves * (tile_s + CUBLAS_WAVE_S)
+    memory = bytes_moved / (hw.hbm_bytes_per_s * COPY_HBM_FRACTION)
+    return hw.launch_overhead_s + max(compute, memory)
+
+
+def eager_memory_time_s(k: Kernel, klass: str, hw: Accelerator) -> float:
+    """Seconds of one eager memory-bound kernel of class ``klass`` (``EAGER_KERNELS``): the
+    larger of its GPU time and the host's dispatch cost (``hw.launch_overhead_s``: a kernel shorter
+    than that leaves the GPU waiting for the CPU)."""
+    c = EAGER_KERNELS[klass]
+    gpu = c.fixed_s + (k.bytes_read + k.bytes_written) / (hw.hbm_bytes_per_s * c.hbm_fraction)
+    vector = k.flops / (hw.vector_peak("float32") * 0.7)
+    return max(hw.launch_overhead_s, gpu, c.fixed_s + vector)
+
+
+# ------------------------------------------------------------------------------------------------
+# where nodes come from: phase and module
+
+
+def node_phases_modules(graph: Graph) -> tuple[list[str], list[str]]:
+    """Each node's phase (``forward``, ``backward``, ``optimizer``, or ``""``) and module path.
+
+    Tags come from the frontend (``attrs["phase"]``/``["module"]``: the torch frontend tags
+    backward ops with the module whose output gradient autograd reached last). Parameters belong
+    to the module that owns them. A node without a module tag (the optimizer's, a frontend that
+    does not tag) takes the module of a parameter it reads, else of the backward tensors it reads,
+    else of the saved activations it reads."""
+    phase = [n.attrs.get("phase", "") for n in graph.nodes]
+    module = [""] * len(graph.nodes)
+    for n in graph.nodes:
+        if n.op == "input":
+            if n.attrs.get("role") in ("param", "opt_state", "buffer"):
+                name = str(n.attrs.get("name", ""))
+                name = re.sub(r"\.(exp_avg|exp_avg_sq)$", "", name)
+                module[n.id] = name.rsplit(".", 1)[0] if "." in name else ""
+            continue
+        if n.op in SOURCES:
+            continue
+        if "module" in n.attrs and phase[n.id] != "optimizer":
+            module[n.id] = n.attrs["module"]  # "" is a real answer: outside the model
+            continue
+        srcs = [s for s in (source_of(graph, i) for i in n.inputs)
+                if graph.nodes[s].op not in ("constant", "iota")]
+        params = [module[s] for s in srcs if graph.nodes[s].op == "input" and module[s]]
+        back = [module[s] for s in srcs if phase[s] in ("backward", "optimizer") and module[s]]
+        fwd = [module[s] for s in srcs if phase[s] == "forward" and module[s]]
+        for cands in (params, back, fwd):
+            if cands:
+                module[n.id] = max(cands, key=len)
+                break
+        if not phase[n.id]:
+            ph = [phase[s] for s in srcs if phase[s]]
+            phase[n.id] = "optimizer" if "optimizer" in ph else (ph[-1] if ph else "")
+    return phase, module
+
+
+def module_group(path: str) -> str:
+    """A module path with layer indices folded (``blocks.3.mlp.fc`` -> ``blocks.*.mlp.fc``), so
+    a report aggregates the same layer of every block; ``""`` (outside the model) -> ``(loss)``."""
+    return re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", path) if path else "(outside the model)"
+
+
+# ------------------------------------------------------------------------------------------------
+# kernel lists per mode
+
+
+def _compute_nodes(graph: Graph) -> list[int]:
+    return [n.id for n in graph.nodes if n.op not in SOURCES and n.op not in LAYOUT]
+
+
+def eager_kernels(graph: Graph) -> list[Kernel]:
+    """One kernel per dispatched ATen op (IR nodes sharing ``attrs["call"]``); untagged compute
+    nodes one kernel each. A call that mixes a contraction with elementwise work (``addmm``'s bias)
+    is one cuBLAS kernel with that epilogue; a call whose nodes span several contractions is split
+    at each."""
+    groups: dict[object, list[int]] = {}
+    order: list[object] = []
+    for i in _compute_nodes(graph):
+        call = graph.nodes[i].attrs.get("call")
+        key = ("call", call) if call is not None else ("node", i)
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append(i)
+    out: list[list[int]] = []
+    for key in order:
+        nodes = groups[key]
+        gemms = [i for i in nodes if graph.nodes[i].op in CONTRACTIONS]
+        if len(gemms) <= 1:
+            out.append(nodes)
+            continue
+        cur: list[int] = []
+        for i in nodes:  # several contractions in one call (matmul of 3-D by 3-D ...): one each
+            if graph.nodes[i].op in CONTRACTIONS and any(graph.nodes[j].op in CONTRACTIONS for j in cur):
+                out.append(cur)
+                cur = []
+            cur.append(i)
+        out.append(cur)
+    return regroup(graph, out)
+
+
+def default_kernels(graph: Graph, phase: list[str], module: list[str]) -> list[Kernel]:
+    """Inductor's kernels: :func:`fuse` without GEMM epilogues or horizontal optimizer batching;
+    kernels holding any node that runs outside the compiled module (tagged, module ``""``, forward
+    or backward) are split back into eager ATen calls."""
+    fused = fuse(graph, gemm_epilogues=False, horizontal=False)
+    groups: list[list[int]] = []
+    for k in fused:
+        outside = [i for i in k.nodes if _outside(graph, i, phase, module)]
+        if not outside:
+            groups.append(list(k.nodes))
+            continue
+        by_call: dict[object, list[int]] = {}
+        for i in k.nodes:
+            call = graph.nodes[i].attrs.get("call")
+            by_call.setdefault(call if call is not None else ("node", i), []).append(i)
+        groups.extend(by_call.values())
+    return regroup(graph, groups)
+
+
+def _outside(graph: Graph, i: int, phase: list[str], module: list[str]) -> bool:
+    return "call" in graph.nodes[i].attrs and phase[i] in ("forward", "backward") and not module[i]
+
+
+def kernel_phase_module(graph: Graph, k: Kernel, phase: list[str], module: list[str]) -> tuple[str, str]:
+    """A kernel's phase and module: its anchor's (the first node with a phase)."""
+    for i in k.nodes:
+        if phase[i]:
+            return phase[i], module[i]
+    return "", module[k.anchor]
+
+
+def eager_class(graph: Graph, k: Kernel) -> str:
+    """Which measured eager kernel class a non-GEMM eager kernel belongs to."""
+    aten = str(graph.nodes[k.anchor].attrs.get("aten", ""))
+    if aten in _LAYERNORM_OPS:
+        return "layernorm"
+    if aten in _SOFTMAX_OPS or k.kind == "reduction":
+        return "softmax"
+    if any(graph.nodes[i].op in _TRANSCENDENTAL for i in k.nodes):
+        return "elementwise"
+    return "copy"
+
+
+def foreach_optimizer_time_s(graph: Graph, hw: Accelerator, grad_clip: bool) -> tuple[float, int, float]:
+    """(seconds, kernel launches, bytes) of PyTorch's foreach AdamW over the graph's parameters
+    (fp32 master weights; see :func:`foreach_adamw_passes`)."""
+    params = graph.inputs_with_role("param")
+    if not params:
+        return 0.0, 0, 0.0
+    n_tensors = len(params)
+    list_bytes = sum(p.type.numel for p in params) * 4
+    chunks = sum(math.ceil(p.type.numel / _MTA_CHUNK) for p in params)
+    c = EAGER_KERNELS["elementwise"]
+    total_s, launches, moved = 0.0, 0, 0.0
+    for _, reads, writes, depth in foreach_adamw_passes(grad_clip):
+        n = max(math.ceil(n_tensors / _MTA_MAX_TENSORS[depth]),
+                math.ceil(chunks / _MTA_MAX_BLOCKS))
+        b = (reads + writes) * list_bytes
+        total_s += max(n * hw.launch_overhead_s, n * c.fixed_s + b / (hw.hbm_bytes_per_s * c.hbm_fraction))
+        launches += n
+        moved += b
+    return total_s, launches, moved
+
+
+def has_grad_clip(graph: Graph, phase: list[str]) -> bool:
+    """Whether the traced optimizer clips gradients (a global norm: reductions in its phase)."""
+    return any(phase[n.id] == "optimizer" and n.op == "sum" for n in graph.nodes)
+
+
+# ------------------------------------------------------------------------------------------------
+# predictions
+
+
+def _gemm_peak(graph: Graph, k: Kernel, hw: Accelerator, ieee_fp32: bool, dtype_map: dict) -> float:
+    dtype = graph.nodes[graph.nodes[k.anchor].inputs[0]].type.dtype
+    dtype = dtype_map.get(dtype, dtype)
+    mma = "float32" if dtype == "float64" else dtype
+    return hw.vector_peak("float32") if ieee_fp32 and mma == "float32" else hw.matrix_peak(mma)
+
+
+def _library_gemm_s(graph: Graph, k: Kernel, hw: Accelerator, ieee_fp32: bool, dtype_map: dict) -> float:
+    from sftctl.compiler.fusion import _gemm_dims
+
+    batch, m, n, kk = _gemm_dims(graph, graph.nodes[k.anchor])
+    return cublas_time_s(batch, m, n, kk, k.bytes_read + k.bytes_written,
+                         _gemm_peak(graph, k, hw, ieee_fp32, dtype_map), hw)
+
+
+def _other_kernel_s(graph: Graph, k: Kernel, hw: Accelerator, coeffs, eager: bool) -> float | None:
+    """Kernels of kinds other helpers add (attention, convolution) priced by their own model
+    when the cost model has one; None when it has not."""
+    from sftctl.compiler import costmodel
+
+    fn = getattr(costmodel, f"{k.kind}_kernel_time_s", None)
+    if fn is None:
+        return None
+    return float(fn(graph, k, hw, coeffs))
+
+
+def mode_kernels(graph: Graph, mode: str) -> list[Kernel]:
+    """The kernels ``mode`` runs (``sftensor``: :func:`fuse`'s)."""
+    phase, module = node_phases_modules(graph)
+    if mode == "eager":
+        return eager_kernels(graph)
+    if mode == "default":
+        return default_kernels(graph, phase, module)
+    return fuse(graph)
+
+
+def predict_mode(graph: Graph, hw: Accelerator, mode: str, coeffs=None, matmul_precision: str = "highest",
+                 dtype_map: dict | None = None, kernels: list[Kernel] | None = None,
+                 kernel_times: list[float] | None = None) -> dict:
+    """One mode's prediction for ``graph`` on ``hw`` (one device): a JSON-able summary.
+
+    ``kernels``/``kernel_times`` give ``sftensor``'s already costed kernels (from
+    :func:`sftctl.compiler.step.compile_graph`); ``eager`` and ``default`` are built here.
+
+    Returns: ``{"compute_time_s", "kernels" (launches), "flops", "bytes", "by_kind", "by_phase",
+    "by_module" (seconds each), "peak_memory" (PeakMemory fields), "peak_bytes",
+    "live_at_peak" (the largest tensors live at the peak)}``.
+    """
+    from sftctl.compiler import costmodel
+    from sftctl.compiler.memory import peak_memory
+    from sftctl.compiler.step import _roofline_time_s
+
+    coeffs = coeffs or costmodel.Coefficients.for_accelerator(hw)
+    dtype_map = dict(dtype_map or {})
+    ieee = matmul_precision == "highest"
+    phase, module = node_phases_modules(graph)
+    if kernels is None:
+        kernels = eager_kernels(graph) if mode == "eager" else default_kernels(graph, phase, module)
+    by_kind: dict[str, float] = {}
+    by_phase: dict[str, float] = {}
+    by_module: dict[str, float] = {}
+    total = flops = moved = 0.0
+    launches = 0
+    optimizer_eager = mode in ("eager", "default")
+
+    def add(kind: str, ph: str, mod: str | None, t: float) -> None:
+        by_kind[kind] = by_kind.get(kind, 0.0) + t
+        by_phase[ph or "other"] = by_phase.get(ph or "other", 0.0) + t
+        g = module_group(mod) if mod is not None else "(optimizer)"
+        by_module[g] = by_module.get(g, 0.0) + t
+
+    for i, k in enumerate(kernels):
+        ph, mod = kernel_phase_module(graph, k, phase, module)
+        if optimizer_eager and ph == "optimizer":
+            continue  # PyTorch's foreach AdamW, priced as a whole below
+        if ph == "optimizer":
+            mod = None
+        if kernel_times is not None:
+            t = kernel_times[i]
+        else:
+            t = _other_kernel_s(graph, k, hw, coeffs, eager=mode == "eager")
+            if t is None and k.kind == "gemm":
+                t = _library_gemm_s(graph, k, hw, ieee, dtype_map)
+            elif t is None and (mode == "eager" or any(_outside(graph, j, phase, module) for j in k.nodes)):
+                t = eager_memory_time_s(k, eager_class(graph, k), hw)
+            elif t is None:
+                t = _roofline_time_s(k, hw, coeffs, hw.vector_peak(graph.nodes[k.anchor].type.dtype)
+                                     * coeffs.vector_efficiency)
+        add(k.kind, ph, mod, t)
+        total += t
+        flops += k.flops
+        moved += k.bytes_read + k.bytes_written
+        launches += max(1, k.horizontal) if mode != "sftensor" else 1
+    if optimizer_eager:
+        t, n, b = foreach_optimizer_time_s(graph, hw, has_grad_clip(graph, phase))
+        if n:
+            add("optimizer (foreach)", "optimizer", None, t)
+            total += t
+            launches += n
+            moved += b
+            flops += 12.0 * sum(p.type.numel for p in graph.inputs_with_role("param"))
+    pm = peak_memory(graph, kernels)
+    return {
+        "compute_time_s": total,
+        "kernels": launches,
+        "flops": flops,
+        "bytes": moved,
+        "by_kind": _rounded(by_kind),
+        "by_phase": _rounded(by_phase),
+        "by_module": _rounded(by_module),
+        "peak_memory": dataclasses.asdict(pm),
+        "peak_bytes": pm.total_bytes,
+        "live_at_peak": live_at_peak(graph, kernels, pm.peak_kernel, module),
+    }
+
+
+def _rounded(d: dict[str, float]) -> dict[str, float]:
+    return dict(sorted(((k, float(v)) for k, v in d.items()), key=lambda kv: -kv[1]))
+
+
+def live_at_peak(graph: Graph, kernels: list[Kernel], at: int, module: list[str] | None = None,
+                 top: int = 12) -> list[dict]:
+    """The largest tensors live when kernel ``at`` runs (liveness as :func:`peak_memory`):
+    ``[{"bytes", "shape", "dtype", "op", "aten", "module"}]``, largest first."""
+    outputs = set(graph.outputs)
+    last_read: dict[int, int] = {}
+    for i, k in enumerate(kernels):
+        for r in k.reads:
+            last_read[r] = i
+    live: dict[int, int] = {}
+    for i, k in enumerate(kernels[: at + 1]):
+        for w in k.writes:
+            if w not in outputs:
+                live[w] = i
+    alive = [w for w, born in live.items() if last_read.get(w, born) >= at]
+    alive.sort(key=lambda w: -graph.nodes[w].type.nbytes)
+    out = []
+    for w in alive[:top]:
+        n = graph.nodes[w]
+        out.append({"bytes": n.type.nbytes, "shape": list(n.type.shape), "dtype": n.type.dtype, "op": n.op,
+                    "aten": str(n.attrs.get("aten", "")), "module": (module[w] if module else "") or "",
+                    "phase": str(n.attrs.get("phase", ""))})
+    return out
