@@ -70,7 +70,7 @@ def test_cli_plan_compile_catalog(tmp_path, home):
     plan = json.loads((out / "plan.json").read_text())
     assert plan["accelerator"] == "H100" and plan["kernels"]
     assert "| # | kernel |" in (out / "report.md").read_text()
-    assert "kernels; predicted" in " ".join(proc.stdout.split())
+    assert "ms/step in eager mode" in " ".join(proc.stdout.split())
     bad = sftctl("compile", "examples/quickstart.yaml", "--target", "h1000")
     assert bad.returncode == 2 and "did you mean" in bad.stderr and "Traceback" not in bad.stderr
     cat = json.loads(sftctl("catalog", "--accelerator", "h100", "--json", check=True).stdout)["offerings"]

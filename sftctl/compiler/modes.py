@@ -90,6 +90,12 @@ _LAYERNORM_OPS = ("native_layer_norm", "native_layer_norm_backward", "native_gro
                   "native_group_norm_backward", "native_batch_norm", "native_batch_norm_backward",
                   "_fused_rms_norm", "_fused_rms_norm_backward")
 _SOFTMAX_OPS = ("_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data")
+# eager ops whose CUDA implementation is several kernels over different iteration spaces: the
+# input gradient, then the weight/bias gradients as column reductions that read dY and X again
+# (aten/src/ATen/native/cuda/layer_norm_kernel.cu: layer_norm_grad_input_kernel and
+# GammaBetaBackwardCUDAKernel); split where :func:`fuse` splits them
+_MULTI_KERNEL_OPS = ("native_layer_norm_backward", "native_group_norm_backward", "native_batch_norm_backward",
+                     "_fused_rms_norm_backward")
 
 # torch/csrc/.../cuda/MultiTensorApply.cuh: tensors per launch by list depth, blocks per launch,
 # elements per chunk (one block per chunk)
@@ -200,14 +206,20 @@ def _compute_nodes(graph: Graph) -> list[int]:
 
 def eager_kernels(graph: Graph) -> list[Kernel]:
     """One kernel per dispatched ATen op (IR nodes sharing ``attrs["call"]``); untagged compute
-    nodes one kernel each. A call that mixes a contraction with elementwise work (``addmm``'s bias)
+    nodes one kernel each. Norm backwards are their CUDA kernels: input gradient, then the
+    parameter gradients (``_MULTI_KERNEL_OPS``). A call that mixes a contraction with elementwise work (``addmm``'s bias)
     is one cuBLAS kernel with that epilogue; a call whose nodes span several contractions is split
     at each."""
     groups: dict[object, list[int]] = {}
     order: list[object] = []
+    part: dict[int, int] = {}
+    if any(n.attrs.get("aten") in _MULTI_KERNEL_OPS for n in graph.nodes):
+        part = {i: gi for gi, k in enumerate(fuse(graph, gemm_epilogues=False, horizontal=False)) for i in k.nodes}
     for i in _compute_nodes(graph):
         call = graph.nodes[i].attrs.get("call")
         key = ("call", call) if call is not None else ("node", i)
+        if call is not None and graph.nodes[i].attrs.get("aten") in _MULTI_KERNEL_OPS:
+            key = ("call", call, part.get(i))
         if key not in groups:
             groups[key] = []
             order.append(key)
