@@ -12,8 +12,9 @@ model a legal fusion never loses; greedy application is therefore optimal for th
   epilogue and add the bytes of their other operands.
 * elementwise ops and reductions join the kernel of a producer when they iterate over the same
   number of elements (Inductor's rule), so a pointwise chain is one kernel and a softmax or a
-  layer norm (reductions with their prologue and epilogue) is one kernel. A producer read from
-  outside its kernel is still written.
+  layer norm (reductions with their prologue and epilogue) is one kernel; elementwise ops on a
+  reduction's per-row result (a layer norm's ``rsqrt``) join the reduction's kernel too. A
+  producer read from outside its kernel is still written.
 * ``gather`` and ``scatter_add`` are kernels of their own (data-dependent addressing).
 * attention is a kernel of its own (kind ``attention``), as flash attention runs it: the
   ``attention`` and ``attention_lse`` nodes of one call are one forward kernel (reads Q, K, V and
@@ -114,9 +115,12 @@ def _real_users(graph: Graph) -> list[set[int]]:
 
 
 def kind_of(graph: Graph, nodes: list[int]) -> str:
-    """The kernel kind of a group of compute nodes: ``gemm`` if it contracts, ``data`` for a
-    gather/scatter, ``reduction`` if it reduces, else ``pointwise``."""
+    """The kernel kind of a group of compute nodes: ``attention`` for an attention call, ``gemm``
+    if it contracts, ``data`` for a gather/scatter, ``reduction`` if it reduces, else
+    ``pointwise``."""
     ops = {graph.nodes[i].op for i in nodes}
+    if ops & ATTENTION:
+        return "attention"
     if ops & CONTRACTIONS:
         return "gemm"
     if ops & DATA:
@@ -144,12 +148,14 @@ def regroup(graph: Graph, groups: list[list[int]], kinds: list[str] | None = Non
     return _order(graph, kernels, group_of)
 
 
-def fuse(graph: Graph, gemm_epilogues: bool = True, horizontal: bool = True) -> list[Kernel]:
+def fuse(graph: Graph, gemm_epilogues: bool = True, horizontal: bool = True,
+         barrier: frozenset[int] | set[int] = frozenset()) -> list[Kernel]:
     """Partition ``graph``'s compute nodes into kernels, in an order that respects dependencies.
 
     ``gemm_epilogues=False`` keeps every GEMM alone (a library GEMM, as Inductor's extern
     ``mm``: elementwise consumers then fuse among themselves); ``horizontal=False`` leaves the
-    optimizer's per-parameter updates as separate kernels.
+    optimizer's per-parameter updates as separate kernels; nodes in ``barrier`` neither join
+    nor are joined (ops that run outside the fused program).
 
     Returns the kernels with their traffic and FLOPs filled in. Raises ValueError for an op the
     IR does not know.
@@ -180,11 +186,13 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, horizontal: bool = True) -> 
         return False
 
     domain: list[int] = []  # kernel -> elements it iterates over
+    rows: list[set[int]] = []  # kernel -> output sizes of its reductions (its per-row values)
 
     def new_kernel(kind: str, node: Node) -> None:
         group_of[node.id] = len(kernels)
         kernels.append(Kernel(kind, [node.id]))
         domain.append(_domain(graph, node))
+        rows.append({node.type.numel} if node.op in REDUCTIONS else set())
         deps.append(input_kernels(node) - {group_of[node.id]})
 
     attention_calls: dict[tuple, int] = {}  # one kernel per attention call and direction
@@ -210,9 +218,9 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, horizontal: bool = True) -> 
         if node.op not in ELEMENTWISE and node.op not in REDUCTIONS and node.op not in RANDOM:
             raise ValueError(f"fusion: unknown op {node.op!r}")
         target = None
-        for inp in node.inputs:
+        for inp in node.inputs if node.id not in barrier else ():
             src = source_of(graph, inp)
-            if src not in group_of:
+            if src not in group_of or src in barrier:
                 continue
             k = kernels[group_of[src]]
             if k.kind == "gemm":
@@ -220,9 +228,13 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, horizontal: bool = True) -> 
                 if (gemm_epilogues and (node.op in ELEMENTWISE or node.op in RANDOM) and only_user_is(src, node.id)
                         and node.type.numel == graph.nodes[k.anchor].type.numel):
                     target = group_of[src]
-            elif k.kind in ("pointwise", "reduction") and _domain(graph, node) == domain[group_of[src]]:
+            elif k.kind in ("pointwise", "reduction") and (
+                    _domain(graph, node) == domain[group_of[src]]
+                    or (node.op in ELEMENTWISE and node.type.numel in rows[group_of[src]])):
                 # same iteration space (Inductor's rule): a multi-output kernel is fine, the
-                # producer is still written if a reader outside needs it
+                # producer is still written if a reader outside needs it. Elementwise work on a
+                # reduction's per-row result (a layer norm's rsqrt) runs in the reduction's kernel,
+                # as Inductor's reduction epilogues do
                 target = group_of[src]
             others = input_kernels(node) - {target}
             if target is not None and any(reaches(o, target) for o in others):
@@ -237,6 +249,7 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, horizontal: bool = True) -> 
             deps[target] |= input_kernels(node) - {target}
             if node.op in REDUCTIONS:
                 kernels[target].kind = "reduction" if kernels[target].kind != "gemm" else "gemm"
+                rows[target].add(node.type.numel)
 
     for k in kernels:
         _account(graph, k, group_of, real_users, outputs)

@@ -245,18 +245,16 @@ def default_kernels(graph: Graph, phase: list[str], module: list[str]) -> list[K
     """Inductor's kernels: :func:`fuse` without GEMM epilogues or horizontal optimizer batching;
     kernels holding any node that runs outside the compiled module (tagged, module ``""``, forward
     or backward) are split back into eager ATen calls."""
-    fused = fuse(graph, gemm_epilogues=False, horizontal=False)
+    outside = {n.id for n in graph.nodes if _outside(graph, n.id, phase, module)}
+    fused = fuse(graph, gemm_epilogues=False, horizontal=False, barrier=outside)
     groups: list[list[int]] = []
+    eager_calls: dict[object, list[int]] = {}  # outside the compiled module: one kernel per ATen call
     for k in fused:
-        outside = [i for i in k.nodes if _outside(graph, i, phase, module)]
-        if not outside:
+        if k.anchor in outside:
+            eager_calls.setdefault(graph.nodes[k.anchor].attrs.get("call"), []).extend(k.nodes)
+        else:
             groups.append(list(k.nodes))
-            continue
-        by_call: dict[object, list[int]] = {}
-        for i in k.nodes:
-            call = graph.nodes[i].attrs.get("call")
-            by_call.setdefault(call if call is not None else ("node", i), []).append(i)
-        groups.extend(by_call.values())
+    groups.extend(sorted(nodes) for nodes in eager_calls.values())
     return regroup(graph, groups)
 
 
@@ -293,7 +291,7 @@ def foreach_optimizer_time_s(graph: Graph, hw: Accelerator, grad_clip: bool) -> 
     n_tensors = len(params)
     list_bytes = sum(p.type.numel for p in params) * 4
     chunks = sum(math.ceil(p.type.numel / _MTA_CHUNK) for p in params)
-    c = EAGER_KERNELS["elementwise"]
+    c = EAGER_KERNELS["copy"]  # multi_tensor_apply: vectorized loads, plain arithmetic
     total_s, launches, moved = 0.0, 0, 0.0
     for _, reads, writes, depth in foreach_adamw_passes(grad_clip):
         n = max(math.ceil(n_tensors / _MTA_MAX_TENSORS[depth]),
@@ -325,19 +323,23 @@ def _library_gemm_s(graph: Graph, k: Kernel, hw: Accelerator, ieee_fp32: bool, d
     from sftctl.compiler.fusion import _gemm_dims
 
     batch, m, n, kk = _gemm_dims(graph, graph.nodes[k.anchor])
-    return cublas_time_s(batch, m, n, kk, k.bytes_read + k.bytes_written,
-                         _gemm_peak(graph, k, hw, ieee_fp32, dtype_map), hw)
+    t = cublas_time_s(batch, m, n, kk, k.bytes_read + k.bytes_written,
+                      _gemm_peak(graph, k, hw, ieee_fp32, dtype_map), hw)
+    if graph.nodes[k.anchor].op == "conv":  # cuDNN implicit GEMM, as the compiler prices convolutions
+        from sftctl.compiler import costmodel
+
+        t /= getattr(costmodel.Coefficients.for_accelerator(hw), "conv_efficiency", 1.0)
+    return t
 
 
 def _other_kernel_s(graph: Graph, k: Kernel, hw: Accelerator, coeffs, eager: bool) -> float | None:
-    """Kernels of kinds other helpers add (attention, convolution) priced by their own model
-    when the cost model has one; None when it has not."""
-    from sftctl.compiler import costmodel
+    """Attention: SDPA's flash kernels in every mode, priced as the compiler prices its attention
+    kernels (:func:`sftctl.compiler.step.attention_time_s`); None for other kinds."""
+    if k.kind == "attention":
+        from sftctl.compiler.step import attention_time_s
 
-    fn = getattr(costmodel, f"{k.kind}_kernel_time_s", None)
-    if fn is None:
-        return None
-    return float(fn(graph, k, hw, coeffs))
+        return float(attention_time_s(k, hw, coeffs))
+    return None
 
 
 def mode_kernels(graph: Graph, mode: str) -> list[Kernel]:
