@@ -695,6 +695,10 @@ def main(argv: list[str] | None = None) -> int:
         from sftctl.paths import sftctl_home
 
         path = sftctl_home() / "state.db"
+        if isinstance(e, sqlite3.OperationalError) and ("locked" in str(e) or "busy" in str(e)):
+            print(f"error: {path}: the state database stayed locked by another process: {e}", file=sys.stderr)
+            print("hint: retry; if it persists, look for a process holding it (fuser state.db)", file=sys.stderr)
+            return int(ExitCode.USAGE)
         print(f"error: {path}: the state database is damaged: {e}", file=sys.stderr)
         print(f"hint: move it aside (mv {path} {path}.bad) and sftctl starts a new one; "
               "sftctl down --orphans removes cloud resources of jobs it no longer knows", file=sys.stderr)

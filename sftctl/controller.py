@@ -167,6 +167,9 @@ class Controller:
         self.store = store
         self.job_id = job_id
         self.reporter = _Guarded(reporter or PrintReporter())
+        # a reader or another sftctl holding state.db must not fail a healthy job: wait it out
+        store.on_locked = lambda e: self.reporter.event(
+            f"warning: the state database is locked by another process ({e}); waiting for it")
         job = store.get_job(job_id)
         if job is None:
             raise KeyError(job_id)

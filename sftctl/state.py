@@ -133,7 +133,8 @@ MIGRATIONS: list[str] = [
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
-BUSY_TIMEOUT_MS = 60_000
+BUSY_TIMEOUT_MS = 60_000  # SFTCTL_STATE_BUSY_TIMEOUT_MS overrides it (the tests use a short one)
+LOCKED_RETRY_S = 1.0  # a controller that keeps waiting for the write lock tries again this often
 CONTROLLER_START_GRACE_S = 30.0  # a job may wait this long for its controller to record its pid
 
 
@@ -150,6 +151,11 @@ class Store:
 
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = Path(path) if path is not None else sftctl_home() / "state.db"
+        self.busy_timeout_ms = int(os.environ.get("SFTCTL_STATE_BUSY_TIMEOUT_MS") or BUSY_TIMEOUT_MS)
+        #: None: a write that cannot get the lock within the busy timeout raises. A controller
+        #: sets a callable instead: it is called with the error once per wait, and the write is
+        #: retried until it gets the lock (a job must not fail because a reader held state.db).
+        self.on_locked = None
         try:
             self._conn = self._open()
         except sqlite3.DatabaseError as e:
@@ -175,9 +181,9 @@ class Store:
                 hint=f"move it aside (mv {self.path} {self.path}.bad) and sftctl starts a new one; "
                      "sftctl down --orphans removes cloud resources of jobs it no longer knows",
             )
-        conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+        conn = sqlite3.connect(self.path, timeout=self.busy_timeout_ms / 1000, isolation_level=None)
         conn.row_factory = sqlite3.Row
-        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
         conn.execute("PRAGMA foreign_keys = ON")
         conn.execute("PRAGMA synchronous = NORMAL")
         version = conn.execute("PRAGMA user_version").fetchone()[0]
@@ -239,8 +245,24 @@ class Store:
 
     @contextlib.contextmanager
     def write(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction, taken up front (``BEGIN IMMEDIATE``) so it never deadlocks."""
-        self._conn.execute("BEGIN IMMEDIATE")
+        """One write transaction, taken up front (``BEGIN IMMEDIATE``) so it never deadlocks.
+
+        Raises:
+            sqlite3.OperationalError: another process held the write lock for longer than the
+                busy timeout, and ``on_locked`` is None (else this waits and retries).
+        """
+        waited = False
+        while True:
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+                break
+            except sqlite3.OperationalError as e:
+                if self.on_locked is None or not _is_locked(e):
+                    raise
+                if not waited:
+                    self.on_locked(e)
+                    waited = True
+                time.sleep(LOCKED_RETRY_S)
         try:
             yield self._conn
         except BaseException:
@@ -476,6 +498,11 @@ class Store:
                 "SELECT * FROM metrics WHERE job_id = ? ORDER BY rank", (job_id,)
             ).fetchall()
         return [dict(r) for r in rows]
+
+
+def _is_locked(e: sqlite3.OperationalError) -> bool:
+    text = str(e).lower()
+    return "locked" in text or "busy" in text
 
 
 def _nonempty(path: Path) -> bool:

@@ -371,3 +371,28 @@ def test_markup_and_emoji_codes_in_user_input_print_as_typed(tmp_path, home):
     spec = write_spec(tmp_path / "m.yaml", 'name: "[bold]x[/bold]:smile:"\nrun: echo\n')
     line = _one_clear_line(sftctl("plan", str(spec), timeout=60), "name:")
     assert "[bold]x[/bold]:smile:" in line and "\U0001f604" not in line
+
+
+def test_a_long_held_write_lock_does_not_fail_a_healthy_job(tmp_path, home):
+    """Item 12: the controller waits for state.db's write lock instead of failing the job (and
+    killing its nodes) when another process holds it past the busy timeout."""
+    import sqlite3
+
+    flag = tmp_path / "go"
+    spec = write_spec(tmp_path / "w.yaml", f"name: waiter\nrun: |\n  while [ ! -e {flag} ]; do sleep 0.1; done\n  echo done\n")
+    env = {**os.environ, "SFTCTL_STATE_BUSY_TIMEOUT_MS": "200"}  # a minute, shortened
+    job = json.loads(sftctl("run", str(spec), "--detach", "--json", env=env, check=True).stdout)["job_id"]
+    wait_for(lambda: status_json(job)["status"] == "RUNNING", what="RUNNING")
+    log = home / "jobs" / job / "controller.log"
+    holder = sqlite3.connect(home / "state.db", isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")  # a writer that holds on
+        flag.write_text("")
+        wait_for(lambda: "the state database is locked by another process" in log.read_text(),
+                 what="the controller to wait for the lock")
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    doc = wait_for(lambda: (d := status_json(job))["status"] not in ("RUNNING", "LAUNCHING") and d, what="the end")
+    assert doc["status"] == "SUCCEEDED", doc["failure_reason"]
+    assert job_processes(job) == []
