@@ -136,9 +136,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    """A finite number of seconds above 0 (``inf`` and ``nan`` are refused: ``Event.wait(inf)``
+    raises OverflowError)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 

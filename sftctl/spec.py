@@ -69,7 +69,9 @@ def shown(value: Any) -> str:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # .inf and .nan are YAML floats; no field of a spec means them (an infinite interval_s
+    # reached the agent and crashed it)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ModelSpec(_Strict):

@@ -210,3 +210,25 @@ def test_unicode_digits_are_not_indices(tmp_path, override):
     """Found by hypothesis in CI: '²'.isdigit() is True but int('²') raises."""
     msg = err(tmp_path, "name: demo\nrun: echo\nresources:\n  accelerators: [cpu]\n", [override])
     assert msg.startswith(f"--set {override}")
+
+
+@pytest.mark.parametrize("field, value", [("health: {interval_s: .inf}", "inf"), ("health: {hang_timeout_s: .nan}", "nan"),
+                                          ("resources: {max_price_per_hour: .inf}", "inf"),
+                                          ("health: {straggler_ratio: -.inf}", "-inf")])
+def test_non_finite_numbers_are_refused(tmp_path, field, value):
+    """Issue 14.13: `.inf` passed validation and crashed the node agent."""
+    path = tmp_path / "job.yaml"
+    path.write_text(f"name: x\nrun: echo\n{field}\n")
+    with pytest.raises(SpecError, match=r"job.yaml:3: .*finite number"):
+        load_spec(path)
+
+
+def test_the_agent_refuses_a_non_finite_interval():
+    import argparse
+
+    from sftctl.agent import _positive
+
+    assert _positive("0.5") == 0.5
+    for bad in ("inf", "nan", "-1", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _positive(bad)
