@@ -182,6 +182,9 @@ class Controller:
         self.nodes: list[dict] = []  # {"id", "rank", "handle", "generation" (replacements of this rank)}
         # read offsets survive restarts: every attempt appends to the same node log and metrics
         self.log_offsets: dict[str, int] = {}
+        # per node: the last "[sftctl] node N: failed: ..." line of this attempt (sftctl/failure.py)
+        self.failed_lines: dict[str, str] = {}
+        self._log_rest: dict[str, str] = {}
         self.metric_offsets: dict[str, dict[str, int]] = {}
         self.health_offsets: dict[str, dict[str, int]] = {}
         self.monitor = None
@@ -451,6 +454,7 @@ class Controller:
                 health=self.spec.health.enabled,
             )
             env = self.node_env(node["rank"], attempt, port)
+            self.failed_lines.pop(node["id"], None)
             node["handle"] = self.provider.launch(node["handle"], script, env, attempt)
             self.store.update_node(node["id"], status=NodeState.RUNNING.value, handle=node["handle"])
         self.attempt = attempt
@@ -496,7 +500,7 @@ class Controller:
                     self.store.update_node(node["id"], status="PENDING" if pending else NodeState.RUNNING.value)
                 if st.state == NodeState.FAILED:
                     self._drain()
-                    return Failure(f"node {node['rank']} exited with code {st.exit_code}", RESTART, node["rank"], st.exit_code)
+                    return Failure(self._exit_reason(node, st.exit_code), RESTART, node["rank"], st.exit_code)
                 if st.state == NodeState.LOST:
                     return Failure(f"node {node['rank']}: {st.detail}", REPLACE, node["rank"])
             if all(st.state == NodeState.SUCCEEDED for _, st in statuses):
@@ -551,7 +555,9 @@ class Controller:
                 node["handle"], self.log_offsets[node["id"]]
             )
             if data:
-                self.reporter.log(node["rank"], data.decode("utf-8", "replace"))
+                text = data.decode("utf-8", "replace")
+                self.reporter.log(node["rank"], text)
+                self._scan_failure(node, text)
             records = self.provider.read_metrics(node["handle"], self.metric_offsets[node["id"]])
             samples = [s for s in records if "step" in s]  # the rest are heartbeats
             if samples:
@@ -572,6 +578,18 @@ class Controller:
                 self._reported_attempt = self.attempt
                 first = min(int(s["step"]) for s in batch)
                 self.store.add_event(self.job_id, "progress", f"attempt {self.attempt}: first step reported is {first}")
+
+    def _scan_failure(self, node: dict, text: str) -> None:
+        lines = (self._log_rest.get(node["id"], "") + text).split("\n")
+        self._log_rest[node["id"]] = lines.pop()[-4096:]
+        marker = f"[sftctl] node {node['rank']}: failed: "
+        for line in lines:
+            if line.startswith(marker):
+                self.failed_lines[node["id"]] = line[len(marker):].strip()
+
+    def _exit_reason(self, node: dict, code: int | None) -> str:
+        why = self.failed_lines.get(node["id"])
+        return f"node {node['rank']} exited with code {code}" + (f": {why}" if why else "")
 
     def _stop_nodes(self) -> None:
         for node in self.nodes:

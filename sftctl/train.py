@@ -66,6 +66,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sftctl import failure as _failure
+
+# an uncaught exception in the training script lands in torchelastic's error file, so the job's
+# failure reason names it (see sftctl/failure.py); no-op outside an sftctl node
+_failure.install_excepthook()
+
 __all__ = [
     "TrainConfig",
     "checkpoint_dir",

@@ -396,3 +396,42 @@ def test_a_long_held_write_lock_does_not_fail_a_healthy_job(tmp_path, home):
     doc = wait_for(lambda: (d := status_json(job))["status"] not in ("RUNNING", "LAUNCHING") and d, what="the end")
     assert doc["status"] == "SUCCEEDED", doc["failure_reason"]
     assert job_processes(job) == []
+
+
+def _failure_reason(tmp_path, name: str, run: str, extra: str = "") -> str:
+    spec = write_spec(tmp_path / f"{name}.yaml", f"name: {name}\n{extra}run: |\n" +
+                      "".join(f"  {line}\n" for line in run.splitlines()))
+    proc = sftctl("run", str(spec), "--json")
+    assert proc.returncode == 1, proc.stderr
+    return json.loads(proc.stdout)["failure_reason"]
+
+
+def test_failure_reasons_say_what_happened(tmp_path, home):
+    """Item 14: the reason names the exception (torchelastic's error file), the rank, the signal,
+    not only "exited with code 1"."""
+    reason = _failure_reason(tmp_path, "raiser", "\"$SFTCTL_PYTHON\" -c \"import sftctl.train; raise ValueError('bad batch 7')\"")
+    assert reason == "node 0 exited with code 1: rank 0: ValueError: bad batch 7"
+    reason = _failure_reason(tmp_path, "readonly", "\"$SFTCTL_PYTHON\" -c \"import sftctl.train as t; t.save_checkpoint({'a': 1}, 1)\"",
+                             extra="train: {checkpoint_dir: /sys/sftctl-checkpoints}\n")
+    assert reason.startswith("node 0 exited with code 1: rank 0: PermissionError: ") and "/sys/sftctl-checkpoints" in reason
+    reason = _failure_reason(tmp_path, "killed", "\"$SFTCTL_PYTHON\" -c \"import os, signal; os.kill(os.getpid(), signal.SIGKILL)\"")
+    assert reason == "node 0 exited with code 137: killed by SIGKILL (signal 9)"
+    (tmp_path / "two.py").write_text("import os, time\nimport sftctl.train\n"
+                                     "if os.environ['RANK'] == '1':\n    raise RuntimeError('rank 1 failed on purpose')\n"
+                                     "time.sleep(120)\n")
+    reason = _failure_reason(tmp_path, "ranks", f"torchrun --standalone --nproc-per-node=2 {tmp_path / 'two.py'}")
+    assert reason == "node 0 exited with code 1: rank 1: RuntimeError: rank 1 failed on purpose"
+
+
+def test_the_oom_killer_is_named_when_the_kernel_counter_rose(tmp_path):
+    """Item 14: a run killed while the kernel's OOM-kill counter rose is reported as out of memory
+    (the counter is read the way the node reads it; no test can OOM the machine)."""
+    from sftctl import failure
+
+    now = failure.oom_kills()
+    if now is None:
+        pytest.skip("this kernel reports no oom_kill counter")
+    assert failure.describe(137, None, oom_before=now) == "killed by SIGKILL (signal 9)"
+    assert failure.describe(137, None, oom_before=now - 1) == \
+        "a process was killed by the kernel's OOM killer (out of memory)"
+    assert failure.describe(3, None, oom_before=now) is None

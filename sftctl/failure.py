@@ -1,0 +1,160 @@
+"""Why a node's run failed, said in one line, on the node itself.
+
+The node bootstrap (``templates/node.sh.j2``) runs ``python -m sftctl.failure --oom-kills``
+before the spec's ``run`` and ``python -m sftctl.failure RC ERROR_FILE OOM_BEFORE`` after a
+non-zero exit, and prints the answer as ``[sftctl] node N: failed: <reason>`` into the node's
+log; the controller reads that line (every provider ships the log) into the job's failure
+reason instead of a bare "exited with code 1".
+
+Sources, first that answers:
+
+1. torchelastic's error file (``$TORCHELASTIC_ERROR_FILE``, set per node attempt by the
+   bootstrap): torchrun copies the first failed worker's file there, and a plain script writes
+   it itself; :mod:`sftctl.train` installs an excepthook that writes the uncaught exception in
+   torchelastic's format (``{"message": {"message": "...", "extraInfo": {...}}}``, the format
+   of ``torch.distributed.elastic.multiprocessing.errors.ErrorHandler``).
+2. The kernel's OOM-kill counter: ``oom_kill`` in the node's memory cgroup (v2
+   ``memory.events``, v1 ``memory.oom_control``), else the machine's ``/proc/vmstat``; a
+   counter that rose while the run ran means the kernel killed a process for memory.
+3. The exit status: above 128 is a signal (bash reports 128 + signal number).
+
+Imports nothing heavy (it runs on every failure, on every node).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has killed in this process's memory cgroup
+    (or, failing that, on this machine); None when the kernel does not say."""
+    for path in _cgroup_counter_files():
+        value = _read_counter(path, "oom_kill")
+        if value is not None:
+            return value
+    return _read_counter(Path("/proc/vmstat"), "oom_kill")
+
+
+def _cgroup_counter_files() -> list[Path]:
+    out = []
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        _, controllers, rel = line.split(":", 2)
+        rel = rel.lstrip("/")
+        if controllers == "":  # cgroup v2
+            out.append(Path("/sys/fs/cgroup") / rel / "memory.events")
+        elif "memory" in controllers.split(","):
+            out.append(Path("/sys/fs/cgroup/memory") / rel / "memory.oom_control")
+    return out
+
+
+def _read_counter(path: Path, name: str) -> int | None:
+    try:
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == name and value.strip().isdigit():
+                return int(value)
+    except OSError:
+        return None
+    return None
+
+
+def error_file_message(path: str | os.PathLike) -> str | None:
+    """The first line of the exception recorded in a torchelastic error file, with the failed
+    rank when it is known; None when there is no readable file."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    msg = doc.get("message") if isinstance(doc, dict) else None
+    extra = {}
+    if isinstance(msg, dict):
+        extra = msg.get("extraInfo") or {}
+        msg = msg.get("message")
+    if not isinstance(msg, str) or not msg.strip():
+        return None
+    first = " ".join(msg.strip().splitlines()[0].split())[:300]
+    rank = extra.get("rank") if isinstance(extra, dict) else None
+    return f"rank {rank}: {first}" if rank is not None else first
+
+
+def describe(rc: int, error_file: str | None = None, oom_before: int | None = None) -> str | None:
+    """One line saying why a run exited with ``rc`` (non-zero), or None when nothing is known
+    beyond the code."""
+    recorded = error_file_message(error_file) if error_file else None
+    now = oom_kills()
+    oom = oom_before is not None and now is not None and now > oom_before
+    if oom:
+        what = "a process was killed by the kernel's OOM killer (out of memory)"
+        return f"{what}; {recorded}" if recorded else what
+    if recorded:
+        return recorded
+    if rc > 128:
+        try:
+            name = signal.Signals(rc - 128).name
+        except ValueError:
+            name = f"signal {rc - 128}"
+        return f"killed by {name} (signal {rc - 128})"
+    return None
+
+
+def write_error_file(exc: BaseException, path: str | os.PathLike, rank: int | None = None) -> None:
+    """Record ``exc`` in torchelastic's error-file format (what ``@record`` writes), plus the rank."""
+    doc = {"message": {"message": f"{type(exc).__name__}: {exc}",
+                       "extraInfo": {"py_callstack": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+                                     "timestamp": str(int(time.time())), "rank": rank}}}
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, path)
+
+
+def install_excepthook() -> None:
+    """Write an uncaught exception to ``$TORCHELASTIC_ERROR_FILE`` (if set and not yet written),
+    then let the previous hook print it as usual."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    if not path or getattr(sys.excepthook, "_sftctl", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind, exc, tb):
+        try:
+            if not os.path.exists(path) and not issubclass(kind, KeyboardInterrupt):
+                rank = os.environ.get("RANK") or os.environ.get("SFTCTL_NODE_RANK")
+                write_error_file(exc.with_traceback(tb), path, int(rank) if rank and rank.isdigit() else None)
+        except Exception:  # diagnosing must never hide the real error
+            pass
+        previous(kind, exc, tb)
+
+    hook._sftctl = True
+    sys.excepthook = hook
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``--oom-kills``: print the counter. ``RC [ERROR_FILE [OOM_BEFORE]]``: print the reason."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["--oom-kills"]:
+        n = oom_kills()
+        print("" if n is None else n)
+        return 0
+    rc = int(args[0])
+    error_file = args[1] if len(args) > 1 and args[1] else None
+    oom_before = int(args[2]) if len(args) > 2 and args[2].isdigit() else None
+    why = describe(rc, error_file, oom_before)
+    if why:
+        print(why)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
