@@ -62,6 +62,8 @@ GEMM_PARAMS = {
     "k_loop_overhead_cycles": (1.0, 1000.0),
     "warp_tile_overhead_elems": (8.0, 4096.0),
     "l2_bytes_per_clk_per_sm": (16.0, 128.0),
+    "sm_load_bytes_per_clk": (16.0, 128.0),
+    "sm_overlap_slack": (0.0, 0.6),
 }
 #: Fitted streaming-kernel (row, elementwise) coefficients and bounds.
 STREAM_PARAMS = {

@@ -58,10 +58,12 @@ number of programs co-resident on the busiest SM in a wave. Each term and its so
   reads its A rows and B columns from shared memory and the stage fill writes the tile once:
   ``t_smem = K_s * (rep * (wn*BLOCK_M + wm*BLOCK_N) + BLOCK_M + BLOCK_N) * bytes / smem_bw`` with
   the units arranged ``wm x wn`` (the arrangement that minimises the traffic).
-* **Pipeline depth vs latency, Little's law** (Little 1961; NVIDIA "CUDA C++ Best Practices",
-  memory-latency hiding; Triton docs ``num_stages``): with ``num_stages - 1`` loads in flight, a
-  program's K loop can not run faster than one iteration per ``latency / (num_stages - 1)``;
-  ``num_stages == 1`` does not overlap loads with MMAs at all (latency + MMA per iteration).
+* **Pipeline depth vs latency** (Little 1961; NVIDIA "CUDA C++ Best Practices", memory-latency
+  hiding; Triton docs ``num_stages``): ``num_stages`` buffers form a ring; a stage's load can be
+  issued only when the MMA that read its buffer ``num_stages`` iterations earlier is done, and
+  arrives ``L = latency + stage bytes / sm_load_bytes_per_clk`` later, so a K iteration takes at
+  least ``(t_mma + L) / num_stages`` (``num_stages == 1``: load, then compute). H200 measured:
+  2 stages 1.84-1.94x, 3 stages 1.15x, 4 stages 1.0x of the best 4096^3 tile.
   Each wave also pays the fill (first load) and the final store latency and
   ``tile_overhead_cycles`` (index math, prologue, epilogue, barriers).
 * **HBM roofline with tile reuse and L2** (NVIDIA guide, "Math and memory bounds"; Triton tutorial
@@ -185,6 +187,12 @@ class Coefficients:
             ``(1 - s) * max(T_sm, T_hbm, T_l2) + s * (T_sm + T_hbm + T_l2)`` (0 = perfect
             overlap, the pure roofline). Also makes a memory-bound kernel prefer the schedule
             that wastes least compute, instead of a tie.
+        sm_load_bytes_per_clk: bytes per clock one SM's pipeline stages fill at from L2 (the
+            SM's share of L2 bandwidth; ~41 on Hopper, Luo et al. 2024): a stage of
+            ``(BLOCK_M + BLOCK_N) * BLOCK_K`` elements arrives ``latency + bytes / this`` after its
+            request, ``num_stages - 1`` of them in flight.
+        sm_overlap_slack: like ``overlap_slack``, inside an SM: the share of the non-dominant
+            MMA / shared-memory / load-latency terms that is not hidden.
         spill_bytes_per_clk: local-memory bandwidth per SM per clock that register-spill traffic
             gets (spill stores and reloads go through L1/L2): a GEMM that spills ``s`` bytes per
             thread pays ``2 * s * threads`` bytes of that traffic per K iteration, serial with its
@@ -232,6 +240,8 @@ class Coefficients:
     overlap_slack: float = 0.05
     conv_efficiency: float = 1.0
     spill_bytes_per_clk: float = 64.0
+    sm_load_bytes_per_clk: float = 41.0
+    sm_overlap_slack: float = 0.0
     spill_estimate_factor: float = 8.0
     launch_multiplier: float = 1.0
     block_launch_cycles: float = 150.0
@@ -595,7 +605,7 @@ def _ctx(problem: GemmProblem, hw: Accelerator, c: Coefficients) -> _Ctx:
         smem_bw=c.smem_bytes_per_clk * hw.clock_hz,
         hbm=hw.hbm_bytes_per_s * c.hbm_efficiency,
         l2bw=c.l2_bytes_per_clk_per_sm * hw.sm_count * hw.clock_hz,
-        l2bw_sm=c.l2_bytes_per_clk_per_sm * hw.clock_hz,
+        l2bw_sm=c.sm_load_bytes_per_clk * hw.clock_hz,
         l2u=hw.l2_bytes * c.l2_usable_fraction,
         lat=lat,
         vec_sm=hw.vector_peak("float32") * c.vector_efficiency / hw.sm_count,
@@ -697,7 +707,9 @@ def _layout_eff(ctx: _Ctx, L):
 
 def _combine(ctx, fixed, waves, wa, t_fix, xc, xs, xl, xe, t_hbm, t_l2):
     """The one expression tree shared by the model and its lower bound."""
-    t_sm = waves * t_fix + np.maximum(np.maximum(wa * xc, wa * xs), waves * xl) + wa * xe
+    q = ctx.c.sm_overlap_slack
+    a, b, l = wa * xc, wa * xs, waves * xl
+    t_sm = waves * t_fix + ((1.0 - q) * np.maximum(np.maximum(a, b), l) + q * ((a + b) + l)) + wa * xe
     s = ctx.c.overlap_slack
     roof = (1.0 - s) * np.maximum(np.maximum(t_sm, t_hbm), t_l2) + s * ((t_sm + t_hbm) + t_l2)
     return fixed + roof, t_sm
@@ -771,12 +783,17 @@ def _evaluate(problem: GemmProblem, hw: Accelerator, cands: dict, coeffs: Coeffi
     xc = (F / (ctx.p_sm * e_w * e_l * share) + BM * Ks * ctx.pro_flops / ctx.vec_sm + k_iters * ctx.t_iter
           + k_iters * 2.0 * spill * threads / ctx.spill_bw)
     xs = Ks * ((rep * smem_rd + (BM + BN)) * ctx.in_b) / ctx.smem_bw
-    share1 = np.minimum(1.0, W / c.mma_subpartitions)
-    serial = np.where(S <= 1.0, F / (ctx.p_sm * e_w * e_l * share1), 0.0)
-    # a stage arrives ``lat`` after its request plus its transfer at the SM's share of L2
-    # bandwidth (``a`` co-resident programs share it); ``S - 1`` stages are in flight
+    # Ring of S stage buffers: a stage arrives L = latency + its transfer at the SM's fill rate
+    # (``a`` co-resident programs share it) after its request, and the request can only go out
+    # once the MMA reading that buffer S iterations earlier is done, so one iteration takes at
+    # least (t_mma + L) / S (S = 1: load then compute, serially). Matches the H200 num_stages
+    # sweeps: 2 stages 1.84-1.94x, 3 stages 1.15x, 4 stages 1.0x of the best 4096^3 config.
     stage_bytes = (BM + BN) * BK * ctx.in_b
-    xl = (k_iters * (ctx.lat + (a * stage_bytes) / ctx.l2bw_sm)) / np.maximum(S - 1.0, 1.0) + serial
+    # (t_mma: the program's MMAs at its own warps' tensor-core share, min(1, warps / 4))
+    share1 = np.minimum(1.0, W / c.mma_subpartitions)
+    xc1 = (F / (ctx.p_sm * e_w * e_l * share1) + BM * Ks * ctx.pro_flops / ctx.vec_sm + k_iters * ctx.t_iter
+           + k_iters * 2.0 * spill * threads / ctx.spill_bw)
+    xl = (xc1 + k_iters * (ctx.lat + (a * stage_bytes) / ctx.l2bw_sm)) / np.maximum(S, 1.0)
     xe = BM * BN * ctx.epi_flops / ctx.vec_sm
 
     # --- DRAM traffic with grouped-order L2 reuse
@@ -900,7 +917,6 @@ def gemm_group_bound(problem: GemmProblem, hw: Accelerator, prefix: dict, suffix
     share_ub = np.minimum(1.0, a_ub * W / c.mma_subpartitions)
     xs = Ks_lb * ((rep * smem_rd + (BM + BN)) * ctx.in_b) / ctx.smem_bw
     stage_bytes_lb = (BM + BN) * bks[0] * ctx.in_b
-    xl = (k_iters_lb * (ctx.lat + (1.0 * stage_bytes_lb) / ctx.l2bw_sm)) / max(max(stages) - 1.0, 1.0) + 0.0
     xe = BM * BN * ctx.epi_flops / ctx.vec_sm
     out_bytes = _out_bytes(ctx, SK)
     t_hbm = (ctx.a_bytes * 1.0 + ctx.b_bytes * 1.0 + out_bytes) / ctx.hbm
@@ -911,6 +927,10 @@ def gemm_group_bound(problem: GemmProblem, hw: Accelerator, prefix: dict, suffix
         e_l = _layout_eff(ctx, float(L))
         xc = (F_lb / (ctx.p_sm * e_w * e_l * share_ub) + BM * Ks_lb * ctx.pro_flops / ctx.vec_sm
               + k_iters_lb * ctx.t_iter + k_iters_lb * 2.0 * spill_lb * threads / ctx.spill_bw)
+        share1 = np.minimum(1.0, W / c.mma_subpartitions)
+        xc1 = (F_lb / (ctx.p_sm * e_w * e_l * share1) + BM * Ks_lb * ctx.pro_flops / ctx.vec_sm
+               + k_iters_lb * ctx.t_iter + k_iters_lb * 2.0 * spill_lb * threads / ctx.spill_bw)
+        xl = (xc1 + k_iters_lb * (ctx.lat + (1.0 * stage_bytes_lb) / ctx.l2bw_sm)) / max(max(stages), 1.0)
         fixed = _extra_kernels(ctx, hw, SK, float(L))
         total, _ = _combine(ctx, fixed, waves_lb, wa_lb, ctx.t_fix, xc, xs, xl, xe, t_hbm, t_l2)
         best = total if best is None else np.minimum(best, total)
