@@ -236,11 +236,14 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
                 + (f"; did you mean '{close[0]}'?" if close else ""),
                 hint=f"known accelerators: {', '.join(known.values())} (sftctl catalog lists offerings)",
             )
-        for offering in _offerings(acc.name, acc.count, usable, res.clouds, spec=spec):
+        offerings = _offerings(acc.name, acc.count, usable, res.clouds, spec=spec)
+        for offering in offerings:
             c = _judge(offering, spec, usable, predict)
             if offering.provider == "slurm" and c.rejected is None:
                 c = _queue(c, spec)
             candidates.append(c)
+        if not offerings and acc.name.lower() != "cpu":
+            candidates.append(_not_sold(known[acc.name.lower()], acc.count, res.nodes))
     ranked = sorted(candidates, key=lambda c: (c.rejected is not None, _objective(c, res.objective)))
     feasible = [c for c in ranked if c.rejected is None]
     if not feasible:
@@ -260,6 +263,20 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
         )
     best = feasible[0]
     return Plan(best, _reason(best, ranked, res.objective), ranked)
+
+
+def _not_sold(name: str, count: int, nodes: int) -> Candidate:
+    """A row for an accelerator asked at a count no offering has: what is sold instead."""
+    sold = sorted({o.count for o in cloud_offerings() if o.accelerator.lower() == name.lower()})
+    if sold:
+        as_ = " and ".join(f":{n}" for n in sold)
+        why = (f"{name} is sold as {as_}{' only' if len(sold) == 1 else ''} here; ask for "
+               + " or ".join(f"{name}:{n}" for n in sold))
+    else:
+        why = f"no provider sftctl supports sells {name}"
+    placeholder = Offering(provider="-", instance_type="(not sold)", accelerator=name, count=count, region="-",
+                           usd_per_hour=0.0, source="sftctl catalog: no offering of this count")
+    return Candidate(placeholder, nodes, None, rejected=why)
 
 
 def _objective(c: Candidate, objective: str) -> tuple:

@@ -86,3 +86,26 @@ def test_unknown_accelerator_suggests(tmp_path):
 def test_local_cpu_without_model_ranks_by_price(tmp_path):
     p = plan(spec(tmp_path, "{accelerators: [cpu:1, L4:1]}"), ALL_USABLE)
     assert p.offering.provider == "local" and p.chosen.usd_per_hour == 0.0
+
+
+def test_count_nobody_sells_gets_a_row_saying_what_is_sold(tmp_path):
+    s = spec(tmp_path, "{accelerators: [H200:1, H100:4, L4:1], clouds: [aws, gcp]}")
+    p = plan(s, ALL_USABLE, fixed_predictor({"H200": 0.5, "H100": 0.5, "L4": 2.0}))
+    rows = {(c.offering.accelerator, c.offering.count): c for c in p.candidates if c.offering.provider == "-"}
+    assert rows[("H200", 1)].rejected == "H200 is sold as :8 only here; ask for H200:8"
+    assert rows[("H100", 4)].rejected == "H100 is sold as :1 and :8 here; ask for H100:1 or H100:8"
+    assert rows[("H200", 1)].usd_per_hour is None and rows[("H200", 1)].to_dict()["rejected"]
+    assert p.offering.accelerator == "L4"  # the rows never win
+    with pytest.raises(InfeasibleError) as e:
+        plan(spec(tmp_path, "{accelerators: [H200:2]}"), ALL_USABLE, fixed_predictor({"H200": 0.5}))
+    assert "H200 is sold as :8 only here; ask for H200:8" in e.value.message
+
+
+def test_single_gpu_h100_offerings_are_sourced(tmp_path):
+    from sftctl.catalog import cloud_offerings
+
+    single = [o for o in cloud_offerings() if o.accelerator == "H100" and o.count == 1]
+    assert {o.provider for o in single} == {"aws", "gcp"}
+    assert all(o.source and o.as_of and o.usd_per_hour > 0 for o in single)
+    p = plan(spec(tmp_path, "{accelerators: [H100:1]}"), ALL_USABLE, fixed_predictor({"H100": 0.5}))
+    assert p.offering.instance_type == "p5.4xlarge"  # the cheaper of the two at the same speed
