@@ -242,3 +242,78 @@ def test_same_dtype_same_precision_scheme_in_both_frontends():
                                                 mixed_precision=False)
     assert "bfloat16" in {n.type.dtype for n in graph.inputs_with_role("param")}
     assert meta["precision"] == "bfloat16"
+
+
+# ------------------------------------------------------------------------------------------------
+# flax.nnx in train mode: batch statistics are buffers; dropout is refused with a hint
+# ------------------------------------------------------------------------------------------------
+
+
+class NnxConvBN(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
+        kw = dict(rngs=rngs, param_dtype=param_dtype)
+        self.conv1 = nnx.Conv(3, 4, (3, 3), strides=2, padding="SAME", use_bias=False, **kw)
+        self.bn1 = nnx.BatchNorm(4, momentum=0.9, **kw)
+        self.conv2 = nnx.Conv(4, 6, (3, 3), padding=((1, 1), (1, 1)), feature_group_count=2, **kw)
+        self.head = nnx.Linear(6, 3, **kw)
+
+    def __call__(self, x):
+        h = jax.nn.relu(self.bn1(self.conv1(x)))
+        return self.head(jax.nn.relu(self.conv2(h)).mean(axis=(1, 2)))
+
+
+def test_flax_nnx_batchnorm_train_mode_statistics_are_buffers(x64):
+    """nnx.BatchNorm in train mode: batch statistics are ``buffer`` inputs, their updates
+    ``buffer:<name>`` outputs; loss, gradients and the updated statistics match nnx in float64."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    model = NnxConvBN(rngs=nnx.Rngs(seed), param_dtype=jnp.float64)
+    model.train()
+    x = jnp.asarray(rng.normal(size=(4, 8, 8, 3)))
+    y = jnp.asarray(rng.integers(0, 3, 4))
+    graphdef, pstate, rest = nnx.split(model, nnx.Param, ...)
+    before = nnx.to_pure_dict(nnx.split(model, nnx.Param, nnx.RngState, ...)[3])
+    graph, meta = jax_frontend.trace_step(_nnx_loss, model, (x, y), betas=(0.0, 0.999))
+    assert sorted(meta["buffers"]) == ["bn1.mean", "bn1.var"]
+    assert sorted(r for r in meta["outputs"] if r.startswith("buffer:")) == ["buffer:bn1.mean", "buffer:bn1.var"]
+    assert graph.op_counts()["conv"] == 5  # 2 forward, 2 weight gradients, 1 input gradient (grouped)
+    feed = {meta["params"][n]: np.asarray(v) for n, v in
+            zip(meta["param_names"], jax.tree_util.tree_leaves(nnx.to_pure_dict(pstate)))}
+    feed.update({i: np.zeros(graph.nodes[i].type.shape) for i in meta["opt_state"].values()})
+    feed.update({meta["buffers"][n]: np.asarray(v) for n, v in
+                 zip(sorted(meta["buffers"]), jax.tree_util.tree_leaves(before))})
+    feed[meta["step"]] = 1.0
+    feed[meta["batch"][0]], feed[meta["batch"][1]] = np.asarray(x), np.asarray(y)
+    out = dict(zip(graph.output_roles, interpreter.run(graph, feed, dtype="float64")))
+    loss, grads = nnx.value_and_grad(_nnx_loss)(model, (x, y))  # updates model's statistics
+    np.testing.assert_allclose(out["loss"], float(loss), rtol=RTOL)
+    overall = max(float(np.abs(np.asarray(g)).max()) for g in jax.tree_util.tree_leaves(nnx.to_pure_dict(grads)))
+    for n, g in zip(meta["param_names"], jax.tree_util.tree_leaves(nnx.to_pure_dict(grads))):
+        err = float(np.abs(out[f"opt_state:{n}.exp_avg"] - np.asarray(g)).max())
+        assert err <= RTOL * max(float(np.abs(np.asarray(g)).max()), 1e-6 * overall), (n, err, seed)
+    after = nnx.to_pure_dict(nnx.split(model, nnx.Param, nnx.RngState, ...)[3])
+    np.testing.assert_allclose(out["buffer:bn1.mean"], np.asarray(after["bn1"]["mean"]), rtol=RTOL, atol=1e-14)
+    np.testing.assert_allclose(out["buffer:bn1.var"], np.asarray(after["bn1"]["var"]), rtol=RTOL, atol=1e-14)
+    assert not np.allclose(out["buffer:bn1.var"], np.asarray(before["bn1"]["var"]))
+    # eval mode: statistics are read, never written
+    model.eval()
+    graph, meta = jax_frontend.trace_step(_nnx_loss, model, (x, y))
+    assert meta["buffers"] and not any(r.startswith("buffer:") for r in meta["outputs"])
+
+
+def test_flax_nnx_dropout_in_train_mode_is_refused_with_a_hint():
+    class Drop(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 3, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.lin(x))
+
+    model = Drop(nnx.Rngs(0))
+    batch = (jnp.ones((2, 4)), jnp.zeros(2, jnp.int32))
+    with pytest.raises(NotImplementedError, match="model.eval()"):
+        jax_frontend.trace_step(_nnx_loss, model, batch)
+    model.eval()
+    graph, meta = jax_frontend.trace_step(_nnx_loss, model, batch)
+    assert meta["param_names"] == ["lin.bias", "lin.kernel"]

@@ -13,19 +13,21 @@ primitive without a lowering raises ``NotImplementedError`` naming it.
 
 The graph's inputs: role ``param`` (the leaves of ``params`` in ``jax.tree_util`` order, named by
 their key paths joined with ``.``), ``opt_state`` (``<name>.exp_avg`` for each, then
-``<name>.exp_avg_sq``), ``step`` (a scalar, the 1-based number of this step; float64 when the parameters are float64,
-else float32), ``batch``
-(the leaves of ``batch``). Outputs: ``loss``, ``param:<name>`` ..., ``opt_state:<name>.exp_avg``
-..., ``opt_state:<name>.exp_avg_sq`` ... . AdamW is ``torch.optim.AdamW``'s (and optax.adamw's
+``<name>.exp_avg_sq``), ``buffer`` (a flax.nnx module's non-parameter state, see below),
+``step`` (a scalar, the 1-based number of this step; float64 when the parameters are float64,
+else float32), ``batch`` (the leaves of ``batch``). Outputs: ``loss``, ``param:<name>`` ...,
+``opt_state:<name>.exp_avg`` ..., ``opt_state:<name>.exp_avg_sq`` ..., then ``buffer:<name>``
+for each buffer the step changes. AdamW is ``torch.optim.AdamW``'s (and optax.adamw's
 with ``eps_root=0``): decoupled weight decay ``lr * wd * p``, bias-corrected moments, ``eps``
 added after the square root.
 
 Models: ``params`` is any pytree of arrays (plain JAX, or a flax.linen ``variables`` dict with
 ``loss_fn(variables, batch)`` calling ``module.apply``), or a **flax.nnx** ``Module``: it is split
 with ``nnx.split(model, nnx.Param, ...)``, its ``nnx.Param`` leaves are the parameters (named by
-their state paths, e.g. ``blocks.0.attn.qkv.kernel``), other state (batch statistics, RNG
-counters) is closed over as constants, and ``loss_fn(model, batch)`` receives the module merged
-back from the traced parameters.
+their state paths, e.g. ``blocks.0.attn.qkv.kernel``), other state except RNG state (batch statistics) is step input
+of role ``buffer`` whose updates come out as ``buffer:<name>``, RNG state is closed over (a
+model that draws random numbers while traced is refused), and ``loss_fn(model, batch)`` receives
+the module merged back from the traced state.
 
 Mixed precision (``compute_dtype`` / ``trace_entrypoint(dtype=...)``), the same scheme as the
 torch frontend: parameters, gradients and AdamW state stay float32 (master weights) and the
@@ -115,6 +117,21 @@ def make_step(loss_fn: Callable, *, lr: float, betas, eps: float, weight_decay: 
     return step
 
 
+def _make_step_with_buffers(loss_fn: Callable, *, lr: float, betas, eps: float, weight_decay: float) -> Callable:
+    """``step(params, m, v, buffers, step, batch) -> (loss, params', m', v', buffers')`` for a
+    ``loss_fn(params, buffers, batch) -> (loss, buffers')`` (buffers: non-trainable state such as
+    batch-norm statistics, threaded through and returned updated)."""
+    import jax
+
+    def step(params, m, v, buffers, count, batch):
+        (loss, new_b), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, buffers, batch)
+        new_p, new_m, new_v = adamw_update(params, grads, m, v, count, lr=lr, betas=betas, eps=eps,
+                                           weight_decay=weight_decay)
+        return loss, new_p, new_m, new_v, new_b
+
+    return step
+
+
 def trace_step(
     loss_fn: Callable[[Any, Any], Any],
     params: Any,
@@ -133,21 +150,27 @@ def trace_step(
     docstring). ``compute_dtype`` (``bfloat16``/``float16``): the loss function sees the
     parameters and floating batch leaves cast to it (float32 master weights and AdamW state).
 
+    A flax.nnx module's non-parameter state (``nnx.BatchStats`` and other variables, not its RNG
+    state) becomes inputs of role ``buffer`` (after the optimizer state, as in the torch
+    frontend) and, where the step changes it (batch norm in train mode), outputs
+    ``buffer:<name>`` after the optimizer state.
+
     Returns:
-        ``(graph, meta)``: ``meta`` has ``params`` / ``opt_state`` (name -> input node id),
-        ``step`` (id), ``batch`` (ids in leaf order), ``batch_names``, ``param_names``,
+        ``(graph, meta)``: ``meta`` has ``params`` / ``opt_state`` / ``buffers`` (name -> input
+        node id), ``step`` (id), ``batch`` (ids in leaf order), ``batch_names``, ``param_names``,
         ``outputs`` (role -> index into ``graph.outputs``), ``n_params``, ``hyper``,
         ``jaxpr_eqns``, ``trace_s``, ``lower_s``.
 
     Raises:
-        NotImplementedError: a primitive, dtype or gather form the lowering does not support.
+        NotImplementedError: a primitive, dtype or gather form the lowering does not support; a
+        flax.nnx module that draws random numbers (dropout in train mode).
     """
     import jax
     import jax.numpy as jnp
 
     if optimizer != "adamw":
         raise ValueError(f"optimizer must be 'adamw', got {optimizer!r}")
-    loss_fn, params = _nnx_split(loss_fn, params)
+    loss_fn, params, buffers = _nnx_split(loss_fn, params)
     if compute_dtype not in (None, "float32"):
         loss_fn = _with_compute_dtype(loss_fn, jnp.dtype(compute_dtype))
 
@@ -155,31 +178,47 @@ def trace_step(
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
 
     p_abs = jax.tree_util.tree_map(abstract, params)
+    buf_abs = jax.tree_util.tree_map(abstract, buffers)
     b_abs = jax.tree_util.tree_map(abstract, batch)
     # the step count's dtype sets the precision of AdamW's scalar math (jax literals take the dtype
     # of the array they meet): float64 when the parameters are float64, else float32
     wide = any(np.dtype(x.dtype) == np.float64 for x in jax.tree_util.tree_leaves(params))
     step_abs = jax.ShapeDtypeStruct((), jnp.float64 if wide else jnp.float32)
-    fn = make_step(loss_fn, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    fn = _make_step_with_buffers(loss_fn, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     t0 = time.perf_counter()
-    closed = jax.make_jaxpr(fn)(p_abs, p_abs, p_abs, step_abs, b_abs)
+    try:
+        closed = jax.make_jaxpr(fn)(p_abs, p_abs, p_abs, buf_abs, step_abs, b_abs)
+    except Exception as e:
+        if type(e).__name__ == "TraceContextError":  # flax: RNG state mutated inside the trace
+            raise NotImplementedError(
+                "jax frontend: the flax.nnx model draws random numbers while traced (dropout in train "
+                f"mode; random ops are not supported): call model.eval() or set the dropout rate to 0 ({e})"
+            ) from None
+        raise
     t1 = time.perf_counter()
     pnames = _leaf_names(params, "")
+    bufnames = _leaf_names(buffers, "")
     bnames = _leaf_names(batch, "batch.")
-    n = len(pnames)
+    n, nb = len(pnames), len(bufnames)
     roles = ([("param", nm) for nm in pnames] + [("opt_state", nm + ".exp_avg") for nm in pnames]
-             + [("opt_state", nm + ".exp_avg_sq") for nm in pnames] + [("step", "step")]
-             + [("batch", nm) for nm in bnames])
+             + [("opt_state", nm + ".exp_avg_sq") for nm in pnames] + [("buffer", nm) for nm in bufnames]
+             + [("step", "step")] + [("batch", nm) for nm in bnames])
     out_roles = (["loss"] + [f"param:{nm}" for nm in pnames] + [f"opt_state:{nm}.exp_avg" for nm in pnames]
-                 + [f"opt_state:{nm}.exp_avg_sq" for nm in pnames])
+                 + [f"opt_state:{nm}.exp_avg_sq" for nm in pnames] + [f"buffer:{nm}" for nm in bufnames])
     graph, ids = _Lowering().run(closed, roles, out_roles)
+    # a buffer the step leaves as it was is no output
+    keep = [k for k, r in enumerate(out_roles)
+            if not (r.startswith("buffer:") and graph.outputs[k] == ids[3 * n + bufnames.index(r[7:])])]
+    graph.outputs = [graph.outputs[k] for k in keep]
+    graph.output_roles = out_roles = [out_roles[k] for k in keep]
     t2 = time.perf_counter()
     meta = {
         "params": {nm: ids[i] for i, nm in enumerate(pnames)},
         "opt_state": {**{nm + ".exp_avg": ids[n + i] for i, nm in enumerate(pnames)},
                       **{nm + ".exp_avg_sq": ids[2 * n + i] for i, nm in enumerate(pnames)}},
-        "step": ids[3 * n],
-        "batch": ids[3 * n + 1:],
+        "buffers": {nm: ids[3 * n + i] for i, nm in enumerate(bufnames)},
+        "step": ids[3 * n + nb],
+        "batch": ids[3 * n + nb + 1:],
         "batch_names": bnames,
         "param_names": pnames,
         "outputs": {r: i for i, r in enumerate(out_roles)},
@@ -201,33 +240,44 @@ def _with_compute_dtype(loss_fn: Callable, dtype) -> Callable:
     def cast(x):
         return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
-    def wrapped(params, batch):
-        loss = loss_fn(jax.tree_util.tree_map(cast, params), jax.tree_util.tree_map(cast, batch))
-        return loss.astype(jnp.float32)
+    def wrapped(params, buffers, batch):
+        loss, new_b = loss_fn(jax.tree_util.tree_map(cast, params), buffers, jax.tree_util.tree_map(cast, batch))
+        new_b = jax.tree_util.tree_map(lambda new, old: new.astype(old.dtype), new_b, buffers)
+        return loss.astype(jnp.float32), new_b
 
     return wrapped
 
 
-def _nnx_split(loss_fn: Callable, params: Any) -> tuple[Callable, Any]:
-    """For a flax.nnx Module: (loss of its ``nnx.Param`` state as a nested dict, that state).
-    Anything else is returned unchanged. Other state (batch stats, RNG keys) stays constant."""
+def _nnx_split(loss_fn: Callable, params: Any) -> tuple[Callable, Any, Any]:
+    """``(loss(params, buffers, batch) -> (loss, buffers'), params, buffers)``.
+
+    For a flax.nnx Module: its ``nnx.Param`` state and its other state except RNG state, both as
+    nested dicts; the loss merges the module back from them (RNG state closed over) and returns
+    its state after the call. Anything else: ``params`` unchanged, no buffers."""
     import jax
+
+    def plain(p, bufs, batch):
+        return loss_fn(p, batch), bufs
 
     try:
         from flax import nnx
     except ImportError:  # flax not installed: not an nnx module
-        return loss_fn, params
+        return plain, params, {}
     if not isinstance(params, nnx.Module):
-        return loss_fn, params
-    graphdef, state, rest = nnx.split(params, nnx.Param, ...)
-    pure = state.to_pure_dict() if hasattr(state, "to_pure_dict") else nnx.to_pure_dict(state)
+        return plain, params, {}
+    graphdef, pstate, rngs, bstate = nnx.split(params, nnx.Param, nnx.RngState, ...)
 
-    def loss_of(p, batch):
+    def fill(state, pure):
         st = jax.tree_util.tree_map(lambda x: x, state)  # a copy to fill
-        nnx.replace_by_pure_dict(st, p)
-        return loss_fn(nnx.merge(graphdef, st, rest), batch)
+        nnx.replace_by_pure_dict(st, pure)
+        return st
 
-    return loss_of, pure
+    def loss_of(p, bufs, batch):
+        model = nnx.merge(graphdef, fill(pstate, p), rngs, fill(bstate, bufs))
+        loss = loss_fn(model, batch)
+        return loss, nnx.to_pure_dict(nnx.split(model, nnx.Param, nnx.RngState, ...)[3])
+
+    return loss_of, nnx.to_pure_dict(pstate), nnx.to_pure_dict(bstate)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -395,9 +445,10 @@ class _Lowering(GraphBuilder):
             return [self.add("broadcast_in_dim", [x], shape, dtype, shape=shape,
                              dims=tuple(int(d) for d in p["broadcast_dimensions"]))]
         if name == "reshape":
-            if p.get("dimensions") not in (None, ()):
-                raise NotImplementedError("jax frontend: reshape with dimensions")
-            return [self.reshape(args[0], shape)]
+            x = args[0]
+            if p.get("dimensions") not in (None, ()):  # lax.reshape's transpose-first form
+                x = self.transpose(x, tuple(int(d) for d in p["dimensions"]))
+            return [self.reshape(x, shape)]
         if name in ("squeeze", "expand_dims"):
             return [self.reshape(args[0], shape)]
         if name == "transpose":
@@ -445,6 +496,9 @@ class _Lowering(GraphBuilder):
             return res
         if name == "gather":
             return [self.gather(args[0], args[1], p, shape, dtype)]
+        if name == "scatter" and not tuple(p["dimension_numbers"].scatter_dims_to_operand_dims) \
+                and self.shape(args[2]) == shape:
+            return [self.cast(args[2], dtype)]  # x.at[...].set(v) over the whole array: v
         if name in ("scatter-add", "scatter_add"):
             return [self.scatter_add(args[0], args[1], args[2], p, shape, dtype)]
         raise NotImplementedError(f"jax frontend: primitive {name} has no IR lowering")
