@@ -435,3 +435,28 @@ def test_the_oom_killer_is_named_when_the_kernel_counter_rose(tmp_path):
     assert failure.describe(137, None, oom_before=now - 1) == \
         "a process was killed by the kernel's OOM killer (out of memory)"
     assert failure.describe(3, None, oom_before=now) is None
+
+
+def test_rendezvous_ports_are_claimed_outside_the_ephemeral_range(tmp_path, monkeypatch):
+    """Item 15: the port was bound at 0 and released (the kernel could give it to anyone before
+    torchrun bound it). Now it comes from below the ephemeral range, claimed machine-wide; a
+    port something listens on is skipped; a released port can be claimed again."""
+    import socket
+
+    from sftctl import controller
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # a claims registry of this test's own
+    lo, _ = controller._ephemeral_range()
+    a = controller.claim_rendezvous_port("job-a")
+    b = controller.claim_rendezvous_port("job-a")  # the same start: the claim makes it move on
+    assert a != b and all(lo - controller.RDZV_PORTS <= p < lo for p in (a, b))
+    controller.release_rendezvous_port(a)
+    with socket.socket() as busy:  # someone else listens on the port job-a would get first
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        busy.bind(("0.0.0.0", a))
+        busy.listen()
+        c = controller.claim_rendezvous_port("job-a")
+    assert c not in (a, b)
+    for p in (b, c):
+        controller.release_rendezvous_port(p)
+    assert controller.claim_rendezvous_port("job-a") == a
