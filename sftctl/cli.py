@@ -130,6 +130,9 @@ def run(
 
         raise SpecError(f"{spec_path}: secrets: {', '.join(missing)} not set in this shell",
                         hint="export it before sftctl run (secrets come from your environment), or drop it from secrets")
+    from sftctl.controller import check_checkpoint_dir
+
+    check_checkpoint_dir(spec)  # another run's checkpoints would be resumed silently
     clouds = spec.resources.clouds
     if clouds is not None and "local" not in clouds:  # known before planning: say it now
         _need_storage(spec, spec_path, "/".join(clouds))

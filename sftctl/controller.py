@@ -23,6 +23,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import Protocol
 
 from sftctl import procs
@@ -441,6 +442,8 @@ class Controller:
             self.workdir_key = packed.key
             self.store.add_event(self.job_id, "storage", f"workdir {packed.key} ({packed.size_bytes / 2**20:.1f} MB"
                                  f"{', already there' if not packed.uploaded else ''}) in {self.spec.storage.url}")
+        if attempt == 1:
+            claim_checkpoint_dir(self.spec, self.job_id)
         if self.rdzv_port is None:  # one port for the whole job: relaunches reuse it
             self.rdzv_port = claim_rendezvous_port(self.job_id)
         port = self.rdzv_port
@@ -668,6 +671,64 @@ def down(store: Store, job_id: str) -> str:
     summary = ", ".join(parts)
     store.add_event(job_id, "down", summary)
     return summary
+
+
+OWNER_FILE = ".sftctl-job"  # in a spec's train.checkpoint_dir: the job whose checkpoints it holds
+
+
+def checkpoint_dir_path(spec: JobSpec) -> Path | None:
+    """The spec's own ``train.checkpoint_dir`` on this machine (relative to the workdir, where
+    the nodes run), or None when the job keeps checkpoints in its job dir or its storage."""
+    if spec.train.checkpoint_dir is None or spec.storage is not None:
+        return None
+    return (Path(spec.workdir) / os.path.expanduser(spec.train.checkpoint_dir)).resolve()
+
+
+def check_checkpoint_dir(spec: JobSpec) -> None:
+    """Refuse a ``train.checkpoint_dir`` that holds another run's checkpoints (a new job would
+    silently resume its weights) unless ``train.resume_from`` names that job (or is ``any``).
+
+    Raises:
+        SpecError: the directory holds complete checkpoints of another job or of an unknown run.
+    """
+    from sftctl.errors import SpecError
+    from sftctl.train import complete_checkpoint_steps
+
+    root = checkpoint_dir_path(spec)
+    if root is None or not root.is_dir():
+        return
+    steps = complete_checkpoint_steps(root)
+    if not steps:
+        return
+    try:
+        owner = (root / OWNER_FILE).read_text().strip() or None
+    except OSError:
+        owner = None
+    wanted = spec.train.resume_from
+    if wanted == "any" or (wanted is not None and wanted == owner):
+        return
+    whose = f"job {owner}" if owner else "a run sftctl did not start"
+    if wanted is not None:
+        raise SpecError(f"train.resume_from: {wanted} but {root} holds the checkpoints of {whose}",
+                        hint=f"set train.resume_from: {owner or 'any'}, or give an empty train.checkpoint_dir")
+    raise SpecError(
+        f"train.checkpoint_dir: {root} holds checkpoints of {whose} (up to step {steps[-1]}); "
+        "this job would resume from them",
+        hint=f"to continue that run set train.resume_from: {owner or 'any'}; for a fresh start use another "
+             "checkpoint_dir (or none: each job gets its own)",
+    )
+
+
+def claim_checkpoint_dir(spec: JobSpec, job_id: str) -> None:
+    """Mark the spec's ``train.checkpoint_dir`` as holding this job's checkpoints."""
+    root = checkpoint_dir_path(spec)
+    if root is None:
+        return
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / OWNER_FILE).write_text(job_id + "\n")
+    except OSError:  # a read-only dir: the training script's own save says so, with its error
+        pass
 
 
 def job_storage_url(spec: JobSpec, job_id: str) -> str | None:

@@ -113,6 +113,9 @@ class TrainSpec(_Strict):
     checkpoint_dir: str | None = Field(None, description="default: <job dir>/checkpoints")
     checkpoint_interval: StrictPositiveInt = Field(50, description="steps between checkpoints")
     keep_checkpoints: StrictPositiveInt = Field(3, description="complete checkpoints kept in the job's storage")
+    resume_from: str | None = Field(
+        None, description="the job id whose checkpoints in checkpoint_dir this job continues "
+                          "(or 'any'); without it a checkpoint_dir holding another run's checkpoints is refused")
     compile: Literal["none", "default", "sftensor"] = Field(
         "none", description="torch.compile backend for the training script (SFTCTL_COMPILE): none = eager"
     )

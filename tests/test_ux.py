@@ -460,3 +460,26 @@ def test_rendezvous_ports_are_claimed_outside_the_ephemeral_range(tmp_path, monk
     for p in (b, c):
         controller.release_rendezvous_port(p)
     assert controller.claim_rendezvous_port("job-a") == a
+
+
+def test_a_checkpoint_dir_of_another_job_is_refused_unless_resumed_from(tmp_path, home):
+    """Item 16: a second job with the same train.checkpoint_dir silently resumed the first
+    job's weights. Now it is refused, naming the owner; train.resume_from continues it."""
+    ckpt = tmp_path / "ckpt"
+    run = ("\"$SFTCTL_PYTHON\" -c \"import sftctl.train as t; r = t.load_latest_checkpoint(); "
+           "print('resumed', r and r[0]); t.save_checkpoint({'w': 1}, 5)\"")
+    spec = write_spec(tmp_path / "c.yaml", f"name: c\ntrain: {{checkpoint_dir: {ckpt}}}\nrun: |\n  {run}\n")
+    first = json.loads(sftctl("run", str(spec), "--json", check=True).stdout)["id"]
+    assert "resumed None" in sftctl("logs", first, check=True).stdout
+    proc = sftctl("run", str(spec), "--json")
+    assert proc.returncode == 2 and no_traceback(proc)
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert line == (f"error: train.checkpoint_dir: {ckpt} holds checkpoints of job {first} (up to step 5); "
+                    "this job would resume from them")
+    assert f"train.resume_from: {first}" in proc.stderr
+    assert len(status_json()["jobs"]) == 1  # nothing was created
+    wrong = sftctl("run", str(spec), "--set", "train.resume_from=other-123456")
+    assert wrong.returncode == 2 and f"holds the checkpoints of job {first}" in wrong.stderr
+    second = json.loads(sftctl("run", str(spec), "--set", f"train.resume_from={first}", "--json", check=True).stdout)["id"]
+    assert "resumed 5" in sftctl("logs", second, check=True).stdout
+    assert (ckpt / ".sftctl-job").read_text().strip() == second  # the dir now holds the second job's
