@@ -73,6 +73,7 @@ STREAM_PARAMS = {
     "row_reduce_cycles": (2.0, 3000.0),
     "warp_ipc": (0.02, 1.0),
     "stream_combine_p": (1.0, 16.0),
+    "stream_wave_tail": (0.0, 1.0),
 }
 RANK_WEIGHT = 1.0
 STARTS = 4

@@ -211,6 +211,9 @@ class Coefficients:
             a row reduction over ``w`` warps takes ``1 + log2(w)`` of them.
         warp_ipc: instructions per cycle one warp issues on its own (dependent instruction
             latency); an SM issues ``min(4, resident_warps * warp_ipc)`` per cycle.
+        stream_wave_tail: share of a streaming kernel's DRAM time exposed per round of
+            programs (wave quantization of load/compute/store phases): the DRAM term is
+            multiplied by ``1 + stream_wave_tail / rounds``.
         stream_combine_p: exponent of the smooth maximum ``(sum t_i^p)^(1/p)`` that combines the
             DRAM, latency (Little's law), block-rate and issue limits of a streaming kernel.
     """
@@ -249,6 +252,7 @@ class Coefficients:
     row_reduce_cycles: float = 100.0
     warp_ipc: float = 0.5
     stream_combine_p: float = 4.0
+    stream_wave_tail: float = 0.0
 
     #: Per-vendor overrides of the defaults (``for_vendor``).
     VENDOR: ClassVar[dict] = {
@@ -444,7 +448,11 @@ def _stream_time(kind, programs, work_per_program, rows_per_program, elems_per_t
     # latency grows with elements per thread whatever the number of warps
     step = lat + red + e * k["instr"] / (c.warp_ipc * clock) + spill_t
     t_lat = rounds * _f(rows_per_program) * step
-    t_hbm = _f(bytes_moved) / (hw.hbm_bytes_per_s * c.hbm_efficiency)
+    # Wave tail: programs of one round load, compute and store in step, so the DRAM is idle
+    # while a round's loads are in flight before its first store and busy only with stores at
+    # its end; rounds overlap with their neighbours, so ``stream_wave_tail / rounds`` of the
+    # transfer time stays exposed (one round: everything loads, then everything stores).
+    t_hbm = _f(bytes_moved) / (hw.hbm_bytes_per_s * c.hbm_efficiency) * (1.0 + c.stream_wave_tail / rounds)
     t_blk = per_sm * c.block_launch_cycles / clock
     t_iss = per_sm * _f(work_per_program) * k["instr"] / (hw.warp_size * issue * clock)
     p = c.stream_combine_p
