@@ -143,7 +143,7 @@ def test_conv_forward_and_gradients_match_torch(cfg):
     assert graph.op_counts()["conv"] == 5  # 2 forward, 2 weight gradients, 1 input gradient
 
 
-def test_conv1d_transposed_conv_and_pools_match_torch():
+def test_conv1d_conv3d_transposed_conv_and_pools_match_torch():
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(2, 3, 10, 10, generator=gen)
@@ -164,6 +164,12 @@ def test_conv1d_transposed_conv_and_pools_match_torch():
     m1.append(nn.Linear(m1(x[:, :, 0]).shape[1], 4))
     _randomize(m1, gen)
     check_step_float64(m1, (x[:, :, 0], y), vision.classification_loss, seed)
+    m3 = nn.Sequential(nn.Conv3d(3, 3, 3, stride=(1, 2, 2), padding=1), nn.Tanh(), nn.Conv3d(3, 4, (1, 3, 3), stride=2),
+                       nn.Flatten())
+    x3 = torch.randn(2, 3, 4, 10, 10, generator=gen)
+    m3.append(nn.Linear(m3(x3).shape[1], 4))
+    _randomize(m3, gen)
+    check_step_float64(m3, (x3, y), vision.classification_loss, seed)
 
 
 # ------------------------------------------------------------------------------------------------
