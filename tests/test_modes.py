@@ -255,3 +255,17 @@ def test_plan_prices_the_spec_mode_and_says_so(home):
     assert c and all(x["mode"] == "sftensor" for x in c)
     assert c[0]["step_time_s"] < cands[0]["step_time_s"] or c[0]["accelerator"] != cands[0]["accelerator"]
     assert math.isfinite(c[0]["step_time_s"])
+
+
+def test_peer_model_comes_from_the_shipped_calibration():
+    """cuBLAS efficiency, per-wave time and eager bandwidths are solved from the calibration's
+    H200 peers; H100 (same die) and other accelerators reuse them as fractions of their peaks."""
+    h200 = modes.peer_model("H200")
+    assert "calibration peers measured on H200" in h200.source
+    assert h200.cublas_efficiency == pytest.approx(modes.CUBLAS_MMA_EFFICIENCY, rel=0.02)
+    assert h200.cublas_wave_s == pytest.approx(modes.CUBLAS_WAVE_S, rel=0.05)
+    for klass in ("layernorm", "softmax", "elementwise"):
+        assert h200.classes[klass].hbm_fraction == pytest.approx(modes.EAGER_KERNELS[klass].hbm_fraction, rel=0.02)
+    assert 0 < h200.copy_fraction < 1
+    a100 = modes.peer_model("A100-80GB")
+    assert "carried to A100-80GB" in a100.source and a100.copy_fraction == h200.copy_fraction

@@ -16,7 +16,11 @@
 * ``sftensor`` (``train.compile: sftensor``): the search compiler's own kernels: searched GEMM
   schedules with fused epilogues (:func:`sftctl.compiler.step.compile_graph`).
 
-Hardware numbers and where they come from:
+Hardware numbers and where they come from (:func:`peer_model` solves them from the shipped
+calibration's peers file, ``sftctl/compiler/calibrations/data/h200/peers.jsonl``, through
+:func:`sftctl.compiler.calibration.peer_efficiency`; the constants below are the same solve,
+used when no calibration is shipped; other accelerators get the H200's fractions of peak and its
+fixed times):
 
 * cuBLAS: ``waves x (tile FLOPs / (CUBLAS_MMA_EFFICIENCY x per-SM peak) + CUBLAS_WAVE_CYCLES /
   clock)`` over 128x128 output tiles, or the HBM time of its bytes if larger, plus the launch.
@@ -33,6 +37,8 @@ Hardware numbers and where they come from:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 import re
 
@@ -125,17 +131,123 @@ def foreach_adamw_passes(grad_clip: bool) -> list[tuple[str, int, int, int]]:
     return passes
 
 
+@dataclasses.dataclass(frozen=True)
+class PeerModel:
+    """The eager/library kernel coefficients for one accelerator, solved from the shipped
+    calibration's peers (:func:`sftctl.compiler.calibration.peer_efficiency`: cuBLAS and torch
+    eager kernels measured on the H200; an accelerator of the same die gets the same fractions of
+    its own peaks; any other accelerator the H200's fractions, stated in ``source``)."""
+
+    cublas_efficiency: float
+    cublas_wave_s: float
+    classes: dict  # klass -> EagerKernelClass
+    copy_fraction: float
+    source: str
+
+
+def _solve_cublas(shapes: list[tuple[int, int, int, float]], peak: float, sms: int) -> tuple[float, float] | None:
+    """(efficiency, seconds per wave) from two (M, N, K, seconds) cuBLAS timings under the
+    128x128-tile wave model: ``waves * (tile FLOPs * SMs / (e * peak) + w) = t``, linear in 1/e, w."""
+    if len(shapes) < 2:
+        return None
+    bm, bn = CUBLAS_TILE
+    rows = []
+    for m, n, k, t in shapes[:2]:
+        waves = math.ceil(math.ceil(m / bm) * math.ceil(n / bn) / sms)
+        rows.append((waves * 2.0 * bm * bn * k * sms / peak, waves, t))
+    (a1, b1, t1), (a2, b2, t2) = rows
+    det = a1 * b2 - a2 * b1
+    if det == 0:
+        return None
+    inv_e = (t1 * b2 - t2 * b1) / det
+    w = (a1 * t2 - a2 * t1) / det
+    if inv_e <= 0 or w < 0:
+        return None
+    return 1.0 / inv_e, w
+
+
+def _solve_stream(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """(bytes/s, fixed seconds per kernel) through two (bytes, seconds) points."""
+    if len(points) < 2:
+        return None
+    (b1, t1), (b2, t2) = sorted(points)[:2]
+    if t2 <= t1 or b2 <= b1:
+        return None
+    bw = (b2 - b1) / (t2 - t1)
+    return bw, max(0.0, t1 - b1 / bw)
+
+
+_FALLBACK_SOURCE = "constants in sftctl.compiler.modes (H200 peers.jsonl, solved by hand)"
+
+
+@functools.lru_cache(maxsize=None)
+def peer_model(name: str) -> PeerModel:
+    """:class:`PeerModel` for accelerator ``name`` (cached). Falls back to this module's constants
+    (the same H200 measurements) when no calibration is shipped."""
+    from sftctl.compiler.hardware import get_accelerator
+
+    hw = get_accelerator(name)
+    fallback = PeerModel(CUBLAS_MMA_EFFICIENCY, CUBLAS_WAVE_S, dict(EAGER_KERNELS), COPY_HBM_FRACTION,
+                         _FALLBACK_SOURCE)
+    try:
+        from sftctl.compiler import calibration
+    except ImportError:
+        return fallback
+    peers = calibration.peer_efficiency(hw) or calibration.peer_efficiency("H200")
+    if peers is None:
+        return fallback
+    # solve on the device that was measured (its peaks and SMs); efficiencies and bandwidth
+    # fractions carry over as fractions of the target's peaks, fixed times as seconds
+    measured = get_accelerator(peers.measured_on)
+    peers = calibration.peer_efficiency(measured) or peers
+    path = calibration.DATA_DIR / peers.measured_on.lower() / "peers.jsonl"
+    try:
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except OSError:
+        return fallback
+    peak, hbm = measured.matrix_peak("bfloat16"), measured.hbm_bytes_per_s
+    gemms = []
+    for r in records:
+        f = peers.cublas_bf16_fraction_of_peak.get(r.get("shape_name"))
+        if r.get("kernel") == "gemm" and f:
+            gemms.append((r["M"], r["N"], r["K"], 2.0 * r["M"] * r["N"] * r["K"] / (f * peak)))
+    cublas = _solve_cublas(gemms, peak, measured.sm_count)
+    classes = dict(EAGER_KERNELS)
+    for kernel, klass, bytes_per_elem, kernels in (("layernorm", "layernorm", 4, 1), ("softmax", "softmax", 4, 1),
+                                                   ("bias_gelu", "elementwise", 8, 2)):
+        pts = []
+        for shape, f in peers.eager_row_fraction_of_hbm_peak.get(kernel, {}).items():
+            m, n = (int(x) for x in shape.split("x"))
+            t = 4.0 * m * n / (f * hbm)  # the calibration's convention: bf16 read + write
+            pts.append((bytes_per_elem * m * n, t))
+        solved = _solve_stream(pts)
+        if solved:
+            bw, fixed = solved
+            classes[klass] = EagerKernelClass(bw / hbm, fixed / kernels,
+                                              f"{kernel} measured on {peers.measured_on} (calibration peers), "
+                                              f"{bytes_per_elem} B/element in {kernels} kernel(s)")
+    copy = peers.copy_bytes_per_s / hbm if peers.copy_bytes_per_s else COPY_HBM_FRACTION
+    classes["copy"] = EagerKernelClass(copy, classes["elementwise"].fixed_s,
+                                       f"copy bandwidth measured on {peers.measured_on} (calibration peers)")
+    if cublas is None:
+        return fallback
+    return PeerModel(cublas[0], cublas[1], classes, copy,
+                     f"calibration peers measured on {peers.measured_on} "
+                     f"({'same die' if peers.measured_on == hw.name or calibration.CARRIES_OVER.get(hw.name) == peers.measured_on else 'its fractions of peak carried to ' + hw.name})")
+
+
 def cublas_time_s(batch: int, m: int, n: int, k: int, bytes_moved: float, peak_flops: float,
                   hw: Accelerator) -> float:
     """Seconds of one cuBLAS GEMM (see the module docstring): wave-quantized tiles at
     ``CUBLAS_MMA_EFFICIENCY`` of ``peak_flops`` plus ``CUBLAS_WAVE_S`` per wave, never faster than
     its bytes at HBM speed, plus the launch."""
+    pm = peer_model(hw.name)
     bm, bn = CUBLAS_TILE
     tiles = batch * math.ceil(m / bm) * math.ceil(n / bn)
     waves = math.ceil(tiles / hw.sm_count)
-    tile_s = 2.0 * bm * bn * k / (CUBLAS_MMA_EFFICIENCY * peak_flops / hw.sm_count)
-    compute = waves * (tile_s + CUBLAS_WAVE_S)
-    memory = bytes_moved / (hw.hbm_bytes_per_s * COPY_HBM_FRACTION)
+    tile_s = 2.0 * bm * bn * k / (pm.cublas_efficiency * peak_flops / hw.sm_count)
+    compute = waves * (tile_s + pm.cublas_wave_s)
+    memory = bytes_moved / (hw.hbm_bytes_per_s * pm.copy_fraction)
     return hw.launch_overhead_s + max(compute, memory)
 
 
@@ -143,7 +255,7 @@ def eager_memory_time_s(k: Kernel, klass: str, hw: Accelerator) -> float:
     """Seconds of one eager memory-bound kernel of class ``klass`` (``EAGER_KERNELS``): the
     larger of its GPU time and the host's dispatch cost (``hw.launch_overhead_s``: a kernel shorter
     than that leaves the GPU waiting for the CPU)."""
-    c = EAGER_KERNELS[klass]
+    c = peer_model(hw.name).classes[klass]
     gpu = c.fixed_s + (k.bytes_read + k.bytes_written) / (hw.hbm_bytes_per_s * c.hbm_fraction)
     vector = k.flops / (hw.vector_peak("float32") * 0.7)
     return max(hw.launch_overhead_s, gpu, c.fixed_s + vector)
@@ -291,7 +403,7 @@ def foreach_optimizer_time_s(graph: Graph, hw: Accelerator, grad_clip: bool) -> 
     n_tensors = len(params)
     list_bytes = sum(p.type.numel for p in params) * 4
     chunks = sum(math.ceil(p.type.numel / _MTA_CHUNK) for p in params)
-    c = EAGER_KERNELS["copy"]  # multi_tensor_apply: vectorized loads, plain arithmetic
+    c = peer_model(hw.name).classes["copy"]  # multi_tensor_apply: vectorized loads, plain arithmetic
     total_s, launches, moved = 0.0, 0, 0.0
     for _, reads, writes, depth in foreach_adamw_passes(grad_clip):
         n = max(math.ceil(n_tensors / _MTA_MAX_TENSORS[depth]),
