@@ -201,6 +201,7 @@ PartitionName=gpu Nodes={','.join(self.names)} Default=YES MaxTime=INFINITE Stat
         _kill_trees(_tagged(f"{self.root}:slurmd-{name}"))
 
     def _run(self, argv: list[str]) -> subprocess.CompletedProcess:
+        argv = [_which(argv[0]) or argv[0], *argv[1:]]  # absolute: a test may have narrowed PATH
         return subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **self.env()}, timeout=30)
 
     def scontrol(self, *args: str) -> str:
@@ -219,8 +220,11 @@ PartitionName=gpu Nodes={','.join(self.names)} Default=YES MaxTime=INFINITE Stat
 
     def stop(self) -> None:
         """Cancel every job, stop the daemons (SIGTERM, then SIGKILL) and their job steps."""
-        if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
-            self._run(["scancel", "--full", "--user=root"]) if self.jobs() else None
+        try:
+            if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None and self.jobs():
+                self._run(["scancel", "--full", "--user=root"])
+        except (OSError, subprocess.SubprocessError):
+            pass  # the daemons are stopped below whatever happened
         for name in sorted(self.procs, key=lambda n: n == "munged"):  # munge last
             proc = self.procs[name]
             if proc.poll() is None:
@@ -309,3 +313,89 @@ def _wait(pred, timeout_s: float, what: str, cluster: SlurmCluster) -> None:
             pass
         time.sleep(0.2)
     raise RuntimeError(f"test Slurm cluster: timed out waiting for {what}\n{cluster.log_tail()}")
+
+
+class SSHServer:
+    """An ``sshd`` on a free loopback port standing in for a cluster's login node.
+
+    Key authentication only, into a temporary ``authorized_keys``; its host key, config, pid
+    file and log live under ``root``. ``SetEnv`` gives every session the cluster's
+    ``SLURM_CONF``, as a login node's profile would. ``client_config()`` is the ``slurm:``
+    section that reaches it (user, port, key, known-hosts file of its own).
+    """
+
+    def __init__(self, root: Path, env: dict[str, str]):
+        self.root = Path(root)
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 20) -> "SSHServer":
+        r = self.root
+        r.mkdir(parents=True, exist_ok=True)
+        os.chmod(r, 0o700)
+        for name in ("host_key", "client_key"):
+            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(r / name)], check=True)
+        (r / "authorized_keys").write_text((r / "client_key.pub").read_text())
+        os.chmod(r / "authorized_keys", 0o600)
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation directory
+        [self.port] = free_ports(1)
+        set_env = " ".join(f"{k}={v}" for k, v in self.env.items())
+        (r / "sshd_config").write_text(f"""\
+Port {self.port}
+ListenAddress 127.0.0.1
+HostKey {r / 'host_key'}
+PidFile {r / 'sshd.pid'}
+AuthorizedKeysFile {r / 'authorized_keys'}
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+PubkeyAuthentication yes
+PermitRootLogin prohibit-password
+StrictModes no
+UsePAM no
+SetEnv {set_env}
+MaxSessions 50
+MaxStartups 50
+""")
+        log = open(r / "sshd.log", "ab")
+        self.proc = subprocess.Popen([_which("sshd"), "-D", "-e", "-f", str(r / "sshd_config")], stdin=subprocess.DEVNULL,
+                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, DAEMON_TAG: f"{r}:sshd"})
+        log.close()
+        _wait(lambda: _port_open(self.port), timeout_s, "sshd to listen", _LogTail(r / "sshd.log"))
+        return self
+
+    def client_config(self) -> dict:
+        return {"host": "127.0.0.1", "port": self.port, "user": os.environ.get("USER") or "root",
+                "key": str(self.root / "client_key"),
+                "ssh_options": ["StrictHostKeyChecking=accept-new", f"UserKnownHostsFile={self.root / 'known_hosts'}"]}
+
+    def stop(self) -> None:
+        """Stop sshd and every session it forked (ControlPersist masters end with them)."""
+        if self.proc is not None:
+            _kill_trees([self.proc.pid] + _tagged(f"{self.root}:sshd"))
+            self.proc.wait(10)
+            self.proc = None
+
+    def __enter__(self) -> "SSHServer":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class _LogTail:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.path.read_text(errors="replace")[-chars:] if self.path.exists() else ""

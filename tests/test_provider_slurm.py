@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -305,3 +306,47 @@ def test_quickstart_on_two_slurm_nodes(cluster, home):
     assert "(node 0)" in logs and "(node 1)" in logs
     table = sftctl("status", doc["id"], check=True).stdout
     assert "SUCCEEDED" in table and "slurm" in table
+
+
+# -------------------------------------------------------------------- over SSH to a login node
+
+
+@pytest.fixture
+def login_node(cluster, tmp_path, monkeypatch, home):
+    """sshd on a loopback port as the cluster's login node; this shell has no Slurm at all."""
+    import yaml
+
+    from slurm_cluster import SSHServer
+
+    with SSHServer(tmp_path / "sshd", cluster.env()) as server:
+        cfg = {**server.client_config(), "remote_dir": str(tmp_path / "remote"), "python": sys.executable}
+        home.mkdir(parents=True, exist_ok=True)
+        (home / "config.yaml").write_text(yaml.safe_dump({"slurm": cfg}))
+        monkeypatch.delenv("SLURM_CONF")  # here, sinfo cannot find the cluster: only the SSH path can
+        yield server
+        monkeypatch.setenv("SLURM_CONF", cluster.env()["SLURM_CONF"])
+
+
+def test_over_ssh_shell_job_status_logs_and_down(login_node, cluster, tmp_path, home):
+    from sftctl.providers import configured
+
+    assert configured("slurm") is None
+    doc = json.loads(sftctl("plan", str(shell_spec(tmp_path)), "--json", check=True).stdout)
+    assert "slurm:127.0.0.1" in json.dumps(doc)
+    proc = sftctl("run", str(shell_spec(tmp_path)), "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["status"] == "SUCCEEDED" and doc["provider"] == "slurm"
+    logs = sftctl("logs", doc["id"], check=True).stdout
+    assert logs.count("rank=") == 2 and "ips=127.0.0.1,127.0.0.1" in logs
+    # the job's files live on the "cluster" side, under remote_dir
+    assert (tmp_path / "remote" / doc["id"] / "attempt-1" / "sbatch.sh").is_file()
+    assert (tmp_path / "remote" / doc["id"] / "workdir").is_dir()
+    # a detached job, its controller killed, then down: cancelled over SSH
+    job = json.loads(sftctl("run", str(shell_spec(tmp_path, extra="sleep 120")), "--detach", "--json",
+                            check=True).stdout)["job_id"]
+    wait_for(lambda: "rank=" in sftctl("logs", job).stdout, timeout_s=60, what="the nodes to start over SSH")
+    os.kill(status_json(job)["controller_pid"], signal.SIGKILL)
+    assert len(cluster.jobs()) == 1
+    sftctl("down", job, check=True)
+    wait_for(lambda: cluster.jobs() == [], timeout_s=30, what="the Slurm job to be cancelled over SSH")
