@@ -243,6 +243,8 @@ class SlurmSpec(_Strict):
     mem_per_node: str | None = Field(None, pattern=r"^[0-9]+[KMGT]?$", description="sbatch --mem, e.g. 64G")
     remote_dir: str | None = None
     python: str | None = None
+    requeue: StrictBool | None = Field(None, description="sbatch --requeue (default true): Slurm itself "
+                                       "requeues the job after preemption or a node failure")
 
 
 class JobSpec(_Strict):

@@ -336,6 +336,9 @@ def plan_table(candidates: list, steps: int) -> FitTable:
     cols = [Col("#", "right"), Col("PROVIDER"), Col("INSTANCE", drop=6), Col("ACCEL"), Col("NODES", "right", drop=2),
             Col("REGION", drop=3), Col("$/H", "right"), Col("STEP", "right"), Col("MEMORY", "right", drop=4),
             Col("$/STEP", "right", drop=1), Col("TIME", "right", drop=5), Col("TOTAL $", "right"), Col("VERDICT")]
+    queued = any(getattr(c, "queue_wait_s", None) is not None for c in candidates)
+    if queued:  # a Slurm cluster: its queue wait and the finish (wait + run), before VERDICT
+        cols[-1:-1] = [Col("QUEUE", "right"), Col("FINISH", "right")]
     rows = []
     for i, (c, ref) in enumerate(zip(candidates, refs), 1):
         o = c.offering
@@ -343,12 +346,19 @@ def plan_table(candidates: list, steps: int) -> FitTable:
         verdict = Text("ok", style="green") if c.rejected is None else Text(f"no {ref}", style="dim")
         if i == 1 and c.rejected is None:
             verdict = Text("chosen", style="bold green")
-        rows.append([
+        owned = o.provider == "slurm" and c.usd_per_hour == 0  # the lab's own cluster, no price set
+        row = [
             str(i), o.provider, o.instance_type, f"{o.accelerator}:{o.count}", str(c.nodes), o.region,
-            _num(c.usd_per_hour, ",.2f"), _seconds(c.step_time_s),
+            "owned" if owned else _num(c.usd_per_hour, ",.2f"), _seconds(c.step_time_s),
             "-" if c.peak_memory_bytes is None else f"{c.peak_memory_bytes / 2**30:.1f} GiB",
             "-" if per_step is None else f"{per_step:.5f}", format_hours(c.hours), _num(c.total_usd, ",.2f"), verdict,
-        ])
+        ]
+        if queued:
+            wait = getattr(c, "queue_wait_s", None)
+            finish = getattr(c, "finish_s", None)
+            row[-1:-1] = ["-" if wait is None else format_hours(wait / 3600),
+                          "-" if finish is None else format_hours(finish / 3600)]
+        rows.append(row)
     return FitTable(cols, rows, title=f"offerings for {steps:,} steps", notes=notes)
 
 

@@ -350,3 +350,28 @@ def test_over_ssh_shell_job_status_logs_and_down(login_node, cluster, tmp_path, 
     assert len(cluster.jobs()) == 1
     sftctl("down", job, check=True)
     wait_for(lambda: cluster.jobs() == [], timeout_s=30, what="the Slurm job to be cancelled over SSH")
+
+
+def test_node_failure_without_slurm_requeue_replaces_and_excludes_the_node(cluster, tmp_path, home):
+    """slurm.requeue false: the allocation ends NODE_FAIL; sftctl finds the dead node's rank LOST,
+    replaces it and submits the next attempt with --exclude of that Slurm node."""
+    work = tmp_path / "work"
+    work.mkdir()
+    text = LOOP_JOB.format(workdir=work).replace("recovery:", "slurm: {requeue: false}\nrecovery:")
+    job = json.loads(sftctl("run", str(write_spec(tmp_path / "loop.yaml", text)), "--detach", "--json",
+                            check=True).stdout)["job_id"]
+    wait_for(lambda: progress(work / "ckpt-1") >= 3, timeout_s=60, what="rank 1 to checkpoint step 3")
+    victim = next(line.split(") ", 1)[1].split()[3] for line in sftctl("logs", job).stdout.splitlines()
+                  if "resumes from" in line and line.split(") ", 1)[1].split()[1] == "1")
+    cluster.kill_node(victim)
+    wait_for(lambda: status_json(job)["status"] in ("SUCCEEDED", "FAILED", "FAILED_CONTROLLER"), timeout_s=150,
+             what="the job to finish after the node failure")
+    doc = status_json(job)
+    assert doc["status"] == "SUCCEEDED", doc["failure_reason"]
+    assert doc["restarts"] == 1 and [a["status"] for a in doc["attempts"]] == ["FAILED", "SUCCEEDED"]
+    assert "NODE_FAIL" in doc["attempts"][0]["reason"] and victim in doc["attempts"][0]["reason"]
+    sbatch = (home / "jobs" / job / "slurm" / "attempt-2" / "sbatch.sh").read_text()
+    assert f"#SBATCH --exclude={victim}" in sbatch and "--no-requeue" in sbatch
+    events = [e["message"] for e in json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]]
+    assert any("node 1 replaced" in m for m in events), events
+    assert progress(work / "ckpt-1") == 30

@@ -228,7 +228,7 @@ def load_accelerators() -> dict[str, Accelerator]:
     import yaml  # deferred: keeps ``import sftctl.compiler.hardware`` cheap
 
     with ACCELERATORS_YAML.open() as f:
-        doc = yaml.safe_load(f)
+        doc = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml: 20x faster, same result
     table: dict[str, Accelerator] = {}
     for entry in doc["accelerators"]:
         acc = _build(entry)
