@@ -243,7 +243,7 @@ run: |
   ckpt="{workdir}/ckpt-$SFTCTL_NODE_RANK"
   start=$(cat "$ckpt" 2>/dev/null || echo 0)
   echo "rank $SFTCTL_NODE_RANK on $SFTCTL_SLURM_NODE resumes from $start"
-  for i in $(seq "$start" 30); do echo "$i" > "$ckpt"; sleep 0.3; done
+  for i in $(seq "$start" 30); do echo "$i" > "$ckpt.tmp" && mv "$ckpt.tmp" "$ckpt"; sleep 0.3; done
 """
 
 
