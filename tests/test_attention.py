@@ -183,3 +183,86 @@ def test_tinyllama_2x2048_bf16_fits_40gib():
     print(f"TinyLlama 2x2048 bf16 predicted peak {gib:.1f} GiB")
     assert gib < 40
     assert compiled.peak_memory_bytes > 3 * 4 * 1.1e9  # parameters + AdamW state alone (fp32)
+
+
+# ------------------------------------------------------------------------------------------------
+# JAX: jax.nn.dot_product_attention(implementation="cudnn") lowers to the same op
+# ------------------------------------------------------------------------------------------------
+
+
+def _jax_attention_ref(q, k, v, mask, bias, causal, scale):
+    """float64 attention written out in jax.numpy ([B, L, N, H] layout, GQA by head groups)."""
+    import jax.numpy as jnp
+
+    N, K = q.shape[2], k.shape[2]
+    k, v = jnp.repeat(k, N // K, axis=2), jnp.repeat(v, N // K, axis=2)
+    s = jnp.einsum("blnh,bsnh->bnls", q, k) * scale
+    if bias is not None:
+        s = s + bias
+    keep = jnp.ones(s.shape, bool)
+    if mask is not None:
+        keep = keep & mask
+    if causal:
+        keep = keep & jnp.tril(jnp.ones(s.shape[-2:], bool))
+    s = jnp.where(keep, s, -jnp.inf)
+    p = jnp.exp(s - s.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True)
+    return jnp.einsum("bnls,bsnh->blnh", p, v)
+
+
+@pytest.mark.parametrize("kind", ["causal", "mask", "bias"])
+def test_jax_dot_product_attention_cudnn_lowers_to_attention_op(kind):
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from sftctl.compiler import interpreter
+    from sftctl.compiler.frontends.jax import trace_step as jax_trace_step
+
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        B, T, D, N, K, Hd = 2, 6, 16, 4, 2, 4
+
+        def make_loss(impl):
+            def loss(p, batch):
+                x = batch["x"]
+                q = (x @ p["wq"]).reshape(B, T, N, Hd)
+                k = (x @ p["wk"]).reshape(B, T, K, Hd)
+                v = (x @ p["wv"]).reshape(B, T, K, Hd)
+                mask = batch["mask"] if kind == "mask" else None
+                bias = batch["bias"] if kind == "bias" else None
+                if impl == "ref":
+                    o = _jax_attention_ref(q, k, v, mask, bias, kind == "causal", 0.3)
+                else:
+                    o = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, is_causal=kind == "causal",
+                                                     scale=0.3, implementation=impl)
+                return jnp.mean((o.reshape(B, T, N * Hd) @ p["wo"]) ** 2)
+            return loss
+
+        rng = np.random.default_rng(0)
+        params = {"wq": rng.normal(size=(D, N * Hd)), "wk": rng.normal(size=(D, K * Hd)),
+                  "wv": rng.normal(size=(D, K * Hd)), "wo": rng.normal(size=(N * Hd, D))}
+        mask = rng.random((B, 1, T, T)) > 0.4
+        mask[..., 0] = True
+        batch = {"x": rng.normal(size=(B, T, D)), "mask": mask, "bias": rng.normal(size=(1, N, T, T))}
+        graph, meta = jax_trace_step(make_loss("cudnn"), params, batch, betas=(0.5, 0.999), weight_decay=0.0)
+        assert graph.op_counts()["attention"] == 1 and graph.op_counts()["attention_grad"] == 3
+        att = next(n for n in graph.nodes if n.op == "attention")
+        assert graph.nodes[att.inputs[1]].type.shape == (B, K, T, Hd)  # K at its own 2 heads
+        feed = {meta["params"][n]: params[n] for n in meta["param_names"]}
+        feed.update({i: np.zeros(graph.nodes[i].type.shape) for i in meta["opt_state"].values()})
+        feed[meta["step"]] = 1.0
+        for i, name in zip(meta["batch"], meta["batch_names"]):
+            feed[i] = batch[name.split(".")[-1]]
+        out = dict(zip(graph.output_roles, interpreter.run(graph, feed)))
+        ref_loss, ref_grads = jax.value_and_grad(make_loss("ref"))(params, batch)
+        np.testing.assert_allclose(out["loss"], ref_loss, rtol=1e-12)
+        for n in params:
+            np.testing.assert_allclose(2 * out[f"opt_state:{n}.exp_avg"], ref_grads[n], rtol=1e-9,
+                                       atol=1e-12 * float(np.abs(ref_grads[n]).max()))
+        # the XLA implementation (float32 softmax inside) agrees to float32's precision, and stays materialized
+        xla_graph, _ = jax_trace_step(make_loss("xla"), params, batch)
+        assert "attention" not in xla_graph.op_counts()
+        np.testing.assert_allclose(out["loss"], jax.value_and_grad(make_loss("xla"))(params, batch)[0], rtol=1e-6)
+    finally:
+        jax.config.update("jax_enable_x64", previous)
