@@ -13,6 +13,8 @@ Settings come from flags or the node's environment:
   to the first node of that rank (``$SFTCTL_NODE_GENERATION`` 0): a replacement node is healthy.
 * ``--metrics-dir`` / ``$SFTCTL_METRICS_DIR``: the training's step reports, for ``at_step``
 * ``--port`` / ``$SFTCTL_AGENT_PORT``: serve ``/metrics`` (off when unset)
+* ``--address`` / ``$SFTCTL_AGENT_ADDRESS``: the address it binds (default 127.0.0.1: it has no
+  authentication; the spec's ``health.metrics_address`` opens it to Prometheus)
 
 It never fails a node: an unreadable GPU is a sample saying so, a machine without GPUs writes
 one ``no_gpu`` record. SIGTERM ends it.
@@ -45,7 +47,9 @@ def _replay_path(explicit: str | None) -> str | None:
     return path
 
 
-def _serve(port: int, latest: list, lock: threading.Lock) -> None:
+def _serve(port: int, latest: list, lock: threading.Lock, address: str = "127.0.0.1") -> None:
+    """Serve ``/metrics`` on ``address:port``: loopback unless the spec's
+    ``health.metrics_address`` opens it (the endpoint has no authentication)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from sftctl.health.prometheus import render
@@ -66,7 +70,7 @@ def _serve(port: int, latest: list, lock: threading.Lock) -> None:
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer(("0.0.0.0", port), Handler)  # Prometheus scrapes from outside
+    server = ThreadingHTTPServer((address, port), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
 
 
@@ -84,8 +88,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="the training's step reports, for replay records with at_step")
     ap.add_argument("--port", type=int, default=int(os.environ.get("SFTCTL_AGENT_PORT", "0") or 0),
                     help="serve /metrics on this port (0: off)")
+    ap.add_argument("--address", default=os.environ.get("SFTCTL_AGENT_ADDRESS") or "127.0.0.1",
+                    help="address /metrics binds (default loopback; the spec's health.metrics_address)")
     ap.add_argument("--count", type=_non_negative, default=0, help="stop after this many samples (0: until SIGTERM)")
     args = ap.parse_args(argv)
+    os.umask(0o077)  # its samples are the job's files: owner-only
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -109,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         lock = threading.Lock()
         if args.port:
             try:
-                _serve(args.port, latest, lock)
+                _serve(args.port, latest, lock, args.address)
             except OSError as e:
                 problem(f"cannot serve /metrics on port {args.port}: {e.strerror or e}; sampling goes on")
         ticks = 0

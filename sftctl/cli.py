@@ -123,6 +123,10 @@ def run(
     from sftctl import procs
     from sftctl.spec import load_spec
 
+    # everything the job writes (state, logs, node scripts, checkpoints, local storage) is
+    # owner-only, whatever the mode of an existing $SFTCTL_HOME or storage directory
+    os.umask(0o077)
+
     spec = load_spec(spec_path, set_)
     missing = [k for k in spec.secrets if k not in os.environ]
     if missing:

@@ -413,6 +413,7 @@ class Controller:
             SFTCTL_ATTEMPT=str(attempt),
             SFTCTL_NODE_GENERATION=str(next(n.get("generation", 0) for n in self.nodes if n["rank"] == rank)),
             SFTCTL_HEALTH_INTERVAL_S=str(spec.health.interval_s),
+            SFTCTL_AGENT_ADDRESS=spec.health.metrics_address,
             SFTCTL_CHECKPOINT_INTERVAL=str(spec.train.checkpoint_interval),
             SFTCTL_TRAIN_STEPS=str(spec.train.steps),
             MASTER_ADDR=ips[0],
@@ -917,6 +918,7 @@ def _bindable(port: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the detached controller: ``python -m sftctl.controller JOB_ID``."""
     job_id = (argv or sys.argv[1:])[0]
+    os.umask(0o077)  # logs, scripts and checkpoints of the job: owner-only whatever the dir's mode
     store = Store()
     store.update_job(job_id, controller_pid=os.getpid(), controller_start_ticks=procs.start_ticks(os.getpid()))
     status = Controller(store, job_id).run()

@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: ``python -m sftctl.node`` with the environment of the module docstring."""
     from sftctl.storage import open_storage
 
+    os.umask(0o077)  # the job's files on this node (logs, checkpoints): owner-only
+
     missing = [k for k in ("SFTCTL_STORAGE_URL", "SFTCTL_NODE_ID", "SFTCTL_NODE_DIR") if not os.environ.get(k)]
     if missing:
         print(f"sftctl node: {', '.join(missing)} not set (the bootstrap sets them)", file=sys.stderr)

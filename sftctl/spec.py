@@ -194,12 +194,25 @@ class HealthSpec(_Strict):
     straggler_window_steps: StrictPositiveInt = 10
     straggler_windows: StrictPositiveInt = 3
     hang_timeout_s: PositiveFloat = 60.0
+    metrics_address: str = Field(
+        "127.0.0.1", description="the address the node agent's /metrics binds (SFTCTL_AGENT_ADDRESS); it "
+                                 "has no authentication, so loopback unless Prometheus scrapes from elsewhere")
+
+    @field_validator("metrics_address")
+    @classmethod
+    def _an_ip_address(cls, v: str) -> str:
+        import ipaddress
+
+        try:
+            return str(ipaddress.ip_address(v))
+        except ValueError:
+            raise ValueError("must be an IP address, e.g. 127.0.0.1 or 0.0.0.0") from None
 
     def thresholds(self):
         """The detectors' :class:`~sftctl.health.telemetry.Thresholds` for this spec."""
         from sftctl.health.telemetry import Thresholds
 
-        return Thresholds(**self.model_dump(exclude={"enabled", "interval_s"}))
+        return Thresholds(**self.model_dump(exclude={"enabled", "interval_s", "metrics_address"}))
 
 
 class StorageSpec(_Strict):

@@ -483,3 +483,57 @@ def test_a_checkpoint_dir_of_another_job_is_refused_unless_resumed_from(tmp_path
     second = json.loads(sftctl("run", str(spec), "--set", f"train.resume_from={first}", "--json", check=True).stdout)["id"]
     assert "resumed 5" in sftctl("logs", second, check=True).stdout
     assert (ckpt / ".sftctl-job").read_text().strip() == second  # the dir now holds the second job's
+
+
+def _loose_files(*roots) -> list[str]:
+    out = []
+    for root in roots:
+        for dirpath, _, files in os.walk(root):
+            for f in files:
+                p = os.path.join(dirpath, f)
+                if not os.path.islink(p) and os.stat(p).st_mode & 0o077:
+                    out.append(f"{oct(os.stat(p).st_mode & 0o777)} {p}")
+    return out
+
+
+def test_job_files_are_owner_only_in_an_existing_open_home(tmp_path, home):
+    """Item 17: in an existing $SFTCTL_HOME (or storage directory) of mode 0755, logs, scripts and
+    checkpoints were created world-readable; now every file is owner-only."""
+    home.mkdir(mode=0o755)
+    os.chmod(home, 0o755)
+    store = tmp_path / "store"
+    store.mkdir(mode=0o755)
+    os.chmod(store, 0o755)
+    run = "\"$SFTCTL_PYTHON\" -c \"import sftctl.train as t; t.report(1, loss=1.0); t.save_checkpoint({'w': 1}, 1)\""
+    (tmp_path / "w").mkdir()
+    spec = write_spec(tmp_path / "w" / "modes.yaml", f"name: modes\nrun: |\n  {run}\n")
+    sftctl("run", str(spec), "--json", check=True)
+    sftctl("run", str(spec), "--json", "--set", f"storage={store}", check=True)
+    assert any(p.name == "node.log" for p in home.rglob("node.log"))
+    assert list(store.rglob("MANIFEST.json"))
+    loose = _loose_files(home, store)
+    assert loose == [], "\n".join(loose)
+
+
+def test_the_agent_serves_metrics_on_loopback_by_default(tmp_path):
+    """Item 17: /metrics (no authentication) bound 0.0.0.0; now 127.0.0.1 unless the spec's
+    health.metrics_address says otherwise."""
+    import socket
+
+    from sftctl import agent
+    from sftctl.spec import load_spec
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert agent.main(["--port", str(port), "--count", "1", "--interval", "0.05",
+                       "--out", str(tmp_path / "health.jsonl")]) == 0
+    listening = [line.split()[1] for line in open("/proc/net/tcp").read().splitlines()[1:]
+                 if line.split()[1].endswith(f":{port:04X}") and line.split()[3] == "0A"]
+    assert listening == [f"0100007F:{port:04X}"]
+    spec = write_spec(tmp_path / "h.yaml", "name: h\nrun: echo\nhealth: {metrics_address: 0.0.0.0}\n")
+    assert load_spec(spec).health.metrics_address == "0.0.0.0"
+    from sftctl.errors import SpecError
+
+    with pytest.raises(SpecError, match="metrics_address: must be an IP address"):
+        load_spec(write_spec(tmp_path / "bad.yaml", "name: h\nrun: echo\nhealth: {metrics_address: everywhere}\n"))

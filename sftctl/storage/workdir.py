@@ -253,6 +253,12 @@ def fetch_workdir(storage: Storage, key: str, dest: str | os.PathLike) -> Path:
             target = dest / m.name
             if target.is_symlink() or target.is_file():
                 target.unlink()
+        # the pack holds 0644/0755; on the node the files get this process's umask (owner-only
+        # under sftctl), as files it created itself would
+        umask = os.umask(0)
+        os.umask(umask)
+        for m in members:
+            m.mode &= ~umask & 0o7777
         if hasattr(tarfile, "data_filter"):
             tar.extractall(dest, filter="data")
         else:  # pragma: no cover - Python without PEP 706's filters; members were checked above
