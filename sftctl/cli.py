@@ -340,6 +340,7 @@ def compile_(
     from sftctl.ui import kernels_table
 
     console.print(kernels_table(compiled.kernels, top))
+    console.print(_modes_table(doc))
     mode = predictor.mode
     times = ", ".join(f"{m} {doc['modes'][m] * 1000:.2f} ms" for m in doc["modes"])
     peak = doc["peak_memory"]["peak_bytes"]
@@ -353,6 +354,36 @@ def compile_(
     if not doc["fits"]:
         console.print(f"[bold red]does not fit:[/] {_escape(doc['fit_note'])}", soft_wrap=True)
     console.print(f"wrote {out / 'plan.json'}, {out / 'report.md'} and {out / 'roofline.svg'}", soft_wrap=True)
+
+
+def _modes_table(doc: dict):
+    """``sftctl compile``: the step per execution mode, by kernel kind, phase and top modules."""
+    from rich.table import Table
+
+    det = doc["mode_details"]
+    modes = [m for m in ("eager", "default", "sftensor") if m in det]
+    t = Table(box=None, header_style="bold", pad_edge=False, title="predicted step per execution mode "
+              f"(spec: {doc['mode']})", title_justify="left")
+    t.add_column("")
+    for m in modes:
+        t.add_column(m.upper() + (" *" if m == doc["mode"] else ""), justify="right")
+
+    def ms(x: float) -> str:
+        return f"{x * 1e3:.2f} ms"
+
+    t.add_row("step", *[ms(det[m]["compute_time_s"]) for m in modes])
+    t.add_row("kernels", *[str(det[m].get("kernels", "-")) for m in modes])
+    t.add_row("peak memory", *[f"{det[m]['peak_bytes'] / 2**30:.2f} GiB" for m in modes])
+    t.add_row("MFU", *[f"{100 * det[m].get('mfu', 0):.1f}%" for m in modes])
+    unit = doc["per_step"]["unit"]
+    t.add_row(f"{unit}/s", *[f"{det[m]['throughput']['per_s']:,.0f}" for m in modes])
+    for key, label in (("by_phase", "phase"), ("by_kind", "kind")):
+        for k in dict.fromkeys(k for m in modes for k in det[m].get(key, {})):
+            t.add_row(f"{label}: {k}", *[ms(det[m].get(key, {}).get(k, 0.0)) for m in modes])
+    top = list(det[doc["mode"]].get("by_module", {}))[:6]
+    for k in top:
+        t.add_row(f"module: {k}", *[ms(det[m].get("by_module", {}).get(k, 0.0)) for m in modes])
+    return t
 
 
 # ------------------------------------------------------------------------------------ status

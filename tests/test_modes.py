@@ -269,3 +269,14 @@ def test_peer_model_comes_from_the_shipped_calibration():
     assert 0 < h200.copy_fraction < 1
     a100 = modes.peer_model("A100-80GB")
     assert "carried to A100-80GB" in a100.source and a100.copy_fraction == h200.copy_fraction
+
+
+def test_jax_step_keeps_its_fused_optimizer(home):
+    """A jitted JAX step has no eager optimizer: default mode fuses its AdamW like the rest."""
+    pytest.importorskip("jax")
+    from sftctl.compiler.driver import trace_model
+
+    g = trace_model("jax", "examples/jax_mlp/model.py:build", str(REPO), 64, "float32", use_cache=False)
+    c = compile_graph(g, get_accelerator("A100-80GB"))
+    assert "optimizer (foreach)" not in c.modes["default"]["by_kind"]
+    assert c.modes["default"]["compute_time_s"] > 0

@@ -491,7 +491,10 @@ def predict_mode(graph: Graph, hw: Accelerator, mode: str, coeffs=None, matmul_p
     by_module: dict[str, float] = {}
     total = flops = moved = 0.0
     launches = 0
-    optimizer_eager = mode in ("eager", "default")
+    # PyTorch runs its optimizer step eagerly (foreach) in both modes; an untagged graph (JAX: the
+    # whole step jitted) keeps the optimizer it was traced with, fused like the rest
+    tagged = any("call" in n.attrs for n in graph.nodes)
+    optimizer_eager = mode in ("eager", "default") and tagged
 
     def add(kind: str, ph: str, mod: str | None, t: float) -> None:
         by_kind[kind] = by_kind.get(kind, 0.0) + t

@@ -272,7 +272,8 @@ def roofline_svg(doc: dict, hw: Accelerator, width: int = 720, height: int = 460
         ridge = rate / bw
         out.append(f'<polyline fill="none" stroke="#444" stroke-width="1.5" points="{X(10**x0):.1f},{Y(bw * 10**x0):.1f} '
                    f'{X(ridge):.1f},{Y(rate):.1f} {X(10**x1):.1f},{Y(rate):.1f}"/>')
-        out.append(f'<text x="{left + pw + 4}" y="{Y(rate) + 4:.1f}">{html.escape(name)} {rate / 1e12:.0f} TF/s</text>')
+        label = {"bfloat16": "bf16 matrix", "float32": "tf32 matrix", "vector fp32": "fp32 vector"}.get(name, name)
+        out.append(f'<text x="{left + pw + 4}" y="{Y(rate) + 4:.1f}">{html.escape(label)} {rate / 1e12:.0f} TF/s</text>')
     total = doc["compute_time_s"] or 1.0
     for k in sorted(doc["kernels"], key=lambda k: -k["time_s"]):
         if k["time_s"] <= 0 or k["bytes"] <= 0:
