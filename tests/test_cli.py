@@ -119,10 +119,17 @@ def test_ctrl_c_cancels_attached_run(tmp_path, home):
     spec = write_spec(tmp_path / "sleeper.yaml", SLEEPER)
     proc = subprocess.Popen([sys.executable, "-m", "sftctl.cli", "run", str(spec)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    job = wait_for(lambda: (j := status_json()["jobs"]) and j[0]["status"] == "RUNNING" and j[0]["id"], what="RUNNING")
-    wait_for(lambda: len(job_processes(job)) >= 2, what="node processes")
+    # the timeouts guard against a hang, they measure nothing: a busy 2-core machine needs minutes
+    job = wait_for(lambda: (j := status_json()["jobs"]) and j[0]["status"] == "RUNNING" and j[0]["id"],
+                   timeout_s=300, what="RUNNING")
+    wait_for(lambda: len(job_processes(job)) >= 2, timeout_s=300, what="node processes")
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 130, err
     assert "Traceback" not in out + err and "cancelled by the user (Ctrl-C)" in out
     assert status_json(job)["status"] == "CANCELLED"
