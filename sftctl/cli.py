@@ -256,6 +256,8 @@ def plan(
             _print_json(_plan_doc(spec, None, e.message, e.candidates))
         elif e.candidates:
             _console().print(plan_table(e.candidates, spec.train.steps))
+            for note in dict.fromkeys(c.note for c in e.candidates if getattr(c, "note", None)):
+                _console().print(f"note: {_escape(note)}", soft_wrap=True)
         raise
     if as_json:
         _print_json(_plan_doc(spec, chosen, chosen.reason, chosen.candidates))
@@ -330,6 +332,17 @@ def compile_(
         st.update(f"searching schedules for {hw.name}")
         compiled = compile_for(graph, hw.name, matmul_precision=spec.model.matmul_precision)
     doc = compile_doc(compiled, graph, spec, hw, predictor.mode)
+    from sftctl.planner import lacks_bf16_tensor_cores
+
+    doc["notes"] = []
+    if spec.model.dtype == "bfloat16" and lacks_bf16_tensor_cores(hw):
+        fp16 = compile_for(graph, hw.name, matmul_precision=spec.model.matmul_precision,
+                           mma_dtype_map={"bfloat16": "float16"})
+        doc["notes"].append(
+            f"{hw.name} has no bfloat16 tensor cores: bf16 matmuls run on its CUDA cores at "
+            f"{hw.matrix_peak('bfloat16') / 1e12:.1f} TFLOP/s; model.dtype float16 would run them on its tensor cores "
+            f"({hw.matrix_peak('float16') / 1e12:.0f} TFLOP/s): predicted {fp16.mode_time_s(predictor.mode) * 1e3:.1f} "
+            f"ms/step instead of {doc['step_time_s'] * 1e3:.1f} ({predictor.mode})")
     out = out or Path("sftctl-compile") / f"{spec.name}-{hw.name.lower()}"
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(doc, indent=1) + "\n")
@@ -353,6 +366,8 @@ def compile_(
     )
     if not doc["fits"]:
         console.print(f"[bold red]does not fit:[/] {_escape(doc['fit_note'])}", soft_wrap=True)
+    for note in doc["notes"]:
+        console.print(f"note: {_escape(note)}", soft_wrap=True)
     console.print(f"wrote {out / 'plan.json'}, {out / 'report.md'} and {out / 'roofline.svg'}", soft_wrap=True)
 
 

@@ -235,6 +235,7 @@ def test_cli_compile_modes_report_and_fit(tmp_path, home):
     assert t4.returncode == 0, t4.stderr[-2000:]
     text = " ".join(t4.stdout.split())
     assert "does not fit: needs" in text and "T4 has 16 GiB; the largest batch that fits is" in text
+    assert "T4 has no bfloat16 tensor cores" in text and "model.dtype float16 would run them" in text
     m = int(text.split("the largest batch that fits is ")[1].split()[0])
     assert 1 <= m < 64
 

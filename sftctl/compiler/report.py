@@ -179,6 +179,8 @@ def render_markdown(doc: dict, hw: Accelerator) -> str:
              f"Model FLOPs per step: {doc['model_flops'] / 1e12:.2f} TFLOP (matrix work: GEMMs and attention).")
     L.append("")
     L.append(f"**Memory:** {doc['fit_note']}.")
+    for note in doc.get("notes") or []:
+        L += ["", f"**Note:** {note}."]
     L += ["", "## Per execution mode", "",
           f"| mode | step | kernels | peak memory | MFU | model TFLOP/s | {unit}/s | largest batch that fits |",
           "|---|---|---|---|---|---|---|---|"]
