@@ -24,7 +24,7 @@ from sftctl.errors import ExitCode, NotFoundError, SftctlError
 app = typer.Typer(
     name="sftctl",
     help="Train models on the cheapest accelerator that can run them.",
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -73,9 +73,29 @@ def _get_job(store, job_id: str) -> dict:
     return job
 
 
+def _plain_metavars() -> None:
+    """Help shows each value as its metavar (SPEC, JOB, --node RANK), never as a Python type
+    (typer prints ``<list[str]>``, ``<int>`` after every argument and option without one)."""
+    from typer.core import TyperArgument, TyperOption
+
+    TyperArgument.display_type_rich = lambda self, ctx: None
+
+    def option_metavar(self, ctx):
+        if self.metavar is not None:
+            return self.metavar
+        return (self.name or "value").upper().replace("_", "-")
+
+    TyperOption.display_type_rich = option_metavar
+
+
+_plain_metavars()
+
+
 @app.callback(invoke_without_command=True)
 def _root(
     version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True),
+    debug: bool = typer.Option(False, "--debug", help="On an error, also print the traceback (for bug reports); "
+                               "accepted anywhere on the command line; exit codes stay the same."),
 ) -> None:
     """Train models on the cheapest accelerator that can run them."""
     if version:
@@ -301,7 +321,7 @@ def catalog(
 @app.command(name="compile")
 def compile_(
     spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec YAML file (its model is compiled)."),
-    target: Optional[str] = typer.Option(None, "--target", "-t", help="Accelerator, e.g. h100, a100-80gb, mi300x, cpu."),
+    target: str = typer.Option(..., "--target", "-t", metavar="ACCELERATOR", help="Accelerator, e.g. h100, a100-80gb, mi300x, cpu."),
     set_: list[str] = typer.Option([], "--set", metavar="KEY.PATH=VALUE", help="Override a spec field; repeatable."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Directory for plan.json and report.md (default: ./sftctl-compile/<job>-<target>)."),
     as_json: bool = typer.Option(False, "--json", help="Print the compiled plan as JSON on stdout."),
@@ -474,7 +494,7 @@ def _node_status(job: dict, node: dict) -> str:
 
 @app.command()
 def check(
-    clouds: list[str] = typer.Argument(None, metavar="[CLOUD]...", help="aws, gcp, kubernetes, local (default: all)."),
+    clouds: list[str] = typer.Argument(None, metavar="CLOUD", help="aws, gcp, kubernetes, local (default: all)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
     """Say per cloud whether its credentials work here, and if not, why and what to set.
@@ -594,7 +614,7 @@ def status(
 def logs(
     job_id: str = typer.Argument(..., metavar="JOB"),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends."),
-    node: Optional[int] = typer.Option(None, "--node", "-n", help="Only this node rank."),
+    node: Optional[int] = typer.Option(None, "--node", "-n", metavar="RANK", help="Only this node rank."),
 ) -> None:
     """Print a job's node logs (each line prefixed with its node when there are several)."""
     from sftctl.controller import job_provider
@@ -729,8 +749,10 @@ def main(argv: list[str] | None = None) -> int:
         e.show()
         return getattr(e, "exit_code", ExitCode.USAGE) or ExitCode.USAGE
     except SftctlError as e:
-        if debug:
-            raise
+        if debug:  # the traceback too, and still the error's own exit code
+            import traceback
+
+            traceback.print_exc()
         from rich.text import Text
 
         err = _console(stderr=True)

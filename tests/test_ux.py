@@ -537,3 +537,22 @@ def test_the_agent_serves_metrics_on_loopback_by_default(tmp_path):
 
     with pytest.raises(SpecError, match="metrics_address: must be an IP address"):
         load_spec(write_spec(tmp_path / "bad.yaml", "name: h\nrun: echo\nhealth: {metrics_address: everywhere}\n"))
+
+
+def test_help_conventions_completion_and_debug(home):
+    """Item 19: completion is offered, help shows no Python types, compile --target is shown as
+    required, --debug is documented and keeps a usage error's exit code (2, not 1)."""
+    import re
+
+    root = sftctl("--help", check=True).stdout
+    assert "--install-completion" in root and "--show-completion" in root and "--debug" in root
+    commands = ["run", "plan", "catalog", "compile", "check", "status", "logs", "down", "events"]
+    for c in commands:
+        text = sftctl(c, "--help", check=True).stdout
+        assert not re.search(r"<(str|int|float|path|bool|list\[[^\]]*\])>", text), (c, text)
+    compile_help = " ".join(sftctl("compile", "--help", check=True).stdout.split())
+    assert "-t, --target ACCELERATOR Accelerator, e.g. h100, a100-80gb, mi300x, cpu. [required]" in compile_help
+    assert "bash" in sftctl("--show-completion", "bash", check=True).stdout
+    proc = sftctl("status", "no-such-job", "--debug")
+    assert proc.returncode == 2 and "Traceback" in proc.stderr
+    assert "error: no job 'no-such-job'" in proc.stderr
