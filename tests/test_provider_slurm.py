@@ -369,7 +369,9 @@ def test_node_failure_without_slurm_requeue_replaces_and_excludes_the_node(clust
     doc = status_json(job)
     assert doc["status"] == "SUCCEEDED", doc["failure_reason"]
     assert doc["restarts"] == 1 and [a["status"] for a in doc["attempts"]] == ["FAILED", "SUCCEEDED"]
-    assert "NODE_FAIL" in doc["attempts"][0]["reason"] and victim in doc["attempts"][0]["reason"]
+    reason = doc["attempts"][0]["reason"]
+    assert "NODE_FAIL" in reason and f"Slurm node {victim} is down" in reason, reason
+    assert f"an admin should look at it (scontrol show node {victim})" in reason
     sbatch = (home / "jobs" / job / "slurm" / "attempt-2" / "sbatch.sh").read_text()
     assert f"#SBATCH --exclude={victim}" in sbatch and "--no-requeue" in sbatch
     events = [e["message"] for e in json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]]

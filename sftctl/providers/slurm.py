@@ -833,8 +833,12 @@ class SlurmProvider:
             return NodeStatus(NodeState.RUNNING, None, f"Slurm job {slurm_id} NODE_FAIL (not this node)")
         if state == "TIMEOUT":
             return NodeStatus(NodeState.FAILED, None, f"Slurm job {slurm_id} hit its time limit{where}")
-        return NodeStatus(NodeState.LOST, None, f"Slurm job {slurm_id} ended {state}{where} "
-                                                f"({st.get('reason') or 'no reason given'}) without an exit code")
+        detail = (f"Slurm job {slurm_id} ended {state}{where} ({st.get('reason') or 'no reason given'}) "
+                  "without an exit code")
+        if host and self._node_down(host):  # draining needs admin rights: sftctl only leaves it out
+            detail += (f"; Slurm node {host} is down: sftctl leaves it out of this job's allocations "
+                       f"(--exclude); an admin should look at it (scontrol show node {host})")
+        return NodeStatus(NodeState.LOST, None, detail)
 
     def _node_down(self, host: str) -> bool:
         proc = self.runner.run(["sinfo", "-h", "-N", "-n", host, "-o", "%t"], check=False)
@@ -875,11 +879,16 @@ class SlurmProvider:
         self._cancel(handle)
 
     def terminate(self, handle: dict) -> None:
-        """Cancel the allocation of the node's attempt; a node that had run on a Slurm node that
-        is down now puts that node on this job's ``--exclude`` list."""
-        if handle.get("attempt"):
+        """Cancel the allocation of the node's attempt. The Slurm node it ran on goes on this
+        job's ``--exclude`` list unless the allocation ended for a reason that is not the node's
+        (cancelled, preempted, out of time): a node replaced for a health verdict or a lost
+        heartbeat, or one Slurm reports down, is never given to this job again."""
+        if handle.get("attempt") and handle.get("dir"):
             host = (self._files(handle).get(f"{handle['dir']}/host-{handle['attempt']}") or b"").decode().strip()
-            if host and self._node_down(host):
+            slurm_id = self.slurm_id(handle)
+            st = self.job_state(slurm_id, fresh=True) if slurm_id else None
+            innocent = st is not None and st["state"] in ("CANCELLED", "PREEMPTED", "TIMEOUT", "COMPLETED", "DEADLINE")
+            if host and (not innocent or self._node_down(host)):
                 self.excluded.add(host)
         self._cancel(handle)
 
