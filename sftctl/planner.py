@@ -306,6 +306,9 @@ def _queue(c: Candidate, spec: JobSpec) -> Candidate:
         return dataclasses.replace(c, rejected=e.message)
     c = dataclasses.replace(c, queue_wait_s=wait_s, queue_detail=detail)
     deadline_s = spec.resources.deadline_s
+    if deadline_s is not None and wait_s > deadline_s:
+        return dataclasses.replace(c, rejected=(
+            f"Slurm's queue wait of {format_hours(wait_s / 3600)} alone is past the deadline of {spec.resources.deadline}"))
     if deadline_s is not None and c.hours is not None and c.finish_s > deadline_s:
         return dataclasses.replace(c, rejected=(
             f"queue wait {format_hours(wait_s / 3600)} + predicted {format_hours(c.hours)} "

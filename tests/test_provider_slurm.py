@@ -125,6 +125,33 @@ run: "true"
     assert proc.returncode == 3, proc.stderr
     assert "gpu/h100 cannot run 4 node(s)" in proc.stderr and "Traceback" not in proc.stderr
     assert chosen is not None
+    proc = sftctl("run", str(spec), "--set", "resources.nodes=4")
+    assert proc.returncode == 3 and "cannot run 4 node(s)" in proc.stderr, proc.stderr
+    assert cluster.jobs() == []
+
+
+def test_plan_shows_the_wait_of_a_busy_cluster(cluster, tmp_path):
+    """Every node is held by a job with a 10-minute limit: Slurm's own estimate (sbatch
+    --test-only) puts our start at its end; a 5-minute deadline rules the cluster out."""
+    blocker = subprocess.run(["sbatch", "--parsable", "-N3", "--exclusive", "--time=10", "--wrap", "sleep 600"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        wait_for(lambda: scontrol_job(cluster, blocker).get("JobState") == "RUNNING", timeout_s=30, what="the blocker")
+        spec = write_spec(tmp_path / "gpu.yaml", f"""\
+name: gpu-plan
+workdir: {tmp_path}
+resources: {{accelerators: ["H100:2"], nodes: 2, clouds: [slurm]}}
+run: "true"
+""")
+        doc = json.loads(sftctl("plan", str(spec), "--json", check=True).stdout)
+        [c] = [c for c in doc["candidates"] if c["provider"] == "slurm"]
+        assert 540 <= c["queue_wait_s"] <= 600, c
+        table = sftctl("plan", str(spec), check=True).stdout
+        assert "QUEUE" in table and "owned" in table and ("9.9 min" in table or "10.0 min" in table), table
+        proc = sftctl("plan", str(spec), "--set", "resources.deadline=5m")
+        assert proc.returncode == 3 and "alone is past the deadline of 5m" in proc.stderr, proc.stderr
+    finally:
+        subprocess.run(["scancel", blocker], check=True)
 
 
 def test_shell_job_on_two_nodes(cluster, tmp_path):
@@ -288,6 +315,47 @@ def test_node_failure_resumes_on_the_remaining_nodes(cluster, tmp_path, home):
     events = [e["message"] for e in json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]]
     assert any("requeued by Slurm" in m for m in events), events
     assert progress(work / "ckpt-1") == 30
+
+
+def test_a_requeued_job_resumes_from_its_checkpoint(cluster, tmp_path, home):
+    """``scontrol requeue`` (what preemption with PreemptMode=REQUEUE does): the allocation is
+    killed and queued again; the job runs again and resumes from its checkpoint."""
+    work = tmp_path / "work"
+    work.mkdir()
+    job = json.loads(sftctl("run", str(write_spec(tmp_path / "loop.yaml", LOOP_JOB.format(workdir=work))),
+                            "--detach", "--json", check=True).stdout)["job_id"]
+    wait_for(lambda: progress(work / "ckpt-0") >= 3, timeout_s=60, what="rank 0 to checkpoint step 3")
+    [slurm_id] = cluster.jobs()
+    subprocess.run(["scontrol", "requeue", slurm_id], check=True)
+    requeued_at = progress(work / "ckpt-0")
+    wait_for(lambda: status_json(job)["status"] in ("SUCCEEDED", "FAILED", "FAILED_CONTROLLER"), timeout_s=120,
+             what="the requeued job to finish")
+    doc = status_json(job)
+    assert doc["status"] == "SUCCEEDED" and doc["restarts"] == 0, doc["failure_reason"]
+    starts = [int(line.rsplit(" ", 1)[1]) for line in sftctl("logs", job, "--node", "0").stdout.splitlines()
+              if "resumes from" in line]
+    assert len(starts) == 2 and starts[1] >= requeued_at - 1 > 0, starts
+    assert progress(work / "ckpt-0") == 30
+
+
+def test_status_after_slurm_forgot_the_job(cluster, tmp_path, home):
+    """squeue and scontrol no longer know a job (no accounting here): the node's exit file decides."""
+    from sftctl.providers.base import NodeState
+    from sftctl.providers.slurm import SlurmProvider
+
+    p = SlurmProvider()
+    d = tmp_path / "root" / "nodes" / "n0"
+    d.mkdir(parents=True)
+    handle = {"job_id": "j", "node_id": "n0", "rank": 0, "root": str(tmp_path / "root"), "dir": str(d),
+              "attempt": 1, "slurm_job_id": "99999"}
+    assert p.job_state("99999") is None
+    lost = p.status(handle)
+    assert lost.state == NodeState.LOST and "Slurm no longer knows job 99999" in lost.detail
+    (d / "exit-1").write_text("0\n")
+    assert p.status(handle).state == NodeState.SUCCEEDED
+    (d / "exit-1").write_text("7\n")
+    st = p.status(handle)
+    assert (st.state, st.exit_code) == (NodeState.FAILED, 7)
 
 
 def test_quickstart_on_two_slurm_nodes(cluster, home):
