@@ -43,6 +43,7 @@ def _console(stderr: bool = False):
 
 
 def _print_json(doc) -> None:
+    _JSON_PRINTED[0] = True
     sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
     sys.stdout.flush()
 
@@ -138,6 +139,8 @@ def run(
     detach: bool = typer.Option(False, "--detach", "-d", help="Start a background controller and print the job id."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
     quiet_logs: bool = typer.Option(False, "--no-logs", help="Attached: do not stream node logs."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan, what would be provisioned and each node's "
+                                 "rendered scripts and environment; create and start nothing."),
 ) -> None:
     """Plan, provision, launch and watch a job (attached unless --detach)."""
     from sftctl import procs
@@ -162,6 +165,9 @@ def run(
         _need_storage(spec, spec_path, "/".join(clouds))
     chosen = _plan_with_progress(spec, strict=False, stderr=True)
     _need_storage(spec, spec_path, chosen.offering.provider)
+    if dry_run:
+        _dry_run(spec, chosen, as_json)
+        return
     if spec.storage is not None:
         _check_storage(spec.storage)
     store = _store()
@@ -219,6 +225,32 @@ def run(
     if code == ExitCode.JOB_FAILED and controller.error is not None:
         code = controller.error.exit_code  # no capacity anywhere: 3; credentials or cloud API: 4
     raise typer.Exit(int(code))
+
+
+def _dry_run(spec, chosen, as_json: bool) -> None:
+    """``run --dry-run``: the plan, what would be provisioned, every node's script; nothing done."""
+    from sftctl.controller import preview
+
+    doc = preview(spec, chosen.to_dict())
+    o = doc["offering"]
+    if as_json:
+        _print_json({"dry_run": True, "job": spec.name, "plan": chosen.reason, **doc})
+        return
+    from rich.rule import Rule
+    from rich.text import Text
+
+    console = _console()
+    console.print(Text(f"dry run: nothing was created or started\nplan: {chosen.reason}\n"
+                       f"would provision: {spec.resources.nodes} node(s) of {o['provider']} {o['instance_type']} "
+                       f"({o['accelerator']}:{o['count']}) in {o['region']}"), soft_wrap=True)
+    for n in doc["nodes"]:
+        if n["bootstrap"]:
+            console.print(Rule(f"node {n['rank']}: first-boot script (bootstrap.sh)", align="left"))
+            console.print(Text(n["bootstrap"].rstrip()), soft_wrap=True)
+        console.print(Rule(f"node {n['rank']}: environment", align="left"))
+        console.print(Text("\n".join(f"{k}={v}" for k, v in sorted(n["env"].items()))), soft_wrap=True)
+        console.print(Rule(f"node {n['rank']}: attempt script (node.sh)", align="left"))
+        console.print(Text(n["script"].rstrip()), soft_wrap=True)
 
 
 def _plan_with_progress(spec, strict: bool, stderr: bool):
@@ -731,25 +763,22 @@ def events(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point. Maps errors to exit codes; ``--debug`` anywhere shows tracebacks."""
+    """Console entry point. Maps errors to exit codes; ``--debug`` anywhere shows tracebacks.
+
+    Every error prints ``error:`` and ``hint:`` lines on stderr; with ``--json`` it also prints
+    one JSON object on stdout, ``{"error", "hint", "exit_code"}``, unless the command already
+    printed its document (``plan --json`` of an infeasible job prints the plan).
+    """
     from typer._click.exceptions import ClickException
 
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     args = [a for a in args if a != "--debug"]
-    try:
-        rv = app(args=args, prog_name="sftctl", standalone_mode=False)
-        return int(rv or 0)
-    except typer.Exit as e:
-        return e.exit_code
-    except typer.Abort:
-        print("interrupted", file=sys.stderr)
-        return ExitCode.INTERRUPTED
-    except ClickException as e:
-        e.show()
-        return getattr(e, "exit_code", ExitCode.USAGE) or ExitCode.USAGE
-    except SftctlError as e:
-        if debug:  # the traceback too, and still the error's own exit code
+    as_json = "--json" in args
+    _JSON_PRINTED[0] = False
+
+    def fail(message: str, hint: str | None, code: int) -> int:
+        if debug:
             import traceback
 
             traceback.print_exc()
@@ -757,27 +786,41 @@ def main(argv: list[str] | None = None) -> int:
 
         err = _console(stderr=True)
         # Text, not markup: a message quoting user input prints "[bold]" and ":smile:" as typed
-        err.print(Text.assemble(("error:", "bold red"), " ", e.message), soft_wrap=True)
-        if e.hint:
-            err.print(Text(f"hint: {e.hint}", style="dim"), soft_wrap=True)
-        return int(e.exit_code)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return ExitCode.INTERRUPTED
-    except sqlite3.DatabaseError as e:  # a state.db damaged after it was opened
-        if debug:
-            raise
+        err.print(Text.assemble(("error:", "bold red"), " ", message), soft_wrap=True)
+        if hint:
+            err.print(Text(f"hint: {hint}", style="dim"), soft_wrap=True)
+        if as_json and not _JSON_PRINTED[0]:
+            with contextlib.suppress(OSError):
+                _print_json({"error": message, "hint": hint, "exit_code": int(code)})
+        return int(code)
+
+    try:
+        rv = app(args=args, prog_name="sftctl", standalone_mode=False)
+        return int(rv or 0)
+    except typer.Exit as e:
+        return e.exit_code
+    except (typer.Abort, KeyboardInterrupt):
+        return fail("interrupted", None, ExitCode.INTERRUPTED)
+    except ClickException as e:  # usage: unknown option, missing argument, bad value
+        code = getattr(e, "exit_code", ExitCode.USAGE) or ExitCode.USAGE
+        ctx = getattr(e, "ctx", None)
+        hint = f"{ctx.command_path} --help shows the options" if ctx is not None else "sftctl --help"
+        return fail(e.format_message(), hint, code)
+    except SftctlError as e:
+        return fail(e.message, e.hint, e.exit_code)
+    except sqlite3.DatabaseError as e:  # a state.db damaged (or held) after it was opened
         from sftctl.paths import sftctl_home
 
         path = sftctl_home() / "state.db"
         if isinstance(e, sqlite3.OperationalError) and ("locked" in str(e) or "busy" in str(e)):
-            print(f"error: {path}: the state database stayed locked by another process: {e}", file=sys.stderr)
-            print("hint: retry; if it persists, look for a process holding it (fuser state.db)", file=sys.stderr)
-            return int(ExitCode.USAGE)
-        print(f"error: {path}: the state database is damaged: {e}", file=sys.stderr)
-        print(f"hint: move it aside (mv {path} {path}.bad) and sftctl starts a new one; "
-              "sftctl down --orphans removes cloud resources of jobs it no longer knows", file=sys.stderr)
-        return int(ExitCode.USAGE)
+            return fail(f"{path}: the state database stayed locked by another process: {e}",
+                        "retry; if it persists, look for a process holding it (fuser state.db)", ExitCode.USAGE)
+        return fail(f"{path}: the state database is damaged: {e}",
+                    f"move it aside (mv {path} {path}.bad) and sftctl starts a new one; "
+                    "sftctl down --orphans removes cloud resources of jobs it no longer knows", ExitCode.USAGE)
+
+
+_JSON_PRINTED = [False]  # whether this invocation printed its JSON document already
 
 
 def _escape(text: str) -> str:

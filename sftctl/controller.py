@@ -420,6 +420,16 @@ class Controller:
             MASTER_PORT=str(master_port),
             SFTCTL_RDZV_ENDPOINT=f"{ips[0]}:{master_port}",
             SFTCTL_RDZV_IS_HOST="1" if rank == 0 else "0",
+            # torchrun reads PET_<OPTION> for each option it is not given, so `run: torchrun
+            # train.py` joins the job's rendezvous without spelling out --nnodes --rdzv-*
+            PET_NNODES=str(len(self.nodes)),
+            PET_NPROC_PER_NODE=str(self.offering.count),
+            PET_NODE_RANK=str(rank),
+            PET_RDZV_BACKEND="c10d",
+            PET_RDZV_ENDPOINT=f"{ips[0]}:{master_port}",
+            PET_RDZV_ID=self.job_id,
+            PET_RDZV_CONF=f"is_host={1 if rank == 0 else 0}",
+            PET_MAX_RESTARTS="0",  # sftctl restarts the job itself, from its last checkpoint
         )
         if spec.model is not None:
             env.update(
@@ -672,6 +682,37 @@ def down(store: Store, job_id: str) -> str:
     summary = ", ".join(parts)
     store.add_event(job_id, "down", summary)
     return summary
+
+
+def preview(spec: JobSpec, plan_doc: dict, job_id: str = "<job-id>") -> dict:
+    """What ``sftctl run`` would provision and start, rendered but not done (``run --dry-run``).
+
+    Returns ``{"offering", "nodes": [{"rank", "env", "script", "bootstrap"}]}``: each node's
+    environment (secret values shown as ``<secret>``), its attempt script (``node.sh``) and, on
+    a cloud, its first-boot script. Nothing is recorded, created or started.
+    """
+    from sftctl.templates import render
+
+    c = Controller.__new__(Controller)  # rendering only: no store, no provider
+    c.spec, c.job_id = spec, job_id
+    c.offering = Offering(**plan_doc["offering"])
+    cloud = c.offering.provider != "local"
+    c.nodes = [{"id": f"{job_id}-n{r}", "rank": r, "generation": 0,
+                "handle": {"ip": f"<node {r} ip>" if cloud else "127.0.0.1"}} for r in range(spec.resources.nodes)]
+    c.workdir_key = "<workdir pack>" if spec.storage is not None else None
+    nodes = []
+    for n in c.nodes:
+        env = c.node_env(n["rank"], 1, "<rendezvous port>")
+        env.update({k: "<secret>" for k in spec.secrets if k in env})
+        script = render("node.sh.j2", job_id=job_id, node_id=n["id"], rank=n["rank"], attempt=1,
+                        workdir=spec.workdir, setup=spec.setup, run=spec.run, health=spec.health.enabled)
+        bootstrap = None
+        if cloud:
+            bootstrap = render("bootstrap.sh.j2", job_id=job_id, node_id=n["id"], rank=n["rank"],
+                               storage_url=job_storage_url(spec, job_id) or "",
+                               install=os.environ.get("SFTCTL_NODE_INSTALL", _default_install()))
+        nodes.append({"rank": n["rank"], "env": env, "script": script, "bootstrap": bootstrap})
+    return {"offering": c.offering.to_dict(), "nodes": nodes}
 
 
 OWNER_FILE = ".sftctl-job"  # in a spec's train.checkpoint_dir: the job whose checkpoints it holds

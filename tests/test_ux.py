@@ -556,3 +556,53 @@ def test_help_conventions_completion_and_debug(home):
     proc = sftctl("status", "no-such-job", "--debug")
     assert proc.returncode == 2 and "Traceback" in proc.stderr
     assert "error: no job 'no-such-job'" in proc.stderr
+
+
+def test_json_errors_are_one_json_object(tmp_path, home):
+    """Item 22: with --json a failing command prints one JSON object on stdout too."""
+    for args in (("status", "nope", "--json"), ("events", "nope", "--json"), ("status", "--json", "--bogus"),
+                 ("run", str(tmp_path / "missing.yaml"), "--json"), ("check", "mars", "--json")):
+        proc = sftctl(*args)
+        doc = json.loads(proc.stdout)  # the whole of stdout is one document
+        assert set(doc) == {"error", "hint", "exit_code"} and doc["exit_code"] == proc.returncode == 2, (args, doc)
+        assert proc.stderr.startswith("error: " + doc["error"])
+    # a command that printed its own document does not add a second one
+    spec = write_spec(tmp_path / "big.yaml", "name: big\nresources: {accelerators: [H100:8], clouds: [local]}\nrun: x\n")
+    proc = sftctl("plan", str(spec), "--json")
+    assert proc.returncode == 3 and "candidates" in json.loads(proc.stdout)
+
+
+def test_dry_run_renders_everything_and_starts_nothing(tmp_path, home):
+    """Item 20: run --dry-run shows the plan, what would be provisioned and each node's scripts
+    and environment (secrets masked), and creates or starts nothing."""
+    spec = write_spec(tmp_path / "dry.yaml", "name: dry\nresources: {nodes: 2}\nsecrets: [SFTCTL_DRY_TOKEN]\n"
+                      "run: echo hello from $SFTCTL_NODE_RANK\n")
+    env = {**os.environ, "SFTCTL_DRY_TOKEN": "s3cr3t-value"}
+    proc = sftctl("run", str(spec), "--dry-run", "--json", env=env, check=True)
+    doc = json.loads(proc.stdout)
+    assert doc["dry_run"] is True and doc["plan"].startswith("chose local localhost (cpu:1) x 2 node(s)")
+    assert [n["rank"] for n in doc["nodes"]] == [0, 1]
+    for n in doc["nodes"]:
+        assert n["env"]["SFTCTL_NODE_RANK"] == str(n["rank"]) and n["env"]["SFTCTL_DRY_TOKEN"] == "<secret>"
+        assert "echo hello from $SFTCTL_NODE_RANK" in n["script"] and n["bootstrap"] is None
+    text = sftctl("run", str(spec), "--dry-run", env=env, check=True).stdout
+    assert "dry run: nothing was created or started" in text and "node 1: attempt script (node.sh)" in text
+    assert "s3cr3t-value" not in proc.stdout + text
+    assert status_json()["jobs"] == [] and not (home / "jobs").exists()
+
+
+def test_torchrun_needs_no_rendezvous_flags(tmp_path, home):
+    """Item 21: `run: torchrun train.py` forms the job's world from the PET_* variables sftctl
+    exports on every node."""
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "hello.py").write_text(
+        "import os\nimport torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "print(f\"rank {dist.get_rank()} of {dist.get_world_size()}\", flush=True)\n"
+        "dist.barrier()\ndist.destroy_process_group()\n")
+    spec = write_spec(tmp_path / "w" / "tr.yaml", "name: tr\nresources: {nodes: 2}\nhealth: {enabled: false}\n"
+                      "run: torchrun hello.py\n")
+    proc = sftctl("run", str(spec), "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logs = sftctl("logs", json.loads(proc.stdout)["id"], check=True).stdout
+    assert "rank 0 of 2" in logs and "rank 1 of 2" in logs
