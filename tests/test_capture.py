@@ -115,7 +115,7 @@ def test_unsupported_op_names_op_module_and_line():
             self.lin = nn.Linear(4, 4)
 
         def forward(self, x):
-            return torch.cumsum(self.lin(x), dim=0)  # no lowering for cumsum
+            return torch.cumprod(self.lin(x), dim=0)  # no lowering for cumprod
 
     class Net(nn.Module):
         def __init__(self):
@@ -129,7 +129,7 @@ def test_unsupported_op_names_op_module_and_line():
     with pytest.raises(NotImplementedError) as info:
         torch_frontend.trace_step(Net(), {"x": x}, lambda m, b: m(b["x"]))
     msg = str(info.value)
-    assert "aten.cumsum" in msg, msg
+    assert "aten.cumprod" in msg, msg
     assert "module model.block (Block)" in msg, msg
     assert "try" in msg, msg
 
@@ -154,3 +154,25 @@ def test_batchnorm_train_mode_running_stats_are_outputs():
     for name in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
         np.testing.assert_allclose(out[f"buffer:{name}"], dict(m64.named_buffers())[name].numpy(), rtol=1e-12)
     assert int(out["buffer:1.num_batches_tracked"]) == 1
+
+
+def test_cumsum_and_flip_match_torch():
+    """cumsum (RoBERTa's and OPT's position ids from the attention mask; a float scan with its
+    flip-cumsum-flip gradient) and flip lower and reproduce torch's loss and gradients."""
+
+    class Scan(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(5, 5)
+
+        def forward(self, x, mask):
+            pos = torch.cumsum(mask, dim=1) * mask  # int64, as transformers builds position ids
+            y = torch.cumsum(self.lin(x), dim=1).flip(-1)
+            return (y * pos.unsqueeze(-1)).pow(2).mean()
+
+    torch.manual_seed(4)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    graph, _ = assert_step_matches(Scan(), {"x": torch.randn(2, 6, 5), "mask": mask},
+                                   lambda m, b: m(b["x"], b["mask"]))
+    assert graph.op_counts()["cumsum"] >= 3  # int positions, float forward, float backward

@@ -144,3 +144,39 @@ def test_llama_without_mask_uses_causal_attention_at_kv_heads():
     assert sum(k.flops for k in kernels) == pytest.approx(LAYERS * 14 * B * T * T * H * (T + 1) / (2 * T))
     fwd = next(k for k in kernels if k.attention["direction"] == "forward")
     assert fwd.bytes_read == 4 * B * T * (H + 2 * KV_HEADS * HD)  # fp32 q, k, v; K/V once per kv head
+
+
+def _more():
+    small = dict(hidden_size=H, intermediate_size=INTER, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                 vocab_size=V, max_position_embeddings=64)
+    T_ = transformers
+    return {
+        "mistral": lambda: T_.MistralForCausalLM(T_.MistralConfig(**small, num_key_value_heads=KV_HEADS, sliding_window=8)),
+        "gemma": lambda: T_.GemmaForCausalLM(T_.GemmaConfig(**small, num_key_value_heads=KV_HEADS, head_dim=HD)),
+        "qwen3": lambda: T_.Qwen3ForCausalLM(T_.Qwen3Config(**small, num_key_value_heads=KV_HEADS, head_dim=HD)),
+        "phi": lambda: T_.PhiForCausalLM(T_.PhiConfig(**small)),
+        "gpt_neox": lambda: T_.GPTNeoXForCausalLM(T_.GPTNeoXConfig(**small)),
+        "opt": lambda: T_.OPTForCausalLM(T_.OPTConfig(hidden_size=H, ffn_dim=INTER, num_hidden_layers=LAYERS,
+                                                      num_attention_heads=HEADS, vocab_size=V,
+                                                      max_position_embeddings=64, word_embed_proj_dim=H)),
+        "roberta": lambda: T_.RobertaForMaskedLM(T_.RobertaConfig(**{**small, "max_position_embeddings": 70})),
+        "distilbert": lambda: T_.DistilBertForMaskedLM(T_.DistilBertConfig(dim=H, hidden_dim=INTER, n_layers=LAYERS,
+                                                                           n_heads=HEADS, vocab_size=V)),
+        "t5": lambda: T_.T5ForConditionalGeneration(T_.T5Config(d_model=H, d_ff=INTER, d_kv=HD, num_layers=LAYERS,
+                                                                num_heads=HEADS, vocab_size=V,
+                                                                decoder_start_token_id=0, pad_token_id=0)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_more()))
+def test_more_hf_models_trace_in_train_mode(name):
+    """Models kept aside, as their users write them: each traces with a padded batch, labels and
+    the config's dropout on, with SDPA as attention ops (T5's self-attention, whose learned
+    position bias needs a gradient, stays materialized: flash kernels give no bias gradient)."""
+    torch.manual_seed(0)
+    model = _more()[name]().train()
+    graph, meta = torch_frontend.trace_step(model, _batch(), _loss)
+    ops = graph.op_counts()
+    assert ops["attention"] == LAYERS  # per layer (t5: its cross-attention)
+    assert ops["attention_grad"] == 3 * ops["attention"]
+    assert meta["n_params"] == sum(p.numel() for p in model.parameters())

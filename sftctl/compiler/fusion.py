@@ -22,7 +22,8 @@ model a legal fusion never loses; greedy application is therefore optimal for th
   kernel (reads Q, K, V, O, dO, LSE and the mask; writes dQ, dK, dV). K and V are read at their
   own head count (GQA). FLOPs are the matrix products flash attention does, over the kept
   fraction of the score matrix (:func:`attention_flops`); the S x S scores are never memory.
-  ``rng_bernoulli`` is elementwise (a random mask generated where it is used).
+  ``rng_bernoulli`` is elementwise (a random mask generated where it is used); a ``cumsum`` scan
+  fuses like an elementwise op over its elements (never into a GEMM epilogue).
 * the optimizer's per-parameter updates, independent of each other, are batched into one launch
   (horizontal fusion, as fused AdamW's ``multi_tensor_apply`` does).
 
@@ -43,6 +44,7 @@ from sftctl.compiler.ir import (
     DATA,
     ELEMENTWISE,
     RANDOM,
+    SCANS,
     LAYOUT,
     REDUCTIONS,
     SOURCES,
@@ -215,7 +217,7 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, horizontal: bool = True,
         if node.op in DATA:
             new_kernel("data", node)
             continue
-        if node.op not in ELEMENTWISE and node.op not in REDUCTIONS and node.op not in RANDOM:
+        if node.op not in ELEMENTWISE and node.op not in REDUCTIONS and node.op not in RANDOM and node.op not in SCANS:
             raise ValueError(f"fusion: unknown op {node.op!r}")
         target = None
         for inp in node.inputs if node.id not in barrier else ():

@@ -267,6 +267,8 @@ def _eval(node: Node, args: list[np.ndarray], dt, acc, seed: int = 0) -> np.ndar
         return _conv(args[0], args[1], a, shape, acc)
     if op == "reverse":
         return np.flip(args[0], axis=tuple(a["axes"]))
+    if op == "cumsum":
+        return np.cumsum(args[0], axis=a["axis"], dtype=acc)
     if op == "reshape":
         return args[0].reshape(tuple(a["shape"]))
     if op == "transpose":

@@ -29,6 +29,7 @@ Op vocabulary (``Node.op``; attribute names in brackets). Semantics follow numpy
 * layout (no arithmetic): ``reshape`` [shape], ``transpose`` [perm], ``broadcast_in_dim``
   [shape, dims], ``slice`` [start, limit, step], ``concatenate`` [axis], ``pad`` [low, high, value],
   ``reverse`` [axes] (``np.flip`` over ``axes``)
+* scan: ``cumsum`` [axis]: inclusive prefix sum along ``axis`` (``np.cumsum``)
 * data movement: ``gather`` [axis] (operand 0 indexed by integer operand 1 along ``axis``,
   i.e. ``np.take``), ``scatter_add`` [axis, size] (adds operand 0 rows into a zero tensor of the
   node's shape at indices operand 1 along ``axis``: the transpose of ``gather``)
@@ -75,7 +76,8 @@ DATA = frozenset({"gather", "scatter_add"})
 SOURCES = frozenset({"input", "constant", "iota"})
 ATTENTION = frozenset({"attention", "attention_lse", "attention_grad"})
 RANDOM = frozenset({"rng_bernoulli"})
-ALL_OPS = ELEMENTWISE | REDUCTIONS | CONTRACTIONS | LAYOUT | DATA | SOURCES | ATTENTION | RANDOM
+SCANS = frozenset({"cumsum"})
+ALL_OPS = ELEMENTWISE | REDUCTIONS | CONTRACTIONS | LAYOUT | DATA | SOURCES | ATTENTION | RANDOM | SCANS
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1}
 

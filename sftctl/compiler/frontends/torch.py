@@ -66,7 +66,7 @@ This is the one scheme a spec's ``model.dtype`` names in both frontends: the JAX
 the same float32 master weights and AdamW state with bfloat16/float16 compute
 (``frontends/jax.py``, ``compute_dtype``).
 
-Lowering notes: ``torch.gather`` / ``scatter`` (take-along-axis forms) become an IR ``gather`` /
+Lowering notes: ``cumsum`` is the IR's ``cumsum`` scan and ``flip`` its ``reverse``; ``torch.gather`` / ``scatter`` (take-along-axis forms) become an IR ``gather`` /
 ``scatter_add`` on the flattened tensor with a computed linear index; ``index`` / ``index_put``
 with adjacent index tensors merge the indexed dims the same way; a scatter with one index per row
 (``nll_loss`` backward) is a compare against an ``iota`` (elementwise, so it fuses into its
@@ -160,14 +160,13 @@ def _sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
                enable_gqa=False):
     """``scaled_dot_product_attention`` as matmul, mask, float32 softmax, matmul (materialized).
 
-    Used only where the attention op cannot stand for the call (a mask that needs a gradient).
+    Used only where the attention op cannot stand for the call (a mask that needs a gradient,
+    as T5's learned position bias: flash kernels give no bias gradient, so this is what runs).
     The softmax runs in float32 and its result is cast back to the query's dtype before the second
-    matmul, as flash attention does. Rows that a boolean mask masks completely give NaN here,
-    where torch's math kernel gives 0.
+    matmul, as flash attention does; dropout applies to the probabilities (``native_dropout``), as
+    in torch's math kernel. Rows that a boolean mask masks completely give NaN here, where torch's
+    math kernel gives 0.
     """
-    if dropout_p:
-        raise NotImplementedError("torch frontend: scaled_dot_product_attention with dropout_p > 0 and a "
-                                  "mask that requires grad (set the attention dropout to 0)")
     L, S = query.shape[-2], key.shape[-2]
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         rep = query.shape[-3] // key.shape[-3]
@@ -184,6 +183,8 @@ def _sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
         else:
             scores = scores + attn_mask
     probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    if dropout_p:
+        probs = _dropout(probs, dropout_p, True)
     return torch.matmul(probs, value)
 
 
@@ -1813,6 +1814,19 @@ class _Lowering(GraphBuilder):
         si = self.arg(src)
         s_shape = tuple(shape[:dim]) + (1,) + tuple(shape[dim + 1:])
         return self.op_slice_scatter(n, x, _Id(self.reshape(si, s_shape)), dim, index, index + 1)
+
+    def op_cumsum(self, n, x, dim, *, dtype=None):
+        shape, odt = self.out()
+        xi = self.arg(x, odt)
+        if not shape:
+            return xi
+        return self.add("cumsum", [xi], shape, odt, axis=dim % len(shape))
+
+    def op_flip(self, n, x, dims):
+        shape, _ = self.out()
+        i = self.arg(x)
+        axes = tuple(sorted({d % len(shape) for d in dims if shape[d % len(shape)] > 1})) if shape else ()
+        return self.add("reverse", [i], shape, self.dtype(i), axes=axes) if axes else i
 
     # --- random ops ---------------------------------------------------------------------------
     def op_native_dropout(self, n, x, p, train):
