@@ -97,15 +97,15 @@ def test_data_dependent_branch_names_the_model_line():
                 return y.sum()
             return -y.sum()
 
-    x = torch.empty(3, 4, device="meta")
-    with pytest.raises(NotImplementedError) as info:
-        torch_frontend.trace_step(Branchy(), {"x": x}, lambda m, b: m(b["x"]))
-    msg = str(info.value)
     import inspect
 
     line = inspect.getsourcelines(Branchy.forward)[1] + 2
-    assert f"test_capture.py:{line} (forward)" in msg, msg
-    assert "torch.where" in msg
+    for fake, x in ((True, torch.empty(3, 4, device="meta")), (False, torch.randn(3, 4))):
+        with pytest.raises(NotImplementedError) as info:
+            torch_frontend.trace_step(Branchy(), {"x": x}, lambda m, b: m(b["x"]), fake=fake)
+        msg = str(info.value)
+        assert f"test_capture.py:{line} (forward)" in msg, msg
+        assert "torch.where" in msg
 
 
 def test_unsupported_op_names_op_module_and_line():

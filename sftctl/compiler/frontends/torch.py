@@ -504,13 +504,19 @@ def _model_errors():
 
     try:
         yield
-    except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode) as e:
+    except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode,
+            RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "_local_scalar_dense" not in str(e):
+            raise  # only real-mode make_fx's "value out of a tracing tensor" is a data-dependent branch
         what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise NotImplementedError(
             f"torch frontend: the model's code at {_model_frame(e.__traceback__)} needs a tensor's value "
             f"while tracing ({type(e).__name__}: {what}); the step is traced without data, so Python "
             "control flow or shapes cannot depend on tensor values: compute it from the batch's shape, "
-            "use torch.where instead of an if, or move it out of the step") from e
+            "use torch.where instead of an if, or move it out of the step"
+            + ("; with fake=False the model sees real tensors, so libraries that take another path when "
+               "traced (transformers' masks) do not: trace with fake=True" if isinstance(e, RuntimeError) else "")
+        ) from e
 
 
 def trace_step(
