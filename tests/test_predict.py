@@ -109,3 +109,22 @@ def test_gpu_validate_writes_records_the_predictor_and_calibration_read(tmp_path
 
     groups = C.prepare(recs, get_accelerator("H200"))
     assert sum(len(g.records) for g in groups) == len(recs)
+
+
+def test_configs_outside_the_table_are_compiled_for_their_ptxas_spills(tmp_path, monkeypatch):
+    """A GEMM config the shipped ptxas table lacks is compiled offline for sm_90 (Triton, no GPU):
+    256x256 fp32 accumulators over 4 warps spill; the prediction is finite and slower than the
+    same kernel would be without those spills."""
+    monkeypatch.setenv("SFTCTL_CODEGEN_CACHE", str(tmp_path))
+    from sftctl.compiler.hardware import get_accelerator
+    from sftctl.compiler.predict import normalize, predict_records, resources_for, shipped_resources
+
+    hw = get_accelerator("H200")
+    rec = normalize({"kernel": "gemm", "M": 4096, "N": 4096, "K": 4096, "dtype": "bfloat16",
+                     "config": {"BLOCK_M": 256, "BLOCK_N": 256, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2,
+                                "GROUP_M": 8}})
+    assert "BLOCK_M=256,BLOCK_N=256,BLOCK_K=32,num_warps=4,num_stages=2" not in shipped_resources("sm_90")["gemm"]
+    res = resources_for(rec["kernel"], rec["config"], hw)
+    assert res is not None and res["spill_bytes"] > 1000 and res["registers"] == 255, res
+    t = predict_records([rec, rec], hw, resources=[res, dict(res, spill_bytes=0)])
+    assert math.isfinite(t[0]) and math.isfinite(t[1]) and t[0] > 2 * t[1]
