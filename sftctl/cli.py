@@ -215,7 +215,7 @@ def run(
             _print_json({**job, "wall_s": round(wall_s, 2)})
     else:
         losses = (
-            f", loss {view.first_loss:.4f} -> {view.last_loss:.4f}" if view.first_loss is not None else ""
+            f", loss {view.first_loss:.4f} -> {view.last_loss:.4f} (mean over ranks)" if view.first_loss is not None else ""
         )
         style = "green" if status == JobStatus.SUCCEEDED else "red"
         console.print(f"[{style}]{job_id} {status.value}[/] in {wall_s:.1f} s{losses}")

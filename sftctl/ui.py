@@ -269,6 +269,8 @@ class RunView:
         self.last_loss: float | None = None
         self._partial: dict[int, str] = {}
         self._tps: dict[int, float] = {}
+        self._first: dict[int, float] = {}  # per rank: first and latest loss
+        self._last: dict[int, float] = {}
 
     def __enter__(self) -> "RunView":
         self.progress.start()
@@ -298,11 +300,16 @@ class RunView:
         self.progress.console.print(Text.assemble((f"(node {rank}) ", "dim"), line.rstrip("\r")))
 
     def metrics(self, samples: list[dict]) -> None:
+        """Progress from step reports. The loss shown is the mean over the ranks of each one's
+        latest loss, as ``sftctl status`` shows it; ``first_loss`` is the mean of each rank's
+        first reported loss."""
         for s in samples:
-            if s.get("loss") is not None and int(s.get("rank", 0)) == 0:
-                if self.first_loss is None:
-                    self.first_loss = float(s["loss"])
-                self.last_loss = float(s["loss"])
+            if s.get("loss") is not None:
+                rank = int(s.get("rank", 0))
+                self._first.setdefault(rank, float(s["loss"]))
+                self._last[rank] = float(s["loss"])
+                self.first_loss = sum(self._first.values()) / len(self._first)
+                self.last_loss = sum(self._last.values()) / len(self._last)
             if s.get("tokens_per_s"):
                 self._tps[int(s.get("rank", 0))] = float(s["tokens_per_s"])
         step = max(int(s["step"]) for s in samples)

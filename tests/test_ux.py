@@ -606,3 +606,46 @@ def test_torchrun_needs_no_rendezvous_flags(tmp_path, home):
     assert proc.returncode == 0, proc.stderr[-3000:]
     logs = sftctl("logs", json.loads(proc.stdout)["id"], check=True).stdout
     assert "rank 0 of 2" in logs and "rank 1 of 2" in logs
+
+
+def test_the_attached_run_and_status_show_the_same_loss(home):
+    """Item 23: the attached view showed rank 0's loss, status the mean over ranks; both show the
+    mean over the ranks' latest reports now."""
+    import io
+
+    from rich.console import Console
+
+    from sftctl.cli import _job_doc
+    from sftctl.state import Store
+    from sftctl.ui import RunView
+
+    samples = [{"rank": 0, "step": 1, "loss": 5.0}, {"rank": 1, "step": 1, "loss": 6.0},
+               {"rank": 0, "step": 2, "loss": 2.0}, {"rank": 1, "step": 2, "loss": 4.0}]
+    with RunView(Console(file=io.StringIO()), 10) as view:
+        view.metrics(samples)
+    store = Store()
+    job = store.create_job("l", {"resources": {"nodes": 2}, "train": {"steps": 10}, "run": "x"})
+    store.record_metrics(job, samples)
+    doc = _job_doc(store, store.get_job(job))
+    assert view.last_loss == doc["loss"] == 3.0
+    assert view.first_loss == 5.5
+
+
+def test_readme_spec_block_shows_the_real_defaults():
+    """Item 23: the README's spec block said max_restarts: 1; the default is 0."""
+    import re
+
+    from sftctl.spec import JobSpec
+
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("## The job spec", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    defaults = JobSpec.model_validate({"name": "x", "run": "x"})
+    assert re.search(rf"max_restarts: {defaults.recovery.max_restarts}\b", block)
+    assert re.search(rf"keep_checkpoints: {defaults.train.keep_checkpoints}\b", block)
+    for section, fields in (("train", ("steps", "checkpoint_interval", "keep_checkpoints")),
+                            ("resources", ("nodes",)), ("health", ("interval_s", "throttle_window_s", "hang_timeout_s",
+                                                                   "straggler_window_steps", "straggler_windows"))):
+        for field in fields:
+            value = getattr(getattr(defaults, section), field)
+            value = int(value) if float(value).is_integer() else value
+            assert re.search(rf"\b{field}: {value}\b", block), f"{section}.{field}: {value}"
