@@ -655,13 +655,16 @@ def logs(
 
     store = _store()
     job = _get_job(store, job_id)
+    ranks = job["spec"]["resources"]["nodes"]
+    if node is not None and not 0 <= node < ranks:
+        which = "node 0" if ranks == 1 else f"nodes 0-{ranks - 1}"
+        raise SftctlError(f"--node {node}: job {job['id']} has {ranks} node(s): {which}",
+                          hint=f"sftctl logs {job['id']} --node 0 (or no --node: every node)")
     provider = job_provider(job)
     offsets: dict[str, int] = {}
     partial: dict[str, str] = {}
     while True:
         nodes = [n for n in store.nodes(job["id"]) if node is None or n["rank"] == node]
-        if node is not None and not nodes and not follow:
-            raise SftctlError(f"job {job['id']} has no node {node}", hint="node ranks start at 0")
         got = False
         for n in nodes:
             data, offsets[n["id"]] = provider.read_log(n["handle"], offsets.get(n["id"], 0)) if n["handle"].get("node_id") else (b"", 0)

@@ -608,6 +608,16 @@ def _explain(err: dict, loc: _Located) -> SpecError:
 # --------------------------------------------------------------------------- entry point
 
 
+def default_name(path: Path) -> str:
+    """A job name from the spec file's stem that always passes ``name``'s pattern: lowercase,
+    runs of other characters as one dash, ``job-`` in front of a stem that does not start with
+    a letter (``2024-exp.yaml`` -> ``job-2024-exp``), at most 40 characters."""
+    stem = re.sub(r"[^a-z0-9-]+", "-", path.stem.lower()).strip("-")
+    if not stem[:1].isalpha():
+        stem = f"job-{stem}".rstrip("-")
+    return stem[:40].rstrip("-")
+
+
 def _read_spec_file(path: Path) -> str:
     """The spec's text. Type and size are checked before reading: a FIFO, a device such as
     /dev/zero, or a file over MAX_SPEC_BYTES is refused, never read (nor waited on)."""
@@ -673,7 +683,7 @@ def load_spec(
     data = _interpolate(data, (), loc, os.environ if environ is None else environ)
     for assignment in overrides:
         _apply_override(data, assignment, loc)
-    data.setdefault("name", re.sub(r"[^a-z0-9-]+", "-", path.stem.lower()).strip("-") or "job")
+    data.setdefault("name", default_name(path))
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as e:

@@ -232,3 +232,12 @@ def test_the_agent_refuses_a_non_finite_interval():
     for bad in ("inf", "nan", "-1", "x"):
         with pytest.raises(argparse.ArgumentTypeError):
             _positive(bad)
+
+
+@pytest.mark.parametrize("stem, name", [("2024-exp", "job-2024-exp"), ("My Exp_v2", "my-exp-v2"),
+                                        ("_x", "x"), ("9", "job-9"), ("a" * 60, "a" * 40)])
+def test_default_name_from_any_file_name_is_valid(tmp_path, stem, name):
+    """Issue 14.24: `2024-exp.yaml` without name: blamed a name: field on line 1."""
+    path = tmp_path / f"{stem}.yaml"
+    path.write_text("run: echo\n")
+    assert load_spec(path).name == name

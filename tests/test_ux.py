@@ -649,3 +649,13 @@ def test_readme_spec_block_shows_the_real_defaults():
             value = getattr(getattr(defaults, section), field)
             value = int(value) if float(value).is_integer() else value
             assert re.search(rf"\b{field}: {value}\b", block), f"{section}.{field}: {value}"
+
+
+def test_logs_of_a_node_that_does_not_exist_names_the_nodes(tmp_path, home):
+    """Item 24: `logs --node 5` on a 2-node job says which nodes exist (with --follow it waited)."""
+    spec = write_spec(tmp_path / "two.yaml", "name: two\nresources: {nodes: 2}\nrun: echo hi\n")
+    job = json.loads(sftctl("run", str(spec), "--json", check=True).stdout)["id"]
+    for extra in ((), ("--follow",)):
+        proc = sftctl("logs", job, "--node", "5", *extra, timeout=60)
+        assert proc.returncode == 2 and no_traceback(proc)
+        assert proc.stderr.splitlines()[0] == f"error: --node 5: job {job} has 2 node(s): nodes 0-1"
