@@ -164,3 +164,34 @@ def test_dropout_mask_costs_bytes_memory_and_flops():
             assert readers and kernels.index(readers[-1]) > kernels.index(writer)  # backward reads it
     assert peaks[0.1] - peaks[0.0] >= B * T * D  # the saved mask
     assert flops[0.1] > flops[0.0] + B * T * D  # generating and applying the mask
+
+
+@pytest.mark.parametrize("kind", ["rand", "randn_like", "randint", "normal_", "uniform_"])
+def test_sampling_ops_have_their_distributions_moments(kind):
+    """Sampling inside the step (a diffusion model's noise and timesteps) lowers to rng_uniform
+    draws (normal by Box-Muller, integers by truncation): the interpreted sample's mean and
+    second moment are the distribution's within 6 standard errors."""
+    n = 40000
+    draw, mean, var = {
+        "rand": (lambda x: torch.rand(n), 0.5, 1 / 12),
+        "randn_like": (lambda x: torch.randn_like(x), 0.0, 1.0),
+        "randint": (lambda x: torch.randint(3, 13, (n,)).float(), 7.5, (10 ** 2 - 1) / 12),
+        "normal_": (lambda x: torch.empty(n).normal_(2.0, 3.0), 2.0, 9.0),
+        "uniform_": (lambda x: torch.empty(n).uniform_(-1.0, 3.0), 1.0, 16 / 12),
+    }[kind]
+    x = torch.zeros(n)
+    lin = nn.Linear(1, 1)
+    got = []
+    for power in (1, 2):
+        def loss_fn(m, b, power=power):
+            return m(b["x"][:1].reshape(1, 1)).sum() * 0 + ((draw(b["x"]) - mean) ** power).mean()
+
+        graph, meta = torch_frontend.trace_step(lin, {"x": x}, loss_fn)
+        assert "rng_uniform" in graph.op_counts()
+        feed = {meta["params"][k]: p.detach().numpy() for k, p in lin.named_parameters()}
+        feed.update({i: np.zeros(graph.nodes[i].type.shape) for i in meta["opt_state"].values()})
+        feed[meta["step"]] = 1.0
+        feed[meta["batch"][0]] = x.numpy()
+        got.append(float(interpreter.run(graph, feed, seed=11)[0]))
+    assert abs(got[0]) < 6 * np.sqrt(var / n)
+    assert abs(got[1] - var) < 6 * np.sqrt(2 * var ** 2 / n)  # Var of a squared deviation <= 2 var^2 here

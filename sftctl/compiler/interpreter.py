@@ -23,7 +23,7 @@ which carries ``attrs["value"]`` (the frontends' ``constant`` role, for non-unif
 constants found in a traced program) takes that value.
 
 Random ops draw from ``numpy.random.default_rng([seed, stream, rng])`` (``run``'s ``seed``; stream
-0 for ``rng_bernoulli``, 1 for attention dropout; ``rng`` the node's attribute), so a node's
+0 for ``rng_bernoulli``, 1 for attention dropout, 2 for ``rng_uniform``; ``rng`` the node's attribute), so a node's
 values depend only on the seed and the node, never on evaluation order, and the forward and
 backward of an attention with dropout see the same keep-mask. ``attention`` and its
 ``attention_lse`` / ``attention_grad`` nodes are evaluated exactly (the scores materialized, in the
@@ -225,6 +225,8 @@ def _eval(node: Node, args: list[np.ndarray], dt, acc, seed: int = 0) -> np.ndar
         return _attention(node, args, acc, seed)
     if op == "rng_bernoulli":
         return _keep_mask(seed, 0, a["rng"], shape, float(a["p"]))
+    if op == "rng_uniform":
+        return np.random.default_rng([int(seed), 2, int(a["rng"])]).random(shape).astype(acc)
     if op == "constant":
         return np.full(shape, a["value"], dtype=dt)
     if op == "iota":

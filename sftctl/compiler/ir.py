@@ -52,7 +52,9 @@ Op vocabulary (``Node.op``; attribute names in brackets). Semantics follow numpy
 * random: ``rng_bernoulli`` [p, rng]: a bool tensor of the node's shape, True with probability
   ``p`` independently per element, from random stream ``rng`` (an int unique in the graph) of
   the step's seed. Values are defined by the reference interpreter's generator (the IR fixes
-  the distribution, not the bits a GPU's Philox would draw).
+  the distribution, not the bits a GPU's Philox would draw). ``rng_uniform`` [rng]: floats of the
+  node's dtype, uniform on [0, 1), from stream ``rng`` (normal samples are built from two of them
+  by the Box-Muller transform, integers by scaling and truncation).
 
 Dtypes are the strings ``float64``, ``float32``, ``bfloat16``, ``float16``, ``int64``, ``int32``,
 ``bool``.
@@ -75,7 +77,7 @@ LAYOUT = frozenset({"reshape", "transpose", "broadcast_in_dim", "slice", "concat
 DATA = frozenset({"gather", "scatter_add"})
 SOURCES = frozenset({"input", "constant", "iota"})
 ATTENTION = frozenset({"attention", "attention_lse", "attention_grad"})
-RANDOM = frozenset({"rng_bernoulli"})
+RANDOM = frozenset({"rng_bernoulli", "rng_uniform"})
 SCANS = frozenset({"cumsum"})
 ALL_OPS = ELEMENTWISE | REDUCTIONS | CONTRACTIONS | LAYOUT | DATA | SOURCES | ATTENTION | RANDOM | SCANS
 

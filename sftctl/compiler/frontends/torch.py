@@ -31,6 +31,9 @@ transformers' ``attn_implementation="eager"``) stays that, as it runs on a GPU.
 
 Dropout (``aten.native_dropout``) lowers to an ``rng_bernoulli`` keep-mask (a bool tensor: what
 torch saves for backward, 1 byte per element) and a ``where``; its backward reads the mask.
+Sampling inside the step (``rand``, ``randn``, ``randint``, ``normal_``, ``uniform_`` and their
+``_like`` forms, e.g. a diffusion model's noise and timesteps) lowers to ``rng_uniform`` draws:
+normals by the Box-Muller transform, integers by scaling and truncation.
 
 make_fx records each node's ``nn_module_stack`` and ``stack_trace``: an ATen op without a lowering
 raises ``NotImplementedError`` naming the op, the module path and the model's file:line, and a
@@ -1861,6 +1864,65 @@ class _Lowering(GraphBuilder):
         self._rng += 1
         keep = self.add("rng_bernoulli", [], shape, "bool", p=float(p), rng=self._rng)
         return self.cast(keep, dtype)
+
+    def _uniform(self, shape, dtype: str, low=0.0, high=1.0) -> int:
+        """U[low, high) of ``shape`` (float ``dtype``) from a fresh random stream."""
+        self._rng += 1
+        u = self.add("rng_uniform", [], shape, dtype, rng=self._rng)
+        if high - low != 1.0:
+            u = self.binary("mul", u, self.const(high - low, (), dtype))
+        if low != 0.0:
+            u = self.binary("add", u, self.const(low, (), dtype))
+        return u
+
+    def _normal(self, shape, dtype: str, mean=0.0, std=1.0) -> int:
+        """N(mean, std^2) by Box-Muller: sqrt(-2 log(1 - u1)) * cos(2 pi u2)."""
+        u1, u2 = self._uniform(shape, dtype), self._uniform(shape, dtype)
+        one = self.const(1.0, (), dtype)
+        r = self.add("sqrt", [self.binary("mul", self.add("log", [self.binary("sub", one, u1)], shape, dtype),
+                                          self.const(-2.0, (), dtype))], shape, dtype)
+        z = self.binary("mul", r, self.add("cos", [self.binary("mul", u2, self.const(2 * math.pi, (), dtype))],
+                                           shape, dtype))
+        if std != 1.0:
+            z = self.binary("mul", z, self.const(std, (), dtype))
+        if mean != 0.0:
+            z = self.binary("add", z, self.const(mean, (), dtype))
+        return z
+
+    def _float_out(self, n):
+        shape, dtype = self.out()
+        if dtype not in FLOAT_DTYPES:
+            self.unsupported(n, f"with dtype {dtype}")
+        return shape, dtype
+
+    def op_rand(self, n, *args, **kw):
+        return self._uniform(*self._float_out(n))
+
+    op_rand_like = op_rand
+
+    def op_randn(self, n, *args, **kw):
+        return self._normal(*self._float_out(n))
+
+    op_randn_like = op_randn
+
+    def op_uniform(self, n, x, low=0.0, high=1.0, *, generator=None):
+        return self._uniform(*self._float_out(n), float(low), float(high))
+
+    def op_normal(self, n, x, mean=0.0, std=1.0, *, generator=None):
+        if isinstance(x, fx.Node) and not isinstance(mean, fx.Node) and not isinstance(std, fx.Node):
+            return self._normal(*self._float_out(n), float(mean), float(std))
+        self.unsupported(n, "with tensor mean or std")
+
+    def op_randint(self, n, *args, **kw):
+        """``randint(high, size)`` / ``randint(low, high, size)``: low + trunc(u * (high - low))."""
+        nums = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
+        low, high = (0, nums[0]) if len(nums) == 1 else (nums[0], nums[1])
+        shape, dtype = self.out()
+        u = self._uniform(shape, "float32", 0.0, float(high - low))
+        i = self.cast(u, dtype)  # truncation toward zero: u >= 0
+        return self.binary("add", i, self.const(low, (), dtype)) if low else i
+
+    op_randint_like = op_randint
 
     def op_bernoulli(self, n, x, p=None, *, generator=None):
         if p is None:
