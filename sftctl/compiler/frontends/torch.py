@@ -930,7 +930,8 @@ class _Lowering(GraphBuilder):
         if stack:
             path, typ = list(stack.values())[-1]
             typ = getattr(typ, "__name__", str(typ).rsplit(".", 1)[-1].rstrip("'>"))
-            parts.append(f"in module {path or '<root>'} ({typ})")
+            path = "" if path == "model" else path.removeprefix("model.")  # as model.named_modules() names it
+            parts.append(f"in module {path} ({typ})" if path else f"in the model's own forward ({typ})")
         frame = _stack_frame(n.meta.get("stack_trace"))
         if frame:
             parts.append(f"at {frame}")
