@@ -155,3 +155,36 @@ def test_elementwise_search_on_the_bias_gelu_records(M):
                                               "num_warps": np.array([w for _, w in space])}, H200)
     pick = space[int(np.argmin(t))]
     assert meas[pick] <= 1.15 * min(meas.values()), (pick, meas[pick], min(meas.values()))
+
+
+@pytest.mark.parametrize("name", ["H200", "H100", "A100-80GB", "MI300X"])
+def test_no_prediction_beats_the_roofline(name):
+    """Random configs and shapes (inside and far outside the measured ones): every prediction is
+    finite or inf (never NaN or <= 0), GEMMs never exceed the dense matrix peak, streaming
+    kernels never move bytes faster than the datasheet HBM peak."""
+    from sftctl.compiler.costmodel import GemmProblem, elementwise_time_s, gemm_time_s, row_kernel_time_s
+
+    hw = get_accelerator(name)
+    rng = np.random.default_rng(1)
+    for _ in range(6):
+        M, N, K = (int(v) for v in 2 ** rng.integers(5, 14, size=3))
+        p = GemmProblem(1, M, N, K)
+        n = 400
+        cands = {"BLOCK_M": 2 ** rng.integers(4, 9, n), "BLOCK_N": 2 ** rng.integers(4, 9, n),
+                 "BLOCK_K": 2 ** rng.integers(4, 9, n), "num_warps": 2 ** rng.integers(0, 5, n),
+                 "num_stages": rng.integers(1, 8, n), "GROUP_M": 2 ** rng.integers(0, 6, n)}
+        t = gemm_time_s(p, hw, cands)
+        assert not np.any(np.isnan(t)) and np.all(t > 0)
+        ok = np.isfinite(t)
+        assert ok.any()
+        assert np.all(p.flops / t[ok] <= hw.matrix_peak("bfloat16"))
+        rows, cols = int(2 ** rng.integers(4, 18)), int(2 ** rng.integers(4, 14))
+        cfg = {"ROWS": 2 ** rng.integers(0, 5, n), "BLOCK_N": np.full(n, max(16, 1 << (cols - 1).bit_length())),
+               "num_warps": 2 ** rng.integers(0, 6, n)}
+        for kind in ("layernorm", "softmax"):
+            r = row_kernel_time_s(kind, rows, cols, cfg, hw)
+            assert not np.any(np.isnan(r)) and np.all(r > 0)
+            assert np.all(2 * rows * cols * 2 / r[np.isfinite(r)] <= hw.hbm_bytes_per_s)
+        e = elementwise_time_s(rows * cols, {"BLOCK": 2 ** rng.integers(6, 14, n), "num_warps": 2 ** rng.integers(0, 5, n)}, hw)
+        assert not np.any(np.isnan(e)) and np.all(e > 0)
+        assert np.all(rows * cols * 4 / e[np.isfinite(e)] <= hw.hbm_bytes_per_s)
