@@ -504,6 +504,25 @@ def fused_cases(dry: bool) -> list[dict]:
     ]
 
 
+def fused_predictions(f: dict, hw) -> list | None:
+    """The streaming-kernel model's seconds per config of a fused case (None: no per-config model)."""
+    from sftctl.compiler.costmodel import elementwise_time_s, row_kernel_time_s
+
+    cfgs = f["configs"]
+    if f["family"] in ("layer_norm", "cross_entropy"):
+        kind = "layernorm" if f["family"] == "layer_norm" else "softmax"
+        cfg = {"ROWS": np.ones(len(cfgs)), "BLOCK_N": np.array([c["BLOCK_N"] for c in cfgs], dtype=float),
+               "num_warps": np.array([c["num_warps"] for c in cfgs], dtype=float)}
+        return list(row_kernel_time_s(kind, f["rows"], f["cols"], cfg, hw))
+    if f["family"] == "elementwise":
+        n = f["spec"]["rows"] * f["spec"]["n"]
+        cfg = {"BLOCK": np.array([c["BLOCK"] for c in cfgs], dtype=float),
+               "num_warps": np.array([c["num_warps"] for c in cfgs], dtype=float)}
+        return list(elementwise_time_s(n, cfg, hw, kind="elementwise", bytes_per_element=f["bytes"] / n,
+                                       instr_per_element=4.0 + 3.0 * 3))
+    return None
+
+
 def part_b(device: str, dry: bool, deadline: float, hw, n_configs: int, workers: int, results: Results) -> dict:
     from sftctl.compiler.costmodel import memory_bound_time_s, reduction_time_s
     from sftctl.compiler.search.gemm import evaluate_configs
@@ -570,6 +589,13 @@ def part_b(device: str, dry: bool, deadline: float, hw, n_configs: int, workers:
             model_s = float(reduction_time_s(f["rows"], f["cols"], "bfloat16", hw, flops_per_elem=5.0))
         else:
             model_s = float(memory_bound_time_s(f["bytes"], hw))
+        per_config = fused_predictions(f, hw)
+        rho = None
+        if per_config is not None and len(meas):
+            pc = np.asarray(per_config[:len(meas)])
+            fin = np.isfinite(m) & np.isfinite(pc)
+            rho = spearman_rho(pc[fin], m[fin]) if fin.sum() >= 3 else None
+            top = int(np.argmin(np.where(fin, pc, np.inf))) if fin.any() else None
         best = float(np.nanmin(m)) if np.isfinite(m).any() else float("nan")
         out["fused"].append({"name": f["name"], "spec": f["spec"], "n_configs": int(np.isfinite(m).sum()),
                              "configs": f["configs"][:len(meas)], "measured_ms": meas, "best_measured_ms": best,
@@ -577,8 +603,13 @@ def part_b(device: str, dry: bool, deadline: float, hw, n_configs: int, workers:
                              "model_ms": model_s * 1e3, "model_over_best": model_s * 1e3 / best if best else None,
                              "best_config": f["configs"][int(np.nanargmin(m))] if np.isfinite(m).any() else None,
                              "achieved_gb_per_s": f["bytes"] / (best * 1e-3) / 1e9 if best else None,
-                             "note": "the model's time of these kernels does not depend on the schedule; "
-                                     "rank correlations are for GEMMs"})
+                             "predicted_ms": [float(v) * 1e3 for v in per_config[:len(meas)]] if per_config else None,
+                             "spearman_rho": rho,
+                             "model_top_over_best": (float(m[top] / best) if per_config is not None and len(meas)
+                                                     and top is not None and best else None),
+                             "note": "predicted_ms: the per-config streaming-kernel model (row kernels: "
+                                     "costmodel.row_kernel_time_s, elementwise: elementwise_time_s; none for "
+                                     "column sums); model_ms: the step model's config-free time"})
         results.put("b_schedules", out)
     return out
 
