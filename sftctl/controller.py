@@ -405,6 +405,11 @@ class Controller:
         env.update(
             SFTCTL_KEEP_CHECKPOINTS=str(spec.train.keep_checkpoints),
             SFTCTL_COMPILE=spec.train.compile,
+            # the strategy the plan chose for this offering (sftctl.train.prepare runs it)
+            SFTCTL_PARALLELISM=self._planned("parallelism") or (
+                spec.train.parallelism if spec.train.parallelism != "auto" else "ddp"),
+            SFTCTL_ACTIVATION_CHECKPOINTING="1" if (self._planned("activation_checkpointing")
+                                                    or spec.train.activation_checkpointing) else "0",
             SFTCTL_JOB_ID=self.job_id,
             SFTCTL_NODE_RANK=str(rank),
             SFTCTL_NUM_NODES=str(len(self.nodes)),
@@ -439,6 +444,14 @@ class Controller:
                 SFTCTL_MATMUL_PRECISION=spec.model.matmul_precision,
             )
         return env
+
+    def _planned(self, key: str):
+        """The plan's choice for the offering the job runs on (``parallelism``,
+        ``activation_checkpointing``), or None (no model, or a plan made before strategies)."""
+        for c in self.plan_doc.get("candidates", []):  # after a failover: that offering's own choice
+            if not c.get("rejected") and "offering" in c and Offering(**c["offering"]) == self.offering:
+                return c.get(key)
+        return self.plan_doc.get(key)
 
     def _launch(self, attempt: int) -> None:
         from sftctl.templates import render

@@ -46,6 +46,10 @@ class Candidate:
     queue_detail: str | None = None
     mode: str | None = None  # the execution mode step_time_s is predicted for
     note: str | None = None  # what a person should know about this prediction (precision ...)
+    parallelism: str | None = None  # "ddp" | "fsdp" (None without a model: the job runs as it likes)
+    activation_checkpointing: bool | None = None
+    parallelism_reason: str | None = None  # why this strategy, with the memory arithmetic
+    strategies: list | None = None  # every strategy priced: sharding.StrategyPrediction.to_dict()
 
     @property
     def finish_s(self) -> float | None:
@@ -63,7 +67,10 @@ class Candidate:
             "peak_memory_bytes": self.peak_memory_bytes, "devices_needed": self.devices_needed,
             "total_usd": self.total_usd, "hours": self.hours, "rejected": self.rejected,
             "queue_wait_s": self.queue_wait_s, "finish_s": self.finish_s,
-            "mode": self.mode, "note": self.note, "offering": o.to_dict(),
+            "mode": self.mode, "note": self.note, "parallelism": self.parallelism,
+            "activation_checkpointing": self.activation_checkpointing,
+            "parallelism_reason": self.parallelism_reason, "strategies": self.strategies,
+            "offering": o.to_dict(),
         }
 
 
@@ -86,14 +93,18 @@ class Plan:
             "usd_per_hour": self.chosen.usd_per_hour,
             "step_time_s": self.chosen.step_time_s,
             "mode": self.chosen.mode,
+            "parallelism": self.chosen.parallelism,
+            "activation_checkpointing": self.chosen.activation_checkpointing,
             "total_usd": self.chosen.total_usd,
             "reason": self.reason,
             "candidates": [c.to_dict() for c in self.candidates],
         }
 
 
-# Predicts (step_time_s, peak_memory_bytes, devices_needed) of the job on an offering, or None.
-PredictFn = Callable[[Offering, int], "tuple[float, int, int] | None"]
+# Predicts (step_time_s, peak_memory_bytes, devices_needed) of the job on an offering, or None;
+# a fourth element, when there, is the strategy: {"parallelism", "activation_checkpointing",
+# "parallelism_reason", "strategies"} (devices_needed is then 1 when that strategy fits).
+PredictFn = Callable[[Offering, int], "tuple | None"]
 
 
 class Predictor:
@@ -151,7 +162,7 @@ class Predictor:
             self.error = f"the compiler failed on {offering.accelerator}: {type(e).__name__}: {e}"
         return None
 
-    def _predict(self, offering: Offering, nodes: int) -> tuple[float, int, int]:
+    def _predict(self, offering: Offering, nodes: int) -> tuple:
         from sftctl.compiler.driver import compile_for
         from sftctl.compiler.hardware import get_accelerator
         from sftctl.compiler.step import predict
@@ -177,7 +188,26 @@ class Predictor:
                     f"{self.compiled[name, per_rank].mode_time_s(self.mode) * 1e3:.1f} ({self.mode})")
         p = predict(self.compiled[name, per_rank], hw, offering.count, nodes,
                     offering.intra_node_bytes_per_s, offering.inter_node_bytes_per_s, mode=self.mode)
-        return p.step_time_s, p.peak_memory_bytes, p.devices_needed
+        return self._strategy(self.compiled[name, per_rank], hw, offering, nodes, p)
+
+    def _strategy(self, compiled, hw, offering: Offering, nodes: int, p=None) -> tuple:
+        """Price DDP and FSDP, with and without activation checkpointing, as the spec allows
+        (``train.parallelism``, ``train.activation_checkpointing``); the fastest that fits wins
+        (see :mod:`sftctl.compiler.sharding`)."""
+        from sftctl.compiler.sharding import choose, predict_strategies
+
+        t = self.spec.train
+        pars = ("ddp", "fsdp") if t.parallelism == "auto" else (t.parallelism,)
+        ckpts = (False, True) if t.activation_checkpointing is None else (t.activation_checkpointing,)
+        preds = predict_strategies(compiled, hw, offering.count, nodes, offering.intra_node_bytes_per_s,
+                                   offering.inter_node_bytes_per_s, mode=self.mode,
+                                   param_dtype_bytes=2 if self.spec.model.dtype in ("bfloat16", "float16") else 4,
+                                   parallelisms=pars, checkpointing=ckpts)
+        best, why = choose(preds)
+        needed = 1 if best.fits else (p.devices_needed if p is not None and p.devices_needed > 1 else 0)
+        info = {"parallelism": best.parallelism, "activation_checkpointing": best.activation_checkpointing,
+                "parallelism_reason": why, "strategies": [s.to_dict() for s in preds]}
+        return best.step_time_s, best.memory_bytes, needed, info
 
 
 def execution_mode(spec: JobSpec) -> str:
@@ -325,6 +355,8 @@ def _reason(best: Candidate, ranked: list[Candidate], objective: str) -> str:
         how = f" ({best.mode} mode)" if best.mode else ""
         pred = (f", predicted {best.step_time_s * 1000:.1f} ms/step{how}, {format_hours(best.hours)}, "
                 f"${best.total_usd:,.2f} in all")
+    if best.parallelism is not None:
+        pred += f", {best.parallelism_reason}"
     blocked = sorted({c.offering.provider for c in ranked if c.rejected and "not available" in c.rejected})
     if best.queue_wait_s is not None:
         pred += f", Slurm start in {format_hours(best.queue_wait_s / 3600)}"
@@ -396,19 +428,24 @@ def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: P
         except _Unsplittable as e:
             return reject(str(e))
         if got is not None:
-            step_s, peak, needed = got
+            step_s, peak, needed, *extra = got
+            strategy = extra[0] if extra else {}
             hours = step_s * spec.train.steps / 3600
             c = dataclasses.replace(c, step_time_s=step_s, peak_memory_bytes=peak, devices_needed=needed,
                                     hours=hours, total_usd=hours * c.usd_per_hour,
                                     mode=getattr(predict, "mode", None),
-                                    note=getattr(predict, "notes", {}).get(o.accelerator))
+                                    note=getattr(predict, "notes", {}).get(o.accelerator), **strategy)
+            if needed != 1 and strategy:
+                return reject(strategy["parallelism_reason"] + (
+                    f"; train.parallelism {spec.train.parallelism} rules out the other strategy"
+                    if spec.train.parallelism != "auto" else "; lower model.batch_size"))
             if needed != 1:
                 from sftctl.compiler.hardware import get_accelerator
 
                 gib, has = peak / 2**30, get_accelerator(o.accelerator).memory_bytes / 2**30
                 return reject(
                     f"needs {gib:.1f} GiB per device, has {has:.0f} GiB; "
-                    + (f"would fit with parameters and optimizer state sharded over {needed} devices (not supported yet)"
+                    + (f"would fit with parameters and optimizer state sharded over {needed} devices (train.parallelism: fsdp)"
                        if needed > 1 else "its activations alone do not fit: lower model.batch_size")
                 )
             deadline_s = res.deadline_s

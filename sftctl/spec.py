@@ -119,6 +119,13 @@ class TrainSpec(_Strict):
     compile: Literal["none", "default", "sftensor"] = Field(
         "none", description="torch.compile backend for the training script (SFTCTL_COMPILE): none = eager"
     )
+    parallelism: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto", description="data-parallel strategy (SFTCTL_PARALLELISM): ddp replicates the model, fsdp shards "
+        "parameters, gradients and optimizer state over the devices (FSDP2); auto: the planner takes the fastest "
+        "that fits each offering")
+    activation_checkpointing: StrictBool | None = Field(
+        None, description="recompute each block's activations in backward (SFTCTL_ACTIVATION_CHECKPOINTING); "
+        "unset: the planner turns it on only where nothing fits without it or it is faster")
 
 
 class Accelerator(_Strict):

@@ -75,6 +75,8 @@ class CompiledStep:
     matmul_precision: str = "highest"
     #: per execution mode (``eager``, ``default``, ``sftensor``): :func:`sftctl.compiler.modes.predict_mode`'s summary
     modes: dict = dataclasses.field(default_factory=dict)
+    #: FSDP unit (``blocks.3``; ``""`` the root) -> parameters (elements); see :mod:`sftctl.compiler.sharding`
+    param_units: dict = dataclasses.field(default_factory=dict)
 
     def mode_time_s(self, mode: str) -> float:
         """Predicted compute seconds of one step in ``mode`` (``sftensor`` is ``compute_time_s``)."""
@@ -212,7 +214,14 @@ def compile_graph(
         search_s=time.perf_counter() - started,
         matmul_precision=matmul_precision,
         modes=modes,
+        param_units=_param_units(graph),
     )
+
+
+def _param_units(graph: Graph) -> dict[str, int]:
+    from sftctl.compiler.sharding import param_units
+
+    return param_units([(n.attrs.get("name", ""), n.type.numel) for n in graph.inputs_with_role("param")])
 
 
 def _mma_dtype(dtype: str) -> str:

@@ -1,0 +1,57 @@
+"""A Llama-style decoder (transformers' ``LlamaForCausalLM``, random weights) for planning and
+sharded training.
+
+* ``build_tinyllama(batch_size, dtype)``: TinyLlama-1.1B's shape (22 layers, hidden 2048, MLP 5632,
+  32 query / 4 key-value heads, vocab 32000, 2048 tokens; Zhang et al. 2024, "TinyLlama: An
+  Open-Source Small Language Model", Table 1 / the HF config ``TinyLlama/TinyLlama_v1.1``).
+* ``build(batch_size, dtype)``: the same architecture, tiny (2 layers, hidden 64, 128 tokens,
+  vocab 256 bytes), which trains on a CPU in seconds (examples/llama/train.py).
+
+Both return ``(model, example_batch, loss_fn)`` as the sftctl compiler expects: ``example_batch``
+is ``{"input_ids", "labels", "attention_mask"}``, int64 ``[batch_size, seq_len]``; ``loss_fn(model,
+batch)`` is the next-token cross-entropy, a float32 scalar.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TINYLLAMA = dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                 intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048)
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=256, max_position_embeddings=128)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def loss_fn(model, batch) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def _build(shape: dict, batch_size: int, dtype: str, seed: int = 0):
+    import transformers
+
+    cfg = transformers.LlamaConfig(**shape, attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.LlamaForCausalLM(cfg)
+    model = model.to(dtype=_dtype(dtype)).train()
+    seq = shape["max_position_embeddings"]
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, shape["vocab_size"], (batch_size, seq), generator=gen, device="cpu")
+    if next(model.parameters()).device.type == "meta":
+        ids = ids.to("meta")
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+    return model, batch, loss_fn
+
+
+def build_tinyllama(batch_size: int = 2, dtype: str = "bfloat16"):
+    """TinyLlama-1.1B-shaped (1.1 B parameters) with random weights; see the module docstring."""
+    return _build(TINYLLAMA, batch_size, dtype)
+
+
+def build(batch_size: int = 4, dtype: str = "float32"):
+    """The Llama architecture at a CPU-trainable size (about 0.1 M parameters)."""
+    return _build(TINY, batch_size, dtype)

@@ -1,0 +1,202 @@
+"""Price a compiled step under each data-parallel strategy: DDP or FSDP, with or without
+activation checkpointing, on ``nodes`` x ``gpus_per_node`` devices.
+
+Strategies (what :func:`sftctl.train.prepare` runs):
+
+* ``ddp``: every device holds the whole model, its gradients and AdamW state (the compiled step's
+  liveness as it is); gradients are all-reduced while backward runs (see
+  :func:`sftctl.compiler.step.predict`).
+* ``fsdp``: FSDP2 (``torch.distributed.fsdp.fully_shard`` on each block, then on the root), ZeRO-3
+  semantics: parameters, gradients and optimizer state are divided over the ``world`` devices of
+  the shard group; each block's parameters are all-gathered (in the compute dtype under mixed
+  precision) before its forward and again before its backward, and its gradients are
+  reduce-scattered (in float32) after its backward.
+* activation checkpointing (either strategy): each block keeps only its input during forward and
+  recomputes its activations in backward.
+
+Memory per device (bytes)::
+
+    activations A   = max(0, transient_peak - grad_bytes)     # the liveness peak less the gradients
+    ddp             = params + grads + opt_state + batch + A + reserve          (the liveness peak)
+    fsdp            = (params + grads + opt_state) / world + batch + A + reserve
+                      + 2 * U * param_dtype_bytes      # the gathered unit and the prefetched next one
+                      + U * 4                          # a unit's float32 gradients before reduce-scatter
+    checkpointing   : A -> A * min(1, 2 / L)           # one block's activations being recomputed,
+                                                       # plus the saved block inputs (at most as much)
+
+``U`` is the largest FSDP unit (a block, or the root: embeddings, final norm, head) in parameters,
+``L`` the number of blocks. The ``2 / L`` is a stated estimate, not a measurement: a block's saved
+input (one ``[tokens, hidden]`` tensor) is a small part of what the block saves for backward.
+
+Time per step (seconds), ``c`` the step's compute in the execution mode, forward ``F = c / 3`` and
+backward ``B = 2c / 3`` (backward ~ 2x forward FLOPs; the same split as ``step.BACKWARD_SHARE``)::
+
+    collective(bytes)  = one ring all-gather or reduce-scatter = half of a ring all-reduce
+                         (costmodel.allreduce_time_s without overlap / 2; hierarchical over nodes)
+    AG = collective(P * param_dtype_bytes),  RS = collective(P * 4)          # P parameters in all
+    fsdp exposed       = AG / L' + max(0, AG - F)                            # forward
+                       + RS / L' + max(0, AG + RS - B')                      # backward
+    ddp  exposed       = the gradient all-reduce not hidden behind backward (step.predict)
+    checkpointing      : B' = B + F (forward recomputed in backward), step time + F
+
+``L' = L + 1`` units (blocks and root). Overlap assumption: FSDP overlaps each unit's collectives
+with the previous unit's compute (all-gathers run on their own CUDA stream; forward prefetch of
+the next unit, backward prefetch of the previous unit's all-gather before the current unit's
+reduce-scatter: Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel",
+VLDB 2023, sections 3.3 and 6.2; FSDP2's ``fully_shard`` docs: implicit forward prefetch, explicit
+backward prefetch of one unit by default), so only the first unit's all-gather and the last unit's
+reduce-scatter are exposed, plus whatever communication exceeds the compute it hides behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+PARALLELISMS = ("ddp", "fsdp")
+REDUCE_DTYPE_BYTES = 4  # gradients reduce-scattered in float32 (prepare's MixedPrecisionPolicy)
+FORWARD_SHARE = 1 / 3
+
+_BLOCK = re.compile(r"^(.*?\.\d+)\.")  # "model.layers.3.mlp.w" -> "model.layers.3"
+
+
+def param_units(names_numel: list[tuple[str, int]]) -> dict[str, int]:
+    """Group parameters into FSDP units as :func:`sftctl.train.prepare` wraps them: each entry of
+    a module list (the first dotted component that is a number: ``blocks.3``, ``model.layers.0``)
+    is a unit; everything else (embeddings, final norm, head) is the root unit ``""``.
+
+    Args:
+        names_numel: (parameter name, number of elements) pairs.
+    Returns:
+        unit name -> parameters (elements) in it.
+    """
+    units: dict[str, int] = {}
+    for name, numel in names_numel:
+        m = _BLOCK.match(name)
+        key = m.group(1) if m else ""
+        units[key] = units.get(key, 0) + int(numel)
+    return units
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyPrediction:
+    """One strategy's predicted step on an offering. Bytes per device, seconds per step."""
+
+    parallelism: str  # "ddp" | "fsdp"
+    activation_checkpointing: bool
+    world_size: int
+    compute_time_s: float  # including recomputation under activation checkpointing
+    comm_time_s: float  # exposed communication (all-reduce, or all-gathers + reduce-scatters)
+    step_time_s: float
+    memory_bytes: int  # peak per device
+    memory_capacity_bytes: int
+    breakdown: dict  # bytes by kind per device: params, grads, opt_state, activations, gather, batch, reserve
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes <= self.memory_capacity_bytes
+
+    @property
+    def label(self) -> str:
+        return self.parallelism + (" + activation checkpointing" if self.activation_checkpointing else "")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"fits": self.fits}
+
+
+def collective_time_s(nbytes: float, gpus_per_node: int, nodes: int, intra_bytes_per_s: float,
+                      inter_bytes_per_s_per_gpu: float) -> float:
+    """Seconds of one ring all-gather (or reduce-scatter) of ``nbytes`` in all (each device ends
+    with, or starts from, ``nbytes / world``): half of :func:`costmodel.allreduce_time_s`, since a
+    ring all-reduce is a reduce-scatter followed by an all-gather (Patarasuk & Yuan 2009)."""
+    from sftctl.compiler.costmodel import allreduce_time_s
+
+    if gpus_per_node * nodes <= 1:
+        return 0.0
+    return allreduce_time_s(nbytes, gpus_per_node, nodes, intra_bytes_per_s, inter_bytes_per_s_per_gpu) / 2
+
+
+def predict_strategies(compiled, hw, gpus_per_node: int, nodes: int, intra_node_bytes_per_s: float | None,
+                       inter_node_bytes_per_s: float | None, mode: str = "sftensor", param_dtype_bytes: int = 4,
+                       parallelisms: tuple[str, ...] = PARALLELISMS,
+                       checkpointing: tuple[bool, ...] = (False, True)) -> list[StrategyPrediction]:
+    """Every (parallelism, activation checkpointing) pair of ``compiled`` (a
+    :class:`sftctl.compiler.step.CompiledStep` for one rank's share of the batch) on the offering.
+
+    Args:
+        hw: the accelerator (its ``memory_bytes`` is the capacity).
+        intra_node_bytes_per_s / inter_node_bytes_per_s: the offering's links (None: the defaults
+            of :mod:`sftctl.compiler.step`); inter-node is per node and divided over its GPUs.
+        param_dtype_bytes: bytes of the dtype parameters are gathered in (2 under bf16/fp16 mixed
+            precision, 4 in float32).
+    Returns:
+        predictions in the order asked (ddp first), see the module docstring for the arithmetic.
+    """
+    from sftctl.compiler.step import DEFAULT_INTER_NODE_BYTES_PER_S, DEFAULT_INTRA_NODE_BYTES_PER_S, predict
+
+    world = gpus_per_node * nodes
+    intra = intra_node_bytes_per_s or DEFAULT_INTRA_NODE_BYTES_PER_S
+    inter = (inter_node_bytes_per_s or DEFAULT_INTER_NODE_BYTES_PER_S) / gpus_per_node
+    ddp = predict(compiled, hw, gpus_per_node, nodes, intra_node_bytes_per_s, inter_node_bytes_per_s, mode=mode)
+    pm = compiled.modes[mode]["peak_memory"] if mode in compiled.modes else compiled.peak_memory
+    params, opt, batch = pm["params_bytes"], pm["opt_state_bytes"], pm["batch_bytes"]
+    reserve, grads = pm["reserve_bytes"], compiled.grad_bytes
+    acts = max(0, pm["transient_peak_bytes"] - grads)
+    units = dict(getattr(compiled, "param_units", None) or {})
+    n_params = grads // 4
+    if not units:  # a step compiled before units were recorded: one unit, the worst case
+        units = {"": n_params}
+    blocks = max(1, sum(1 for k in units if k))
+    largest_unit = max(units.values())
+    compute = ddp.compute_time_s
+    fwd = compute * FORWARD_SHARE
+    out = []
+    for par in parallelisms:
+        for ckpt in checkpointing:
+            a = int(acts * min(1.0, 2.0 / blocks)) if ckpt else acts
+            recompute = fwd if ckpt else 0.0
+            if par == "ddp":
+                mem = {"params": params, "grads": grads, "opt_state": opt, "activations": a, "gather": 0}
+                comm = ddp.allreduce_time_s
+            else:
+                mem = {"params": params // world, "grads": grads // world, "opt_state": opt // world,
+                       "activations": a,
+                       "gather": 2 * largest_unit * param_dtype_bytes + largest_unit * REDUCE_DTYPE_BYTES}
+                ag = collective_time_s(n_params * param_dtype_bytes, gpus_per_node, nodes, intra, inter)
+                rs = collective_time_s(n_params * REDUCE_DTYPE_BYTES, gpus_per_node, nodes, intra, inter)
+                n_units = len(units) if len(units) > 1 else 1
+                bwd = compute - fwd + recompute
+                comm = (ag / n_units + max(0.0, ag * (1 - 1 / n_units) - fwd)
+                        + rs / n_units + max(0.0, ag + rs * (1 - 1 / n_units) - bwd)) if world > 1 else 0.0
+            mem |= {"batch": batch, "reserve": reserve}
+            out.append(StrategyPrediction(
+                parallelism=par, activation_checkpointing=ckpt, world_size=world,
+                compute_time_s=compute + recompute, comm_time_s=comm, step_time_s=compute + recompute + comm,
+                memory_bytes=int(sum(mem.values())), memory_capacity_bytes=int(hw.memory_bytes), breakdown=mem,
+            ))
+    return out
+
+
+def choose(predictions: list[StrategyPrediction]) -> tuple[StrategyPrediction, str]:
+    """The fastest strategy that fits (ties: the listed order, DDP and no checkpointing first),
+    else the one with the least memory; and why, in one line.
+
+    Returns:
+        (the strategy, the reason).
+    """
+    gib = 2**30
+    fitting = [p for p in predictions if p.fits]
+    plain = next((p for p in predictions if p.parallelism == "ddp" and not p.activation_checkpointing), None)
+    if not fitting:
+        best = min(predictions, key=lambda p: p.memory_bytes)
+        return best, (f"nothing fits: {best.label} needs {best.memory_bytes / gib:.1f} GiB per device "
+                      f"of {best.memory_capacity_bytes / gib:.0f} GiB")
+    best = min(fitting, key=lambda p: p.step_time_s)
+    if plain is not None and best is plain:
+        return best, f"ddp fits ({best.memory_bytes / gib:.1f} of {best.memory_capacity_bytes / gib:.0f} GiB per device)"
+    why = f"{best.label}: {best.memory_bytes / gib:.1f} of {best.memory_capacity_bytes / gib:.0f} GiB per device"
+    if plain is not None and not plain.fits:
+        why += f"; ddp would need {plain.memory_bytes / gib:.1f} GiB"
+    elif plain is not None:
+        why += f", {best.step_time_s * 1e3:.1f} vs ddp's {plain.step_time_s * 1e3:.1f} ms/step"
+    return best, why

@@ -1,0 +1,134 @@
+"""DDP vs FSDP (with and without activation checkpointing) in the planner: the memory and time
+arithmetic of sftctl.compiler.sharding on a real traced step, and the planner's choice."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from sftctl.compiler import sharding  # noqa: E402
+from sftctl.compiler.hardware import get_accelerator  # noqa: E402
+from sftctl.compiler.step import compile_graph  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    """The example GPT (4 blocks) traced at batch 4 in bf16 mixed precision, compiled for the L4."""
+    sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+    try:
+        import model as gpt_model
+    finally:
+        sys.path.pop(0)
+    from sftctl.compiler.frontends import torch as torch_frontend
+
+    with torch.device("meta"):
+        m, batch, loss_fn = gpt_model.build(batch_size=4)
+    graph, _ = torch_frontend.trace_step(m, batch, loss_fn, autocast_dtype="bfloat16")
+    units: dict[str, int] = {}
+    for name, p in m.named_parameters():  # what prepare() wraps: each of blocks.N, and the root
+        key = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else ""
+        units[key] = units.get(key, 0) + p.numel()
+    return m, compile_graph(graph, get_accelerator("L4")), units
+
+
+def test_param_units_group_blocks_and_root(gpt):
+    m, compiled, units = gpt
+    assert compiled.param_units == units
+    assert len(units) == len(m.blocks) + 1
+    assert sharding.param_units([("model.layers.12.mlp.up.weight", 6), ("model.layers.12.norm.weight", 2),
+                                 ("lm_head.weight", 5)]) == {"model.layers.12": 8, "": 5}
+
+
+def test_fsdp_memory_is_the_sharded_state_plus_gathered_units(gpt):
+    m, compiled, units = gpt
+    n_params = sum(p.numel() for p in m.parameters())
+    hw = get_accelerator("L4")
+    preds = sharding.predict_strategies(compiled, hw, 4, 1, 25e9, 5e9, mode="eager", param_dtype_bytes=2)
+    by = {(p.parallelism, p.activation_checkpointing): p for p in preds}
+    ddp, fsdp, fsdp_ck = by["ddp", False], by["fsdp", False], by["fsdp", True]
+    pm = compiled.modes["eager"]["peak_memory"]
+    # DDP is the compiled step's liveness peak as it is
+    assert ddp.memory_bytes == pm["params_bytes"] + pm["opt_state_bytes"] + pm["batch_bytes"] \
+        + pm["transient_peak_bytes"] + pm["reserve_bytes"]
+    assert pm["params_bytes"] == 4 * n_params and pm["opt_state_bytes"] == 8 * n_params  # fp32 master, AdamW m+v
+    # FSDP: 16 bytes a parameter over 4 devices, the largest unit gathered twice in bf16 plus
+    # its fp32 gradient, the same activations
+    acts = pm["transient_peak_bytes"] - 4 * n_params
+    largest = max(units.values())
+    expected = (4 * n_params) // 4 * 2 + (8 * n_params) // 4 + acts + 2 * largest * 2 + 4 * largest \
+        + pm["batch_bytes"] + pm["reserve_bytes"]
+    assert fsdp.memory_bytes == expected
+    assert fsdp.breakdown["activations"] == acts > 0
+    # checkpointing keeps 2/L of the activations (L = 4 blocks) and recomputes the forward
+    assert fsdp_ck.breakdown["activations"] == int(acts * 2 / 4)
+    assert fsdp_ck.compute_time_s == pytest.approx(fsdp.compute_time_s * 4 / 3)
+    # communication: all-gathers in bf16 and a reduce-scatter in fp32 over the ring, overlapped
+    ag = sharding.collective_time_s(2 * n_params, 4, 1, 25e9, 5e9 / 4)
+    rs = sharding.collective_time_s(4 * n_params, 4, 1, 25e9, 5e9 / 4)
+    assert ag == pytest.approx(2 * n_params * 3 / 4 / 25e9) and rs == pytest.approx(2 * ag)
+    n = len(units)
+    f = fsdp.compute_time_s / 3
+    assert fsdp.comm_time_s == pytest.approx(ag / n + max(0, ag * (1 - 1 / n) - f) + rs / n
+                                             + max(0, ag + rs * (1 - 1 / n) - 2 * f))
+    # one device: no communication at all
+    solo = sharding.predict_strategies(compiled, hw, 1, 1, None, None, mode="eager", param_dtype_bytes=2)
+    assert all(p.comm_time_s == 0 for p in solo)
+
+
+def test_choose_takes_fsdp_when_only_it_fits(gpt):
+    m, compiled, units = gpt
+    hw = get_accelerator("L4")
+    preds = sharding.predict_strategies(compiled, hw, 4, 1, 25e9, 5e9, mode="eager", param_dtype_bytes=2)
+    by = {(p.parallelism, p.activation_checkpointing): p for p in preds}
+    ddp, fsdp = by["ddp", False], by["fsdp", False]
+    assert fsdp.memory_bytes < by["ddp", True].memory_bytes < ddp.memory_bytes
+    # a device between the two: FSDP without checkpointing is the only plain choice that fits
+    small = dataclasses.replace(hw, memory_bytes=(fsdp.memory_bytes + min(ddp.memory_bytes, by["ddp", True].memory_bytes)) // 2)
+    preds = sharding.predict_strategies(compiled, small, 4, 1, 25e9, 5e9, mode="eager", param_dtype_bytes=2)
+    best, why = sharding.choose(preds)
+    assert (best.parallelism, best.fits) == ("fsdp", True)
+    assert "ddp would need" in why and "GiB" in why
+    # a device nothing fits: the least memory, said so
+    tiny = dataclasses.replace(hw, memory_bytes=1000)
+    best, why = sharding.choose(sharding.predict_strategies(compiled, tiny, 4, 1, 25e9, 5e9, mode="eager"))
+    assert not best.fits and why.startswith("nothing fits: fsdp + activation checkpointing needs")
+
+
+def test_planner_names_the_strategy_and_spec_can_fix_it(tmp_path, monkeypatch):
+    """The real Predictor on the example GPT: an L4 shrunk so that only FSDP fits; with
+    train.parallelism: ddp the offering is rejected with the arithmetic."""
+    import sftctl.compiler.hardware as hardware
+    from conftest import write_spec
+    from sftctl.errors import InfeasibleError
+    from sftctl.planner import plan
+    from sftctl.spec import load_spec
+
+    def write(par: str):
+        return load_spec(write_spec(tmp_path / f"{par}.yaml", (
+            f"name: job\nworkdir: {ROOT}\nmodel: {{entrypoint: examples/gpt/model.py:build, batch_size: 16, dtype: bfloat16}}\n"
+            f"train: {{steps: 100, parallelism: {par}, activation_checkpointing: false}}\n"
+            "resources: {accelerators: [L4:4], clouds: [aws]}\nrun: echo\n")))
+
+    real = hardware.get_accelerator
+    l4 = real("L4")
+    # first the true L4: everything fits, DDP is as fast as anything here and wins ties
+    p = plan(write("auto"), {"aws": None})
+    assert p.chosen.parallelism in ("ddp", "fsdp") and p.chosen.activation_checkpointing is False
+    strategies = {s["parallelism"]: s for s in p.chosen.strategies}
+    cap = (strategies["fsdp"]["memory_bytes"] + strategies["ddp"]["memory_bytes"]) // 2
+    monkeypatch.setattr(hardware, "get_accelerator",
+                        lambda name: dataclasses.replace(l4, memory_bytes=cap) if name.lower() == "l4" else real(name))
+    p = plan(write("auto"), {"aws": None})
+    d = p.to_dict()
+    assert d["parallelism"] == "fsdp" and d["activation_checkpointing"] is False
+    assert d["candidates"][0]["parallelism"] == "fsdp" and "ddp would need" in p.reason
+    with pytest.raises(InfeasibleError) as e:
+        plan(write("ddp"), {"aws": None})
+    assert "nothing fits: ddp needs" in e.value.message and "train.parallelism ddp" in str(e.value.candidates[0].rejected)
