@@ -14,7 +14,9 @@ model a legal fusion never loses; greedy application is therefore optimal for th
   number of elements (Inductor's rule), so a pointwise chain is one kernel and a softmax or a
   layer norm (reductions with their prologue and epilogue) is one kernel; elementwise ops on a
   reduction's per-row result (a layer norm's ``rsqrt``) join the reduction's kernel too. A
-  producer read from outside its kernel is still written.
+  producer read from outside its kernel is still written. Nodes of different phases (tagged
+  ``forward``/``backward``/``optimizer`` by the frontend) never share a kernel: forward and
+  backward are compiled as separate graphs, so backward work is not hoisted into the forward.
 * ``gather`` and ``scatter_add`` are kernels of their own (data-dependent addressing).
 * attention is a kernel of its own (kind ``attention``), as flash attention runs it: the
   ``attention`` and ``attention_lse`` nodes of one call are one forward kernel (reads Q, K, V and
@@ -189,10 +191,12 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, horizontal: bool = True,
 
     domain: list[int] = []  # kernel -> elements it iterates over
     rows: list[set[int]] = []  # kernel -> output sizes of its reductions (its per-row values)
+    phase: list[str] = []  # kernel -> the step phase of its first node ("" untagged)
 
     def new_kernel(kind: str, node: Node) -> None:
         group_of[node.id] = len(kernels)
         kernels.append(Kernel(kind, [node.id]))
+        phase.append(node.attrs.get("phase", ""))
         domain.append(_domain(graph, node))
         rows.append({node.type.numel} if node.op in REDUCTIONS else set())
         deps.append(input_kernels(node) - {group_of[node.id]})
@@ -224,6 +228,9 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, horizontal: bool = True,
             src = source_of(graph, inp)
             if src not in group_of or src in barrier:
                 continue
+            kph, nph = phase[group_of[src]], node.attrs.get("phase", "")
+            if kph and nph and kph != nph:
+                continue  # forward and backward compile as separate graphs (AOTAutograd)
             k = kernels[group_of[src]]
             if k.kind == "gemm":
                 # epilogue: applied elementwise to the GEMM's output, which nothing else reads
@@ -268,6 +275,24 @@ def _horizontal(kernels: list[Kernel], graph: Graph) -> list[Kernel]:
     do (``multi_tensor_apply``). The batch runs last; its traffic is the sum of theirs.
     """
     outputs = set(graph.outputs)
+    opt = [k for k in kernels if k.kind == "pointwise"
+           and all(graph.nodes[n].attrs.get("phase") == "optimizer" for n in k.nodes)]
+    clips = any(k.kind != "pointwise" and any(graph.nodes[n].attrs.get("phase") == "optimizer" for n in k.nodes)
+                for k in kernels)
+    opt_nodes = {n for k in opt for n in k.nodes}
+    read_later = any(r in opt_nodes for k in kernels if k not in opt for r in k.reads)
+    if len(opt) >= 2 and not clips and not read_later:
+        # a tagged optimizer (no gradient-norm reduction in it): the whole update is one fused,
+        # multi-tensor kernel (AdamW(fused=True)): it reads parameters, gradients and state
+        # once and writes them once; its intermediates stay in registers
+        nodes = sorted(n for k in opt for n in k.nodes)
+        merged = Kernel("pointwise", nodes, horizontal=sum(1 for k in opt if set(k.writes) & outputs) or len(opt))
+        group_of = {n: i for i, k in enumerate(kernels) for n in k.nodes}
+        for n in nodes:
+            group_of[n] = -1
+        _account(graph, merged, group_of, _real_users(graph), outputs)
+        ids = {id(k) for k in opt}
+        return [k for k in kernels if id(k) not in ids] + [merged]
     read_elsewhere = {r for k in kernels for r in k.reads}
     leaves = [k for k in kernels if k.kind == "pointwise" and k.writes
               and set(k.writes) <= outputs and not set(k.writes) & read_elsewhere]

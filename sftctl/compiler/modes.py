@@ -367,6 +367,7 @@ def default_kernels(graph: Graph, phase: list[str], module: list[str]) -> list[K
         else:
             groups.append(list(k.nodes))
     groups.extend(sorted(nodes) for nodes in eager_calls.values())
+    groups.sort(key=min)  # program order: each kernel where its first op was traced
     return regroup(graph, groups)
 
 
