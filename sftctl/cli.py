@@ -563,7 +563,7 @@ def check(
         for col in ("CLOUD", "OK", "DETAIL"):
             table.add_column(col)
         for r in rows:
-            detail = ("usable here" if r["cloud"] == "local" else "credentials work") if r["ok"] else r["reason"] + (f" (hint: {r['hint']})" if r["hint"] else "")
+            detail = {"local": "usable here", "slurm": "sinfo answers"}.get(r["cloud"], "credentials work") if r["ok"] else r["reason"] + (f" (hint: {r['hint']})" if r["hint"] else "")
             table.add_row(r["cloud"], "[green]yes[/]" if r["ok"] else "[red]no[/]", _escape(detail))
         _console().print(table)
     clouds_ok = [r for r in rows if r["ok"] and r["cloud"] != "local"]

@@ -107,6 +107,11 @@ def test_offerings_come_from_sinfo_with_owned_or_lab_price(cluster, home):
     assert (cpu.instance_type, cpu.accelerator) == ("gpu", "cpu")
     priced = SlurmProvider(config={"gpu_hour_usd": 1.75})
     assert priced.offerings("H100", 2)[0].usd_per_hour == pytest.approx(3.5)
+    # a task driving 1 of a node's 2 GPUs gets half its 2 CPUs; all GPUs, all CPUs; config wins
+    [one] = p.offerings("H100", 1)
+    assert "--cpus-per-task=1" in p._allocation_args(one, 2) and "--gres=gpu:h100:1" in p._allocation_args(one, 2)
+    assert "--cpus-per-task=2" in p._allocation_args(h100, 2)
+    assert "--cpus-per-task=8" in SlurmProvider(config={"cpus_per_node": 8})._allocation_args(h100, 2)
 
 
 def test_plan_weighs_the_queue_and_rejects_impossible_allocations(cluster, tmp_path):

@@ -504,7 +504,7 @@ class SlurmProvider:
         self._states: dict[str, tuple[float, dict | None]] = {}  # Slurm job id -> (when, state)
         self.excluded: set[str] = set()  # Slurm nodes that failed this job
         self.uploaded: dict[str, str] = {}  # job -> remote workdir
-        self.offers_cache: dict | None = None
+        self._cpu_share: dict[tuple[str, str], int | None] = {}
 
     # ---------------------------------------------------------------- paths
 
@@ -711,8 +711,9 @@ class SlurmProvider:
         args = [f"--nodes={nodes}", "--ntasks-per-node=1", f"--partition={self.cfg.partition or part}"]
         if offering.accelerator.lower() != "cpu":
             args.append(f"--gres=gpu:{gpu_type}:{offering.count}" if gpu_type else f"--gpus-per-node={offering.count}")
-            if self.cfg.cpus_per_node:
-                args.append(f"--cpus-per-task={self.cfg.cpus_per_node}")
+            cpus = self.cfg.cpus_per_node or self._gpu_share_of_cpus(part, gpu_type, offering.count)
+            if cpus:
+                args.append(f"--cpus-per-task={cpus}")
         else:
             args.append(f"--cpus-per-task={self.cfg.cpus_per_node or offering.count}")
         if self.cfg.mem_per_node:
@@ -726,6 +727,24 @@ class SlurmProvider:
         if exclude:
             args.append(f"--exclude={','.join(sorted(exclude))}")
         return args
+
+    def _gpu_share_of_cpus(self, partition: str, gpu_type: str, gpus: int) -> int | None:
+        """CPUs for one task that drives ``gpus`` GPUs: the node's CPUs in proportion to the GPUs
+        asked (all of them for a whole node), from ``sinfo``; None when sinfo does not say.
+        Without it Slurm gives the task one CPU, and torchrun's workers would share it."""
+        key = (partition, gpu_type)
+        if key not in self._cpu_share:
+            share = None
+            for r in self.cluster():
+                if r["partition"] != partition:
+                    continue
+                total = sum(n for t, n in r["gpus"] if not gpu_type or t == gpu_type)
+                if total and r["cpus"]:
+                    one = r["cpus"] // total
+                    share = one if share is None else min(share, one)
+            self._cpu_share[key] = share
+        share = self._cpu_share[key]
+        return max(1, share * gpus) if share else None
 
     # ---------------------------------------------------------------- status
 
