@@ -138,7 +138,8 @@ run: "true"
 def test_plan_shows_the_wait_of_a_busy_cluster(cluster, tmp_path):
     """Every node is held by a job with a 10-minute limit: Slurm's own estimate (sbatch
     --test-only) puts our start at its end; a 5-minute deadline rules the cluster out."""
-    blocker = subprocess.run(["sbatch", "--parsable", "-N3", "--exclusive", "--time=10", "--wrap", "sleep 600"],
+    blocker = subprocess.run(["sbatch", "--parsable", "-N3", "--exclusive", "--time=10", "--output=/dev/null",
+                              "--wrap", "sleep 600"],
                              capture_output=True, text=True, check=True).stdout.strip()
     try:
         wait_for(lambda: scontrol_job(cluster, blocker).get("JobState") == "RUNNING", timeout_s=30, what="the blocker")
@@ -206,7 +207,7 @@ run: 'echo "gpus=$CUDA_VISIBLE_DEVICES"; sleep 60'
 
 def test_pending_reason_in_status_and_events(cluster, tmp_path, home):
     # a job of someone else holds every node: ours waits for Resources, then runs
-    blocker = subprocess.run(["sbatch", "--parsable", "-N3", "--exclusive", "--wrap", "sleep 300"], capture_output=True, text=True,
+    blocker = subprocess.run(["sbatch", "--parsable", "-N3", "--exclusive", "--output=/dev/null", "--wrap", "sleep 300"], capture_output=True, text=True,
                              check=True).stdout.strip()
     try:
         job = json.loads(sftctl("run", str(shell_spec(tmp_path)), "--detach", "--json", check=True).stdout)["job_id"]
@@ -241,10 +242,10 @@ def test_down_orphans_finds_jobs_by_comment(cluster, tmp_path, home):
     from sftctl.providers.slurm import comment
 
     # a Slurm job sftctl's state does not know (its controller died before recording it)
-    mine = subprocess.run(["sbatch", "--parsable", f"--comment={comment('ghost-job')}", "--wrap", "sleep 300"],
+    mine = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", f"--comment={comment('ghost-job')}", "--wrap", "sleep 300"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    theirs = subprocess.run(["sbatch", "--parsable", "--comment=sftctl-managed=true,sftctl-job=x,sftctl-home=other",
-                             "--wrap", "sleep 300"], capture_output=True, text=True, check=True).stdout.strip()
+    theirs = subprocess.run(["sbatch", "--parsable", "--output=/dev/null",
+                             "--comment=sftctl-managed=true,sftctl-job=x,sftctl-home=other", "--wrap", "sleep 300"], capture_output=True, text=True, check=True).stdout.strip()
     try:
         out = sftctl("down", "--orphans", check=True).stdout
         assert "slurm: ghost-job (unknown job): removed 1 resource(s)" in out, out
@@ -363,20 +364,26 @@ def test_status_after_slurm_forgot_the_job(cluster, tmp_path, home):
     assert (st.state, st.exit_code) == (NodeState.FAILED, 7)
 
 
-def test_quickstart_on_two_slurm_nodes(cluster, home):
-    """The quickstart (DDP over gloo, c10d rendezvous on the allocation's first node) on Slurm."""
-    proc = sftctl("run", "examples/quickstart.yaml", "--set", "resources.clouds=[slurm]", "--set", "train.steps=20",
-                  "--set", "train.checkpoint_interval=10", "--json", timeout=240)
+def test_quickstart_on_two_slurm_nodes(cluster, home, tmp_path):
+    """The quickstart (DDP over gloo, c10d rendezvous on the allocation's first node) on Slurm,
+    with a directory as its job storage; attempt 1 fails at step 8 on purpose, attempt 2 runs in
+    a new allocation and resumes from the checkpoint of step 5 in the storage."""
+    store = tmp_path / "store"
+    proc = sftctl("run", "examples/quickstart.yaml", "--set", "resources.clouds=[slurm]", "--set", "train.steps=12",
+                  "--set", "train.checkpoint_interval=5", "--set", f"storage={store}",
+                  "--set", "env.SFTCTL_FAIL_AT_STEP=8", "--json", timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     assert doc["status"] == "SUCCEEDED" and doc["provider"] == "slurm", doc["failure_reason"]
+    assert doc["restarts"] == 1 and [a["status"] for a in doc["attempts"]] == ["FAILED", "SUCCEEDED"]
     assert [r["rank"] for r in doc["ranks"]] == [0, 1]
     for r in doc["ranks"]:
-        assert r["step"] == 20 and r["loss"] < r["first_loss"]
-    ckpts = sorted(p.name for p in (home / "jobs" / doc["id"] / "checkpoints").glob("step-*"))
-    assert "step-00000020" in ckpts
+        assert r["step"] == 12 and r["loss"] < r["first_loss"]
+    ckpts = sorted(p.name for p in (store / doc["id"] / "checkpoints").glob("step-*"))
+    assert ckpts == ["step-00000005", "step-00000010", "step-00000012"]
     logs = sftctl("logs", doc["id"], check=True).stdout
-    assert "(node 0)" in logs and "(node 1)" in logs
+    assert "(node 0)" in logs and "(node 1)" in logs and "resumed from step 5" in logs
+    assert not (REPO / "checkpoints").exists()  # node-side copies stay in the nodes' directories
     table = sftctl("status", doc["id"], check=True).stdout
     assert "SUCCEEDED" in table and "slurm" in table
 

@@ -668,6 +668,9 @@ class SlurmProvider:
                     env["SFTCTL_CHECKPOINT_DIR"] = f"{root}/checkpoints"
             env.update(SFTCTL_JOB_ID=job_id, SFTCTL_NODE_ID=h["node_id"], SFTCTL_NODE_DIR=node_dir,
                        SFTCTL_METRICS_DIR=f"{node_dir}/metrics")
+            # with job storage the nodes' own checkpoint copies stay in the node's directory,
+            # never in the (shared) workdir, as a cloud node keeps them on its own disk
+            env.setdefault("SFTCTL_CHECKPOINT_DIR", f"{node_dir}/checkpoints")
             if python:
                 env["SFTCTL_PYTHON"] = python
             files[f"{node_dir}/node-{attempt}.sh"] = (item["script"], 0o700)
