@@ -165,8 +165,6 @@ def test_tinyllama_2x2048_bf16_fits_40gib():
     """TinyLlama-1.1B (HF config, random init on meta) at 2 x 2048 bf16: predicted peak < 40 GiB
     (62 GiB with materialized attention scores)."""
     transformers = pytest.importorskip("transformers")
-    from sftctl.compiler.hardware import get_accelerator
-    from sftctl.compiler.step import compile_graph
 
     cfg = transformers.LlamaConfig(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
                                    num_key_value_heads=4, intermediate_size=5632, vocab_size=32000,
@@ -178,11 +176,11 @@ def test_tinyllama_2x2048_bf16_fits_40gib():
     batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
     graph, _ = torch_frontend.trace_step(model, batch, lambda m, b: m(**b).loss, autocast_dtype="bfloat16")
     assert graph.op_counts()["attention"] == 22
-    compiled = compile_graph(graph, get_accelerator("h100"))
-    gib = compiled.peak_memory_bytes / 2**30
+    peak = peak_memory(graph, fuse(graph))  # what compile_graph reports, without the schedule search
+    gib = peak.total_bytes / 2**30
     print(f"TinyLlama 2x2048 bf16 predicted peak {gib:.1f} GiB")
     assert gib < 40
-    assert compiled.peak_memory_bytes > 3 * 4 * 1.1e9  # parameters + AdamW state alone (fp32)
+    assert peak.total_bytes > 3 * 4 * 1.1e9  # parameters + AdamW state alone (fp32)
 
 
 # ------------------------------------------------------------------------------------------------
