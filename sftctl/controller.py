@@ -519,15 +519,8 @@ class Controller:
             if outage_since is not None:
                 outage_since = None
                 self.store.add_event(self.job_id, "storage", "job storage answers again")
+            self._record_details(statuses)
             for node, st in statuses:
-                if st.state == NodeState.RUNNING and st.detail != node.get("detail", ""):
-                    # what the provider says of a running node (a Slurm job's pending reason)
-                    node["detail"] = st.detail
-                    if st.detail:
-                        self.store.add_event(self.job_id, "node", f"node {node['rank']}: {st.detail}")
-                        self.reporter.event(f"node {node['rank']}: {st.detail}")
-                    pending = st.detail.startswith("pending")
-                    self.store.update_node(node["id"], status="PENDING" if pending else NodeState.RUNNING.value)
                 if st.state == NodeState.FAILED:
                     self._drain()
                     return Failure(self._exit_reason(node, st.exit_code), RESTART, node["rank"], st.exit_code)
@@ -546,6 +539,22 @@ class Controller:
             if deadline_s is not None and time.time() - self.created_at > deadline_s:
                 return Failure(f"deadline of {self.spec.resources.deadline} passed", None, None)
             time.sleep(POLL_S if self.storage is None else STORAGE_POLL_S)
+
+    def _record_details(self, statuses: list) -> None:
+        """What the provider says of running nodes (a Slurm job's pending reason): one event per
+        new detail, naming every node that reports it; such nodes are recorded as PENDING."""
+        changed: dict[str, list[int]] = {}
+        for node, st in statuses:
+            if st.state == NodeState.RUNNING and st.detail != node.get("detail", ""):
+                node["detail"] = st.detail
+                if st.detail:
+                    changed.setdefault(st.detail, []).append(node["rank"])
+                pending = st.detail.startswith("pending")
+                self.store.update_node(node["id"], status="PENDING" if pending else NodeState.RUNNING.value)
+        for detail, ranks in changed.items():
+            who = f"node {ranks[0]}" if len(ranks) == 1 else f"nodes {', '.join(map(str, ranks))}"
+            self.store.add_event(self.job_id, "node", f"{who}: {detail}")
+            self.reporter.event(f"{who}: {detail}")
 
     def _resume_point(self) -> str:
         """Where a relaunch resumes: the newest complete checkpoint, if this machine sees it."""

@@ -217,6 +217,7 @@ def test_pending_reason_in_status_and_events(cluster, tmp_path, home):
         events = json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]
         pending = [e["message"] for e in events if "pending" in e["message"]]
         assert any("waiting for resources" in m for m in pending), pending
+        assert any(m.startswith("nodes 0, 1: pending in Slurm job") for m in pending), pending  # one event for both
         doc = status_json(job)
         assert doc["status"] == "RUNNING" and {n["status"] for n in doc["nodes"]} == {"PENDING"}
     finally:
