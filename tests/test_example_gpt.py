@@ -89,9 +89,17 @@ def test_two_rank_training_writes_checkpoints_and_metrics(tmp_path):
     assert "resumed from step" not in out
 
 
-def test_failed_run_resumes_from_last_checkpoint(tmp_path):
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_failed_run_resumes_from_last_checkpoint(tmp_path, parallelism):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics"
-    failed = run_training(tmp_path, "fail", ckpt=ckpt, metrics=metrics, SFTCTL_FAIL_AT_STEP="15")
+    failed = run_training(tmp_path, "fail", ckpt=ckpt, metrics=metrics, SFTCTL_FAIL_AT_STEP="15",
+                          SFTCTL_PARALLELISM=parallelism)
+    if parallelism == "fsdp":  # sharded by prepare(); every rank wrote its shard with DCP
+        assert "fsdp: 4 blocks + root sharded over 2 ranks" in failed.stderr
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "COMPLETE"} <= {
+            p.name for p in (ckpt / "step-00000010").iterdir()}
+    else:
+        assert (ckpt / "step-00000010" / "state.pt").is_file()
     out = failed.stdout + failed.stderr
     assert failed.returncode != 0, out[-4000:]
     assert "SFTCTL_FAIL_AT_STEP=15" in out
@@ -99,7 +107,8 @@ def test_failed_run_resumes_from_last_checkpoint(tmp_path):
     first_run = metrics_of(metrics, 0)
     assert [r["step"] for r in first_run] == list(range(1, 16))
 
-    resumed = run_training(tmp_path, "resume", ckpt=ckpt, metrics=metrics, SFTCTL_FAIL_AT_STEP="15")
+    resumed = run_training(tmp_path, "resume", ckpt=ckpt, metrics=metrics, SFTCTL_FAIL_AT_STEP="15",
+                           SFTCTL_PARALLELISM=parallelism)
     out = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, out[-4000:]
     assert "resumed from step 10" in out

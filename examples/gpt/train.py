@@ -12,6 +12,9 @@ Settings come from ``sftctl.train.config()`` (``SFTCTL_TRAIN_STEPS``, ``SFTCTL_B
 checkpoints to ``$SFTCTL_CHECKPOINT_DIR`` (see sftctl/train.py). The run resumes from the newest
 complete checkpoint if there is one.
 
+``SFTCTL_PARALLELISM`` (``ddp``/``fsdp``, from the plan) picks the strategy through
+``sftctl.train.prepare``; under FSDP checkpoints are sharded (``save_sharded_checkpoint``).
+
 ``SFTCTL_COMPILE`` picks how the step runs: ``none`` (default, eager), ``default``
 (``torch.compile``) or ``sftensor`` (``torch.compile(backend="sftensor")``, sftctl's search
 compiler; eager with a warning on a CPU).
@@ -33,7 +36,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 try:
     from sftctl import train as sft
@@ -90,6 +92,15 @@ def compile_model(module: torch.nn.Module) -> torch.nn.Module:
     return torch.compile(module, backend="sftensor")
 
 
+def is_sharded(module: torch.nn.Module) -> bool:
+    """Whether ``sftctl.train.prepare`` sharded ``module`` with FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(module, FSDPModule)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -138,6 +149,9 @@ def train(rank: int, world_size: int, device: torch.device, distributed: bool) -
     mcfg = {"build": GPTConfig(), "build_gpt2_small": GPT2_SMALL}.get(entry_fn, GPTConfig())
     torch.manual_seed(SEED)  # same init on every rank (DDP also broadcasts rank 0's weights)
     model = GPT(mcfg).to(device)
+    # the strategy the plan chose (SFTCTL_PARALLELISM): DDP, or FSDP2 sharding `model` in place
+    wrapped = sft.prepare(model)
+    sharded = is_sharded(model)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -149,19 +163,24 @@ def train(rank: int, world_size: int, device: torch.device, distributed: bool) -
     start_step = 0
     # Rank 0 reads the checkpoint and hands it to the others, so all ranks resume from the same
     # step even when each node has its own checkpoint directory.
-    resumed = sft.load_latest_checkpoint(map_location="cpu") if is_main else None
-    if distributed:
-        box = [resumed]
-        dist.broadcast_object_list(box, src=0)
-        resumed = box[0]
+    # Sharded: every rank loads its own shards (DCP reshards onto this world size).
+    if sharded:
+        resumed = sft.load_sharded_checkpoint(model, optimizer)
+    else:
+        resumed = sft.load_latest_checkpoint(map_location="cpu") if is_main else None
+        if distributed:
+            box = [resumed]
+            dist.broadcast_object_list(box, src=0)
+            resumed = box[0]
     if resumed is not None:
         start_step, state = resumed
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        if not sharded:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
         if is_main:
             print(f"resumed from step {start_step}", flush=True)
 
-    ddp_model = compile_model(DDP(model) if distributed else model)
+    ddp_model = compile_model(wrapped)
     amp_dtype = getattr(torch, cfg.dtype)
     autocast = (
         torch.autocast(device_type=device.type, dtype=amp_dtype)
@@ -213,7 +232,11 @@ def train(rank: int, world_size: int, device: torch.device, distributed: bool) -
             print(f"step {step}/{cfg.steps} loss {loss_f:.4f} ({step_time_s * 1000:.0f} ms)", flush=True)
 
         if step % cfg.checkpoint_interval == 0 or step == cfg.steps:
-            if is_main:
+            if sharded:  # every rank writes its shards (torch.distributed.checkpoint)
+                path = sft.save_sharded_checkpoint(model, optimizer, step)
+                if is_main:
+                    print(f"saved checkpoint {path}", flush=True)
+            elif is_main:
                 state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
                 path = sft.save_checkpoint(state, step)
                 print(f"saved checkpoint {path}", flush=True)

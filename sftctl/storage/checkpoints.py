@@ -45,7 +45,10 @@ __all__ = [
     "read_file",
     "read_manifest",
     "step_prefix",
+    "begin_checkpoint",
+    "upload_files",
     "write_checkpoint",
+    "write_manifest",
 ]
 
 PREFIX = "checkpoints/"
@@ -181,6 +184,65 @@ def write_checkpoint(storage: Storage, step: int, data: CheckpointData, *, keep:
     for key in sorted(stale - {prefix + n for n in names}):  # leftovers of a torn earlier write
         storage.delete(key)
     manifest = Manifest(int(step), tuple(files), time.time())
+    storage.put_bytes(prefix + MANIFEST, manifest.to_json())
+    if keep is not None:
+        prune(storage, keep)
+    return manifest
+
+
+def upload_files(storage: Storage, step: int, data: CheckpointData, *, workers: int = 4) -> list[CheckpointFile]:
+    """Upload some of a checkpoint's data objects (no manifest): one writer's part of a
+    checkpoint that several processes write (each rank its own DCP shard files). The checkpoint
+    stays incomplete until :func:`write_manifest` lists every part.
+
+    Raises:
+        ValueError: no files, or a bad file name. StorageError: an upload failed.
+    """
+    prefix = step_prefix(step)
+    items = _collect(data)
+
+    def upload(name: str) -> CheckpointFile:
+        value = items[name]
+        if isinstance(value, Path):
+            size, sha = _sha256_file(value)
+            storage.upload_file(prefix + name, value)
+        else:
+            value = bytes(value)
+            size, sha = len(value), hashlib.sha256(value).hexdigest()
+            storage.put_bytes(prefix + name, value)
+        return CheckpointFile(name, size, sha)
+
+    names = sorted(items)
+    if workers > 1 and len(names) > 1:
+        with concurrent.futures.ThreadPoolExecutor(min(workers, len(names))) as pool:
+            return list(pool.map(upload, names))
+    return [upload(name) for name in names]
+
+
+def begin_checkpoint(storage: Storage, step: int) -> None:
+    """Before several writers upload the parts of ``step``: delete its manifest (a rewrite of
+    the step is incomplete from now until :func:`write_manifest`)."""
+    storage.delete(step_prefix(step) + MANIFEST)
+
+
+def write_manifest(storage: Storage, step: int, files: list[CheckpointFile], *, keep: int | None = 3) -> Manifest:
+    """Make a checkpoint uploaded in parts (:func:`upload_files`) complete: check every listed
+    object is there with its size, delete objects of a torn earlier write that are not listed,
+    write ``MANIFEST.json`` last, then prune to ``keep``.
+
+    Raises:
+        StorageError: a listed object is missing or has another size (the step stays incomplete).
+    """
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    prefix = step_prefix(step)
+    present = dict(storage.list(prefix))
+    for f in files:
+        if present.get(prefix + f.name) != f.size:
+            raise StorageError(f"checkpoint {step}: {f.name} is not in {storage.url} with {f.size} bytes")
+    for key in sorted(set(present) - {prefix + f.name for f in files} - {prefix + MANIFEST}):
+        storage.delete(key)
+    manifest = Manifest(int(step), tuple(sorted(files, key=lambda f: f.name)), time.time())
     storage.put_bytes(prefix + MANIFEST, manifest.to_json())
     if keep is not None:
         prune(storage, keep)
