@@ -135,6 +135,8 @@ def test_one_hot_scatter_matches_torch():
 @pytest.mark.parametrize("entry, batch, dtype, target", [
     ("examples/gpt/model.py:build_gpt2_small", 8, "bfloat16", "H200"),   # examples/gpt2-small.yaml
     ("examples/gpt/model.py:build", 16, "float32", "H100"),              # examples/quickstart.yaml
+    ("examples/llama/model.py:build", 4, "bfloat16", "A100-80GB"),       # Llama blocks (GQA, RoPE, RMSNorm)
+    ("examples/vision/model.py:build_resnet", 2, "bfloat16", "L4"),      # convolutions, batch norm
 ])
 def test_no_example_kernel_above_roofline(entry, batch, dtype, target, home):
     graph = trace_model("torch", entry, str(REPO), batch, dtype, use_cache=False)

@@ -188,6 +188,9 @@ def compile_graph(
                 t = _roofline_time_s(k, hw, coeffs, hw.matrix_peak(_mma_dtype(dtype)) * coeffs.mma_efficiency)
             if graph.nodes[k.anchor].op == "conv":
                 t = t / coeffs.conv_efficiency  # implicit GEMM vs a plain GEMM of its size
+            # never faster than the kernel's own bytes (an implicit GEMM reads more than its
+            # GEMM problem's operands: overlapping windows, strided input gradients)
+            t = max(t, _roofline_time_s(k, hw, coeffs, hw.matrix_peak(_mma_dtype(dtype))))
         elif k.kind == "attention":
             t = attention_time_s(k, hw, coeffs)
         else:
