@@ -320,7 +320,7 @@ def test_node_failure_resumes_on_the_remaining_nodes(cluster, tmp_path, home):
     assert again[3] != victim and int(again[6]) >= killed_at - 1  # elsewhere, from its checkpoint
     assert int(runs["0"][1][6]) > 0
     events = [e["message"] for e in json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]]
-    assert any("requeued by Slurm" in m for m in events), events
+    assert any("runs again after Slurm requeued it (restart 1" in m for m in events), "\n".join(events)
     assert progress(work / "ckpt-1") == 30
 
 
@@ -342,6 +342,8 @@ def test_a_requeued_job_resumes_from_its_checkpoint(cluster, tmp_path, home):
     starts = [int(line.rsplit(" ", 1)[1]) for line in sftctl("logs", job, "--node", "0").stdout.splitlines()
               if "resumes from" in line]
     assert len(starts) == 2 and starts[1] >= requeued_at - 1 > 0, starts
+    events = [e["message"] for e in json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]]
+    assert any("runs again after Slurm requeued it (restart 1" in m for m in events), "\n".join(events)
     assert progress(work / "ckpt-0") == 30
 
 

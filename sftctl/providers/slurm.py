@@ -805,7 +805,7 @@ class SlurmProvider:
 
     def _files(self, handle: dict, offsets: dict | None = None, log_offset: int | None = None) -> dict[str, bytes]:
         d, a = handle["dir"], handle.get("attempt")
-        files = {f"{d}/exit-{a}": 0, f"{d}/host-{a}": 0}
+        files = {f"{d}/exit-{a}": 0, f"{d}/host-{a}": 0, f"{d}/restarts-{a}": 0}
         if log_offset is not None:
             files[f"{d}/node.log"] = log_offset
         return self.runner.read({"files": files})
@@ -845,6 +845,11 @@ class SlurmProvider:
             return NodeStatus(NodeState.RUNNING, None, f"pending in Slurm job {slurm_id}: {reason}: "
                                                        f"{REASONS.get(reason, reason)}{again}")
         if state not in ENDED:
+            restarts = _int((got.get(f"{handle['dir']}/restarts-{handle['attempt']}") or b"0").decode())
+            if state == "RUNNING" and restarts:
+                return NodeStatus(NodeState.RUNNING, None, f"Slurm job {slurm_id} runs again after Slurm requeued it "
+                                                           f"(restart {restarts}, on {host or 'a new node'}): "
+                                                           "resumed from the last checkpoint")
             return NodeStatus(NodeState.RUNNING, None, "" if state == "RUNNING" else f"Slurm job {slurm_id} {state.lower()}")
         code = self.exit_code(handle)  # the allocation ended: the node may have written it just now
         if code is not None:
