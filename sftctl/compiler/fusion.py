@@ -465,18 +465,29 @@ def _order(graph: Graph, kernels: list[Kernel], group_of: dict[int, int]) -> lis
         for r in k.reads:
             if r in group_of and group_of[r] != gi:
                 deps[gi].add(group_of[r])
-    done: set[int] = set()
+    # kernels are created in graph order of their first node; a fused consumer can make a kernel
+    # depend on later-created ones. Topological order that always runs the earliest-created ready
+    # kernel next, so the program keeps its own order (a pass-by-pass order would hoist work whose
+    # inputs are ready early, such as activation checkpointing's recomputation, into the forward,
+    # and liveness would then keep what checkpointing frees)
+    import heapq
+
+    users: list[list[int]] = [[] for _ in kernels]
+    waiting = [len(d) for d in deps]
+    for gi, d in enumerate(deps):
+        for j in d:
+            users[j].append(gi)
+    ready = [gi for gi, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
     order: list[int] = []
-    # kernels are created in graph order of their first node; a fused consumer can only make a
-    # kernel depend on later-created ones, so repeat passes until all are placed
-    while len(order) < len(kernels):
-        progressed = False
-        for gi in range(len(kernels)):
-            if gi not in done and deps[gi] <= done:
-                done.add(gi)
-                order.append(gi)
-                progressed = True
-        if not progressed:
-            raise ValueError("fusion produced a cycle between kernels")
+    while ready:
+        gi = heapq.heappop(ready)
+        order.append(gi)
+        for u in users[gi]:
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) < len(kernels):
+        raise ValueError("fusion produced a cycle between kernels")
     return [kernels[i] for i in order]
 

@@ -335,6 +335,10 @@ def _dropout(input, p=0.5, training=True, inplace=False):
     return torch.ops.aten.native_dropout(input, float(p), True)[0]
 
 
+_F_SDPA = torch.nn.functional.scaled_dot_product_attention
+_F_DROPOUT = torch.nn.functional.dropout
+
+
 class _DecomposeSDPA(torch.overrides.TorchFunctionMode):
     """Routes ``F.scaled_dot_product_attention`` to the attention op (:func:`_sdpa_to_op`) while
     tracing, numbering the calls so each dropout draws from its own random stream, and
@@ -346,12 +350,29 @@ class _DecomposeSDPA(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            self.calls += 1
-            return _sdpa_to_op(*args, **kwargs, rng=self.calls)
-        if func is torch.nn.functional.dropout:
+        if func is _F_SDPA:
+            return self.sdpa(*args, **kwargs)
+        if func is _F_DROPOUT:
             return _dropout(*args, **kwargs)
         return func(*args, **kwargs)
+
+    def sdpa(self, *args, **kwargs):
+        self.calls += 1
+        return _sdpa_to_op(*args, **kwargs, rng=self.calls)
+
+    @contextlib.contextmanager
+    def patched(self):
+        """``F.scaled_dot_product_attention`` and ``F.dropout`` replaced at module level, for as
+        long as the context lasts: what routes the calls that activation checkpointing recomputes
+        in backward (inside ``torch.autograd.grad`` this mode is off, as a mode is while it
+        handles a call). Code holding its own reference to those functions is routed by the mode
+        in the forward only."""
+        F = torch.nn.functional
+        F.scaled_dot_product_attention, F.dropout = self.sdpa, _dropout
+        try:
+            yield
+        finally:
+            F.scaled_dot_product_attention, F.dropout = _F_SDPA, _F_DROPOUT
 
 
 def _adamw(params, grads, ms, vs, step, *, lr, betas, eps, decays, grad_clip):
@@ -377,6 +398,33 @@ def _adamw(params, grads, ms, vs, step, *, lr, betas, eps, decays, grad_clip):
         new_m.append(m2)
         new_v.append(v2)
     return new_p, new_m, new_v
+
+
+def _reparametrized(module: torch.nn.Module, state: dict):
+    """``module`` with its parameters and buffers swapped for ``state`` (tied names follow), as
+    ``torch.func.functional_call`` does, for as long as the context lasts."""
+    try:
+        from torch.nn.utils.stateless import _reparametrize_module
+    except ImportError:  # pragma: no cover - private API moved
+        return _reparametrize_fallback(module, state)
+    return _reparametrize_module(module, state, tie_weights=True)
+
+
+@contextlib.contextmanager
+def _reparametrize_fallback(module, state):  # pragma: no cover - used only if torch moves the API
+    saved = {}
+    for name, t in state.items():
+        mod_path, _, attr = name.rpartition(".")
+        mod = module.get_submodule(mod_path)
+        saved[name] = (mod, attr, mod._parameters.get(attr, mod._buffers.get(attr)))
+        store = mod._parameters if attr in mod._parameters else mod._buffers
+        store[attr] = t
+    try:
+        yield
+    finally:
+        for mod, attr, t in saved.values():
+            store = mod._parameters if attr in mod._parameters else mod._buffers
+            store[attr] = t
 
 
 def _mutated_inputs(gm: fx.GraphModule, first: int, count: int) -> list[int]:
@@ -622,16 +670,21 @@ def trace_step(
                  **{"model." + n: t for n, t in zip(bnames, bufs)}}
         ctx = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
                else contextlib.nullcontext())
-        # phases for the execution-mode predictions (sftctl.compiler.modes), as node.meta["custom"]
-        with torch.enable_grad(), ctx, _DecomposeSDPA(), fx_traceback.annotate({"phase": "forward"}):
-            loss = torch.func.functional_call(wrapper, state, (b,))
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
-                             + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
-        _tag_backward(loss)
-        with fx_traceback.annotate({"phase": "backward"}):
-            grads = list(torch.autograd.grad(loss, list(params), allow_unused=True)) if params else []
-            grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+        # The module holds the traced parameters through forward AND backward (functional_call's
+        # swap would end with the forward), so activation checkpointing's recomputation in
+        # backward (torch.utils.checkpoint, transformers' gradient_checkpointing) runs on them too.
+        # Phases for the execution-mode predictions (sftctl.compiler.modes), as node.meta["custom"].
+        route = _DecomposeSDPA()
+        with _reparametrized(wrapper, state), route.patched():
+            with torch.enable_grad(), ctx, route, fx_traceback.annotate({"phase": "forward"}):
+                loss = wrapper(b)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+            _tag_backward(loss)
+            with fx_traceback.annotate({"phase": "backward"}):
+                grads = list(torch.autograd.grad(loss, list(params), allow_unused=True)) if params else []
+                grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
         with torch.no_grad(), fx_traceback.annotate({"phase": "optimizer"}):
             new_p, new_m, new_v = _adamw([p.detach() for p in params], grads, ms, vs, step, lr=lr, betas=betas,
                                          eps=eps, decays=decays, grad_clip=grad_clip)
