@@ -410,6 +410,7 @@ class Controller:
                 spec.train.parallelism if spec.train.parallelism != "auto" else "ddp"),
             SFTCTL_ACTIVATION_CHECKPOINTING="1" if (self._planned("activation_checkpointing")
                                                     or spec.train.activation_checkpointing) else "0",
+            SFTCTL_GRAD_ACCUM=str(max(1, spec.resources.nodes // len(self.nodes))),
             SFTCTL_JOB_ID=self.job_id,
             SFTCTL_NODE_RANK=str(rank),
             SFTCTL_NUM_NODES=str(len(self.nodes)),
@@ -439,7 +440,8 @@ class Controller:
         if spec.model is not None:
             env.update(
                 SFTCTL_MODEL_ENTRYPOINT=spec.model.entrypoint,
-                SFTCTL_BATCH_SIZE=str(max(1, spec.model.batch_size // (len(self.nodes) * self.offering.count))),
+                # the planned per-rank share; fewer nodes than planned (elastic) accumulate more of them
+                SFTCTL_BATCH_SIZE=str(max(1, spec.model.batch_size // (spec.resources.nodes * self.offering.count))),
                 SFTCTL_DTYPE=spec.model.dtype,
                 SFTCTL_MATMUL_PRECISION=spec.model.matmul_precision,
             )
@@ -577,14 +579,54 @@ class Controller:
         new = {"id": node_id, "rank": rank, "handle": {}, "generation": old.get("generation", 0) + 1}
         self.nodes[i] = new
         self.log_offsets[node_id], self.metric_offsets[node_id], self.health_offsets[node_id] = 0, {}, {}
-        new["handle"] = self.provider.provision(self.job_id, node_id, rank, self.offering,
-                                                bootstrap=self._bootstrap(node_id, rank), **self._provision_options())
+        try:
+            new["handle"] = self.provider.provision(self.job_id, node_id, rank, self.offering,
+                                                    bootstrap=self._bootstrap(node_id, rank), **self._provision_options())
+        except CapacityError as e:
+            self.store.update_node(node_id, status=NodeState.FAILED.value)
+            if not self._shrink(i, rank, e):
+                raise
+            return
         self.store.update_node(node_id, status=NodeState.READY.value, handle=new["handle"])
         if self.monitor is not None:
             self.monitor.reset_node(rank)
         message = f"node {rank} replaced: {old['id']} -> {node_id}"
         self.store.add_event(self.job_id, "replace", message)
         self.reporter.event(message)
+
+    def _shrink(self, i: int, rank: int, e: CapacityError) -> bool:
+        """Elastic resume (``recovery.min_nodes``): drop node ``rank``, which could not be
+        replaced, and renumber the others 0..n-1; the next attempt runs on them, each rank
+        accumulating ``resources.nodes / n`` micro-batches (``SFTCTL_GRAD_ACCUM``) so the global
+        batch stays the same, and resumes from the (resharded) last checkpoint. False when the
+        spec does not allow it (the caller fails the job as before)."""
+        planned = self.spec.resources.nodes
+        floor = self.spec.recovery.min_nodes or planned
+        left = len(self.nodes) - 1
+        if left < floor or planned % left:
+            why = (f"recovery.min_nodes is {floor}" if left < floor else
+                   f"{planned} planned nodes do not split evenly over {left}: the global batch would change")
+            message = f"node {rank} could not be replaced ({e.message}); not resuming on {left} node(s): {why}"
+            self.store.add_event(self.job_id, "elastic", message)
+            self.reporter.event(message)
+            return False
+        del self.nodes[i]
+        for new_rank, node in enumerate(sorted(self.nodes, key=lambda n: n["rank"])):
+            if node["rank"] != new_rank:
+                node["rank"] = new_rank
+                node["handle"] = {**node["handle"], "rank": new_rank} if node["handle"] else node["handle"]
+                self.store.update_node(node["id"], rank=new_rank, handle=node["handle"])
+        self.nodes.sort(key=lambda n: n["rank"])
+        if self.monitor is not None:
+            for r in range(planned):
+                self.monitor.reset_node(r)
+        message = (f"elastic: node {rank} could not be replaced ({e.message}); resuming on {left} of {planned} "
+                   f"node(s) from the resharded checkpoint, global batch kept: {planned // left} micro-batches "
+                   f"per rank per step (gradient accumulation)")
+        self.store.add_event(self.job_id, "elastic", message, {"nodes": left, "planned_nodes": planned,
+                                                              "grad_accum": planned // left})
+        self.reporter.event(message)
+        return True
 
     def _drain(self) -> None:
         """Pass new log text and metrics of every node to the reporter; record metrics."""

@@ -35,6 +35,7 @@ from annotated_types import Ge, Gt
 
 import yaml
 from pydantic import (
+    model_validator,
     BaseModel,
     StrictBool,
     ConfigDict,
@@ -186,6 +187,11 @@ class RecoverySpec(_Strict):
     """What to do when a node or the training process fails."""
 
     max_restarts: StrictNonNegativeInt = Field(0, description="relaunches from the last checkpoint")
+    min_nodes: StrictPositiveInt | None = Field(
+        None, description="elastic resume: when a lost node cannot be replaced (no capacity), resume on "
+        "fewer nodes, down to this many, resharding the checkpoint; the global batch stays the same by "
+        "gradient accumulation (SFTCTL_GRAD_ACCUM), so resources.nodes must be a multiple of the node "
+        "count it resumes on. Unset: never fewer than resources.nodes")
 
 
 class HealthSpec(_Strict):
@@ -287,6 +293,14 @@ class JobSpec(_Strict):
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     health: HealthSpec = Field(default_factory=HealthSpec)
     slurm: SlurmSpec | None = None
+
+    @model_validator(mode="after")
+    def _min_nodes_within_nodes(self) -> "JobSpec":
+        m = self.recovery.min_nodes
+        if m is not None and m > self.resources.nodes:
+            raise ValueError(f"recovery.min_nodes {m} is more than resources.nodes {self.resources.nodes}; "
+                             f"set it to at most {self.resources.nodes}")
+        return self
 
     @field_validator("storage", mode="before")
     @classmethod

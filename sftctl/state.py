@@ -384,8 +384,11 @@ class Store:
             )
         return node_id
 
-    def update_node(self, node_id: str, *, status: str | None = None, handle: dict | None = None) -> None:
+    def update_node(self, node_id: str, *, status: str | None = None, handle: dict | None = None,
+                    rank: int | None = None) -> None:
         with self.write() as db:
+            if rank is not None:  # an elastic resume renumbers the nodes that are left
+                db.execute("UPDATE nodes SET rank = ?, updated_at = ? WHERE id = ?", (rank, time.time(), node_id))
             if status is not None:
                 db.execute(
                     "UPDATE nodes SET status = ?, updated_at = ? WHERE id = ?",

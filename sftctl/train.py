@@ -557,6 +557,9 @@ class TrainConfig:
             (``highest``: IEEE FP32, torch's default; ``high``: TF32; ``medium``: bfloat16), from
             the job spec's ``model.matmul_precision``. :func:`config` applies it when torch is
             already imported, so the step runs at the precision the planner priced.
+        grad_accum: micro-batches of ``batch_size`` each rank accumulates per optimizer step
+            (``SFTCTL_GRAD_ACCUM``, default 1): more than 1 after an elastic resume on fewer
+            nodes than planned, so the global batch stays the same.
     """
 
     steps: int
@@ -567,6 +570,7 @@ class TrainConfig:
     node_rank: int
     num_nodes: int
     matmul_precision: str = "highest"
+    grad_accum: int = 1
 
 
 def config(
@@ -606,6 +610,7 @@ def config(
     batch_v = get_int("SFTCTL_BATCH_SIZE", batch_size, 1)
     interval_v = get_int("SFTCTL_CHECKPOINT_INTERVAL", checkpoint_interval, 1)
     num_nodes_v = get_int("SFTCTL_NUM_NODES", 1, 1)
+    accum_v = get_int("SFTCTL_GRAD_ACCUM", 1, 1)
     node_rank_v = get_int("SFTCTL_NODE_RANK", 0, 0)
     if node_rank_v >= num_nodes_v:
         raise ValueError(
@@ -632,6 +637,7 @@ def config(
         node_rank=node_rank_v,
         num_nodes=num_nodes_v,
         matmul_precision=precision,
+        grad_accum=accum_v,
     )
 
 

@@ -190,35 +190,41 @@ def train(rank: int, world_size: int, device: torch.device, distributed: bool) -
     if is_main:
         print(
             f"world_size {world_size} params {model.num_params()} steps {cfg.steps} "
-            f"batch {cfg.batch_size}/rank block {mcfg.block_size} dtype {cfg.dtype} "
+            f"batch {cfg.batch_size}/rank x {cfg.grad_accum} accumulated block {mcfg.block_size} dtype {cfg.dtype} "
             f"train bytes {len(train_data)} val bytes {len(val_data)}",
             flush=True,
         )
 
-    tokens_per_step = cfg.batch_size * mcfg.block_size
+    # after an elastic resume on fewer nodes (recovery.min_nodes) each rank runs the micro-batches
+    # of cfg.grad_accum planned ranks ("virtual ranks"), so the global batch stays the same
+    accum = cfg.grad_accum
+    tokens_per_step = cfg.batch_size * mcfg.block_size * accum
     first_loss = last_loss = None
     model.train()
     for step in range(start_step + 1, cfg.steps + 1):
         t0 = time.perf_counter()
-        x, y = get_batch(train_data, cfg.batch_size, mcfg.block_size, batch_generator(rank, step))
-        x, y = x.to(device), y.to(device)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg.steps)
-        t_fwd = time.perf_counter()
-        with autocast:
-            loss = next_byte_loss(ddp_model, (x, y))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if slow_factor > 1 and step >= slow_from:  # test knob: this node's "GPU" is slow
-            time.sleep((time.perf_counter() - t_fwd) * (slow_factor - 1))
-        # the forward pass runs no collective, so its time shows this rank's own speed; the whole
-        # step's time does not (under DDP every rank waits for the slowest in the all-reduce)
-        compute_time_s = time.perf_counter() - t_fwd
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        compute_time_s = 0.0
+        loss_f = 0.0
+        for micro in range(accum):
+            x, y = get_batch(train_data, cfg.batch_size, mcfg.block_size, batch_generator(rank * accum + micro, step))
+            x, y = x.to(device), y.to(device)
+            t_fwd = time.perf_counter()
+            with autocast:
+                loss = next_byte_loss(ddp_model, (x, y)) / accum
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if slow_factor > 1 and step >= slow_from:  # test knob: this node's "GPU" is slow
+                time.sleep((time.perf_counter() - t_fwd) * (slow_factor - 1))
+            # the forward pass runs no collective, so its time shows this rank's own speed; the whole
+            # step's time does not (under DDP every rank waits for the slowest in the all-reduce)
+            compute_time_s += time.perf_counter() - t_fwd
+            loss.backward()
+            loss_f += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
         optimizer.step()
-        loss_f = loss.item()
         step_time_s = time.perf_counter() - t0
         sft.report(step, loss_f, step_time_s=step_time_s, tokens_per_s=tokens_per_step / step_time_s,
                    compute_time_s=compute_time_s)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from sftctl import procs
 from sftctl.catalog import Offering, local_offering
-from sftctl.errors import ProviderError
+from sftctl.errors import CapacityError, ProviderError
 from sftctl.paths import job_dir, sftctl_home
 from sftctl.providers.base import NodeState, NodeStatus
 
@@ -52,7 +52,17 @@ class LocalProvider:
         return [local_offering(count)]
 
     def provision(self, job_id: str, node_id: str, rank: int, offering: Offering, **_: object) -> dict:
-        """A node directory; ``spot``, ``bootstrap`` and ``image`` mean nothing on this machine."""
+        """A node directory; ``spot``, ``bootstrap`` and ``image`` mean nothing on this machine.
+
+        ``$SFTCTL_LOCAL_MAX_NODES`` (fault injection for tests and drills, read by the controller's
+        process): this machine lends a job at most that many nodes in its lifetime; the next one
+        is refused with :class:`CapacityError`, as a cloud out of capacity refuses a replacement.
+        """
+        cap = os.environ.get("SFTCTL_LOCAL_MAX_NODES", "").strip()
+        made = job_dir(job_id) / "nodes"
+        if cap and made.is_dir() and sum(1 for _ in made.iterdir()) >= int(cap):
+            raise CapacityError(f"local: no capacity for node {node_id} (SFTCTL_LOCAL_MAX_NODES={cap} nodes "
+                                f"already made for this job)", provider="local", scope="cloud")
         node_dir = job_dir(job_id) / "nodes" / node_id
         (node_dir / "metrics").mkdir(parents=True, exist_ok=True)
         return {"node_id": node_id, "job_id": job_id, "rank": rank, "dir": str(node_dir), "ip": "127.0.0.1"}
