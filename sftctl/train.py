@@ -762,7 +762,10 @@ def prepare(model: Any, *, parallelism: str | None = None, activation_checkpoint
 
         dev = next((p.device for p in model.parameters()), torch.device("cpu"))
         _log(f"ddp over {world} ranks")
-        return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+        # gradients are views into DDP's all-reduce buckets: no second copy of them, as the
+        # planner's memory for ddp assumes (sftctl.compiler.sharding)
+        return DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+                                       gradient_as_bucket_view=True)
     return model
 
 

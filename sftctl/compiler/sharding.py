@@ -17,7 +17,8 @@ Strategies (what :func:`sftctl.train.prepare` runs):
 Memory per device (bytes)::
 
     activations A   = max(0, transient_peak - grad_bytes)     # the liveness peak less the gradients
-    ddp             = params + grads + opt_state + batch + A + reserve          (the liveness peak)
+    ddp             = params + grads + opt_state + batch + A + reserve          (the liveness peak;
+                      prepare() sets gradient_as_bucket_view, so DDP's buckets hold the gradients)
     fsdp            = (params + grads + opt_state) / world + batch + A + reserve
                       + 2 * U * param_dtype_bytes      # the gathered unit and the prefetched next one
                       + U * 4                          # a unit's float32 gradients before reduce-scatter
