@@ -758,7 +758,7 @@ def preview(spec: JobSpec, plan_doc: dict, job_id: str = "<job-id>") -> dict:
     from sftctl.templates import render
 
     c = Controller.__new__(Controller)  # rendering only: no store, no provider
-    c.spec, c.job_id = spec, job_id
+    c.spec, c.job_id, c.plan_doc = spec, job_id, plan_doc
     c.offering = Offering(**plan_doc["offering"])
     cloud = c.offering.provider != "local"
     c.nodes = [{"id": f"{job_id}-n{r}", "rank": r, "generation": 0,

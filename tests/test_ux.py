@@ -584,6 +584,7 @@ def test_dry_run_renders_everything_and_starts_nothing(tmp_path, home):
     assert [n["rank"] for n in doc["nodes"]] == [0, 1]
     for n in doc["nodes"]:
         assert n["env"]["SFTCTL_NODE_RANK"] == str(n["rank"]) and n["env"]["SFTCTL_DRY_TOKEN"] == "<secret>"
+        assert n["env"]["SFTCTL_PARALLELISM"] == "ddp"  # from the plan, as the launched node gets it
         assert "echo hello from $SFTCTL_NODE_RANK" in n["script"] and n["bootstrap"] is None
     text = sftctl("run", str(spec), "--dry-run", env=env, check=True).stdout
     assert "dry run: nothing was created or started" in text and "node 1: attempt script (node.sh)" in text
