@@ -433,6 +433,15 @@ def test_over_ssh_shell_job_status_logs_and_down(login_node, cluster, tmp_path, 
     assert len(cluster.jobs()) == 1
     sftctl("down", job, check=True)
     wait_for(lambda: cluster.jobs() == [], timeout_s=30, what="the Slurm job to be cancelled over SSH")
+    # down --orphans over SSH: a Slurm job of this home that the state does not know
+    from sftctl.providers.slurm import comment
+
+    ghost = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", f"--comment={comment('ghost-job')}",
+                            "--wrap", "sleep 300"], capture_output=True, text=True, check=True,
+                           env={**os.environ, **cluster.env()}).stdout.strip()
+    out = sftctl("down", "--orphans", check=True).stdout
+    assert "slurm: ghost-job (unknown job): removed 1 resource(s)" in out, out
+    wait_for(lambda: ghost not in cluster.jobs(), timeout_s=30, what="the orphan to be cancelled over SSH")
 
 
 def test_node_failure_without_slurm_requeue_replaces_and_excludes_the_node(cluster, tmp_path, home):
