@@ -564,7 +564,10 @@ class Controller:
 
         url = self.storage.url if self.storage is not None else None  # canonical: file:// for a directory
         root = url or self.spec.train.checkpoint_dir or str(job_dir(self.job_id) / "checkpoints")
-        steps = complete_checkpoint_steps(root) if url or self.provider.name == "local" else None
+        # Slurm on a login node shares its filesystem with the nodes; over SSH it does not
+        here = self.provider.name == "local" or (
+            self.provider.name == "slurm" and not getattr(getattr(self.provider, "runner", None), "remote", True))
+        steps = complete_checkpoint_steps(root) if url or here else None
         if steps is None:
             return "from the last checkpoint"
         return f"from checkpoint step {steps[-1]}" if steps else "from step 0 (no checkpoint yet)"

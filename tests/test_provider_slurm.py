@@ -265,6 +265,8 @@ def test_failing_node_restarts_in_a_new_allocation(cluster, tmp_path, home):
     assert doc["status"] == "SUCCEEDED" and doc["restarts"] == 1
     assert [a["status"] for a in doc["attempts"]] == ["FAILED", "SUCCEEDED"]
     assert "node 1 exited with code 3" in doc["attempts"][0]["reason"]
+    events = [e["message"] for e in json.loads(sftctl("events", doc["id"], "--json", check=True).stdout)["events"]]
+    assert any("restart 1/1 resumes from step 0 (no checkpoint yet)" in m for m in events), events
 
 
 LOOP_JOB = """\
