@@ -92,11 +92,16 @@ class FitTable:
             shown.remove(droppable.pop(0)[1])
         widths = {i: least[i] for i in shown}
         spare = width - need(shown)
-        for i in shown:  # text columns take what is left, up to their natural width
-            if self.cols[i].wrap and spare > 0:
-                extra = min(spare, natural[i] - least[i])
+        # text columns share what is left in equal parts, each up to its natural width
+        wanting = [i for i in shown if self.cols[i].wrap and natural[i] > widths[i]]
+        while spare > 0 and wanting:
+            share = max(1, spare // len(wanting))
+            for i in list(wanting):
+                extra = min(share, natural[i] - widths[i], spare)
                 widths[i] += extra
                 spare -= extra
+                if widths[i] >= natural[i]:
+                    wanting.remove(i)
         return shown, widths
 
     def __rich_console__(self, console, options):

@@ -222,6 +222,24 @@ def test_catalog_at_80_columns_keeps_accelerators_and_prices_whole(home):
         assert f"{o['usd_per_hour']:.3f}" in row.split()
 
 
+def test_text_columns_share_the_width_left_over():
+    """compile's kernel table at 150 columns gave KERNEL its whole label and SCHEDULE 20 cells:
+    each schedule folded over 7 lines. Two text columns now split the spare width."""
+    from types import SimpleNamespace
+
+    from sftctl.ui import kernels_table
+
+    cfg = {"BLOCK_M": 128, "BLOCK_N": 256, "split_k": 1, "num_warps": 8, "BLOCK_K": 64, "num_stages": 4,
+           "GROUP_M": 4, "layout": "as_is"}
+    k = SimpleNamespace(index=465, label="pointwise pow+sub+sqrt+reciprocal+mul+add+div x444 tensors (multi-tensor)",
+                        time_s=1.2e-3, bound="memory", arithmetic_intensity=0.5, roofline_fraction=0.88, config=cfg)
+    table = kernels_table([k], top=1)
+    shown, widths = table.layout(150)
+    kernel, schedule = widths[1], widths[7]
+    assert abs(kernel - schedule) <= 1, (kernel, schedule)
+    assert len(_render(table, 150)) <= 4  # header + the row over at most 3 lines (was 7)
+
+
 def test_jobs_and_events_tables_fit_80_columns(home):
     """Item 4: ids, statuses and steps whole; a long reason folds instead of stretching the table."""
     from sftctl.state import JobStatus, Store
