@@ -340,8 +340,9 @@ def plan_table(candidates: list, steps: int) -> FitTable:
     """``sftctl plan``: one row per candidate offering, best first.
 
     A rejected row says ``no [k]``; reason ``k`` is printed once under the table, with how many
-    rows share it. Numbers are never cut: narrow terminals hide $/STEP, NODES, REGION, MEMORY,
-    TIME and INSTANCE, in that order."""
+    rows share it. With a model, STRATEGY says ``ddp`` or ``fsdp`` (``+ckpt``: activation
+    checkpointing) for each offering. Numbers are never cut: narrow terminals hide $/STEP, NODES,
+    REGION, MEMORY, TIME, INSTANCE and STRATEGY, in that order."""
     from sftctl.planner import format_hours
 
     refs, notes = _grouped([c.rejected for c in candidates])
@@ -351,6 +352,9 @@ def plan_table(candidates: list, steps: int) -> FitTable:
     queued = any(getattr(c, "queue_wait_s", None) is not None for c in candidates)
     if queued:  # a Slurm cluster: its queue wait and the finish (wait + run), before VERDICT
         cols[-1:-1] = [Col("QUEUE", "right"), Col("FINISH", "right")]
+    strategies = any(getattr(c, "parallelism", None) for c in candidates)
+    if strategies:  # a model: the data-parallel strategy the memory and step are predicted for
+        cols.insert(9, Col("STRATEGY", drop=7))
     rows = []
     for i, (c, ref) in enumerate(zip(candidates, refs), 1):
         o = c.offering
@@ -365,6 +369,9 @@ def plan_table(candidates: list, steps: int) -> FitTable:
             "-" if c.peak_memory_bytes is None else f"{c.peak_memory_bytes / 2**30:.1f} GiB",
             "-" if per_step is None else f"{per_step:.5f}", format_hours(c.hours), _num(c.total_usd, ",.2f"), verdict,
         ]
+        if strategies:
+            par = getattr(c, "parallelism", None)
+            row.insert(9, "-" if par is None else par + ("+ckpt" if getattr(c, "activation_checkpointing", False) else ""))
         if queued:
             wait = getattr(c, "queue_wait_s", None)
             finish = getattr(c, "finish_s", None)

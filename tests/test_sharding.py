@@ -129,6 +129,11 @@ def test_planner_names_the_strategy_and_spec_can_fix_it(tmp_path, monkeypatch):
     d = p.to_dict()
     assert d["parallelism"] == "fsdp" and d["activation_checkpointing"] is False
     assert d["candidates"][0]["parallelism"] == "fsdp" and "ddp would need" in p.reason
+    from sftctl.ui import plan_table
+
+    table = plan_table(p.candidates, 100)
+    col = [c.name for c in table.cols].index("STRATEGY")
+    assert {row[col] for row in table.rows} == {"fsdp"}
     with pytest.raises(InfeasibleError) as e:
         plan(write("ddp"), {"aws": None})
     assert "nothing fits: ddp needs" in e.value.message and "train.parallelism ddp" in str(e.value.candidates[0].rejected)
