@@ -107,6 +107,10 @@ class Plan:
 PredictFn = Callable[[Offering, int], "tuple | None"]
 
 
+#: The pip extra that installs a framework the tracer imports (pyproject.toml's optional deps).
+_EXTRA_OF_MODULE = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "flax": "jax", "transformers": "hf"}
+
+
 class Predictor:
     """Traces the spec's model once and compiles it per accelerator, on demand, with caching.
 
@@ -139,9 +143,12 @@ class Predictor:
                 raise
             except Exception as e:  # the user's model code, or an op the frontend cannot lower
                 first = str(e).splitlines()[0] if str(e) else ""
+                hint = "sftctl compile --debug shows the traceback; leave model out to skip prediction"
+                extra = _EXTRA_OF_MODULE.get((getattr(e, "name", None) or "").split(".")[0])
+                if isinstance(e, ModuleNotFoundError) and extra:
+                    hint = f"install it: pip install 'sftctl[{extra}]' (or leave model out to skip prediction)"
                 raise SpecError(
-                    f"model.entrypoint: cannot trace {m.entrypoint}: {type(e).__name__}: {first}",
-                    hint="sftctl compile --debug shows the traceback; leave model out to skip prediction",
+                    f"model.entrypoint: cannot trace {m.entrypoint}: {type(e).__name__}: {first}", hint=hint,
                 ) from e
         return self._graphs[batch]
 

@@ -109,3 +109,20 @@ def test_single_gpu_h100_offerings_are_sourced(tmp_path):
     assert all(o.source and o.as_of and o.usd_per_hour > 0 for o in single)
     p = plan(spec(tmp_path, "{accelerators: [H100:1]}"), ALL_USABLE, fixed_predictor({"H100": 0.5}))
     assert p.offering.instance_type == "p5.4xlarge"  # the cheaper of the two at the same speed
+
+
+def test_missing_framework_names_the_extra_to_install(tmp_path):
+    """A model whose framework is not installed: the hint names the pip extra, not --debug."""
+    from sftctl.errors import SpecError
+    from sftctl.planner import Predictor
+
+    (tmp_path / "model.py").write_text(
+        "def build(batch_size, dtype):\n"
+        "    raise ModuleNotFoundError(\"No module named 'flax'\", name='flax')\n")
+    s = load_spec(write_spec(tmp_path / "job.yaml", (
+        "name: job\nmodel: {framework: jax, entrypoint: 'model.py:build', batch_size: 2}\n"
+        "resources: {accelerators: [H100:8]}\nrun: echo\n")))
+    with pytest.raises(SpecError) as e:
+        Predictor(s).graph()
+    assert "No module named 'flax'" in e.value.message
+    assert e.value.hint.startswith("install it: pip install 'sftctl[jax]'"), e.value.hint

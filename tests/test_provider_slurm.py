@@ -471,3 +471,12 @@ def test_node_failure_without_slurm_requeue_replaces_and_excludes_the_node(clust
     events = [e["message"] for e in json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]]
     assert any("node 1 replaced" in m for m in events), events
     assert progress(work / "ckpt-1") == 30
+
+
+def test_pending_reason_words():
+    """Slurm's reason codes read as words; its literal code "None" never leaks into the event."""
+    from sftctl.providers.slurm import pending_words
+
+    assert pending_words("Resources") == "Resources: waiting for resources: the nodes it needs are busy"
+    assert pending_words("None") == "just submitted, not yet looked at by the scheduler"
+    assert pending_words("SomeNewCode") == "SomeNewCode"

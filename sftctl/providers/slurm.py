@@ -90,6 +90,13 @@ REASONS = {
     "launch failed requeued held": "its launch failed and Slurm held it",
 }
 
+
+def pending_words(reason: str) -> str:
+    """A pending job's ``squeue`` reason code in words, keeping the code Slurm's docs use
+    (``Resources: waiting for resources ...``); Slurm's ``None`` (not yet scheduled) is words only."""
+    words = REASONS.get(reason, reason)
+    return words if reason in ("None", words) else f"{reason}: {words}"
+
 #: Slurm job states after which the allocation is gone (squeue's long names).
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
          "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
@@ -842,8 +849,7 @@ class SlurmProvider:
             reason = st.get("reason") or "None"
             again = (f" (requeued by Slurm, restart {st['restarts']}: it resumes from the last checkpoint)"
                      if st.get("restarts") else "")
-            return NodeStatus(NodeState.RUNNING, None, f"pending in Slurm job {slurm_id}: {reason}: "
-                                                       f"{REASONS.get(reason, reason)}{again}")
+            return NodeStatus(NodeState.RUNNING, None, f"pending in Slurm job {slurm_id}: {pending_words(reason)}{again}")
         if state not in ENDED:
             restarts = _int((got.get(f"{handle['dir']}/restarts-{handle['attempt']}") or b"0").decode())
             if state == "RUNNING" and restarts:
