@@ -25,6 +25,7 @@ Every problem raises :class:`sftctl.errors.SpecError` (exit code 2) with one lin
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import typing
@@ -376,17 +377,55 @@ class _Located:
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 booleans: only true/false, so ``off``, ``no`` and ``on`` stay
-    strings (YAML 1.1 would turn ``env: {A: off}`` into ``A=0`` and ``name: no`` into False)."""
+    """SafeLoader with YAML 1.2 (core schema) booleans and numbers.
+
+    Booleans are only true/false, so ``off``, ``no`` and ``on`` stay strings (YAML 1.1 would turn
+    ``env: {A: off}`` into ``A=0`` and ``name: no`` into False). Integers are decimal (``010`` is
+    10), ``0o17`` octal or ``0x1F`` hex; YAML 1.1's ``1:30`` (90), ``0b11``, ``1_000`` and
+    leading-zero octal are not numbers. Values under ``env:`` skip all of this: see :func:`_build`.
+    """
 
 
+_TAG = "tag:yaml.org,2002:"
 _Loader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_TAG + "bool", _TAG + "int", _TAG + "float")]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+    _TAG + "bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
 )
+_Loader.add_implicit_resolver(  # before float: `10` is an int
+    _TAG + "int", re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789")
+)
+_Loader.add_implicit_resolver(
+    _TAG + "float",
+    re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."),
+)
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    if text[:2] in ("0o", "0x"):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    return int(text, 10)  # "010" is ten; ValueError (caught by the callers) for anything else
+
+
+def _construct_float(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> float:
+    text = loader.construct_scalar(node)
+    special = {".inf": math.inf, "+.inf": math.inf, "-.inf": -math.inf, ".nan": math.nan}
+    return special[text.lower()] if text.lower() in special else float(text)
+
+
+_Loader.add_constructor(_TAG + "int", _construct_int)
+_Loader.add_constructor(_TAG + "float", _construct_float)
+
+
+def _as_written(node: yaml.Node, path: Path_) -> bool:
+    """Whether ``node`` is an env value to keep as its text: ``UMASK: 0022`` is "0022", not 18."""
+    return (len(path) == 2 and path[0] == "env" and isinstance(node, yaml.ScalarNode)
+            and node.style is None and node.tag != _TAG + "null")
 
 
 def _check_depth(text: str, loc: _Located) -> None:
@@ -418,6 +457,12 @@ def _compose(text: str, loc: _Located) -> Any:
         ) from None
     if root is None:
         raise SpecError(f"{loc.filename}: the spec is empty", hint="see examples/quickstart.yaml")
+    return _build(root, loc)
+
+
+def _build(root: yaml.Node, loc: _Located, base: Path_ = ()) -> Any:
+    """Python values of a composed document whose root sits at ``base`` in the spec, recording
+    each value's line in ``loc``; plain scalars under ``env:`` stay text (:func:`_as_written`)."""
     constructor = _Loader("")
     budget = [_MAX_NODES]
 
@@ -452,6 +497,8 @@ def _compose(text: str, loc: _Located) -> Any:
         if isinstance(node, yaml.SequenceNode):
             inner = active | {id(node)}
             return [build(item, path + (i,), inner) for i, item in enumerate(node.value)]
+        if _as_written(node, path):
+            return node.value
         try:
             return constructor.construct_object(node, deep=True)
         except Exception as e:  # bad timestamps, unknown tags, ...: all the user's input
@@ -461,7 +508,7 @@ def _compose(text: str, loc: _Located) -> Any:
                 hint="quote the value to make it a string",
             ) from None
 
-    return build(root, (), frozenset())
+    return build(root, base, frozenset())
 
 
 def _dotted(path: Path_) -> str:
@@ -538,6 +585,8 @@ def _apply_override(data: dict, assignment: str, loc: _Located) -> None:
     parts: list[Any] = [int(p) if re.fullmatch(r"[0-9]+", p) else p for p in key.split(".")]
     if any(p == "" for p in parts):
         raise SpecError(f"--set {shown_}: empty segment in {key!r}", hint="e.g. train.steps")
+    if parts[0] == "env" and value is not raw:  # env values are the text written: env.UMASK=0022
+        value = _build(yaml.compose(raw, Loader=_Loader), _Located(f"--set {shown_}"), tuple(parts))
     node: Any = data
     for i, part in enumerate(parts):
         last = i == len(parts) - 1

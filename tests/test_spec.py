@@ -241,3 +241,34 @@ def test_default_name_from_any_file_name_is_valid(tmp_path, stem, name):
     path = tmp_path / f"{stem}.yaml"
     path.write_text("run: echo\n")
     assert load_spec(path).name == name
+
+
+def test_env_values_reach_the_node_as_written(tmp_path):
+    """YAML 1.1 read `010` as 8, `1:30` as 90 and `0022` as 18; env values are the text written."""
+    path = write_spec(
+        tmp_path / "job.yaml",
+        "name: demo\nrun: echo\nenv:\n  UMASK: 0022\n  A: 010\n  T: 1:30\n  F: 1.50\n  B: true\n  H: 0x1F\n"
+        "  Q: '007'\n  N: 1_000\n",
+    )
+    spec = load_spec(path, ["env.S=0o17", "env.Z=00"], environ={})
+    assert spec.env == {"UMASK": "0022", "A": "010", "T": "1:30", "F": "1.50", "B": "true", "H": "0x1F",
+                        "Q": "007", "N": "1_000", "S": "0o17", "Z": "00"}
+    spec = load_spec(path, ["env={UMASK: 0022, W: 2:05}"], environ={})
+    assert spec.env == {"UMASK": "0022", "W": "2:05"}
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("010", 10), ("0o22", 18), ("0x10", 16), ("+7", 7), ("1:30", "1:30"), ("1_000", "1_000"), ("0b11", "0b11")],
+)
+def test_numbers_elsewhere_follow_yaml_1_2(tmp_path, text, expected):
+    from sftctl.spec import _compose, _Located
+
+    assert _compose(f"x: {text}\n", _Located("t.yaml")) == {"x": expected}
+    path = write_spec(tmp_path / "job.yaml", "name: demo\nrun: echo\n")
+    if isinstance(expected, int):
+        assert load_spec(path, [f"train.steps={text}"], environ={}).train.steps == expected
+        assert load_spec(write_spec(tmp_path / "j2.yaml", f"name: demo\nrun: echo\ntrain: {{steps: {text}}}\n"),
+                         environ={}).train.steps == expected
+    else:
+        assert "train.steps" in err(tmp_path, "name: demo\nrun: echo\n", [f"train.steps={text}"])
