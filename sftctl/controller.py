@@ -33,7 +33,7 @@ from sftctl.health.telemetry import REPLACE, RESTART
 from sftctl.paths import job_dir
 from sftctl.providers import get_provider
 from sftctl.providers.base import NodeState, provision_all
-from sftctl.spec import JobSpec
+from sftctl.spec import JobSpec, env_references, resolve_env
 from sftctl.storage import StorageError
 from sftctl.state import JobStatus, Store
 
@@ -390,7 +390,7 @@ class Controller:
         """
         spec = self.spec
         ips = [n["handle"].get("ip", "127.0.0.1") for n in self.nodes]
-        env = dict(spec.env)
+        env = resolve_env(spec.env)  # the spec holds ${VAR} references; values only reach the node
         env.update({k: os.environ[k] for k in spec.secrets if k in os.environ})  # values never stored
         url = job_storage_url(spec, self.job_id)
         if url is not None:  # nodes keep checkpoints on their disk and in the job's storage
@@ -771,6 +771,7 @@ def preview(spec: JobSpec, plan_doc: dict, job_id: str = "<job-id>") -> dict:
     for n in c.nodes:
         env = c.node_env(n["rank"], 1, "<rendezvous port>")
         env.update({k: "<secret>" for k in spec.secrets if k in env})
+        env.update({k: v for k, v in spec.env.items() if env_references(v)})  # ${MY_API_TOKEN}, not its value
         script = render("node.sh.j2", job_id=job_id, node_id=n["id"], rank=n["rank"], attempt=1,
                         workdir=spec.workdir, setup=spec.setup, run=spec.run, health=spec.health.enabled)
         bootstrap = None
@@ -862,11 +863,25 @@ def job_provider(job: dict, name: str | None = None):
     from sftctl.storage.channel import StorageChannel
 
     kwargs = {}
+    secret_env = secret_env_keys(spec)
     if name == "kubernetes":  # a Kubernetes Secret carries the secrets; pods learn the world size
-        kwargs = {"secrets": {k: os.environ[k] for k in spec.secrets if k in os.environ},
+        refs = {k: v for k, v in spec.env.items() if k in secret_env
+                and all(name in os.environ for name in env_references(v))}  # `down` from another shell
+        kwargs = {"secrets": {**{k: os.environ[k] for k in spec.secrets if k in os.environ}, **resolve_env(refs)},
                   "num_nodes": spec.resources.nodes}
-    return get_provider(name, channel=StorageChannel(open_storage(url), secret_keys=set(spec.secrets)),
+    return get_provider(name, channel=StorageChannel(open_storage(url), secret_keys=set(spec.secrets) | secret_env),
                         **kwargs, **options)
+
+
+def secret_env_keys(spec: JobSpec) -> set[str]:
+    """The ``env:`` variables that carry a secret: their value refers to a variable named in
+    ``secrets:`` or one whose name says it is secret (``${MY_API_TOKEN}``, see
+    :func:`sftctl.storage.channel.is_secret_name`). Job storage holds their names, not values;
+    on Kubernetes the job's Secret carries them."""
+    from sftctl.storage.channel import is_secret_name
+
+    return {k for k, v in spec.env.items()
+            if any(name in spec.secrets or is_secret_name(name) for name in env_references(v))}
 
 
 def _provider_options(spec: JobSpec, name: str) -> dict:

@@ -532,7 +532,27 @@ def _interpolate(value: Any, path: Path_, loc: _Located, environ: typing.Mapping
         return [_interpolate(v, path + (i,), loc, environ) for i, v in enumerate(value)]
     if not isinstance(value, str) or "$" not in value:
         return value
+    if len(path) == 2 and path[0] == "env":  # kept as a reference: _check_env_references
+        return value
+    return _expand(value, environ, lambda name: _unset(name, path, loc))
 
+
+def _unset(name: str, path: Path_, loc: _Located) -> SpecError:
+    return SpecError(f"{loc.where(path)}: {_dotted(path)}: ${{{name}}} is not set in the environment",
+                     hint=f"export {name}=..., or write ${{{name}:-default}}; $${{ gives a literal ${{")
+
+
+def _check_env_references(data: dict, loc: _Located, environ: typing.Mapping[str, str]) -> None:
+    """Each ``${VAR}`` of an ``env:`` value (file or ``--set``) is set or has a default now; the
+    value itself stays the reference, resolved when a node's environment is built (resolve_env)."""
+    env = data.get("env")
+    if isinstance(env, dict):
+        for key, value in env.items():
+            if isinstance(key, str) and isinstance(value, str):
+                _expand(value, environ, lambda name: _unset(name, ("env", key), loc))
+
+
+def _expand(value: str, environ: typing.Mapping[str, str], unset: typing.Callable[[str], Exception]) -> str:
     def sub(m: re.Match) -> str:
         if m.group(0) == "$${":
             return "${"
@@ -541,12 +561,30 @@ def _interpolate(value: Any, path: Path_, loc: _Located, environ: typing.Mapping
             return environ[name]
         if default is not None:
             return default
-        raise SpecError(
-            f"{loc.where(path)}: {_dotted(path)}: ${{{name}}} is not set in the environment",
-            hint=f"export {name}=..., or write ${{{name}:-default}}; $${{ gives a literal ${{",
-        )
+        raise unset(name)
 
     return _VAR.sub(sub, value)
+
+
+def env_references(value: str) -> list[str]:
+    """The environment variables a stored ``env:`` value refers to (``${NAME}``, ``${NAME:-d}``),
+    in order; ``$${`` is a literal, not a reference."""
+    return [m.group(1) for m in _VAR.finditer(value) if m.group(1)]
+
+
+def resolve_env(env: typing.Mapping[str, str], environ: typing.Mapping[str, str] | None = None) -> dict[str, str]:
+    """The spec's ``env`` as a node gets it: each ``${VAR}`` replaced from ``environ`` (default
+    ``os.environ``, the controller's: ``sftctl run`` or the controller it starts, which inherits
+    it). A spec keeps the references (state.db, events, logs hold ``${MY_API_TOKEN}``, never its
+    value); only the node's environment holds the values.
+
+    Raises:
+        SpecError: a variable without a default is not set (it was when the spec was loaded).
+    """
+    environ = os.environ if environ is None else environ
+    return {k: _expand(v, environ, lambda name, k=k: SpecError(
+        f"env.{k}: ${{{name}}} is not set in the environment of the controller",
+        hint=f"export {name}=... in the shell that runs sftctl")) for k, v in env.items()}
 
 
 # --------------------------------------------------------------------------- overrides
@@ -753,6 +791,7 @@ def load_spec(
     data = _interpolate(data, (), loc, os.environ if environ is None else environ)
     for assignment in overrides:
         _apply_override(data, assignment, loc)
+    _check_env_references(data, loc, os.environ if environ is None else environ)
     data.setdefault("name", default_name(path))
     try:
         spec = JobSpec.model_validate(data)

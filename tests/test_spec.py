@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from conftest import REPO, no_traceback, sftctl, write_spec
 from sftctl.errors import SftctlError, SpecError
-from sftctl.spec import load_spec, parse_duration_s
+from sftctl.spec import load_spec, parse_duration_s, resolve_env
 
 
 def err(tmp_path, text: str, overrides=(), environ=None, name="job.yaml") -> str:
@@ -90,7 +90,9 @@ def test_interpolation(tmp_path):
         "name: demo\nrun: echo ${NOT_TOUCHED}\nenv:\n  A: ${HOMEDIR}/x\n  B: ${MISSING:-fallback}\n  C: $${LITERAL}\n",
     )
     spec = load_spec(path, environ={"HOMEDIR": "/h"})
-    assert spec.env == {"A": "/h/x", "B": "fallback", "C": "${LITERAL}"}
+    # env keeps the references (state never holds an environment value); a node gets them resolved
+    assert spec.env == {"A": "${HOMEDIR}/x", "B": "${MISSING:-fallback}", "C": "$${LITERAL}"}
+    assert resolve_env(spec.env, {"HOMEDIR": "/h"}) == {"A": "/h/x", "B": "fallback", "C": "${LITERAL}"}
     assert spec.run == "echo ${NOT_TOUCHED}"  # the node's shell expands run and setup
 
 
@@ -272,3 +274,11 @@ def test_numbers_elsewhere_follow_yaml_1_2(tmp_path, text, expected):
                          environ={}).train.steps == expected
     else:
         assert "train.steps" in err(tmp_path, "name: demo\nrun: echo\n", [f"train.steps={text}"])
+
+
+def test_env_references_are_checked_after_set(tmp_path):
+    """A `${VAR}` given by --set env.X is checked like the file's: unset, one line naming it."""
+    msg = err(tmp_path, "name: demo\nrun: echo\n", ["env.T=${SFTCTL_T_NOPE}"])
+    assert msg == "--set env.T=${SFTCTL_T_NOPE}: env.T: ${SFTCTL_T_NOPE} is not set in the environment"
+    with pytest.raises(SpecError, match=r"env.T: \$\{B\} is not set in the environment of the controller"):
+        resolve_env({"T": "${B}"}, {})

@@ -678,3 +678,33 @@ def test_logs_of_a_node_that_does_not_exist_names_the_nodes(tmp_path, home):
         proc = sftctl("logs", job, "--node", "5", *extra, timeout=60)
         assert proc.returncode == 2 and no_traceback(proc)
         assert proc.stderr.splitlines()[0] == f"error: --node 5: job {job} has 2 node(s): nodes 0-1"
+
+
+def test_secrets_interpolated_into_env_are_stored_as_references(tmp_path, home):
+    """Issue 14 item 9: a secret interpolated into env: (or named in secrets:) reaches the node,
+    but its value is in no byte of state.db (jobs, events), the logs, node scripts or storage
+    that sftctl writes under SFTCTL_HOME; state keeps the `${MY_API_TOKEN}` reference."""
+    token, other = "tok-" + os.urandom(12).hex(), "sec-" + os.urandom(12).hex()
+    (tmp_path / "spec").mkdir()
+    out = tmp_path / "seen"
+    out.mkdir()
+    spec = write_spec(tmp_path / "spec" / "leak.yaml",
+                      'name: leak\nsecrets: [SFTCTL_T_OTHER]\nenv: {X: "${SFTCTL_T_TOKEN}", Y: "a-${SFTCTL_T_TOKEN}-b",'
+                      ' Z: "$${SFTCTL_T_TOKEN}", W: "${SFTCTL_T_UNSET:-dflt}"}\n'
+                      f'run: printf "%s|%s|%s|%s|%s" "$X" "$Y" "$Z" "$W" "$SFTCTL_T_OTHER" > {out}/node$SFTCTL_NODE_RANK\n')
+    env = {**os.environ, "SFTCTL_T_TOKEN": token, "SFTCTL_T_OTHER": other}
+    env.pop("SFTCTL_T_UNSET", None)
+    dry = sftctl("run", str(spec), "--dry-run", "--json", env=env, check=True).stdout
+    assert token not in dry and other not in dry
+    assert json.loads(dry)["nodes"][0]["env"]["X"] == "${SFTCTL_T_TOKEN}"
+    proc = sftctl("run", str(spec), "--json", env=env, check=True)
+    assert (out / "node0").read_text() == f"{token}|a-{token}-b|${{SFTCTL_T_TOKEN}}|dflt|{other}"
+    assert token not in proc.stdout + proc.stderr and other not in proc.stdout + proc.stderr
+    files = [p for p in home.rglob("*") if p.is_file()]
+    assert home / "state.db" in files and len(files) > 3
+    for p in files:
+        data = p.read_bytes()
+        assert token.encode() not in data and other.encode() not in data, p
+    job = status_json()["jobs"][0]
+    stored = sftctl("status", job["id"], "--json", env=env, check=True).stdout
+    assert token not in stored and "${SFTCTL_T_TOKEN}" in (home / "state.db").read_bytes().decode("latin-1")
