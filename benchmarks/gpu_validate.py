@@ -64,6 +64,8 @@ if DRY:  # before triton is imported anywhere: kernels are decorated in interpre
 
 import numpy as np  # noqa: E402
 
+from sftctl.compiler.calibration import rankdata, spearman as spearman_rho  # noqa: E402,F401
+
 # ------------------------------------------------------------------------------------------------
 # small helpers
 # ------------------------------------------------------------------------------------------------
@@ -84,32 +86,6 @@ class Clock:
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
-
-
-def rankdata(x) -> np.ndarray:
-    """Average ranks (1-based) of ``x``, ties sharing their mean rank (scipy.stats.rankdata)."""
-    x = np.asarray(x, dtype=np.float64)
-    order = np.argsort(x, kind="mergesort")
-    ranks = np.empty(len(x), dtype=np.float64)
-    xs = x[order]
-    i = 0
-    while i < len(x):
-        j = i
-        while j + 1 < len(x) and xs[j + 1] == xs[i]:
-            j += 1
-        ranks[order[i:j + 1]] = (i + j) / 2.0 + 1.0
-        i = j + 1
-    return ranks
-
-
-def spearman_rho(x, y) -> float:
-    """Spearman's rank correlation: Pearson correlation of the average ranks; nan if n < 3."""
-    if len(x) < 3:
-        return float("nan")
-    rx, ry = rankdata(x), rankdata(y)
-    rx, ry = rx - rx.mean(), ry - ry.mean()
-    den = math.sqrt(float((rx * rx).sum() * (ry * ry).sum()))
-    return float((rx * ry).sum() / den) if den else float("nan")
 
 
 def kendall_tau_b(x, y) -> float:

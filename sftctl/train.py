@@ -257,6 +257,23 @@ def checkpoint_dir() -> Path:
 DEFAULT_KEEP_CHECKPOINTS = 3  # the spec's train.keep_checkpoints default
 
 
+def _checkpoint_args(step: int, keep: int | None) -> int:
+    """Check a checkpoint call's ``step`` and ``keep``; returns ``keep``, from
+    ``$SFTCTL_KEEP_CHECKPOINTS`` (else :data:`DEFAULT_KEEP_CHECKPOINTS`) when None.
+
+    Raises:
+        ValueError: ``step`` < 0, or ``keep`` below 1 or not an integer.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if keep is None:
+        raw = os.environ.get("SFTCTL_KEEP_CHECKPOINTS", "").strip()
+        keep = _parse_int("SFTCTL_KEEP_CHECKPOINTS", raw, minimum=1) if raw else DEFAULT_KEEP_CHECKPOINTS
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    return keep
+
+
 def save_checkpoint(state: dict[str, Any], step: int, *, keep: int | None = None) -> Path:
     """Atomically write ``state`` as the checkpoint for ``step`` and prune old checkpoints.
 
@@ -296,13 +313,7 @@ def save_checkpoint(state: dict[str, Any], step: int, *, keep: int | None = None
         sftctl.storage.StorageError: the upload to job storage failed. The local checkpoint is
             in place; the storage keeps its earlier complete checkpoints.
     """
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    if keep is None:
-        raw = os.environ.get("SFTCTL_KEEP_CHECKPOINTS", "").strip()
-        keep = _parse_int("SFTCTL_KEEP_CHECKPOINTS", raw, minimum=1) if raw else DEFAULT_KEEP_CHECKPOINTS
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
+    keep = _checkpoint_args(step, keep)
     import torch  # lazy: keep this module importable without torch
 
     root = checkpoint_dir()
@@ -820,13 +831,7 @@ def save_sharded_checkpoint(model: Any, optimizer: Any, step: int, *, extra: dic
         ValueError: a negative step or bad keep. OSError / StorageError: a write failed (no
             rank finalizes: the step stays incomplete everywhere).
     """
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    if keep is None:
-        raw = os.environ.get("SFTCTL_KEEP_CHECKPOINTS", "").strip()
-        keep = _parse_int("SFTCTL_KEEP_CHECKPOINTS", raw, minimum=1) if raw else DEFAULT_KEEP_CHECKPOINTS
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
+    keep = _checkpoint_args(step, keep)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from typing import Protocol, runtime_checkable
 
 from sftctl.catalog import Offering
@@ -147,3 +148,18 @@ def provision_all(provider: Provider, job_id: str, nodes: list[tuple[str, int]],
         capacity = [e for e in errors if isinstance(e, CapacityError)]
         raise (capacity or errors)[0]
     return results
+
+
+def complete_json_lines(key: str, data: bytes, offsets: dict[str, int]) -> list[dict]:
+    """The JSON objects of the complete lines of ``data`` (bytes of file ``key`` read from
+    ``offsets[key]``), advancing ``offsets[key]`` past them; a line still being written (no
+    newline yet) waits for the next read, and lines that are not JSON are skipped."""
+    complete = data[: data.rfind(b"\n") + 1]
+    offsets[key] = offsets.get(key, 0) + len(complete)
+    out = []
+    for line in complete.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out

@@ -13,7 +13,6 @@ cloud tags, which :mod:`sftctl.procs` finds in ``/proc``.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from sftctl import procs
 from sftctl.catalog import Offering, local_offering
 from sftctl.errors import CapacityError, ProviderError
 from sftctl.paths import job_dir, sftctl_home
-from sftctl.providers.base import NodeState, NodeStatus
+from sftctl.providers.base import NodeState, NodeStatus, complete_json_lines
 
 
 class LocalProvider:
@@ -223,12 +222,4 @@ def _read_json_lines(path: Path, offsets: dict[str, int]) -> list[dict]:
             data = f.read()
     except FileNotFoundError:
         return []
-    complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits
-    offsets[key] = offsets.get(key, 0) + len(complete)
-    out = []
-    for line in complete.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+    return complete_json_lines(key, data, offsets)

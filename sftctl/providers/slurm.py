@@ -61,7 +61,7 @@ from pathlib import Path
 
 from sftctl.catalog import Offering
 from sftctl.errors import CapacityError, ProviderError
-from sftctl.providers.base import NodeState, NodeStatus
+from sftctl.providers.base import NodeState, NodeStatus, complete_json_lines
 
 #: Pending reasons of ``squeue`` (``%r``) in words. Source: Slurm's squeue man page, "JOB REASON
 #: CODES" (22.05 and 24.11 list the same codes for these).
@@ -288,32 +288,9 @@ def duration(seconds: float) -> str:
 # -------------------------------------------------------------------- where commands run
 
 
-#: What a remote read does: given {"files": {path: offset}, "globs": [pattern]}, print JSON
-#: {path: [size, base64 bytes from its offset]} for each file that exists. Runs with the remote
-#: python3 (SSH mode) or in this process (login-node mode): one round trip per node per poll.
-_READ_SCRIPT = r"""
-import base64, glob, json, os, sys
-req = json.loads(sys.argv[1])
-files = dict(req.get("files", {}))
-for pattern in req.get("globs", []):
-    for p in glob.glob(pattern):
-        files.setdefault(p, 0)
-out = {}
-for p, off in files.items():
-    try:
-        with open(p, "rb") as f:
-            f.seek(off)
-            data = f.read(16 << 20)
-        out[p] = base64.b64encode(data).decode()
-    except OSError:
-        pass
-print(json.dumps(out))
-"""
-
-
-def _read_local(req: dict) -> dict[str, bytes]:
+_READ_FILES = r"""
+def read_files(req):
     import glob
-
     files = dict(req.get("files", {}))
     for pattern in req.get("globs", []):
         for p in glob.glob(pattern):
@@ -327,6 +304,23 @@ def _read_local(req: dict) -> dict[str, bytes]:
         except OSError:
             pass
     return out
+"""
+
+#: What a remote read does: given {"files": {path: offset}, "globs": [pattern]}, print JSON
+#: {path: base64 bytes from its offset (16 MiB at most)} for each file that exists. Runs with
+#: the remote python3 (SSH mode); login-node mode runs the same ``read_files`` in this process
+#: (:func:`_read_local`): one round trip per node per poll.
+_READ_SCRIPT = _READ_FILES + r"""
+import base64, json, sys
+print(json.dumps({p: base64.b64encode(d).decode() for p, d in read_files(json.loads(sys.argv[1])).items()}))
+"""
+
+
+def _read_local(req: dict) -> dict[str, bytes]:
+    """:data:`_READ_SCRIPT`'s read, in this process: ``{path: bytes from its offset}``."""
+    namespace: dict = {}
+    exec(_READ_FILES, namespace)  # the very code the remote read runs
+    return namespace["read_files"](req)
 
 
 class Runner:
@@ -895,7 +889,7 @@ class SlurmProvider:
         for path in sorted(got):
             if not path.endswith(".jsonl"):
                 continue
-            out += _json_lines(path, got[path], offsets)
+            out += complete_json_lines(path, got[path], offsets)
         return out
 
     def read_health(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
@@ -903,7 +897,7 @@ class SlurmProvider:
             return []
         path = f"{handle['dir']}/health.jsonl"
         got = self.runner.read({"files": {path: offsets.get(path, 0)}})
-        return _json_lines(path, got[path], offsets) if path in got else []
+        return complete_json_lines(path, got[path], offsets) if path in got else []
 
     # ---------------------------------------------------------------- teardown
 
@@ -957,18 +951,6 @@ class SlurmProvider:
         if found:
             self.runner.run(["scancel", *[f["id"] for f in found]], check=False)
         return len(found)
-
-
-def _json_lines(path: str, data: bytes, offsets: dict[str, int]) -> list[dict]:
-    complete = data[: data.rfind(b"\n") + 1]
-    offsets[path] = offsets.get(path, 0) + len(complete)
-    out = []
-    for line in complete.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
 
 
 def _int(text: str) -> int:

@@ -132,6 +132,28 @@ def _collect(data: CheckpointData) -> dict[str, bytes | Path]:
     return items
 
 
+def _upload(storage: Storage, prefix: str, items: dict[str, bytes | Path], workers: int) -> list[CheckpointFile]:
+    """Upload ``items`` (from :func:`_collect`) under ``prefix``, ``workers`` at a time; their
+    :class:`CheckpointFile` records in name order."""
+
+    def upload(name: str) -> CheckpointFile:
+        value = items[name]
+        if isinstance(value, Path):
+            size, sha = _sha256_file(value)
+            storage.upload_file(prefix + name, value)
+        else:
+            value = bytes(value)
+            size, sha = len(value), hashlib.sha256(value).hexdigest()
+            storage.put_bytes(prefix + name, value)
+        return CheckpointFile(name, size, sha)
+
+    names = sorted(items)
+    if workers > 1 and len(names) > 1:
+        with concurrent.futures.ThreadPoolExecutor(min(workers, len(names))) as pool:
+            return list(pool.map(upload, names))
+    return [upload(name) for name in names]
+
+
 def write_checkpoint(storage: Storage, step: int, data: CheckpointData, *, keep: int | None = 3,
                      workers: int = 4) -> Manifest:
     """Write the checkpoint of ``step``: data objects first, ``MANIFEST.json`` last; then prune.
@@ -163,25 +185,8 @@ def write_checkpoint(storage: Storage, step: int, data: CheckpointData, *, keep:
     items = _collect(data)
     storage.delete(prefix + MANIFEST)
     stale = {key for key, _ in storage.list(prefix)}
-
-    def upload(name: str) -> CheckpointFile:
-        value = items[name]
-        if isinstance(value, Path):
-            size, sha = _sha256_file(value)
-            storage.upload_file(prefix + name, value)
-        else:
-            value = bytes(value)
-            size, sha = len(value), hashlib.sha256(value).hexdigest()
-            storage.put_bytes(prefix + name, value)
-        return CheckpointFile(name, size, sha)
-
-    names = sorted(items)
-    if workers > 1 and len(names) > 1:
-        with concurrent.futures.ThreadPoolExecutor(min(workers, len(names))) as pool:
-            files = list(pool.map(upload, names))
-    else:
-        files = [upload(name) for name in names]
-    for key in sorted(stale - {prefix + n for n in names}):  # leftovers of a torn earlier write
+    files = _upload(storage, prefix, items, workers)
+    for key in sorted(stale - {prefix + f.name for f in files}):  # leftovers of a torn earlier write
         storage.delete(key)
     manifest = Manifest(int(step), tuple(files), time.time())
     storage.put_bytes(prefix + MANIFEST, manifest.to_json())
@@ -199,24 +204,7 @@ def upload_files(storage: Storage, step: int, data: CheckpointData, *, workers: 
         ValueError: no files, or a bad file name. StorageError: an upload failed.
     """
     prefix = step_prefix(step)
-    items = _collect(data)
-
-    def upload(name: str) -> CheckpointFile:
-        value = items[name]
-        if isinstance(value, Path):
-            size, sha = _sha256_file(value)
-            storage.upload_file(prefix + name, value)
-        else:
-            value = bytes(value)
-            size, sha = len(value), hashlib.sha256(value).hexdigest()
-            storage.put_bytes(prefix + name, value)
-        return CheckpointFile(name, size, sha)
-
-    names = sorted(items)
-    if workers > 1 and len(names) > 1:
-        with concurrent.futures.ThreadPoolExecutor(min(workers, len(names))) as pool:
-            return list(pool.map(upload, names))
-    return [upload(name) for name in names]
+    return _upload(storage, prefix, _collect(data), workers)
 
 
 def begin_checkpoint(storage: Storage, step: int) -> None:
