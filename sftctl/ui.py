@@ -405,29 +405,3 @@ def kernels_table(kernels: list, top: int) -> FitTable:
         rows.append([str(k.index), k.label, _seconds(k.time_s), f"{100 * k.time_s / total:.1f}%", k.bound,
                      f"{k.arithmetic_intensity:.1f} F/B", f"{100 * k.roofline_fraction:.0f}%", sched])
     return FitTable(cols, rows, title=f"slowest {min(top, len(kernels))} of {len(kernels)} kernels")
-
-
-def compile_report(doc: dict, hw) -> str:
-    """A readable Markdown report of a compiled step (written next to plan.json)."""
-    kernels = sorted(doc["kernels"], key=lambda k: -k["time_s"])
-    total = doc["compute_time_s"]
-    pm = doc["peak_memory"]
-    lines = [
-        f"# {doc['job']} on {hw.name}",
-        "",
-        f"- graph: {doc['graph_nodes']:,} ops, {len(doc['kernels'])} kernels; compiler {doc['compiler_version']}",
-        f"- predicted step (one device): {total * 1000:.3f} ms",
-        f"- peak memory: {sum(pm[k] for k in ('params_bytes', 'opt_state_bytes', 'batch_bytes', 'transient_peak_bytes', 'reserve_bytes')) / 2**30:.2f} GiB "
-        f"(parameters {pm['params_bytes'] / 2**20:.1f} MiB, optimizer state {pm['opt_state_bytes'] / 2**20:.1f} MiB, "
-        f"transient peak {pm['transient_peak_bytes'] / 2**20:.1f} MiB, runtime reserve {pm['reserve_bytes'] / 2**20:.0f} MiB)",
-        f"- schedule search: {doc['candidates']:,} candidates, {doc['scored']:,} scored after pruning, {doc['search_s']:.2f} s",
-        f"- roofline ridge point: {hw.matrix_peak('bfloat16') / hw.hbm_bytes_per_s:.0f} FLOP/byte (bf16 matrix peak / HBM bandwidth)",
-        "",
-        "| # | kernel | time | share | bound | FLOP/byte | of roofline | schedule |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for k in kernels:
-        cfg = " ".join(f"{a}={b}" for a, b in (k["config"] or {}).items()) or "-"
-        lines.append(f"| {k['index']} | {k['label']} | {_seconds(k['time_s'])} | {100 * k['time_s'] / total:.1f}% | "
-                     f"{k['bound']} | {k['arithmetic_intensity']:.1f} | {100 * k['roofline_fraction']:.0f}% | {cfg} |")
-    return "\n".join(lines) + "\n"

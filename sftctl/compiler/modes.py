@@ -455,16 +455,6 @@ def _other_kernel_s(graph: Graph, k: Kernel, hw: Accelerator, coeffs, eager: boo
     return None
 
 
-def mode_kernels(graph: Graph, mode: str) -> list[Kernel]:
-    """The kernels ``mode`` runs (``sftensor``: :func:`fuse`'s)."""
-    phase, module = node_phases_modules(graph)
-    if mode == "eager":
-        return eager_kernels(graph)
-    if mode == "default":
-        return default_kernels(graph, phase, module)
-    return fuse(graph)
-
-
 def predict_mode(graph: Graph, hw: Accelerator, mode: str, coeffs=None, matmul_precision: str = "highest",
                  dtype_map: dict | None = None, kernels: list[Kernel] | None = None,
                  kernel_times: list[float] | None = None) -> dict:
