@@ -64,7 +64,7 @@ if DRY:  # before triton is imported anywhere: kernels are decorated in interpre
 
 import numpy as np  # noqa: E402
 
-from sftctl.compiler.calibration import rankdata, spearman as spearman_rho  # noqa: E402,F401
+from sftctl.compiler.calibration import spearman as spearman_rho  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
 # small helpers

@@ -41,6 +41,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 RESULTS = REPO / "benchmarks" / "results" / "slurm_submit.json"
 
+from cli_latency import timed  # noqa: E402  (benchmarks/ is on sys.path: this runs as a script)
+
 SPEC = """\
 name: bench-slurm
 workdir: {work}
@@ -154,17 +156,6 @@ def recovery(tmp: Path, requeue: bool) -> dict:
             "killed_at_step": killed_at_step, "resumed_from_step": resumed_step,
             "kill_to_node_down_s": None if t_down is None else t_down - t_kill,
             "kill_to_resumed_s": t_resumed - t_kill}
-
-
-def timed(cmd: list[str], repeat: int, env: dict) -> list[float]:
-    out = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, env=env)
-        out.append(time.perf_counter() - t0)
-        if proc.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr.decode()[-2000:]}")
-    return out
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ import json
 import math
 import re
 
-from sftctl.compiler.fusion import Kernel, fuse, kind_of, regroup, source_of
+from sftctl.compiler.fusion import Kernel, fuse, regroup, source_of
 from sftctl.compiler.hardware import Accelerator
 from sftctl.compiler.ir import CONTRACTIONS, LAYOUT, SOURCES, Graph
 
