@@ -13,7 +13,9 @@ from conftest import sftctl, job_processes
 
 pytest.importorskip("torch")
 
-QUICK = ["--set", "train.steps=60", "--set", "train.checkpoint_interval=15",
+# The replayed throttle starts at step 40 and takes interval + window (4 s) to be judged: 200
+# steps leave room for that however fast this machine trains (60 once finished before it).
+QUICK = ["--set", "train.steps=200", "--set", "train.checkpoint_interval=15",
          "--set", "health.interval_s=1", "--set", "health.throttle_window_s=3"]
 
 

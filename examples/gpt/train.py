@@ -28,6 +28,7 @@ straggler).
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import sys
@@ -120,6 +121,10 @@ def main() -> None:
     try:
         train(rank, world_size, device, distributed)
         if distributed:
+            # DDP's reducer sits in reference cycles: collect it (and the gloo work it holds)
+            # while the process group is alive, not during teardown or interpreter exit, where
+            # gloo's worker threads abort the process (pytorch/pytorch#179291 describes the exit case)
+            gc.collect()
             # every rank reaches here before any tears gloo down: destroying the group while a
             # peer still talks to it aborts the process ("terminate called without an active
             # exception", SIGABRT) and turns a finished run into a failed attempt
