@@ -56,6 +56,16 @@ def job_processes(job_id: str) -> list[int]:
     return procs.tagged("SFTCTL_JOB_ID", job_id)
 
 
+#: A two-node job that runs until it is taken down (prints "started" first).
+SLEEPER = """\
+name: sleeper
+resources: {nodes: 2}
+run: |
+  echo started
+  sleep 300
+"""
+
+
 def write_spec(path: Path, text: str) -> Path:
     path.write_text(text)
     return path

@@ -62,7 +62,21 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-class SlurmCluster:
+class _Managed:
+    """``with X(...) as x:`` starts it and always stops it, also when starting fails halfway."""
+
+    def __enter__(self):
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class SlurmCluster(_Managed):
     """A throwaway Slurm cluster under ``root`` (a directory). See the module docstring.
 
     Args:
@@ -244,15 +258,6 @@ PartitionName=gpu Nodes={','.join(self.names)} Default=YES MaxTime=INFINITE Stat
             out.append(f"--- {p.name}\n{p.read_text(errors='replace')[-chars:]}")
         return "\n".join(out)
 
-    def __enter__(self) -> "SlurmCluster":
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 DAEMON_TAG = "SFTCTL_TEST_SLURM_DAEMON"
@@ -315,7 +320,7 @@ def _wait(pred, timeout_s: float, what: str, cluster: SlurmCluster) -> None:
     raise RuntimeError(f"test Slurm cluster: timed out waiting for {what}\n{cluster.log_tail()}")
 
 
-class SSHServer:
+class SSHServer(_Managed):
     """An ``sshd`` on a free loopback port standing in for a cluster's login node.
 
     Key authentication only, into a temporary ``authorized_keys``; its host key, config, pid
@@ -376,15 +381,6 @@ MaxStartups 50
             self.proc.wait(10)
             self.proc = None
 
-    def __enter__(self) -> "SSHServer":
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def _port_open(port: int) -> bool:

@@ -8,21 +8,13 @@ import signal
 import subprocess
 import sys
 
-from conftest import REPO, job_processes, no_traceback, sftctl, status_json, wait_for, write_spec
+from conftest import REPO, SLEEPER, job_processes, no_traceback, sftctl, status_json, wait_for, write_spec
 
 TINY = """\
 name: tiny
 resources: {nodes: 2}
 run: |
   echo "hello from node $SFTCTL_NODE_RANK of $SFTCTL_NUM_NODES ips=$SFTCTL_NODE_IPS rdzv=$SFTCTL_RDZV_ENDPOINT"
-"""
-
-SLEEPER = """\
-name: sleeper
-resources: {nodes: 2}
-run: |
-  echo started
-  sleep 300
 """
 
 

@@ -114,13 +114,18 @@ def test_offerings_come_from_sinfo_with_owned_or_lab_price(cluster, home):
     assert "--cpus-per-task=8" in SlurmProvider(config={"cpus_per_node": 8})._allocation_args(h100, 2)
 
 
-def test_plan_weighs_the_queue_and_rejects_impossible_allocations(cluster, tmp_path):
-    spec = write_spec(tmp_path / "gpu.yaml", f"""\
+def _gpu_plan_spec(tmp_path: Path) -> Path:
+    """A two-node job asking for H100:2 per node on the Slurm cluster only."""
+    return write_spec(tmp_path / "gpu.yaml", f"""\
 name: gpu-plan
 workdir: {tmp_path}
 resources: {{accelerators: ["H100:2"], nodes: 2, clouds: [slurm]}}
 run: "true"
 """)
+
+
+def test_plan_weighs_the_queue_and_rejects_impossible_allocations(cluster, tmp_path):
+    spec = _gpu_plan_spec(tmp_path)
     doc = json.loads(sftctl("plan", str(spec), "--json", check=True).stdout)
     chosen = doc["candidates"][0] if "candidates" in doc else doc
     text = json.dumps(doc)
@@ -143,12 +148,7 @@ def test_plan_shows_the_wait_of_a_busy_cluster(cluster, tmp_path):
                              capture_output=True, text=True, check=True).stdout.strip()
     try:
         wait_for(lambda: scontrol_job(cluster, blocker).get("JobState") == "RUNNING", timeout_s=30, what="the blocker")
-        spec = write_spec(tmp_path / "gpu.yaml", f"""\
-name: gpu-plan
-workdir: {tmp_path}
-resources: {{accelerators: ["H100:2"], nodes: 2, clouds: [slurm]}}
-run: "true"
-""")
+        spec = _gpu_plan_spec(tmp_path)
         doc = json.loads(sftctl("plan", str(spec), "--json", check=True).stdout)
         [c] = [c for c in doc["candidates"] if c["provider"] == "slurm"]
         assert 540 <= c["queue_wait_s"] <= 600, c

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from conftest import REPO, job_processes, no_traceback, sftctl, status_json, wait_for, write_spec
+from conftest import REPO, SLEEPER, job_processes, no_traceback, sftctl, status_json, wait_for, write_spec
 
 # An interpreter without the cloud SDKs (the README's plain `.[torch]` install): a meta-path
 # finder refuses them the way a missing distribution does.
@@ -60,15 +60,6 @@ def test_check_and_down_orphans_without_cloud_sdks_name_the_extra(tmp_path, home
     assert proc.stdout.splitlines() == [f"{c}: skipped ({c}: its SDK ({s}) is not installed)"
                                         for c, s in (("aws", "boto3"), ("gcp", "google.cloud.compute_v1"),
                                                      ("kubernetes", "kubernetes"))]
-
-
-SLEEPER = """\
-name: sleeper
-resources: {nodes: 2}
-run: |
-  echo started
-  sleep 300
-"""
 
 
 def test_every_read_path_sees_a_dead_controller(tmp_path, home):
