@@ -19,7 +19,6 @@ died; ``sftctl down`` still cleans its nodes up).
 from __future__ import annotations
 
 import contextlib
-import enum
 import json
 import os
 import secrets
@@ -29,29 +28,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from sftctl.paths import sftctl_home
+from sftctl.types import TERMINAL, JobStatus  # noqa: F401  (re-exported)
 
 
-class JobStatus(str, enum.Enum):
-    """Where a job is in its lifecycle."""
-
-    PENDING = "PENDING"
-    PROVISIONING = "PROVISIONING"
-    LAUNCHING = "LAUNCHING"
-    RUNNING = "RUNNING"
-    RECOVERING = "RECOVERING"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-    CANCELLED = "CANCELLED"
-    FAILED_CONTROLLER = "FAILED_CONTROLLER"
-
-    @property
-    def terminal(self) -> bool:
-        return self in TERMINAL
-
-
-TERMINAL = frozenset(
-    {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.FAILED_CONTROLLER}
-)
 _ENDINGS = {JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.FAILED_CONTROLLER}
 TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     JobStatus.PENDING: frozenset({JobStatus.PROVISIONING} | _ENDINGS),

@@ -15,48 +15,13 @@ from __future__ import annotations
 
 import csv
 import functools
-import dataclasses
 import datetime
 import os
 from pathlib import Path
 
+from sftctl.types import Offering  # the vocabulary; re-exported here
+
 _CSV = Path(__file__).with_name("offerings.csv")
-
-
-@dataclasses.dataclass(frozen=True)
-class Offering:
-    """One way to buy nodes: ``count`` x ``accelerator`` per node of ``instance_type``.
-
-    ``usd_per_hour`` is the on-demand price of one node; ``spot_usd_per_hour`` the spot price or
-    None where the catalog has none. ``source`` says where the price comes from, ``as_of`` when it
-    was read (ISO 8601, possibly just year or year-month).
-    ``intra_node_bytes_per_s``: unidirectional bytes/s per accelerator to the other accelerators of
-    the node (None for single-accelerator nodes or where unknown). ``inter_node_bytes_per_s``:
-    unidirectional bytes/s per node to other nodes (None where unknown or not applicable).
-    ``bandwidth_source`` says where both bandwidths come from.
-    """
-
-    provider: str
-    instance_type: str
-    accelerator: str
-    count: int
-    region: str
-    usd_per_hour: float
-    spot_usd_per_hour: float | None = None
-    vcpus: int | None = None
-    memory_gib: float | None = None
-    source: str = ""
-    intra_node_bytes_per_s: float | None = None
-    inter_node_bytes_per_s: float | None = None
-    as_of: str = ""
-    bandwidth_source: str = ""
-
-    def price(self, spot: bool) -> float | None:
-        """USD per hour per node, or None when the offering has no spot price and spot is asked."""
-        return self.spot_usd_per_hour if spot else self.usd_per_hour
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 @functools.lru_cache(maxsize=1)

@@ -21,32 +21,10 @@ Every resource a provider creates carries the job id and node id as tags or labe
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import json
 from typing import Protocol, runtime_checkable
 
-from sftctl.catalog import Offering
-
-
-class NodeState(str, enum.Enum):
-    """What a node is doing, as its provider sees it."""
-
-    READY = "READY"  # provisioned, nothing launched yet
-    RUNNING = "RUNNING"  # the bootstrap script runs
-    SUCCEEDED = "SUCCEEDED"  # the script exited 0
-    FAILED = "FAILED"  # the script exited non-zero
-    LOST = "LOST"  # the node or its process vanished without an exit code
-    TERMINATED = "TERMINATED"
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeStatus:
-    """A node's state, its script's exit code when it ended, and a human detail line."""
-
-    state: NodeState
-    exit_code: int | None = None
-    detail: str = ""
+from sftctl.types import NodeState, NodeStatus, Offering  # noqa: F401  (re-exported)
 
 
 @runtime_checkable

@@ -1,0 +1,391 @@
+"""The vocabulary every layer speaks: what crosses from a provider to the controller, from the
+planner to the CLI, from state to ``sftctl.api`` (as TorchX's ``specs/api.py`` does for its
+schedulers).
+
+Every type is a frozen dataclass (``import sftctl.types`` costs no pydantic, so ``sftctl status``
+and ``import sftctl.api`` stay light). ``to_dict()`` is its JSON serialization, the one the
+``--json`` outputs and the state database hold; ``from_dict()`` reads it back and ignores keys it
+does not know (a newer sftctl's state stays readable).
+
+- :class:`Offering`: one way to buy nodes (catalog rows, ``sinfo``, the local machine).
+- :class:`PlanChoice`: an offering judged for a job (predicted step time, cost, why rejected);
+  :class:`Plan` the chosen one, the reason and every choice.
+- :class:`NodeHandle`: what a provider needs to find its node again, one subclass per provider.
+- :class:`NodeState`, :class:`NodeStatus`: a node as its provider sees it.
+- :class:`JobStatus`, :class:`JobRecord`, :class:`NodeRecord`, :class:`Attempt`,
+  :class:`Event`: what ``state.db`` keeps.
+- :class:`MetricsRecord`: one training metrics sample (``sftctl.train`` writes them).
+- :class:`FailureReason`: why something failed or was ruled out, as a code a program switches
+  on plus one human line; code never parses the line back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, ClassVar, TypeVar
+
+T = TypeVar("T", bound="Record")
+
+
+class Record:
+    """Mixin: JSON serialization of a frozen dataclass (enums as their values, nested records as dicts)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    @classmethod
+    def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+        """Build from ``to_dict()``'s output; unknown keys are ignored, missing ones take defaults.
+
+        Raises:
+            TypeError: a field without a default is missing.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Record):
+        return value.to_dict()
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+# ---------------------------------------------------------------------------- reasons
+
+
+class FailureCode(str, enum.Enum):
+    """What kind of failure (or rejection) a :class:`FailureReason` is; programs switch on it."""
+
+    # a run on a node
+    EXIT = "exit"  # the script exited non-zero (exit_code in data)
+    SIGNAL = "signal"  # killed by a signal (signal number in data)
+    OOM = "oom"  # the kernel's OOM killer, or CUDA out of memory
+    EXCEPTION = "exception"  # an uncaught exception (torchelastic's error file)
+    NODE_LOST = "node_lost"  # the node or its process vanished without an exit code
+    PREEMPTED = "preempted"  # spot/preemptible capacity taken back
+    # a node's health (sftctl.health verdicts)
+    GPU_FAILED = "gpu_failed"  # XID, ECC, fell off the bus
+    THROTTLED = "throttled"
+    STRAGGLER = "straggler"
+    # provisioning and planning
+    NO_CAPACITY = "no_capacity"  # the provider had no capacity or quota
+    NOT_CONFIGURED = "not_configured"  # no credentials / SDK / cluster for this provider
+    NOT_SOLD = "not_sold"  # the catalog has no such offering (or no spot price)
+    DOES_NOT_FIT = "does_not_fit"  # the step does not fit the accelerator's memory
+    TOO_SLOW = "too_slow"  # misses the spec's deadline or budget
+    UNSUPPORTED = "unsupported"  # the accelerator cannot run the job as specified
+    PROVIDER_ERROR = "provider_error"
+    # the job as a whole
+    CANCELLED = "cancelled"
+    CONTROLLER_DIED = "controller_died"
+    RETRIES_EXHAUSTED = "retries_exhausted"
+    UNKNOWN = "unknown"
+
+
+@dataclasses.dataclass(frozen=True)
+class FailureReason(Record):
+    """Why something failed or was ruled out: ``code`` for programs, ``message`` (one line) for
+    people, ``data`` for the numbers behind it (exit code, signal, GiB needed ...)."""
+
+    code: FailureCode
+    message: str
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.code, FailureCode):
+            object.__setattr__(self, "code", FailureCode(self.code))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+# ---------------------------------------------------------------------------- offerings and plans
+
+
+@dataclasses.dataclass(frozen=True)
+class Offering(Record):
+    """One way to buy nodes: ``count`` x ``accelerator`` per node of ``instance_type``.
+
+    ``usd_per_hour`` is the on-demand price of one node; ``spot_usd_per_hour`` the spot price or
+    None where the catalog has none. ``source`` says where the price comes from, ``as_of`` when it
+    was read (ISO 8601, possibly just year or year-month).
+    ``intra_node_bytes_per_s``: unidirectional bytes/s per accelerator to the other accelerators of
+    the node (None for single-accelerator nodes or where unknown). ``inter_node_bytes_per_s``:
+    unidirectional bytes/s per node to other nodes (None where unknown or not applicable).
+    ``bandwidth_source`` says where both bandwidths come from.
+    """
+
+    provider: str
+    instance_type: str
+    accelerator: str
+    count: int
+    region: str
+    usd_per_hour: float
+    spot_usd_per_hour: float | None = None
+    vcpus: int | None = None
+    memory_gib: float | None = None
+    source: str = ""
+    intra_node_bytes_per_s: float | None = None
+    inter_node_bytes_per_s: float | None = None
+    as_of: str = ""
+    bandwidth_source: str = ""
+
+    def price(self, spot: bool) -> float | None:
+        """USD per hour per node, or None when the offering has no spot price and spot is asked."""
+        return self.spot_usd_per_hour if spot else self.usd_per_hour
+
+
+# ---------------------------------------------------------------------------- nodes
+
+
+class NodeState(str, enum.Enum):
+    """What a node is doing, as its provider sees it."""
+
+    READY = "READY"  # provisioned, nothing launched yet
+    RUNNING = "RUNNING"  # the bootstrap script runs
+    SUCCEEDED = "SUCCEEDED"  # the script exited 0
+    FAILED = "FAILED"  # the script exited non-zero
+    LOST = "LOST"  # the node or its process vanished without an exit code
+    TERMINATED = "TERMINATED"
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeStatus:
+    """A node's state, its script's exit code when it ended, and a human detail line."""
+
+    state: NodeState
+    exit_code: int | None = None
+    detail: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeHandle(Record):
+    """What a provider needs to find one node again. The controller stores it in state after
+    every provider call (``to_dict()``), so another process (``sftctl down``) rebuilds the
+    provider's view from state alone; :meth:`parse` reads it back as the provider's subclass.
+
+    ``attempt`` is the attempt last launched on the node (None before the first launch), ``ip``
+    the address the other ranks reach it at, ``launched_at`` Unix seconds of that launch.
+    """
+
+    provider: ClassVar[str] = ""
+    job_id: str
+    node_id: str
+    rank: int
+    attempt: int | None = None
+    ip: str | None = None
+    launched_at: float | None = None
+
+    def with_(self: T, **changes: Any) -> T:
+        """A copy with ``changes`` (handles are immutable)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+    @staticmethod
+    def parse(provider: str, data: dict[str, Any]) -> "NodeHandle":
+        """The handle ``data`` (a ``to_dict()``) as ``provider``'s subclass.
+
+        Raises:
+            ValueError: unknown provider.
+        """
+        cls = _HANDLES.get(provider)
+        if cls is None:
+            raise ValueError(f"unknown provider {provider!r} for a node handle")
+        return cls.from_dict(data)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalHandle(NodeHandle):
+    """A node on this machine: its directory, and the process running its attempt (``pid`` with
+    its start time in clock ticks, so a reused pid is not mistaken for it)."""
+
+    provider: ClassVar[str] = "local"
+    dir: str = ""
+    pid: int | None = None
+    start_ticks: int | None = None
+    exit_file: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CloudHandle(NodeHandle):
+    """A VM on AWS (``id`` the instance id, ``region``, ``zone``, security group ``sg``) or GCP
+    (``id`` the instance name, ``zone``, ``project``)."""
+
+    provider: ClassVar[str] = "cloud"
+    id: str = ""
+    region: str | None = None
+    zone: str | None = None
+    project: str | None = None
+    instance_type: str | None = None
+    spot: bool = False
+    sg: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AWSHandle(CloudHandle):
+    provider: ClassVar[str] = "aws"
+
+
+@dataclasses.dataclass(frozen=True)
+class GCPHandle(CloudHandle):
+    provider: ClassVar[str] = "gcp"
+
+
+@dataclasses.dataclass(frozen=True)
+class KubernetesHandle(NodeHandle):
+    """A pod (``id`` == ``pod``) with its ConfigMap, headless Service and Secret in ``namespace``
+    of kubeconfig context ``context``; ``node_name`` is the machine it was scheduled on."""
+
+    provider: ClassVar[str] = "kubernetes"
+    id: str = ""
+    pod: str = ""
+    configmap: str | None = None
+    service: str | None = None
+    secret: str | None = None
+    namespace: str | None = None
+    context: str | None = None
+    hostname: str | None = None
+    region: str | None = None
+    instance_type: str | None = None
+    accelerator: str | None = None
+    node_name: str | None = None
+    pod_ip: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SlurmHandle(NodeHandle):
+    """A rank of a Slurm allocation: the job's directory ``root`` on the cluster's filesystem,
+    the node's ``dir`` under it, the allocation's ``slurm_job_id`` once submitted, and the Slurm
+    nodes ``exclude``d from it."""
+
+    provider: ClassVar[str] = "slurm"
+    root: str = ""
+    dir: str = ""
+    offering: dict[str, Any] | None = None
+    exclude: list[str] = dataclasses.field(default_factory=list)
+    slurm_job_id: str | None = None
+
+
+_HANDLES: dict[str, type[NodeHandle]] = {
+    c.provider: c for c in (LocalHandle, AWSHandle, GCPHandle, KubernetesHandle, SlurmHandle)
+}
+
+
+# ---------------------------------------------------------------------------- state
+
+
+class JobStatus(str, enum.Enum):
+    """Where a job is in its lifecycle (``sftctl.state.TRANSITIONS`` holds the legal moves)."""
+
+    PENDING = "PENDING"
+    PROVISIONING = "PROVISIONING"
+    LAUNCHING = "LAUNCHING"
+    RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    FAILED_CONTROLLER = "FAILED_CONTROLLER"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset(
+    {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.FAILED_CONTROLLER}
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobRecord(Record):
+    """A job as ``state.db`` keeps it. Times are Unix seconds; ``spec`` is the validated spec as
+    JSON (``env:`` holds ``${VAR}`` references, never secret values); ``offering`` the one it runs
+    on once planned; ``failure_reason`` the line that ended it; ``pending_reason`` why it still
+    waits (local admission control)."""
+
+    id: str
+    name: str
+    status: JobStatus
+    spec: dict[str, Any]
+    created_at: float
+    updated_at: float
+    spec_path: str | None = None
+    provider: str | None = None
+    offering: Offering | None = None
+    controller_pid: int | None = None
+    controller_start_ticks: int | None = None
+    restarts: int = 0
+    failure_reason: str | None = None
+    ended_at: float | None = None
+    pending_reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.status, JobStatus):
+            object.__setattr__(self, "status", JobStatus(self.status))
+        if isinstance(self.offering, dict):
+            object.__setattr__(self, "offering", Offering.from_dict(self.offering))
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeRecord(Record):
+    """One node of a job: its rank, provider, last known status and the provider's handle."""
+
+    id: str
+    job_id: str
+    rank: int
+    provider: str
+    status: str
+    handle: dict[str, Any]
+    created_at: float
+    updated_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt(Record):
+    """One launch of the job's script on all its nodes (1, 2, ...); ``status`` RUNNING while it
+    runs, then SUCCEEDED / FAILED / CANCELLED / ABANDONED; ``reason`` why it ended."""
+
+    job_id: str
+    number: int
+    status: str
+    started_at: float
+    exit_code: int | None = None
+    reason: str | None = None
+    ended_at: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Event(Record):
+    """One line of a job's history. ``kind``: status, plan, provision, launch, node, recovery,
+    health, ...; ``data`` the structured facts behind ``message``."""
+
+    id: int
+    job_id: str
+    ts: float
+    kind: str
+    message: str
+    data: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsRecord(Record):
+    """One training metrics sample of one rank, as :func:`sftctl.train.report` writes it (one
+    JSON line per step): ``step`` (1-based), ``loss``, ``step_time_s`` (seconds), ``tokens_per_s``,
+    ``ts`` (Unix seconds). In state, ``first_step`` / ``first_loss`` are the first sample seen."""
+
+    rank: int
+    step: int
+    loss: float | None = None
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    ts: float | None = None
+    job_id: str | None = None
+    first_step: int | None = None
+    first_loss: float | None = None

@@ -1,0 +1,55 @@
+"""The vocabulary (sftctl.types): JSON round trips, provider handles, reasons."""
+
+import json
+
+import pytest
+
+from sftctl.types import (
+    Attempt, FailureCode, FailureReason, JobRecord, JobStatus, KubernetesHandle, LocalHandle,
+    MetricsRecord, NodeHandle, Offering, SlurmHandle,
+)
+
+
+def test_offering_round_trips_through_json():
+    o = Offering("aws", "p5.48xlarge", "H100", 8, "us-east-1", 98.32, spot_usd_per_hour=39.3)
+    back = Offering.from_dict(json.loads(json.dumps(o.to_dict())))
+    assert back == o
+    assert back.price(spot=True) == 39.3 and back.price(spot=False) == 98.32
+
+
+def test_handle_parses_as_its_providers_type_and_ignores_unknown_keys():
+    h = NodeHandle.parse("local", {"job_id": "j-1", "node_id": "n0", "rank": 0, "dir": "/d",
+                                   "pid": 42, "from_a_newer_sftctl": True})
+    assert isinstance(h, LocalHandle) and h.pid == 42 and h.dir == "/d"
+    launched = h.with_(attempt=3, pid=43)
+    assert (launched.attempt, launched.pid, h.attempt) == (3, 43, None)
+    assert NodeHandle.parse("local", launched.to_dict()) == launched
+    k = NodeHandle.parse("kubernetes", {"job_id": "j", "node_id": "n", "rank": 1, "pod": "p", "id": "p"})
+    assert isinstance(k, KubernetesHandle) and k.node_name is None
+    s = NodeHandle.parse("slurm", {"job_id": "j", "node_id": "n", "rank": 0, "exclude": ["node2"]})
+    assert isinstance(s, SlurmHandle) and s.exclude == ["node2"]
+    with pytest.raises(ValueError, match="unknown provider 'azure'"):
+        NodeHandle.parse("azure", {})
+
+
+def test_failure_reason_is_a_code_and_a_line():
+    r = FailureReason("oom", "rank 1 ran out of memory", {"rank": 1})
+    assert r.code is FailureCode.OOM and str(r) == "rank 1 ran out of memory"
+    assert r.to_dict() == {"code": "oom", "message": "rank 1 ran out of memory", "data": {"rank": 1}}
+    assert FailureReason.from_dict(r.to_dict()) == r
+    with pytest.raises(ValueError):
+        FailureReason("not-a-code", "x")
+
+
+def test_job_record_reads_state_rows():
+    row = {"id": "a-1", "name": "a", "status": "RUNNING", "spec": {"name": "a"}, "created_at": 1.0,
+           "updated_at": 2.0, "offering": Offering("local", "cpu", "cpu", 2, "local", 0.0).to_dict()}
+    job = JobRecord.from_dict(row)
+    assert job.status is JobStatus.RUNNING and not job.status.terminal
+    assert isinstance(job.offering, Offering) and job.offering.count == 2
+    assert job.to_dict()["status"] == "RUNNING" and job.to_dict()["offering"]["count"] == 2
+    assert JobStatus.FAILED_CONTROLLER.terminal
+    a = Attempt(job_id="a-1", number=1, status="FAILED", started_at=1.0, exit_code=1)
+    assert Attempt.from_dict(a.to_dict()) == a
+    m = MetricsRecord.from_dict({"rank": 0, "step": 5, "loss": 2.5, "ts": 3.0})
+    assert (m.step, m.loss, m.step_time_s) == (5, 2.5, None)
