@@ -560,7 +560,7 @@ class Controller:
 
     def _resume_point(self) -> str:
         """Where a relaunch resumes: the newest complete checkpoint, if this machine sees it."""
-        from sftctl.train import complete_checkpoint_steps
+        from sftctl.storage.checkpoints import complete_checkpoint_steps
 
         url = self.storage.url if self.storage is not None else None  # canonical: file:// for a directory
         root = url or self.spec.train.checkpoint_dir or str(job_dir(self.job_id) / "checkpoints")
@@ -802,7 +802,7 @@ def check_checkpoint_dir(spec: JobSpec) -> None:
         SpecError: the directory holds complete checkpoints of another job or of an unknown run.
     """
     from sftctl.errors import SpecError
-    from sftctl.train import complete_checkpoint_steps
+    from sftctl.storage.checkpoints import complete_checkpoint_steps
 
     root = checkpoint_dir_path(spec)
     if root is None or not root.is_dir():

@@ -76,6 +76,12 @@ from typing import Any
 
 from sftctl import failure as _failure
 
+# the local checkpoint layout (state.pt / .metadata, COMPLETE last) is defined in storage, which
+# the controller counts checkpoints through without importing this module
+from sftctl.storage.checkpoints import COMPLETE_FILE, DCP_METADATA, STATE_FILE, complete_checkpoint_steps
+from sftctl.storage.checkpoints import complete_local_checkpoints as _complete_checkpoints
+from sftctl.storage.checkpoints import read_complete_marker as _read_complete
+
 # an uncaught exception in the training script lands in torchelastic's error file, so the job's
 # failure reason names it (see sftctl/failure.py); no-op outside an sftctl node
 _failure.install_excepthook()
@@ -95,15 +101,8 @@ __all__ = [
     "load_sharded_checkpoint",
 ]
 
-STATE_FILE = "state.pt"
 EXTRA_FILE = "extra.pt"  # a sharded checkpoint's small values (step, RNG state), written by rank 0
-DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index, written by rank 0 after every shard
-COMPLETE_FILE = "COMPLETE"
 DEFAULT_CHECKPOINT_DIR = "checkpoints"
-
-# Final checkpoint dirs: "step-" + the step zero padded to 8 digits ("%08d" grows past 8 digits
-# for steps >= 10**8, hence {8,}).
-_FINAL_RE = re.compile(r"^step-(\d{8,})$")
 # Temporary dirs: "step-%08d.tmp-<pid>", optionally followed by a suffix (".old" is used while
 # replacing an existing final dir).
 _TMP_RE = re.compile(r"^step-\d{8,}\.tmp-(\d+)(?:\..*)?$")
@@ -464,48 +463,6 @@ def load_latest_checkpoint(map_location: Any = "cpu") -> tuple[int, dict[str, An
 
 def _step_name(step: int) -> str:
     return "step-%08d" % step
-
-
-def _read_complete(path: Path) -> int | None:
-    """Return the step in ``path/COMPLETE``, or None if it is missing or unreadable."""
-    try:
-        data = json.loads((path / COMPLETE_FILE).read_text(encoding="utf-8"))
-        return int(data["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def complete_checkpoint_steps(root: str | os.PathLike) -> list[int]:
-    """The steps of the complete checkpoints under ``root``, oldest first (what a resume sees).
-
-    ``root`` is a local directory, or a job storage URL (``s3://``, ``gs://``, ``file://``,
-    ``pvc://``): then the steps whose ``MANIFEST.json`` and listed objects are all there.
-    """
-    if isinstance(root, str) and "://" in root:
-        from sftctl.storage import open_storage
-        from sftctl.storage.checkpoints import complete_steps
-
-        return complete_steps(open_storage(root))
-    return [step for step, _ in _complete_checkpoints(Path(root))]
-
-
-def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints in ``root`` as ``(step, path)``, oldest first."""
-    try:
-        entries = list(os.scandir(root))
-    except FileNotFoundError:
-        return []
-    found = []
-    for entry in entries:
-        match = _FINAL_RE.match(entry.name)
-        if not match or not entry.is_dir(follow_symlinks=False):
-            continue
-        path = Path(entry.path)
-        step = int(match.group(1))
-        if _read_complete(path) == step and ((path / STATE_FILE).is_file() or (path / DCP_METADATA).is_file()):
-            found.append((step, path))
-    found.sort()
-    return found
 
 
 def _prune(root: Path, keep: int) -> None:

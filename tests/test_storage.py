@@ -377,6 +377,43 @@ def test_checkpoint_interrupted_mid_write_is_ignored(store, where, tmp_path):
     assert [k.rsplit("/", 1)[1] for k, _ in store.list(ck.step_prefix(200))] == [ck.MANIFEST, "state.pt"]
 
 
+def _local_checkpoint(root: Path, step: int, *, marker_step: int | None = None, data: str = "state.pt") -> Path:
+    d = root / f"step-{step:08d}"
+    d.mkdir(parents=True)
+    (d / data).write_bytes(b"x")
+    if marker_step is not None:
+        (d / "COMPLETE").write_text(json.dumps({"step": marker_step}))
+    return d
+
+
+def test_local_checkpoints_counted_by_storage_without_the_training_helper(tmp_path):
+    """The controller counts a directory's complete checkpoints through sftctl.storage; a
+    COMPLETE naming another step, no COMPLETE, a temporary dir or a dir without data are not."""
+    root = tmp_path / "ckpt"
+    _local_checkpoint(root, 20, marker_step=20)
+    _local_checkpoint(root, 5, marker_step=5, data=".metadata")  # a sharded (DCP) one
+    _local_checkpoint(root, 30)  # killed before COMPLETE
+    _local_checkpoint(root, 40, marker_step=4)  # a marker of another step
+    (root / "step-00000050.tmp-123").mkdir()
+    empty = root / "step-00000060"
+    empty.mkdir()
+    (empty / "COMPLETE").write_text('{"step": 60}')  # no state.pt nor .metadata
+    assert ck.complete_checkpoint_steps(root) == [5, 20] == ck.complete_checkpoint_steps(str(root))
+    assert [p.name for _, p in ck.complete_local_checkpoints(root)] == ["step-00000005", "step-00000020"]
+    assert ck.complete_checkpoint_steps(tmp_path / "missing") == []
+    # the controller's check of a spec's checkpoint_dir never imports the training helper
+    (root / ".sftctl-job").write_text("other-job\n")
+    code = ("import sys; from sftctl.controller import check_checkpoint_dir; from sftctl.spec import JobSpec\n"
+            f"spec = JobSpec.model_validate({{'name': 'c', 'run': 'true', 'workdir': {str(tmp_path)!r}, "
+            "'train': {'checkpoint_dir': 'ckpt'}})\n"
+            "try:\n    check_checkpoint_dir(spec)\nexcept Exception as e:\n    print(type(e).__name__, e.message)\n"
+            "print('TRAIN', 'sftctl.train' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "SpecError" in proc.stdout and "job other-job (up to step 20)" in proc.stdout, proc.stdout
+    assert "TRAIN False" in proc.stdout, proc.stdout
+
+
 def test_train_helper_checkpoints_through_job_storage(store, tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     from sftctl import train as sft

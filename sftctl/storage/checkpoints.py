@@ -17,6 +17,16 @@ incomplete too. sha256 sums are checked when a checkpoint is read (:func:`downlo
 :func:`read_file`), not when listing (that would read every byte).
 
 One writer per storage prefix at a time (typically global rank 0).
+
+The same checkpoints in a local directory (what :mod:`sftctl.train` writes on a node, a spec's
+``train.checkpoint_dir``)::
+
+    <root>/step-00000100/state.pt        (or a sharded checkpoint's DCP files with .metadata)
+    <root>/step-00000100/COMPLETE        {"step": 100, ...}, written and fsynced last
+    <root>/step-00000100.tmp-<pid>/      being written (never counted)
+
+:func:`complete_checkpoint_steps` counts complete ones in either place: the controller uses it
+(it never imports the training helper) and so does :mod:`sftctl.train`.
 """
 
 from __future__ import annotations
@@ -46,6 +56,9 @@ __all__ = [
     "read_manifest",
     "step_prefix",
     "begin_checkpoint",
+    "complete_checkpoint_steps",
+    "complete_local_checkpoints",
+    "read_complete_marker",
     "upload_files",
     "write_checkpoint",
     "write_manifest",
@@ -55,6 +68,17 @@ PREFIX = "checkpoints/"
 MANIFEST = "MANIFEST.json"
 _STEP_RE = re.compile(r"^checkpoints/step-(\d{8,})/(.+)$")
 _HASH_CHUNK = 8 * 1024 * 1024
+
+# ---- a local checkpoint directory (sftctl.train's layout)
+#: A full-state checkpoint's one data file.
+STATE_FILE = "state.pt"
+#: torch.distributed.checkpoint's index, written by rank 0 after every shard of a sharded one.
+DCP_METADATA = ".metadata"
+#: The marker written and fsynced last: ``{"step": N, ...}``.
+COMPLETE_FILE = "COMPLETE"
+# Final checkpoint dirs: "step-" + the step zero padded to 8 digits ("%08d" grows past 8 digits
+# for steps >= 10**8, hence {8,}).
+FINAL_DIR_RE = re.compile(r"^step-(\d{8,})$")
 
 #: A checkpoint's content: ``{name: bytes | path of a file}``, or a directory (every file below it).
 CheckpointData = Union[Mapping[str, Union[bytes, str, os.PathLike]], str, os.PathLike]
@@ -376,3 +400,55 @@ def download_checkpoint(storage: Storage, step: int, dest: str | os.PathLike, *,
         for entry in manifest.files:
             fetch(entry)
     return manifest
+
+
+# --------------------------------------------------------------------------------------------
+# local checkpoint directories (sftctl.train's layout) and either kind by root
+# --------------------------------------------------------------------------------------------
+
+
+def read_complete_marker(path: str | os.PathLike) -> int | None:
+    """The step in ``path/COMPLETE``, or None if it is missing or unreadable."""
+    try:
+        data = json.loads((Path(path) / COMPLETE_FILE).read_text(encoding="utf-8"))
+        return int(data["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def complete_local_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints in the local directory ``root`` as ``(step, path)``, oldest first:
+    a ``step-%08d`` directory whose ``COMPLETE`` names its step and that holds ``state.pt`` or a
+    DCP ``.metadata``. A missing ``root`` has none."""
+    try:
+        entries = list(os.scandir(root))
+    except FileNotFoundError:
+        return []
+    found = []
+    for entry in entries:
+        match = FINAL_DIR_RE.match(entry.name)
+        if not match or not entry.is_dir(follow_symlinks=False):
+            continue
+        path = Path(entry.path)
+        step = int(match.group(1))
+        if read_complete_marker(path) == step and ((path / STATE_FILE).is_file() or (path / DCP_METADATA).is_file()):
+            found.append((step, path))
+    found.sort()
+    return found
+
+
+def complete_checkpoint_steps(root: str | os.PathLike) -> list[int]:
+    """The steps of the complete checkpoints under ``root``, oldest first (what a resume sees).
+
+    ``root`` is a local directory (:func:`complete_local_checkpoints`), or a job storage URL
+    (``s3://``, ``gs://``, ``file://``, ``pvc://``): then the steps whose ``MANIFEST.json`` and
+    listed objects are all there (:func:`complete_steps`).
+
+    Raises:
+        StorageError: the storage URL is bad or the storage unreachable.
+    """
+    if isinstance(root, str) and "://" in root:
+        from sftctl.storage import open_storage
+
+        return complete_steps(open_storage(root))
+    return [step for step, _ in complete_local_checkpoints(root)]
