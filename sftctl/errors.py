@@ -66,9 +66,24 @@ class InfeasibleError(SftctlError):
 
 
 class ProviderError(SftctlError):
-    """A provider failed (credentials, API error, a node that would not start). Exit code 4."""
+    """A provider failed (credentials, API error, a node that would not start). Exit code 4.
+
+    ``reason`` is the failure as a :class:`sftctl.types.FailureReason` (code ``provider_error``;
+    ``not_configured`` for :class:`CredentialsError`, ``no_capacity`` for :class:`CapacityError`),
+    so callers switch on its code instead of reading the message.
+    """
 
     exit_code = ExitCode.PROVIDER
+    failure_code = "provider_error"
+
+    @property
+    def reason(self):
+        from sftctl.types import FailureReason
+
+        return FailureReason(self.failure_code, self.message, self._reason_data())
+
+    def _reason_data(self) -> dict:
+        return {}
 
 
 class CredentialsError(ProviderError):
@@ -77,6 +92,8 @@ class CredentialsError(ProviderError):
     The message names the cloud and what failed; the hint says what to set (environment
     variables, a credentials file, a kubeconfig context).
     """
+
+    failure_code = "not_configured"
 
 
 class CapacityError(ProviderError):
@@ -93,6 +110,8 @@ class CapacityError(ProviderError):
             ``ZONE_RESOURCE_POOL_EXHAUSTED``, ``QUOTA_EXCEEDED`` ...).
     """
 
+    failure_code = "no_capacity"
+
     def __init__(self, message: str, *, provider: str, scope: str = "offering", region: str | None = None,
                  zone: str | None = None, instance_type: str | None = None, code: str = "",
                  hint: str | None = None):
@@ -101,6 +120,10 @@ class CapacityError(ProviderError):
         super().__init__(message, hint)
         self.provider, self.scope, self.region, self.zone = provider, scope, region, zone
         self.instance_type, self.code = instance_type, code
+
+    def _reason_data(self) -> dict:
+        return {"provider": self.provider, "scope": self.scope, "region": self.region, "zone": self.zone,
+                "instance_type": self.instance_type, "cloud_code": self.code}
 
     def blocks(self, provider: str, region: str, instance_type: str, zone: str | None = None) -> bool:
         """Whether this error rules out ``instance_type`` in ``region`` (``zone``) of ``provider``."""

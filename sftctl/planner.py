@@ -11,7 +11,8 @@ Without a model (a plain shell job), offerings are ranked by price per hour.
 Objective (``resources.objective``): ``cost`` takes the cheapest job within the deadline and the
 max price per hour; ``time`` the fastest within the max price. Ties go to the faster, then to the
 order the spec lists its accelerators in. Every rejected candidate says why, in the order the
-filters run: clouds, regions, spot price, price per hour, memory, deadline, provider usable.
+filters run: clouds, regions, spot price, price per hour, memory, deadline, provider usable,
+as a :class:`sftctl.types.FailureReason` (a code programs switch on, and the line people read).
 """
 
 from __future__ import annotations
@@ -23,82 +24,7 @@ from typing import Callable
 from sftctl.catalog import Offering, accelerator_names, cloud_offerings
 from sftctl.errors import InfeasibleError, SftctlError, SpecError
 from sftctl.spec import JobSpec
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """One offering considered for the job.
-
-    ``usd_per_hour`` is for all nodes (None: no spot price). ``step_time_s``, ``total_usd`` and
-    ``hours`` are predictions (None without a model). ``rejected`` says why it cannot be used.
-    """
-
-    offering: Offering
-    nodes: int
-    usd_per_hour: float | None
-    step_time_s: float | None = None
-    peak_memory_bytes: int | None = None
-    devices_needed: int | None = None
-    total_usd: float | None = None
-    hours: float | None = None
-    rejected: str | None = None
-    queue_wait_s: float | None = None  # Slurm: the scheduler's estimate of the wait before the start
-    queue_detail: str | None = None
-    mode: str | None = None  # the execution mode step_time_s is predicted for
-    note: str | None = None  # what a person should know about this prediction (precision ...)
-    parallelism: str | None = None  # "ddp" | "fsdp" (None without a model: the job runs as it likes)
-    activation_checkpointing: bool | None = None
-    parallelism_reason: str | None = None  # why this strategy, with the memory arithmetic
-    strategies: list | None = None  # every strategy priced: sharding.StrategyPrediction.to_dict()
-
-    @property
-    def finish_s(self) -> float | None:
-        """Seconds from now to the predicted end: the queue wait plus the run (None without a model)."""
-        if self.hours is None:
-            return None
-        return (self.queue_wait_s or 0.0) + self.hours * 3600
-
-    def to_dict(self) -> dict:
-        o = self.offering
-        return {
-            "provider": o.provider, "instance_type": o.instance_type,
-            "accelerator": f"{o.accelerator}:{o.count}", "region": o.region, "nodes": self.nodes,
-            "usd_per_hour": self.usd_per_hour, "step_time_s": self.step_time_s,
-            "peak_memory_bytes": self.peak_memory_bytes, "devices_needed": self.devices_needed,
-            "total_usd": self.total_usd, "hours": self.hours, "rejected": self.rejected,
-            "queue_wait_s": self.queue_wait_s, "finish_s": self.finish_s,
-            "mode": self.mode, "note": self.note, "parallelism": self.parallelism,
-            "activation_checkpointing": self.activation_checkpointing,
-            "parallelism_reason": self.parallelism_reason, "strategies": self.strategies,
-            "offering": o.to_dict(),
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """The chosen candidate, the reason in one line, and every candidate, best first."""
-
-    chosen: Candidate
-    reason: str
-    candidates: list[Candidate]
-
-    @property
-    def offering(self) -> Offering:
-        return self.chosen.offering
-
-    def to_dict(self) -> dict:
-        return {
-            "offering": self.chosen.offering.to_dict(),
-            "nodes": self.chosen.nodes,
-            "usd_per_hour": self.chosen.usd_per_hour,
-            "step_time_s": self.chosen.step_time_s,
-            "mode": self.chosen.mode,
-            "parallelism": self.chosen.parallelism,
-            "activation_checkpointing": self.chosen.activation_checkpointing,
-            "total_usd": self.chosen.total_usd,
-            "reason": self.reason,
-            "candidates": [c.to_dict() for c in self.candidates],
-        }
+from sftctl.types import FailureCode, FailureReason, Plan, PlanChoice
 
 
 # Predicts (step_time_s, peak_memory_bytes, devices_needed) of the job on an offering, or None;
@@ -241,6 +167,7 @@ class _Unsplittable(Exception):
     """The global batch does not divide evenly over an offering's data-parallel ranks."""
 
     def __init__(self, batch: int, world: int):
+        self.batch, self.world = batch, world
         super().__init__(f"model.batch_size {batch} does not split evenly over {world} data-parallel ranks")
 
 
@@ -264,7 +191,7 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
         predict = Predictor(spec)
     res = spec.resources
     known = {n.lower(): n for n in accelerator_names()}
-    candidates: list[Candidate] = []
+    candidates: list[PlanChoice] = []
     for i, acc in enumerate(res.accelerators):
         if acc.name.lower() not in known:
             close = difflib.get_close_matches(acc.name, list(known.values()), n=1, cutoff=0.5)
@@ -287,14 +214,14 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
         wanted = ", ".join(str(a) for a in res.accelerators)
         counts: dict[str, int] = {}
         for c in ranked:
-            counts[c.rejected] = counts.get(c.rejected, 0) + 1
+            counts[c.rejected.message] = counts.get(c.rejected.message, 0) + 1
         reasons = [f"{n} x {why}" for why, n in sorted(counts.items(), key=lambda kv: -kv[1])]
         raise InfeasibleError(
             candidates=ranked,
             message=f"no offering can run {res.nodes} node(s) of {wanted}"
             + (f" ({'; '.join(reasons[:4])}{'; ...' if len(reasons) > 4 else ''})" if reasons else ": no provider offers it"),
             hint=("make model.batch_size a multiple of nodes x accelerators per node"
-                  if any(c.rejected and "does not split evenly" in c.rejected for c in ranked) else
+                  if any(c.rejected.code == FailureCode.UNSUPPORTED for c in ranked) else
                   "widen resources (accelerators, clouds, regions, max_price_per_hour, deadline, spot); "
                   "sftctl plan shows all"),
         )
@@ -302,7 +229,7 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
     return Plan(best, _reason(best, ranked, res.objective), ranked)
 
 
-def _not_sold(name: str, count: int, nodes: int) -> Candidate:
+def _not_sold(name: str, count: int, nodes: int) -> PlanChoice:
     """A row for an accelerator asked at a count no offering has: what is sold instead."""
     sold = sorted({o.count for o in cloud_offerings() if o.accelerator.lower() == name.lower()})
     if sold:
@@ -311,12 +238,13 @@ def _not_sold(name: str, count: int, nodes: int) -> Candidate:
                + " or ".join(f"{name}:{n}" for n in sold))
     else:
         why = f"no provider sftctl supports sells {name}"
+    why = FailureReason(FailureCode.NOT_SOLD, why, {"accelerator": name, "count": count, "sold_counts": sold})
     placeholder = Offering(provider="-", instance_type="(not sold)", accelerator=name, count=count, region="-",
                            usd_per_hour=0.0, source="sftctl catalog: no offering of this count")
-    return Candidate(placeholder, nodes, None, rejected=why)
+    return PlanChoice(placeholder, nodes, None, rejected=why)
 
 
-def _objective(c: Candidate, objective: str) -> tuple:
+def _objective(c: PlanChoice, objective: str) -> tuple:
     price = c.usd_per_hour if c.usd_per_hour is not None else float("inf")
     step = c.step_time_s if c.step_time_s is not None else float("inf")
     total = c.total_usd if c.total_usd is not None else price
@@ -334,26 +262,27 @@ def _slurm_provider(spec: JobSpec):
     return get_provider("slurm", config=cfg, num_nodes=spec.resources.nodes, time_limit_s=spec.resources.deadline_s)
 
 
-def _queue(c: Candidate, spec: JobSpec) -> Candidate:
+def _queue(c: PlanChoice, spec: JobSpec) -> PlanChoice:
     """A Slurm candidate with the scheduler's start estimate (``sbatch --test-only``); rejected
     when Slurm says the allocation can never run, or when wait + run is past the deadline."""
     try:
         wait_s, detail = _slurm_provider(spec).estimate_start(c.offering, c.nodes)
     except SftctlError as e:
-        return dataclasses.replace(c, rejected=e.message)
+        return dataclasses.replace(c, rejected=error_reason(e))
     c = dataclasses.replace(c, queue_wait_s=wait_s, queue_detail=detail)
     deadline_s = spec.resources.deadline_s
     if deadline_s is not None and wait_s > deadline_s:
-        return dataclasses.replace(c, rejected=(
-            f"Slurm's queue wait of {format_hours(wait_s / 3600)} alone is past the deadline of {spec.resources.deadline}"))
+        return dataclasses.replace(c, rejected=FailureReason(FailureCode.TOO_SLOW, (
+            f"Slurm's queue wait of {format_hours(wait_s / 3600)} alone is past the deadline of {spec.resources.deadline}"),
+            {"queue_wait_s": wait_s, "deadline_s": deadline_s}))
     if deadline_s is not None and c.hours is not None and c.finish_s > deadline_s:
-        return dataclasses.replace(c, rejected=(
+        return dataclasses.replace(c, rejected=FailureReason(FailureCode.TOO_SLOW, (
             f"queue wait {format_hours(wait_s / 3600)} + predicted {format_hours(c.hours)} "
-            f"is past the deadline of {spec.resources.deadline}"))
+            f"is past the deadline of {spec.resources.deadline}"), {"finish_s": c.finish_s, "deadline_s": deadline_s}))
     return c
 
 
-def _reason(best: Candidate, ranked: list[Candidate], objective: str) -> str:
+def _reason(best: PlanChoice, ranked: list[PlanChoice], objective: str) -> str:
     o = best.offering
     feasible = sum(c.rejected is None for c in ranked)
     what = "fastest" if objective == "time" else "cheapest"
@@ -364,7 +293,8 @@ def _reason(best: Candidate, ranked: list[Candidate], objective: str) -> str:
                 f"${best.total_usd:,.2f} in all")
     if best.parallelism is not None:
         pred += f", {best.parallelism_reason}"
-    blocked = sorted({c.offering.provider for c in ranked if c.rejected and "not available" in c.rejected})
+    blocked = sorted({c.offering.provider for c in ranked
+                      if c.rejected is not None and c.rejected.code == FailureCode.NOT_CONFIGURED})
     if best.queue_wait_s is not None:
         pred += f", Slurm start in {format_hours(best.queue_wait_s / 3600)}"
         if best.finish_s is not None:
@@ -413,27 +343,29 @@ def _offerings(accelerator: str, count: int, usable: dict[str, str | None] | Non
     return out
 
 
-def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: PredictFn | None) -> Candidate:
+def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: PredictFn | None) -> PlanChoice:
     res = spec.resources
     unit = o.price(res.spot)
-    c = Candidate(o, res.nodes, None if unit is None else unit * res.nodes)
+    c = PlanChoice(o, res.nodes, None if unit is None else unit * res.nodes)
 
-    def reject(why: str) -> Candidate:
-        return dataclasses.replace(c, rejected=why)
+    def reject(code: FailureCode, why: str, **data) -> PlanChoice:
+        return dataclasses.replace(c, rejected=FailureReason(code, why, data))
 
     if res.clouds is not None and o.provider not in res.clouds:
-        return reject(f"{o.provider} is not in resources.clouds")
+        return reject(FailureCode.EXCLUDED, f"{o.provider} is not in resources.clouds")
     if res.regions is not None and o.region not in res.regions and o.provider not in ("local", "slurm"):
-        return reject(f"region {o.region} is not in resources.regions")
+        return reject(FailureCode.EXCLUDED, f"region {o.region} is not in resources.regions")
     if c.usd_per_hour is None:
-        return reject("no spot price for this offering")
+        return reject(FailureCode.NOT_SOLD, "no spot price for this offering")
     if res.max_price_per_hour is not None and c.usd_per_hour > res.max_price_per_hour:
-        return reject(f"${c.usd_per_hour:.2f}/h is above max_price_per_hour ${res.max_price_per_hour:.2f}")
+        return reject(FailureCode.OVER_BUDGET,
+                      f"${c.usd_per_hour:.2f}/h is above max_price_per_hour ${res.max_price_per_hour:.2f}",
+                      usd_per_hour=c.usd_per_hour, max_price_per_hour=res.max_price_per_hour)
     if predict is not None:
         try:
             got = predict(o, res.nodes)
         except _Unsplittable as e:
-            return reject(str(e))
+            return reject(FailureCode.UNSUPPORTED, str(e), batch_size=e.batch, ranks=e.world)
         if got is not None:
             step_s, peak, needed, *extra = got
             strategy = extra[0] if extra else {}
@@ -443,7 +375,7 @@ def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: P
                                     mode=getattr(predict, "mode", None),
                                     note=getattr(predict, "notes", {}).get(o.accelerator), **strategy)
             if needed != 1 and strategy:
-                return reject(strategy["parallelism_reason"] + (
+                return reject(FailureCode.DOES_NOT_FIT, strategy["parallelism_reason"] + (
                     f"; train.parallelism {spec.train.parallelism} rules out the other strategy"
                     if spec.train.parallelism != "auto" else "; lower model.batch_size"))
             if needed != 1:
@@ -451,14 +383,25 @@ def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: P
 
                 gib, has = peak / 2**30, get_accelerator(o.accelerator).memory_bytes / 2**30
                 return reject(
+                    FailureCode.DOES_NOT_FIT,
                     f"needs {gib:.1f} GiB per device, has {has:.0f} GiB; "
                     + (f"would fit with parameters and optimizer state sharded over {needed} devices (train.parallelism: fsdp)"
-                       if needed > 1 else "its activations alone do not fit: lower model.batch_size")
+                       if needed > 1 else "its activations alone do not fit: lower model.batch_size"),
+                    peak_memory_bytes=peak, memory_bytes=get_accelerator(o.accelerator).memory_bytes,
+                    devices_needed=needed,
                 )
             deadline_s = res.deadline_s
             if deadline_s is not None and hours * 3600 > deadline_s:
-                return reject(f"predicted {format_hours(hours)} is past the deadline of {res.deadline}")
+                return reject(FailureCode.TOO_SLOW, f"predicted {format_hours(hours)} is past the deadline of {res.deadline}",
+                              hours=hours, deadline_s=deadline_s)
     why_not = usable.get(o.provider, f"unknown provider {o.provider!r}")
     if why_not:
-        return reject(why_not)
+        return reject(FailureCode.NOT_CONFIGURED, why_not)
     return c
+
+
+def error_reason(e: SftctlError) -> FailureReason:
+    """The :class:`FailureReason` an error carries (a provider's, see
+    :class:`sftctl.errors.ProviderError`), else ``provider_error`` with its message."""
+    reason = getattr(e, "reason", None)
+    return reason if isinstance(reason, FailureReason) else FailureReason(FailureCode.PROVIDER_ERROR, e.message)

@@ -79,7 +79,9 @@ class FailureCode(str, enum.Enum):
     NOT_CONFIGURED = "not_configured"  # no credentials / SDK / cluster for this provider
     NOT_SOLD = "not_sold"  # the catalog has no such offering (or no spot price)
     DOES_NOT_FIT = "does_not_fit"  # the step does not fit the accelerator's memory
-    TOO_SLOW = "too_slow"  # misses the spec's deadline or budget
+    TOO_SLOW = "too_slow"  # misses the spec's deadline
+    OVER_BUDGET = "over_budget"  # above the spec's max price per hour
+    EXCLUDED = "excluded"  # the spec's resources leave it out (clouds, regions)
     UNSUPPORTED = "unsupported"  # the accelerator cannot run the job as specified
     PROVIDER_ERROR = "provider_error"
     # the job as a whole
@@ -140,6 +142,103 @@ class Offering(Record):
     def price(self, spot: bool) -> float | None:
         """USD per hour per node, or None when the offering has no spot price and spot is asked."""
         return self.spot_usd_per_hour if spot else self.usd_per_hour
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanChoice(Record):
+    """One offering judged for a job (the planner's row).
+
+    ``usd_per_hour`` is for all ``nodes`` (None: no spot price). ``step_time_s`` (seconds),
+    ``peak_memory_bytes``, ``total_usd`` and ``hours`` are the compiler's predictions (None
+    without a model). ``rejected`` says why it cannot be used (None: feasible); its ``code``
+    is what programs switch on. ``queue_wait_s``: Slurm's estimate of the wait before the start.
+    ``mode``: the execution mode ``step_time_s`` is predicted for; ``parallelism`` ("ddp" |
+    "fsdp") and ``activation_checkpointing`` the strategy chosen for this offering, with its
+    memory arithmetic in ``parallelism_reason`` and every strategy priced in ``strategies``.
+    """
+
+    offering: Offering
+    nodes: int
+    usd_per_hour: float | None
+    step_time_s: float | None = None
+    peak_memory_bytes: int | None = None
+    devices_needed: int | None = None
+    total_usd: float | None = None
+    hours: float | None = None
+    rejected: FailureReason | None = None
+    queue_wait_s: float | None = None
+    queue_detail: str | None = None
+    mode: str | None = None
+    note: str | None = None  # what a person should know about this prediction (precision ...)
+    parallelism: str | None = None
+    activation_checkpointing: bool | None = None
+    parallelism_reason: str | None = None
+    strategies: list | None = None  # sharding.StrategyPrediction.to_dict() each
+
+    @property
+    def finish_s(self) -> float | None:
+        """Seconds from now to the predicted end: the queue wait plus the run (None without a model)."""
+        if self.hours is None:
+            return None
+        return (self.queue_wait_s or 0.0) + self.hours * 3600
+
+    def to_dict(self) -> dict[str, Any]:
+        """The row of ``sftctl plan --json``'s ``candidates`` (and of the plan kept in state):
+        ``rejected`` is the human line, ``rejected_code`` its :class:`FailureCode` value."""
+        o = self.offering
+        return {
+            "provider": o.provider, "instance_type": o.instance_type,
+            "accelerator": f"{o.accelerator}:{o.count}", "region": o.region, "nodes": self.nodes,
+            "usd_per_hour": self.usd_per_hour, "step_time_s": self.step_time_s,
+            "peak_memory_bytes": self.peak_memory_bytes, "devices_needed": self.devices_needed,
+            "total_usd": self.total_usd, "hours": self.hours,
+            "rejected": None if self.rejected is None else self.rejected.message,
+            "rejected_code": None if self.rejected is None else self.rejected.code.value,
+            "queue_wait_s": self.queue_wait_s, "finish_s": self.finish_s,
+            "mode": self.mode, "note": self.note, "parallelism": self.parallelism,
+            "activation_checkpointing": self.activation_checkpointing,
+            "parallelism_reason": self.parallelism_reason, "strategies": self.strategies,
+            "offering": o.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PlanChoice":
+        """Read :meth:`to_dict`'s row back (a plan written before ``rejected_code`` reads its
+        rejection as code ``unknown``)."""
+        rejected = data.get("rejected")
+        reason = None if rejected is None else FailureReason(data.get("rejected_code") or FailureCode.UNKNOWN, rejected)
+        names = {f.name for f in dataclasses.fields(cls)} - {"offering", "rejected"}
+        return cls(offering=Offering.from_dict(data["offering"]), rejected=reason,
+                   **{k: v for k, v in data.items() if k in names})
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan(Record):
+    """The chosen :class:`PlanChoice`, the reason in one line, and every choice, best first."""
+
+    chosen: PlanChoice
+    reason: str
+    candidates: list[PlanChoice]
+
+    @property
+    def offering(self) -> Offering:
+        return self.chosen.offering
+
+    def to_dict(self) -> dict[str, Any]:
+        """``sftctl run``'s plan as state keeps it (``jobs.offering_json``): the chosen offering
+        and strategy at the top, every choice under ``candidates``."""
+        return {
+            "offering": self.chosen.offering.to_dict(),
+            "nodes": self.chosen.nodes,
+            "usd_per_hour": self.chosen.usd_per_hour,
+            "step_time_s": self.chosen.step_time_s,
+            "mode": self.chosen.mode,
+            "parallelism": self.chosen.parallelism,
+            "activation_checkpointing": self.chosen.activation_checkpointing,
+            "total_usd": self.chosen.total_usd,
+            "reason": self.reason,
+            "candidates": [c.to_dict() for c in self.candidates],
+        }
 
 
 # ---------------------------------------------------------------------------- nodes

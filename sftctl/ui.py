@@ -345,7 +345,7 @@ def plan_table(candidates: list, steps: int) -> FitTable:
     REGION, MEMORY, TIME, INSTANCE and STRATEGY, in that order."""
     from sftctl.planner import format_hours
 
-    refs, notes = _grouped([c.rejected for c in candidates])
+    refs, notes = _grouped([None if c.rejected is None else str(c.rejected) for c in candidates])
     cols = [Col("#", "right"), Col("PROVIDER"), Col("INSTANCE", drop=6), Col("ACCEL"), Col("NODES", "right", drop=2),
             Col("REGION", drop=3), Col("$/H", "right"), Col("STEP", "right"), Col("MEMORY", "right", drop=4),
             Col("$/STEP", "right", drop=1), Col("TIME", "right", drop=5), Col("TOTAL $", "right"), Col("VERDICT")]

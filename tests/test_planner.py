@@ -8,6 +8,7 @@ from conftest import write_spec
 from sftctl.errors import InfeasibleError, SpecError
 from sftctl.planner import plan
 from sftctl.spec import load_spec
+from sftctl.types import FailureCode, FailureReason
 
 ALL_USABLE = {"local": None, "aws": None, "gcp": None, "kubernetes": None}
 
@@ -42,7 +43,9 @@ def test_objective_time_takes_fastest_within_price(tmp_path):
     p = plan(s, ALL_USABLE, fixed_predictor({"H100": 0.1, "A100-40GB": 0.3}))
     assert p.offering.accelerator == "A100-40GB"  # H100 is faster but above the price cap
     rejected = {c.offering.instance_type: c.rejected for c in p.candidates if c.rejected}
-    assert rejected["p5.48xlarge"] == "$55.04/h is above max_price_per_hour $30.00"
+    assert rejected["p5.48xlarge"].message == "$55.04/h is above max_price_per_hour $30.00"
+    assert rejected["p5.48xlarge"].code is FailureCode.OVER_BUDGET
+    assert rejected["p5.48xlarge"].data == {"usd_per_hour": 55.04, "max_price_per_hour": 30.0}
 
 
 def test_deadline_rejects_slow_offerings(tmp_path):
@@ -50,7 +53,8 @@ def test_deadline_rejects_slow_offerings(tmp_path):
     p = plan(s, ALL_USABLE, fixed_predictor({"H100": 0.3, "A100-40GB": 0.5}))
     assert p.offering.accelerator == "H100"  # the A100 is cheaper but takes 1.4 h
     a100 = [c for c in p.candidates if c.offering.accelerator == "A100-40GB"]
-    assert all(c.rejected == "predicted 1.4 h is past the deadline of 1h" for c in a100)
+    assert all(c.rejected.message == "predicted 1.4 h is past the deadline of 1h" for c in a100)
+    assert {c.rejected.code for c in a100} == {FailureCode.TOO_SLOW}
 
 
 def test_memory_and_spot_and_usable(tmp_path):
@@ -60,8 +64,22 @@ def test_memory_and_spot_and_usable(tmp_path):
     assert p.offering.provider == "aws" and p.offering.accelerator == "L4"
     assert p.chosen.usd_per_hour == p.offering.spot_usd_per_hour  # spot allowed: spot price
     reasons = {(c.offering.provider, c.offering.accelerator): c.rejected for c in p.candidates}
-    assert reasons[("gcp", "L4")] == "gcp credentials not found"
-    assert reasons[("aws", "T4")].startswith("needs 20.0 GiB per device, has 16 GiB; would fit with parameters and optimizer state sharded over 2 devices")
+    assert reasons[("gcp", "L4")] == FailureReason(FailureCode.NOT_CONFIGURED, "gcp credentials not found")
+    assert reasons[("aws", "T4")].message.startswith("needs 20.0 GiB per device, has 16 GiB; would fit with parameters and optimizer state sharded over 2 devices")
+    assert reasons[("aws", "T4")].code is FailureCode.DOES_NOT_FIT
+    assert reasons[("aws", "T4")].data["devices_needed"] == 2
+
+
+def test_reason_names_the_providers_not_usable_here(tmp_path):
+    """The plan's reason ends with the providers whose offerings were ruled out only because
+    they are not configured here (computed from the rejections' codes, not their text)."""
+    s = spec(tmp_path, "{accelerators: [L4:1], clouds: [aws, gcp]}")
+    p = plan(s, {**ALL_USABLE, "gcp": "gcp: no credentials (run gcloud auth application-default login)"},
+             fixed_predictor({"L4": 1.0}))
+    assert p.offering.provider == "aws"
+    assert p.reason.endswith("; not usable here: gcp"), p.reason
+    everything = plan(s, ALL_USABLE, fixed_predictor({"L4": 1.0}))
+    assert "not usable here" not in everything.reason
 
 
 def test_on_demand_price_unless_spot(tmp_path):
@@ -92,9 +110,13 @@ def test_count_nobody_sells_gets_a_row_saying_what_is_sold(tmp_path):
     s = spec(tmp_path, "{accelerators: [H200:1, H100:4, L4:1], clouds: [aws, gcp]}")
     p = plan(s, ALL_USABLE, fixed_predictor({"H200": 0.5, "H100": 0.5, "L4": 2.0}))
     rows = {(c.offering.accelerator, c.offering.count): c for c in p.candidates if c.offering.provider == "-"}
-    assert rows[("H200", 1)].rejected == "H200 is sold as :8 only here; ask for H200:8"
-    assert rows[("H100", 4)].rejected == "H100 is sold as :1 and :8 here; ask for H100:1 or H100:8"
-    assert rows[("H200", 1)].usd_per_hour is None and rows[("H200", 1)].to_dict()["rejected"]
+    assert rows[("H200", 1)].rejected.message == "H200 is sold as :8 only here; ask for H200:8"
+    assert rows[("H100", 4)].rejected.message == "H100 is sold as :1 and :8 here; ask for H100:1 or H100:8"
+    assert rows[("H100", 4)].rejected.code is FailureCode.NOT_SOLD
+    assert rows[("H100", 4)].rejected.data["sold_counts"] == [1, 8]
+    row = rows[("H200", 1)].to_dict()
+    assert rows[("H200", 1)].usd_per_hour is None and row["rejected"] == "H200 is sold as :8 only here; ask for H200:8"
+    assert row["rejected_code"] == "not_sold"
     assert p.offering.accelerator == "L4"  # the rows never win
     with pytest.raises(InfeasibleError) as e:
         plan(spec(tmp_path, "{accelerators: [H200:2]}"), ALL_USABLE, fixed_predictor({"H200": 0.5}))

@@ -189,7 +189,7 @@ def test_plan_table_never_cuts_a_number_and_groups_reasons(tmp_path, width):
     assert len(candidates) >= 10
     lines = _render(plan_table(candidates, 100), width)
     assert all(len(line) <= width for line in lines)
-    reasons = {c.rejected for c in candidates if c.rejected}
+    reasons = {c.rejected.message for c in candidates if c.rejected}
     assert len(lines) <= len(candidates) + 2 * len(reasons) + 4  # the table, its header, the notes
     text = "\n".join(lines)
     for c in candidates:
