@@ -6,13 +6,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from sftctl import settings
 
 
 def sftctl_home() -> Path:
     """Return the sftctl home directory, creating it with mode 0700 if it is missing."""
-    env = os.environ.get("SFTCTL_HOME")
+    env = settings.get("SFTCTL_HOME")
     if env:
         home = Path(env).expanduser()
     else:

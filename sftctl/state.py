@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+from sftctl import settings
 from sftctl.paths import sftctl_home
 from sftctl.types import TERMINAL, JobStatus  # noqa: F401  (re-exported)
 
@@ -112,7 +113,7 @@ MIGRATIONS: list[str] = [
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION
 
-BUSY_TIMEOUT_MS = 60_000  # SFTCTL_STATE_BUSY_TIMEOUT_MS overrides it (the tests use a short one)
+BUSY_TIMEOUT_MS = settings.SETTINGS["SFTCTL_STATE_BUSY_TIMEOUT_MS"].default  # the tests set a short one
 LOCKED_RETRY_S = 1.0  # a controller that keeps waiting for the write lock tries again this often
 CONTROLLER_START_GRACE_S = 30.0  # a job may wait this long for its controller to record its pid
 
@@ -130,7 +131,7 @@ class Store:
 
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = Path(path) if path is not None else sftctl_home() / "state.db"
-        self.busy_timeout_ms = int(os.environ.get("SFTCTL_STATE_BUSY_TIMEOUT_MS") or BUSY_TIMEOUT_MS)
+        self.busy_timeout_ms = settings.get("SFTCTL_STATE_BUSY_TIMEOUT_MS")
         #: None: a write that cannot get the lock within the busy timeout raises. A controller
         #: sets a callable instead: it is called with the error once per wait, and the write is
         #: retried until it gets the lock (a job must not fail because a reader held state.db).

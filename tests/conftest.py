@@ -19,6 +19,9 @@ def home(tmp_path, monkeypatch) -> Path:
     """A fresh SFTCTL_HOME for this test (in this process and in the CLI processes it starts)."""
     h = tmp_path / "home"
     monkeypatch.setenv("SFTCTL_HOME", str(h))
+    # the user's own ~/.config/sftctl/config.yaml must not reach a test (sftctl.settings)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))
+    monkeypatch.delenv("SFTCTL_CONFIG", raising=False)
     return h
 
 

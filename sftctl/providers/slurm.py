@@ -59,6 +59,7 @@ import threading
 import time
 from pathlib import Path
 
+from sftctl import settings
 from sftctl.catalog import Offering
 from sftctl.errors import CapacityError, ProviderError
 from sftctl.providers.base import NodeState, NodeStatus, complete_json_lines
@@ -119,7 +120,7 @@ COMMENT_PREFIX = "sftctl-managed=true"
 @dataclasses.dataclass(frozen=True)
 class SlurmConfig:
     """How to reach the cluster and what to ask it for (the ``slurm:`` section of the config
-    file ``$SFTCTL_HOME/config.yaml`` or of the job spec; the spec's fields win).
+    file (:mod:`sftctl.settings`) or of the job spec; the spec's fields win).
 
     Attributes:
         host: the login node for SSH mode; None: sftctl runs on a login node itself.
@@ -168,37 +169,20 @@ class SlurmConfig:
         return cls(**merged)
 
 
-def config_path() -> Path:
-    """``$SFTCTL_CONFIG`` or ``$SFTCTL_HOME/config.yaml``."""
-    env = os.environ.get("SFTCTL_CONFIG")
-    if env:
-        return Path(env).expanduser()
-    from sftctl.paths import sftctl_home
-
-    return sftctl_home() / "config.yaml"
+def config_path() -> Path | None:
+    """The config file (:func:`sftctl.settings.config_path`: ``$SFTCTL_CONFIG``, else
+    ``~/.config/sftctl/config.yaml``, else ``$SFTCTL_HOME/config.yaml``), or None."""
+    path = settings.config_path()
+    return None if path is None else Path(path)
 
 
 def config_file_section() -> dict:
     """The ``slurm:`` mapping of the config file, or {} when there is none.
 
     Raises:
-        ProviderError: the file is not YAML or ``slurm`` is not a mapping (exit 4).
+        SettingError: the file is malformed or ``slurm`` is not a mapping (exit 2).
     """
-    path = config_path()
-    if not path.is_file():
-        return {}
-    import yaml
-
-    try:
-        doc = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ProviderError(f"{path}: malformed YAML: {str(e).splitlines()[0]}") from None
-    section = doc.get("slurm") if isinstance(doc, dict) else None
-    if section is None:
-        return {}
-    if not isinstance(section, dict):
-        raise ProviderError(f"{path}: slurm: expected a mapping (host, user, partition, ...)")
-    return section
+    return settings.section("slurm")[1]
 
 
 def login_node_reason(environ: dict | None = None) -> str | None:
@@ -222,7 +206,7 @@ def configured_reason(environ: dict | None = None) -> str | None:
     try:
         if config_file_section().get("host"):
             return None
-    except ProviderError as e:
+    except (ProviderError, settings.SettingError) as e:
         return e.message
     return login_node_reason(environ)
 
@@ -527,7 +511,7 @@ class SlurmProvider:
         if not self.runner.remote:
             why = login_node_reason()
             if why:
-                raise ProviderError(why, hint="run sftctl on a login node, or set slurm.host in $SFTCTL_HOME/config.yaml")
+                raise ProviderError(why, hint="run sftctl on a login node, or set slurm.host in ~/.config/sftctl/config.yaml")
         self.runner.run(["sinfo", "-h", "-o", "%P"], timeout=30)
 
     def cluster(self) -> list[dict]:

@@ -1,0 +1,491 @@
+"""Every ``SFTCTL_*`` environment variable, declared once: name, type, default, meaning, who sets it.
+
+Two kinds:
+
+* **user** settings configure sftctl on the machine you run it on (``SFTCTL_HOME``, the state's
+  busy timeout, cloud endpoints, caches, ...). Most can also be written in the config file (its
+  ``file`` key below); the environment overrides the file, and the file overrides the default.
+* **node** settings are the environment of a job's node and training processes: the controller
+  exports them to every node (``SFTCTL_JOB_ID``, ``SFTCTL_NODE_RANK``, ``SFTCTL_TRAIN_STEPS``, ...;
+  :func:`node_env` builds them from these declarations), the provider or node daemon adds where
+  the node keeps its files (``SFTCTL_NODE_DIR``, ...), and tests set fault-injection knobs
+  through a spec's ``env:``. :mod:`sftctl.train`, :mod:`sftctl.node` and :mod:`sftctl.agent`
+  read them with :func:`get`.
+
+The config file is ``$SFTCTL_CONFIG`` when set; else ``config.yaml`` in the user config
+directory (``platformdirs.user_config_dir("sftctl")``: ``$XDG_CONFIG_HOME/sftctl/config.yaml``,
+``~/.config/sftctl/config.yaml``); else, for configurations written before that existed,
+``$SFTCTL_HOME/config.yaml``. Only the first of these that exists is read. Example::
+
+    state: {busy_timeout_ms: 30000}
+    aws: {instance_profile: sftctl-node}
+    kubernetes: {context: lab, namespace: training}
+    slurm: {host: login.example.org, user: me, partition: gpu, gpu_hour_usd: 0.9}
+
+The ``slurm:`` section is the Slurm provider's (:class:`sftctl.providers.slurm.SlurmConfig`: a
+login node, partition, account, and ``gpu_hour_usd``/``cpu_hour_usd``, the prices the lab pays
+for its own GPUs and CPUs); a job spec's ``slurm:`` overrides it field by field.
+
+``python -m sftctl.settings --markdown`` prints the table README.md carries (a test compares them).
+
+Importing this module is cheap (``os``, ``typing``, :mod:`sftctl.errors`); the config file is read, with the job spec's YAML
+1.2 loader, the first time a user setting is asked for that the environment does not set.
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+
+from sftctl.errors import ExitCode, SftctlError
+
+PREFIX = "SFTCTL_"
+USER, NODE = "user", "node"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class SettingError(SftctlError, ValueError):
+    """A setting's value (from the environment or the config file) is malformed, or the config
+    file is. The message names the variable (or the file, line and key). Exit code 2.
+
+    A ``ValueError`` too: :mod:`sftctl.train` documents ``ValueError`` for bad variables."""
+
+    exit_code = ExitCode.USAGE
+
+
+class Setting:
+    """One declared variable.
+
+    Attributes:
+        name: the environment variable, ``SFTCTL_...``.
+        type: ``str``, ``path``, ``int``, ``float``, ``bool`` (1/0, true/false, yes/no, on/off)
+            or ``choice`` (one of ``choices``).
+        default: the value when unset (None: unset is a state of its own); ``shown_default``
+            is how the table shows a default computed at run time.
+        meaning: one line for the table.
+        set_by: who sets it: ``user``, ``controller`` (exported to every node), ``provider``
+            (the provider or node daemon, on the node), ``tests`` (fault injection).
+        scope: ``user`` (read where sftctl runs) or ``node`` (a node's environment).
+        file: the dotted key in the config file, or None (environment only).
+        minimum: the smallest value an ``int``/``float`` may take.
+        choices: the values a ``choice`` may take.
+    """
+
+    __slots__ = ("name", "type", "default", "meaning", "set_by", "scope", "file", "minimum", "choices",
+                 "shown_default")
+
+    def __init__(self, name: str, type: str, default: typing.Any, meaning: str, set_by: str, scope: str, *,
+                 file: str | None = None, minimum: float | None = None, choices: tuple = (),
+                 shown_default: str | None = None):
+        self.name, self.type, self.default, self.meaning = name, type, default, meaning
+        self.set_by, self.scope, self.file = set_by, scope, file
+        self.minimum, self.choices, self.shown_default = minimum, choices, shown_default
+
+    @property
+    def key(self) -> str:
+        """The keyword :func:`node_env` takes: ``SFTCTL_NODE_RANK`` -> ``node_rank``."""
+        return self.name[len(PREFIX):].lower()
+
+    def expected(self) -> str:
+        """What a valid value looks like, for messages and the table."""
+        if self.type == "int":
+            return "an integer" + (f" >= {self.minimum:g}" if self.minimum is not None else "")
+        if self.type == "float":
+            return "a number" + (f" >= {self.minimum:g}" if self.minimum is not None else "")
+        if self.type == "bool":
+            return "1 or 0"
+        if self.type == "choice":
+            return " or ".join((", ".join(self.choices[:-1]), self.choices[-1])) if len(self.choices) > 1 \
+                else self.choices[0]
+        return "a path" if self.type == "path" else "text"
+
+    def parse(self, raw: str, where: str | None = None) -> typing.Any:
+        """The typed value of ``raw`` (stripped). ``where`` names its origin in messages
+        (default: the variable).
+
+        Raises:
+            SettingError: ``raw`` is not of this setting's type, or is below ``minimum``.
+        """
+        where = where or self.name
+        text = raw.strip()
+        if self.type in ("int", "float"):
+            try:
+                value = int(text) if self.type == "int" else float(text)
+            except ValueError:
+                raise SettingError(f"{where}: expected {'an integer' if self.type == 'int' else 'a number'}, "
+                                   f"got {raw!r}", hint=self._hint()) from None
+            if self.type == "float" and value != value:
+                raise SettingError(f"{where}: expected a number, got {raw!r}", hint=self._hint())
+            if self.minimum is not None and value < self.minimum:
+                raise SettingError(f"{where}: must be >= {self.minimum:g}, got {value:g}", hint=self._hint())
+            return value
+        if self.type == "bool":
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise SettingError(f"{where}: expected 1 or 0, got {raw!r}", hint=self._hint())
+        if self.type == "choice":
+            if text.lower() not in self.choices:
+                raise SettingError(f"{where}: expected {self.expected()}, got {text.lower()!r}", hint=self._hint())
+            return text.lower()
+        if self.type == "path":
+            return os.path.expanduser(text)
+        return text
+
+    def format(self, value: typing.Any) -> str:
+        """``value`` as the environment carries it (bools as 1/0)."""
+        if isinstance(value, bool):
+            return "1" if value else "0"
+        return str(value)
+
+    def _hint(self) -> str:
+        return f"set {self.name} to {self.expected()} ({self.meaning}), or unset it"
+
+
+def _u(name, type, default, meaning, set_by="user", **kw) -> Setting:
+    return Setting(PREFIX + name, type, default, meaning, set_by, USER, **kw)
+
+
+def _n(name, type, default, meaning, set_by="controller", **kw) -> Setting:
+    return Setting(PREFIX + name, type, default, meaning, set_by, NODE, **kw)
+
+
+#: Every variable, user settings first, then the node environment. The README's table is this.
+DECLARED: tuple[Setting, ...] = (
+    # ---- user / operator settings: read where sftctl runs
+    _u("HOME", "path", None, "where sftctl keeps its state (state.db), job files and compiler cache",
+       shown_default="platformdirs user data dir (~/.local/share/sftctl)"),
+    _u("CONFIG", "path", None, "the config file (see Settings)",
+       shown_default="$XDG_CONFIG_HOME/sftctl/config.yaml, else $SFTCTL_HOME/config.yaml"),
+    _u("STATE_BUSY_TIMEOUT_MS", "int", 60_000, "how long a state write waits for another writer's lock (ms)",
+       file="state.busy_timeout_ms", minimum=1),
+    _u("LOCAL_MAX_NODES", "int", None, "the local provider refuses nodes beyond this many (capacity drills)",
+       set_by="user, tests", file="local.max_nodes", minimum=0, shown_default="no limit"),
+    _u("AWS_INSTANCE_PROFILE", "str", None, "the IAM instance profile AWS nodes run with (a spec's "
+       "resources.instance_profile wins)", file="aws.instance_profile"),
+    _u("GCE_ENDPOINT", "str", None, "the Compute Engine API endpoint (an emulator); also counts as credentials",
+       set_by="user, tests", file="gcp.endpoint", shown_default="Google's"),
+    _u("K8S_CONTEXT", "str", None, "the kubeconfig context", file="kubernetes.context",
+       shown_default="the current context"),
+    _u("K8S_NAMESPACE", "str", None, "the Kubernetes namespace", file="kubernetes.namespace",
+       shown_default="the context's"),
+    _u("PVC_MOUNT", "path", "/mnt/sftctl", "where a pvc:// storage's claim is mounted", file="kubernetes.pvc_mount"),
+    _u("NODE_INSTALL", "str", None, "what a cloud node's bootstrap pip-installs", file="node.install",
+       shown_default="sftctl[aws,gcp]==<this version>"),
+    _u("CODEGEN_CACHE", "path", None, "generated Triton kernels and their resource records",
+       file="compiler.codegen_cache", shown_default="<compiler cache>/codegen"),
+    _u("ACCELERATOR", "str", None, "the catalog accelerator the sftensor backend and the codegen schedule for",
+       shown_default="the device's"),
+    _u("SFTENSOR_FORCE", "bool", False, "sftensor backend: rewrite graphs on the CPU too (interpreted kernels)",
+       set_by="user, tests"),
+    _u("SFTENSOR_NO_CACHE", "bool", False, "sftensor backend: no disk cache of schedule searches"),
+    _u("SFTENSOR_ANALYZE", "bool", True, "sftensor backend: build the IR report of every graph"),
+    # ---- the node environment: exported by the controller for the node and its training
+    _n("JOB_ID", "str", None, "the job's id"),
+    _n("NODE_RANK", "int", 0, "this node's rank", minimum=0),
+    _n("NUM_NODES", "int", 1, "nodes in this attempt", minimum=1),
+    _n("NODE_IPS", "str", None, "the nodes' addresses in rank order, comma-separated"),
+    _n("NPROC_PER_NODE", "int", 1, "training processes per node (accelerators per node)", minimum=1),
+    _n("ATTEMPT", "int", 1, "the attempt number (1, then +1 per relaunch)", minimum=1),
+    _n("NODE_GENERATION", "int", 0, "0 for a rank's first node, +1 per replacement", minimum=0),
+    _n("RDZV_ENDPOINT", "str", None, "host:port of node 0 for torchrun's c10d rendezvous"),
+    _n("RDZV_IS_HOST", "bool", False, "1 on node 0 (it hosts the rendezvous)"),
+    _n("TRAIN_STEPS", "int", None, "train.steps", minimum=1, shown_default="the script's"),
+    _n("BATCH_SIZE", "int", None, "sequences per step per rank", minimum=1, shown_default="the script's"),
+    _n("CHECKPOINT_INTERVAL", "int", None, "train.checkpoint_interval (steps)", minimum=1,
+       shown_default="the script's"),
+    _n("KEEP_CHECKPOINTS", "int", 3, "train.keep_checkpoints", minimum=1),
+    _n("CHECKPOINT_DIR", "path", "checkpoints", "where checkpoints go"),
+    _n("DTYPE", "str", None, "model.dtype", shown_default="the script's"),
+    _n("MATMUL_PRECISION", "choice", "highest", "model.matmul_precision", choices=("highest", "high", "medium")),
+    _n("GRAD_ACCUM", "int", 1, "micro-batches per optimizer step (elastic resume on fewer nodes)", minimum=1),
+    _n("PARALLELISM", "choice", "ddp", "the planned data-parallel strategy", choices=("ddp", "fsdp")),
+    _n("ACTIVATION_CHECKPOINTING", "bool", False, "the plan recomputes activations in backward"),
+    _n("COMPILE", "str", "none", "train.compile: the torch.compile backend (none: eager)"),
+    _n("MODEL_ENTRYPOINT", "str", None, "model.entrypoint (file.py:function)"),
+    _n("STORAGE_URL", "str", None, "the job's storage (checkpoints and logs are uploaded there)"),
+    _n("WORKDIR_KEY", "str", None, "the packed workdir's key in the job's storage"),
+    _n("WORKDIR_STORAGE", "str", None, "the storage holding the packed workdir, when not the job's"),
+    _n("HEALTH_INTERVAL_S", "float", 2.0, "health.interval_s: seconds between GPU samples", minimum=0),
+    _n("AGENT_ADDRESS", "str", "127.0.0.1", "health.metrics_address: where the agent's /metrics binds"),
+    # ---- the node environment: set on the node by the provider or node daemon
+    _n("NODE_ID", "str", None, "the node's id", set_by="provider"),
+    _n("NODE_DIR", "path", ".", "the node's directory (logs, exit files, health.jsonl)", set_by="provider"),
+    _n("METRICS_DIR", "path", None, "where sftctl.train.report appends step records", set_by="provider",
+       shown_default="off"),
+    _n("PYTHON", "path", None, "the Python with sftctl that node scripts use", set_by="provider",
+       shown_default="python3"),
+    _n("WORKDIR", "path", None, "the workdir the node daemon fetched from job storage", set_by="provider"),
+    _n("NODE_HOME", "str", None, "tags local node processes with the sftctl home that started them",
+       set_by="provider"),
+    _n("SLURM_JOB_ID", "str", None, "the Slurm job of this attempt", set_by="provider"),
+    _n("SLURM_NODE", "str", None, "the Slurm node this rank runs on", set_by="provider"),
+    _n("VENV", "path", "/opt/sftctl", "a cloud node's sftctl virtualenv (an image with it skips the install)",
+       set_by="user"),
+    _n("NODE_POLL_S", "float", 1.0, "seconds between the node daemon's polls of job storage", set_by="tests",
+       minimum=0),
+    _n("HEARTBEAT_S", "float", 2.0, "seconds between sftctl.train's heartbeats", set_by="user, tests", minimum=0),
+    _n("AGENT_PORT", "int", 0, "the node agent serves /metrics on this port (0: off)", set_by="user", minimum=0),
+    _n("TELEMETRY_REPLAY", "path", None, "the node agent replays this recorded telemetry instead of NVML",
+       set_by="tests"),
+    _n("TELEMETRY_REPLAY_RANK", "int", None, "... on this node rank only (its first node)", set_by="tests",
+       minimum=0, shown_default="every rank"),
+    _n("FAIL_AT_STEP", "int", 0, "examples/gpt: rank 0 raises at this step unless resumed (0: never)",
+       set_by="tests", minimum=0),
+    _n("SLOW_NODE", "int", None, "examples/gpt: this node rank's first node runs slower", set_by="tests",
+       minimum=0, shown_default="none"),
+    _n("SLOW_FACTOR", "float", 1.0, "... by this factor", set_by="tests", minimum=1),
+    _n("SLOW_FROM_STEP", "int", 0, "... from this step on", set_by="tests", minimum=0),
+)
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in DECLARED}
+_BY_KEY: dict[str, Setting] = {s.key: s for s in DECLARED}
+
+
+def declared(name: str) -> Setting:
+    """The declaration of ``name``. Raises KeyError for a variable nobody declared (a bug)."""
+    try:
+        return SETTINGS[name]
+    except KeyError:
+        raise KeyError(f"{name} is not declared in sftctl.settings") from None
+
+
+def raw(name: str, environ: typing.Mapping[str, str] | None = None) -> str | None:
+    """The environment's text of ``name`` (stripped), or None when unset or empty."""
+    declared(name)
+    value = (os.environ if environ is None else environ).get(name, "").strip()
+    return value or None
+
+
+def get(name: str, environ: typing.Mapping[str, str] | None = None) -> typing.Any:
+    """The typed value of ``name``: the environment (``environ``, default ``os.environ``) when
+    set and non-empty; else, for a user setting with a ``file`` key and ``environ`` None, the
+    config file; else the declared default.
+
+    Raises:
+        SettingError: the value is malformed (the message names the variable, or the config
+            file's path, line and key); the config file is malformed (exit code 2).
+        KeyError: ``name`` is not declared.
+    """
+    s = declared(name)
+    text = raw(name, environ)
+    if text is not None:
+        return s.parse(text)
+    if s.file is not None and environ is None:
+        found = _from_file(s)
+        if found is not _MISSING:
+            return found
+    return s.default
+
+
+def node_env(**values: typing.Any) -> dict[str, str]:
+    """The environment entries of node settings, by keyword: ``node_env(node_rank=1,
+    rdzv_is_host=False)`` -> ``{"SFTCTL_NODE_RANK": "1", "SFTCTL_RDZV_IS_HOST": "0"}``.
+    None values are left out.
+
+    Raises:
+        KeyError: a keyword that names no declared node setting.
+    """
+    out = {}
+    for key, value in values.items():
+        s = _BY_KEY.get(key)
+        if s is None or s.scope != NODE:
+            raise KeyError(f"SFTCTL_{key.upper()} is not a node setting declared in sftctl.settings")
+        if value is not None:
+            out[s.name] = s.format(value)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# the config file
+# --------------------------------------------------------------------------------------------
+
+_MISSING = object()
+_cache: dict = {}  # (path, mtime_ns, size) -> (document, lines)
+#: top-level sections of the config file that belong to others (validated where they are used)
+OTHER_SECTIONS = ("slurm",)
+
+
+def config_path() -> str | None:
+    """The config file to read: ``$SFTCTL_CONFIG``; else ``config.yaml`` in the user config
+    directory when it exists; else ``$SFTCTL_HOME/config.yaml`` when it exists (the old
+    location); else None."""
+    explicit = raw("SFTCTL_CONFIG")
+    if explicit:
+        return os.path.expanduser(explicit)
+    import platformdirs
+
+    xdg = os.path.join(platformdirs.user_config_dir("sftctl", appauthor=False), "config.yaml")
+    if os.path.isfile(xdg):
+        return xdg
+    home = get("SFTCTL_HOME") or platformdirs.user_data_dir("sftctl", appauthor=False)  # as sftctl.paths, not created
+    old = os.path.join(home, "config.yaml")
+    return old if os.path.isfile(old) else None
+
+
+def config_document() -> tuple[str | None, dict, dict]:
+    """``(path, document, lines)`` of the config file: its mapping (``{}`` when there is none)
+    and the line of each dotted key. Cached per file version.
+
+    Raises:
+        SettingError: the file cannot be read, is not YAML, is not a mapping, or has a key no
+            setting declares (did-you-mean hint).
+    """
+    path = config_path()
+    if path is None or not os.path.isfile(path):
+        return path, {}, {}
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise SettingError(f"{path}: cannot read the config file: {e.strerror or e}") from None
+    key = (path, st.st_mtime_ns, st.st_size)
+    if key not in _cache:
+        _cache.clear()
+        _cache[key] = _load(path)
+    doc, lines = _cache[key]
+    return path, doc, lines
+
+
+def _load(path: str) -> tuple[dict, dict]:
+    from sftctl.errors import SpecError
+    from sftctl.spec import _compose, _Located  # the job spec's YAML 1.2 loader (line numbers)
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(1 << 20)
+    except (OSError, UnicodeDecodeError) as e:
+        raise SettingError(f"{path}: cannot read the config file: {getattr(e, 'strerror', None) or e}") from None
+    if not text.strip():
+        return {}, {}
+    loc = _Located(path)
+    try:
+        doc = _compose(text, loc)
+    except SpecError as e:
+        raise SettingError(e.message.replace("the spec is empty", "empty"),
+                           hint="fix the YAML on that line (see `python -m sftctl.settings --markdown`)") from None
+    if not isinstance(doc, dict):
+        raise SettingError(f"{path}:1: the config file must be a mapping (state:, aws:, slurm:, ...)",
+                           hint="see the Settings section of README.md")
+    lines = {".".join(map(str, p)): n for p, n in loc.lines.items() if p}
+    known = {s.file for s in DECLARED if s.file}
+    sections = {k.split(".")[0] for k in known} | set(OTHER_SECTIONS)
+    for top, value in doc.items():
+        if top in OTHER_SECTIONS:
+            continue
+        if top not in sections:
+            _unknown(path, lines, top, sorted(sections))
+        if not isinstance(value, dict):
+            raise SettingError(f"{path}:{lines.get(top, 1)}: {top}: expected a mapping "
+                               f"({', '.join(sorted(k.split('.', 1)[1] for k in known if k.startswith(top + '.')))})",
+                               hint=f"write it as `{top}: {{key: value}}`")
+        for sub in value:
+            dotted = f"{top}.{sub}"
+            if dotted not in known:
+                _unknown(path, lines, dotted, sorted(k for k in known if k.startswith(top + ".")))
+    return doc, lines
+
+
+def _unknown(path: str, lines: dict, dotted: str, options: list[str]) -> None:
+    import difflib
+
+    close = difflib.get_close_matches(dotted, options, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(options)}"
+    raise SettingError(f"{path}:{lines.get(dotted, 1)}: {dotted}: unknown setting", hint=hint)
+
+
+def _from_file(s: Setting) -> typing.Any:
+    path, doc, lines = config_document()
+    node: typing.Any = doc
+    for part in s.file.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    if node is None:
+        return _MISSING
+    where = f"{path}:{lines.get(s.file, 1)}: {s.file}"
+    if isinstance(node, bool) and s.type != "bool" or isinstance(node, (dict, list)):
+        raise SettingError(f"{where}: expected {s.expected()}, got {node!r}",
+                           hint=f"write {s.file} as {s.expected()} ({s.meaning}), or set {s.name}")
+    value = s.parse(("1" if node else "0") if isinstance(node, bool) else str(node), where)
+    return value
+
+
+def section(name: str) -> tuple[str | None, dict, int]:
+    """``(path, mapping, line)`` of one of :data:`OTHER_SECTIONS` of the config file (``{}``
+    when absent); the caller validates its fields.
+
+    Raises:
+        SettingError: the config file is malformed, or the section is not a mapping.
+    """
+    path, doc, lines = config_document()
+    value = doc.get(name)
+    if value is None:
+        return path, {}, 0
+    if not isinstance(value, dict):
+        raise SettingError(f"{path}:{lines.get(name, 1)}: {name}: expected a mapping", hint=f"write `{name}: {{key: value}}`")
+    return path, value, lines.get(name, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# the README table
+# --------------------------------------------------------------------------------------------
+
+
+def markdown() -> str:
+    """The settings as two Markdown tables (user settings; the node environment)."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    def default(s: Setting) -> str:
+        if s.shown_default is not None:
+            return cell(s.shown_default)
+        if s.default is None:
+            return "unset"
+        return f"`{s.format(s.default)}`"
+
+    out = ["User settings (read where sftctl runs; the environment overrides the config file):", "",
+           "| Variable | Config file key | Type | Default | Set by | Meaning |",
+           "|---|---|---|---|---|---|"]
+    for s in DECLARED:
+        if s.scope == USER:
+            out.append(f"| `{s.name}` | {f'`{s.file}`' if s.file else '-'} | {cell(s.expected())} | {default(s)} "
+                       f"| {s.set_by} | {cell(s.meaning)} |")
+    out += ["", "Node environment (what a node's scripts and training see; `sftctl.train` reads it):", "",
+            "| Variable | Type | Default | Set by | Meaning |", "|---|---|---|---|---|"]
+    for s in DECLARED:
+        if s.scope == NODE:
+            out.append(f"| `{s.name}` | {cell(s.expected())} | {default(s)} | {s.set_by} | {cell(s.meaning)} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sftctl.settings [--markdown]``: the table, or each user setting's value and
+    where it came from."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if args == ["--markdown"]:
+        sys.stdout.write(markdown())
+        return 0
+    if args:
+        print("usage: python -m sftctl.settings [--markdown]", file=sys.stderr)
+        return 2
+    try:
+        path = config_path()
+        for s in DECLARED:
+            if s.scope == USER:
+                source = "environment" if raw(s.name) else ("config" if s.file and _from_file(s) is not _MISSING
+                                                             else "default")
+                print(f"{s.name}={'' if get(s.name) is None else s.format(get(s.name))}  ({source})")
+    except SettingError as e:
+        print(f"error: {e.message}" + (f"\nhint: {e.hint}" if e.hint else ""), file=sys.stderr)
+        return int(e.exit_code)
+    print(f"# config file: {path or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
