@@ -102,6 +102,7 @@ class Failure:
     action: str | None
     node_rank: int | None
     exit_code: int | None = None
+    verdict: str | None = None  # a health verdict's kind and evidence: the replaced machine is quarantined
 
 
 class Cancelled(Exception):
@@ -233,7 +234,7 @@ class Controller:
                     f"{what} {self._resume_point()}",
                 )
                 if failure.action == REPLACE:
-                    self._replace(failure.node_rank)
+                    self._replace(failure.node_rank, quarantine=failure.verdict)
                 time.sleep(min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (self.restarts - 1)))
         except (Cancelled, KeyboardInterrupt) as e:
             why = str(e) if isinstance(e, Cancelled) and str(e) else "cancelled by the user (Ctrl-C)"
@@ -537,7 +538,8 @@ class Controller:
                     v = min(verdicts, key=lambda v: (v.action != REPLACE, v.node_rank))  # replace first
                     self.store.add_event(self.job_id, "health", f"node {v.node_rank}: {v.kind}: {v.evidence}", v.to_dict())
                     self.reporter.event(f"health: node {v.node_rank} {v.kind} -> {v.action}: {v.evidence}")
-                    return Failure(f"node {v.node_rank} {v.kind}: {v.evidence}", v.action, v.node_rank)
+                    return Failure(f"node {v.node_rank} {v.kind}: {v.evidence}", v.action, v.node_rank,
+                                   verdict=f"{v.kind}: {v.evidence}")
             if deadline_s is not None and time.time() - self.created_at > deadline_s:
                 return Failure(f"deadline of {self.spec.resources.deadline} passed", None, None)
             time.sleep(POLL_S if self.storage is None else STORAGE_POLL_S)
@@ -572,10 +574,14 @@ class Controller:
             return "from the last checkpoint"
         return f"from checkpoint step {steps[-1]}" if steps else "from step 0 (no checkpoint yet)"
 
-    def _replace(self, rank: int) -> None:
-        """Terminate node ``rank`` and provision a new node in its place (a new node id)."""
+    def _replace(self, rank: int, quarantine: str | None = None) -> None:
+        """Terminate node ``rank`` and provision a new node in its place (a new node id). With
+        ``quarantine`` (a health verdict) the machine it ran on is kept out first
+        (:meth:`Provider.quarantine`: anti-affinity and cordon on Kubernetes, ``--exclude`` on Slurm)."""
         i = next(i for i, n in enumerate(self.nodes) if n["rank"] == rank)
         old = self.nodes[i]
+        if quarantine and old["handle"]:
+            self._quarantine(old, quarantine)
         self.provider.terminate(old["handle"])
         self.store.update_node(old["id"], status=REPLACED, handle={**old["handle"], "terminated": True})
         node_id = self.store.add_node(self.job_id, rank, self.provider.name)
@@ -595,6 +601,22 @@ class Controller:
             self.monitor.reset_node(rank)
         message = f"node {rank} replaced: {old['id']} -> {node_id}"
         self.store.add_event(self.job_id, "replace", message)
+        self.reporter.event(message)
+
+    def _quarantine(self, node: dict, verdict: str) -> None:
+        """Ask the provider to keep ``node``'s machine out (best effort) and record what it did."""
+        quarantine = getattr(self.provider, "quarantine", None)
+        if quarantine is None:  # a provider outside this package that predates the method
+            return
+        try:
+            done = quarantine(node["handle"], verdict)
+        except SftctlError as e:
+            done = {"machine": None, "actions": [], "message": f"could not keep its machine out: {e.message}"}
+        if not done:
+            return
+        message = f"node {node['rank']}: {done['message']}"
+        self.store.add_event(self.job_id, "quarantine", message,
+                             {k: v for k, v in done.items() if k != "message"} | {"node_id": node["id"]})
         self.reporter.event(message)
 
     def _shrink(self, i: int, rank: int, e: CapacityError) -> bool:

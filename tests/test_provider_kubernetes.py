@@ -358,6 +358,109 @@ def test_cordon_marks_the_node_unschedulable(provider, cluster):
     assert "node(s) were unschedulable" in info.value.message
 
 
+VERDICT = "xid: XID 79 on GPU 3: GPU has fallen off the bus"
+
+
+def _terms(pod: dict) -> list[dict]:
+    return pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+
+
+@pytest.mark.parametrize("accelerator,count", [("H100", 8), ("cpu", 4)])
+def test_avoided_machines_are_a_notin_hostname_in_every_term(accelerator, count):
+    plain = node_manifests(request(accelerator, count), namespace="default")["pod"]
+    pod = node_manifests(request(accelerator, count), namespace="default", avoid_hosts=["gpu-b", "gpu-a"])["pod"]
+    for version in (SCHEMA_VERSION, kubernetes_validate.latest_version()):
+        kubernetes_validate.validate(pod, version, strict=True)
+    notin = {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["gpu-a", "gpu-b"]}
+    if accelerator == "cpu":  # no GPU label to select: one term that only avoids
+        assert "affinity" not in plain["spec"]
+        assert _terms(pod) == [{"matchExpressions": [notin]}]
+    else:  # the terms are OR'ed: each one must exclude the machines
+        assert [t["matchExpressions"] for t in _terms(pod)] == [t["matchExpressions"] + [notin] for t in _terms(plain)]
+        assert len(_terms(pod)) == 3
+
+
+def test_quarantine_cordons_with_the_verdict_and_the_replacement_avoids_the_machine(provider, cluster):
+    (handle,) = provision_all(provider, JOB, nodes(1), h100(provider))
+    bad = handle["node_name"]
+    done = provider.quarantine(handle, VERDICT)
+    assert done["machine"] == bad and done["hostname"] == bad and done["actions"] == ["anti-affinity", "cordon"]
+    assert "cordon_error" not in done and VERDICT in done["message"]
+    node = cluster.get("nodes", "", bad)
+    assert node["spec"]["unschedulable"] is True
+    ann = node["metadata"]["annotations"]
+    assert ann["sftctl.dev/cordon-reason"] == VERDICT
+    assert ann["sftctl.dev/cordoned-by"] == f"sftctl job {JOB}, node {handle['node_id']}"
+    assert ann["sftctl.dev/cordoned-at"].endswith("Z")
+    provider.terminate(handle)
+    (new,) = provision_all(provider, JOB, [(f"{JOB}-n0-0100", 0)], h100(provider))
+    assert new["node_name"] != bad
+    pod = cluster.get("pods", "default", new["pod"])
+    assert all({"key": "kubernetes.io/hostname", "operator": "NotIn", "values": [bad]} in t["matchExpressions"]
+               for t in _terms(pod))
+    # another job's pods are not this job's business: no anti-affinity, only the cordon keeps them off
+    other = node_manifests(request(), namespace="default")["pod"]
+    assert not any(e["operator"] == "NotIn" for t in _terms(other) for e in t["matchExpressions"])
+
+
+def test_quarantine_without_rbac_on_nodes_falls_back_to_anti_affinity(provider, cluster):
+    (handle,) = provision_all(provider, JOB, nodes(1), h100(provider))
+    bad = handle["node_name"]
+    cluster.inject(403, method="PATCH", resource="nodes",
+                   message=f'nodes "{bad}" is forbidden: User "alice" cannot patch resource "nodes" in API group "" '
+                           "at the cluster scope")
+    done = provider.quarantine(handle, VERDICT)
+    assert done["actions"] == ["anti-affinity"] and done["hostname"] == bad
+    assert "cannot patch resource" in done["cordon_error"] and "\n" not in done["message"]
+    assert done["message"].startswith(f"kubernetes: could not cordon node {bad} (")
+    assert f"kubectl cordon {bad}" in done["message"]
+    assert not cluster.get("nodes", "", bad)["spec"].get("unschedulable")
+    assert "sftctl.dev/cordon-reason" not in (cluster.get("nodes", "", bad)["metadata"].get("annotations") or {})
+    provider.terminate(handle)
+    (new,) = provision_all(provider, JOB, [(f"{JOB}-n0-0100", 0)], h100(provider))
+    assert new["node_name"] != bad  # the other H100 node, by anti-affinity alone
+    # with both machines avoided, the next pod has nowhere to go: capacity, as the scheduler says
+    provider.quarantine(new, VERDICT)
+    provider.terminate(new)
+    with pytest.raises(CapacityError) as info:
+        provision_all(provider, JOB, [(f"{JOB}-n0-0200", 0)], h100(provider))
+    assert "didn't match Pod's node affinity/selector" in info.value.message
+
+
+def test_a_pod_never_scheduled_has_no_machine_to_quarantine(provider):
+    assert provider.quarantine({"pod": "p", "job_id": JOB, "node_id": "n"}, VERDICT) is None
+
+
+def test_controller_quarantines_the_machine_of_a_node_replaced_for_a_verdict(kubeconfig, cluster, home, tmp_path):
+    from sftctl.controller import Controller
+    from sftctl.spec import JobSpec
+    from sftctl.state import Store
+
+    store = Store()
+    spec = JobSpec.model_validate({"name": "quar", "resources": {"nodes": 1, "accelerators": ["H100:8"]},
+                                   "storage": str(tmp_path / "storage"), "run": "true"})
+    job = store.create_job("quar", spec.model_dump(mode="json"))
+    (offering,) = make_provider().offerings("H100", 8)
+    store.update_job(job, provider="kubernetes", offering_json={"offering": offering.to_dict(), "candidates": []})
+    ctrl = Controller(store, job)
+    ctrl.provider.poll_s, ctrl.provider.pending_timeout_s = 0.02, 5
+    ctrl._provision_on(offering)
+    bad = ctrl.nodes[0]["handle"]["node_name"]
+    # a LOST node (no verdict) is replaced but its machine is not suspected: the first fit again
+    ctrl._replace(0)
+    assert ctrl.nodes[0]["handle"]["node_name"] == bad
+    assert not any(n["spec"].get("unschedulable") for n in cluster.list("nodes"))
+    ctrl._replace(0, quarantine=VERDICT)
+    node = cluster.get("nodes", "", bad)
+    assert node["spec"]["unschedulable"] is True
+    assert node["metadata"]["annotations"]["sftctl.dev/cordon-reason"] == VERDICT
+    (event,) = [e for e in store.events(job) if e["kind"] == "quarantine"]
+    assert event["message"].startswith(f"node 0: kubernetes: cordoned node {bad} (")
+    assert event["data"]["machine"] == bad and event["data"]["actions"] == ["anti-affinity", "cordon"]
+    # the replacement of rank 0 could not go back to its machine
+    assert ctrl.nodes[0]["handle"]["node_name"] not in (None, bad)
+
+
 # ------------------------------------------------------------------ the emulator itself
 
 

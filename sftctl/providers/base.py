@@ -6,6 +6,7 @@ A provider knows nothing of the compiler or the lifecycle. The controller drives
     handle = provider.launch(handle, script, env, attempt)          # run a bootstrap script
     provider.status(handle)                                         # -> NodeStatus
     provider.read_log(handle, offset)                               # -> (bytes, next offset)
+    provider.quarantine(handle, reason)                             # keep a bad machine out
     provider.terminate(handle)                                      # nothing of it is left
     provider.terminate_tagged(job_id)                               # whatever exists, by tag
     provider.list_instances(job_id=None)                            # every labelled resource
@@ -65,6 +66,20 @@ class Provider(Protocol):
 
     def stop_attempt(self, handle: dict) -> None:
         """Stop what the current attempt runs on the node; the node stays for the next attempt."""
+
+    def quarantine(self, handle: dict, reason: str) -> dict | None:
+        """Keep the machine under ``handle`` out of this job's next nodes, and out of everyone's
+        where the provider may: called before :meth:`terminate` when a health verdict replaces
+        the node (``reason``: the verdict in one line).
+
+        Kubernetes adds node anti-affinity to the job's next pods and cordons the node when RBAC
+        allows; Slurm puts the node on the job's ``--exclude`` list; a cloud instance is deleted
+        and its replacement is another machine, and a local node is this machine: None.
+
+        Returns:
+            ``{"machine", "actions": [...], "message": one line}`` for the job's events, or None
+            when there was nothing to do. API errors are reported in it, never raised.
+        """
 
     def terminate(self, handle: dict) -> None:
         """Stop and delete the node and everything it started. Idempotent."""

@@ -260,6 +260,10 @@ class CloudProvider:
         if self.channel is not None and handle.get("attempt"):
             self.channel.storage.put_bytes(f"nodes/{handle['node_id']}/stop-{handle['attempt']}", b"")
 
+    def quarantine(self, handle: dict, reason: str) -> dict | None:
+        """Nothing to do: the instance is deleted, and its replacement is another machine."""
+        return None
+
     def terminate(self, handle: dict) -> None:
         if handle.get("id"):
             self.delete_instance(handle)

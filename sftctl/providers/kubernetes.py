@@ -18,6 +18,12 @@ The GPU model is chosen by the node labels clusters really carry, OR'ed as nodeS
 ``karpenter.k8s.aws/instance-gpu-name`` (Karpenter on EKS: ``h100``); AMD GPUs by the labels of
 AMD's node labeller (``amd.com/gpu.product-name``, ``amd.com/gpu.device-id``). See :data:`GPU_LABELS`.
 
+A node replaced for a health verdict (:meth:`KubernetesProvider.quarantine`): the job's next pods
+get node anti-affinity to the machine it ran on (``kubernetes.io/hostname NotIn [...]`` added to
+every nodeSelectorTerm; needs no rights on nodes), and the node is cordoned like ``kubectl
+cordon`` with the verdict in its ``sftctl.dev/cordon-reason`` annotation when the user may patch
+nodes; a 403 leaves the anti-affinity alone and says so in the job's events.
+
 Failure mapping: a pod that stays unscheduled (``PodScheduled=False``, e.g. ``Insufficient
 nvidia.com/gpu``) longer than ``pending_timeout_s`` is deleted and raises a
 :class:`CapacityError` of scope ``offering``; a ResourceQuota's ``exceeded quota`` (403) one of
@@ -111,6 +117,14 @@ GPU_LABELS: dict[str, dict] = {
     "MI250": {"vendor": "amd", AMD_PRODUCT: ["AMD_Instinct_MI250", "AMD_Instinct_MI250X"],
               AMD_DEVICE_ID: ["740c"]},
 }
+
+#: The node label the kubelet sets to the node's hostname (Kubernetes documentation, "Well-Known
+#: Labels, Annotations and Taints"): replacement pods avoid a bad machine by it.
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+#: Annotations sftctl writes on a node it cordons: the verdict, who cordoned it, and when (UTC).
+CORDON_REASON = "sftctl.dev/cordon-reason"
+CORDONED_BY = "sftctl.dev/cordoned-by"
+CORDONED_AT = "sftctl.dev/cordoned-at"
 
 GPU_RESOURCES = {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu"}
 
@@ -238,10 +252,13 @@ def manifest(name: str, **context) -> dict:
 
 
 def node_manifests(request: InstanceRequest, *, namespace: str, secrets: dict[str, str] | None = None,
-                   image: str | None = None, num_nodes: int | None = None) -> dict[str, dict]:
+                   image: str | None = None, num_nodes: int | None = None,
+                   avoid_hosts: list[str] | None = None) -> dict[str, dict]:
     """The objects of one node: ``{"secret": ..., "service": ..., "configmap": ..., "pod": ...}``.
 
-    ``secret`` is None when there are no secrets. Pure: renders, calls no API.
+    ``secret`` is None when there are no secrets. ``avoid_hosts``: ``kubernetes.io/hostname``
+    values the pod must not run on (machines a health verdict took out of the job), added as a
+    ``NotIn`` requirement to every nodeSelectorTerm. Pure: renders, calls no API.
     """
     n = names(request.job_id, request.node_id, request.rank)
     accelerator = request.offering.accelerator
@@ -283,7 +300,8 @@ def node_manifests(request: InstanceRequest, *, namespace: str, secrets: dict[st
             # a GPU limit is also the request (extended resources); a CPU node asks one core per process
             limits={gpu_resource: str(gpus)} if gpu_resource else {},
             requests={} if gpu_resource else {"cpu": str(max(1, request.offering.count))},
-            node_selector_terms=terms, tolerations=[gpu_resource] if gpu_resource else [],
+            node_selector_terms=terms, avoid_hosts=sorted(avoid_hosts or []), hostname_label=HOSTNAME_LABEL,
+            tolerations=[gpu_resource] if gpu_resource else [],
             spot=request.spot, spot_labels=SPOT_LABELS, bootstrap_dir=BOOTSTRAP_DIR, bootstrap_key=BOOTSTRAP_KEY,
             secret=n["secret"] if secrets else None, **{k: v for k, v in common.items() if k != "secret"},
         ),
@@ -358,6 +376,7 @@ class KubernetesProvider(CloudProvider):
         self._lock = threading.Lock()
         self._job_locks: dict[tuple[str, str], threading.Lock] = {}
         self._job_objects: set[tuple[str, str]] = set()  # (namespace, job) whose Service/Secret exist
+        self.avoid_hosts: dict[str, set[str]] = {}  # job -> hostnames its next pods avoid (quarantine)
 
     # ---------------------------------------------------------------- configuration
 
@@ -543,7 +562,10 @@ class KubernetesProvider(CloudProvider):
         ns = self.namespace
         secrets = {**self.secrets, **(getattr(request, "secrets", None) or {})}
         num_nodes = getattr(request, "num_nodes", None) or self.num_nodes
-        objs = node_manifests(request, namespace=ns, secrets=secrets, image=self.image, num_nodes=num_nodes)
+        with self._lock:
+            avoid = sorted(self.avoid_hosts.get(request.job_id, ()))
+        objs = node_manifests(request, namespace=ns, secrets=secrets, image=self.image, num_nodes=num_nodes,
+                              avoid_hosts=avoid)
         core = self._core()
         self._ensure_job_objects(request, ns, objs)
         pod, cm = objs["pod"]["metadata"]["name"], objs["configmap"]["metadata"]["name"]
@@ -710,17 +732,80 @@ class KubernetesProvider(CloudProvider):
             self._job_objects.discard((ns, job_id))
         return count
 
-    def cordon(self, node_name) -> None:
+    def cordon(self, node_name, reason: str | None = None, by: str | None = None) -> dict | None:
         """Mark a cluster node unschedulable (``kubectl cordon``): a node judged bad gets no new pods.
 
         ``node_name`` is the node's name, or a handle whose ``node_name`` (the pod's
-        ``spec.nodeName``, recorded by :meth:`wait_ready`) names it.
+        ``spec.nodeName``, recorded by :meth:`wait_ready`) names it. With ``reason`` the node also
+        gets the annotations :data:`CORDON_REASON` (``reason``, at most 1000 characters),
+        :data:`CORDONED_BY` (``by``) and :data:`CORDONED_AT` (UTC, ISO 8601), so ``kubectl describe
+        node`` says why. One strategic-merge patch; returns the patched node (API JSON), or None
+        when the node is gone (404).
+
+        Raises:
+            CredentialsError: the user may not patch nodes (403) or the credentials are bad (401).
+            ProviderError: the pod was never scheduled, or the API failed.
         """
         if isinstance(node_name, dict):
             node_name = node_name.get("node_name")
         if not node_name:
             raise ProviderError("kubernetes: cordon needs a node name (the pod was never scheduled)")
-        self._call(f"cordon node {node_name}", self._core().patch_node, node_name, {"spec": {"unschedulable": True}})
+        body: dict = {"spec": {"unschedulable": True}}
+        if reason:
+            at = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+            body["metadata"] = {"annotations": {CORDON_REASON: " ".join(reason.split())[:1000],
+                                                CORDONED_BY: by or "sftctl", CORDONED_AT: at}}
+        return self._json(f"cordon node {node_name}", self._core().patch_node, node_name, body, allow=(404,))
+
+    def quarantine(self, handle: dict, reason: str) -> dict | None:
+        """Keep the machine ``handle``'s pod ran on away from the job (called before
+        :meth:`terminate` when a health verdict replaces the node; ``reason`` is the verdict).
+
+        Always: the job's next pods get node anti-affinity to its ``kubernetes.io/hostname``
+        (see :func:`node_manifests`). When the user may patch nodes: the node is cordoned with the
+        verdict as :data:`CORDON_REASON` (:meth:`cordon`), so no one's pods land on it until an
+        admin uncordons it. A 403 (RBAC without ``patch nodes``, usual on a shared cluster) or any
+        other API error leaves the anti-affinity alone and is said in ``message``.
+
+        Returns:
+            ``{"machine": node name, "hostname": label value, "actions": ["anti-affinity",
+            "cordon"?], "cordon_error": one line (when cordoning failed), "message": one line}``,
+            or None when the pod was never scheduled (no machine to avoid). Raises nothing for
+            API errors.
+        """
+        node = handle.get("node_name")
+        if not node:
+            return None
+        who = f"sftctl job {handle.get('job_id') or '?'}, node {handle.get('node_id') or '?'}"
+        error = None
+        try:
+            obj = self.cordon(node, reason=reason, by=who)
+        except (CredentialsError, ProviderError) as e:
+            error, obj = e.message, self._read_node(node)
+        gone = obj is None and error is None
+        host = (((obj or {}).get("metadata") or {}).get("labels") or {}).get(HOSTNAME_LABEL) or node
+        with self._lock:
+            self.avoid_hosts.setdefault(handle.get("job_id") or "", set()).add(host)
+        avoid = f"this job's next pods avoid it ({HOSTNAME_LABEL} NotIn {host})"
+        if error is not None:
+            message = (f"kubernetes: could not cordon node {node} ({error}); {avoid}; a cluster admin can "
+                       f"`kubectl cordon {node}`")
+        elif gone:
+            message = f"kubernetes: node {node} is gone; {avoid}"
+        else:
+            message = f"kubernetes: cordoned node {node} ({CORDON_REASON}: {reason}); {avoid}"
+        out = {"machine": node, "hostname": host, "actions": ["anti-affinity"] + ([] if error or gone else ["cordon"]),
+               "message": message}
+        if error is not None:
+            out["cordon_error"] = error
+        return out
+
+    def _read_node(self, name: str) -> dict | None:
+        """The node as the API's JSON, or None when it is gone or the user may not read it."""
+        try:
+            return self._json(f"read node {name}", self._core().read_node, name, allow=(403, 404))
+        except (CredentialsError, ProviderError):
+            return None
 
 
 # -------------------------------------------------------------------- pod status

@@ -177,6 +177,10 @@ class LocalProvider:
         """Stop the node's processes; the node (its directory) stays for the next attempt."""
         self.terminate(handle)
 
+    def quarantine(self, handle: dict, reason: str) -> dict | None:
+        """Nothing to do: every local node is this machine."""
+        return None
+
     def terminate(self, handle: dict) -> None:
         pids = procs.tagged("SFTCTL_NODE_ID", handle["node_id"])
         if handle.get("pid") and procs.alive(handle["pid"], handle.get("start_ticks")):

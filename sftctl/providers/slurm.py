@@ -889,6 +889,19 @@ class SlurmProvider:
         """Cancel the attempt's allocation (every node of it); the next attempt submits anew."""
         self._cancel(handle)
 
+    def quarantine(self, handle: dict, reason: str) -> dict | None:
+        """Put the Slurm node the attempt ran on (its ``host-<attempt>`` file) on this job's
+        ``--exclude`` list, whatever the allocation's state (draining it needs admin rights:
+        sftctl only leaves it out). None when the node never wrote its host name."""
+        if not (handle.get("attempt") and handle.get("dir")):
+            return None
+        host = (self._files(handle).get(f"{handle['dir']}/host-{handle['attempt']}") or b"").decode().strip()
+        if not host:
+            return None
+        self.excluded.add(host)
+        return {"machine": host, "actions": ["exclude"],
+                "message": f"slurm: node {host} is left out of this job's next allocations (--exclude): {reason}"}
+
     def terminate(self, handle: dict) -> None:
         """Cancel the allocation of the node's attempt. The Slurm node it ran on goes on this
         job's ``--exclude`` list unless the allocation ended for a reason that is not the node's
