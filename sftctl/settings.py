@@ -90,7 +90,7 @@ class Setting:
     def expected(self) -> str:
         """What a valid value looks like, for messages and the table."""
         if self.type == "int":
-            return "an integer" + (f" >= {self.minimum:g}" if self.minimum is not None else "")
+            return "an integer" + (f" >= {self.minimum}" if self.minimum is not None else "")
         if self.type == "float":
             return "a number" + (f" >= {self.minimum:g}" if self.minimum is not None else "")
         if self.type == "bool":
@@ -118,7 +118,7 @@ class Setting:
             if self.type == "float" and value != value:
                 raise SettingError(f"{where}: expected a number, got {raw!r}", hint=self._hint())
             if self.minimum is not None and value < self.minimum:
-                raise SettingError(f"{where}: must be >= {self.minimum:g}, got {value:g}", hint=self._hint())
+                raise SettingError(f"{where}: must be >= {self.minimum}, got {value}", hint=self._hint())
             return value
         if self.type == "bool":
             if text.lower() in _TRUE:

@@ -75,6 +75,7 @@ from pathlib import Path
 from typing import Any
 
 from sftctl import failure as _failure
+from sftctl import settings
 
 # the local checkpoint layout (state.pt / .metadata, COMPLETE last) is defined in storage, which
 # the controller counts checkpoints through without importing this module
@@ -133,11 +134,10 @@ def global_rank() -> int:
     Raises:
         ValueError: the variable that is used is set but is not a non-negative integer.
     """
-    for name in ("RANK", "SFTCTL_NODE_RANK"):
-        raw = os.environ.get(name, "").strip()
-        if raw:
-            return _parse_int(name, raw, minimum=0)
-    return 0
+    raw = os.environ.get("RANK", "").strip()
+    if raw:
+        return _parse_int("RANK", raw, minimum=0)
+    return settings.get("SFTCTL_NODE_RANK")
 
 
 def report(
@@ -175,7 +175,7 @@ def report(
         ValueError: ``RANK``/``SFTCTL_NODE_RANK`` is malformed.
         OSError: the metrics directory or file cannot be created or written.
     """
-    metrics_dir = os.environ.get("SFTCTL_METRICS_DIR", "")
+    metrics_dir = settings.get("SFTCTL_METRICS_DIR")
     if not metrics_dir:
         return
     rank = global_rank()
@@ -220,7 +220,7 @@ def _start_heartbeat(path: Path, rank: int) -> None:
     if _heartbeat_started:
         return
     _heartbeat_started = True
-    interval_s = float(os.environ.get("SFTCTL_HEARTBEAT_S", "2") or 2)
+    interval_s = settings.get("SFTCTL_HEARTBEAT_S")
 
     def beat() -> None:
         while True:
@@ -250,7 +250,7 @@ def checkpoint_dir() -> Path:
 
     The directory is not created here; ``save_checkpoint`` creates it.
     """
-    return Path(os.environ.get("SFTCTL_CHECKPOINT_DIR") or DEFAULT_CHECKPOINT_DIR)
+    return Path(settings.raw("SFTCTL_CHECKPOINT_DIR") or DEFAULT_CHECKPOINT_DIR)
 
 
 DEFAULT_KEEP_CHECKPOINTS = 3  # the spec's train.keep_checkpoints default
@@ -266,8 +266,7 @@ def _checkpoint_args(step: int, keep: int | None) -> int:
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     if keep is None:
-        raw = os.environ.get("SFTCTL_KEEP_CHECKPOINTS", "").strip()
-        keep = _parse_int("SFTCTL_KEEP_CHECKPOINTS", raw, minimum=1) if raw else DEFAULT_KEEP_CHECKPOINTS
+        keep = settings.get("SFTCTL_KEEP_CHECKPOINTS")
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     return keep
@@ -389,7 +388,7 @@ def latest_checkpoint() -> Path | None:
 
 def _job_storage():
     """The job's storage from ``$SFTCTL_STORAGE_URL``, or None when it is unset."""
-    url = os.environ.get("SFTCTL_STORAGE_URL", "").strip()
+    url = settings.raw("SFTCTL_STORAGE_URL")
     if not url:
         return None
     from sftctl.storage import open_storage  # lazy: keep this module's import light
@@ -564,15 +563,12 @@ def config(
             an integer >= 1 (``SFTCTL_NODE_RANK``: >= 0 and < num_nodes), or an unknown dtype. The
             message names the variable.
     """
-    env = os.environ
-
     def get_int(name: str, default: int, minimum: int) -> int:
-        raw = env.get(name, "").strip()
-        if not raw:
+        if settings.raw(name) is None:
             if not isinstance(default, int) or isinstance(default, bool) or default < minimum:
                 raise ValueError(f"{name}: default must be an integer >= {minimum}, got {default!r}")
             return default
-        return _parse_int(name, raw, minimum=minimum)
+        return settings.get(name)
 
     steps_v = get_int("SFTCTL_TRAIN_STEPS", steps, 1)
     batch_v = get_int("SFTCTL_BATCH_SIZE", batch_size, 1)
@@ -584,15 +580,13 @@ def config(
         raise ValueError(
             f"SFTCTL_NODE_RANK={node_rank_v} must be < SFTCTL_NUM_NODES={num_nodes_v}"
         )
-    raw_dtype = (env.get("SFTCTL_DTYPE", "").strip() or dtype).lower()
+    raw_dtype = (settings.raw("SFTCTL_DTYPE") or dtype).lower()
     if raw_dtype not in _DTYPES:
         raise ValueError(
             f"SFTCTL_DTYPE: unknown dtype {raw_dtype!r}; expected one of {sorted(set(_DTYPES))}"
         )
-    job_id = env.get("SFTCTL_JOB_ID", "").strip() or None
-    precision = env.get("SFTCTL_MATMUL_PRECISION", "").strip().lower() or "highest"
-    if precision not in ("highest", "high", "medium"):
-        raise ValueError(f"SFTCTL_MATMUL_PRECISION: expected highest, high or medium, got {precision!r}")
+    job_id = settings.raw("SFTCTL_JOB_ID")
+    precision = settings.get("SFTCTL_MATMUL_PRECISION")
     torch = sys.modules.get("torch")
     if torch is not None:  # the script imported torch: run float32 matmuls as the plan priced them
         torch.set_float32_matmul_precision(precision)
@@ -624,8 +618,6 @@ def _parse_int(name: str, raw: str, *, minimum: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 PARALLELISMS = ("ddp", "fsdp")
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
 
 
 def strategy() -> tuple[str, bool]:
@@ -637,13 +629,7 @@ def strategy() -> tuple[str, bool]:
     Raises:
         ValueError: another value; the message names the variable.
     """
-    par = (os.environ.get("SFTCTL_PARALLELISM", "").strip().lower() or "ddp")
-    if par not in PARALLELISMS:
-        raise ValueError(f"SFTCTL_PARALLELISM: expected ddp or fsdp, got {par!r}")
-    raw = os.environ.get("SFTCTL_ACTIVATION_CHECKPOINTING", "").strip().lower()
-    if raw not in _TRUE + _FALSE:
-        raise ValueError(f"SFTCTL_ACTIVATION_CHECKPOINTING: expected 1 or 0, got {raw!r}")
-    return par, raw in _TRUE
+    return settings.get("SFTCTL_PARALLELISM"), settings.get("SFTCTL_ACTIVATION_CHECKPOINTING")
 
 
 def blocks(model: Any) -> list:
