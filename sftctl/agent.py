@@ -32,17 +32,19 @@ import threading
 import time
 from pathlib import Path
 
+from sftctl import settings
+
 
 def _replay_path(explicit: str | None) -> str | None:
     if explicit:
         return explicit
-    path = os.environ.get("SFTCTL_TELEMETRY_REPLAY")
+    path = settings.get("SFTCTL_TELEMETRY_REPLAY")
     if not path:
         return None
-    rank = os.environ.get("SFTCTL_TELEMETRY_REPLAY_RANK")
-    if rank is not None and rank != os.environ.get("SFTCTL_NODE_RANK", "0"):
+    rank = settings.get("SFTCTL_TELEMETRY_REPLAY_RANK")
+    if rank is not None and rank != settings.get("SFTCTL_NODE_RANK"):
         return None
-    if os.environ.get("SFTCTL_NODE_GENERATION", "0") != "0":
+    if settings.get("SFTCTL_NODE_GENERATION") != 0:
         return None  # the replacement of a faulty node is healthy
     return path
 
@@ -79,16 +81,16 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m sftctl.agent",
         description="Sample this node's GPUs into a JSON-lines file and serve them to Prometheus.",
     )
-    node_dir = os.environ.get("SFTCTL_NODE_DIR", ".")
+    node_dir = settings.get("SFTCTL_NODE_DIR")
     ap.add_argument("--out", default=str(Path(node_dir) / "health.jsonl"), help="JSON-lines file to append samples to")
-    ap.add_argument("--interval", type=_positive, default=_positive(os.environ.get("SFTCTL_HEALTH_INTERVAL_S", "2")),
+    ap.add_argument("--interval", type=_positive, default=_positive(str(settings.get("SFTCTL_HEALTH_INTERVAL_S"))),
                     help="seconds between samples")
     ap.add_argument("--replay", default=None, help="read a recorded stream instead of NVML (fault injection)")
-    ap.add_argument("--metrics-dir", default=os.environ.get("SFTCTL_METRICS_DIR"),
+    ap.add_argument("--metrics-dir", default=settings.get("SFTCTL_METRICS_DIR"),
                     help="the training's step reports, for replay records with at_step")
-    ap.add_argument("--port", type=int, default=int(os.environ.get("SFTCTL_AGENT_PORT", "0") or 0),
+    ap.add_argument("--port", type=int, default=settings.get("SFTCTL_AGENT_PORT"),
                     help="serve /metrics on this port (0: off)")
-    ap.add_argument("--address", default=os.environ.get("SFTCTL_AGENT_ADDRESS") or "127.0.0.1",
+    ap.add_argument("--address", default=settings.get("SFTCTL_AGENT_ADDRESS"),
                     help="address /metrics binds (default loopback; the spec's health.metrics_address)")
     ap.add_argument("--count", type=_non_negative, default=0, help="stop after this many samples (0: until SIGTERM)")
     args = ap.parse_args(argv)

@@ -31,6 +31,8 @@ import time
 import traceback
 from pathlib import Path
 
+from sftctl import settings
+
 
 def oom_kills() -> int | None:
     """How many processes the kernel's OOM killer has killed in this process's memory cgroup
@@ -130,7 +132,7 @@ def install_excepthook() -> None:
     def hook(kind, exc, tb):
         try:
             if not os.path.exists(path) and not issubclass(kind, KeyboardInterrupt):
-                rank = os.environ.get("RANK") or os.environ.get("SFTCTL_NODE_RANK")
+                rank = os.environ.get("RANK") or settings.raw("SFTCTL_NODE_RANK")
                 write_error_file(exc.with_traceback(tb), path, int(rank) if rank and rank.isdigit() else None)
         except Exception:  # diagnosing must never hide the real error
             pass

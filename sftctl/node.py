@@ -28,6 +28,8 @@ import sys
 import threading
 from pathlib import Path
 
+from sftctl import settings
+
 
 class NodeDaemon:
     """One node's loop. See the module docstring.
@@ -85,20 +87,20 @@ class NodeDaemon:
         self._end_attempt()
         self.attempt = attempt
         env = dict(env)
-        key = env.get("SFTCTL_WORKDIR_KEY")
+        key = settings.raw("SFTCTL_WORKDIR_KEY", env)
         if key:
             from sftctl.storage import open_storage
             from sftctl.storage.workdir import fetch_workdir
 
             dest = self.node_dir / "workdir" / Path(key).name.split(".")[0]
             if not dest.is_dir():
-                root = env.get("SFTCTL_WORKDIR_STORAGE")
+                root = settings.raw("SFTCTL_WORKDIR_STORAGE", env)
                 fetch_workdir(open_storage(root) if root else self.storage, key, dest)
-            env["SFTCTL_WORKDIR"] = str(dest)
+            env.update(settings.node_env(workdir=str(dest)))
         path = self.node_dir / f"node-{attempt}.sh"
         path.write_text(script)
-        full_env = {**os.environ, **env, "SFTCTL_NODE_ID": self.node_id, "SFTCTL_NODE_DIR": str(self.node_dir),
-                    "SFTCTL_METRICS_DIR": str(self.node_dir / "metrics")}
+        full_env = {**os.environ, **env, **settings.node_env(node_id=self.node_id, node_dir=self.node_dir,
+                                                             metrics_dir=self.node_dir / "metrics")}
         full_env.setdefault("SFTCTL_PYTHON", sys.executable)
         full_env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), full_env.get("PATH", "")])
         with open(self.node_dir / "node.log", "ab") as log:
@@ -143,12 +145,12 @@ def main(argv: list[str] | None = None) -> int:
 
     os.umask(0o077)  # the job's files on this node (logs, checkpoints): owner-only
 
-    missing = [k for k in ("SFTCTL_STORAGE_URL", "SFTCTL_NODE_ID", "SFTCTL_NODE_DIR") if not os.environ.get(k)]
+    missing = [k for k in ("SFTCTL_STORAGE_URL", "SFTCTL_NODE_ID", "SFTCTL_NODE_DIR") if not settings.raw(k)]
     if missing:
         print(f"sftctl node: {', '.join(missing)} not set (the bootstrap sets them)", file=sys.stderr)
         return 2
-    daemon = NodeDaemon(open_storage(os.environ["SFTCTL_STORAGE_URL"]), os.environ["SFTCTL_NODE_ID"],
-                        os.environ["SFTCTL_NODE_DIR"], float(os.environ.get("SFTCTL_NODE_POLL_S", "1")))
+    daemon = NodeDaemon(open_storage(settings.raw("SFTCTL_STORAGE_URL")), settings.raw("SFTCTL_NODE_ID"),
+                        settings.get("SFTCTL_NODE_DIR"), settings.get("SFTCTL_NODE_POLL_S"))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.stop())
     return daemon.run()
