@@ -136,7 +136,9 @@ def test_gemm_launch_for_fusion_kernel():
     from sftctl.compiler.search.gemm import search_gemm
     from sftctl.compiler.hardware import get_accelerator
 
-    k = Kernel("gemm", [0], gemm=(1, 37, 45, 29, "float32", False, False, 0.0))
+    from sftctl.compiler.problem import GemmProblem
+
+    k = Kernel("gemm", [0], gemm=GemmProblem(batch=1, m=37, n=45, k=29, dtype="float32"))
     launch = gemm_mod.launch_for(k, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16))
     a, b = torch.randn(37, 29), torch.randn(29, 45)
     check(launch(a, b, allow_tf32=False), a.double() @ b.double(), torch.float32, "launch_for")

@@ -37,8 +37,10 @@ def test_epilogue_and_reduction_fusion():
     # bias add and tanh ride in the GEMM's epilogue; tanh's output has two readers, so it is written
     assert gemm.nodes == [ids["mm"], ids["y"], ids["t"]]
     assert gemm.writes == [ids["t"]]
-    assert gemm.gemm[:5] == (1, 64, 16, 32, "float32")
-    assert gemm.gemm[7] == 16 * 4 / (64 * 16)  # the bias bytes spread over the outputs
+    p = gemm.gemm
+    assert (p.batch, p.m, p.n, p.k, p.dtype, p.out_dtype) == (1, 64, 16, 32, "float32", "float32")
+    assert p.epilogue_bytes_per_elem == 16 * 4 / (64 * 16)  # the bias bytes spread over the outputs
+    assert p.epilogue_flops_per_elem == 2.0  # bias add and tanh: one FLOP each per output
     assert gemm.bytes_read == (64 * 32 + 32 * 16 + 16) * 4
     assert gemm.flops == 2 * 64 * 16 * 32 + 2 * 64 * 16
     # the whole softmax (max, sub, exp, sum, div) is one kernel: same iteration space

@@ -62,7 +62,7 @@ def test_epilogue_writes_are_charged(small_graph):
     assert gemms
     for k in gemms:
         anchor = g.nodes[k.anchor]
-        batch, m, n, kk, dtype, a_t, b_t, epi = k.gemm
+        epi = k.gemm.epilogue_bytes_per_elem
         operands = sum(g.nodes[i].type.nbytes for i in anchor.inputs)  # read at least once
         charged = operands + anchor.type.numel * (epi + {"float32": 4, "bfloat16": 2}[k.out_dtype])
         # the GEMM model charges operands (>= once), its output in out_dtype and the epilogue's
@@ -70,8 +70,8 @@ def test_epilogue_writes_are_charged(small_graph):
         assert charged >= k.bytes_read + k.bytes_written - 1e-6 * charged, (k.nodes, k.out_dtype, epi)
     # the output projection's logits are cast to float32 for the loss inside its epilogue: the
     # kernel stores float32 (4 bytes per element), not the bfloat16 it multiplies in
-    vocab = [k for k in gemms if k.gemm[2] == 1000 and k.gemm[1] == 128]
-    assert vocab and any(k.out_dtype == "float32" or k.gemm[7] >= 4 for k in vocab)
+    vocab = [k for k in gemms if k.gemm.n == 1000 and k.gemm.m == 128]
+    assert vocab and any(k.out_dtype == "float32" or k.gemm.epilogue_bytes_per_elem >= 4 for k in vocab)
 
 
 def test_gather_charged_rows_it_reads(small_graph):

@@ -625,12 +625,10 @@ def analyze_ir(gm: fx.GraphModule, hw, coeffs=None) -> dict:
         for k in kernels:
             kinds[k.kind] = kinds.get(k.kind, 0) + 1
             if k.kind == "gemm":
-                batch, m, n, kk, dtype, a_t, b_t, epi = k.gemm
-                dt = _mma_dtype(dtype)
+                dt = _mma_dtype(k.gemm.dtype)
                 if dt not in ("float32", "bfloat16", "float16"):
                     continue
-                problem = costmodel.GemmProblem(batch=batch, m=m, n=n, k=kk, dtype=dt, a_transposed=a_t,
-                                                b_transposed=b_t, epilogue_bytes_per_elem=epi)
+                problem = dataclasses.replace(k.gemm, dtype=dt, out_dtype="same", epilogue_flops_per_elem=0.0)
                 choice = search_gemm(problem, hw, coeffs)
                 t = choice.time_s if math.isfinite(choice.time_s) else _roofline_time_s(
                     k, hw, coeffs, hw.matrix_peak(dt) * coeffs.mma_efficiency)

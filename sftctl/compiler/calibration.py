@@ -202,7 +202,7 @@ def ptxas_reg_base(groups: list[Group], hw, base) -> float | None:
             if not res or res.get("spill_bytes") or key in seen:
                 continue
             seen.add(key)
-            p = GemmProblem(1, r["M"], r["N"], r["K"], dtype=r["dtype"])
+            p = GemmProblem(batch=1, m=r["M"], n=r["N"], k=r["K"], dtype=r["dtype"])
             est = gemm_breakdown(p, hw, dict(r["config"], split_k=1, layout=0), c0)["regs_per_thread"]
             diffs.append(res["registers"] - est)
     return float(np.median(diffs)) if diffs else None

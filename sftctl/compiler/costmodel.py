@@ -110,6 +110,7 @@ from typing import ClassVar
 import numpy as np
 
 from sftctl.compiler.hardware import Accelerator
+from sftctl.compiler.problem import GemmProblem, dtype_bytes  # noqa: F401 - re-exported
 
 __all__ = [
     "Coefficients", "GemmProblem", "LAYOUTS", "dtype_bytes", "gemm_time_s", "gemm_breakdown",
@@ -120,17 +121,7 @@ __all__ = [
 #: Operand layout choices of a GEMM schedule (the ``layout`` candidate key, an index here).
 LAYOUTS = ("as_is", "copy_a", "copy_b", "copy_ab")
 
-_DTYPE_BYTES = {"float64": 8, "float32": 4, "tf32": 4, "bfloat16": 2, "float16": 2,
-                "float8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
-
 MAX_THREADS_PER_BLOCK = 1024  # CUDA and HIP alike
-
-
-def dtype_bytes(dtype: str) -> int:
-    try:
-        return _DTYPE_BYTES[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_DTYPE_BYTES)}") from None
 
 
 def _peak_key(dtype: str) -> str:
@@ -288,63 +279,6 @@ class Coefficients:
 
     def mn_major_efficiency(self, nbytes: int) -> float:
         return self.mn_major_efficiency_16bit if nbytes == 2 else self.mn_major_efficiency_other
-
-
-@dataclass(frozen=True)
-class GemmProblem:
-    """One GEMM class ``C[b] = A[b] @ B[b]``, A is ``m x k``, B is ``k x n``, ``batch`` entries.
-
-    Attributes:
-        dtype: input dtype (``bfloat16``, ``float16``, ``float32`` (tf32 MMA), ``float8*``).
-        out_dtype: output dtype, ``"same"`` for ``dtype``.
-        a_transposed: A is stored as a row-major ``k x m`` tensor (M-contiguous, "MN-major").
-        b_transposed: B is stored as a row-major ``n x k`` tensor (K-contiguous, the
-            ``x @ W.T`` of ``nn.Linear``); False means row-major ``k x n`` (N-contiguous).
-        epilogue_bytes_per_elem: extra bytes read/written per output element by a fused
-            epilogue (bias 0 (per column, cached), residual add 2, saving a pre-activation 2 ...).
-        epilogue_flops_per_elem: extra vector FLOPs per output element (activation ...).
-        prologue_flops_per_elem: vector FLOPs per A element as it is loaded into a tile (a fused
-            elementwise op on A, e.g. dequantization or an activation's backward).
-    """
-
-    batch: int
-    m: int
-    n: int
-    k: int
-    dtype: str = "bfloat16"
-    out_dtype: str = "same"
-    a_transposed: bool = False
-    b_transposed: bool = False
-    epilogue_bytes_per_elem: float = 0.0
-    epilogue_flops_per_elem: float = 0.0
-    prologue_flops_per_elem: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("batch", "m", "n", "k"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"GemmProblem.{name} must be a positive int, got {v!r}")
-        dtype_bytes(self.dtype)
-        if self.out_dtype != "same":
-            dtype_bytes(self.out_dtype)
-        for name in ("epilogue_bytes_per_elem", "epilogue_flops_per_elem", "prologue_flops_per_elem"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"GemmProblem.{name} must be >= 0")
-
-    @property
-    def in_bytes(self) -> int:
-        return dtype_bytes(self.dtype)
-
-    @property
-    def out_bytes(self) -> int:
-        return dtype_bytes(self.dtype if self.out_dtype == "same" else self.out_dtype)
-
-    @property
-    def flops(self) -> int:
-        return 2 * self.batch * self.m * self.n * self.k
-
-    def signature(self) -> tuple:
-        return dataclasses.astuple(self)
 
 
 # --------------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ from sftctl.compiler.ir import (
     conv_gemm_dims,
     conv_lhs_touched,
 )
+from sftctl.compiler.problem import GemmProblem
 
 
 @dataclasses.dataclass
@@ -68,12 +69,15 @@ class Kernel:
         writes: ids of the tensors it materializes.
         bytes_read, bytes_written: memory traffic, bytes.
         flops: arithmetic, FLOPs (2*M*N*K*batch for a GEMM; one per element per op otherwise).
-        gemm: for ``gemm`` kernels, (batch, m, n, k, dtype, a_transposed, b_transposed,
-            epilogue_bytes_per_elem); None otherwise. ``epilogue_bytes_per_elem`` is every byte the
-            kernel moves besides its operands and its main output (in ``out_dtype``), per output
-            element: the epilogue's extra operands (bias, residual) and its extra outputs (a
-            saved pre-activation, an fp32 copy).
-        out_dtype: for ``gemm`` kernels, the dtype of the main output the kernel stores.
+        gemm: for ``gemm`` kernels, its :class:`~sftctl.compiler.problem.GemmProblem` as traced:
+            ``batch, m, n, k``, ``dtype`` (the operands' traced dtype), ``out_dtype`` (the main
+            output's dtype), ``a_transposed``/``b_transposed``, ``epilogue_bytes_per_elem`` (every
+            byte the kernel moves besides its operands and its main output, per output element:
+            the epilogue's extra operands (bias, residual) and its extra outputs (a saved
+            pre-activation, an fp32 copy)) and ``epilogue_flops_per_elem`` (the kernel's FLOPs
+            besides the GEMM's, per output element); None otherwise.
+        out_dtype: for ``gemm`` kernels, the dtype of the main output the kernel stores
+            (``gemm.out_dtype``).
     """
 
     kind: str
@@ -83,7 +87,7 @@ class Kernel:
     bytes_read: int = 0
     bytes_written: int = 0
     flops: float = 0.0
-    gemm: tuple | None = None
+    gemm: GemmProblem | None = None
     out_dtype: str | None = None  # gemm: dtype of the output the GEMM stores (its epilogue's result)
     attention: dict | None = None  # for ``attention`` kernels: see :func:`attention_shape`
     horizontal: int = 1  # independent kernels batched into this launch (multi-tensor apply)
@@ -378,7 +382,10 @@ def _account(graph: Graph, k: Kernel, group_of: dict[int, int], real_users, outp
             # a strided convolution's input gradient: the GEMM computes ceil(out / stride)
             # positions per dim, the kernel still stores every element of its (larger) output
             extra += (out_elems - gemm_elems) * DTYPE_BYTES[main.type.dtype]
-        k.gemm = (batch, m, n_, kk, graph.nodes[anchor.inputs[0]].type.dtype, a_t, b_t, extra / gemm_elems)
+        k.gemm = GemmProblem(
+            batch=batch, m=m, n=n_, k=kk, dtype=graph.nodes[anchor.inputs[0]].type.dtype, out_dtype=main.type.dtype,
+            a_transposed=a_t, b_transposed=b_t, epilogue_bytes_per_elem=extra / gemm_elems,
+            epilogue_flops_per_elem=max(0.0, flops - 2.0 * batch * m * n_ * kk) / gemm_elems)
 
 
 def causal_fraction(L: int, S: int) -> float:

@@ -202,7 +202,7 @@ def predict_records(records: list[dict], hw, coeffs=None, resources: list | None
         cfg = {k: np.array([records[i]["config"][k] for i in idx]) for k in records[idx[0]]["config"]}
         regs, spill, smem = res_arrays(idx)
         if kernel == "gemm":
-            prob = cm.GemmProblem(1, M, N, K, dtype=dtype)
+            prob = cm.GemmProblem(batch=1, m=M, n=N, k=K, dtype=dtype)
             cands = dict(cfg, split_k=np.ones(len(idx)), layout=np.zeros(len(idx)),
                          regs_per_thread=regs, spill_bytes=spill, smem_bytes=smem)
             t = cm.gemm_time_s(prob, hw, cands, c)

@@ -21,6 +21,7 @@ from sftctl.compiler.fusion import Kernel, fuse
 from sftctl.compiler.hardware import Accelerator
 from sftctl.compiler.ir import Graph
 from sftctl.compiler.memory import peak_memory
+from sftctl.compiler.problem import GemmProblem
 
 COMPILER_VERSION = "0.1.0"
 # Data-parallel gradient all-reduce (see costmodel.allreduce_time_s). PyTorch DDP all-reduces
@@ -151,29 +152,22 @@ def compile_graph(
     coeffs = coeffs or costmodel.Coefficients.for_accelerator(hw)
     started = time.perf_counter()
     kernels = fuse(graph)
-    gemm_classes: dict[tuple, object] = {}
-    total_gemm = len({(k.gemm, k.out_dtype) for k in kernels if k.kind == "gemm"})
+    gemm_classes: dict[GemmProblem, object] = {}
+    total_gemm = len({_gemm_class(k.gemm) for k in kernels if k.kind == "gemm"})
     plans: list[KernelPlan] = []
     candidates = scored = 0
     for i, k in enumerate(kernels):
         config, cands, sc = None, 0, 0
         if k.kind == "gemm":
-            batch, m, n, kk, dtype, a_t, b_t, epi = k.gemm
-            dtype = dtype_map.get(dtype, dtype)
-            gemm_flops = 2.0 * batch * m * n * kk
-            key = (k.gemm, k.out_dtype)
+            dtype = dtype_map.get(k.gemm.dtype, k.gemm.dtype)
+            key = _gemm_class(k.gemm)
             if ieee_fp32 and _mma_dtype(dtype) == "float32":
                 # IEEE FP32 (no TF32): CUDA-core SGEMM at the vector peak, no tensor-core schedule
                 t = _roofline_time_s(k, hw, coeffs, hw.vector_peak("float32") * coeffs.mma_efficiency)
                 plans.append(_kernel_plan(graph, i, k, t, hw, None, 0, 0, ieee_fp32, dtype_map))
                 continue
             if key not in gemm_classes:
-                problem = costmodel.GemmProblem(
-                    batch=batch, m=m, n=n, k=kk, dtype=_mma_dtype(dtype),
-                    out_dtype=_out_dtype(k.out_dtype or dtype), a_transposed=a_t, b_transposed=b_t,
-                    epilogue_bytes_per_elem=epi,
-                    epilogue_flops_per_elem=max(0.0, k.flops - gemm_flops) / max(1, batch * m * n),
-                )
+                problem = dataclasses.replace(k.gemm, dtype=_mma_dtype(dtype), out_dtype=_out_dtype(k.gemm.out_dtype))
                 choice = search_gemm(problem, hw, coeffs)
                 gemm_classes[key] = choice
                 candidates += choice.n_candidates
@@ -227,6 +221,13 @@ def _param_units(graph: Graph) -> dict[str, int]:
     return param_units([(n.attrs.get("name", ""), n.type.numel) for n in graph.inputs_with_role("param")])
 
 
+def _gemm_class(problem: GemmProblem) -> GemmProblem:
+    """The GEMM class a kernel's problem is searched under: the problem without its epilogue
+    FLOPs, so kernels that differ only in their fused elementwise work share one search (the
+    first kernel of a class prices its epilogue for all of them)."""
+    return dataclasses.replace(problem, epilogue_flops_per_elem=0.0)
+
+
 def _mma_dtype(dtype: str) -> str:
     """The matrix-unit input dtype of a contraction traced in ``dtype`` (float64 runs as fp32)."""
     return "float32" if dtype == "float64" else dtype
@@ -259,10 +260,11 @@ def _kernel_plan(graph: Graph, i: int, k: Kernel, t: float, hw: Accelerator, con
     moved = k.bytes_read + k.bytes_written
     anchor = graph.nodes[k.anchor]
     if k.kind == "gemm":
-        batch, m, n, kk, dtype = k.gemm[:5]
-        mma = _mma_dtype((dtype_map or {}).get(dtype, dtype))
+        g = k.gemm
+        mma = _mma_dtype((dtype_map or {}).get(g.dtype, g.dtype))
         peak_flops = hw.vector_peak("float32") if ieee_fp32 and mma == "float32" else hw.matrix_peak(mma)
-        label = f"{'conv' if anchor.op == 'conv' else 'gemm'} {'%dx' % batch if batch > 1 else ''}{m}x{n}x{kk} {dtype}" + (
+        label = (f"{'conv' if anchor.op == 'conv' else 'gemm'} {'%dx' % g.batch if g.batch > 1 else ''}"
+                 f"{g.m}x{g.n}x{g.k} {g.dtype}") + (
             f" +{len(k.nodes) - 1} fused" if len(k.nodes) > 1 else "")
     elif k.kind == "attention":
         a = k.attention

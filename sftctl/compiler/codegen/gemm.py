@@ -283,7 +283,7 @@ class GemmLaunch:
     """How one fused GEMM kernel of a plan is launched.
 
     Attributes:
-        batch, m, n, k: the GEMM class (``fusion.Kernel.gemm``).
+        batch, m, n, k: the GEMM class (``fusion.Kernel.gemm``'s sizes).
         dtype: operand dtype name.
         a_transposed, b_transposed: operands read through transposed strides (``a.t()``/``b.t()``
             views are passed as is; no copy unless ``config['layout']`` asks for one).
@@ -310,18 +310,15 @@ class GemmLaunch:
 
 
 def problem_for_kernel(kernel):
-    """The cost model's ``GemmProblem`` of a ``fusion.Kernel`` of kind ``gemm``.
+    """The :class:`~sftctl.compiler.problem.GemmProblem` of a ``fusion.Kernel`` of kind ``gemm``
+    (its ``gemm``, as traced).
 
     Raises:
         ValueError: the kernel is not a GEMM.
     """
-    from sftctl.compiler.costmodel import GemmProblem
-
     if kernel.kind != "gemm" or kernel.gemm is None:
         raise ValueError(f"not a gemm kernel: {kernel.kind}")
-    batch, m, n, k, dtype, a_t, b_t, epi = kernel.gemm
-    return GemmProblem(batch=batch, m=m, n=n, k=k, dtype=dtype, a_transposed=bool(a_t),
-                       b_transposed=bool(b_t), epilogue_bytes_per_elem=float(epi))
+    return kernel.gemm
 
 
 def launch_for(kernel, choice) -> GemmLaunch:
