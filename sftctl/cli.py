@@ -705,15 +705,19 @@ def down(
     job_id: Optional[str] = typer.Argument(None, metavar="[JOB]"),
     all_: bool = typer.Option(False, "--all", help="Every job that is not finished, and their nodes."),
     orphans: bool = typer.Option(False, "--orphans", help="Resources on any configured cloud whose job is gone or ended."),
+    purge: bool = typer.Option(False, "--purge", help="Then remove what sftctl wrote for the job: its storage "
+                               "prefix (checkpoints, logs, metrics), the workdir pack it uploaded, its local "
+                               "directory. Never the bucket, other objects or your train.checkpoint_dir."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
-    """Cancel a job and remove its nodes (also after its controller died)."""
+    """Cancel a job and remove its nodes (also after its controller died); --purge its storage too."""
     from sftctl.controller import down as down_job
+    from sftctl.controller import purge as purge_job
     from sftctl.state import TERMINAL
 
     if orphans:
-        if job_id or all_:
-            raise SftctlError("--orphans takes no JOB and no --all", hint="sftctl down --orphans")
+        if job_id or all_ or purge:
+            raise SftctlError("--orphans takes no JOB, --all or --purge", hint="sftctl down --orphans")
         from sftctl.controller import down_orphans
 
         swept = down_orphans(_store())
@@ -735,11 +739,19 @@ def down(
     else:
         ids = [_get_job(store, job_id)["id"]]
     summaries = [down_job(store, i) for i in ids]
+    purged = [purge_job(store, i) for i in ids] if purge else [None] * len(ids)  # down first, in this call
     if as_json:
-        _print_json({"down": [{"job_id": i, "status": store.get_job(i)["status"], "summary": s} for i, s in zip(ids, summaries)]})
+        _print_json({"down": [{"job_id": i, "status": store.get_job(i)["status"], "summary": s,
+                               **({"purged": p} if p is not None else {})}
+                              for i, s, p in zip(ids, summaries, purged)]})
     else:
-        for s in summaries or ["nothing to take down"]:
+        for s, p in zip(summaries, purged):
             print(s)
+            if p is not None:
+                print(f"{p['job_id']}: purged {p['objects']} object(s), {p['bytes'] / 2**20:.1f} MiB"
+                      + "".join(f"; kept {k['where']} ({k['why']})" for k in p["kept"]))
+        if not summaries:
+            print("nothing to take down")
 
 
 # ------------------------------------------------------------------------------------ events

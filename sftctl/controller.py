@@ -17,6 +17,7 @@ detached, it runs as ``python -m sftctl.controller JOB_ID`` in a session of its 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -468,7 +469,8 @@ class Controller:
                                     max_bytes=int(self.spec.storage.max_workdir_mb * 2**20))
             self.workdir_key = packed.key
             self.store.add_event(self.job_id, "storage", f"workdir {packed.key} ({packed.size_bytes / 2**20:.1f} MB"
-                                 f"{', already there' if not packed.uploaded else ''}) in {self.spec.storage.url}")
+                                 f"{', already there' if not packed.uploaded else ''}) in {self.spec.storage.url}",
+                                 {"workdir_key": packed.key, "uploaded": packed.uploaded})  # for `down --purge`
         if attempt == 1:
             claim_checkpoint_dir(self.spec, self.job_id)
         if self.rdzv_port is None:  # one port for the whole job: relaunches reuse it
@@ -771,6 +773,109 @@ def down(store: Store, job_id: str) -> str:
     summary = ", ".join(parts)
     store.add_event(job_id, "down", summary)
     return summary
+
+
+def purge(store: Store, job_id: str) -> dict:
+    """Remove what sftctl wrote for a job that is down (``sftctl down JOB --purge``). Idempotent.
+
+    Removed: under the job's storage prefix (``<storage>/<job id>/``) the objects of
+    :data:`sftctl.storage.SFTCTL_PREFIXES` (checkpoints, node logs, metrics and health streams,
+    launch requests, exit codes); the workdir pack under the storage root when this job uploaded
+    it and no live job of this state uses it; the job's local directory
+    (``$SFTCTL_HOME/jobs/<job id>``: local nodes, logs, default checkpoints, controller log).
+    Never removed: the bucket or directory itself and its marker, anything else under the job's
+    prefix, a spec's own ``train.checkpoint_dir``, a Slurm job's directory on a remote cluster;
+    those that exist are listed under ``kept``. The job's record and events stay in the state.
+
+    Returns:
+        ``{"job_id", "objects", "bytes", "removed": [{"where", "objects", "bytes"}],
+        "kept": [{"where", "why"}]}`` (bytes: the sizes the storage listed before deleting).
+
+    Raises:
+        KeyError: no such job.
+        SftctlError: (exit 2) the job is not down: it is live, or nodes of it may still run.
+        StorageError: the job's storage failed (exit 4).
+    """
+    import shutil
+
+    from sftctl.state import TERMINAL
+
+    job = store.get_job(job_id)
+    if job is None:
+        raise KeyError(job_id)
+    alive = bool(job["controller_pid"] and procs.alive(job["controller_pid"], job["controller_start_ticks"]))
+    up = [n for n in store.nodes(job_id) if n["status"] not in (NodeState.TERMINATED.value, REPLACED, "FAILED")]
+    if job["status"] not in TERMINAL or alive or up:
+        why = f"{len(up)} node(s) may still run" if up and job["status"] in TERMINAL else job["status"]
+        raise SftctlError(f"job {job_id} is {why}: --purge removes its storage only when the job is down",
+                          hint=f"sftctl down {job_id} --purge (takes it down first)")
+    spec = JobSpec.model_validate(job["spec"])
+    removed: list[dict] = []
+    kept: list[dict] = []
+    url = job_storage_url(spec, job_id)
+    if url is not None:
+        from sftctl.storage import LocalStorage, open_storage
+
+        storage = open_storage(url)
+        if isinstance(storage, LocalStorage) and storage.mount is not None and not storage.mount.is_dir():
+            kept.append({"where": storage.url, "why": f"the claim is not mounted here ({storage.mount})"})
+        else:
+            n, size = storage.delete_prefixes()
+            removed.append({"where": storage.url, "objects": n, "bytes": size})
+            rest = storage.list("")
+            if rest:
+                kept.append({"where": storage.url, "why": f"{len(rest)} object(s) sftctl did not write"})
+            elif isinstance(storage, LocalStorage):
+                with contextlib.suppress(OSError):
+                    storage.root.rmdir()
+            removed += _purge_workdir_pack(store, job_id, spec, kept)
+    local = job_dir(job_id)
+    if local.exists():
+        files = [p for p in local.rglob("*") if p.is_file() and not p.is_symlink()]
+        size = sum(p.stat().st_size for p in files)
+        shutil.rmtree(local, ignore_errors=True)
+        if local.exists():
+            kept.append({"where": str(local), "why": "some files could not be removed"})
+        removed.append({"where": str(local), "objects": len(files), "bytes": size})
+    own = checkpoint_dir_path(spec)
+    if own is not None and own.exists():
+        kept.append({"where": str(own), "why": "train.checkpoint_dir is yours: sftctl never deletes it"})
+    remote = {(n["handle"] or {}).get("root") for n in store.nodes(job_id) if job["provider"] == "slurm"}
+    for root in sorted(r for r in remote if r and not Path(r).is_relative_to(local)):  # over ssh
+        kept.append({"where": root, "why": "the job's directory on the Slurm cluster: remove it there"})
+    doc = {"job_id": job_id, "objects": sum(r["objects"] for r in removed),
+           "bytes": sum(r["bytes"] for r in removed), "removed": removed, "kept": kept}
+    store.add_event(job_id, "purge", f"purged {doc['objects']} object(s), {doc['bytes']} bytes", doc)
+    return doc
+
+
+def _purge_workdir_pack(store: Store, job_id: str, spec: JobSpec, kept: list[dict]) -> list[dict]:
+    """Delete the workdir pack this job uploaded to its storage root (packs are shared by content
+    hash), unless a live job of this state uses the same one."""
+    from sftctl.state import TERMINAL
+    from sftctl.storage import open_storage
+
+    def packs(jid: str) -> list[dict]:
+        return [e["data"] for e in store.events(jid) if e["kind"] == "storage" and (e["data"] or {}).get("workdir_key")]
+
+    mine = [d for d in packs(job_id) if d.get("uploaded")]
+    if not mine:
+        return []
+    key = mine[0]["workdir_key"]
+    for other in store.list_jobs():
+        if other["id"] == job_id or other["status"] in TERMINAL:
+            continue
+        other_spec = other.get("spec") or {}
+        if (other_spec.get("storage") or {}).get("url") == spec.storage.url and any(
+                d["workdir_key"] == key for d in packs(other["id"])):
+            kept.append({"where": f"{spec.storage.url.rstrip('/')}/{key}", "why": f"live job {other['id']} uses it"})
+            return []
+    root = open_storage(spec.storage.url)
+    size = root.size(key)
+    if size is None:
+        return []
+    root.delete(key)
+    return [{"where": f"{root.url.rstrip('/')}/{key}", "objects": 1, "bytes": size}]
 
 
 def preview(spec: JobSpec, plan_doc: dict, job_id: str = "<job-id>") -> dict:

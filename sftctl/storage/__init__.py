@@ -179,6 +179,15 @@ class Storage:
         self._delete_many(keys)
         return len(keys)
 
+    def delete_prefixes(self, prefixes=SFTCTL_PREFIXES) -> tuple[int, int]:
+        """Delete every object under each of ``prefixes`` (default: the ones sftctl writes,
+        :data:`SFTCTL_PREFIXES`); return ``(objects, bytes)`` deleted. Nothing else is touched."""
+        if not prefixes or any(not p for p in prefixes):
+            raise ValueError("delete_prefixes needs non-empty prefixes")
+        objects = [kv for p in prefixes for kv in self.list(p)]
+        self._delete_many([key for key, _ in objects])
+        return len(objects), sum(size for _, size in objects)
+
     def exists(self, key: str) -> bool:
         """Whether object ``key`` exists."""
         return self.size(key) is not None
@@ -250,7 +259,7 @@ class Storage:
                 hint="delete its objects yourself if they are no longer needed",
                 url=self.url,
             ) from None
-        n = sum(self.delete_prefix(p) for p in SFTCTL_PREFIXES)
+        n = self.delete_prefixes(SFTCTL_PREFIXES)[0]
         self.delete(MARKER_KEY)
         n += 1
         if delete_bucket and marker.get("created_bucket") and not self.list(""):
