@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from sftctl import procs
+from sftctl import procs, settings
 from sftctl.catalog import Offering
 from sftctl.errors import CapacityError, InfeasibleError, SftctlError
 from sftctl.health.telemetry import REPLACE, RESTART
@@ -371,7 +371,7 @@ class Controller:
 
         return render("bootstrap.sh.j2", job_id=self.job_id, node_id=node_id, rank=rank,
                       storage_url=job_storage_url(self.spec, self.job_id) or "",
-                      install=os.environ.get("SFTCTL_NODE_INSTALL", _default_install()))
+                      install=settings.get("SFTCTL_NODE_INSTALL") or _default_install())
 
     def _next_offering(self) -> Offering | None:
         """The best feasible candidate of the plan after the current one that no block rules out."""
@@ -396,38 +396,40 @@ class Controller:
         env.update({k: os.environ[k] for k in spec.secrets if k in os.environ})  # values never stored
         url = job_storage_url(spec, self.job_id)
         if url is not None:  # nodes keep checkpoints on their disk and in the job's storage
-            env["SFTCTL_STORAGE_URL"] = url
+            env.update(settings.node_env(storage_url=url))
             if self.workdir_key:
-                env["SFTCTL_WORKDIR_KEY"] = self.workdir_key
-                env["SFTCTL_WORKDIR_STORAGE"] = spec.storage.url
+                env.update(settings.node_env(workdir_key=self.workdir_key, workdir_storage=spec.storage.url))
             if spec.train.checkpoint_dir:
-                env["SFTCTL_CHECKPOINT_DIR"] = spec.train.checkpoint_dir
+                env.update(settings.node_env(checkpoint_dir=spec.train.checkpoint_dir))
         else:
-            env["SFTCTL_CHECKPOINT_DIR"] = spec.train.checkpoint_dir or str(job_dir(self.job_id) / "checkpoints")
-        env.update(
-            SFTCTL_KEEP_CHECKPOINTS=str(spec.train.keep_checkpoints),
-            SFTCTL_COMPILE=spec.train.compile,
+            env.update(settings.node_env(
+                checkpoint_dir=spec.train.checkpoint_dir or str(job_dir(self.job_id) / "checkpoints")))
+        # the node's SFTCTL_* variables: names and formats from sftctl.settings
+        env.update(settings.node_env(
+            keep_checkpoints=spec.train.keep_checkpoints,
+            compile=spec.train.compile,
             # the strategy the plan chose for this offering (sftctl.train.prepare runs it)
-            SFTCTL_PARALLELISM=self._planned("parallelism") or (
+            parallelism=self._planned("parallelism") or (
                 spec.train.parallelism if spec.train.parallelism != "auto" else "ddp"),
-            SFTCTL_ACTIVATION_CHECKPOINTING="1" if (self._planned("activation_checkpointing")
-                                                    or spec.train.activation_checkpointing) else "0",
-            SFTCTL_GRAD_ACCUM=str(max(1, spec.resources.nodes // len(self.nodes))),
-            SFTCTL_JOB_ID=self.job_id,
-            SFTCTL_NODE_RANK=str(rank),
-            SFTCTL_NUM_NODES=str(len(self.nodes)),
-            SFTCTL_NODE_IPS=",".join(ips),
-            SFTCTL_NPROC_PER_NODE=str(self.offering.count),
-            SFTCTL_ATTEMPT=str(attempt),
-            SFTCTL_NODE_GENERATION=str(next(n.get("generation", 0) for n in self.nodes if n["rank"] == rank)),
-            SFTCTL_HEALTH_INTERVAL_S=str(spec.health.interval_s),
-            SFTCTL_AGENT_ADDRESS=spec.health.metrics_address,
-            SFTCTL_CHECKPOINT_INTERVAL=str(spec.train.checkpoint_interval),
-            SFTCTL_TRAIN_STEPS=str(spec.train.steps),
+            activation_checkpointing=bool(self._planned("activation_checkpointing")
+                                          or spec.train.activation_checkpointing),
+            grad_accum=max(1, spec.resources.nodes // len(self.nodes)),
+            job_id=self.job_id,
+            node_rank=rank,
+            num_nodes=len(self.nodes),
+            node_ips=",".join(ips),
+            nproc_per_node=self.offering.count,
+            attempt=attempt,
+            node_generation=next(n.get("generation", 0) for n in self.nodes if n["rank"] == rank),
+            health_interval_s=spec.health.interval_s,
+            agent_address=spec.health.metrics_address,
+            checkpoint_interval=spec.train.checkpoint_interval,
+            train_steps=spec.train.steps,
+        ))
+        env.update(
             MASTER_ADDR=ips[0],
             MASTER_PORT=str(master_port),
-            SFTCTL_RDZV_ENDPOINT=f"{ips[0]}:{master_port}",
-            SFTCTL_RDZV_IS_HOST="1" if rank == 0 else "0",
+            **settings.node_env(rdzv_endpoint=f"{ips[0]}:{master_port}", rdzv_is_host=rank == 0),
             # torchrun reads PET_<OPTION> for each option it is not given, so `run: torchrun
             # train.py` joins the job's rendezvous without spelling out --nnodes --rdzv-*
             PET_NNODES=str(len(self.nodes)),
@@ -440,13 +442,13 @@ class Controller:
             PET_MAX_RESTARTS="0",  # sftctl restarts the job itself, from its last checkpoint
         )
         if spec.model is not None:
-            env.update(
-                SFTCTL_MODEL_ENTRYPOINT=spec.model.entrypoint,
+            env.update(settings.node_env(
+                model_entrypoint=spec.model.entrypoint,
                 # the planned per-rank share; fewer nodes than planned (elastic) accumulate more of them
-                SFTCTL_BATCH_SIZE=str(max(1, spec.model.batch_size // (spec.resources.nodes * self.offering.count))),
-                SFTCTL_DTYPE=spec.model.dtype,
-                SFTCTL_MATMUL_PRECISION=spec.model.matmul_precision,
-            )
+                batch_size=max(1, spec.model.batch_size // (spec.resources.nodes * self.offering.count)),
+                dtype=spec.model.dtype,
+                matmul_precision=spec.model.matmul_precision,
+            ))
         return env
 
     def _planned(self, key: str):
@@ -905,7 +907,7 @@ def preview(spec: JobSpec, plan_doc: dict, job_id: str = "<job-id>") -> dict:
         if cloud:
             bootstrap = render("bootstrap.sh.j2", job_id=job_id, node_id=n["id"], rank=n["rank"],
                                storage_url=job_storage_url(spec, job_id) or "",
-                               install=os.environ.get("SFTCTL_NODE_INSTALL", _default_install()))
+                               install=settings.get("SFTCTL_NODE_INSTALL") or _default_install())
         nodes.append({"rank": n["rank"], "env": env, "script": script, "bootstrap": bootstrap})
     return {"offering": c.offering.to_dict(), "nodes": nodes}
 
@@ -1015,7 +1017,7 @@ def _provider_options(spec: JobSpec, name: str) -> dict:
     """Per-cloud settings from the spec, else from this shell's configuration: the IAM instance
     profile of AWS nodes (``resources.instance_profile``, else ``$SFTCTL_AWS_INSTANCE_PROFILE``)."""
     if name == "aws":
-        profile = spec.resources.instance_profile or os.environ.get("SFTCTL_AWS_INSTANCE_PROFILE", "").strip()
+        profile = spec.resources.instance_profile or settings.get("SFTCTL_AWS_INSTANCE_PROFILE")
         if profile:
             return {"instance_profile": profile}
     return {}
