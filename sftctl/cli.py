@@ -64,7 +64,7 @@ def _get_job(store, job_id: str) -> dict:
     store.reap_dead_controllers()
     job = store.get_job(job_id)
     if job is None:
-        matches = [j["id"] for j in store.list_jobs() if j["id"].startswith(job_id)]
+        matches = [j.id for j in store.list_jobs() if j.id.startswith(job_id)]
         if len(matches) == 1:
             return store.get_job(matches[0])
         if matches:
@@ -456,49 +456,51 @@ def _modes_table(doc: dict):
 # ------------------------------------------------------------------------------------ status
 
 
-def _job_doc(store, job: dict, detail: bool = False, ranks: list[dict] | None = None) -> dict:
+def _job_doc(store, job, detail: bool = False, ranks: list | None = None) -> dict:
     """A job as the JSON document ``status --json`` prints (and the table renders)."""
+    from sftctl.types import JobStatus
+
     if ranks is None:
-        ranks = store.metrics(job["id"])
-    res = job["spec"]["resources"]
-    offering = (job["offering"] or {}).get("offering")
+        ranks = store.metrics(job.id)
+    res = job.spec["resources"]
+    offering = job.offering
     where = (
-        f"{offering['provider']} {offering['accelerator']}:{offering['count']} x{res['nodes']}"
+        f"{offering.provider} {offering.accelerator}:{offering.count} x{res['nodes']}"
         if offering else f"x{res['nodes']}"
     )
-    steps = [r["step"] for r in ranks]
-    losses = [r["loss"] for r in ranks if r["loss"] is not None]
-    tps = [r["tokens_per_s"] for r in ranks if r["tokens_per_s"] is not None]
+    steps = [r.step for r in ranks]
+    losses = [r.loss for r in ranks if r.loss is not None]
+    tps = [r.tokens_per_s for r in ranks if r.tokens_per_s is not None]
     doc = {
-        "id": job["id"],
-        "name": job["name"],
-        "status": job["status"],
+        "id": job.id,
+        "name": job.name,
+        "status": job.status.value,
         "resources": where,
-        "provider": job["provider"],
+        "provider": job.provider,
         "nodes": res["nodes"],
         "step": min(steps) if steps else None,
         # a plain shell job that reports no metrics has no step count to show
-        "steps": job["spec"]["train"]["steps"] if job["spec"].get("model") or ranks else None,
+        "steps": job.spec["train"]["steps"] if job.spec.get("model") or ranks else None,
         "loss": sum(losses) / len(losses) if losses else None,
         "tokens_per_s": sum(tps) if tps else None,
-        "restarts": job["restarts"],
-        "failure_reason": job["failure_reason"],
-        "pending_reason": job.get("pending_reason") if job["status"] == "PENDING" else None,
-        "created_at": job["created_at"],
-        "ended_at": job["ended_at"],
-        "controller_pid": job["controller_pid"],
+        "restarts": job.restarts,
+        "failure_reason": job.failure_reason,
+        "pending_reason": job.pending_reason if job.status == JobStatus.PENDING else None,
+        "created_at": job.created_at,
+        "ended_at": job.ended_at,
+        "controller_pid": job.controller_pid,
     }
     if detail:
-        doc["plan"] = (job["offering"] or {}).get("reason")
-        doc["ranks"] = ranks
+        doc["plan"] = job.plan_reason
+        doc["ranks"] = [r.to_dict() for r in ranks]
         doc["nodes"] = [
-            {"id": n["id"], "rank": n["rank"], "status": _node_status(job, n),
-             "where": n["handle"].get("ip") or n["provider"]}
-            for n in store.nodes(job["id"])
+            {"id": n.id, "rank": n.rank, "status": _node_status(job, n),
+             "where": n.handle.get("ip") or n.provider}
+            for n in store.nodes(job.id)
         ]
-        doc["attempts"] = store.attempts(job["id"])
-        doc["health"] = [{"ts": e["ts"], "message": e["message"], **(e["data"] or {})}
-                         for e in store.events(job["id"]) if e["kind"] == "health"]
+        doc["attempts"] = [a.to_dict() for a in store.attempts(job.id)]
+        doc["health"] = [{"ts": e.ts, "message": e.message, **(e.data or {})}
+                         for e in store.events(job.id) if e.kind == "health"]
     return doc
 
 
@@ -517,11 +519,13 @@ def _newest(jobs: list[dict]) -> list[dict]:
 
 def _node_status(job: dict, node: dict) -> str:
     """The node's recorded status, or, when its controller is gone, what the provider sees now."""
-    if job["status"] != "FAILED_CONTROLLER" or node["status"] == "TERMINATED" or not node["handle"]:
-        return node["status"]
+    from sftctl.types import JobStatus
+
+    if job.status != JobStatus.FAILED_CONTROLLER or node.status == "TERMINATED" or not node.handle:
+        return node.status
     from sftctl.controller import job_provider
 
-    return job_provider(job, node["provider"]).status(node["handle"]).state.value
+    return job_provider(job, node.provider).status(node.handle).state.value
 
 
 @app.command()
@@ -589,8 +593,8 @@ def status(
             return _job_doc(store, _get_job(store, job_id), detail=True)
         by_job: dict[str, list[dict]] = {}
         for r in store.metrics():
-            by_job.setdefault(r["job_id"], []).append(r)
-        return [_job_doc(store, j, ranks=by_job.get(j["id"], [])) for j in store.list_jobs()]
+            by_job.setdefault(r.job_id, []).append(r)
+        return [_job_doc(store, j, ranks=by_job.get(j.id, [])) for j in store.list_jobs()]
 
     def render(doc):
         from rich.console import Group
@@ -655,40 +659,40 @@ def logs(
 
     store = _store()
     job = _get_job(store, job_id)
-    ranks = job["spec"]["resources"]["nodes"]
+    ranks = job.spec["resources"]["nodes"]
     if node is not None and not 0 <= node < ranks:
         which = "node 0" if ranks == 1 else f"nodes 0-{ranks - 1}"
-        raise SftctlError(f"--node {node}: job {job['id']} has {ranks} node(s): {which}",
-                          hint=f"sftctl logs {job['id']} --node 0 (or no --node: every node)")
+        raise SftctlError(f"--node {node}: job {job.id} has {ranks} node(s): {which}",
+                          hint=f"sftctl logs {job.id} --node 0 (or no --node: every node)")
     provider = job_provider(job)
     offsets: dict[str, int] = {}
     partial: dict[str, str] = {}
     while True:
-        nodes = [n for n in store.nodes(job["id"]) if node is None or n["rank"] == node]
+        nodes = [n for n in store.nodes(job.id) if node is None or n.rank == node]
         got = False
         for n in nodes:
-            data, offsets[n["id"]] = provider.read_log(n["handle"], offsets.get(n["id"], 0)) if n["handle"].get("node_id") else (b"", 0)
+            data, offsets[n.id] = provider.read_log(n.handle, offsets.get(n.id, 0)) if n.handle.get("node_id") else (b"", 0)
             if not data:
                 continue
             got = True
-            lines = (partial.get(n["id"], "") + data.decode("utf-8", "replace")).split("\n")
-            partial[n["id"]] = lines.pop()
-            prefix = f"(node {n['rank']}) " if node is None and len(nodes) > 1 else ""
+            lines = (partial.get(n.id, "") + data.decode("utf-8", "replace")).split("\n")
+            partial[n.id] = lines.pop()
+            prefix = f"(node {n.rank}) " if node is None and len(nodes) > 1 else ""
             sys.stdout.write("".join(f"{prefix}{line}\n" for line in lines))
         sys.stdout.flush()
         if not follow:
             break
         store.reap_dead_controllers()
-        now = store.get_job(job["id"])
-        if now["status"] == JobStatus.FAILED_CONTROLLER.value:
+        now = store.get_job(job.id)
+        if now.status == JobStatus.FAILED_CONTROLLER:
             # nobody supervises the nodes any more: following them could last forever
-            _console(stderr=True).print(f"[yellow]warning:[/] {_escape(now['failure_reason'] or 'the controller died')}",
+            _console(stderr=True).print(f"[yellow]warning:[/] {_escape(now.failure_reason or 'the controller died')}",
                                         soft_wrap=True)
             break
-        ended = JobStatus(now["status"]).terminal
+        ended = now.status.terminal
         if ended and not got and not any(
-            provider.status(n["handle"]).state == NodeState.RUNNING for n in nodes
-            if n["handle"].get("pid") or n["handle"].get("attempt")
+            provider.status(n.handle).state == NodeState.RUNNING for n in nodes
+            if n.handle.get("pid") or n.handle.get("attempt")
         ):
             break  # the job ended and no node process writes any more (a dead controller's may)
         time.sleep(0.5)
@@ -733,15 +737,15 @@ def down(
     if all_:
         store.reap_dead_controllers()
         ids = [
-            j["id"] for j in store.list_jobs()
-            if j["status"] not in TERMINAL or any(n["status"] != "TERMINATED" for n in store.nodes(j["id"]))
+            j.id for j in store.list_jobs()
+            if j.status not in TERMINAL or any(n.status != "TERMINATED" for n in store.nodes(j.id))
         ]
     else:
-        ids = [_get_job(store, job_id)["id"]]
+        ids = [_get_job(store, job_id).id]
     summaries = [down_job(store, i) for i in ids]
     purged = [purge_job(store, i) for i in ids] if purge else [None] * len(ids)  # down first, in this call
     if as_json:
-        _print_json({"down": [{"job_id": i, "status": store.get_job(i)["status"], "summary": s,
+        _print_json({"down": [{"job_id": i, "status": store.get_job(i).status.value, "summary": s,
                                **({"purged": p} if p is not None else {})}
                               for i, s, p in zip(ids, summaries, purged)]})
     else:
@@ -765,9 +769,9 @@ def events(
     """Show a job's history: plan, transitions, nodes, restarts, teardown."""
     store = _store()
     job = _get_job(store, job_id)
-    evs = [{k: e[k] for k in ("id", "ts", "kind", "message", "data")} for e in store.events(job["id"])]
+    evs = [{k: e.to_dict()[k] for k in ("id", "ts", "kind", "message", "data")} for e in store.events(job.id)]
     if as_json:
-        _print_json({"job_id": job["id"], "events": evs})
+        _print_json({"job_id": job.id, "events": evs})
     else:
         from sftctl.ui import events_table
 

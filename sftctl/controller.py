@@ -36,7 +36,7 @@ from sftctl.providers import get_provider
 from sftctl.providers.base import NodeState, provision_all
 from sftctl.spec import JobSpec, env_references, resolve_env
 from sftctl.storage import StorageError
-from sftctl.state import JobStatus, Store
+from sftctl.state import JobRecord, JobStatus, Store
 
 POLL_S = 0.5
 #: With job storage every poll lists each node's streams (about 5 requests per node): poll less
@@ -61,14 +61,14 @@ def _machine_busy(store: Store, job_id: str, need_cpus: int, need_gib: float) ->
     now, else why not (one line). Only other admitted local jobs of this store count for CPUs;
     memory is what the kernel reports available (``MemAvailable`` in /proc/meminfo)."""
     others = [j for j in store.list_jobs(set(_LIVE_ADMITTED))
-              if j["id"] != job_id and (j["provider"] or "local") == "local"]
+              if j.id != job_id and (j.provider or "local") == "local"]
     if not others:
         return None
     cpus = os.cpu_count() or 1
     used = 0
     for j in others:
-        count = ((j["offering"] or {}).get("offering") or {}).get("count", 1)
-        used += j["spec"]["resources"]["nodes"] * count
+        count = j.offering.count if j.offering is not None else 1
+        used += j.spec["resources"]["nodes"] * count
     if used + need_cpus > cpus:
         return (f"waiting for CPUs: {used} of this machine's {cpus} are taken by {len(others)} local job(s), "
                 f"this job needs {need_cpus}")
@@ -176,9 +176,9 @@ class Controller:
         job = store.get_job(job_id)
         if job is None:
             raise KeyError(job_id)
-        self.created_at = job["created_at"]
-        self.spec = JobSpec.model_validate(job["spec"])
-        self.plan_doc = job["offering"]
+        self.created_at = job.created_at
+        self.spec = JobSpec.model_validate(job.spec)
+        self.plan_doc = job.plan
         self.offering = Offering(**self.plan_doc["offering"])
         self.provider = job_provider(job, self.offering.provider)
         self.blocked: list[CapacityError] = []  # capacity errors seen by this job: failover skips them
@@ -197,7 +197,7 @@ class Controller:
             self.monitor = HealthMonitor(self.spec.health.thresholds(), self.spec.train.steps)
         self.attempt = 0
         self._reported_attempt = 0  # the attempt whose first step report has been seen
-        self.restarts = job["restarts"]
+        self.restarts = job.restarts
         self.error: SftctlError | None = None  # what ended the job, when sftctl itself did (exit code)
         self.storage = getattr(getattr(self.provider, "channel", None), "storage", None)
         self.workdir_key: str | None = None
@@ -261,7 +261,7 @@ class Controller:
                 signal.signal(signal.SIGINT, signal.default_int_handler)
                 for signum, handler in previous.items():
                     signal.signal(signum, handler)
-        return JobStatus(self.store.get_job(self.job_id)["status"])
+        return self.store.get_job(self.job_id).status
 
     def _admit(self) -> None:
         """PENDING -> PROVISIONING once this machine has room for the job's local nodes.
@@ -287,7 +287,7 @@ class Controller:
         while True:
             with FileLock(str(sftctl_home() / "admission.lock")):
                 self.store.reap_dead_controllers()
-                if JobStatus(self.store.get_job(self.job_id)["status"]).terminal:
+                if self.store.get_job(self.job_id).status.terminal:
                     raise Cancelled("the job was ended by another process (sftctl down)")
                 why = _machine_busy(self.store, self.job_id, need_cpus, need_gib)
                 if why is None:
@@ -733,7 +733,7 @@ def down(store: Store, job_id: str) -> str:
     job = store.get_job(job_id)
     if job is None:
         raise KeyError(job_id)
-    pid, ticks = job["controller_pid"], job["controller_start_ticks"]
+    pid, ticks = job.controller_pid, job.controller_start_ticks
     controller_was_alive = bool(pid and pid != os.getpid() and procs.alive(pid, ticks))
     if controller_was_alive:
         os.kill(pid, signal.SIGTERM)
@@ -746,22 +746,22 @@ def down(store: Store, job_id: str) -> str:
     provider = job_provider(job)
     running = released = 0
     for node in store.nodes(job_id):
-        if node["status"] not in (NodeState.TERMINATED.value, REPLACED):
-            if node["handle"]:
-                running += provider.status(node["handle"]).state == NodeState.RUNNING
-                provider.terminate(node["handle"])
-            store.update_node(node["id"], status=NodeState.TERMINATED.value,
-                              handle={**node["handle"], "terminated": True})
+        if node.status not in (NodeState.TERMINATED.value, REPLACED):
+            if node.handle:
+                running += provider.status(node.handle).state == NodeState.RUNNING
+                provider.terminate(node.handle)
+            store.update_node(node.id, status=NodeState.TERMINATED.value,
+                              handle={**node.handle, "terminated": True})
             released += 1
     strays = provider.terminate_tagged(job_id)
     store.end_open_attempts(job_id, "ABANDONED", "the controller was gone; ended by sftctl down")
     after = store.get_job(job_id)
     if not (cancelled or controller_was_alive or released or strays):
-        return f"{job_id}: {after['status'].lower()}, nothing left to take down"
-    if after["status"] == JobStatus.FAILED_CONTROLLER.value and after["failure_reason"]:
-        reason = after["failure_reason"].split("; its nodes may still run")[0] + "; sftctl down removed its nodes"
+        return f"{job_id}: {after.status.value.lower()}, nothing left to take down"
+    if after.status == JobStatus.FAILED_CONTROLLER and after.failure_reason:
+        reason = after.failure_reason.split("; its nodes may still run")[0] + "; sftctl down removed its nodes"
         store.update_job(job_id, failure_reason=reason)
-    parts = [f"{job_id}: " + ("cancelled" if cancelled else after["status"].lower())]
+    parts = [f"{job_id}: " + ("cancelled" if cancelled else after.status.value.lower())]
     if running:
         parts.append(f"stopped {running} running node(s)")
     elif controller_was_alive:
@@ -805,13 +805,13 @@ def purge(store: Store, job_id: str) -> dict:
     job = store.get_job(job_id)
     if job is None:
         raise KeyError(job_id)
-    alive = bool(job["controller_pid"] and procs.alive(job["controller_pid"], job["controller_start_ticks"]))
-    up = [n for n in store.nodes(job_id) if n["status"] not in (NodeState.TERMINATED.value, REPLACED, "FAILED")]
-    if job["status"] not in TERMINAL or alive or up:
-        why = f"{len(up)} node(s) may still run" if up and job["status"] in TERMINAL else job["status"]
+    alive = bool(job.controller_pid and procs.alive(job.controller_pid, job.controller_start_ticks))
+    up = [n for n in store.nodes(job_id) if n.status not in (NodeState.TERMINATED.value, REPLACED, "FAILED")]
+    if job.status not in TERMINAL or alive or up:
+        why = f"{len(up)} node(s) may still run" if up and job.status in TERMINAL else job.status.value
         raise SftctlError(f"job {job_id} is {why}: --purge removes its storage only when the job is down",
                           hint=f"sftctl down {job_id} --purge (takes it down first)")
-    spec = JobSpec.model_validate(job["spec"])
+    spec = JobSpec.model_validate(job.spec)
     removed: list[dict] = []
     kept: list[dict] = []
     url = job_storage_url(spec, job_id)
@@ -842,7 +842,7 @@ def purge(store: Store, job_id: str) -> dict:
     own = checkpoint_dir_path(spec)
     if own is not None and own.exists():
         kept.append({"where": str(own), "why": "train.checkpoint_dir is yours: sftctl never deletes it"})
-    remote = {(n["handle"] or {}).get("root") for n in store.nodes(job_id) if job["provider"] == "slurm"}
+    remote = {(n.handle or {}).get("root") for n in store.nodes(job_id) if job.provider == "slurm"}
     for root in sorted(r for r in remote if r and not Path(r).is_relative_to(local)):  # over ssh
         kept.append({"where": root, "why": "the job's directory on the Slurm cluster: remove it there"})
     doc = {"job_id": job_id, "objects": sum(r["objects"] for r in removed),
@@ -858,19 +858,19 @@ def _purge_workdir_pack(store: Store, job_id: str, spec: JobSpec, kept: list[dic
     from sftctl.storage import open_storage
 
     def packs(jid: str) -> list[dict]:
-        return [e["data"] for e in store.events(jid) if e["kind"] == "storage" and (e["data"] or {}).get("workdir_key")]
+        return [e.data for e in store.events(jid) if e.kind == "storage" and (e.data or {}).get("workdir_key")]
 
     mine = [d for d in packs(job_id) if d.get("uploaded")]
     if not mine:
         return []
     key = mine[0]["workdir_key"]
     for other in store.list_jobs():
-        if other["id"] == job_id or other["status"] in TERMINAL:
+        if other.id == job_id or other.status in TERMINAL:
             continue
-        other_spec = other.get("spec") or {}
+        other_spec = other.spec or {}
         if (other_spec.get("storage") or {}).get("url") == spec.storage.url and any(
-                d["workdir_key"] == key for d in packs(other["id"])):
-            kept.append({"where": f"{spec.storage.url.rstrip('/')}/{key}", "why": f"live job {other['id']} uses it"})
+                d["workdir_key"] == key for d in packs(other.id)):
+            kept.append({"where": f"{spec.storage.url.rstrip('/')}/{key}", "why": f"live job {other.id} uses it"})
             return []
     root = open_storage(spec.storage.url)
     size = root.size(key)
@@ -977,11 +977,11 @@ def job_storage_url(spec: JobSpec, job_id: str) -> str | None:
     return f"{spec.storage.url.rstrip('/')}/{job_id}"
 
 
-def job_provider(job: dict, name: str | None = None):
+def job_provider(job: JobRecord, name: str | None = None):
     """The provider of ``job`` (``name`` overrides the recorded one), wired to the job's storage."""
-    name = name or job["provider"] or "local"
-    spec = JobSpec.model_validate(job["spec"])
-    url = job_storage_url(spec, job["id"])
+    name = name or job.provider or "local"
+    spec = JobSpec.model_validate(job.spec)
+    url = job_storage_url(spec, job.id)
     if name == "slurm":  # one allocation of resources.nodes, --time from the deadline
         return get_provider(name, config=spec.slurm.model_dump() if spec.slurm else None,
                             num_nodes=spec.resources.nodes, time_limit_s=spec.resources.deadline_s)
@@ -1049,10 +1049,10 @@ def down_orphans(store: Store) -> list[str]:
             continue
         for job_id in sorted({r.get("job_id") or "?" for r in found}):
             job = store.get_job(job_id)
-            if job is not None and not JobStatus(job["status"]).terminal:
+            if job is not None and not job.status.terminal:
                 continue
             n = provider.terminate_tagged(job_id)
-            why = "unknown job" if job is None else job["status"].lower()
+            why = "unknown job" if job is None else job.status.value.lower()
             out.append(f"{name}: {job_id} ({why}): removed {n} resource(s)")
     return out
 

@@ -29,7 +29,7 @@ from typing import Any, Iterator
 
 from sftctl import settings
 from sftctl.paths import sftctl_home
-from sftctl.types import TERMINAL, JobStatus  # noqa: F401  (re-exported)
+from sftctl.types import TERMINAL, Attempt, Event, JobRecord, JobStatus, MetricsRecord, NodeRecord  # noqa: F401  (re-exported)
 
 
 _ENDINGS = {JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.FAILED_CONTROLLER}
@@ -272,16 +272,17 @@ class Store:
             except sqlite3.IntegrityError:
                 continue
 
-    def get_job(self, job_id: str) -> dict | None:
+    def get_job(self, job_id: str) -> JobRecord | None:
+        """The job ``job_id`` (exact id), or None."""
         row = self._conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return _job(row) if row else None
 
-    def list_jobs(self, statuses: set[JobStatus] | None = None) -> list[dict]:
+    def list_jobs(self, statuses: set[JobStatus] | None = None) -> list[JobRecord]:
         """All jobs, newest first, optionally only those with one of ``statuses``."""
         rows = self._conn.execute("SELECT * FROM jobs ORDER BY created_at DESC").fetchall()
         jobs = [_job(r) for r in rows]
         if statuses is not None:
-            jobs = [j for j in jobs if j["status"] in statuses]
+            jobs = [j for j in jobs if j.status in statuses]
         return jobs
 
     def update_job(self, job_id: str, **fields: Any) -> None:
@@ -380,11 +381,12 @@ class Store:
                     (json.dumps(handle), time.time(), node_id),
                 )
 
-    def nodes(self, job_id: str) -> list[dict]:
+    def nodes(self, job_id: str) -> list[NodeRecord]:
+        """The job's nodes (replaced ones too), by rank then creation time."""
         rows = self._conn.execute(
             "SELECT * FROM nodes WHERE job_id = ? ORDER BY rank, created_at", (job_id,)
         ).fetchall()
-        return [{**dict(r), "handle": json.loads(r["handle_json"])} for r in rows]
+        return [NodeRecord.from_dict({**dict(r), "handle": json.loads(r["handle_json"])}) for r in rows]
 
     # ---------------------------------------------------------------- attempts
 
@@ -419,11 +421,12 @@ class Store:
             )
         return cur.rowcount
 
-    def attempts(self, job_id: str) -> list[dict]:
+    def attempts(self, job_id: str) -> list[Attempt]:
+        """The job's attempts, first first."""
         rows = self._conn.execute(
             "SELECT * FROM attempts WHERE job_id = ? ORDER BY number", (job_id,)
         ).fetchall()
-        return [dict(r) for r in rows]
+        return [Attempt.from_dict(dict(r)) for r in rows]
 
     # ---------------------------------------------------------------- events and metrics
 
@@ -439,11 +442,13 @@ class Store:
         with self.write() as db:
             self._event(db, job_id, kind, message, data)
 
-    def events(self, job_id: str, after_id: int = 0) -> list[dict]:
+    def events(self, job_id: str, after_id: int = 0) -> list[Event]:
+        """The job's events with an id above ``after_id``, oldest first."""
         rows = self._conn.execute(
             "SELECT * FROM events WHERE job_id = ? AND id > ? ORDER BY id", (job_id, after_id)
         ).fetchall()
-        return [{**dict(r), "data": json.loads(r["data_json"]) if r["data_json"] else None} for r in rows]
+        return [Event.from_dict({**dict(r), "data": json.loads(r["data_json"]) if r["data_json"] else None})
+                for r in rows]
 
     def record_metrics(self, job_id: str, samples: list[dict]) -> None:
         """Keep the latest sample per rank, and the first one ever seen. ``samples`` (in the order
@@ -472,7 +477,7 @@ class Store:
                     ),
                 )
 
-    def metrics(self, job_id: str | None = None) -> list[dict]:
+    def metrics(self, job_id: str | None = None) -> list[MetricsRecord]:
         """Latest metrics per rank, for one job or all jobs."""
         if job_id is None:
             rows = self._conn.execute("SELECT * FROM metrics ORDER BY job_id, rank").fetchall()
@@ -480,7 +485,7 @@ class Store:
             rows = self._conn.execute(
                 "SELECT * FROM metrics WHERE job_id = ? ORDER BY rank", (job_id,)
             ).fetchall()
-        return [dict(r) for r in rows]
+        return [MetricsRecord.from_dict(dict(r)) for r in rows]
 
 
 def _is_locked(e: sqlite3.OperationalError) -> bool:
@@ -495,9 +500,9 @@ def _nonempty(path: Path) -> bool:
         return False
 
 
-def _job(row: sqlite3.Row) -> dict:
+def _job(row: sqlite3.Row) -> JobRecord:
     job = dict(row)
     job["spec"] = json.loads(job.pop("spec_json"))
-    offering = job.pop("offering_json")
-    job["offering"] = json.loads(offering) if offering else None
-    return job
+    plan = job.pop("offering_json")
+    job["plan"] = json.loads(plan) if plan else None  # JobRecord takes its offering from it
+    return JobRecord.from_dict(job)

@@ -406,8 +406,10 @@ TERMINAL = frozenset(
 class JobRecord(Record):
     """A job as ``state.db`` keeps it. Times are Unix seconds; ``spec`` is the validated spec as
     JSON (``env:`` holds ``${VAR}`` references, never secret values); ``offering`` the one it runs
-    on once planned; ``failure_reason`` the line that ended it; ``pending_reason`` why it still
-    waits (local admission control)."""
+    on once planned and ``plan`` the planner's whole plan document (``Plan.to_dict()``: offering,
+    nodes, predicted step time, ``reason``, ``candidates``; the ``offering_json`` column);
+    ``failure_reason`` the line that ended it; ``pending_reason`` why it still waits (local
+    admission control)."""
 
     id: str
     name: str
@@ -424,12 +426,20 @@ class JobRecord(Record):
     failure_reason: str | None = None
     ended_at: float | None = None
     pending_reason: str | None = None
+    plan: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.status, JobStatus):
             object.__setattr__(self, "status", JobStatus(self.status))
+        if self.offering is None and self.plan and self.plan.get("offering"):
+            object.__setattr__(self, "offering", self.plan["offering"])
         if isinstance(self.offering, dict):
             object.__setattr__(self, "offering", Offering.from_dict(self.offering))
+
+    @property
+    def plan_reason(self) -> str | None:
+        """The planner's one line on why this offering (None before planning)."""
+        return (self.plan or {}).get("reason")
 
 
 @dataclasses.dataclass(frozen=True)

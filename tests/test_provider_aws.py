@@ -353,8 +353,11 @@ def test_quota_codes():
 def test_instance_profile_from_the_spec_or_the_shell_reaches_ec2(proxy, job, ami, monkeypatch):
     """Issue 14.7: nodes read S3 job storage through an instance profile the spec (or
     $SFTCTL_AWS_INSTANCE_PROFILE) names; before, nothing could set it."""
+    import dataclasses
+
     from sftctl.controller import job_provider
     from sftctl.spec import JobSpec
+    from sftctl.types import JobRecord
 
     iam = boto3.client("iam")
     for name in (f"spec-{job}", f"shell-{job}"):
@@ -362,14 +365,14 @@ def test_instance_profile_from_the_spec_or_the_shell_reaches_ec2(proxy, job, ami
     boto3.client("s3").create_bucket(Bucket="sftctl-profile-test")
     spec = {"name": "p", "run": "true", "storage": "s3://sftctl-profile-test/jobs",
             "resources": {"accelerators": ["L4:1"], "instance_profile": f"spec-{job}"}}
-    doc = {"id": job, "provider": "aws", "spec": JobSpec.model_validate(spec).model_dump(mode="json")}
+    doc = JobRecord(id=job, name="p", status="RUNNING", provider="aws", created_at=0.0, updated_at=0.0,
+                    spec=JobSpec.model_validate(spec).model_dump(mode="json"))
     monkeypatch.setenv("SFTCTL_AWS_INSTANCE_PROFILE", f"shell-{job}")
     p = job_provider(doc)
     p.poll_s = 0.05
     p.provision(job, "n0", 0, offering("g6.xlarge"), image=ami)
-    del doc["spec"]["resources"]["instance_profile"]
-    p2 = job_provider({**doc, "spec": JobSpec.model_validate({**spec, "resources": {"accelerators": ["L4:1"]}})
-                       .model_dump(mode="json")})
+    p2 = job_provider(dataclasses.replace(doc, spec=JobSpec.model_validate(
+        {**spec, "resources": {"accelerators": ["L4:1"]}}).model_dump(mode="json")))
     p2.poll_s = 0.05
     p2.provision(job, "n1", 1, offering("g6.xlarge"), image=ami)
     sent = proxy.run_instances()

@@ -454,9 +454,9 @@ def test_controller_quarantines_the_machine_of_a_node_replaced_for_a_verdict(kub
     node = cluster.get("nodes", "", bad)
     assert node["spec"]["unschedulable"] is True
     assert node["metadata"]["annotations"]["sftctl.dev/cordon-reason"] == VERDICT
-    (event,) = [e for e in store.events(job) if e["kind"] == "quarantine"]
-    assert event["message"].startswith(f"node 0: kubernetes: cordoned node {bad} (")
-    assert event["data"]["machine"] == bad and event["data"]["actions"] == ["anti-affinity", "cordon"]
+    (event,) = [e for e in store.events(job) if e.kind == "quarantine"]
+    assert event.message.startswith(f"node 0: kubernetes: cordoned node {bad} (")
+    assert event.data["machine"] == bad and event.data["actions"] == ["anti-affinity", "cordon"]
     # the replacement of rank 0 could not go back to its machine
     assert ctrl.nodes[0]["handle"]["node_name"] not in (None, bad)
 

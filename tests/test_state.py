@@ -47,7 +47,7 @@ def test_migrates_an_unversioned_file(tmp_path):
 def test_lifecycle_is_enforced(home):
     store = Store()
     job = store.create_job("demo", {"run": "true"})
-    assert store.get_job(job)["status"] == "PENDING"
+    assert store.get_job(job).status == "PENDING"
     for s in (JobStatus.PROVISIONING, JobStatus.LAUNCHING, JobStatus.RUNNING, JobStatus.RECOVERING,
               JobStatus.LAUNCHING, JobStatus.RUNNING):
         assert store.transition(job, s)
@@ -56,9 +56,9 @@ def test_lifecycle_is_enforced(home):
     assert store.transition(job, JobStatus.CANCELLED, "cancelled by test")
     assert not store.transition(job, JobStatus.SUCCEEDED)  # a terminal job stays where it is
     got = store.get_job(job)
-    assert got["status"] == "CANCELLED" and got["failure_reason"] == "cancelled by test"
-    assert got["ended_at"] is not None
-    messages = [e["message"] for e in store.events(job)]
+    assert got.status == "CANCELLED" and got.failure_reason == "cancelled by test"
+    assert got.ended_at is not None
+    messages = [e.message for e in store.events(job)]
     assert messages[0] == "job submitted (PENDING)"
     assert messages[-1] == "RUNNING -> CANCELLED: cancelled by test"
 
@@ -69,7 +69,7 @@ def test_metrics_keep_first_and_latest(home):
     store.record_metrics(job, [{"rank": 0, "step": 1, "loss": 5.5, "ts": 1.0}])
     store.record_metrics(job, [{"rank": 0, "step": 9, "loss": 2.0, "tokens_per_s": 10.0, "ts": 2.0}])
     (m,) = store.metrics(job)
-    assert (m["first_step"], m["first_loss"], m["step"], m["loss"], m["tokens_per_s"]) == (1, 5.5, 9, 2.0, 10.0)
+    assert (m.first_step, m.first_loss, m.step, m.loss, m.tokens_per_s) == (1, 5.5, 9, 2.0, 10.0)
 
 
 def test_dead_controller_is_reaped_live_one_is_not(home):
@@ -83,9 +83,9 @@ def test_dead_controller_is_reaped_live_one_is_not(home):
     store.update_job(dead, controller_pid=proc.pid, controller_start_ticks=123)
     store.update_job(live, controller_pid=os.getpid(), controller_start_ticks=procs.start_ticks(os.getpid()))
     assert store.reap_dead_controllers() == [dead]
-    assert store.get_job(dead)["status"] == "FAILED_CONTROLLER"
-    assert "exited without finishing" in store.get_job(dead)["failure_reason"]
-    assert store.get_job(live)["status"] == "PENDING"
+    assert store.get_job(dead).status == "FAILED_CONTROLLER"
+    assert "exited without finishing" in store.get_job(dead).failure_reason
+    assert store.get_job(live).status == "PENDING"
 
 
 WRITER = r"""
@@ -117,8 +117,8 @@ def test_twenty_concurrent_writers(home):
     store = Store()
     jobs = store.list_jobs()
     assert len(jobs) == 20 * per_writer
-    assert all(j["status"] == "CANCELLED" for j in jobs)
-    assert sum(len(store.events(j["id"])) for j in jobs) == 20 * per_writer * 4
+    assert all(j.status == "CANCELLED" for j in jobs)
+    assert sum(len(store.events(j.id)) for j in jobs) == 20 * per_writer * 4
 
 
 def test_newer_schema_is_refused_also_when_not_in_wal_mode(home):

@@ -71,7 +71,7 @@ def test_every_read_path_sees_a_dead_controller(tmp_path, home):
         wait_for(lambda: "started" in sftctl("logs", job, "--node", "1").stdout, what="node 1's first line")
         from sftctl.state import Store
 
-        os.kill(Store().get_job(job)["controller_pid"], signal.SIGKILL)
+        os.kill(Store().get_job(job).controller_pid, signal.SIGKILL)
         # events, not status, is the first command run after the controller died
         events = wait_for(lambda: [e for e in json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]
                                    if "FAILED_CONTROLLER" in e["message"]], what="events to see the dead controller")
@@ -95,7 +95,7 @@ def test_logs_follow_returns_when_the_controller_dies_while_following(tmp_path, 
         try:
             from sftctl.state import Store
 
-            os.kill(Store().get_job(job)["controller_pid"], signal.SIGKILL)
+            os.kill(Store().get_job(job).controller_pid, signal.SIGKILL)
             out, err = follower.communicate(timeout=120)
         finally:
             if follower.poll() is None:
@@ -241,11 +241,11 @@ def test_jobs_and_events_tables_fit_80_columns(home):
     store.transition(job, JobStatus.FAILED, "node 1 exited with code 137: killed by the kernel's OOM killer " * 3)
     doc = {"id": job, "status": "FAILED", "resources": "local cpu:1 x2", "step": 120, "steps": 300, "loss": 2.123456,
            "tokens_per_s": 12345.0, "created_at": 0.0, "ended_at": 10.0, "restarts": 0,
-           "failure_reason": store.get_job(job)["failure_reason"]}
+           "failure_reason": store.get_job(job).failure_reason}
     lines = _render(jobs_table([doc]), 80)
     assert all(len(line) <= 80 for line in lines)
     assert job in lines[1] and "FAILED" in lines[1] and "120/300" in lines[1]
-    lines = _render(events_table(store.events(job)), 80)
+    lines = _render(events_table([e.to_dict() for e in store.events(job)]), 80)
     assert all(len(line) <= 80 for line in lines) and len(lines) > 3
 
 

@@ -687,7 +687,7 @@ class SlurmProvider:
             from sftctl.state import Store
 
             job = Store().get_job(job_id)
-            local = (job or {}).get("spec", {}).get("workdir") or "."
+            local = (job.spec.get("workdir") if job is not None else None) or "."
             remote = f"{root}/workdir"
             self.runner.upload_dir(local, remote)
             self.uploaded[job_id] = remote
