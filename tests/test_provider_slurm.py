@@ -480,3 +480,30 @@ def test_pending_reason_words():
     assert pending_words("Resources") == "Resources: waiting for resources: the nodes it needs are busy"
     assert pending_words("None") == "just submitted, not yet looked at by the scheduler"
     assert pending_words("SomeNewCode") == "SomeNewCode"
+
+
+def test_a_node_replaced_for_a_health_verdict_is_excluded_from_the_next_allocation(cluster, tmp_path, home):
+    """Rank 1's agent replays XID 79 (tests/fixtures/xid79.jsonl): the controller stops the
+    allocation (scancel: CANCELLED, which terminate alone takes for the node's innocence), then
+    quarantines the node, so the next attempt's sbatch --excludes that Slurm node."""
+    work = tmp_path / "work"
+    work.mkdir()
+    replay = REPO / "tests" / "fixtures" / "xid79.jsonl"
+    text = (LOOP_JOB.format(workdir=work)
+            .replace("health: {enabled: false}", "health: {enabled: true, interval_s: 0.5}")
+            .replace("recovery:", f"env: {{SFTCTL_TELEMETRY_REPLAY: {replay}, SFTCTL_TELEMETRY_REPLAY_RANK: '1'}}\n"
+                                  "recovery:"))
+    job = json.loads(sftctl("run", str(write_spec(tmp_path / "loop.yaml", text)), "--detach", "--json",
+                            check=True).stdout)["job_id"]
+    wait_for(lambda: status_json(job)["status"] in ("SUCCEEDED", "FAILED", "FAILED_CONTROLLER"), timeout_s=150,
+             what="the job to finish")
+    events = json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]
+    health = [e for e in events if e["kind"] == "health"]
+    assert health and health[0]["data"]["node_rank"] == 1 and health[0]["data"]["action"] == "replace", events
+    (quarantine, *_) = [e for e in events if e["kind"] == "quarantine"]
+    victim = quarantine["data"]["machine"]
+    assert quarantine["data"]["actions"] == ["exclude"] and victim.startswith("node"), quarantine
+    assert quarantine["message"].startswith(f"node 1: slurm: node {victim} is left out of this job's next "
+                                            f"allocations (--exclude): {health[0]['data']['kind']}: ")
+    sbatch = (home / "jobs" / job / "slurm" / "attempt-2" / "sbatch.sh").read_text()
+    assert f"#SBATCH --exclude={victim}" in sbatch
