@@ -89,7 +89,9 @@ def configured(name: str, environ: dict | None = None) -> str | None:
         return "aws: no credentials (set AWS_PROFILE or AWS_ACCESS_KEY_ID, or run aws configure)"
     if name == "gcp":
         adc = Path(env.get("CLOUDSDK_CONFIG", home / ".config" / "gcloud")) / "application_default_credentials.json"
-        if env.get("GOOGLE_APPLICATION_CREDENTIALS") or env.get("SFTCTL_GCE_ENDPOINT") or adc.is_file():
+        from sftctl import settings
+
+        if env.get("GOOGLE_APPLICATION_CREDENTIALS") or settings.get("SFTCTL_GCE_ENDPOINT", environ) or adc.is_file():
             return None
         return "gcp: no credentials (run gcloud auth application-default login, or set GOOGLE_APPLICATION_CREDENTIALS)"
     if name == "kubernetes":

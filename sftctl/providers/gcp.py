@@ -168,7 +168,9 @@ class GCPProvider(CloudProvider):
         super().__init__(channel, poll_s, ready_timeout_s)
         self._project_arg = project
         self._credentials_arg = credentials
-        self.api_endpoint = api_endpoint or os.environ.get("SFTCTL_GCE_ENDPOINT") or None
+        from sftctl import settings
+
+        self.api_endpoint = api_endpoint or settings.get("SFTCTL_GCE_ENDPOINT")
         self._lock = threading.Lock()
         self._auth: tuple[object, str] | None = None
         self._clients: dict[str, object] = {}

@@ -363,8 +363,10 @@ class KubernetesProvider(CloudProvider):
                  kubeconfig: str | None = None, prices: dict[str, float] | None = None,
                  secrets: dict[str, str] | None = None, num_nodes: int | None = None, **_):
         super().__init__(channel=channel, poll_s=poll_s, ready_timeout_s=ready_timeout_s)
-        self.context = context or os.environ.get("SFTCTL_K8S_CONTEXT") or None
-        self._namespace = namespace or os.environ.get("SFTCTL_K8S_NAMESPACE") or None
+        from sftctl import settings
+
+        self.context = context or settings.get("SFTCTL_K8S_CONTEXT")
+        self._namespace = namespace or settings.get("SFTCTL_K8S_NAMESPACE")
         self.pending_timeout_s = pending_timeout_s
         self.image = image
         self.kubeconfig = kubeconfig

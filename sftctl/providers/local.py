@@ -57,9 +57,11 @@ class LocalProvider:
         process): this machine lends a job at most that many nodes in its lifetime; the next one
         is refused with :class:`CapacityError`, as a cloud out of capacity refuses a replacement.
         """
-        cap = os.environ.get("SFTCTL_LOCAL_MAX_NODES", "").strip()
+        from sftctl import settings
+
+        cap = settings.get("SFTCTL_LOCAL_MAX_NODES")
         made = job_dir(job_id) / "nodes"
-        if cap and made.is_dir() and sum(1 for _ in made.iterdir()) >= int(cap):
+        if cap is not None and made.is_dir() and sum(1 for _ in made.iterdir()) >= cap:
             raise CapacityError(f"local: no capacity for node {node_id} (SFTCTL_LOCAL_MAX_NODES={cap} nodes "
                                 f"already made for this job)", provider="local", scope="cloud")
         node_dir = job_dir(job_id) / "nodes" / node_id

@@ -649,7 +649,7 @@ class SlurmProvider:
             if self.runner.remote:  # the nodes see the cluster's filesystem, not this machine's
                 workdir = workdir or self._upload_workdir(job_id, root)
                 env["SFTCTL_WORKDIR"] = workdir
-                if env.get("SFTCTL_CHECKPOINT_DIR", "").startswith(_local_jobs_dir()):
+                if (settings.raw("SFTCTL_CHECKPOINT_DIR", env) or "").startswith(_local_jobs_dir()):
                     env["SFTCTL_CHECKPOINT_DIR"] = f"{root}/checkpoints"
             env.update(SFTCTL_JOB_ID=job_id, SFTCTL_NODE_ID=h["node_id"], SFTCTL_NODE_DIR=node_dir,
                        SFTCTL_METRICS_DIR=f"{node_dir}/metrics")
