@@ -318,7 +318,9 @@ def open_storage(url: str | os.PathLike) -> Storage:
         claim, _, prefix = rest.partition("/")
         if not claim:
             raise StorageError(f"storage URL {raw!r}: no claim name", hint="write pvc://CLAIM/PREFIX")
-        mount = Path(os.environ.get("SFTCTL_PVC_MOUNT") or "/mnt/sftctl")
+        from sftctl import settings
+
+        mount = Path(settings.get("SFTCTL_PVC_MOUNT"))
         prefix = _clean_prefix(raw, prefix)
         root = mount / prefix if prefix else mount
         return LocalStorage(root, url=f"pvc://{claim}/{prefix}".rstrip("/"), mount=mount)

@@ -440,9 +440,11 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m sftctl.storage.stream",
                                  description="Ship a node directory's logs, metrics and exit codes to job storage.")
-    ap.add_argument("--storage", default=os.environ.get("SFTCTL_STORAGE_URL"), help="job storage URL")
-    ap.add_argument("--node-id", default=os.environ.get("SFTCTL_NODE_ID"))
-    ap.add_argument("--node-dir", default=os.environ.get("SFTCTL_NODE_DIR", "."))
+    from sftctl import settings
+
+    ap.add_argument("--storage", default=settings.raw("SFTCTL_STORAGE_URL"), help="job storage URL")
+    ap.add_argument("--node-id", default=settings.raw("SFTCTL_NODE_ID"))
+    ap.add_argument("--node-dir", default=settings.get("SFTCTL_NODE_DIR"))
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between ticks")
     args = ap.parse_args(argv)
     if not args.storage or not args.node_id:
