@@ -41,7 +41,6 @@ import json
 import logging
 import math
 import operator
-import os
 import re
 import threading
 import warnings
@@ -193,9 +192,10 @@ def accelerator_for_device(device: torch.device | None, default: str = "H100"):
     unknown GPU falls back to ``default`` with a warning. Other devices (forced CPU runs): the
     ``default`` catalog entry. Raises KeyError for an unknown ``$SFTCTL_ACCELERATOR``/``default``.
     """
+    from sftctl import settings
     from sftctl.compiler.hardware import get_accelerator
 
-    override = os.environ.get("SFTCTL_ACCELERATOR")
+    override = settings.get("SFTCTL_ACCELERATOR")
     if override:
         return get_accelerator(override)
     if device is not None and device.type == "cuda":
@@ -655,10 +655,6 @@ def _warn_no_gpu() -> None:
         warnings.warn(NO_GPU_MESSAGE, RuntimeWarning, stacklevel=3)
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def _device_of(example_inputs: Sequence[Any]) -> torch.device | None:
     for x in example_inputs:
         if isinstance(x, torch.Tensor):
@@ -699,12 +695,14 @@ class SftensorBackend:
 
     def __init__(self, force: bool | None = None, accelerator: str | None = None, space: dict | None = None,
                  fuse_epilogues: bool = True, use_disk_cache: bool | None = None, analyze: bool | None = None):
-        self.force = _env_flag("SFTCTL_SFTENSOR_FORCE") if force is None else force
+        from sftctl import settings
+
+        self.force = settings.get("SFTCTL_SFTENSOR_FORCE") if force is None else force
         self.accelerator = accelerator
         self.space = space
         self.fuse_epilogues = fuse_epilogues
-        self.use_disk_cache = (not _env_flag("SFTCTL_SFTENSOR_NO_CACHE")) if use_disk_cache is None else use_disk_cache
-        self.analyze = (os.environ.get("SFTCTL_SFTENSOR_ANALYZE", "1") != "0") if analyze is None else analyze
+        self.use_disk_cache = (not settings.get("SFTCTL_SFTENSOR_NO_CACHE")) if use_disk_cache is None else use_disk_cache
+        self.analyze = settings.get("SFTCTL_SFTENSOR_ANALYZE") if analyze is None else analyze
         self.reports: list[GraphReport] = []
         self.__name__ = BACKEND_NAME
 

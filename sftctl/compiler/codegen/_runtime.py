@@ -86,7 +86,9 @@ def generated_dir() -> Path:
 
     ``SFTCTL_CODEGEN_CACHE`` overrides it (tests, read-only homes).
     """
-    env = os.environ.get("SFTCTL_CODEGEN_CACHE")
+    from sftctl import settings
+
+    env = settings.get("SFTCTL_CODEGEN_CACHE")
     if env:
         d = Path(env).expanduser()
     else:

@@ -155,7 +155,9 @@ def _family(target: str) -> str:
 
 
 def _cache_path(key: str) -> Path:
-    env = os.environ.get("SFTCTL_CODEGEN_CACHE")
+    from sftctl import settings
+
+    env = settings.get("SFTCTL_CODEGEN_CACHE")
     if env:
         base = Path(env).expanduser()
     else:

@@ -16,7 +16,6 @@ fixed rule (4 or 8 warps) ran 1.1-1.8x slower than the best there.
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 
@@ -101,7 +100,9 @@ def search_elementwise_config(n_elements: int, hw: Accelerator, coeffs: Coeffici
 def accelerator_for_tensor(x, default: str = "H100") -> Accelerator:
     """The catalog accelerator a tensor's kernels are scheduled for: ``$SFTCTL_ACCELERATOR``,
     else the CUDA device's catalog entry (by name, memory and capability), else ``default``."""
-    override = os.environ.get("SFTCTL_ACCELERATOR")
+    from sftctl import settings
+
+    override = settings.get("SFTCTL_ACCELERATOR")
     if override:
         return get_accelerator(override)
     dev = getattr(x, "device", None)
