@@ -607,35 +607,24 @@ def lower_fx_to_ir(gm: fx.GraphModule):
 _IR_OK = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
 
 
-def analyze_ir(gm: fx.GraphModule, hw, coeffs=None) -> dict:
+def analyze_ir(gm: fx.GraphModule, hw, coeffs=None, matmul_precision: str | None = None) -> dict:
     """The IR view of an ATen graph: lowering stats, fused kernels by kind, and the model's
-    predicted seconds on ``hw`` of the part that lowered (GEMMs at their searched schedule,
-    everything else on the roofline). Never raises: ``{"error": ...}`` instead."""
+    predicted seconds on ``hw`` of the part that lowered, priced by the compiler's one costing
+    loop (:func:`~sftctl.compiler.step.cost_kernels`, as ``compile_graph`` prices a step).
+    ``matmul_precision``: as ``compile_graph`` takes it; default torch's current
+    ``torch.get_float32_matmul_precision()``. Never raises: ``{"error": ...}`` instead."""
     try:
-        from sftctl.compiler import costmodel
         from sftctl.compiler.fusion import fuse
-        from sftctl.compiler.search.gemm import search_gemm
-        from sftctl.compiler.step import _mma_dtype, _roofline_time_s
+        from sftctl.compiler.step import cost_kernels
 
-        coeffs = coeffs or costmodel.Coefficients.for_accelerator(hw)
         graph, stats = lower_fx_to_ir(gm)
         kernels = fuse(graph)
+        costs = cost_kernels(graph, kernels, hw, coeffs,
+                             matmul_precision=matmul_precision or torch.get_float32_matmul_precision())
         kinds: dict[str, int] = {}
-        total = 0.0
         for k in kernels:
             kinds[k.kind] = kinds.get(k.kind, 0) + 1
-            if k.kind == "gemm":
-                dt = _mma_dtype(k.gemm.dtype)
-                if dt not in ("float32", "bfloat16", "float16"):
-                    continue
-                problem = dataclasses.replace(k.gemm, dtype=dt, out_dtype="same", epilogue_flops_per_elem=0.0)
-                choice = search_gemm(problem, hw, coeffs)
-                t = choice.time_s if math.isfinite(choice.time_s) else _roofline_time_s(
-                    k, hw, coeffs, hw.matrix_peak(dt) * coeffs.mma_efficiency)
-            else:
-                t = _roofline_time_s(k, hw, coeffs, hw.vector_peak("float32") * coeffs.vector_efficiency)
-            total += float(t)
-        return {**stats, "ir_nodes": len(graph.nodes), "kernels": kinds, "predicted_s": total}
+        return {**stats, "ir_nodes": len(graph.nodes), "kernels": kinds, "predicted_s": costs.time_s}
     except Exception as e:  # noqa: BLE001 - a report, never a reason to fail compilation
         return {"error": f"{type(e).__name__}: {e}"}
 

@@ -116,6 +116,11 @@ def graph_signature(graph: Graph) -> str:
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 
 
+def _check_matmul_precision(matmul_precision: str) -> None:
+    if matmul_precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, got {matmul_precision!r}")
+
+
 def compile_graph(
     graph: Graph,
     hw: Accelerator,
@@ -142,16 +147,82 @@ def compile_graph(
     Raises:
         ValueError: an unknown ``matmul_precision``.
     """
-    if matmul_precision not in MATMUL_PRECISIONS:
-        raise ValueError(f"matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, got {matmul_precision!r}")
+    _check_matmul_precision(matmul_precision)
+    started = time.perf_counter()
+    kernels = fuse(graph)
+    costs = cost_kernels(graph, kernels, hw, coeffs, matmul_precision=matmul_precision,
+                         mma_dtype_map=mma_dtype_map, progress=progress)
+    coeffs, plans, dtype_map = costs.coeffs, costs.plans, dict(mma_dtype_map or {})
+    peak = peak_memory(graph, kernels)
+    grad_bytes = sum(n.type.numel for n in graph.inputs_with_role("param")) * 4  # fp32 gradients
+    from sftctl.compiler.modes import predict_mode
+
+    modes = {m: predict_mode(graph, hw, m, coeffs, matmul_precision, dtype_map) for m in ("eager", "default")}
+    modes["sftensor"] = predict_mode(graph, hw, "sftensor", coeffs, matmul_precision, dtype_map, kernels=kernels,
+                                     kernel_times=[p.time_s for p in plans])
+    return CompiledStep(
+        accelerator=hw.name,
+        compiler_version=COMPILER_VERSION,
+        graph_signature=graph_signature(graph),
+        kernels=plans,
+        compute_time_s=costs.time_s,
+        peak_memory=dataclasses.asdict(peak),
+        grad_bytes=grad_bytes,
+        candidates=costs.candidates,
+        scored=costs.scored,
+        search_s=time.perf_counter() - started,
+        matmul_precision=matmul_precision,
+        modes=modes,
+        param_units=_param_units(graph),
+    )
+
+
+@dataclasses.dataclass
+class KernelCosts:
+    """What :func:`cost_kernels` found: one :class:`KernelPlan` per kernel, in kernel order, the
+    GEMM search's candidate counts, and the coefficients it priced with."""
+
+    plans: list[KernelPlan]
+    candidates: int
+    scored: int
+    coeffs: object
+
+    @property
+    def time_s(self) -> float:
+        """The kernels' seconds, summed in kernel order."""
+        return sum(p.time_s for p in self.plans)
+
+
+def cost_kernels(
+    graph: Graph,
+    kernels: list[Kernel],
+    hw: Accelerator,
+    coeffs=None,
+    *,
+    matmul_precision: str = "highest",
+    mma_dtype_map: dict[str, str] | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> KernelCosts:
+    """The one costing loop: seconds of every kernel of ``graph`` (``kernels = fuse(graph)``) on ``hw``.
+
+    Both :func:`compile_graph` and ``backend.analyze_ir`` price through it, so they cannot drift.
+    GEMM kernels: each class (:func:`_gemm_class`) searched once (``search/gemm.py``) in the matrix
+    units' dtype (``mma_dtype_map`` applied; float64 as float32), IEEE float32 (``highest``) on
+    the CUDA cores at the vector peak, a convolution divided by ``conv_efficiency``, never faster
+    than the kernel's own bytes at HBM bandwidth; attention kernels as flash attention
+    (:func:`attention_time_s`); everything else on the roofline at the vector peak of its
+    anchor's dtype (:func:`_roofline_time_s`). Arguments as :func:`compile_graph` takes them.
+
+    Raises:
+        ValueError: an unknown ``matmul_precision``.
+    """
+    _check_matmul_precision(matmul_precision)
     ieee_fp32 = matmul_precision == "highest"
     dtype_map = dict(mma_dtype_map or {})
     from sftctl.compiler import costmodel
     from sftctl.compiler.search.gemm import search_gemm
 
     coeffs = coeffs or costmodel.Coefficients.for_accelerator(hw)
-    started = time.perf_counter()
-    kernels = fuse(graph)
     gemm_classes: dict[GemmProblem, object] = {}
     total_gemm = len({_gemm_class(k.gemm) for k in kernels if k.kind == "gemm"})
     plans: list[KernelPlan] = []
@@ -191,28 +262,7 @@ def compile_graph(
             vector = hw.vector_peak(graph.nodes[k.anchor].type.dtype) * coeffs.vector_efficiency
             t = _roofline_time_s(k, hw, coeffs, vector)
         plans.append(_kernel_plan(graph, i, k, t, hw, config, cands, sc, ieee_fp32, dtype_map))
-    peak = peak_memory(graph, kernels)
-    grad_bytes = sum(n.type.numel for n in graph.inputs_with_role("param")) * 4  # fp32 gradients
-    from sftctl.compiler.modes import predict_mode
-
-    modes = {m: predict_mode(graph, hw, m, coeffs, matmul_precision, dtype_map) for m in ("eager", "default")}
-    modes["sftensor"] = predict_mode(graph, hw, "sftensor", coeffs, matmul_precision, dtype_map, kernels=kernels,
-                                     kernel_times=[p.time_s for p in plans])
-    return CompiledStep(
-        accelerator=hw.name,
-        compiler_version=COMPILER_VERSION,
-        graph_signature=graph_signature(graph),
-        kernels=plans,
-        compute_time_s=sum(p.time_s for p in plans),
-        peak_memory=dataclasses.asdict(peak),
-        grad_bytes=grad_bytes,
-        candidates=candidates,
-        scored=scored,
-        search_s=time.perf_counter() - started,
-        matmul_precision=matmul_precision,
-        modes=modes,
-        param_units=_param_units(graph),
-    )
+    return KernelCosts(plans=plans, candidates=candidates, scored=scored, coeffs=coeffs)
 
 
 def _param_units(graph: Graph) -> dict[str, int]:
