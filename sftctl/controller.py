@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -120,11 +121,12 @@ class Reporter(Protocol):
     def metrics(self, samples: list[dict]) -> None: ...
 
 
-class PrintReporter:
-    """Events as plain lines on stdout (the detached controller's log)."""
+class LogReporter:
+    """Events as records of the ``sftctl.controller`` logger (the detached controller's
+    ``main`` sends them to its log, ``controller.log``, one ``HH:MM:SS message`` line each)."""
 
     def event(self, message: str) -> None:
-        print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+        logging.getLogger("sftctl.controller").info(message)
 
     def log(self, rank: int, text: str) -> None:
         pass
@@ -169,7 +171,7 @@ class Controller:
     def __init__(self, store: Store, job_id: str, reporter: Reporter | None = None):
         self.store = store
         self.job_id = job_id
-        self.reporter = _Guarded(reporter or PrintReporter())
+        self.reporter = _Guarded(reporter or LogReporter())
         # a reader or another sftctl holding state.db must not fail a healthy job: wait it out
         store.on_locked = lambda e: self.reporter.event(
             f"warning: the state database is locked by another process ({e}); waiting for it")
@@ -1171,6 +1173,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the detached controller: ``python -m sftctl.controller JOB_ID``."""
     job_id = (argv or sys.argv[1:])[0]
     os.umask(0o077)  # logs, scripts and checkpoints of the job: owner-only whatever the dir's mode
+    logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     store = Store()
     store.update_job(job_id, controller_pid=os.getpid(), controller_start_ticks=procs.start_ticks(os.getpid()))
     status = Controller(store, job_id).run()

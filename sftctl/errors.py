@@ -40,6 +40,12 @@ class SftctlError(Exception):
             self.exit_code = exit_code
 
 
+class SftctlWarning(UserWarning):
+    """Something worth a look that did not stop the command (a model that could not be traced:
+    the plan ranks by price only). :mod:`sftctl.api` issues it with :func:`warnings.warn`; the
+    CLI prints it as a ``warning:`` line."""
+
+
 class SpecError(SftctlError):
     """The job spec (file or ``--set`` override) is invalid. Exit code 2."""
 

@@ -763,11 +763,15 @@ def load_spec(
     path: str | os.PathLike,
     overrides: typing.Sequence[str] = (),
     environ: typing.Mapping[str, str] | None = None,
+    *,
+    text: str | None = None,
 ) -> JobSpec:
     """Read, interpolate, override and validate a job spec.
 
     Args:
-        path: the YAML file.
+        path: the YAML file; with ``text``, only the name errors give it, and the directory
+            relative paths are taken from (``sftctl.api`` passes ``<spec>`` for YAML text).
+        text: the YAML itself instead of the file's content.
         overrides: ``key.path=value`` strings from ``--set``, applied in order after the file.
         environ: the environment for ``${VAR}``; defaults to ``os.environ``.
 
@@ -781,7 +785,10 @@ def load_spec(
     """
     path = Path(path)
     loc = _Located(str(path))
-    text = _read_spec_file(path)
+    if text is None:
+        text = _read_spec_file(path)
+    elif len(text.encode()) > MAX_SPEC_BYTES:
+        raise SpecError(f"{path}: {len(text.encode()):,} bytes; a job spec is at most {MAX_SPEC_BYTES:,}")
     data = _compose(text, loc)
     if not isinstance(data, dict):
         raise SpecError(

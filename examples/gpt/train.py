@@ -23,6 +23,8 @@ Test knobs: ``SFTCTL_FAIL_AT_STEP=N`` makes rank 0 raise RuntimeError at step N 
 checkpoint, if any, is saved) unless the run resumed from a checkpoint; ``SFTCTL_SLOW_NODE``,
 ``SFTCTL_SLOW_FACTOR`` and ``SFTCTL_SLOW_FROM_STEP`` make one node's forward pass slower (a
 straggler).
+
+``LR`` sets the peak learning rate (default 3e-3; the README's Python API sweep varies it).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ except ImportError:  # running from a checkout where sftctl is not installed
 from model import GPT, GPT2_SMALL, GPTConfig, get_batch, load_corpus, next_byte_loss  # noqa: E402  (script dir)
 
 SEED = 1337
-MAX_LR = 3e-3
+MAX_LR = float(os.environ.get("LR") or 3e-3)  # peak learning rate; the README's Python sweep sets LR
 MIN_LR_FRACTION = 0.1
 WEIGHT_DECAY = 0.1
 GRAD_CLIP = 1.0

@@ -1,0 +1,825 @@
+"""sftctl as a Python library: everything the ``sftctl`` command does, as functions.
+
+The CLI (:mod:`sftctl.cli`) is parsing and rendering over this module; a sweep script or a
+notebook calls it directly::
+
+    from sftctl import api
+
+    job = api.run("examples/quickstart.yaml", overrides={"train.steps": 40}, detach=True)
+    job = api.wait(job.id)                     # polls api.status until the job ends
+    print(job.status.value, job.loss)          # SUCCEEDED 2.31 (mean over the ranks' last reports)
+    for line in api.logs(job.id):
+        print(line)
+
+Functions return the vocabulary of :mod:`sftctl.types` (:class:`~sftctl.types.JobRecord`,
+:class:`~sftctl.types.Event`, :class:`~sftctl.types.Plan`, :class:`~sftctl.types.Offering` ...)
+or the small views defined here (:class:`JobView`, :class:`LogLine`, :class:`DownResult`,
+:class:`CloudCheck`, :class:`CompileResult`), and raise :class:`~sftctl.errors.SftctlError`
+subclasses (:class:`~sftctl.errors.SpecError`, :class:`~sftctl.errors.NotFoundError`,
+:class:`~sftctl.errors.InfeasibleError`, :class:`~sftctl.errors.ProviderError`), each with a
+``hint`` and the ``exit_code`` the CLI exits with. Nothing here prints: a long step reports
+through a ``progress`` callback, a condition worth a look through :mod:`warnings`
+(:class:`~sftctl.errors.SftctlWarning`), node output as :class:`LogLine` values.
+
+A ``spec`` argument is a path to a YAML file, the YAML text itself (a string with a newline, or
+one that names no file), or a :class:`~sftctl.spec.JobSpec`. ``overrides`` are ``--set``'s
+``key.path=value`` strings, or a mapping ``{"train.steps": 40}``. A ``job`` argument is a job id
+or a unique prefix of one.
+
+**JSON.** Every ``--json`` document of the CLI is built here, in :meth:`JobView.to_dict`,
+:func:`plan_doc`, :func:`events_doc`, :meth:`DownResult.to_dict` and :meth:`CloudCheck.to_dict`,
+from the records' own ``to_dict()``; where a document differs from a record (``status``
+summarizes the ranks' metrics; ``events`` leaves out each event's ``job_id``) the method says so.
+
+Importing this module is as light as ``sftctl status``: no torch, numpy, pydantic spec model
+or cloud SDK; those are imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+
+from sftctl.errors import NotFoundError, SftctlError, SftctlWarning, SpecError
+from sftctl.types import Attempt, Event, JobRecord, JobStatus, MetricsRecord, NodeRecord, Offering, Record
+
+if TYPE_CHECKING:
+    from sftctl.spec import JobSpec
+    from sftctl.state import Store
+    from sftctl.types import Plan
+
+SpecLike = "str | os.PathLike | JobSpec"
+Overrides = "Sequence[str] | Mapping[str, Any]"
+Progress = Callable[[str], None]
+
+__all__ = [
+    "job", "load", "plan", "submit", "dry_run", "start", "attach", "run", "status", "wait", "logs", "events",
+    "down", "down_orphans", "check", "catalog", "compile", "JobView", "LogLine", "Submitted",
+    "Attached", "DownResult", "CloudCheck", "CompileResult", "plan_doc", "events_doc",
+]
+
+
+# ------------------------------------------------------------------------------ specs
+
+
+def load(spec: SpecLike, overrides: Overrides = ()) -> JobSpec:
+    """The validated :class:`~sftctl.spec.JobSpec` of ``spec`` with ``overrides`` applied.
+
+    Raises:
+        SpecError: a missing file or any problem with the spec or an override, naming the field
+            and its line (exit code 2).
+    """
+    return _load(spec, overrides)[0]
+
+
+def _load(spec: SpecLike, overrides: Overrides = ()) -> tuple[JobSpec, str, Path | None]:
+    """(spec, its label for messages, the file it came from or None)."""
+    import json
+
+    from sftctl.spec import JobSpec, load_spec
+
+    sets = _override_strings(overrides)
+    if isinstance(spec, JobSpec):
+        if not sets:
+            workdir = str(Path(spec.workdir).resolve())
+            return spec.model_copy(update={"workdir": workdir}), f"spec {spec.name}", None
+        label = Path(spec.workdir).resolve() / "<JobSpec>"
+        return load_spec(label, sets, text=json.dumps(spec.model_dump(mode="json"))), f"spec {spec.name}", None
+    if isinstance(spec, str) and ("\n" in spec or not (spec.endswith((".yaml", ".yml")) or Path(spec).exists())):
+        return load_spec(Path("<spec>"), sets, text=spec), "<spec>", None
+    path = Path(spec)
+    return load_spec(path, sets), str(path), path
+
+
+def _override_strings(overrides: Overrides) -> list[str]:
+    if isinstance(overrides, Mapping):
+        import json
+
+        return [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in overrides.items()]
+    if isinstance(overrides, str):
+        return [overrides]
+    return list(overrides)
+
+
+# ------------------------------------------------------------------------------ plan
+
+
+def plan(spec: SpecLike, overrides: Overrides = (), *, strict: bool = True,
+         progress: Progress | None = None) -> Plan:
+    """Rank the offerings for a job by predicted cost and choose one (offline: nothing starts).
+
+    Args:
+        strict: a model that cannot be traced or compiled is an error; with False the offerings
+            are ranked by price only and a :class:`~sftctl.errors.SftctlWarning` says why.
+        progress: called with a one-line message before each slow stage (trace, compile).
+
+    Returns:
+        The :class:`~sftctl.types.Plan`: the chosen :class:`~sftctl.types.PlanChoice`, the
+        reason in one line, and every choice, best first (rejected ones say why).
+
+    Raises:
+        SpecError: the spec is invalid (exit 2).
+        InfeasibleError: nothing can run the job; ``candidates`` holds every choice with why
+            it was rejected (exit 3).
+    """
+    from sftctl.planner import Predictor, plan as plan_
+
+    s = load(spec, overrides)
+    if s.model is None:
+        return plan_(s)
+    predictor = Predictor(s, progress=progress, strict=strict)
+    chosen = plan_(s, predict=predictor)
+    if predictor.error:
+        warnings.warn(SftctlWarning(f"{predictor.error}; ranking by price only"), stacklevel=2)
+    return chosen
+
+
+def plan_doc(spec: JobSpec, chosen: Plan | None, reason: str, candidates: list) -> dict:
+    """``sftctl plan --json``: ``{"job", "objective", "steps", "chosen", "reason", "candidates"}``,
+    the same shape whether or not an offering was chosen. ``chosen`` is the plan as state keeps
+    it (:meth:`~sftctl.types.Plan.to_dict`) less its ``reason`` and ``candidates``, which sit at
+    the top; each candidate is :meth:`~sftctl.types.PlanChoice.to_dict`."""
+    doc = chosen.to_dict() if chosen is not None else None
+    if doc is not None:
+        doc.pop("candidates")
+        doc.pop("reason")
+    return {"job": spec.name, "objective": spec.resources.objective, "steps": spec.train.steps,
+            "chosen": doc, "reason": reason, "candidates": [c.to_dict() for c in candidates]}
+
+
+# ------------------------------------------------------------------------------ run
+
+
+@dataclasses.dataclass(frozen=True)
+class Submitted:
+    """A job recorded in state (PENDING) with its plan, no controller started yet."""
+
+    job_id: str
+    spec: JobSpec
+    plan: Plan
+
+
+@contextlib.contextmanager
+def _owner_only() -> Iterator[None]:
+    """Everything a job writes (state, logs, node scripts, checkpoints, local storage) is
+    owner-only, whatever the mode of an existing ``$SFTCTL_HOME`` or storage directory."""
+    old = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def _prepare(spec: SpecLike, overrides: Overrides, progress: Progress | None) -> tuple[JobSpec, Path | None, Plan]:
+    """Validate a spec for running, then plan it: secrets set, checkpoint dir free, storage
+    present where the nodes need it."""
+    from sftctl.controller import check_checkpoint_dir
+
+    s, label, path = _load(spec, overrides)
+    missing = [k for k in s.secrets if k not in os.environ]
+    if missing:
+        raise SpecError(f"{label}: secrets: {', '.join(missing)} not set in this shell",
+                        hint="export it before sftctl run (secrets come from your environment), or drop it from secrets")
+    check_checkpoint_dir(s)  # another run's checkpoints would be resumed silently
+    clouds = s.resources.clouds
+    if clouds is not None and "local" not in clouds:  # known before planning: say it now
+        _need_storage(s, label, "/".join(clouds))
+    chosen = plan(s, strict=False, progress=progress)  # a model it cannot predict: a warning, price only
+    _need_storage(s, label, chosen.offering.provider)
+    return s, path, chosen
+
+
+def _need_storage(spec: JobSpec, label: str, where: str) -> None:
+    """Cloud nodes keep code, checkpoints and logs in the job's storage: refuse a spec without.
+    Local and Slurm nodes keep them on a filesystem sftctl reads (Slurm: the cluster's own)."""
+    if not set(where.split("/")) & {"local", "slurm"} and spec.storage is None:
+        raise SftctlError(
+            f"{label}: storage: required for {where} nodes (they keep code, checkpoints and logs in the "
+            "job's storage)",
+            hint="add storage: s3://BUCKET/PREFIX (aws), gs://BUCKET/PREFIX (gcp) or pvc://CLAIM/PREFIX (kubernetes)",
+        )
+
+
+def _check_storage(storage) -> None:
+    """Before anything is created: the job's storage must exist (or be created, with
+    ``create_bucket``) and be writable. A plain directory is created; a ``pvc://`` claim is only
+    mounted on the nodes, so it is not checked here."""
+    from sftctl.storage import LocalStorage, open_storage
+
+    s = open_storage(storage.url)
+    if isinstance(s, LocalStorage) and s.mount is not None:
+        return
+    s.ensure(create_bucket=storage.create_bucket or isinstance(s, LocalStorage))
+
+
+def dry_run(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | None = None) -> dict:
+    """What :func:`run` would do, rendered, with nothing created or started (``run --dry-run``).
+
+    Returns ``run --dry-run --json``'s document: ``{"dry_run": true, "job", "plan" (the reason),
+    "offering", "nodes": [{"rank", "env", "script", "bootstrap"}]}`` (secret values shown as
+    ``<secret>``; see :func:`sftctl.controller.preview`).
+
+    Raises:
+        SpecError, InfeasibleError: as :func:`submit`.
+    """
+    from sftctl.controller import preview
+
+    s, _, chosen = _prepare(spec, overrides, progress)
+    return {"dry_run": True, "job": s.name, "plan": chosen.reason, **preview(s, chosen.to_dict())}
+
+
+def submit(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | None = None) -> Submitted:
+    """Validate and plan a job, check its storage, and record it in state (PENDING). Starts
+    nothing: :func:`start` (detached) or :func:`attach` (in this process) runs it.
+
+    Raises:
+        SpecError: invalid spec, a secret not set in this environment, or a checkpoint dir
+            holding another run's checkpoints (exit 2).
+        SftctlError: cloud nodes without ``storage:`` (exit 2).
+        InfeasibleError: nothing can run it (exit 3).
+        ProviderError: the job's storage is unreachable or not writable (exit 4).
+    """
+    from sftctl.state import Store
+
+    with _owner_only():
+        s, path, chosen = _prepare(spec, overrides, progress)
+        if s.storage is not None:
+            _check_storage(s.storage)
+        store = Store()
+        job_id = store.create_job(s.name, s.model_dump(mode="json"),
+                                  spec_path=str(path.resolve()) if path is not None else None)
+        store.update_job(job_id, provider=chosen.offering.provider, offering_json=chosen.to_dict())
+        store.add_event(job_id, "plan", chosen.reason)
+    return Submitted(job_id, s, chosen)
+
+
+def start(job: str) -> JobView:
+    """Start a detached controller for a submitted job (``python -m sftctl.controller JOB``, in a
+    session of its own, logging to ``$SFTCTL_HOME/jobs/JOB/controller.log``); return at once
+    with the job's status.
+
+    Raises:
+        NotFoundError: no such job (exit 2).
+    """
+    import subprocess
+
+    from sftctl import procs
+    from sftctl.paths import job_dir
+
+    store = _store()
+    record = _resolve(store, job)
+    with _owner_only():
+        jd = job_dir(record.id)
+        jd.mkdir(parents=True, exist_ok=True)
+        with open(jd / "controller.log", "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "sftctl.controller", record.id],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, close_fds=True,
+            )
+    store.update_job(record.id, controller_pid=proc.pid, controller_start_ticks=procs.start_ticks(proc.pid))
+    return _view(store, store.get_job(record.id), detail=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Attached:
+    """How an attached run ended: the job's final view, the error that ended it when sftctl
+    itself did (no capacity anywhere, a provider error), and the wall time in seconds."""
+
+    job: JobView
+    error: SftctlError | None
+    wall_s: float
+
+    @property
+    def exit_code(self) -> int:
+        """``sftctl run``'s exit code: 0 succeeded, 130 cancelled, else the error's code (3 no
+        capacity, 4 provider) or 1 (the job failed)."""
+        from sftctl.errors import ExitCode
+
+        status = self.job.status
+        if status == JobStatus.SUCCEEDED:
+            return int(ExitCode.OK)
+        if status == JobStatus.CANCELLED:
+            return int(ExitCode.INTERRUPTED)
+        return int(self.error.exit_code if self.error is not None else ExitCode.JOB_FAILED)
+
+
+def attach(job: str, reporter=None) -> Attached:
+    """Run a submitted job's controller in this process until the job ends (Ctrl-C, SIGTERM and
+    SIGHUP cancel it and tear its nodes down).
+
+    Args:
+        reporter: receives events, node log text and metrics as they happen
+            (:class:`sftctl.controller.Reporter`; the CLI's is :class:`sftctl.ui.RunView`).
+            None: events go to the ``sftctl.controller`` logger.
+    """
+    from sftctl import procs
+    from sftctl.controller import Controller
+
+    store = _store()
+    record = _resolve(store, job)
+    store.update_job(record.id, controller_pid=os.getpid(), controller_start_ticks=procs.start_ticks(os.getpid()))
+    started = time.monotonic()
+    with _owner_only():
+        controller = Controller(store, record.id, reporter)
+        controller.run()
+    wall_s = time.monotonic() - started
+    return Attached(_view(store, store.get_job(record.id), detail=True), controller.error, wall_s)
+
+
+def run(spec: SpecLike, overrides: Overrides = (), *, detach: bool = False, reporter=None,
+        progress: Progress | None = None) -> JobView:
+    """Plan, provision, launch and watch a job: :func:`submit`, then :func:`start` (``detach``:
+    returns at once, the job RUNNING or on its way) or :func:`attach` (returns when it ended).
+
+    Raises:
+        as :func:`submit`. A job that fails is not an exception: see ``status`` and
+        ``failure_reason`` of the returned view.
+    """
+    job = submit(spec, overrides, progress=progress)
+    if detach:
+        return start(job.job_id)
+    return attach(job.job_id, reporter).job
+
+
+# ------------------------------------------------------------------------------ status
+
+
+@dataclasses.dataclass(frozen=True)
+class JobView:
+    """A job as ``sftctl status`` shows it: its record, the latest metrics of each rank and, for
+    one job (``detail``), its nodes (with what the provider sees when the controller is gone),
+    attempts and health events.
+
+    ``step`` is the slowest rank's step, ``loss`` the mean over the ranks' latest reports,
+    ``tokens_per_s`` their sum.
+    """
+
+    record: JobRecord
+    ranks: list[MetricsRecord]
+    detail: bool = False
+    nodes: list[NodeRecord] = dataclasses.field(default_factory=list)
+    attempts: list[Attempt] = dataclasses.field(default_factory=list)
+    health: list[Event] = dataclasses.field(default_factory=list)
+
+    id = property(lambda self: self.record.id)
+    name = property(lambda self: self.record.name)
+    status = property(lambda self: self.record.status)
+    failure_reason = property(lambda self: self.record.failure_reason)
+
+    @property
+    def step(self) -> int | None:
+        return min(r.step for r in self.ranks) if self.ranks else None
+
+    @property
+    def loss(self) -> float | None:
+        losses = [r.loss for r in self.ranks if r.loss is not None]
+        return sum(losses) / len(losses) if losses else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        tps = [r.tokens_per_s for r in self.ranks if r.tokens_per_s is not None]
+        return sum(tps) if tps else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """``status --json``'s document for this job (``run --json`` adds ``wall_s``).
+
+        Unlike :meth:`JobRecord.to_dict` it summarizes: ``resources`` ("local cpu:1 x2"),
+        ``nodes`` (the count; with detail, the node rows ``{"id", "rank", "status", "where"}``),
+        ``step``/``steps``/``loss``/``tokens_per_s`` over the ranks, ``plan`` (the plan's reason,
+        not the plan), ``pending_reason`` only while PENDING, and leaves out the spec. With
+        detail: ``ranks`` (:class:`MetricsRecord` each), ``attempts`` (:class:`Attempt` each) and
+        ``health`` (each health event's ``ts`` and ``message`` with its data's keys).
+        """
+        job = self.record
+        res = job.spec["resources"]
+        o = job.offering
+        doc = {
+            "id": job.id,
+            "name": job.name,
+            "status": job.status.value,
+            "resources": f"{o.provider} {o.accelerator}:{o.count} x{res['nodes']}" if o else f"x{res['nodes']}",
+            "provider": job.provider,
+            "nodes": res["nodes"],
+            "step": self.step,
+            # a plain shell job that reports no metrics has no step count to show
+            "steps": job.spec["train"]["steps"] if job.spec.get("model") or self.ranks else None,
+            "loss": self.loss,
+            "tokens_per_s": self.tokens_per_s,
+            "restarts": job.restarts,
+            "failure_reason": job.failure_reason,
+            "pending_reason": job.pending_reason if job.status == JobStatus.PENDING else None,
+            "created_at": job.created_at,
+            "ended_at": job.ended_at,
+            "controller_pid": job.controller_pid,
+        }
+        if self.detail:
+            doc["plan"] = job.plan_reason
+            doc["ranks"] = [r.to_dict() for r in self.ranks]
+            doc["nodes"] = [{"id": n.id, "rank": n.rank, "status": n.status, "where": n.handle.get("ip") or n.provider}
+                            for n in self.nodes]
+            doc["attempts"] = [a.to_dict() for a in self.attempts]
+            doc["health"] = [{"ts": e.ts, "message": e.message, **(e.data or {})} for e in self.health]
+        return doc
+
+
+def job(job: str) -> JobRecord:
+    """The job's record, by id or unique id prefix (a dead controller's job reads FAILED_CONTROLLER).
+
+    Raises:
+        NotFoundError: empty, unknown or ambiguous id (exit 2).
+    """
+    return _resolve(_store(), job)
+
+
+def _store() -> Store:
+    from sftctl.state import Store
+
+    return Store()
+
+
+def _resolve(store: Store, job: str) -> JobRecord:
+    """A job by id or unique id prefix. Every read goes through here, so every one sees a dead
+    controller: live jobs whose controller process is gone are marked FAILED_CONTROLLER first.
+
+    Raises:
+        NotFoundError: empty, unknown or ambiguous id (exit 2).
+    """
+    if not job.strip():
+        raise NotFoundError("the job id is empty", hint="sftctl status lists the jobs")
+    store.reap_dead_controllers()
+    record = store.get_job(job)
+    if record is not None:
+        return record
+    matches = [j.id for j in store.list_jobs() if j.id.startswith(job)]
+    if len(matches) == 1:
+        return store.get_job(matches[0])
+    if matches:
+        raise NotFoundError(f"{job!r} matches {len(matches)} jobs", hint=f"give more of the id: {', '.join(matches[:5])}")
+    raise NotFoundError(f"no job {job!r}", hint="sftctl status lists the jobs")
+
+
+def _view(store: Store, job: JobRecord, detail: bool = False, ranks: list[MetricsRecord] | None = None) -> JobView:
+    if ranks is None:
+        ranks = store.metrics(job.id)
+    if not detail:
+        return JobView(job, ranks)
+    nodes = [dataclasses.replace(n, status=_node_status(job, n)) for n in store.nodes(job.id)]
+    health = [e for e in store.events(job.id) if e.kind == "health"]
+    return JobView(job, ranks, True, nodes, store.attempts(job.id), health)
+
+
+def _node_status(job: JobRecord, node: NodeRecord) -> str:
+    """The node's recorded status, or, when its controller is gone, what the provider sees now."""
+    if job.status != JobStatus.FAILED_CONTROLLER or node.status == "TERMINATED" or not node.handle:
+        return node.status
+    from sftctl.controller import job_provider
+
+    return job_provider(job, node.provider).status(node.handle).state.value
+
+
+def status(job: str | None = None) -> JobView | list[JobView]:
+    """One job in detail, or every job (newest first) without. Marks jobs whose controller died
+    FAILED_CONTROLLER first.
+
+    Raises:
+        NotFoundError: ``job`` matches no job or several (exit 2).
+    """
+    store = _store()
+    if job is not None:
+        return _view(store, _resolve(store, job), detail=True)
+    store.reap_dead_controllers()
+    by_job: dict[str, list[MetricsRecord]] = {}
+    for r in store.metrics():
+        by_job.setdefault(r.job_id, []).append(r)
+    return [_view(store, j, ranks=by_job.get(j.id, [])) for j in store.list_jobs()]
+
+
+def wait(job: str, *, timeout_s: float | None = None, poll_s: float = 1.0) -> JobView:
+    """Poll :func:`status` until the job ends; return its final view.
+
+    Raises:
+        NotFoundError: no such job (exit 2).
+        TimeoutError: still running after ``timeout_s`` seconds.
+    """
+    end = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        view = status(job)
+        if view.status.terminal:
+            return view
+        if end is not None and time.monotonic() >= end:
+            raise TimeoutError(f"job {view.id} is still {view.status.value} after {timeout_s} s")
+        time.sleep(poll_s)
+
+
+# ------------------------------------------------------------------------------ logs and events
+
+
+@dataclasses.dataclass(frozen=True)
+class LogLine(Record):
+    """One line a node's script wrote (``rank`` its node), without its newline; or, with
+    ``notice``, sftctl's own line about the logs (``rank`` None), e.g. that the controller died
+    while following. ``str()`` is the line as ``sftctl logs`` prints it: ``(node N) `` in front
+    when the job has several nodes and no one node was asked for."""
+
+    text: str
+    rank: int | None = None
+    prefix: str = ""
+    notice: bool = False
+
+    def __str__(self) -> str:
+        return self.prefix + self.text
+
+
+def logs(job: str, *, follow: bool = False, node: int | None = None, poll_s: float = 0.5) -> Iterator[LogLine]:
+    """A job's node logs, line by line, from the start (every attempt appends to the same log).
+
+    Args:
+        follow: keep yielding until the job ended and no node process writes any more (or its
+            controller died: a notice line says so and the iteration ends).
+        node: only this node rank.
+
+    Raises:
+        NotFoundError: no such job (exit 2).
+        SftctlError: ``node`` is not a rank of the job (exit 2).
+    """
+    from sftctl.controller import job_provider
+    from sftctl.types import NodeState
+
+    store = _store()
+    record = _resolve(store, job)
+    ranks = record.spec["resources"]["nodes"]
+    if node is not None and not 0 <= node < ranks:
+        which = "node 0" if ranks == 1 else f"nodes 0-{ranks - 1}"
+        raise SftctlError(f"--node {node}: job {record.id} has {ranks} node(s): {which}",
+                          hint=f"sftctl logs {record.id} --node 0 (or no --node: every node)")
+    return _log_lines(store, record, job_provider(record), follow, node, poll_s, NodeState)
+
+
+def _log_lines(store, record, provider, follow, node, poll_s, NodeState) -> Iterator[LogLine]:
+    offsets: dict[str, int] = {}
+    partial: dict[str, tuple[str, int, str]] = {}  # node id -> (text after the last newline, rank, prefix)
+    while True:
+        nodes = [n for n in store.nodes(record.id) if node is None or n.rank == node]
+        got = False
+        for n in nodes:
+            data, offsets[n.id] = provider.read_log(n.handle, offsets.get(n.id, 0)) if n.handle.get("node_id") else (b"", 0)
+            if not data:
+                continue
+            got = True
+            prefix = f"(node {n.rank}) " if node is None and len(nodes) > 1 else ""
+            lines = (partial.get(n.id, ("",))[0] + data.decode("utf-8", "replace")).split("\n")
+            partial[n.id] = (lines.pop(), n.rank, prefix)
+            for line in lines:
+                yield LogLine(line, n.rank, prefix)
+        if not follow:
+            break
+        store.reap_dead_controllers()
+        now = store.get_job(record.id)
+        if now.status == JobStatus.FAILED_CONTROLLER:
+            # nobody supervises the nodes any more: following them could last forever
+            yield LogLine(now.failure_reason or "the controller died", notice=True)
+            break
+        if now.status.terminal and not got and not any(
+            provider.status(n.handle).state == NodeState.RUNNING for n in nodes
+            if n.handle.get("pid") or n.handle.get("attempt")
+        ):
+            break  # the job ended and no node process writes any more (a dead controller's may)
+        time.sleep(poll_s)
+    for rest, rank, _prefix in partial.values():
+        if rest:
+            yield LogLine(rest, rank)  # the unterminated last line, unprefixed as sftctl logs prints it
+
+
+def events(job: str) -> list[Event]:
+    """A job's history, oldest first: plan, transitions, nodes, restarts, health, teardown.
+
+    Raises:
+        NotFoundError: no such job (exit 2).
+    """
+    store = _store()
+    return store.events(_resolve(store, job).id)
+
+
+def events_doc(job_id: str, evs: list[Event]) -> dict:
+    """``sftctl events --json``: ``{"job_id", "events": [{"id", "ts", "kind", "message", "data"}]}``
+    (each :meth:`Event.to_dict` less its ``job_id``, which is said once at the top)."""
+    return {"job_id": job_id, "events": [{k: v for k, v in e.to_dict().items() if k != "job_id"} for e in evs]}
+
+
+# ------------------------------------------------------------------------------ down
+
+
+@dataclasses.dataclass(frozen=True)
+class DownResult(Record):
+    """What ``down`` did to one job: its status after, a one-line summary and, with ``purge``,
+    what was removed (:func:`sftctl.controller.purge`'s ``{"job_id", "objects", "bytes",
+    "removed", "kept"}``). ``to_dict()`` is a row of ``down --json``'s ``down``; ``purged`` is
+    there only when a purge was asked."""
+
+    job_id: str
+    status: str
+    summary: str
+    purged: dict | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        doc = super().to_dict()
+        if self.purged is None:
+            del doc["purged"]
+        return doc
+
+
+def down(job: str | None = None, *, all: bool = False, purge: bool = False) -> list[DownResult]:  # noqa: A002 (the CLI's --all)
+    """Cancel a job (or, with ``all``, every job not finished or with nodes left) and remove its
+    nodes and processes, also after its controller died; with ``purge``, then remove what sftctl
+    wrote for it (its storage prefix, the workdir pack it uploaded, its local directory; never
+    the bucket, other objects or a spec's ``train.checkpoint_dir``). Idempotent.
+
+    Raises:
+        NotFoundError: no such job (exit 2).
+        SftctlError: neither or both of ``job`` and ``all`` (exit 2).
+        StorageError: the job's storage failed while purging (exit 4).
+    """
+    from sftctl.controller import down as down_job
+    from sftctl.controller import purge as purge_job
+    from sftctl.types import TERMINAL
+
+    if bool(job) == all:
+        raise SftctlError("give one JOB or --all", hint="sftctl down JOB, or sftctl down --all, or sftctl down --orphans")
+    store = _store()
+    if all:
+        store.reap_dead_controllers()
+        ids = [j.id for j in store.list_jobs()
+               if j.status not in TERMINAL or any(n.status != "TERMINATED" for n in store.nodes(j.id))]
+    else:
+        ids = [_resolve(store, job).id]
+    summaries = [down_job(store, i) for i in ids]
+    purged = [purge_job(store, i) for i in ids] if purge else [None] * len(ids)  # down first, in this call
+    return [DownResult(i, store.get_job(i).status.value, s, p) for i, s, p in zip(ids, summaries, purged)]
+
+
+def down_orphans() -> list[str]:
+    """Delete every labelled resource, on every configured cloud, whose job is gone or ended;
+    one summary line per job swept (see :func:`sftctl.controller.down_orphans`)."""
+    from sftctl.controller import down_orphans as sweep
+
+    return sweep(_store())
+
+
+# ------------------------------------------------------------------------------ clouds and catalog
+
+
+@dataclasses.dataclass(frozen=True)
+class CloudCheck(Record):
+    """Whether a cloud's credentials work here; if not, why (``reason``) and what to set
+    (``hint``). ``to_dict()`` is a row of ``sftctl check --json``'s ``clouds``."""
+
+    cloud: str
+    ok: bool
+    reason: str | None = None
+    hint: str | None = None
+
+
+def check(clouds: Sequence[str] | None = None) -> list[CloudCheck]:
+    """Ask each cloud (default: every provider) whether it works from here, in parallel.
+
+    Raises:
+        SftctlError: an unknown cloud name (exit 2).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sftctl.providers import PROVIDERS, configured, get_provider
+
+    names = list(clouds or PROVIDERS)
+    for n in names:
+        if n not in PROVIDERS:
+            raise SftctlError(f"unknown cloud {n!r}", hint=f"clouds: {', '.join(PROVIDERS)}")
+
+    def one(name: str) -> CloudCheck:
+        why = configured(name)
+        if why is not None:
+            return CloudCheck(name, False, why)
+        try:
+            get_provider(name).check()
+            return CloudCheck(name, True)
+        except SftctlError as e:
+            return CloudCheck(name, False, e.message, e.hint)
+
+    with ThreadPoolExecutor(max_workers=len(names)) as pool:
+        return list(pool.map(one, names))
+
+
+def catalog(accelerator: str | None = None) -> list[Offering]:
+    """The offerings sftctl knows (this machine first), optionally of one accelerator
+    (case-insensitive).
+
+    Raises:
+        SftctlError: an accelerator the catalog does not know, with a did-you-mean (exit 2).
+    """
+    from sftctl.catalog import cloud_offerings, local_offering
+
+    offerings = [local_offering(1)] + cloud_offerings()
+    if accelerator:
+        name = accelerator_name(accelerator)
+        offerings = [o for o in offerings if o.accelerator.lower() == name.lower()]
+    return offerings
+
+
+def accelerator_name(name: str) -> str:
+    """The catalog's spelling of an accelerator name (``h100`` -> ``H100``).
+
+    Raises:
+        SftctlError: unknown, with a did-you-mean (exit 2).
+    """
+    from sftctl.catalog import accelerator_names
+
+    names = {n.lower(): n for n in accelerator_names()}
+    if name.lower() not in names:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(names.values()), n=1, cutoff=0.5)
+        raise SftctlError(f"--accelerator: unknown accelerator {name!r}" + (f"; did you mean '{close[0]}'?" if close else ""),
+                          hint=f"known: {', '.join(names.values())}")
+    return names[name.lower()]
+
+
+# ------------------------------------------------------------------------------ compile
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileResult:
+    """A job's whole training step compiled for one accelerator.
+
+    ``doc`` is ``compile --json``'s document (also written to ``out/plan.json``, with
+    ``out/report.md`` and ``out/roofline.svg``); ``compiled`` the
+    :class:`sftctl.compiler.step.CompiledStep` (kernels, schedules, search statistics);
+    ``ops`` the traced graph's node count; ``mode`` the execution mode the spec runs in.
+    """
+
+    doc: dict
+    out: Path
+    compiled: Any
+    ops: int
+    accelerator: str
+    mode: str
+    spec: Any = None  # the JobSpec compiled
+
+    def to_dict(self) -> dict:
+        return self.doc
+
+
+def compile(spec: SpecLike, target: str, overrides: Overrides = (), *, out: str | os.PathLike | None = None,  # noqa: A001
+            progress: Progress | None = None) -> CompileResult:
+    """Compile a job's whole training step for ``target`` (an accelerator name: h100,
+    a100-80gb, mi300x, cpu): kernels, schedules, predicted step time per execution mode, peak
+    memory; write ``plan.json``, ``report.md`` and ``roofline.svg`` under ``out`` (default
+    ``./sftctl-compile/<job>-<accelerator>``).
+
+    Raises:
+        SpecError: invalid spec (exit 2).
+        SftctlError: no ``target``, no ``model`` in the spec, or an unknown accelerator (exit 2).
+    """
+    import json
+
+    if not target:
+        raise SftctlError("compile needs --target", hint="e.g. sftctl compile job.yaml --target h100 (sftctl catalog lists accelerators)")
+    s, label, _ = _load(spec, overrides)
+    if s.model is None:
+        raise SftctlError(f"{label}: the spec has no model to compile", hint="add model: {framework, entrypoint, batch_size, dtype}")
+    from sftctl.compiler.hardware import get_accelerator
+    from sftctl.planner import Predictor, lacks_bf16_tensor_cores
+
+    try:
+        hw = get_accelerator(target)
+    except KeyError as e:
+        raise SftctlError(f"--target: {e.args[0]}", hint="sftctl catalog lists the accelerators") from None
+    say = progress or (lambda msg: None)
+    predictor = Predictor(s)
+    from sftctl.compiler.driver import compile_for
+    from sftctl.compiler.report import compile_doc, write_report
+
+    say(f"tracing {s.model.entrypoint}")
+    graph = predictor.graph()
+    say(f"searching schedules for {hw.name}")
+    compiled = compile_for(graph, hw.name, matmul_precision=s.model.matmul_precision)
+    doc = compile_doc(compiled, graph, s, hw, predictor.mode)
+    doc["notes"] = []
+    if s.model.dtype == "bfloat16" and lacks_bf16_tensor_cores(hw):
+        fp16 = compile_for(graph, hw.name, matmul_precision=s.model.matmul_precision,
+                           mma_dtype_map={"bfloat16": "float16"})
+        doc["notes"].append(
+            f"{hw.name} has no bfloat16 tensor cores: bf16 matmuls run on its CUDA cores at "
+            f"{hw.matrix_peak('bfloat16') / 1e12:.1f} TFLOP/s; model.dtype float16 would run them on its tensor cores "
+            f"({hw.matrix_peak('float16') / 1e12:.0f} TFLOP/s): predicted {fp16.mode_time_s(predictor.mode) * 1e3:.1f} "
+            f"ms/step instead of {doc['step_time_s'] * 1e3:.1f} ({predictor.mode})")
+    where = Path(out) if out is not None else Path("sftctl-compile") / f"{s.name}-{hw.name.lower()}"
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "plan.json").write_text(json.dumps(doc, indent=1) + "\n")
+    write_report(doc, hw, where)
+    return CompileResult(doc, where, compiled, len(graph.nodes), hw.name, predictor.mode, s)

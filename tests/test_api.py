@@ -1,0 +1,131 @@
+"""sftctl.api: the Python API the CLI is built on (a detached quickstart driven from Python, the
+README's sweep, light import, errors, and the CLI's --json being the api's documents)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, SLEEPER, job_processes, sftctl, write_spec
+
+QUICKSTART = str(REPO / "examples" / "quickstart.yaml")
+#: heavy modules `sftctl status` does not import either (tests/test_cli.py keeps that bar)
+HEAVY = ("torch", "numpy", "jax", "triton", "boto3", "google.cloud", "kubernetes", "yaml",
+         "sftctl.spec", "sftctl.planner", "sftctl.controller", "sftctl.compiler")
+
+
+def _modules(code: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-c", code + "; import sys, json; print(json.dumps(sorted(sys.modules)))"],
+                         capture_output=True, text=True, check=True).stdout
+    return set(json.loads(out.strip().splitlines()[-1]))
+
+
+def test_import_is_as_light_as_sftctl_status(home):
+    api = _modules("import sftctl.api")
+    status = _modules("from sftctl.cli import main; main(['status', '--json'])")
+    assert "sftctl.api" in api
+    assert [m for m in HEAVY if m in api] == []
+    assert [m for m in HEAVY if m in status] == []  # the bar: what `sftctl status` costs
+    heavier = sorted(m for m in api - status if not m.startswith("sftctl"))
+    assert heavier == [], f"import sftctl.api loads what sftctl status does not: {heavier}"
+    if "pydantic" not in status:
+        assert "pydantic" not in api
+
+
+def test_detached_quickstart_from_python_to_succeeded(home):
+    """Issue 15: a detached quickstart driven from Python: run, poll status, read logs and events."""
+    from sftctl import api
+    from sftctl.types import JobStatus
+
+    job = api.run(QUICKSTART, overrides={"train.steps": 6, "train.checkpoint_interval": 3}, detach=True)
+    assert job.status in (JobStatus.PENDING, JobStatus.PROVISIONING, JobStatus.LAUNCHING, JobStatus.RUNNING)
+    assert job.record.controller_pid is not None and job.record.offering.provider == "local"
+    done = api.wait(job.id[:-2], timeout_s=300, poll_s=0.5)  # a unique prefix is enough
+    assert done.id == job.id
+    assert done.status is JobStatus.SUCCEEDED, done.failure_reason
+    assert [r.rank for r in done.ranks] == [0, 1] and done.step == 6
+    assert all(r.loss < r.first_loss for r in done.ranks)  # it learned something
+    assert done.loss == pytest.approx(sum(r.loss for r in done.ranks) / 2)
+    assert [a.status for a in done.attempts] == ["SUCCEEDED"]
+    assert {n.status for n in done.nodes} == {"TERMINATED"} and job_processes(job.id) == []
+
+    lines = list(api.logs(job.id))
+    text = "\n".join(map(str, lines))
+    assert re.search(r"\(node [01]\) step 6/6 loss \d+\.\d{4}", text), text[-2000:]
+    assert {ln.rank for ln in lines} == {0, 1} and not any(ln.notice for ln in lines)
+    only0 = [str(ln) for ln in api.logs(job.id, node=0)]
+    assert only0 and not any(s.startswith("(node") for s in only0)
+
+    messages = [e.message for e in api.events(job.id) if e.kind == "status"]
+    assert messages[0] == "job submitted (PENDING)"
+    moves = [m.split(":")[0] for m in messages[1:]]
+    assert moves == ["PENDING -> PROVISIONING", "PROVISIONING -> LAUNCHING", "LAUNCHING -> RUNNING",
+                     "RUNNING -> SUCCEEDED"]
+
+    # the CLI prints the api's documents: status --json and events --json are the same data
+    assert json.loads(sftctl("status", job.id, "--json", check=True).stdout) == json.loads(json.dumps(done.to_dict()))
+    events_cli = json.loads(sftctl("events", job.id, "--json", check=True).stdout)
+    assert events_cli == json.loads(json.dumps(api.events_doc(job.id, api.events(job.id))))
+
+
+def test_errors_are_sftctl_errors_with_exit_codes(home, tmp_path):
+    from sftctl import api
+    from sftctl.errors import InfeasibleError, NotFoundError, SftctlError, SpecError
+
+    with pytest.raises(NotFoundError, match="no job 'nope'") as e:
+        api.status("nope")
+    assert e.value.exit_code == 2 and e.value.hint
+    with pytest.raises(SpecError, match="train.steps"):
+        api.load(QUICKSTART, {"train.steps": -1})
+    with pytest.raises(SpecError, match="no such file"):
+        api.load(str(tmp_path / "missing.yaml"))
+    with pytest.raises(InfeasibleError) as e:
+        api.plan("name: x\nresources: {accelerators: [H100:8], clouds: [local]}\nrun: echo\n")
+    assert e.value.exit_code == 3 and e.value.candidates
+    with pytest.raises(SftctlError, match="--node 5: job .* has 2 node"):
+        job = api.submit(SLEEPER).job_id
+        try:
+            api.logs(job, node=5)
+        finally:
+            api.down(job)
+    # a spec as YAML text, as a path, and as a JobSpec with overrides: the same job
+    text = (REPO / "examples" / "quickstart.yaml").read_text()
+    a, b = api.load(QUICKSTART, ["train.steps=7"]), api.load(text.replace("workdir: ..", f"workdir: {REPO}"), {"train.steps": 7})
+    c = api.load(api.load(QUICKSTART), {"train.steps": 7})
+    assert a.train.steps == b.train.steps == c.train.steps == 7 and a.workdir == b.workdir == c.workdir
+
+
+def _readme_sweep() -> str:
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Python API", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    return code
+
+
+def test_readme_python_sweep_runs(home, monkeypatch, capsys):
+    """The README's ten-line sweep, exactly as written, with a tiny step count on one node."""
+    from sftctl import api
+
+    code = _readme_sweep()
+    assert len(code.strip().splitlines()) <= 10
+    real_run = api.run
+
+    def short_run(spec, overrides=(), **kw):  # the README's overrides, then a short run
+        sets = [f"{k}={v}" for k, v in dict(overrides).items()] + ["train.steps=3", "resources.nodes=1"]
+        return real_run(spec, sets, **kw)
+
+    monkeypatch.setattr(api, "run", short_run)
+    monkeypatch.chdir(REPO)
+    exec(compile(code, "README.md", "exec"), {})
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 2, out
+    losses = []
+    for line in out:
+        m = re.fullmatch(r"lr (\S+): SUCCEEDED, final loss (\d+\.\d+)", line)
+        assert m, line
+        losses.append(float(m.group(2)))
+    assert len(set(losses)) == 2  # the learning rate reached the training script
