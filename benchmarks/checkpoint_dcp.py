@@ -40,6 +40,7 @@ def worker(args) -> None:
     sys.path.insert(0, str(REPO / "examples" / "gpt"))
     from model import GPT, GPTConfig
 
+    from sftctl import settings
     from sftctl import train as sft
 
     torch.set_num_threads(1)
@@ -62,7 +63,7 @@ def worker(args) -> None:
     n_params = sum(p.numel() for p in ddp_model.parameters())
     times: dict[str, list[float]] = {"single-file (ddp)": [], "dcp (ddp)": [], "dcp (fsdp)": []}
     sizes: dict[str, int] = {}
-    root = Path(os.environ["SFTCTL_CHECKPOINT_DIR"])
+    root = Path(settings.get("SFTCTL_CHECKPOINT_DIR"))
     for r in range(args.rounds):
         for way in times:
             dist.barrier()

@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples" / "gpt"))
 from model import GPT, GPTConfig, next_byte_loss  # noqa: E402
 
+from sftctl import settings  # noqa: E402
 from sftctl import train as sft  # noqa: E402
 
 CFG = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -57,7 +58,7 @@ def main() -> None:
     out = Path(os.environ["WORKER_OUT"])
     steps = int(os.environ["WORKER_STEPS"])
     stop_at = int(os.environ.get("WORKER_STOP_AT", steps))
-    interval = int(os.environ["SFTCTL_CHECKPOINT_INTERVAL"])
+    interval = settings.get("SFTCTL_CHECKPOINT_INTERVAL")
     accum = GLOBAL_BATCH // (MICRO * world)
     model = sft.prepare(build())
     opt = torch.optim.AdamW(model.parameters(), lr=LR)

@@ -181,3 +181,13 @@ def test_markdown_cli_prints_the_table():
                          cwd=REPO, check=True).stdout
     assert out == settings.markdown()
     assert "| `SFTCTL_STATE_BUSY_TIMEOUT_MS` | `state.busy_timeout_ms` | an integer >= 1 | `60000` |" in out
+
+
+def test_nothing_in_the_package_or_examples_reads_a_variable_but_through_settings():
+    read = re.compile(r"(?<!settings)\.get\(\s*[\"']SFTCTL_|environ\[\s*[\"']SFTCTL_\w+[\"']\s*\](?!\s*=)|getenv\(\s*[\"']SFTCTL_")
+    direct = [f"{path.relative_to(REPO)}:{n}" for root in ("sftctl", "examples") for path in sorted((REPO / root).rglob("*.py"))
+              if str(path.relative_to(REPO)) not in SKIP
+              for n, line in enumerate(path.read_text().splitlines(), 1) if read.search(line)]
+    assert not direct, f"read these through sftctl.settings.get/raw: {direct}"
+    assert read.search('x = os.environ.get("SFTCTL_HOME")') and read.search("os.environ['SFTCTL_NODE_ID']")
+    assert not read.search('env["SFTCTL_WORKDIR"] = dest') and not read.search('settings.get("SFTCTL_HOME")')

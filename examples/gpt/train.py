@@ -45,6 +45,7 @@ try:
 except ImportError:  # running from a checkout where sftctl is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from sftctl import train as sft
+from sftctl import settings  # noqa: E402  (every SFTCTL_* variable, typed)
 
 from model import GPT, GPT2_SMALL, GPTConfig, get_batch, load_corpus, next_byte_loss  # noqa: E402  (script dir)
 
@@ -83,7 +84,7 @@ def compile_model(module: torch.nn.Module) -> torch.nn.Module:
     Raises:
         ValueError: any other value.
     """
-    mode = (os.environ.get("SFTCTL_COMPILE") or "none").strip().lower()
+    mode = settings.get("SFTCTL_COMPILE").lower()
     if mode not in COMPILE_MODES:
         raise ValueError(f"SFTCTL_COMPILE must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
     if mode == "none":
@@ -139,20 +140,20 @@ def main() -> None:
 def train(rank: int, world_size: int, device: torch.device, distributed: bool) -> None:
     cfg = sft.config()
     is_main = rank == 0
-    fail_at = int(os.environ.get("SFTCTL_FAIL_AT_STEP", "0") or 0)
+    fail_at = settings.get("SFTCTL_FAIL_AT_STEP")
     # test knob: on node SFTCTL_SLOW_NODE (its first node only), the forward pass takes
     # SFTCTL_SLOW_FACTOR times longer from step SFTCTL_SLOW_FROM_STEP on (a throttled GPU)
-    slow = (os.environ.get("SFTCTL_SLOW_NODE") == os.environ.get("SFTCTL_NODE_RANK")
-            and os.environ.get("SFTCTL_NODE_GENERATION", "0") == "0")
-    slow_factor = float(os.environ.get("SFTCTL_SLOW_FACTOR", "1")) if slow else 1.0
-    slow_from = int(os.environ.get("SFTCTL_SLOW_FROM_STEP", "0") or 0)
+    slow = (settings.get("SFTCTL_SLOW_NODE") == settings.get("SFTCTL_NODE_RANK")
+            and settings.get("SFTCTL_NODE_GENERATION") == 0)
+    slow_factor = settings.get("SFTCTL_SLOW_FACTOR") if slow else 1.0
+    slow_from = settings.get("SFTCTL_SLOW_FROM_STEP")
 
     data = torch.frombuffer(bytearray(load_corpus()), dtype=torch.uint8)
     n_val = int(len(data) * VAL_FRACTION)
     train_data, val_data = data[:-n_val], data[-n_val:]
 
     # the job spec's model.entrypoint names the model the compiler planned for: train that one
-    entry_fn = os.environ.get("SFTCTL_MODEL_ENTRYPOINT", "model.py:build").rsplit(":", 1)[-1]
+    entry_fn = (settings.get("SFTCTL_MODEL_ENTRYPOINT") or "model.py:build").rsplit(":", 1)[-1]
     mcfg = {"build": GPTConfig(), "build_gpt2_small": GPT2_SMALL}.get(entry_fn, GPTConfig())
     torch.manual_seed(SEED)  # same init on every rank (DDP also broadcasts rank 0's weights)
     model = GPT(mcfg).to(device)

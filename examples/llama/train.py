@@ -27,6 +27,7 @@ try:
 except ImportError:  # running from a checkout where sftctl is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from sftctl import train as sft
+from sftctl import settings  # noqa: E402  (every SFTCTL_* variable, typed)
 
 import model as llama  # noqa: E402  (script dir)
 
@@ -39,7 +40,7 @@ def main() -> None:
     rank = dist.get_rank() if distributed else 0
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
     cfg = sft.config(steps=20, batch_size=2, checkpoint_interval=10)
-    entry = os.environ.get("SFTCTL_MODEL_ENTRYPOINT", "model.py:build").rsplit(":", 1)[-1]
+    entry = (settings.get("SFTCTL_MODEL_ENTRYPOINT") or "model.py:build").rsplit(":", 1)[-1]
     shape = llama.TINYLLAMA if entry == "build_tinyllama" else llama.TINY
     model, _, loss_fn = llama._build(shape, 1, "float32")  # fp32 master weights; prepare() casts for compute
     model.to(device)
