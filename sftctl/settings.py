@@ -155,7 +155,7 @@ def _n(name, type, default, meaning, set_by="controller", **kw) -> Setting:
 #: Every variable, user settings first, then the node environment. The README's table is this.
 DECLARED: tuple[Setting, ...] = (
     # ---- user / operator settings: read where sftctl runs
-    _u("HOME", "path", None, "where sftctl keeps its state (state.db), job files and compiler cache",
+    _u("HOME", "path", None, "where sftctl keeps its state (state.db) and job files",
        shown_default="platformdirs user data dir (~/.local/share/sftctl)"),
     _u("CONFIG", "path", None, "the config file (see Settings)",
        shown_default="$XDG_CONFIG_HOME/sftctl/config.yaml, else $SFTCTL_HOME/config.yaml"),
@@ -175,7 +175,7 @@ DECLARED: tuple[Setting, ...] = (
     _u("NODE_INSTALL", "str", None, "what a cloud node's bootstrap pip-installs", file="node.install",
        shown_default="sftctl[aws,gcp]==<this version>"),
     _u("CODEGEN_CACHE", "path", None, "generated Triton kernels and their resource records",
-       file="compiler.codegen_cache", shown_default="<compiler cache>/codegen"),
+       file="compiler.codegen_cache", shown_default="~/.cache/sftctl/compiler/codegen"),
     _u("ACCELERATOR", "str", None, "the catalog accelerator the sftensor backend and the codegen schedule for",
        shown_default="the device's"),
     _u("SFTENSOR_FORCE", "bool", False, "sftensor backend: rewrite graphs on the CPU too (interpreted kernels)",

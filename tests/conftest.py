@@ -1,4 +1,4 @@
-"""Shared fixtures: an isolated SFTCTL_HOME per test and a way to run the real CLI."""
+"""Shared fixtures: an isolated SFTCTL_HOME (and compiler cache) per test and a way to run the real CLI."""
 
 from __future__ import annotations
 
@@ -22,7 +22,24 @@ def home(tmp_path, monkeypatch) -> Path:
     # the user's own ~/.config/sftctl/config.yaml must not reach a test (sftctl.settings)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))
     monkeypatch.delenv("SFTCTL_CONFIG", raising=False)
+    # a cold compiler cache too, as when it lived under SFTCTL_HOME (sftctl.compiler.cache)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
     return h
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _compiler_cache_outside_the_users(tmp_path_factory):
+    """The compiler's disk cache (``platformdirs.user_cache_dir("sftctl")``, i.e.
+    ``$XDG_CACHE_HOME/sftctl`` on Linux) goes to a temporary directory shared by the session
+    (the CLI processes tests start inherit it), never to the user's ``~/.cache``. Tests that
+    take ``home`` get a fresh one of their own."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
 
 
 def sftctl(*args: str, timeout: float = 300, check: bool = False, **kw) -> subprocess.CompletedProcess:

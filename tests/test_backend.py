@@ -204,7 +204,9 @@ def test_forced_cpu_training_step_uses_kernels_and_matches_eager(home, monkeypat
     used = sum(be.STATS[k] - before[k] for k in ("triton", "fallback"))
     assert n_sites > 0 and used == n_sites
     # searches landed in the disk cache
-    assert list((home / "cache" / "compiler" / "backend" / "gemm").glob("*.json"))
+    from sftctl.compiler.cache import cache_dir
+
+    assert list((cache_dir() / "backend" / "gemm").glob("*.json"))
     torch._dynamo.reset()
 
 

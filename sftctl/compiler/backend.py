@@ -15,7 +15,7 @@ For each graph it
 3. searches each distinct :class:`~sftctl.compiler.costmodel.GemmProblem`'s schedule with
    :func:`~sftctl.compiler.search.gemm.search_gemm` on the accelerator of the inputs' device
    (``torch.cuda.get_device_name()`` mapped to the catalog by :func:`match_accelerator`); results
-   are cached on disk under the driver's cache dir (``<cache>/backend/gemm/<key>.json``), kernels
+   are cached on disk under the compiler's cache dir (``<cache>/backend/gemm/<key>.json``), kernels
    by Triton's own cache;
 4. rewrites the FX graph so each site is one call of :func:`sftensor_gemm` (which launches
    ``sftctl.compiler.codegen.gemm.gemm`` with the chosen config) while every other op stays ATen.
@@ -36,7 +36,6 @@ name overriding device detection), ``SFTCTL_SFTENSOR_NO_CACHE`` (1: no disk cach
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -441,18 +440,10 @@ def gemm_problem(site: GemmSite):
                        epilogue_bytes_per_elem=epi_bytes, epilogue_flops_per_elem=flops)
 
 
-def _search_key(problem, hw, coeffs, space) -> str:
-    from sftctl.compiler.step import compiler_fingerprint
-
-    blob = json.dumps([dataclasses.asdict(problem), dataclasses.asdict(hw) | {"sources": None},
-                       dataclasses.asdict(coeffs), space, compiler_fingerprint()], sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]
-
-
 def search_cached(problem, hw, coeffs=None, space: dict | None = None, use_disk: bool = True) -> tuple[dict | None, float]:
     """``(config, predicted_s)`` of :func:`~sftctl.compiler.search.gemm.search_gemm`, cached as
-    JSON under ``<driver cache dir>/backend/gemm/`` keyed by the problem, every hardware number,
-    the coefficients, the space and the compiler's fingerprint. A config of None means nothing
+    JSON under ``<compiler cache>/backend/gemm/`` (:mod:`sftctl.compiler.cache`) keyed by the
+    problem, every hardware number, the coefficients, the space and the compiler's fingerprint. A config of None means nothing
     feasible (the site stays ATen)."""
     from sftctl.compiler.costmodel import Coefficients
     from sftctl.compiler.search.gemm import search_gemm
@@ -460,9 +451,9 @@ def search_cached(problem, hw, coeffs=None, space: dict | None = None, use_disk:
     coeffs = coeffs or Coefficients.for_accelerator(hw)
     path = None
     if use_disk:
-        from sftctl.compiler.driver import _atomic_write, cache_dir
+        from sftctl.compiler.cache import cache_dir, cache_key
 
-        path = cache_dir() / "backend" / "gemm" / f"{_search_key(problem, hw, coeffs, space)}.json"
+        path = cache_dir() / "backend" / "gemm" / f"{cache_key('gemm-search', problem, hw, coeffs, space)}.json"
         if path.exists():
             try:
                 d = json.loads(path.read_text())
@@ -471,7 +462,9 @@ def search_cached(problem, hw, coeffs=None, space: dict | None = None, use_disk:
                 path.unlink(missing_ok=True)
     choice = search_gemm(problem, hw, coeffs, space=space)
     if path is not None:
-        _atomic_write(path, json.dumps({"problem": dataclasses.asdict(problem), "accelerator": hw.name,
+        from sftctl.compiler.cache import atomic_write
+
+        atomic_write(path, json.dumps({"problem": dataclasses.asdict(problem), "accelerator": hw.name,
                                         "config": choice.config, "time_s": choice.time_s,
                                         "search_s": choice.seconds}).encode())
     return choice.config, float(choice.time_s)

@@ -1,47 +1,35 @@
 """From a job's ``model`` section to compiled steps, with a disk cache for both stages.
 
 * ``trace_model``: the entrypoint's whole training step as an IR graph. Cached (pickle) under
-  ``$SFTCTL_HOME/cache/compiler/traces/``, keyed by the framework, batch size, dtype, the bytes of
-  every ``.py`` file in the entrypoint's directory, and the compiler's fingerprint.
-* ``compile_for``: one accelerator's CompiledStep. Cached (JSON) under
-  ``$SFTCTL_HOME/cache/compiler/steps/``, keyed by graph signature, hardware numbers,
-  cost-model coefficients and the compiler's fingerprint (:func:`sftctl.compiler.step.cache_key`).
+  ``<cache>/traces/``, keyed by the framework, entrypoint, batch size, dtype, the bytes of every
+  ``.py`` file in the entrypoint's directory, and the compiler's fingerprint.
+* ``compile_for``: one accelerator's CompiledStep. Cached (JSON) under ``<cache>/steps/``, keyed
+  by graph signature, matmul precision, dtype map, hardware numbers, cost-model coefficients and
+  the compiler's fingerprint.
+
+``<cache>`` is :func:`sftctl.compiler.cache.cache_dir` (the platform's user cache directory);
+every key is :func:`sftctl.compiler.cache.cache_key`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import pickle
 from pathlib import Path
 from typing import Callable
 
+from sftctl.compiler.cache import atomic_write
+from sftctl.compiler.cache import cache_dir, cache_key
 from sftctl.compiler.ir import Graph
-from sftctl.compiler.step import CompiledStep, cache_key, compile_graph, compiler_fingerprint, graph_signature
-
-
-def cache_dir() -> Path:
-    from sftctl.paths import sftctl_home
-
-    d = sftctl_home() / "cache" / "compiler"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + f".tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+from sftctl.compiler.step import CompiledStep, compile_graph, graph_signature
 
 
 def trace_key(framework: str, entrypoint: str, workdir: str, batch_size: int, dtype: str) -> str:
+    """Cache key of a trace: the arguments and the bytes of every ``.py`` file next to the
+    entrypoint's file (the modules a model imports from its directory)."""
     file = Path(workdir) / entrypoint.rsplit(":", 1)[0]
-    h = hashlib.sha256(repr((framework, entrypoint, batch_size, dtype, compiler_fingerprint())).encode())
-    for py in sorted(file.parent.glob("*.py")):
-        h.update(py.name.encode() + py.read_bytes())
-    return h.hexdigest()[:32]
+    sources = {py.name: py.read_bytes() for py in sorted(file.parent.glob("*.py"))}
+    return cache_key("trace", framework, entrypoint, batch_size, dtype, sources)
 
 
 def trace_model(framework: str, entrypoint: str, workdir: str, batch_size: int, dtype: str,
@@ -68,7 +56,7 @@ def trace_model(framework: str, entrypoint: str, workdir: str, batch_size: int, 
         if cached is not None:
             return cached
         graph = _trace(framework, entrypoint, workdir, batch_size, dtype)
-        _atomic_write(path, pickle.dumps(graph))
+        atomic_write(path, pickle.dumps(graph))
     return graph
 
 
@@ -102,8 +90,7 @@ def compile_for(graph: Graph, accelerator: str, progress: Callable[[int, int], N
 
     hw = get_accelerator(accelerator)
     coeffs = Coefficients.for_accelerator(hw)
-    variant = json.dumps([matmul_precision, sorted((mma_dtype_map or {}).items())])
-    key = cache_key(graph_signature(graph) + variant, hw, coeffs)
+    key = cache_key("step", graph_signature(graph), matmul_precision, mma_dtype_map or {}, hw, coeffs)
     path = cache_dir() / "steps" / f"{key}.json"
     if use_cache and path.exists():
         try:
@@ -113,5 +100,5 @@ def compile_for(graph: Graph, accelerator: str, progress: Callable[[int, int], N
     compiled = compile_graph(graph, hw, coeffs, progress=progress, matmul_precision=matmul_precision,
                              mma_dtype_map=mma_dtype_map)
     if use_cache:
-        _atomic_write(path, json.dumps(compiled.to_dict()).encode())
+        atomic_write(path, json.dumps(compiled.to_dict()).encode())
     return compiled

@@ -3,27 +3,25 @@
     graph --fuse--> kernels --search each GEMM class, cost the rest--> CompiledStep
     CompiledStep + offering (GPUs per node, nodes, links) --> StepPrediction
 
-A CompiledStep is plain data (JSON-able) so it can be cached on disk, keyed by the graph's
-signature, the accelerator's numbers, the cost model's coefficients and ``COMPILER_VERSION``.
+A CompiledStep is plain data (JSON-able) so it can be cached on disk (``driver.compile_for``),
+keyed (``cache.cache_key``) by the graph's signature, the accelerator's numbers, the cost
+model's coefficients and the compiler's fingerprint.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
-import json
 import time
-from pathlib import Path
 from typing import Callable
 
+from sftctl.compiler.cache import COMPILER_VERSION, compiler_fingerprint  # noqa: F401 - re-exported
 from sftctl.compiler.fusion import Kernel, fuse
 from sftctl.compiler.hardware import Accelerator
 from sftctl.compiler.ir import Graph
 from sftctl.compiler.memory import peak_memory
 from sftctl.compiler.problem import GemmProblem
 
-COMPILER_VERSION = "0.1.0"
 # Data-parallel gradient all-reduce (see costmodel.allreduce_time_s). PyTorch DDP all-reduces
 # 25 MB buckets while backward runs (Li et al., "PyTorch Distributed", VLDB 2020), so most of it
 # hides behind backward, which is about 2/3 of a step's compute (backward ~ 2x forward FLOPs).
@@ -397,23 +395,3 @@ def predict(compiled: CompiledStep, hw: Accelerator, gpus_per_node: int, nodes: 
         devices_needed=pm.devices_needed(hw.memory_bytes),
         mode=mode,
     )
-
-
-@functools.lru_cache(maxsize=1)
-def compiler_fingerprint() -> str:
-    """COMPILER_VERSION plus a hash of the compiler's own source, so any change to the
-    compiler invalidates cached traces and plans (a forgotten version bump cannot serve stale
-    results)."""
-    h = hashlib.sha256(COMPILER_VERSION.encode())
-    root = Path(__file__).resolve().parent
-    for py in sorted(root.rglob("*.py")):
-        h.update(str(py.relative_to(root)).encode() + py.read_bytes())
-    return f"{COMPILER_VERSION}+{h.hexdigest()[:12]}"
-
-
-def cache_key(signature: str, hw: Accelerator, coeffs) -> str:
-    """Disk-cache key: graph signature, every hardware number, coefficients, compiler source."""
-    blob = json.dumps([signature, dataclasses.asdict(hw) | {"sources": None},
-                       dataclasses.asdict(coeffs) if coeffs is not None else None, compiler_fingerprint()],
-                      sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]

@@ -92,7 +92,7 @@ def generated_dir() -> Path:
     if env:
         d = Path(env).expanduser()
     else:
-        from sftctl.compiler.driver import cache_dir
+        from sftctl.compiler.cache import cache_dir
 
         d = cache_dir() / "codegen" / "src"
     d.mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from sftctl.compiler.cache import cache_key
 from sftctl.compiler.codegen import _runtime as rt
 
 __all__ = ["ALLOCATION", "KernelResources", "TARGETS", "compile_resources", "elementwise_resources",
@@ -161,7 +162,7 @@ def _cache_path(key: str) -> Path:
     if env:
         base = Path(env).expanduser()
     else:
-        from sftctl.compiler.driver import cache_dir
+        from sftctl.compiler.cache import cache_dir
 
         base = cache_dir() / "codegen"
     return base / "resources" / f"{key}.json"
@@ -246,12 +247,12 @@ def compile_resources(fn, signature: dict, constexprs: dict, target: str, *, num
     tgt = gpu_target(target)
     src_path = source_file or fn.fn.__code__.co_filename
     src_hash = hashlib.sha256(Path(src_path).read_bytes()).hexdigest()
-    desc = json.dumps({"src": src_hash, "fn": fn.__name__, "sig": signature,
-                       "ce": {k: repr(v) for k, v in constexprs.items()},
-                       "attrs": repr(sorted((attrs or {}).items())), "target": target,
-                       "warps": num_warps, "stages": num_stages, "triton": triton.__version__},
-                      sort_keys=True)
-    key = hashlib.sha256(desc.encode()).hexdigest()[:32]
+    # the compiled kernel's resources depend on its source and Triton, not on the rest of the
+    # compiler: keyed without the compiler's fingerprint
+    key = cache_key("kernel-resources", {
+        "src": src_hash, "fn": fn.__name__, "sig": signature, "ce": {k: repr(v) for k, v in constexprs.items()},
+        "attrs": repr(sorted((attrs or {}).items())), "target": target, "warps": num_warps,
+        "stages": num_stages, "triton": triton.__version__}, fingerprint=False)
     path = _cache_path(key)
     if use_cache and path.exists():
         try:
