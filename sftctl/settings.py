@@ -395,6 +395,17 @@ def _unknown(path: str, lines: dict, dotted: str, options: list[str]) -> None:
     raise SettingError(f"{path}:{lines.get(dotted, 1)}: {dotted}: unknown setting", hint=hint)
 
 
+def unknown_key(dotted: str, options: list[str]) -> SettingError:
+    """The error for a key of one of :data:`OTHER_SECTIONS` that its owner does not know
+    (``slurm.partion``), naming the config file and line, with a did-you-mean hint."""
+    path, _, lines = config_document()
+    try:
+        _unknown(path or "config file", lines, dotted, options)
+    except SettingError as e:
+        return e
+    raise AssertionError("unreachable")
+
+
 def _from_file(s: Setting) -> typing.Any:
     path, doc, lines = config_document()
     node: typing.Any = doc

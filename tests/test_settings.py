@@ -191,3 +191,19 @@ def test_nothing_in_the_package_or_examples_reads_a_variable_but_through_setting
     assert not direct, f"read these through sftctl.settings.get/raw: {direct}"
     assert read.search('x = os.environ.get("SFTCTL_HOME")') and read.search("os.environ['SFTCTL_NODE_ID']")
     assert not read.search('env["SFTCTL_WORKDIR"] = dest') and not read.search('settings.get("SFTCTL_HOME")')
+
+
+def test_the_slurm_section_is_read_from_the_xdg_file_and_its_typos_name_the_line(home, tmp_path):
+    from sftctl.providers.slurm import SlurmConfig
+
+    xdg = _xdg(tmp_path)
+    xdg.parent.mkdir(parents=True)
+    xdg.write_text("slurm:\n  host: login.example.org\n  gpu_hour_usd: 0.9\n")
+    cfg = SlurmConfig.load({"partition": "gpu", "host": None})
+    assert (cfg.host, cfg.gpu_hour_usd, cfg.partition) == ("login.example.org", 0.9, "gpu")
+    assert SlurmConfig.load({"host": "other"}).host == "other"  # the spec's field wins
+    xdg.write_text("slurm:\n  host: login.example.org\n  partion: gpu\n")
+    with pytest.raises(SettingError) as e:
+        SlurmConfig.load()
+    assert e.value.message == f"{xdg}:3: slurm.partion: unknown setting"
+    assert e.value.hint == "did you mean 'slurm.partition'?" and e.value.exit_code == 2

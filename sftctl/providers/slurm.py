@@ -158,8 +158,11 @@ class SlurmConfig:
     @classmethod
     def load(cls, spec_section: dict | None = None) -> "SlurmConfig":
         """The config file's ``slurm:`` section overlaid with the spec's (``spec_section``)."""
-        merged = {**config_file_section(), **{k: v for k, v in (spec_section or {}).items() if v is not None}}
+        from_file = config_file_section()
+        merged = {**from_file, **{k: v for k, v in (spec_section or {}).items() if v is not None}}
         fields = {f.name for f in dataclasses.fields(cls)}
+        for key in sorted(set(from_file) - fields):  # the file's line and a did-you-mean (exit 2)
+            raise settings.unknown_key(f"slurm.{key}", sorted(f"slurm.{f}" for f in fields))
         unknown = sorted(set(merged) - fields)
         if unknown:
             raise ProviderError(f"slurm config: unknown field(s) {', '.join(unknown)}",
