@@ -17,6 +17,7 @@ directory (``platformdirs.user_config_dir("sftctl")``: ``$XDG_CONFIG_HOME/sftctl
 ``~/.config/sftctl/config.yaml``); else, for configurations written before that existed,
 ``$SFTCTL_HOME/config.yaml``. Only the first of these that exists is read. Example::
 
+    defaults: {clouds: [aws, slurm], regions: [us-east-1], storage: "s3://my-lab-bucket/sftctl"}
     state: {busy_timeout_ms: 30000}
     aws: {instance_profile: sftctl-node}
     kubernetes: {context: lab, namespace: training}
@@ -59,8 +60,9 @@ class Setting:
 
     Attributes:
         name: the environment variable, ``SFTCTL_...``.
-        type: ``str``, ``path``, ``int``, ``float``, ``bool`` (1/0, true/false, yes/no, on/off)
-            or ``choice`` (one of ``choices``).
+        type: ``str``, ``path``, ``int``, ``float``, ``bool`` (1/0, true/false, yes/no, on/off),
+            ``choice`` (one of ``choices``) or ``list`` (comma-separated in the environment, a
+            YAML list in the file; each one of ``choices`` when given).
         default: the value when unset (None: unset is a state of its own); ``shown_default``
             is how the table shows a default computed at run time.
         meaning: one line for the table.
@@ -95,9 +97,12 @@ class Setting:
             return "a number" + (f" >= {self.minimum:g}" if self.minimum is not None else "")
         if self.type == "bool":
             return "1 or 0"
-        if self.type == "choice":
-            return " or ".join((", ".join(self.choices[:-1]), self.choices[-1])) if len(self.choices) > 1 \
+        if self.type in ("choice", "list") and self.choices:
+            one = " or ".join((", ".join(self.choices[:-1]), self.choices[-1])) if len(self.choices) > 1 \
                 else self.choices[0]
+            return f"a comma-separated list of {one}" if self.type == "list" else one
+        if self.type == "list":
+            return "a comma-separated list"
         return "a path" if self.type == "path" else "text"
 
     def parse(self, raw: str, where: str | None = None) -> typing.Any:
@@ -130,6 +135,13 @@ class Setting:
             if text.lower() not in self.choices:
                 raise SettingError(f"{where}: expected {self.expected()}, got {text.lower()!r}", hint=self._hint())
             return text.lower()
+        if self.type == "list":
+            items = [item.strip() for item in text.split(",") if item.strip()]
+            bad = [item for item in items if self.choices and item not in self.choices]
+            if bad or not items:
+                raise SettingError(f"{where}: expected {self.expected()}, got {bad[0] if bad else raw!r}",
+                                   hint=self._hint())
+            return items
         if self.type == "path":
             return os.path.expanduser(text)
         return text
@@ -138,6 +150,8 @@ class Setting:
         """``value`` as the environment carries it (bools as 1/0)."""
         if isinstance(value, bool):
             return "1" if value else "0"
+        if isinstance(value, (list, tuple)):
+            return ",".join(map(str, value))
         return str(value)
 
     def _hint(self) -> str:
@@ -161,6 +175,12 @@ DECLARED: tuple[Setting, ...] = (
        shown_default="$XDG_CONFIG_HOME/sftctl/config.yaml, else $SFTCTL_HOME/config.yaml"),
     _u("STATE_BUSY_TIMEOUT_MS", "int", 60_000, "how long a state write waits for another writer's lock (ms)",
        file="state.busy_timeout_ms", minimum=1),
+    _u("CLOUDS", "list", None, "the clouds a spec without resources.clouds may use", file="defaults.clouds",
+       choices=("local", "aws", "gcp", "kubernetes", "slurm"), shown_default="every configured cloud"),
+    _u("REGIONS", "list", None, "the regions a spec without resources.regions may use", file="defaults.regions",
+       shown_default="every region"),
+    _u("STORAGE", "str", None, "the job storage URL of a spec without storage: (s3://, gs://, pvc://, a directory)",
+       file="defaults.storage", shown_default="none"),
     _u("LOCAL_MAX_NODES", "int", None, "the local provider refuses nodes beyond this many (capacity drills)",
        set_by="user, tests", file="local.max_nodes", minimum=0, shown_default="no limit"),
     _u("AWS_INSTANCE_PROFILE", "str", None, "the IAM instance profile AWS nodes run with (a spec's "
@@ -416,6 +436,8 @@ def _from_file(s: Setting) -> typing.Any:
     if node is None:
         return _MISSING
     where = f"{path}:{lines.get(s.file, 1)}: {s.file}"
+    if isinstance(node, list) and s.type == "list" and all(isinstance(x, (str, int, float)) for x in node):
+        node = ",".join(str(x) for x in node)
     if isinstance(node, bool) and s.type != "bool" or isinstance(node, (dict, list)):
         raise SettingError(f"{where}: expected {s.expected()}, got {node!r}",
                            hint=f"write {s.file} as {s.expected()} ({s.meaning}), or set {s.name}")

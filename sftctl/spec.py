@@ -759,6 +759,22 @@ def _read_spec_file(path: Path) -> str:
                         hint="give the path to a job spec YAML file") from None
 
 
+def _user_defaults(data: dict) -> None:
+    """Fill ``resources.clouds``, ``resources.regions`` and ``storage`` that the spec leaves out
+    from the user's settings (``SFTCTL_CLOUDS``/``defaults.clouds`` of the config file, ...:
+    :mod:`sftctl.settings`). Raises SettingError (exit 2) for a malformed setting."""
+    from sftctl import settings
+
+    for key, name in (("clouds", "SFTCTL_CLOUDS"), ("regions", "SFTCTL_REGIONS")):
+        value = settings.get(name)
+        resources = data.get("resources", {})
+        if value is not None and isinstance(resources, dict) and key not in resources:
+            data["resources"] = {**resources, key: value}
+    storage = settings.get("SFTCTL_STORAGE")
+    if storage is not None and "storage" not in data:
+        data["storage"] = storage
+
+
 def load_spec(
     path: str | os.PathLike,
     overrides: typing.Sequence[str] = (),
@@ -799,6 +815,7 @@ def load_spec(
     for assignment in overrides:
         _apply_override(data, assignment, loc)
     _check_env_references(data, loc, os.environ if environ is None else environ)
+    _user_defaults(data)
     data.setdefault("name", default_name(path))
     try:
         spec = JobSpec.model_validate(data)

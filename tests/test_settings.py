@@ -58,7 +58,7 @@ def test_every_variable_in_the_package_and_examples_is_declared():
 def test_declarations_are_whole():
     for s in settings.DECLARED:
         assert s.name.startswith("SFTCTL_") and s.meaning and s.set_by, s.name
-        assert s.type in ("str", "path", "int", "float", "bool", "choice"), s.name
+        assert s.type in ("str", "path", "int", "float", "bool", "choice", "list"), s.name
         assert s.scope in (settings.USER, settings.NODE), s.name
         assert s.file is None or s.scope == settings.USER, s.name  # the file configures the user side
         if s.default is not None and s.type != "path":  # a default parses back to itself
@@ -74,6 +74,9 @@ def test_declarations_are_whole():
     ("SFTCTL_SFTENSOR_FORCE", "maybe", "SFTCTL_SFTENSOR_FORCE: expected 1 or 0, got 'maybe'"),
     ("SFTCTL_PARALLELISM", "zero2", "SFTCTL_PARALLELISM: expected ddp or fsdp, got 'zero2'"),
     ("SFTCTL_MATMUL_PRECISION", "low", "SFTCTL_MATMUL_PRECISION: expected highest, high or medium, got 'low'"),
+    ("SFTCTL_CLOUDS", "aws, azure", "SFTCTL_CLOUDS: expected a comma-separated list of local, aws, gcp, kubernetes "
+                                    "or slurm, got 'azure'"),
+    ("SFTCTL_REGIONS", " , ", "SFTCTL_REGIONS: expected a comma-separated list, got ','"),
 ])
 def test_a_malformed_value_names_the_variable(name, raw, message):
     with pytest.raises(SettingError) as e:
@@ -207,3 +210,33 @@ def test_the_slurm_section_is_read_from_the_xdg_file_and_its_typos_name_the_line
         SlurmConfig.load()
     assert e.value.message == f"{xdg}:3: slurm.partion: unknown setting"
     assert e.value.hint == "did you mean 'slurm.partition'?" and e.value.exit_code == 2
+
+
+def test_default_clouds_regions_and_storage_fill_what_a_spec_leaves_out(home, tmp_path, monkeypatch):
+    from sftctl.spec import load_spec
+
+    for name in ("SFTCTL_CLOUDS", "SFTCTL_REGIONS", "SFTCTL_STORAGE"):
+        monkeypatch.delenv(name, raising=False)
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("name: bare\nrun: echo\n")
+    own = tmp_path / "own.yaml"
+    own.write_text("name: own\nrun: echo\nresources: {clouds: [local], regions: [eu-west-1]}\nstorage: /tmp/own\n")
+    spec = load_spec(bare)
+    assert (spec.resources.clouds, spec.resources.regions, spec.storage) == (None, None, None)
+    xdg = _xdg(tmp_path)
+    xdg.parent.mkdir(parents=True)
+    xdg.write_text(f"defaults:\n  clouds: [aws, gcp]\n  regions: [us-east-1]\n  storage: {tmp_path / 'lab'}\n")
+    spec = load_spec(bare)
+    assert spec.resources.clouds == ["aws", "gcp"] and spec.resources.regions == ["us-east-1"]
+    assert spec.storage.url == str(tmp_path / "lab")
+    spec = load_spec(own)  # the spec's own fields win
+    assert (spec.resources.clouds, spec.resources.regions, spec.storage.url) == (["local"], ["eu-west-1"], "/tmp/own")
+    assert load_spec(bare, ["resources.clouds=[slurm]"]).resources.clouds == ["slurm"]  # so does --set
+    monkeypatch.setenv("SFTCTL_CLOUDS", "kubernetes")  # the environment beats the file
+    assert load_spec(bare).resources.clouds == ["kubernetes"]
+    monkeypatch.delenv("SFTCTL_CLOUDS")
+    xdg.write_text("defaults:\n  regions: [us-east-1]\n  clouds: [aws, azure]\n")
+    with pytest.raises(SettingError) as e:
+        load_spec(bare)
+    assert e.value.message == (f"{xdg}:3: defaults.clouds: expected a comma-separated list of local, aws, gcp, "
+                               "kubernetes or slurm, got 'azure'")
