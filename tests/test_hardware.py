@@ -10,10 +10,9 @@ import pytest
 import yaml
 
 from sftctl.catalog import Offering, accelerator_names, cloud_offerings, local_offering
+from sftctl.catalog.accelerators import ACCELERATORS_YAML, _number
 from sftctl.compiler.hardware import (
-    ACCELERATORS_YAML,
     Accelerator,
-    _number,
     find_accelerator,
     get_accelerator,
     load_accelerators,
@@ -187,3 +186,24 @@ def test_local_offering_and_old_offering_dicts_still_work():
     o = Offering(**old)
     assert o.intra_node_bytes_per_s is None and o.as_of == ""
     assert Offering(**o.to_dict()) == o
+
+
+def test_one_owner_of_the_facts_and_no_cycle():
+    """The catalog owns the hardware facts (sftctl.catalog.accelerators) and imports no compiler
+    code; the compiler's hardware module is that same table; neither imports numpy or torch."""
+    import subprocess
+    import sys
+
+    import sftctl.catalog.accelerators as owner
+    import sftctl.compiler.hardware as hardware
+
+    assert hardware.Accelerator is owner.Accelerator
+    assert hardware.load_accelerators() is owner.load_accelerators()
+    assert hardware.get_accelerator("h200") is owner.get_accelerator("H200")
+    code = ("import sys, sftctl.catalog as c; names = c.accelerator_names(); "
+            "bad = sorted(m for m in sys.modules if m.startswith('sftctl.compiler') or m in ('numpy', 'torch')); "
+            "assert not bad and 'H200' in names, bad; "
+            "import sftctl.compiler.hardware as h; h.get_accelerator('H100'); "
+            "bad = sorted(m for m in sys.modules if m in ('numpy', 'torch')); assert not bad, bad")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

@@ -9,6 +9,10 @@ Bandwidths are unidirectional bytes/s: ``intra_node_bytes_per_s`` per accelerato
 accelerators of one node (NVLink/NVSwitch, Infinity Fabric or PCIe; empty for single-accelerator
 nodes), ``inter_node_bytes_per_s`` per node to the other nodes (EFA, GPUDirect NICs, or the
 instance's documented "up to" network figure).
+
+Accelerator hardware facts (``accelerators.yaml``: FLOP/s, bandwidths, SM resources, each with
+its source) are owned by :mod:`sftctl.catalog.accelerators`; the compiler reads them through
+``sftctl.compiler.hardware``, which re-exports that module. The catalog imports no compiler code.
 """
 
 from __future__ import annotations
@@ -94,6 +98,6 @@ def local_offering(count: int) -> Offering:
 def accelerator_names() -> list[str]:
     """Every accelerator name sftctl knows: those offered, and those in the hardware table
     (``sftctl/catalog/accelerators.yaml``, which the compiler can target even unoffered)."""
-    from sftctl.compiler.hardware import load_accelerators
+    from sftctl.catalog.accelerators import load_accelerators
 
     return sorted({o.accelerator for o in cloud_offerings()} | set(load_accelerators()) | {"cpu"})

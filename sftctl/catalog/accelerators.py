@@ -1,0 +1,274 @@
+"""Accelerator hardware facts: the one place that owns them.
+
+Every number carries its source in ``Accelerator.sources`` (datasheet, whitepaper, or our own
+measurement file). Peak FLOP/s are *dense* (no 2:4 sparsity).
+
+The table is ``accelerators.yaml`` next to this module: :func:`load_accelerators` reads it (once),
+:func:`get_accelerator` looks one up by name in any case. The ``cpu`` entry is this machine: its
+core count comes from ``os.cpu_count()`` at load time.
+
+Both sides read the facts here: the catalog (:func:`sftctl.catalog.accelerator_names`) and the
+compiler (``sftctl.compiler.hardware`` re-exports :class:`Accelerator` and the lookups for the
+cost model). Nothing else opens the YAML file, and this module imports neither the compiler nor
+anything heavy (PyYAML only when the table is first read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    """One accelerator model (frozen; its dict fields make it unhashable: key it by its fields).
+
+    Attributes:
+        name: catalog name, e.g. ``H100``, ``A100-80GB``, ``MI300X``, ``cpu``.
+        vendor: ``nvidia``, ``amd`` or ``cpu``.
+        sm_count: streaming multiprocessors (NVIDIA) or compute units (AMD); cores for ``cpu``.
+        clock_hz: boost clock the peak figures assume, Hz.
+        matrix_flops_per_s: dense peak FLOP/s of the matrix units per input dtype
+            (keys ``float32`` (TF32 where the hardware has no FP32 matrix path), ``bfloat16``,
+            ``float16``; ``float8`` where supported).
+        vector_flops_per_s: peak FLOP/s of the non-matrix (CUDA core / SIMD) units per dtype
+            (keys ``float32``, ``bfloat16``/``float16`` where different).
+        hbm_bytes_per_s: peak DRAM bandwidth, bytes/s.
+        l2_bytes: last-level on-chip cache, bytes.
+        smem_bytes_per_sm: shared memory (LDS) per SM/CU usable by resident blocks, bytes.
+        smem_bytes_per_block: most shared memory one block may allocate, bytes.
+        regs_per_sm: 32-bit registers per SM/CU.
+        regs_per_thread_max: most registers one thread may use.
+        max_warps_per_sm: most resident warps (wavefronts) per SM/CU.
+        max_blocks_per_sm: most resident blocks per SM/CU.
+        warp_size: threads per warp (32) or wavefront (64 on CDNA).
+        memory_bytes: device memory capacity, bytes.
+        memory_latency_s: DRAM load latency, seconds (for pipeline-depth modelling).
+        launch_overhead_s: host-side cost of one kernel launch, seconds.
+        triton_backend: ``cuda`` or ``hip`` (None for ``cpu``).
+        triton_arch: compute capability as int (90) or gfx name (``gfx942``); None for ``cpu``.
+        sources: field name -> where the number comes from.
+    """
+
+    name: str
+    vendor: str
+    sm_count: int
+    clock_hz: float
+    matrix_flops_per_s: dict[str, float]
+    vector_flops_per_s: dict[str, float]
+    hbm_bytes_per_s: float
+    l2_bytes: int
+    smem_bytes_per_sm: int
+    smem_bytes_per_block: int
+    regs_per_sm: int
+    regs_per_thread_max: int
+    max_warps_per_sm: int
+    max_blocks_per_sm: int
+    warp_size: int
+    memory_bytes: int
+    memory_latency_s: float
+    launch_overhead_s: float
+    triton_backend: str | None
+    triton_arch: int | str | None
+    sources: dict[str, str] = dataclasses.field(default_factory=dict, hash=False, compare=False)
+
+    def matrix_peak(self, dtype: str) -> float:
+        """Dense matrix-unit FLOP/s for ``dtype`` (float16 falls back to bfloat16 and back)."""
+        table = self.matrix_flops_per_s
+        for key in (dtype, {"float16": "bfloat16", "bfloat16": "float16"}.get(dtype, dtype), "float32"):
+            if key in table:
+                return table[key]
+        raise KeyError(f"{self.name}: no matrix peak for {dtype}")
+
+    def vector_peak(self, dtype: str) -> float:
+        """Non-matrix FLOP/s for ``dtype`` (falls back to float32)."""
+        return self.vector_flops_per_s.get(dtype, self.vector_flops_per_s["float32"])
+
+
+# ------------------------------------------------------------------------------------------------
+# The accelerator table: accelerators.yaml next to this module
+
+ACCELERATORS_YAML = Path(__file__).resolve().with_name("accelerators.yaml")
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Accelerator))
+_INT_FIELDS = (
+    "sm_count", "l2_bytes", "smem_bytes_per_sm", "smem_bytes_per_block", "regs_per_sm",
+    "regs_per_thread_max", "max_warps_per_sm", "max_blocks_per_sm", "warp_size", "memory_bytes",
+)
+_FLOAT_FIELDS = ("clock_hz", "hbm_bytes_per_s", "memory_latency_s", "launch_overhead_s")
+_RATE_FIELDS = ("matrix_flops_per_s", "vector_flops_per_s")
+# Entry keys that are not Accelerator fields: per-SM FLOP/clock rates the peaks are built from.
+_EXTRA_KEYS = ("derivation",)
+
+
+def _number(value, where: str, kind=float):
+    """``value`` as ``kind``; YAML 1.1 reads ``1.83e9`` (unsigned exponent) as a string, so parse strings."""
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"{where}: expected a number, got {value!r}")
+    if isinstance(value, str):
+        try:
+            value = float(value.replace("_", ""))
+        except ValueError:
+            raise ValueError(f"{where}: expected a number, got {value!r}") from None
+    if kind is int:
+        if float(value) != int(value):
+            raise ValueError(f"{where}: expected an integer, got {value!r}")
+        return int(value)
+    return float(value)
+
+
+def _rates(table, where: str) -> dict[str, float]:
+    if not isinstance(table, dict) or not table:
+        raise ValueError(f"{where}: expected a non-empty mapping dtype -> FLOP/s")
+    return {str(k): _number(v, f"{where}.{k}") for k, v in table.items()}
+
+
+def _host_cache_bytes(level: int, data: bool) -> int | None:
+    """A cache size of this machine from os.sysconf or Linux sysfs; None when neither says."""
+    name = {1: "SC_LEVEL1_DCACHE_SIZE", 2: "SC_LEVEL2_CACHE_SIZE", 3: "SC_LEVEL3_CACHE_SIZE"}[level]
+    if name in os.sysconf_names:
+        try:
+            size = os.sysconf(name)
+            if size and size > 0:
+                return int(size)
+        except (OSError, ValueError):
+            pass
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        entries = sorted(os.listdir(base))
+    except OSError:
+        return None
+    for entry in entries:
+        d = os.path.join(base, entry)
+        try:
+            with open(os.path.join(d, "level")) as f:
+                lvl = int(f.read().strip())
+            with open(os.path.join(d, "type")) as f:
+                typ = f.read().strip()
+            with open(os.path.join(d, "size")) as f:
+                text = f.read().strip().upper()
+        except (OSError, ValueError):
+            continue
+        if lvl != level or typ == "Instruction" or (data and typ not in ("Data", "Unified")):
+            continue
+        mult = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
+        try:
+            return int(text.rstrip("KMG")) * mult
+        except ValueError:
+            return None
+    return None
+
+
+def _host_memory_bytes() -> int | None:
+    try:
+        size = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return int(size) if size > 0 else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _probe_host(entry: dict, sources: dict[str, str]) -> None:
+    """Fill the ``cpu`` entry with what this machine reports (the YAML values are the fallbacks)."""
+    cores = os.cpu_count()
+    if cores:
+        entry["sm_count"] = cores
+        sources["sm_count"] = f"os.cpu_count() = {cores} at load time (logical CPUs)"
+    llc = _host_cache_bytes(3, data=False) or _host_cache_bytes(2, data=False)
+    if llc:
+        entry["l2_bytes"] = llc
+        sources["l2_bytes"] = f"last-level cache {llc} bytes, read from the OS at load time"
+    l1d = _host_cache_bytes(1, data=True)
+    if l1d:
+        entry["smem_bytes_per_sm"] = entry["smem_bytes_per_block"] = l1d
+        sources["smem_bytes_per_sm"] = f"L1 data cache {l1d} bytes per core, read from the OS at load time"
+    mem = _host_memory_bytes()
+    if mem:
+        entry["memory_bytes"] = mem
+        sources["memory_bytes"] = f"physical memory {mem} bytes, os.sysconf at load time"
+    # FLOP/s for the whole host: per-core rates (documented assumptions) x cores x clock.
+    deriv = entry.get("derivation") or {}
+    clock = _number(entry["clock_hz"], "cpu.clock_hz")
+    for field, key in (("matrix_flops_per_s", "matrix_flops_per_clk_per_sm"),
+                       ("vector_flops_per_s", "vector_flops_per_clk_per_sm")):
+        per_clk = _rates(deriv.get(key), f"cpu.derivation.{key}")
+        entry[field] = {k: v * int(entry["sm_count"]) * clock for k, v in per_clk.items()}
+
+
+def _build(entry: dict) -> Accelerator:
+    if not isinstance(entry, dict) or "name" not in entry:
+        raise ValueError(f"{ACCELERATORS_YAML.name}: every entry needs a name")
+    name = str(entry["name"])
+    unknown = set(entry) - set(_FIELDS) - set(_EXTRA_KEYS)
+    missing = set(_FIELDS) - set(entry) - {"sources"}
+    if unknown or missing:
+        raise ValueError(f"{name}: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}")
+    entry = dict(entry)
+    sources = {str(k): str(v) for k, v in (entry.get("sources") or {}).items()}
+    if entry["vendor"] == "cpu":
+        _probe_host(entry, sources)
+    kwargs = {"name": name, "vendor": str(entry["vendor"]), "sources": sources}
+    for f in _INT_FIELDS:
+        kwargs[f] = _number(entry[f], f"{name}.{f}", int)
+    for f in _FLOAT_FIELDS:
+        kwargs[f] = _number(entry[f], f"{name}.{f}")
+    for f in _RATE_FIELDS:
+        kwargs[f] = _rates(entry[f], f"{name}.{f}")
+    kwargs["triton_backend"] = None if entry["triton_backend"] is None else str(entry["triton_backend"])
+    arch = entry["triton_arch"]
+    kwargs["triton_arch"] = arch if arch is None or isinstance(arch, int) else str(arch)
+    return Accelerator(**kwargs)
+
+
+@functools.lru_cache(maxsize=1)
+def load_accelerators() -> dict[str, Accelerator]:
+    """Every accelerator in ``accelerators.yaml`` by catalog name (``H100``, ..., ``cpu``).
+
+    The ``cpu`` entry describes this machine: core count from ``os.cpu_count()``, memory and cache
+    sizes from the OS where it reports them, FLOP/s derived from documented per-core assumptions.
+    Cached: the table is read once per process and the same dict is returned to every caller, so
+    treat it as read-only. Raises ValueError on a malformed file.
+    """
+    import yaml  # deferred: keeps ``import sftctl.compiler.hardware`` cheap
+
+    with ACCELERATORS_YAML.open() as f:
+        doc = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml: 20x faster, same result
+    table: dict[str, Accelerator] = {}
+    for entry in doc["accelerators"]:
+        acc = _build(entry)
+        if acc.name.lower() in {n.lower() for n in table}:
+            raise ValueError(f"{ACCELERATORS_YAML.name}: {acc.name} appears twice")
+        table[acc.name] = acc
+    return table
+
+
+def find_accelerator(name: str) -> Accelerator | None:
+    """Case-insensitive lookup (``h100``, ``A100-80gb``, ``Mi300x``); None when unknown."""
+    key = name.strip().lower()
+    for acc_name, acc in load_accelerators().items():
+        if acc_name.lower() == key:
+            return acc
+    return None
+
+
+def get_accelerator(name: str) -> Accelerator:
+    """The accelerator called ``name`` (any case).
+
+    Raises:
+        KeyError: unknown name; the message suggests the closest known one and lists them all.
+    """
+    acc = find_accelerator(name)
+    if acc is not None:
+        return acc
+    import difflib
+
+    names = list(load_accelerators())
+    lowered = {n.lower(): n for n in names}
+    key = name.strip().lower()
+    # "a100" -> both A100 variants; otherwise the closest spelling ("h10" -> H100)
+    close = [n for low, n in lowered.items() if key and low.startswith(key)]
+    if not close:
+        close = [lowered[c] for c in difflib.get_close_matches(key, list(lowered), n=1, cutoff=0.5)]
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    raise KeyError(f"unknown accelerator {name!r}{hint} (known: {', '.join(names)})")
