@@ -991,7 +991,7 @@ def job_provider(job: JobRecord, name: str | None = None):
     if url is None:
         return get_provider(name, **options)
     from sftctl.storage import open_storage
-    from sftctl.storage.channel import StorageChannel
+    from sftctl.protocol import NodeChannel
 
     kwargs = {}
     secret_env = secret_env_keys(spec)
@@ -1000,16 +1000,16 @@ def job_provider(job: JobRecord, name: str | None = None):
                 and all(name in os.environ for name in env_references(v))}  # `down` from another shell
         kwargs = {"secrets": {**{k: os.environ[k] for k in spec.secrets if k in os.environ}, **resolve_env(refs)},
                   "num_nodes": spec.resources.nodes}
-    return get_provider(name, channel=StorageChannel(open_storage(url), secret_keys=set(spec.secrets) | secret_env),
+    return get_provider(name, channel=NodeChannel(open_storage(url), secret_keys=set(spec.secrets) | secret_env),
                         **kwargs, **options)
 
 
 def secret_env_keys(spec: JobSpec) -> set[str]:
     """The ``env:`` variables that carry a secret: their value refers to a variable named in
     ``secrets:`` or one whose name says it is secret (``${MY_API_TOKEN}``, see
-    :func:`sftctl.storage.channel.is_secret_name`). Job storage holds their names, not values;
+    :func:`sftctl.protocol.is_secret_name`). Job storage holds their names, not values;
     on Kubernetes the job's Secret carries them."""
-    from sftctl.storage.channel import is_secret_name
+    from sftctl.protocol import is_secret_name
 
     return {k for k, v in spec.env.items()
             if any(name in spec.secrets or is_secret_name(name) for name in env_references(v))}

@@ -1,17 +1,17 @@
 """The node daemon: ``python -m sftctl.node``, what a cloud node runs after its bootstrap.
 
 A cloud node has no inbound port the controller could reach, so everything goes through the
-job's storage (:mod:`sftctl.storage.channel`). The daemon:
+job's storage; the files, their formats and ordering rules are :mod:`sftctl.protocol`'s. The daemon:
 
-1. ships the node directory (``node.log``, ``metrics/``, ``health.jsonl``, ``exit-<attempt>``)
-   to ``nodes/<node id>/`` every second (:class:`sftctl.storage.stream.Shipper`);
-2. polls ``nodes/<node id>/launch-<attempt>.json`` for a newer attempt; on one, it stops the
-   previous attempt's processes, fetches the job's workdir (``SFTCTL_WORKDIR_KEY``, once per
-   content hash) and runs the attempt's script (``templates/node.sh.j2``) in a session of its own;
-   and acknowledges it (``nodes/<node id>/ack-<attempt>``);
-3. stops the running attempt when ``nodes/<node id>/stop-<attempt>`` appears;
-4. writes ``exit-<attempt>`` itself when the script's process ended without writing one (killed),
-   so the controller always learns how an attempt ended while the node lives.
+1. ships the node directory (its log, metrics, GPU samples and exit codes) to the node's objects
+   in storage every second (:class:`sftctl.storage.stream.Shipper`);
+2. polls for a launch request of a newer attempt (:meth:`NodeChannel.poll_launch`); on one, it
+   stops the previous attempt's processes, fetches the job's workdir (``SFTCTL_WORKDIR_KEY``, once
+   per content hash) and runs the attempt's script (``templates/node.sh.j2``) in a session of its
+   own, and acknowledges it (:meth:`NodeChannel.ack`);
+3. stops the running attempt when the controller asks (:meth:`NodeChannel.stop_requested`);
+4. writes the attempt's exit file itself when the script's process ended without writing one
+   (killed), so the controller always learns how an attempt ended while the node lives.
 
 On SIGTERM it stops the attempt, ships what is left and exits 0.
 
@@ -42,13 +42,14 @@ class NodeDaemon:
     """
 
     def __init__(self, storage, node_id: str, node_dir: str | os.PathLike, poll_s: float = 1.0):
-        from sftctl.storage.channel import StorageChannel
+        from sftctl.protocol import NodeChannel, NodeDir
         from sftctl.storage.stream import Shipper
 
         self.storage, self.node_id, self.poll_s = storage, node_id, poll_s
         self.node_dir = Path(node_dir)
-        (self.node_dir / "metrics").mkdir(parents=True, exist_ok=True)
-        self.channel = StorageChannel(storage)
+        self.files = NodeDir(self.node_dir)
+        self.files.metrics.mkdir(parents=True, exist_ok=True)
+        self.channel = NodeChannel(storage)
         self.shipper = Shipper(storage, node_id, self.node_dir)
         self.attempt = 0
         self.proc: subprocess.Popen | None = None
@@ -74,7 +75,7 @@ class NodeDaemon:
             request = self.channel.poll_launch(self.node_id, self.attempt)
             if request is not None:
                 self._start(*request)
-            elif self.proc is not None and self.storage.exists(f"nodes/{self.node_id}/stop-{self.attempt}"):
+            elif self.proc is not None and self.channel.stop_requested(self.node_id, self.attempt):
                 self._end_attempt()
         except StorageError as e:  # the storage is unreachable for now: try again next tick
             print(f"[sftctl node] {e.message} (retrying)", file=sys.stderr, flush=True)
@@ -97,18 +98,18 @@ class NodeDaemon:
                 root = settings.raw("SFTCTL_WORKDIR_STORAGE", env)
                 fetch_workdir(open_storage(root) if root else self.storage, key, dest)
             env.update(settings.node_env(workdir=str(dest)))
-        path = self.node_dir / f"node-{attempt}.sh"
+        path = self.files.script(attempt)
         path.write_text(script)
         full_env = {**os.environ, **env, **settings.node_env(node_id=self.node_id, node_dir=self.node_dir,
-                                                             metrics_dir=self.node_dir / "metrics")}
+                                                             metrics_dir=self.files.metrics)}
         full_env.setdefault("SFTCTL_PYTHON", sys.executable)
         full_env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), full_env.get("PATH", "")])
-        with open(self.node_dir / "node.log", "ab") as log:
+        with open(self.files.log, "ab") as log:
             self.proc = subprocess.Popen(["bash", str(path)], cwd=self.node_dir, env=full_env,
                                          stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         # the controller gives a node launch_timeout_s to take an attempt; this says it did
-        self.storage.put_bytes(f"nodes/{self.node_id}/ack-{attempt}", f"{self.proc.pid}\n".encode())
+        self.channel.ack(self.node_id, attempt, self.proc.pid)
 
     def _end_attempt(self) -> None:
         """Stop the running attempt's whole process group (SIGTERM, then SIGKILL after 10 s)."""
@@ -127,15 +128,16 @@ class NodeDaemon:
         self._record_exit()
 
     def _record_exit(self) -> None:
-        """When the attempt's shell ended without an exit file (it was killed), write one."""
+        """When the attempt's shell ended without an exit file (it was killed), write one
+        (the protocol's rule 3)."""
+        from sftctl.protocol import write_exit_file
+
         if self.proc is None or self.proc.poll() is None:
             return
-        exit_file = self.node_dir / f"exit-{self.attempt}"
+        exit_file = self.files.exit(self.attempt)
         if not exit_file.exists():
             code = self.proc.returncode
-            tmp = exit_file.with_suffix(".tmp")
-            tmp.write_text(f"{128 - code if code < 0 else code}\n")  # -9 -> 137, as a shell reports it
-            tmp.rename(exit_file)
+            write_exit_file(exit_file, 128 - code if code < 0 else code)  # -9 -> 137, as a shell reports it
         self.proc = None
 
 

@@ -196,7 +196,9 @@ def report(
 def _append_line(path: Path, rank: int, record: dict) -> None:
     line = (json.dumps(record, allow_nan=False) + "\n").encode("utf-8")
     path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path / f"rank-{rank}.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    from sftctl.protocol import metrics_name
+
+    fd = os.open(path / metrics_name(rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         written = os.write(fd, line)
         while written < len(line):  # only on odd filesystems; regular files write it all at once

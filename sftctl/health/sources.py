@@ -526,7 +526,9 @@ class ReplaySource:
         """Highest ``step`` in ``metrics_dir/rank-*.jsonl`` so far (read incrementally)."""
         if self._metrics_dir is None:
             return None
-        for name in sorted(glob.glob(str(self._metrics_dir / "rank-*.jsonl"))):
+        from sftctl.protocol import METRICS_GLOB
+
+        for name in sorted(glob.glob(str(self._metrics_dir / METRICS_GLOB))):
             offset = self._offsets.get(name, 0)
             try:
                 with open(name, "rb") as f:

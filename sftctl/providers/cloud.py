@@ -16,7 +16,8 @@ provider object and the next zone is tried; when none is left the error is raise
 ``offering`` so the controller moves to the next offering), waits until the instance runs, and
 ``terminate_tagged`` deletes whatever carries the job's label. Launching the training on a cloud
 node, its logs, metrics and GPU samples go through the job's storage (a node has no inbound port
-the controller could reach): ``launch`` and the ``read_*`` calls delegate to ``self.channel``.
+the controller could reach): ``launch``, ``status``, ``stop_attempt`` and the ``read_*`` calls
+delegate to ``self.channel`` (:class:`sftctl.protocol.NodeChannel`, the protocol's controller end).
 
 Every resource carries the labels of :func:`labels`: ``sftctl-job``, ``sftctl-node`` and
 ``sftctl-managed=true``, so ``sftctl down JOB`` and ``sftctl down --orphans`` find it from the
@@ -119,8 +120,8 @@ class CloudProvider:
     """Base class of the cloud providers. See the module docstring for what a subclass implements.
 
     Args:
-        channel: how ``launch`` and the ``read_*`` calls reach a node (the job's storage, see
-            :mod:`sftctl.storage`); None for a provider used only to create and delete nodes.
+        channel: how ``launch`` and the ``read_*`` calls reach a node through the job's storage
+            (:class:`sftctl.protocol.NodeChannel`); None for a provider used only to create and delete nodes.
         poll_s: seconds between ``describe`` calls while waiting for a node to run.
         ready_timeout_s: how long a node may take to run before provisioning gives up on it.
     """
@@ -236,7 +237,7 @@ class CloudProvider:
         if code is not None:
             return NodeStatus(NodeState.SUCCEEDED if code == 0 else NodeState.FAILED, code, f"exit code {code}")
         if (node_id, attempt) not in self._acked:
-            if self.channel.storage.exists(f"nodes/{node_id}/ack-{attempt}"):
+            if self.channel.acked(node_id, attempt):
                 self._acked.add((node_id, attempt))
             elif time.time() - handle.get("launched_at", time.time()) > self.launch_timeout_s:
                 return NodeStatus(NodeState.LOST, None, (
@@ -256,9 +257,9 @@ class CloudProvider:
         return [] if self.channel is None else self.channel.read_health(handle["node_id"], offsets)
 
     def stop_attempt(self, handle: dict) -> None:
-        """Ask the node's daemon to stop the running attempt (``nodes/<node>/stop-<attempt>``)."""
+        """Ask the node's daemon to stop the running attempt (the protocol's stop request)."""
         if self.channel is not None and handle.get("attempt"):
-            self.channel.storage.put_bytes(f"nodes/{handle['node_id']}/stop-{handle['attempt']}", b"")
+            self.channel.request_stop(handle["node_id"], handle["attempt"])
 
     def quarantine(self, handle: dict, reason: str) -> dict | None:
         """Nothing to do: the instance is deleted, and its replacement is another machine."""

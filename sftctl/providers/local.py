@@ -1,9 +1,9 @@
 """The local provider: a node is a process group with its own work directory on this machine.
 
-Node directory (``SFTCTL_NODE_DIR``): ``$SFTCTL_HOME/jobs/<job>/nodes/<node id>/`` holding the
-rendered bootstrap (``node-<attempt>.sh``), ``node.log`` (stdout and stderr of every attempt),
-``exit-<attempt>`` (the exit code, written last by the bootstrap) and ``metrics/`` (one JSON
-lines file per training rank, see :mod:`sftctl.train`).
+Node directory (``SFTCTL_NODE_DIR``): ``$SFTCTL_HOME/jobs/<job>/nodes/<node id>/``, holding the
+files of :mod:`sftctl.protocol` (:class:`~sftctl.protocol.NodeDir`): the attempt's script, the
+log of every attempt, the exit code the script writes last, and one metrics file per training
+rank (see :mod:`sftctl.train`).
 
 Each node's processes run in a session of their own (so Ctrl-C in the terminal reaches only the
 controller, and a controller killed with SIGKILL leaves them running for ``sftctl down`` to find)
@@ -22,6 +22,7 @@ from sftctl import procs
 from sftctl.catalog import Offering, local_offering
 from sftctl.errors import CapacityError, ProviderError
 from sftctl.paths import job_dir, sftctl_home
+from sftctl.protocol import METRICS_GLOB, NodeDir, read_exit_file
 from sftctl.providers.base import NodeState, NodeStatus, complete_json_lines
 
 
@@ -29,7 +30,7 @@ class LocalProvider:
     """Nodes as process groups on this machine. Linux only (it reads ``/proc``).
 
     Args:
-        channel: the job's storage channel (:class:`sftctl.storage.channel.StorageChannel`) when
+        channel: the job's storage channel (:class:`sftctl.protocol.NodeChannel`) when
             the job has ``storage``. Then a node works like a cloud node: it runs the node daemon
             (``python -m sftctl.node``), which takes each attempt's script from the storage and
             ships logs, metrics and exit codes back there; the controller reads only the storage.
@@ -65,14 +66,15 @@ class LocalProvider:
             raise CapacityError(f"local: no capacity for node {node_id} (SFTCTL_LOCAL_MAX_NODES={cap} nodes "
                                 f"already made for this job)", provider="local", scope="cloud")
         node_dir = job_dir(job_id) / "nodes" / node_id
-        (node_dir / "metrics").mkdir(parents=True, exist_ok=True)
+        NodeDir(node_dir).metrics.mkdir(parents=True, exist_ok=True)
         return {"node_id": node_id, "job_id": job_id, "rank": rank, "dir": str(node_dir), "ip": "127.0.0.1"}
 
     def launch(self, handle: dict, script: str, env: dict[str, str], attempt: int) -> dict:
         if self.channel is not None:
             return self._launch_via_storage(handle, script, env, attempt)
         node_dir = Path(handle["dir"])
-        path = node_dir / f"node-{attempt}.sh"
+        files = NodeDir(node_dir)
+        path = files.script(attempt)
         path.write_text(script)
         full_env = {
             **os.environ,
@@ -81,13 +83,13 @@ class LocalProvider:
             "SFTCTL_NODE_ID": handle["node_id"],
             HOME_TAG: _home_tag(),
             "SFTCTL_NODE_DIR": str(node_dir),
-            "SFTCTL_METRICS_DIR": str(node_dir / "metrics"),
+            "SFTCTL_METRICS_DIR": str(files.metrics),
             "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
         }
         # local nodes use sftctl's own Python environment: its python and torchrun come first
         full_env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), full_env.get("PATH", "")])
         full_env["SFTCTL_PYTHON"] = sys.executable
-        with open(node_dir / "node.log", "ab") as log:
+        with open(files.log, "ab") as log:
             try:
                 proc = subprocess.Popen(
                     ["bash", str(path)],
@@ -105,7 +107,7 @@ class LocalProvider:
             "pid": proc.pid,
             "start_ticks": procs.start_ticks(proc.pid),
             "attempt": attempt,
-            "exit_file": str(node_dir / f"exit-{attempt}"),  # written by templates/node.sh.j2
+            "exit_file": str(files.exit(attempt)),  # written by templates/node.sh.j2
         }
 
     def _launch_via_storage(self, handle: dict, script: str, env: dict[str, str], attempt: int) -> dict:
@@ -139,10 +141,7 @@ class LocalProvider:
         if self.channel is not None:
             code = self.channel.exit_code(handle["node_id"], handle["attempt"])
         else:
-            try:
-                code = int(Path(handle["exit_file"]).read_text().strip())
-            except (FileNotFoundError, ValueError):
-                code = None
+            code = read_exit_file(handle["exit_file"])
         if code is not None:
             state = NodeState.SUCCEEDED if code == 0 else NodeState.FAILED
             return NodeStatus(state, code, f"exit code {code}")
@@ -155,7 +154,7 @@ class LocalProvider:
         if self.channel is not None:
             return self.channel.read_log(handle["node_id"], offset)
         try:
-            with open(Path(handle["dir"]) / "node.log", "rb") as f:
+            with open(NodeDir(Path(handle["dir"])).log, "rb") as f:
                 f.seek(offset)
                 data = f.read()
         except FileNotFoundError:
@@ -166,14 +165,14 @@ class LocalProvider:
         if self.channel is not None:
             return self.channel.read_metrics(handle["node_id"], offsets)
         samples = []
-        for path in sorted((Path(handle["dir"]) / "metrics").glob("rank-*.jsonl")):
+        for path in sorted(NodeDir(Path(handle["dir"])).metrics.glob(METRICS_GLOB)):
             samples += _read_json_lines(path, offsets)
         return samples
 
     def read_health(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
         if self.channel is not None:
             return self.channel.read_health(handle["node_id"], offsets)
-        return _read_json_lines(Path(handle["dir"]) / "health.jsonl", offsets)
+        return _read_json_lines(NodeDir(Path(handle["dir"])).health, offsets)
 
     def stop_attempt(self, handle: dict) -> None:
         """Stop the node's processes; the node (its directory) stays for the next attempt."""

@@ -13,9 +13,9 @@ Two ways to reach the cluster (:class:`SlurmConfig`):
 
 Layout on the cluster (``<root>`` = the job's directory there)::
 
-    <root>/nodes/<node id>/   node-<attempt>.sh (templates/node.sh.j2), env-<attempt> (0600),
-                              node.log, exit-<attempt>, host-<attempt> (the Slurm node it ran on),
-                              metrics/rank-*.jsonl, health.jsonl: as the local provider's node dir
+    <root>/nodes/<node id>/   the node directory of sftctl.protocol (NodeDir): the attempt's
+                              script and environment (0600), its log, exit code, the Slurm node
+                              it ran on and Slurm's restart count, metrics and GPU samples
     <root>/attempt-<n>/       sbatch.sh and step.sh (templates/slurm/*.j2), slurm_job_id
     <root>/slurm-<job id>.out the batch script's own output
 
@@ -62,6 +62,7 @@ from pathlib import Path
 from sftctl import settings
 from sftctl.catalog import Offering
 from sftctl.errors import CapacityError, ProviderError
+from sftctl.protocol import NodeDir, parse_exit_code
 from sftctl.providers.base import NodeState, NodeStatus, complete_json_lines
 
 #: Pending reasons of ``squeue`` (``%r``) in words. Source: Slurm's squeue man page, "JOB REASON
@@ -649,21 +650,22 @@ class SlurmProvider:
         for item in launches:
             h, env = item["handle"], dict(item["env"])
             node_dir = h["dir"]
+            nd = NodeDir(node_dir)
             if self.runner.remote:  # the nodes see the cluster's filesystem, not this machine's
                 workdir = workdir or self._upload_workdir(job_id, root)
                 env["SFTCTL_WORKDIR"] = workdir
                 if (settings.raw("SFTCTL_CHECKPOINT_DIR", env) or "").startswith(_local_jobs_dir()):
                     env["SFTCTL_CHECKPOINT_DIR"] = f"{root}/checkpoints"
             env.update(SFTCTL_JOB_ID=job_id, SFTCTL_NODE_ID=h["node_id"], SFTCTL_NODE_DIR=node_dir,
-                       SFTCTL_METRICS_DIR=f"{node_dir}/metrics")
+                       SFTCTL_METRICS_DIR=nd.metrics)
             # with job storage the nodes' own checkpoint copies stay in the node's directory,
             # never in the (shared) workdir, as a cloud node keeps them on its own disk
             env.setdefault("SFTCTL_CHECKPOINT_DIR", f"{node_dir}/checkpoints")
             if python:
                 env["SFTCTL_PYTHON"] = python
-            files[f"{node_dir}/node-{attempt}.sh"] = (item["script"], 0o700)
-            files[f"{node_dir}/env-{attempt}"] = ("".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in env.items()), 0o600)
-            files[f"{node_dir}/metrics/.keep"] = ("", 0o600)
+            files[nd.script(attempt)] = (item["script"], 0o700)
+            files[nd.env(attempt)] = ("".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in env.items()), 0o600)
+            files[f"{nd.metrics}/.keep"] = ("", 0o600)
         node_ids = [item["handle"]["node_id"] for item in launches]
         adir = f"{root}/attempt-{attempt}"
         files[f"{adir}/step.sh"] = (render("slurm/step.sh.j2", job_id=job_id, attempt=attempt, root=root,
@@ -792,18 +794,19 @@ class SlurmProvider:
         return None
 
     def _files(self, handle: dict, offsets: dict | None = None, log_offset: int | None = None) -> dict[str, bytes]:
-        d, a = handle["dir"], handle.get("attempt")
-        files = {f"{d}/exit-{a}": 0, f"{d}/host-{a}": 0, f"{d}/restarts-{a}": 0}
+        """The attempt's exit, host and restarts files (and ``node.log`` from ``log_offset``) in one read."""
+        d, a = NodeDir(handle["dir"]), handle.get("attempt")
+        files = {d.exit(a): 0, d.host(a): 0, d.restarts(a): 0}
         if log_offset is not None:
-            files[f"{d}/node.log"] = log_offset
+            files[d.log] = log_offset
         return self.runner.read({"files": files})
 
+    def _host(self, handle: dict, got: dict[str, bytes]) -> str:
+        """The Slurm node the attempt ran on, from a :meth:`_files` answer ("" while unknown)."""
+        return (got.get(NodeDir(handle["dir"]).host(handle["attempt"])) or b"").decode().strip()
+
     def exit_code(self, handle: dict) -> int | None:
-        got = self._files(handle).get(f"{handle['dir']}/exit-{handle.get('attempt')}")
-        try:
-            return int(got.decode().strip()) if got else None
-        except ValueError:
-            return None
+        return parse_exit_code(self._files(handle).get(NodeDir(handle["dir"]).exit(handle.get("attempt"))))
 
     def status(self, handle: dict) -> NodeStatus:
         if handle.get("terminated"):
@@ -811,15 +814,15 @@ class SlurmProvider:
         if not handle.get("attempt"):
             return NodeStatus(NodeState.READY)
         got = self._files(handle)
-        code_text = got.get(f"{handle['dir']}/exit-{handle['attempt']}")
-        if code_text and code_text.strip():
-            code = int(code_text.decode().strip())
+        nd = NodeDir(handle["dir"])
+        code = parse_exit_code(got.get(nd.exit(handle["attempt"])))
+        if code is not None:
             return NodeStatus(NodeState.SUCCEEDED if code == 0 else NodeState.FAILED, code, f"exit code {code}")
         slurm_id = self.slurm_id(handle)
         if slurm_id is None:
             return NodeStatus(NodeState.RUNNING, None, "waiting for the other nodes' launch")
         st = self.job_state(slurm_id)
-        host = (got.get(f"{handle['dir']}/host-{handle['attempt']}") or b"").decode().strip()
+        host = self._host(handle, got)
         if st is None:
             if self.exit_code(handle) is not None:
                 return self.status(handle)
@@ -832,7 +835,7 @@ class SlurmProvider:
                      if st.get("restarts") else "")
             return NodeStatus(NodeState.RUNNING, None, f"pending in Slurm job {slurm_id}: {pending_words(reason)}{again}")
         if state not in ENDED:
-            restarts = _int((got.get(f"{handle['dir']}/restarts-{handle['attempt']}") or b"0").decode())
+            restarts = _int((got.get(nd.restarts(handle["attempt"])) or b"0").decode())
             if state == "RUNNING" and restarts:
                 return NodeStatus(NodeState.RUNNING, None, f"Slurm job {slurm_id} runs again after Slurm requeued it "
                                                            f"(restart {restarts}, on {host or 'a new node'}): "
@@ -863,14 +866,14 @@ class SlurmProvider:
     def read_log(self, handle: dict, offset: int) -> tuple[bytes, int]:
         if not handle.get("dir"):
             return b"", offset
-        path = f"{handle['dir']}/node.log"
+        path = NodeDir(handle["dir"]).log
         data = self.runner.read({"files": {path: offset}}).get(path, b"")
         return data, offset + len(data)
 
     def read_metrics(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
         if not handle.get("dir"):
             return []
-        pattern = f"{handle['dir']}/metrics/rank-*.jsonl"
+        pattern = NodeDir(handle["dir"]).metrics_glob
         got = self.runner.read({"globs": [pattern], "files": {p: o for p, o in offsets.items() if p.startswith(handle["dir"])}})
         out = []
         for path in sorted(got):
@@ -882,7 +885,7 @@ class SlurmProvider:
     def read_health(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
         if not handle.get("dir"):
             return []
-        path = f"{handle['dir']}/health.jsonl"
+        path = NodeDir(handle["dir"]).health
         got = self.runner.read({"files": {path: offsets.get(path, 0)}})
         return complete_json_lines(path, got[path], offsets) if path in got else []
 
@@ -911,7 +914,7 @@ class SlurmProvider:
         (cancelled, preempted, out of time): a node replaced for a health verdict or a lost
         heartbeat, or one Slurm reports down, is never given to this job again."""
         if handle.get("attempt") and handle.get("dir"):
-            host = (self._files(handle).get(f"{handle['dir']}/host-{handle['attempt']}") or b"").decode().strip()
+            host = self._host(handle, self._files(handle))
             slurm_id = self.slurm_id(handle)
             st = self.job_state(slurm_id, fresh=True) if slurm_id else None
             innocent = st is not None and st["state"] in ("CANCELLED", "PREEMPTED", "TIMEOUT", "COMPLETED", "DEADLINE")

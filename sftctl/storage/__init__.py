@@ -16,10 +16,10 @@ What sftctl keeps there (the layout the other modules write)::
     .sftctl-storage.json                 marker: written by ensure(); says whether sftctl created the bucket
     workdir/<sha256>.tar.gz              the packed workdir (sftctl.storage.workdir)
     checkpoints/step-%08d/...            checkpoints, MANIFEST.json written last (sftctl.storage.checkpoints)
-    nodes/<node id>/launch-<attempt>.json  the attempt's script and env (sftctl.storage.channel)
-    nodes/<node id>/<stream>/<seq>       node.log, agent.log, health.jsonl, metrics/rank-N.jsonl
-                                         as numbered segments (sftctl.storage.stream)
-    nodes/<node id>/exit-<attempt>       the attempt's exit code, after its last log segment
+    nodes/<node id>/...                  the controller <-> node protocol: launch requests, acks,
+                                         stop requests, exit codes and the node's log, metrics and
+                                         GPU-sample streams (specified in sftctl.protocol; streams
+                                         as numbered segments, sftctl.storage.stream)
 
 Importing this module is cheap: boto3 and google-cloud-storage are imported by the backend that
 needs them, when a storage of that kind is opened.

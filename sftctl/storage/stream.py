@@ -13,12 +13,12 @@ write keeps the buffer and retries the same sequence number, so the stream never
 duplicate. The controller side, :class:`StreamReader`, reads the concatenation from a byte
 offset, listing only keys after the last segment it has seen.
 
-:class:`Shipper` runs on a node: it tails the node directory's files (the layout of
-:mod:`sftctl.providers.local`: ``node.log``, ``agent.log``, ``health.jsonl``,
+:class:`Shipper` runs on a node: it tails the node directory's files (names and
+rules: :mod:`sftctl.protocol`: ``node.log``, ``agent.log``, ``health.jsonl``,
 ``metrics/rank-*.jsonl``) into the streams ``nodes/<node id>/<relative path>`` (byte offsets in
-a stream equal offsets in the file), and ships each ``exit-<attempt>`` file as the small object
-``nodes/<node id>/exit-<attempt>`` after flushing every stream, so a controller that sees the
-exit code has every log byte the attempt wrote. A restarted shipper continues each stream after
+a stream equal offsets in the file), and ships each exit file as the protocol's exit object
+after flushing every stream (its rule 2), so a controller that sees the exit code has every log
+byte the attempt wrote. A restarted shipper continues each stream after
 the bytes already there.
 
 Run it from a node's bootstrap::
@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from sftctl import protocol
+from sftctl.protocol import node_prefix
 from sftctl.storage import Storage, StorageError, StorageNotFound
 
 __all__ = [
@@ -61,13 +63,6 @@ MAX_SEGMENT_BYTES = 8 * 1024 * 1024
 READ_MAX_BYTES = 8 * 1024 * 1024
 
 _SEQ_RE = re.compile(r"^\d{10}$")
-
-
-def node_prefix(node_id: str) -> str:
-    """The key prefix of a node's objects: ``nodes/<node id>/``."""
-    if not node_id or "/" in node_id or node_id in (".", ".."):
-        raise ValueError(f"bad node id {node_id!r}")
-    return f"nodes/{node_id}/"
 
 
 def segment_key(prefix: str, seq: int) -> str:
@@ -285,9 +280,8 @@ def read_json_lines(reader: StreamReader, offsets: dict[str, int], key: str) -> 
 # the node side: tail a node directory into streams
 # --------------------------------------------------------------------------------------------
 
-_EXIT_RE = re.compile(r"^exit-(\d+)$")
 #: Files of a node directory shipped as streams (``metrics/*.jsonl`` is added by glob).
-TAILED_FILES = ("node.log", "agent.log", "health.jsonl")
+TAILED_FILES = protocol.STREAMED_FILES
 #: Read at most this much of one file per tick (a flood is shipped over several ticks).
 TAIL_MAX_BYTES = 16 * 1024 * 1024
 
@@ -314,6 +308,7 @@ class Shipper:
         self.node_id = node_id
         self.prefix = node_prefix(node_id)
         self.node_dir = Path(node_dir)
+        self.channel = protocol.NodeChannel(storage)
         self.interval_s = interval_s
         self.flush_bytes, self.flush_interval_s = flush_bytes, flush_interval_s
         self.writers: dict[str, StreamWriter] = {}  # relative path -> writer
@@ -326,27 +321,14 @@ class Shipper:
 
     def _files(self) -> list[str]:
         names = [n for n in TAILED_FILES if (self.node_dir / n).is_file()]
-        metrics = self.node_dir / "metrics"
+        metrics = self.node_dir / protocol.METRICS_DIR
         if metrics.is_dir():
-            names += sorted(f"metrics/{p.name}" for p in metrics.glob("*.jsonl") if p.is_file())
+            names += sorted(f"{protocol.METRICS_DIR}/{p.name}" for p in metrics.glob("*.jsonl") if p.is_file())
         return names
 
     def _exit_files(self) -> list[tuple[int, int]]:
         """``[(attempt, exit code)]`` of exit files not shipped yet whose content is complete."""
-        out = []
-        try:
-            names = os.listdir(self.node_dir)
-        except FileNotFoundError:
-            return []
-        for name in names:
-            m = _EXIT_RE.match(name)
-            if not m or int(m.group(1)) in self.exits_shipped:
-                continue
-            try:
-                out.append((int(m.group(1)), int((self.node_dir / name).read_text().strip())))
-            except (OSError, ValueError):  # being written: next tick
-                continue
-        return sorted(out)
+        return protocol.NodeDir(self.node_dir).exits(skip=self.exits_shipped)
 
     def _writer(self, rel: str) -> StreamWriter:
         w = self.writers.get(rel)
@@ -393,7 +375,7 @@ class Shipper:
                     else:
                         w.poll()
                 for attempt, code in exits:
-                    self.storage.put_bytes(f"{self.prefix}exit-{attempt}", f"{code}\n".encode())
+                    self.channel.write_exit(self.node_id, attempt, code)
                     self.exits_shipped.add(attempt)
                 self.last_error = None
                 return n

@@ -1,6 +1,11 @@
 """Jinja2 templates: node scripts (``node.sh.j2``), the cloud bootstrap (``bootstrap.sh.j2``) and
 Kubernetes manifests (``k8s/*.yaml.j2``).
 
+Every template sees the global ``protocol``, the module :mod:`sftctl.protocol`: node scripts
+take the node directory's file names from it (``{{ protocol.exit_name(attempt) }}``, or
+``{{ protocol.exit_name("$attempt") }}`` for an attempt the script knows only at run time)
+rather than spelling them.
+
 Filters: ``q`` shell-quotes a value; ``yq`` makes it a one-line YAML double-quoted scalar
 (every character escaped as YAML needs); ``b64`` base64-encodes its UTF-8 text (Secret data).
 """
@@ -31,6 +36,9 @@ def _env():
     env.filters["q"] = lambda v: shlex.quote(str(v))
     env.filters["yq"] = _yaml_scalar
     env.filters["b64"] = lambda v: base64.b64encode(str(v).encode()).decode()
+    from sftctl import protocol
+
+    env.globals["protocol"] = protocol
     return env
 
 

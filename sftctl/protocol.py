@@ -1,0 +1,513 @@
+"""The controller <-> node protocol: every file name, key and message format, in one place.
+
+This docstring is the protocol's specification. The controller (through a provider) and a node
+(its script, its daemon, the training helper and the GPU agent) talk only through files: a
+*node directory* on the node's disk, and, when the job has storage, *job storage* objects under
+``nodes/<node id>/``. Nothing else names these files: providers, :mod:`sftctl.node`,
+:mod:`sftctl.storage.stream` and the templates (which get this module as the Jinja global
+``protocol``) all take the names from here.
+
+Attempts
+    An attempt is a positive integer, one per (re)launch of the job, the same on every node of
+    that launch; it only grows. Every per-attempt file carries it in its name, so a file of an
+    older attempt never speaks for a newer one.
+
+Exit code format
+    Decimal integer, one line: ``"0\\n"``, ``"137\\n"`` (:func:`format_exit_code`). A shell's
+    convention: 128 + N for a process killed by signal N. A file that does not parse as one
+    integer is no exit code (:func:`parse_exit_code` returns None) and the attempt counts as
+    still running.
+
+The node directory (``$SFTCTL_NODE_DIR``)
+    Where it lives is the provider's business: ``$SFTCTL_HOME/jobs/<job>/nodes/<node id>/`` for
+    the local provider, ``<job root>/nodes/<node id>/`` on the cluster's shared filesystem for
+    Slurm, ``/var/lib/sftctl/<node id>/`` (the daemon's) on a cloud node. :class:`NodeDir`
+    names its files::
+
+        file                    written by                  when / format
+        node-<a>.sh             provider or node daemon     before the attempt starts; templates/node.sh.j2
+        env-<a>                 Slurm provider              before sbatch; ``export K=V`` lines, mode 0600
+        host-<a>                Slurm step (step.sh.j2)     first thing on the node; the Slurm node's name
+        restarts-<a>            Slurm step (step.sh.j2)     first thing; ``$SLURM_RESTART_COUNT`` (> 0: requeued)
+        node.log                node.sh's shell             appended by every attempt: stdout + stderr
+        agent.log               the GPU agent               appended
+        health.jsonl            sftctl.agent                JSON lines, one GPU sample each
+        metrics/rank-<N>.jsonl  sftctl.train.report         JSON lines, one record per step, per global rank N
+        error-<a>.json          torchelastic                its error file (sftctl.failure reads it)
+        setup-done              node.sh                     the spec's setup ran on this node (once)
+        exit-<a>                node.sh, else the daemon    LAST; see the ordering rules
+
+Job storage (``nodes/<node id>/`` under the job's storage prefix; :class:`NodeChannel`)::
+
+        key                     written by                  when / format
+        launch-<a>.json         controller (send_launch)    to start attempt a on the node; JSON
+                                                            {"attempt": a, "script": str, "env": {name: value},
+                                                             "secret_env": [names], "created_at": unix s}
+        ack-<a>                 node daemon (ack)           after it started attempt a's script; "<pid>\\n"
+        stop-<a>                controller (request_stop)   to stop attempt a (the node stays); empty
+        exit-<a>                shipper (write_exit)        the node directory's exit-<a>, copied; exit code format
+        node.log/<seq>, agent.log/<seq>, health.jsonl/<seq>, metrics/rank-<N>.jsonl/<seq>
+                                shipper                     the node directory's files as append-only streams of
+                                                            numbered segments (sftctl.storage.stream)
+
+Ordering rules (what a reader may rely on)
+    1. ``exit-<a>`` is the last file an attempt writes in its node directory, and it appears
+       whole: node.sh writes ``exit-<a>.tmp`` and renames it (so does the daemon,
+       :func:`write_exit_file`). A node that vanished mid-run has none, and the provider calls it
+       LOST rather than finished.
+    2. The exit code follows the logs: the shipper lists the exit files *before* it reads the
+       streams, drains and flushes every stream, and only then writes ``exit-<a>`` to storage. A
+       controller that sees an exit code in storage has every log and metrics byte the attempt
+       wrote before it.
+    3. When the attempt's script was killed and wrote no ``exit-<a>``, the node daemon writes one
+       (128 + signal) while it lives, so the controller learns how every attempt ended.
+    4. A launch supersedes: the daemon takes the newest ``launch-<a>.json`` with ``a`` above the
+       attempt it runs (older ones it never saw are skipped), stops the running attempt's process
+       group first (SIGTERM, SIGKILL after 10 s), starts the new script, then writes ``ack-<a>``.
+       No ``ack-<a>`` within the provider's ``launch_timeout_s`` makes the node LOST.
+    5. ``stop-<a>`` stops attempt ``a`` only: a late stop of an old attempt never stops a newer one.
+    6. Slurm requeues an allocation itself (preemption, NODE_FAIL): the batch script then removes
+       every node's ``exit-<a>`` before the steps run again, since those codes are the killed run's.
+    7. Secrets never reach storage: ``launch-<a>.json`` holds the *names* of secret variables
+       (``secret_env``); the node fills their values from its own environment. A launch whose
+       script or plain env contains a secret's value is refused.
+
+Importing this module is cheap (no cloud SDK, no torch); stream reading is imported when used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Union
+
+from sftctl.storage import Storage, StorageError, StorageNotFound
+
+__all__ = [
+    "AGENT_LOG",
+    "HEALTH_LOG",
+    "METRICS_DIR",
+    "METRICS_GLOB",
+    "NODE_LOG",
+    "SETUP_DONE",
+    "LaunchRequest",
+    "NodeChannel",
+    "NodeDir",
+    "ack_name",
+    "env_name",
+    "error_name",
+    "exit_name",
+    "format_exit_code",
+    "host_name",
+    "is_secret_name",
+    "launch_name",
+    "metrics_name",
+    "node_prefix",
+    "parse_exit_code",
+    "parse_exit_name",
+    "parse_launch_name",
+    "read_exit_file",
+    "restarts_name",
+    "script_name",
+    "stop_name",
+    "write_exit_file",
+]
+
+# --------------------------------------------------------------------------------------------
+# names
+# --------------------------------------------------------------------------------------------
+
+#: Every attempt's stdout and stderr, appended (node directory; a stream in storage).
+NODE_LOG = "node.log"
+#: The GPU agent's own output.
+AGENT_LOG = "agent.log"
+#: GPU samples, JSON lines (:mod:`sftctl.agent`).
+HEALTH_LOG = "health.jsonl"
+#: The training ranks' metrics directory (``$SFTCTL_METRICS_DIR``).
+METRICS_DIR = "metrics"
+#: The metrics files in :data:`METRICS_DIR`.
+METRICS_GLOB = "rank-*.jsonl"
+#: Marks that the spec's setup ran on this node.
+SETUP_DONE = "setup-done"
+#: The node directory files shipped as streams (``metrics/*.jsonl`` come by glob).
+STREAMED_FILES = (NODE_LOG, AGENT_LOG, HEALTH_LOG)
+
+# An ``attempt`` below is an int, or a shell reference such as ``"$attempt"`` when a template
+# names the file of an attempt it knows only at run time.
+Attempt = Union[int, str]
+
+_EXIT_RE = re.compile(r"^exit-(\d+)$")
+_LAUNCH_RE = re.compile(r"^launch-(\d+)\.json$")
+
+
+def script_name(attempt: Attempt) -> str:
+    """``node-<attempt>.sh``: the attempt's script in the node directory."""
+    return f"node-{attempt}.sh"
+
+
+def env_name(attempt: Attempt) -> str:
+    """``env-<attempt>``: the attempt's environment (Slurm), ``export`` lines, mode 0600."""
+    return f"env-{attempt}"
+
+
+def exit_name(attempt: Attempt) -> str:
+    """``exit-<attempt>``: the attempt's exit code, in the node directory and in storage."""
+    return f"exit-{attempt}"
+
+
+def host_name(attempt: Attempt) -> str:
+    """``host-<attempt>``: the Slurm node the attempt ran on."""
+    return f"host-{attempt}"
+
+
+def restarts_name(attempt: Attempt) -> str:
+    """``restarts-<attempt>``: ``$SLURM_RESTART_COUNT`` when the attempt's step started."""
+    return f"restarts-{attempt}"
+
+
+def error_name(attempt: Attempt) -> str:
+    """``error-<attempt>.json``: torchelastic's error file of the attempt."""
+    return f"error-{attempt}.json"
+
+
+def metrics_name(rank: int | str) -> str:
+    """``rank-<global rank>.jsonl``: one training rank's metrics file in :data:`METRICS_DIR`."""
+    return f"rank-{rank}.jsonl"
+
+
+def launch_name(attempt: Attempt) -> str:
+    """``launch-<attempt>.json``: the launch request in storage."""
+    return f"launch-{attempt}.json"
+
+
+def ack_name(attempt: Attempt) -> str:
+    """``ack-<attempt>``: the daemon took the attempt."""
+    return f"ack-{attempt}"
+
+
+def stop_name(attempt: Attempt) -> str:
+    """``stop-<attempt>``: the controller asks to stop the attempt."""
+    return f"stop-{attempt}"
+
+
+def parse_exit_name(name: str) -> int | None:
+    """The attempt of an exit file's name (``"exit-3"`` -> 3); None for any other name
+    (``exit-3.tmp`` being written, ``node.log``)."""
+    m = _EXIT_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def parse_launch_name(name: str) -> int | None:
+    """The attempt of a launch request's name (``"launch-3.json"`` -> 3), else None."""
+    m = _LAUNCH_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def format_exit_code(code: int) -> str:
+    """An exit file's content: ``"<code>\\n"``."""
+    return f"{int(code)}\n"
+
+
+def parse_exit_code(raw: bytes | str | None) -> int | None:
+    """An exit file's code, or None when ``raw`` is None, empty or not one integer."""
+    if raw is None:
+        return None
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+    try:
+        return int(text.strip())
+    except ValueError:
+        return None
+
+
+def write_exit_file(path: str | os.PathLike, code: int) -> None:
+    """Write an exit file on this machine as node.sh does: ``<path>.tmp``, then rename (rule 1)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(format_exit_code(code))
+    tmp.rename(path)
+
+
+def read_exit_file(path: str | os.PathLike) -> int | None:
+    """The exit code in an exit file on this machine; None when it is missing or unparsable."""
+    try:
+        return parse_exit_code(Path(path).read_bytes())
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+class NodeDir:
+    """The files of one node directory (see the module docstring).
+
+    ``root`` is a local path (a :class:`~pathlib.Path` comes back as ``Path``s) or a path on
+    another machine, e.g. a Slurm cluster's filesystem (a ``str`` comes back as ``/``-joined
+    ``str``s). ``exits`` only works on a local directory.
+    """
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = root
+
+    def path(self, name: str):
+        """``root/name`` in ``root``'s type."""
+        if isinstance(self.root, str):
+            return f"{self.root.rstrip('/')}/{name}"
+        return Path(self.root) / name
+
+    @property
+    def log(self):
+        return self.path(NODE_LOG)
+
+    @property
+    def agent_log(self):
+        return self.path(AGENT_LOG)
+
+    @property
+    def health(self):
+        return self.path(HEALTH_LOG)
+
+    @property
+    def metrics(self):
+        return self.path(METRICS_DIR)
+
+    @property
+    def metrics_glob(self):
+        return self.path(f"{METRICS_DIR}/{METRICS_GLOB}")
+
+    def script(self, attempt: Attempt):
+        return self.path(script_name(attempt))
+
+    def env(self, attempt: Attempt):
+        return self.path(env_name(attempt))
+
+    def exit(self, attempt: Attempt):
+        return self.path(exit_name(attempt))
+
+    def host(self, attempt: Attempt):
+        return self.path(host_name(attempt))
+
+    def restarts(self, attempt: Attempt):
+        return self.path(restarts_name(attempt))
+
+    def exits(self, skip: set[int] | frozenset[int] = frozenset()) -> list[tuple[int, int]]:
+        """``[(attempt, exit code)]`` of the complete exit files in this local directory, by
+        attempt, leaving out the attempts in ``skip``; a file being written is left out too."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            attempt = parse_exit_name(name)
+            if attempt is None or attempt in skip:
+                continue
+            try:
+                code = parse_exit_code((Path(self.root) / name).read_bytes())
+            except OSError:
+                continue
+            if code is not None:
+                out.append((attempt, code))
+        return sorted(out)
+
+
+# --------------------------------------------------------------------------------------------
+# job storage
+# --------------------------------------------------------------------------------------------
+
+_SECRET_NAME_RE = re.compile(r"SECRET|TOKEN|PASSW|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL", re.IGNORECASE)
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether an environment variable's name says it holds a secret (``AWS_SECRET_ACCESS_KEY``,
+    ``HF_TOKEN``, ``WANDB_API_KEY``, ``DB_PASSWORD`` ...)."""
+    return bool(_SECRET_NAME_RE.search(name))
+
+
+def node_prefix(node_id: str) -> str:
+    """The key prefix of a node's objects: ``nodes/<node id>/``.
+
+    Raises:
+        ValueError: ``node_id`` is empty, ``.``/``..`` or holds a ``/``.
+    """
+    if not node_id or "/" in node_id or node_id in (".", ".."):
+        raise ValueError(f"bad node id {node_id!r}")
+    return f"nodes/{node_id}/"
+
+
+#: What ``poll_launch`` returns: ``(attempt, script, env)``.
+LaunchRequest = tuple[int, str, dict[str, str]]
+
+
+class NodeChannel:
+    """Both ends of the protocol over job storage (see the module docstring).
+
+    The controller's provider calls :meth:`send_launch`, :meth:`acked`, :meth:`exit_code`,
+    :meth:`request_stop` and the ``read_*`` methods; the node's daemon :meth:`poll_launch`,
+    :meth:`ack` and :meth:`stop_requested`; its shipper :meth:`write_exit`. One object serves a
+    whole job (every node); it keeps a stream reader per stream so each poll lists only new
+    segments.
+
+    Args:
+        storage: the job's storage.
+        secret_keys: names of environment variables whose values must never be stored (in
+            addition to the names :func:`is_secret_name` recognizes).
+    """
+
+    def __init__(self, storage: Storage, secret_keys: set[str] | frozenset[str] = frozenset()):
+        self.storage = storage
+        self.secret_keys = frozenset(secret_keys)
+        self._readers: dict = {}
+
+    # ------------------------------------------------------------ keys
+    @staticmethod
+    def launch_key(node_id: str, attempt: int) -> str:
+        return node_prefix(node_id) + launch_name(attempt)
+
+    @staticmethod
+    def ack_key(node_id: str, attempt: int) -> str:
+        return node_prefix(node_id) + ack_name(attempt)
+
+    @staticmethod
+    def stop_key(node_id: str, attempt: int) -> str:
+        return node_prefix(node_id) + stop_name(attempt)
+
+    @staticmethod
+    def exit_key(node_id: str, attempt: int) -> str:
+        return node_prefix(node_id) + exit_name(attempt)
+
+    @staticmethod
+    def stream_key(node_id: str, rel: str) -> str:
+        """The stream of the node directory's file ``rel`` (``node.log``, ``metrics/rank-0.jsonl``)."""
+        return node_prefix(node_id) + rel
+
+    # ------------------------------------------------------------ controller side
+    def send_launch(self, node_id: str, attempt: int, script: str, env: dict[str, str],
+                    secret_keys: set[str] | frozenset[str] | None = None) -> str:
+        """Write ``nodes/<node id>/launch-<attempt>.json`` holding the script and the env, with
+        secret variables by name only (rule 7). Returns the key written.
+
+        Raises:
+            ValueError: ``attempt`` is negative.
+            StorageError: the script contains the value of a secret variable (the message names
+                the variable, never the value), or the write failed.
+        """
+        if attempt < 0:
+            raise ValueError(f"attempt must be >= 0, got {attempt}")
+        secret = self.secret_keys | frozenset(secret_keys or ())
+        plain, names = {}, []
+        for name, value in sorted(env.items()):
+            if name in secret or is_secret_name(name):
+                names.append(name)
+            else:
+                plain[name] = str(value)
+        for name in names:  # a secret's value may not hide in the script or another variable
+            value = str(env[name])
+            if len(value) >= 8 and (value in script or any(value in v for v in plain.values())):
+                raise StorageError(
+                    f"launch of node {node_id}: the script or env contains the value of secret {name}; not storing it",
+                    hint=f"refer to ${name} instead of its value", url=self.storage.url)
+        doc = {"attempt": int(attempt), "script": script, "env": plain, "secret_env": names,
+               "created_at": time.time()}
+        key = self.launch_key(node_id, attempt)
+        self.storage.put_bytes(key, json.dumps(doc, sort_keys=True).encode())
+        return key
+
+    def acked(self, node_id: str, attempt: int) -> bool:
+        """Whether the node's daemon took ``attempt`` (``ack-<attempt>`` exists)."""
+        return self.storage.exists(self.ack_key(node_id, attempt))
+
+    def request_stop(self, node_id: str, attempt: int) -> None:
+        """Ask the node's daemon to stop ``attempt`` (rule 5); the node stays."""
+        self.storage.put_bytes(self.stop_key(node_id, attempt), b"")
+
+    def exit_code(self, node_id: str, attempt: int) -> int | None:
+        """The exit code of ``attempt`` on the node, or None while it has none (rule 2: its logs
+        are all in storage once it has one)."""
+        try:
+            raw = self.storage.get_bytes(self.exit_key(node_id, attempt))
+        except StorageNotFound:
+            return None
+        return parse_exit_code(raw)
+
+    def _reader(self, key: str):
+        reader = self._readers.get(key)
+        if reader is None:
+            from sftctl.storage.stream import StreamReader
+
+            reader = self._readers[key] = StreamReader(self.storage, key)
+        return reader
+
+    def read_log(self, node_id: str, offset: int) -> tuple[bytes, int]:
+        """``node.log`` bytes from ``offset``: ``(data, next offset)`` (offsets are the file's)."""
+        return self._reader(self.stream_key(node_id, NODE_LOG)).read(offset)
+
+    def read_agent_log(self, node_id: str, offset: int) -> tuple[bytes, int]:
+        """``agent.log`` bytes from ``offset``, like :meth:`read_log`."""
+        return self._reader(self.stream_key(node_id, AGENT_LOG)).read(offset)
+
+    def read_metrics(self, node_id: str, offsets: dict[str, int]) -> list[dict]:
+        """New complete JSON lines of every ``metrics/rank-*.jsonl`` stream of the node, rank
+        files in name order; ``offsets`` (stream key -> offset) is advanced past them."""
+        from sftctl.storage.stream import read_json_lines
+
+        base = self.stream_key(node_id, METRICS_DIR + "/")
+        out: list[dict] = []
+        for name in self.storage.children(base):
+            if name.endswith(".jsonl"):
+                key = base + name
+                out += read_json_lines(self._reader(key), offsets, key)
+        return out
+
+    def read_health(self, node_id: str, offsets: dict[str, int]) -> list[dict]:
+        """New complete JSON lines of the node's ``health.jsonl`` stream (see :meth:`read_metrics`)."""
+        from sftctl.storage.stream import read_json_lines
+
+        key = self.stream_key(node_id, HEALTH_LOG)
+        return read_json_lines(self._reader(key), offsets, key)
+
+    def delete_node(self, node_id: str) -> int:
+        """Delete everything of a node (after the job ends). Returns the objects deleted."""
+        self._readers = {k: r for k, r in self._readers.items() if not k.startswith(node_prefix(node_id))}
+        return self.storage.delete_prefix(node_prefix(node_id))
+
+    # ------------------------------------------------------------ node side
+    def poll_launch(self, node_id: str, after_attempt: int = 0,
+                    environ: dict[str, str] | None = None) -> LaunchRequest | None:
+        """The newest launch request of the node with an attempt above ``after_attempt`` (rule 4):
+        ``(attempt, script, env)``, or None when there is none yet.
+
+        ``env`` is the stored env plus each secret variable the request names, taken from
+        ``environ`` (default ``os.environ``) where it is set there.
+        """
+        base = node_prefix(node_id)
+        newest = None
+        for key, _ in self.storage.list(base + "launch-"):
+            attempt = parse_launch_name(key[len(base):])
+            if attempt is not None and attempt > after_attempt and (newest is None or attempt > newest):
+                newest = attempt
+        if newest is None:
+            return None
+        try:
+            doc = json.loads(self.storage.get_bytes(self.launch_key(node_id, newest)))
+        except StorageNotFound:
+            return None
+        environ = os.environ if environ is None else environ
+        env = dict(doc.get("env", {}))
+        for name in doc.get("secret_env", []):
+            if name in environ:
+                env[name] = environ[name]
+        return int(doc["attempt"]), str(doc["script"]), env
+
+    def ack(self, node_id: str, attempt: int, pid: int) -> None:
+        """Say the node took ``attempt``: its script runs as process ``pid`` (rule 4)."""
+        self.storage.put_bytes(self.ack_key(node_id, attempt), f"{int(pid)}\n".encode())
+
+    def stop_requested(self, node_id: str, attempt: int) -> bool:
+        """Whether the controller asked to stop ``attempt`` (rule 5)."""
+        return self.storage.exists(self.stop_key(node_id, attempt))
+
+    def write_exit(self, node_id: str, attempt: int, code: int) -> None:
+        """Publish ``attempt``'s exit code. Call only after the attempt's streams are flushed
+        (rule 2; :class:`sftctl.storage.stream.Shipper` does)."""
+        self.storage.put_bytes(self.exit_key(node_id, attempt), format_exit_code(code).encode())
