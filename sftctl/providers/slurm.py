@@ -896,12 +896,12 @@ class SlurmProvider:
         self._cancel(handle)
 
     def quarantine(self, handle: dict, reason: str) -> dict | None:
-        """Put the Slurm node the attempt ran on (its ``host-<attempt>`` file) on this job's
+        """Put the Slurm node the attempt ran on (the protocol's host file) on this job's
         ``--exclude`` list, whatever the allocation's state (draining it needs admin rights:
         sftctl only leaves it out). None when the node never wrote its host name."""
         if not (handle.get("attempt") and handle.get("dir")):
             return None
-        host = (self._files(handle).get(f"{handle['dir']}/host-{handle['attempt']}") or b"").decode().strip()
+        host = self._host(handle, self._files(handle))
         if not host:
             return None
         self.excluded.add(host)
