@@ -15,7 +15,7 @@ import hashlib
 import time
 from typing import Callable
 
-from sftctl.compiler.cache import COMPILER_VERSION, compiler_fingerprint  # noqa: F401 - re-exported
+from sftctl.compiler.cache import COMPILER_VERSION
 from sftctl.compiler.fusion import Kernel, fuse
 from sftctl.compiler.hardware import Accelerator
 from sftctl.compiler.ir import Graph
