@@ -81,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m sftctl.agent",
         description="Sample this node's GPUs into a JSON-lines file and serve them to Prometheus.",
     )
+    from sftctl.protocol import NodeDir
+
     node_dir = settings.get("SFTCTL_NODE_DIR")
-    ap.add_argument("--out", default=str(Path(node_dir) / "health.jsonl"), help="JSON-lines file to append samples to")
+    ap.add_argument("--out", default=str(NodeDir(Path(node_dir)).health), help="JSON-lines file to append samples to")
     ap.add_argument("--interval", type=_positive, default=_positive(str(settings.get("SFTCTL_HEALTH_INTERVAL_S"))),
                     help="seconds between samples")
     ap.add_argument("--replay", default=None, help="read a recorded stream instead of NVML (fault injection)")
