@@ -30,7 +30,8 @@ for its own GPUs and CPUs); a job spec's ``slurm:`` overrides it field by field.
 ``python -m sftctl.settings --markdown`` prints the table README.md carries (a test compares them).
 
 Importing this module is cheap (``os``, ``typing``, :mod:`sftctl.errors`); the config file is read, with the job spec's YAML
-1.2 loader, the first time a user setting is asked for that the environment does not set.
+1.2 loader (:mod:`sftctl.yaml12`, no pydantic), the first time a user setting is asked for that the
+environment does not set.
 """
 
 from __future__ import annotations
@@ -370,7 +371,7 @@ def config_document() -> tuple[str | None, dict, dict]:
 
 def _load(path: str) -> tuple[dict, dict]:
     from sftctl.errors import SpecError
-    from sftctl.spec import _compose, _Located  # the job spec's YAML 1.2 loader (line numbers)
+    from sftctl.yaml12 import _compose, _Located  # the job spec's YAML 1.2 loader (line numbers)
 
     try:
         with open(path, encoding="utf-8") as f:
