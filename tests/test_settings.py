@@ -240,3 +240,20 @@ def test_default_clouds_regions_and_storage_fill_what_a_spec_leaves_out(home, tm
         load_spec(bare)
     assert e.value.message == (f"{xdg}:3: defaults.clouds: expected a comma-separated list of local, aws, gcp, "
                                "kubernetes or slurm, got 'azure'")
+
+
+def test_python_m_settings_shows_each_value_and_where_it_came_from(home, tmp_path, monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    xdg = _xdg(tmp_path)
+    xdg.parent.mkdir(parents=True)
+    xdg.write_text("state: {busy_timeout_ms: 222}\nkubernetes: {namespace: training}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SFTCTL_") or k == "SFTCTL_HOME"}
+    env["SFTCTL_K8S_NAMESPACE"] = "from-env"
+    out = subprocess.run([sys.executable, "-m", "sftctl.settings"], capture_output=True, text=True, cwd=REPO,
+                         env=env, check=True).stdout.splitlines()
+    assert "SFTCTL_STATE_BUSY_TIMEOUT_MS=222  (config)" in out
+    assert "SFTCTL_K8S_NAMESPACE=from-env  (environment)" in out
+    assert "SFTCTL_PVC_MOUNT=/mnt/sftctl  (default)" in out and out[-1] == f"# config file: {xdg}"
