@@ -31,7 +31,7 @@ from sftctl.storage import (
 )
 from sftctl.providers.cloud import CloudProvider, InstanceState
 from sftctl.storage import checkpoints as ck
-from sftctl.storage.channel import StorageChannel, is_secret_name
+from sftctl.protocol import NodeChannel, is_secret_name
 from sftctl.storage.stream import Shipper, StreamReader, StreamWriter
 from sftctl.storage.workdir import WorkdirTooLargeError, fetch_workdir, list_workdir, pack_workdir, upload_workdir
 
@@ -109,7 +109,7 @@ def test_open_storage_urls(tmp_path, monkeypatch):
 
 def test_import_is_light():
     code = ("import sys, sftctl.storage, sftctl.storage.checkpoints, sftctl.storage.stream, "
-            "sftctl.storage.channel, sftctl.storage.workdir, sftctl.train\n"
+            "sftctl.protocol, sftctl.storage.workdir, sftctl.train\n"
             "bad = [m for m in ('boto3', 'botocore', 'google.cloud.storage', 'torch') if m in sys.modules]\n"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
@@ -472,7 +472,7 @@ def test_stream_json_lines_never_partial(store):
     records = [{"step": i, "loss": rng.random(), "pad": "x" * rng.randrange(0, 300)} for i in range(300)]
     blob = b"".join(json.dumps(r).encode() + b"\n" for r in records)
     w = StreamWriter(store, "nodes/n1/metrics/rank-0.jsonl", flush_bytes=rng.randrange(500, 4000))
-    channel = StorageChannel(store)
+    channel = NodeChannel(store)
     offsets: dict[str, int] = {}
     seen: list[dict] = []
     pos = 0
@@ -517,7 +517,7 @@ def test_stream_writer_flushes_by_size_and_age(tmp_path):
 def test_shipper_and_channel_round_trip(store, tmp_path):
     node = tmp_path / "node"
     (node / "metrics").mkdir(parents=True)
-    channel = StorageChannel(store, secret_keys={"DB_URL"})
+    channel = NodeChannel(store, secret_keys={"DB_URL"})
     env = {"SFTCTL_NODE_RANK": "0", "AWS_SECRET_ACCESS_KEY": SECRET, "HF_TOKEN": "hf-abcdef",
            "DB_URL": "postgres://u:pw@h/db", "OMP_NUM_THREADS": "1"}
     channel.send_launch("n1", 1, "#!/bin/bash\necho hi\n", env)
@@ -580,7 +580,7 @@ def test_cloud_provider_speaks_to_storage_channel(tmp_path):
 
     store = open_storage(tmp_path / "s")
     store.ensure(create_bucket=True)
-    provider = RunningCloud(channel=StorageChannel(store))
+    provider = RunningCloud(channel=NodeChannel(store))
     handle = provider.launch({"node_id": "n0", "id": "i-1"}, "echo hi", {"A": "1"}, attempt=1)
     assert provider.status(handle).state == NodeState.RUNNING
     node = tmp_path / "node"
@@ -600,7 +600,7 @@ def test_no_credential_in_any_object(store, tmp_path, monkeypatch):
     wd = _tree(tmp_path / "wd", {"train.py": "print('hi')\n"})
     upload_workdir(store, wd)
     ck.write_checkpoint(store, 1, {"state.pt": b"weights"})
-    channel = StorageChannel(store)
+    channel = NodeChannel(store)
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": SECRET, "PATH": os.environ["PATH"]}
     channel.send_launch("n0", 1, "python train.py", env)
     node = _tree(tmp_path / "node", {"node.log": "ok\n", "exit-1": "0\n", "metrics/rank-0.jsonl": '{"step": 1}\n'})
@@ -626,7 +626,7 @@ def test_a_node_whose_daemon_never_takes_the_attempt_is_lost(tmp_path):
 
     store = open_storage(tmp_path / "s")
     store.ensure(create_bucket=True)
-    provider = RunningCloud(channel=StorageChannel(store))
+    provider = RunningCloud(channel=NodeChannel(store))
     provider.launch_timeout_s = 5.0
     handle = provider.launch({"node_id": "n0", "id": "i-1"}, "echo hi", {}, attempt=1)
     assert provider.status(handle).state == NodeState.RUNNING
