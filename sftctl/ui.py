@@ -1,6 +1,7 @@
 """What people see: rich tables for jobs, nodes and events, and the attached run's progress.
 
-Rendering only; no state is changed here. ``--json`` output is built in :mod:`sftctl.cli`.
+Rendering only; no state is changed here. ``--json`` documents are built in :mod:`sftctl.api`; these
+tables render the same documents.
 """
 
 from __future__ import annotations

@@ -129,3 +129,44 @@ def test_readme_python_sweep_runs(home, monkeypatch, capsys):
         assert m, line
         losses.append(float(m.group(2)))
     assert len(set(losses)) == 2  # the learning rate reached the training script
+
+
+#: modules whose code runs on a node and writes to that node's log (or to the shipper's stderr)
+NODE_SIDE = {"sftctl/train.py", "sftctl/node.py", "sftctl/agent.py", "sftctl/failure.py", "sftctl/storage/stream.py"}
+
+
+def test_no_module_outside_the_cli_prints():
+    """Issue 15: rendering belongs to the CLI; the api returns data. print() is allowed in cli.py
+    and ui.py, in a tool's own ``main`` (python -m sftctl.X), and in code that runs on a node."""
+    import ast
+
+    found = []
+    for path in sorted((REPO / "sftctl").rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        if rel in {"sftctl/cli.py", "sftctl/ui.py"} | NODE_SIDE:
+            continue
+
+        def walk(node, stack, rel=rel):
+            for child in ast.iter_child_nodes(node):
+                inner = stack + [child.name] if isinstance(child, (ast.FunctionDef, ast.ClassDef)) else stack
+                if isinstance(child, ast.Call) and getattr(child.func, "id", None) == "print" and "main" not in stack:
+                    found.append(f"{rel}:{child.lineno} in {'.'.join(stack) or 'module'}")
+                walk(child, inner)
+
+        walk(ast.parse(path.read_text()), [])
+    assert found == []
+
+
+def test_the_cli_reaches_the_core_only_through_the_api():
+    """cli.py is parsing + rendering over sftctl.api: it imports no provider, controller, state,
+    planner, spec or compiler module (ARCHITECTURE.md, Boundaries)."""
+    import ast
+
+    tree = ast.parse((REPO / "sftctl" / "cli.py").read_text())
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sftctl"):
+            used.add(node.module if node.module != "sftctl" else f"sftctl.{node.names[0].name}")
+        elif isinstance(node, ast.Import):
+            used |= {a.name for a in node.names if a.name.startswith("sftctl")}
+    assert used <= {"sftctl.api", "sftctl.ui", "sftctl.errors", "sftctl.types", "sftctl.paths", "sftctl.__version__"}, used

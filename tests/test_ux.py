@@ -625,7 +625,7 @@ def test_the_attached_run_and_status_show_the_same_loss(home):
 
     from rich.console import Console
 
-    from sftctl.cli import _job_doc
+    from sftctl import api
     from sftctl.state import Store
     from sftctl.ui import RunView
 
@@ -636,7 +636,7 @@ def test_the_attached_run_and_status_show_the_same_loss(home):
     store = Store()
     job = store.create_job("l", {"resources": {"nodes": 2}, "train": {"steps": 10}, "run": "x"})
     store.record_metrics(job, samples)
-    doc = _job_doc(store, store.get_job(job))
+    doc = api.status(job).to_dict()
     assert view.last_loss == doc["loss"] == 3.0
     assert view.first_loss == 5.5
 
