@@ -477,11 +477,12 @@ def _view(store: Store, job: JobRecord, detail: bool = False, ranks: list[Metric
 
 def _node_status(job: JobRecord, node: NodeRecord) -> str:
     """The node's recorded status, or, when its controller is gone, what the provider sees now."""
-    if job.status != JobStatus.FAILED_CONTROLLER or node.status == "TERMINATED" or not node.handle:
+    handle = node.node_handle
+    if job.status != JobStatus.FAILED_CONTROLLER or node.status == "TERMINATED" or handle is None:
         return node.status
     from sftctl.controller import job_provider
 
-    return job_provider(job, node.provider).status(node.handle).state.value
+    return job_provider(job, node.provider).status(handle).state.value
 
 
 def status(job: str | None = None) -> JobView | list[JobView]:
@@ -567,9 +568,11 @@ def _log_lines(store, record, provider, follow, node, poll_s, NodeState) -> Iter
     partial: dict[str, tuple[str, int, str]] = {}  # node id -> (text after the last newline, rank, prefix)
     while True:
         nodes = [n for n in store.nodes(record.id) if node is None or n.rank == node]
+        handles = {n.id: n.node_handle for n in nodes}
         got = False
         for n in nodes:
-            data, offsets[n.id] = provider.read_log(n.handle, offsets.get(n.id, 0)) if n.handle.get("node_id") else (b"", 0)
+            h = handles[n.id]
+            data, offsets[n.id] = provider.read_log(h, offsets.get(n.id, 0)) if h is not None else (b"", 0)
             if not data:
                 continue
             got = True
@@ -587,8 +590,8 @@ def _log_lines(store, record, provider, follow, node, poll_s, NodeState) -> Iter
             yield LogLine(now.failure_reason or "the controller died", notice=True)
             break
         if now.status.terminal and not got and not any(
-            provider.status(n.handle).state == NodeState.RUNNING for n in nodes
-            if n.handle.get("pid") or n.handle.get("attempt")
+            provider.status(handles[n.id]).state == NodeState.RUNNING for n in nodes
+            if handles[n.id] is not None and handles[n.id].attempt
         ):
             break  # the job ended and no node process writes any more (a dead controller's may)
         time.sleep(poll_s)

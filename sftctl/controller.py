@@ -38,6 +38,7 @@ from sftctl.providers.base import NodeState, provision_all
 from sftctl.spec import JobSpec, env_references, resolve_env
 from sftctl.storage import StorageError
 from sftctl.state import JobRecord, JobStatus, Store
+from sftctl.types import NodeHandle
 
 POLL_S = 0.5
 #: With job storage every poll lists each node's streams (about 5 requests per node): poll less
@@ -184,7 +185,8 @@ class Controller:
         self.offering = Offering(**self.plan_doc["offering"])
         self.provider = job_provider(job, self.offering.provider)
         self.blocked: list[CapacityError] = []  # capacity errors seen by this job: failover skips them
-        self.nodes: list[dict] = []  # {"id", "rank", "handle", "generation" (replacements of this rank)}
+        # {"id", "rank", "handle" (a NodeHandle, None until provisioned), "generation" (replacements of this rank)}
+        self.nodes: list[dict] = []
         # read offsets survive restarts: every attempt appends to the same node log and metrics
         self.log_offsets: dict[str, int] = {}
         # per node: the last "[sftctl] node N: failed: ..." line of this attempt (sftctl/failure.py)
@@ -348,7 +350,7 @@ class Controller:
         self.nodes = []
         for rank in range(self.spec.resources.nodes):
             node_id = self.store.add_node(self.job_id, rank, self.provider.name)
-            self.nodes.append({"id": node_id, "rank": rank, "handle": {}, "generation": 0})
+            self.nodes.append({"id": node_id, "rank": rank, "handle": None, "generation": 0})
             self.log_offsets[node_id], self.metric_offsets[node_id], self.health_offsets[node_id] = 0, {}, {}
         try:
             handles = provision_all(self.provider, self.job_id, [(n["id"], n["rank"]) for n in self.nodes],
@@ -360,7 +362,7 @@ class Controller:
             raise
         for node, handle in zip(self.nodes, handles):
             node["handle"] = handle
-            self.store.update_node(node["id"], status=NodeState.READY.value, handle=handle)
+            self.store.update_node(node["id"], status=NodeState.READY.value, handle=handle.to_dict())
 
     def _provision_options(self) -> dict:
         return {"spot": self.spec.resources.spot, "image": self.spec.resources.image}
@@ -393,7 +395,7 @@ class Controller:
         and ``SFTCTL_RDZV_ENDPOINT`` point at node 0 for torchrun's c10d rendezvous.
         """
         spec = self.spec
-        ips = [n["handle"].get("ip", "127.0.0.1") for n in self.nodes]
+        ips = [(n["handle"].ip if n["handle"] is not None else None) or "127.0.0.1" for n in self.nodes]
         env = resolve_env(spec.env)  # the spec holds ${VAR} references; values only reach the node
         env.update({k: os.environ[k] for k in spec.secrets if k in os.environ})  # values never stored
         url = job_storage_url(spec, self.job_id)
@@ -495,7 +497,7 @@ class Controller:
             env = self.node_env(node["rank"], attempt, port)
             self.failed_lines.pop(node["id"], None)
             node["handle"] = self.provider.launch(node["handle"], script, env, attempt)
-            self.store.update_node(node["id"], status=NodeState.RUNNING.value, handle=node["handle"])
+            self.store.update_node(node["id"], status=NodeState.RUNNING.value, handle=node["handle"].to_dict())
         self.attempt = attempt
         if self.monitor is not None:
             self.monitor.reset_training()
@@ -589,9 +591,9 @@ class Controller:
         if quarantine and old["handle"]:
             self._quarantine(old, quarantine)
         self.provider.terminate(old["handle"])
-        self.store.update_node(old["id"], status=REPLACED, handle={**old["handle"], "terminated": True})
+        self.store.update_node(old["id"], status=REPLACED, handle=old["handle"].with_(terminated=True).to_dict())
         node_id = self.store.add_node(self.job_id, rank, self.provider.name)
-        new = {"id": node_id, "rank": rank, "handle": {}, "generation": old.get("generation", 0) + 1}
+        new = {"id": node_id, "rank": rank, "handle": None, "generation": old.get("generation", 0) + 1}
         self.nodes[i] = new
         self.log_offsets[node_id], self.metric_offsets[node_id], self.health_offsets[node_id] = 0, {}, {}
         try:
@@ -602,7 +604,7 @@ class Controller:
             if not self._shrink(i, rank, e):
                 raise
             return
-        self.store.update_node(node_id, status=NodeState.READY.value, handle=new["handle"])
+        self.store.update_node(node_id, status=NodeState.READY.value, handle=new["handle"].to_dict())
         if self.monitor is not None:
             self.monitor.reset_node(rank)
         message = f"node {rank} replaced: {old['id']} -> {node_id}"
@@ -645,8 +647,10 @@ class Controller:
         for new_rank, node in enumerate(sorted(self.nodes, key=lambda n: n["rank"])):
             if node["rank"] != new_rank:
                 node["rank"] = new_rank
-                node["handle"] = {**node["handle"], "rank": new_rank} if node["handle"] else node["handle"]
-                self.store.update_node(node["id"], rank=new_rank, handle=node["handle"])
+                if node["handle"] is not None:
+                    node["handle"] = node["handle"].with_(rank=new_rank)
+                self.store.update_node(node["id"], rank=new_rank,
+                                       handle=node["handle"].to_dict() if node["handle"] is not None else {})
         self.nodes.sort(key=lambda n: n["rank"])
         if self.monitor is not None:
             for r in range(planned):
@@ -709,10 +713,11 @@ class Controller:
 
     def _teardown(self) -> None:
         for node in self.nodes:
-            if node["handle"]:
+            if node["handle"] is not None:
                 self.provider.terminate(node["handle"])
-            node["handle"] = {**node["handle"], "terminated": True}
-            self.store.update_node(node["id"], status=NodeState.TERMINATED.value, handle=node["handle"])
+                node["handle"] = node["handle"].with_(terminated=True)
+            self.store.update_node(node["id"], status=NodeState.TERMINATED.value,
+                                   handle=node["handle"].to_dict() if node["handle"] is not None else {"terminated": True})
         leftover = self.provider.terminate_tagged(self.job_id)
         message = f"terminated {len(self.nodes)} node(s)" + (
             f" and {leftover} stray process(es)" if leftover else ""
@@ -749,9 +754,10 @@ def down(store: Store, job_id: str) -> str:
     running = released = 0
     for node in store.nodes(job_id):
         if node.status not in (NodeState.TERMINATED.value, REPLACED):
-            if node.handle:
-                running += provider.status(node.handle).state == NodeState.RUNNING
-                provider.terminate(node.handle)
+            handle = node.node_handle
+            if handle is not None:
+                running += provider.status(handle).state == NodeState.RUNNING
+                provider.terminate(handle)
             store.update_node(node.id, status=NodeState.TERMINATED.value,
                               handle={**node.handle, "terminated": True})
             released += 1
@@ -896,7 +902,9 @@ def preview(spec: JobSpec, plan_doc: dict, job_id: str = "<job-id>") -> dict:
     c.offering = Offering(**plan_doc["offering"])
     cloud = c.offering.provider != "local"
     c.nodes = [{"id": f"{job_id}-n{r}", "rank": r, "generation": 0,
-                "handle": {"ip": f"<node {r} ip>" if cloud else "127.0.0.1"}} for r in range(spec.resources.nodes)]
+                "handle": NodeHandle(job_id=job_id, node_id=f"{job_id}-n{r}", rank=r,
+                                     ip=f"<node {r} ip>" if cloud else "127.0.0.1")}
+               for r in range(spec.resources.nodes)]
     c.workdir_key = "<workdir pack>" if spec.storage is not None else None
     nodes = []
     for n in c.nodes:

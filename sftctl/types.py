@@ -271,7 +271,8 @@ class NodeHandle(Record):
     provider's view from state alone; :meth:`parse` reads it back as the provider's subclass.
 
     ``attempt`` is the attempt last launched on the node (None before the first launch), ``ip``
-    the address the other ranks reach it at, ``launched_at`` Unix seconds of that launch.
+    the address the other ranks reach it at, ``launched_at`` Unix seconds of that launch,
+    ``terminated`` true once sftctl deleted the node (its provider then reports TERMINATED).
     """
 
     provider: ClassVar[str] = ""
@@ -281,6 +282,7 @@ class NodeHandle(Record):
     attempt: int | None = None
     ip: str | None = None
     launched_at: float | None = None
+    terminated: bool = False
 
     def with_(self: T, **changes: Any) -> T:
         """A copy with ``changes`` (handles are immutable)."""
@@ -297,6 +299,19 @@ class NodeHandle(Record):
         if cls is None:
             raise ValueError(f"unknown provider {provider!r} for a node handle")
         return cls.from_dict(data)
+
+    @staticmethod
+    def stored(provider: str, data: dict[str, Any] | None) -> "NodeHandle | None":
+        """The handle state keeps for a node (``nodes.handle_json``), or None where the node
+        never got one (``{}`` before its provider answered, ``{"terminated": true}`` when it
+        was given up before that).
+
+        Raises:
+            ValueError: unknown provider.
+        """
+        if not data or "node_id" not in data:
+            return None
+        return NodeHandle.parse(provider, data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,7 +459,8 @@ class JobRecord(Record):
 
 @dataclasses.dataclass(frozen=True)
 class NodeRecord(Record):
-    """One node of a job: its rank, provider, last known status and the provider's handle."""
+    """One node of a job: its rank, provider, last known status and the provider's handle as
+    state keeps it (``handle``: ``NodeHandle.to_dict()``; :attr:`node_handle` reads it back)."""
 
     id: str
     job_id: str
@@ -454,6 +470,11 @@ class NodeRecord(Record):
     handle: dict[str, Any]
     created_at: float
     updated_at: float
+
+    @property
+    def node_handle(self) -> NodeHandle | None:
+        """The provider's typed handle, or None when the node never got one."""
+        return NodeHandle.stored(self.provider, self.handle)
 
 
 @dataclasses.dataclass(frozen=True)

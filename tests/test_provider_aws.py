@@ -21,6 +21,7 @@ from sftctl.errors import CapacityError, CredentialsError, ExitCode
 from sftctl.providers.aws import DLAMI_NAME_PATTERN, AWSProvider, quota_for
 from sftctl.providers.base import NodeState, provision_all
 from sftctl.providers.cloud import InstanceRequest, InstanceState, label_value
+from sftctl.types import AWSHandle
 
 from aws_faults import VCPU_MESSAGE, fault_proxy
 from conftest import REPO, wait_for
@@ -75,25 +76,25 @@ def test_end_to_end_two_nodes(aws, job, ami):
     p = provider()
     p.check()
     handles = provision_all(p, job, [("node-0", 0), ("node-1", 1)], offering(), image=ami)
-    assert [h["node_id"] for h in handles] == ["node-0", "node-1"]
+    assert [h.node_id for h in handles] == ["node-0", "node-1"]
     for h in handles:
-        assert set(h) >= {"id", "region", "zone", "instance_type", "spot", "sg"}
-        assert (h["region"], h["zone"], h["instance_type"], h["spot"]) == (REGION, "us-east-1a", "p4d.24xlarge", False)
+        assert isinstance(h, AWSHandle) and h.id and h.sg
+        assert (h.region, h.zone, h.instance_type, h.spot) == (REGION, "us-east-1a", "p4d.24xlarge", False)
         assert p.describe(h) == InstanceState.RUNNING
         assert p.status(h).state == NodeState.READY
-        assert h["ip"].count(".") == 3 and not h["ip"].startswith("127.")  # the rendezvous address
-    assert handles[0]["sg"] == handles[1]["sg"] and handles[0]["ip"] != handles[1]["ip"]
+        assert h.ip.count(".") == 3 and not h.ip.startswith("127.")  # the rendezvous address
+    assert handles[0].sg == handles[1].sg and handles[0].ip != handles[1].ip
 
     # one security group per job: inbound only from itself, nothing from the internet
     (group,) = job_groups(job)
-    assert group["GroupId"] == handles[0]["sg"] and group["GroupName"] == f"sftctl-{label_value(job)}"
+    assert group["GroupId"] == handles[0].sg and group["GroupName"] == f"sftctl-{label_value(job)}"
     (rule,) = group["IpPermissions"]
     assert rule["IpProtocol"] == "-1" and not rule.get("IpRanges") and not rule.get("Ipv6Ranges")
     assert [g["GroupId"] for g in rule["UserIdGroupPairs"]] == [group["GroupId"]]
 
     listed = sorted(p.list_instances(job), key=lambda d: d["node_id"])
     assert [(d["id"], d["node_id"], d["job_id"]) for d in listed] == [
-        (h["id"], h["node_id"], label_value(job)) for h in handles]
+        (h.id, h.node_id, label_value(job)) for h in handles]
 
     assert AWSProvider(poll_s=0.05).terminate_tagged(job) == 2  # a fresh object: state from tags alone
     assert p.list_instances(job) == []
@@ -105,11 +106,11 @@ def test_end_to_end_two_nodes(aws, job, ami):
 def test_tags_on_instances_and_volumes(aws, job, ami):
     p = provider()
     (h,) = provision_all(p, job, [("n0", 0)], offering("g6.xlarge"), image=ami)
-    (inst,) = [i for r in ec2().describe_instances(InstanceIds=[h["id"]])["Reservations"] for i in r["Instances"]]
+    (inst,) = [i for r in ec2().describe_instances(InstanceIds=[h.id])["Reservations"] for i in r["Instances"]]
     want = {"sftctl-managed": "true", "sftctl-job": label_value(job), "sftctl-node": "n0",
             "Name": f"sftctl-{label_value(job)}-n0"}
     assert {t["Key"]: t["Value"] for t in inst["Tags"]} == want
-    volumes = ec2().describe_volumes(Filters=[{"Name": "attachment.instance-id", "Values": [h["id"]]}])["Volumes"]
+    volumes = ec2().describe_volumes(Filters=[{"Name": "attachment.instance-id", "Values": [h.id]}])["Volumes"]
     assert volumes and all({t["Key"]: t["Value"] for t in v["Tags"]} == want for v in volumes)
     assert inst["MetadataOptions"]["HttpTokens"] == "required"
     p.terminate_tagged(job)
@@ -118,13 +119,13 @@ def test_tags_on_instances_and_volumes(aws, job, ami):
 def test_spot_market_options_reach_ec2(proxy, job, ami):
     p = provider()
     (h,) = provision_all(p, job, [("n0", 0)], offering("g6.xlarge"), spot=True, image=ami)
-    assert h["spot"] is True
+    assert h.spot is True
     (sent,) = proxy.run_instances()
     assert sent["InstanceMarketOptions.MarketType"] == "spot"
     assert sent["InstanceMarketOptions.SpotOptions.SpotInstanceType"] == "one-time"
     assert sent["InstanceMarketOptions.SpotOptions.InstanceInterruptionBehavior"] == "terminate"
     assert "KeyName" not in sent and "IamInstanceProfile.Name" not in sent  # none by default
-    (inst,) = [i for r in ec2().describe_instances(InstanceIds=[h["id"]])["Reservations"] for i in r["Instances"]]
+    (inst,) = [i for r in ec2().describe_instances(InstanceIds=[h.id])["Reservations"] for i in r["Instances"]]
     assert inst["InstanceLifecycle"] == "spot"
     assert p.list_instances(job)[0]["spot"] is True
     p.terminate_tagged(job)
@@ -146,7 +147,7 @@ def test_user_data_round_trips_and_holds_no_secret(aws, job, ami, monkeypatch):
     bootstrap = "#!/bin/bash\nset -e\necho 'node 0 of job'\npython3 -m sftctl.agent &\n"
     p = provider()
     (h,) = provision_all(p, job, [("n0", 0)], offering("g6.xlarge"), bootstrap=bootstrap, image=ami)
-    attr = ec2().describe_instance_attribute(InstanceId=h["id"], Attribute="userData")
+    attr = ec2().describe_instance_attribute(InstanceId=h.id, Attribute="userData")
     user_data = base64.b64decode(attr["UserData"]["Value"]).decode()
     assert user_data == bootstrap
     for value in (secret, os.environ["AWS_ACCESS_KEY_ID"], os.environ["AWS_SESSION_TOKEN"]):
@@ -158,12 +159,12 @@ def test_blocked_zone_fails_over_to_the_next(proxy, job, ami):
     proxy.blocked = {("p4d.24xlarge", "us-east-1a")}
     p = provider()
     (h,) = provision_all(p, job, [("n0", 0)], offering(), image=ami)
-    assert h["zone"] == "us-east-1b"
+    assert h.zone == "us-east-1b"
     assert [r["Placement.AvailabilityZone"] for r in proxy.run_instances()] == ["us-east-1a", "us-east-1b"]
     assert ("p4d.24xlarge", "us-east-1a") in p.blocked_zones
     # the next node of the job goes straight to the zone that worked
     h2 = p.provision(job, "n1", 1, offering(), image=ami)
-    assert h2["zone"] == "us-east-1b" and len(proxy.run_instances()) == 3
+    assert h2.zone == "us-east-1b" and len(proxy.run_instances()) == 3
     assert p.terminate_tagged(job) == 2
 
 
@@ -244,7 +245,7 @@ def test_default_image_from_ssm_parameter(aws, job, ami):
     boto3.client("ssm", region_name=REGION).put_parameter(Name=name, Value=ami, Type="String")
     p = provider(ami_parameter=name)
     h = p.provision(job, "n0", 0, offering("g6.xlarge"))
-    (inst,) = [i for r in ec2().describe_instances(InstanceIds=[h["id"]])["Reservations"] for i in r["Instances"]]
+    (inst,) = [i for r in ec2().describe_instances(InstanceIds=[h.id])["Reservations"] for i in r["Instances"]]
     assert inst["ImageId"] == ami
     p.terminate_tagged(job)
 
@@ -258,7 +259,7 @@ def test_default_image_falls_back_to_describe_images(aws, job, ami):
                  ami_owners=("self",))
     assert p.default_image(REGION) == image
     h = p.provision(job, "n0", 0, offering("g6.xlarge"))
-    (inst,) = [i for r in ec2().describe_instances(InstanceIds=[h["id"]])["Reservations"] for i in r["Instances"]]
+    (inst,) = [i for r in ec2().describe_instances(InstanceIds=[h.id])["Reservations"] for i in r["Instances"]]
     assert inst["ImageId"] == image
     p.terminate_tagged(job)
 
@@ -268,8 +269,9 @@ def test_delete_is_idempotent(aws, job, ami):
     h = p.provision(job, "n0", 0, offering("g6.xlarge"), image=ami)
     p.terminate(h)
     p.terminate(h)
-    p.delete_instance({"id": "i-0123456789abcdef0", "region": REGION})
-    assert provider().describe({"id": "i-0123456789abcdef0", "region": REGION}) == InstanceState.GONE
+    gone = AWSHandle(job_id="j", node_id="j-n0", rank=0, id="i-0123456789abcdef0", region=REGION)
+    p.delete_instance(gone)
+    assert provider().describe(gone) == InstanceState.GONE
     p.terminate_tagged(job)
 
 

@@ -67,14 +67,14 @@ def test_provision_describe_terminate_two_nodes(provider, gce):
     handles = provision_all(provider, "train-ab12cd", nodes, t4, bootstrap="#!/bin/bash\necho boot\n",
                             on_ready=lambda node_id, h: ready.append(node_id))
     assert sorted(ready) == sorted(n for n, _ in nodes)
-    assert all(h["ip"].startswith("10.128.0.") for h in handles)  # networkIP: the rendezvous address
+    assert all(h.ip.startswith("10.128.0.") for h in handles)  # networkIP: the rendezvous address
     for (node_id, rank), h in zip(nodes, handles):
-        assert h["id"] == instance_name(node_id) and h["zone"] == "us-central1-a"
-        assert h["project"] == gce.project and h["instance_type"] == "n1-standard-4+T4" and h["spot"] is False
-        assert (h["node_id"], h["rank"], h["job_id"]) == (node_id, rank, "train-ab12cd")
+        assert h.id == instance_name(node_id) and h.zone == "us-central1-a"
+        assert h.project == gce.project and h.instance_type == "n1-standard-4+T4" and h.spot is False
+        assert (h.node_id, h.rank, h.job_id) == (node_id, rank, "train-ab12cd")
         assert provider.describe(h) == InstanceState.RUNNING
         assert provider.status(h).state == NodeState.READY
-        body = gce.inserted(h["id"])
+        body = gce.inserted(h.id)
         assert body["labels"] == labels("train-ab12cd", node_id)
         assert body["machineType"] == "zones/us-central1-a/machineTypes/n1-standard-4"
         assert body["guestAccelerators"] == [
@@ -88,7 +88,7 @@ def test_provision_describe_terminate_two_nodes(provider, gce):
 
     listed = provider.list_instances("train-ab12cd")
     assert sorted((i["id"], i["node_id"], i["job_id"], i["zone"], i["instance_type"]) for i in listed) == sorted(
-        (h["id"], h["node_id"], "train-ab12cd", "us-central1-a", "n1-standard-4+T4") for h in handles)
+        (h.id, h.node_id, "train-ab12cd", "us-central1-a", "n1-standard-4+T4") for h in handles)
     aggregated = [r for r in gce.requests if r["path"].endswith("/aggregated/instances")]
     assert aggregated[-1]["query"]["filter"] == [
         '(labels.sftctl-managed = "true") (labels.sftctl-job = "train-ab12cd")']
@@ -104,33 +104,33 @@ def test_spot_labels_and_list_filters(provider, gce):
     l4 = offering(provider, "L4")
     h_a = provider.provision("job-a", "job-a-n0-1111", 0, l4, spot=True, bootstrap="echo a")
     h_b = provider.provision("Job_B.x", "Job_B.x-n0-2222", 0, l4, image="projects/p/global/images/custom")
-    body = gce.inserted(h_a["id"])
+    body = gce.inserted(h_a.id)
     assert body["scheduling"] == {"provisioningModel": "SPOT", "instanceTerminationAction": "DELETE",
                                   "onHostMaintenance": "TERMINATE", "automaticRestart": False}
     assert body["machineType"] == "zones/us-central1-a/machineTypes/g2-standard-4"
     assert "guestAccelerators" not in body  # g2 carries its L4
-    assert h_a["spot"] is True
+    assert h_a.spot is True
     # A node id that is no valid instance name still gives one, and labels stay valid.
-    assert h_b["id"].startswith("sftctl-job-b-x-n0-2222-") and len(h_b["id"]) <= 63
-    assert gce.inserted(h_b["id"])["disks"][0]["initializeParams"]["sourceImage"] == "projects/p/global/images/custom"
-    assert [i["id"] for i in provider.list_instances("job-a")] == [h_a["id"]]
+    assert h_b.id.startswith("sftctl-job-b-x-n0-2222-") and len(h_b.id) <= 63
+    assert gce.inserted(h_b.id)["disks"][0]["initializeParams"]["sourceImage"] == "projects/p/global/images/custom"
+    assert [i["id"] for i in provider.list_instances("job-a")] == [h_a.id]
     # Labels hold sanitized ids; the exact ids come back from the instance's metadata.
-    assert gce.inserted(h_b["id"])["labels"]["sftctl-node"] == "job_b-x-n0-2222"
+    assert gce.inserted(h_b.id)["labels"]["sftctl-node"] == "job_b-x-n0-2222"
     assert [(i["job_id"], i["node_id"]) for i in provider.list_instances("Job_B.x")] == [("Job_B.x", "Job_B.x-n0-2222")]
     assert provider.list_instances("job_b.x") == []  # same label value, another job
-    assert sorted(i["id"] for i in provider.list_instances()) == sorted([h_a["id"], h_b["id"]])
+    assert sorted(i["id"] for i in provider.list_instances()) == sorted([h_a.id, h_b.id])
     assert provider.terminate_tagged("job-a") == 1
-    assert [i["id"] for i in provider.list_instances()] == [h_b["id"]]
+    assert [i["id"] for i in provider.list_instances()] == [h_b.id]
 
 
 def test_describe_maps_gce_statuses(provider, gce):
     h = provider.provision("j", "j-n0-0000", 0, offering(provider, "A100-40GB"))
     assert provider.describe(h) == InstanceState.RUNNING
     for status in ("STOPPING", "SUSPENDING", "TERMINATED"):
-        gce.set_status(h["zone"], h["id"], status)
+        gce.set_status(h.zone, h.id, status)
         assert provider.describe(h) == InstanceState.STOPPING
     assert provider.status(h).state == NodeState.LOST
-    gce.set_status(h["zone"], h["id"], "STAGING")
+    gce.set_status(h.zone, h.id, "STAGING")
     assert provider.describe(h) == InstanceState.PENDING
     provider.delete_instance(h)
     assert provider.describe(h) == InstanceState.GONE
@@ -138,7 +138,7 @@ def test_describe_maps_gce_statuses(provider, gce):
 
 def test_deleting_an_instance_already_being_deleted_waits_for_it(provider, gce):
     h = provider.provision("j", "j-n0-0001", 0, offering(provider, "T4"))
-    url = f"{gce.url}/compute/v1/projects/{gce.project}/zones/{h['zone']}/instances/{h['id']}"
+    url = f"{gce.url}/compute/v1/projects/{gce.project}/zones/{h.zone}/instances/{h.id}"
     r = requests.delete(url, timeout=10)
     assert r.status_code == 200 and r.json()["operationType"] == "delete"
     assert provider.describe(h) == InstanceState.STOPPING
@@ -190,12 +190,12 @@ def test_exhausted_first_zone_fails_over_and_blocks_it(provider, gce):
     a100 = offering(provider, "A100-40GB")
     gce.fail("ZONE_RESOURCE_POOL_EXHAUSTED", zone="us-central1-a", machine_type="a2-highgpu-1g")
     h = provider.provision("j", "j-n0-aaaa", 0, a100)
-    assert h["zone"] == "us-central1-b"
+    assert h.zone == "us-central1-b"
     assert ("a2-highgpu-1g", "us-central1-a") in provider.blocked_zones
     # The next node skips the blocked zone without asking GCE.
     inserts_before = gce.count("POST", "/instances")
     h2 = provider.provision("j", "j-n1-bbbb", 1, a100)
-    assert h2["zone"] == "us-central1-b" and gce.count("POST", "/instances") == inserts_before + 1
+    assert h2.zone == "us-central1-b" and gce.count("POST", "/instances") == inserts_before + 1
 
 
 def test_with_details_and_not_offered_zones_fail_over(provider, gce):
@@ -204,9 +204,9 @@ def test_with_details_and_not_offered_zones_fail_over(provider, gce):
     gce.fail("ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS", zone="us-central1-b")
     gce.fail("RESOURCE_NOT_READY", zone="us-central1-c")
     h = provider.provision("j", "j-n0-cccc", 0, h200)
-    assert h["zone"] == "us-central1-f"
+    assert h.zone == "us-central1-f"
     assert {z for t, z in provider.blocked_zones if t == "a3-ultragpu-8g"} == set(ZONES[:3])
-    body = gce.inserted(h["id"])
+    body = gce.inserted(h.id)
     assert body["disks"][0]["initializeParams"]["diskType"].endswith("/hyperdisk-balanced")
     gce.machine_types_by_zone = {}
 

@@ -29,6 +29,7 @@ from sftctl.providers.kubernetes import (
     node_manifests,
     render,
 )
+from sftctl.types import KubernetesHandle
 
 SECRET = "hf_Sup3rS3cretValue-9f8e7d"
 JOB = "gpt-small-a1b2c3"
@@ -162,25 +163,25 @@ def test_bootstrap_of_any_text_survives_the_yaml_round_trip():
 def test_provision_two_nodes_describe_and_terminate(provider, cluster):
     offering = h100(provider)
     handles = provision_all(provider, JOB, nodes(2), offering, bootstrap="echo node-bootstrap")
-    assert [h["rank"] for h in handles] == [0, 1]
-    assert {h["node_name"] for h in handles} == {"gpu-h100-a", "gpu-h100-b"}  # 8 GPUs each: one pod per node
+    assert [h.rank for h in handles] == [0, 1]
+    assert {h.node_name for h in handles} == {"gpu-h100-a", "gpu-h100-b"}  # 8 GPUs each: one pod per node
     assert all(provider.describe(h) == InstanceState.RUNNING for h in handles)
-    assert handles[0]["ip"] == f"rank-0.sftctl-{JOB}"
+    assert handles[0].ip == f"rank-0.sftctl-{JOB}"
 
     created = left(cluster)
-    assert sorted(created["pods"]) == sorted(h["pod"] for h in handles)
+    assert sorted(created["pods"]) == sorted(h.pod for h in handles)
     assert created["services"] == [f"sftctl-{JOB}"] and created["secrets"] == [f"sftctl-{JOB}-env"]
     assert len(created["configmaps"]) == 2
     for resource in RESOURCES:
         for obj in cluster.list(resource, "default", f"sftctl-job={JOB}"):
             assert obj["metadata"]["labels"]["sftctl-managed"] == "true"
-    pod = cluster.get("pods", "default", handles[1]["pod"])
+    pod = cluster.get("pods", "default", handles[1].pod)
     (c,) = pod["spec"]["containers"]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     env = {e["name"]: e["value"] for e in c["env"]}
-    assert env["MASTER_ADDR"] == handles[0]["ip"] and env["NODE_RANK"] == "1" and env["NNODES"] == "2"
-    cm = cluster.get("configmaps", "default", handles[1]["configmap"])
+    assert env["MASTER_ADDR"] == handles[0].ip and env["NODE_RANK"] == "1" and env["NNODES"] == "2"
+    cm = cluster.get("configmaps", "default", handles[1].configmap)
     assert cm["data"]["bootstrap.sh"] == "echo node-bootstrap"
     for obj in (pod, cm, cluster.get("services", "default", f"sftctl-{JOB}")):
         assert SECRET not in json.dumps(obj)
@@ -241,7 +242,7 @@ def test_create_is_idempotent_on_already_exists(provider, cluster):
     req = request()
     first = provider.create_instance(req)
     again = make_provider(secrets={"HF_TOKEN": "rotated"})  # a second process, a retried call
-    assert again.create_instance(req)["pod"] == first["pod"]
+    assert again.create_instance(req).pod == first.pod
     assert len(left(cluster)["pods"]) == 1
     secret = cluster.get("secrets", "default", f"sftctl-{JOB}-env")
     assert base64.b64decode(secret["data"]["HF_TOKEN"]).decode() == "rotated"
@@ -249,7 +250,7 @@ def test_create_is_idempotent_on_already_exists(provider, cluster):
 
 def test_pod_phases_map_to_instance_states(provider, cluster):
     (handle,) = provision_all(provider, JOB, nodes(1), h100(provider))
-    cluster.finish_pod("default", handle["pod"], 1)
+    cluster.finish_pod("default", handle.pod, 1)
     assert provider.describe(handle) == InstanceState.STOPPING
     assert provider.status(handle).state.value == "LOST"
     provider.terminate(handle)
@@ -339,18 +340,18 @@ def test_offerings_read_karpenter_amd_and_cpu_only_nodes(tmp_path, monkeypatch):
         assert cpu.accelerator == "cpu" and cpu.vcpus == 16
         assert p.offerings("T4", 1) == []  # a cordoned node offers nothing
         (handle,) = provision_all(p, JOB, nodes(1), mi)
-        assert handle["node_name"] == "mi300x-1"
-        pod = c.get("pods", "default", handle["pod"])
+        assert handle.node_name == "mi300x-1"
+        pod = c.get("pods", "default", handle.pod)
         assert pod["spec"]["containers"][0]["resources"]["limits"] == {"amd.com/gpu": "8"}
         (on_cpu,) = provision_all(p, "cpu-job-0000ff", nodes(1, "cpu-job-0000ff"), cpu)
-        assert on_cpu["node_name"] == "cpu-1"
+        assert on_cpu.node_name == "cpu-1"
 
 
 def test_cordon_marks_the_node_unschedulable(provider, cluster):
     (handle,) = provision_all(provider, JOB, nodes(1), h100(provider))
-    provider.cordon(handle["node_name"])
-    assert cluster.get("nodes", "", handle["node_name"])["spec"]["unschedulable"] is True
-    provider.cordon("gpu-h100-b" if handle["node_name"] == "gpu-h100-a" else "gpu-h100-a")
+    provider.cordon(handle.node_name)
+    assert cluster.get("nodes", "", handle.node_name)["spec"]["unschedulable"] is True
+    provider.cordon("gpu-h100-b" if handle.node_name == "gpu-h100-a" else "gpu-h100-a")
     provider.terminate(handle)
     assert provider.offerings("H100", 8) == []
     with pytest.raises(CapacityError) as info:
@@ -382,7 +383,7 @@ def test_avoided_machines_are_a_notin_hostname_in_every_term(accelerator, count)
 
 def test_quarantine_cordons_with_the_verdict_and_the_replacement_avoids_the_machine(provider, cluster):
     (handle,) = provision_all(provider, JOB, nodes(1), h100(provider))
-    bad = handle["node_name"]
+    bad = handle.node_name
     done = provider.quarantine(handle, VERDICT)
     assert done["machine"] == bad and done["hostname"] == bad and done["actions"] == ["anti-affinity", "cordon"]
     assert "cordon_error" not in done and VERDICT in done["message"]
@@ -390,12 +391,12 @@ def test_quarantine_cordons_with_the_verdict_and_the_replacement_avoids_the_mach
     assert node["spec"]["unschedulable"] is True
     ann = node["metadata"]["annotations"]
     assert ann["sftctl.dev/cordon-reason"] == VERDICT
-    assert ann["sftctl.dev/cordoned-by"] == f"sftctl job {JOB}, node {handle['node_id']}"
+    assert ann["sftctl.dev/cordoned-by"] == f"sftctl job {JOB}, node {handle.node_id}"
     assert ann["sftctl.dev/cordoned-at"].endswith("Z")
     provider.terminate(handle)
     (new,) = provision_all(provider, JOB, [(f"{JOB}-n0-0100", 0)], h100(provider))
-    assert new["node_name"] != bad
-    pod = cluster.get("pods", "default", new["pod"])
+    assert new.node_name != bad
+    pod = cluster.get("pods", "default", new.pod)
     assert all({"key": "kubernetes.io/hostname", "operator": "NotIn", "values": [bad]} in t["matchExpressions"]
                for t in _terms(pod))
     # another job's pods are not this job's business: no anti-affinity, only the cordon keeps them off
@@ -405,7 +406,7 @@ def test_quarantine_cordons_with_the_verdict_and_the_replacement_avoids_the_mach
 
 def test_quarantine_without_rbac_on_nodes_falls_back_to_anti_affinity(provider, cluster):
     (handle,) = provision_all(provider, JOB, nodes(1), h100(provider))
-    bad = handle["node_name"]
+    bad = handle.node_name
     cluster.inject(403, method="PATCH", resource="nodes",
                    message=f'nodes "{bad}" is forbidden: User "alice" cannot patch resource "nodes" in API group "" '
                            "at the cluster scope")
@@ -418,7 +419,7 @@ def test_quarantine_without_rbac_on_nodes_falls_back_to_anti_affinity(provider, 
     assert "sftctl.dev/cordon-reason" not in (cluster.get("nodes", "", bad)["metadata"].get("annotations") or {})
     provider.terminate(handle)
     (new,) = provision_all(provider, JOB, [(f"{JOB}-n0-0100", 0)], h100(provider))
-    assert new["node_name"] != bad  # the other H100 node, by anti-affinity alone
+    assert new.node_name != bad  # the other H100 node, by anti-affinity alone
     # with both machines avoided, the next pod has nowhere to go: capacity, as the scheduler says
     provider.quarantine(new, VERDICT)
     provider.terminate(new)
@@ -428,7 +429,7 @@ def test_quarantine_without_rbac_on_nodes_falls_back_to_anti_affinity(provider, 
 
 
 def test_a_pod_never_scheduled_has_no_machine_to_quarantine(provider):
-    assert provider.quarantine({"pod": "p", "job_id": JOB, "node_id": "n"}, VERDICT) is None
+    assert provider.quarantine(KubernetesHandle(job_id=JOB, node_id="n", rank=0, id="p", pod="p"), VERDICT) is None
 
 
 def test_controller_quarantines_the_machine_of_a_node_replaced_for_a_verdict(kubeconfig, cluster, home, tmp_path):
@@ -445,10 +446,10 @@ def test_controller_quarantines_the_machine_of_a_node_replaced_for_a_verdict(kub
     ctrl = Controller(store, job)
     ctrl.provider.poll_s, ctrl.provider.pending_timeout_s = 0.02, 5
     ctrl._provision_on(offering)
-    bad = ctrl.nodes[0]["handle"]["node_name"]
+    bad = ctrl.nodes[0]["handle"].node_name
     # a LOST node (no verdict) is replaced but its machine is not suspected: the first fit again
     ctrl._replace(0)
-    assert ctrl.nodes[0]["handle"]["node_name"] == bad
+    assert ctrl.nodes[0]["handle"].node_name == bad
     assert not any(n["spec"].get("unschedulable") for n in cluster.list("nodes"))
     ctrl._replace(0, quarantine=VERDICT)
     node = cluster.get("nodes", "", bad)
@@ -458,7 +459,7 @@ def test_controller_quarantines_the_machine_of_a_node_replaced_for_a_verdict(kub
     assert event.message.startswith(f"node 0: kubernetes: cordoned node {bad} (")
     assert event.data["machine"] == bad and event.data["actions"] == ["anti-affinity", "cordon"]
     # the replacement of rank 0 could not go back to its machine
-    assert ctrl.nodes[0]["handle"]["node_name"] not in (None, bad)
+    assert ctrl.nodes[0]["handle"].node_name not in (None, bad)
 
 
 # ------------------------------------------------------------------ the emulator itself

@@ -353,12 +353,13 @@ def test_status_after_slurm_forgot_the_job(cluster, tmp_path, home):
     """squeue and scontrol no longer know a job (no accounting here): the node's exit file decides."""
     from sftctl.providers.base import NodeState
     from sftctl.providers.slurm import SlurmProvider
+    from sftctl.types import SlurmHandle
 
     p = SlurmProvider()
     d = tmp_path / "root" / "nodes" / "n0"
     d.mkdir(parents=True)
-    handle = {"job_id": "j", "node_id": "n0", "rank": 0, "root": str(tmp_path / "root"), "dir": str(d),
-              "attempt": 1, "slurm_job_id": "99999"}
+    handle = SlurmHandle(job_id="j", node_id="n0", rank=0, root=str(tmp_path / "root"), dir=str(d),
+                         attempt=1, slurm_job_id="99999")
     assert p.job_state("99999") is None
     lost = p.status(handle)
     assert lost.state == NodeState.LOST and "Slurm no longer knows job 99999" in lost.detail

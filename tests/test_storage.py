@@ -34,6 +34,7 @@ from sftctl.storage import checkpoints as ck
 from sftctl.protocol import NodeChannel, is_secret_name
 from sftctl.storage.stream import Shipper, StreamReader, StreamWriter
 from sftctl.storage.workdir import WorkdirTooLargeError, fetch_workdir, list_workdir, pack_workdir, upload_workdir
+from sftctl.types import CloudHandle
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "testing-secret"  # the AWS secret key every test here sets; no object may contain it
@@ -581,7 +582,7 @@ def test_cloud_provider_speaks_to_storage_channel(tmp_path):
     store = open_storage(tmp_path / "s")
     store.ensure(create_bucket=True)
     provider = RunningCloud(channel=NodeChannel(store))
-    handle = provider.launch({"node_id": "n0", "id": "i-1"}, "echo hi", {"A": "1"}, attempt=1)
+    handle = provider.launch(CloudHandle(job_id="j", node_id="n0", rank=0, id="i-1"), "echo hi", {"A": "1"}, attempt=1)
     assert provider.status(handle).state == NodeState.RUNNING
     node = tmp_path / "node"
     node.mkdir()
@@ -628,9 +629,9 @@ def test_a_node_whose_daemon_never_takes_the_attempt_is_lost(tmp_path):
     store.ensure(create_bucket=True)
     provider = RunningCloud(channel=NodeChannel(store))
     provider.launch_timeout_s = 5.0
-    handle = provider.launch({"node_id": "n0", "id": "i-1"}, "echo hi", {}, attempt=1)
+    handle = provider.launch(CloudHandle(job_id="j", node_id="n0", rank=0, id="i-1"), "echo hi", {}, attempt=1)
     assert provider.status(handle).state == NodeState.RUNNING
-    late = {**handle, "launched_at": handle["launched_at"] - 6.0}
+    late = handle.with_(launched_at=handle.launched_at - 6.0)
     status = provider.status(late)
     assert status.state == NodeState.LOST and "did not take attempt 1 within 5 s" in status.detail
     store.put_bytes("nodes/n0/ack-1", b"123\n")

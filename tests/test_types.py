@@ -53,3 +53,16 @@ def test_job_record_reads_state_rows():
     assert Attempt.from_dict(a.to_dict()) == a
     m = MetricsRecord.from_dict({"rank": 0, "step": 5, "loss": 2.5, "ts": 3.0})
     assert (m.step, m.loss, m.step_time_s) == (5, 2.5, None)
+
+
+def test_stored_handle_reads_state_rows_old_and_new():
+    """state.db keeps ``handle.to_dict()``; rows written before the typed handles (fewer keys)
+    and rows of nodes that never got a handle read back too."""
+    assert NodeHandle.stored("local", {}) is None and NodeHandle.stored("aws", {"terminated": True}) is None
+    old = {"node_id": "j-n0", "job_id": "j", "rank": 0, "dir": "/d", "ip": "127.0.0.1", "pid": 7,
+           "start_ticks": 99, "attempt": 2, "exit_file": "/d/exit-2"}
+    h = NodeHandle.stored("local", old)
+    assert isinstance(h, LocalHandle) and (h.pid, h.attempt, h.terminated) == (7, 2, False)
+    gone = h.with_(terminated=True).to_dict()
+    assert {k: gone[k] for k in old} == old and gone["terminated"] is True
+    assert NodeHandle.stored("local", gone).terminated

@@ -55,6 +55,7 @@ import uuid
 
 from sftctl.catalog import Offering, cloud_offerings
 from sftctl.errors import CapacityError, CredentialsError, ProviderError
+from sftctl.types import AWSHandle
 from sftctl.providers.cloud import (
     JOB_LABEL,
     MANAGED_LABEL,
@@ -217,6 +218,7 @@ class AWSProvider(CloudProvider):
     """
 
     name = "aws"
+    handle_type = AWSHandle
 
     def __init__(self, channel=None, poll_s: float = 2.0, ready_timeout_s: float = READY_TIMEOUT_S, *,
                  key_name: str | None = None, instance_profile: str | None = None, ami_parameter: str = DLAMI_PARAMETER,
@@ -375,7 +377,7 @@ class AWSProvider(CloudProvider):
                 self._type_zones[key] = None
         return self._type_zones[key]
 
-    def provision(self, job_id: str, node_id: str, rank: int, offering: Offering, **kwargs) -> dict:
+    def provision(self, job_id: str, node_id: str, rank: int, offering: Offering, **kwargs) -> AWSHandle:
         """:meth:`CloudProvider.provision`, first blocking the zones of the region that do not sell the
         instance type at all (``DescribeInstanceTypeOfferings``), so the zone walk asks RunInstances
         only where capacity is possible and a final error names the capacity failures."""
@@ -386,9 +388,10 @@ class AWSProvider(CloudProvider):
                     self.blocked_zones.add((offering.instance_type, zone))
         return super().provision(job_id, node_id, rank, offering, **kwargs)
 
-    def create_instance(self, request: InstanceRequest) -> dict:
-        """RunInstances for one node in ``request.zone``; returns ``{id, region, zone, instance_type,
-        spot, sg}`` as soon as AWS accepted it (the base class waits for ``running``).
+    def create_instance(self, request: InstanceRequest) -> AWSHandle:
+        """RunInstances for one node in ``request.zone``; returns its :class:`AWSHandle` (``id``,
+        ``region``, ``zone``, ``instance_type``, ``spot``, ``sg``, ``ip`` when AWS assigned it) as
+        soon as AWS accepted it (the base class waits for ``running``).
 
         Raises:
             CapacityError: no capacity or quota (scope per the module docstring).
@@ -434,10 +437,9 @@ class AWSProvider(CloudProvider):
         instance_id = resp["Instances"][0]["InstanceId"]
         with self._lock:
             self._created[instance_id] = time.monotonic()
-        handle = {"id": instance_id, "region": region, "zone": zone, "instance_type": itype,
-                  "spot": bool(request.spot), "sg": sg}
         ip = resp["Instances"][0].get("PrivateIpAddress")  # assigned at launch: no extra call
-        return {**handle, "ip": ip} if ip else handle
+        return AWSHandle(job_id=request.job_id, node_id=request.node_id, rank=request.rank, id=instance_id,
+                         region=region, zone=zone, instance_type=itype, spot=bool(request.spot), sg=sg, ip=ip)
 
     def _run_error(self, e: Exception, request: InstanceRequest) -> ProviderError:
         """A RunInstances failure as CapacityError / CredentialsError / ProviderError."""
@@ -552,21 +554,21 @@ class AWSProvider(CloudProvider):
         groups = self._call("ec2", region, "describe_security_groups", Filters=filters)["SecurityGroups"]
         return [g["GroupId"] for g in groups]
 
-    def private_ip(self, handle: dict) -> str | None:
+    def private_ip(self, handle: AWSHandle) -> str | None:
         """The instance's private IPv4 address (from RunInstances, else DescribeInstances)."""
-        if handle.get("ip"):
-            return handle["ip"]
+        if handle.ip:
+            return handle.ip
         try:
-            out = self._call("ec2", handle["region"], "describe_instances", InstanceIds=[handle["id"]])
+            out = self._call("ec2", handle.region, "describe_instances", InstanceIds=[handle.id])
         except Exception as e:  # an address we cannot read is not worth a failed node: None
-            log.debug("aws: no private address for %s: %s", handle["id"], e)
+            log.debug("aws: no private address for %s: %s", handle.id, e)
             return None
         for res in out.get("Reservations", []):
             for inst in res.get("Instances", []):
                 return inst.get("PrivateIpAddress")
         return None
 
-    def describe(self, handle: dict) -> InstanceState:
+    def describe(self, handle: AWSHandle) -> InstanceState:
         """The instance's state: pending -> PENDING, running -> RUNNING, shutting-down / stopping /
         stopped -> STOPPING, terminated or not found -> GONE (not found within
         ``EVENTUAL_CONSISTENCY_S`` of its creation by this object -> PENDING).
@@ -576,7 +578,7 @@ class AWSProvider(CloudProvider):
         account and region with a token bucket (EC2 User Guide, "Request throttling"), which 64
         nodes polled one by one every 2 s would drain.
         """
-        instance_id, region = handle["id"], handle["region"]
+        instance_id, region = handle.id, handle.region
         seen = self._state_of(region, instance_id)
         with self._lock:  # the next poll is due poll_s after the answer, however long it took
             self._watch.setdefault(region, {})[instance_id] = time.monotonic()
@@ -661,14 +663,14 @@ class AWSProvider(CloudProvider):
             for instance_id in instance_ids:
                 self._seen.pop(instance_id, None)
 
-    def delete_instance(self, handle: dict) -> None:
+    def delete_instance(self, handle: AWSHandle) -> None:
         """TerminateInstances; an instance that does not exist (any more) is not an error."""
-        self._forget([handle["id"]])
+        self._forget([handle.id])
         try:
-            self._call("ec2", handle["region"], "terminate_instances", InstanceIds=[handle["id"]])
+            self._call("ec2", handle.region, "terminate_instances", InstanceIds=[handle.id])
         except Exception as e:
             if _error_code(e) != "InvalidInstanceID.NotFound":
-                raise self._fail(e, f"terminate instance {handle['id']}") from e
+                raise self._fail(e, f"terminate instance {handle.id}") from e
 
     def list_instances(self, job_id: str | None = None) -> list[dict]:
         """Instances tagged ``sftctl-managed=true`` (and ``sftctl-job=<job>``) in ``self.regions``,
@@ -701,11 +703,11 @@ class AWSProvider(CloudProvider):
         in use after the wait is left (logged) for the next ``sftctl down``."""
         found = self.list_instances(job_id)
         by_region: dict[str, list[str]] = {}
-        for handle in found:
-            by_region.setdefault(handle["region"], []).append(handle["id"])
+        for listed in found:
+            by_region.setdefault(listed["region"], []).append(listed["id"])
         for region, ids in by_region.items():
             self._terminate_ids(region, ids)
-        terminated = {h["id"] for h in found}
+        terminated = {listed["id"] for listed in found}
         job = label_value(job_id)
         end = time.monotonic() + self.teardown_timeout_s
         for region in self.regions:

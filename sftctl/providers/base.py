@@ -14,8 +14,13 @@ A provider knows nothing of the compiler or the lifecycle. The controller drives
 Cloud providers share :class:`sftctl.providers.cloud.CloudProvider`, which builds this protocol
 from a handful of per-cloud calls (create, describe, delete, list by label).
 
-A *handle* is a JSON-able dict the provider owns; the controller stores it in state after every
-call, so another process (``sftctl down``) can rebuild the provider's view from state alone.
+A *handle* is the provider's :class:`sftctl.types.NodeHandle` subclass (``LocalHandle``,
+``AWSHandle``, ``GCPHandle``, ``KubernetesHandle``, ``SlurmHandle``): immutable, so a call that
+changes it returns a new one (``handle.with_(attempt=2)``). The controller stores
+``handle.to_dict()`` in state after every call, so another process (``sftctl down``) rebuilds
+the provider's view from state alone (``NodeHandle.stored(provider, data)``).
+``list_instances`` returns plain dicts: a listing of what the cloud shows (its own state words,
+ids as label values), not handles.
 Every resource a provider creates carries the job id and node id as tags or labels, so
 ``terminate_tagged`` still finds it when the state lost track (a controller killed mid-call).
 """
@@ -25,7 +30,7 @@ from __future__ import annotations
 import json
 from typing import Protocol, runtime_checkable
 
-from sftctl.types import NodeState, NodeStatus, Offering  # noqa: F401  (re-exported)
+from sftctl.types import NodeHandle, NodeState, NodeStatus, Offering  # noqa: F401  (re-exported)
 
 
 @runtime_checkable
@@ -41,7 +46,7 @@ class Provider(Protocol):
         """Offerings this provider could provision for ``count`` x ``accelerator`` per node."""
 
     def provision(self, job_id: str, node_id: str, rank: int, offering: Offering, *,
-                  spot: bool = False, bootstrap: str = "", image: str | None = None) -> dict:
+                  spot: bool = False, bootstrap: str = "", image: str | None = None) -> NodeHandle:
         """Create one node, tagged with job and node id; return its handle when it is ready.
 
         ``spot`` asks for spot / preemptible capacity, ``bootstrap`` is the node's boot script
@@ -49,25 +54,25 @@ class Provider(Protocol):
         Raises :class:`sftctl.errors.CapacityError` when the offering has no capacity or quota.
         """
 
-    def launch(self, handle: dict, script: str, env: dict[str, str], attempt: int) -> dict:
+    def launch(self, handle: NodeHandle, script: str, env: dict[str, str], attempt: int) -> NodeHandle:
         """Start ``script`` (bash) on the node with ``env``; return the updated handle."""
 
-    def status(self, handle: dict) -> NodeStatus:
+    def status(self, handle: NodeHandle) -> NodeStatus:
         """The node's current state (cheap; called every poll)."""
 
-    def read_log(self, handle: dict, offset: int) -> tuple[bytes, int]:
+    def read_log(self, handle: NodeHandle, offset: int) -> tuple[bytes, int]:
         """Log bytes of the node from ``offset`` on, and the offset to ask for next."""
 
-    def read_metrics(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
+    def read_metrics(self, handle: NodeHandle, offsets: dict[str, int]) -> list[dict]:
         """New training metrics samples (see :mod:`sftctl.train`) since ``offsets`` (updated)."""
 
-    def read_health(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
+    def read_health(self, handle: NodeHandle, offsets: dict[str, int]) -> list[dict]:
         """New GPU samples the node agent wrote (see :mod:`sftctl.health.telemetry`)."""
 
-    def stop_attempt(self, handle: dict) -> None:
+    def stop_attempt(self, handle: NodeHandle) -> None:
         """Stop what the current attempt runs on the node; the node stays for the next attempt."""
 
-    def quarantine(self, handle: dict, reason: str) -> dict | None:
+    def quarantine(self, handle: NodeHandle, reason: str) -> dict | None:
         """Keep the machine under ``handle`` out of this job's next nodes, and out of everyone's
         where the provider may: called before :meth:`terminate` when a health verdict replaces
         the node (``reason``: the verdict in one line).
@@ -81,7 +86,7 @@ class Provider(Protocol):
             when there was nothing to do. API errors are reported in it, never raised.
         """
 
-    def terminate(self, handle: dict) -> None:
+    def terminate(self, handle: NodeHandle) -> None:
         """Stop and delete the node and everything it started. Idempotent."""
 
     def terminate_tagged(self, job_id: str) -> int:
@@ -89,7 +94,8 @@ class Provider(Protocol):
 
     def list_instances(self, job_id: str | None = None) -> list[dict]:
         """Live resources labelled with ``job_id`` (every sftctl resource when None), each a dict
-        with at least ``id``, ``job_id`` and ``node_id`` (for ``sftctl down --orphans``)."""
+        with at least ``id``, ``job_id`` and ``node_id`` (for ``sftctl down --orphans``). A listing,
+        not a :class:`NodeHandle`: ids may be label values and the rank unknown."""
 
 
 #: At most this many create calls are in flight per job (cloud APIs throttle bursts; AWS's
@@ -99,7 +105,7 @@ MAX_PARALLEL_PROVISION = 16
 
 def provision_all(provider: Provider, job_id: str, nodes: list[tuple[str, int]], offering: Offering,
                   max_parallel: int = MAX_PARALLEL_PROVISION, on_ready=None, bootstrap_for=None,
-                  **kwargs) -> list[dict]:
+                  **kwargs) -> list[NodeHandle]:
     """Provision ``nodes`` (``(node_id, rank)`` pairs) in parallel, at most ``max_parallel`` at once.
 
     ``bootstrap_for(node_id, rank)``, when given, renders each node's own ``bootstrap`` script.
@@ -116,7 +122,7 @@ def provision_all(provider: Provider, job_id: str, nodes: list[tuple[str, int]],
 
     from sftctl.errors import CapacityError
 
-    def one(node: tuple[str, int]) -> dict:
+    def one(node: tuple[str, int]) -> NodeHandle:
         kw = dict(kwargs)
         if bootstrap_for is not None:
             kw["bootstrap"] = bootstrap_for(node[0], node[1])

@@ -5,10 +5,15 @@ A cloud provider subclasses :class:`CloudProvider` and implements the *infrastru
     check()                                   credentials work, else CredentialsError (exit 4)
     offerings(accelerator, count)             what it could provision (catalog x availability)
     zones(region)                             the zones to try, in order
-    create_instance(InstanceRequest) -> dict  one node, labelled; CapacityError on no capacity
+    create_instance(InstanceRequest) -> CloudHandle   one node, labelled; CapacityError on no capacity
     describe(handle) -> InstanceState         cheap, called every poll
     delete_instance(handle)                   idempotent; a missing instance is not an error
     list_instances(job_id | None) -> [dict]   live labelled resources (all sftctl's when None)
+
+Handles are the provider's :class:`sftctl.types.NodeHandle` subclass (``handle_type``). A
+*listing* (``list_instances``) stays a plain dict: it is what the cloud shows (its own state
+words, ids as label values, no rank), read by ``sftctl down --orphans``; :meth:`CloudProvider.listed_handle`
+turns one into a handle for ``delete_instance``.
 
 This class builds the protocol of :mod:`sftctl.providers.base` on top: ``provision`` walks the
 offering's region zone by zone (a zone-scoped :class:`CapacityError` blocks that zone for this
@@ -35,6 +40,7 @@ from typing import Callable
 from sftctl.catalog import Offering
 from sftctl.errors import CapacityError, ProviderError
 from sftctl.providers.base import NodeState, NodeStatus
+from sftctl.types import CloudHandle, NodeHandle
 
 #: Label / tag keys on every resource sftctl creates. Values obey GCP's label rules
 #: (lowercase letters, digits, ``-`` and ``_``, at most 63 characters), which also satisfy
@@ -127,6 +133,7 @@ class CloudProvider:
     """
 
     name = "cloud"
+    handle_type: type[NodeHandle] = CloudHandle
 
     def __init__(self, channel=None, poll_s: float = 2.0, ready_timeout_s: float = READY_TIMEOUT_S):
         self.channel = channel
@@ -147,26 +154,34 @@ class CloudProvider:
     def zones(self, region: str) -> list[str | None]:
         raise NotImplementedError
 
-    def create_instance(self, request: InstanceRequest) -> dict:
+    def create_instance(self, request: InstanceRequest) -> NodeHandle:
         raise NotImplementedError
 
-    def describe(self, handle: dict) -> InstanceState:
+    def describe(self, handle: NodeHandle) -> InstanceState:
         raise NotImplementedError
 
-    def delete_instance(self, handle: dict) -> None:
+    def delete_instance(self, handle: NodeHandle) -> None:
         raise NotImplementedError
 
-    def private_ip(self, handle: dict) -> str | None:
+    def private_ip(self, handle: NodeHandle) -> str | None:
         """The node's address inside the job's network (MASTER_ADDR for rank 0), or None."""
         return None
 
     def list_instances(self, job_id: str | None = None) -> list[dict]:
         raise NotImplementedError
 
+    def listed_handle(self, listed: dict) -> NodeHandle:
+        """A handle for an entry of :meth:`list_instances` (for ``delete_instance``): its ids are
+        label values and its rank unknown (-1)."""
+        rank = listed.get("rank")
+        return self.handle_type.from_dict({**listed, "job_id": listed.get("job_id") or "",
+                                           "node_id": listed.get("node_id") or "",
+                                           "rank": rank if isinstance(rank, int) else -1})
+
     # ------------------------------------------------------------ the Provider protocol
 
     def provision(self, job_id: str, node_id: str, rank: int, offering: Offering, *,
-                  spot: bool = False, bootstrap: str = "", image: str | None = None) -> dict:
+                  spot: bool = False, bootstrap: str = "", image: str | None = None) -> NodeHandle:
         """Create one node in the first zone of ``offering.region`` with capacity; wait until it runs.
 
         Raises:
@@ -192,7 +207,6 @@ class CloudProvider:
                 tried.append(f"{zone} ({e.code or 'no capacity'})")
                 last = e
                 continue
-            handle = {**handle, "job_id": job_id, "node_id": node_id, "rank": rank}
             return self.wait_ready(handle)
         where = ", ".join(tried) or "every zone was already blocked for this job"
         raise CapacityError(
@@ -201,79 +215,79 @@ class CloudProvider:
             instance_type=offering.instance_type, code=last.code if last else "",
         )
 
-    def wait_ready(self, handle: dict) -> dict:
+    def wait_ready(self, handle: NodeHandle) -> NodeHandle:
         """Poll ``describe`` until RUNNING; delete the node and raise if it dies or times out."""
         end = time.monotonic() + self.ready_timeout_s
         while True:
             state = self.describe(handle)
             if state == InstanceState.RUNNING:
                 ip = self.private_ip(handle)  # the rendezvous address other nodes dial
-                return {**handle, "ip": ip} if ip else handle
+                return handle.with_(ip=ip) if ip else handle
             if state in (InstanceState.STOPPING, InstanceState.GONE) or time.monotonic() > end:
                 self.delete_instance(handle)
                 why = "stopped while starting" if state != InstanceState.PENDING else (
                     f"was not running after {self.ready_timeout_s:.0f} s")
-                raise ProviderError(f"{self.name}: node {handle.get('node_id')} {why}",
+                raise ProviderError(f"{self.name}: node {handle.node_id} {why}",
                                     hint="sftctl deleted it; rerun, or pick another offering")
             time.sleep(self.poll_s)
 
-    def launch(self, handle: dict, script: str, env: dict[str, str], attempt: int) -> dict:
+    def launch(self, handle: NodeHandle, script: str, env: dict[str, str], attempt: int) -> NodeHandle:
         """Hand the node its attempt's script through the job's storage."""
         self._need_channel()
-        self.channel.send_launch(handle["node_id"], attempt, script, env)
-        return {**handle, "attempt": attempt, "launched_at": time.time()}
+        self.channel.send_launch(handle.node_id, attempt, script, env)
+        return handle.with_(attempt=attempt, launched_at=time.time())
 
-    def status(self, handle: dict) -> NodeStatus:
+    def status(self, handle: NodeHandle) -> NodeStatus:
         """The node's instance state, refined by the attempt's exit code from the job's storage."""
-        if handle.get("terminated"):
+        if handle.terminated:
             return NodeStatus(NodeState.TERMINATED)
         state = self.describe(handle)
         if state in (InstanceState.GONE, InstanceState.STOPPING):
-            return NodeStatus(NodeState.LOST, None, f"{self.name} instance {handle.get('id')} is {state.value.lower()}")
-        if "attempt" not in handle or self.channel is None:
+            return NodeStatus(NodeState.LOST, None, f"{self.name} instance {handle.id} is {state.value.lower()}")
+        if handle.attempt is None or self.channel is None:
             return NodeStatus(NodeState.READY if state == InstanceState.RUNNING else NodeState.LOST)
-        node_id, attempt = handle["node_id"], handle["attempt"]
+        node_id, attempt = handle.node_id, handle.attempt
         code = self.channel.exit_code(node_id, attempt)
         if code is not None:
             return NodeStatus(NodeState.SUCCEEDED if code == 0 else NodeState.FAILED, code, f"exit code {code}")
         if (node_id, attempt) not in self._acked:
             if self.channel.acked(node_id, attempt):
                 self._acked.add((node_id, attempt))
-            elif time.time() - handle.get("launched_at", time.time()) > self.launch_timeout_s:
+            elif time.time() - (handle.launched_at or time.time()) > self.launch_timeout_s:
                 return NodeStatus(NodeState.LOST, None, (
                     f"its daemon did not take attempt {attempt} within {self.launch_timeout_s:.0f} s "
                     "(the bootstrap failed? see /var/lib/sftctl/<node>/bootstrap.log on the node)"))
         return NodeStatus(NodeState.RUNNING)
 
-    def read_log(self, handle: dict, offset: int) -> tuple[bytes, int]:
+    def read_log(self, handle: NodeHandle, offset: int) -> tuple[bytes, int]:
         if self.channel is None:
             return b"", offset
-        return self.channel.read_log(handle["node_id"], offset)
+        return self.channel.read_log(handle.node_id, offset)
 
-    def read_metrics(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
-        return [] if self.channel is None else self.channel.read_metrics(handle["node_id"], offsets)
+    def read_metrics(self, handle: NodeHandle, offsets: dict[str, int]) -> list[dict]:
+        return [] if self.channel is None else self.channel.read_metrics(handle.node_id, offsets)
 
-    def read_health(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
-        return [] if self.channel is None else self.channel.read_health(handle["node_id"], offsets)
+    def read_health(self, handle: NodeHandle, offsets: dict[str, int]) -> list[dict]:
+        return [] if self.channel is None else self.channel.read_health(handle.node_id, offsets)
 
-    def stop_attempt(self, handle: dict) -> None:
+    def stop_attempt(self, handle: NodeHandle) -> None:
         """Ask the node's daemon to stop the running attempt (the protocol's stop request)."""
-        if self.channel is not None and handle.get("attempt"):
-            self.channel.request_stop(handle["node_id"], handle["attempt"])
+        if self.channel is not None and handle.attempt:
+            self.channel.request_stop(handle.node_id, handle.attempt)
 
-    def quarantine(self, handle: dict, reason: str) -> dict | None:
+    def quarantine(self, handle: NodeHandle, reason: str) -> dict | None:
         """Nothing to do: the instance is deleted, and its replacement is another machine."""
         return None
 
-    def terminate(self, handle: dict) -> None:
-        if handle.get("id"):
+    def terminate(self, handle: NodeHandle) -> None:
+        if handle.id:
             self.delete_instance(handle)
 
     def terminate_tagged(self, job_id: str) -> int:
         """Delete every live resource labelled with ``job_id``; return how many there were."""
         found = self.list_instances(job_id)
-        for handle in found:
-            self.delete_instance(handle)
+        for listed in found:
+            self.delete_instance(self.listed_handle(listed))
         return len(found)
 
     def _need_channel(self) -> None:

@@ -46,6 +46,7 @@ import uuid
 
 from sftctl.catalog import Offering, cloud_offerings
 from sftctl.errors import CapacityError, CredentialsError, ProviderError, SftctlError
+from sftctl.types import GCPHandle
 from sftctl.providers.cloud import (
     JOB_LABEL, MANAGED_LABEL, NODE_LABEL, READY_TIMEOUT_S, CloudProvider, InstanceRequest, InstanceState,
     label_value, retry_throttled,
@@ -162,6 +163,7 @@ class GCPProvider(CloudProvider):
     """
 
     name = "gcp"
+    handle_type = GCPHandle
 
     def __init__(self, channel=None, poll_s: float = 2.0, ready_timeout_s: float = READY_TIMEOUT_S,
                  project: str | None = None, credentials=None, api_endpoint: str | None = None, **_):
@@ -418,7 +420,7 @@ class GCPProvider(CloudProvider):
             scheduling=scheduling,
         )
 
-    def create_instance(self, request: InstanceRequest) -> dict:
+    def create_instance(self, request: InstanceRequest) -> GCPHandle:
         """Insert the node's instance in ``request.zone`` and wait for the insert operation.
 
         Raises:
@@ -440,8 +442,9 @@ class GCPProvider(CloudProvider):
             op = self._call(client.insert_unary, request=insert)
         except gexc.GoogleAPICallError as e:
             raise self._api_error(e, f"creating {name} in {request.zone}", request) from None
-        handle = {"id": name, "zone": request.zone, "project": project,
-                  "instance_type": request.offering.instance_type, "spot": request.spot}
+        handle = GCPHandle(job_id=request.job_id, node_id=request.node_id, rank=request.rank, id=name,
+                           zone=request.zone, project=project, instance_type=request.offering.instance_type,
+                           spot=request.spot)
         try:
             op = self._wait_operation(project, request.zone, op, self.ready_timeout_s)
         except SftctlError:
@@ -452,40 +455,40 @@ class GCPProvider(CloudProvider):
             raise self._operation_error(op, request)
         return handle
 
-    def describe(self, handle: dict) -> InstanceState:
+    def describe(self, handle: GCPHandle) -> InstanceState:
         """The instance's state: PROVISIONING/STAGING -> PENDING, RUNNING, STOPPING/SUSPENDING/
         TERMINATED (stopped) -> STOPPING, not found -> GONE."""
         from google.api_core import exceptions as gexc
 
         client = self._client("instances")
         try:
-            inst = self._call(client.get, project=handle.get("project") or self.project, zone=handle["zone"],
-                              instance=handle["id"])
+            inst = self._call(client.get, project=handle.project or self.project, zone=handle.zone,
+                              instance=handle.id)
         except gexc.NotFound:
             return InstanceState.GONE
         except gexc.GoogleAPICallError as e:
-            raise self._api_error(e, f"describing {handle['id']}") from None
+            raise self._api_error(e, f"describing {handle.id}") from None
         return STATUS.get(inst.status, InstanceState.PENDING)
 
-    def private_ip(self, handle: dict) -> str | None:
+    def private_ip(self, handle: GCPHandle) -> str | None:
         """The instance's internal address (``networkInterfaces[0].networkIP``)."""
         from google.api_core import exceptions as gexc
 
         try:
-            inst = self._call(self._client("instances").get, project=handle.get("project") or self.project,
-                              zone=handle["zone"], instance=handle["id"])
+            inst = self._call(self._client("instances").get, project=handle.project or self.project,
+                              zone=handle.zone, instance=handle.id)
         except gexc.GoogleAPICallError:
             return None
         return inst.network_interfaces[0].network_i_p if inst.network_interfaces else None
 
-    def delete_instance(self, handle: dict) -> None:
+    def delete_instance(self, handle: GCPHandle) -> None:
         """Delete the instance and wait for it to be gone; a missing instance is not an error."""
         from google.api_core import exceptions as gexc
         from google.cloud import compute_v1
 
-        project, zone = handle.get("project") or self.project, handle["zone"]
+        project, zone = handle.project or self.project, handle.zone
         client = self._client("instances")
-        delete = compute_v1.DeleteInstanceRequest(project=project, zone=zone, instance=handle["id"],
+        delete = compute_v1.DeleteInstanceRequest(project=project, zone=zone, instance=handle.id,
                                                   request_id=str(uuid.uuid4()))
         try:
             op = self._call(client.delete_unary, request=delete)
@@ -493,14 +496,14 @@ class GCPProvider(CloudProvider):
             return
         except gexc.GoogleAPICallError as e:
             if "resourceNotReady" not in _reasons(e):
-                raise self._api_error(e, f"deleting {handle['id']}") from None
+                raise self._api_error(e, f"deleting {handle.id}") from None
             # Already being deleted (another `sftctl down`, or a cleanup racing this one): wait for it.
             end = time.monotonic() + self.ready_timeout_s
             while self.describe(handle) != InstanceState.GONE:
                 if time.monotonic() > end:
-                    raise ProviderError(f"gcp: {handle['id']} in {zone} is still being deleted after "
+                    raise ProviderError(f"gcp: {handle.id} in {zone} is still being deleted after "
                                         f"{self.ready_timeout_s:.0f} s",
-                                        hint=f"check: gcloud compute instances describe {handle['id']} "
+                                        hint=f"check: gcloud compute instances describe {handle.id} "
                                              f"--zone {zone}") from None
                 time.sleep(self.poll_s)
             return
@@ -508,8 +511,8 @@ class GCPProvider(CloudProvider):
         errors = [er for er in op.error.errors if er.code != "RESOURCE_NOT_FOUND"]
         if errors:
             text = "; ".join(f"{er.code}: {' '.join(er.message.split())}" for er in errors)
-            raise ProviderError(f"gcp: deleting {handle['id']} in {zone} failed: {text}",
-                                hint=f"delete it by hand: gcloud compute instances delete {handle['id']} --zone {zone}")
+            raise ProviderError(f"gcp: deleting {handle.id} in {zone} failed: {text}",
+                                hint=f"delete it by hand: gcloud compute instances delete {handle.id} --zone {zone}")
 
     def list_instances(self, job_id: str | None = None) -> list[dict]:
         """Every instance labelled ``sftctl-managed=true`` (and ``sftctl-job=job_id``), any zone."""

@@ -45,6 +45,7 @@ import time
 
 from sftctl.catalog import Offering
 from sftctl.errors import CapacityError, CredentialsError, ProviderError
+from sftctl.types import KubernetesHandle
 from sftctl.providers.cloud import (
     JOB_LABEL,
     MANAGED_LABEL,
@@ -356,6 +357,7 @@ class KubernetesProvider(CloudProvider):
     """
 
     name = "kubernetes"
+    handle_type = KubernetesHandle
 
     def __init__(self, channel=None, poll_s: float = 2.0, ready_timeout_s: float = READY_TIMEOUT_S,
                  context: str | None = None, namespace: str | None = None,
@@ -554,7 +556,7 @@ class KubernetesProvider(CloudProvider):
         """A cluster has no zones sftctl chooses: one pass, zone None."""
         return [None]
 
-    def create_instance(self, request: InstanceRequest) -> dict:
+    def create_instance(self, request: InstanceRequest) -> KubernetesHandle:
         """Create the job's Secret and Service (once per job), then the node's ConfigMap and Pod.
 
         Raises:
@@ -584,13 +586,14 @@ class KubernetesProvider(CloudProvider):
                 pass
             raise
         n = names(request.job_id, request.node_id, request.rank)
-        return {
-            "id": pod, "pod": pod, "configmap": cm, "service": n["service"],
-            "secret": n["secret"] if secrets else None, "namespace": ns, "context": self._region,
-            "hostname": n["hostname"], "ip": f"{n['hostname']}.{n['service']}",
-            "region": request.offering.region, "instance_type": request.offering.instance_type,
-            "accelerator": request.offering.accelerator,
-        }
+        return KubernetesHandle(
+            job_id=request.job_id, node_id=request.node_id, rank=request.rank,
+            id=pod, pod=pod, configmap=cm, service=n["service"],
+            secret=n["secret"] if secrets else None, namespace=ns, context=self._region,
+            hostname=n["hostname"], ip=f"{n['hostname']}.{n['service']}",
+            region=request.offering.region, instance_type=request.offering.instance_type,
+            accelerator=request.offering.accelerator,
+        )
 
     def _ensure_job_objects(self, request: InstanceRequest, ns: str, objs: dict) -> None:
         """Create the job's Secret and Service unless this provider already did (409 is fine)."""
@@ -613,17 +616,17 @@ class KubernetesProvider(CloudProvider):
                        allow=(409,), offering=request.offering)
             self._job_objects.add(key)
 
-    def _read_pod(self, handle: dict) -> dict | None:
+    def _read_pod(self, handle: KubernetesHandle) -> dict | None:
         """The pod of ``handle`` as the API's JSON, or None when it is gone."""
-        return self._json(f"read pod {handle['pod']}", self._core().read_namespaced_pod, handle["pod"],
-                          handle.get("namespace") or self.namespace, allow=(404,))
+        return self._json(f"read pod {handle.pod}", self._core().read_namespaced_pod, handle.pod,
+                          handle.namespace or self.namespace, allow=(404,))
 
-    def describe(self, handle: dict) -> InstanceState:
+    def describe(self, handle: KubernetesHandle) -> InstanceState:
         """Pending -> PENDING; Running -> RUNNING; Succeeded, Failed, Unknown or being deleted ->
         STOPPING; not found -> GONE. (An unschedulable pod fails in :meth:`wait_ready`.)"""
         return _pod_state(self._read_pod(handle))
 
-    def wait_ready(self, handle: dict) -> dict:
+    def wait_ready(self, handle: KubernetesHandle) -> KubernetesHandle:
         """Poll the pod until it runs; return the handle with ``node_name`` and ``pod_ip``.
 
         Raises:
@@ -637,8 +640,8 @@ class KubernetesProvider(CloudProvider):
             pod = self._read_pod(handle)
             state = _pod_state(pod)
             if state == InstanceState.RUNNING:
-                return {**handle, "node_name": pod["spec"].get("nodeName"),
-                        "pod_ip": (pod.get("status") or {}).get("podIP")}
+                return handle.with_(node_name=pod["spec"].get("nodeName"),
+                                    pod_ip=(pod.get("status") or {}).get("podIP"))
             waited = time.monotonic() - start
             why = None
             if state != InstanceState.PENDING:
@@ -649,30 +652,30 @@ class KubernetesProvider(CloudProvider):
                 self.delete_instance(handle)
                 message = _unschedulable(pod) or "no scheduling decision yet"
                 raise CapacityError(
-                    f"kubernetes: pod {handle['pod']} was not scheduled within {self.pending_timeout_s:g} s: {message}",
-                    provider=self.name, scope="offering", region=handle.get("region") or self.region,
-                    instance_type=handle.get("instance_type"), code="Unschedulable",
+                    f"kubernetes: pod {handle.pod} was not scheduled within {self.pending_timeout_s:g} s: {message}",
+                    provider=self.name, scope="offering", region=handle.region or self.region,
+                    instance_type=handle.instance_type, code="Unschedulable",
                     hint="the cluster has no node with enough free GPUs of this kind; sftctl deleted the pod",
                 )
             elif waited > self.ready_timeout_s:
                 why = f"was not running after {self.ready_timeout_s:g} s ({_pod_detail(pod)})"
             if why is not None:
                 self.delete_instance(handle)
-                raise ProviderError(f"kubernetes: pod {handle['pod']} {why}",
+                raise ProviderError(f"kubernetes: pod {handle.pod} {why}",
                                     hint="sftctl deleted it; `kubectl describe pod` of a rerun says more")
             time.sleep(self.poll_s)
 
-    def delete_instance(self, handle: dict) -> None:
+    def delete_instance(self, handle: KubernetesHandle) -> None:
         """Delete the node's pod and ConfigMap (already gone is fine); with the job's last pod,
         its Service and Secret too."""
-        ns = handle.get("namespace") or self.namespace
+        ns = handle.namespace or self.namespace
         core = self._core()
-        pod = handle.get("pod") or handle["id"]
+        pod = handle.pod or handle.id
         self._call(f"delete pod {pod}", core.delete_namespaced_pod, pod, ns, allow=(404,))
-        cm = handle.get("configmap") or f"{pod}-bootstrap"
+        cm = handle.configmap or f"{pod}-bootstrap"
         self._call(f"delete configmap {cm}", core.delete_namespaced_config_map, cm, ns, allow=(404,))
-        if handle.get("job_id"):
-            self._release_job_objects(ns, handle["job_id"], pod, handle.get("service"), handle.get("secret"))
+        if handle.job_id:
+            self._release_job_objects(ns, handle.job_id, pod, handle.service, handle.secret)
 
     def _release_job_objects(self, ns: str, job_id: str, gone_pod: str, service: str | None = None,
                              secret: str | None = None) -> None:
@@ -694,7 +697,8 @@ class KubernetesProvider(CloudProvider):
                        allow=(404,))
 
     def list_instances(self, job_id: str | None = None) -> list[dict]:
-        """The sftctl pods of the namespace (of ``job_id`` when given), as handles."""
+        """The sftctl pods of the namespace (of ``job_id`` when given), each a dict with the keys
+        of a :class:`KubernetesHandle` (``rank`` None where the pod does not say) and ``state``."""
         ns = self.namespace
         selector = f"{MANAGED_LABEL}=true" + (f",{JOB_LABEL}={label_value(job_id)}" if job_id else "")
         items = (self._json("list pods", self._core().list_namespaced_pod, ns, label_selector=selector)
@@ -737,8 +741,8 @@ class KubernetesProvider(CloudProvider):
     def cordon(self, node_name, reason: str | None = None, by: str | None = None) -> dict | None:
         """Mark a cluster node unschedulable (``kubectl cordon``): a node judged bad gets no new pods.
 
-        ``node_name`` is the node's name, or a handle whose ``node_name`` (the pod's
-        ``spec.nodeName``, recorded by :meth:`wait_ready`) names it. With ``reason`` the node also
+        ``node_name`` is the node's name, or a :class:`KubernetesHandle` whose ``node_name`` (the
+        pod's ``spec.nodeName``, recorded by :meth:`wait_ready`) names it. With ``reason`` the node also
         gets the annotations :data:`CORDON_REASON` (``reason``, at most 1000 characters),
         :data:`CORDONED_BY` (``by``) and :data:`CORDONED_AT` (UTC, ISO 8601), so ``kubectl describe
         node`` says why. One strategic-merge patch; returns the patched node (API JSON), or None
@@ -748,8 +752,8 @@ class KubernetesProvider(CloudProvider):
             CredentialsError: the user may not patch nodes (403) or the credentials are bad (401).
             ProviderError: the pod was never scheduled, or the API failed.
         """
-        if isinstance(node_name, dict):
-            node_name = node_name.get("node_name")
+        if isinstance(node_name, KubernetesHandle):
+            node_name = node_name.node_name
         if not node_name:
             raise ProviderError("kubernetes: cordon needs a node name (the pod was never scheduled)")
         body: dict = {"spec": {"unschedulable": True}}
@@ -759,7 +763,7 @@ class KubernetesProvider(CloudProvider):
                                                 CORDONED_BY: by or "sftctl", CORDONED_AT: at}}
         return self._json(f"cordon node {node_name}", self._core().patch_node, node_name, body, allow=(404,))
 
-    def quarantine(self, handle: dict, reason: str) -> dict | None:
+    def quarantine(self, handle: KubernetesHandle, reason: str) -> dict | None:
         """Keep the machine ``handle``'s pod ran on away from the job (called before
         :meth:`terminate` when a health verdict replaces the node; ``reason`` is the verdict).
 
@@ -775,10 +779,10 @@ class KubernetesProvider(CloudProvider):
             or None when the pod was never scheduled (no machine to avoid). Raises nothing for
             API errors.
         """
-        node = handle.get("node_name")
+        node = handle.node_name
         if not node:
             return None
-        who = f"sftctl job {handle.get('job_id') or '?'}, node {handle.get('node_id') or '?'}"
+        who = f"sftctl job {handle.job_id or '?'}, node {handle.node_id or '?'}"
         error = None
         try:
             obj = self.cordon(node, reason=reason, by=who)
@@ -787,7 +791,7 @@ class KubernetesProvider(CloudProvider):
         gone = obj is None and error is None
         host = (((obj or {}).get("metadata") or {}).get("labels") or {}).get(HOSTNAME_LABEL) or node
         with self._lock:
-            self.avoid_hosts.setdefault(handle.get("job_id") or "", set()).add(host)
+            self.avoid_hosts.setdefault(handle.job_id or "", set()).add(host)
         avoid = f"this job's next pods avoid it ({HOSTNAME_LABEL} NotIn {host})"
         if error is not None:
             message = (f"kubernetes: could not cordon node {node} ({error}); {avoid}; a cluster admin can "

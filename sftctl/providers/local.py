@@ -24,6 +24,7 @@ from sftctl.errors import CapacityError, ProviderError
 from sftctl.paths import job_dir, sftctl_home
 from sftctl.protocol import METRICS_GLOB, NodeDir, read_exit_file
 from sftctl.providers.base import NodeState, NodeStatus, complete_json_lines
+from sftctl.types import LocalHandle
 
 
 class LocalProvider:
@@ -51,7 +52,7 @@ class LocalProvider:
             return []
         return [local_offering(count)]
 
-    def provision(self, job_id: str, node_id: str, rank: int, offering: Offering, **_: object) -> dict:
+    def provision(self, job_id: str, node_id: str, rank: int, offering: Offering, **_: object) -> LocalHandle:
         """A node directory; ``spot``, ``bootstrap`` and ``image`` mean nothing on this machine.
 
         ``$SFTCTL_LOCAL_MAX_NODES`` (fault injection for tests and drills, read by the controller's
@@ -67,20 +68,20 @@ class LocalProvider:
                                 f"already made for this job)", provider="local", scope="cloud")
         node_dir = job_dir(job_id) / "nodes" / node_id
         NodeDir(node_dir).metrics.mkdir(parents=True, exist_ok=True)
-        return {"node_id": node_id, "job_id": job_id, "rank": rank, "dir": str(node_dir), "ip": "127.0.0.1"}
+        return LocalHandle(job_id=job_id, node_id=node_id, rank=rank, dir=str(node_dir), ip="127.0.0.1")
 
-    def launch(self, handle: dict, script: str, env: dict[str, str], attempt: int) -> dict:
+    def launch(self, handle: LocalHandle, script: str, env: dict[str, str], attempt: int) -> LocalHandle:
         if self.channel is not None:
             return self._launch_via_storage(handle, script, env, attempt)
-        node_dir = Path(handle["dir"])
+        node_dir = Path(handle.dir)
         files = NodeDir(node_dir)
         path = files.script(attempt)
         path.write_text(script)
         full_env = {
             **os.environ,
             **env,
-            "SFTCTL_JOB_ID": handle["job_id"],
-            "SFTCTL_NODE_ID": handle["node_id"],
+            "SFTCTL_JOB_ID": handle.job_id,
+            "SFTCTL_NODE_ID": handle.node_id,
             HOME_TAG: _home_tag(),
             "SFTCTL_NODE_DIR": str(node_dir),
             "SFTCTL_METRICS_DIR": str(files.metrics),
@@ -101,91 +102,86 @@ class LocalProvider:
                     start_new_session=True,
                 )
             except OSError as e:
-                raise ProviderError(f"node {handle['rank']}: cannot start bash: {e}") from None
-        return {
-            **handle,
-            "pid": proc.pid,
-            "start_ticks": procs.start_ticks(proc.pid),
-            "attempt": attempt,
-            "exit_file": str(files.exit(attempt)),  # written by templates/node.sh.j2
-        }
+                raise ProviderError(f"node {handle.rank}: cannot start bash: {e}") from None
+        return handle.with_(pid=proc.pid, start_ticks=procs.start_ticks(proc.pid), attempt=attempt,
+                            exit_file=str(files.exit(attempt)))  # written by templates/node.sh.j2
 
-    def _launch_via_storage(self, handle: dict, script: str, env: dict[str, str], attempt: int) -> dict:
+    def _launch_via_storage(self, handle: LocalHandle, script: str, env: dict[str, str], attempt: int) -> LocalHandle:
         """Write the attempt to the job's storage; start the node daemon if it is not running."""
-        self.channel.send_launch(handle["node_id"], attempt, script, env)
-        if handle.get("pid") and procs.alive(handle["pid"], handle.get("start_ticks")):
-            return {**handle, "attempt": attempt}
-        daemon_dir = Path(handle["dir"]) / "daemon"  # the node's own disk: the controller never reads it
+        self.channel.send_launch(handle.node_id, attempt, script, env)
+        if handle.pid and procs.alive(handle.pid, handle.start_ticks):
+            return handle.with_(attempt=attempt)
+        daemon_dir = Path(handle.dir) / "daemon"  # the node's own disk: the controller never reads it
         daemon_dir.mkdir(parents=True, exist_ok=True)
         full_env = {
             **os.environ,
-            "SFTCTL_JOB_ID": handle["job_id"],
-            "SFTCTL_NODE_ID": handle["node_id"],
+            "SFTCTL_JOB_ID": handle.job_id,
+            "SFTCTL_NODE_ID": handle.node_id,
             HOME_TAG: _home_tag(),
             "SFTCTL_NODE_DIR": str(daemon_dir),
             "SFTCTL_STORAGE_URL": self.channel.storage.url,
             "SFTCTL_PYTHON": sys.executable,
             "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
         }
-        with open(Path(handle["dir"]) / "daemon.log", "ab") as log:
+        with open(Path(handle.dir) / "daemon.log", "ab") as log:
             proc = subprocess.Popen([sys.executable, "-m", "sftctl.node"], cwd=daemon_dir, env=full_env,
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
-        return {**handle, "pid": proc.pid, "start_ticks": procs.start_ticks(proc.pid), "attempt": attempt}
+        return handle.with_(pid=proc.pid, start_ticks=procs.start_ticks(proc.pid), attempt=attempt)
 
-    def status(self, handle: dict) -> NodeStatus:
-        if handle.get("terminated"):
+    def status(self, handle: LocalHandle) -> NodeStatus:
+        if handle.terminated:
             return NodeStatus(NodeState.TERMINATED)
-        if "pid" not in handle:
+        if handle.pid is None:
             return NodeStatus(NodeState.READY)
         if self.channel is not None:
-            code = self.channel.exit_code(handle["node_id"], handle["attempt"])
+            code = self.channel.exit_code(handle.node_id, handle.attempt)
         else:
-            code = read_exit_file(handle["exit_file"])
+            code = read_exit_file(handle.exit_file) if handle.exit_file else None
         if code is not None:
             state = NodeState.SUCCEEDED if code == 0 else NodeState.FAILED
             return NodeStatus(state, code, f"exit code {code}")
-        if procs.alive(handle["pid"], handle.get("start_ticks")):
+        if procs.alive(handle.pid, handle.start_ticks):
             return NodeStatus(NodeState.RUNNING)
         # The bootstrap wrote no exit code: its process was killed (or the node's dir was removed)
-        return NodeStatus(NodeState.LOST, None, f"process {handle['pid']} vanished without an exit code")
+        return NodeStatus(NodeState.LOST, None, f"process {handle.pid} vanished without an exit code")
 
-    def read_log(self, handle: dict, offset: int) -> tuple[bytes, int]:
+    def read_log(self, handle: LocalHandle, offset: int) -> tuple[bytes, int]:
         if self.channel is not None:
-            return self.channel.read_log(handle["node_id"], offset)
+            return self.channel.read_log(handle.node_id, offset)
         try:
-            with open(NodeDir(Path(handle["dir"])).log, "rb") as f:
+            with open(NodeDir(Path(handle.dir)).log, "rb") as f:
                 f.seek(offset)
                 data = f.read()
         except FileNotFoundError:
             return b"", offset
         return data, offset + len(data)
 
-    def read_metrics(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
+    def read_metrics(self, handle: LocalHandle, offsets: dict[str, int]) -> list[dict]:
         if self.channel is not None:
-            return self.channel.read_metrics(handle["node_id"], offsets)
+            return self.channel.read_metrics(handle.node_id, offsets)
         samples = []
-        for path in sorted(NodeDir(Path(handle["dir"])).metrics.glob(METRICS_GLOB)):
+        for path in sorted(NodeDir(Path(handle.dir)).metrics.glob(METRICS_GLOB)):
             samples += _read_json_lines(path, offsets)
         return samples
 
-    def read_health(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
+    def read_health(self, handle: LocalHandle, offsets: dict[str, int]) -> list[dict]:
         if self.channel is not None:
-            return self.channel.read_health(handle["node_id"], offsets)
-        return _read_json_lines(NodeDir(Path(handle["dir"])).health, offsets)
+            return self.channel.read_health(handle.node_id, offsets)
+        return _read_json_lines(NodeDir(Path(handle.dir)).health, offsets)
 
-    def stop_attempt(self, handle: dict) -> None:
+    def stop_attempt(self, handle: LocalHandle) -> None:
         """Stop the node's processes; the node (its directory) stays for the next attempt."""
         self.terminate(handle)
 
-    def quarantine(self, handle: dict, reason: str) -> dict | None:
+    def quarantine(self, handle: LocalHandle, reason: str) -> dict | None:
         """Nothing to do: every local node is this machine."""
         return None
 
-    def terminate(self, handle: dict) -> None:
-        pids = procs.tagged("SFTCTL_NODE_ID", handle["node_id"])
-        if handle.get("pid") and procs.alive(handle["pid"], handle.get("start_ticks")):
-            pids = sorted(set(pids) | {handle["pid"]})
+    def terminate(self, handle: LocalHandle) -> None:
+        pids = procs.tagged("SFTCTL_NODE_ID", handle.node_id)
+        if handle.pid and procs.alive(handle.pid, handle.start_ticks):
+            pids = sorted(set(pids) | {handle.pid})
         procs.kill_all(pids)
 
     def list_instances(self, job_id: str | None = None) -> list[dict]:

@@ -64,6 +64,7 @@ from sftctl.catalog import Offering
 from sftctl.errors import CapacityError, ProviderError
 from sftctl.protocol import NodeDir, parse_exit_code
 from sftctl.providers.base import NodeState, NodeStatus, complete_json_lines
+from sftctl.types import SlurmHandle
 
 #: Pending reasons of ``squeue`` (``%r``) in words. Source: Slurm's squeue man page, "JOB REASON
 #: CODES" (22.05 and 24.11 list the same codes for these).
@@ -609,7 +610,7 @@ class SlurmProvider:
 
     # ---------------------------------------------------------------- protocol: nodes
 
-    def provision(self, job_id: str, node_id: str, rank: int, offering: Offering, **_: object) -> dict:
+    def provision(self, job_id: str, node_id: str, rank: int, offering: Offering, **_: object) -> SlurmHandle:
         """Record the node (no Slurm call creates anything); rank 0 checks with ``sbatch
         --test-only`` that the allocation can run at all (CapacityError if not)."""
         with self._lock:
@@ -617,46 +618,45 @@ class SlurmProvider:
         if rank == 0:
             self.estimate_start(offering, self.num_nodes or 1)
         root = self.job_root(job_id)
-        return {"job_id": job_id, "node_id": node_id, "rank": rank, "root": root,
-                "dir": f"{root}/nodes/{node_id}", "offering": offering.to_dict(),
-                "exclude": sorted(self.excluded)}
+        return SlurmHandle(job_id=job_id, node_id=node_id, rank=rank, root=root, dir=f"{root}/nodes/{node_id}",
+                           offering=offering.to_dict(), exclude=sorted(self.excluded))
 
-    def launch(self, handle: dict, script: str, env: dict[str, str], attempt: int) -> dict:
+    def launch(self, handle: SlurmHandle, script: str, env: dict[str, str], attempt: int) -> SlurmHandle:
         """Write the node's script and environment; the last node's launch submits the attempt."""
-        job_id, rank = handle["job_id"], handle["rank"]
+        job_id, rank = handle.job_id, handle.rank
         with self._lock:
             nodes = self._nodes.setdefault(job_id, {})
-            nodes[rank] = handle["node_id"]
+            nodes[rank] = handle.node_id
             pending = self._pending.setdefault((job_id, attempt), {})
             pending[rank] = {"handle": handle, "script": script, "env": env}
             total = self.num_nodes or len(nodes)
             ready = len(pending) >= total
-        handle = {**handle, "attempt": attempt}
+        handle = handle.with_(attempt=attempt)
         if not ready:
             return handle
         slurm_id = self._submit(job_id, attempt, [pending[r] for r in sorted(pending)])
         with self._lock:
             self._pending.pop((job_id, attempt), None)
-        return {**handle, "slurm_job_id": slurm_id}
+        return handle.with_(slurm_job_id=slurm_id)
 
     def _submit(self, job_id: str, attempt: int, launches: list[dict]) -> str:
         from sftctl.templates import render
 
         root = self.job_root(job_id)
-        offering = Offering(**launches[0]["handle"]["offering"])
+        offering = Offering(**launches[0]["handle"].offering)
         workdir = None
         files: dict[str, tuple[str, int]] = {}
         python = self.cfg.python or (None if self.runner.remote else sys.executable)
         for item in launches:
             h, env = item["handle"], dict(item["env"])
-            node_dir = h["dir"]
+            node_dir = h.dir
             nd = NodeDir(node_dir)
             if self.runner.remote:  # the nodes see the cluster's filesystem, not this machine's
                 workdir = workdir or self._upload_workdir(job_id, root)
                 env["SFTCTL_WORKDIR"] = workdir
                 if (settings.raw("SFTCTL_CHECKPOINT_DIR", env) or "").startswith(_local_jobs_dir()):
                     env["SFTCTL_CHECKPOINT_DIR"] = f"{root}/checkpoints"
-            env.update(SFTCTL_JOB_ID=job_id, SFTCTL_NODE_ID=h["node_id"], SFTCTL_NODE_DIR=node_dir,
+            env.update(SFTCTL_JOB_ID=job_id, SFTCTL_NODE_ID=h.node_id, SFTCTL_NODE_DIR=node_dir,
                        SFTCTL_METRICS_DIR=nd.metrics)
             # with job storage the nodes' own checkpoint copies stay in the node's directory,
             # never in the (shared) workdir, as a cloud node keeps them on its own disk
@@ -666,7 +666,7 @@ class SlurmProvider:
             files[nd.script(attempt)] = (item["script"], 0o700)
             files[nd.env(attempt)] = ("".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in env.items()), 0o600)
             files[f"{nd.metrics}/.keep"] = ("", 0o600)
-        node_ids = [item["handle"]["node_id"] for item in launches]
+        node_ids = [item["handle"].node_id for item in launches]
         adir = f"{root}/attempt-{attempt}"
         files[f"{adir}/step.sh"] = (render("slurm/step.sh.j2", job_id=job_id, attempt=attempt, root=root,
                                            node_ids=node_ids, python_dir=str(Path(python).parent) if python else ""), 0o700)
@@ -741,16 +741,16 @@ class SlurmProvider:
 
     # ---------------------------------------------------------------- status
 
-    def slurm_id(self, handle: dict) -> str | None:
+    def slurm_id(self, handle: SlurmHandle) -> str | None:
         """The Slurm job of the handle's attempt: from the handle, this process, or the cluster."""
-        if handle.get("slurm_job_id"):
-            return handle["slurm_job_id"]
-        key = (handle.get("job_id"), handle.get("attempt"))
+        if handle.slurm_job_id:
+            return handle.slurm_job_id
+        key = (handle.job_id, handle.attempt)
         if key in self._submitted:
             return self._submitted[key]
-        if not handle.get("attempt"):
+        if not handle.attempt:
             return None
-        path = f"{handle['root']}/attempt-{handle['attempt']}/slurm_job_id"
+        path = f"{handle.root}/attempt-{handle.attempt}/slurm_job_id"
         data = self.runner.read({"files": {path: 0}}).get(path)
         if data and data.strip():
             with self._lock:
@@ -793,29 +793,29 @@ class SlurmProvider:
             return {"state": state.split()[0], "reason": reason, "nodes": nodes, "source": "sacct"}
         return None
 
-    def _files(self, handle: dict, offsets: dict | None = None, log_offset: int | None = None) -> dict[str, bytes]:
+    def _files(self, handle: SlurmHandle, offsets: dict | None = None, log_offset: int | None = None) -> dict[str, bytes]:
         """The attempt's exit, host and restarts files (and ``node.log`` from ``log_offset``) in one read."""
-        d, a = NodeDir(handle["dir"]), handle.get("attempt")
+        d, a = NodeDir(handle.dir), handle.attempt
         files = {d.exit(a): 0, d.host(a): 0, d.restarts(a): 0}
         if log_offset is not None:
             files[d.log] = log_offset
         return self.runner.read({"files": files})
 
-    def _host(self, handle: dict, got: dict[str, bytes]) -> str:
+    def _host(self, handle: SlurmHandle, got: dict[str, bytes]) -> str:
         """The Slurm node the attempt ran on, from a :meth:`_files` answer ("" while unknown)."""
-        return (got.get(NodeDir(handle["dir"]).host(handle["attempt"])) or b"").decode().strip()
+        return (got.get(NodeDir(handle.dir).host(handle.attempt)) or b"").decode().strip()
 
-    def exit_code(self, handle: dict) -> int | None:
-        return parse_exit_code(self._files(handle).get(NodeDir(handle["dir"]).exit(handle.get("attempt"))))
+    def exit_code(self, handle: SlurmHandle) -> int | None:
+        return parse_exit_code(self._files(handle).get(NodeDir(handle.dir).exit(handle.attempt)))
 
-    def status(self, handle: dict) -> NodeStatus:
-        if handle.get("terminated"):
+    def status(self, handle: SlurmHandle) -> NodeStatus:
+        if handle.terminated:
             return NodeStatus(NodeState.TERMINATED)
-        if not handle.get("attempt"):
+        if not handle.attempt:
             return NodeStatus(NodeState.READY)
         got = self._files(handle)
-        nd = NodeDir(handle["dir"])
-        code = parse_exit_code(got.get(nd.exit(handle["attempt"])))
+        nd = NodeDir(handle.dir)
+        code = parse_exit_code(got.get(nd.exit(handle.attempt)))
         if code is not None:
             return NodeStatus(NodeState.SUCCEEDED if code == 0 else NodeState.FAILED, code, f"exit code {code}")
         slurm_id = self.slurm_id(handle)
@@ -827,7 +827,7 @@ class SlurmProvider:
             if self.exit_code(handle) is not None:
                 return self.status(handle)
             return NodeStatus(NodeState.LOST, None, f"Slurm no longer knows job {slurm_id} and node "
-                                                    f"{handle['rank']} wrote no exit code")
+                                                    f"{handle.rank} wrote no exit code")
         state = st["state"]
         if state == "PENDING":
             reason = st.get("reason") or "None"
@@ -835,7 +835,7 @@ class SlurmProvider:
                      if st.get("restarts") else "")
             return NodeStatus(NodeState.RUNNING, None, f"pending in Slurm job {slurm_id}: {pending_words(reason)}{again}")
         if state not in ENDED:
-            restarts = _int((got.get(nd.restarts(handle["attempt"])) or b"0").decode())
+            restarts = _int((got.get(nd.restarts(handle.attempt)) or b"0").decode())
             if state == "RUNNING" and restarts:
                 return NodeStatus(NodeState.RUNNING, None, f"Slurm job {slurm_id} runs again after Slurm requeued it "
                                                            f"(restart {restarts}, on {host or 'a new node'}): "
@@ -863,18 +863,18 @@ class SlurmProvider:
         return not states or any(s.rstrip("*~#!%$@^-") in ("down", "drain", "drng", "fail", "failg", "unk", "boot")
                                  or s.endswith("*") for s in states)
 
-    def read_log(self, handle: dict, offset: int) -> tuple[bytes, int]:
-        if not handle.get("dir"):
+    def read_log(self, handle: SlurmHandle, offset: int) -> tuple[bytes, int]:
+        if not handle.dir:
             return b"", offset
-        path = NodeDir(handle["dir"]).log
+        path = NodeDir(handle.dir).log
         data = self.runner.read({"files": {path: offset}}).get(path, b"")
         return data, offset + len(data)
 
-    def read_metrics(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
-        if not handle.get("dir"):
+    def read_metrics(self, handle: SlurmHandle, offsets: dict[str, int]) -> list[dict]:
+        if not handle.dir:
             return []
-        pattern = NodeDir(handle["dir"]).metrics_glob
-        got = self.runner.read({"globs": [pattern], "files": {p: o for p, o in offsets.items() if p.startswith(handle["dir"])}})
+        pattern = NodeDir(handle.dir).metrics_glob
+        got = self.runner.read({"globs": [pattern], "files": {p: o for p, o in offsets.items() if p.startswith(handle.dir)}})
         out = []
         for path in sorted(got):
             if not path.endswith(".jsonl"):
@@ -882,24 +882,24 @@ class SlurmProvider:
             out += complete_json_lines(path, got[path], offsets)
         return out
 
-    def read_health(self, handle: dict, offsets: dict[str, int]) -> list[dict]:
-        if not handle.get("dir"):
+    def read_health(self, handle: SlurmHandle, offsets: dict[str, int]) -> list[dict]:
+        if not handle.dir:
             return []
-        path = NodeDir(handle["dir"]).health
+        path = NodeDir(handle.dir).health
         got = self.runner.read({"files": {path: offsets.get(path, 0)}})
         return complete_json_lines(path, got[path], offsets) if path in got else []
 
     # ---------------------------------------------------------------- teardown
 
-    def stop_attempt(self, handle: dict) -> None:
+    def stop_attempt(self, handle: SlurmHandle) -> None:
         """Cancel the attempt's allocation (every node of it); the next attempt submits anew."""
         self._cancel(handle)
 
-    def quarantine(self, handle: dict, reason: str) -> dict | None:
+    def quarantine(self, handle: SlurmHandle, reason: str) -> dict | None:
         """Put the Slurm node the attempt ran on (the protocol's host file) on this job's
         ``--exclude`` list, whatever the allocation's state (draining it needs admin rights:
         sftctl only leaves it out). None when the node never wrote its host name."""
-        if not (handle.get("attempt") and handle.get("dir")):
+        if not (handle.attempt and handle.dir):
             return None
         host = self._host(handle, self._files(handle))
         if not host:
@@ -908,12 +908,12 @@ class SlurmProvider:
         return {"machine": host, "actions": ["exclude"],
                 "message": f"slurm: node {host} is left out of this job's next allocations (--exclude): {reason}"}
 
-    def terminate(self, handle: dict) -> None:
+    def terminate(self, handle: SlurmHandle) -> None:
         """Cancel the allocation of the node's attempt. The Slurm node it ran on goes on this
         job's ``--exclude`` list unless the allocation ended for a reason that is not the node's
         (cancelled, preempted, out of time): a node replaced for a health verdict or a lost
         heartbeat, or one Slurm reports down, is never given to this job again."""
-        if handle.get("attempt") and handle.get("dir"):
+        if handle.attempt and handle.dir:
             host = self._host(handle, self._files(handle))
             slurm_id = self.slurm_id(handle)
             st = self.job_state(slurm_id, fresh=True) if slurm_id else None
@@ -922,10 +922,10 @@ class SlurmProvider:
                 self.excluded.add(host)
         self._cancel(handle)
 
-    def _cancel(self, handle: dict) -> None:
+    def _cancel(self, handle: SlurmHandle) -> None:
         with self._lock:
-            self._pending.pop((handle.get("job_id"), handle.get("attempt")), None)
-        slurm_id = self.slurm_id(handle) if handle.get("attempt") and handle.get("root") else None
+            self._pending.pop((handle.job_id, handle.attempt), None)
+        slurm_id = self.slurm_id(handle) if handle.attempt and handle.root else None
         if slurm_id:
             self.runner.run(["scancel", slurm_id], check=False)
             self._states.pop(slurm_id, None)
