@@ -38,7 +38,7 @@ from sftctl.providers.base import NodeState, provision_all
 from sftctl.spec import JobSpec, env_references, resolve_env
 from sftctl.storage import StorageError
 from sftctl.state import JobRecord, JobStatus, Store
-from sftctl.types import NodeHandle
+from sftctl.types import FailureCode, FailureReason, NodeHandle
 
 POLL_S = 0.5
 #: With job storage every poll lists each node's streams (about 5 requests per node): poll less
@@ -96,12 +96,19 @@ BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 30.0
 
 
+#: The failure code of each health verdict kind (sftctl.health.telemetry.Verdict.kind).
+VERDICT_CODES = {"xid": FailureCode.GPU_FAILED, "ecc": FailureCode.GPU_FAILED, "gpu_lost": FailureCode.GPU_FAILED,
+                 "throttle": FailureCode.THROTTLED, "straggler": FailureCode.STRAGGLER,
+                 "hang": FailureCode.NODE_LOST}
+
+
 @dataclasses.dataclass(frozen=True)
 class Failure:
-    """Why an attempt ended: the reason, what to do (``restart``, ``replace`` or None: give
-    up), the node it concerns, and the exit code when a script exited."""
+    """Why an attempt ended: the reason (its ``message`` is the line state keeps), what to do
+    (``restart``, ``replace`` or None: give up), the node it concerns, and the exit code when a
+    script exited."""
 
-    reason: str
+    reason: FailureReason
     action: str | None
     node_rank: int | None
     exit_code: int | None = None
@@ -189,9 +196,6 @@ class Controller:
         self.nodes: list[dict] = []
         # read offsets survive restarts: every attempt appends to the same node log and metrics
         self.log_offsets: dict[str, int] = {}
-        # per node: the last "[sftctl] node N: failed: ..." line of this attempt (sftctl/failure.py)
-        self.failed_lines: dict[str, str] = {}
-        self._log_rest: dict[str, str] = {}
         self.metric_offsets: dict[str, dict[str, int]] = {}
         self.health_offsets: dict[str, dict[str, int]] = {}
         self.monitor = None
@@ -225,17 +229,17 @@ class Controller:
                     self.store.end_attempt(self.job_id, attempt, "SUCCEEDED", 0, None)
                     self._move(JobStatus.SUCCEEDED)
                     break
-                self.store.end_attempt(self.job_id, attempt, "FAILED", failure.exit_code, failure.reason)
+                self.store.end_attempt(self.job_id, attempt, "FAILED", failure.exit_code, failure.reason.message)
                 self._stop_nodes()
                 if failure.action is None or self.restarts >= self.spec.recovery.max_restarts:
-                    self._move(JobStatus.FAILED, failure.reason)
+                    self._move(JobStatus.FAILED, failure.reason.message)
                     break
                 self.restarts += 1
                 self.store.update_job(self.job_id, restarts=self.restarts)
                 what = "replaces node %d and resumes" % failure.node_rank if failure.action == REPLACE else "resumes"
                 self._move(
                     JobStatus.RECOVERING,
-                    f"{failure.reason}; restart {self.restarts}/{self.spec.recovery.max_restarts} "
+                    f"{failure.reason.message}; restart {self.restarts}/{self.spec.recovery.max_restarts} "
                     f"{what} {self._resume_point()}",
                 )
                 if failure.action == REPLACE:
@@ -495,7 +499,6 @@ class Controller:
                 health=self.spec.health.enabled,
             )
             env = self.node_env(node["rank"], attempt, port)
-            self.failed_lines.pop(node["id"], None)
             node["handle"] = self.provider.launch(node["handle"], script, env, attempt)
             self.store.update_node(node["id"], status=NodeState.RUNNING.value, handle=node["handle"].to_dict())
         self.attempt = attempt
@@ -536,7 +539,8 @@ class Controller:
                     self._drain()
                     return Failure(self._exit_reason(node, st.exit_code), RESTART, node["rank"], st.exit_code)
                 if st.state == NodeState.LOST:
-                    return Failure(f"node {node['rank']}: {st.detail}", REPLACE, node["rank"])
+                    return Failure(FailureReason(FailureCode.NODE_LOST, f"node {node['rank']}: {st.detail}",
+                                                 {"node_rank": node["rank"]}), REPLACE, node["rank"])
             if all(st.state == NodeState.SUCCEEDED for _, st in statuses):
                 self._drain()
                 return None
@@ -546,10 +550,13 @@ class Controller:
                     v = min(verdicts, key=lambda v: (v.action != REPLACE, v.node_rank))  # replace first
                     self.store.add_event(self.job_id, "health", f"node {v.node_rank}: {v.kind}: {v.evidence}", v.to_dict())
                     self.reporter.event(f"health: node {v.node_rank} {v.kind} -> {v.action}: {v.evidence}")
-                    return Failure(f"node {v.node_rank} {v.kind}: {v.evidence}", v.action, v.node_rank,
-                                   verdict=f"{v.kind}: {v.evidence}")
+                    why = FailureReason(VERDICT_CODES.get(v.kind, FailureCode.UNKNOWN),
+                                        f"node {v.node_rank} {v.kind}: {v.evidence}",
+                                        {"node_rank": v.node_rank, "verdict": v.kind})
+                    return Failure(why, v.action, v.node_rank, verdict=f"{v.kind}: {v.evidence}")
             if deadline_s is not None and time.time() - self.created_at > deadline_s:
-                return Failure(f"deadline of {self.spec.resources.deadline} passed", None, None)
+                return Failure(FailureReason(FailureCode.TOO_SLOW, f"deadline of {self.spec.resources.deadline} passed",
+                                             {"deadline_s": deadline_s}), None, None)
             time.sleep(POLL_S if self.storage is None else STORAGE_POLL_S)
 
     def _record_details(self, statuses: list) -> None:
@@ -673,7 +680,6 @@ class Controller:
             if data:
                 text = data.decode("utf-8", "replace")
                 self.reporter.log(node["rank"], text)
-                self._scan_failure(node, text)
             records = self.provider.read_metrics(node["handle"], self.metric_offsets[node["id"]])
             samples = [s for s in records if "step" in s]  # the rest are heartbeats
             if samples:
@@ -695,17 +701,15 @@ class Controller:
                 first = min(int(s["step"]) for s in batch)
                 self.store.add_event(self.job_id, "progress", f"attempt {self.attempt}: first step reported is {first}")
 
-    def _scan_failure(self, node: dict, text: str) -> None:
-        lines = (self._log_rest.get(node["id"], "") + text).split("\n")
-        self._log_rest[node["id"]] = lines.pop()[-4096:]
-        marker = f"[sftctl] node {node['rank']}: failed: "
-        for line in lines:
-            if line.startswith(marker):
-                self.failed_lines[node["id"]] = line[len(marker):].strip()
-
-    def _exit_reason(self, node: dict, code: int | None) -> str:
-        why = self.failed_lines.get(node["id"])
-        return f"node {node['rank']} exited with code {code}" + (f": {why}" if why else "")
+    def _exit_reason(self, node: dict, code: int | None) -> FailureReason:
+        """Node ``node`` exited with ``code``: the node's own failure record says why (OOM, an
+        exception, a signal; see :mod:`sftctl.failure`), else the code alone (``exit``)."""
+        line = f"node {node['rank']} exited with code {code}"
+        data = {"node_rank": node["rank"], "exit_code": code}
+        why = self.provider.read_failure(node["handle"])
+        if why is None:
+            return FailureReason(FailureCode.EXIT, line, data)
+        return FailureReason(why.code, f"{line}: {why.message}", {**why.data, **data})
 
     def _stop_nodes(self) -> None:
         for node in self.nodes:

@@ -1,10 +1,14 @@
-"""Why a node's run failed, said in one line, on the node itself.
+"""Why a node's run failed, found out on the node itself.
 
 The node bootstrap (``templates/node.sh.j2``) runs ``python -m sftctl.failure --oom-kills``
-before the spec's ``run`` and ``python -m sftctl.failure RC ERROR_FILE OOM_BEFORE`` after a
-non-zero exit, and prints the answer as ``[sftctl] node N: failed: <reason>`` into the node's
-log; the controller reads that line (every provider ships the log) into the job's failure
-reason instead of a bare "exited with code 1".
+before the spec's ``run`` and ``python -m sftctl.failure RC ERROR_FILE OOM_BEFORE RECORD`` after
+a non-zero exit. That writes the answer as a :class:`sftctl.types.FailureReason` record (JSON:
+``{"code": "oom" | "exception" | "signal", "message": <one line>, "data": {...}}``) to
+``RECORD`` = the node directory's ``failure-<attempt>.json`` (:func:`sftctl.protocol.failure_name`;
+before the attempt's exit file, so the record is there when the exit code is), and prints the line for the node's log, where people
+read it as ``[sftctl] node N: failed: <reason>``. Providers hand the record to the controller
+(``Provider.read_failure``; job storage ships it as ``nodes/<node>/failure-<attempt>.json``);
+nothing parses the log line.
 
 Sources, first that answers:
 
@@ -32,6 +36,7 @@ import traceback
 from pathlib import Path
 
 from sftctl import settings
+from sftctl.types import FailureCode, FailureReason
 
 
 def oom_kills() -> int | None:
@@ -90,24 +95,50 @@ def error_file_message(path: str | os.PathLike) -> str | None:
     return f"rank {rank}: {first}" if rank is not None else first
 
 
-def describe(rc: int, error_file: str | None = None, oom_before: int | None = None) -> str | None:
-    """One line saying why a run exited with ``rc`` (non-zero), or None when nothing is known
-    beyond the code."""
+def diagnose(rc: int, error_file: str | None = None, oom_before: int | None = None) -> FailureReason | None:
+    """Why a run exited with ``rc`` (non-zero): ``oom`` (the OOM-kill counter rose since
+    ``oom_before``), ``exception`` (the error file's first line) or ``signal`` (``rc`` above 128);
+    ``data`` holds ``exit_code`` and, where known, ``signal``, ``oom_kills`` and ``rank``.
+    None when nothing is known beyond the code."""
     recorded = error_file_message(error_file) if error_file else None
     now = oom_kills()
     oom = oom_before is not None and now is not None and now > oom_before
+    data: dict = {"exit_code": rc}
     if oom:
         what = "a process was killed by the kernel's OOM killer (out of memory)"
-        return f"{what}; {recorded}" if recorded else what
+        data["oom_kills"] = now - oom_before
+        return FailureReason(FailureCode.OOM, f"{what}; {recorded}" if recorded else what, data)
     if recorded:
-        return recorded
+        return FailureReason(FailureCode.EXCEPTION, recorded, data)
     if rc > 128:
         try:
             name = signal.Signals(rc - 128).name
         except ValueError:
             name = f"signal {rc - 128}"
-        return f"killed by {name} (signal {rc - 128})"
+        data["signal"] = rc - 128
+        return FailureReason(FailureCode.SIGNAL, f"killed by {name} (signal {rc - 128})", data)
     return None
+
+
+def describe(rc: int, error_file: str | None = None, oom_before: int | None = None) -> str | None:
+    """:func:`diagnose`'s line, or None."""
+    why = diagnose(rc, error_file, oom_before)
+    return None if why is None else why.message
+
+
+def write_record(reason: FailureReason, path: str | os.PathLike) -> None:
+    """Write ``reason`` as the JSON failure record at ``path`` (renamed into place whole)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(reason.to_dict(), f)
+    os.replace(tmp, path)
+
+
+def read_record(data: bytes | str | None) -> FailureReason | None:
+    """:func:`sftctl.protocol.parse_failure`: the record's reason, or None."""
+    from sftctl.protocol import parse_failure
+
+    return parse_failure(data)
 
 
 def write_error_file(exc: BaseException, path: str | os.PathLike, rank: int | None = None) -> None:
@@ -143,7 +174,8 @@ def install_excepthook() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``--oom-kills``: print the counter. ``RC [ERROR_FILE [OOM_BEFORE]]``: print the reason."""
+    """``--oom-kills``: print the counter. ``RC [ERROR_FILE [OOM_BEFORE [RECORD]]]``: print the
+    reason's line, and write its record to ``RECORD`` when given."""
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--oom-kills"]:
         n = oom_kills()
@@ -152,9 +184,12 @@ def main(argv: list[str] | None = None) -> int:
     rc = int(args[0])
     error_file = args[1] if len(args) > 1 and args[1] else None
     oom_before = int(args[2]) if len(args) > 2 and args[2].isdigit() else None
-    why = describe(rc, error_file, oom_before)
+    record = args[3] if len(args) > 3 and args[3] else None
+    why = diagnose(rc, error_file, oom_before)
     if why:
-        print(why)
+        if record:
+            write_record(why, record)
+        print(why.message)
     return 0
 
 

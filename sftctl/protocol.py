@@ -34,6 +34,9 @@ The node directory (``$SFTCTL_NODE_DIR``)
         health.jsonl            sftctl.agent                JSON lines, one GPU sample each
         metrics/rank-<N>.jsonl  sftctl.train.report         JSON lines, one record per step, per global rank N
         error-<a>.json          torchelastic                its error file (sftctl.failure reads it)
+        failure-<a>.json        sftctl.failure (node.sh)    after a non-zero exit, before exit-<a>, when the node
+                                                            knows why: a FailureReason as JSON {"code": "oom" |
+                                                            "exception" | "signal", "message": one line, "data": {...}}
         setup-done              node.sh                     the spec's setup ran on this node (once)
         exit-<a>                node.sh, else the daemon    LAST; see the ordering rules
 
@@ -45,6 +48,7 @@ Job storage (``nodes/<node id>/`` under the job's storage prefix; :class:`NodeCh
                                                              "secret_env": [names], "created_at": unix s}
         ack-<a>                 node daemon (ack)           after it started attempt a's script; "<pid>\\n"
         stop-<a>                controller (request_stop)   to stop attempt a (the node stays); empty
+        failure-<a>.json        shipper (write_failure)     the node directory's failure-<a>.json, copied, before exit-<a>
         exit-<a>                shipper (write_exit)        the node directory's exit-<a>, copied; exit code format
         node.log/<seq>, agent.log/<seq>, health.jsonl/<seq>, metrics/rank-<N>.jsonl/<seq>
                                 shipper                     the node directory's files as append-only streams of
@@ -59,6 +63,10 @@ Ordering rules (what a reader may rely on)
        streams, drains and flushes every stream, and only then writes ``exit-<a>`` to storage. A
        controller that sees an exit code in storage has every log and metrics byte the attempt
        wrote before it.
+    2a. Why it failed comes with the code, never from the log: node.sh writes ``failure-<a>.json``
+       (renamed into place whole) before ``exit-<a>``, and the shipper copies it to storage before
+       the exit object, so a reader that sees a non-zero exit code finds the record if the node
+       wrote one (:func:`parse_failure`); none means nothing is known beyond the code.
     3. When the attempt's script was killed and wrote no ``exit-<a>``, the node daemon writes one
        (128 + signal) while it lives, so the controller learns how every attempt ended.
     4. A launch supersedes: the daemon takes the newest ``launch-<a>.json`` with ``a`` above the
@@ -99,6 +107,7 @@ __all__ = [
     "ack_name",
     "env_name",
     "error_name",
+    "failure_name",
     "exit_name",
     "format_exit_code",
     "host_name",
@@ -108,6 +117,7 @@ __all__ = [
     "node_prefix",
     "parse_exit_code",
     "parse_exit_name",
+    "parse_failure",
     "parse_launch_name",
     "read_exit_file",
     "restarts_name",
@@ -171,6 +181,25 @@ def restarts_name(attempt: Attempt) -> str:
 def error_name(attempt: Attempt) -> str:
     """``error-<attempt>.json``: torchelastic's error file of the attempt."""
     return f"error-{attempt}.json"
+
+
+def failure_name(attempt: Attempt) -> str:
+    """``failure-<attempt>.json``: why the attempt failed, as the node found out (rule 2a)."""
+    return f"failure-{attempt}.json"
+
+
+def parse_failure(raw: bytes | str | None):
+    """A failure record's :class:`sftctl.types.FailureReason`; None for no record, or one that
+    does not parse (a truncated or foreign file is not worth failing the controller)."""
+    from sftctl.types import FailureReason
+
+    if not raw:
+        return None
+    try:
+        doc = json.loads(raw)
+        return FailureReason.from_dict(doc) if isinstance(doc, dict) else None
+    except (ValueError, TypeError):
+        return None
 
 
 def metrics_name(rank: int | str) -> str:
@@ -287,6 +316,9 @@ class NodeDir:
     def host(self, attempt: Attempt):
         return self.path(host_name(attempt))
 
+    def failure(self, attempt: Attempt):
+        return self.path(failure_name(attempt))
+
     def restarts(self, attempt: Attempt):
         return self.path(restarts_name(attempt))
 
@@ -377,6 +409,10 @@ class NodeChannel:
         return node_prefix(node_id) + exit_name(attempt)
 
     @staticmethod
+    def failure_key(node_id: str, attempt: int) -> str:
+        return node_prefix(node_id) + failure_name(attempt)
+
+    @staticmethod
     def stream_key(node_id: str, rel: str) -> str:
         """The stream of the node directory's file ``rel`` (``node.log``, ``metrics/rank-0.jsonl``)."""
         return node_prefix(node_id) + rel
@@ -429,6 +465,14 @@ class NodeChannel:
         except StorageNotFound:
             return None
         return parse_exit_code(raw)
+
+    def read_failure(self, node_id: str, attempt: int):
+        """Why ``attempt`` failed on the node (a :class:`sftctl.types.FailureReason`), or None
+        when the node wrote no failure record (rule 2a)."""
+        try:
+            return parse_failure(self.storage.get_bytes(self.failure_key(node_id, attempt)))
+        except StorageNotFound:
+            return None
 
     def _reader(self, key: str):
         reader = self._readers.get(key)
@@ -506,6 +550,15 @@ class NodeChannel:
     def stop_requested(self, node_id: str, attempt: int) -> bool:
         """Whether the controller asked to stop ``attempt`` (rule 5)."""
         return self.storage.exists(self.stop_key(node_id, attempt))
+
+    def write_failure(self, node_id: str, attempt: int, node_dir: "NodeDir") -> None:
+        """Copy ``attempt``'s failure record from the local ``node_dir`` to storage, when there
+        is one; call just before :meth:`write_exit` (rule 2a)."""
+        try:
+            data = Path(node_dir.failure(attempt)).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        self.storage.put_bytes(self.failure_key(node_id, attempt), data)
 
     def write_exit(self, node_id: str, attempt: int, code: int) -> None:
         """Publish ``attempt``'s exit code. Call only after the attempt's streams are flushed

@@ -594,6 +594,25 @@ def test_cloud_provider_speaks_to_storage_channel(tmp_path):
     assert provider.read_metrics(handle, {}) == [] and provider.read_health(handle, {}) == []
 
 
+def test_failure_record_is_shipped_before_the_exit_code(tmp_path):
+    """A node's failure record (sftctl.failure) reaches job storage no later than its exit code,
+    and the channel reads it back as a FailureReason."""
+    from sftctl.types import FailureCode, FailureReason
+
+    store = open_storage(tmp_path / "s")
+    store.ensure(create_bucket=True)
+    node = _tree(tmp_path / "node", {"node.log": "boom\n"})
+    (node / "failure-2.json").write_text(json.dumps(FailureReason("exception", "rank 1: ValueError: x", {"exit_code": 1}).to_dict()))
+    channel = NodeChannel(store)
+    Shipper(store, "n0", node).ship_once()
+    assert channel.read_failure("n0", 2) is None and channel.exit_code("n0", 2) is None  # no exit code yet
+    (node / "exit-2").write_text("1\n")
+    Shipper(store, "n0", node).ship_once()
+    why = channel.read_failure("n0", 2)
+    assert why.code is FailureCode.EXCEPTION and why.message == "rank 1: ValueError: x" and channel.exit_code("n0", 2) == 1
+    assert channel.read_failure("n0", 1) is None
+
+
 def test_no_credential_in_any_object(store, tmp_path, monkeypatch):
     """A whole job's worth of objects (workdir, checkpoints, launch, streams, exit) with the AWS
     secret key in the environment and in the launch env: none of them holds its value."""

@@ -432,6 +432,22 @@ def test_failure_reasons_say_what_happened(tmp_path, home):
     assert reason == "node 0 exited with code 1: rank 1: RuntimeError: rank 1 failed on purpose"
 
 
+def test_failure_reason_comes_from_the_nodes_record_not_its_log(tmp_path, home):
+    """The node writes why it failed as a record (code, line, data) the controller reads; a run
+    that prints sftctl's own "failed:" line cannot put words in the job's reason any more."""
+    from sftctl import failure
+    from sftctl.types import FailureCode
+
+    reason = _failure_reason(tmp_path, "spoof", "echo '[sftctl] node 0: failed: spoofed by the script'\nexit 3")
+    assert reason == "node 0 exited with code 3"
+    record = tmp_path / "failure-1.json"
+    assert failure.main(["137", "", "", str(record)]) == 0
+    why = failure.read_record(record.read_bytes())
+    assert why.code is FailureCode.SIGNAL and why.data == {"exit_code": 137, "signal": 9}
+    assert why.message == "killed by SIGKILL (signal 9)"
+    assert failure.read_record(b"{not json") is None and failure.read_record(b"") is None
+
+
 def test_the_oom_killer_is_named_when_the_kernel_counter_rose(tmp_path):
     """Item 14: a run killed while the kernel's OOM-kill counter rose is reported as out of memory
     (the counter is read the way the node reads it; no test can OOM the machine)."""

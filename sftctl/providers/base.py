@@ -7,6 +7,7 @@ A provider knows nothing of the compiler or the lifecycle. The controller drives
     provider.status(handle)                                         # -> NodeStatus
     provider.read_log(handle, offset)                               # -> (bytes, next offset)
     provider.quarantine(handle, reason)                             # keep a bad machine out
+    provider.read_failure(handle)                                   # -> FailureReason | None
     provider.terminate(handle)                                      # nothing of it is left
     provider.terminate_tagged(job_id)                               # whatever exists, by tag
     provider.list_instances(job_id=None)                            # every labelled resource
@@ -30,7 +31,7 @@ from __future__ import annotations
 import json
 from typing import Protocol, runtime_checkable
 
-from sftctl.types import NodeHandle, NodeState, NodeStatus, Offering  # noqa: F401  (re-exported)
+from sftctl.types import FailureReason, NodeHandle, NodeState, NodeStatus, Offering  # noqa: F401  (re-exported)
 
 
 @runtime_checkable
@@ -68,6 +69,10 @@ class Provider(Protocol):
 
     def read_health(self, handle: NodeHandle, offsets: dict[str, int]) -> list[dict]:
         """New GPU samples the node agent wrote (see :mod:`sftctl.health.telemetry`)."""
+
+    def read_failure(self, handle: NodeHandle) -> FailureReason | None:
+        """Why the handle's attempt failed, as the node found out (its failure record, see
+        :mod:`sftctl.failure`); None when the node wrote none (nothing known beyond the code)."""
 
     def stop_attempt(self, handle: NodeHandle) -> None:
         """Stop what the current attempt runs on the node; the node stays for the next attempt."""

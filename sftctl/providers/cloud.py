@@ -40,7 +40,7 @@ from typing import Callable
 from sftctl.catalog import Offering
 from sftctl.errors import CapacityError, ProviderError
 from sftctl.providers.base import NodeState, NodeStatus
-from sftctl.types import CloudHandle, NodeHandle
+from sftctl.types import CloudHandle, FailureReason, NodeHandle
 
 #: Label / tag keys on every resource sftctl creates. Values obey GCP's label rules
 #: (lowercase letters, digits, ``-`` and ``_``, at most 63 characters), which also satisfy
@@ -269,6 +269,11 @@ class CloudProvider:
 
     def read_health(self, handle: NodeHandle, offsets: dict[str, int]) -> list[dict]:
         return [] if self.channel is None else self.channel.read_health(handle.node_id, offsets)
+
+    def read_failure(self, handle: NodeHandle) -> FailureReason | None:
+        if self.channel is None or handle.attempt is None:
+            return None
+        return self.channel.read_failure(handle.node_id, handle.attempt)
 
     def stop_attempt(self, handle: NodeHandle) -> None:
         """Ask the node's daemon to stop the running attempt (the protocol's stop request)."""

@@ -22,9 +22,9 @@ from sftctl import procs
 from sftctl.catalog import Offering, local_offering
 from sftctl.errors import CapacityError, ProviderError
 from sftctl.paths import job_dir, sftctl_home
-from sftctl.protocol import METRICS_GLOB, NodeDir, read_exit_file
+from sftctl.protocol import METRICS_GLOB, NodeDir, parse_failure, read_exit_file
 from sftctl.providers.base import NodeState, NodeStatus, complete_json_lines
-from sftctl.types import LocalHandle
+from sftctl.types import FailureReason, LocalHandle
 
 
 class LocalProvider:
@@ -169,6 +169,16 @@ class LocalProvider:
         if self.channel is not None:
             return self.channel.read_health(handle.node_id, offsets)
         return _read_json_lines(NodeDir(Path(handle.dir)).health, offsets)
+
+    def read_failure(self, handle: LocalHandle) -> FailureReason | None:
+        if handle.attempt is None:
+            return None
+        if self.channel is not None:
+            return self.channel.read_failure(handle.node_id, handle.attempt)
+        try:
+            return parse_failure(Path(NodeDir(Path(handle.dir)).failure(handle.attempt)).read_bytes())
+        except OSError:
+            return None
 
     def stop_attempt(self, handle: LocalHandle) -> None:
         """Stop the node's processes; the node (its directory) stays for the next attempt."""

@@ -62,9 +62,9 @@ from pathlib import Path
 from sftctl import settings
 from sftctl.catalog import Offering
 from sftctl.errors import CapacityError, ProviderError
-from sftctl.protocol import NodeDir, parse_exit_code
+from sftctl.protocol import NodeDir, parse_exit_code, parse_failure
 from sftctl.providers.base import NodeState, NodeStatus, complete_json_lines
-from sftctl.types import SlurmHandle
+from sftctl.types import FailureReason, SlurmHandle
 
 #: Pending reasons of ``squeue`` (``%r``) in words. Source: Slurm's squeue man page, "JOB REASON
 #: CODES" (22.05 and 24.11 list the same codes for these).
@@ -888,6 +888,12 @@ class SlurmProvider:
         path = NodeDir(handle.dir).health
         got = self.runner.read({"files": {path: offsets.get(path, 0)}})
         return complete_json_lines(path, got[path], offsets) if path in got else []
+
+    def read_failure(self, handle: SlurmHandle) -> FailureReason | None:
+        if not handle.dir or not handle.attempt:
+            return None
+        path = NodeDir(handle.dir).failure(handle.attempt)
+        return parse_failure(self.runner.read({"files": {path: 0}}).get(path))
 
     # ---------------------------------------------------------------- teardown
 

@@ -17,8 +17,9 @@ offset, listing only keys after the last segment it has seen.
 rules: :mod:`sftctl.protocol`: ``node.log``, ``agent.log``, ``health.jsonl``,
 ``metrics/rank-*.jsonl``) into the streams ``nodes/<node id>/<relative path>`` (byte offsets in
 a stream equal offsets in the file), and ships each exit file as the protocol's exit object
-after flushing every stream (its rule 2), so a controller that sees the exit code has every log
-byte the attempt wrote. A restarted shipper continues each stream after
+after flushing every stream (its rule 2), just after the attempt's failure record when there is
+one, so a controller that sees the exit code has every log byte the attempt wrote and why it
+failed. A restarted shipper continues each stream after
 the bytes already there.
 
 Run it from a node's bootstrap::
@@ -375,6 +376,7 @@ class Shipper:
                     else:
                         w.poll()
                 for attempt, code in exits:
+                    self.channel.write_failure(self.node_id, attempt, protocol.NodeDir(self.node_dir))
                     self.channel.write_exit(self.node_id, attempt, code)
                     self.exits_shipped.add(attempt)
                 self.last_error = None
