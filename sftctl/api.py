@@ -422,7 +422,7 @@ class JobView:
         if self.detail:
             doc["plan"] = job.plan_reason
             doc["ranks"] = [r.to_dict() for r in self.ranks]
-            doc["nodes"] = [{"id": n.id, "rank": n.rank, "status": n.status, "where": n.handle.get("ip") or n.provider}
+            doc["nodes"] = [{"id": n.id, "rank": n.rank, "status": n.status, "where": getattr(n.node_handle, "ip", None) or n.provider}
                             for n in self.nodes]
             doc["attempts"] = [a.to_dict() for a in self.attempts]
             doc["health"] = [{"ts": e.ts, "message": e.message, **(e.data or {})} for e in self.health]

@@ -568,8 +568,7 @@ class Controller:
                 node["detail"] = st.detail
                 if st.detail:
                     changed.setdefault(st.detail, []).append(node["rank"])
-                pending = st.detail.startswith("pending")
-                self.store.update_node(node["id"], status="PENDING" if pending else NodeState.RUNNING.value)
+                self.store.update_node(node["id"], status="PENDING" if st.pending else NodeState.RUNNING.value)
         for detail, ranks in changed.items():
             who = f"node {ranks[0]}" if len(ranks) == 1 else f"nodes {', '.join(map(str, ranks))}"
             self.store.add_event(self.job_id, "node", f"{who}: {detail}")

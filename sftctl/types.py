@@ -257,11 +257,14 @@ class NodeState(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class NodeStatus:
-    """A node's state, its script's exit code when it ended, and a human detail line."""
+    """A node's state, its script's exit code when it ended, and a human detail line.
+    ``pending``: the provider's scheduler still queues it (a Slurm job waiting for resources);
+    its state is RUNNING for the controller, which records the node as PENDING."""
 
     state: NodeState
     exit_code: int | None = None
     detail: str = ""
+    pending: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -833,7 +833,8 @@ class SlurmProvider:
             reason = st.get("reason") or "None"
             again = (f" (requeued by Slurm, restart {st['restarts']}: it resumes from the last checkpoint)"
                      if st.get("restarts") else "")
-            return NodeStatus(NodeState.RUNNING, None, f"pending in Slurm job {slurm_id}: {pending_words(reason)}{again}")
+            return NodeStatus(NodeState.RUNNING, None, f"pending in Slurm job {slurm_id}: {pending_words(reason)}{again}",
+                              pending=True)
         if state not in ENDED:
             restarts = _int((got.get(nd.restarts(handle.attempt)) or b"0").decode())
             if state == "RUNNING" and restarts:
