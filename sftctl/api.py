@@ -414,6 +414,7 @@ class JobView:
             "tokens_per_s": self.tokens_per_s,
             "restarts": job.restarts,
             "failure_reason": job.failure_reason,
+            "failure_code": job.failure_code,
             "pending_reason": job.pending_reason if job.status == JobStatus.PENDING else None,
             "created_at": job.created_at,
             "ended_at": job.ended_at,

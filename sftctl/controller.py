@@ -96,6 +96,18 @@ BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 30.0
 
 
+def _error_code(e: SftctlError) -> str:
+    """The :class:`FailureCode` value of an error that ended a job: a provider error's own
+    (``no_capacity``, ``not_configured``, ``provider_error``); ``no_capacity`` when no offering
+    of the plan had capacity (:class:`InfeasibleError`); else ``unknown``."""
+    reason = getattr(e, "reason", None)
+    if isinstance(reason, FailureReason):
+        return reason.code.value
+    if isinstance(e, InfeasibleError):
+        return FailureCode.NO_CAPACITY.value
+    return FailureCode.UNKNOWN.value
+
+
 #: The failure code of each health verdict kind (sftctl.health.telemetry.Verdict.kind).
 VERDICT_CODES = {"xid": FailureCode.GPU_FAILED, "ecc": FailureCode.GPU_FAILED, "gpu_lost": FailureCode.GPU_FAILED,
                  "throttle": FailureCode.THROTTLED, "straggler": FailureCode.STRAGGLER,
@@ -229,10 +241,11 @@ class Controller:
                     self.store.end_attempt(self.job_id, attempt, "SUCCEEDED", 0, None)
                     self._move(JobStatus.SUCCEEDED)
                     break
-                self.store.end_attempt(self.job_id, attempt, "FAILED", failure.exit_code, failure.reason.message)
+                code = failure.reason.code.value
+                self.store.end_attempt(self.job_id, attempt, "FAILED", failure.exit_code, failure.reason.message, code)
                 self._stop_nodes()
                 if failure.action is None or self.restarts >= self.spec.recovery.max_restarts:
-                    self._move(JobStatus.FAILED, failure.reason.message)
+                    self._move(JobStatus.FAILED, failure.reason.message, code)
                     break
                 self.restarts += 1
                 self.store.update_job(self.job_id, restarts=self.restarts)
@@ -247,17 +260,17 @@ class Controller:
                 time.sleep(min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (self.restarts - 1)))
         except (Cancelled, KeyboardInterrupt) as e:
             why = str(e) if isinstance(e, Cancelled) and str(e) else "cancelled by the user (Ctrl-C)"
-            self.store.transition(self.job_id, JobStatus.CANCELLED, why)
-            self.store.end_open_attempts(self.job_id, "CANCELLED", why)
+            self.store.transition(self.job_id, JobStatus.CANCELLED, why, code=FailureCode.CANCELLED.value)
+            self.store.end_open_attempts(self.job_id, "CANCELLED", why, FailureCode.CANCELLED.value)
             self.reporter.event(f"cancelled: {why}")
         except SftctlError as e:
             self.error = e
-            self.store.transition(self.job_id, JobStatus.FAILED, e.message)
-            self.store.end_open_attempts(self.job_id, "FAILED", e.message)
+            self.store.transition(self.job_id, JobStatus.FAILED, e.message, code=_error_code(e))
+            self.store.end_open_attempts(self.job_id, "FAILED", e.message, _error_code(e))
             self.reporter.event(f"failed: {e.message}")
         except BaseException as e:
-            self.store.transition(self.job_id, JobStatus.FAILED, f"controller error: {e!r}")
-            self.store.end_open_attempts(self.job_id, "FAILED", f"controller error: {e!r}")
+            self.store.transition(self.job_id, JobStatus.FAILED, f"controller error: {e!r}", code=FailureCode.UNKNOWN.value)
+            self.store.end_open_attempts(self.job_id, "FAILED", f"controller error: {e!r}", FailureCode.UNKNOWN.value)
             raise
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut teardown
@@ -310,8 +323,8 @@ class Controller:
                 said = why
             time.sleep(ADMIT_POLL_S)
 
-    def _move(self, status: JobStatus, reason: str | None = None) -> None:
-        if not self.store.transition(self.job_id, status, reason):
+    def _move(self, status: JobStatus, reason: str | None = None, code: str | None = None) -> None:
+        if not self.store.transition(self.job_id, status, reason, code=code):
             raise Cancelled("the job was ended by another process (sftctl down)")
         self.reporter.event(f"{status.value}" + (f": {reason}" if reason else ""))
 
@@ -752,7 +765,8 @@ def down(store: Store, job_id: str) -> str:
             time.sleep(0.1)
         if procs.alive(pid, ticks):
             procs.kill_all([pid], grace_s=0)
-    cancelled = store.transition(job_id, JobStatus.CANCELLED, "cancelled by sftctl down", strict=False)
+    cancelled = store.transition(job_id, JobStatus.CANCELLED, "cancelled by sftctl down", strict=False,
+                                 code=FailureCode.CANCELLED.value)
     provider = job_provider(job)
     running = released = 0
     for node in store.nodes(job_id):
@@ -765,7 +779,8 @@ def down(store: Store, job_id: str) -> str:
                               handle={**node.handle, "terminated": True})
             released += 1
     strays = provider.terminate_tagged(job_id)
-    store.end_open_attempts(job_id, "ABANDONED", "the controller was gone; ended by sftctl down")
+    store.end_open_attempts(job_id, "ABANDONED", "the controller was gone; ended by sftctl down",
+                            FailureCode.CONTROLLER_DIED.value)
     after = store.get_job(job_id)
     if not (cancelled or controller_was_alive or released or strays):
         return f"{job_id}: {after.status.value.lower()}, nothing left to take down"

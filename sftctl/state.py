@@ -42,7 +42,7 @@ TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     **{s: frozenset() for s in TERMINAL},
 }
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # Each migration takes the schema from version i to i + 1. Append; never edit a landed one.
 MIGRATIONS: list[str] = [
     """
@@ -109,6 +109,11 @@ MIGRATIONS: list[str] = [
     # 2: why a job still waits in PENDING (local admission control: CPUs or memory taken)
     """
     ALTER TABLE jobs ADD COLUMN pending_reason TEXT;
+    """,
+    # 3: the code of each failure line (sftctl.types.FailureCode), for programs; the line stays
+    """
+    ALTER TABLE jobs ADD COLUMN failure_code TEXT;
+    ALTER TABLE attempts ADD COLUMN reason_code TEXT;
     """,
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION
@@ -294,9 +299,14 @@ class Store:
             db.execute(f"UPDATE jobs SET {cols} WHERE id = ?", (*fields.values(), job_id))
 
     def transition(
-        self, job_id: str, new: JobStatus, reason: str | None = None, *, strict: bool = True
+        self, job_id: str, new: JobStatus, reason: str | None = None, *, strict: bool = True,
+        code: str | None = None,
     ) -> bool:
         """Move a job to ``new`` if the lifecycle allows it from its current status.
+
+        ``reason`` is the human line; ``code`` its :class:`sftctl.types.FailureCode` value. For an
+        ending (FAILED, CANCELLED, FAILED_CONTROLLER) they become the job's ``failure_reason`` and
+        ``failure_code``; the status event carries the code in its data.
 
         Returns True if the job moved. A transition out of a terminal status returns False (the
         job already ended, e.g. ``sftctl down`` won the race). Any other forbidden transition
@@ -315,11 +325,11 @@ class Store:
             ended = now if new.terminal else None
             db.execute(
                 "UPDATE jobs SET status = ?, updated_at = ?, ended_at = COALESCE(?, ended_at),"
-                " failure_reason = COALESCE(?, failure_reason) WHERE id = ?",
-                (new.value, now, ended, reason if new in _ENDINGS else None, job_id),
+                " failure_reason = COALESCE(?, failure_reason), failure_code = COALESCE(?, failure_code) WHERE id = ?",
+                (new.value, now, ended, reason if new in _ENDINGS else None, code if new in _ENDINGS else None, job_id),
             )
             message = f"{old.value} -> {new.value}" + (f": {reason}" if reason else "")
-            self._event(db, job_id, "status", message)
+            self._event(db, job_id, "status", message, {"code": code} if code else None)
         return True
 
     def reap_dead_controllers(self) -> list[str]:
@@ -347,7 +357,7 @@ class Store:
                 f"the controller (pid {pid}) exited without finishing the job"
                 if pid else "the controller never started"
             ) + "; its nodes may still run: sftctl down " + r["id"]
-            if self.transition(r["id"], JobStatus.FAILED_CONTROLLER, reason, strict=False):
+            if self.transition(r["id"], JobStatus.FAILED_CONTROLLER, reason, strict=False, code="controller_died"):
                 reaped.append(r["id"])
         return reaped
 
@@ -402,22 +412,24 @@ class Store:
             )
         return n
 
-    def end_attempt(self, job_id: str, number: int, status: str, exit_code: int | None, reason: str | None) -> None:
+    def end_attempt(self, job_id: str, number: int, status: str, exit_code: int | None, reason: str | None,
+                    code: str | None = None) -> None:
+        """End attempt ``number``: ``reason`` the line why, ``code`` its FailureCode value."""
         with self.write() as db:
             db.execute(
-                "UPDATE attempts SET status = ?, exit_code = ?, reason = ?, ended_at = ?"
+                "UPDATE attempts SET status = ?, exit_code = ?, reason = ?, reason_code = ?, ended_at = ?"
                 " WHERE job_id = ? AND number = ?",
-                (status, exit_code, reason, time.time(), job_id, number),
+                (status, exit_code, reason, code, time.time(), job_id, number),
             )
 
-    def end_open_attempts(self, job_id: str, status: str, reason: str) -> int:
+    def end_open_attempts(self, job_id: str, status: str, reason: str, code: str | None = None) -> int:
         """End the job's attempts still marked RUNNING with ``status`` (CANCELLED, or ABANDONED
         when their controller is gone); return how many."""
         with self.write() as db:
             cur = db.execute(
-                "UPDATE attempts SET status = ?, reason = ?, ended_at = ?"
+                "UPDATE attempts SET status = ?, reason = ?, reason_code = ?, ended_at = ?"
                 " WHERE job_id = ? AND status = 'RUNNING'",
-                (status, reason, time.time(), job_id),
+                (status, reason, code, time.time(), job_id),
             )
         return cur.rowcount
 

@@ -444,6 +444,7 @@ class JobRecord(Record):
     failure_reason: str | None = None
     ended_at: float | None = None
     pending_reason: str | None = None
+    failure_code: str | None = None  # the FailureCode value of failure_reason
     plan: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -483,7 +484,8 @@ class NodeRecord(Record):
 @dataclasses.dataclass(frozen=True)
 class Attempt(Record):
     """One launch of the job's script on all its nodes (1, 2, ...); ``status`` RUNNING while it
-    runs, then SUCCEEDED / FAILED / CANCELLED / ABANDONED; ``reason`` why it ended."""
+    runs, then SUCCEEDED / FAILED / CANCELLED / ABANDONED; ``reason`` why it ended (one line),
+    ``reason_code`` that reason's :class:`FailureCode` value (None before schema 3 or unknown)."""
 
     job_id: str
     number: int
@@ -492,6 +494,7 @@ class Attempt(Record):
     exit_code: int | None = None
     reason: str | None = None
     ended_at: float | None = None
+    reason_code: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

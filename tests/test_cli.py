@@ -44,8 +44,9 @@ def test_failed_job_restarts_then_fails_with_exit_1(tmp_path, home):
     assert proc.returncode == 1
     doc = json.loads(proc.stdout)
     assert doc["status"] == "FAILED" and doc["restarts"] == 1
-    assert doc["failure_reason"] == "node 0 exited with code 3"
+    assert doc["failure_reason"] == "node 0 exited with code 3" and doc["failure_code"] == "exit"
     assert [(a["number"], a["status"], a["exit_code"]) for a in doc["attempts"]] == [(1, "FAILED", 3), (2, "FAILED", 3)]
+    assert [a["reason_code"] for a in doc["attempts"]] == ["exit", "exit"]
     assert "attempt 2" in sftctl("logs", doc["id"], check=True).stdout
 
 

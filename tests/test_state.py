@@ -63,6 +63,39 @@ def test_lifecycle_is_enforced(home):
     assert messages[-1] == "RUNNING -> CANCELLED: cancelled by test"
 
 
+def test_a_schema_2_file_keeps_its_jobs_and_gains_failure_codes(home):
+    """Schema 3 adds the code of each failure line (jobs.failure_code, attempts.reason_code):
+    a version-2 file migrates in place, its rows read back with no code; new endings get one."""
+    from sftctl.state import MIGRATIONS
+
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    conn = sqlite3.connect(home / "state.db", isolation_level=None)
+    for migration in MIGRATIONS[:2]:
+        for statement in migration.split(";"):
+            if statement.strip():
+                conn.execute(statement)
+    conn.execute("INSERT INTO jobs (id, name, status, spec_json, failure_reason, created_at, updated_at)"
+                 " VALUES ('old-1', 'old', 'FAILED', '{}', 'node 0 exited with code 3', 1.0, 2.0)")
+    conn.execute("INSERT INTO attempts (job_id, number, status, exit_code, reason, started_at)"
+                 " VALUES ('old-1', 1, 'FAILED', 3, 'node 0 exited with code 3', 1.0)")
+    conn.execute("PRAGMA user_version = 2")
+    conn.close()
+    store = Store()
+    assert store.schema_version == SCHEMA_VERSION == 3
+    old = store.get_job("old-1")
+    assert (old.failure_reason, old.failure_code) == ("node 0 exited with code 3", None)
+    assert [(a.reason, a.reason_code) for a in store.attempts("old-1")] == [("node 0 exited with code 3", None)]
+    job = store.create_job("new", {"run": "true"})
+    assert store.transition(job, JobStatus.PROVISIONING)
+    n = store.start_attempt(job)
+    store.end_attempt(job, n, "FAILED", 137, "node 0 exited with code 137: killed by SIGKILL (signal 9)", "signal")
+    assert store.transition(job, JobStatus.FAILED, "node 0 exited with code 137: killed by SIGKILL (signal 9)",
+                            code="signal", strict=False)
+    got = store.get_job(job)
+    assert got.failure_code == "signal" and store.attempts(job)[0].reason_code == "signal"
+    assert store.events(job)[-1].data == {"code": "signal"}
+
+
 def test_metrics_keep_first_and_latest(home):
     store = Store()
     job = store.create_job("demo", {})
