@@ -37,7 +37,7 @@ from sftctl.providers import get_provider
 from sftctl.providers.base import NodeState, provision_all
 from sftctl.spec import JobSpec, env_references, resolve_env
 from sftctl.storage import StorageError
-from sftctl.state import JobRecord, JobStatus, Store
+from sftctl.state import JobRecord, JobStatus, Store, controller_died_reason
 from sftctl.types import FailureCode, FailureReason, NodeHandle
 
 POLL_S = 0.5
@@ -784,9 +784,8 @@ def down(store: Store, job_id: str) -> str:
     after = store.get_job(job_id)
     if not (cancelled or controller_was_alive or released or strays):
         return f"{job_id}: {after.status.value.lower()}, nothing left to take down"
-    if after.status == JobStatus.FAILED_CONTROLLER and after.failure_reason:
-        reason = after.failure_reason.split("; its nodes may still run")[0] + "; sftctl down removed its nodes"
-        store.update_job(job_id, failure_reason=reason)
+    if after.status == JobStatus.FAILED_CONTROLLER:  # only a reaped controller ends a job so
+        store.update_job(job_id, failure_reason=controller_died_reason(job_id, after.controller_pid, nodes_removed=True))
     parts = [f"{job_id}: " + ("cancelled" if cancelled else after.status.value.lower())]
     if running:
         parts.append(f"stopped {running} running node(s)")

@@ -123,6 +123,13 @@ LOCKED_RETRY_S = 1.0  # a controller that keeps waiting for the write lock tries
 CONTROLLER_START_GRACE_S = 30.0  # a job may wait this long for its controller to record its pid
 
 
+def controller_died_reason(job_id: str, pid: int | None, nodes_removed: bool = False) -> str:
+    """The failure line of a job whose controller is gone (code ``controller_died``): what
+    happened, then what became of its nodes (``sftctl down`` rewrites it with ``nodes_removed``)."""
+    what = f"the controller (pid {pid}) exited without finishing the job" if pid else "the controller never started"
+    return what + ("; sftctl down removed its nodes" if nodes_removed else f"; its nodes may still run: sftctl down {job_id}")
+
+
 class IllegalTransition(Exception):
     """A programming error: the controller asked for a transition the lifecycle forbids."""
 
@@ -353,10 +360,7 @@ class Store:
                 continue
             if pid is not None and procs.alive(pid, r["controller_start_ticks"]):
                 continue
-            reason = (
-                f"the controller (pid {pid}) exited without finishing the job"
-                if pid else "the controller never started"
-            ) + "; its nodes may still run: sftctl down " + r["id"]
+            reason = controller_died_reason(r["id"], pid)
             if self.transition(r["id"], JobStatus.FAILED_CONTROLLER, reason, strict=False, code="controller_died"):
                 reaped.append(r["id"])
         return reaped

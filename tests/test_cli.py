@@ -104,8 +104,9 @@ def test_sigkilled_controller_then_down_leaves_nothing(tmp_path, home):
     assert all(n["status"] == "TERMINATED" for n in doc["nodes"])
     events = json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]
     assert events[-1]["kind"] == "down" and "stopped 2 running node(s)" in events[-1]["message"]
-    assert doc["failure_reason"].endswith("; sftctl down removed its nodes")
-    assert [a["status"] for a in doc["attempts"]] == ["ABANDONED"]
+    assert doc["failure_reason"].endswith("exited without finishing the job; sftctl down removed its nodes")
+    assert doc["failure_code"] == "controller_died"
+    assert [(a["status"], a["reason_code"]) for a in doc["attempts"]] == [("ABANDONED", "controller_died")]
 
 
 def test_ctrl_c_cancels_attached_run(tmp_path, home):
