@@ -60,24 +60,38 @@ _LIVE_ADMITTED = frozenset({JobStatus.PROVISIONING, JobStatus.LAUNCHING, JobStat
 
 def _machine_busy(store: Store, job_id: str, need_cpus: int, need_gib: float) -> str | None:
     """None when a local job needing ``need_cpus`` worker CPUs and ``need_gib`` GiB can start
-    now, else why not (one line). Only other admitted local jobs of this store count for CPUs;
+    now, else why not (one line). Other admitted local jobs of this store count for CPUs, and so
+    do ended jobs (a dead controller's, FAILED_CONTROLLER) whose local node processes still run;
     memory is what the kernel reports available (``MemAvailable`` in /proc/meminfo)."""
     others = [j for j in store.list_jobs(set(_LIVE_ADMITTED))
               if j.id != job_id and (j.provider or "local") == "local"]
-    if not others:
+    orphans = _orphaned_local_jobs(store, job_id)
+    if not others and not orphans:
         return None
     cpus = os.cpu_count() or 1
     used = 0
-    for j in others:
+    for j in others + orphans:
         count = j.offering.count if j.offering is not None else 1
         used += j.spec["resources"]["nodes"] * count
     if used + need_cpus > cpus:
-        return (f"waiting for CPUs: {used} of this machine's {cpus} are taken by {len(others)} local job(s), "
-                f"this job needs {need_cpus}")
+        left = (f" ({len(orphans)} of them left running by a dead controller: sftctl down "
+                f"{' '.join(j.id for j in orphans)})" if orphans else "")
+        return (f"waiting for CPUs: {used} of this machine's {cpus} are taken by {len(others) + len(orphans)} "
+                f"local job(s){left}, this job needs {need_cpus}")
     avail = _mem_available_gib()
     if avail is not None and avail < need_gib:
         return f"waiting for memory: {avail:.1f} GiB available, this job needs about {need_gib:.1f} GiB"
     return None
+
+
+def _orphaned_local_jobs(store: Store, job_id: str) -> list[JobRecord]:
+    """Jobs of this store that are not admitted (ended: a dead controller's, or one still
+    tearing down) but whose local node processes, tagged with this home, still run."""
+    from sftctl.providers.local import LocalProvider
+
+    running = {r["job_id"] for r in LocalProvider().list_instances(None)} - {job_id}
+    jobs = [store.get_job(j) for j in sorted(running)]
+    return [j for j in jobs if j is not None and j.status not in _LIVE_ADMITTED and j.status != JobStatus.PENDING]
 
 
 def _mem_available_gib() -> float | None:

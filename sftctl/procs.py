@@ -90,3 +90,47 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+#: How often a node's guard looks at its controller (seconds): a local node outlives a killed
+#: controller by about this long plus ``kill_all``'s grace.
+GUARD_POLL_S = 1.0
+
+
+def guard(controller_pid: int, controller_ticks: int | None, node_id: str, argv: list[str]) -> int:
+    """Run ``argv`` and stop it, with every process tagged ``SFTCTL_NODE_ID=node_id``, once the
+    controller ``controller_pid`` (started at ``controller_ticks``) is gone.
+
+    A local node (:mod:`sftctl.providers.local`) runs under this guard: its processes live in a
+    session of their own, so a controller killed with SIGKILL would otherwise leave them training
+    with nobody watching. Cloud and Slurm nodes are tagged instead, and ``sftctl down`` finds them.
+    Returns ``argv``'s exit code (128 + N when signal N ended it).
+    """
+    import subprocess
+
+    child = subprocess.Popen(argv)
+    while True:
+        try:
+            code = child.wait(timeout=GUARD_POLL_S)
+        except subprocess.TimeoutExpired:
+            if alive(controller_pid, controller_ticks):
+                continue
+            kill_all(sorted(set(tagged("SFTCTL_NODE_ID", node_id)) | {child.pid}), grace_s=5.0)
+            code = child.wait()
+        return code if code >= 0 else 128 - code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sftctl.procs guard PID TICKS NODE_ID -- COMMAND...`` (see :func:`guard`)."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) < 6 or args[0] != "guard" or args[4] != "--":
+        sys.stderr.write("usage: python -m sftctl.procs guard PID TICKS NODE_ID -- COMMAND...\n")
+        return 2
+    ticks = None if args[2] == "-" else int(args[2])
+    return guard(int(args[1]), ticks, args[3], args[5:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

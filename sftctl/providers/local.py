@@ -6,8 +6,8 @@ log of every attempt, the exit code the script writes last, and one metrics file
 rank (see :mod:`sftctl.train`).
 
 Each node's processes run in a session of their own (so Ctrl-C in the terminal reaches only the
-controller, and a controller killed with SIGKILL leaves them running for ``sftctl down`` to find)
-and carry ``SFTCTL_JOB_ID`` and ``SFTCTL_NODE_ID`` in their environment: the local equivalent of
+controller), under a guard (:func:`sftctl.procs.guard`) that stops them within seconds once the
+controller that launched them is gone, even killed with SIGKILL, and carry ``SFTCTL_JOB_ID`` and ``SFTCTL_NODE_ID`` in their environment: the local equivalent of
 cloud tags, which :mod:`sftctl.procs` finds in ``/proc``.
 """
 
@@ -93,7 +93,7 @@ class LocalProvider:
         with open(files.log, "ab") as log:
             try:
                 proc = subprocess.Popen(
-                    ["bash", str(path)],
+                    _guarded(handle.node_id, ["bash", str(path)]),
                     cwd=node_dir,
                     env=full_env,
                     stdin=subprocess.DEVNULL,
@@ -124,7 +124,7 @@ class LocalProvider:
             "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
         }
         with open(Path(handle.dir) / "daemon.log", "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "sftctl.node"], cwd=daemon_dir, env=full_env,
+            proc = subprocess.Popen(_guarded(handle.node_id, [sys.executable, "-m", "sftctl.node"]), cwd=daemon_dir, env=full_env,
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         return handle.with_(pid=proc.pid, start_ticks=procs.start_ticks(proc.pid), attempt=attempt)
@@ -213,6 +213,16 @@ class LocalProvider:
         pids = [pid for r in self.list_instances(job_id) for pid in r["pids"]]
         procs.kill_all(pids)
         return len(pids)
+
+
+def _guarded(node_id: str, argv: list[str]) -> list[str]:
+    """``argv`` under :func:`sftctl.procs.guard`, watching this process: the controller (the
+    attached ``sftctl run`` or a detached ``python -m sftctl.controller``) that launches the node.
+    A controller killed even with SIGKILL thus takes its local nodes with it within seconds."""
+    me = os.getpid()
+    ticks = procs.start_ticks(me)
+    return [sys.executable, "-m", "sftctl.procs", "guard", str(me), "-" if ticks is None else str(ticks),
+            node_id, "--", *argv]
 
 
 #: Every local node process carries the sftctl home that started it, so ``sftctl down

@@ -1,0 +1,78 @@
+"""Job lifecycle edges a new user hit: a killed controller's local nodes, admission next to
+orphans, the exit code and reason of a SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, SLEEPER, job_processes, sftctl, status_json, wait_for, write_spec
+
+
+def _kill_controller(job: str) -> None:
+    from sftctl.state import Store
+
+    os.kill(Store().get_job(job).controller_pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("mode", ["detached", "attached"])
+def test_local_nodes_stop_by_themselves_when_their_controller_is_killed(tmp_path, home, mode):
+    """Item 1a: `kill -9` of the controller (the attached `sftctl run`, or the detached
+    `python -m sftctl.controller`) takes the job's local node processes with it."""
+    spec = write_spec(tmp_path / "sleeper.yaml", SLEEPER)
+    attached = None
+    if mode == "detached":
+        job = json.loads(sftctl("run", str(spec), "--detach", "--json", check=True).stdout)["job_id"]
+    else:
+        attached = subprocess.Popen([sys.executable, "-m", "sftctl.cli", "run", str(spec)], cwd=REPO,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        job = wait_for(lambda: (j := status_json()["jobs"]) and j[0]["id"], what="the job")
+    try:
+        wait_for(lambda: status_json(job)["status"] == "RUNNING", what="RUNNING")
+        wait_for(lambda: "started" in sftctl("logs", job, "--node", "1").stdout, what="node 1's first line")
+        assert len(job_processes(job)) >= 4  # per node: its guard, bash, the run's shell, sleep
+        _kill_controller(job)
+        if attached is not None:
+            attached.wait(timeout=60)
+        wait_for(lambda: job_processes(job) == [], timeout_s=60, interval_s=0.5,
+                 what="the nodes of the killed controller to stop")
+        assert status_json(job)["status"] == "FAILED_CONTROLLER"
+    finally:
+        if attached is not None and attached.poll() is None:
+            attached.kill()
+            attached.wait()
+        sftctl("down", job)
+    assert job_processes(job) == []
+
+
+def test_admission_counts_the_cpus_of_a_dead_controllers_live_nodes(home):
+    """Item 1b: a job whose controller died (FAILED_CONTROLLER) but whose local node processes
+    still run holds their CPUs: local admission starts nothing on top of them."""
+    from sftctl.controller import _machine_busy
+    from sftctl.providers.local import HOME_TAG, _home_tag
+    from sftctl.state import JobStatus, Store
+
+    cpus = os.cpu_count() or 1
+    store = Store()
+    spec = {"name": "orphan", "run": "sleep 300", "resources": {"nodes": cpus}}
+    orphan = store.create_job("orphan", spec)
+    store.update_job(orphan, provider="local")
+    store.transition(orphan, JobStatus.FAILED_CONTROLLER, "the controller (pid 1) exited without finishing the job")
+    newcomer = store.create_job("next", {"name": "next", "run": "true"})
+    assert _machine_busy(store, newcomer, 1, 0.0) is None  # no process left: nothing is held
+    env = {**os.environ, "SFTCTL_JOB_ID": orphan, "SFTCTL_NODE_ID": f"{orphan}-n0-abcd", HOME_TAG: _home_tag()}
+    node = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)
+    try:
+        wait_for(lambda: job_processes(orphan) == [node.pid], what="the orphan's node process")
+        why = _machine_busy(store, newcomer, 1, 0.0)
+        assert why == (f"waiting for CPUs: {cpus} of this machine's {cpus} are taken by 1 local job(s) "
+                       f"(1 of them left running by a dead controller: sftctl down {orphan}), this job needs 1")
+    finally:
+        node.kill()
+        node.wait()
+    assert _machine_busy(store, newcomer, 1, 0.0) is None
