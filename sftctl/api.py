@@ -298,15 +298,15 @@ class Attached:
 
     @property
     def exit_code(self) -> int:
-        """``sftctl run``'s exit code: 0 succeeded, 130 cancelled, else the error's code (3 no
-        capacity, 4 provider) or 1 (the job failed)."""
+        """``sftctl run``'s exit code: 0 succeeded; cancelled 130 (Ctrl-C), 143 (SIGTERM), 129
+        (SIGHUP); else the error's code (3 no capacity, 4 provider) or 1 (the job failed)."""
         from sftctl.errors import ExitCode
 
         status = self.job.status
         if status == JobStatus.SUCCEEDED:
             return int(ExitCode.OK)
-        if status == JobStatus.CANCELLED:
-            return int(ExitCode.INTERRUPTED)
+        if status == JobStatus.CANCELLED:  # a signal's cancel carries its code (128 + signal)
+            return int(self.error.exit_code if self.error is not None else ExitCode.INTERRUPTED)
         return int(self.error.exit_code if self.error is not None else ExitCode.JOB_FAILED)
 
 

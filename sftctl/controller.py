@@ -30,7 +30,7 @@ from typing import Protocol
 
 from sftctl import procs, settings
 from sftctl.catalog import Offering
-from sftctl.errors import CapacityError, InfeasibleError, SftctlError
+from sftctl.errors import CapacityError, ExitCode, InfeasibleError, SftctlError
 from sftctl.health.telemetry import REPLACE, RESTART
 from sftctl.paths import job_dir
 from sftctl.providers import get_provider
@@ -142,7 +142,14 @@ class Failure:
 
 
 class Cancelled(Exception):
-    """The job was cancelled (Ctrl-C, SIGTERM from ``sftctl down``, or down won a race)."""
+    """The job was cancelled (Ctrl-C, SIGTERM, SIGHUP, or ``sftctl down`` won a race).
+
+    ``exit_code``: the signal's exit code (128 + its number) when a signal cancelled the job.
+    """
+
+    def __init__(self, why: str = "", exit_code: "ExitCode | None" = None):
+        super().__init__(why)
+        self.exit_code = exit_code
 
 
 class Reporter(Protocol):
@@ -274,6 +281,10 @@ class Controller:
                 time.sleep(min(BACKOFF_MAX_S, BACKOFF_BASE_S * 2 ** (self.restarts - 1)))
         except (Cancelled, KeyboardInterrupt) as e:
             why = str(e) if isinstance(e, Cancelled) and str(e) else "cancelled by the user (Ctrl-C)"
+            if isinstance(e, Cancelled) and e.exit_code is not None:
+                if e.exit_code == ExitCode.TERMINATED and self._down_sent_sigterm():
+                    why = DOWN_REASON
+                self.error = SftctlError(why, exit_code=e.exit_code)  # `sftctl run` exits 128 + signal
             self.store.transition(self.job_id, JobStatus.CANCELLED, why, code=FailureCode.CANCELLED.value)
             self.store.end_open_attempts(self.job_id, "CANCELLED", why, FailureCode.CANCELLED.value)
             self.reporter.event(f"cancelled: {why}")
@@ -737,6 +748,11 @@ class Controller:
             return FailureReason(FailureCode.EXIT, line, data)
         return FailureReason(why.code, f"{line}: {why.message}", {**why.data, **data})
 
+    def _down_sent_sigterm(self) -> bool:
+        """True when ``sftctl down`` recorded, before signalling, that it sends this controller SIGTERM."""
+        return any(e.kind == "down" and (e.data or {}).get("signal") == "SIGTERM" and
+                   (e.data or {}).get("controller_pid") == os.getpid() for e in self.store.events(self.job_id))
+
     def _stop_nodes(self) -> None:
         for node in self.nodes:
             self.provider.stop_attempt(node["handle"])
@@ -773,13 +789,16 @@ def down(store: Store, job_id: str) -> str:
     pid, ticks = job.controller_pid, job.controller_start_ticks
     controller_was_alive = bool(pid and pid != os.getpid() and procs.alive(pid, ticks))
     if controller_was_alive:
+        # said first, so the controller's reason names sftctl down, not an anonymous SIGTERM
+        store.add_event(job_id, "down", f"sftctl down: SIGTERM to the controller (pid {pid})",
+                        {"signal": "SIGTERM", "controller_pid": pid})
         os.kill(pid, signal.SIGTERM)
         end = time.monotonic() + DOWN_GRACE_S
         while procs.alive(pid, ticks) and time.monotonic() < end:
             time.sleep(0.1)
         if procs.alive(pid, ticks):
             procs.kill_all([pid], grace_s=0)
-    cancelled = store.transition(job_id, JobStatus.CANCELLED, "cancelled by sftctl down", strict=False,
+    cancelled = store.transition(job_id, JobStatus.CANCELLED, DOWN_REASON, strict=False,
                                  code=FailureCode.CANCELLED.value)
     provider = job_provider(job)
     running = released = 0
@@ -1098,12 +1117,15 @@ def down_orphans(store: Store) -> list[str]:
     return out
 
 
+#: Each signal that cancels a job: its reason and the exit code of ``sftctl run`` (128 + signal).
+#: When ``sftctl down`` sent the SIGTERM (it says so in an event first) the reason is DOWN_REASON.
 CANCEL_SIGNALS = {
-    "SIGTERM": "cancelled by SIGTERM (sftctl down sends it)",
+    "SIGTERM": ("cancelled by SIGTERM", ExitCode.TERMINATED),
     # a closed terminal or a dropped ssh session: the nodes must not keep running (and billing)
     # unsupervised, so the job is cancelled and torn down exactly as on Ctrl-C
-    "SIGHUP": "cancelled: the terminal closed (SIGHUP)",
+    "SIGHUP": ("cancelled: the terminal closed (SIGHUP)", ExitCode.HANGUP),
 }
+DOWN_REASON = "cancelled by sftctl down"
 
 
 def _install_cancel_signals() -> dict:
@@ -1112,9 +1134,9 @@ def _install_cancel_signals() -> dict:
     if sys.platform == "win32" or not _in_main_thread():
         return {}
     previous = {}
-    for name, why in CANCEL_SIGNALS.items():
-        def handler(signum, frame, why=why):
-            raise Cancelled(why)
+    for name, (why, code) in CANCEL_SIGNALS.items():
+        def handler(signum, frame, why=why, code=code):
+            raise Cancelled(why, code)
 
         signum = getattr(signal, name)
         previous[signum] = signal.signal(signum, handler)

@@ -18,7 +18,9 @@ class ExitCode(enum.IntEnum):
     USAGE = 2
     INFEASIBLE = 3
     PROVIDER = 4
-    INTERRUPTED = 130
+    HANGUP = 129  # 128 + SIGHUP: the terminal closed; the job was cancelled
+    INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C
+    TERMINATED = 143  # 128 + SIGTERM (sent by `sftctl down`, a service manager, kill)
 
 
 class SftctlError(Exception):

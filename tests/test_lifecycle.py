@@ -76,3 +76,31 @@ def test_admission_counts_the_cpus_of_a_dead_controllers_live_nodes(home):
         node.kill()
         node.wait()
     assert _machine_busy(store, newcomer, 1, 0.0) is None
+
+
+def test_sigterm_exits_143_and_says_who_sent_it(tmp_path, home):
+    """Item 2: an attached run cancelled by a plain SIGTERM exits 128 + 15 = 143 and says
+    "cancelled by SIGTERM"; one that `sftctl down` stopped says so."""
+    spec = write_spec(tmp_path / "sleeper.yaml", SLEEPER.replace("nodes: 2", "nodes: 1"))
+    reasons = {}
+    for how in ("kill", "down"):
+        proc = subprocess.Popen([sys.executable, "-m", "sftctl.cli", "run", str(spec)], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            job = wait_for(lambda: (j := [j for j in status_json()["jobs"] if j["id"] not in reasons])
+                           and j[0]["status"] == "RUNNING" and j[0]["id"], what="RUNNING")
+            wait_for(lambda: job_processes(job), what="node processes")
+            if how == "kill":
+                proc.send_signal(signal.SIGTERM)
+            else:
+                sftctl("down", job, check=True)
+            out, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == 143, (how, err)
+        doc = status_json(job)
+        assert doc["status"] == "CANCELLED" and job_processes(job) == []
+        reasons[job] = doc["failure_reason"]
+    assert list(reasons.values()) == ["cancelled by SIGTERM", "cancelled by sftctl down"]
