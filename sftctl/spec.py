@@ -31,7 +31,7 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from annotated_types import Ge, Gt
+from annotated_types import Ge, Gt, Le
 
 import yaml
 from pydantic import (
@@ -66,6 +66,13 @@ CLOUDS = ("local", "aws", "gcp", "kubernetes", "slurm")
 # counts are strict: YAML's `true` is not one node
 StrictPositiveInt = Annotated[int, Strict(), Gt(0)]
 StrictNonNegativeInt = Annotated[int, Strict(), Ge(0)]
+# Upper bounds far beyond any real job, so a typo (steps: 99999999999999999999) is one line at
+# its field instead of a plan that says 5815341594913154269184.0 h
+MAX_STEPS = 10**12  # steps, checkpoint_interval: a trillion steps of 1 ms is 30 years
+MAX_BATCH = 10**9  # model.batch_size: global samples per step
+MAX_NODES = 10**4  # resources.nodes: the largest clusters have about 10^4 GPU nodes
+MAX_PER_NODE = 1024  # resources.accelerators[].count: GPUs (or local CPU workers) per node
+MAX_COUNT = 10**6  # keep_checkpoints, max_restarts, straggler_window_steps
 _NO_INTERPOLATION = {("setup",), ("run",)}
 MAX_SPEC_BYTES = 1 << 20  # a job spec is a page of YAML; 1 MiB is far beyond any real one
 
@@ -81,7 +88,7 @@ class ModelSpec(_Strict):
 
     framework: Literal["torch", "jax"] = "torch"
     entrypoint: str = Field(description="file.py:function, relative to workdir")
-    batch_size: StrictPositiveInt = Field(
+    batch_size: Annotated[StrictPositiveInt, Le(MAX_BATCH)] = Field(
         16, description="global batch: samples per step, split evenly over the data-parallel ranks"
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
@@ -111,10 +118,10 @@ class ModelSpec(_Strict):
 class TrainSpec(_Strict):
     """Training loop settings passed to the nodes as ``SFTCTL_TRAIN_STEPS`` and friends."""
 
-    steps: StrictPositiveInt = 100
+    steps: Annotated[StrictPositiveInt, Le(MAX_STEPS)] = 100
     checkpoint_dir: str | None = Field(None, description="default: <job dir>/checkpoints")
-    checkpoint_interval: StrictPositiveInt = Field(50, description="steps between checkpoints")
-    keep_checkpoints: StrictPositiveInt = Field(3, description="complete checkpoints kept in the job's storage")
+    checkpoint_interval: Annotated[StrictPositiveInt, Le(MAX_STEPS)] = Field(50, description="steps between checkpoints")
+    keep_checkpoints: Annotated[StrictPositiveInt, Le(MAX_COUNT)] = Field(3, description="complete checkpoints kept in the job's storage")
     resume_from: str | None = Field(
         None, description="the job id whose checkpoints in checkpoint_dir this job continues "
                           "(or 'any'); without it a checkpoint_dir holding another run's checkpoints is refused")
@@ -134,7 +141,7 @@ class Accelerator(_Strict):
     """One candidate accelerator and how many of it each node has (``H100:8``)."""
 
     name: str = Field(min_length=1)
-    count: StrictPositiveInt = 1
+    count: Annotated[StrictPositiveInt, Le(MAX_PER_NODE)] = 1
 
     def __str__(self) -> str:
         return f"{self.name}:{self.count}"
@@ -146,7 +153,7 @@ class ResourcesSpec(_Strict):
     accelerators: list[Accelerator] = Field(
         default_factory=lambda: [Accelerator(name="cpu", count=1)], min_length=1
     )
-    nodes: StrictPositiveInt = 1
+    nodes: Annotated[StrictPositiveInt, Le(MAX_NODES)] = 1
     spot: StrictBool = False
     clouds: list[Literal["local", "aws", "gcp", "kubernetes", "slurm"]] | None = None
     regions: list[str] | None = None
@@ -187,7 +194,7 @@ class ResourcesSpec(_Strict):
 class RecoverySpec(_Strict):
     """What to do when a node or the training process fails."""
 
-    max_restarts: StrictNonNegativeInt = Field(0, description="relaunches from the last checkpoint")
+    max_restarts: Annotated[StrictNonNegativeInt, Le(MAX_COUNT)] = Field(0, description="relaunches from the last checkpoint")
     min_nodes: StrictPositiveInt | None = Field(
         None, description="elastic resume: when a lost node cannot be replaced (no capacity), resume on "
         "fewer nodes, down to this many, resharding the checkpoint; the global batch stays the same by "
@@ -205,7 +212,7 @@ class HealthSpec(_Strict):
     throttle_min_fraction: float = Field(0.8, gt=0, le=1)
     low_clock_ratio: float = Field(0.7, gt=0, lt=1)
     straggler_ratio: float = Field(1.3, gt=1)
-    straggler_window_steps: StrictPositiveInt = 10
+    straggler_window_steps: Annotated[StrictPositiveInt, Le(MAX_COUNT)] = 10
     straggler_windows: StrictPositiveInt = 3
     hang_timeout_s: PositiveFloat = 60.0
     metrics_address: str = Field(
@@ -540,6 +547,8 @@ def _explain(err: dict, loc: _Located) -> SpecError:
     got = err.get("input")
     got_text = "" if isinstance(got, (dict, list)) or kind == "value_error" else f" (got {shown(repr(got))})"
     hint = "README.md 'The job spec' lists every field's type"
+    if kind == "less_than_equal":  # the bounds (MAX_STEPS, ...) are far beyond any real job
+        hint = "that is far beyond any real job; check the value for a typo"
     if kind == "string_type":  # YAML read an unquoted value as a number, bool or null
         hint = "quote values meant as strings; " + hint
     return SpecError(f"{where}: {field}: {msg}{got_text}", hint=hint)

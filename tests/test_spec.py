@@ -282,3 +282,20 @@ def test_env_references_are_checked_after_set(tmp_path):
     assert msg == "--set env.T=${SFTCTL_T_NOPE}: env.T: ${SFTCTL_T_NOPE} is not set in the environment"
     with pytest.raises(SpecError, match=r"env.T: \$\{B\} is not set in the environment of the controller"):
         resolve_env({"T": "${B}"}, {})
+
+
+@pytest.mark.parametrize("field,text,limit", [
+    ("train.steps", "train:\n  steps: 99999999999999999999999999\n", 10**12),
+    ("train.checkpoint_interval", "train:\n  checkpoint_interval: 1000000000001\n", 10**12),
+    ("model.batch_size", "model:\n  entrypoint: examples/gpt/model.py:build\n  batch_size: 1000000001\n", 10**9),
+    ("resources.nodes", "resources:\n  nodes: 10001\n", 10**4),
+    ("resources.accelerators[0].count", "resources:\n  accelerators: [H100:100000]\n", 1024),
+    ("recovery.max_restarts", "recovery:\n  max_restarts: 1000001\n", 10**6),
+])
+def test_counts_have_upper_bounds_named_at_their_line(tmp_path, field, text, limit):
+    """Item 3: `steps: 99999999999999999999999999` was accepted (plan: 5815341594913154269184.0 h)."""
+    msg = err(tmp_path, f"name: demo\nworkdir: {REPO}\n{text}run: echo\n")
+    line = 2 + text.count("\n")  # the field is the text's last line, after name and workdir
+    assert msg.startswith(f"job.yaml:{line}: {field}: Input should be less than or equal to {limit} (got "), msg
+    at_limit = text.replace(text.split(": ")[-1].strip().strip("[]").split(":")[-1], str(limit))
+    assert load_spec(write_spec(tmp_path / "ok.yaml", f"name: demo\nworkdir: {REPO}\n{at_limit}run: echo\n"))
