@@ -37,6 +37,13 @@ PredictFn = Callable[[Offering, int], "tuple | None"]
 _EXTRA_OF_MODULE = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "flax": "jax", "transformers": "hf"}
 
 
+class EntrypointError(SpecError):
+    """``model.entrypoint`` names a file or function that is not there, or a file Python cannot
+    parse: the user's mistake. It stops ``run`` as it stops ``plan`` (exit 2); ranking by price
+    only (``strict=False``) is for a framework that is not installed or a model sftctl cannot
+    trace or compile."""
+
+
 class Predictor:
     """Traces the spec's model once and compiles it per accelerator, on demand, with caching.
 
@@ -68,13 +75,22 @@ class Predictor:
             except SpecError:
                 raise
             except Exception as e:  # the user's model code, or an op the frontend cannot lower
+                from sftctl.compiler.frontends import EntrypointFileNotFound, EntrypointFunctionNotFound
+
                 first = str(e).splitlines()[0] if str(e) else ""
                 hint = "sftctl compile --debug shows the traceback; leave model out to skip prediction"
+                error = SpecError
+                if isinstance(e, (EntrypointFileNotFound, EntrypointFunctionNotFound, SyntaxError)):
+                    error = EntrypointError
+                    hint = "model.entrypoint is file.py:function, the file relative to workdir: check both names"
                 extra = _EXTRA_OF_MODULE.get((getattr(e, "name", None) or "").split(".")[0])
                 if isinstance(e, ModuleNotFoundError) and extra:
                     hint = f"install it: pip install 'sftctl[{extra}]' (or leave model out to skip prediction)"
-                raise SpecError(
-                    f"model.entrypoint: cannot trace {m.entrypoint}: {type(e).__name__}: {first}", hint=hint,
+                what = f"cannot trace {m.entrypoint}: {type(e).__name__}: {first}"
+                if isinstance(e, (EntrypointFileNotFound, EntrypointFunctionNotFound)):
+                    what = first  # "examples/gpt/model.py has no function 'nofunc'"
+                raise error(
+                    f"model.entrypoint: {what}", hint=hint,
                 ) from e
         return self._graphs[batch]
 
@@ -86,7 +102,7 @@ class Predictor:
         except _Unsplittable:
             raise
         except SpecError as e:
-            if self.strict:
+            if self.strict or isinstance(e, EntrypointError):
                 raise
             self.error = e.message
         except Exception as e:  # a compiler bug must not stop a job that could run unpredicted

@@ -1,5 +1,5 @@
-"""Job lifecycle edges a new user hit: a killed controller's local nodes, admission next to
-orphans, the exit code and reason of a SIGTERM."""
+"""Job lifecycle and spec-check edges a new user hit: a killed controller's local nodes,
+admission next to orphans, the exit code and reason of a SIGTERM, a mistyped entrypoint."""
 
 from __future__ import annotations
 
@@ -104,3 +104,34 @@ def test_sigterm_exits_143_and_says_who_sent_it(tmp_path, home):
         assert doc["status"] == "CANCELLED" and job_processes(job) == []
         reasons[job] = doc["failure_reason"]
     assert list(reasons.values()) == ["cancelled by SIGTERM", "cancelled by sftctl down"]
+
+
+@pytest.mark.parametrize("model,stops", [
+    ("def build(batch_size=2, dtype='float32'):\n    raise SystemExit('unused')\n", "nofunc"),
+    ("def build(:\n", "build"),  # a file Python cannot parse
+])
+def test_a_mistyped_entrypoint_stops_run_as_it_stops_plan(tmp_path, home, model, stops):
+    """Item 4: `model.entrypoint: model.py:nofunc` made `run --dry-run` exit 0 with a warning
+    ('ranking by price only') while `plan` exited 2: a typo stops both, with the same line."""
+    (tmp_path / "model.py").write_text(model)
+    spec = write_spec(tmp_path / "job.yaml", f"name: typo\nmodel: {{entrypoint: model.py:{stops}, batch_size: 2}}\n"
+                                             "run: echo hi\n")
+    plan, run = sftctl("plan", str(spec)), sftctl("run", "--dry-run", str(spec))
+    assert plan.returncode == 2 and run.returncode == 2, run.stderr
+    first = plan.stderr.splitlines()[0]
+    assert first.startswith("error: model.entrypoint: ") and run.stderr.splitlines()[0] == first
+    assert "ranking by price only" not in run.stderr and "Traceback" not in run.stderr
+    if stops == "nofunc":
+        assert first == "error: model.entrypoint: model.py has no function 'nofunc'"
+
+
+def test_a_missing_framework_still_ranks_by_price_only(tmp_path, home):
+    """Item 4: the price-only fallback of `run` stays for a framework that is not installed."""
+    (tmp_path / "model.py").write_text("raise ModuleNotFoundError(\"No module named 'jax'\", name='jax')\n")
+    spec = write_spec(tmp_path / "job.yaml", "name: nojax\nmodel: {entrypoint: model.py:build, batch_size: 2}\n"
+                                             "run: echo hi\n")
+    assert sftctl("plan", str(spec)).returncode == 2
+    run = sftctl("run", "--dry-run", str(spec))
+    assert run.returncode == 0, run.stderr
+    assert ("warning: model.entrypoint: cannot trace model.py:build: ModuleNotFoundError: No module named 'jax'; "
+            "ranking by price only") in run.stderr

@@ -13,20 +13,28 @@ from pathlib import Path
 from typing import Callable
 
 
+class EntrypointFileNotFound(FileNotFoundError):
+    """``model.entrypoint``'s file does not exist: the spec's mistake, not the model's."""
+
+
+class EntrypointFunctionNotFound(AttributeError):
+    """``model.entrypoint``'s file has no such function: the spec's mistake (a typo)."""
+
+
 def load_entrypoint(entrypoint: str, workdir: str) -> Callable:
     """Import ``file.py:function`` (``file.py`` relative to ``workdir``) and return the function.
 
     The file's directory is on ``sys.path`` while it is imported, so it may import its siblings.
 
     Raises:
-        FileNotFoundError: the file does not exist.
-        AttributeError: the file has no such function.
+        EntrypointFileNotFound: (a FileNotFoundError) the file does not exist.
+        EntrypointFunctionNotFound: (an AttributeError) the file has no such function.
         Exception: whatever the module raises while it is imported.
     """
     file, _, func = entrypoint.rpartition(":")
     path = (Path(workdir) / file).resolve()
     if not path.is_file():
-        raise FileNotFoundError(f"entrypoint file {path} not found")
+        raise EntrypointFileNotFound(f"entrypoint file {path} not found")
     mod_name = f"_sftctl_entry_{abs(hash(str(path)))}"
     mod_spec = importlib.util.spec_from_file_location(mod_name, path)
     module = importlib.util.module_from_spec(mod_spec)
@@ -41,5 +49,5 @@ def load_entrypoint(entrypoint: str, workdir: str) -> Callable:
         sys.path.remove(str(path.parent))
     fn = getattr(module, func, None)
     if not callable(fn):
-        raise AttributeError(f"{file} has no function {func!r}")
+        raise EntrypointFunctionNotFound(f"{file} has no function {func!r}")
     return fn
