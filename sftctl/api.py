@@ -24,7 +24,10 @@ through a ``progress`` callback, a condition worth a look through :mod:`warnings
 A ``spec`` argument is a path to a YAML file, the YAML text itself (a string with a newline, or
 one that names no file), or a :class:`~sftctl.spec.JobSpec`. ``overrides`` are ``--set``'s
 ``key.path=value`` strings, or a mapping ``{"train.steps": 40}``. A ``job`` argument is a job id
-or a unique prefix of one.
+or a unique prefix of one (or a :class:`JobView`/:class:`~sftctl.types.JobRecord`). An argument
+of the wrong type raises :class:`TypeError` naming the function, the argument and what it accepts
+(checked at the boundary, :func:`_typed`). Whatever takes a spec first checks every user setting
+(:func:`sftctl.settings.validate_all`; exit 2).
 
 **JSON.** Every ``--json`` document of the CLI is built here, in :meth:`JobView.to_dict`,
 :func:`plan_doc`, :func:`events_doc`, :meth:`DownResult.to_dict` and :meth:`CloudCheck.to_dict`,
@@ -46,7 +49,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
-from sftctl.errors import NotFoundError, SftctlError, SftctlWarning, SpecError
+from sftctl.errors import ExitCode, NotFoundError, SftctlError, SftctlWarning, SpecError
 from sftctl.types import Attempt, Event, JobRecord, JobStatus, MetricsRecord, NodeRecord, Offering, Record
 
 if TYPE_CHECKING:
@@ -65,9 +68,109 @@ __all__ = [
 ]
 
 
+# ------------------------------------------------------------------------------ argument types
+
+
+def _type_name(value: Any) -> str:
+    if isinstance(value, (list, tuple)) and value:
+        return f"{type(value).__name__}[{' | '.join(sorted({type(v).__name__ for v in value}))}]"
+    return "None" if value is None else type(value).__name__
+
+
+def _arg_job(value: Any, optional: bool) -> Any:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (JobView, JobRecord)):
+        return value.id
+    if isinstance(value, Submitted):
+        return value.job_id
+    if value is None and optional:
+        return None
+    return TypeError
+
+
+def _arg_spec(value: Any, optional: bool) -> Any:
+    spec_module = sys.modules.get("sftctl.spec")  # a JobSpec exists only once sftctl.spec is imported
+    ok = isinstance(value, (str, os.PathLike)) or (spec_module is not None and isinstance(value, spec_module.JobSpec))
+    return value if ok else TypeError
+
+
+def _arg_overrides(value: Any, optional: bool) -> Any:
+    if isinstance(value, str) or value is None:
+        return () if value is None else value
+    if isinstance(value, Mapping):
+        return value if all(isinstance(k, str) for k in value) else TypeError
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return value
+    return TypeError
+
+
+def _arg_names(value: Any, optional: bool) -> Any:
+    if value is None or isinstance(value, str):
+        return value if value is None else [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    return TypeError
+
+
+def _arg_text(value: Any, optional: bool) -> Any:
+    return value if isinstance(value, str) or (value is None and optional) else TypeError
+
+
+def _arg_rank(value: Any, optional: bool) -> Any:
+    ok = isinstance(value, int) and not isinstance(value, bool) or (value is None and optional)
+    return value if ok else TypeError
+
+
+def _arg_path(value: Any, optional: bool) -> Any:
+    return value if isinstance(value, (str, os.PathLike)) or (value is None and optional) else TypeError
+
+
+#: argument name -> (its converter, what it accepts): the same name means the same thing in
+#: every function of this module
+_ARGS: dict[str, tuple[Callable[[Any, bool], Any], str]] = {
+    "job": (_arg_job, "a job id (str) or a JobView/JobRecord"),
+    "spec": (_arg_spec, "a path (str or os.PathLike), YAML text or a JobSpec"),
+    "overrides": (_arg_overrides, "a list of 'key.path=value' strings or a mapping {'key.path': value}"),
+    "clouds": (_arg_names, "a cloud name (str) or a list of them"),
+    "accelerator": (_arg_text, "an accelerator name (str)"),
+    "target": (_arg_text, "an accelerator name (str)"),
+    "node": (_arg_rank, "a node rank (int)"),
+    "out": (_arg_path, "a directory path (str or os.PathLike)"),
+}
+
+
+def _typed(fn: Callable) -> Callable:
+    """Check (and normalize) the arguments of a public function at the boundary, by name (see
+    :data:`_ARGS`): a wrong type is a :class:`TypeError` naming the function, the argument and
+    what it accepts (``api.status: job must be a job id (str) or a JobView/JobRecord, got int``),
+    never an internal error further in. An argument whose default is None may be None."""
+    import functools
+    import inspect
+
+    sig = inspect.signature(fn)
+    checked = {n: p.default is None for n, p in sig.parameters.items() if n in _ARGS}
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        for name, optional in checked.items():
+            if name in bound.arguments:
+                convert, accepts = _ARGS[name]
+                value = convert(bound.arguments[name], optional)
+                if value is TypeError:
+                    raise TypeError(f"api.{fn.__name__}: {name} must be {accepts}"
+                                    f"{', or None' if optional else ''}, got {_type_name(bound.arguments[name])}")
+                bound.arguments[name] = value
+        return fn(*bound.args, **bound.kwargs)
+
+    return wrapper
+
+
 # ------------------------------------------------------------------------------ specs
 
 
+@_typed
 def load(spec: SpecLike, overrides: Overrides = ()) -> JobSpec:
     """The validated :class:`~sftctl.spec.JobSpec` of ``spec`` with ``overrides`` applied.
 
@@ -79,10 +182,15 @@ def load(spec: SpecLike, overrides: Overrides = ()) -> JobSpec:
 
 
 def _load(spec: SpecLike, overrides: Overrides = ()) -> tuple[JobSpec, str, Path | None]:
-    """(spec, its label for messages, the file it came from or None)."""
+    """(spec, its label for messages, the file it came from or None). Every user setting is
+    checked first (:func:`sftctl.settings.validate_all`): whatever uses a spec (plan, dry run,
+    submit, compile) fails on a malformed variable or config file before anything is created."""
     import json
 
+    from sftctl import settings
     from sftctl.spec import JobSpec, load_spec
+
+    settings.validate_all()
 
     sets = _override_strings(overrides)
     if isinstance(spec, JobSpec):
@@ -110,6 +218,7 @@ def _override_strings(overrides: Overrides) -> list[str]:
 # ------------------------------------------------------------------------------ plan
 
 
+@_typed
 def plan(spec: SpecLike, overrides: Overrides = (), *, strict: bool = True,
          progress: Progress | None = None) -> Plan:
     """Rank the offerings for a job by predicted cost and choose one (offline: nothing starts).
@@ -218,6 +327,7 @@ def _check_storage(storage) -> None:
     s.ensure(create_bucket=storage.create_bucket or isinstance(s, LocalStorage))
 
 
+@_typed
 def dry_run(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | None = None) -> dict:
     """What :func:`run` would do, rendered, with nothing created or started (``run --dry-run``).
 
@@ -234,6 +344,7 @@ def dry_run(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | N
     return {"dry_run": True, "job": s.name, "plan": chosen.reason, **preview(s, chosen.to_dict())}
 
 
+@_typed
 def submit(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | None = None) -> Submitted:
     """Validate and plan a job, check its storage, and record it in state (PENDING). Starts
     nothing: :func:`start` (detached) or :func:`attach` (in this process) runs it.
@@ -259,6 +370,7 @@ def submit(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | No
     return Submitted(job_id, s, chosen)
 
 
+@_typed
 def start(job: str) -> JobView:
     """Start a detached controller for a submitted job (``python -m sftctl.controller JOB``, in a
     session of its own, logging to ``$SFTCTL_HOME/jobs/JOB/controller.log``); return at once
@@ -310,6 +422,7 @@ class Attached:
         return int(self.error.exit_code if self.error is not None else ExitCode.JOB_FAILED)
 
 
+@_typed
 def attach(job: str, reporter=None) -> Attached:
     """Run a submitted job's controller in this process until the job ends (Ctrl-C, SIGTERM and
     SIGHUP cancel it and tear its nodes down).
@@ -333,6 +446,7 @@ def attach(job: str, reporter=None) -> Attached:
     return Attached(_view(store, store.get_job(record.id), detail=True), controller.error, wall_s)
 
 
+@_typed
 def run(spec: SpecLike, overrides: Overrides = (), *, detach: bool = False, reporter=None,
         progress: Progress | None = None) -> JobView:
     """Plan, provision, launch and watch a job: :func:`submit`, then :func:`start` (``detach``:
@@ -430,6 +544,7 @@ class JobView:
         return doc
 
 
+@_typed
 def job(job: str) -> JobRecord:
     """The job's record, by id or unique id prefix (a dead controller's job reads FAILED_CONTROLLER).
 
@@ -486,6 +601,7 @@ def _node_status(job: JobRecord, node: NodeRecord) -> str:
     return job_provider(job, node.provider).status(handle).state.value
 
 
+@_typed
 def status(job: str | None = None) -> JobView | list[JobView]:
     """One job in detail, or every job (newest first) without. Marks jobs whose controller died
     FAILED_CONTROLLER first.
@@ -503,6 +619,7 @@ def status(job: str | None = None) -> JobView | list[JobView]:
     return [_view(store, j, ranks=by_job.get(j.id, [])) for j in store.list_jobs()]
 
 
+@_typed
 def wait(job: str, *, timeout_s: float | None = None, poll_s: float = 1.0) -> JobView:
     """Poll :func:`status` until the job ends; return its final view.
 
@@ -539,6 +656,7 @@ class LogLine(Record):
         return self.prefix + self.text
 
 
+@_typed
 def logs(job: str, *, follow: bool = False, node: int | None = None, poll_s: float = 0.5) -> Iterator[LogLine]:
     """A job's node logs, line by line, from the start (every attempt appends to the same log).
 
@@ -548,14 +666,22 @@ def logs(job: str, *, follow: bool = False, node: int | None = None, poll_s: flo
         node: only this node rank.
 
     Raises:
-        NotFoundError: no such job (exit 2).
+        NotFoundError: no such job (exit 2); the job's logs were purged (``down(purge=True)``;
+            exit 1, as ``kubectl logs`` of a deleted pod).
         SftctlError: ``node`` is not a rank of the job (exit 2).
+        TypeError: ``job`` or ``node`` of the wrong type (as every function here).
     """
     from sftctl.controller import job_provider
     from sftctl.types import NodeState
 
     store = _store()
     record = _resolve(store, job)
+    purged = [e for e in store.events(record.id) if e.kind == "purge"]
+    if purged:  # as `kubectl logs` of a deleted pod: an error, not an empty log
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(purged[-1].ts))
+        raise NotFoundError(f"logs of {record.id} were purged (sftctl down --purge at {when})",
+                            hint=f"sftctl events {record.id} shows its history; sftctl status {record.id} its record",
+                            exit_code=ExitCode.JOB_FAILED)
     ranks = record.spec["resources"]["nodes"]
     if node is not None and not 0 <= node < ranks:
         which = "node 0" if ranks == 1 else f"nodes 0-{ranks - 1}"
@@ -601,6 +727,7 @@ def _log_lines(store, record, provider, follow, node, poll_s, NodeState) -> Iter
             yield LogLine(rest, rank)  # the unterminated last line, unprefixed as sftctl logs prints it
 
 
+@_typed
 def events(job: str) -> list[Event]:
     """A job's history, oldest first: plan, transitions, nodes, restarts, health, teardown.
 
@@ -639,6 +766,7 @@ class DownResult(Record):
         return doc
 
 
+@_typed
 def down(job: str | None = None, *, all: bool = False, purge: bool = False) -> list[DownResult]:  # noqa: A002 (the CLI's --all)
     """Cancel a job (or, with ``all``, every job not finished or with nodes left) and remove its
     nodes and processes, also after its controller died; with ``purge``, then remove what sftctl
@@ -690,8 +818,10 @@ class CloudCheck(Record):
     hint: str | None = None
 
 
-def check(clouds: Sequence[str] | None = None) -> list[CloudCheck]:
-    """Ask each cloud (default: every provider) whether it works from here, in parallel.
+@_typed
+def check(clouds: str | Sequence[str] | None = None) -> list[CloudCheck]:
+    """Ask each cloud (``clouds``: one name or a list; default: every provider) whether it works
+    from here, in parallel.
 
     Raises:
         SftctlError: an unknown cloud name (exit 2).
@@ -719,6 +849,7 @@ def check(clouds: Sequence[str] | None = None) -> list[CloudCheck]:
         return list(pool.map(one, names))
 
 
+@_typed
 def catalog(accelerator: str | None = None) -> list[Offering]:
     """The offerings sftctl knows (this machine first), optionally of one accelerator
     (case-insensitive).
@@ -778,6 +909,7 @@ class CompileResult:
         return self.doc
 
 
+@_typed
 def compile(spec: SpecLike, target: str, overrides: Overrides = (), *, out: str | os.PathLike | None = None,  # noqa: A001
             progress: Progress | None = None) -> CompileResult:
     """Compile a job's whole training step for ``target`` (an accelerator name: h100,
@@ -827,3 +959,4 @@ def compile(spec: SpecLike, target: str, overrides: Overrides = (), *, out: str 
     (where / "plan.json").write_text(json.dumps(doc, indent=1) + "\n")
     write_report(doc, hw, where)
     return CompileResult(doc, where, compiled, len(graph.nodes), hw.name, predictor.mode, s)
+

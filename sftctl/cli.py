@@ -71,6 +71,7 @@ _plain_metavars()
 
 @app.callback(invoke_without_command=True)
 def _root(
+    ctx: typer.Context,
     version: bool = typer.Option(False, "--version", help="Print the version and exit.", is_eager=True),
     debug: bool = typer.Option(False, "--debug", help="On an error, also print the traceback (for bug reports); "
                                "accepted anywhere on the command line; exit codes stay the same."),
@@ -81,6 +82,12 @@ def _root(
 
         print(f"sftctl {__version__}")
         raise typer.Exit(0)
+    if ctx.invoked_subcommand is not None and not _HELP[0]:
+        # every command reads the config file (state's lock timeout, clouds, slurm:): check it
+        # as a whole first, so a mistake in it is the same exit 2 whatever the command
+        from sftctl import settings
+
+        settings.config_document()
 
 
 # ------------------------------------------------------------------------------------ run
@@ -206,8 +213,9 @@ def plan(
         with _planning(stderr=as_json) as progress:
             chosen = api.plan(spec, strict=True, progress=progress)
     except InfeasibleError as e:
-        if as_json:
-            _print_json(api.plan_doc(spec, None, e.message, e.candidates))
+        if as_json:  # the plan (scripts want the candidates and why) and the error keys of --json
+            _print_json({**api.plan_doc(spec, None, e.message, e.candidates),
+                         "error": e.message, "hint": e.hint, "exit_code": int(e.exit_code)})
         elif e.candidates:
             _console().print(plan_table(e.candidates, spec.train.steps))
             for note in dict.fromkeys(c.note for c in e.candidates if getattr(c, "note", None)):
@@ -337,7 +345,8 @@ def check(
 ) -> None:
     """Say per cloud whether its credentials work here, and if not, why and what to set.
 
-    Exit code 0 when at least one cloud (besides local) works or only local was asked, else 4.
+    Exit code 0 when every cloud named works, or, with none named, when at least one (local
+    counts) works; else 4. The table (--json: the document) shows every cloud either way.
     """
     from sftctl import api
 
@@ -354,8 +363,7 @@ def check(
             detail = {"local": "usable here", "slurm": "sinfo answers"}.get(r.cloud, "credentials work") if r.ok else r.reason + (f" (hint: {r.hint})" if r.hint else "")
             table.add_row(r.cloud, "[green]yes[/]" if r.ok else "[red]no[/]", _escape(detail))
         _console().print(table)
-    clouds_ok = [r for r in rows if r.ok and r.cloud != "local"]
-    if not clouds_ok and any(r.cloud != "local" for r in rows):
+    if (not all(r.ok for r in rows)) if clouds else not any(r.ok for r in rows):
         raise typer.Exit(int(ExitCode.PROVIDER))
 
 
@@ -512,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
 
     Every error prints ``error:`` and ``hint:`` lines on stderr; with ``--json`` it also prints
     one JSON object on stdout, ``{"error", "hint", "exit_code"}``, unless the command already
-    printed its document (``plan --json`` of an infeasible job prints the plan).
+    printed its document (``plan --json`` of an infeasible job prints the plan with those keys).
     """
     from typer._click.exceptions import ClickException
 
@@ -521,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     args = [a for a in args if a != "--debug"]
     as_json = "--json" in args
     _JSON_PRINTED[0] = False
+    _HELP[0] = "--help" in args
 
     def fail(message: str, hint: str | None, code: int) -> int:
         if debug:
@@ -566,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 _JSON_PRINTED = [False]  # whether this invocation printed its JSON document already
+_HELP = [False]  # whether this invocation only asks for help (the config file is not checked)
 
 
 def _escape(text: str) -> str:

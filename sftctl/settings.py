@@ -15,7 +15,11 @@ Two kinds:
 The config file is ``$SFTCTL_CONFIG`` when set; else ``config.yaml`` in the user config
 directory (``platformdirs.user_config_dir("sftctl")``: ``$XDG_CONFIG_HOME/sftctl/config.yaml``,
 ``~/.config/sftctl/config.yaml``); else, for configurations written before that existed,
-``$SFTCTL_HOME/config.yaml``. Only the first of these that exists is read. Example::
+``$SFTCTL_HOME/config.yaml``. Only the first of these that exists is read; a file that
+``$SFTCTL_CONFIG`` names must exist. The file is validated as a whole when it is read (keys,
+types, the ``slurm:`` section against ``SlurmConfig``); :func:`validate_all` checks every user
+setting (the CLI checks the file before every command, the api every setting before it uses a
+spec). Example::
 
     defaults: {clouds: [aws, slurm], regions: [us-east-1], storage: "s3://my-lab-bucket/sftctl"}
     state: {busy_timeout_ms: 30000}
@@ -301,6 +305,18 @@ def get(name: str, environ: typing.Mapping[str, str] | None = None) -> typing.An
     return s.default
 
 
+def validate_all() -> dict[str, typing.Any]:
+    """Every user setting's typed value (environment, config file, default), after checking the
+    config file as a whole (:func:`config_document`). :mod:`sftctl.api` calls it before it plans
+    or submits anything, so a malformed setting fails there (exit 2), not later in a job.
+
+    Raises:
+        SettingError: the first malformed variable or config file problem (exit 2).
+    """
+    config_document()
+    return {s.name: get(s.name) for s in DECLARED if s.scope == USER}
+
+
 def node_env(**values: typing.Any) -> dict[str, str]:
     """The environment entries of node settings, by keyword: ``node_env(node_rank=1,
     rdzv_is_host=False)`` -> ``{"SFTCTL_NODE_RANK": "1", "SFTCTL_RDZV_IS_HOST": "0"}``.
@@ -332,10 +348,20 @@ OTHER_SECTIONS = ("slurm",)
 def config_path() -> str | None:
     """The config file to read: ``$SFTCTL_CONFIG``; else ``config.yaml`` in the user config
     directory when it exists; else ``$SFTCTL_HOME/config.yaml`` when it exists (the old
-    location); else None."""
+    location); else None.
+
+    Raises:
+        SettingError: ``$SFTCTL_CONFIG`` names a file that does not exist, or a directory (exit 2).
+    """
     explicit = raw("SFTCTL_CONFIG")
-    if explicit:
-        return os.path.expanduser(explicit)
+    if explicit:  # named by the user: it must be there (the default location may be absent)
+        path = os.path.expanduser(explicit)
+        if not os.path.isfile(path):
+            what = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
+            raise SettingError(f"SFTCTL_CONFIG: {path} {what}",
+                               hint="point SFTCTL_CONFIG at your config file, or unset it "
+                                    "(then ~/.config/sftctl/config.yaml is read when it exists)")
+        return path
     import platformdirs
 
     xdg = os.path.join(platformdirs.user_config_dir("sftctl", appauthor=False), "config.yaml")
@@ -350,9 +376,14 @@ def config_document() -> tuple[str | None, dict, dict]:
     """``(path, document, lines)`` of the config file: its mapping (``{}`` when there is none)
     and the line of each dotted key. Cached per file version.
 
+    The whole file is validated when it is read (whichever setting asked): every key is
+    declared (did-you-mean hint), every value has its setting's type, and the ``slurm:``
+    section has :class:`sftctl.providers.slurm.SlurmConfig`'s fields and types.
+
     Raises:
-        SettingError: the file cannot be read, is not YAML, is not a mapping, or has a key no
-            setting declares (did-you-mean hint).
+        SettingError: ``$SFTCTL_CONFIG`` names no file; the file cannot be read, is not YAML, is
+            not a mapping, has a key no setting declares, or a value of the wrong type (the
+            message names the file, line and key; exit 2).
     """
     path = config_path()
     if path is None or not os.path.isfile(path):
@@ -405,7 +436,64 @@ def _load(path: str) -> tuple[dict, dict]:
             dotted = f"{top}.{sub}"
             if dotted not in known:
                 _unknown(path, lines, dotted, sorted(k for k in known if k.startswith(top + ".")))
+    for s in DECLARED:  # every value has its type, whichever setting is asked for first
+        if s.file is not None:
+            _value_in(s, path, doc, lines)
+    if doc.get("slurm") is not None:
+        _check_slurm(path, doc["slurm"], lines)
     return doc, lines
+
+
+def _check_slurm(path: str, value: typing.Any, lines: dict) -> None:
+    """The ``slurm:`` section against :class:`sftctl.providers.slurm.SlurmConfig`, the one
+    declaration of its fields: known keys (did-you-mean) and each value of its field's type.
+    Counts and ports are >= 1 and prices >= 0, as in a job spec's ``slurm:``
+    (:class:`sftctl.spec.SlurmSpec`). The provider module is imported only for a file that has a
+    ``slurm:`` section (it imports no SDK).
+
+    Raises:
+        SettingError: naming the file, line and key (exit 2).
+    """
+    import dataclasses
+
+    from sftctl.providers.slurm import SlurmConfig
+
+    if not isinstance(value, dict):
+        raise SettingError(f"{path}:{lines.get('slurm', 1)}: slurm: expected a mapping (host, partition, ...)",
+                           hint="write it as `slurm: {key: value}` (see Slurm in README.md)")
+    fields = {f.name: str(f.type) for f in dataclasses.fields(SlurmConfig)}
+    for key, v in value.items():
+        dotted = f"slurm.{key}"
+        if key not in fields:
+            _unknown(path, lines, dotted, sorted(f"slurm.{f}" for f in fields))
+        kinds = [k.strip() for k in fields[key].split("|")]
+        if v is None and "None" in kinds:
+            continue
+        expected = _slurm_expected(kinds, v)
+        if expected is not None:
+            raise SettingError(f"{path}:{lines.get(dotted, 1)}: {dotted}: expected {expected}, got {v!r}",
+                               hint=f"write {dotted} as {expected} (see Slurm in README.md)")
+
+
+def _slurm_expected(kinds: list[str], v: typing.Any) -> str | None:
+    """None when ``v`` fits one of a SlurmConfig field's annotated types, else what would."""
+    number = isinstance(v, (int, float)) and not isinstance(v, bool)
+    for kind in kinds:
+        if kind == "str" and isinstance(v, str) and v.strip():
+            return None
+        if kind == "int" and number and isinstance(v, int) and v >= 1:
+            return None
+        if kind == "float" and number and v == v and v >= 0:
+            return None
+        if kind == "bool" and isinstance(v, bool):
+            return None
+        if kind == "dict" and isinstance(v, dict) and all(isinstance(x, str) for x in (*v, *v.values())):
+            return None
+        if kind == "tuple" and isinstance(v, list) and all(isinstance(x, str) for x in v):
+            return None
+    words = {"str": "text (quote it: \"...\")", "int": "an integer >= 1", "float": "a number >= 0",
+             "bool": "true or false", "dict": "a mapping of text to text", "tuple": "a list of text", "None": ""}
+    return " or ".join(w for w in (words.get(k, k) for k in kinds) if w)
 
 
 def _unknown(path: str, lines: dict, dotted: str, options: list[str]) -> None:
@@ -429,6 +517,11 @@ def unknown_key(dotted: str, options: list[str]) -> SettingError:
 
 def _from_file(s: Setting) -> typing.Any:
     path, doc, lines = config_document()
+    return _value_in(s, path, doc, lines)
+
+
+def _value_in(s: Setting, path: str | None, doc: dict, lines: dict) -> typing.Any:
+    """The typed value of ``s``'s key in the config ``doc``, or ``_MISSING``."""
     node: typing.Any = doc
     for part in s.file.split("."):
         if not isinstance(node, dict) or part not in node:
@@ -508,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m sftctl.settings [--markdown]", file=sys.stderr)
         return 2
     try:
+        validate_all()  # a problem is one error line, before any value is shown
         path = config_path()
         for s in DECLARED:
             if s.scope == USER:

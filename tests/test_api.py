@@ -170,3 +170,76 @@ def test_the_cli_reaches_the_core_only_through_the_api():
         elif isinstance(node, ast.Import):
             used |= {a.name for a in node.names if a.name.startswith("sftctl")}
     assert used <= {"sftctl.api", "sftctl.ui", "sftctl.errors", "sftctl.types", "sftctl.paths", "sftctl.__version__"}, used
+
+
+def test_check_takes_one_name_or_a_list(home):
+    """api.check("local") used to iterate the string: unknown cloud 'l'."""
+    from sftctl import api
+
+    assert [(c.cloud, c.ok) for c in api.check("local")] == [("local", True)]
+    assert [c.cloud for c in api.check(["local", "aws"])] == ["local", "aws"]
+    assert [c.cloud for c in api.check(("local",))] == ["local"]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda api: api.status(123), "api.status: job must be a job id (str) or a JobView/JobRecord, or None, got int"),
+    (lambda api: api.logs(123), "api.logs: job must be a job id (str) or a JobView/JobRecord, got int"),
+    (lambda api: api.down(123), "api.down: job must be a job id (str) or a JobView/JobRecord, or None, got int"),
+    (lambda api: api.events(None), "api.events: job must be a job id (str) or a JobView/JobRecord, got None"),
+    (lambda api: api.wait(4.5), "api.wait: job must be a job id (str) or a JobView/JobRecord, got float"),
+    (lambda api: api.catalog(accelerator=5), "api.catalog: accelerator must be an accelerator name (str), or None, got int"),
+    (lambda api: api.run(None), "api.run: spec must be a path (str or os.PathLike), YAML text or a JobSpec, got None"),
+    (lambda api: api.run(123), "api.run: spec must be a path (str or os.PathLike), YAML text or a JobSpec, got int"),
+    (lambda api: api.run({"name": "x"}), "api.run: spec must be a path (str or os.PathLike), YAML text or a JobSpec, got dict"),
+    (lambda api: api.plan(42), "api.plan: spec must be a path (str or os.PathLike), YAML text or a JobSpec, got int"),
+    (lambda api: api.load(QUICKSTART, [1]), "api.load: overrides must be a list of 'key.path=value' strings or a "
+     "mapping {'key.path': value}, got list[int]"),
+    (lambda api: api.check([1]), "api.check: clouds must be a cloud name (str) or a list of them, or None, got list[int]"),
+    (lambda api: api.logs("j", node="0"), "api.logs: node must be a node rank (int), or None, got str"),
+    (lambda api: api.compile(QUICKSTART, 3), "api.compile: target must be an accelerator name (str), got int"),
+])
+def test_a_wrong_argument_type_is_a_type_error_naming_it(home, call, message):
+    from sftctl import api
+
+    with pytest.raises(TypeError) as e:
+        call(api)
+    assert str(e.value) == message
+    assert not (home / "state.db").exists() or api.status() == []  # raised at the boundary: nothing recorded
+
+
+def test_a_job_view_or_record_is_a_job_argument_and_purged_logs_are_an_error(home, tmp_path):
+    """After down --purge, logs says the logs were purged (exit 1, as kubectl logs of a deleted
+    pod), not an empty log with exit 0."""
+    from sftctl import api
+    from sftctl.errors import NotFoundError
+
+    job = api.submit(SLEEPER).job_id
+    view = api.status(job)
+    assert api.status(view).id == api.job(view.record).id == job  # a JobView or JobRecord names its job
+    assert list(api.logs(view)) == []
+    [result] = api.down(view, purge=True)
+    assert result.purged is not None
+    with pytest.raises(NotFoundError) as e:
+        api.logs(job)
+    purge = [ev for ev in api.events(job) if ev.kind == "purge"]
+    assert len(purge) == 1
+    when = __import__("time").strftime("%Y-%m-%d %H:%M:%S", __import__("time").localtime(purge[0].ts))
+    assert e.value.message == f"logs of {job} were purged (sftctl down --purge at {when})"
+    assert e.value.exit_code == 1 and f"sftctl events {job}" in e.value.hint
+    proc = sftctl("logs", job)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.splitlines()[0] == f"error: logs of {job} were purged (sftctl down --purge at {when})"
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_bad_user_setting_fails_submit_before_a_job_is_recorded(home, monkeypatch):
+    from sftctl import api
+    from sftctl.settings import SettingError
+
+    monkeypatch.setenv("SFTCTL_LOCAL_MAX_NODES", "x")
+    for call in (api.submit, api.dry_run, api.plan):
+        with pytest.raises(SettingError, match="SFTCTL_LOCAL_MAX_NODES: expected an integer, got 'x'") as e:
+            call(QUICKSTART)
+        assert e.value.exit_code == 2
+    monkeypatch.delenv("SFTCTL_LOCAL_MAX_NODES")
+    assert api.status() == []

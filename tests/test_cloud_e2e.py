@@ -119,7 +119,7 @@ def test_check_without_credentials_says_what_to_set(home, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "GOOGLE_", "KUBE", "CLOUDSDK"))}
     env.update(HOME=str(tmp_path), KUBECONFIG=str(tmp_path / "none"))
     proc = sftctl("check", "--json", env=env)
-    assert proc.returncode == 4
+    assert proc.returncode == 0  # none named, and local works (tests/test_ux.py: a named cloud that does not: 4)
     rows = {r["cloud"]: r for r in json.loads(proc.stdout)["clouds"]}
     assert rows["local"]["ok"] is True
     assert "AWS_PROFILE" in rows["aws"]["reason"] and rows["aws"]["ok"] is False

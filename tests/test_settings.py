@@ -3,6 +3,8 @@ the config file (environment over file over default) and its error messages."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from pathlib import Path
 
@@ -257,3 +259,104 @@ def test_python_m_settings_shows_each_value_and_where_it_came_from(home, tmp_pat
     assert "SFTCTL_STATE_BUSY_TIMEOUT_MS=222  (config)" in out
     assert "SFTCTL_K8S_NAMESPACE=from-env  (environment)" in out
     assert "SFTCTL_PVC_MOUNT=/mnt/sftctl  (default)" in out and out[-1] == f"# config file: {xdg}"
+
+
+def test_sftctl_config_naming_no_file_is_an_error_everywhere(home, tmp_path, monkeypatch):
+    """A file the user names must exist (the default location may be absent): exit 2, one line."""
+    import subprocess
+    import sys
+
+    assert settings.config_path() is None  # the XDG default is absent: fine
+    for path, what in ((tmp_path / "nonexistent.yaml", "does not exist"), (tmp_path, "is a directory, not a file")):
+        monkeypatch.setenv("SFTCTL_CONFIG", str(path))
+        with pytest.raises(SettingError) as e:
+            settings.config_path()
+        assert e.value.message == f"SFTCTL_CONFIG: {path} {what}" and "unset it" in e.value.hint
+        proc = sftctl("status")
+        assert proc.returncode == 2 and proc.stderr.splitlines()[0] == f"error: SFTCTL_CONFIG: {path} {what}", proc.stderr
+        proc = subprocess.run([sys.executable, "-m", "sftctl.settings"], capture_output=True, text=True, cwd=REPO)
+        assert proc.returncode == 2 and proc.stdout == "", proc.stdout  # nothing shown as if read
+        assert proc.stderr.splitlines()[0] == f"error: SFTCTL_CONFIG: {path} {what}"
+    monkeypatch.setenv("SFTCTL_CONFIG", "")  # empty is unset, as for every variable
+    assert settings.config_path() is None
+
+
+@pytest.mark.parametrize("text, message, hint", [
+    ("slurm: {hots: x, gpu_hour_usd: cheap}\n", "config.yaml:1: slurm.hots: unknown setting", "did you mean 'slurm.host'?"),
+    ("slurm: {host: x, gpu_hour_usd: cheap}\n", "config.yaml:1: slurm.gpu_hour_usd: expected a number >= 0, got 'cheap'",
+     "slurm.gpu_hour_usd as a number"),
+    ("slurm:\n  host: x\n  port: '22'\n", "config.yaml:3: slurm.port: expected an integer >= 1, got '22'", "slurm.port"),
+    ("slurm:\n  port: 0\n", "config.yaml:2: slurm.port: expected an integer >= 1, got 0", "slurm.port"),
+    ("slurm:\n  requeue: maybe\n", "config.yaml:2: slurm.requeue: expected true or false, got 'maybe'", "slurm.requeue"),
+    ("slurm:\n  partition: 7\n", "config.yaml:2: slurm.partition: expected text (quote it", "slurm.partition"),
+    ("slurm:\n  ssh_options: -v\n", "config.yaml:2: slurm.ssh_options: expected a list of text, got '-v'", "ssh_options"),
+    ("slurm: [host]\n", "config.yaml:1: slurm: expected a mapping", "slurm: {key: value}"),
+])
+def test_the_slurm_section_is_validated_wherever_the_file_is_read(home, tmp_path, monkeypatch, text, message, hint):
+    """slurm: is checked against SlurmConfig's fields and types when the file is read, whichever
+    setting asked (not only by `sftctl check slurm`)."""
+    monkeypatch.delenv("SFTCTL_STATE_BUSY_TIMEOUT_MS", raising=False)
+    xdg = _xdg(tmp_path)
+    xdg.parent.mkdir(parents=True)
+    xdg.write_text(text)
+    with pytest.raises(SettingError) as e:
+        settings.get("SFTCTL_STATE_BUSY_TIMEOUT_MS")
+    assert e.value.message.startswith(f"{xdg.parent}/{message}"), e.value.message
+    assert "\n" not in e.value.message and hint in e.value.hint and e.value.exit_code == 2
+
+
+def test_a_good_slurm_section_passes_with_every_field_type(home, tmp_path):
+    from sftctl.providers.slurm import SlurmConfig
+
+    xdg = _xdg(tmp_path)
+    xdg.parent.mkdir(parents=True)
+    xdg.write_text("slurm:\n  host: login\n  port: 2222\n  gpu_hour_usd: 1\n  cpu_hour_usd: 0.05\n  requeue: false\n"
+                   "  ssh_options: [-v]\n  gpu_types: {a100: A100-80GB}\n  cpus_per_node: null\n  mem_per_node: 64G\n")
+    assert settings.validate_all()["SFTCTL_STATE_BUSY_TIMEOUT_MS"] == 60_000
+    cfg = SlurmConfig.load()
+    assert (cfg.port, cfg.gpu_hour_usd, cfg.requeue, cfg.ssh_options) == (2222, 1, False, ("-v",))
+
+
+def test_every_command_reports_a_bad_config_file_the_same_way(home, tmp_path, monkeypatch):
+    """A well-formed file with a bad value fails every command that reads the config (all of
+    them: the state's lock timeout is in it), also when the environment overrides that key."""
+    import subprocess
+    import sys
+
+    xdg = _xdg(tmp_path)
+    xdg.parent.mkdir(parents=True)
+    spec = tmp_path / "job.yaml"
+    spec.write_text("name: job\nrun: echo hi\nresources: {clouds: [local]}\n")
+    for text, line in (("defaults: {clouds: [azure]}\n", "defaults.clouds: expected a comma-separated list"),
+                       ("slurm: {hots: x}\n", "slurm.hots: unknown setting"),
+                       ("- state\n", "the config file must be a mapping")):
+        xdg.write_text(text)
+        for args, env in ((("status",), {}), (("status",), {"SFTCTL_STATE_BUSY_TIMEOUT_MS": "5000"}),
+                          (("run", "--dry-run", str(spec)), {}), (("logs", "nope"), {}), (("check", "local"), {})):
+            if True:
+                proc = sftctl(*args, env={**os.environ, **env})
+                assert proc.returncode == 2, (text, args, proc.stdout, proc.stderr)
+                assert proc.stderr.startswith(f"error: {xdg}:1: {line}"), (text, args, proc.stderr)
+                assert "Traceback" not in proc.stderr
+        proc = subprocess.run([sys.executable, "-m", "sftctl.settings"], capture_output=True, text=True, cwd=REPO)
+        assert proc.returncode == 2 and proc.stderr.startswith(f"error: {xdg}:1: {line}"), proc.stderr
+    assert sftctl("status", "--help").returncode == 0  # help needs no config
+    xdg.write_text("defaults: {clouds: [local]}\n")
+    assert sftctl("status").returncode == 0
+
+
+def test_every_user_setting_is_checked_before_anything_is_submitted(home, tmp_path, monkeypatch):
+    """SFTCTL_LOCAL_MAX_NODES=x used to be read only by the local provider, after the job was
+    recorded and started: run --detach printed a job id, then the job failed."""
+    spec = REPO / "examples" / "quickstart.yaml"
+    monkeypatch.setenv("SFTCTL_LOCAL_MAX_NODES", "x")
+    for args in (("run", "--detach", str(spec)), ("run", "--dry-run", str(spec)), ("plan", str(spec))):
+        proc = sftctl(*args)
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert proc.stderr.splitlines()[0] == "error: SFTCTL_LOCAL_MAX_NODES: expected an integer, got 'x'"
+        assert proc.stdout == ""
+    monkeypatch.delenv("SFTCTL_LOCAL_MAX_NODES")
+    assert json.loads(sftctl("status", "--json", check=True).stdout) == {"jobs": []}  # no record left behind
+    monkeypatch.setenv("SFTCTL_SFTENSOR_FORCE", "perhaps")  # an environment-only setting too
+    with pytest.raises(SettingError, match="SFTCTL_SFTENSOR_FORCE: expected 1 or 0, got 'perhaps'"):
+        settings.validate_all()

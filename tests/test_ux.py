@@ -47,7 +47,7 @@ def test_check_and_down_orphans_without_cloud_sdks_name_the_extra(tmp_path, home
                                     env=env, cwd=REPO, timeout=120)
     proc = run("check", "--json")
     assert no_traceback(proc), proc.stderr
-    assert proc.returncode == 4
+    assert proc.returncode == 0  # none named and local works (exit 4 only when a named one does not)
     rows = {r["cloud"]: r for r in json.loads(proc.stdout)["clouds"]}
     for cloud, sdk in (("aws", "boto3"), ("gcp", "google.cloud.compute_v1"), ("kubernetes", "kubernetes")):
         assert rows[cloud]["ok"] is False
@@ -595,6 +595,38 @@ def test_json_errors_are_one_json_object(tmp_path, home):
     spec = write_spec(tmp_path / "big.yaml", "name: big\nresources: {accelerators: [H100:8], clouds: [local]}\nrun: x\n")
     proc = sftctl("plan", str(spec), "--json")
     assert proc.returncode == 3 and "candidates" in json.loads(proc.stdout)
+
+
+def test_plan_json_of_an_infeasible_job_has_the_plan_and_the_error_keys(tmp_path, home):
+    """plan --json exiting non-zero: the plan's keys (scripts want the candidates and why) and
+    the error, hint and exit_code every failing --json command prints."""
+    spec = write_spec(tmp_path / "big.yaml", "name: big\nresources: {accelerators: [H100:8], clouds: [local]}\nrun: x\n")
+    proc = sftctl("plan", str(spec), "--json")
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == doc["exit_code"] == 3
+    assert {"job", "objective", "steps", "chosen", "reason", "candidates", "error", "hint", "exit_code"} == set(doc)
+    assert doc["chosen"] is None and doc["candidates"] and all(c["rejected"] for c in doc["candidates"])
+    assert doc["error"] == doc["reason"] and proc.stderr.startswith(f"error: {doc['error']}") and doc["hint"]
+    ok = write_spec(tmp_path / "ok.yaml", "name: ok\nresources: {clouds: [local]}\nrun: x\n")
+    doc = json.loads(sftctl("plan", str(ok), "--json", check=True).stdout)
+    assert "error" not in doc and doc["chosen"] is not None  # a plan that succeeded has no error keys
+
+
+def test_check_exits_0_when_something_works_and_4_when_a_named_cloud_does_not(home, tmp_path):
+    """Like `sky check`: a local-only user does not see a failed check; a cloud asked for by name
+    that does not work is exit 4. The document shows every cloud asked for either way."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "GOOGLE_", "KUBE", "CLOUDSDK", "SLURM"))}
+    env.update(HOME=str(tmp_path), KUBECONFIG=str(tmp_path / "none"), SLURM_CONF=str(tmp_path / "no-slurm.conf"))
+    for args, code, clouds in ((("check",), 0, ["local", "aws", "gcp", "kubernetes", "slurm"]),
+                               (("check", "local"), 0, ["local"]),
+                               (("check", "aws"), 4, ["aws"]),
+                               (("check", "local", "aws"), 4, ["local", "aws"])):
+        proc = sftctl(*args, "--json", env=env)
+        assert proc.returncode == code, (args, proc.stdout, proc.stderr)
+        rows = json.loads(proc.stdout)["clouds"]
+        assert [r["cloud"] for r in rows] == clouds and [r["ok"] for r in rows] == [c == "local" for c in clouds]
+    table = sftctl("check", env=env)
+    assert table.returncode == 0 and "aws" in table.stdout and "no credentials" in table.stdout
 
 
 def test_dry_run_renders_everything_and_starts_nothing(tmp_path, home):
