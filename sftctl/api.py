@@ -63,7 +63,7 @@ Progress = Callable[[str], None]
 
 __all__ = [
     "job", "load", "plan", "submit", "dry_run", "start", "attach", "run", "status", "wait", "logs", "events",
-    "down", "down_orphans", "check", "catalog", "compile", "JobView", "LogLine", "Submitted",
+    "down", "down_orphans", "check", "catalog", "compile", "validate_config", "JobView", "LogLine", "Submitted",
     "Attached", "DownResult", "CloudCheck", "CompileResult", "plan_doc", "events_doc",
 ]
 
@@ -165,6 +165,23 @@ def _typed(fn: Callable) -> Callable:
         return fn(*bound.args, **bound.kwargs)
 
     return wrapper
+
+
+# ------------------------------------------------------------------------------ settings
+
+
+def validate_config() -> str | None:
+    """Check the config file as a whole (every ``sftctl`` command does this first: its keys,
+    value types and ``slurm:`` section; :func:`sftctl.settings.config_document`); return its
+    path, or None when there is none.
+
+    Raises:
+        SettingError: ``$SFTCTL_CONFIG`` names no file, or the file has a mistake (the message
+            names the file, line and key; exit 2).
+    """
+    from sftctl import settings
+
+    return settings.config_document()[0]
 
 
 # ------------------------------------------------------------------------------ specs

@@ -85,9 +85,9 @@ def _root(
     if ctx.invoked_subcommand is not None and not _HELP[0]:
         # every command reads the config file (state's lock timeout, clouds, slurm:): check it
         # as a whole first, so a mistake in it is the same exit 2 whatever the command
-        from sftctl import settings
+        from sftctl import api
 
-        settings.config_document()
+        api.validate_config()
 
 
 # ------------------------------------------------------------------------------------ run
