@@ -18,12 +18,11 @@ as a :class:`sftctl.types.FailureReason` (a code programs switch on, and the lin
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from typing import Callable
 
 from sftctl.catalog import Offering, accelerator_names, cloud_offerings
 from sftctl.errors import InfeasibleError, SftctlError, SpecError
-from sftctl.spec import JobSpec
+from sftctl.spec import JobSpec, unknown_accelerator
 from sftctl.types import FailureCode, FailureReason, Plan, PlanChoice
 
 
@@ -206,16 +205,12 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
     if predict is None and spec.model is not None:
         predict = Predictor(spec)
     res = spec.resources
-    known = {n.lower(): n for n in accelerator_names()}
+    known = {n.lower(): n for n in accelerator_names()}  # the catalog's spelling of each name
     candidates: list[PlanChoice] = []
     for i, acc in enumerate(res.accelerators):
-        if acc.name.lower() not in known:
-            close = difflib.get_close_matches(acc.name, list(known.values()), n=1, cutoff=0.5)
-            raise SpecError(
-                f"resources.accelerators[{i}]: unknown accelerator {acc.name!r}"
-                + (f"; did you mean '{close[0]}'?" if close else ""),
-                hint=f"known accelerators: {', '.join(known.values())} (sftctl catalog lists offerings)",
-            )
+        error = unknown_accelerator(i, acc.name)  # load_spec says it at its line already
+        if error is not None:
+            raise error
         offerings = _offerings(acc.name, acc.count, usable, res.clouds, spec=spec)
         for offering in offerings:
             c = _judge(offering, spec, usable, predict)

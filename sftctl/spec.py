@@ -306,7 +306,8 @@ class JobSpec(_Strict):
     def _min_nodes_within_nodes(self) -> "JobSpec":
         m = self.recovery.min_nodes
         if m is not None and m > self.resources.nodes:
-            raise ValueError(f"recovery.min_nodes {m} is more than resources.nodes {self.resources.nodes}; "
+            # "FIELD: why": _explain puts the error at FIELD's line, not at the top level
+            raise ValueError(f"recovery.min_nodes: {m} is more than resources.nodes {self.resources.nodes}; "
                              f"set it to at most {self.resources.nodes}")
         return self
 
@@ -543,6 +544,10 @@ def _explain(err: dict, loc: _Located) -> SpecError:
             hint="see examples/quickstart.yaml for a complete spec",
         )
     msg = re.sub(r" or instance of \w+", "", err["msg"].removeprefix("Value error, "))
+    named = re.fullmatch(r"([a-z_]+(?:\.[a-z_]+)+): (.*)", msg, re.S) if kind == "value_error" and not path else None
+    if named:  # a check across fields (a model validator) names the field it is about
+        path = tuple(named.group(1).split("."))
+        field, where, msg = named.group(1), loc.where(path), named.group(2)
     msg = msg.replace("a valid dictionary", "a mapping (key: value lines)")
     got = err.get("input")
     got_text = "" if isinstance(got, (dict, list)) or kind == "value_error" else f" (got {shown(repr(got))})"
@@ -555,6 +560,22 @@ def _explain(err: dict, loc: _Located) -> SpecError:
 
 
 # --------------------------------------------------------------------------- entry point
+
+
+def unknown_accelerator(i: int, name: str, where: str | None = None) -> SpecError | None:
+    """The error for ``resources.accelerators[i]`` naming an accelerator sftctl does not know
+    (:func:`sftctl.catalog.accelerator_names`), at ``where`` (``file:line``) when given; else None."""
+    from sftctl.catalog import accelerator_names
+
+    known = {n.lower(): n for n in accelerator_names()}
+    if name.lower() in known:
+        return None
+    close = difflib.get_close_matches(name, list(known.values()), n=1, cutoff=0.5)
+    return SpecError(
+        (f"{where}: " if where else "") + f"resources.accelerators[{i}]: unknown accelerator {name!r}"
+        + (f"; did you mean '{close[0]}'?" if close else ""),
+        hint=f"known accelerators: {', '.join(known.values())} (sftctl catalog lists offerings)",
+    )
 
 
 def default_name(path: Path) -> str:
@@ -680,4 +701,8 @@ def load_spec(
             f"{spec.model.entrypoint_file} not found in workdir {workdir}",
             hint="the entrypoint's file is relative to workdir",
         )
+    for i, acc in enumerate(spec.resources.accelerators):
+        error = unknown_accelerator(i, acc.name, loc.where(("resources", "accelerators", i)))
+        if error is not None:
+            raise error
     return spec.model_copy(update={"workdir": str(workdir)})

@@ -45,10 +45,11 @@ class _Located:
         inside = [shown for p, shown in self.overrides.items() if p[: len(path)] == tuple(path)]
         if inside:  # an override changed something within the failing field
             return f"--set {inside[-1]}"
-        for n in range(len(path), -1, -1):
-            prefix = tuple(path[:n])
+        prefixes = [tuple(path[:n]) for n in range(len(path), -1, -1)]
+        for prefix in prefixes:  # an override of an enclosing field replaced what the file said
             if prefix in self.overrides:
                 return f"--set {self.overrides[prefix]}"
+        for prefix in prefixes:
             if prefix in self.lines:
                 return f"{self.filename}:{self.lines[prefix]}"
         return self.filename

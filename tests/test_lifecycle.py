@@ -135,3 +135,27 @@ def test_a_missing_framework_still_ranks_by_price_only(tmp_path, home):
     assert run.returncode == 0, run.stderr
     assert ("warning: model.entrypoint: cannot trace model.py:build: ModuleNotFoundError: No module named 'jax'; "
             "ranking by price only") in run.stderr
+
+
+@pytest.mark.parametrize("text,overrides,expected", [
+    ("resources:\n  accelerators: [\"B200:8\"]\n", (),
+     "job.yaml:4: resources.accelerators[0]: unknown accelerator 'B200'; did you mean 'H200'?"),
+    ("resources:\n  nodes: 1\n  accelerators:\n    - cpu:1\n    - B200:8\n", (),
+     "job.yaml:7: resources.accelerators[1]: unknown accelerator 'B200'; did you mean 'H200'?"),
+    ("resources: {accelerators: [cpu]}\n", ("resources.accelerators=B200:8",),
+     "--set resources.accelerators=B200:8: resources.accelerators[0]: unknown accelerator 'B200'; did you mean 'H200'?"),
+    ("resources: {nodes: 2}\nrecovery:\n  min_nodes: 5\n", (),
+     "job.yaml:5: recovery.min_nodes: 5 is more than resources.nodes 2; set it to at most 2"),
+    ("resources: {nodes: 2}\n", ("recovery.min_nodes=3",),
+     "--set recovery.min_nodes=3: recovery.min_nodes: 3 is more than resources.nodes 2; set it to at most 2"),
+])
+def test_spec_errors_across_fields_name_the_field_and_its_line(tmp_path, text, overrides, expected):
+    """Item 5: an unknown accelerator and a min_nodes above nodes say file:line and the field,
+    as every other spec error does (not 'top level:', not without a line)."""
+    from sftctl.errors import SpecError
+    from sftctl.spec import load_spec
+
+    path = write_spec(tmp_path / "job.yaml", f"name: demo\nrun: echo\n{text}")
+    with pytest.raises(SpecError) as e:
+        load_spec(path, overrides)
+    assert e.value.message.replace(f"{tmp_path}/", "") == expected

@@ -7,7 +7,7 @@ import pytest
 from conftest import write_spec
 from sftctl.errors import InfeasibleError, SpecError
 from sftctl.planner import plan
-from sftctl.spec import load_spec
+from sftctl.spec import JobSpec, load_spec
 from sftctl.types import FailureCode, FailureReason
 
 ALL_USABLE = {"local": None, "aws": None, "gcp": None, "kubernetes": None}
@@ -97,8 +97,10 @@ def test_nothing_feasible_says_why(tmp_path):
 
 
 def test_unknown_accelerator_suggests(tmp_path):
-    with pytest.raises(SpecError, match=r"unknown accelerator 'H10'; did you mean 'H100'\?"):
-        plan(spec(tmp_path, "{accelerators: [H10:8]}"), ALL_USABLE)
+    # load_spec says it at its line (tests/test_lifecycle.py); the planner, for a spec made otherwise
+    s = JobSpec.model_validate({"name": "job", "run": "echo", "resources": {"accelerators": ["H10:8"]}})
+    with pytest.raises(SpecError, match=r"^resources.accelerators\[0\]: unknown accelerator 'H10'; did you mean 'H100'\?"):
+        plan(s, ALL_USABLE)
 
 
 def test_local_cpu_without_model_ranks_by_price(tmp_path):
