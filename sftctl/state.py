@@ -123,11 +123,17 @@ LOCKED_RETRY_S = 1.0  # a controller that keeps waiting for the write lock tries
 CONTROLLER_START_GRACE_S = 30.0  # a job may wait this long for its controller to record its pid
 
 
-def controller_died_reason(job_id: str, pid: int | None, nodes_removed: bool = False) -> str:
+def controller_died_reason(job_id: str, pid: int | None, nodes_removed: bool = False, local: bool = False) -> str:
     """The failure line of a job whose controller is gone (code ``controller_died``): what
-    happened, then what became of its nodes (``sftctl down`` rewrites it with ``nodes_removed``)."""
+    happened, then what became of its nodes (``sftctl down`` rewrites it with ``nodes_removed``).
+    ``local``: the job's nodes are local processes, which stop by themselves once their
+    controller is gone (:func:`sftctl.procs.guard`); cloud and Slurm nodes may still run."""
     what = f"the controller (pid {pid}) exited without finishing the job" if pid else "the controller never started"
-    return what + ("; sftctl down removed its nodes" if nodes_removed else f"; its nodes may still run: sftctl down {job_id}")
+    if nodes_removed:
+        return what + "; sftctl down removed its nodes"
+    if local:
+        return what + f"; its local nodes stop by themselves within seconds (sftctl down {job_id} removes what is left)"
+    return what + f"; its nodes may still run: sftctl down {job_id}"
 
 
 class IllegalTransition(Exception):
@@ -343,13 +349,14 @@ class Store:
         """Mark live jobs whose controller process is gone as FAILED_CONTROLLER; return their ids.
 
         Liveness compares the recorded pid *and* its start time, so a reused pid is not mistaken
-        for the controller. The job's nodes may still run: ``sftctl down`` removes them.
+        for the controller. A cloud or Slurm job's nodes may still run: ``sftctl down`` removes
+        them; local nodes stop by themselves (:func:`sftctl.procs.guard`).
         """
         from sftctl import procs
 
         live = [s.value for s in JobStatus if not s.terminal]
         rows = self._conn.execute(
-            f"SELECT id, controller_pid, controller_start_ticks, created_at FROM jobs"
+            f"SELECT id, controller_pid, controller_start_ticks, created_at, provider FROM jobs"
             f" WHERE status IN ({','.join('?' * len(live))})",
             live,
         ).fetchall()
@@ -360,7 +367,7 @@ class Store:
                 continue
             if pid is not None and procs.alive(pid, r["controller_start_ticks"]):
                 continue
-            reason = controller_died_reason(r["id"], pid)
+            reason = controller_died_reason(r["id"], pid, local=(r["provider"] or "local") == "local")
             if self.transition(r["id"], JobStatus.FAILED_CONTROLLER, reason, strict=False, code="controller_died"):
                 reaped.append(r["id"])
         return reaped

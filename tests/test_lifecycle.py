@@ -41,7 +41,10 @@ def test_local_nodes_stop_by_themselves_when_their_controller_is_killed(tmp_path
             attached.wait(timeout=60)
         wait_for(lambda: job_processes(job) == [], timeout_s=60, interval_s=0.5,
                  what="the nodes of the killed controller to stop")
-        assert status_json(job)["status"] == "FAILED_CONTROLLER"
+        doc = status_json(job)
+        assert doc["status"] == "FAILED_CONTROLLER"
+        assert doc["failure_reason"].endswith(f"exited without finishing the job; its local nodes stop by themselves "
+                                              f"within seconds (sftctl down {job} removes what is left)")
     finally:
         if attached is not None and attached.poll() is None:
             attached.kill()
