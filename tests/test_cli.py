@@ -94,7 +94,8 @@ def test_sigkilled_controller_then_down_leaves_nothing(tmp_path, home):
     os.kill(status_json(job)["controller_pid"], signal.SIGKILL)
     doc = wait_for(lambda: (d := status_json(job))["status"] == "FAILED_CONTROLLER" and d, what="FAILED_CONTROLLER")
     assert "exited without finishing the job" in doc["failure_reason"]
-    assert len(job_processes(job)) >= 2  # the truth: its nodes still run
+    # its local nodes stop by themselves (sftctl.procs.guard, tests/test_lifecycle.py); down
+    # may find them still stopping or gone: either way it releases both and leaves nothing
     table = sftctl("status", check=True).stdout
     assert job in table and "FAILED_CONTROLLER" in table
     sftctl("down", job, check=True)
@@ -103,7 +104,7 @@ def test_sigkilled_controller_then_down_leaves_nothing(tmp_path, home):
     assert doc["status"] == "FAILED_CONTROLLER"  # what happened stays on record
     assert all(n["status"] == "TERMINATED" for n in doc["nodes"])
     events = json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]
-    assert events[-1]["kind"] == "down" and "stopped 2 running node(s)" in events[-1]["message"]
+    assert events[-1]["kind"] == "down" and "released 2 node(s)" in events[-1]["message"]
     assert doc["failure_reason"].endswith("exited without finishing the job; sftctl down removed its nodes")
     assert doc["failure_code"] == "controller_died"
     assert [(a["status"], a["reason_code"]) for a in doc["attempts"]] == [("ABANDONED", "controller_died")]
