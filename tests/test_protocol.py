@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -177,6 +178,14 @@ def _daemon(store, tmp_path, monkeypatch):
     return NodeDaemon(store, "n1", tmp_path / "daemon", poll_s=0.1)
 
 
+def _wait_for_output(files, text: bytes, timeout_s: float = 30.0) -> None:
+    """Wait until the node log holds ``text`` (the script ran its echo), so a stop cannot beat it."""
+    deadline = time.monotonic() + timeout_s
+    while not (files.log.exists() and text in files.log.read_bytes()):
+        assert time.monotonic() < deadline, f"{text!r} never reached {files.log}"
+        time.sleep(0.05)
+
+
 def test_daemon_acks_stops_the_named_attempt_and_records_a_killed_exit(store, tmp_path, monkeypatch):
     """Rules 3-5 with the real node daemon: it acks with the script's pid, a stop of an older
     attempt leaves the running one alone, a stop of the running one kills its process group and
@@ -191,6 +200,7 @@ def test_daemon_acks_stops_the_named_attempt_and_records_a_killed_exit(store, tm
         pid = int(store.get_bytes(ch.ack_key("n1", 1)))
         assert pid == daemon.proc.pid and daemon.proc.poll() is None
         assert files.script(1).read_text() == "echo one; exec sleep 60"
+        _wait_for_output(files, b"one\n")
 
         ch.send_launch("n1", 2, "echo two; exec sleep 60", {})
         daemon.tick()  # the newer attempt supersedes: attempt 1 is stopped and gets an exit code
@@ -201,6 +211,7 @@ def test_daemon_acks_stops_the_named_attempt_and_records_a_killed_exit(store, tm
         assert daemon.proc is not None and daemon.proc.poll() is None and not files.exit(2).exists()
 
         proc = daemon.proc
+        _wait_for_output(files, b"two\n")
         ch.request_stop("n1", 2)
         daemon.tick()
         assert proc.poll() == -15 and daemon.proc is None
