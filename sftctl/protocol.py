@@ -188,6 +188,21 @@ def failure_name(attempt: Attempt) -> str:
     return f"failure-{attempt}.json"
 
 
+def complete_json_lines(key: str, data: bytes, offsets: dict[str, int]) -> list[dict]:
+    """The JSON objects of the complete lines of ``data`` (bytes of file ``key`` read from
+    ``offsets[key]``), advancing ``offsets[key]`` past them; a line still being written (no
+    newline yet) waits for the next read, and lines that are not JSON are skipped."""
+    complete = data[: data.rfind(b"\n") + 1]
+    offsets[key] = offsets.get(key, 0) + len(complete)
+    out = []
+    for line in complete.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
 def parse_failure(raw: bytes | str | None):
     """A failure record's :class:`sftctl.types.FailureReason`; None for no record, or one that
     does not parse (a truncated or foreign file is not worth failing the controller)."""

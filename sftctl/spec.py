@@ -50,9 +50,7 @@ from sftctl.errors import SpecError
 # the YAML 1.2 loader with line numbers lives in sftctl.yaml12 (light: sftctl.settings reads the
 # config file with it); these names stay importable from here
 from sftctl.yaml12 import (  # noqa: F401
-    MAX_DEPTH,
     Path_,
-    _as_written,
     _build,
     _check_depth,
     _compose,

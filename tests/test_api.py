@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, SLEEPER, job_processes, sftctl, write_spec
+from conftest import REPO, SLEEPER, job_processes, sftctl
 
 QUICKSTART = str(REPO / "examples" / "quickstart.yaml")
 #: heavy modules `sftctl status` does not import either (tests/test_cli.py keeps that bar)

@@ -28,7 +28,6 @@ Every resource a provider creates carries the job id and node id as tags or labe
 
 from __future__ import annotations
 
-import json
 from typing import Protocol, runtime_checkable
 
 from sftctl.types import FailureReason, NodeHandle, NodeState, NodeStatus, Offering  # noqa: F401  (re-exported)
@@ -152,18 +151,3 @@ def provision_all(provider: Provider, job_id: str, nodes: list[tuple[str, int]],
         capacity = [e for e in errors if isinstance(e, CapacityError)]
         raise (capacity or errors)[0]
     return results
-
-
-def complete_json_lines(key: str, data: bytes, offsets: dict[str, int]) -> list[dict]:
-    """The JSON objects of the complete lines of ``data`` (bytes of file ``key`` read from
-    ``offsets[key]``), advancing ``offsets[key]`` past them; a line still being written (no
-    newline yet) waits for the next read, and lines that are not JSON are skipped."""
-    complete = data[: data.rfind(b"\n") + 1]
-    offsets[key] = offsets.get(key, 0) + len(complete)
-    out = []
-    for line in complete.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out

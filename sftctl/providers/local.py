@@ -22,8 +22,8 @@ from sftctl import procs
 from sftctl.catalog import Offering, local_offering
 from sftctl.errors import CapacityError, ProviderError
 from sftctl.paths import job_dir, sftctl_home
-from sftctl.protocol import METRICS_GLOB, NodeDir, parse_failure, read_exit_file
-from sftctl.providers.base import NodeState, NodeStatus, complete_json_lines
+from sftctl.protocol import METRICS_GLOB, NodeDir, complete_json_lines, parse_failure, read_exit_file
+from sftctl.providers.base import NodeState, NodeStatus
 from sftctl.types import FailureReason, LocalHandle
 
 

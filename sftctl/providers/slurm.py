@@ -62,8 +62,8 @@ from pathlib import Path
 from sftctl import settings
 from sftctl.catalog import Offering
 from sftctl.errors import CapacityError, ProviderError
-from sftctl.protocol import NodeDir, parse_exit_code, parse_failure
-from sftctl.providers.base import NodeState, NodeStatus, complete_json_lines
+from sftctl.protocol import NodeDir, complete_json_lines, parse_exit_code, parse_failure
+from sftctl.providers.base import NodeState, NodeStatus
 from sftctl.types import FailureReason, SlurmHandle
 
 #: Pending reasons of ``squeue`` (``%r``) in words. Source: Slurm's squeue man page, "JOB REASON

@@ -255,25 +255,17 @@ class StreamReader:
 
 
 def read_json_lines(reader: StreamReader, offsets: dict[str, int], key: str) -> list[dict]:
-    """Complete JSON lines of the stream after ``offsets[key]`` (advanced past them), like
-    :func:`sftctl.providers.local._read_json_lines`: a line still being written waits for its
-    newline; lines that do not parse are skipped."""
-    import json
-
-    start = offsets.get(key, 0)
+    """Complete JSON lines of the stream after ``offsets[key]`` (advanced past them), parsed by
+    :func:`sftctl.protocol.complete_json_lines`: a line still being written waits for its newline;
+    lines that do not parse are skipped."""
     out: list[dict] = []
     while True:
+        start = offsets.get(key, 0)
         data, end = reader.read(start)
-        complete = data[: data.rfind(b"\n") + 1]
-        start += len(complete)
-        for line in complete.splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-        if not complete or len(complete) < len(data) or end >= reader.known_bytes:
+        out += protocol.complete_json_lines(key, data, offsets)
+        got = offsets[key] - start
+        if not got or got < len(data) or end >= reader.known_bytes:
             break  # nothing new, the rest is a partial line, or everything listed was read
-    offsets[key] = start
     return out
 
 
