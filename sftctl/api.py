@@ -535,6 +535,7 @@ class JobView:
             "id": job.id,
             "name": job.name,
             "status": job.status.value,
+            "terminal": job.status.terminal,  # SUCCEEDED, FAILED, CANCELLED, FAILED_CONTROLLER
             "resources": f"{o.provider} {o.accelerator}:{o.count} x{res['nodes']}" if o else f"x{res['nodes']}",
             "provider": job.provider,
             "nodes": res["nodes"],

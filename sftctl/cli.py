@@ -436,10 +436,13 @@ def logs(
     job_id: str = typer.Argument(..., metavar="JOB"),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends."),
     node: Optional[int] = typer.Option(None, "--node", "-n", metavar="RANK", help="Only this node rank."),
+    exit_code: bool = typer.Option(False, "--exit-code", help="Follow until the job ends, then exit as `sftctl wait` "
+                                   "does: 0 if it SUCCEEDED, 1 if it ended otherwise."),
 ) -> None:
     """Print a job's node logs (each line prefixed with its node when there are several)."""
     from sftctl import api
 
+    follow = follow or exit_code
     for line in api.logs(job_id, follow=follow, node=node):
         if line.notice:  # the controller died: following the nodes could last forever
             sys.stdout.flush()
@@ -449,6 +452,43 @@ def logs(
         if follow:
             sys.stdout.flush()
     sys.stdout.flush()
+    if exit_code:
+        from sftctl.types import JobStatus
+
+        raise typer.Exit(0 if api.status(job_id).status == JobStatus.SUCCEEDED else int(ExitCode.JOB_FAILED))
+
+
+@app.command()
+def wait(
+    job_ids: list[str] = typer.Argument(..., metavar="JOB...", help="Job ids (or unique prefixes)."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", metavar="SECONDS", help="Give up after this long: "
+                                            f"exit {int(ExitCode.TIMEOUT)}, the jobs go on."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout: {\"jobs\": [status of each]}."),
+) -> None:
+    """Wait until every job ends: exit 0 if all SUCCEEDED, 1 if one did not, 124 on --timeout.
+
+    Prints one line per job (id, status, reason) as the jobs end, in the order given.
+    """
+    from sftctl import api
+    from sftctl.types import JobStatus
+
+    ids = [api.status(j).id for j in job_ids]  # an unknown or ambiguous id fails before any wait
+    end = None if timeout is None else time.monotonic() + timeout
+    views = []
+    for j in ids:
+        try:
+            views.append(api.wait(j, timeout_s=None if end is None else max(0.0, end - time.monotonic())))
+        except TimeoutError as e:
+            raise SftctlError(f"{e} (sftctl wait --timeout {timeout:g})", hint=f"the job goes on: sftctl status {j}",
+                              exit_code=ExitCode.TIMEOUT) from None
+        if not as_json:
+            v = views[-1]
+            print(f"{v.id} {v.status.value}" + (f": {v.failure_reason}" if v.failure_reason and v.status != JobStatus.SUCCEEDED else ""),
+                  flush=True)
+    if as_json:
+        _print_json({"jobs": [v.to_dict() for v in views]})
+    if any(v.status != JobStatus.SUCCEEDED for v in views):
+        raise typer.Exit(int(ExitCode.JOB_FAILED))
 
 
 # ------------------------------------------------------------------------------------ down

@@ -18,6 +18,7 @@ class ExitCode(enum.IntEnum):
     USAGE = 2
     INFEASIBLE = 3
     PROVIDER = 4
+    TIMEOUT = 124  # `sftctl wait --timeout` ran out with a job still going (as timeout(1) exits)
     HANGUP = 129  # 128 + SIGHUP: the terminal closed; the job was cancelled
     INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C
     TERMINATED = 143  # 128 + SIGTERM (sent by `sftctl down`, a service manager, kill)
