@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -14,17 +16,63 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+#: One lock for every copy of this suite on the machine (tests touch nothing else outside their
+#: own directories). Local admission counts the CPUs of every sftctl job on the machine, whatever
+#: its SFTCTL_HOME, so a test that asserts what admission says needs the machine to itself.
+MACHINE_LOCK_DIR = Path(tempfile.gettempdir()) / "sftctl-tests"
+
+
+@contextlib.contextmanager
+def _machine(exclusive: bool):
+    """Hold the machine shared (a test that runs local jobs beside others: most of them) or
+    exclusive (a test that needs no other sftctl job on the machine). A turnstile keeps a waiting
+    exclusive holder from being starved by a stream of shared ones: each taker passes the gate
+    first, and an exclusive taker keeps the gate until the shared holders have drained."""
+    import filelock
+
+    MACHINE_LOCK_DIR.mkdir(parents=True, exist_ok=True)
+    gate = filelock.FileLock(MACHINE_LOCK_DIR / "gate.lock", is_singleton=False)
+    rw = filelock.ReadWriteLock(MACHINE_LOCK_DIR / "machine.db", is_singleton=False)
+    if exclusive:
+        with gate, rw.write_lock():
+            yield
+    else:
+        with gate:
+            rw.acquire_read()
+        try:
+            yield
+        finally:
+            rw.release()
+
+
 @pytest.fixture
-def home(tmp_path, monkeypatch) -> Path:
-    """A fresh SFTCTL_HOME for this test (in this process and in the CLI processes it starts)."""
+def machine_to_ourselves():
+    """Use for a test that asserts what local admission sees (CPUs taken, jobs counted): it waits
+    until no other test on the machine (of this suite or a copy of it) runs local jobs, and keeps
+    them out until it ends."""
+    with _machine(exclusive=True):
+        yield
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch, request):
+    """A fresh SFTCTL_HOME for this test (in this process and in the CLI processes it starts).
+
+    The compiler's disk cache (traces, compiled steps, searches) stays the session's: a model is
+    traced once per session, not once per test. A test about the cache itself asks for a cold one
+    of its own with ``@pytest.mark.cold_cache``."""
     h = tmp_path / "home"
     monkeypatch.setenv("SFTCTL_HOME", str(h))
     # the user's own ~/.config/sftctl/config.yaml must not reach a test (sftctl.settings)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))
     monkeypatch.delenv("SFTCTL_CONFIG", raising=False)
-    # a cold compiler cache too, as when it lived under SFTCTL_HOME (sftctl.compiler.cache)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
-    return h
+    if request.node.get_closest_marker("cold_cache"):
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+    if "machine_to_ourselves" in request.fixturenames:
+        yield h
+        return
+    with _machine(exclusive=False):  # local jobs of this test share the machine with others
+        yield h
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -42,11 +90,31 @@ def _compiler_cache_outside_the_users(tmp_path_factory):
         os.environ["XDG_CACHE_HOME"] = old
 
 
+def slowdown() -> float:
+    """How many times slower than a quiet machine this one runs right now: the run queue per core,
+    ``max(1, max(load_1min, load_5min) / cores)`` (1.0 on a quiet machine, 4.0 on a 2-core machine at
+    load 8). Every deadline in the suite is a quiet-machine budget multiplied by this, read when the
+    wait starts (and again while it goes on), so a busy, shared machine gets the time its load takes
+    and a hang still ends the test."""
+    try:
+        load = max(os.getloadavg()[:2])
+    except OSError:  # no load average on this platform: trust the quiet budgets
+        return 1.0
+    return max(1.0, load / (os.cpu_count() or 1))
+
+
+def deadline(quiet_s: float) -> float:
+    """A timeout in seconds for work that takes at most ``quiet_s`` seconds on a quiet machine,
+    scaled by :func:`slowdown` now."""
+    return quiet_s * slowdown()
+
+
 def sftctl(*args: str, timeout: float = 300, check: bool = False, **kw) -> subprocess.CompletedProcess:
-    """Run the real CLI in a subprocess (``python -m sftctl.cli``) and capture its output."""
+    """Run the real CLI in a subprocess (``python -m sftctl.cli``) and capture its output.
+    ``timeout`` is the quiet-machine budget in seconds; it is scaled by :func:`slowdown`."""
     proc = subprocess.run(
         [sys.executable, "-m", "sftctl.cli", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=kw.pop("cwd", REPO), **kw,
+        capture_output=True, text=True, timeout=deadline(timeout), cwd=kw.pop("cwd", REPO), **kw,
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"sftctl {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
@@ -59,14 +127,19 @@ def status_json(job_id: str | None = None) -> dict:
 
 
 def wait_for(predicate, timeout_s: float = 120, interval_s: float = 0.3, what: str = "condition"):
-    """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout_s``."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
+    """Poll ``predicate`` until it returns a truthy value; fail the test once ``timeout_s`` (a
+    quiet-machine budget) times the machine's :func:`slowdown` has passed. The slowdown is read
+    again on every poll, so a load that rises during the wait extends it."""
+    start = time.monotonic()
+    while True:
         value = predicate()
         if value:
             return value
+        waited = time.monotonic() - start
+        if waited > deadline(timeout_s):
+            raise AssertionError(f"timed out after {waited:.0f} s waiting for {what} "
+                                 f"(budget {timeout_s} s on a quiet machine, slowdown {slowdown():.1f}x)")
         time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def job_processes(job_id: str) -> list[int]:

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.fx as fx
 
+from conftest import deadline
 from sftctl.compiler import backend as be
 
 REPO = Path(__file__).resolve().parents[1]
@@ -164,7 +165,7 @@ def test_rewrite_numerics_with_interpreted_triton_kernels(home, tmp_path):
     """)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=tmp_path)
+                          timeout=deadline(300), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["sites"] == 4
@@ -248,7 +249,7 @@ def test_import_registers_only_when_torch_is_imported():
             "import torch; import importlib; importlib.reload(sftctl.compiler); "
             "from torch._dynamo.backends.registry import lookup_backend; "
             "from sftctl.compiler.backend import sftensor; assert lookup_backend('sftensor') is sftensor; print('ok')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=deadline(120),
                           env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
@@ -259,12 +260,12 @@ def test_train_script_compile_opt_in(tmp_path):
     env = dict(os.environ, SFTCTL_HOME=str(tmp_path / "home"), SFTCTL_COMPILE="sftensor", SFTCTL_TRAIN_STEPS="2",
                SFTCTL_BATCH_SIZE="2", SFTCTL_CHECKPOINT_DIR=str(tmp_path / "ck"), PYTHONPATH=str(REPO))
     script = str(REPO / "examples" / "gpt" / "train.py")
-    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=300,
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, env=env, timeout=deadline(300),
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "val loss" in proc.stdout
     assert proc.stderr.count(be.NO_GPU_MESSAGE) == 1, proc.stderr
-    bad = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    bad = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=deadline(300), cwd=tmp_path,
                          env=dict(env, SFTCTL_COMPILE="bogus"))
     assert bad.returncode != 0 and "SFTCTL_COMPILE must be one of" in bad.stderr
 
@@ -348,7 +349,7 @@ def test_hf_gpt2_and_llama_train_through_the_rewrite(home, tmp_path):
     """)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=tmp_path)
+                          timeout=deadline(300), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, r in out.items():

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 
-from conftest import REPO, SLEEPER, job_processes, no_traceback, sftctl, status_json, wait_for, write_spec
+from conftest import REPO, SLEEPER, deadline, job_processes, no_traceback, sftctl, status_json, wait_for, write_spec
 
 TINY = """\
 name: tiny
@@ -59,7 +59,7 @@ def test_twenty_concurrent_detached_runs(tmp_path, home):
     ]
     ids = []
     for p in procs_:
-        out, err = p.communicate(timeout=120)
+        out, err = p.communicate(timeout=deadline(120))
         assert p.returncode == 0, err
         ids.append(json.loads(out)["job_id"])
     assert len(set(ids)) == 20
@@ -110,17 +110,26 @@ def test_sigkilled_controller_then_down_leaves_nothing(tmp_path, home):
     assert [(a["status"], a["reason_code"]) for a in doc["attempts"]] == [("ABANDONED", "controller_died")]
 
 
+def _as_from_a_terminal() -> None:
+    """In the child, before exec: SIGINT back to its default, as a terminal's foreground job has it.
+    A suite started in the background (``nohup pytest &``, CI scripts) runs with SIGINT ignored,
+    every child inherits that, and Python leaves an ignored SIGINT ignored, so Ctrl-C could never
+    be delivered and the test would wait out its deadline."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_cancels_attached_run(tmp_path, home):
     spec = write_spec(tmp_path / "sleeper.yaml", SLEEPER)
     proc = subprocess.Popen([sys.executable, "-m", "sftctl.cli", "run", str(spec)], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_as_from_a_terminal)
     # the timeouts guard against a hang, they measure nothing: a busy 2-core machine needs minutes
     job = wait_for(lambda: (j := status_json()["jobs"]) and j[0]["status"] == "RUNNING" and j[0]["id"],
                    timeout_s=300, what="RUNNING")
     wait_for(lambda: len(job_processes(job)) >= 2, timeout_s=300, what="node processes")
     proc.send_signal(signal.SIGINT)
     try:
-        out, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=deadline(300))
     finally:
         if proc.poll() is None:
             proc.kill()

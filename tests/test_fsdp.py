@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "shard_worker.py"
 sys.path.insert(0, str(REPO / "tests"))
 import shard_worker  # noqa: E402
+from conftest import deadline  # noqa: E402
 
 
 def launch(tmp_path: Path, nproc: int, out: Path, ckpt: Path, **env: str) -> subprocess.CompletedProcess:
@@ -33,7 +34,7 @@ def launch(tmp_path: Path, nproc: int, out: Path, ckpt: Path, **env: str) -> sub
              SFTCTL_KEEP_CHECKPOINTS="2", SFTCTL_PARALLELISM="fsdp", SFTCTL_DTYPE="float32", **env)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
                            f"--nproc-per-node={nproc}", str(WORKER)],
-                          cwd=tmp_path, env=e, capture_output=True, text=True, timeout=300)
+                          cwd=tmp_path, env=e, capture_output=True, text=True, timeout=deadline(300))
     (out / "log.txt").write_text(proc.stdout + proc.stderr)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
@@ -160,7 +161,7 @@ def test_llama_example_trains_sharded_and_resumes(tmp_path):
                SFTCTL_CHECKPOINT_INTERVAL="4", SFTCTL_BATCH_SIZE="2")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(REPO / "examples" / "llama" / "train.py")]
-    first = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    first = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=deadline(300))
     out = first.stdout + first.stderr
     assert first.returncode == 0, out[-4000:]
     assert "fsdp: 2 blocks + root sharded over 2 ranks" in out
@@ -168,6 +169,6 @@ def test_llama_example_trains_sharded_and_resumes(tmp_path):
     assert len(losses) == 8 and losses[-1] < losses[0]
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= {p.name for p in (ckpt / "step-00000008").iterdir()}
     env["SFTCTL_TRAIN_STEPS"] = "10"
-    second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    second = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=deadline(300))
     assert second.returncode == 0, (second.stdout + second.stderr)[-4000:]
     assert "resumed from step 8" in second.stdout and "step 10/10" in second.stdout

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, SLEEPER, job_processes, sftctl, status_json, wait_for, write_spec
+from conftest import REPO, deadline, SLEEPER, job_processes, sftctl, status_json, wait_for, write_spec
 
 
 def _kill_controller(job: str) -> None:
@@ -38,7 +38,7 @@ def test_local_nodes_stop_by_themselves_when_their_controller_is_killed(tmp_path
         assert len(job_processes(job)) >= 4  # per node: its guard, bash, the run's shell, sleep
         _kill_controller(job)
         if attached is not None:
-            attached.wait(timeout=60)
+            attached.wait(timeout=deadline(60))
         wait_for(lambda: job_processes(job) == [], timeout_s=60, interval_s=0.5,
                  what="the nodes of the killed controller to stop")
         doc = status_json(job)
@@ -53,7 +53,7 @@ def test_local_nodes_stop_by_themselves_when_their_controller_is_killed(tmp_path
     assert job_processes(job) == []
 
 
-def test_admission_counts_the_cpus_of_a_dead_controllers_live_nodes(home):
+def test_admission_counts_the_cpus_of_a_dead_controllers_live_nodes(home, machine_to_ourselves):
     """Item 1b: a job whose controller died (FAILED_CONTROLLER) but whose local node processes
     still run holds their CPUs: local admission starts nothing on top of them."""
     from sftctl.controller import _machine_busy
@@ -97,7 +97,7 @@ def test_sigterm_exits_143_and_says_who_sent_it(tmp_path, home):
                 proc.send_signal(signal.SIGTERM)
             else:
                 sftctl("down", job, check=True)
-            out, err = proc.communicate(timeout=120)
+            out, err = proc.communicate(timeout=deadline(120))
         finally:
             if proc.poll() is None:
                 proc.kill()

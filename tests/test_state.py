@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import sftctl
+from conftest import deadline, sftctl
 from sftctl.errors import SftctlError
 from sftctl.state import SCHEMA_VERSION, IllegalTransition, JobStatus, Store
 
@@ -143,7 +143,7 @@ def test_twenty_concurrent_writers(home):
         subprocess.Popen([sys.executable, "-c", WRITER, str(per_writer)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(20)
     ]
-    results = [p.communicate(timeout=240) for p in procs_]
+    results = [p.communicate(timeout=deadline(240)) for p in procs_]
     for p, (out, errout) in zip(procs_, results):
         assert p.returncode == 0, errout
         assert out.strip() == "ok"

@@ -249,7 +249,7 @@ def test_jobs_and_events_tables_fit_80_columns(home):
     assert all(len(line) <= 80 for line in lines) and len(lines) > 3
 
 
-def test_local_jobs_queue_while_the_cpus_are_taken(tmp_path, home):
+def test_local_jobs_queue_while_the_cpus_are_taken(tmp_path, home, machine_to_ourselves):
     """Item 5: a local job waits PENDING, with a reason and no process, while other local jobs
     hold the machine's CPUs; it runs once they are released."""
     cpus = os.cpu_count() or 1
@@ -294,6 +294,7 @@ def build(batch_size=2, dtype="float32"):
 '''
 
 
+@pytest.mark.cold_cache
 def test_concurrent_cold_traces_of_one_model_trace_it_once(tmp_path, home):
     """Item 5: three cold runs of one model share its trace (one traces, two wait and read)."""
     (tmp_path / "m.py").write_text(BARRIER_MODEL)
