@@ -32,6 +32,7 @@ def main() -> None:
     from sftctl.compiler.hardware import get_accelerator, load_accelerators
     from sftctl.compiler.search import gemm as gemm_search
     from sftctl.compiler.step import compile_graph
+    from sftctl.compiler.target import load_target
 
     t0 = time.perf_counter()
     graph = trace_model("torch", "examples/gpt/model.py:build_gpt2_small", str(REPO), 8, "bfloat16", use_cache=False)
@@ -41,7 +42,7 @@ def main() -> None:
         hw = get_accelerator(name)
         gemm_search.clear_cache()
         t0 = time.perf_counter()
-        c = compile_graph(graph, hw)
+        c = compile_graph(graph, load_target(hw))
         rows.append({
             "accelerator": name, "compile_s": time.perf_counter() - t0, "kernels": len(c.kernels),
             "candidates": c.candidates, "scored": c.scored, "step_ms": c.compute_time_s * 1e3,
@@ -50,7 +51,7 @@ def main() -> None:
         })
     # peer: exhaustive search of every GEMM class on H200 must give the same times
     hw = get_accelerator("H200")
-    coeffs = costmodel.Coefficients.for_accelerator(hw)
+    coeffs = load_target(hw).coeffs
     # the classes as the benchmark has always searched them: traced dtype, no out_dtype/epilogue FLOPs
     classes = {dataclasses.replace(k.gemm, out_dtype="same", epilogue_flops_per_elem=0.0)
                for k in fuse(graph) if k.kind == "gemm"}

@@ -65,6 +65,7 @@ if DRY:  # before triton is imported anywhere: kernels are decorated in interpre
 import numpy as np  # noqa: E402
 
 from sftctl.compiler.calibration import spearman as spearman_rho  # noqa: E402
+from sftctl.compiler.target import calibrated_coefficients as _coeffs  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
 # small helpers
@@ -435,7 +436,7 @@ def gemm_config_sets(problems: list[dict], hw, n_configs: int, dry: bool) -> dic
     ok = np.ones(len(allc), dtype=bool)
     preds = {}
     for p in problems:
-        t = evaluate_configs(_problem(p), hw, allc)
+        t = evaluate_configs(_problem(p), hw, allc, _coeffs(hw))
         preds[p["name"]] = t
         ok &= np.isfinite(t)
     idx = [i for i in range(len(allc)) if ok[i]]
@@ -445,7 +446,7 @@ def gemm_config_sets(problems: list[dict], hw, n_configs: int, dry: bool) -> dic
     for p in problems:
         t = preds[p["name"]]
         top = [allc[i] for i in np.argsort(t)[:5] if np.isfinite(t[i])]
-        choice = search_gemm(_problem(p), hw, space=SANE_DRY if dry else None).config
+        choice = search_gemm(_problem(p), hw, _coeffs(hw), space=SANE_DRY if dry else None).config
         seen, cfgs = set(), []
         for c in ([choice] if choice else []) + top + shared:
             if cfg_key(c) not in seen:
@@ -489,12 +490,12 @@ def fused_predictions(f: dict, hw) -> list | None:
         kind = "layernorm" if f["family"] == "layer_norm" else "softmax"
         cfg = {"ROWS": np.ones(len(cfgs)), "BLOCK_N": np.array([c["BLOCK_N"] for c in cfgs], dtype=float),
                "num_warps": np.array([c["num_warps"] for c in cfgs], dtype=float)}
-        return list(row_kernel_time_s(kind, f["rows"], f["cols"], cfg, hw))
+        return list(row_kernel_time_s(kind, f["rows"], f["cols"], cfg, hw, _coeffs(hw)))
     if f["family"] == "elementwise":
         n = f["spec"]["rows"] * f["spec"]["n"]
         cfg = {"BLOCK": np.array([c["BLOCK"] for c in cfgs], dtype=float),
                "num_warps": np.array([c["num_warps"] for c in cfgs], dtype=float)}
-        return list(elementwise_time_s(n, cfg, hw, kind="elementwise", bytes_per_element=f["bytes"] / n,
+        return list(elementwise_time_s(n, cfg, hw, _coeffs(hw), kind="elementwise", bytes_per_element=f["bytes"] / n,
                                        instr_per_element=4.0 + 3.0 * 3))
     return None
 
@@ -519,7 +520,7 @@ def part_b(device: str, dry: bool, deadline: float, hw, n_configs: int, workers:
             out["gemm"].append({"problem": p, "skipped": "time"})
             continue
         cfgs = sets[p["name"]]
-        pred = evaluate_configs(_problem(p), hw, cfgs)
+        pred = evaluate_configs(_problem(p), hw, cfgs, _coeffs(hw))
         meas = []
         for c in cfgs:
             if time.monotonic() > deadline:
@@ -562,9 +563,9 @@ def part_b(device: str, dry: bool, deadline: float, hw, n_configs: int, workers:
                 out.setdefault("errors", []).append(f"{f['name']} {c}: {type(e).__name__}: {str(e)[:120]}")
         m = np.asarray(meas)
         if "cols" in f:
-            model_s = float(reduction_time_s(f["rows"], f["cols"], "bfloat16", hw, flops_per_elem=5.0))
+            model_s = float(reduction_time_s(f["rows"], f["cols"], "bfloat16", hw, _coeffs(hw), flops_per_elem=5.0))
         else:
-            model_s = float(memory_bound_time_s(f["bytes"], hw))
+            model_s = float(memory_bound_time_s(f["bytes"], hw, _coeffs(hw)))
         per_config = fused_predictions(f, hw)
         rho = None
         if per_config is not None and len(meas):
@@ -617,7 +618,8 @@ def record_cases(dry: bool, hw, n_gemm: int) -> list[dict]:
     calibrated model's top 5 (``sftctl.compiler.predict``); every row/elementwise config."""
     import itertools
 
-    from sftctl.compiler.predict import normalize, predict_records
+    from sftctl.compiler.records import normalize, predict_records
+    from sftctl.compiler.target import load_target
 
     out = []
     gemms = [("tiny", 64, 96, 64)] if dry else RECORD_GEMMS
@@ -629,7 +631,7 @@ def record_cases(dry: bool, hw, n_gemm: int) -> list[dict]:
         # the dry run's interpreter mis-computes bf16 tl.dot (Triton 3.9): its plumbing check uses fp32
         recs = [{"kernel": "gemm", "shape_name": name, "M": M, "N": N, "K": K,
                  "dtype": "float32" if dry else "bfloat16", "config": c} for c in allc]
-        t = predict_records([normalize(r) for r in recs], hw)
+        t = predict_records([normalize(r) for r in recs], load_target(hw))
         top = [recs[i] for i in np.argsort(t)[:5]]
         rest = [recs[i] for i in range(len(recs))]
         random.Random(sum(map(ord, name))).shuffle(rest)
@@ -769,7 +771,7 @@ def part_c(device: str, dry: bool, deadline: float, hw) -> dict:
             rows.append({"size": s, "skipped": "time"})
             continue
         p = dict(name=f"square {s}", m=s, k=s, n=s, a_t=False, b_t=False)
-        cfg = search_gemm(_problem(p), hw, space=SANE_DRY if dry else None).config
+        cfg = search_gemm(_problem(p), hw, _coeffs(hw), space=SANE_DRY if dry else None).config
         a, b = make_inputs("gemm", p, device)
         try:
             ours = bench(launcher("gemm", p, cfg, device), dry)
@@ -893,15 +895,14 @@ FIT_FIELDS = {"mma_efficiency": (0.2, 1.0), "hbm_efficiency": (0.3, 1.0), "l2_by
 
 def fit_coefficients(points: list[tuple], hw, iters: int = 40, seed: int = 0) -> dict:
     """Levenberg-Marquardt on ``log(model) - log(measured)`` over :data:`FIT_FIELDS`, in a
-    bounded (logistic) parameterization, from ``Coefficients.for_accelerator(hw)``.
+    bounded (logistic) parameterization, from ``calibrated_coefficients(hw)``.
 
     ``points``: ``(problem dict, config dict, measured seconds)``. 70% train / 30% test (seeded).
     Returns the fitted values, RMS log residuals before/after on both sets, and rho after.
     """
-    from sftctl.compiler.costmodel import Coefficients
     from sftctl.compiler.search.gemm import evaluate_configs
 
-    base = Coefficients.for_accelerator(hw)
+    base = _coeffs(hw)
     rng = np.random.default_rng(seed)
     idx = rng.permutation(len(points))
     n_tr = max(1, int(0.7 * len(points)))

@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from sftctl.compiler import hardware  # noqa: E402
-from sftctl.compiler.costmodel import Coefficients, GemmProblem, gemm_breakdown  # noqa: E402
+from sftctl.compiler.costmodel import GemmProblem, gemm_breakdown  # noqa: E402
+from sftctl.compiler.target import load_target  # noqa: E402
 from sftctl.compiler.search.gemm import (  # noqa: E402
     evaluate_configs, exhaustive_gemm, inductor_mm_configs, inductor_scaled_configs, search_gemm,
 )
@@ -105,7 +106,7 @@ def main() -> None:
     shapes = gpt2_gemms()[: 4 if args.quick else None]
     rows = []
     for hw in accelerators():
-        coeffs = Coefficients.for_accelerator(hw)
+        coeffs = load_target(hw).coeffs
         for name, p in shapes:
             search_gemm(p, hw, coeffs, use_cache=False)  # warm-up (numpy dispatch, caches)
             s, s_t = timed(lambda: search_gemm(p, hw, coeffs, use_cache=False), args.repeat)

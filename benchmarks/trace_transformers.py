@@ -55,7 +55,7 @@ def main() -> None:
     import torch
 
     from sftctl.compiler.frontends.torch import trace_step
-    from sftctl.compiler.hardware import get_accelerator
+    from sftctl.compiler.target import load_target
     from sftctl.compiler.step import compile_graph
 
     rows = []
@@ -75,7 +75,7 @@ def main() -> None:
                    "attention_ops": ops.get("attention", 0), "dropout_masks": ops.get("rng_bernoulli", 0),
                    "params": meta["n_params"], "per_accelerator": {}}
             for acc in ("H100", "H200"):
-                c = compile_graph(graph, get_accelerator(acc))
+                c = compile_graph(graph, load_target(acc))
                 by_kind: dict[str, float] = {}
                 for k in c.kernels:
                     by_kind[k.kind] = by_kind.get(k.kind, 0.0) + k.time_s * 1e3

@@ -33,7 +33,7 @@ REPEAT = 3
 def main() -> None:
     os.environ.setdefault("SFTCTL_HOME", tempfile.mkdtemp(prefix="sftctl-bench-"))
     from sftctl.compiler.driver import trace_model
-    from sftctl.compiler.hardware import get_accelerator
+    from sftctl.compiler.target import load_target
     from sftctl.compiler.step import compile_graph
 
     rows = []
@@ -49,7 +49,7 @@ def main() -> None:
                "params": sum(n.type.numel for n in graph.inputs_with_role("param")), "per_accelerator": {}}
         for acc in ("H100", "H200"):
             t0 = time.perf_counter()
-            c = compile_graph(graph, get_accelerator(acc))
+            c = compile_graph(graph, load_target(acc))
             by_kind: dict[str, float] = {}
             for k in c.kernels:
                 kind = k.label.split()[0] if k.kind == "gemm" else k.kind

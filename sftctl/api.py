@@ -946,32 +946,21 @@ def compile(spec: SpecLike, target: str, overrides: Overrides = (), *, out: str 
     s, label, _ = _load(spec, overrides)
     if s.model is None:
         raise SftctlError(f"{label}: the spec has no model to compile", hint="add model: {framework, entrypoint, batch_size, dtype}")
-    from sftctl.compiler.hardware import get_accelerator
-    from sftctl.planner import Predictor, lacks_bf16_tensor_cores
+    from sftctl.compiler.report import compile_doc, write_report
+    from sftctl.compiler.target import load_target
+    from sftctl.planner import Predictor
 
     try:
-        hw = get_accelerator(target)
+        target = load_target(target)
     except KeyError as e:
         raise SftctlError(f"--target: {e.args[0]}", hint="sftctl catalog lists the accelerators") from None
+    hw = target.hw
     say = progress or (lambda msg: None)
-    predictor = Predictor(s)
-    from sftctl.compiler.driver import compile_for
-    from sftctl.compiler.report import compile_doc, write_report
-
-    say(f"tracing {s.model.entrypoint}")
+    predictor = Predictor(s, progress=say)
     graph = predictor.graph()
-    say(f"searching schedules for {hw.name}")
-    compiled = compile_for(graph, hw.name, matmul_precision=s.model.matmul_precision)
+    compiled = predictor.compile(hw.name)
     doc = compile_doc(compiled, graph, s, hw, predictor.mode)
-    doc["notes"] = []
-    if s.model.dtype == "bfloat16" and lacks_bf16_tensor_cores(hw):
-        fp16 = compile_for(graph, hw.name, matmul_precision=s.model.matmul_precision,
-                           mma_dtype_map={"bfloat16": "float16"})
-        doc["notes"].append(
-            f"{hw.name} has no bfloat16 tensor cores: bf16 matmuls run on its CUDA cores at "
-            f"{hw.matrix_peak('bfloat16') / 1e12:.1f} TFLOP/s; model.dtype float16 would run them on its tensor cores "
-            f"({hw.matrix_peak('float16') / 1e12:.0f} TFLOP/s): predicted {fp16.mode_time_s(predictor.mode) * 1e3:.1f} "
-            f"ms/step instead of {doc['step_time_s'] * 1e3:.1f} ({predictor.mode})")
+    doc["notes"] = [predictor.notes[hw.name]] if hw.name in predictor.notes else []
     where = Path(out) if out is not None else Path("sftctl-compile") / f"{s.name}-{hw.name.lower()}"
     where.mkdir(parents=True, exist_ok=True)
     (where / "plan.json").write_text(json.dumps(doc, indent=1) + "\n")

@@ -18,18 +18,20 @@ as a :class:`sftctl.types.FailureReason` (a code programs switch on, and the lin
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from sftctl.catalog import Offering, accelerator_names, cloud_offerings
 from sftctl.errors import InfeasibleError, SftctlError, SpecError
 from sftctl.spec import JobSpec, unknown_accelerator
 from sftctl.types import FailureCode, FailureReason, Plan, PlanChoice
 
+if TYPE_CHECKING:
+    from sftctl.compiler.api import OfferingPrediction
 
-# Predicts (step_time_s, peak_memory_bytes, devices_needed) of the job on an offering, or None;
-# a fourth element, when there, is the strategy: {"parallelism", "activation_checkpointing",
-# "parallelism_reason", "strategies"} (devices_needed is then 1 when that strategy fits).
-PredictFn = Callable[[Offering, int], "tuple | None"]
+
+# Predicts the job on an offering at a node count (sftctl.compiler.api.OfferingPrediction), or
+# None when it cannot (the predictor says why in its ``error``).
+PredictFn = Callable[[Offering, int], "OfferingPrediction | None"]
 
 
 #: The pip extra that installs a framework the tracer imports (pyproject.toml's optional deps).
@@ -57,6 +59,7 @@ class Predictor:
         self.strict = strict
         self.error: str | None = None  # why predictions failed, when not strict
         self._graphs: dict[int, object] = {}  # per-rank batch -> traced step
+        self._targets: dict[str, object] = {}  # accelerator -> its compiler Target, built once
         self.compiled: dict[tuple, object] = {}
         self.notes: dict[str, str] = {}  # accelerator -> a note on its prediction
         self.mode = execution_mode(spec)
@@ -66,11 +69,11 @@ class Predictor:
         m = self.spec.model
         batch = per_rank_batch or m.batch_size
         if batch not in self._graphs:
-            from sftctl.compiler.driver import trace_model
+            import sftctl.compiler.api as compiler
 
             self.progress(f"tracing {m.entrypoint} ({m.framework}, batch {batch} per rank, {m.dtype})")
             try:
-                self._graphs[batch] = trace_model(m.framework, m.entrypoint, self.spec.workdir, batch, m.dtype)
+                self._graphs[batch] = compiler.trace(m.framework, m.entrypoint, self.spec.workdir, batch, m.dtype)
             except SpecError:
                 raise
             except Exception as e:  # the user's model code, or an op the frontend cannot lower
@@ -93,7 +96,35 @@ class Predictor:
                 ) from e
         return self._graphs[batch]
 
-    def __call__(self, offering: Offering, nodes: int) -> tuple[float, int, int] | None:
+    def target(self, accelerator: str):
+        """The compiler's :class:`~sftctl.compiler.target.Target` for ``accelerator`` (built once)."""
+        if accelerator not in self._targets:
+            from sftctl.compiler.target import load_target
+
+            self._targets[accelerator] = load_target(accelerator)
+        return self._targets[accelerator]
+
+    def compile(self, accelerator: str, per_rank_batch: int | None = None):
+        """The step compiled for ``accelerator`` (cached per rank batch), with the note for an
+        accelerator without bfloat16 tensor cores in ``notes``."""
+        import sftctl.compiler.api as compiler
+
+        batch = per_rank_batch or self.spec.model.batch_size
+        target = self.target(accelerator)
+        name = target.name
+        if (name, batch) not in self.compiled:
+            graph = self.graph(batch)
+            precision = self.spec.model.matmul_precision
+            self.progress(f"compiling for {name}")
+            compiled = compiler.compile(graph, target, matmul_precision=precision)
+            self.compiled[name, batch] = compiled
+            if self.spec.model.dtype == "bfloat16" and lacks_bf16_tensor_cores(target.hw):
+                fp16 = compiler.compile(graph, target, matmul_precision=precision,
+                                        mma_dtype_map={"bfloat16": "float16"})
+                self.notes[name] = bf16_note(target.hw, compiled, fp16, self.mode)
+        return self.compiled[name, batch]
+
+    def __call__(self, offering: Offering, nodes: int) -> OfferingPrediction | None:
         if self.error is not None:
             return None
         try:
@@ -110,52 +141,25 @@ class Predictor:
             self.error = f"the compiler failed on {offering.accelerator}: {type(e).__name__}: {e}"
         return None
 
-    def _predict(self, offering: Offering, nodes: int) -> tuple:
-        from sftctl.compiler.driver import compile_for
-        from sftctl.compiler.hardware import get_accelerator
-        from sftctl.compiler.step import predict
+    def _predict(self, offering: Offering, nodes: int) -> OfferingPrediction:
+        """DDP and FSDP, with and without activation checkpointing, as the spec allows
+        (``train.parallelism``, ``train.activation_checkpointing``), priced on the offering; the
+        fastest that fits is chosen (see :mod:`sftctl.compiler.sharding`)."""
+        import sftctl.compiler.api as compiler
 
-        name = offering.accelerator
         world = offering.count * nodes
         per_rank = self.spec.model.batch_size // world
         if per_rank * world != self.spec.model.batch_size:
             raise _Unsplittable(self.spec.model.batch_size, world)
-        precision = self.spec.model.matmul_precision
-        hw = get_accelerator(name)
-        if (name, per_rank) not in self.compiled:
-            graph = self.graph(per_rank)
-            self.progress(f"compiling for {name}")
-            self.compiled[name, per_rank] = compile_for(graph, name, matmul_precision=precision)
-            if self.spec.model.dtype == "bfloat16" and lacks_bf16_tensor_cores(hw):
-                fp16 = compile_for(graph, name, matmul_precision=precision, mma_dtype_map={"bfloat16": "float16"})
-                self.notes[name] = (
-                    f"{name} has no bfloat16 tensor cores: bf16 matmuls run on its CUDA cores at "
-                    f"{hw.matrix_peak('bfloat16') / 1e12:.1f} TFLOP/s; model.dtype float16 would run them on its "
-                    f"tensor cores ({hw.matrix_peak('float16') / 1e12:.0f} TFLOP/s): predicted "
-                    f"{fp16.mode_time_s(self.mode) * 1e3:.1f} ms/step instead of "
-                    f"{self.compiled[name, per_rank].mode_time_s(self.mode) * 1e3:.1f} ({self.mode})")
-        p = predict(self.compiled[name, per_rank], hw, offering.count, nodes,
-                    offering.intra_node_bytes_per_s, offering.inter_node_bytes_per_s, mode=self.mode)
-        return self._strategy(self.compiled[name, per_rank], hw, offering, nodes, p)
-
-    def _strategy(self, compiled, hw, offering: Offering, nodes: int, p=None) -> tuple:
-        """Price DDP and FSDP, with and without activation checkpointing, as the spec allows
-        (``train.parallelism``, ``train.activation_checkpointing``); the fastest that fits wins
-        (see :mod:`sftctl.compiler.sharding`)."""
-        from sftctl.compiler.sharding import choose, predict_strategies
-
+        compiled = self.compile(offering.accelerator, per_rank)
         t = self.spec.train
-        pars = ("ddp", "fsdp") if t.parallelism == "auto" else (t.parallelism,)
-        ckpts = (False, True) if t.activation_checkpointing is None else (t.activation_checkpointing,)
-        preds = predict_strategies(compiled, hw, offering.count, nodes, offering.intra_node_bytes_per_s,
-                                   offering.inter_node_bytes_per_s, mode=self.mode,
-                                   param_dtype_bytes=2 if self.spec.model.dtype in ("bfloat16", "float16") else 4,
-                                   parallelisms=pars, checkpointing=ckpts)
-        best, why = choose(preds)
-        needed = 1 if best.fits else (p.devices_needed if p is not None and p.devices_needed > 1 else 0)
-        info = {"parallelism": best.parallelism, "activation_checkpointing": best.activation_checkpointing,
-                "parallelism_reason": why, "strategies": [s.to_dict() for s in preds]}
-        return best.step_time_s, best.memory_bytes, needed, info
+        return compiler.predict(
+            compiled, self.target(offering.accelerator), gpus_per_node=offering.count, nodes=nodes,
+            intra_node_bytes_per_s=offering.intra_node_bytes_per_s,
+            inter_node_bytes_per_s=offering.inter_node_bytes_per_s, mode=self.mode,
+            param_dtype_bytes=2 if self.spec.model.dtype in ("bfloat16", "float16") else 4,
+            parallelisms=("ddp", "fsdp") if t.parallelism == "auto" else (t.parallelism,),
+            checkpointing=(False, True) if t.activation_checkpointing is None else (t.activation_checkpointing,))
 
 
 def execution_mode(spec: JobSpec) -> str:
@@ -166,6 +170,15 @@ def execution_mode(spec: JobSpec) -> str:
     if spec.model is not None and spec.model.framework == "jax":
         return "default"
     return COMPILE_TO_MODE[spec.train.compile]
+
+
+def bf16_note(hw, compiled, fp16, mode: str) -> str:
+    """The note for an accelerator without bfloat16 tensor cores: what ``model.dtype: float16``
+    would give (``fp16``: the step compiled with bf16 matmuls priced as fp16)."""
+    return (f"{hw.name} has no bfloat16 tensor cores: bf16 matmuls run on its CUDA cores at "
+            f"{hw.matrix_peak('bfloat16') / 1e12:.1f} TFLOP/s; model.dtype float16 would run them on its "
+            f"tensor cores ({hw.matrix_peak('float16') / 1e12:.0f} TFLOP/s): predicted "
+            f"{fp16.mode_time_s(mode) * 1e3:.1f} ms/step instead of {compiled.mode_time_s(mode) * 1e3:.1f} ({mode})")
 
 
 def lacks_bf16_tensor_cores(hw) -> bool:
@@ -378,29 +391,21 @@ def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: P
         except _Unsplittable as e:
             return reject(FailureCode.UNSUPPORTED, str(e), batch_size=e.batch, ranks=e.world)
         if got is not None:
-            step_s, peak, needed, *extra = got
-            strategy = extra[0] if extra else {}
-            hours = step_s * spec.train.steps / 3600
-            c = dataclasses.replace(c, step_time_s=step_s, peak_memory_bytes=peak, devices_needed=needed,
-                                    hours=hours, total_usd=hours * c.usd_per_hour,
-                                    mode=getattr(predict, "mode", None),
-                                    note=getattr(predict, "notes", {}).get(o.accelerator), **strategy)
-            if needed != 1 and strategy:
-                return reject(FailureCode.DOES_NOT_FIT, strategy["parallelism_reason"] + (
+            hours = got.step_time_s * spec.train.steps / 3600
+            c = dataclasses.replace(c, step_time_s=got.step_time_s, peak_memory_bytes=got.memory_bytes,
+                                    devices_needed=got.devices_needed, hours=hours,
+                                    total_usd=hours * c.usd_per_hour, mode=getattr(predict, "mode", None),
+                                    note=getattr(predict, "notes", {}).get(o.accelerator),
+                                    parallelism=got.chosen.parallelism,
+                                    activation_checkpointing=got.chosen.activation_checkpointing,
+                                    parallelism_reason=got.reason,
+                                    strategies=[p.to_dict() for p in got.strategies])
+            if got.devices_needed != 1:
+                return reject(FailureCode.DOES_NOT_FIT, got.reason + (
                     f"; train.parallelism {spec.train.parallelism} rules out the other strategy"
-                    if spec.train.parallelism != "auto" else "; lower model.batch_size"))
-            if needed != 1:
-                from sftctl.compiler.hardware import get_accelerator
-
-                gib, has = peak / 2**30, get_accelerator(o.accelerator).memory_bytes / 2**30
-                return reject(
-                    FailureCode.DOES_NOT_FIT,
-                    f"needs {gib:.1f} GiB per device, has {has:.0f} GiB; "
-                    + (f"would fit with parameters and optimizer state sharded over {needed} devices (train.parallelism: fsdp)"
-                       if needed > 1 else "its activations alone do not fit: lower model.batch_size"),
-                    peak_memory_bytes=peak, memory_bytes=get_accelerator(o.accelerator).memory_bytes,
-                    devices_needed=needed,
-                )
+                    if spec.train.parallelism != "auto" else "; lower model.batch_size"),
+                    peak_memory_bytes=got.memory_bytes, memory_bytes=got.chosen.memory_capacity_bytes,
+                    devices_needed=got.devices_needed)
             deadline_s = res.deadline_s
             if deadline_s is not None and hours * 3600 > deadline_s:
                 return reject(FailureCode.TOO_SLOW, f"predicted {format_hours(hours)} is past the deadline of {res.deadline}",

@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from conftest import deadline
 from sftctl.compiler import backend as be
+from sftctl.compiler.target import load_target
 
 REPO = Path(__file__).resolve().parents[1]
 aten = torch.ops.aten
@@ -112,7 +113,7 @@ def test_rewrite_replaces_gemms_with_fused_epilogues(home):
     before = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert before.count(aten.mm.default) == 2 and aten.addmm.default in before and aten.bmm.default in before
     hw = be.accelerator_for_device(None, default="H100")
-    sites = be.rewrite_gemms(gm, hw, force=True, use_disk_cache=False)
+    sites = be.rewrite_gemms(gm, load_target(hw), force=True, use_disk_cache=False)
     by_start = {s.start.name: s for s in sites}
     assert len(sites) == 4
     epilogues = sorted((s.start.target.__name__, tuple(s.epilogue)) for s in sites)
@@ -148,11 +149,12 @@ def test_rewrite_numerics_with_interpreted_triton_kernels(home, tmp_path):
         sys.path.insert(0, {str(REPO / "tests")!r})
         from test_backend import _Net, _net_inputs, _aten_graph
         from sftctl.compiler import backend as be
+        from sftctl.compiler.target import load_target
         gm = _aten_graph(_Net(), _net_inputs())
         space = {{"BLOCK_M": (16, 32), "BLOCK_N": (16, 32), "BLOCK_K": (16, 32), "split_k": (1, 2),
                   "num_warps": (4,), "num_stages": (2,), "GROUP_M": (1, 4), "layout": (0, 2)}}
         hw = be.accelerator_for_device(None, default="H100")
-        sites = be.rewrite_gemms(gm, hw, force=True, space=space, use_disk_cache=False)
+        sites = be.rewrite_gemms(gm, load_target(hw), force=True, space=space, use_disk_cache=False)
         errs = []
         for seed in (1, 2):
             xs = _net_inputs(seed=seed)
@@ -280,7 +282,7 @@ def test_two_gemms_summed_share_no_epilogue(home):
     xs = [torch.randn(8, 16, generator=g), torch.randn(16, 24, generator=g), torch.randn(16, 24, generator=g),
           torch.randn(16, 24, generator=g)]
     gm = _aten_graph(f, xs)
-    sites = be.rewrite_gemms(gm, be.accelerator_for_device(None, default="H100"), force=True, use_disk_cache=False)
+    sites = be.rewrite_gemms(gm, load_target(be.accelerator_for_device(None, default="H100")), force=True, use_disk_cache=False)
     assert len(sites) == 3
     assert sorted(tuple(s.epilogue) for s in sites) == [(), ("relu",), ("residual",)]
     absorbed = [n for s in sites for n in s.chain[1:]]
@@ -369,7 +371,6 @@ def test_analyze_ir_prices_like_compile_graph_on_the_example_gpt(home):
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
-    from sftctl.compiler.hardware import get_accelerator
     from sftctl.compiler.step import compile_graph
 
     graphs: list[fx.GraphModule] = []
@@ -389,7 +390,7 @@ def test_analyze_ir_prices_like_compile_graph_on_the_example_gpt(home):
     finally:
         torch._dynamo.reset()
     assert len(graphs) == 2  # forward and backward, no graph breaks
-    hw = get_accelerator("H100")
+    hw = load_target("H100")
     seen = {}
     for g, gm in enumerate(graphs):
         for precision in ("highest", "high"):

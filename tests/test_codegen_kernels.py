@@ -28,6 +28,7 @@ from sftctl.compiler.codegen import gemm as gemm_mod  # noqa: E402
 from sftctl.compiler.codegen import reduction as R  # noqa: E402
 from sftctl.compiler.codegen.elementwise import Chain, collapse_dims, elementwise, generate_source  # noqa: E402
 from sftctl.compiler.codegen.gemm import gemm  # noqa: E402
+from sftctl.compiler.target import calibrated_coefficients as _coeffs
 
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -142,7 +143,7 @@ def test_gemm_launch_for_fusion_kernel():
     launch = gemm_mod.launch_for(k, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16))
     a, b = torch.randn(37, 29), torch.randn(29, 45)
     check(launch(a, b, allow_tf32=False), a.double() @ b.double(), torch.float32, "launch_for")
-    choice = search_gemm(gemm_mod.problem_for_kernel(k), get_accelerator("H100"))
+    choice = search_gemm(gemm_mod.problem_for_kernel(k), get_accelerator("H100"), _coeffs(get_accelerator("H100")))
     assert gemm_mod.launch_for(k, choice).config["BLOCK_M"] == choice.config["BLOCK_M"]
 
 

@@ -15,6 +15,7 @@ from sftctl.compiler.codegen.elementwise import Chain  # noqa: E402
 from sftctl.compiler.costmodel import GemmProblem  # noqa: E402
 from sftctl.compiler.hardware import get_accelerator  # noqa: E402
 from sftctl.compiler.search.gemm import evaluate_configs, search_gemm  # noqa: E402
+from sftctl.compiler.target import calibrated_coefficients as _coeffs
 
 GEMM_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
@@ -94,11 +95,11 @@ def test_huge_config_rejected_on_t4():
     assert r.shared_bytes > t4.smem_bytes_per_block, r
     assert not T.fits(r, t4) and T.occupancy(r, t4) == 0
     problem = GemmProblem(batch=1, m=1024, n=1024, k=1024, dtype="float32")
-    assert math.isinf(evaluate_configs(problem, t4, [HUGE], resources=[r])[0])
+    assert math.isinf(evaluate_configs(problem, t4, [HUGE], _coeffs(t4), resources=[r])[0])
     # only the huge config in the space: nothing feasible
     space = {k: [v] for k, v in HUGE.items()}
     space.update(split_k=[1], GROUP_M=[8], layout=[0])
-    choice = search_gemm(problem, t4, space=space, measured={_key(HUGE): r})
+    choice = search_gemm(problem, t4, _coeffs(t4), space=space, measured={_key(HUGE): r})
     assert choice.config is None and math.isinf(choice.time_s)
     # with a small alternative, the search measures, rejects the huge one, returns a fitting one
     space2 = dict(space, BLOCK_K=[32, 128], num_stages=[2, 7])
@@ -109,7 +110,7 @@ def test_huge_config_rejected_on_t4():
         measured[_key(cfg)] = res
         return res
 
-    choice = search_gemm(problem, t4, space=space2, measure=measure, measured={_key(HUGE): r})
+    choice = search_gemm(problem, t4, _coeffs(t4), space=space2, measure=measure, measured={_key(HUGE): r})
     assert choice.config is not None and choice.config["BLOCK_K"] == 32
     assert T.fits(measured[_key(choice.config)], t4)
 
@@ -126,19 +127,19 @@ def test_measured_search_is_exact_and_uses_measurements():
     space = dict(BLOCK_M=[64, 128], BLOCK_N=[64, 128], BLOCK_K=[32, 64], num_warps=[4, 8],
                  num_stages=[3, 4], split_k=[1], GROUP_M=[8], layout=[0])
     measure = T.gemm_measurer(problem, h100)
-    a = search_gemm(problem, h100, space=space, measure=measure)
+    a = search_gemm(problem, h100, _coeffs(h100), space=space, measure=measure)
     assert a.config is not None
     res = measure(a.config)
     assert T.fits(res, h100)
-    assert a.time_s == pytest.approx(evaluate_configs(problem, h100, [a.config], resources=[res])[0])
+    assert a.time_s == pytest.approx(evaluate_configs(problem, h100, [a.config], _coeffs(h100), resources=[res])[0])
     # exact: branch-and-bound and exhaustive agree with the same measurements
     measured = {_key(a.config): res}
-    b = search_gemm(problem, h100, space=space, measured=measured)
-    c = search_gemm(problem, h100, space=space, measured=measured, prune=False)
+    b = search_gemm(problem, h100, _coeffs(h100), space=space, measured=measured)
+    c = search_gemm(problem, h100, _coeffs(h100), space=space, measured=measured, prune=False)
     assert b.config == c.config and b.time_s == c.time_s
     # a measurement that does not fit removes the model's favourite
-    plain = search_gemm(problem, h100, space=space)
+    plain = search_gemm(problem, h100, _coeffs(h100), space=space)
     bad = T.KernelResources("sm_90", registers=255, spill_bytes=0, shared_bytes=300 * 1024,
                             num_warps=plain.config["num_warps"], compile_s=0.0)
-    d = search_gemm(problem, h100, space=space, measured={_key(plain.config): bad})
+    d = search_gemm(problem, h100, _coeffs(h100), space=space, measured={_key(plain.config): bad})
     assert d.config != plain.config and d.time_s >= plain.time_s

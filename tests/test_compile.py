@@ -11,6 +11,7 @@ from conftest import REPO, sftctl
 from sftctl.compiler.driver import compile_for, trace_model
 from sftctl.compiler.hardware import get_accelerator
 from sftctl.compiler.step import compile_graph, predict
+from sftctl.compiler.target import load_target
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def graph(tmp_path_factory):
 
 
 def test_compile_and_cache(graph):
-    c = compile_for(graph, "H100", matmul_precision="high")  # TF32: tensor-core schedules searched
+    c = compile_for(graph, load_target("H100"), matmul_precision="high")  # TF32: tensor-core schedules searched
     assert c.kernels and c.compute_time_s > 0
     assert sum(k.time_s for k in c.kernels) == pytest.approx(c.compute_time_s)
     assert c.candidates >= 100_000 * len([k for k in c.kernels if k.kind == "gemm"]) // 10
@@ -32,22 +33,22 @@ def test_compile_and_cache(graph):
     assert c.grad_bytes == 4 * n_params
     gemms = [k for k in c.kernels if k.kind == "gemm"]
     assert all(k.config and k.config["BLOCK_M"] in (16, 32, 64, 128, 256) for k in gemms)
-    again = compile_for(graph, "H100", matmul_precision="high")  # from the disk cache
+    again = compile_for(graph, load_target("H100"), matmul_precision="high")  # from the disk cache
     assert again.to_dict() == c.to_dict()
 
 
 def test_more_bandwidth_or_flops_never_slower(graph):
     hw = get_accelerator("A100-80GB")
-    base = compile_graph(graph, hw).compute_time_s
+    base = compile_graph(graph, load_target(hw)).compute_time_s
     faster_mem = dataclasses.replace(hw, hbm_bytes_per_s=hw.hbm_bytes_per_s * 2)
     faster_mma = dataclasses.replace(hw, matrix_flops_per_s={k: v * 2 for k, v in hw.matrix_flops_per_s.items()})
-    assert compile_graph(graph, faster_mem).compute_time_s <= base
-    assert compile_graph(graph, faster_mma).compute_time_s <= base
+    assert compile_graph(graph, load_target(faster_mem)).compute_time_s <= base
+    assert compile_graph(graph, load_target(faster_mma)).compute_time_s <= base
 
 
 def test_data_parallel_adds_allreduce(graph):
-    hw = get_accelerator("H100")
-    c = compile_for(graph, "H100")
+    hw = load_target("H100")
+    c = compile_for(graph, hw, matmul_precision="highest")
     one = predict(c, hw, 1, 1, None, None)
     assert one.allreduce_time_s == 0 and one.step_time_s == c.compute_time_s
     eight = predict(c, hw, 8, 2, 450e9, 400e9)

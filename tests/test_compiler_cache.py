@@ -19,7 +19,7 @@ from sftctl.compiler.problem import GemmProblem
 
 REPO = Path(__file__).resolve().parents[1]
 H100 = get_accelerator("H100")
-C = Coefficients.for_accelerator(H100)
+C = Coefficients.uncalibrated(H100)
 P = GemmProblem(batch=1, m=1024, n=768, k=3072, dtype="bfloat16", b_transposed=True)
 
 

@@ -20,6 +20,7 @@ from sftctl.compiler.search.gemm import (
     ORDER, PREFIX, SPACE, SUFFIX, _axes, _normalize, evaluate_configs, exhaustive_gemm,
     inductor_mm_configs, inductor_scaled_configs, schedule_space, search_gemm,
 )
+from sftctl.compiler.target import calibrated_coefficients as _coeffs
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -90,7 +91,7 @@ def spaces(draw):
 def full_times(problem, hw, space=None, coeffs=None):
     """Times of the whole space, shape (n_groups, per_group), in enumeration order."""
     vals = _normalize(space)
-    t = gemm_time_s(problem, hw, _axes(vals, ORDER), coeffs)
+    t = gemm_time_s(problem, hw, _axes(vals, ORDER), coeffs if coeffs is not None else _coeffs(hw))
     n_groups = math.prod(len(vals[k]) for k in PREFIX)
     return np.ascontiguousarray(t).reshape(n_groups, -1), vals
 
@@ -100,8 +101,8 @@ def full_times(problem, hw, space=None, coeffs=None):
 @settings(max_examples=60, **SETTINGS)
 @given(problem=problems(), hw=hardware(), space=spaces())
 def test_pruned_search_equals_exhaustive_on_random_spaces(problem, hw, space):
-    e = exhaustive_gemm(problem, hw, space=space, use_cache=False)
-    s = search_gemm(problem, hw, space=space, use_cache=False)
+    e = exhaustive_gemm(problem, hw, _coeffs(hw), space=space, use_cache=False)
+    s = search_gemm(problem, hw, _coeffs(hw), space=space, use_cache=False)
     assert s.time_s == e.time_s
     assert s.config == e.config
     assert s.n_candidates == e.n_candidates and s.n_scored <= e.n_candidates
@@ -110,8 +111,8 @@ def test_pruned_search_equals_exhaustive_on_random_spaces(problem, hw, space):
 @settings(max_examples=15, **SETTINGS)
 @given(problem=problems(), hw=hardware())
 def test_pruned_search_equals_exhaustive_on_full_space(problem, hw):
-    e = exhaustive_gemm(problem, hw, use_cache=False)
-    s = search_gemm(problem, hw, use_cache=False)
+    e = exhaustive_gemm(problem, hw, _coeffs(hw), use_cache=False)
+    s = search_gemm(problem, hw, _coeffs(hw), use_cache=False)
     assert (s.time_s, s.config) == (e.time_s, e.config)
 
 
@@ -121,8 +122,8 @@ def test_pruned_search_equals_exhaustive_on_full_space(problem, hw):
                                    (1, 4096, 4096, 4096), (3, 1, 1, 1)])
 def test_pruned_search_equals_exhaustive_gpt2_shapes(hw, shape):
     p = GemmProblem(*shape)
-    e = exhaustive_gemm(p, hw, use_cache=False)
-    s = search_gemm(p, hw, use_cache=False)
+    e = exhaustive_gemm(p, hw, _coeffs(hw), use_cache=False)
+    s = search_gemm(p, hw, _coeffs(hw), use_cache=False)
     assert (s.time_s, s.config) == (e.time_s, e.config)
     assert s.n_scored < e.n_scored / 10  # the bound prunes
 
@@ -131,7 +132,7 @@ def test_pruned_search_equals_exhaustive_gpt2_shapes(hw, shape):
 @given(problem=problems(), hw=hardware(), space=spaces())
 def test_group_bound_is_a_lower_bound_of_every_member(problem, hw, space):
     times, vals = full_times(problem, hw, space)
-    bound = np.broadcast_to(gemm_group_bound(problem, hw, _axes(vals, PREFIX), {k: vals[k] for k in SUFFIX}),
+    bound = np.broadcast_to(gemm_group_bound(problem, hw, _axes(vals, PREFIX), {k: vals[k] for k in SUFFIX}, _coeffs(hw)),
                             tuple(len(vals[k]) for k in PREFIX)).reshape(-1)
     best = times.min(axis=1)
     assert np.all(bound <= best)  # inf <= inf for all-infeasible groups
@@ -144,7 +145,7 @@ def test_group_bound_is_a_lower_bound_of_every_member(problem, hw, space):
 @given(problem=problems(), hw=hardware(), f_bw=st.floats(1.0, 10.0), f_fl=st.floats(1.0, 10.0),
        f_l2=st.floats(1.0, 8.0))
 def test_more_bandwidth_flops_or_l2_never_predicts_slower(problem, hw, f_bw, f_fl, f_l2):
-    c = Coefficients.for_accelerator(hw)
+    c = _coeffs(hw)
     base, _ = full_times(problem, hw, coeffs=c)
     for faster in (dataclasses.replace(hw, hbm_bytes_per_s=hw.hbm_bytes_per_s * f_bw),
                    dataclasses.replace(hw, matrix_flops_per_s={k: v * f_fl for k, v in hw.matrix_flops_per_s.items()}),
@@ -165,7 +166,7 @@ def test_bigger_problem_never_predicts_faster(problem, hw, which, grow):
     # round differently), and the best over the space
     assert np.all(t1 >= t0 * (1 - 1e-12))
     assert np.array_equal(np.isinf(t1), np.isinf(t0))
-    assert search_gemm(bigger, hw).time_s >= search_gemm(problem, hw).time_s * (1 - 1e-12)
+    assert search_gemm(bigger, hw, _coeffs(hw)).time_s >= search_gemm(problem, hw, _coeffs(hw)).time_s * (1 - 1e-12)
 
 
 # ---------------------------------------------------------------- (c) infeasibility
@@ -176,17 +177,17 @@ def test_infeasible_configs_get_inf():
         "BLOCK_M": [256, 128, 256, 64, 128], "BLOCK_N": [256, 128, 256, 64, 128],
         "BLOCK_K": [256, 64, 64, 64, 64], "num_warps": [8, 4, 4, 32, 4], "num_stages": [7, 3, 3, 2, 3],
     }.items()}
-    t = gemm_time_s(p, H100, cands)
+    t = gemm_time_s(p, H100, cands, _coeffs(H100))
     # 7 stages x (256+256) x 256 x 2 B = 1.8 MB of smem; 256x256 fp32 accumulators over 128
     # threads = 512 registers/thread; 32 warps = 1024 threads is allowed but 32*32 > 1024 is not
     # threads = 512 registers/thread: that spills (slow, finite; H200 runs such configs 5-15x
     # slower than the best, /work/shared/h200 measurements), it is not infeasible
     assert np.isinf(t[0]) and np.isfinite(t[2])
     assert np.isfinite(t[1]) and np.isfinite(t[4])
-    b = gemm_breakdown(p, H100, {k: int(v[1]) for k, v in cands.items()})
+    b = gemm_breakdown(p, H100, {k: int(v[1]) for k, v in cands.items()}, _coeffs(H100))
     assert b["feasible"] and b["smem_bytes"] <= H100.smem_bytes_per_block and b["regs_per_thread"] <= 255
     assert b["spill_bytes"] == 0
-    s = gemm_breakdown(p, H100, {k: int(v[2]) for k, v in cands.items()})
+    s = gemm_breakdown(p, H100, {k: int(v[2]) for k, v in cands.items()}, _coeffs(H100))
     assert s["feasible"] and s["regs_per_thread"] == 255 and s["spill_bytes"] > 0
 
 
@@ -198,7 +199,7 @@ def test_spills_cost_time_not_feasibility():
     cands["regs_per_thread"] = np.array([255.0, 255.0, 255.0])
     cands["smem_bytes"] = np.array([147456.0] * 3)
     cands["spill_bytes"] = np.array([0.0, 512.0, 2080.0])  # ptxas "bytes spill stores"
-    t = gemm_time_s(p, H100, cands)
+    t = gemm_time_s(p, H100, cands, _coeffs(H100))
     assert np.all(np.isfinite(t))
     assert t[0] < t[1] < t[2]
     assert t[2] > 2.0 * t[0]
@@ -207,11 +208,11 @@ def test_spills_cost_time_not_feasibility():
 @settings(max_examples=30, **SETTINGS)
 @given(problem=problems(), hw=hardware())
 def test_chosen_config_is_feasible(problem, hw):
-    s = search_gemm(problem, hw)
+    s = search_gemm(problem, hw, _coeffs(hw))
     if s.config is None:
         assert s.time_s == math.inf
         return
-    b = gemm_breakdown(problem, hw, s.config)
+    b = gemm_breakdown(problem, hw, s.config, _coeffs(hw))
     assert b["feasible"] and math.isfinite(s.time_s)
     assert b["smem_bytes"] <= hw.smem_bytes_per_block
     assert b["regs_per_thread"] <= hw.regs_per_thread_max
@@ -222,7 +223,7 @@ def test_chosen_config_is_feasible(problem, hw):
 def test_everything_infeasible_returns_none():
     tiny = dataclasses.replace(H100, name="tiny-smem", smem_bytes_per_sm=1536, smem_bytes_per_block=1536)
     p = GemmProblem(1, 512, 512, 512)
-    for choice in (search_gemm(p, tiny, use_cache=False), exhaustive_gemm(p, tiny, use_cache=False)):
+    for choice in (search_gemm(p, tiny, _coeffs(tiny), use_cache=False), exhaustive_gemm(p, tiny, _coeffs(tiny), use_cache=False)):
         assert choice.config is None and choice.time_s == math.inf
         assert choice.n_infeasible == choice.n_scored
 
@@ -230,10 +231,10 @@ def test_everything_infeasible_returns_none():
 def test_small_smem_excludes_big_tiles():
     small = dataclasses.replace(A100, name="small-smem", smem_bytes_per_sm=48 * KiB, smem_bytes_per_block=48 * KiB)
     p = GemmProblem(1, 4096, 4096, 4096)
-    cfg = search_gemm(p, small).config
+    cfg = search_gemm(p, small, _coeffs(small)).config
     stages = max(cfg["num_stages"], 1)
     assert stages * (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * 2 + 1024 <= 48 * KiB
-    t = evaluate_configs(p, small, [dict(cfg, BLOCK_M=256, BLOCK_N=256, BLOCK_K=64, num_stages=3)])
+    t = evaluate_configs(p, small, [dict(cfg, BLOCK_M=256, BLOCK_N=256, BLOCK_K=64, num_stages=3)], _coeffs(small))
     assert np.isinf(t[0])
 
 
@@ -241,16 +242,16 @@ def test_small_smem_excludes_big_tiles():
 
 def test_square_gemm_on_h100_is_compute_bound_near_roofline():
     p = GemmProblem(1, 4096, 4096, 4096, "bfloat16", b_transposed=True)
-    s = search_gemm(p, H100)
+    s = search_gemm(p, H100, _coeffs(H100))
     ideal = 2 * 4096**3 / (0.8 * 989e12)
     assert 0.5 * ideal <= s.time_s <= 1.3 * ideal
-    assert gemm_breakdown(p, H100, s.config)["bound"] == "compute"
+    assert gemm_breakdown(p, H100, s.config, _coeffs(H100))["bound"] == "compute"
 
 
 def test_skinny_gemm_is_memory_bound():
     p = GemmProblem(1, 8, 8192, 8192, "bfloat16", b_transposed=True)
-    s = search_gemm(p, H100)
-    assert gemm_breakdown(p, H100, s.config)["bound"] == "memory"
+    s = search_gemm(p, H100, _coeffs(H100))
+    assert gemm_breakdown(p, H100, s.config, _coeffs(H100))["bound"] == "memory"
     weights = 8192 * 8192 * 2
     assert s.time_s >= weights / H100.hbm_bytes_per_s
     assert s.time_s <= 1.5 * (weights / (0.9 * H100.hbm_bytes_per_s) + H100.launch_overhead_s)
@@ -258,8 +259,8 @@ def test_skinny_gemm_is_memory_bound():
 
 def test_split_k_helps_small_mn_large_k():
     p = GemmProblem(1, 256, 256, 65536)
-    best = search_gemm(p, H100)
-    no_split = search_gemm(p, H100, space={"split_k": [1]})
+    best = search_gemm(p, H100, _coeffs(H100))
+    no_split = search_gemm(p, H100, _coeffs(H100), space={"split_k": [1]})
     assert best.config["split_k"] > 1 and best.time_s < no_split.time_s
 
 
@@ -268,11 +269,11 @@ def test_mn_major_fp32_operand_prefers_a_transpose_copy_or_pays():
     # memory-bound kernel. Either way it is never faster than the K-major problem.
     kmaj = GemmProblem(1, 4096, 4096, 4096, "float32", b_transposed=True)
     mnmaj = dataclasses.replace(kmaj, a_transposed=True)
-    assert search_gemm(mnmaj, A100).time_s > search_gemm(kmaj, A100).time_s
+    assert search_gemm(mnmaj, A100, _coeffs(A100)).time_s > search_gemm(kmaj, A100, _coeffs(A100)).time_s
 
 
 def test_memory_bound_and_reduction_formulas():
-    c = Coefficients.for_accelerator(H100)
+    c = _coeffs(H100)
     t = memory_bound_time_s(1e9, H100, c, n_kernels=2)
     expect = 2 * (4e-6 + c.fill_latencies * 600e-9) + 1e9 / (3.35e12 * c.hbm_efficiency)
     assert t == pytest.approx(expect)
@@ -317,21 +318,21 @@ def test_gemm_time_flat_and_broadcast_agree():
     small = {"BLOCK_M": [64, 128], "BLOCK_N": [64, 256], "split_k": [1, 4], "num_warps": [4, 8],
              "BLOCK_K": [32, 64], "num_stages": [1, 3], "GROUP_M": [1, 8], "layout": [0, 2]}
     flat = schedule_space(p, H100, small)
-    t_flat = gemm_time_s(p, H100, flat)
+    t_flat = gemm_time_s(p, H100, flat, _coeffs(H100))
     t_grid, _ = full_times(p, H100, small)
     assert np.array_equal(t_flat, t_grid.reshape(-1))
 
 
 def test_memoization_and_cache_keys():
     p = GemmProblem(1, 1024, 1024, 1024)
-    a = search_gemm(p, H100)
-    b = search_gemm(p, H100)
+    a = search_gemm(p, H100, _coeffs(H100))
+    b = search_gemm(p, H100, _coeffs(H100))
     assert b.cached and b.config == a.config and b.time_s == a.time_s
     b.config["BLOCK_M"] = -1  # callers get copies
-    assert search_gemm(p, H100).config == a.config
+    assert search_gemm(p, H100, _coeffs(H100)).config == a.config
     faster = dataclasses.replace(H100, hbm_bytes_per_s=2 * H100.hbm_bytes_per_s)  # same name
-    assert not search_gemm(p, faster).cached
-    c2 = dataclasses.replace(Coefficients.for_accelerator(H100), mma_efficiency=0.5)
+    assert not search_gemm(p, faster, _coeffs(faster)).cached
+    c2 = dataclasses.replace(_coeffs(H100), mma_efficiency=0.5)
     other = search_gemm(p, H100, coeffs=c2)
     assert not other.cached and other.time_s > a.time_s
 
@@ -339,10 +340,10 @@ def test_memoization_and_cache_keys():
 def test_coefficients_vendor_and_override():
     nv, amd = Coefficients.for_vendor("nvidia"), Coefficients.for_vendor("amd")
     assert nv != amd and hash(nv) != hash(amd)
-    assert Coefficients.for_accelerator(H100).warpgroup_mma and not Coefficients.for_accelerator(A100).warpgroup_mma
+    assert _coeffs(H100).warpgroup_mma and not _coeffs(A100).warpgroup_mma
     try:
         Coefficients.ACCELERATOR["H100-like"] = {"hbm_efficiency": 0.5}
-        assert Coefficients.for_accelerator(H100).hbm_efficiency == 0.5
+        assert _coeffs(H100).hbm_efficiency == 0.5
     finally:
         Coefficients.ACCELERATOR.pop("H100-like", None)
 
@@ -367,5 +368,5 @@ def test_inductor_configs_match_installed_torch_and_are_in_our_space():
         for k in ORDER:
             if k != "layout":
                 assert cfg[k] in SPACE[k]
-    ours = search_gemm(p, H100).time_s
-    assert ours <= evaluate_configs(p, H100, inductor_scaled_configs(p)).min()
+    ours = search_gemm(p, H100, _coeffs(H100)).time_s
+    assert ours <= evaluate_configs(p, H100, inductor_scaled_configs(p), _coeffs(H100)).min()

@@ -20,7 +20,7 @@ from conftest import REPO
 from sftctl.compiler.driver import trace_model
 from sftctl.compiler.frontends.torch import trace_step
 from sftctl.compiler.fusion import fuse
-from sftctl.compiler.hardware import get_accelerator
+from sftctl.compiler.target import load_target
 from sftctl.compiler.step import compile_graph
 
 
@@ -140,15 +140,15 @@ def test_one_hot_scatter_matches_torch():
 ])
 def test_no_example_kernel_above_roofline(entry, batch, dtype, target, home):
     graph = trace_model("torch", entry, str(REPO), batch, dtype, use_cache=False)
-    _assert_within_roofline(compile_graph(graph, get_accelerator(target)), entry)
+    _assert_within_roofline(compile_graph(graph, load_target(target)), entry)
 
 
 def test_no_jax_example_kernel_above_roofline(home):
     graph = trace_model("jax", "examples/jax_mlp/model.py:build", str(REPO), 64, "float32", use_cache=False)
-    _assert_within_roofline(compile_graph(graph, get_accelerator("A100-80GB")), "jax mlp")
+    _assert_within_roofline(compile_graph(graph, load_target("A100-80GB")), "jax mlp")
 
 
 def test_no_test_model_kernel_above_roofline(small_graph):
     for target in ("H100", "L4", "T4"):
-        _assert_within_roofline(compile_graph(small_graph, get_accelerator(target)), f"test model on {target}")
-    assert math.isfinite(compile_graph(small_graph, get_accelerator("H100")).compute_time_s)
+        _assert_within_roofline(compile_graph(small_graph, load_target(target)), f"test model on {target}")
+    assert math.isfinite(compile_graph(small_graph, load_target("H100")).compute_time_s)

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from conftest import REPO, sftctl
-from sftctl.compiler import modes
+from sftctl.compiler import modes, peers
 from sftctl.compiler.fusion import fuse
 from sftctl.compiler.hardware import get_accelerator
 from sftctl.compiler.step import compile_graph, predict
+from sftctl.compiler.target import load_target
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +107,7 @@ def gpt2(tmp_path_factory):
 
 
 def test_mode_predictions_order_and_breakdown(gpt2):
-    hw = get_accelerator("H100")
+    hw = load_target("H100")
     c = compile_graph(gpt2, hw)
     assert set(c.modes) == {"eager", "default", "sftensor"}
     eager, default, sft = (c.modes[m] for m in ("eager", "default", "sftensor"))
@@ -133,10 +134,11 @@ def test_mode_predictions_order_and_breakdown(gpt2):
 def test_cublas_model_reproduces_its_h200_measurements():
     """The two coefficients were solved from peers.jsonl's cuBLAS timings: the model must give
     them back (within the launch overhead it adds), and be slower per FLOP on the short-K shape."""
-    hw = get_accelerator("H200")
+    target = load_target("H200")
+    hw = target.hw
     peak = hw.matrix_peak("bfloat16")
-    sq = modes.cublas_time_s(1, 4096, 4096, 4096, 3 * 4096 * 4096 * 2, peak, hw) - hw.launch_overhead_s
-    qkv = modes.cublas_time_s(1, 8192, 2304, 768, (8192 * 768 + 768 * 2304 + 8192 * 2304) * 2, peak, hw) \
+    sq = modes.cublas_time_s(1, 4096, 4096, 4096, 3 * 4096 * 4096 * 2, peak, target) - hw.launch_overhead_s
+    qkv = modes.cublas_time_s(1, 8192, 2304, 768, (8192 * 768 + 768 * 2304 + 8192 * 2304) * 2, peak, target) \
         - hw.launch_overhead_s
     assert sq == pytest.approx(175.36e-6, rel=0.03)
     assert qkv == pytest.approx(47.68e-6, rel=0.03)
@@ -159,10 +161,11 @@ def _fp32_mm_graph():
 
 def test_float32_matmuls_priced_as_torch_runs_them():
     g = _fp32_mm_graph()
-    hw = get_accelerator("H100")
-    highest = compile_graph(g, hw, matmul_precision="highest")
-    high = compile_graph(g, hw, matmul_precision="high")
-    medium = compile_graph(g, hw, matmul_precision="medium")
+    target = load_target("H100")
+    hw = target.hw
+    highest = compile_graph(g, target, matmul_precision="highest")
+    high = compile_graph(g, target, matmul_precision="high")
+    medium = compile_graph(g, target, matmul_precision="medium")
     gh = [k for k in highest.kernels if k.kind == "gemm"]
     gt = [k for k in high.kernels if k.kind == "gemm"]
     assert gh and all(k.config is None for k in gh)  # CUDA cores: no tensor-core schedule
@@ -176,7 +179,7 @@ def test_float32_matmuls_priced_as_torch_runs_them():
     for m in ("eager", "default"):
         assert highest.mode_time_s(m) > high.mode_time_s(m)
     with pytest.raises(ValueError, match="matmul_precision"):
-        compile_graph(g, hw, matmul_precision="low")
+        compile_graph(g, target, matmul_precision="low")
 
 
 def test_train_config_applies_matmul_precision(monkeypatch):
@@ -261,14 +264,14 @@ def test_plan_prices_the_spec_mode_and_says_so(home):
 def test_peer_model_comes_from_the_shipped_calibration():
     """cuBLAS efficiency, per-wave time and eager bandwidths are solved from the calibration's
     H200 peers; H100 (same die) and other accelerators reuse them as fractions of their peaks."""
-    h200 = modes.peer_model("H200")
+    h200 = peers.peer_model(get_accelerator("H200"))
     assert "calibration peers measured on H200" in h200.source
-    assert h200.cublas_efficiency == pytest.approx(modes.CUBLAS_MMA_EFFICIENCY, rel=0.02)
-    assert h200.cublas_wave_s == pytest.approx(modes.CUBLAS_WAVE_S, rel=0.05)
+    assert h200.cublas_efficiency == pytest.approx(peers.CUBLAS_MMA_EFFICIENCY, rel=0.02)
+    assert h200.cublas_wave_s == pytest.approx(peers.CUBLAS_WAVE_S, rel=0.05)
     for klass in ("layernorm", "softmax", "elementwise"):
-        assert h200.classes[klass].hbm_fraction == pytest.approx(modes.EAGER_KERNELS[klass].hbm_fraction, rel=0.02)
+        assert h200.classes[klass].hbm_fraction == pytest.approx(peers.EAGER_KERNELS[klass].hbm_fraction, rel=0.02)
     assert 0 < h200.copy_fraction < 1
-    a100 = modes.peer_model("A100-80GB")
+    a100 = peers.peer_model(get_accelerator("A100-80GB"))
     assert "carried to A100-80GB" in a100.source and a100.copy_fraction == h200.copy_fraction
 
 
@@ -278,6 +281,34 @@ def test_jax_step_keeps_its_fused_optimizer(home):
     from sftctl.compiler.driver import trace_model
 
     g = trace_model("jax", "examples/jax_mlp/model.py:build", str(REPO), 64, "float32", use_cache=False)
-    c = compile_graph(g, get_accelerator("A100-80GB"))
+    c = compile_graph(g, load_target("A100-80GB"))
     assert "optimizer (foreach)" not in c.modes["default"]["by_kind"]
     assert c.modes["default"]["compute_time_s"] > 0
+
+
+def test_a_fit_under_evaluation_reaches_convolution_pricing_in_every_mode():
+    """The eager and default modes price a convolution as cuDNN's implicit GEMM divided by the
+    target's ``conv_efficiency``. They used to derive the shipped coefficients again there, so a
+    fit under evaluation (other coefficients) never reached convolutions in those modes."""
+    import dataclasses
+
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from sftctl.compiler.frontends.torch import trace_step
+
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1),
+                          nn.Flatten(), nn.Linear(32 * 16 * 16, 10))
+    batch = (torch.randn(16, 3, 16, 16), torch.randint(0, 10, (16,)))
+    graph, _ = trace_step(model, batch, lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    assert graph.op_counts()["conv"] == 5  # 2 forward, 2 weight gradients, 1 input gradient
+    target = load_target("H100")
+    slow = target.with_coeffs(dataclasses.replace(target.coeffs, conv_efficiency=0.5))
+    for mode in ("eager", "default"):
+        base = modes.predict_mode(graph, target, mode)
+        half = modes.predict_mode(graph, slow, mode)
+        # every convolution's library time doubles; the linear layer's GEMMs stay
+        extra = half["by_kind"]["gemm"] - base["by_kind"]["gemm"]
+        assert extra > 0.3 * base["by_kind"]["gemm"], (mode, base["by_kind"], half["by_kind"])
+        assert half["by_kind"]["gemm"] < 2 * base["by_kind"]["gemm"]
+        assert half["compute_time_s"] == pytest.approx(base["compute_time_s"] + extra)

@@ -18,11 +18,21 @@ def spec(tmp_path, resources: str, steps: int = 1000):
 
 
 def fixed_predictor(step_s: dict[str, float], peak=10 * 2**30, needed=None):
-    """Predicts a step time per accelerator name; ``needed`` marks accelerators that do not fit."""
+    """Predicts a step time per accelerator name (DDP only, ``peak`` bytes per device against the
+    catalog's memory); ``needed``: the devices plain data parallel would need where it does not fit."""
+    from sftctl.catalog.accelerators import get_accelerator
+    from sftctl.compiler.api import OfferingPrediction
+    from sftctl.compiler.sharding import StrategyPrediction, choose
+    from sftctl.compiler.step import StepPrediction
+
     needed = needed or {}
 
     def predict(offering, nodes):
-        return step_s[offering.accelerator], peak, needed.get(offering.accelerator, 1)
+        t, world = step_s[offering.accelerator], offering.count * nodes
+        cap = get_accelerator(offering.accelerator).memory_bytes
+        step = StepPrediction(offering.accelerator, world, t, 0.0, t, peak, cap, needed.get(offering.accelerator, 1))
+        ddp = StrategyPrediction("ddp", False, world, t, 0.0, t, peak, cap, {})
+        return OfferingPrediction(step, (ddp,), *choose([ddp]))
 
     return predict
 
@@ -65,7 +75,7 @@ def test_memory_and_spot_and_usable(tmp_path):
     assert p.chosen.usd_per_hour == p.offering.spot_usd_per_hour  # spot allowed: spot price
     reasons = {(c.offering.provider, c.offering.accelerator): c.rejected for c in p.candidates}
     assert reasons[("gcp", "L4")] == FailureReason(FailureCode.NOT_CONFIGURED, "gcp credentials not found")
-    assert reasons[("aws", "T4")].message.startswith("needs 20.0 GiB per device, has 16 GiB; would fit with parameters and optimizer state sharded over 2 devices")
+    assert reasons[("aws", "T4")].message.startswith("nothing fits: ddp needs 20.0 GiB per device of 16 GiB")
     assert reasons[("aws", "T4")].code is FailureCode.DOES_NOT_FIT
     assert reasons[("aws", "T4")].data["devices_needed"] == 2
 

@@ -117,7 +117,8 @@ def test_configs_outside_the_table_are_compiled_for_their_ptxas_spills(tmp_path,
     same kernel would be without those spills."""
     monkeypatch.setenv("SFTCTL_CODEGEN_CACHE", str(tmp_path))
     from sftctl.compiler.hardware import get_accelerator
-    from sftctl.compiler.predict import normalize, predict_records, resources_for, shipped_resources
+    from sftctl.compiler.records import normalize, predict_records, resources_for, shipped_resources
+    from sftctl.compiler.target import load_target
 
     hw = get_accelerator("H200")
     rec = normalize({"kernel": "gemm", "M": 4096, "N": 4096, "K": 4096, "dtype": "bfloat16",
@@ -126,5 +127,5 @@ def test_configs_outside_the_table_are_compiled_for_their_ptxas_spills(tmp_path,
     assert "BLOCK_M=256,BLOCK_N=256,BLOCK_K=32,num_warps=4,num_stages=2" not in shipped_resources("sm_90")["gemm"]
     res = resources_for(rec["kernel"], rec["config"], hw)
     assert res is not None and res["spill_bytes"] > 1000 and res["registers"] == 255, res
-    t = predict_records([rec, rec], hw, resources=[res, dict(res, spill_bytes=0)])
+    t = predict_records([rec, rec], load_target(hw), resources=[res, dict(res, spill_bytes=0)])
     assert math.isfinite(t[0]) and math.isfinite(t[1]) and t[0] > 2 * t[1]

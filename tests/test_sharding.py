@@ -11,9 +11,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from sftctl.compiler import sharding  # noqa: E402
+from sftctl.compiler import sharding, step  # noqa: E402
 from sftctl.compiler.hardware import get_accelerator  # noqa: E402
 from sftctl.compiler.step import compile_graph  # noqa: E402
+from sftctl.compiler.target import load_target  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,14 +36,14 @@ def gpt():
     for name, p in m.named_parameters():  # what prepare() wraps: each of blocks.N, and the root
         key = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else ""
         units[key] = units.get(key, 0) + p.numel()
-    return m, compile_graph(graph, get_accelerator("L4")), units
+    return m, compile_graph(graph, load_target("L4")), units
 
 
 def test_param_units_group_blocks_and_root(gpt):
     m, compiled, units = gpt
     assert compiled.param_units == units
     assert len(units) == len(m.blocks) + 1
-    assert sharding.param_units([("model.layers.12.mlp.up.weight", 6), ("model.layers.12.norm.weight", 2),
+    assert step.param_units([("model.layers.12.mlp.up.weight", 6), ("model.layers.12.norm.weight", 2),
                                  ("lm_head.weight", 5)]) == {"model.layers.12": 8, "": 5}
 
 
@@ -50,7 +51,7 @@ def test_fsdp_memory_is_the_sharded_state_plus_gathered_units(gpt):
     m, compiled, units = gpt
     n_params = sum(p.numel() for p in m.parameters())
     hw = get_accelerator("L4")
-    preds = sharding.predict_strategies(compiled, hw, 4, 1, 25e9, 5e9, mode="eager", param_dtype_bytes=2)
+    preds = sharding.predict_strategies(compiled, load_target(hw), 4, 1, 25e9, 5e9, mode="eager", param_dtype_bytes=2)
     by = {(p.parallelism, p.activation_checkpointing): p for p in preds}
     ddp, fsdp, fsdp_ck = by["ddp", False], by["fsdp", False], by["fsdp", True]
     pm = compiled.modes["eager"]["peak_memory"]
@@ -78,33 +79,33 @@ def test_fsdp_memory_is_the_sharded_state_plus_gathered_units(gpt):
     assert fsdp.comm_time_s == pytest.approx(ag / n + max(0, ag * (1 - 1 / n) - f) + rs / n
                                              + max(0, ag + rs * (1 - 1 / n) - 2 * f))
     # one device: no communication at all
-    solo = sharding.predict_strategies(compiled, hw, 1, 1, None, None, mode="eager", param_dtype_bytes=2)
+    solo = sharding.predict_strategies(compiled, load_target(hw), 1, 1, None, None, mode="eager", param_dtype_bytes=2)
     assert all(p.comm_time_s == 0 for p in solo)
 
 
 def test_choose_takes_fsdp_when_only_it_fits(gpt):
     m, compiled, units = gpt
     hw = get_accelerator("L4")
-    preds = sharding.predict_strategies(compiled, hw, 4, 1, 25e9, 5e9, mode="eager", param_dtype_bytes=2)
+    preds = sharding.predict_strategies(compiled, load_target(hw), 4, 1, 25e9, 5e9, mode="eager", param_dtype_bytes=2)
     by = {(p.parallelism, p.activation_checkpointing): p for p in preds}
     ddp, fsdp = by["ddp", False], by["fsdp", False]
     assert fsdp.memory_bytes < by["ddp", True].memory_bytes < ddp.memory_bytes
     # a device between the two: FSDP without checkpointing is the only plain choice that fits
     small = dataclasses.replace(hw, memory_bytes=(fsdp.memory_bytes + min(ddp.memory_bytes, by["ddp", True].memory_bytes)) // 2)
-    preds = sharding.predict_strategies(compiled, small, 4, 1, 25e9, 5e9, mode="eager", param_dtype_bytes=2)
+    preds = sharding.predict_strategies(compiled, load_target(small), 4, 1, 25e9, 5e9, mode="eager", param_dtype_bytes=2)
     best, why = sharding.choose(preds)
     assert (best.parallelism, best.fits) == ("fsdp", True)
     assert "ddp would need" in why and "GiB" in why
     # a device nothing fits: the least memory, said so
     tiny = dataclasses.replace(hw, memory_bytes=1000)
-    best, why = sharding.choose(sharding.predict_strategies(compiled, tiny, 4, 1, 25e9, 5e9, mode="eager"))
+    best, why = sharding.choose(sharding.predict_strategies(compiled, load_target(tiny), 4, 1, 25e9, 5e9, mode="eager"))
     assert not best.fits and why.startswith("nothing fits: fsdp + activation checkpointing needs")
 
 
 def test_planner_names_the_strategy_and_spec_can_fix_it(tmp_path, monkeypatch):
     """The real Predictor on the example GPT: an L4 shrunk so that only FSDP fits; with
     train.parallelism: ddp the offering is rejected with the arithmetic."""
-    import sftctl.compiler.hardware as hardware
+    import sftctl.compiler.target as target_mod
     from conftest import write_spec
     from sftctl.errors import InfeasibleError
     from sftctl.planner import plan
@@ -116,15 +117,15 @@ def test_planner_names_the_strategy_and_spec_can_fix_it(tmp_path, monkeypatch):
             f"train: {{steps: 100, parallelism: {par}, activation_checkpointing: false}}\n"
             "resources: {accelerators: [L4:4], clouds: [aws]}\nrun: echo\n")))
 
-    real = hardware.get_accelerator
+    real = target_mod.load_target
     l4 = real("L4")
     # first the true L4: everything fits, DDP is as fast as anything here and wins ties
     p = plan(write("auto"), {"aws": None})
     assert p.chosen.parallelism in ("ddp", "fsdp") and p.chosen.activation_checkpointing is False
     strategies = {s["parallelism"]: s for s in p.chosen.strategies}
     cap = (strategies["fsdp"]["memory_bytes"] + strategies["ddp"]["memory_bytes"]) // 2
-    monkeypatch.setattr(hardware, "get_accelerator",
-                        lambda name: dataclasses.replace(l4, memory_bytes=cap) if name.lower() == "l4" else real(name))
+    small = dataclasses.replace(l4, hw=dataclasses.replace(l4.hw, memory_bytes=cap))  # the planner's one Target
+    monkeypatch.setattr(target_mod, "load_target", lambda name: small if name.lower() == "l4" else real(name))
     p = plan(write("auto"), {"aws": None})
     d = p.to_dict()
     assert d["parallelism"] == "fsdp" and d["activation_checkpointing"] is False

@@ -27,7 +27,7 @@ from conftest import REPO  # noqa: E402
 from sftctl.compiler import interpreter  # noqa: E402
 from sftctl.compiler.frontends import jax as jax_frontend  # noqa: E402
 from sftctl.compiler.fusion import _gemm_dims  # noqa: E402
-from sftctl.compiler.hardware import get_accelerator  # noqa: E402
+from sftctl.compiler.target import load_target  # noqa: E402
 from sftctl.compiler.step import compile_graph  # noqa: E402
 
 RTOL = 1e-7
@@ -51,7 +51,7 @@ def contraction_flops(graph) -> float:
 
 def assert_within_roofline(graph, what: str) -> None:
     for target in ("H100", "L4"):
-        compiled = compile_graph(graph, get_accelerator(target))
+        compiled = compile_graph(graph, load_target(target))
         over = [(k.label, round(k.roofline_fraction, 3)) for k in compiled.kernels if k.roofline_fraction > 1 + 1e-9]
         assert not over, f"{what} on {target}: kernels above their roofline: {over[:5]}"
         assert math.isfinite(compiled.compute_time_s) and compiled.compute_time_s > 0

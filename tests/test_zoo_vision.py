@@ -29,7 +29,7 @@ from conftest import REPO
 from sftctl.compiler import interpreter
 from sftctl.compiler.frontends.torch import trace_step
 from sftctl.compiler.fusion import _gemm_dims, fuse
-from sftctl.compiler.hardware import get_accelerator
+from sftctl.compiler.target import load_target
 from sftctl.compiler.ir import Graph
 from sftctl.compiler.step import compile_graph
 
@@ -109,7 +109,7 @@ def contraction_flops(graph: Graph) -> float:
 
 def assert_within_roofline(graph: Graph, what: str) -> None:
     for target in ("H100", "L4"):
-        compiled = compile_graph(graph, get_accelerator(target))
+        compiled = compile_graph(graph, load_target(target))
         over = [(k.label, round(k.roofline_fraction, 3)) for k in compiled.kernels if k.roofline_fraction > 1 + 1e-9]
         assert not over, f"{what} on {target}: kernels above their roofline: {over[:5]}"
         assert math.isfinite(compiled.compute_time_s) and compiled.compute_time_s > 0

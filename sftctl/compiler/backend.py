@@ -440,15 +440,15 @@ def gemm_problem(site: GemmSite):
                        epilogue_bytes_per_elem=epi_bytes, epilogue_flops_per_elem=flops)
 
 
-def search_cached(problem, hw, coeffs=None, space: dict | None = None, use_disk: bool = True) -> tuple[dict | None, float]:
-    """``(config, predicted_s)`` of :func:`~sftctl.compiler.search.gemm.search_gemm`, cached as
-    JSON under ``<compiler cache>/backend/gemm/`` (:mod:`sftctl.compiler.cache`) keyed by the
-    problem, every hardware number, the coefficients, the space and the compiler's fingerprint. A config of None means nothing
-    feasible (the site stays ATen)."""
-    from sftctl.compiler.costmodel import Coefficients
+def search_cached(problem, target, space: dict | None = None, use_disk: bool = True) -> tuple[dict | None, float]:
+    """``(config, predicted_s)`` of :func:`~sftctl.compiler.search.gemm.search_gemm` on ``target``
+    (a :class:`sftctl.compiler.target.Target`), cached as JSON under
+    ``<compiler cache>/backend/gemm/`` (:mod:`sftctl.compiler.cache`) keyed by the problem, every
+    hardware number, the coefficients, the space and the compiler's fingerprint. A config of None
+    means nothing feasible (the site stays ATen)."""
     from sftctl.compiler.search.gemm import search_gemm
 
-    coeffs = coeffs or Coefficients.for_accelerator(hw)
+    hw, coeffs = target.hw, target.coeffs
     path = None
     if use_disk:
         from sftctl.compiler.cache import cache_dir, cache_key
@@ -475,10 +475,10 @@ def search_cached(problem, hw, coeffs=None, space: dict | None = None, use_disk:
 # ------------------------------------------------------------------------------------------------
 
 
-def rewrite_gemms(gm: fx.GraphModule, hw, *, coeffs=None, space: dict | None = None, force: bool = False,
+def rewrite_gemms(gm: fx.GraphModule, target, *, space: dict | None = None, force: bool = False,
                   fuse_epilogues: bool = True, use_disk_cache: bool = True) -> list[GemmSite]:
     """Replace every :func:`find_gemm_sites` site of ``gm`` by a :func:`sftensor_gemm` call
-    with the searched config for ``hw``; in place (``gm`` is recompiled). Every other node stays.
+    with the searched config for ``target`` (a :class:`sftctl.compiler.target.Target`); in place (``gm`` is recompiled). Every other node stays.
 
     Returns the rewritten sites (with ``problem``, ``config``, ``predicted_s``). A site whose
     problem has no feasible schedule is left as ATen.
@@ -490,7 +490,7 @@ def rewrite_gemms(gm: fx.GraphModule, hw, *, coeffs=None, space: dict | None = N
     for site in sites:
         site.problem = gemm_problem(site)
         if site.problem not in chosen:
-            chosen[site.problem] = search_cached(site.problem, hw, coeffs, space, use_disk_cache)
+            chosen[site.problem] = search_cached(site.problem, target, space, use_disk_cache)
         site.config, site.predicted_s = chosen[site.problem]
         if site.config is None:
             continue
@@ -600,9 +600,9 @@ def lower_fx_to_ir(gm: fx.GraphModule):
 _IR_OK = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
 
 
-def analyze_ir(gm: fx.GraphModule, hw, coeffs=None, matmul_precision: str | None = None) -> dict:
+def analyze_ir(gm: fx.GraphModule, target, matmul_precision: str | None = None) -> dict:
     """The IR view of an ATen graph: lowering stats, fused kernels by kind, and the model's
-    predicted seconds on ``hw`` of the part that lowered, priced by the compiler's one costing
+    predicted seconds on ``target`` of the part that lowered, priced by the compiler's one costing
     loop (:func:`~sftctl.compiler.step.cost_kernels`, as ``compile_graph`` prices a step).
     ``matmul_precision``: as ``compile_graph`` takes it; default torch's current
     ``torch.get_float32_matmul_precision()``. Never raises: ``{"error": ...}`` instead."""
@@ -612,7 +612,7 @@ def analyze_ir(gm: fx.GraphModule, hw, coeffs=None, matmul_precision: str | None
 
         graph, stats = lower_fx_to_ir(gm)
         kernels = fuse(graph)
-        costs = cost_kernels(graph, kernels, hw, coeffs,
+        costs = cost_kernels(graph, kernels, target,
                              matmul_precision=matmul_precision or torch.get_float32_matmul_precision())
         kinds: dict[str, int] = {}
         for k in kernels:
@@ -707,20 +707,21 @@ class SftensorBackend:
 
         return aot_autograd(fw_compiler=fw, bw_compiler=bw, inference_compiler=inference)(gm, example_inputs, **kwargs)
 
-    def hardware(self, example_inputs: Sequence[Any]):
-        if self.accelerator:
-            from sftctl.compiler.hardware import get_accelerator
+    def target(self, example_inputs: Sequence[Any]):
+        """The :class:`sftctl.compiler.target.Target` this graph is scheduled for: ``accelerator``,
+        else the inputs' device (:func:`accelerator_for_device`)."""
+        from sftctl.compiler.target import load_target
 
-            return get_accelerator(self.accelerator)
-        return accelerator_for_device(_device_of(example_inputs))
+        return load_target(self.accelerator or accelerator_for_device(_device_of(example_inputs)))
 
     def compile_aten(self, gm: fx.GraphModule, example_inputs: Sequence[Any], kind: str = "forward") -> Callable:
         """Rewrite one ATen graph's GEMMs (see the module docstring); returns a boxed callable."""
         from functorch.compile import make_boxed_func
 
-        hw = self.hardware(example_inputs)
-        ir = analyze_ir(gm, hw) if self.analyze else {}
-        sites = rewrite_gemms(gm, hw, space=self.space, force=self.force, fuse_epilogues=self.fuse_epilogues,
+        target = self.target(example_inputs)
+        hw = target.hw
+        ir = analyze_ir(gm, target) if self.analyze else {}
+        sites = rewrite_gemms(gm, target, space=self.space, force=self.force, fuse_epilogues=self.fuse_epilogues,
                               use_disk_cache=self.use_disk_cache)
         report = GraphReport(kind=kind, accelerator=hw.name, fx_nodes=len(gm.graph.nodes), ir=ir, sites=[
             {"replaced": [n.name for n in s.chain], "epilogue": s.epilogue, "problem": dataclasses.asdict(s.problem),

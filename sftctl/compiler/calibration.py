@@ -6,7 +6,7 @@
 Data: JSON-lines records (``calibrations/data/h200/train.jsonl``, the format of
 ``calibrations/data/h200/README.md``: ``kernel``, sizes, ``config``, ``measured_s``) and the peers
 file (cuBLAS / torch eager / copy bandwidth on the same device). Records are predicted by
-:func:`sftctl.compiler.predict.predict_records`, the same path ``python -m
+:func:`sftctl.compiler.records.predict_records`, the same path ``python -m
 sftctl.compiler.predict`` takes, with ptxas registers and spills of the measured configs.
 
 The fit: few, physical coefficients (:data:`GEMM_PARAMS`, :data:`STREAM_PARAMS`), each within
@@ -24,7 +24,7 @@ time of the model's top pick over the best measured (``pick_over_best``), and th
 log residuals; in-sample and leave-one-shape-out (each group predicted by a fit that never saw
 it). The output JSON (``calibrations/<accelerator>.json``) holds the coefficients, the data's
 source and SHA-256, the date, both quality tables and the peers' measured efficiencies; the
-cost model loads it by default (``Coefficients.for_accelerator``).
+compiler's target loads it (:func:`sftctl.compiler.target.load_target`).
 
 H100 and H200 share the GH100 die (132 SMs at the same clocks, 50 MB L2, same SM
 microarchitecture: H200 datasheet; H100 whitepaper Table 3): the fitted efficiencies (MMA,
@@ -39,18 +39,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as _dt
-import functools
 import hashlib
 import json
 import math
 import sys
 from pathlib import Path
 
-CALIBRATION_DIR = Path(__file__).resolve().parent / "calibrations"
-DATA_DIR = CALIBRATION_DIR / "data"
-
-#: Accelerators whose calibration comes from another's measurements: the same GH100 die.
-CARRIES_OVER = {"H100": "H200"}
+from sftctl.compiler.calibrated import (CALIBRATION_DIR, CARRIES_OVER, DATA_DIR, _load_json, calibration_for,
+                                        calibration_path)
+from sftctl.compiler.costmodel import Coefficients, GemmProblem, gemm_breakdown
+from sftctl.compiler.hardware import get_accelerator
+from sftctl.compiler.records import RecordError, normalize, predict_records, resources_for
+from sftctl.compiler.target import load_target
 
 #: Fitted GEMM coefficients and their physical bounds (see ``costmodel.Coefficients``).
 #: ``k_loop_overhead_cycles`` and ``warp_tile_overhead_elems`` keep their defaults: the records
@@ -155,21 +155,19 @@ def prepare(records: list[dict], hw, compile: bool = False) -> list[Group]:
     Resources from the shipped ptxas table (``compile``: else compile with Triton)."""
     import numpy as np
 
-    from sftctl.compiler import predict as P
-
     groups: dict[str, Group] = {}
     for i, rec in enumerate(records, start=1):
         t = rec.get("measured_s")
         if t is None or "peer" in rec:
             continue
         try:
-            r = P.normalize(rec)
-        except P.RecordError as e:
+            r = normalize(rec)
+        except RecordError as e:
             raise ValueError(f"record {i}: {e}") from None
         name = group_name(r)
         g = groups.setdefault(name, Group(name, r["kernel"], [], [], []))
         g.records.append(r)
-        g.resources.append(P.resources_for(r["kernel"], r["config"], hw, r["dtype"], compile=compile))
+        g.resources.append(resources_for(r["kernel"], r["config"], hw, r["dtype"], compile=compile))
         g.measured.append(float(t))
     for g in groups.values():
         g.measured = np.asarray(g.measured)
@@ -177,11 +175,11 @@ def prepare(records: list[dict], hw, compile: bool = False) -> list[Group]:
 
 
 def predict_group(g: Group, hw, coeffs):
+    """Predicted seconds of a group's records on ``hw`` priced with ``coeffs`` (a fit under
+    evaluation), through the same path as ``python -m sftctl.compiler.predict``."""
     import numpy as np
 
-    from sftctl.compiler.predict import predict_records
-
-    return np.asarray(predict_records(g.records, hw, coeffs, g.resources))
+    return np.asarray(predict_records(g.records, load_target(hw).with_coeffs(coeffs), g.resources))
 
 
 def ptxas_reg_base(groups: list[Group], hw, base) -> float | None:
@@ -189,8 +187,6 @@ def ptxas_reg_base(groups: list[Group], hw, base) -> float | None:
     compiled kernel's registers per thread minus the model's accumulator + fragment estimate
     (what the register estimate of configs never compiled uses). None without GEMM resources."""
     import numpy as np
-
-    from sftctl.compiler.costmodel import GemmProblem, gemm_breakdown
 
     c0 = dataclasses.replace(base, reg_base=0)
     diffs, seen = [], set()
@@ -386,97 +382,6 @@ def leave_shape_out_all_kernels(groups: list[Group], hw, base, iters: int = 200,
 # the calibration file
 
 
-def calibration_path(name: str) -> Path:
-    return CALIBRATION_DIR / f"{name.lower()}.json"
-
-
-@functools.lru_cache(maxsize=None)
-def _load_json(path: str) -> dict | None:
-    p = Path(path)
-    if not p.exists():
-        return None
-    return json.loads(p.read_text())
-
-
-def calibration_for(name: str) -> dict | None:
-    """The shipped calibration document for accelerator ``name`` (its own, or the one it shares
-    a die with, :data:`CARRIES_OVER`); None when there is none."""
-    own = _load_json(str(calibration_path(name)))
-    if own is not None:
-        return own
-    src = CARRIES_OVER.get(name)
-    return _load_json(str(calibration_path(src))) if src else None
-
-
-def coefficient_overrides(name: str) -> dict:
-    """Fitted coefficient values for accelerator ``name`` ({} when not calibrated)."""
-    doc = calibration_for(name)
-    return dict(doc["coefficients"]) if doc else {}
-
-
-def load_coefficients(path: Path, hw):
-    """Coefficients of ``hw`` with a calibration file's values. Raises ValueError if malformed."""
-    from sftctl.compiler.costmodel import Coefficients
-
-    try:
-        doc = json.loads(Path(path).read_text())
-        values = doc["coefficients"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not a calibration file ({e})") from None
-    fields = {f.name for f in dataclasses.fields(Coefficients)}
-    unknown = set(values) - fields
-    if unknown:
-        raise ValueError(f"{path}: unknown coefficients {sorted(unknown)}")
-    return dataclasses.replace(Coefficients.for_accelerator(hw, calibrated=False), **values)
-
-
-@dataclasses.dataclass(frozen=True)
-class PeerEfficiency:
-    """What the field's own kernels measured on an accelerator (for eager / torch.compile models).
-
-    Attributes:
-        accelerator: catalog name asked for; ``measured_on``: where the numbers come from.
-        cublas_bf16_flops_per_s: shape name -> cuBLAS (``torch.mm``) bf16 FLOP/s measured.
-        cublas_bf16_fraction_of_peak: the same over the dense bf16 datasheet peak (carries
-            over between accelerators of one die).
-        eager_row_bytes_per_s: kernel -> torch eager bytes/s (read + write) per measured shape
-            ``{kernel: {"MxN": bytes/s}}``, scaled by the HBM peak ratio for another accelerator.
-        eager_row_fraction_of_hbm_peak: the same as fractions of the datasheet HBM peak.
-        copy_bytes_per_s: device-to-device copy bandwidth (read + write), scaled likewise.
-    """
-
-    accelerator: str
-    measured_on: str
-    cublas_bf16_flops_per_s: dict
-    cublas_bf16_fraction_of_peak: dict
-    eager_row_bytes_per_s: dict
-    eager_row_fraction_of_hbm_peak: dict
-    copy_bytes_per_s: float
-
-
-def peer_efficiency(accelerator) -> PeerEfficiency | None:
-    """Measured cuBLAS GEMM efficiency and torch-eager row-kernel bandwidth for ``accelerator``
-    (an ``Accelerator`` or catalog name), from the shipped calibration's peers; an accelerator
-    sharing the die (:data:`CARRIES_OVER`) gets the same fractions of its own peaks. None when
-    no calibration covers it. E.g. H200: cuBLAS bf16 4096^3 = 784 TFLOP/s (0.79 of 989.4)."""
-    from sftctl.compiler.hardware import get_accelerator
-
-    hw = get_accelerator(accelerator) if isinstance(accelerator, str) else accelerator
-    doc = calibration_for(hw.name)
-    if not doc or "peers" not in doc:
-        return None
-    p = doc["peers"]
-    peak = hw.matrix_peak("bfloat16")
-    return PeerEfficiency(
-        accelerator=hw.name, measured_on=doc["accelerator"],
-        cublas_bf16_flops_per_s={k: v * peak for k, v in p["cublas_bf16_fraction_of_peak"].items()},
-        cublas_bf16_fraction_of_peak=dict(p["cublas_bf16_fraction_of_peak"]),
-        eager_row_bytes_per_s={k: {s: f * hw.hbm_bytes_per_s for s, f in v.items()}
-                               for k, v in p["eager_row_fraction_of_hbm_peak"].items()},
-        eager_row_fraction_of_hbm_peak={k: dict(v) for k, v in p["eager_row_fraction_of_hbm_peak"].items()},
-        copy_bytes_per_s=p["copy_fraction_of_hbm_peak"] * hw.hbm_bytes_per_s)
-
-
 def _peers_summary(peers: list[dict], hw) -> dict:
     gemm, rows, copy = {}, {}, None
     for p in peers:
@@ -500,14 +405,11 @@ def _sha256(path: Path) -> str:
 
 def run_fit(target: str, data: Path, loso: bool = True, iters: int = 200, restarts: int = 2) -> dict:
     """The calibration document for ``target`` from ``data/train.jsonl`` and ``data/peers.jsonl``."""
-    from sftctl.compiler.costmodel import Coefficients
-    from sftctl.compiler.hardware import get_accelerator
-
     hw = get_accelerator(target)
     train = Path(data) / "train.jsonl"
     peers_path = Path(data) / "peers.jsonl"
     peers = load_records(peers_path) if peers_path.exists() else []
-    base = Coefficients.for_accelerator(hw, calibrated=False)
+    base = Coefficients.uncalibrated(hw)
     hbm = peers_hbm_efficiency(peers, hw)
     if hbm:
         base = dataclasses.replace(base, hbm_efficiency=round(hbm, 4))
@@ -571,8 +473,6 @@ def main(argv=None) -> int:
     ch = sub.add_parser("check", help="print the shipped calibration's quality tables")
     ch.add_argument("--target", default="h200")
     args = ap.parse_args(argv)
-    from sftctl.compiler.hardware import get_accelerator
-
     try:
         hw = get_accelerator(args.target)
     except KeyError as e:

@@ -3,8 +3,9 @@
 Everything here is arithmetic on numbers from :class:`~sftctl.compiler.hardware.Accelerator` and a
 small set of efficiency :class:`Coefficients` (what the hardware achieves in practice, as a
 fraction of its datasheet peak). No measurement happens here; the coefficients are the knobs
-``calibration.py`` fits to measured kernels (``calibrations/<accelerator>.json``, loaded by
-:meth:`Coefficients.for_accelerator`).
+``calibration.py`` fits to measured kernels (``calibrations/<accelerator>.json``, overlaid on
+:meth:`Coefficients.uncalibrated` by :func:`sftctl.compiler.target.load_target`). Every function
+takes its ``coeffs``: none derives them (this module imports nothing of the calibration).
 
 GEMM model (:func:`gemm_time_s`)
 --------------------------------
@@ -132,7 +133,7 @@ def _peak_key(dtype: str) -> str:
 class Coefficients:
     """Tunable efficiency coefficients of the model (all plain numbers: hashable, comparable).
 
-    Defaults are NVIDIA datacenter-GPU values; :meth:`for_vendor` / :meth:`for_accelerator` give
+    Defaults are NVIDIA datacenter-GPU values; :meth:`for_vendor` / :meth:`uncalibrated` give
     per-vendor / per-model sets. Change one with ``dataclasses.replace(c, hbm_efficiency=0.85)``.
 
     Attributes:
@@ -261,20 +262,15 @@ class Coefficients:
         return cls(**cls.VENDOR.get(vendor, {}))
 
     @classmethod
-    def for_accelerator(cls, hw: Accelerator, calibrated: bool = True) -> "Coefficients":
-        """Vendor defaults, Hopper wgmma where it applies, the shipped calibration of ``hw``
-        (``calibrations/<name>.json``, or the one of the accelerator it shares a die with, e.g.
-        H100 <- H200: ``calibration.CARRIES_OVER``) unless ``calibrated=False``, then
-        ``ACCELERATOR[hw.name]``."""
+    def uncalibrated(cls, hw: Accelerator) -> "Coefficients":
+        """Vendor defaults, Hopper wgmma where it applies, then ``ACCELERATOR[hw.name]``: the
+        coefficients before any calibration (:func:`sftctl.compiler.target.load_target` overlays
+        the shipped fit; the calibration tool fits from these)."""
         c = cls.for_vendor(hw.vendor)
         if hw.vendor == "nvidia" and isinstance(hw.triton_arch, int) and hw.triton_arch >= 90:
             # Hopper: wgmma (warpgroup MMA, operands from smem) and a faster L2 (~10 TB/s on
             # H100; Luo et al. 2024).
             c = dataclasses.replace(c, warpgroup_mma=True, l2_bytes_per_clk_per_sm=41.0)
-        if calibrated:
-            from sftctl.compiler.calibration import coefficient_overrides
-
-            c = dataclasses.replace(c, **coefficient_overrides(hw.name))
         return dataclasses.replace(c, **cls.ACCELERATOR.get(hw.name, {}))
 
     def mn_major_efficiency(self, nbytes: int) -> float:
@@ -285,20 +281,20 @@ class Coefficients:
 # Generic kernels
 
 
-def memory_bound_time_s(bytes_moved, hw: Accelerator, coeffs: Coefficients | None = None,
+def memory_bound_time_s(bytes_moved, hw: Accelerator, coeffs: Coefficients,
                         n_kernels=1):
     """Seconds for ``n_kernels`` memory-bound kernels moving ``bytes_moved`` bytes in all.
 
     ``n_kernels * (launch + fill_latencies * latency) + bytes / (hbm_efficiency * peak BW)``.
     Works elementwise on numpy arrays.
     """
-    c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
+    c = coeffs
     lat = hw.memory_latency_s * c.latency_multiplier
     per_kernel = hw.launch_overhead_s * c.launch_multiplier + c.fill_latencies * lat
     return n_kernels * per_kernel + bytes_moved / (hw.hbm_bytes_per_s * c.hbm_efficiency)
 
 
-def reduction_time_s(rows, cols, dtype: str, hw: Accelerator, coeffs: Coefficients | None = None,
+def reduction_time_s(rows, cols, dtype: str, hw: Accelerator, coeffs: Coefficients,
                      out_dtype: str | None = None, flops_per_elem: float = 1.0, n_kernels: int = 1):
     """Seconds for a row reduction of a ``rows x cols`` tensor (sum, max, softmax statistics ...).
 
@@ -306,7 +302,7 @@ def reduction_time_s(rows, cols, dtype: str, hw: Accelerator, coeffs: Coefficien
     ``flops_per_elem`` vector FLOPs per input element. Assumes Inductor-style split reductions
     keep every SM busy when rows are few, so no wave term. Elementwise on arrays.
     """
-    c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
+    c = coeffs
     in_b = dtype_bytes(dtype)
     out_b = dtype_bytes(out_dtype) if out_dtype else in_b
     bytes_moved = rows * cols * in_b + rows * out_b
@@ -401,7 +397,7 @@ def _stream_time(kind, programs, work_per_program, rows_per_program, elems_per_t
 
 
 def row_kernel_time_s(kind: str, rows, cols, config: dict, hw: Accelerator,
-                      coeffs: Coefficients | None = None, dtype: str = "bfloat16",
+                      coeffs: Coefficients, dtype: str = "bfloat16",
                       registers=None, spill_bytes=None, terms: bool = False):
     """Predicted seconds of a row kernel over a ``rows x cols`` tensor (``kind``: ``layernorm``,
     ``softmax``, ``rmsnorm``), each program normalizing ``ROWS`` consecutive rows one after the
@@ -414,7 +410,7 @@ def row_kernel_time_s(kind: str, rows, cols, config: dict, hw: Accelerator,
     figures of the compiled kernel (NaN: estimate). ``inf`` where the block cannot run (more
     than 1024 threads). Raises KeyError for an unknown ``kind``.
     """
-    c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
+    c = coeffs
     if kind not in STREAM_KERNELS or STREAM_KERNELS[kind]["reductions"] == 0:
         raise KeyError(f"unknown row kernel {kind!r}")
     R = _f(config.get("ROWS", 1))
@@ -428,7 +424,7 @@ def row_kernel_time_s(kind: str, rows, cols, config: dict, hw: Accelerator,
                         registers, spill_bytes, terms)
 
 
-def elementwise_time_s(n_elements, config: dict, hw: Accelerator, coeffs: Coefficients | None = None,
+def elementwise_time_s(n_elements, config: dict, hw: Accelerator, coeffs: Coefficients,
                        kind: str = "bias_gelu", bytes_per_element: float = 4.0,
                        registers=None, spill_bytes=None, terms: bool = False,
                        instr_per_element: float | None = None):
@@ -438,7 +434,7 @@ def elementwise_time_s(n_elements, config: dict, hw: Accelerator, coeffs: Coeffi
     bf16 input and output). ``config`` values may be arrays. Registers and spills as in
     :func:`row_kernel_time_s`; ``instr_per_element`` overrides the kind's instruction count
     (generated chains: more ops, more instructions)."""
-    c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
+    c = coeffs
     B = _f(config["BLOCK"])
     W = _f(config["num_warps"])
     e = np.maximum(B / (W * hw.warp_size), 1.0)
@@ -668,9 +664,9 @@ def _spills(ctx: _Ctx, regs):
     return np.minimum(regs, ctx.regs_max), excess * ctx.c.spill_estimate_factor
 
 
-def _evaluate(problem: GemmProblem, hw: Accelerator, cands: dict, coeffs: Coefficients | None,
+def _evaluate(problem: GemmProblem, hw: Accelerator, cands: dict, coeffs: Coefficients,
               terms: bool = False):
-    c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
+    c = coeffs
     ctx = _ctx(problem, hw, c)
     BM, BN, BK = _f(cands["BLOCK_M"]), _f(cands["BLOCK_N"]), _f(cands["BLOCK_K"])
     W, S = _f(cands["num_warps"]), _f(cands["num_stages"])
@@ -762,14 +758,13 @@ def _evaluate(problem: GemmProblem, hw: Accelerator, cands: dict, coeffs: Coeffi
                 replication=rep, unit_efficiency=e_w, tiles=blocks)
 
 
-def gemm_time_s(problem: GemmProblem, hw: Accelerator, cands: dict, coeffs: Coefficients | None = None) -> np.ndarray:
+def gemm_time_s(problem: GemmProblem, hw: Accelerator, cands: dict, coeffs: Coefficients) -> np.ndarray:
     """Predicted seconds of each candidate schedule; ``np.inf`` where infeasible.
 
     ``cands`` maps ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages`` and
     optionally ``split_k`` (1), ``GROUP_M`` (8), ``layout`` (0, an index into :data:`LAYOUTS` or
     the names) to arrays; they broadcast against each other (flat arrays of equal length, or
-    per-axis arrays shaped for broadcasting). Coefficients default to
-    ``Coefficients.for_accelerator(hw)``.
+    per-axis arrays shaped for broadcasting).
 
     Optional measured resources (``codegen.targets.KernelResources`` of the compiled kernel):
     ``regs_per_thread`` and ``smem_bytes`` (per block, without the runtime's reservation)
@@ -783,7 +778,7 @@ def gemm_time_s(problem: GemmProblem, hw: Accelerator, cands: dict, coeffs: Coef
 
 
 def gemm_breakdown(problem: GemmProblem, hw: Accelerator, config: dict,
-                   coeffs: Coefficients | None = None) -> dict:
+                   coeffs: Coefficients) -> dict:
     """The model's terms for one schedule (``config`` as in ``GemmChoice.config``).
 
     ``bound`` is ``compute`` (the SM term: MMA, shared memory, latency, wave overheads),
@@ -801,7 +796,7 @@ def gemm_breakdown(problem: GemmProblem, hw: Accelerator, config: dict,
 
 
 def gemm_group_bound(problem: GemmProblem, hw: Accelerator, prefix: dict, suffix_values: dict,
-                     coeffs: Coefficients | None = None) -> np.ndarray:
+                     coeffs: Coefficients) -> np.ndarray:
     """Lower bound of :func:`gemm_time_s` over every schedule of a group.
 
     A group fixes ``BLOCK_M``, ``BLOCK_N``, ``split_k``, ``num_warps`` (``prefix``: arrays that
@@ -822,7 +817,7 @@ def gemm_group_bound(problem: GemmProblem, hw: Accelerator, prefix: dict, suffix
     every member's computed time, not just mathematically. Groups with no feasible member get
     ``inf`` (every member is ``inf`` too).
     """
-    c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
+    c = coeffs
     ctx = _ctx(problem, hw, c)
     BM, BN = _f(prefix["BLOCK_M"]), _f(prefix["BLOCK_N"])
     W, SK = _f(prefix["num_warps"]), _f(prefix["split_k"])

@@ -3,9 +3,9 @@
 * ``trace_model``: the entrypoint's whole training step as an IR graph. Cached (pickle) under
   ``<cache>/traces/``, keyed by the framework, entrypoint, batch size, dtype, the bytes of every
   ``.py`` file in the entrypoint's directory, and the compiler's fingerprint.
-* ``compile_for``: one accelerator's CompiledStep. Cached (JSON) under ``<cache>/steps/``, keyed
-  by graph signature, matmul precision, dtype map, hardware numbers, cost-model coefficients and
-  the compiler's fingerprint.
+* ``compile_for``: one target's CompiledStep. Cached (JSON) under ``<cache>/steps/``, keyed
+  by graph signature, matmul precision, dtype map, the target (hardware numbers, cost-model
+  coefficients, peer model) and the compiler's fingerprint.
 
 ``<cache>`` is :func:`sftctl.compiler.cache.cache_dir` (the platform's user cache directory);
 every key is :func:`sftctl.compiler.cache.cache_key`.
@@ -22,6 +22,7 @@ from sftctl.compiler.cache import atomic_write
 from sftctl.compiler.cache import cache_dir, cache_key
 from sftctl.compiler.ir import Graph
 from sftctl.compiler.step import CompiledStep, compile_graph, graph_signature
+from sftctl.compiler.target import Target
 
 
 def trace_key(framework: str, entrypoint: str, workdir: str, batch_size: int, dtype: str) -> str:
@@ -80,24 +81,20 @@ def _trace(framework: str, entrypoint: str, workdir: str, batch_size: int, dtype
     return graph
 
 
-def compile_for(graph: Graph, accelerator: str, progress: Callable[[int, int], None] | None = None,
+def compile_for(graph: Graph, target: Target, progress: Callable[[int, int], None] | None = None,
                 use_cache: bool = True, matmul_precision: str = "highest",
                 mma_dtype_map: dict[str, str] | None = None) -> CompiledStep:
-    """Compile ``graph`` for the named accelerator (cached on disk); ``matmul_precision`` and
-    ``mma_dtype_map`` as :func:`sftctl.compiler.step.compile_graph` takes them."""
-    from sftctl.compiler.costmodel import Coefficients
-    from sftctl.compiler.hardware import get_accelerator
-
-    hw = get_accelerator(accelerator)
-    coeffs = Coefficients.for_accelerator(hw)
-    key = cache_key("step", graph_signature(graph), matmul_precision, mma_dtype_map or {}, hw, coeffs)
+    """Compile ``graph`` for ``target`` (cached on disk); ``matmul_precision`` and
+    ``mma_dtype_map`` as :func:`sftctl.compiler.step.compile_graph` takes them. The key holds the
+    whole target: hardware numbers, coefficients and the peer model."""
+    key = cache_key("step", graph_signature(graph), matmul_precision, mma_dtype_map or {}, target)
     path = cache_dir() / "steps" / f"{key}.json"
     if use_cache and path.exists():
         try:
             return CompiledStep.from_dict(json.loads(path.read_text()))
         except Exception:
             path.unlink(missing_ok=True)
-    compiled = compile_graph(graph, hw, coeffs, progress=progress, matmul_precision=matmul_precision,
+    compiled = compile_graph(graph, target, progress=progress, matmul_precision=matmul_precision,
                              mma_dtype_map=mma_dtype_map)
     if use_cache:
         atomic_write(path, json.dumps(compiled.to_dict()).encode())

@@ -16,9 +16,10 @@
 * ``sftensor`` (``train.compile: sftensor``): the search compiler's own kernels: searched GEMM
   schedules with fused epilogues (:func:`sftctl.compiler.step.compile_graph`).
 
-Hardware numbers and where they come from (:func:`peer_model` solves them from the shipped
-calibration's peers file, ``sftctl/compiler/calibrations/data/h200/peers.jsonl``, through
-:func:`sftctl.compiler.calibration.peer_efficiency`; the constants below are the same solve,
+Hardware numbers and where they come from (the target's peer model,
+:func:`sftctl.compiler.peers.peer_model`, solves them from the shipped calibration's peers file,
+``sftctl/compiler/calibrations/data/h200/peers.jsonl``, through
+:func:`sftctl.compiler.calibrated.peer_efficiency`; the constants there are the same solve,
 used when no calibration is shipped; other accelerators get the H200's fractions of peak and its
 fixed times):
 
@@ -37,59 +38,21 @@ fixed times):
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import math
 import re
 
-from sftctl.compiler.fusion import Kernel, fuse, regroup, source_of
+from sftctl.compiler.fusion import Kernel, _gemm_dims, fuse, regroup, source_of
 from sftctl.compiler.hardware import Accelerator
 from sftctl.compiler.ir import CONTRACTIONS, LAYOUT, SOURCES, Graph
+from sftctl.compiler.memory import peak_memory
+from sftctl.compiler.peers import CUBLAS_TILE
+from sftctl.compiler.roofline import attention_time_s, roofline_time_s
+from sftctl.compiler.target import Target
 
 MODES = ("eager", "default", "sftensor")
 #: ``train.compile`` (spec.py) -> the mode that runs.
 COMPILE_TO_MODE = {"none": "eager", "default": "default", "sftensor": "sftensor"}
 
-H200_HBM_BYTES_PER_S = 4.8e12  # NVIDIA H200 datasheet (the catalog's figure), for the fractions below
-#: torch copy_ of 2 GiB on the H200 (read + write), peers.jsonl: 4.24 TB/s, the practical ceiling
-COPY_HBM_FRACTION = 4.241e12 / H200_HBM_BYTES_PER_S
-
-#: cuBLAS (see the module docstring; solved from peers.jsonl's two bf16 torch.mm timings).
-CUBLAS_TILE = (128, 128)
-CUBLAS_MMA_EFFICIENCY = 0.875
-CUBLAS_WAVE_S = 1.47e-6
-CUBLAS_SOURCE = ("H200 torch.mm (cuBLAS) bf16, ../shared/h200/peers.jsonl: 4096^3 175.4 us (784 TFLOP/s), "
-                 "8192x2304x768 47.7 us (608 TFLOP/s); torch 2.11 + CUDA 13.0, triton do_bench median")
-
-
-@dataclasses.dataclass(frozen=True)
-class EagerKernelClass:
-    """A class of torch eager memory-bound kernels: achieved bandwidth as a fraction of HBM peak
-    and a fixed GPU time per kernel (ramp-up, tail, event), both from two measured sizes."""
-
-    hbm_fraction: float
-    fixed_s: float
-    source: str
-
-
-# (bytes, seconds) pairs from ../shared/h200/peers.jsonl -> bandwidth = dB/dt, fixed = t - B/bw
-EAGER_KERNELS = {
-    # layer norm bf16: 8192x768 21.65 us, 65536x1024 155.55 us (read + write x, 8 B/row stats)
-    "layernorm": EagerKernelClass(1.817e12 / H200_HBM_BYTES_PER_S, 7.8e-6,
-                                  "torch eager F.layer_norm bf16 on H200, peers.jsonl"),
-    # softmax bf16: 8192x768 19.39 us, 65536x1024 108.96 us
-    "softmax": EagerKernelClass(2.715e12 / H200_HBM_BYTES_PER_S, 10.1e-6,
-                                "torch eager softmax bf16 on H200, peers.jsonl"),
-    # bias + GELU as eager runs it, two kernels (add, gelu), 8 B/element: 8192x768 30.16 us,
-    # 65536x1024 243.81 us -> 2.28 TB/s and 4.0 us per kernel: elementwise ops with
-    # transcendental math (GELU, its backward, exp, erf, tanh)
-    "elementwise": EagerKernelClass(2.278e12 / H200_HBM_BYTES_PER_S, 4.0e-6,
-                                    "torch eager x + b then F.gelu, bf16 on H200, peers.jsonl"),
-    # plain elementwise ops (casts, adds, multiplies, where): torch's copy_ of 2 GiB reaches
-    # 4.24 TB/s (peers.jsonl), with the elementwise class's 4.0 us per kernel
-    "copy": EagerKernelClass(COPY_HBM_FRACTION, 4.0e-6,
-                             "torch eager copy_ of 2 GiB on H200 (4.24 TB/s), peers.jsonl"),
-}
 _TRANSCENDENTAL = frozenset({"exp", "log", "tanh", "erf", "sigmoid", "sin", "cos", "pow", "log1p", "expm1",
                              "rsqrt", "sqrt"})
 _LAYERNORM_OPS = ("native_layer_norm", "native_layer_norm_backward", "native_group_norm",
@@ -131,117 +94,12 @@ def foreach_adamw_passes(grad_clip: bool) -> list[tuple[str, int, int, int]]:
     return passes
 
 
-@dataclasses.dataclass(frozen=True)
-class PeerModel:
-    """The eager/library kernel coefficients for one accelerator, solved from the shipped
-    calibration's peers (:func:`sftctl.compiler.calibration.peer_efficiency`: cuBLAS and torch
-    eager kernels measured on the H200; an accelerator of the same die gets the same fractions of
-    its own peaks; any other accelerator the H200's fractions, stated in ``source``)."""
-
-    cublas_efficiency: float
-    cublas_wave_s: float
-    classes: dict  # klass -> EagerKernelClass
-    copy_fraction: float
-    source: str
-
-
-def _solve_cublas(shapes: list[tuple[int, int, int, float]], peak: float, sms: int) -> tuple[float, float] | None:
-    """(efficiency, seconds per wave) from two (M, N, K, seconds) cuBLAS timings under the
-    128x128-tile wave model: ``waves * (tile FLOPs * SMs / (e * peak) + w) = t``, linear in 1/e, w."""
-    if len(shapes) < 2:
-        return None
-    bm, bn = CUBLAS_TILE
-    rows = []
-    for m, n, k, t in shapes[:2]:
-        waves = math.ceil(math.ceil(m / bm) * math.ceil(n / bn) / sms)
-        rows.append((waves * 2.0 * bm * bn * k * sms / peak, waves, t))
-    (a1, b1, t1), (a2, b2, t2) = rows
-    det = a1 * b2 - a2 * b1
-    if det == 0:
-        return None
-    inv_e = (t1 * b2 - t2 * b1) / det
-    w = (a1 * t2 - a2 * t1) / det
-    if inv_e <= 0 or w < 0:
-        return None
-    return 1.0 / inv_e, w
-
-
-def _solve_stream(points: list[tuple[float, float]]) -> tuple[float, float] | None:
-    """(bytes/s, fixed seconds per kernel) through two (bytes, seconds) points."""
-    if len(points) < 2:
-        return None
-    (b1, t1), (b2, t2) = sorted(points)[:2]
-    if t2 <= t1 or b2 <= b1:
-        return None
-    bw = (b2 - b1) / (t2 - t1)
-    return bw, max(0.0, t1 - b1 / bw)
-
-
-_FALLBACK_SOURCE = "constants in sftctl.compiler.modes (H200 peers.jsonl, solved by hand)"
-
-
-@functools.lru_cache(maxsize=None)
-def peer_model(name: str) -> PeerModel:
-    """:class:`PeerModel` for accelerator ``name`` (cached). Falls back to this module's constants
-    (the same H200 measurements) when no calibration is shipped."""
-    from sftctl.compiler.hardware import get_accelerator
-
-    hw = get_accelerator(name)
-    fallback = PeerModel(CUBLAS_MMA_EFFICIENCY, CUBLAS_WAVE_S, dict(EAGER_KERNELS), COPY_HBM_FRACTION,
-                         _FALLBACK_SOURCE)
-    try:
-        from sftctl.compiler import calibration
-    except ImportError:
-        return fallback
-    peers = calibration.peer_efficiency(hw) or calibration.peer_efficiency("H200")
-    if peers is None:
-        return fallback
-    # solve on the device that was measured (its peaks and SMs); efficiencies and bandwidth
-    # fractions carry over as fractions of the target's peaks, fixed times as seconds
-    measured = get_accelerator(peers.measured_on)
-    peers = calibration.peer_efficiency(measured) or peers
-    path = calibration.DATA_DIR / peers.measured_on.lower() / "peers.jsonl"
-    try:
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    except OSError:
-        return fallback
-    peak, hbm = measured.matrix_peak("bfloat16"), measured.hbm_bytes_per_s
-    gemms = []
-    for r in records:
-        f = peers.cublas_bf16_fraction_of_peak.get(r.get("shape_name"))
-        if r.get("kernel") == "gemm" and f:
-            gemms.append((r["M"], r["N"], r["K"], 2.0 * r["M"] * r["N"] * r["K"] / (f * peak)))
-    cublas = _solve_cublas(gemms, peak, measured.sm_count)
-    classes = dict(EAGER_KERNELS)
-    for kernel, klass, bytes_per_elem, kernels in (("layernorm", "layernorm", 4, 1), ("softmax", "softmax", 4, 1),
-                                                   ("bias_gelu", "elementwise", 8, 2)):
-        pts = []
-        for shape, f in peers.eager_row_fraction_of_hbm_peak.get(kernel, {}).items():
-            m, n = (int(x) for x in shape.split("x"))
-            t = 4.0 * m * n / (f * hbm)  # the calibration's convention: bf16 read + write
-            pts.append((bytes_per_elem * m * n, t))
-        solved = _solve_stream(pts)
-        if solved:
-            bw, fixed = solved
-            classes[klass] = EagerKernelClass(bw / hbm, fixed / kernels,
-                                              f"{kernel} measured on {peers.measured_on} (calibration peers), "
-                                              f"{bytes_per_elem} B/element in {kernels} kernel(s)")
-    copy = peers.copy_bytes_per_s / hbm if peers.copy_bytes_per_s else COPY_HBM_FRACTION
-    classes["copy"] = EagerKernelClass(copy, classes["elementwise"].fixed_s,
-                                       f"copy bandwidth measured on {peers.measured_on} (calibration peers)")
-    if cublas is None:
-        return fallback
-    return PeerModel(cublas[0], cublas[1], classes, copy,
-                     f"calibration peers measured on {peers.measured_on} "
-                     f"({'same die' if peers.measured_on == hw.name or calibration.CARRIES_OVER.get(hw.name) == peers.measured_on else 'its fractions of peak carried to ' + hw.name})")
-
-
 def cublas_time_s(batch: int, m: int, n: int, k: int, bytes_moved: float, peak_flops: float,
-                  hw: Accelerator) -> float:
+                  target: Target) -> float:
     """Seconds of one cuBLAS GEMM (see the module docstring): wave-quantized tiles at
     ``CUBLAS_MMA_EFFICIENCY`` of ``peak_flops`` plus ``CUBLAS_WAVE_S`` per wave, never faster than
     its bytes at HBM speed, plus the launch."""
-    pm = peer_model(hw.name)
+    hw, pm = target.hw, target.peers
     bm, bn = CUBLAS_TILE
     tiles = batch * math.ceil(m / bm) * math.ceil(n / bn)
     waves = math.ceil(tiles / hw.sm_count)
@@ -251,11 +109,11 @@ def cublas_time_s(batch: int, m: int, n: int, k: int, bytes_moved: float, peak_f
     return hw.launch_overhead_s + max(compute, memory)
 
 
-def eager_memory_time_s(k: Kernel, klass: str, hw: Accelerator) -> float:
+def eager_memory_time_s(k: Kernel, klass: str, target: Target) -> float:
     """Seconds of one eager memory-bound kernel of class ``klass`` (``EAGER_KERNELS``): the
     larger of its GPU time and the host's dispatch cost (``hw.launch_overhead_s``: a kernel shorter
     than that leaves the GPU waiting for the CPU)."""
-    c = peer_model(hw.name).classes[klass]
+    hw, c = target.hw, target.peers.classes[klass]
     gpu = c.fixed_s + (k.bytes_read + k.bytes_written) / (hw.hbm_bytes_per_s * c.hbm_fraction)
     vector = k.flops / (hw.vector_peak("float32") * 0.7)
     return max(hw.launch_overhead_s, gpu, c.fixed_s + vector)
@@ -395,7 +253,7 @@ def eager_class(graph: Graph, k: Kernel) -> str:
     return "copy"
 
 
-def foreach_optimizer_time_s(graph: Graph, hw: Accelerator, grad_clip: bool) -> tuple[float, int, float]:
+def foreach_optimizer_time_s(graph: Graph, target: Target, grad_clip: bool) -> tuple[float, int, float]:
     """(seconds, kernel launches, bytes) of PyTorch's foreach AdamW over the graph's parameters
     (fp32 master weights; see :func:`foreach_adamw_passes`)."""
     params = graph.inputs_with_role("param")
@@ -404,7 +262,7 @@ def foreach_optimizer_time_s(graph: Graph, hw: Accelerator, grad_clip: bool) -> 
     n_tensors = len(params)
     list_bytes = sum(p.type.numel for p in params) * 4
     chunks = sum(math.ceil(p.type.numel / _MTA_CHUNK) for p in params)
-    c = peer_model(hw.name).classes["copy"]  # multi_tensor_apply: vectorized loads, plain arithmetic
+    hw, c = target.hw, target.peers.classes["copy"]  # multi_tensor_apply: vectorized loads, plain arithmetic
     total_s, launches, moved = 0.0, 0, 0.0
     for _, reads, writes, depth in foreach_adamw_passes(grad_clip):
         n = max(math.ceil(n_tensors / _MTA_MAX_TENSORS[depth]),
@@ -432,33 +290,29 @@ def _gemm_peak(graph: Graph, k: Kernel, hw: Accelerator, ieee_fp32: bool, dtype_
     return hw.vector_peak("float32") if ieee_fp32 and mma == "float32" else hw.matrix_peak(mma)
 
 
-def _library_gemm_s(graph: Graph, k: Kernel, hw: Accelerator, ieee_fp32: bool, dtype_map: dict) -> float:
-    from sftctl.compiler.fusion import _gemm_dims
-
+def _library_gemm_s(graph: Graph, k: Kernel, target: Target, ieee_fp32: bool, dtype_map: dict) -> float:
+    """A library GEMM (cuBLAS; a convolution is cuDNN's implicit GEMM, divided by the target's
+    ``conv_efficiency`` as the compiler prices its own convolutions)."""
     batch, m, n, kk = _gemm_dims(graph, graph.nodes[k.anchor])
     t = cublas_time_s(batch, m, n, kk, k.bytes_read + k.bytes_written,
-                      _gemm_peak(graph, k, hw, ieee_fp32, dtype_map), hw)
-    if graph.nodes[k.anchor].op == "conv":  # cuDNN implicit GEMM, as the compiler prices convolutions
-        from sftctl.compiler import costmodel
-
-        t /= getattr(costmodel.Coefficients.for_accelerator(hw), "conv_efficiency", 1.0)
+                      _gemm_peak(graph, k, target.hw, ieee_fp32, dtype_map), target)
+    if graph.nodes[k.anchor].op == "conv":
+        t /= target.coeffs.conv_efficiency
     return t
 
 
-def _other_kernel_s(graph: Graph, k: Kernel, hw: Accelerator, coeffs, eager: bool) -> float | None:
+def _other_kernel_s(graph: Graph, k: Kernel, target: Target, eager: bool) -> float | None:
     """Attention: SDPA's flash kernels in every mode, priced as the compiler prices its attention
-    kernels (:func:`sftctl.compiler.step.attention_time_s`); None for other kinds."""
+    kernels (:func:`sftctl.compiler.roofline.attention_time_s`); None for other kinds."""
     if k.kind == "attention":
-        from sftctl.compiler.step import attention_time_s
-
-        return float(attention_time_s(k, hw, coeffs))
+        return float(attention_time_s(k, target))
     return None
 
 
-def predict_mode(graph: Graph, hw: Accelerator, mode: str, coeffs=None, matmul_precision: str = "highest",
+def predict_mode(graph: Graph, target: Target, mode: str, matmul_precision: str = "highest",
                  dtype_map: dict | None = None, kernels: list[Kernel] | None = None,
                  kernel_times: list[float] | None = None) -> dict:
-    """One mode's prediction for ``graph`` on ``hw`` (one device): a JSON-able summary.
+    """One mode's prediction for ``graph`` on ``target`` (one device): a JSON-able summary.
 
     ``kernels``/``kernel_times`` give ``sftensor``'s already costed kernels (from
     :func:`sftctl.compiler.step.compile_graph`); ``eager`` and ``default`` are built here.
@@ -467,11 +321,7 @@ def predict_mode(graph: Graph, hw: Accelerator, mode: str, coeffs=None, matmul_p
     "by_module" (seconds each), "peak_memory" (PeakMemory fields), "peak_bytes",
     "live_at_peak" (the largest tensors live at the peak)}``.
     """
-    from sftctl.compiler import costmodel
-    from sftctl.compiler.memory import peak_memory
-    from sftctl.compiler.step import _roofline_time_s
-
-    coeffs = coeffs or costmodel.Coefficients.for_accelerator(hw)
+    hw, coeffs = target.hw, target.coeffs
     dtype_map = dict(dtype_map or {})
     ieee = matmul_precision == "highest"
     phase, module = node_phases_modules(graph)
@@ -502,13 +352,13 @@ def predict_mode(graph: Graph, hw: Accelerator, mode: str, coeffs=None, matmul_p
         if kernel_times is not None:
             t = kernel_times[i]
         else:
-            t = _other_kernel_s(graph, k, hw, coeffs, eager=mode == "eager")
+            t = _other_kernel_s(graph, k, target, eager=mode == "eager")
             if t is None and k.kind == "gemm":
-                t = _library_gemm_s(graph, k, hw, ieee, dtype_map)
+                t = _library_gemm_s(graph, k, target, ieee, dtype_map)
             elif t is None and (mode == "eager" or any(_outside(graph, j, phase, module) for j in k.nodes)):
-                t = eager_memory_time_s(k, eager_class(graph, k), hw)
+                t = eager_memory_time_s(k, eager_class(graph, k), target)
             elif t is None:
-                t = _roofline_time_s(k, hw, coeffs, hw.vector_peak(graph.nodes[k.anchor].type.dtype)
+                t = roofline_time_s(k, target, hw.vector_peak(graph.nodes[k.anchor].type.dtype)
                                      * coeffs.vector_efficiency)
         add(k.kind, ph, mod, t)
         total += t
@@ -516,7 +366,7 @@ def predict_mode(graph: Graph, hw: Accelerator, mode: str, coeffs=None, matmul_p
         moved += k.bytes_read + k.bytes_written
         launches += max(1, k.horizontal) if mode != "sftensor" else 1
     if optimizer_eager:
-        t, n, b = foreach_optimizer_time_s(graph, hw, has_grad_clip(graph, phase))
+        t, n, b = foreach_optimizer_time_s(graph, target, has_grad_clip(graph, phase))
         if n:
             add("optimizer (foreach)", "optimizer", None, t)
             total += t

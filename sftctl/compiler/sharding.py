@@ -52,31 +52,15 @@ reduce-scatter are exposed, plus whatever communication exceeds the compute it h
 from __future__ import annotations
 
 import dataclasses
-import re
+
+from sftctl.compiler.costmodel import allreduce_time_s
+from sftctl.compiler.step import DEFAULT_INTER_NODE_BYTES_PER_S, DEFAULT_INTRA_NODE_BYTES_PER_S, predict
+from sftctl.compiler.target import Target
 
 PARALLELISMS = ("ddp", "fsdp")
 REDUCE_DTYPE_BYTES = 4  # gradients reduce-scattered in float32 (prepare's MixedPrecisionPolicy)
 FORWARD_SHARE = 1 / 3
 
-_BLOCK = re.compile(r"^(.*?\.\d+)\.")  # "model.layers.3.mlp.w" -> "model.layers.3"
-
-
-def param_units(names_numel: list[tuple[str, int]]) -> dict[str, int]:
-    """Group parameters into FSDP units as :func:`sftctl.train.prepare` wraps them: each entry of
-    a module list (the first dotted component that is a number: ``blocks.3``, ``model.layers.0``)
-    is a unit; everything else (embeddings, final norm, head) is the root unit ``""``.
-
-    Args:
-        names_numel: (parameter name, number of elements) pairs.
-    Returns:
-        unit name -> parameters (elements) in it.
-    """
-    units: dict[str, int] = {}
-    for name, numel in names_numel:
-        m = _BLOCK.match(name)
-        key = m.group(1) if m else ""
-        units[key] = units.get(key, 0) + int(numel)
-    return units
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,14 +94,12 @@ def collective_time_s(nbytes: float, gpus_per_node: int, nodes: int, intra_bytes
     """Seconds of one ring all-gather (or reduce-scatter) of ``nbytes`` in all (each device ends
     with, or starts from, ``nbytes / world``): half of :func:`costmodel.allreduce_time_s`, since a
     ring all-reduce is a reduce-scatter followed by an all-gather (Patarasuk & Yuan 2009)."""
-    from sftctl.compiler.costmodel import allreduce_time_s
-
     if gpus_per_node * nodes <= 1:
         return 0.0
     return allreduce_time_s(nbytes, gpus_per_node, nodes, intra_bytes_per_s, inter_bytes_per_s_per_gpu) / 2
 
 
-def predict_strategies(compiled, hw, gpus_per_node: int, nodes: int, intra_node_bytes_per_s: float | None,
+def predict_strategies(compiled, target: Target, gpus_per_node: int, nodes: int, intra_node_bytes_per_s: float | None,
                        inter_node_bytes_per_s: float | None, mode: str = "sftensor", param_dtype_bytes: int = 4,
                        parallelisms: tuple[str, ...] = PARALLELISMS,
                        checkpointing: tuple[bool, ...] = (False, True)) -> list[StrategyPrediction]:
@@ -125,7 +107,7 @@ def predict_strategies(compiled, hw, gpus_per_node: int, nodes: int, intra_node_
     :class:`sftctl.compiler.step.CompiledStep` for one rank's share of the batch) on the offering.
 
     Args:
-        hw: the accelerator (its ``memory_bytes`` is the capacity).
+        target: the accelerator (``target.hw.memory_bytes`` is the capacity), its coefficients.
         intra_node_bytes_per_s / inter_node_bytes_per_s: the offering's links (None: the defaults
             of :mod:`sftctl.compiler.step`); inter-node is per node and divided over its GPUs.
         param_dtype_bytes: bytes of the dtype parameters are gathered in (2 under bf16/fp16 mixed
@@ -133,12 +115,10 @@ def predict_strategies(compiled, hw, gpus_per_node: int, nodes: int, intra_node_
     Returns:
         predictions in the order asked (ddp first), see the module docstring for the arithmetic.
     """
-    from sftctl.compiler.step import DEFAULT_INTER_NODE_BYTES_PER_S, DEFAULT_INTRA_NODE_BYTES_PER_S, predict
-
     world = gpus_per_node * nodes
     intra = intra_node_bytes_per_s or DEFAULT_INTRA_NODE_BYTES_PER_S
     inter = (inter_node_bytes_per_s or DEFAULT_INTER_NODE_BYTES_PER_S) / gpus_per_node
-    ddp = predict(compiled, hw, gpus_per_node, nodes, intra_node_bytes_per_s, inter_node_bytes_per_s, mode=mode)
+    ddp = predict(compiled, target, gpus_per_node, nodes, intra_node_bytes_per_s, inter_node_bytes_per_s, mode=mode)
     pm = compiled.modes[mode]["peak_memory"] if mode in compiled.modes else compiled.peak_memory
     params, opt, batch = pm["params_bytes"], pm["opt_state_bytes"], pm["batch_bytes"]
     reserve, grads = pm["reserve_bytes"], compiled.grad_bytes
@@ -173,7 +153,7 @@ def predict_strategies(compiled, hw, gpus_per_node: int, nodes: int, intra_node_
             out.append(StrategyPrediction(
                 parallelism=par, activation_checkpointing=ckpt, world_size=world,
                 compute_time_s=compute + recompute, comm_time_s=comm, step_time_s=compute + recompute + comm,
-                memory_bytes=int(sum(mem.values())), memory_capacity_bytes=int(hw.memory_bytes), breakdown=mem,
+                memory_bytes=int(sum(mem.values())), memory_capacity_bytes=int(target.hw.memory_bytes), breakdown=mem,
             ))
     return out
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 import time
 from typing import Callable
 
@@ -19,8 +20,13 @@ from sftctl.compiler.cache import COMPILER_VERSION
 from sftctl.compiler.fusion import Kernel, fuse
 from sftctl.compiler.hardware import Accelerator
 from sftctl.compiler.ir import Graph
-from sftctl.compiler.memory import peak_memory
+from sftctl.compiler.costmodel import allreduce_time_s
+from sftctl.compiler.memory import PeakMemory, peak_memory
+from sftctl.compiler.modes import predict_mode
 from sftctl.compiler.problem import GemmProblem
+from sftctl.compiler.roofline import attention_time_s, mma_dtype, roofline_time_s
+from sftctl.compiler.search.gemm import search_gemm
+from sftctl.compiler.target import Target
 
 # Data-parallel gradient all-reduce (see costmodel.allreduce_time_s). PyTorch DDP all-reduces
 # 25 MB buckets while backward runs (Li et al., "PyTorch Distributed", VLDB 2020), so most of it
@@ -121,18 +127,16 @@ def _check_matmul_precision(matmul_precision: str) -> None:
 
 def compile_graph(
     graph: Graph,
-    hw: Accelerator,
-    coeffs=None,
+    target: Target,
     progress: Callable[[int, int], None] | None = None,
     matmul_precision: str = "highest",
     mma_dtype_map: dict[str, str] | None = None,
 ) -> CompiledStep:
-    """Fuse ``graph`` into kernels, search each GEMM's schedule, cost every kernel on ``hw``.
+    """Fuse ``graph`` into kernels, search each GEMM's schedule, cost every kernel on ``target``.
 
     Args:
         graph: a whole training step (see :mod:`sftctl.compiler.ir`).
-        hw: the accelerator.
-        coeffs: cost-model coefficients (default: ``Coefficients.for_accelerator(hw)``).
+        target: the accelerator, its coefficients and peer model (:func:`sftctl.compiler.target.load_target`).
         progress: called with (done, total) GEMM classes as the search advances.
         matmul_precision: how float32 matmuls run, as ``torch.set_float32_matmul_precision``
             says: ``highest`` (torch's default) is IEEE FP32 on the CUDA cores, priced at the
@@ -148,15 +152,14 @@ def compile_graph(
     _check_matmul_precision(matmul_precision)
     started = time.perf_counter()
     kernels = fuse(graph)
-    costs = cost_kernels(graph, kernels, hw, coeffs, matmul_precision=matmul_precision,
+    hw = target.hw
+    costs = cost_kernels(graph, kernels, target, matmul_precision=matmul_precision,
                          mma_dtype_map=mma_dtype_map, progress=progress)
-    coeffs, plans, dtype_map = costs.coeffs, costs.plans, dict(mma_dtype_map or {})
+    plans, dtype_map = costs.plans, dict(mma_dtype_map or {})
     peak = peak_memory(graph, kernels)
     grad_bytes = sum(n.type.numel for n in graph.inputs_with_role("param")) * 4  # fp32 gradients
-    from sftctl.compiler.modes import predict_mode
-
-    modes = {m: predict_mode(graph, hw, m, coeffs, matmul_precision, dtype_map) for m in ("eager", "default")}
-    modes["sftensor"] = predict_mode(graph, hw, "sftensor", coeffs, matmul_precision, dtype_map, kernels=kernels,
+    modes = {m: predict_mode(graph, target, m, matmul_precision, dtype_map) for m in ("eager", "default")}
+    modes["sftensor"] = predict_mode(graph, target, "sftensor", matmul_precision, dtype_map, kernels=kernels,
                                      kernel_times=[p.time_s for p in plans])
     return CompiledStep(
         accelerator=hw.name,
@@ -177,13 +180,12 @@ def compile_graph(
 
 @dataclasses.dataclass
 class KernelCosts:
-    """What :func:`cost_kernels` found: one :class:`KernelPlan` per kernel, in kernel order, the
-    GEMM search's candidate counts, and the coefficients it priced with."""
+    """What :func:`cost_kernels` found: one :class:`KernelPlan` per kernel, in kernel order, and
+    the GEMM search's candidate counts."""
 
     plans: list[KernelPlan]
     candidates: int
     scored: int
-    coeffs: object
 
     @property
     def time_s(self) -> float:
@@ -194,14 +196,13 @@ class KernelCosts:
 def cost_kernels(
     graph: Graph,
     kernels: list[Kernel],
-    hw: Accelerator,
-    coeffs=None,
+    target: Target,
     *,
     matmul_precision: str = "highest",
     mma_dtype_map: dict[str, str] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> KernelCosts:
-    """The one costing loop: seconds of every kernel of ``graph`` (``kernels = fuse(graph)``) on ``hw``.
+    """The one costing loop: seconds of every kernel of ``graph`` (``kernels = fuse(graph)``) on ``target``.
 
     Both :func:`compile_graph` and ``backend.analyze_ir`` price through it, so they cannot drift.
     GEMM kernels: each class (:func:`_gemm_class`) searched once (``search/gemm.py``) in the matrix
@@ -217,10 +218,7 @@ def cost_kernels(
     _check_matmul_precision(matmul_precision)
     ieee_fp32 = matmul_precision == "highest"
     dtype_map = dict(mma_dtype_map or {})
-    from sftctl.compiler import costmodel
-    from sftctl.compiler.search.gemm import search_gemm
-
-    coeffs = coeffs or costmodel.Coefficients.for_accelerator(hw)
+    hw, coeffs = target.hw, target.coeffs
     gemm_classes: dict[GemmProblem, object] = {}
     total_gemm = len({_gemm_class(k.gemm) for k in kernels if k.kind == "gemm"})
     plans: list[KernelPlan] = []
@@ -230,13 +228,13 @@ def cost_kernels(
         if k.kind == "gemm":
             dtype = dtype_map.get(k.gemm.dtype, k.gemm.dtype)
             key = _gemm_class(k.gemm)
-            if ieee_fp32 and _mma_dtype(dtype) == "float32":
+            if ieee_fp32 and mma_dtype(dtype) == "float32":
                 # IEEE FP32 (no TF32): CUDA-core SGEMM at the vector peak, no tensor-core schedule
-                t = _roofline_time_s(k, hw, coeffs, hw.vector_peak("float32") * coeffs.mma_efficiency)
+                t = roofline_time_s(k, target, hw.vector_peak("float32") * coeffs.mma_efficiency)
                 plans.append(_kernel_plan(graph, i, k, t, hw, None, 0, 0, ieee_fp32, dtype_map))
                 continue
             if key not in gemm_classes:
-                problem = dataclasses.replace(k.gemm, dtype=_mma_dtype(dtype), out_dtype=_out_dtype(k.gemm.out_dtype))
+                problem = dataclasses.replace(k.gemm, dtype=mma_dtype(dtype), out_dtype=_out_dtype(k.gemm.out_dtype))
                 choice = search_gemm(problem, hw, coeffs)
                 gemm_classes[key] = choice
                 candidates += choice.n_candidates
@@ -248,25 +246,46 @@ def cost_kernels(
             if choice.config is not None:
                 t, config = choice.time_s, dict(choice.config)
             else:  # no tiled schedule fits (the host CPU): the plain roofline
-                t = _roofline_time_s(k, hw, coeffs, hw.matrix_peak(_mma_dtype(dtype)) * coeffs.mma_efficiency)
+                t = roofline_time_s(k, target, hw.matrix_peak(mma_dtype(dtype)) * coeffs.mma_efficiency)
             if graph.nodes[k.anchor].op == "conv":
                 t = t / coeffs.conv_efficiency  # implicit GEMM vs a plain GEMM of its size
             # never faster than the kernel's own bytes (an implicit GEMM reads more than its
             # GEMM problem's operands: overlapping windows, strided input gradients)
-            t = max(t, _roofline_time_s(k, hw, coeffs, hw.matrix_peak(_mma_dtype(dtype))))
+            t = max(t, roofline_time_s(k, target, hw.matrix_peak(mma_dtype(dtype))))
         elif k.kind == "attention":
-            t = attention_time_s(k, hw, coeffs)
+            t = attention_time_s(k, target)
         else:
             vector = hw.vector_peak(graph.nodes[k.anchor].type.dtype) * coeffs.vector_efficiency
-            t = _roofline_time_s(k, hw, coeffs, vector)
+            t = roofline_time_s(k, target, vector)
         plans.append(_kernel_plan(graph, i, k, t, hw, config, cands, sc, ieee_fp32, dtype_map))
-    return KernelCosts(plans=plans, candidates=candidates, scored=scored, coeffs=coeffs)
+    return KernelCosts(plans=plans, candidates=candidates, scored=scored)
 
 
 def _param_units(graph: Graph) -> dict[str, int]:
-    from sftctl.compiler.sharding import param_units
-
     return param_units([(n.attrs.get("name", ""), n.type.numel) for n in graph.inputs_with_role("param")])
+
+
+_BLOCK = re.compile(r"^(.*?\.\d+)\.")  # "model.layers.3.mlp.w" -> "model.layers.3"
+
+
+def param_units(names_numel: list[tuple[str, int]]) -> dict[str, int]:
+    """Group parameters into FSDP units as :func:`sftctl.train.prepare` wraps them: each entry of
+    a module list (the first dotted component that is a number: ``blocks.3``, ``model.layers.0``)
+    is a unit; everything else (embeddings, final norm, head) is the root unit ``""``
+    (:mod:`sftctl.compiler.sharding` prices FSDP over these units).
+
+    Args:
+        names_numel: (parameter name, number of elements) pairs.
+
+    Returns:
+        unit name -> parameters (elements) in it.
+    """
+    units: dict[str, int] = {}
+    for name, numel in names_numel:
+        m = _BLOCK.match(name)
+        key = m.group(1) if m else ""
+        units[key] = units.get(key, 0) + int(numel)
+    return units
 
 
 def _gemm_class(problem: GemmProblem) -> GemmProblem:
@@ -276,31 +295,9 @@ def _gemm_class(problem: GemmProblem) -> GemmProblem:
     return dataclasses.replace(problem, epilogue_flops_per_elem=0.0)
 
 
-def _mma_dtype(dtype: str) -> str:
-    """The matrix-unit input dtype of a contraction traced in ``dtype`` (float64 runs as fp32)."""
-    return "float32" if dtype == "float64" else dtype
-
-
 def _out_dtype(dtype: str) -> str:
     """The cost model's name for a GEMM output dtype (float64 and integers are stored as 8/4 bytes)."""
     return {"float64": "float64", "int64": "float64", "int32": "float32", "bool": "int8"}.get(dtype, dtype)
-
-
-def attention_time_s(k: Kernel, hw: Accelerator, coeffs) -> float:
-    """A flash-attention kernel (fusion kind ``attention``) as a roofline: its matrix FLOPs at
-    the matrix peak of its dtype times ``coeffs.mma_efficiency``, against its bytes at HBM
-    bandwidth, plus launch and fill latency (:func:`_roofline_time_s`). Seconds."""
-    dtype = _mma_dtype(k.attention["dtype"])
-    return _roofline_time_s(k, hw, coeffs, hw.matrix_peak(dtype) * coeffs.mma_efficiency)
-
-
-def _roofline_time_s(k: Kernel, hw: Accelerator, coeffs, flops_per_s: float) -> float:
-    """Memory-bound and vector kernels: launch + fill latency + max(bytes / BW, FLOPs / rate)."""
-    from sftctl.compiler.costmodel import memory_bound_time_s
-
-    mem = float(memory_bound_time_s(k.bytes_read + k.bytes_written, hw, coeffs))
-    fixed = float(memory_bound_time_s(0, hw, coeffs))
-    return max(mem, fixed + k.flops / flops_per_s)
 
 
 def _kernel_plan(graph: Graph, i: int, k: Kernel, t: float, hw: Accelerator, config, cands: int, sc: int,
@@ -309,14 +306,14 @@ def _kernel_plan(graph: Graph, i: int, k: Kernel, t: float, hw: Accelerator, con
     anchor = graph.nodes[k.anchor]
     if k.kind == "gemm":
         g = k.gemm
-        mma = _mma_dtype((dtype_map or {}).get(g.dtype, g.dtype))
+        mma = mma_dtype((dtype_map or {}).get(g.dtype, g.dtype))
         peak_flops = hw.vector_peak("float32") if ieee_fp32 and mma == "float32" else hw.matrix_peak(mma)
         label = (f"{'conv' if anchor.op == 'conv' else 'gemm'} {'%dx' % g.batch if g.batch > 1 else ''}"
                  f"{g.m}x{g.n}x{g.k} {g.dtype}") + (
             f" +{len(k.nodes) - 1} fused" if len(k.nodes) > 1 else "")
     elif k.kind == "attention":
         a = k.attention
-        peak_flops = hw.matrix_peak(_mma_dtype(a["dtype"]))
+        peak_flops = hw.matrix_peak(mma_dtype(a["dtype"]))
         heads = f"{a['q_heads']}/{a['kv_heads']}" if a["q_heads"] != a["kv_heads"] else f"{a['q_heads']}"
         label = (f"attention {'bwd' if a['direction'] == 'backward' else 'fwd'} {a['batch']}x{heads}h "
                  f"{a['q_len']}x{a['kv_len']} d{a['head_dim']} {a['dtype']}"
@@ -363,21 +360,18 @@ class StepPrediction:
         return self.devices_needed == 1
 
 
-def predict(compiled: CompiledStep, hw: Accelerator, gpus_per_node: int, nodes: int,
-            intra_node_bytes_per_s: float | None, inter_node_bytes_per_s: float | None, coeffs=None,
+def predict(compiled: CompiledStep, target: Target, gpus_per_node: int, nodes: int,
+            intra_node_bytes_per_s: float | None, inter_node_bytes_per_s: float | None,
             mode: str = "sftensor") -> StepPrediction:
     """Step time of ``compiled`` on ``nodes`` x ``gpus_per_node`` devices (data parallel), in
     execution ``mode`` (``eager``, ``default`` or ``sftensor``; see :mod:`sftctl.compiler.modes`)."""
-    from sftctl.compiler import costmodel
-    from sftctl.compiler.memory import PeakMemory
-
-    coeffs = coeffs or costmodel.Coefficients.for_accelerator(hw)
+    hw = target.hw
     world = gpus_per_node * nodes
     compute = compiled.mode_time_s(mode)
     pm = PeakMemory(**(compiled.modes[mode]["peak_memory"] if mode in compiled.modes else compiled.peak_memory))
     ar = 0.0
     if world > 1:
-        ar = costmodel.allreduce_time_s(
+        ar = allreduce_time_s(
             compiled.grad_bytes, gpus_per_node, nodes,
             intra_node_bytes_per_s or DEFAULT_INTRA_NODE_BYTES_PER_S,
             (inter_node_bytes_per_s or DEFAULT_INTER_NODE_BYTES_PER_S) / gpus_per_node,  # per GPU

@@ -290,16 +290,16 @@ def collapse_dims(shape: Sequence[int], strides: Sequence[Sequence[int]]):
     return tuple(new_shape), [tuple(ns) for ns in new_strides]
 
 
-def search_config(chain: Chain, numel: int, bytes_per_operand: Sequence[int], like=None, hw=None) -> dict:
+def search_config(chain: Chain, numel: int, bytes_per_operand: Sequence[int], like=None, target=None) -> dict:
     """The ``{"BLOCK", "num_warps"}`` the cost model predicts fastest for ``chain`` over
-    ``numel`` elements (``search.stream.search_elementwise_config``) on ``hw`` (default: the
-    accelerator of tensor ``like``). ``bytes_per_operand``: DRAM bytes per element of each
+    ``numel`` elements (``search.stream.search_elementwise_config``) on ``target`` (a
+    :class:`sftctl.compiler.target.Target`; default: the accelerator of tensor ``like``). ``bytes_per_operand``: DRAM bytes per element of each
     operand (0 for a broadcast input, read from cache). Instructions per element: 4 plus 3 per
     op of the chain (address math, loads and stores; a transcendental op counts as 3)."""
     from sftctl.compiler.search import stream
 
-    hw = hw if hw is not None else stream.accelerator_for_tensor(like)
-    best, _ = stream.search_elementwise_config(numel, hw, bytes_per_element=float(max(sum(bytes_per_operand), 1)),
+    target = target if target is not None else stream.target_for_tensor(like)
+    best, _ = stream.search_elementwise_config(numel, target.hw, target.coeffs, bytes_per_element=float(max(sum(bytes_per_operand), 1)),
                                                instr_per_element=4.0 + 3.0 * len(chain.ops))
     return best
 

@@ -32,13 +32,13 @@ _FLOATS = ("float32", "float16", "bfloat16")
 
 
 def row_config(n: int, config: dict | None = None, *, rows: int | None = None, kind: str = "softmax",
-               x=None, hw=None, dtype: str | None = None) -> dict:
+               x=None, target=None, dtype: str | None = None) -> dict:
     """The row-kernel schedule for rows of ``n`` elements (``config`` overrides keys).
 
     With ``rows`` (the number of rows the launch covers), ``num_warps`` is searched with the
     cost model (``search.stream.search_row_config``: ``kind`` ``softmax``/``layernorm``/
-    ``rmsnorm``) for ``hw`` (default: the accelerator of tensor ``x``,
-    ``search.stream.accelerator_for_tensor``); without it, the fixed rule: 4 warps up to 1024
+    ``rmsnorm``) for ``target`` (a :class:`sftctl.compiler.target.Target`; default: the
+    accelerator of tensor ``x``, ``search.stream.target_for_tensor``); without it, the fixed rule: 4 warps up to 1024
     elements, else 8. BLOCK_N is the row rounded up to a power of two, within [16, 4096].
 
     Raises:
@@ -49,10 +49,10 @@ def row_config(n: int, config: dict | None = None, *, rows: int | None = None, k
     if rows is not None and not (config and "num_warps" in config):
         from sftctl.compiler.search import stream
 
-        hw = hw if hw is not None else stream.accelerator_for_tensor(x)
+        target = target if target is not None else stream.target_for_tensor(x)
         if dtype is None:
             dtype = rt.dtype_name(x.dtype) if x is not None else "bfloat16"
-        best, _ = stream.search_row_config(kind, rows, n, hw, dtype=dtype if dtype in
+        best, _ = stream.search_row_config(kind, rows, n, target.hw, target.coeffs, dtype=dtype if dtype in
                                            ("float32", "float16", "bfloat16") else "float32")
         cfg["num_warps"] = best["num_warps"]
     if config:

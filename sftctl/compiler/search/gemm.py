@@ -148,10 +148,10 @@ def _memo(kind: str, problem, hw, coeffs, vals, compute):
     return dataclasses.replace(choice, config=dict(choice.config) if choice.config else None)
 
 
-def exhaustive_gemm(problem: GemmProblem, hw: Accelerator, coeffs: Coefficients | None = None,
+def exhaustive_gemm(problem: GemmProblem, hw: Accelerator, coeffs: Coefficients,
                     space: dict | None = None, use_cache: bool = True) -> GemmChoice:
     """Score every candidate; the reference :func:`search_gemm` must agree with."""
-    c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
+    c = coeffs
     vals = _normalize(space)
 
     def run() -> GemmChoice:
@@ -176,7 +176,7 @@ def exhaustive_gemm(problem: GemmProblem, hw: Accelerator, coeffs: Coefficients 
     return _memo("exhaustive", problem, hw, c, vals, run) if use_cache else run()
 
 
-def search_gemm(problem: GemmProblem, hw: Accelerator, coeffs: Coefficients | None = None,
+def search_gemm(problem: GemmProblem, hw: Accelerator, coeffs: Coefficients,
                 prune: bool = True, space: dict | None = None, use_cache: bool = True,
                 measured: dict | None = None, measure=None, max_measure: int = 32) -> GemmChoice:
     """The model's best schedule for ``problem`` on ``hw`` (branch-and-bound; exact).
@@ -200,7 +200,7 @@ def search_gemm(problem: GemmProblem, hw: Accelerator, coeffs: Coefficients | No
         return _search_measured(problem, hw, coeffs, prune, space, measured, measure, max_measure)
     if not prune:
         return exhaustive_gemm(problem, hw, coeffs, space, use_cache)
-    c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
+    c = coeffs
     vals = _normalize(space)
     run = functools.partial(_branch_and_bound, problem, hw, c, vals)
     return _memo("bnb", problem, hw, c, vals, run) if use_cache else run()
@@ -372,7 +372,7 @@ UNCOMPILABLE = object()
 
 
 def evaluate_configs(problem: GemmProblem, hw: Accelerator, configs: list[dict],
-                     coeffs: Coefficients | None = None, resources: list | None = None) -> np.ndarray:
+                     coeffs: Coefficients, resources: list | None = None) -> np.ndarray:
     """The model's time of each config dict (``inf`` where infeasible).
 
     ``resources``: optional measured resources per config (same length; entries as in
@@ -418,7 +418,7 @@ def _rank_of(vals: dict, key: tuple) -> int | None:
 
 
 def _search_measured(problem, hw, coeffs, prune, space, measured, measure, max_measure) -> GemmChoice:
-    c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
+    c = coeffs
     vals = _normalize(space)
     table: dict[tuple, object] = {}
     for cfg, res in (measured or {}).items():

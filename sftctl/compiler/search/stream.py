@@ -62,12 +62,12 @@ def _row_search(kind: str, rows: int, cols: int, dtype: str, hwk: _Key, coeffs: 
     return {"BLOCK_N": block, "num_warps": int(W[i])}, float(t[i])
 
 
-def search_row_config(kind: str, rows: int, cols: int, hw: Accelerator, coeffs: Coefficients | None = None,
+def search_row_config(kind: str, rows: int, cols: int, hw: Accelerator, coeffs: Coefficients,
                       dtype: str = "bfloat16") -> tuple[dict, float]:
     """``({"BLOCK_N", "num_warps"}, predicted seconds)`` of the fastest row-kernel schedule for a
     ``rows x cols`` input (one row per program). ``kind``: ``softmax``, ``layernorm``, ``rmsnorm``
     (row sums / max / cross-entropy are priced as ``softmax``: two reductions per row)."""
-    c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
+    c = coeffs
     cfg, t = _row_search(kind, max(int(rows), 1), max(int(cols), 1), dtype, _Key(hw), c)
     return dict(cfg), t
 
@@ -83,7 +83,7 @@ def _ew_search(n: int, bytes_per_element: float, instr: float, hwk: _Key, coeffs
     return {"BLOCK": int(B[i]), "num_warps": int(W[i])}, float(t[i])
 
 
-def search_elementwise_config(n_elements: int, hw: Accelerator, coeffs: Coefficients | None = None,
+def search_elementwise_config(n_elements: int, hw: Accelerator, coeffs: Coefficients,
                               bytes_per_element: float = 4.0, instr_per_element: float | None = None
                               ) -> tuple[dict, float]:
     """``({"BLOCK", "num_warps"}, predicted seconds)`` of the fastest schedule of an elementwise
@@ -91,10 +91,18 @@ def search_elementwise_config(n_elements: int, hw: Accelerator, coeffs: Coeffici
     outputs) with ``instr_per_element`` instructions (default: the model's ``elementwise``)."""
     from sftctl.compiler.costmodel import STREAM_KERNELS
 
-    c = coeffs if coeffs is not None else Coefficients.for_accelerator(hw)
+    c = coeffs
     instr = float(instr_per_element if instr_per_element is not None else STREAM_KERNELS["elementwise"]["instr"])
     cfg, t = _ew_search(max(int(n_elements), 1), float(bytes_per_element), instr, _Key(hw), c)
     return dict(cfg), t
+
+
+def target_for_tensor(x, default: str = "H100"):
+    """The :class:`sftctl.compiler.target.Target` of :func:`accelerator_for_tensor` (the codegen's
+    kernels, launched outside any compile, price their configs against it)."""
+    from sftctl.compiler.target import load_target
+
+    return load_target(accelerator_for_tensor(x, default))
 
 
 def accelerator_for_tensor(x, default: str = "H100") -> Accelerator:

@@ -1,0 +1,110 @@
+"""The shipped calibrations: reading ``calibrations/<accelerator>.json`` (the fitted cost-model
+coefficients and the peers' measured library efficiencies). No fitting here: that is the tool
+``python -m sftctl.compiler.calibration``, which writes these files and which no module imports.
+
+:func:`sftctl.compiler.target.load_target` is the one reader of these files for the compiler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+from sftctl.compiler.costmodel import Coefficients
+from sftctl.compiler.hardware import get_accelerator
+
+CALIBRATION_DIR = Path(__file__).resolve().parent / "calibrations"
+DATA_DIR = CALIBRATION_DIR / "data"
+
+#: Accelerators whose calibration comes from another's measurements: the same GH100 die.
+CARRIES_OVER = {"H100": "H200"}
+
+
+def calibration_path(name: str) -> Path:
+    return CALIBRATION_DIR / f"{name.lower()}.json"
+
+
+@functools.lru_cache(maxsize=None)
+def _load_json(path: str) -> dict | None:
+    p = Path(path)
+    if not p.exists():
+        return None
+    return json.loads(p.read_text())
+
+
+def calibration_for(name: str) -> dict | None:
+    """The shipped calibration document for accelerator ``name`` (its own, or the one it shares
+    a die with, :data:`CARRIES_OVER`); None when there is none."""
+    own = _load_json(str(calibration_path(name)))
+    if own is not None:
+        return own
+    src = CARRIES_OVER.get(name)
+    return _load_json(str(calibration_path(src))) if src else None
+
+
+def coefficient_overrides(name: str) -> dict:
+    """Fitted coefficient values for accelerator ``name`` ({} when not calibrated)."""
+    doc = calibration_for(name)
+    return dict(doc["coefficients"]) if doc else {}
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerEfficiency:
+    """What the field's own kernels measured on an accelerator (for eager / torch.compile models).
+
+    Attributes:
+        accelerator: catalog name asked for; ``measured_on``: where the numbers come from.
+        cublas_bf16_flops_per_s: shape name -> cuBLAS (``torch.mm``) bf16 FLOP/s measured.
+        cublas_bf16_fraction_of_peak: the same over the dense bf16 datasheet peak (carries
+            over between accelerators of one die).
+        eager_row_bytes_per_s: kernel -> torch eager bytes/s (read + write) per measured shape
+            ``{kernel: {"MxN": bytes/s}}``, scaled by the HBM peak ratio for another accelerator.
+        eager_row_fraction_of_hbm_peak: the same as fractions of the datasheet HBM peak.
+        copy_bytes_per_s: device-to-device copy bandwidth (read + write), scaled likewise.
+    """
+
+    accelerator: str
+    measured_on: str
+    cublas_bf16_flops_per_s: dict
+    cublas_bf16_fraction_of_peak: dict
+    eager_row_bytes_per_s: dict
+    eager_row_fraction_of_hbm_peak: dict
+    copy_bytes_per_s: float
+
+
+def peer_efficiency(accelerator) -> PeerEfficiency | None:
+    """Measured cuBLAS GEMM efficiency and torch-eager row-kernel bandwidth for ``accelerator``
+    (an ``Accelerator`` or catalog name), from the shipped calibration's peers; an accelerator
+    sharing the die (:data:`CARRIES_OVER`) gets the same fractions of its own peaks. None when
+    no calibration covers it. E.g. H200: cuBLAS bf16 4096^3 = 784 TFLOP/s (0.79 of 989.4)."""
+    hw = get_accelerator(accelerator) if isinstance(accelerator, str) else accelerator
+    doc = calibration_for(hw.name)
+    if not doc or "peers" not in doc:
+        return None
+    p = doc["peers"]
+    peak = hw.matrix_peak("bfloat16")
+    return PeerEfficiency(
+        accelerator=hw.name, measured_on=doc["accelerator"],
+        cublas_bf16_flops_per_s={k: v * peak for k, v in p["cublas_bf16_fraction_of_peak"].items()},
+        cublas_bf16_fraction_of_peak=dict(p["cublas_bf16_fraction_of_peak"]),
+        eager_row_bytes_per_s={k: {s: f * hw.hbm_bytes_per_s for s, f in v.items()}
+                               for k, v in p["eager_row_fraction_of_hbm_peak"].items()},
+        eager_row_fraction_of_hbm_peak={k: dict(v) for k, v in p["eager_row_fraction_of_hbm_peak"].items()},
+        copy_bytes_per_s=p["copy_fraction_of_hbm_peak"] * hw.hbm_bytes_per_s)
+
+
+def load_coefficients(path: Path, hw):
+    """Coefficients of ``hw`` with a calibration file's values (over :meth:`Coefficients.uncalibrated`:
+    a fit under evaluation). Raises ValueError if malformed, OSError if unreadable."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        values = doc["coefficients"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a calibration file ({e})") from None
+    fields = {f.name for f in dataclasses.fields(Coefficients)}
+    unknown = set(values) - fields
+    if unknown:
+        raise ValueError(f"{path}: unknown coefficients {sorted(unknown)}")
+    return dataclasses.replace(Coefficients.uncalibrated(hw), **values)
