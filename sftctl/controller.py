@@ -1049,7 +1049,7 @@ def job_provider(job: JobRecord, name: str | None = None):
     if url is None:
         return get_provider(name, **options)
     from sftctl.storage import open_storage
-    from sftctl.protocol import NodeChannel
+    from sftctl.storage.stream import NodeChannel
 
     kwargs = {}
     secret_env = secret_env_keys(spec)

@@ -42,7 +42,8 @@ class NodeDaemon:
     """
 
     def __init__(self, storage, node_id: str, node_dir: str | os.PathLike, poll_s: float = 1.0):
-        from sftctl.protocol import NodeChannel, NodeDir
+        from sftctl.protocol import NodeDir
+        from sftctl.storage.stream import NodeChannel
         from sftctl.storage.stream import Shipper
 
         self.storage, self.node_id, self.poll_s = storage, node_id, poll_s

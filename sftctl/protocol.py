@@ -40,7 +40,7 @@ The node directory (``$SFTCTL_NODE_DIR``)
         setup-done              node.sh                     the spec's setup ran on this node (once)
         exit-<a>                node.sh, else the daemon    LAST; see the ordering rules
 
-Job storage (``nodes/<node id>/`` under the job's storage prefix; :class:`NodeChannel`)::
+Job storage (``nodes/<node id>/`` under the job's storage prefix; :class:`sftctl.storage.stream.NodeChannel`)::
 
         key                     written by                  when / format
         launch-<a>.json         controller (send_launch)    to start attempt a on the node; JSON
@@ -88,11 +88,9 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 from pathlib import Path
 from typing import Union
 
-from sftctl.storage import Storage, StorageError, StorageNotFound
 
 __all__ = [
     "AGENT_LOG",
@@ -101,8 +99,6 @@ __all__ = [
     "METRICS_GLOB",
     "NODE_LOG",
     "SETUP_DONE",
-    "LaunchRequest",
-    "NodeChannel",
     "NodeDir",
     "ack_name",
     "env_name",
@@ -382,200 +378,3 @@ def node_prefix(node_id: str) -> str:
     return f"nodes/{node_id}/"
 
 
-#: What ``poll_launch`` returns: ``(attempt, script, env)``.
-LaunchRequest = tuple[int, str, dict[str, str]]
-
-
-class NodeChannel:
-    """Both ends of the protocol over job storage (see the module docstring).
-
-    The controller's provider calls :meth:`send_launch`, :meth:`acked`, :meth:`exit_code`,
-    :meth:`request_stop` and the ``read_*`` methods; the node's daemon :meth:`poll_launch`,
-    :meth:`ack` and :meth:`stop_requested`; its shipper :meth:`write_exit`. One object serves a
-    whole job (every node); it keeps a stream reader per stream so each poll lists only new
-    segments.
-
-    Args:
-        storage: the job's storage.
-        secret_keys: names of environment variables whose values must never be stored (in
-            addition to the names :func:`is_secret_name` recognizes).
-    """
-
-    def __init__(self, storage: Storage, secret_keys: set[str] | frozenset[str] = frozenset()):
-        self.storage = storage
-        self.secret_keys = frozenset(secret_keys)
-        self._readers: dict = {}
-
-    # ------------------------------------------------------------ keys
-    @staticmethod
-    def launch_key(node_id: str, attempt: int) -> str:
-        return node_prefix(node_id) + launch_name(attempt)
-
-    @staticmethod
-    def ack_key(node_id: str, attempt: int) -> str:
-        return node_prefix(node_id) + ack_name(attempt)
-
-    @staticmethod
-    def stop_key(node_id: str, attempt: int) -> str:
-        return node_prefix(node_id) + stop_name(attempt)
-
-    @staticmethod
-    def exit_key(node_id: str, attempt: int) -> str:
-        return node_prefix(node_id) + exit_name(attempt)
-
-    @staticmethod
-    def failure_key(node_id: str, attempt: int) -> str:
-        return node_prefix(node_id) + failure_name(attempt)
-
-    @staticmethod
-    def stream_key(node_id: str, rel: str) -> str:
-        """The stream of the node directory's file ``rel`` (``node.log``, ``metrics/rank-0.jsonl``)."""
-        return node_prefix(node_id) + rel
-
-    # ------------------------------------------------------------ controller side
-    def send_launch(self, node_id: str, attempt: int, script: str, env: dict[str, str],
-                    secret_keys: set[str] | frozenset[str] | None = None) -> str:
-        """Write ``nodes/<node id>/launch-<attempt>.json`` holding the script and the env, with
-        secret variables by name only (rule 7). Returns the key written.
-
-        Raises:
-            ValueError: ``attempt`` is negative.
-            StorageError: the script contains the value of a secret variable (the message names
-                the variable, never the value), or the write failed.
-        """
-        if attempt < 0:
-            raise ValueError(f"attempt must be >= 0, got {attempt}")
-        secret = self.secret_keys | frozenset(secret_keys or ())
-        plain, names = {}, []
-        for name, value in sorted(env.items()):
-            if name in secret or is_secret_name(name):
-                names.append(name)
-            else:
-                plain[name] = str(value)
-        for name in names:  # a secret's value may not hide in the script or another variable
-            value = str(env[name])
-            if len(value) >= 8 and (value in script or any(value in v for v in plain.values())):
-                raise StorageError(
-                    f"launch of node {node_id}: the script or env contains the value of secret {name}; not storing it",
-                    hint=f"refer to ${name} instead of its value", url=self.storage.url)
-        doc = {"attempt": int(attempt), "script": script, "env": plain, "secret_env": names,
-               "created_at": time.time()}
-        key = self.launch_key(node_id, attempt)
-        self.storage.put_bytes(key, json.dumps(doc, sort_keys=True).encode())
-        return key
-
-    def acked(self, node_id: str, attempt: int) -> bool:
-        """Whether the node's daemon took ``attempt`` (``ack-<attempt>`` exists)."""
-        return self.storage.exists(self.ack_key(node_id, attempt))
-
-    def request_stop(self, node_id: str, attempt: int) -> None:
-        """Ask the node's daemon to stop ``attempt`` (rule 5); the node stays."""
-        self.storage.put_bytes(self.stop_key(node_id, attempt), b"")
-
-    def exit_code(self, node_id: str, attempt: int) -> int | None:
-        """The exit code of ``attempt`` on the node, or None while it has none (rule 2: its logs
-        are all in storage once it has one)."""
-        try:
-            raw = self.storage.get_bytes(self.exit_key(node_id, attempt))
-        except StorageNotFound:
-            return None
-        return parse_exit_code(raw)
-
-    def read_failure(self, node_id: str, attempt: int):
-        """Why ``attempt`` failed on the node (a :class:`sftctl.types.FailureReason`), or None
-        when the node wrote no failure record (rule 2a)."""
-        try:
-            return parse_failure(self.storage.get_bytes(self.failure_key(node_id, attempt)))
-        except StorageNotFound:
-            return None
-
-    def _reader(self, key: str):
-        reader = self._readers.get(key)
-        if reader is None:
-            from sftctl.storage.stream import StreamReader
-
-            reader = self._readers[key] = StreamReader(self.storage, key)
-        return reader
-
-    def read_log(self, node_id: str, offset: int) -> tuple[bytes, int]:
-        """``node.log`` bytes from ``offset``: ``(data, next offset)`` (offsets are the file's)."""
-        return self._reader(self.stream_key(node_id, NODE_LOG)).read(offset)
-
-    def read_agent_log(self, node_id: str, offset: int) -> tuple[bytes, int]:
-        """``agent.log`` bytes from ``offset``, like :meth:`read_log`."""
-        return self._reader(self.stream_key(node_id, AGENT_LOG)).read(offset)
-
-    def read_metrics(self, node_id: str, offsets: dict[str, int]) -> list[dict]:
-        """New complete JSON lines of every ``metrics/rank-*.jsonl`` stream of the node, rank
-        files in name order; ``offsets`` (stream key -> offset) is advanced past them."""
-        from sftctl.storage.stream import read_json_lines
-
-        base = self.stream_key(node_id, METRICS_DIR + "/")
-        out: list[dict] = []
-        for name in self.storage.children(base):
-            if name.endswith(".jsonl"):
-                key = base + name
-                out += read_json_lines(self._reader(key), offsets, key)
-        return out
-
-    def read_health(self, node_id: str, offsets: dict[str, int]) -> list[dict]:
-        """New complete JSON lines of the node's ``health.jsonl`` stream (see :meth:`read_metrics`)."""
-        from sftctl.storage.stream import read_json_lines
-
-        key = self.stream_key(node_id, HEALTH_LOG)
-        return read_json_lines(self._reader(key), offsets, key)
-
-    def delete_node(self, node_id: str) -> int:
-        """Delete everything of a node (after the job ends). Returns the objects deleted."""
-        self._readers = {k: r for k, r in self._readers.items() if not k.startswith(node_prefix(node_id))}
-        return self.storage.delete_prefix(node_prefix(node_id))
-
-    # ------------------------------------------------------------ node side
-    def poll_launch(self, node_id: str, after_attempt: int = 0,
-                    environ: dict[str, str] | None = None) -> LaunchRequest | None:
-        """The newest launch request of the node with an attempt above ``after_attempt`` (rule 4):
-        ``(attempt, script, env)``, or None when there is none yet.
-
-        ``env`` is the stored env plus each secret variable the request names, taken from
-        ``environ`` (default ``os.environ``) where it is set there.
-        """
-        base = node_prefix(node_id)
-        newest = None
-        for key, _ in self.storage.list(base + "launch-"):
-            attempt = parse_launch_name(key[len(base):])
-            if attempt is not None and attempt > after_attempt and (newest is None or attempt > newest):
-                newest = attempt
-        if newest is None:
-            return None
-        try:
-            doc = json.loads(self.storage.get_bytes(self.launch_key(node_id, newest)))
-        except StorageNotFound:
-            return None
-        environ = os.environ if environ is None else environ
-        env = dict(doc.get("env", {}))
-        for name in doc.get("secret_env", []):
-            if name in environ:
-                env[name] = environ[name]
-        return int(doc["attempt"]), str(doc["script"]), env
-
-    def ack(self, node_id: str, attempt: int, pid: int) -> None:
-        """Say the node took ``attempt``: its script runs as process ``pid`` (rule 4)."""
-        self.storage.put_bytes(self.ack_key(node_id, attempt), f"{int(pid)}\n".encode())
-
-    def stop_requested(self, node_id: str, attempt: int) -> bool:
-        """Whether the controller asked to stop ``attempt`` (rule 5)."""
-        return self.storage.exists(self.stop_key(node_id, attempt))
-
-    def write_failure(self, node_id: str, attempt: int, node_dir: "NodeDir") -> None:
-        """Copy ``attempt``'s failure record from the local ``node_dir`` to storage, when there
-        is one; call just before :meth:`write_exit` (rule 2a)."""
-        try:
-            data = Path(node_dir.failure(attempt)).read_bytes()
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        self.storage.put_bytes(self.failure_key(node_id, attempt), data)
-
-    def write_exit(self, node_id: str, attempt: int, code: int) -> None:
-        """Publish ``attempt``'s exit code. Call only after the attempt's streams are flushed
-        (rule 2; :class:`sftctl.storage.stream.Shipper` does)."""
-        self.storage.put_bytes(self.exit_key(node_id, attempt), format_exit_code(code).encode())

@@ -27,7 +27,7 @@ spec). Example::
     kubernetes: {context: lab, namespace: training}
     slurm: {host: login.example.org, user: me, partition: gpu, gpu_hour_usd: 0.9}
 
-The ``slurm:`` section is the Slurm provider's (:class:`sftctl.providers.slurm.SlurmConfig`: a
+The ``slurm:`` section is the Slurm provider's (:class:`sftctl.slurm_config.SlurmConfig`: a
 login node, partition, account, and ``gpu_hour_usd``/``cpu_hour_usd``, the prices the lab pays
 for its own GPUs and CPUs); a job spec's ``slurm:`` overrides it field by field.
 
@@ -44,6 +44,7 @@ import os
 import typing
 
 from sftctl.errors import ExitCode, SftctlError
+from sftctl.slurm_config import FIELD_KINDS, value_problem
 
 PREFIX = "SFTCTL_"
 USER, NODE = "user", "node"
@@ -378,7 +379,7 @@ def config_document() -> tuple[str | None, dict, dict]:
 
     The whole file is validated when it is read (whichever setting asked): every key is
     declared (did-you-mean hint), every value has its setting's type, and the ``slurm:``
-    section has :class:`sftctl.providers.slurm.SlurmConfig`'s fields and types.
+    section has :class:`sftctl.slurm_config.SlurmConfig`'s fields and types.
 
     Raises:
         SettingError: ``$SFTCTL_CONFIG`` names no file; the file cannot be read, is not YAML, is
@@ -445,55 +446,25 @@ def _load(path: str) -> tuple[dict, dict]:
 
 
 def _check_slurm(path: str, value: typing.Any, lines: dict) -> None:
-    """The ``slurm:`` section against :class:`sftctl.providers.slurm.SlurmConfig`, the one
-    declaration of its fields: known keys (did-you-mean) and each value of its field's type.
-    Counts and ports are >= 1 and prices >= 0, as in a job spec's ``slurm:``
-    (:class:`sftctl.spec.SlurmSpec`). The provider module is imported only for a file that has a
-    ``slurm:`` section (it imports no SDK).
+    """The ``slurm:`` section against :class:`sftctl.slurm_config.SlurmConfig`, the one
+    declaration of its fields: known keys (did-you-mean) and each value of its field's type
+    (:func:`sftctl.slurm_config.value_problem`: counts and ports >= 1, prices >= 0, as in a job
+    spec's ``slurm:``).
 
     Raises:
         SettingError: naming the file, line and key (exit 2).
     """
-    import dataclasses
-
-    from sftctl.providers.slurm import SlurmConfig
-
     if not isinstance(value, dict):
         raise SettingError(f"{path}:{lines.get('slurm', 1)}: slurm: expected a mapping (host, partition, ...)",
                            hint="write it as `slurm: {key: value}` (see Slurm in README.md)")
-    fields = {f.name: str(f.type) for f in dataclasses.fields(SlurmConfig)}
     for key, v in value.items():
         dotted = f"slurm.{key}"
-        if key not in fields:
-            _unknown(path, lines, dotted, sorted(f"slurm.{f}" for f in fields))
-        kinds = [k.strip() for k in fields[key].split("|")]
-        if v is None and "None" in kinds:
-            continue
-        expected = _slurm_expected(kinds, v)
+        if key not in FIELD_KINDS:
+            _unknown(path, lines, dotted, sorted(f"slurm.{f}" for f in FIELD_KINDS))
+        expected = value_problem(key, v)
         if expected is not None:
             raise SettingError(f"{path}:{lines.get(dotted, 1)}: {dotted}: expected {expected}, got {v!r}",
                                hint=f"write {dotted} as {expected} (see Slurm in README.md)")
-
-
-def _slurm_expected(kinds: list[str], v: typing.Any) -> str | None:
-    """None when ``v`` fits one of a SlurmConfig field's annotated types, else what would."""
-    number = isinstance(v, (int, float)) and not isinstance(v, bool)
-    for kind in kinds:
-        if kind == "str" and isinstance(v, str) and v.strip():
-            return None
-        if kind == "int" and number and isinstance(v, int) and v >= 1:
-            return None
-        if kind == "float" and number and v == v and v >= 0:
-            return None
-        if kind == "bool" and isinstance(v, bool):
-            return None
-        if kind == "dict" and isinstance(v, dict) and all(isinstance(x, str) for x in (*v, *v.values())):
-            return None
-        if kind == "tuple" and isinstance(v, list) and all(isinstance(x, str) for x in v):
-            return None
-    words = {"str": "text (quote it: \"...\")", "int": "an integer >= 1", "float": "a number >= 0",
-             "bool": "true or false", "dict": "a mapping of text to text", "tuple": "a list of text", "None": ""}
-    return " or ".join(w for w in (words.get(k, k) for k in kinds) if w)
 
 
 def _unknown(path: str, lines: dict, dotted: str, options: list[str]) -> None:

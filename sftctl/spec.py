@@ -260,7 +260,7 @@ class StorageSpec(_Strict):
 
 class SlurmSpec(_Strict):
     """How to reach a Slurm cluster and what to ask it for; overlays the ``slurm:`` section of
-    ``$SFTCTL_HOME/config.yaml`` field by field (see :class:`sftctl.providers.slurm.SlurmConfig`)."""
+    ``$SFTCTL_HOME/config.yaml`` field by field (see :class:`sftctl.slurm_config.SlurmConfig`)."""
 
     host: str | None = Field(None, description="login node for SSH; unset: sftctl runs on a login node")
     user: str | None = None

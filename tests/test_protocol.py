@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from sftctl import protocol
-from sftctl.protocol import NodeChannel, NodeDir
+from sftctl.protocol import NodeDir
+from sftctl.storage.stream import NodeChannel
 from sftctl.storage import LocalStorage, StorageError, open_storage
 from sftctl.storage.stream import Shipper
 

@@ -31,7 +31,8 @@ from sftctl.storage import (
 )
 from sftctl.providers.cloud import CloudProvider, InstanceState
 from sftctl.storage import checkpoints as ck
-from sftctl.protocol import NodeChannel, is_secret_name
+from sftctl.protocol import is_secret_name
+from sftctl.storage.stream import NodeChannel
 from sftctl.storage.stream import Shipper, StreamReader, StreamWriter
 from sftctl.storage.workdir import WorkdirTooLargeError, fetch_workdir, list_workdir, pack_workdir, upload_workdir
 from sftctl.types import CloudHandle

@@ -22,7 +22,7 @@ provider object and the next zone is tried; when none is left the error is raise
 ``terminate_tagged`` deletes whatever carries the job's label. Launching the training on a cloud
 node, its logs, metrics and GPU samples go through the job's storage (a node has no inbound port
 the controller could reach): ``launch``, ``status``, ``stop_attempt`` and the ``read_*`` calls
-delegate to ``self.channel`` (:class:`sftctl.protocol.NodeChannel`, the protocol's controller end).
+delegate to ``self.channel`` (:class:`sftctl.storage.stream.NodeChannel`, the protocol's controller end).
 
 Every resource carries the labels of :func:`labels`: ``sftctl-job``, ``sftctl-node`` and
 ``sftctl-managed=true``, so ``sftctl down JOB`` and ``sftctl down --orphans`` find it from the
@@ -127,7 +127,7 @@ class CloudProvider:
 
     Args:
         channel: how ``launch`` and the ``read_*`` calls reach a node through the job's storage
-            (:class:`sftctl.protocol.NodeChannel`); None for a provider used only to create and delete nodes.
+            (:class:`sftctl.storage.stream.NodeChannel`); None for a provider used only to create and delete nodes.
         poll_s: seconds between ``describe`` calls while waiting for a node to run.
         ready_timeout_s: how long a node may take to run before provisioning gives up on it.
     """

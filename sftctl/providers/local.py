@@ -31,7 +31,7 @@ class LocalProvider:
     """Nodes as process groups on this machine. Linux only (it reads ``/proc``).
 
     Args:
-        channel: the job's storage channel (:class:`sftctl.protocol.NodeChannel`) when
+        channel: the job's storage channel (:class:`sftctl.storage.stream.NodeChannel`) when
             the job has ``storage``. Then a node works like a cloud node: it runs the node daemon
             (``python -m sftctl.node``), which takes each attempt's script from the storage and
             ships logs, metrics and exit codes back there; the controller reads only the storage.

@@ -64,6 +64,7 @@ from sftctl.catalog import Offering
 from sftctl.errors import CapacityError, ProviderError
 from sftctl.protocol import NodeDir, complete_json_lines, parse_exit_code, parse_failure
 from sftctl.providers.base import NodeState, NodeStatus
+from sftctl.slurm_config import SlurmConfig
 from sftctl.types import FailureReason, SlurmHandle
 
 #: Pending reasons of ``squeue`` (``%r``) in words. Source: Slurm's squeue man page, "JOB REASON
@@ -119,59 +120,26 @@ STATE_TTL_S = 0.5
 COMMENT_PREFIX = "sftctl-managed=true"
 
 
-@dataclasses.dataclass(frozen=True)
-class SlurmConfig:
-    """How to reach the cluster and what to ask it for (the ``slurm:`` section of the config
-    file (:mod:`sftctl.settings`) or of the job spec; the spec's fields win).
+def load_config(spec_section: dict | None = None) -> SlurmConfig:
+    """The config file's ``slurm:`` section overlaid with the spec's (``spec_section``).
 
-    Attributes:
-        host: the login node for SSH mode; None: sftctl runs on a login node itself.
-        user, port, key: SSH user, port (22) and identity file.
-        partition, account, qos: passed to sbatch when given (default: the cluster's default
-            partition, the user's default account and QOS).
-        gpu_hour_usd: what one GPU-hour costs the lab (0: "owned"); cpu offerings cost
-            ``cpu_hour_usd`` per CPU-hour.
-        cpus_per_node, mem_per_node: ``--cpus-per-task`` (one task per node) and ``--mem``
-            (``64G``); None: Slurm's defaults.
-        remote_dir: the job files' root on the cluster in SSH mode (``~`` is the remote home).
-        python: the Python with sftctl installed that nodes use (SSH mode; the login-node mode
-            uses sftctl's own interpreter, which a shared filesystem makes visible).
-        requeue: ``--requeue`` (Slurm requeues the job after preemption or a node failure).
-        gpu_types: Slurm GPU type -> catalog accelerator, for names sftctl cannot map itself.
+    Raises:
+        SettingError: the file's section has a key :class:`SlurmConfig` lacks (its line, a
+            did-you-mean; exit 2).
+        ProviderError: ``spec_section`` has an unknown field.
     """
-
-    host: str | None = None
-    user: str | None = None
-    port: int = 22
-    key: str | None = None
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    gpu_hour_usd: float = 0.0
-    cpu_hour_usd: float = 0.0
-    cpus_per_node: int | None = None
-    mem_per_node: str | None = None
-    remote_dir: str = "~/.sftctl/jobs"
-    python: str | None = None
-    requeue: bool = True
-    gpu_types: dict = dataclasses.field(default_factory=dict)
-    ssh_options: tuple = ()
-
-    @classmethod
-    def load(cls, spec_section: dict | None = None) -> "SlurmConfig":
-        """The config file's ``slurm:`` section overlaid with the spec's (``spec_section``)."""
-        from_file = config_file_section()
-        merged = {**from_file, **{k: v for k, v in (spec_section or {}).items() if v is not None}}
-        fields = {f.name for f in dataclasses.fields(cls)}
-        for key in sorted(set(from_file) - fields):  # the file's line and a did-you-mean (exit 2)
-            raise settings.unknown_key(f"slurm.{key}", sorted(f"slurm.{f}" for f in fields))
-        unknown = sorted(set(merged) - fields)
-        if unknown:
-            raise ProviderError(f"slurm config: unknown field(s) {', '.join(unknown)}",
-                                hint=f"fields: {', '.join(sorted(fields))}")
-        if "ssh_options" in merged:
-            merged["ssh_options"] = tuple(merged["ssh_options"])
-        return cls(**merged)
+    from_file = config_file_section()
+    merged = {**from_file, **{k: v for k, v in (spec_section or {}).items() if v is not None}}
+    fields = {f.name for f in dataclasses.fields(SlurmConfig)}
+    for key in sorted(set(from_file) - fields):  # the file's line and a did-you-mean (exit 2)
+        raise settings.unknown_key(f"slurm.{key}", sorted(f"slurm.{f}" for f in fields))
+    unknown = sorted(set(merged) - fields)
+    if unknown:
+        raise ProviderError(f"slurm config: unknown field(s) {', '.join(unknown)}",
+                            hint=f"fields: {', '.join(sorted(fields))}")
+    if "ssh_options" in merged:
+        merged["ssh_options"] = tuple(merged["ssh_options"])
+    return SlurmConfig(**merged)
 
 
 def config_path() -> Path | None:
@@ -469,7 +437,7 @@ class SlurmProvider:
     Args:
         channel: ignored for now: the job's files live on the cluster's filesystem (and are read
             from there), whether or not the spec names a storage.
-        config: the ``slurm:`` settings; default :meth:`SlurmConfig.load` (the config file).
+        config: the ``slurm:`` settings; default :func:`load_config` (the config file).
         num_nodes: nodes per allocation (the spec's ``resources.nodes``); default: as many as
             were provisioned.
         time_limit_s: ``--time`` (the spec's deadline); None: the partition's default.
@@ -481,7 +449,7 @@ class SlurmProvider:
     def __init__(self, channel=None, config: SlurmConfig | dict | None = None, num_nodes: int | None = None,
                  time_limit_s: float | None = None, runner: Runner | None = None, **_: object):
         if config is None or isinstance(config, dict):
-            config = SlurmConfig.load(config)
+            config = load_config(config)
         self.cfg = config
         self.channel = channel
         self.num_nodes = num_nodes

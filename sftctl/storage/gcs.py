@@ -18,7 +18,7 @@ from google.api_core import exceptions as gexc
 from google.auth import exceptions as auth_exc
 from google.cloud import storage as gcs
 
-from sftctl.storage import (
+from sftctl.storage.base import (
     MULTIPART_CHUNK_BYTES,
     MULTIPART_THRESHOLD_BYTES,
     BucketNotFoundError,

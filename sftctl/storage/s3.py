@@ -17,7 +17,7 @@ import botocore.config
 import botocore.exceptions
 from boto3.s3.transfer import TransferConfig
 
-from sftctl.storage import (
+from sftctl.storage.base import (
     MULTIPART_CHUNK_BYTES,
     MULTIPART_THRESHOLD_BYTES,
     TRANSFER_CONCURRENCY,
