@@ -122,12 +122,6 @@ def _error_code(e: SftctlError) -> str:
     return FailureCode.UNKNOWN.value
 
 
-#: The failure code of each health verdict kind (sftctl.health.telemetry.Verdict.kind).
-VERDICT_CODES = {"xid": FailureCode.GPU_FAILED, "ecc": FailureCode.GPU_FAILED, "gpu_lost": FailureCode.GPU_FAILED,
-                 "throttle": FailureCode.THROTTLED, "straggler": FailureCode.STRAGGLER,
-                 "hang": FailureCode.NODE_LOST}
-
-
 @dataclasses.dataclass(frozen=True)
 class Failure:
     """Why an attempt ended: the reason (its ``message`` is the line state keeps), what to do
@@ -588,9 +582,9 @@ class Controller:
                     v = min(verdicts, key=lambda v: (v.action != REPLACE, v.node_rank))  # replace first
                     self.store.add_event(self.job_id, "health", f"node {v.node_rank}: {v.kind}: {v.evidence}", v.to_dict())
                     self.reporter.event(f"health: node {v.node_rank} {v.kind} -> {v.action}: {v.evidence}")
-                    why = FailureReason(VERDICT_CODES.get(v.kind, FailureCode.UNKNOWN),
+                    why = FailureReason(v.kind.code,  # each verdict kind owns its code
                                         f"node {v.node_rank} {v.kind}: {v.evidence}",
-                                        {"node_rank": v.node_rank, "verdict": v.kind})
+                                        {"node_rank": v.node_rank, "verdict": v.kind.value})
                     return Failure(why, v.action, v.node_rank, verdict=f"{v.kind}: {v.evidence}")
             if deadline_s is not None and time.time() - self.created_at > deadline_s:
                 return Failure(FailureReason(FailureCode.TOO_SLOW, f"deadline of {self.spec.resources.deadline} passed",

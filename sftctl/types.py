@@ -74,6 +74,7 @@ class FailureCode(str, enum.Enum):
     GPU_FAILED = "gpu_failed"  # XID, ECC, fell off the bus
     THROTTLED = "throttled"
     STRAGGLER = "straggler"
+    STALLED = "stalled"  # every process alive, no rank finished a step for twice the hang timeout
     # provisioning and planning
     NO_CAPACITY = "no_capacity"  # the provider had no capacity or quota
     NOT_CONFIGURED = "not_configured"  # no credentials / SDK / cluster for this provider

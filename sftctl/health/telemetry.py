@@ -32,6 +32,9 @@ without GPUs writes one ``{"ts": ..., "no_gpu": true}`` record.
 from __future__ import annotations
 
 import dataclasses
+import enum
+
+from sftctl.types import FailureCode
 
 # nvmlClocksEventReason* bits (nvml.h, "Clocks Event Reasons"; formerly ClocksThrottleReasons)
 GPU_IDLE = 0x1
@@ -62,11 +65,53 @@ def reason_names(mask: int) -> list[str]:
     return [name for bit, name in REASON_NAMES.items() if mask & bit]
 
 
-# Actions, mildest first. "reset_gpu" is carried out as a node replacement where the provider
-# cannot reset a GPU (no root on the node).
-RESTART = "restart"  # relaunch the training processes in place, from the last checkpoint
-REPLACE = "replace"  # terminate the node, provision a new one, relaunch from the last checkpoint
-ACTIONS = (RESTART, REPLACE)
+class _Word(str, enum.Enum):
+    """An enum whose members are their words: ``str()``, f-strings and JSON give the value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Action(_Word):
+    """What the controller does about a verdict, mildest first. "reset_gpu" is carried out as a
+    node replacement where the provider cannot reset a GPU (no root on the node)."""
+
+    RESTART = "restart"  # relaunch the training processes in place, from the last checkpoint
+    REPLACE = "replace"  # terminate the node, provision a new one, relaunch from the last checkpoint
+
+
+RESTART = Action.RESTART
+REPLACE = Action.REPLACE
+ACTIONS = tuple(Action)
+
+
+class VerdictKind(_Word):
+    """What a detector found (:mod:`sftctl.health.detectors`); each kind owns the
+    :class:`~sftctl.types.FailureCode` an attempt it ends is recorded with (:attr:`code`)."""
+
+    GPU_LOST = "gpu_lost"
+    XID = "xid"
+    ECC = "ecc"
+    THROTTLE = "throttle"
+    HANG = "hang"
+    STRAGGLER = "straggler"
+    STALL = "stall"
+
+    @property
+    def code(self) -> FailureCode:
+        """The failure code of an attempt this verdict ends."""
+        return _VERDICT_CODES[self]
+
+
+_VERDICT_CODES = {
+    VerdictKind.GPU_LOST: FailureCode.GPU_FAILED, VerdictKind.XID: FailureCode.GPU_FAILED,
+    VerdictKind.ECC: FailureCode.GPU_FAILED, VerdictKind.THROTTLE: FailureCode.THROTTLED,
+    VerdictKind.HANG: FailureCode.NODE_LOST, VerdictKind.STRAGGLER: FailureCode.STRAGGLER,
+    VerdictKind.STALL: FailureCode.STALLED,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,23 +119,28 @@ class Verdict:
     """A detector's finding about one node (and GPU, where it applies).
 
     Attributes:
-        kind: ``xid``, ``ecc``, ``gpu_lost``, ``throttle``, ``straggler`` or ``hang``.
-        action: ``restart`` or ``replace``.
+        kind: a :class:`VerdictKind` (``xid``, ``ecc``, ``gpu_lost``, ``throttle``, ``hang``,
+            ``straggler``, ``stall``); its ``code`` is the attempt's failure code.
+        action: an :class:`Action` (``restart`` or ``replace``).
         node_rank: the node it concerns.
         gpu: the GPU index on that node, or None for node- or rank-level findings.
         evidence: one line a person can act on, with the numbers that triggered it.
         ts: time of the last sample that contributed, Unix seconds.
     """
 
-    kind: str
-    action: str
+    kind: VerdictKind
+    action: Action
     node_rank: int
     gpu: int | None
     evidence: str
     ts: float
 
+    def __post_init__(self) -> None:  # words as written ("stall", "restart") become members
+        object.__setattr__(self, "kind", VerdictKind(self.kind))
+        object.__setattr__(self, "action", Action(self.action))
+
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self) | {"kind": self.kind.value, "action": self.action.value}
 
 
 @dataclasses.dataclass(frozen=True)
