@@ -159,7 +159,8 @@ class Predictor:
             inter_node_bytes_per_s=offering.inter_node_bytes_per_s, mode=self.mode,
             param_dtype_bytes=2 if self.spec.model.dtype in ("bfloat16", "float16") else 4,
             parallelisms=("ddp", "fsdp") if t.parallelism == "auto" else (t.parallelism,),
-            checkpointing=(False, True) if t.activation_checkpointing is None else (t.activation_checkpointing,))
+            checkpointing=(False, True) if t.activation_checkpointing is None else (t.activation_checkpointing,),
+            provider=offering.provider)
 
 
 def execution_mode(spec: JobSpec) -> str:

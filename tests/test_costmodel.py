@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sftctl.compiler.costmodel import (
-    Coefficients, GemmProblem, allreduce_time_s, gemm_breakdown, gemm_group_bound, gemm_time_s,
+    Coefficients, GemmProblem, gemm_breakdown, gemm_group_bound, gemm_time_s,
     memory_bound_time_s, reduction_time_s,
 )
 from sftctl.compiler.hardware import Accelerator
@@ -281,28 +281,6 @@ def test_memory_bound_and_reduction_formulas():
     assert r == pytest.approx(memory_bound_time_s(8192 * 50257 * 4 + 8192 * 4, H100, c))
     assert np.all(np.diff(memory_bound_time_s(np.array([1e6, 1e7, 1e8]), H100, c)) > 0)
 
-
-def test_allreduce_formula_hand_computed():
-    gb = 1e9
-    assert allreduce_time_s(gb, 1, 1, 300e9, 50e9) == 0.0
-    one_node = 2 * 7 / 8 * gb / 300e9
-    assert allreduce_time_s(gb, 8, 1, 300e9, 50e9) == pytest.approx(one_node)
-    # 2 nodes x 8: intra reduce-scatter + all-gather, inter ring on each GPU's 1/8 shard
-    two_nodes = one_node + 2 * 1 / 2 * (gb / 8) / 50e9
-    assert allreduce_time_s(gb, 8, 2, 300e9, 50e9) == pytest.approx(two_nodes)
-    # one GPU per node: plain ring over the inter-node link, 2 (n-1)/n B / bw
-    assert allreduce_time_s(gb, 1, 4, 300e9, 25e9) == pytest.approx(2 * 3 / 4 * gb / 25e9)
-    # latency: 2(g-1) + 2(N-1) ring steps
-    assert allreduce_time_s(0, 8, 2, 300e9, 50e9, link_latency_s=1e-5) == pytest.approx(16 * 1e-5)
-    # overlap with backward compute
-    assert allreduce_time_s(gb, 8, 2, 300e9, 50e9, overlap_fraction=0.75) == pytest.approx(0.25 * two_nodes)
-    assert allreduce_time_s(gb, 8, 2, 300e9, 50e9, overlap_fraction=1.0, backward_compute_s=1e-3) \
-        == pytest.approx(two_nodes - 1e-3)
-    with pytest.raises(ValueError):
-        allreduce_time_s(gb, 8, 1, 300e9, 50e9, overlap_fraction=1.5)
-
-
-# ---------------------------------------------------------------- API details
 
 def test_schedule_space_is_full_cartesian_product_in_order():
     sp = schedule_space(GemmProblem(1, 64, 64, 64), H100)

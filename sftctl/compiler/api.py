@@ -94,7 +94,7 @@ class OfferingPrediction:
 def predict(compiled: CompiledStep, target: Target, *, gpus_per_node: int, nodes: int,
             intra_node_bytes_per_s: float | None, inter_node_bytes_per_s: float | None, mode: str,
             param_dtype_bytes: int, parallelisms: tuple[str, ...] = PARALLELISMS,
-            checkpointing: tuple[bool, ...] = (False, True)) -> OfferingPrediction:
+            checkpointing: tuple[bool, ...] = (False, True), provider: str | None = None) -> OfferingPrediction:
     """``compiled`` (one rank's share of the batch) on ``nodes`` x ``gpus_per_node`` devices of
     ``target``, in execution ``mode`` (``eager``, ``default``, ``sftensor``), under each of
     ``parallelisms`` x ``checkpointing``.
@@ -104,11 +104,13 @@ def predict(compiled: CompiledStep, target: Target, *, gpus_per_node: int, nodes
             :mod:`sftctl.compiler.step`'s defaults); inter-node is per node.
         param_dtype_bytes: bytes of the dtype FSDP gathers parameters in (2 under bf16/fp16
             mixed precision, 4 in float32).
+        provider: the offering's provider: which network joins its nodes (EFA on ``aws``,
+            GPUDirect-TCPX on ``gcp``, else InfiniBand; :mod:`sftctl.compiler.collectives`).
     """
     step = predict_step(compiled, target, gpus_per_node, nodes, intra_node_bytes_per_s, inter_node_bytes_per_s,
-                        mode=mode)
+                        mode=mode, provider=provider)
     strategies = predict_strategies(compiled, target, gpus_per_node, nodes, intra_node_bytes_per_s,
                                     inter_node_bytes_per_s, mode=mode, param_dtype_bytes=param_dtype_bytes,
-                                    parallelisms=parallelisms, checkpointing=checkpointing)
+                                    parallelisms=parallelisms, checkpointing=checkpointing, provider=provider)
     chosen, reason = choose(strategies)
     return OfferingPrediction(step, tuple(strategies), chosen, reason)

@@ -210,6 +210,19 @@ def time_s(op: str, nbytes: float, accelerator: str, gpus_per_node: int, nodes: 
     return net_fit.time_s(op, g * n, nbytes) + (host.time_s(op, g, nbytes) if g > 1 else 0.0)
 
 
+def bucketed_time_s(op: str, nbytes: float, bucket_bytes: float, accelerator: str, gpus_per_node: int,
+                    nodes: int = 1, intra_node_bytes_per_s: float | None = None,
+                    inter_node_bytes_per_s: float | None = None, provider: str | None = None) -> float:
+    """``nbytes`` in collectives of ``bucket_bytes`` each (DDP's gradient buckets): the full
+    buckets and the remainder, each paying its latency. Seconds."""
+    if nbytes <= 0:
+        return 0.0
+    full, rest = divmod(float(nbytes), float(bucket_bytes))
+    args = (accelerator, gpus_per_node, nodes, intra_node_bytes_per_s, inter_node_bytes_per_s, provider)
+    t = full * time_s(op, bucket_bytes, *args) if full else 0.0
+    return t + (time_s(op, rest, *args) if rest else 0.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # fitting and cross-validation (numpy; only `fit` and the tests import this part)
 
@@ -369,3 +382,23 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def predict_record(rec: dict, accelerator: str) -> float:
+    """Seconds of one measured-collective record (the format of ``collectives.jsonl``: ``opcode``,
+    ``group_size``, ``input_bytes_per_device``, ``output_bytes_per_device``, optional
+    ``permute_pattern``) on the 8-GPU host of ``accelerator``; ``time_s`` and throughput fields are
+    ignored. Raises ValueError naming the field."""
+    op = rec.get("opcode")
+    if op not in OPS:
+        raise ValueError(f"opcode must be one of {', '.join(OPS)}, got {op!r}")
+    g = rec.get("group_size")
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+        raise ValueError(f"group_size must be a positive integer, got {g!r}")
+    sizes = []
+    for key in ("input_bytes_per_device", "output_bytes_per_device"):
+        v = rec.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{key} must be a non-negative integer (bytes), got {v!r}")
+        sizes.append(v)
+    return host_link(accelerator).time_s(op, g, max(sizes), record_pattern(rec))

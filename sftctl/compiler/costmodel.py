@@ -1,4 +1,4 @@
-"""Analytical cost model: predicted seconds of GEMMs, memory-bound kernels, reductions, all-reduce.
+"""Analytical cost model: predicted seconds of GEMMs, memory-bound kernels, reductions.
 
 Everything here is arithmetic on numbers from :class:`~sftctl.compiler.hardware.Accelerator` and a
 small set of efficiency :class:`Coefficients` (what the hardware achieves in practice, as a
@@ -115,7 +115,7 @@ from sftctl.compiler.problem import GemmProblem, dtype_bytes  # noqa: F401 - re-
 
 __all__ = [
     "Coefficients", "GemmProblem", "LAYOUTS", "dtype_bytes", "gemm_time_s", "gemm_breakdown",
-    "gemm_group_bound", "memory_bound_time_s", "reduction_time_s", "allreduce_time_s",
+    "gemm_group_bound", "memory_bound_time_s", "reduction_time_s",
     "row_kernel_time_s", "elementwise_time_s", "STREAM_KERNELS",
 ]
 
@@ -441,47 +441,6 @@ def elementwise_time_s(n_elements, config: dict, hw: Accelerator, coeffs: Coeffi
     n = _f(n_elements)
     return _stream_time(kind, np.ceil(n / B), B, 1.0, e, W, n * bytes_per_element, hw, c, registers,
                         spill_bytes, terms, instr_per_element)
-
-
-def allreduce_time_s(grad_bytes: float, gpus_per_node: int, nodes: int,
-                     intra_node_bytes_per_s: float, inter_node_bytes_per_s: float,
-                     overlap_fraction: float = 0.0, backward_compute_s: float | None = None,
-                     link_latency_s: float = 0.0) -> float:
-    """Exposed seconds of a data-parallel gradient all-reduce of ``grad_bytes`` per GPU.
-
-    Ring all-reduce (Patarasuk & Yuan 2009; NCCL docs "Performance" / nccl-tests bus bandwidth):
-    each GPU sends and receives ``2 * (n - 1) / n * bytes``, so the time is that over the
-    slowest link of the ring. Across nodes the all-reduce is hierarchical (NCCL's tree/ring
-    hierarchy, Horovod's hierarchical allreduce): reduce-scatter inside the node
-    (``(g-1)/g * B`` over the intra-node link), a ring all-reduce of each GPU's ``B/g`` shard
-    across the ``nodes`` nodes over the inter-node link (``inter_node_bytes_per_s`` is per GPU:
-    one NIC per GPU, e.g. 400 Gb/s = 50e9 B/s), then all-gather inside the node::
-
-        T = 2 (g-1)/g * B / intra + 2 (N-1)/N * (B/g) / inter + steps * link_latency_s
-
-    with ``steps = 2 (g-1) + 2 (N-1)`` ring steps.
-
-    Overlap: DDP-style bucketed all-reduce runs during the backward pass (Li et al., "PyTorch
-    Distributed", VLDB 2020). ``overlap_fraction`` of the all-reduce is hidden behind backward
-    compute, but never more than ``backward_compute_s`` when given::
-
-        exposed = T - min(overlap_fraction * T, backward_compute_s)
-    """
-    if gpus_per_node < 1 or nodes < 1:
-        raise ValueError("gpus_per_node and nodes must be >= 1")
-    if not 0.0 <= overlap_fraction <= 1.0:
-        raise ValueError("overlap_fraction must be within [0, 1]")
-    g, n_nodes, b = gpus_per_node, nodes, float(grad_bytes)
-    total = 0.0
-    if g > 1:
-        total += 2.0 * (g - 1) / g * b / intra_node_bytes_per_s
-    if n_nodes > 1:
-        total += 2.0 * (n_nodes - 1) / n_nodes * (b / g) / inter_node_bytes_per_s
-    total += (2 * (g - 1) + 2 * (n_nodes - 1)) * link_latency_s
-    hidden = overlap_fraction * total
-    if backward_compute_s is not None:
-        hidden = min(hidden, max(0.0, backward_compute_s))
-    return total - hidden
 
 
 # --------------------------------------------------------------------------------------------

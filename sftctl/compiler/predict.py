@@ -11,6 +11,15 @@ line per input line, in order. Kernels, as written in ``calibrations/data/h200/k
   ``ROWS`` (default 1), ``BLOCK_N`` (default ``next_power_of_2(N)``), ``num_warps``;
 * ``bias_gelu``: over ``M x N`` elements, config ``BLOCK``, ``num_warps``.
 
+Two more record kinds, predicted as the compiler prices them in a step:
+
+* a collective of XLA's measured table (``calibrations/data/xla/collectives.jsonl``, as written:
+  a record with ``opcode``, ``group_size``, ``input_bytes_per_device``,
+  ``output_bytes_per_device``), on the 8-GPU host of the target (:mod:`sftctl.compiler.collectives`);
+* ``{"kernel": "attention", "batch", "heads", "kv_heads", "q_len", "kv_len", "head_dim",
+  "causal", "dtype", "direction": "forward" | "backward"}``: torch SDPA's kernel on the target
+  (:mod:`sftctl.compiler.attention`).
+
 Registers and spills come from ptxas: the shipped table of the calibration configs
 (``calibrations/data/h200/resources_sm90.json``), else an offline Triton compile of the reference
 kernel for the accelerator's target (disk-cached; needs ``triton``; ``--no-compile`` skips it),
@@ -57,7 +66,9 @@ def main(argv=None) -> int:
             print(f"predict: --coefficients: {e}", file=sys.stderr)
             return 2
 
-    raw, recs = [], []
+    from sftctl.compiler import attention, collectives
+
+    raw, recs, direct = [], [], {}  # direct: line index -> seconds of a collective / attention record
     for n, line in enumerate(sys.stdin, start=1):
         try:
             rec = json.loads(line)
@@ -66,13 +77,19 @@ def main(argv=None) -> int:
             print(f"predict: line {n}: {what}; give one JSON record per line", file=sys.stderr)
             return 2
         try:
-            recs.append(normalize(rec))
-        except RecordError as e:
+            if isinstance(rec, dict) and "opcode" in rec:
+                direct[len(raw)] = collectives.predict_record(rec, target.name)
+            elif isinstance(rec, dict) and rec.get("kernel") == "attention":
+                direct[len(raw)] = attention.predict_record(rec, target)
+            else:
+                recs.append(normalize(rec))
+        except (RecordError, ValueError) as e:
             print(f"predict: line {n}: {e}", file=sys.stderr)
             return 2
         raw.append(rec)
     res = [resources_for(r["kernel"], r["config"], hw, r["dtype"], compile=not args.no_compile) for r in recs]
-    times = predict_records(recs, target, res)
+    kernel_times = iter(predict_records(recs, target, res))
+    times = [direct[i] if i in direct else next(kernel_times) for i in range(len(raw))]
     w = sys.stdout
     try:
         for rec, t in zip(raw, times):

@@ -1,4 +1,5 @@
-"""Kernels priced on the roofline: memory-bound and vector kernels, and flash attention.
+"""Kernels priced on the roofline: memory-bound and vector kernels, and flash attention (at the
+published tables' efficiency, :mod:`sftctl.compiler.attention`).
 
 Shared by the compiler's own costing (:func:`sftctl.compiler.step.cost_kernels`) and the
 execution modes (:mod:`sftctl.compiler.modes`), so both price these kernels alike. Seconds, from
@@ -32,8 +33,13 @@ def roofline_time_s(k: Kernel, target: Target, flops_per_s: float) -> float:
 
 
 def attention_time_s(k: Kernel, target: Target) -> float:
-    """A flash-attention kernel (fusion kind ``attention``) as a roofline: its matrix FLOPs at
-    the matrix peak of its dtype times ``coeffs.mma_efficiency``, against its bytes at HBM
-    bandwidth, plus launch and fill latency (:func:`roofline_time_s`). Seconds."""
-    dtype = mma_dtype(k.attention["dtype"])
-    return roofline_time_s(k, target, target.hw.matrix_peak(dtype) * target.coeffs.mma_efficiency)
+    """A flash-attention kernel (fusion kind ``attention``): its matrix FLOPs at the fraction of
+    the matrix peak that the SDPA backend reaches on this accelerator, for its direction, causal
+    mask, head dim and length, from published benchmark tables
+    (:func:`sftctl.compiler.attention.attention_time_s`), never faster than its bytes at HBM
+    bandwidth (:func:`roofline_time_s` with no FLOPs). Seconds."""
+    from sftctl.compiler.attention import attention_time_s as table_time_s
+
+    hw, coeffs = target.hw, target.coeffs
+    mem = float(memory_bound_time_s(k.bytes_read + k.bytes_written, hw, coeffs))
+    return max(mem, table_time_s(k.attention, target))

@@ -32,9 +32,12 @@ input (one ``[tokens, hidden]`` tensor) is a small part of what the block saves 
 Time per step (seconds), ``c`` the step's compute in the execution mode, forward ``F = c / 3`` and
 backward ``B = 2c / 3`` (backward ~ 2x forward FLOPs; the same split as ``step.BACKWARD_SHARE``)::
 
-    collective(bytes)  = one ring all-gather or reduce-scatter = half of a ring all-reduce
-                         (costmodel.allreduce_time_s without overlap / 2; hierarchical over nodes)
-    AG = collective(P * param_dtype_bytes),  RS = collective(P * 4)          # P parameters in all
+    AG = sum over units u of all-gather(u * param_dtype_bytes)    # each unit's own collective,
+    RS = sum over units u of reduce-scatter(u * 4)                 # paying its latency
+                         (sftctl.compiler.collectives.time_s: measured alpha + bytes / beta of the
+                          in-host link, hierarchical over the network across nodes)
+    optimizer          : ddp pays the whole AdamW step o (every device updates every parameter);
+                         fsdp pays o / world (each device updates its shard): c -> c - o (1 - 1/world)
     fsdp exposed       = AG / L' + max(0, AG - F)                            # forward
                        + RS / L' + max(0, AG + RS - B')                      # backward
     ddp  exposed       = the gradient all-reduce not hidden behind backward (step.predict)
@@ -53,8 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from sftctl.compiler.costmodel import allreduce_time_s
-from sftctl.compiler.step import DEFAULT_INTER_NODE_BYTES_PER_S, DEFAULT_INTRA_NODE_BYTES_PER_S, predict
+from sftctl.compiler.step import DEFAULT_INTER_NODE_BYTES_PER_S, predict
 from sftctl.compiler.target import Target
 
 PARALLELISMS = ("ddp", "fsdp")
@@ -89,20 +91,11 @@ class StrategyPrediction:
         return dataclasses.asdict(self) | {"fits": self.fits}
 
 
-def collective_time_s(nbytes: float, gpus_per_node: int, nodes: int, intra_bytes_per_s: float,
-                      inter_bytes_per_s_per_gpu: float) -> float:
-    """Seconds of one ring all-gather (or reduce-scatter) of ``nbytes`` in all (each device ends
-    with, or starts from, ``nbytes / world``): half of :func:`costmodel.allreduce_time_s`, since a
-    ring all-reduce is a reduce-scatter followed by an all-gather (Patarasuk & Yuan 2009)."""
-    if gpus_per_node * nodes <= 1:
-        return 0.0
-    return allreduce_time_s(nbytes, gpus_per_node, nodes, intra_bytes_per_s, inter_bytes_per_s_per_gpu) / 2
-
-
 def predict_strategies(compiled, target: Target, gpus_per_node: int, nodes: int, intra_node_bytes_per_s: float | None,
                        inter_node_bytes_per_s: float | None, mode: str = "sftensor", param_dtype_bytes: int = 4,
                        parallelisms: tuple[str, ...] = PARALLELISMS,
-                       checkpointing: tuple[bool, ...] = (False, True)) -> list[StrategyPrediction]:
+                       checkpointing: tuple[bool, ...] = (False, True),
+                       provider: str | None = None) -> list[StrategyPrediction]:
     """Every (parallelism, activation checkpointing) pair of ``compiled`` (a
     :class:`sftctl.compiler.step.CompiledStep` for one rank's share of the batch) on the offering.
 
@@ -115,10 +108,15 @@ def predict_strategies(compiled, target: Target, gpus_per_node: int, nodes: int,
     Returns:
         predictions in the order asked (ddp first), see the module docstring for the arithmetic.
     """
+    from sftctl.compiler.collectives import time_s as collective_s
+
     world = gpus_per_node * nodes
-    intra = intra_node_bytes_per_s or DEFAULT_INTRA_NODE_BYTES_PER_S
-    inter = (inter_node_bytes_per_s or DEFAULT_INTER_NODE_BYTES_PER_S) / gpus_per_node
-    ddp = predict(compiled, target, gpus_per_node, nodes, intra_node_bytes_per_s, inter_node_bytes_per_s, mode=mode)
+    inter = inter_node_bytes_per_s or DEFAULT_INTER_NODE_BYTES_PER_S
+    ddp = predict(compiled, target, gpus_per_node, nodes, intra_node_bytes_per_s, inter_node_bytes_per_s, mode=mode,
+                  provider=provider)
+
+    def coll(op: str, nbytes: float) -> float:
+        return collective_s(op, nbytes, target.name, gpus_per_node, nodes, intra_node_bytes_per_s, inter, provider)
     pm = compiled.modes[mode]["peak_memory"] if mode in compiled.modes else compiled.peak_memory
     params, opt, batch = pm["params_bytes"], pm["opt_state_bytes"], pm["batch_bytes"]
     reserve, grads = pm["reserve_bytes"], compiled.grad_bytes
@@ -131,20 +129,25 @@ def predict_strategies(compiled, target: Target, gpus_per_node: int, nodes: int,
     largest_unit = max(units.values())
     compute = ddp.compute_time_s
     fwd = compute * FORWARD_SHARE
+    # the optimizer step: DDP updates every parameter on every device, FSDP each device its shard
+    optimizer = float((compiled.modes.get(mode) or {}).get("by_phase", {}).get("optimizer", 0.0))
+    # FSDP's collectives, one per unit and direction, each paying its latency
+    ag = sum(coll("all-gather", u * param_dtype_bytes) for u in units.values()) if world > 1 else 0.0
+    rs = sum(coll("reduce-scatter", u * REDUCE_DTYPE_BYTES) for u in units.values()) if world > 1 else 0.0
     out = []
     for par in parallelisms:
         for ckpt in checkpointing:
             a = int(acts * min(1.0, 2.0 / blocks)) if ckpt else acts
             recompute = fwd if ckpt else 0.0
+            base = compute
             if par == "ddp":
                 mem = {"params": params, "grads": grads, "opt_state": opt, "activations": a, "gather": 0}
                 comm = ddp.allreduce_time_s
             else:
+                base = compute - optimizer * (1 - 1 / world)
                 mem = {"params": params // world, "grads": grads // world, "opt_state": opt // world,
                        "activations": a,
                        "gather": 2 * largest_unit * param_dtype_bytes + largest_unit * REDUCE_DTYPE_BYTES}
-                ag = collective_time_s(n_params * param_dtype_bytes, gpus_per_node, nodes, intra, inter)
-                rs = collective_time_s(n_params * REDUCE_DTYPE_BYTES, gpus_per_node, nodes, intra, inter)
                 n_units = len(units) if len(units) > 1 else 1
                 bwd = compute - fwd + recompute
                 comm = (ag / n_units + max(0.0, ag * (1 - 1 / n_units) - fwd)
@@ -152,7 +155,7 @@ def predict_strategies(compiled, target: Target, gpus_per_node: int, nodes: int,
             mem |= {"batch": batch, "reserve": reserve}
             out.append(StrategyPrediction(
                 parallelism=par, activation_checkpointing=ckpt, world_size=world,
-                compute_time_s=compute + recompute, comm_time_s=comm, step_time_s=compute + recompute + comm,
+                compute_time_s=base + recompute, comm_time_s=comm, step_time_s=base + recompute + comm,
                 memory_bytes=int(sum(mem.values())), memory_capacity_bytes=int(target.hw.memory_bytes), breakdown=mem,
             ))
     return out

@@ -20,7 +20,6 @@ from sftctl.compiler.cache import COMPILER_VERSION
 from sftctl.compiler.fusion import Kernel, fuse
 from sftctl.compiler.hardware import Accelerator
 from sftctl.compiler.ir import Graph
-from sftctl.compiler.costmodel import allreduce_time_s
 from sftctl.compiler.memory import PeakMemory, peak_memory
 from sftctl.compiler.modes import predict_mode
 from sftctl.compiler.problem import GemmProblem
@@ -28,14 +27,15 @@ from sftctl.compiler.roofline import attention_time_s, mma_dtype, roofline_time_
 from sftctl.compiler.search.gemm import search_gemm
 from sftctl.compiler.target import Target
 
-# Data-parallel gradient all-reduce (see costmodel.allreduce_time_s). PyTorch DDP all-reduces
-# 25 MB buckets while backward runs (Li et al., "PyTorch Distributed", VLDB 2020), so most of it
-# hides behind backward, which is about 2/3 of a step's compute (backward ~ 2x forward FLOPs).
+# Data-parallel gradient all-reduce (sftctl.compiler.collectives: measured alpha-beta per link).
+# PyTorch DDP all-reduces 25 MiB buckets (bucket_cap_mb=25) while backward runs (Li et al.,
+# "PyTorch Distributed", VLDB 2020), so most of it hides behind backward, which is about 2/3 of a
+# step's compute (backward ~ 2x forward FLOPs); each bucket pays the collective's latency.
 ALLREDUCE_OVERLAP = 0.8
 BACKWARD_SHARE = 2 / 3
-# Links when an offering does not say: PCIe 4.0 x16 (~25 GB/s) and a 10 Gbit/s network.
-DEFAULT_INTRA_NODE_BYTES_PER_S = 25e9
-DEFAULT_INTER_NODE_BYTES_PER_S = 1.25e9
+DDP_BUCKET_BYTES = 25 * 2**20
+# The network when an offering does not say: 100 Gbit/s per node.
+DEFAULT_INTER_NODE_BYTES_PER_S = 12.5e9
 
 
 @dataclasses.dataclass
@@ -362,22 +362,26 @@ class StepPrediction:
 
 def predict(compiled: CompiledStep, target: Target, gpus_per_node: int, nodes: int,
             intra_node_bytes_per_s: float | None, inter_node_bytes_per_s: float | None,
-            mode: str = "sftensor") -> StepPrediction:
+            mode: str = "sftensor", provider: str | None = None) -> StepPrediction:
     """Step time of ``compiled`` on ``nodes`` x ``gpus_per_node`` devices (data parallel), in
-    execution ``mode`` (``eager``, ``default`` or ``sftensor``; see :mod:`sftctl.compiler.modes`)."""
+    execution ``mode`` (``eager``, ``default`` or ``sftensor``; see :mod:`sftctl.compiler.modes`).
+
+    The gradient all-reduce is DDP's: float32 gradients in 25 MiB buckets, each priced by
+    :func:`sftctl.compiler.collectives.time_s` on the accelerator's in-host link (PCIe when
+    ``intra_node_bytes_per_s`` says so) and ``provider``'s network, ``ALLREDUCE_OVERLAP`` of it
+    hidden behind backward (never more than the backward's compute)."""
+    from sftctl.compiler.collectives import bucketed_time_s
+
     hw = target.hw
     world = gpus_per_node * nodes
     compute = compiled.mode_time_s(mode)
     pm = PeakMemory(**(compiled.modes[mode]["peak_memory"] if mode in compiled.modes else compiled.peak_memory))
     ar = 0.0
     if world > 1:
-        ar = allreduce_time_s(
-            compiled.grad_bytes, gpus_per_node, nodes,
-            intra_node_bytes_per_s or DEFAULT_INTRA_NODE_BYTES_PER_S,
-            (inter_node_bytes_per_s or DEFAULT_INTER_NODE_BYTES_PER_S) / gpus_per_node,  # per GPU
-            overlap_fraction=ALLREDUCE_OVERLAP,
-            backward_compute_s=compute * BACKWARD_SHARE,
-        )
+        total = bucketed_time_s("all-reduce", compiled.grad_bytes, DDP_BUCKET_BYTES, hw.name, gpus_per_node, nodes,
+                                intra_node_bytes_per_s, inter_node_bytes_per_s or DEFAULT_INTER_NODE_BYTES_PER_S,
+                                provider)
+        ar = total - min(ALLREDUCE_OVERLAP * total, compute * BACKWARD_SHARE)
     return StepPrediction(
         accelerator=compiled.accelerator,
         world_size=world,
