@@ -408,7 +408,7 @@ def start(job: str) -> JobView:
         jd.mkdir(parents=True, exist_ok=True)
         with open(jd / "controller.log", "ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "sftctl.controller", record.id],
+                procs.module_argv("sftctl.controller", record.id),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, close_fds=True,
             )

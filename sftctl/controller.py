@@ -529,6 +529,7 @@ class Controller:
                 setup=self.spec.setup,
                 run=self.spec.run,
                 health=self.spec.health.enabled,
+                secrets=required_secrets(self.spec),
             )
             env = self.node_env(node["rank"], attempt, port)
             node["handle"] = self.provider.launch(node["handle"], script, env, attempt)
@@ -956,7 +957,8 @@ def preview(spec: JobSpec, plan_doc: dict, job_id: str = "<job-id>") -> dict:
         env.update({k: "<secret>" for k in spec.secrets if k in env})
         env.update({k: v for k, v in spec.env.items() if env_references(v)})  # ${MY_API_TOKEN}, not its value
         script = render("node.sh.j2", job_id=job_id, node_id=n["id"], rank=n["rank"], attempt=1,
-                        workdir=spec.workdir, setup=spec.setup, run=spec.run, health=spec.health.enabled)
+                        workdir=spec.workdir, setup=spec.setup, run=spec.run, health=spec.health.enabled,
+                        secrets=required_secrets(spec))
         bootstrap = None
         if cloud:
             bootstrap = render("bootstrap.sh.j2", job_id=job_id, node_id=n["id"], rank=n["rank"],
@@ -1065,6 +1067,14 @@ def secret_env_keys(spec: JobSpec) -> set[str]:
 
     return {k for k, v in spec.env.items()
             if any(name in spec.secrets or is_secret_name(name) for name in env_references(v))}
+
+
+def required_secrets(spec: JobSpec) -> list[str]:
+    """The variables a node refuses to run without (``templates/node.sh.j2``): every name in
+    ``secrets:`` and every ``env:`` variable that carries a secret (:func:`secret_env_keys`), so
+    a secret that did not arrive stops the attempt with a line naming it, never runs empty."""
+    names = set(spec.secrets) | secret_env_keys(spec)
+    return sorted(n for n in names if n.isascii() and n.isidentifier())
 
 
 def _provider_options(spec: JobSpec, name: str) -> dict:

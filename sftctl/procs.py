@@ -11,10 +11,28 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
 _PROC = Path("/proc")
+
+#: ``python -c`` code that runs sftctl module ``{module}`` as ``python -m`` would, but with no
+#: working directory on ``sys.path``: ``-m`` and ``-c`` put the caller's cwd first there, so a
+#: directory holding an ``sftctl/`` package (a checkout, a workdir) would run its code as
+#: sftctl. ``python -P`` does the same from 3.11 on; this works on every Python sftctl supports.
+SAFE_MODULE_CODE = ('import sys, runpy; sys.path[:1] = [] if sys.path[:1] == [""] else sys.path[:1]; '
+                    'runpy.run_module("{module}", run_name="__main__", alter_sys=True)')
+
+
+def module_argv(module: str, *args: str, python: str | None = None) -> list[str]:
+    """The argv that runs sftctl's own ``module`` (``sftctl.controller``) with ``args`` under
+    ``python`` (default: this interpreter), never importing code from the working directory
+    (see :data:`SAFE_MODULE_CODE`). Every place sftctl starts one of its modules uses it (node
+    scripts through the templates' ``py_module`` global)."""
+    if not module.replace(".", "").replace("_", "").isalnum():
+        raise ValueError(f"not a module name: {module!r}")
+    return [python or sys.executable, "-c", SAFE_MODULE_CODE.format(module=module), *args]
 
 
 def start_ticks(pid: int) -> int | None:
@@ -122,8 +140,6 @@ def guard(controller_pid: int, controller_ticks: int | None, node_id: str, argv:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m sftctl.procs guard PID TICKS NODE_ID -- COMMAND...`` (see :func:`guard`)."""
-    import sys
-
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 6 or args[0] != "guard" or args[4] != "--":
         sys.stderr.write("usage: python -m sftctl.procs guard PID TICKS NODE_ID -- COMMAND...\n")

@@ -24,7 +24,7 @@ def _daemon_pid(node_id: str) -> int | None:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"sftctl.node" in cmd:
+        if any(b"sftctl.node" in a for a in cmd):
             return pid
     return None
 

@@ -22,7 +22,7 @@ from sftctl import procs
 from sftctl.catalog import Offering, local_offering
 from sftctl.errors import CapacityError, ProviderError
 from sftctl.paths import job_dir, sftctl_home
-from sftctl.protocol import METRICS_GLOB, NodeDir, complete_json_lines, parse_failure, read_exit_file
+from sftctl.protocol import METRICS_GLOB, NodeDir, complete_json_lines, is_secret_name, parse_failure, read_exit_file
 from sftctl.providers.base import NodeState, NodeStatus
 from sftctl.types import FailureReason, LocalHandle
 
@@ -122,9 +122,12 @@ class LocalProvider:
             "SFTCTL_STORAGE_URL": self.channel.storage.url,
             "SFTCTL_PYTHON": sys.executable,
             "GLOO_SOCKET_IFNAME": env.get("GLOO_SOCKET_IFNAME", "lo"),
+            # the secrets storage holds by name only (protocol rule 7): this node's daemon has
+            # them in its own environment, as a cloud node has them from its instance
+            **{k: v for k, v in env.items() if k in self.channel.secret_keys or is_secret_name(k)},
         }
         with open(Path(handle.dir) / "daemon.log", "ab") as log:
-            proc = subprocess.Popen(_guarded(handle.node_id, [sys.executable, "-m", "sftctl.node"]), cwd=daemon_dir, env=full_env,
+            proc = subprocess.Popen(_guarded(handle.node_id, procs.module_argv("sftctl.node")), cwd=daemon_dir, env=full_env,
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         return handle.with_(pid=proc.pid, start_ticks=procs.start_ticks(proc.pid), attempt=attempt)
@@ -221,8 +224,8 @@ def _guarded(node_id: str, argv: list[str]) -> list[str]:
     A controller killed even with SIGKILL thus takes its local nodes with it within seconds."""
     me = os.getpid()
     ticks = procs.start_ticks(me)
-    return [sys.executable, "-m", "sftctl.procs", "guard", str(me), "-" if ticks is None else str(ticks),
-            node_id, "--", *argv]
+    return procs.module_argv("sftctl.procs", "guard", str(me), "-" if ticks is None else str(ticks),
+                             node_id, "--", *argv)
 
 
 #: Every local node process carries the sftctl home that started it, so ``sftctl down

@@ -6,6 +6,9 @@ take the node directory's file names from it (``{{ protocol.exit_name(attempt) }
 ``{{ protocol.exit_name("$attempt") }}`` for an attempt the script knows only at run time)
 rather than spelling them.
 
+``py_module("sftctl.agent")`` gives the words after a Python that run one of sftctl's modules
+as ``-m`` would but never from the working directory (:func:`sftctl.procs.module_argv`).
+
 Filters: ``q`` shell-quotes a value; ``yq`` makes it a one-line YAML double-quoted scalar
 (every character escaped as YAML needs); ``b64`` base64-encodes its UTF-8 text (Secret data).
 """
@@ -21,6 +24,14 @@ def _yaml_scalar(value) -> str:
     import yaml
 
     return yaml.safe_dump(str(value), default_style='"', width=float("inf"), allow_unicode=False).rstrip("\n")
+
+
+def _py_module(module: str) -> str:
+    """``-c '...'``: the shell words after a Python that run sftctl's ``module`` without the
+    working directory on ``sys.path`` (:func:`sftctl.procs.module_argv`)."""
+    from sftctl.procs import module_argv
+
+    return " ".join(shlex.quote(a) for a in module_argv(module)[1:])
 
 
 @lru_cache(maxsize=1)
@@ -39,6 +50,7 @@ def _env():
     from sftctl import protocol
 
     env.globals["protocol"] = protocol
+    env.globals["py_module"] = _py_module
     return env
 
 

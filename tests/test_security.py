@@ -1,0 +1,112 @@
+"""Issue 28: only the user's code runs, secrets arrive, node output cannot drive the terminal.
+
+Real local jobs (the local provider, directory job storage), real bash and real Python children.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import write_spec
+
+#: a module that, imported or run, leaves a marker file: the planted code ran
+PLANT = "import pathlib\npathlib.Path({marker!r}).write_text(__name__ + ' ' + __file__)\n"
+
+
+def _plant_sftctl(where: Path, marker: Path) -> None:
+    """A fake ``sftctl`` package in ``where`` whose every module writes ``marker``."""
+    pkg = where / "sftctl"
+    pkg.mkdir()
+    for name in ("__init__", "__main__", "controller", "agent", "node", "failure", "procs", "cli"):
+        (pkg / f"{name}.py").write_text(PLANT.format(marker=str(marker)))
+
+
+@pytest.mark.parametrize("storage", [False, True], ids=["plain", "directory-storage"])
+def test_a_planted_sftctl_in_the_cwd_and_workdir_never_runs(home, tmp_path, monkeypatch, storage):
+    """Issue 28 item 2: the detached controller, the guard, the node daemon, the agent and the
+    failure helper are sftctl's own modules even when the caller's cwd and the job's workdir hold
+    an ``sftctl/`` package (python -m would import that one first)."""
+    from sftctl import api
+    from sftctl.types import JobStatus
+
+    work = tmp_path / "work"
+    work.mkdir()
+    marker = tmp_path / "planted-code-ran"
+    _plant_sftctl(work, marker)
+    monkeypatch.chdir(work)
+    store = f"storage: {{url: {tmp_path / 'store'}}}\n" if storage else ""
+    spec = write_spec(tmp_path / "job.yaml", f"""\
+name: planted
+workdir: {work}
+resources: {{nodes: 1}}
+health: {{enabled: true}}
+recovery: {{max_restarts: 0}}
+{store}run: |
+  echo "ran in $PWD"
+  exit 3
+""")
+    job = api.run(spec, detach=True)
+    done = api.wait(job.id, timeout_s=300, poll_s=0.5)
+    text = "\n".join(map(str, api.logs(job.id)))
+    assert done.status is JobStatus.FAILED, (done.failure_reason, text)
+    assert "ran in" in text and "run exited with code 3" in text, text
+    assert not marker.exists(), f"planted code ran: {marker.read_text()}"
+
+
+def test_a_secret_reference_reaches_a_node_fed_by_storage(home, tmp_path, monkeypatch):
+    """Issue 28 item 3: ``env: {TOKEN: ${MY_SECRET}}`` with ``storage:`` delivers the value to
+    the node (it arrived empty), and the job's storage never holds it."""
+    from sftctl import api
+    from sftctl.types import JobStatus
+
+    value = "s3cr3t-value-4242"
+    monkeypatch.setenv("MY_SECRET", value)
+    work = tmp_path / "work"
+    work.mkdir()
+    spec = write_spec(tmp_path / "job.yaml", f"""\
+name: secret-ref
+workdir: {work}
+resources: {{nodes: 1}}
+health: {{enabled: false}}
+storage: {{url: {tmp_path / 'store'}}}
+env: {{TOKEN: "${{MY_SECRET}}"}}
+run: |
+  echo "token-length=${{#TOKEN}}"
+  echo "token-sha=$(printf %s "$TOKEN" | sha256sum | cut -c1-16)"
+""")
+    job = api.run(spec, detach=True)
+    done = api.wait(job.id, timeout_s=300, poll_s=0.5)
+    text = "\n".join(map(str, api.logs(job.id)))
+    assert done.status is JobStatus.SUCCEEDED, (done.failure_reason, text)
+    sha = hashlib.sha256(value.encode()).hexdigest()[:16]
+    assert f"token-length={len(value)}" in text and f"token-sha={sha}" in text, text
+    stored = [p for p in (tmp_path / "store").rglob("*") if p.is_file() and value.encode() in p.read_bytes()]
+    assert stored == []
+
+
+def test_a_node_without_its_secret_refuses_to_run(tmp_path):
+    """Issue 28 item 3: a node whose environment lacks a secret the job needs stops before the
+    spec's run with a line naming it (exit 78), never runs with it empty."""
+    import subprocess
+    import sys
+
+    from sftctl.protocol import NodeDir
+    from sftctl.templates import render
+
+    node = tmp_path / "node"
+    node.mkdir()
+    script = render("node.sh.j2", job_id="j", node_id="n1", rank=0, attempt=1, workdir=str(tmp_path),
+                    setup="", health=False, run="echo user-run-started", secrets=["TOKEN"])
+    env = {k: v for k, v in os.environ.items() if k != "TOKEN"}
+    env.update(SFTCTL_NODE_DIR=str(node), SFTCTL_PYTHON=sys.executable, TOKEN="")
+    proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 78 and "user-run-started" not in proc.stdout, proc.stdout
+    assert "secret TOKEN is empty or not set on this node" in proc.stdout
+    assert NodeDir(node).exits() == [(1, 78)]
+    env["TOKEN"] = "x"
+    proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "user-run-started" in proc.stdout, proc.stdout
