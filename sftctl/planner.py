@@ -160,7 +160,7 @@ class Predictor:
             param_dtype_bytes=2 if self.spec.model.dtype in ("bfloat16", "float16") else 4,
             parallelisms=("ddp", "fsdp") if t.parallelism == "auto" else (t.parallelism,),
             checkpointing=(False, True) if t.activation_checkpointing is None else (t.activation_checkpointing,),
-            provider=offering.provider)
+            provider=f"{offering.provider}:{offering.instance_type}")
 
 
 def execution_mode(spec: JobSpec) -> str:

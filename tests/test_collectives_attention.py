@@ -136,7 +136,7 @@ def test_predict_reads_collective_and_attention_records_in_order(monkeypatch, ca
     # a bad record names its line and field, writes nothing
     rc, out, err = _predict([json.dumps(attn), json.dumps(dict(attn, head_dim=0))], "h100", monkeypatch, capsys)
     assert rc == 2 and out == [] and "line 2" in err and "head_dim" in err
-    rc, out, err = _predict([json.dumps(dict(stripped[0], opcode="broadcast"))], "h200", monkeypatch, capsys)
+    rc, out, err = _predict([json.dumps(dict(stripped[0], opcode="broadcast"))], "b200", monkeypatch, capsys)
     assert rc == 2 and "opcode" in err
 
 
@@ -147,3 +147,10 @@ def test_record_interpolation_between_measured_sizes():
     lo, hi = 2**24, 2**25
     mid = collectives.time_s("all-gather", int(math.sqrt(lo * hi)), "H100", 8)
     assert by[lo] < mid < by[hi]
+
+
+def test_network_by_provider_and_instance_type():
+    assert collectives.network_link("gcp:a3-highgpu-8g").name == "tcpx"
+    assert collectives.network_link("gcp:a4-highgpu-8g").name == "infiniband"  # RDMA over RoCE
+    assert collectives.network_link("aws:p6-b200.48xlarge").name == "efa"
+    assert collectives.network_link(None).name == "infiniband"

@@ -18,7 +18,7 @@ from sftctl.compiler.hardware import (
     load_accelerators,
 )
 
-REQUIRED = {"H100", "H200", "A100-40GB", "A100-80GB", "L4", "A10G", "T4", "V100", "MI300X", "cpu"}
+REQUIRED = {"H100", "H200", "B200", "A100-40GB", "A100-80GB", "L4", "A10G", "T4", "V100", "MI300X", "cpu"}
 NUMERIC = [f.name for f in dataclasses.fields(Accelerator)
            if f.name not in ("name", "vendor", "triton_backend", "triton_arch", "sources")]
 
@@ -73,7 +73,7 @@ def test_peaks_equal_sms_times_clock_times_per_sm_rate(name):
 # Dense tensor-core peaks from the datasheets (sparse figures halved), TFLOP/s, for the fastest
 # 16-bit input each part has. A doubled (2:4 sparsity) figure fails these.
 DENSE_16BIT_TFLOPS = {
-    "H100": ("bfloat16", 989.4), "H200": ("bfloat16", 989.4), "A100-40GB": ("bfloat16", 312.0),
+    "H100": ("bfloat16", 989.4), "H200": ("bfloat16", 989.4), "B200": ("bfloat16", 2250.0), "A100-40GB": ("bfloat16", 312.0),
     "A100-80GB": ("bfloat16", 312.0), "L4": ("bfloat16", 121.0), "A10G": ("bfloat16", 70.0),
     "T4": ("float16", 65.0), "V100": ("float16", 125.0), "MI300X": ("bfloat16", 1307.4),
 }

@@ -104,8 +104,9 @@ def predict(compiled: CompiledStep, target: Target, *, gpus_per_node: int, nodes
             :mod:`sftctl.compiler.step`'s defaults); inter-node is per node.
         param_dtype_bytes: bytes of the dtype FSDP gathers parameters in (2 under bf16/fp16
             mixed precision, 4 in float32).
-        provider: the offering's provider: which network joins its nodes (EFA on ``aws``,
-            GPUDirect-TCPX on ``gcp``, else InfiniBand; :mod:`sftctl.compiler.collectives`).
+        provider: the offering's provider, or ``provider:instance_type``: which network joins
+            its nodes (EFA on ``aws``, GPUDirect-TCPX on ``gcp:a3-highgpu-8g``, else RDMA /
+            InfiniBand; :func:`sftctl.compiler.collectives.network_link`).
     """
     step = predict_step(compiled, target, gpus_per_node, nodes, intra_node_bytes_per_s, inter_node_bytes_per_s,
                         mode=mode, provider=provider)

@@ -167,9 +167,13 @@ def host_link(accelerator: str, intra_node_bytes_per_s: float | None = None) -> 
 
 
 def network_link(provider: str | None, instance_type: str | None = None) -> Link:
-    """The link between hosts: EFA on AWS, GPUDirect-TCPX on GCP's A3, InfiniBand elsewhere (Slurm,
-    Kubernetes clusters), by ``collectives.json`` ``networks``."""
-    nets = _load()["networks"]
+    """The link between hosts: EFA on AWS, GPUDirect-TCPX on GCP's A3, RDMA (the InfiniBand
+    link) on GCP's A3 Ultra / A4 and elsewhere (Slurm, Kubernetes clusters), by
+    ``collectives.json`` ``networks``. ``provider`` may carry the instance type:
+    ``gcp:a4-highgpu-8g``."""
+    nets = {k: v for k, v in _load()["networks"].items() if k != "note"}
+    if provider and ":" in provider and instance_type is None:
+        provider, instance_type = provider.split(":", 1)
     key = f"{provider}:{instance_type}" if instance_type else ""
     return link(nets.get(key) or nets.get(str(provider)) or nets["default"])
 
