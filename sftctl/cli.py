@@ -195,6 +195,9 @@ def _render_dry_run(doc: dict, as_json: bool) -> None:
         console.print(Text("\n".join(f"{k}={v}" for k, v in sorted(n["env"].items()))), soft_wrap=True)
         console.print(Rule(f"node {n['rank']}: attempt script (node.sh)", align="left"))
         console.print(Text(n["script"].rstrip()), soft_wrap=True)
+    for sub in doc.get("submits", []):  # what the scheduler would be handed: sbatch.sh, manifests
+        console.print(Rule(f"{sub['name']} (would be submitted)", align="left"))
+        console.print(Text(sub["text"].rstrip()), soft_wrap=True)
 
 
 @app.command()

@@ -936,9 +936,10 @@ def _purge_workdir_pack(store: Store, job_id: str, spec: JobSpec, kept: list[dic
 def preview(spec: JobSpec, plan_doc: dict, job_id: str = "<job-id>") -> dict:
     """What ``sftctl run`` would provision and start, rendered but not done (``run --dry-run``).
 
-    Returns ``{"offering", "nodes": [{"rank", "env", "script", "bootstrap"}]}``: each node's
-    environment (secret values shown as ``<secret>``), its attempt script (``node.sh``) and, on
-    a cloud, its first-boot script. Nothing is recorded, created or started.
+    Returns ``{"offering", "nodes": [{"rank", "env", "script", "bootstrap"}], "submits": [{"name",
+    "text"}]}``: each node's environment (secret values shown as ``<secret>``), its attempt script
+    (``node.sh``) and, on a cloud, its first-boot script; what the scheduler would be handed
+    (Slurm's sbatch and step scripts, Kubernetes manifests). Nothing is recorded, created or started.
     """
     from sftctl.templates import render
 
@@ -965,7 +966,39 @@ def preview(spec: JobSpec, plan_doc: dict, job_id: str = "<job-id>") -> dict:
                                storage_url=job_storage_url(spec, job_id) or "",
                                install=settings.get("SFTCTL_NODE_INSTALL") or _default_install())
         nodes.append({"rank": n["rank"], "env": env, "script": script, "bootstrap": bootstrap})
-    return {"offering": c.offering.to_dict(), "nodes": nodes}
+    return {"offering": c.offering.to_dict(), "nodes": nodes, "submits": _preview_submits(spec, c, nodes)}
+
+
+def _preview_submits(spec: JobSpec, c: "Controller", nodes: list[dict]) -> list[dict]:
+    """What ``preview`` adds per provider: ``[{"name", "text"}]``, the documents sftctl would hand
+    the scheduler: Slurm's ``sbatch.sh`` and ``step.sh``, each Kubernetes node's manifests
+    (Secret values shown as ``<secret>``). Empty for the others (their nodes get ``bootstrap``)."""
+    provider = c.offering.provider
+    if provider == "slurm":
+        from sftctl.providers import get_provider
+
+        slurm = get_provider("slurm", config=spec.slurm.model_dump() if spec.slurm else None,
+                             num_nodes=spec.resources.nodes, time_limit_s=spec.resources.deadline_s)
+        scripts = slurm.batch_scripts(c.job_id, 1, [n["id"] for n in c.nodes], c.offering)
+        return [{"name": f"attempt-1/{name}", "text": text} for name, text in scripts.items()]
+    if provider == "kubernetes":
+        import yaml
+
+        from sftctl.providers.cloud import InstanceRequest
+        from sftctl.providers.kubernetes import node_manifests
+
+        out = []
+        secrets = {k: "<secret>" for k in required_secrets(spec)}
+        for n, shown_node in zip(c.nodes, nodes):
+            request = InstanceRequest(job_id=c.job_id, node_id=n["id"], rank=n["rank"], offering=c.offering,
+                                      zone=None, spot=spec.resources.spot, bootstrap=shown_node["bootstrap"] or "",
+                                      image=spec.resources.image)
+            objs = node_manifests(request, namespace=settings.get("SFTCTL_K8S_NAMESPACE") or "default",
+                                  secrets=secrets or None, num_nodes=spec.resources.nodes)
+            out.append({"name": f"node {n['rank']}: Kubernetes objects",
+                        "text": yaml.safe_dump_all([o for o in objs.values() if o is not None], sort_keys=False)})
+        return out
+    return []
 
 
 OWNER_FILE = ".sftctl-job"  # in a spec's train.checkpoint_dir: the job whose checkpoints it holds

@@ -1,6 +1,6 @@
 """The Slurm provider's settings: :class:`SlurmConfig`, the one declaration of the ``slurm:``
-section's fields (config file and job spec), and :func:`value_problem`, the one check of a value
-against a field's type. A leaf: it imports nothing of sftctl, so :mod:`sftctl.settings` (which
+section's fields (config file and job spec), :func:`value_problem`, the one check of a value
+against a field's type, and :func:`control_problem` (no control characters: values reach sbatch's script). A leaf: it imports nothing of sftctl, so :mod:`sftctl.settings` (which
 validates the config file's section when it reads the file), :mod:`sftctl.spec` and
 :mod:`sftctl.providers.slurm` (which loads and uses it) all take it from here.
 """
@@ -57,6 +57,21 @@ _WORDS = {"str": "text (quote it: \"...\")", "int": "an integer >= 1", "float": 
           "bool": "true or false", "dict": "a mapping of text to text", "tuple": "a list of text", "None": ""}
 
 
+#: fields that are Slurm names: one word each on an ``#SBATCH`` line
+NAMES = ("partition", "account", "qos")
+
+
+def control_problem(v: typing.Any) -> str | None:
+    """None when text ``v`` holds no control character (a newline, a carriage return, an escape),
+    else what is wrong. A ``slurm:`` value reaches ``#SBATCH`` lines and the job's scripts:
+    a newline in ``qos`` would be a shell line of its own on the compute node (issue 28)."""
+    for i, ch in enumerate(v if isinstance(v, str) else ""):
+        if ord(ch) < 32 or 127 <= ord(ch) < 160:
+            return (f"it contains a control character ({ch!r} at position {i}), which would reach the "
+                    "sbatch script as shell text")
+    return None
+
+
 def value_problem(key: str, v: typing.Any) -> str | None:
     """None when ``v`` fits field ``key``'s annotated types, else what would (``an integer >= 1``).
     Counts and ports are >= 1 and prices >= 0. Raises KeyError for a field SlurmConfig lacks."""
@@ -64,6 +79,11 @@ def value_problem(key: str, v: typing.Any) -> str | None:
     if v is None and "None" in kinds:
         return None
     number = isinstance(v, (int, float)) and not isinstance(v, bool)
+    texts = [v] if isinstance(v, str) else [*v, *v.values()] if isinstance(v, dict) else v if isinstance(v, list) else []
+    if any(control_problem(t) for t in texts):
+        return f"{_WORDS[kinds[0]]} without control characters (one line: a newline would reach the sbatch script)"
+    if key in NAMES and isinstance(v, str) and any(c.isspace() for c in v):
+        return "a Slurm name without white space (it would split into more sbatch options)"
     for kind in kinds:
         if kind == "str" and isinstance(v, str) and v.strip():
             return None

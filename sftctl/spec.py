@@ -43,6 +43,7 @@ from pydantic import (
     PositiveFloat,
     Strict,
     ValidationError,
+    ValidationInfo,
     field_validator,
 )
 
@@ -277,6 +278,19 @@ class SlurmSpec(_Strict):
     python: str | None = None
     requeue: StrictBool | None = Field(None, description="sbatch --requeue (default true): Slurm itself "
                                        "requeues the job after preemption or a node failure")
+
+    @field_validator("host", "user", "key", "partition", "account", "qos", "remote_dir", "python")
+    @classmethod
+    def _one_line(cls, v: str | None, info: ValidationInfo) -> str | None:
+        from sftctl.slurm_config import NAMES, control_problem
+
+        problem = control_problem(v)
+        if problem:
+            raise ValueError(f"{shown(v)}: {problem}; write it on one line")
+        if info.field_name in NAMES and v is not None and any(c.isspace() for c in v):
+            raise ValueError(f"{shown(v)}: a Slurm {info.field_name} name has no white space "
+                             "(it would split into more sbatch options)")
+        return v
 
 
 class JobSpec(_Strict):

@@ -528,3 +528,31 @@ def test_the_planner_offers_what_the_cluster_has(kubeconfig):
     assert chosen.offering.provider == "kubernetes"
     offered = {(c.offering.accelerator, c.offering.count) for c in chosen.candidates if c.rejected is None}
     assert ("H100", 8) in offered and ("L4", 1) in offered
+
+
+def test_dry_run_preview_shows_the_manifests(tmp_path, monkeypatch):
+    """Issue 28: ``run --dry-run`` shows each node's Kubernetes objects as they would be created;
+    the Secret carries placeholders, never a value."""
+    import yaml
+
+    from sftctl import api
+    from sftctl.controller import preview
+
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    spec_path = tmp_path / "job.yaml"
+    spec_path.write_text(f"""\
+name: k8s-preview
+workdir: {tmp_path}
+resources: {{accelerators: ["H100:8"], nodes: 2, clouds: [kubernetes]}}
+storage: {{url: pvc://claim/jobs}}
+secrets: [HF_TOKEN]
+run: echo hi
+""")
+    spec = api.load(spec_path)
+    doc = preview(spec, {"offering": Offering("kubernetes", "pool", "H100", 8, "ctx", 0.0).to_dict()})
+    assert [s["name"] for s in doc["submits"]] == ["node 0: Kubernetes objects", "node 1: Kubernetes objects"]
+    objs = list(yaml.safe_load_all(doc["submits"][1]["text"]))
+    assert [o["kind"] for o in objs] == ["Secret", "Service", "ConfigMap", "Pod"]
+    assert SECRET not in doc["submits"][0]["text"] + doc["submits"][1]["text"]
+    pod = objs[-1]
+    assert pod["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "8"}

@@ -508,3 +508,50 @@ def test_a_node_replaced_for_a_health_verdict_is_excluded_from_the_next_allocati
                                             f"allocations (--exclude): {health[0]['data']['kind']}: ")
     sbatch = (home / "jobs" / job / "slurm" / "attempt-2" / "sbatch.sh").read_text()
     assert f"#SBATCH --exclude={victim}" in sbatch
+
+
+@pytest.mark.parametrize("where", ["spec", "config"])
+@pytest.mark.parametrize("field", ["qos", "account", "partition"])
+def test_a_newline_in_a_slurm_field_is_refused_and_never_runs(cluster, tmp_path, home, monkeypatch, where, field):
+    """Issue 28 item 1: ``slurm: {qos: "normal\\ntouch MARKER"}`` (spec or config file) became a
+    shell line of sbatch.sh that ran on the compute node. Now: one line naming the field, exit 2,
+    no Slurm job, no marker."""
+    marker = tmp_path / "pwned"
+    value = f"normal\ntouch {marker}"
+    spec = shell_spec(tmp_path, nodes=1)
+    if where == "spec":
+        spec.write_text(spec.read_text() + f"slurm: {{{field}: {json.dumps(value)}}}\n")
+    else:
+        cfg = tmp_path / "config.yaml"
+        cfg.write_text(f"slurm:\n  {field}: {json.dumps(value)}\n")
+        monkeypatch.setenv("SFTCTL_CONFIG", str(cfg))
+    proc = sftctl("run", str(spec), "--detach")
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    [line] = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert f"slurm.{field}" in line and "control character" in line and "Traceback" not in proc.stderr
+    time.sleep(3)  # what would have run, would have run by now
+    assert cluster.jobs() == [] and not marker.exists()
+
+
+def test_the_sbatch_template_refuses_a_control_character():
+    """Issue 28 item 1, behind the settings' check: an #SBATCH word with a newline never renders."""
+    from sftctl.templates import render
+
+    ok = dict(job_id="j", attempt=1, root="/r", nodes=1, signal_s=60, comment="c", requeue=True)
+    assert "#SBATCH --qos=normal\n" in render("slurm/sbatch.sh.j2", options=["--qos=normal"], **ok)
+    with pytest.raises(ValueError, match="control character"):
+        render("slurm/sbatch.sh.j2", options=["--qos=normal\ntouch /tmp/x"], **ok)
+
+
+def test_dry_run_shows_the_sbatch_script(cluster, tmp_path, home):
+    """Issue 28: ``run --dry-run`` shows the sbatch and step scripts it would submit, nothing submitted."""
+    spec = shell_spec(tmp_path, nodes=2)
+    spec.write_text(spec.read_text() + "slurm: {qos: normal, account: lab}\n")
+    doc = json.loads(sftctl("run", str(spec), "--dry-run", "--json", check=True).stdout)
+    texts = {s["name"]: s["text"] for s in doc["submits"]}
+    assert set(texts) == {"attempt-1/sbatch.sh", "attempt-1/step.sh"}
+    assert "#SBATCH --qos=normal\n" in texts["attempt-1/sbatch.sh"]
+    assert "#SBATCH --account=lab\n" in texts["attempt-1/sbatch.sh"] and "#SBATCH --nodes=2\n" in texts["attempt-1/sbatch.sh"]
+    shown = sftctl("run", str(spec), "--dry-run", check=True).stdout
+    assert "attempt-1/sbatch.sh (would be submitted)" in shown and "#SBATCH --qos=normal" in shown
+    assert cluster.jobs() == []

@@ -608,8 +608,6 @@ class SlurmProvider:
         return handle.with_(slurm_job_id=slurm_id)
 
     def _submit(self, job_id: str, attempt: int, launches: list[dict]) -> str:
-        from sftctl.templates import render
-
         root = self.job_root(job_id)
         offering = Offering(**launches[0]["handle"].offering)
         workdir = None
@@ -636,12 +634,8 @@ class SlurmProvider:
             files[f"{nd.metrics}/.keep"] = ("", 0o600)
         node_ids = [item["handle"].node_id for item in launches]
         adir = f"{root}/attempt-{attempt}"
-        files[f"{adir}/step.sh"] = (render("slurm/step.sh.j2", job_id=job_id, attempt=attempt, root=root,
-                                           node_ids=node_ids, python_dir=str(Path(python).parent) if python else ""), 0o700)
-        opts = self._allocation_args(offering, len(launches), exclude=self.excluded)
-        files[f"{adir}/sbatch.sh"] = (render(
-            "slurm/sbatch.sh.j2", job_id=job_id, attempt=attempt, root=root, options=opts, nodes=len(launches),
-            signal_s=SIGNAL_BEFORE_S, comment=comment(job_id), requeue=self.cfg.requeue), 0o700)
+        for name, text in self.batch_scripts(job_id, attempt, node_ids, offering).items():
+            files[f"{adir}/{name}"] = (text, 0o700)
         self.runner.write_files(files)
         proc = self.runner.run(["sbatch", "--parsable", f"{adir}/sbatch.sh"], check=False, timeout=60)
         if proc.returncode != 0:
@@ -654,6 +648,27 @@ class SlurmProvider:
         with self._lock:
             self._submitted[(job_id, attempt)] = slurm_id
         return slurm_id
+
+    def batch_scripts(self, job_id: str, attempt: int, node_ids: list[str], offering: Offering) -> dict[str, str]:
+        """``{"sbatch.sh", "step.sh"}``: the text of the attempt's allocation script and of the
+        step every node runs, as :meth:`launch` submits them (``run --dry-run`` shows them).
+
+        Raises:
+            ValueError: a value bound for an ``#SBATCH`` line holds a control character (the
+                settings refuse those first: :func:`sftctl.slurm_config.control_problem`).
+        """
+        from sftctl.templates import render
+
+        root = self.job_root(job_id)
+        python = self.cfg.python or (None if self.runner.remote else sys.executable)
+        opts = self._allocation_args(offering, len(node_ids), exclude=self.excluded)
+        return {
+            "sbatch.sh": render("slurm/sbatch.sh.j2", job_id=job_id, attempt=attempt, root=root, options=opts,
+                                nodes=len(node_ids), signal_s=SIGNAL_BEFORE_S, comment=comment(job_id),
+                                requeue=self.cfg.requeue),
+            "step.sh": render("slurm/step.sh.j2", job_id=job_id, attempt=attempt, root=root, node_ids=node_ids,
+                              python_dir=str(Path(python).parent) if python else ""),
+        }
 
     def _upload_workdir(self, job_id: str, root: str) -> str:
         if job_id not in self.uploaded:

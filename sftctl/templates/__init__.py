@@ -10,7 +10,8 @@ rather than spelling them.
 as ``-m`` would but never from the working directory (:func:`sftctl.procs.module_argv`).
 
 Filters: ``q`` shell-quotes a value; ``yq`` makes it a one-line YAML double-quoted scalar
-(every character escaped as YAML needs); ``b64`` base64-encodes its UTF-8 text (Secret data).
+(every character escaped as YAML needs); ``b64`` base64-encodes its UTF-8 text (Secret data); ``sbatch`` passes one word of an ``#SBATCH``
+line, refusing control characters.
 """
 
 from __future__ import annotations
@@ -34,6 +35,19 @@ def _py_module(module: str) -> str:
     return " ".join(shlex.quote(a) for a in module_argv(module)[1:])
 
 
+def _sbatch_word(value) -> str:
+    """One word of an ``#SBATCH`` line: refused (ValueError) if it holds a control character
+    (a newline would end the comment and run the rest as shell on the compute node);
+    the ``slurm:`` settings are checked for this long before (:func:`sftctl.slurm_config.control_problem`)."""
+    from sftctl.slurm_config import control_problem
+
+    text = str(value)
+    problem = control_problem(text)
+    if problem:
+        raise ValueError(f"#SBATCH {text!r}: {problem}")
+    return text
+
+
 @lru_cache(maxsize=1)
 def _env():
     import jinja2
@@ -46,6 +60,7 @@ def _env():
     )
     env.filters["q"] = lambda v: shlex.quote(str(v))
     env.filters["yq"] = _yaml_scalar
+    env.filters["sbatch"] = _sbatch_word
     env.filters["b64"] = lambda v: base64.b64encode(str(v).encode()).decode()
     from sftctl import protocol
 
