@@ -445,13 +445,16 @@ def logs(
     """Print a job's node logs (each line prefixed with its node when there are several)."""
     from sftctl import api
 
+    from sftctl.ui import tty_safe
+
     follow = follow or exit_code
+    on_tty = sys.stdout.isatty()  # a terminal obeys escapes in node output: show them instead
     for line in api.logs(job_id, follow=follow, node=node):
         if line.notice:  # the controller died: following the nodes could last forever
             sys.stdout.flush()
             _console(stderr=True).print(f"[yellow]warning:[/] {_escape(line.text)}", soft_wrap=True)
             continue
-        sys.stdout.write(f"{line}\n")
+        sys.stdout.write(f"{tty_safe(str(line)) if on_tty else line}\n")
         if follow:
             sys.stdout.flush()
     sys.stdout.flush()

@@ -303,7 +303,10 @@ class RunView:
             self._print_log(rank, line)
 
     def _print_log(self, rank: int, line: str) -> None:
-        self.progress.console.print(Text.assemble((f"(node {rank}) ", "dim"), line.rstrip("\r")))
+        text = line.rstrip("\r")
+        if self.progress.console.is_terminal:
+            text = tty_safe(text)
+        self.progress.console.print(Text.assemble((f"(node {rank}) ", "dim"), text))
 
     def metrics(self, samples: list[dict]) -> None:
         """Progress from step reports. The loss shown is the mean over the ranks of each one's
@@ -406,3 +409,15 @@ def kernels_table(kernels: list, top: int) -> FitTable:
         rows.append([str(k.index), k.label, _seconds(k.time_s), f"{100 * k.time_s / total:.1f}%", k.bound,
                      f"{k.arithmetic_intensity:.1f} F/B", f"{100 * k.roofline_fraction:.0f}%", sched])
     return FitTable(cols, rows, title=f"slowest {min(top, len(kernels))} of {len(kernels)} kernels")
+
+
+#: C0 and C1 control characters but newline and tab: what a terminal would obey (ESC sequences
+#: set the title, clear the screen, move the cursor; the kubectl CVE-2021-25743 class)
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0, 32), *range(127, 160)) if c not in (9, 10)}
+
+
+def tty_safe(text: str) -> str:
+    """``text`` with every control character other than newline and tab shown as ``\\xNN``:
+    node output printed on a terminal (``sftctl logs``, an attached ``run``) cannot drive it.
+    ``--json`` and output to a file or pipe keep the bytes as the node wrote them."""
+    return text.translate(_CONTROL)

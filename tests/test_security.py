@@ -110,3 +110,56 @@ def test_a_node_without_its_secret_refuses_to_run(tmp_path):
     env["TOKEN"] = "x"
     proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "user-run-started" in proc.stdout, proc.stdout
+
+
+def _on_a_pty(argv: list[str], timeout_s: float = 120) -> bytes:
+    """Run ``argv`` with its stdout on a pseudo-terminal; return what reached the terminal."""
+    import pty
+    import select
+    import subprocess
+    import time
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(argv, stdout=slave, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    os.close(slave)
+    out, end = b"", time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        ready, _, _ = select.select([master], [], [], 0.5)
+        if ready:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+        elif proc.poll() is not None:
+            break
+    proc.wait(timeout=30)
+    os.close(master)
+    return out
+
+
+def test_node_output_cannot_drive_the_users_terminal(home, tmp_path):
+    """Issue 28 item 5: a node printing escapes (window title, clear screen) reaches a terminal
+    through ``sftctl logs`` as visible text; a pipe and ``--json`` keep the bytes."""
+    import sys
+
+    from conftest import sftctl
+    from sftctl import api
+    from sftctl.types import JobStatus
+
+    spec = write_spec(tmp_path / "job.yaml", f"""\
+name: escapes
+workdir: {tmp_path}
+health: {{enabled: false}}
+run: printf 'before\\033]0;pwned-title\\007\\033[2Jafter\\n'
+""")
+    job = api.run(spec, detach=True)
+    assert api.wait(job.id, timeout_s=300, poll_s=0.5).status is JobStatus.SUCCEEDED
+    shown = _on_a_pty([sys.executable, "-m", "sftctl.cli", "logs", job.id])
+    assert b"before" in shown and b"after" in shown, shown
+    assert b"\x1b" not in shown and b"\x07" not in shown, shown
+    assert b"\\x1b]0;pwned-title\\x07\\x1b[2J" in shown
+    piped = sftctl("logs", job.id, check=True).stdout
+    assert "before\x1b]0;pwned-title\x07\x1b[2Jafter" in piped
