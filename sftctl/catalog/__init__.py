@@ -12,7 +12,10 @@ instance's documented "up to" network figure).
 
 Accelerator hardware facts (``accelerators.yaml``: FLOP/s, bandwidths, SM resources, each with
 its source) are owned by :mod:`sftctl.catalog.accelerators`; the compiler reads them through
-``sftctl.compiler.hardware``, which re-exports that module. The catalog imports no compiler code.
+``sftctl.compiler.hardware``, which re-exports that module. How an accelerator is recognized (a
+CUDA device, Kubernetes node labels, a GCE accelerator type, a Slurm GPU type, the calibration it
+shares) is the ``identity:`` column of the same table, read by :mod:`sftctl.catalog.identity`
+(``catalog.identify(device)``). The catalog imports no compiler code.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import datetime
 import os
 from pathlib import Path
 
+from sftctl.catalog.identity import identify  # noqa: F401 - catalog.identify(device)
 from sftctl.types import Offering  # the vocabulary; re-exported here
 
 _CSV = Path(__file__).with_name("offerings.csv")

@@ -99,8 +99,9 @@ _INT_FIELDS = (
 )
 _FLOAT_FIELDS = ("clock_hz", "hbm_bytes_per_s", "memory_latency_s", "launch_overhead_s")
 _RATE_FIELDS = ("matrix_flops_per_s", "vector_flops_per_s")
-# Entry keys that are not Accelerator fields: per-SM FLOP/clock rates the peaks are built from.
-_EXTRA_KEYS = ("derivation",)
+# Entry keys that are not Accelerator fields: per-SM FLOP/clock rates the peaks are built from,
+# and how the accelerator is recognized (sftctl.catalog.identity).
+_EXTRA_KEYS = ("derivation", "identity")
 
 
 def _number(value, where: str, kind=float):
@@ -222,6 +223,22 @@ def _build(entry: dict) -> Accelerator:
 
 
 @functools.lru_cache(maxsize=1)
+def _entries() -> tuple[dict, ...]:
+    """The YAML's accelerator entries as written (read once)."""
+    import yaml  # deferred: keeps ``import sftctl.compiler.hardware`` cheap
+
+    with ACCELERATORS_YAML.open() as f:
+        doc = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml: 20x faster, same result
+    return tuple(doc["accelerators"])
+
+
+def load_identities() -> dict[str, dict]:
+    """Each accelerator's ``identity:`` mapping as written in ``accelerators.yaml`` ({} where it
+    has none), by catalog name; :mod:`sftctl.catalog.identity` reads it."""
+    return {str(e["name"]): dict(e.get("identity") or {}) for e in _entries()}
+
+
+@functools.lru_cache(maxsize=1)
 def load_accelerators() -> dict[str, Accelerator]:
     """Every accelerator in ``accelerators.yaml`` by catalog name (``H100``, ..., ``cpu``).
 
@@ -230,12 +247,8 @@ def load_accelerators() -> dict[str, Accelerator]:
     Cached: the table is read once per process and the same dict is returned to every caller, so
     treat it as read-only. Raises ValueError on a malformed file.
     """
-    import yaml  # deferred: keeps ``import sftctl.compiler.hardware`` cheap
-
-    with ACCELERATORS_YAML.open() as f:
-        doc = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml: 20x faster, same result
     table: dict[str, Accelerator] = {}
-    for entry in doc["accelerators"]:
+    for entry in _entries():
         acc = _build(entry)
         if acc.name.lower() in {n.lower() for n in table}:
             raise ValueError(f"{ACCELERATORS_YAML.name}: {acc.name} appears twice")

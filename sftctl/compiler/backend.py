@@ -14,7 +14,7 @@ For each graph it
    the output's shape, looked for through one ``view``;
 3. searches each distinct :class:`~sftctl.compiler.costmodel.GemmProblem`'s schedule with
    :func:`~sftctl.compiler.search.gemm.search_gemm` on the accelerator of the inputs' device
-   (``torch.cuda.get_device_name()`` mapped to the catalog by :func:`match_accelerator`); results
+   (``torch.cuda.get_device_name()`` mapped to the catalog by :func:`sftctl.catalog.identify`); results
    are cached on disk under the compiler's cache dir (``<cache>/backend/gemm/<key>.json``), kernels
    by Triton's own cache;
 4. rewrites the FX graph so each site is one call of :func:`sftensor_gemm` (which launches
@@ -40,13 +40,14 @@ import json
 import logging
 import math
 import operator
-import re
 import threading
 import warnings
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+
+from sftctl.catalog.identity import identify
 
 log = logging.getLogger("sftctl.compiler.backend")
 aten = torch.ops.aten
@@ -149,45 +150,10 @@ def sftensor_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
 # devices -> catalog accelerators
 # ------------------------------------------------------------------------------------------------
 
-#: compute capability -> catalog name, for NVIDIA GPUs whose marketing name the catalog lacks
-_BY_CAPABILITY = {(9, 0): "H100", (8, 0): "A100-80GB", (8, 9): "L4", (8, 6): "A10G", (7, 5): "T4",
-                  (7, 0): "V100"}
-
-
-def match_accelerator(device_name: str, memory_bytes: int | None = None,
-                      capability: tuple[int, int] | None = None):
-    """The catalog :class:`~sftctl.compiler.hardware.Accelerator` for a device name.
-
-    ``device_name`` is what ``torch.cuda.get_device_name()`` says (``NVIDIA H200``, ``NVIDIA H100
-    80GB HBM3``, ``NVIDIA A100-SXM4-40GB``, ``Tesla T4``, ``AMD Instinct MI300X``); A100s are told
-    apart by ``40GB``/``80GB`` in the name or by ``memory_bytes``. When nothing matches, the
-    catalog entry of the same NVIDIA ``capability`` is used (``(9, 0)`` -> H100). Returns None
-    when neither identifies it.
-    """
-    from sftctl.compiler.hardware import find_accelerator, load_accelerators
-
-    text = device_name.upper()
-    names = sorted(load_accelerators(), key=len, reverse=True)  # longest first: "A100-80GB" before "A100"
-    for name in names:
-        if name == "cpu":
-            continue
-        base = name.split("-")[0].upper()
-        if re.search(rf"(?<![A-Z0-9]){re.escape(base)}(?![0-9])", text):
-            if base == "A100":
-                gb = re.search(r"(\d+)\s*GB", text)
-                size = int(gb.group(1)) if gb else (
-                    40 if memory_bytes is not None and memory_bytes < 60 * 2**30 else 80)
-                return find_accelerator(f"A100-{40 if size <= 40 else 80}GB")
-            return find_accelerator(name)
-    if capability is not None and tuple(capability) in _BY_CAPABILITY:
-        return find_accelerator(_BY_CAPABILITY[tuple(capability)])
-    return None
-
-
 def accelerator_for_device(device: torch.device | None, default: str = "H100"):
     """The catalog accelerator of a torch device (``$SFTCTL_ACCELERATOR`` overrides).
 
-    CUDA devices: :func:`match_accelerator` over the device's name, memory and capability; an
+    CUDA devices: :func:`sftctl.catalog.identify` over the device's name, memory and capability; an
     unknown GPU falls back to ``default`` with a warning. Other devices (forced CPU runs): the
     ``default`` catalog entry. Raises KeyError for an unknown ``$SFTCTL_ACCELERATOR``/``default``.
     """
@@ -200,8 +166,8 @@ def accelerator_for_device(device: torch.device | None, default: str = "H100"):
     if device is not None and device.type == "cuda":
         idx = device.index if device.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(idx)
-        acc = match_accelerator(torch.cuda.get_device_name(idx), int(props.total_memory),
-                                (props.major, props.minor))
+        acc = identify(name=torch.cuda.get_device_name(idx), memory_bytes=int(props.total_memory),
+                       capability=(props.major, props.minor))
         if acc is not None:
             return acc
         warnings.warn(f"sftensor: GPU {torch.cuda.get_device_name(idx)!r} is not in the catalog; "

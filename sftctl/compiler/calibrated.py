@@ -12,14 +12,20 @@ import functools
 import json
 from pathlib import Path
 
+from sftctl.catalog.accelerators import load_identities
+from sftctl.catalog.identity import calibrated_from
 from sftctl.compiler.costmodel import Coefficients
 from sftctl.compiler.hardware import get_accelerator
 
 CALIBRATION_DIR = Path(__file__).resolve().parent / "calibrations"
 DATA_DIR = CALIBRATION_DIR / "data"
 
-#: Accelerators whose calibration comes from another's measurements: the same GH100 die.
-CARRIES_OVER = {"H100": "H200"}
+
+
+def carries_over() -> dict[str, str]:
+    """Accelerator -> the accelerator whose calibration it uses (the same die: H100 <- H200), from
+    the catalog's ``identity.calibrated_from`` column (:func:`sftctl.catalog.identity.calibrated_from`)."""
+    return {n: src for n in load_identities() if (src := calibrated_from(n))}
 
 
 def calibration_path(name: str) -> Path:
@@ -36,11 +42,11 @@ def _load_json(path: str) -> dict | None:
 
 def calibration_for(name: str) -> dict | None:
     """The shipped calibration document for accelerator ``name`` (its own, or the one it shares
-    a die with, :data:`CARRIES_OVER`); None when there is none."""
+    a die with, :func:`carries_over`); None when there is none."""
     own = _load_json(str(calibration_path(name)))
     if own is not None:
         return own
-    src = CARRIES_OVER.get(name)
+    src = calibrated_from(name)
     return _load_json(str(calibration_path(src))) if src else None
 
 
@@ -77,7 +83,7 @@ class PeerEfficiency:
 def peer_efficiency(accelerator) -> PeerEfficiency | None:
     """Measured cuBLAS GEMM efficiency and torch-eager row-kernel bandwidth for ``accelerator``
     (an ``Accelerator`` or catalog name), from the shipped calibration's peers; an accelerator
-    sharing the die (:data:`CARRIES_OVER`) gets the same fractions of its own peaks. None when
+    sharing the die (:func:`carries_over`) gets the same fractions of its own peaks. None when
     no calibration covers it. E.g. H200: cuBLAS bf16 4096^3 = 784 TFLOP/s (0.79 of 989.4)."""
     hw = get_accelerator(accelerator) if isinstance(accelerator, str) else accelerator
     doc = calibration_for(hw.name)

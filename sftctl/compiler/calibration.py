@@ -31,7 +31,8 @@ microarchitecture: H200 datasheet; H100 whitepaper Table 3): the fitted efficien
 fraction of HBM peak), latency multipliers, spill, block-launch, reduction and issue
 coefficients carry over. What does not: HBM3 at 3.35 TB/s (H100 SXM) vs HBM3e at 4.8 TB/s, and 80
 vs 141 GB; those come from each accelerator's catalog entry, so the same coefficients predict
-H100 from its own bandwidth and memory size (:data:`CARRIES_OVER`).
+H100 from its own bandwidth and memory size (``identity.calibrated_from`` in
+``sftctl/catalog/accelerators.yaml``).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ import math
 import sys
 from pathlib import Path
 
-from sftctl.compiler.calibrated import (CALIBRATION_DIR, CARRIES_OVER, DATA_DIR, _load_json, calibration_for,
-                                        calibration_path)
+from sftctl.compiler.calibrated import (CALIBRATION_DIR, DATA_DIR, _load_json, calibration_for, calibration_path,
+                                        carries_over)
 from sftctl.compiler.costmodel import Coefficients, GemmProblem, gemm_breakdown
 from sftctl.compiler.hardware import get_accelerator
 from sftctl.compiler.records import RecordError, normalize, predict_records, resources_for
@@ -452,7 +453,7 @@ def run_fit(target: str, data: Path, loso: bool = True, iters: int = 200, restar
                                                 "accelerator's own peaks, latencies multiply its own)",
                              "differs": "HBM3 3.35 TB/s vs HBM3e 4.8 TB/s and 80 vs 141 GB: taken from "
                                         "each accelerator's catalog entry"}
-                         for k, v in CARRIES_OVER.items() if v == hw.name},
+                         for k, v in carries_over().items() if v == hw.name},
         "peers": _peers_summary(peers, hw),
     }
     if loso:

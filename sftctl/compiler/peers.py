@@ -13,7 +13,8 @@ import dataclasses
 import json
 import math
 
-from sftctl.compiler.calibrated import CARRIES_OVER, DATA_DIR, peer_efficiency
+from sftctl.catalog.identity import calibrated_from
+from sftctl.compiler.calibrated import DATA_DIR, peer_efficiency
 from sftctl.compiler.hardware import Accelerator, get_accelerator
 
 H200_HBM_BYTES_PER_S = 4.8e12  # NVIDIA H200 datasheet (the catalog's figure), for the fractions below
@@ -152,4 +153,4 @@ def peer_model(hw: Accelerator) -> PeerModel:
         return fallback
     return PeerModel(cublas[0], cublas[1], classes, copy,
                      f"calibration peers measured on {peers.measured_on} "
-                     f"({'same die' if peers.measured_on == hw.name or CARRIES_OVER.get(hw.name) == peers.measured_on else 'its fractions of peak carried to ' + hw.name})")
+                     f"({'same die' if peers.measured_on == hw.name or calibrated_from(hw.name) == peers.measured_on else 'its fractions of peak carried to ' + hw.name})")

@@ -45,6 +45,7 @@ import time
 import uuid
 
 from sftctl.catalog import Offering, cloud_offerings
+from sftctl.catalog.identity import from_gce_accelerator_type, gce_accelerator_type
 from sftctl.errors import CapacityError, CredentialsError, ProviderError, SftctlError
 from sftctl.types import GCPHandle
 from sftctl.providers.cloud import (
@@ -58,12 +59,6 @@ CLOUD_PLATFORM_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
 DEFAULT_IMAGE = "projects/deeplearning-platform-release/global/images/family/common-cu124-debian-11"
 BOOT_DISK_GB = 200  # DLVM images need >= 50 GB; checkpoints and datasets caches live here too
 
-#: Catalog accelerator name -> GCE accelerator type, for the ``MACHINE+ACCELERATOR`` form.
-ACCELERATOR_TYPES = {
-    "T4": "nvidia-tesla-t4", "V100": "nvidia-tesla-v100", "P100": "nvidia-tesla-p100",
-    "P4": "nvidia-tesla-p4", "K80": "nvidia-tesla-k80", "L4": "nvidia-l4",
-    "A100-40GB": "nvidia-tesla-a100", "A100-80GB": "nvidia-a100-80gb", "H100": "nvidia-h100-80gb",
-}
 #: Machine families whose types carry their GPUs.
 ACCELERATOR_OPTIMIZED = ("a2", "a3", "a4", "g2")
 
@@ -113,10 +108,10 @@ def split_instance_type(instance_type: str, accelerator: str, count: int) -> tup
     if "+" not in instance_type:
         return instance_type, None
     machine, acc = instance_type.split("+", 1)
-    gce = acc if acc.startswith("nvidia-") else ACCELERATOR_TYPES.get(acc) or ACCELERATOR_TYPES.get(accelerator)
+    gce = acc if acc.startswith("nvidia-") else gce_accelerator_type(acc) or gce_accelerator_type(accelerator)
     if gce is None:
         raise ProviderError(f"gcp: no GCE accelerator type known for {acc!r} (instance type {instance_type})",
-                            hint="add it to sftctl.providers.gcp.ACCELERATOR_TYPES")
+                            hint="give its identity.gce_accelerator_type in sftctl/catalog/accelerators.yaml")
     return machine, (gce, count)
 
 
@@ -126,8 +121,7 @@ def catalog_instance_type(machine_type: str, accelerators: list[tuple[str, int]]
     if not accelerators:
         return machine
     gce = accelerators[0][0].rsplit("/", 1)[-1]
-    names = {v: k for k, v in ACCELERATOR_TYPES.items()}
-    return f"{machine}+{names.get(gce, gce)}"
+    return f"{machine}+{from_gce_accelerator_type(gce) or gce}"
 
 
 def _google_message(e) -> str:

@@ -16,7 +16,9 @@ The GPU model is chosen by the node labels clusters really carry, OR'ed as nodeS
 ``nvidia.com/gpu.product`` (NVIDIA GPU Feature Discovery: ``NVIDIA-H100-80GB-HBM3``),
 ``cloud.google.com/gke-accelerator`` (GKE: ``nvidia-h100-80gb``) and
 ``karpenter.k8s.aws/instance-gpu-name`` (Karpenter on EKS: ``h100``); AMD GPUs by the labels of
-AMD's node labeller (``amd.com/gpu.product-name``, ``amd.com/gpu.device-id``). See :data:`GPU_LABELS`.
+AMD's node labeller (``amd.com/gpu.product-name``, ``amd.com/gpu.device-id``); the values that name each
+accelerator are the ``identity.kubernetes_labels`` column of ``sftctl/catalog/accelerators.yaml``
+(:func:`sftctl.catalog.identity.kubernetes_labels`).
 
 A node replaced for a health verdict (:meth:`KubernetesProvider.quarantine`): the job's next pods
 get node anti-affinity to the machine it ran on (``kubernetes.io/hostname NotIn [...]`` added to
@@ -44,6 +46,7 @@ import threading
 import time
 
 from sftctl.catalog import Offering
+from sftctl.catalog.identity import from_node_labels, kubernetes_labels
 from sftctl.errors import CapacityError, CredentialsError, ProviderError
 from sftctl.types import KubernetesHandle
 from sftctl.providers.cloud import (
@@ -86,38 +89,6 @@ KARPENTER_GPU_NAME = "karpenter.k8s.aws/instance-gpu-name"
 KARPENTER_GPU_MEMORY = "karpenter.k8s.aws/instance-gpu-memory"
 AMD_PRODUCT = "amd.com/gpu.product-name"
 AMD_DEVICE_ID = "amd.com/gpu.device-id"
-
-#: Catalog accelerator -> the node label values that identify it. Sources: GPU Feature Discovery
-#: writes ``nvidia-smi``'s product name with spaces as dashes (NVIDIA k8s-device-plugin, GFD
-#: README); GKE's ``cloud.google.com/gke-accelerator`` values are its accelerator types (GKE docs,
-#: "Run GPUs in GKE Standard node pools"); Karpenter's AWS provider labels the lowercase GPU name
-#: and the per-GPU memory in MiB (karpenter.sh docs, "Well-Known Labels"), which tells the 40 GB
-#: A100 (p4d) from the 80 GB one (p4de); AMD's node labeller (ROCm k8s-device-plugin) writes the
-#: product name with underscores and the PCI device id (74a1: MI300X; 740c: MI250 / MI250X).
-GPU_LABELS: dict[str, dict] = {
-    "H100": {"vendor": "nvidia", GFD_PRODUCT: ["NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-PCIe", "NVIDIA-H100-NVL"],
-             GKE_ACCELERATOR: ["nvidia-h100-80gb", "nvidia-h100-mega-80gb"], KARPENTER_GPU_NAME: ["h100"]},
-    "H200": {"vendor": "nvidia", GFD_PRODUCT: ["NVIDIA-H200", "NVIDIA-H200-NVL"],
-             GKE_ACCELERATOR: ["nvidia-h200-141gb"], KARPENTER_GPU_NAME: ["h200"]},
-    "A100-40GB": {"vendor": "nvidia", GFD_PRODUCT: ["NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-PCIE-40GB"],
-                  GKE_ACCELERATOR: ["nvidia-tesla-a100"], KARPENTER_GPU_NAME: ["a100"],
-                  KARPENTER_GPU_MEMORY: ["40960"]},
-    "A100-80GB": {"vendor": "nvidia", GFD_PRODUCT: ["NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe"],
-                  GKE_ACCELERATOR: ["nvidia-a100-80gb"], KARPENTER_GPU_NAME: ["a100"],
-                  KARPENTER_GPU_MEMORY: ["81920"]},
-    "L4": {"vendor": "nvidia", GFD_PRODUCT: ["NVIDIA-L4"], GKE_ACCELERATOR: ["nvidia-l4"],
-           KARPENTER_GPU_NAME: ["l4"]},
-    "A10G": {"vendor": "nvidia", GFD_PRODUCT: ["NVIDIA-A10G"], KARPENTER_GPU_NAME: ["a10g"]},
-    "T4": {"vendor": "nvidia", GFD_PRODUCT: ["Tesla-T4"], GKE_ACCELERATOR: ["nvidia-tesla-t4"],
-           KARPENTER_GPU_NAME: ["t4"]},
-    "V100": {"vendor": "nvidia", GFD_PRODUCT: ["Tesla-V100-SXM2-16GB", "Tesla-V100-SXM2-32GB",
-                                               "Tesla-V100-PCIE-16GB", "Tesla-V100-PCIE-32GB"],
-             GKE_ACCELERATOR: ["nvidia-tesla-v100"], KARPENTER_GPU_NAME: ["v100"]},
-    "MI300X": {"vendor": "amd", AMD_PRODUCT: ["AMD_Instinct_MI300X", "AMD_Instinct_MI300X_OAM"],
-               AMD_DEVICE_ID: ["74a1"]},
-    "MI250": {"vendor": "amd", AMD_PRODUCT: ["AMD_Instinct_MI250", "AMD_Instinct_MI250X"],
-              AMD_DEVICE_ID: ["740c"]},
-}
 
 #: The node label the kubelet sets to the node's hostname (Kubernetes documentation, "Well-Known
 #: Labels, Annotations and Taints"): replacement pods avoid a bad machine by it.
@@ -177,7 +148,8 @@ def node_selector_terms(accelerator: str) -> list[list[tuple[str, list[str]]]]:
     entry = _gpu_entry(accelerator)
     if entry is None:
         raise ProviderError(f"kubernetes: no node labels known for accelerator {accelerator!r}",
-                            hint=f"known: {', '.join(GPU_LABELS)}, cpu")
+                            hint=f"known: {', '.join(kubernetes_labels())}, cpu (the identity column of "
+                                 "sftctl/catalog/accelerators.yaml names each GPU's labels)")
     name, table = entry
     terms = [[(key, table[key])] for key in (GFD_PRODUCT, GKE_ACCELERATOR, AMD_PRODUCT, AMD_DEVICE_ID) if key in table]
     if KARPENTER_GPU_NAME in table:
@@ -189,7 +161,7 @@ def node_selector_terms(accelerator: str) -> list[list[tuple[str, list[str]]]]:
 
 
 def _gpu_entry(accelerator: str) -> tuple[str, dict] | None:
-    for name, table in GPU_LABELS.items():
+    for name, table in kubernetes_labels().items():
         if name.lower() == accelerator.lower():
             return name, table
     return None
@@ -209,17 +181,9 @@ def node_accelerator(node: dict) -> tuple[str, str, int]:
         return "cpu", "", 0
     vendor = "nvidia" if gpus["nvidia"] else "amd"
     keys = (GFD_PRODUCT, GKE_ACCELERATOR, KARPENTER_GPU_NAME) if vendor == "nvidia" else (AMD_PRODUCT, AMD_DEVICE_ID)
-    for key in keys:
-        value = node_labels.get(key)
-        if not value:
-            continue
-        for name, table in GPU_LABELS.items():
-            if value in table.get(key, ()) and (
-                    key != KARPENTER_GPU_NAME or KARPENTER_GPU_MEMORY not in table
-                    or node_labels.get(KARPENTER_GPU_MEMORY) in table[KARPENTER_GPU_MEMORY]):
-                return name, value, gpus[vendor]
-        return "", value, gpus[vendor]
-    return "", "", gpus[vendor]
+    found = from_node_labels(node_labels, keys, memory_label=KARPENTER_GPU_MEMORY, name_label=KARPENTER_GPU_NAME)
+    name, value = found if found is not None else ("", "")
+    return name, value, gpus[vendor]
 
 
 _QUANTITY_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,

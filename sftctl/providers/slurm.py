@@ -61,6 +61,7 @@ from pathlib import Path
 
 from sftctl import settings
 from sftctl.catalog import Offering
+from sftctl.catalog.identity import from_slurm_gres
 from sftctl.errors import CapacityError, ProviderError
 from sftctl.protocol import NodeDir, complete_json_lines, parse_exit_code, parse_failure
 from sftctl.providers.base import NodeState, NodeStatus
@@ -104,13 +105,6 @@ def pending_words(reason: str) -> str:
 #: Slurm job states after which the allocation is gone (squeue's long names).
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
          "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
-
-#: GPU type names clusters use (``gres.conf`` ``Type=``) -> the catalog's accelerator, where the
-#: name alone would be ambiguous or spelled differently. Anything else matches the catalog name
-#: case-insensitively with ``-``/``_`` ignored (``h100`` -> H100); ``slurm.gpu_types`` overrides.
-GPU_TYPE_ALIASES = {"a100": "A100-40GB", "a10040gb": "A100-40GB", "a10080gb": "A100-80GB", "a100_80gb": "A100-80GB",
-                    "a100-sxm4-80gb": "A100-80GB", "h100_80gb": "H100", "mi300": "MI300X", "tesla_t4": "T4",
-                    "v100s": "V100", "h200_141gb": "H200"}
 
 #: Seconds before the time limit at which Slurm signals the batch script (``--signal=B:USR1@``).
 SIGNAL_BEFORE_S = 90
@@ -200,19 +194,12 @@ def parse_comment(text: str) -> dict[str, str]:
 
 
 def accelerator_of(gpu_type: str, overrides: dict | None = None) -> str:
-    """The catalog accelerator of a Slurm GPU type (``h100`` -> ``H100``), or ``""`` if unknown."""
-    from sftctl.catalog import accelerator_names
-
+    """The catalog accelerator of a Slurm GPU type (``h100`` -> ``H100``), or ``""`` if unknown:
+    ``slurm.gpu_types`` (``overrides``) first, then the catalog (:func:`sftctl.catalog.identity.from_slurm_gres`:
+    each entry's ``identity.slurm_gres`` names, else its name with case, ``-`` and ``_`` ignored)."""
     if overrides and gpu_type in overrides:
         return overrides[gpu_type]
-    key = gpu_type.lower()
-    if key in GPU_TYPE_ALIASES:
-        return GPU_TYPE_ALIASES[key]
-    norm = re.sub(r"[-_]", "", key)
-    for name in accelerator_names():
-        if re.sub(r"[-_]", "", name.lower()) == norm:
-            return name
-    return ""
+    return from_slurm_gres(gpu_type)
 
 
 def parse_gres(text: str) -> list[tuple[str, int]]:

@@ -19,6 +19,7 @@ import functools
 
 import numpy as np
 
+from sftctl.catalog.identity import identify
 from sftctl.compiler.costmodel import Coefficients, elementwise_time_s, row_kernel_time_s
 from sftctl.compiler.hardware import Accelerator, get_accelerator
 
@@ -123,9 +124,8 @@ def accelerator_for_tensor(x, default: str = "H100") -> Accelerator:
 def _cuda_accelerator(index, default: str) -> Accelerator:
     import torch
 
-    from sftctl.compiler.backend import match_accelerator
-
     idx = index if index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(idx)
-    acc = match_accelerator(torch.cuda.get_device_name(idx), int(props.total_memory), (props.major, props.minor))
+    acc = identify(name=torch.cuda.get_device_name(idx), memory_bytes=int(props.total_memory),
+                   capability=(props.major, props.minor))
     return acc if acc is not None else get_accelerator(default)
