@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 from sftctl.errors import ExitCode, NotFoundError, SftctlError, SftctlWarning, SpecError
-from sftctl.types import Attempt, Event, JobRecord, JobStatus, MetricsRecord, NodeRecord, Offering, Record
+from sftctl.types import Attempt, Event, JobRecord, JobStatus, MetricsRecord, NodeRecord, NodeState, Offering, Record
 
 if TYPE_CHECKING:
     from sftctl.spec import JobSpec
@@ -612,7 +612,7 @@ def _view(store: Store, job: JobRecord, detail: bool = False, ranks: list[Metric
 def _node_status(job: JobRecord, node: NodeRecord) -> str:
     """The node's recorded status, or, when its controller is gone, what the provider sees now."""
     handle = node.node_handle
-    if job.status != JobStatus.FAILED_CONTROLLER or node.status == "TERMINATED" or handle is None:
+    if job.status != JobStatus.FAILED_CONTROLLER or node.status == NodeState.TERMINATED or handle is None:
         return node.status
     from sftctl.controller import job_provider
 
@@ -690,7 +690,6 @@ def logs(job: str, *, follow: bool = False, node: int | None = None, poll_s: flo
         TypeError: ``job`` or ``node`` of the wrong type (as every function here).
     """
     from sftctl.controller import job_provider
-    from sftctl.types import NodeState
 
     store = _store()
     record = _resolve(store, job)
@@ -806,7 +805,7 @@ def down(job: str | None = None, *, all: bool = False, purge: bool = False) -> l
     if all:
         store.reap_dead_controllers()
         ids = [j.id for j in store.list_jobs()
-               if j.status not in TERMINAL or any(n.status != "TERMINATED" for n in store.nodes(j.id))]
+               if j.status not in TERMINAL or any(n.status != NodeState.TERMINATED for n in store.nodes(j.id))]
     else:
         ids = [_resolve(store, job).id]
     summaries = [down_job(store, i) for i in ids]

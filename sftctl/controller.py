@@ -38,13 +38,13 @@ from sftctl.providers.base import NodeState, provision_all
 from sftctl.spec import JobSpec, env_references, resolve_env
 from sftctl.storage import StorageError
 from sftctl.state import JobRecord, JobStatus, Store, controller_died_reason
-from sftctl.types import FailureCode, FailureReason, NodeHandle
+from sftctl.types import AttemptStatus, FailureCode, FailureReason, NodeHandle
 
 POLL_S = 0.5
 #: With job storage every poll lists each node's streams (about 5 requests per node): poll less
 #: often there; S3 charges per request and a node ships its files every second anyway.
 STORAGE_POLL_S = 2.0
-REPLACED = "REPLACED"  # the node status of a node a health verdict replaced (terminated too)
+REPLACED = NodeState.REPLACED  # the node status of a node a health verdict replaced (terminated too)
 DOWN_GRACE_S = 20.0  # how long `sftctl down` lets a live controller clean up before killing it
 STORAGE_OUTAGE_S = 300.0  # how long the job's storage may be unreachable before the job fails
 
@@ -253,11 +253,11 @@ class Controller:
                 self._move(JobStatus.RUNNING)
                 failure = self._monitor()
                 if failure is None:
-                    self.store.end_attempt(self.job_id, attempt, "SUCCEEDED", 0, None)
+                    self.store.end_attempt(self.job_id, attempt, AttemptStatus.SUCCEEDED, 0, None)
                     self._move(JobStatus.SUCCEEDED)
                     break
                 code = failure.reason.code.value
-                self.store.end_attempt(self.job_id, attempt, "FAILED", failure.exit_code, failure.reason.message, code)
+                self.store.end_attempt(self.job_id, attempt, AttemptStatus.FAILED, failure.exit_code, failure.reason.message, code)
                 self._stop_nodes()
                 if failure.action is None or self.restarts >= self.spec.recovery.max_restarts:
                     self._move(JobStatus.FAILED, failure.reason.message, code)
@@ -280,16 +280,16 @@ class Controller:
                     why = DOWN_REASON
                 self.error = SftctlError(why, exit_code=e.exit_code)  # `sftctl run` exits 128 + signal
             self.store.transition(self.job_id, JobStatus.CANCELLED, why, code=FailureCode.CANCELLED.value)
-            self.store.end_open_attempts(self.job_id, "CANCELLED", why, FailureCode.CANCELLED.value)
+            self.store.end_open_attempts(self.job_id, AttemptStatus.CANCELLED, why, FailureCode.CANCELLED.value)
             self.reporter.event(f"cancelled: {why}")
         except SftctlError as e:
             self.error = e
             self.store.transition(self.job_id, JobStatus.FAILED, e.message, code=_error_code(e))
-            self.store.end_open_attempts(self.job_id, "FAILED", e.message, _error_code(e))
+            self.store.end_open_attempts(self.job_id, AttemptStatus.FAILED, e.message, _error_code(e))
             self.reporter.event(f"failed: {e.message}")
         except BaseException as e:
             self.store.transition(self.job_id, JobStatus.FAILED, f"controller error: {e!r}", code=FailureCode.UNKNOWN.value)
-            self.store.end_open_attempts(self.job_id, "FAILED", f"controller error: {e!r}", FailureCode.UNKNOWN.value)
+            self.store.end_open_attempts(self.job_id, AttemptStatus.FAILED, f"controller error: {e!r}", FailureCode.UNKNOWN.value)
             raise
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut teardown
@@ -601,7 +601,7 @@ class Controller:
                 node["detail"] = st.detail
                 if st.detail:
                     changed.setdefault(st.detail, []).append(node["rank"])
-                self.store.update_node(node["id"], status="PENDING" if st.pending else NodeState.RUNNING.value)
+                self.store.update_node(node["id"], status=NodeState.PENDING if st.pending else NodeState.RUNNING)
         for detail, ranks in changed.items():
             who = f"node {ranks[0]}" if len(ranks) == 1 else f"nodes {', '.join(map(str, ranks))}"
             self.store.add_event(self.job_id, "node", f"{who}: {detail}")
@@ -807,7 +807,7 @@ def down(store: Store, job_id: str) -> str:
                               handle={**node.handle, "terminated": True})
             released += 1
     strays = provider.terminate_tagged(job_id)
-    store.end_open_attempts(job_id, "ABANDONED", "the controller was gone; ended by sftctl down",
+    store.end_open_attempts(job_id, AttemptStatus.ABANDONED, "the controller was gone; ended by sftctl down",
                             FailureCode.CONTROLLER_DIED.value)
     after = store.get_job(job_id)
     if not (cancelled or controller_was_alive or released or strays):
@@ -859,7 +859,7 @@ def purge(store: Store, job_id: str) -> dict:
     if job is None:
         raise KeyError(job_id)
     alive = bool(job.controller_pid and procs.alive(job.controller_pid, job.controller_start_ticks))
-    up = [n for n in store.nodes(job_id) if n.status not in (NodeState.TERMINATED.value, REPLACED, "FAILED")]
+    up = [n for n in store.nodes(job_id) if n.status not in (NodeState.TERMINATED, REPLACED, NodeState.FAILED)]
     if job.status not in TERMINAL or alive or up:
         why = f"{len(up)} node(s) may still run" if up and job.status in TERMINAL else job.status.value
         raise SftctlError(f"job {job_id} is {why}: --purge removes its storage only when the job is down",

@@ -29,7 +29,8 @@ from typing import Any, Iterator
 
 from sftctl import settings
 from sftctl.paths import sftctl_home
-from sftctl.types import TERMINAL, Attempt, Event, JobRecord, JobStatus, MetricsRecord, NodeRecord  # noqa: F401  (re-exported)
+from sftctl.types import (TERMINAL, Attempt, AttemptStatus, Event, JobRecord, JobStatus, MetricsRecord,  # noqa: F401
+                          NodeRecord, NodeState)  # (re-exported)
 
 
 _ENDINGS = {JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.FAILED_CONTROLLER}
@@ -374,7 +375,7 @@ class Store:
 
     # ---------------------------------------------------------------- nodes
 
-    def add_node(self, job_id: str, rank: int, provider: str, status: str = "PROVISIONING") -> str:
+    def add_node(self, job_id: str, rank: int, provider: str, status: NodeState = NodeState.PROVISIONING) -> str:
         """Record a node before it is created, so a crash mid-provisioning still knows of it."""
         now = time.time()
         node_id = f"{job_id}-n{rank}-{secrets.token_hex(2)}"
@@ -382,11 +383,11 @@ class Store:
             db.execute(
                 "INSERT INTO nodes (id, job_id, rank, provider, status, created_at, updated_at)"
                 " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (node_id, job_id, rank, provider, status, now, now),
+                (node_id, job_id, rank, provider, NodeState(status).value, now, now),
             )
         return node_id
 
-    def update_node(self, node_id: str, *, status: str | None = None, handle: dict | None = None,
+    def update_node(self, node_id: str, *, status: NodeState | None = None, handle: dict | None = None,
                     rank: int | None = None) -> None:
         with self.write() as db:
             if rank is not None:  # an elastic resume renumbers the nodes that are left
@@ -394,7 +395,7 @@ class Store:
             if status is not None:
                 db.execute(
                     "UPDATE nodes SET status = ?, updated_at = ? WHERE id = ?",
-                    (status, time.time(), node_id),
+                    (NodeState(status).value, time.time(), node_id),
                 )
             if handle is not None:
                 db.execute(
@@ -419,28 +420,28 @@ class Store:
             ).fetchone()[0]
             db.execute(
                 "INSERT INTO attempts (job_id, number, status, started_at) VALUES (?, ?, ?, ?)",
-                (job_id, n, "RUNNING", time.time()),
+                (job_id, n, AttemptStatus.RUNNING.value, time.time()),
             )
         return n
 
-    def end_attempt(self, job_id: str, number: int, status: str, exit_code: int | None, reason: str | None,
-                    code: str | None = None) -> None:
-        """End attempt ``number``: ``reason`` the line why, ``code`` its FailureCode value."""
+    def end_attempt(self, job_id: str, number: int, status: AttemptStatus, exit_code: int | None,
+                    reason: str | None, code: str | None = None) -> None:
+        """End attempt ``number`` with ``status``: ``reason`` the line why, ``code`` its FailureCode value."""
         with self.write() as db:
             db.execute(
                 "UPDATE attempts SET status = ?, exit_code = ?, reason = ?, reason_code = ?, ended_at = ?"
                 " WHERE job_id = ? AND number = ?",
-                (status, exit_code, reason, code, time.time(), job_id, number),
+                (AttemptStatus(status).value, exit_code, reason, code, time.time(), job_id, number),
             )
 
-    def end_open_attempts(self, job_id: str, status: str, reason: str, code: str | None = None) -> int:
+    def end_open_attempts(self, job_id: str, status: AttemptStatus, reason: str, code: str | None = None) -> int:
         """End the job's attempts still marked RUNNING with ``status`` (CANCELLED, or ABANDONED
         when their controller is gone); return how many."""
         with self.write() as db:
             cur = db.execute(
                 "UPDATE attempts SET status = ?, reason = ?, reason_code = ?, ended_at = ?"
-                " WHERE job_id = ? AND status = 'RUNNING'",
-                (status, reason, code, time.time(), job_id),
+                " WHERE job_id = ? AND status = ?",
+                (AttemptStatus(status).value, reason, code, time.time(), job_id, AttemptStatus.RUNNING.value),
             )
         return cur.rowcount
 

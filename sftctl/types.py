@@ -246,7 +246,9 @@ class Plan(Record):
 
 
 class NodeState(str, enum.Enum):
-    """What a node is doing, as its provider sees it."""
+    """What a node is doing: as its provider sees it (:class:`NodeStatus`), and as state keeps it
+    (:attr:`NodeRecord.status`, which adds the controller's own words PROVISIONING, PENDING and
+    REPLACED)."""
 
     READY = "READY"  # provisioned, nothing launched yet
     RUNNING = "RUNNING"  # the bootstrap script runs
@@ -254,6 +256,31 @@ class NodeState(str, enum.Enum):
     FAILED = "FAILED"  # the script exited non-zero
     LOST = "LOST"  # the node or its process vanished without an exit code
     TERMINATED = "TERMINATED"
+    PROVISIONING = "PROVISIONING"  # recorded: the provider is creating it
+    PENDING = "PENDING"  # recorded: the provider's scheduler still queues it (a Slurm job waiting)
+    REPLACED = "REPLACED"  # recorded: replaced after a health verdict (and terminated)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class AttemptStatus(str, enum.Enum):
+    """Where an attempt (one launch of the job's script on all its nodes) is."""
+
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    ABANDONED = "ABANDONED"  # its controller was gone; ended by sftctl down
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -471,10 +498,13 @@ class NodeRecord(Record):
     job_id: str
     rank: int
     provider: str
-    status: str
+    status: NodeState
     handle: dict[str, Any]
     created_at: float
     updated_at: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", NodeState(self.status))
 
     @property
     def node_handle(self) -> NodeHandle | None:
@@ -490,12 +520,15 @@ class Attempt(Record):
 
     job_id: str
     number: int
-    status: str
+    status: AttemptStatus
     started_at: float
     exit_code: int | None = None
     reason: str | None = None
     ended_at: float | None = None
     reason_code: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", AttemptStatus(self.status))
 
 
 @dataclasses.dataclass(frozen=True)

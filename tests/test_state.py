@@ -206,3 +206,27 @@ def test_a_corrupted_state_db_gives_one_line_not_a_traceback(home):
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
         (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
         assert "state database" in line and str(path) in line
+
+
+def test_node_and_attempt_statuses_are_enum_members(home):
+    """Every node and attempt status state keeps is a member of NodeState / AttemptStatus (the
+    controller's PENDING and REPLACED too), read back as the member."""
+    from sftctl.types import AttemptStatus, NodeState
+
+    store = Store()
+    job = store.create_job("vocab", {"name": "vocab"})
+    node = store.add_node(job, 0, "local")
+    assert store.nodes(job)[0].status is NodeState.PROVISIONING
+    for status in (NodeState.PENDING, NodeState.RUNNING, NodeState.REPLACED):
+        store.update_node(node, status=status)
+        assert store.nodes(job)[0].status is status and f"{status}" == status.value
+    first = store.start_attempt(job)
+    assert store.attempts(job)[0].status is AttemptStatus.RUNNING
+    store.end_attempt(job, first, AttemptStatus.FAILED, 3, "node 0 exited with code 3", "exit")
+    store.start_attempt(job)
+    assert store.end_open_attempts(job, AttemptStatus.ABANDONED, "gone") == 1
+    assert [a.status for a in store.attempts(job)] == [AttemptStatus.FAILED, AttemptStatus.ABANDONED]
+    with pytest.raises(ValueError):
+        store.update_node(node, status="BORED")  # not a node status: refused before it is written
+    assert store.nodes(job)[0].status is NodeState.REPLACED
+    store.close()
