@@ -389,8 +389,8 @@ def submit(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | No
 
 @_typed
 def start(job: str) -> JobView:
-    """Start a detached controller for a submitted job (``python -m sftctl.controller JOB``, in a
-    session of its own, logging to ``$SFTCTL_HOME/jobs/JOB/controller.log``); return at once
+    """Start a detached controller for a submitted job (``python -m sftctl.queue JOB``, which
+    becomes ``python -m sftctl.controller JOB`` once the job may start; in a session of its own, logging to ``$SFTCTL_HOME/jobs/JOB/controller.log``); return at once
     with the job's status.
 
     Raises:
@@ -408,7 +408,8 @@ def start(job: str) -> JobView:
         jd.mkdir(parents=True, exist_ok=True)
         with open(jd / "controller.log", "ab") as log:
             proc = subprocess.Popen(
-                procs.module_argv("sftctl.controller", record.id),
+                # sftctl.queue waits light for a local job's turn, then execs sftctl.controller
+                procs.module_argv("sftctl.queue", record.id),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, close_fds=True,
             )

@@ -35,6 +35,7 @@ from sftctl.health.telemetry import REPLACE, RESTART
 from sftctl.paths import job_dir
 from sftctl.providers import get_provider
 from sftctl.providers.base import NodeState, provision_all
+from sftctl.queue import CANCEL_SIGNALS, DOWN_REASON  # how a signal cancels a job (shared with the waiting stage)
 from sftctl.spec import JobSpec, env_references, resolve_env
 from sftctl.storage import StorageError
 from sftctl.state import JobRecord, JobStatus, Store, controller_died_reason
@@ -47,62 +48,6 @@ STORAGE_POLL_S = 2.0
 REPLACED = NodeState.REPLACED  # the node status of a node a health verdict replaced (terminated too)
 DOWN_GRACE_S = 20.0  # how long `sftctl down` lets a live controller clean up before killing it
 STORAGE_OUTAGE_S = 300.0  # how long the job's storage may be unreachable before the job fails
-
-
-#: Local admission control (see Controller._admit): how often a queued job looks again, and
-#: the memory one worker process is expected to take. 0.8 GiB: the quickstart's two torch nodes
-#: took about 1.6 GB (measured on this project's 2-core test machine, issue 14); a plain shell
-#: job takes next to nothing.
-ADMIT_POLL_S = 1.0
-LOCAL_WORKER_MEMORY_GIB = {"model": 0.8, "shell": 0.05}
-_LIVE_ADMITTED = frozenset({JobStatus.PROVISIONING, JobStatus.LAUNCHING, JobStatus.RUNNING, JobStatus.RECOVERING})
-
-
-def _machine_busy(store: Store, job_id: str, need_cpus: int, need_gib: float) -> str | None:
-    """None when a local job needing ``need_cpus`` worker CPUs and ``need_gib`` GiB can start
-    now, else why not (one line). Other admitted local jobs of this store count for CPUs, and so
-    do ended jobs (a dead controller's, FAILED_CONTROLLER) whose local node processes still run;
-    memory is what the kernel reports available (``MemAvailable`` in /proc/meminfo)."""
-    others = [j for j in store.list_jobs(set(_LIVE_ADMITTED))
-              if j.id != job_id and (j.provider or "local") == "local"]
-    orphans = _orphaned_local_jobs(store, job_id)
-    if not others and not orphans:
-        return None
-    cpus = os.cpu_count() or 1
-    used = 0
-    for j in others + orphans:
-        count = j.offering.count if j.offering is not None else 1
-        used += j.spec["resources"]["nodes"] * count
-    if used + need_cpus > cpus:
-        left = (f" ({len(orphans)} of them left running by a dead controller: sftctl down "
-                f"{' '.join(j.id for j in orphans)})" if orphans else "")
-        return (f"waiting for CPUs: {used} of this machine's {cpus} are taken by {len(others) + len(orphans)} "
-                f"local job(s){left}, this job needs {need_cpus}")
-    avail = _mem_available_gib()
-    if avail is not None and avail < need_gib:
-        return f"waiting for memory: {avail:.1f} GiB available, this job needs about {need_gib:.1f} GiB"
-    return None
-
-
-def _orphaned_local_jobs(store: Store, job_id: str) -> list[JobRecord]:
-    """Jobs of this store that are not admitted (ended: a dead controller's, or one still
-    tearing down) but whose local node processes, tagged with this home, still run."""
-    from sftctl.providers.local import LocalProvider
-
-    running = {r["job_id"] for r in LocalProvider().list_instances(None)} - {job_id}
-    jobs = [store.get_job(j) for j in sorted(running)]
-    return [j for j in jobs if j is not None and j.status not in _LIVE_ADMITTED and j.status != JobStatus.PENDING]
-
-
-def _mem_available_gib() -> float | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) / 2**20
-    except OSError:
-        return None
-    return None
 
 
 # wait before a relaunch: 1 s, 2 s, 4 s, ... up to 30 s (restarts that fail fast do not spin)
@@ -306,41 +251,22 @@ class Controller:
     def _admit(self) -> None:
         """PENDING -> PROVISIONING once this machine has room for the job's local nodes.
 
-        Cloud jobs go on at once. A local job waits (PENDING, with ``pending_reason`` saying
-        why) while other local jobs of this ``$SFTCTL_HOME`` hold the CPUs it needs (one per
-        worker process: nodes x the offering's count) or while the machine's available memory
-        is below its estimate (``LOCAL_WORKER_MEMORY_GIB``). Admission is decided under a file
-        lock, so two controllers never take the same CPUs. A job that needs more than the
-        machine has runs when nothing else does.
+        Cloud jobs go on at once. A local job waits its turn in this home's local queue
+        (:mod:`sftctl.queue`: first come, first served, backfill that never delays the head;
+        PENDING with ``pending_reason`` saying why). A detached controller has waited already,
+        as ``python -m sftctl.queue``, and finds its job PROVISIONING.
         """
         if self.provider.name != "local":
             self._move(JobStatus.PROVISIONING)
             return
-        from filelock import FileLock
+        if self.store.get_job(self.job_id).status == JobStatus.PROVISIONING:  # admitted by sftctl.queue
+            self.reporter.event(JobStatus.PROVISIONING.value)
+            return
+        from sftctl.queue import wait_turn
 
-        from sftctl.paths import sftctl_home
-
-        need_cpus = self.spec.resources.nodes * self.offering.count
-        per_worker = LOCAL_WORKER_MEMORY_GIB["model" if self.spec.model is not None else "shell"]
-        need_gib = need_cpus * per_worker
-        said = None
-        while True:
-            with FileLock(str(sftctl_home() / "admission.lock")):
-                self.store.reap_dead_controllers()
-                if self.store.get_job(self.job_id).status.terminal:
-                    raise Cancelled("the job was ended by another process (sftctl down)")
-                why = _machine_busy(self.store, self.job_id, need_cpus, need_gib)
-                if why is None:
-                    if said is not None:
-                        self.store.update_job(self.job_id, pending_reason=None)
-                    self._move(JobStatus.PROVISIONING)
-                    return
-            if why != said:
-                self.store.update_job(self.job_id, pending_reason=why)
-                self.store.add_event(self.job_id, "admission", why)
-                self.reporter.event(f"PENDING: {why}")
-                said = why
-            time.sleep(ADMIT_POLL_S)
+        if not wait_turn(self.store, self.job_id, self.reporter.event):
+            raise Cancelled("the job was ended by another process (sftctl down)")
+        self.reporter.event(JobStatus.PROVISIONING.value)
 
     def _move(self, status: JobStatus, reason: str | None = None, code: str | None = None) -> None:
         if not self.store.transition(self.job_id, status, reason, code=code):
@@ -1156,13 +1082,6 @@ def down_orphans(store: Store) -> list[str]:
 
 #: Each signal that cancels a job: its reason and the exit code of ``sftctl run`` (128 + signal).
 #: When ``sftctl down`` sent the SIGTERM (it says so in an event first) the reason is DOWN_REASON.
-CANCEL_SIGNALS = {
-    "SIGTERM": ("cancelled by SIGTERM", ExitCode.TERMINATED),
-    # a closed terminal or a dropped ssh session: the nodes must not keep running (and billing)
-    # unsupervised, so the job is cancelled and torn down exactly as on Ctrl-C
-    "SIGHUP": ("cancelled: the terminal closed (SIGHUP)", ExitCode.HANGUP),
-}
-DOWN_REASON = "cancelled by sftctl down"
 
 
 def _install_cancel_signals() -> dict:

@@ -58,6 +58,7 @@ from sftctl.yaml12 import (  # noqa: F401
     _dotted,
     _Located,
     _Loader,
+    parse_duration_s,
     shown,
 )
 
@@ -360,14 +361,6 @@ def _parse_accelerator(text: str) -> dict[str, Any]:
     if not re.fullmatch(r"\s*[0-9]+\s*", count):
         raise ValueError(f"accelerator {text!r}: expected NAME or NAME:COUNT, e.g. 'H100:8'")
     return {"name": name.strip(), "count": int(count)}
-
-
-def parse_duration_s(text: str) -> float:
-    """Parse a positive ``90s``, ``30m``, ``6h`` or ``2d`` into seconds. Raises ValueError otherwise."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd])\s*", str(text))
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"expected a positive duration like '90m', '6h' or '2d', got {text!r}")
-    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
 
 # --------------------------------------------------------------------------- YAML with lines

@@ -298,11 +298,13 @@ class Store:
 
     def list_jobs(self, statuses: set[JobStatus] | None = None) -> list[JobRecord]:
         """All jobs, newest first, optionally only those with one of ``statuses``."""
-        rows = self._conn.execute("SELECT * FROM jobs ORDER BY created_at DESC").fetchall()
-        jobs = [_job(r) for r in rows]
-        if statuses is not None:
-            jobs = [j for j in jobs if j.status in statuses]
-        return jobs
+        if statuses is None:
+            rows = self._conn.execute("SELECT * FROM jobs ORDER BY created_at DESC").fetchall()
+        else:  # in SQL: a waiting job asks for the live ones every few seconds
+            wanted = [JobStatus(s).value for s in statuses]
+            rows = self._conn.execute(f"SELECT * FROM jobs WHERE status IN ({','.join('?' * len(wanted))})"
+                                      " ORDER BY created_at DESC", wanted).fetchall()
+        return [_job(r) for r in rows]
 
     def update_job(self, job_id: str, **fields: Any) -> None:
         """Set columns of a job (values that are dicts are stored as JSON)."""

@@ -197,3 +197,11 @@ def _dotted(path: Path_) -> str:
             p = repr(p)  # a key with spaces or newlines stays on one readable line
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
     return out
+
+
+def parse_duration_s(text: str) -> float:
+    """Parse a positive ``90s``, ``30m``, ``6h`` or ``2d`` into seconds. Raises ValueError otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd])\s*", str(text))
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"expected a positive duration like '90m', '6h' or '2d', got {text!r}")
+    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]

@@ -56,7 +56,7 @@ def test_local_nodes_stop_by_themselves_when_their_controller_is_killed(tmp_path
 def test_admission_counts_the_cpus_of_a_dead_controllers_live_nodes(home, machine_to_ourselves):
     """Item 1b: a job whose controller died (FAILED_CONTROLLER) but whose local node processes
     still run holds their CPUs: local admission starts nothing on top of them."""
-    from sftctl.controller import _machine_busy
+    from sftctl.queue import admission
     from sftctl.providers.local import HOME_TAG, _home_tag
     from sftctl.state import JobStatus, Store
 
@@ -66,19 +66,19 @@ def test_admission_counts_the_cpus_of_a_dead_controllers_live_nodes(home, machin
     orphan = store.create_job("orphan", spec)
     store.update_job(orphan, provider="local")
     store.transition(orphan, JobStatus.FAILED_CONTROLLER, "the controller (pid 1) exited without finishing the job")
-    newcomer = store.create_job("next", {"name": "next", "run": "true"})
-    assert _machine_busy(store, newcomer, 1, 0.0) is None  # no process left: nothing is held
+    newcomer = store.get_job(store.create_job("next", {"name": "next", "run": "true", "resources": {"nodes": 1}}))
+    assert admission(store, newcomer) is None  # no process left: nothing is held
     env = {**os.environ, "SFTCTL_JOB_ID": orphan, "SFTCTL_NODE_ID": f"{orphan}-n0-abcd", HOME_TAG: _home_tag()}
     node = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)
     try:
         wait_for(lambda: job_processes(orphan) == [node.pid], what="the orphan's node process")
-        why = _machine_busy(store, newcomer, 1, 0.0)
+        why = admission(store, newcomer)
         assert why == (f"waiting for CPUs: {cpus} of this machine's {cpus} are taken by 1 local job(s) "
                        f"(1 of them left running by a dead controller: sftctl down {orphan}), this job needs 1")
     finally:
         node.kill()
         node.wait()
-    assert _machine_busy(store, newcomer, 1, 0.0) is None
+    assert admission(store, newcomer) is None
 
 
 def test_sigterm_exits_143_and_says_who_sent_it(tmp_path, home):

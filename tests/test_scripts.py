@@ -71,3 +71,94 @@ def test_readme_shell_sweep_runs_and_waits(home):
     lines = proc.stdout.splitlines()
     assert [line.split()[1] for line in lines[:-1]] == ["SUCCEEDED", "SUCCEEDED"], proc.stdout
     assert lines[-1] == "waited: 0" and "a run did not succeed" not in proc.stdout
+
+
+def _job(store, name: str, nodes: int, status: str = "PENDING", deadline: str | None = None):
+    import os
+
+    from sftctl.state import JobStatus
+
+    res = {"nodes": nodes, **({"deadline": deadline} if deadline else {})}
+    job = store.create_job(name, {"name": name, "run": "true", "resources": res})
+    store.update_job(job, provider="local", controller_pid=os.getpid())
+    if status != "PENDING":
+        store.transition(job, JobStatus.PROVISIONING)
+    return store.get_job(job)
+
+
+def test_the_local_queue_is_fifo_and_backfills_only_what_ends_in_time(home):
+    """Item 5: a later job that fits does not pass an earlier one that does not (no starvation
+    of a big job by a stream of small ones), unless its deadline ends it before the head's
+    reserved start (Slurm's backfill)."""
+    import os
+
+    import pytest
+
+    from sftctl.queue import admission
+    from sftctl.state import JobStatus, Store
+
+    cpus = os.cpu_count() or 1
+    if cpus < 2:
+        pytest.skip("needs 2 CPUs: one held, one free")
+    store = Store()
+    forever = _job(store, "forever", cpus - 1, status="PROVISIONING")  # no deadline: may run for ever
+    big = _job(store, "big", cpus)  # submitted first, needs every CPU
+    small = _job(store, "small", 1)
+    quick = _job(store, "quick", 1, deadline="2m")
+    assert admission(store, big, []).startswith("waiting for CPUs")
+    why = admission(store, small, [])
+    assert why == (f"queued behind {big.id} (submitted first, needs {cpus} of this machine's {cpus} CPUs): first "
+                   "come, first served; a later job goes first only when its deadline ends it in time")
+    # behind a job without a deadline the head's start is unknown: nothing is backfilled
+    assert admission(store, quick, []) == why
+    store.transition(forever.id, JobStatus.CANCELLED, "test")
+    _job(store, "running", cpus - 1, status="PROVISIONING", deadline="10m")  # over within 11 min
+    assert admission(store, quick, []) is None  # over in 3 min: before the head's reserved start
+    slow = _job(store, "slow", 1, deadline="2h")  # would hold a CPU past the head's reserved start
+    assert admission(store, slow, []).startswith(f"queued behind {big.id}")
+    assert admission(store, small, []).startswith(f"queued behind {big.id}")
+
+
+def test_a_later_small_job_waits_for_an_earlier_big_one_and_one_admission_event(tmp_path, home):
+    """Item 5 end to end (the sweep that ran 1, 3, a later job, 4, 2), and issue 27 item 3: a
+    job writes one `admission` event per wait, whatever reasons follow (status shows the current
+    one). The machine need not be this test's own: admission counts this home's jobs only."""
+    import os
+
+    import pytest
+
+    from conftest import status_json
+
+    cpus = os.cpu_count() or 1
+    if cpus < 2:
+        pytest.skip("needs 2 CPUs: one held, one free")
+    hog = _detach(tmp_path, "hog", "sleep 300", nodes=cpus - 1)
+    wait_for(lambda: status_json(hog)["status"] == "RUNNING", what="the first job RUNNING")
+    big = _detach(tmp_path, "big", "echo big ran", nodes=cpus)
+    wait_for(lambda: status_json(big)["pending_reason"], what="the big job to queue")
+    small = _detach(tmp_path, "small", "echo small ran")
+    try:
+        doc = wait_for(lambda: (d := status_json(small))["pending_reason"] and d, what="the small job to queue")
+        assert doc["pending_reason"].startswith(f"queued behind {big}"), doc
+        assert status_json(big)["status"] == "PENDING"
+        # a waiting job's light controller (sftctl.queue) is cancelled by down as the full one is
+        pid = status_json(small)["controller_pid"]
+        assert b"sftctl.queue" in open(f"/proc/{pid}/cmdline", "rb").read()
+        extra = _detach(tmp_path, "extra", "echo extra ran")
+        wait_for(lambda: status_json(extra)["pending_reason"], what="the extra job to queue")
+        assert sftctl("down", extra).returncode == 0
+        doc = status_json(extra)
+        assert (doc["status"], doc["failure_reason"]) == ("CANCELLED", "cancelled by sftctl down")
+        sftctl("down", hog)
+        assert sftctl("wait", big, small, timeout=600).returncode == 0
+    finally:
+        for j in (hog, big, small):
+            sftctl("down", j)
+
+    def started(job):
+        events = json.loads(sftctl("events", job, "--json").stdout)["events"]
+        return next(e["ts"] for e in events if "PROVISIONING" in e["message"]), [e["kind"] for e in events]
+
+    (big_at, _), (small_at, kinds) = started(big), started(small)
+    assert big_at <= small_at  # first come, first served
+    assert kinds.count("admission") == 1, kinds  # queued behind big, then waiting for CPUs: one event

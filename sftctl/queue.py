@@ -1,0 +1,256 @@
+"""Local admission: the queue of a ``$SFTCTL_HOME``'s local jobs for this machine's CPUs.
+
+Policy (first come, first served, with backfill that never delays the head, as Slurm's backfill):
+
+- A local job needs one CPU per worker process (nodes x the offering's count) and about
+  ``LOCAL_WORKER_MEMORY_GIB`` per worker. CPUs are held by the admitted local jobs of this home
+  (PROVISIONING .. RECOVERING) and by ended jobs whose node processes still run (a dead
+  controller's); memory is what the kernel reports available (``MemAvailable``).
+- Waiting jobs start in the order they were submitted. The oldest waiting job that does not fit
+  is the *head*; a later job may start before it (backfill) only when it fits now and does not
+  delay the head: it ends (by its ``resources.deadline``, which the controller enforces) before
+  the head's reserved start, or it uses CPUs the head will not need at that start. The head's
+  reserved start is when enough held CPUs are free by their jobs' deadlines; a job without a
+  deadline may run for ever, so behind it nothing is backfilled: the queue is then strictly FIFO.
+- A job that needs more CPUs than the machine has runs when nothing else does.
+
+Waiting costs next to nothing: the detached controller starts as ``python -m sftctl.queue JOB``
+(the state store and a file lock, no pydantic, no providers: about 20 MiB), looks at the state
+with a backoff from 1 s to ``POLL_MAX_S`` while nothing changes, scans processes for a dead
+controller's nodes only every ``ORPHAN_SCAN_S`` (or when about to start), and once admitted
+replaces itself (``exec``) with ``python -m sftctl.controller JOB``. An attached run waits in its
+own process with :func:`wait_turn`. One ``admission`` event is written per wait (the first
+reason); ``pending_reason`` follows the current one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+from sftctl.errors import ExitCode
+from sftctl.state import JobRecord, JobStatus, Store
+from sftctl.types import FailureCode
+
+#: the memory one worker process is expected to take. 0.8 GiB: the quickstart's two torch nodes
+#: took about 1.6 GB (measured on this project's 2-core test machine, issue 14); a plain shell
+#: job takes next to nothing.
+LOCAL_WORKER_MEMORY_GIB = {"model": 0.8, "shell": 0.05}
+POLL_S = 1.0  # a waiting job looks again after this long when something changed ...
+POLL_MAX_S = 5.0  # ... backing off to this while nothing does
+ORPHAN_SCAN_S = 15.0  # how often a waiter scans /proc for a dead controller's node processes
+#: a job with a deadline is failed once it passes; its teardown takes seconds more
+TEARDOWN_S = 60.0
+LIVE_ADMITTED = frozenset({JobStatus.PROVISIONING, JobStatus.LAUNCHING, JobStatus.RUNNING, JobStatus.RECOVERING})
+
+#: how a signal cancels a job (the controller's handlers and the waiter's share these lines)
+CANCEL_SIGNALS = {
+    "SIGTERM": ("cancelled by SIGTERM", ExitCode.TERMINATED),
+    # a closed terminal or a dropped ssh session: the nodes must not keep running (and billing)
+    # unsupervised, so the job is cancelled and torn down exactly as on Ctrl-C
+    "SIGHUP": ("cancelled: the terminal closed (SIGHUP)", ExitCode.HANGUP),
+}
+DOWN_REASON = "cancelled by sftctl down"
+
+
+def _local(job: JobRecord) -> bool:
+    return (job.provider or "local") == "local"
+
+
+def demand(job: JobRecord) -> tuple[int, float]:
+    """The CPUs (worker processes: nodes x the offering's count) and GiB a local job needs."""
+    count = job.offering.count if job.offering is not None else 1
+    cpus = job.spec["resources"]["nodes"] * count
+    return cpus, cpus * LOCAL_WORKER_MEMORY_GIB["model" if job.spec.get("model") else "shell"]
+
+
+def ends_by(job: JobRecord) -> float | None:
+    """Unix time by which the job is over (its deadline, enforced by the controller, plus
+    teardown), or None when it has no deadline."""
+    from sftctl.yaml12 import parse_duration_s
+
+    deadline = (job.spec.get("resources") or {}).get("deadline")
+    return None if deadline is None else job.created_at + parse_duration_s(deadline) + TEARDOWN_S
+
+
+def orphaned_local_jobs(store: Store, job_id: str) -> list[JobRecord]:
+    """Jobs of this store that are not admitted (ended: a dead controller's, or one still
+    tearing down) but whose local node processes, tagged with this home, still run."""
+    from sftctl import procs
+    from sftctl.providers.local import HOME_TAG, _home_tag
+
+    homes = procs.tag_values(HOME_TAG)
+    running = {j for pid, j in procs.tag_values("SFTCTL_JOB_ID").items() if homes.get(pid) == _home_tag()} - {job_id}
+    jobs = [store.get_job(j) for j in sorted(running)]
+    return [j for j in jobs if j is not None and j.status not in LIVE_ADMITTED and j.status != JobStatus.PENDING]
+
+
+def _mem_available_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        return None
+    return None
+
+
+def _reserved_start(held: list[tuple[float | None, int]], free: int, need: int) -> tuple[float | None, int]:
+    """When ``need`` CPUs are free at the latest, given the ``(ends_by, cpus)`` of what holds
+    them and ``free`` CPUs free now, and how many CPUs are free beyond ``need`` then;
+    ``(None, 0)`` when that waits on a job without a deadline."""
+    for end, cpus in sorted(held, key=lambda h: (h[0] is None, h[0] or 0.0)):
+        if end is None:
+            return None, 0
+        free += cpus
+        if free >= need:
+            return end, free - need
+    return None, 0
+
+
+def admission(store: Store, job: JobRecord, orphans: list[JobRecord] | None = None,
+              now: float | None = None) -> str | None:
+    """None when the local job can start now, else why it waits (one line). See the module's
+    docstring for the policy; ``orphans`` (:func:`orphaned_local_jobs`) is scanned when None."""
+    now = time.time() if now is None else now
+    cpus = os.cpu_count() or 1
+    need, need_gib = demand(job)
+    others = [j for j in store.list_jobs(set(LIVE_ADMITTED)) if j.id != job.id and _local(j)]
+    orphans = orphaned_local_jobs(store, job.id) if orphans is None else orphans
+    held = [(ends_by(j), demand(j)[0]) for j in others + orphans]
+    free = cpus - sum(c for _, c in held)
+    # waiting jobs submitted before this one, whose controller runs (a job submitted but never
+    # started, or whose controller died, is reaped, not waited for)
+    earlier = sorted((j for j in store.list_jobs({JobStatus.PENDING})
+                      if j.id != job.id and _local(j) and j.controller_pid is not None
+                      and (j.created_at, j.id) < (job.created_at, job.id)), key=lambda j: (j.created_at, j.id))
+    starting = 0  # earlier jobs that fit too: they start first
+    for e in earlier:
+        e_need = demand(e)[0]
+        if e_need <= free or not held:  # it starts first (first come, first served)
+            free -= e_need
+            held.append((ends_by(e), e_need))
+            starting += 1
+            continue
+        # e is the head of the queue: this job may start only without delaying it
+        if need > free:
+            break
+        start, spare = _reserved_start(held, free, min(e_need, cpus))
+        mine = ends_by(job)
+        if need <= spare or (start is not None and mine is not None and mine <= start):
+            break  # backfill
+        return (f"queued behind {e.id} (submitted first, needs {e_need} of this machine's {cpus} CPUs): "
+                "first come, first served; a later job goes first only when its deadline ends it in time")
+    if need > free and held:
+        left = (f" ({len(orphans)} of them left running by a dead controller: sftctl down "
+                f"{' '.join(j.id for j in orphans)})" if orphans else "")
+        first = f" ({starting} of them submitted before this one)" if starting else ""
+        return (f"waiting for CPUs: {cpus - free} of this machine's {cpus} are taken by "
+                f"{len(others) + len(orphans) + starting} local job(s){left}{first}, this job needs {need}")
+    avail = _mem_available_gib()
+    if held and avail is not None and avail < need_gib:
+        return f"waiting for memory: {avail:.1f} GiB available, this job needs about {need_gib:.1f} GiB"
+    return None
+
+
+def _held_fingerprint(store: Store) -> tuple:
+    """What admission depends on in the state: the live jobs and their statuses."""
+    return tuple(sorted((j.id, j.status.value) for j in store.list_jobs(set(LIVE_ADMITTED) | {JobStatus.PENDING})))
+
+
+def wait_turn(store: Store, job_id: str, say=lambda line: None) -> bool:
+    """Wait until the local job may start, then move it PENDING -> PROVISIONING (under the
+    admission lock, so two waiters never take the same CPUs) and return True; return False when
+    the job ended meanwhile (``sftctl down``). ``say`` gets ``PENDING: <why>`` once per wait."""
+    from filelock import FileLock
+
+    from sftctl.paths import sftctl_home
+
+    lock = FileLock(str(sftctl_home() / "admission.lock"))
+    said = None
+    delay = POLL_S
+    seen = None
+    orphans: list[JobRecord] | None = None
+    scanned = 0.0
+    while True:
+        store.reap_dead_controllers()
+        job = store.get_job(job_id)
+        if job is None or job.status.terminal:
+            return False
+        if orphans is None or orphans or time.monotonic() - scanned >= ORPHAN_SCAN_S:
+            orphans, scanned = orphaned_local_jobs(store, job_id), time.monotonic()
+        if admission(store, job, orphans) is None:
+            with lock:  # decide again where no other waiter can, with a fresh process scan
+                job = store.get_job(job_id)
+                if job is None or job.status.terminal:
+                    return False
+                why = admission(store, job)
+                if why is None:
+                    if said is not None:
+                        store.update_job(job_id, pending_reason=None)
+                    return store.transition(job_id, JobStatus.PROVISIONING)
+        else:
+            why = admission(store, job, orphans)
+        if why != said:
+            store.update_job(job_id, pending_reason=why)
+            if said is None:  # one event per wait: the first reason (status shows the current one)
+                store.add_event(job_id, "admission", why)
+                say(f"PENDING: {why}")
+            said = why
+        now_seen = _held_fingerprint(store)
+        delay = POLL_S if now_seen != seen else min(POLL_MAX_S, delay * 1.5)
+        seen = now_seen
+        time.sleep(delay)
+
+
+class _Signalled(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sftctl.queue JOB``: the detached controller's first, light stage. A local job
+    waits here for its turn (see the module's docstring), then, as every other job at once, this
+    process becomes ``python -m sftctl.controller JOB`` (same pid; :func:`sftctl.procs.module_argv`)."""
+    job_id = (argv or sys.argv[1:])[0]
+    store = Store()
+    job = store.get_job(job_id)
+    if job is not None and job.status == JobStatus.PENDING and _local(job):
+        from sftctl import procs
+
+        store.update_job(job_id, controller_pid=os.getpid(), controller_start_ticks=procs.start_ticks(os.getpid()))
+
+        def cancel(signum, frame):
+            raise _Signalled(signum)
+
+        for name in CANCEL_SIGNALS:
+            signal.signal(getattr(signal, name), cancel)
+        try:
+            admitted = wait_turn(store, job_id, lambda line: print(time.strftime("%H:%M:%S"), line, flush=True))
+        except _Signalled as s:
+            for name in CANCEL_SIGNALS:
+                signal.signal(getattr(signal, name), signal.SIG_IGN)
+            why = next(w for name, (w, _) in CANCEL_SIGNALS.items() if getattr(signal, name) == s.signum)
+            if any(e.kind == "down" and (e.data or {}).get("controller_pid") == os.getpid() for e in store.events(job_id)):
+                why = DOWN_REASON
+            store.transition(job_id, JobStatus.CANCELLED, why, strict=False, code=FailureCode.CANCELLED.value)
+            print(time.strftime("%H:%M:%S"), f"cancelled: {why}", flush=True)
+            return 128 + s.signum
+        if not admitted:
+            return 1
+        for name in CANCEL_SIGNALS:  # the controller installs its own
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+    store.close()
+    from sftctl.procs import module_argv
+
+    argv = module_argv("sftctl.controller", job_id)  # never from the working directory either
+    os.execv(argv[0], argv)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
