@@ -24,7 +24,7 @@ LAYERS = [
     # 2: where jobs run, and what runs on a node
     {"sftctl.providers", "sftctl.train", "sftctl.node", "sftctl.agent"},
     # 3: deciding and driving a job
-    {"sftctl.planner", "sftctl.controller"},
+    {"sftctl.planner", "sftctl.controller", "sftctl.queue"},
     # 4: the one entry to the core
     {"sftctl.api"},
     # 5: presentation

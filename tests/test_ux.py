@@ -271,8 +271,8 @@ def test_local_jobs_queue_while_the_cpus_are_taken(tmp_path, home, machine_to_ou
         assert "small ran" in sftctl("logs", b, check=True).stdout
         kinds = [e["kind"] for e in json.loads(sftctl("events", b, "--json", check=True).stdout)["events"]]
         # one admission event per wait, whatever reasons follow (issue 27 item 3): the reason may
-        # change while it waits (other jobs of this home come and go); `status` shows the current
-        # one. Admission counts this home's jobs only, so the machine need not be this test's own.
+        # change while it waits (jobs of this home come and go, the machine's free memory moves);
+        # `status` shows the current one. The machine is ours only for the exact reason above.
         assert kinds.count("admission") == 1
     finally:
         for job in (a, b):
