@@ -233,7 +233,8 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
             candidates.append(c)
         if not offerings and acc.name.lower() != "cpu":
             candidates.append(_not_sold(known[acc.name.lower()], acc.count, res.nodes))
-    ranked = sorted(candidates, key=lambda c: (c.rejected is not None, _objective(c, res.objective)))
+    ranked = _ranking_notes(sorted(candidates, key=lambda c: (c.rejected is not None, _objective(c, res.objective))),
+                            res.objective)
     feasible = [c for c in ranked if c.rejected is None]
     if not feasible:
         wanted = ", ".join(str(a) for a in res.accelerators)
@@ -267,6 +268,47 @@ def _not_sold(name: str, count: int, nodes: int) -> PlanChoice:
     placeholder = Offering(provider="-", instance_type="(not sold)", accelerator=name, count=count, region="-",
                            usd_per_hour=0.0, source="sftctl catalog: no offering of this count")
     return PlanChoice(placeholder, nodes, None, rejected=why)
+
+
+def _calibration(accelerator: str, step_time_s: float) -> dict:
+    """A prediction's calibration (sources, error factor) and its step-time interval."""
+    from sftctl.compiler.accuracy import accuracy, interval
+
+    acc = accuracy(accelerator)
+    lo, hi = interval(accelerator, step_time_s)
+    return {"calibration": {"calibrated": acc["calibrated"], "sources": acc["sources"], "error": acc["error"]},
+            "step_time_interval_s": [lo, hi]}
+
+
+def _ranking_notes(ranked: list[PlanChoice], objective: str) -> list[PlanChoice]:
+    """Each predicted row whose interval (total cost, or step time for ``objective: time``)
+    overlaps the nearest row above it on another accelerator or node shape says so (once per pair
+    of shapes): the model cannot tell those two apart."""
+    from sftctl.compiler.accuracy import interval, overlap
+
+    out: list[PlanChoice] = []
+    noted: set = set()  # (shape above, shape) pairs already said once
+    for i, c in enumerate(ranked):
+        if c.step_time_s is not None and c.calibration is not None:
+            key = "step_time_s" if objective == "time" else "total_usd"
+            mine = interval(c.offering.accelerator, getattr(c, key) or 0.0)
+            for j in range(i - 1, -1, -1):
+                above = out[j]
+                if above.step_time_s is None or above.calibration is None or (
+                        (above.offering.accelerator, above.offering.count, above.nodes)
+                        == (c.offering.accelerator, c.offering.count, c.nodes)):
+                    continue
+                pair = ((above.offering.accelerator, above.offering.count, above.nodes),
+                        (c.offering.accelerator, c.offering.count, c.nodes))
+                if pair not in noted and overlap(mine, interval(above.offering.accelerator, getattr(above, key) or 0.0)):
+                    noted.add(pair)
+                    what = "step-time" if objective == "time" else "cost"
+                    c = dataclasses.replace(c, ranking_note=(
+                        f"{what} interval overlaps #{j + 1} ({above.offering.accelerator}:{above.offering.count}): "
+                        "the ranking between them is within the prediction's error"))
+                break
+        out.append(c)
+    return out
 
 
 def _objective(c: PlanChoice, objective: str) -> tuple:
@@ -400,7 +442,8 @@ def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: P
                                     parallelism=got.chosen.parallelism,
                                     activation_checkpointing=got.chosen.activation_checkpointing,
                                     parallelism_reason=got.reason,
-                                    strategies=[p.to_dict() for p in got.strategies])
+                                    strategies=[p.to_dict() for p in got.strategies],
+                                    **_calibration(o.accelerator, got.step_time_s))
             if got.devices_needed != 1:
                 return reject(FailureCode.DOES_NOT_FIT, got.reason + (
                     f"; train.parallelism {spec.train.parallelism} rules out the other strategy"

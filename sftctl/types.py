@@ -156,6 +156,9 @@ class PlanChoice(Record):
     ``mode``: the execution mode ``step_time_s`` is predicted for; ``parallelism`` ("ddp" |
     "fsdp") and ``activation_checkpointing`` the strategy chosen for this offering, with its
     memory arithmetic in ``parallelism_reason`` and every strategy priced in ``strategies``.
+    ``calibration``: what the prediction rests on and its error factor
+    (:mod:`sftctl.compiler.accuracy`); ``step_time_interval_s`` the step time's interval from it;
+    ``ranking_note`` says when this row's cost interval overlaps the row ranked above it.
     """
 
     offering: Offering
@@ -175,6 +178,9 @@ class PlanChoice(Record):
     activation_checkpointing: bool | None = None
     parallelism_reason: str | None = None
     strategies: list | None = None  # sharding.StrategyPrediction.to_dict() each
+    calibration: dict | None = None  # {"calibrated", "sources", "error"}: compiler.accuracy
+    step_time_interval_s: list | None = None  # [low, high]: step_time_s / and x the error factor
+    ranking_note: str | None = None  # the intervals of this row and the one ranked above overlap
 
     @property
     def finish_s(self) -> float | None:
@@ -199,6 +205,8 @@ class PlanChoice(Record):
             "mode": self.mode, "note": self.note, "parallelism": self.parallelism,
             "activation_checkpointing": self.activation_checkpointing,
             "parallelism_reason": self.parallelism_reason, "strategies": self.strategies,
+            "calibration": self.calibration, "step_time_interval_s": self.step_time_interval_s,
+            "ranking_note": self.ranking_note,
             "offering": o.to_dict(),
         }
 

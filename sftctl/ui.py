@@ -346,19 +346,25 @@ def plan_table(candidates: list, steps: int) -> FitTable:
     A rejected row says ``no [k]``; reason ``k`` is printed once under the table, with how many
     rows share it. With a model, STRATEGY says ``ddp`` or ``fsdp`` (``+ckpt``: activation
     checkpointing) for each offering. Numbers are never cut: narrow terminals hide $/STEP, NODES,
-    REGION, MEMORY, TIME, INSTANCE and STRATEGY, in that order."""
+    REGION, MEMORY, TIME, INSTANCE, STRATEGY and STEP RANGE, in that order. STEP RANGE is the
+    step time divided and multiplied by the accelerator's error factor (:mod:`sftctl.compiler.accuracy`);
+    `*` marks an uncalibrated accelerator, and a note says when two rows' intervals overlap."""
     from sftctl.planner import format_hours
 
     refs, notes = _grouped([None if c.rejected is None else str(c.rejected) for c in candidates])
     cols = [Col("#", "right"), Col("PROVIDER"), Col("INSTANCE", drop=6), Col("ACCEL"), Col("NODES", "right", drop=2),
             Col("REGION", drop=3), Col("$/H", "right"), Col("STEP", "right"), Col("MEMORY", "right", drop=4),
             Col("$/STEP", "right", drop=1), Col("TIME", "right", drop=5), Col("TOTAL $", "right"), Col("VERDICT")]
+    ranged = any(getattr(c, "step_time_interval_s", None) for c in candidates)
+    if ranged:  # the step's interval from the accelerator's calibration error, after STEP
+        cols.insert(8, Col("STEP RANGE", "right", drop=8))
     queued = any(getattr(c, "queue_wait_s", None) is not None for c in candidates)
     if queued:  # a Slurm cluster: its queue wait and the finish (wait + run), before VERDICT
         cols[-1:-1] = [Col("QUEUE", "right"), Col("FINISH", "right")]
     strategies = any(getattr(c, "parallelism", None) for c in candidates)
     if strategies:  # a model: the data-parallel strategy the memory and step are predicted for
-        cols.insert(9, Col("STRATEGY", drop=7))
+        cols.insert(10 if any(getattr(c, "step_time_interval_s", None) for c in candidates) else 9,
+                    Col("STRATEGY", drop=7))
     rows = []
     for i, (c, ref) in enumerate(zip(candidates, refs), 1):
         o = c.offering
@@ -373,15 +379,30 @@ def plan_table(candidates: list, steps: int) -> FitTable:
             "-" if c.peak_memory_bytes is None else f"{c.peak_memory_bytes / 2**30:.1f} GiB",
             "-" if per_step is None else f"{per_step:.5f}", format_hours(c.hours), _num(c.total_usd, ",.2f"), verdict,
         ]
+        cal = getattr(c, "calibration", None)
+        if cal is not None and not cal.get("calibrated"):
+            row[7] += " *"  # uncalibrated: noted under the table
+        if ranged:
+            iv = getattr(c, "step_time_interval_s", None)
+            row.insert(8, "-" if not iv else f"{_seconds(iv[0])}-{_seconds(iv[1])}")
         if strategies:
             par = getattr(c, "parallelism", None)
-            row.insert(9, "-" if par is None else par + ("+ckpt" if getattr(c, "activation_checkpointing", False) else ""))
+            row.insert(10 if ranged else 9,
+                       "-" if par is None else par + ("+ckpt" if getattr(c, "activation_checkpointing", False) else ""))
         if queued:
             wait = getattr(c, "queue_wait_s", None)
             finish = getattr(c, "finish_s", None)
             row[-1:-1] = ["-" if wait is None else format_hours(wait / 3600),
                           "-" if finish is None else format_hours(finish / 3600)]
         rows.append(row)
+    uncal = sorted({c.offering.accelerator for c in candidates
+                    if getattr(c, "calibration", None) and not c.calibration.get("calibrated")})
+    if uncal:
+        notes.append(Text(f"* uncalibrated: no measured kernels or steps on {', '.join(uncal)}; the range is the "
+                          "error of the published-steps check (issue 20)", style="dim"))
+    for i, c in enumerate(candidates, 1):
+        if getattr(c, "ranking_note", None):
+            notes.append(Text(f"#{i}: {c.ranking_note}", style="dim"))
     return FitTable(cols, rows, title=f"offerings for {steps:,} steps", notes=notes)
 
 
