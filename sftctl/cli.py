@@ -175,7 +175,9 @@ def run(
 
 
 def _render_dry_run(doc: dict, as_json: bool) -> None:
-    """``run --dry-run``: the plan, what would be provisioned, every node's script; nothing done."""
+    """``run --dry-run``: the plan, what would be provisioned, node 0's scripts in full and one
+    line for the other nodes (what differs), so the output stays small for any node count;
+    nothing done."""
     if as_json:
         _print_json(doc)
         return
@@ -183,9 +185,11 @@ def _render_dry_run(doc: dict, as_json: bool) -> None:
     from rich.text import Text
 
     o = doc["offering"]
+    others = doc.get("other_nodes")
+    total = len(doc["nodes"]) + (others["count"] if others else 0)
     console = _console()
     console.print(Text(f"dry run: nothing was created or started\nplan: {doc['plan']}\n"
-                       f"would provision: {len(doc['nodes'])} node(s) of {o['provider']} {o['instance_type']} "
+                       f"would provision: {total} node(s) of {o['provider']} {o['instance_type']} "
                        f"({o['accelerator']}:{o['count']}) in {o['region']}"), soft_wrap=True)
     for n in doc["nodes"]:
         if n["bootstrap"]:
@@ -195,6 +199,14 @@ def _render_dry_run(doc: dict, as_json: bool) -> None:
         console.print(Text("\n".join(f"{k}={v}" for k, v in sorted(n["env"].items()))), soft_wrap=True)
         console.print(Rule(f"node {n['rank']}: attempt script (node.sh)", align="left"))
         console.print(Text(n["script"].rstrip()), soft_wrap=True)
+    if others:
+        first, last = others["ranks"]
+        ranks = f"node {first}" if first == last else f"nodes {first}-{last}"
+        console.print(Rule(f"{ranks}: as node 0, except", align="left"))
+        console.print(Text(f"environment: {', '.join(others['env_differs']) or 'nothing'}; attempt script: "
+                           f"{others['script_lines_differ']} line(s)"
+                           + (f"; first-boot script: {others['bootstrap_lines_differ']} line(s)"
+                              if doc["nodes"][0]["bootstrap"] else "")), soft_wrap=True)
     for sub in doc.get("submits", []):  # what the scheduler would be handed: sbatch.sh, manifests
         console.print(Rule(f"{sub['name']} (would be submitted)", align="left"))
         console.print(Text(sub["text"].rstrip()), soft_wrap=True)

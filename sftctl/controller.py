@@ -862,42 +862,68 @@ def _purge_workdir_pack(store: Store, job_id: str, spec: JobSpec, kept: list[dic
 def preview(spec: JobSpec, plan_doc: dict, job_id: str = "<job-id>") -> dict:
     """What ``sftctl run`` would provision and start, rendered but not done (``run --dry-run``).
 
-    Returns ``{"offering", "nodes": [{"rank", "env", "script", "bootstrap"}], "submits": [{"name",
-    "text"}]}``: each node's environment (secret values shown as ``<secret>``), its attempt script
-    (``node.sh``) and, on a cloud, its first-boot script; what the scheduler would be handed
-    (Slurm's sbatch and step scripts, Kubernetes manifests). Nothing is recorded, created or started.
+    Returns ``{"offering", "nodes": [{"rank", "env", "script", "bootstrap"}], "other_nodes",
+    "submits": [{"name", "text"}]}``: node 0 in full (its environment with secret values shown as
+    ``<secret>``, its attempt script ``node.sh`` and, on a cloud, its first-boot script), the rest
+    summarised, so the output stays the same size for 2 nodes or 10,000: ``other_nodes`` is None
+    for one node, else ``{"count", "ranks": [first, last], "env_differs": [names],
+    "script_lines_differ": n, "bootstrap_lines_differ": n}`` (what rank 1 has that node 0 has not:
+    its rank, node id, address...); ``submits``: what the scheduler would be handed (Slurm's sbatch
+    and step scripts, node 0's Kubernetes manifests). Nothing is recorded, created or started.
     """
-    from sftctl.templates import render
+    import difflib
 
     c = Controller.__new__(Controller)  # rendering only: no store, no provider
     c.spec, c.job_id, c.plan_doc = spec, job_id, plan_doc
     c.offering = Offering(**plan_doc["offering"])
     cloud = c.offering.provider != "local"
+    count = spec.resources.nodes
     c.nodes = [{"id": f"{job_id}-n{r}", "rank": r, "generation": 0,
                 "handle": NodeHandle(job_id=job_id, node_id=f"{job_id}-n{r}", rank=r,
                                      ip=f"<node {r} ip>" if cloud else "127.0.0.1")}
-               for r in range(spec.resources.nodes)]
+               for r in range(count)]
     c.workdir_key = "<workdir pack>" if spec.storage is not None else None
-    nodes = []
-    for n in c.nodes:
-        env = c.node_env(n["rank"], 1, "<rendezvous port>")
-        env.update({k: "<secret>" for k in spec.secrets if k in env})
-        env.update({k: v for k, v in spec.env.items() if env_references(v)})  # ${MY_API_TOKEN}, not its value
-        script = render("node.sh.j2", job_id=job_id, node_id=n["id"], rank=n["rank"], attempt=1,
-                        workdir=spec.workdir, setup=spec.setup, run=spec.run, health=spec.health.enabled,
-                        secrets=required_secrets(spec))
-        bootstrap = None
-        if cloud:
-            bootstrap = render("bootstrap.sh.j2", job_id=job_id, node_id=n["id"], rank=n["rank"],
-                               storage_url=job_storage_url(spec, job_id) or "",
-                               install=settings.get("SFTCTL_NODE_INSTALL") or _default_install())
-        nodes.append({"rank": n["rank"], "env": env, "script": script, "bootstrap": bootstrap})
-    return {"offering": c.offering.to_dict(), "nodes": nodes, "submits": _preview_submits(spec, c, nodes)}
+    nodes = [_preview_node(c, spec, n, cloud) for n in c.nodes[:2]]  # node 0 in full, node 1 for what differs
+    if count == 1:
+        return {"offering": c.offering.to_dict(), "nodes": nodes, "other_nodes": None,
+                "submits": _preview_submits(spec, c, nodes)}
+
+    def changed(a: str | None, b: str | None) -> int:
+        lines = difflib.ndiff((a or "").splitlines(), (b or "").splitlines())
+        return sum(line.startswith("+ ") for line in lines)
+
+    first, second = nodes
+    others = {"count": count - 1, "ranks": [1, count - 1],
+              "env_differs": sorted(k for k in first["env"].keys() | second["env"].keys()
+                                    if first["env"].get(k) != second["env"].get(k)),
+              "script_lines_differ": changed(first["script"], second["script"]),
+              "bootstrap_lines_differ": changed(first["bootstrap"], second["bootstrap"])}
+    return {"offering": c.offering.to_dict(), "nodes": [first], "other_nodes": others,
+            "submits": _preview_submits(spec, c, [first])}
+
+
+def _preview_node(c: Controller, spec: JobSpec, n: dict, cloud: bool) -> dict:
+    """One node of :func:`preview`: ``{"rank", "env", "script", "bootstrap"}``."""
+    from sftctl.templates import render
+
+    job_id = c.job_id
+    env = c.node_env(n["rank"], 1, "<rendezvous port>")
+    env.update({k: "<secret>" for k in spec.secrets if k in env})
+    env.update({k: v for k, v in spec.env.items() if env_references(v)})  # ${MY_API_TOKEN}, not its value
+    script = render("node.sh.j2", job_id=job_id, node_id=n["id"], rank=n["rank"], attempt=1,
+                    workdir=spec.workdir, setup=spec.setup, run=spec.run, health=spec.health.enabled,
+                    secrets=required_secrets(spec))
+    bootstrap = None
+    if cloud:
+        bootstrap = render("bootstrap.sh.j2", job_id=job_id, node_id=n["id"], rank=n["rank"],
+                           storage_url=job_storage_url(spec, job_id) or "",
+                           install=settings.get("SFTCTL_NODE_INSTALL") or _default_install())
+    return {"rank": n["rank"], "env": env, "script": script, "bootstrap": bootstrap}
 
 
 def _preview_submits(spec: JobSpec, c: "Controller", nodes: list[dict]) -> list[dict]:
     """What ``preview`` adds per provider: ``[{"name", "text"}]``, the documents sftctl would hand
-    the scheduler: Slurm's ``sbatch.sh`` and ``step.sh``, each Kubernetes node's manifests
+    the scheduler: Slurm's ``sbatch.sh`` and ``step.sh``, the shown nodes' Kubernetes manifests
     (Secret values shown as ``<secret>``). Empty for the others (their nodes get ``bootstrap``)."""
     provider = c.offering.provider
     if provider == "slurm":

@@ -18,6 +18,7 @@ as a :class:`sftctl.types.FailureReason` (a code programs switch on, and the lin
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import TYPE_CHECKING, Callable
 
 from sftctl.catalog import Offering, accelerator_names, cloud_offerings
@@ -248,6 +249,9 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
             + (f" ({'; '.join(reasons[:4])}{'; ...' if len(reasons) > 4 else ''})" if reasons else ": no provider offers it"),
             hint=("make model.batch_size a multiple of nodes x accelerators per node"
                   if any(c.rejected.code == FailureCode.UNSUPPORTED for c in ranked) else
+                  f"lower resources.nodes (this machine holds at most {os.cpu_count() or 1} local CPU worker(s)), "
+                  "or run on a cluster (resources.clouds: [slurm], [kubernetes], a cloud)"
+                  if any(c.offering.provider == "local" and c.rejected.code == FailureCode.NO_CAPACITY for c in ranked) else
                   "widen resources (accelerators, clouds, regions, max_price_per_hour, deadline, spot); "
                   "sftctl plan shows all"),
         )
@@ -428,6 +432,12 @@ def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: P
         return reject(FailureCode.OVER_BUDGET,
                       f"${c.usd_per_hour:.2f}/h is above max_price_per_hour ${res.max_price_per_hour:.2f}",
                       usd_per_hour=c.usd_per_hour, max_price_per_hour=res.max_price_per_hour)
+    if o.provider == "local":  # before the compiler: a job this machine can never hold says so at once
+        from sftctl.providers.local import LocalProvider
+
+        never = LocalProvider().never_fits(o, res.nodes)
+        if never is not None:
+            return reject(FailureCode.NO_CAPACITY, f"local: {never}", nodes=res.nodes, cores=os.cpu_count() or 1)
     if predict is not None:
         try:
             got = predict(o, res.nodes)

@@ -12,7 +12,8 @@ Policy (first come, first served, with backfill that never delays the head, as S
   the head's reserved start, or it uses CPUs the head will not need at that start. The head's
   reserved start is when enough held CPUs are free by their jobs' deadlines; a job without a
   deadline may run for ever, so behind it nothing is backfilled: the queue is then strictly FIFO.
-- A job that needs more CPUs than the machine has runs when nothing else does.
+- A job that needs more CPUs than the machine has is refused when planned (exit 3,
+  :meth:`sftctl.providers.local.LocalProvider.never_fits`), never queued.
 
 Waiting costs next to nothing: the detached controller starts as ``python -m sftctl.queue JOB``
 (the state store and a file lock, no pydantic, no providers: about 20 MiB), looks at the state

@@ -642,13 +642,15 @@ def test_dry_run_renders_everything_and_starts_nothing(tmp_path, home):
     proc = sftctl("run", str(spec), "--dry-run", "--json", env=env, check=True)
     doc = json.loads(proc.stdout)
     assert doc["dry_run"] is True and doc["plan"].startswith("chose local localhost (cpu:1) x 2 node(s)")
-    assert [n["rank"] for n in doc["nodes"]] == [0, 1]
+    assert [n["rank"] for n in doc["nodes"]] == [0]  # node 0 in full, the others summarised (issue 26)
     for n in doc["nodes"]:
         assert n["env"]["SFTCTL_NODE_RANK"] == str(n["rank"]) and n["env"]["SFTCTL_DRY_TOKEN"] == "<secret>"
         assert n["env"]["SFTCTL_PARALLELISM"] == "ddp"  # from the plan, as the launched node gets it
         assert "echo hello from $SFTCTL_NODE_RANK" in n["script"] and n["bootstrap"] is None
+    assert doc["other_nodes"]["count"] == 1 and "SFTCTL_NODE_RANK" in doc["other_nodes"]["env_differs"]
     text = sftctl("run", str(spec), "--dry-run", env=env, check=True).stdout
-    assert "dry run: nothing was created or started" in text and "node 1: attempt script (node.sh)" in text
+    assert "dry run: nothing was created or started" in text and "node 0: attempt script (node.sh)" in text
+    assert "node 1: as node 0, except" in text
     assert "s3cr3t-value" not in proc.stdout + text
     assert status_json()["jobs"] == [] and not (home / "jobs").exists()
 

@@ -52,6 +52,24 @@ class LocalProvider:
             return []
         return [local_offering(count)]
 
+    def never_fits(self, offering: Offering, nodes: int) -> str | None:
+        """Why ``nodes`` nodes of ``offering`` can never run on this machine, else None: more
+        worker CPUs (nodes x the offering's count) than its cores (``os.cpu_count()``), or more
+        nodes than ``$SFTCTL_LOCAL_MAX_NODES`` lends a job. Known at plan time, so a job that
+        can never start is refused at submit (exit 3) instead of queueing or starting
+        thousands of processes."""
+        from sftctl import settings
+
+        cores = os.cpu_count() or 1
+        cap = settings.get("SFTCTL_LOCAL_MAX_NODES")
+        need = nodes * offering.count
+        if need > cores:
+            return (f"{nodes} node(s) x {offering.count} CPU need {need} CPUs; this machine has {cores} cores"
+                    + (f" (SFTCTL_LOCAL_MAX_NODES={cap})" if cap is not None else ""))
+        if cap is not None and nodes > cap:
+            return f"{nodes} node(s) is more than SFTCTL_LOCAL_MAX_NODES={cap} lends a job (this machine has {cores} cores)"
+        return None
+
     def provision(self, job_id: str, node_id: str, rank: int, offering: Offering, **_: object) -> LocalHandle:
         """A node directory; ``spot``, ``bootstrap`` and ``image`` mean nothing on this machine.
 
