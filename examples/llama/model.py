@@ -18,6 +18,8 @@ import torch
 
 TINYLLAMA = dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
                  intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048)
+LLAMA2_7B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                 intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=256, max_position_embeddings=128)
 
@@ -50,6 +52,14 @@ def _build(shape: dict, batch_size: int, dtype: str, seed: int = 0):
 def build_tinyllama(batch_size: int = 2, dtype: str = "bfloat16"):
     """TinyLlama-1.1B-shaped (1.1 B parameters) with random weights; see the module docstring."""
     return _build(TINYLLAMA, batch_size, dtype)
+
+
+def build_llama2_7b(batch_size: int = 2, dtype: str = "bfloat16"):
+    """Llama-2-7B-shaped (6.7 B parameters: 32 layers, hidden 4096, MLP 11008, 32 heads, vocab
+    32000, 4096 tokens; Touvron et al. 2023, "Llama 2", Table 1 and the HF config
+    ``meta-llama/Llama-2-7b-hf``) with random weights, for planning only (build it on the meta
+    device)."""
+    return _build(LLAMA2_7B, batch_size, dtype)
 
 
 def build(batch_size: int = 4, dtype: str = "float32"):
