@@ -152,8 +152,10 @@ def run(
             )
         return
 
+    from rich.text import Text
+
     from sftctl.types import JobStatus
-    from sftctl.ui import RunView
+    from sftctl.ui import RunView, tty_safe
 
     console = _console(stderr=as_json)
     console.print(f"[bold]{job.job_id}[/]: {job.plan.reason}")
@@ -168,9 +170,9 @@ def run(
             f", loss {view.first_loss:.4f} -> {view.last_loss:.4f} (mean over ranks)" if view.first_loss is not None else ""
         )
         style = "green" if final.status == JobStatus.SUCCEEDED else "red"
-        console.print(f"[{style}]{job.job_id} {final.status.value}[/] in {ended.wall_s:.1f} s{losses}")
+        console.print(Text.assemble((f"{job.job_id} {final.status.value}", style), f" in {ended.wall_s:.1f} s{losses}"))
         if final.failure_reason and final.status != JobStatus.SUCCEEDED:
-            console.print(f"[red]reason:[/] {final.failure_reason}")
+            console.print(Text.assemble(("reason:", "red"), " ", tty_safe(final.failure_reason)), soft_wrap=True)
     raise typer.Exit(ended.exit_code)
 
 

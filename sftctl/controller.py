@@ -496,7 +496,10 @@ class Controller:
             for node, st in statuses:
                 if st.state == NodeState.FAILED:
                     self._drain()
-                    return Failure(self._exit_reason(node, st.exit_code), RESTART, node["rank"], st.exit_code)
+                    why = self._exit_reason(node, st.exit_code)
+                    # a full disk stays full: a restart would write the same checkpoint into it
+                    action = None if why.code == FailureCode.DISK_FULL else RESTART
+                    return Failure(why, action, node["rank"], st.exit_code)
                 if st.state == NodeState.LOST:
                     return Failure(FailureReason(FailureCode.NODE_LOST, f"node {node['rank']}: {st.detail}",
                                                  {"node_rank": node["rank"]}), REPLACE, node["rank"])

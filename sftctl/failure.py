@@ -95,9 +95,22 @@ def error_file_message(path: str | os.PathLike) -> str | None:
     return f"rank {rank}: {first}" if rank is not None else first
 
 
+def error_file_code(path: str | os.PathLike | None) -> str | None:
+    """The :class:`FailureCode` value :func:`write_error_file` recorded for an exception that
+    carries one (``failure_code``: :class:`sftctl.train.CheckpointSpaceError`), or None."""
+    try:
+        doc = json.loads(Path(path).read_text()) if path else None
+        code = doc["message"]["extraInfo"].get("failure_code")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return code if isinstance(code, str) else None
+
+
 def diagnose(rc: int, error_file: str | None = None, oom_before: int | None = None) -> FailureReason | None:
     """Why a run exited with ``rc`` (non-zero): ``oom`` (the OOM-kill counter rose since
-    ``oom_before``), ``exception`` (the error file's first line) or ``signal`` (``rc`` above 128);
+    ``oom_before``), ``disk_full`` (a checkpoint found no room: the error file's exception carries
+    that code, :class:`sftctl.train.CheckpointSpaceError`), ``exception`` (the error file's first
+    line) or ``signal`` (``rc`` above 128);
     ``data`` holds ``exit_code`` and, where known, ``signal``, ``oom_kills`` and ``rank``.
     None when nothing is known beyond the code."""
     recorded = error_file_message(error_file) if error_file else None
@@ -109,7 +122,10 @@ def diagnose(rc: int, error_file: str | None = None, oom_before: int | None = No
         data["oom_kills"] = now - oom_before
         return FailureReason(FailureCode.OOM, f"{what}; {recorded}" if recorded else what, data)
     if recorded:
-        return FailureReason(FailureCode.EXCEPTION, recorded, data)
+        code = FailureCode.EXCEPTION
+        if error_file_code(error_file) == FailureCode.DISK_FULL.value or "CheckpointSpaceError:" in recorded:
+            code = FailureCode.DISK_FULL
+        return FailureReason(code, recorded, data)
     if rc > 128:
         try:
             name = signal.Signals(rc - 128).name
@@ -145,7 +161,8 @@ def write_error_file(exc: BaseException, path: str | os.PathLike, rank: int | No
     """Record ``exc`` in torchelastic's error-file format (what ``@record`` writes), plus the rank."""
     doc = {"message": {"message": f"{type(exc).__name__}: {exc}",
                        "extraInfo": {"py_callstack": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-                                     "timestamp": str(int(time.time())), "rank": rank}}}
+                                     "timestamp": str(int(time.time())), "rank": rank,
+                                     "failure_code": getattr(exc, "failure_code", None)}}}
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(doc, f)

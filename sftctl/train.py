@@ -100,7 +100,44 @@ __all__ = [
     "strategy",
     "save_sharded_checkpoint",
     "load_sharded_checkpoint",
+    "CheckpointSpaceError",
 ]
+
+
+class CheckpointSpaceError(OSError):
+    """A checkpoint could not be written for lack of room: no space left on the device
+    (``ENOSPC``, ``EDQUOT``) or the process's file-size limit (``RLIMIT_FSIZE``, ``EFBIG``).
+    torch reports either as ``[enforce fail at inline_container.cc] unexpected pos``; this names
+    the cause, the step and the path. ``failure_code`` ``disk_full``: the controller does not
+    restart into the same wall (sftctl/failure.py records it)."""
+
+    failure_code = "disk_full"
+
+
+def _space_error(exc: BaseException, step: int, path: Path) -> CheckpointSpaceError | None:
+    """``exc`` (raised while writing checkpoint ``step`` to ``path``) as a
+    :class:`CheckpointSpaceError` when lack of room caused it, else None."""
+    import resource
+
+    code = getattr(exc, "errno", None)
+    if code not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        code = None
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        biggest = max((f.stat().st_size for f in path.rglob("*") if f.is_file()), default=0) if path.is_dir() else 0
+        if soft != resource.RLIM_INFINITY and biggest >= soft - 64 * 1024:
+            code = errno.EFBIG
+        else:
+            try:
+                free = shutil.disk_usage(path if path.exists() else path.parent).free
+            except OSError:
+                free = None
+            if free is not None and free < 1 << 20:
+                code = errno.ENOSPC
+    if code is None:
+        return None
+    what = {errno.EFBIG: "the file-size limit (ulimit -f) was reached", errno.EDQUOT: "the disk quota is used up"}.get(
+        code, "no space left on device")
+    return CheckpointSpaceError(code, f"{what} writing checkpoint step {step} to {path}")
 
 EXTRA_FILE = "extra.pt"  # a sharded checkpoint's small values (step, RNG state), written by rank 0
 DEFAULT_CHECKPOINT_DIR = "checkpoints"
@@ -309,7 +346,8 @@ def save_checkpoint(state: dict[str, Any], step: int, *, keep: int | None = None
         ImportError: torch is not installed (or, with job storage, its SDK: boto3,
             google-cloud-storage).
         OSError: the checkpoint could not be written (the temporary directory is removed; earlier
-            checkpoints are untouched).
+            checkpoints are untouched); :class:`CheckpointSpaceError` when the disk is full or
+            the file-size limit was reached (the message names the cause, step and path).
         sftctl.storage.StorageError: the upload to job storage failed. The local checkpoint is
             in place; the storage keeps its earlier complete checkpoints.
     """
@@ -347,11 +385,14 @@ def save_checkpoint(state: dict[str, Any], step: int, *, keep: int | None = None
         else:
             os.rename(tmp, final)
             _fsync_dir(root)
-    except BaseException:
+    except BaseException as exc:
         aside = root / f"{name}.tmp-{os.getpid()}.old"
         if aside.exists() and not final.exists():  # failed between the two renames: put it back
             os.rename(aside, final)
+        full = _space_error(exc, step, tmp) if isinstance(exc, (OSError, RuntimeError)) else None
         shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from exc
         raise
     _prune(root, keep)
     storage = _job_storage()
@@ -798,14 +839,20 @@ def save_sharded_checkpoint(model: Any, optimizer: Any, step: int, *, extra: dic
     if own_disk:  # another node's disk: our files go to our own copy of the directory
         tmp.mkdir(parents=True, exist_ok=True)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    if rank == 0:
-        import torch
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        if rank == 0:
+            import torch
 
-        with open(tmp / EXTRA_FILE, "wb") as fh:
-            torch.save({"step": int(step), **dict(extra or {})}, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
+            with open(tmp / EXTRA_FILE, "wb") as fh:
+                torch.save({"step": int(step), **dict(extra or {})}, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+    except (OSError, RuntimeError) as exc:
+        full = _space_error(exc, step, tmp)
+        if full is not None:
+            raise full from exc
+        raise
     storage = _job_storage()
     if storage is not None:
         from sftctl.storage.checkpoints import begin_checkpoint, upload_files, write_manifest

@@ -163,3 +163,37 @@ run: printf 'before\\033]0;pwned-title\\007\\033[2Jafter\\n'
     assert b"\\x1b]0;pwned-title\\x07\\x1b[2J" in shown
     piped = sftctl("logs", job.id, check=True).stdout
     assert "before\x1b]0;pwned-title\x07\x1b[2Jafter" in piped
+
+
+def test_a_checkpoint_past_the_file_size_limit_names_the_cause_and_does_not_restart(home, tmp_path):
+    """Issue 28 item 7: a checkpoint that hits the file-size limit (``ulimit -f``: RLIMIT_FSIZE,
+    as a full disk would) ends the job once, with the cause, step and path; no futile restart.
+    The reason is plain text ([brackets] survive ``run``'s rendering)."""
+    import json
+
+    from conftest import sftctl
+    from sftctl.types import JobStatus
+
+    (tmp_path / "save.py").write_text(
+        "import torch\nfrom sftctl import train\n"
+        "train.save_checkpoint({'w': torch.zeros(1_000_000)}, 20)\n")  # 4 MB into a 1 MiB limit
+    spec = write_spec(tmp_path / "job.yaml", f"""\
+name: disk-full
+workdir: {tmp_path}
+health: {{enabled: false}}
+recovery: {{max_restarts: 3}}
+run: ulimit -f 1024 && python save.py
+""")
+    proc = sftctl("run", str(spec), timeout=300)
+    assert proc.returncode != 0
+    from sftctl import api
+
+    [listed] = api.status()
+    job = api.status(listed.id)
+    assert job.status is JobStatus.FAILED
+    assert len(job.attempts) == 1, [a.reason for a in job.attempts]  # no restart into the same wall
+    doc = json.loads(sftctl("status", job.id, "--json", check=True).stdout)
+    assert doc["failure_code"] == "disk_full", doc
+    assert "the file-size limit (ulimit -f) was reached writing checkpoint step 20 to " in job.failure_reason
+    assert "inline_container" not in job.failure_reason
+    assert f"reason: {job.failure_reason}" in " ".join(proc.stdout.split()) + " ".join(proc.stderr.split())
