@@ -39,7 +39,7 @@ from sftctl.queue import CANCEL_SIGNALS, DOWN_REASON  # how a signal cancels a j
 from sftctl.spec import JobSpec, env_references, resolve_env
 from sftctl.storage import StorageError
 from sftctl.state import JobRecord, JobStatus, Store, controller_died_reason
-from sftctl.types import AttemptStatus, FailureCode, FailureReason, NodeHandle
+from sftctl.types import AttemptStatus, FailureCode, FailureReason, NodeHandle, capabilities
 
 POLL_S = 0.5
 #: With job storage every poll lists each node's streams (about 5 requests per node): poll less
@@ -256,7 +256,7 @@ class Controller:
         PENDING with ``pending_reason`` saying why). A detached controller has waited already,
         as ``python -m sftctl.queue``, and finds its job PROVISIONING.
         """
-        if self.provider.name != "local":
+        if not capabilities(self.provider.name).local_admission:
             self._move(JobStatus.PROVISIONING)
             return
         if self.store.get_job(self.job_id).status == JobStatus.PROVISIONING:  # admitted by sftctl.queue
@@ -331,7 +331,7 @@ class Controller:
 
     def _bootstrap(self, node_id: str, rank: int) -> str:
         """The first-boot script of a cloud node: install sftctl, run the node daemon."""
-        if self.provider.name == "local":
+        if not capabilities(self.provider.name).boots_script:
             return ""
         from sftctl.templates import render
 
@@ -543,8 +543,8 @@ class Controller:
         url = self.storage.url if self.storage is not None else None  # canonical: file:// for a directory
         root = url or self.spec.train.checkpoint_dir or str(job_dir(self.job_id) / "checkpoints")
         # Slurm on a login node shares its filesystem with the nodes; over SSH it does not
-        here = self.provider.name == "local" or (
-            self.provider.name == "slurm" and not getattr(getattr(self.provider, "runner", None), "remote", True))
+        here = capabilities(self.provider.name).shares_filesystem and not getattr(
+            getattr(self.provider, "runner", None), "remote", False)
         steps = complete_checkpoint_steps(root) if url or here else None
         if steps is None:
             return "from the last checkpoint"
@@ -879,7 +879,7 @@ def preview(spec: JobSpec, plan_doc: dict, job_id: str = "<job-id>") -> dict:
     c = Controller.__new__(Controller)  # rendering only: no store, no provider
     c.spec, c.job_id, c.plan_doc = spec, job_id, plan_doc
     c.offering = Offering(**plan_doc["offering"])
-    cloud = c.offering.provider != "local"
+    cloud = not capabilities(c.offering.provider).local_admission
     count = spec.resources.nodes
     c.nodes = [{"id": f"{job_id}-n{r}", "rank": r, "generation": 0,
                 "handle": NodeHandle(job_id=job_id, node_id=f"{job_id}-n{r}", rank=r,

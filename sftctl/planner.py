@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable
 from sftctl.catalog import Offering, accelerator_names, cloud_offerings
 from sftctl.errors import InfeasibleError, SftctlError, SpecError
 from sftctl.spec import JobSpec, unknown_accelerator
-from sftctl.types import FailureCode, FailureReason, Plan, PlanChoice
+from sftctl.types import FailureCode, FailureReason, Plan, PlanChoice, capabilities
 
 if TYPE_CHECKING:
     from sftctl.compiler.api import OfferingPrediction
@@ -229,7 +229,7 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
         offerings = _offerings(acc.name, acc.count, usable, res.clouds, spec=spec)
         for offering in offerings:
             c = _judge(offering, spec, usable, predict)
-            if offering.provider == "slurm" and c.rejected is None:
+            if capabilities(offering.provider).queue_estimate and c.rejected is None:
                 c = _queue(c, spec)
             candidates.append(c)
         if not offerings and acc.name.lower() != "cpu":
@@ -424,7 +424,7 @@ def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: P
 
     if res.clouds is not None and o.provider not in res.clouds:
         return reject(FailureCode.EXCLUDED, f"{o.provider} is not in resources.clouds")
-    if res.regions is not None and o.region not in res.regions and o.provider not in ("local", "slurm"):
+    if res.regions is not None and o.region not in res.regions and capabilities(o.provider).regional:
         return reject(FailureCode.EXCLUDED, f"region {o.region} is not in resources.regions")
     if c.usd_per_hour is None:
         return reject(FailureCode.NOT_SOLD, "no spot price for this offering")

@@ -33,7 +33,7 @@ import time
 
 from sftctl.errors import ExitCode
 from sftctl.state import JobRecord, JobStatus, Store
-from sftctl.types import FailureCode
+from sftctl.types import FailureCode, capabilities
 
 #: the memory one worker process is expected to take. 0.8 GiB: the quickstart's two torch nodes
 #: took about 1.6 GB (measured on this project's 2-core test machine, issue 14); a plain shell
@@ -57,7 +57,7 @@ DOWN_REASON = "cancelled by sftctl down"
 
 
 def _local(job: JobRecord) -> bool:
-    return (job.provider or "local") == "local"
+    return capabilities(job.provider).local_admission
 
 
 def demand(job: JobRecord) -> tuple[int, float]:

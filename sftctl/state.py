@@ -30,7 +30,7 @@ from typing import Any, Iterator
 from sftctl import settings
 from sftctl.paths import sftctl_home
 from sftctl.types import (TERMINAL, Attempt, AttemptStatus, Event, JobRecord, JobStatus, MetricsRecord,  # noqa: F401
-                          NodeRecord, NodeState)  # (re-exported)
+                          NodeRecord, NodeState, capabilities)  # (re-exported)
 
 
 _ENDINGS = {JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.FAILED_CONTROLLER}
@@ -370,7 +370,7 @@ class Store:
                 continue
             if pid is not None and procs.alive(pid, r["controller_start_ticks"]):
                 continue
-            reason = controller_died_reason(r["id"], pid, local=(r["provider"] or "local") == "local")
+            reason = controller_died_reason(r["id"], pid, local=capabilities(r["provider"]).local_admission)
             if self.transition(r["id"], JobStatus.FAILED_CONTROLLER, reason, strict=False, code="controller_died"):
                 reaped.append(r["id"])
         return reaped

@@ -305,6 +305,30 @@ class NodeStatus:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProviderCapabilities:
+    """What a provider offers that the rest of sftctl decides by, declared once per provider on
+    its handle class (:func:`capabilities`), instead of comparing provider names.
+
+    Attributes:
+        local_admission: its nodes run on this machine: a job waits for its CPUs and memory
+            (:mod:`sftctl.queue`), and a dead controller's nodes stop by themselves.
+        regional: its offerings live in regions that ``resources.regions`` filters.
+        queue_estimate: its scheduler estimates when an allocation starts (the planner asks).
+        boots_script: its nodes boot sftctl's bootstrap script (a cloud VM, a pod).
+        shares_filesystem: the controller's filesystem is the nodes' (this machine; a Slurm
+            cluster driven from its login node, not over SSH).
+        needs_job_storage: its nodes reach the controller only through job storage.
+    """
+
+    local_admission: bool = False
+    regional: bool = True
+    queue_estimate: bool = False
+    boots_script: bool = True
+    shares_filesystem: bool = False
+    needs_job_storage: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class NodeHandle(Record):
     """What a provider needs to find one node again. The controller stores it in state after
     every provider call (``to_dict()``), so another process (``sftctl down``) rebuilds the
@@ -316,6 +340,7 @@ class NodeHandle(Record):
     """
 
     provider: ClassVar[str] = ""
+    capabilities: ClassVar[ProviderCapabilities] = ProviderCapabilities()  # a cloud VM's (AWS, GCP) and a pod's
     job_id: str
     node_id: str
     rank: int
@@ -360,6 +385,8 @@ class LocalHandle(NodeHandle):
     its start time in clock ticks, so a reused pid is not mistaken for it)."""
 
     provider: ClassVar[str] = "local"
+    capabilities: ClassVar[ProviderCapabilities] = ProviderCapabilities(
+        local_admission=True, regional=False, boots_script=False, shares_filesystem=True, needs_job_storage=False)
     dir: str = ""
     pid: int | None = None
     start_ticks: int | None = None
@@ -419,6 +446,8 @@ class SlurmHandle(NodeHandle):
     nodes ``exclude``d from it."""
 
     provider: ClassVar[str] = "slurm"
+    capabilities: ClassVar[ProviderCapabilities] = ProviderCapabilities(
+        regional=False, queue_estimate=True, boots_script=False, shares_filesystem=True, needs_job_storage=False)
     root: str = ""
     dir: str = ""
     offering: dict[str, Any] | None = None
@@ -568,3 +597,12 @@ class MetricsRecord(Record):
     job_id: str | None = None
     first_step: int | None = None
     first_loss: float | None = None
+
+
+def capabilities(provider: str | None) -> ProviderCapabilities:
+    """The declared :class:`ProviderCapabilities` of a provider (``None``: ``local``, as a job
+    recorded before it had a provider). Raises ValueError for an unknown provider."""
+    name = provider or "local"
+    if name not in _HANDLES:
+        raise ValueError(f"unknown provider {name!r}")
+    return _HANDLES[name].capabilities

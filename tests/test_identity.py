@@ -152,3 +152,21 @@ def test_a_new_accelerator_is_one_yaml_entry_and_its_offerings(z100):
     p = plan(spec, {"aws": None, "gcp": None})
     assert {c.offering.instance_type for c in p.candidates} == {"z5.48xlarge", "n1-standard-96+Z100"}
     assert p.offering.accelerator == "Z100" and p.chosen.usd_per_hour == 9.99
+
+
+def test_provider_capabilities_are_declared_not_compared_by_name():
+    """What the planner, the queue, state and the controller decide by is declared on each
+    provider's handle class (types.ProviderCapabilities)."""
+    from sftctl.types import capabilities
+
+    local, slurm, aws, k8s = (capabilities(p) for p in ("local", "slurm", "aws", "kubernetes"))
+    assert local.local_admission and local.shares_filesystem and not local.needs_job_storage
+    assert not local.regional and not slurm.regional and aws.regional and k8s.regional
+    assert slurm.queue_estimate and not aws.queue_estimate
+    assert aws.boots_script and k8s.boots_script and not local.boots_script and not slurm.boots_script
+    assert capabilities(None) == local  # a job recorded before it had a provider
+    with pytest.raises(ValueError):
+        capabilities("azure")
+    for module in ("planner.py", "queue.py", "state.py"):
+        text = (CATALOG.parent / module).read_text()
+        assert '== "local"' not in text and 'provider == "slurm"' not in text, module

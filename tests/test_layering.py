@@ -79,7 +79,8 @@ def _layer(module: str) -> int:
     best, depth = None, -1
     for i, layer in enumerate(LAYERS):
         for key in layer:
-            if (module == key or module.startswith(key + ".")) and key.count(".") > depth:
+            # the root package is a layer-0 module of its own, not a prefix that places every module
+            if (module == key or (key != "sftctl" and module.startswith(key + "."))) and key.count(".") > depth:
                 best, depth = i, key.count(".")
     if best is None:
         raise AssertionError(f"{module} is in no layer: add it to LAYERS and to ARCHITECTURE.md's Layers")
