@@ -251,7 +251,8 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
                   if any(c.rejected.code == FailureCode.UNSUPPORTED for c in ranked) else
                   f"lower resources.nodes (this machine holds at most {os.cpu_count() or 1} local CPU worker(s)), "
                   "or run on a cluster (resources.clouds: [slurm], [kubernetes], a cloud)"
-                  if any(c.offering.provider == "local" and c.rejected.code == FailureCode.NO_CAPACITY for c in ranked) else
+                  if any(capabilities(c.offering.provider).local_admission and c.rejected.code == FailureCode.NO_CAPACITY
+                         for c in ranked) else
                   "widen resources (accelerators, clouds, regions, max_price_per_hour, deadline, spot); "
                   "sftctl plan shows all"),
         )
@@ -432,7 +433,7 @@ def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: P
         return reject(FailureCode.OVER_BUDGET,
                       f"${c.usd_per_hour:.2f}/h is above max_price_per_hour ${res.max_price_per_hour:.2f}",
                       usd_per_hour=c.usd_per_hour, max_price_per_hour=res.max_price_per_hour)
-    if o.provider == "local":  # before the compiler: a job this machine can never hold says so at once
+    if capabilities(o.provider).local_admission:  # before the compiler: a job this machine can never hold says so at once
         from sftctl.providers.local import LocalProvider
 
         never = LocalProvider().never_fits(o, res.nodes)
