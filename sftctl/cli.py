@@ -94,7 +94,7 @@ def _root(
 
 
 @contextlib.contextmanager
-def _planning(stderr: bool):
+def _planning(stderr: bool, label: str = "planning"):
     """A ``progress`` callback for :mod:`sftctl.api` that drives a spinner on a terminal; the
     api's :class:`~sftctl.errors.SftctlWarning`\\ s are printed as ``warning:`` lines after."""
     import warnings
@@ -102,7 +102,7 @@ def _planning(stderr: bool):
     from sftctl.errors import SftctlWarning
 
     console = _console(stderr=stderr)
-    status = console.status("planning") if console.is_terminal else None
+    status = console.status(label) if console.is_terminal else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", SftctlWarning)
         if status is None:
@@ -537,7 +537,8 @@ def down(
             for line in swept or ["no orphaned resources"]:
                 print(line)
         return
-    results = api.down(job_id, all=all_, purge=purge)
+    with _planning(stderr=True, label="taking down") as progress:  # a spinner says what a long one waits on
+        results = api.down(job_id, all=all_, purge=purge, progress=progress)
     if as_json:
         _print_json({"down": [r.to_dict() for r in results]})
         return

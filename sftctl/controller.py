@@ -26,7 +26,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 from sftctl import procs, settings
 from sftctl.catalog import Offering
@@ -34,7 +34,7 @@ from sftctl.errors import CapacityError, ExitCode, InfeasibleError, SftctlError
 from sftctl.health.telemetry import REPLACE, RESTART
 from sftctl.paths import job_dir
 from sftctl.providers import get_provider
-from sftctl.providers.base import NodeState, provision_all
+from sftctl.providers.base import NodeState, provision_all, terminate_all
 from sftctl.queue import CANCEL_SIGNALS, DOWN_REASON  # how a signal cancels a job (shared with the waiting stage)
 from sftctl.spec import JobSpec, env_references, resolve_env
 from sftctl.storage import StorageError
@@ -682,9 +682,10 @@ class Controller:
             self.provider.stop_attempt(node["handle"])
 
     def _teardown(self) -> None:
+        terminate_all(self.provider, [n["handle"] for n in self.nodes if n["handle"] is not None],
+                      progress=self.reporter.event)  # all at once: a wide job comes down as fast as one node
         for node in self.nodes:
             if node["handle"] is not None:
-                self.provider.terminate(node["handle"])
                 node["handle"] = node["handle"].with_(terminated=True)
             self.store.update_node(node["id"], status=NodeState.TERMINATED.value,
                                    handle=node["handle"].to_dict() if node["handle"] is not None else {"terminated": True})
@@ -700,13 +701,20 @@ class Controller:
 # -------------------------------------------------------------------- down and reconciliation
 
 
-def down(store: Store, job_id: str) -> str:
-    """Cancel a job if it is live and remove every node and process it has. Idempotent.
+def down(store: Store, job_id: str, progress: Callable[[str], None] | None = None) -> str:
+    """Cancel a job if it is live and remove every node and process it has. Idempotent: safe to
+    run again, also while another ``down`` of it runs or after one was interrupted.
 
     A live controller gets SIGTERM and ``DOWN_GRACE_S`` seconds to tear down by itself; then this
-    function terminates whatever the state and the provider's tags still show, and SIGKILLs a
-    controller that did not exit. Returns a one-line summary.
+    function terminates whatever the state and the provider's tags still show, every node at
+    once (:func:`sftctl.providers.base.terminate_all`: 200 local nodes in about a second), and
+    SIGKILLs a controller that did not exit. ``progress(line)``, when given, hears what it waits
+    on (the controller; the nodes, with a count every few seconds of a long teardown). Returns
+    a one-line summary.
     """
+    from concurrent.futures import ThreadPoolExecutor
+
+    say = progress or (lambda line: None)
     job = store.get_job(job_id)
     if job is None:
         raise KeyError(job_id)
@@ -716,6 +724,7 @@ def down(store: Store, job_id: str) -> str:
         # said first, so the controller's reason names sftctl down, not an anonymous SIGTERM
         store.add_event(job_id, "down", f"sftctl down: SIGTERM to the controller (pid {pid})",
                         {"signal": "SIGTERM", "controller_pid": pid})
+        say(f"{job_id}: waiting up to {DOWN_GRACE_S:.0f} s for its controller (pid {pid}) to stop its nodes")
         os.kill(pid, signal.SIGTERM)
         end = time.monotonic() + DOWN_GRACE_S
         while procs.alive(pid, ticks) and time.monotonic() < end:
@@ -725,16 +734,16 @@ def down(store: Store, job_id: str) -> str:
     cancelled = store.transition(job_id, JobStatus.CANCELLED, DOWN_REASON, strict=False,
                                  code=FailureCode.CANCELLED.value)
     provider = job_provider(job)
-    running = released = 0
-    for node in store.nodes(job_id):
-        if node.status not in (NodeState.TERMINATED.value, REPLACED):
-            handle = node.node_handle
-            if handle is not None:
-                running += provider.status(handle).state == NodeState.RUNNING
-                provider.terminate(handle)
-            store.update_node(node.id, status=NodeState.TERMINATED.value,
-                              handle={**node.handle, "terminated": True})
-            released += 1
+    up = [n for n in store.nodes(job_id) if n.status not in (NodeState.TERMINATED.value, REPLACED)]
+    handles = [n.node_handle for n in up if n.node_handle is not None]
+    if up:
+        say(f"{job_id}: taking down {len(up)} node(s)")
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(handles)))) as pool:  # a cloud's status is a call
+        running = sum(st.state == NodeState.RUNNING for st in pool.map(provider.status, handles))
+    terminate_all(provider, handles, progress=lambda line: say(f"{job_id}: {line}"))
+    for node in up:
+        store.update_node(node.id, status=NodeState.TERMINATED.value, handle={**node.handle, "terminated": True})
+    released = len(up)
     strays = provider.terminate_tagged(job_id)
     store.end_open_attempts(job_id, AttemptStatus.ABANDONED, "the controller was gone; ended by sftctl down",
                             FailureCode.CONTROLLER_DIED.value)

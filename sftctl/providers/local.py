@@ -210,10 +210,16 @@ class LocalProvider:
         return None
 
     def terminate(self, handle: LocalHandle) -> None:
-        pids = procs.tagged("SFTCTL_NODE_ID", handle.node_id)
-        if handle.pid and procs.alive(handle.pid, handle.start_ticks):
-            pids = sorted(set(pids) | {handle.pid})
-        procs.kill_all(pids)
+        self.terminate_all([handle])
+
+    def terminate_all(self, handles: list[LocalHandle]) -> None:
+        """Stop every process of ``handles``' nodes in one sweep: one scan of ``/proc`` for the
+        nodes' tags and one :func:`sftctl.procs.kill_all` (SIGTERM to all, one grace period,
+        SIGKILL to the survivors), so 200 nodes take about as long as one."""
+        ids = {h.node_id for h in handles}
+        pids = {pid for pid, node in procs.tag_values("SFTCTL_NODE_ID").items() if node in ids}
+        pids |= {h.pid for h in handles if h.pid and procs.alive(h.pid, h.start_ticks)}
+        procs.kill_all(sorted(pids))
 
     def list_instances(self, job_id: str | None = None) -> list[dict]:
         """One entry per live node process group tagged ``SFTCTL_JOB_ID`` (of ``job_id``) that
