@@ -185,7 +185,8 @@ def time_s(op: str, nbytes: float, accelerator: str, gpus_per_node: int, nodes: 
     which buffer) over ``nodes`` x ``gpus_per_node`` devices.
 
     Args:
-        inter_node_bytes_per_s: the node's network line rate (bytes/s, all NICs); None: 100 Gbit/s.
+        inter_node_bytes_per_s: the node's network line rate (bytes/s, all NICs); None: 10 Gbit/s
+            (:data:`sftctl.compiler.step.DEFAULT_INTER_NODE_BYTES_PER_S`).
     Raises:
         ValueError: an unknown op.
     """
@@ -197,7 +198,7 @@ def time_s(op: str, nbytes: float, accelerator: str, gpus_per_node: int, nodes: 
     if n == 1:
         return host.time_s(op, g, nbytes)
     net = network_link(provider, instance_type)
-    per_gpu = (inter_node_bytes_per_s or 12.5e9) / g
+    per_gpu = (inter_node_bytes_per_s or 1.25e9) / g
     nf = net.fit_for(op, n)
     net_fit = Fit(op=nf.op, group_size=nf.group_size, alpha_s=nf.alpha_s,
                   bus_bytes_per_s=min(nf.bus_bytes_per_s, net.efficiency * per_gpu) if nf.bus_bytes_per_s

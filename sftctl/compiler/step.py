@@ -34,8 +34,8 @@ from sftctl.compiler.target import Target
 ALLREDUCE_OVERLAP = 0.8
 BACKWARD_SHARE = 2 / 3
 DDP_BUCKET_BYTES = 25 * 2**20
-# The network when an offering does not say: 100 Gbit/s per node.
-DEFAULT_INTER_NODE_BYTES_PER_S = 12.5e9
+# The network when an offering does not say: 10 Gbit/s per node.
+DEFAULT_INTER_NODE_BYTES_PER_S = 1.25e9
 
 
 @dataclasses.dataclass
