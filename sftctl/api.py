@@ -136,6 +136,7 @@ _ARGS: dict[str, tuple[Callable[[Any, bool], Any], str]] = {
     "accelerator": (_arg_text, "an accelerator name (str)"),
     "target": (_arg_text, "an accelerator name (str)"),
     "node": (_arg_rank, "a node rank (int)"),
+    "rank": (_arg_rank, "a training rank (int)"),
     "out": (_arg_path, "a directory path (str or os.PathLike)"),
 }
 
@@ -500,6 +501,7 @@ class JobView:
     nodes: list[NodeRecord] = dataclasses.field(default_factory=list)
     attempts: list[Attempt] = dataclasses.field(default_factory=list)
     health: list[Event] = dataclasses.field(default_factory=list)
+    rank_nodes: dict[int, int] = dataclasses.field(default_factory=dict)  # training rank -> node rank
 
     id = property(lambda self: self.record.id)
     name = property(lambda self: self.record.name)
@@ -527,7 +529,7 @@ class JobView:
         ``nodes`` (the count; with detail, the node rows ``{"id", "rank", "status", "where"}``),
         ``step``/``steps``/``loss``/``tokens_per_s`` over the ranks, ``plan`` (the plan's reason,
         not the plan), ``pending_reason`` only while PENDING, and leaves out the spec. With
-        detail: ``ranks`` (:class:`MetricsRecord` each), ``attempts`` (:class:`Attempt` each) and
+        detail: ``ranks`` (:class:`MetricsRecord` each, with ``node``: the node rank it runs on), ``attempts`` (:class:`Attempt` each) and
         ``health`` (each health event's ``ts`` and ``message`` with its data's keys).
         """
         job = self.record
@@ -556,7 +558,7 @@ class JobView:
         }
         if self.detail:
             doc["plan"] = job.plan_reason
-            doc["ranks"] = [r.to_dict() for r in self.ranks]
+            doc["ranks"] = [{**r.to_dict(), "node": self.rank_nodes.get(r.rank)} for r in self.ranks]
             doc["nodes"] = [{"id": n.id, "rank": n.rank, "status": n.status, "where": getattr(n.node_handle, "ip", None) or n.provider}
                             for n in self.nodes]
             doc["attempts"] = [a.to_dict() for a in self.attempts]
@@ -607,8 +609,16 @@ def _view(store: Store, job: JobRecord, detail: bool = False, ranks: list[Metric
     if not detail:
         return JobView(job, ranks)
     nodes = [dataclasses.replace(n, status=_node_status(job, n)) for n in store.nodes(job.id)]
-    health = [e for e in store.events(job.id) if e.kind == "health"]
-    return JobView(job, ranks, True, nodes, store.attempts(job.id), health)
+    events = store.events(job.id)
+    health = [e for e in events if e.kind == "health"]
+    return JobView(job, ranks, True, nodes, store.attempts(job.id), health, _rank_nodes(events))
+
+
+def _rank_nodes(events: list[Event]) -> dict[int, int]:
+    """Training (global) rank -> node rank, from the controller's latest ``ranks`` event (the
+    rendezvous, not sftctl, assigns ranks: c10d may give rank 0 to node 1)."""
+    placed = [e for e in events if e.kind == "ranks"]
+    return {int(r): n for r, n in ((placed[-1].data or {}).get("ranks") or {}).items()} if placed else {}
 
 
 def _node_status(job: JobRecord, node: NodeRecord) -> str:
@@ -677,18 +687,20 @@ class LogLine(Record):
 
 
 @_typed
-def logs(job: str, *, follow: bool = False, node: int | None = None, poll_s: float = 0.5) -> Iterator[LogLine]:
+def logs(job: str, *, follow: bool = False, node: int | None = None, rank: int | None = None,
+         poll_s: float = 0.5) -> Iterator[LogLine]:
     """A job's node logs, line by line, from the start (every attempt appends to the same log).
 
     Args:
         follow: keep yielding until the job ended and no node process writes any more (or its
             controller died: a notice line says so and the iteration ends).
         node: only this node rank.
+        rank: only the node that runs this training (global) rank, as the nodes reported it.
 
     Raises:
         NotFoundError: no such job (exit 2); the job's logs were purged (``down(purge=True)``;
             exit 1, as ``kubectl logs`` of a deleted pod).
-        SftctlError: ``node`` is not a rank of the job (exit 2).
+        SftctlError: ``node`` is not a rank of the job, or no node reported ``rank`` (exit 2).
         TypeError: ``job`` or ``node`` of the wrong type (as every function here).
     """
     from sftctl.controller import job_provider
@@ -701,6 +713,14 @@ def logs(job: str, *, follow: bool = False, node: int | None = None, poll_s: flo
         raise NotFoundError(f"logs of {record.id} were purged (sftctl down --purge at {when})",
                             hint=f"sftctl events {record.id} shows its history; sftctl status {record.id} its record",
                             exit_code=ExitCode.JOB_FAILED)
+    if rank is not None:
+        placed = _rank_nodes(store.events(record.id))
+        if rank not in placed:
+            known = f"ranks reported so far: {', '.join(map(str, sorted(placed)))}" if placed else "no rank reported yet"
+            raise SftctlError(f"--rank {rank}: no node of job {record.id} reported training rank {rank} ({known}; "
+                              "ranks are known once the script calls sftctl.train.report)",
+                              hint=f"sftctl status {record.id} shows rank -> node; sftctl logs {record.id} --node N")
+        node = placed[rank]
     ranks = record.spec["resources"]["nodes"]
     if node is not None and not 0 <= node < ranks:
         which = "node 0" if ranks == 1 else f"nodes 0-{ranks - 1}"
@@ -759,8 +779,20 @@ def events(job: str) -> list[Event]:
 
 def events_doc(job_id: str, evs: list[Event]) -> dict:
     """``sftctl events --json``: ``{"job_id", "events": [{"id", "ts", "kind", "message", "data"}]}``
-    (each :meth:`Event.to_dict` less its ``job_id``, which is said once at the top)."""
-    return {"job_id": job_id, "events": [{k: v for k, v in e.to_dict().items() if k != "job_id"} for e in evs]}
+    (each :meth:`Event.to_dict` less its ``job_id``, which is said once at the top). Once the job
+    ended, the last event's ``data`` carries ``final``: ``step`` (the slowest rank's),
+    ``loss_mean_over_ranks`` (the mean of each rank's latest loss: ``status``'s ``loss``),
+    ``loss_by_rank`` (``{"0": ..., ...}``: each rank's latest, e.g. what rank 0 logs as its last
+    loss) and ``tokens_per_s`` (summed over ranks); None each when no rank reported."""
+    doc = {"job_id": job_id, "events": [{k: v for k, v in e.to_dict().items() if k != "job_id"} for e in evs]}
+    if doc["events"]:
+        view = status(job_id)
+        if view.status.terminal:
+            last = doc["events"][-1]
+            last["data"] = {**(last.get("data") or {}), "final": {
+                "step": view.step, "loss_mean_over_ranks": view.loss, "tokens_per_s": view.tokens_per_s,
+                "loss_by_rank": {str(r.rank): r.loss for r in view.ranks}}}
+    return doc
 
 
 # ------------------------------------------------------------------------------ down

@@ -177,6 +177,7 @@ class Controller:
             self.monitor = HealthMonitor(self.spec.health.thresholds(), self.spec.train.steps)
         self.attempt = 0
         self._reported_attempt = 0  # the attempt whose first step report has been seen
+        self.rank_nodes: dict[int, int] = {}  # training (global) rank -> node rank, as the nodes report
         self.restarts = job.restarts
         self.error: SftctlError | None = None  # what ended the job, when sftctl itself did (exit code)
         self.storage = getattr(getattr(self.provider, "channel", None), "storage", None)
@@ -634,6 +635,7 @@ class Controller:
     def _drain(self) -> None:
         """Pass new log text and metrics of every node to the reporter; record metrics."""
         batch: list[dict] = []
+        placed: dict[int, int] = {}
         for node in self.nodes:
             data, self.log_offsets[node["id"]] = self.provider.read_log(
                 node["handle"], self.log_offsets[node["id"]]
@@ -643,6 +645,8 @@ class Controller:
                 self.reporter.log(node["rank"], text)
             records = self.provider.read_metrics(node["handle"], self.metric_offsets[node["id"]])
             samples = [s for s in records if "step" in s]  # the rest are heartbeats
+            for r in {int(s["rank"]) for s in records if s.get("rank") is not None}:
+                placed[r] = node["rank"]
             if samples:
                 self.reporter.metrics(samples)
                 batch += [{**s, "rank": s.get("rank", node["rank"])} for s in samples]
@@ -655,6 +659,11 @@ class Controller:
                     self.store.add_event(self.job_id, "health", message)
                     self.reporter.event(f"warning: {message}")
                 self.monitor.add_gpu(node["rank"], gpu)
+        if any(self.rank_nodes.get(r) != n for r, n in placed.items()):  # c10d decides: say which node got which rank
+            self.rank_nodes.update(placed)
+            pairs = sorted(self.rank_nodes.items())
+            self.store.add_event(self.job_id, "ranks", "rank -> node: " + ", ".join(f"{r} -> {n}" for r, n in pairs),
+                                 {"ranks": {str(r): n for r, n in pairs}})
         if batch:
             self.store.record_metrics(self.job_id, batch)
             if self._reported_attempt != self.attempt:

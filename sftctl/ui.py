@@ -219,11 +219,11 @@ def job_detail(job: dict) -> list:
     out.append(nodes)
     if job["ranks"]:
         ranks = Table(title="training ranks", box=None, header_style="bold", title_justify="left")
-        for col in ("RANK", "STEP", "FIRST LOSS", "LOSS", "STEP TIME", "TOK/S", "LAST REPORT"):
+        for col in ("RANK", "ON NODE", "STEP", "FIRST LOSS", "LOSS", "STEP TIME", "TOK/S", "LAST REPORT"):
             ranks.add_column(col, justify="right")
         for r in job["ranks"]:
             ranks.add_row(
-                str(r["rank"]), str(r["step"]), _num(r["first_loss"], ".4f"), _num(r["loss"], ".4f"),
+                str(r["rank"]), _num(r.get("node"), "d"), str(r["step"]), _num(r["first_loss"], ".4f"), _num(r["loss"], ".4f"),
                 _num(r["step_time_s"] and r["step_time_s"] * 1000, ".1f") + " ms",
                 _num(r["tokens_per_s"], ",.0f"), _age(r["ts"]) + " ago",
             )

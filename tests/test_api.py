@@ -125,7 +125,7 @@ def test_readme_python_sweep_runs(home, monkeypatch, capsys):
     assert len(out) == 2, out
     losses = []
     for line in out:
-        m = re.fullmatch(r"lr (\S+): SUCCEEDED, final loss (\d+\.\d+)", line)
+        m = re.fullmatch(r"lr (\S+): SUCCEEDED, final loss (\d+\.\d+) \(mean over ranks\)", line)
         assert m, line
         losses.append(float(m.group(2)))
     assert len(set(losses)) == 2  # the learning rate reached the training script

@@ -162,3 +162,49 @@ def test_a_later_small_job_waits_for_an_earlier_big_one_and_one_admission_event(
     (big_at, _), (small_at, kinds) = started(big), started(small)
     assert big_at <= small_at  # first come, first served
     assert kinds.count("admission") == 1, kinds  # queued behind big, then waiting for CPUs: one event
+
+
+def test_final_losses_named_events_carry_them_and_logs_by_rank(home):
+    """Item 8: rank 0's log names its loss as its own; `events --json`'s last event carries the
+    final metrics: the mean over ranks (status's loss) and each rank's. Item 12: `logs --rank`."""
+    import os
+
+    from conftest import REPO
+    from sftctl import api
+
+    view = api.run(str(REPO / "examples" / "quickstart.yaml"), ["train.steps=3"])
+    assert view.status.value == "SUCCEEDED" and len(view.ranks) == 2
+    doc = json.loads(sftctl("events", view.id, "--json", check=True).stdout)
+    final = doc["events"][-1]["data"]["final"]
+    by_rank = {int(r): loss for r, loss in final["loss_by_rank"].items()}
+    assert by_rank == {r.rank: r.loss for r in view.ranks}
+    assert final["loss_mean_over_ranks"] == sum(by_rank.values()) / 2 == view.loss
+    assert final["step"] == 3 and final["tokens_per_s"] > 0
+    # item 12: the rendezvous assigns training ranks to nodes; status says which, logs --rank follows it
+    ranks = json.loads(sftctl("status", view.id, "--json", check=True).stdout)["ranks"]
+    placed = {r["rank"]: r["node"] for r in ranks}
+    assert sorted(placed) == [0, 1] and sorted(placed.values()) == [0, 1]
+    log = sftctl("logs", view.id, "--rank", "0", check=True).stdout
+    assert log == sftctl("logs", view.id, "--node", str(placed[0]), check=True).stdout
+    assert "rank 0: first loss " in log and f"last loss {by_rank[0]:.4f} (this rank's batches" in log
+    proc = sftctl("logs", view.id, "--rank", "7")
+    assert proc.returncode == 2 and f"--rank 7: no node of job {view.id} reported training rank 7" in proc.stderr
+    table = sftctl("status", view.id, env={**os.environ, "COLUMNS": "120"}, check=True).stdout
+    assert "ON NODE" in table
+
+
+def test_status_skips_typers_adapters_and_pydantic(home):
+    """Item 15: `sftctl status` (what scripts and prompts poll) imports neither pydantic nor
+    typer's parameter adapters (0.1-0.4 s); benchmarks/cli_latency.py times it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from sftctl.cli import main; rc = main(['status', '--json']); "
+            "print(rc, sorted(m for m in ('pydantic', 'typer._adapters') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "0 []"
+    doc = json.loads("\n".join(out.splitlines()[:-1]))
+    assert doc == {"jobs": []}
+    # the same command through typer still parses what the fast path does not take
+    assert sftctl("status", "--watch", "--json", "nope").returncode == 2
+    assert sftctl("status", "--bogus").returncode == 2

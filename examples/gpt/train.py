@@ -265,7 +265,9 @@ def train(rank: int, world_size: int, device: torch.device, distributed: bool) -
         if first_loss is None:
             print(f"nothing to do: already at step {start_step}/{cfg.steps}", flush=True)
         else:
-            print(f"first loss {first_loss:.4f} last loss {last_loss:.4f}", flush=True)
+            # rank 0's own batches; `sftctl status` shows the mean over the ranks' latest losses
+            print(f"rank 0: first loss {first_loss:.4f} last loss {last_loss:.4f} (this rank's batches; "
+                  "sftctl status: mean over ranks)", flush=True)
         print(f"val loss {val_loss:.4f}", flush=True)
 
 

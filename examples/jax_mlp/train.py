@@ -65,7 +65,7 @@ def main() -> None:
         sft.report(t, loss, step_time_s=dt, tokens_per_s=cfg.batch_size * CONTEXT / dt)
         if t % 50 == 0 or t == cfg.steps:
             print(f"step {t}/{cfg.steps} loss {loss:.4f}", flush=True)
-    print(f"first loss {first:.4f} last loss {last:.4f}", flush=True)
+    print(f"rank {jax.process_index()}: first loss {first:.4f} last loss {last:.4f} (this process's batches)", flush=True)
 
 
 if __name__ == "__main__":
