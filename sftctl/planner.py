@@ -251,7 +251,7 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
                   if any(c.rejected.code == FailureCode.UNSUPPORTED for c in ranked) else
                   f"lower resources.nodes (this machine holds at most {os.cpu_count() or 1} local CPU worker(s)), "
                   "or run on a cluster (resources.clouds: [slurm], [kubernetes], a cloud)"
-                  if any(capabilities(c.offering.provider).local_admission and c.rejected.code == FailureCode.NO_CAPACITY
+                  if any(c.rejected.code == FailureCode.NO_CAPACITY and capabilities(c.offering.provider).local_admission
                          for c in ranked) else
                   "widen resources (accelerators, clouds, regions, max_price_per_hour, deadline, spot); "
                   "sftctl plan shows all"),
