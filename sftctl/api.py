@@ -528,7 +528,8 @@ class JobView:
         Unlike :meth:`JobRecord.to_dict` it summarizes: ``resources`` ("local cpu:1 x2"),
         ``nodes`` (the count; with detail, the node rows ``{"id", "rank", "status", "where"}``),
         ``step``/``steps``/``loss``/``tokens_per_s`` over the ranks, ``plan`` (the plan's reason,
-        not the plan), ``pending_reason`` only while PENDING, and leaves out the spec. With
+        not the plan), ``pending_reason`` while PENDING (local admission) or RUNNING with its nodes
+        queued by the scheduler (Slurm's reason), and leaves out the spec. With
         detail: ``ranks`` (:class:`MetricsRecord` each, with ``node``: the node rank it runs on), ``attempts`` (:class:`Attempt` each) and
         ``health`` (each health event's ``ts`` and ``message`` with its data's keys).
         """
@@ -551,7 +552,8 @@ class JobView:
             "restarts": job.restarts,
             "failure_reason": job.failure_reason,
             "failure_code": job.failure_code,
-            "pending_reason": job.pending_reason if job.status == JobStatus.PENDING else None,
+            # local admission (PENDING) or the scheduler's queue (RUNNING, nodes queued in Slurm)
+            "pending_reason": job.pending_reason if job.status in (JobStatus.PENDING, JobStatus.RUNNING) else None,
             "created_at": job.created_at,
             "ended_at": job.ended_at,
             "controller_pid": job.controller_pid,

@@ -171,6 +171,7 @@ class Controller:
         self.metric_offsets: dict[str, dict[str, int]] = {}
         self.health_offsets: dict[str, dict[str, int]] = {}
         self.monitor = None
+        self._queued_reason: str | None = None  # the scheduler's pending reason, as last recorded
         if self.spec.health.enabled:
             from sftctl.health.monitor import HealthMonitor
 
@@ -524,7 +525,8 @@ class Controller:
 
     def _record_details(self, statuses: list) -> None:
         """What the provider says of running nodes (a Slurm job's pending reason): one event per
-        new detail, naming every node that reports it; such nodes are recorded as PENDING."""
+        new detail, naming every node that reports it; such nodes are recorded as PENDING, and
+        the job's ``pending_reason`` is the first such detail until none is pending."""
         changed: dict[str, list[int]] = {}
         for node, st in statuses:
             if st.state == NodeState.RUNNING and st.detail != node.get("detail", ""):
@@ -536,6 +538,12 @@ class Controller:
             who = f"node {ranks[0]}" if len(ranks) == 1 else f"nodes {', '.join(map(str, ranks))}"
             self.store.add_event(self.job_id, "node", f"{who}: {detail}")
             self.reporter.event(f"{who}: {detail}")
+        # while the scheduler queues the nodes, the job says why, as local admission does
+        # (status's note, `status --json`'s pending_reason); cleared once they run
+        waiting = next((st.detail for _, st in statuses if st.state == NodeState.RUNNING and st.pending), None)
+        if waiting != self._queued_reason:
+            self._queued_reason = waiting
+            self.store.update_job(self.job_id, pending_reason=waiting)
 
     def _resume_point(self) -> str:
         """Where a relaunch resumes: the newest complete checkpoint, if this machine sees it."""

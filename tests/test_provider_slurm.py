@@ -220,10 +220,13 @@ def test_pending_reason_in_status_and_events(cluster, tmp_path, home):
         assert any(m.startswith("nodes 0, 1: pending in Slurm job") for m in pending), pending  # one event for both
         doc = status_json(job)
         assert doc["status"] == "RUNNING" and {n["status"] for n in doc["nodes"]} == {"PENDING"}
+        # issue 28 item 6: status says why it waits, as local admission does
+        assert doc["pending_reason"].startswith("pending in Slurm job ") and "waiting for resources" in doc["pending_reason"], doc
+        assert "waiting for resources" in " ".join(sftctl("status", check=True).stdout.split())
     finally:
         subprocess.run(["scancel", blocker], check=True)
     wait_for(lambda: status_json(job)["status"] in ("SUCCEEDED", "FAILED"), timeout_s=90, what="the job to finish")
-    assert status_json(job)["status"] == "SUCCEEDED"
+    assert status_json(job)["status"] == "SUCCEEDED" and status_json(job)["pending_reason"] is None
 
 
 def test_kill_9_controller_then_down_cancels_the_slurm_job(cluster, tmp_path, home):
