@@ -183,7 +183,7 @@ def jobs_table(jobs: list[dict]) -> FitTable:
             Col("NOTE", wrap=True, min_wrap=20)]
     rows = [[j["id"], Text(j["status"], style=STATUS_STYLE.get(j["status"], "")), j["resources"], _steps(j),
              _num(j["loss"], ".4f"), _num(j["tokens_per_s"], ",.0f"), _age(j["created_at"]), _duration(j),
-             j["failure_reason"] or j.get("pending_reason") or (f"{j['restarts']} restart(s)" if j["restarts"] else "")]
+             tty_safe(j["failure_reason"] or j.get("pending_reason") or (f"{j['restarts']} restart(s)" if j["restarts"] else ""))]
             for j in jobs]
     return FitTable(cols, rows)
 
@@ -203,9 +203,9 @@ def job_detail(job: dict) -> list:
     )
     out: list = [head]
     if job["failure_reason"]:
-        out.append(Text(f"reason: {job['failure_reason']}", style="red"))
+        out.append(Text(f"reason: {tty_safe(job['failure_reason'])}", style="red"))
     if job.get("pending_reason"):
-        out.append(Text(f"pending: {job['pending_reason']}", style="yellow"))
+        out.append(Text(f"pending: {tty_safe(job['pending_reason'])}", style="yellow"))
     if job["plan"]:
         out.append(Text(f"plan: {job['plan']}", style="dim"))
     for h in job.get("health", []):
@@ -233,14 +233,14 @@ def job_detail(job: dict) -> list:
         for col in ("#", "STATUS", "EXIT", "REASON"):
             att.add_column(col)
         for a in job["attempts"]:
-            att.add_row(str(a["number"]), a["status"], _num(a["exit_code"], "d"), Text(a["reason"] or ""))
+            att.add_row(str(a["number"]), a["status"], _num(a["exit_code"], "d"), Text(tty_safe(a["reason"] or "")))
         out.append(att)
     return out
 
 
 def events_table(events: list[dict]) -> FitTable:
     """``sftctl events``: time and kind whole, the message folded."""
-    rows = [[time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["ts"])), e["kind"], e["message"]] for e in events]
+    rows = [[time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["ts"])), e["kind"], tty_safe(e["message"])] for e in events]
     return FitTable([Col("TIME"), Col("KIND"), Col("MESSAGE", wrap=True, min_wrap=24)], rows)
 
 
@@ -292,7 +292,7 @@ class RunView:
         status = message.split(":", 1)[0]
         if status in STATUS_STYLE:
             self.progress.update(self.task, description=status.lower())
-        self.progress.console.print(Text.assemble(("▸ ", "bold blue"), message))
+        self.progress.console.print(Text.assemble(("▸ ", "bold blue"), tty_safe(message)))
 
     def log(self, rank: int, text: str) -> None:
         if not self.show_logs:
@@ -439,6 +439,7 @@ _CONTROL = {c: f"\\x{c:02x}" for c in (*range(0, 32), *range(127, 160)) if c not
 
 def tty_safe(text: str) -> str:
     """``text`` with every control character other than newline and tab shown as ``\\xNN``:
-    node output printed on a terminal (``sftctl logs``, an attached ``run``) cannot drive it.
+    node output printed on a terminal (``sftctl logs``, an attached ``run``, the reasons and
+    event messages of ``status``/``events`` tables, which quote node output) cannot drive it.
     ``--json`` and output to a file or pipe keep the bytes as the node wrote them."""
     return text.translate(_CONTROL)

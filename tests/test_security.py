@@ -197,3 +197,24 @@ run: ulimit -f 1024 && python save.py
     assert "the file-size limit (ulimit -f) was reached writing checkpoint step 20 to " in job.failure_reason
     assert "inline_container" not in job.failure_reason
     assert f"reason: {job.failure_reason}" in " ".join(proc.stdout.split()) + " ".join(proc.stderr.split())
+
+
+def test_tables_show_control_characters_of_node_output():
+    """Issue 28 item 5: a failure reason or event quoting node output renders its escapes as text."""
+    import io
+
+    from rich.console import Console
+
+    from sftctl.ui import events_table, job_detail
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=200)
+    console.print(events_table([{"ts": 0, "kind": "node", "message": "node 0: \x1b]0;pwned\x07 failed"}]))
+    job = {"id": "j", "status": "FAILED", "resources": "local cpu:1 x1", "steps": None, "step": None,
+           "created_at": 0, "ended_at": 1, "failure_reason": "rank 0: Error: \x1b[2J", "plan": None,
+           "nodes": [], "ranks": [], "attempts": [{"number": 1, "status": "FAILED", "exit_code": 1,
+                                                    "reason": "Error: \x1b[2J"}]}
+    for r in job_detail(job):
+        console.print(r)
+    text = out.getvalue()
+    assert "\\x1b]0;pwned\\x07" in text and "\\x1b[2J" in text and "\x1b]0;" not in text and "\x07" not in text
