@@ -851,12 +851,13 @@ def down(job: str | None = None, *, all: bool = False, purge: bool = False,  # n
     return [DownResult(i, store.get_job(i).status.value, s, p) for i, s, p in zip(ids, summaries, purged)]
 
 
-def down_orphans() -> list[str]:
+def down_orphans(checked: list[str] | None = None) -> list[str]:
     """Delete every labelled resource, on every configured cloud, whose job is gone or ended;
-    one summary line per job swept (see :func:`sftctl.controller.down_orphans`)."""
+    one summary line per job swept (see :func:`sftctl.controller.down_orphans`). ``checked``, a
+    list, receives the providers that were asked (``local`` always; a cloud once configured)."""
     from sftctl.controller import down_orphans as sweep
 
-    return sweep(_store())
+    return sweep(_store(), checked)
 
 
 # ------------------------------------------------------------------------------ clouds and catalog

@@ -534,12 +534,19 @@ def down(
     if orphans:
         if job_id or all_ or purge:
             raise SftctlError("--orphans takes no JOB, --all or --purge", hint="sftctl down --orphans")
-        swept = api.down_orphans()
+        checked: list[str] = []
+        swept = api.down_orphans(checked)
         if as_json:
-            _print_json({"orphans": swept})
-        else:
-            for line in swept or ["no orphaned resources"]:
-                print(line)
+            _print_json({"orphans": swept, "checked": checked})
+            return
+        for line in swept:
+            print(line)
+        clouds = [c for c in checked if c != "local"]
+        if not clouds:
+            print("no cloud is configured, so no cloud was checked (sftctl check says what each needs); "
+                  + ("local: no orphaned node processes" if not swept else "local: swept as above"))
+        elif not swept:
+            print(f"no orphaned resources on {', '.join(checked)}")
         return
     with _planning(stderr=True, label="taking down") as progress:  # a spinner says what a long one waits on
         results = api.down(job_id, all=all_, purge=purge, progress=progress)

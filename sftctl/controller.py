@@ -1107,11 +1107,11 @@ def _default_install() -> str:
     return f"sftctl[aws,gcp]=={__version__}"
 
 
-def down_orphans(store: Store) -> list[str]:
+def down_orphans(store: Store, checked: list[str] | None = None) -> list[str]:
     """Delete every labelled resource, on every configured provider, whose job is gone or ended.
 
     A job is gone when this machine's state does not know it; ended when its status is terminal.
-    Returns one summary line per job swept.
+    Returns one summary line per job swept; ``checked`` (when given) receives the providers asked.
     """
     from sftctl.providers import PROVIDERS, configured
 
@@ -1119,6 +1119,8 @@ def down_orphans(store: Store) -> list[str]:
     for name in PROVIDERS:
         if configured(name) is not None:
             continue
+        if checked is not None:
+            checked.append(name)
         try:
             provider = get_provider(name)
             found = provider.list_instances(None)

@@ -38,6 +38,12 @@ class SafeConsole(Console):
         except (OSError, ValueError):  # a file without a descriptor: quiet is enough
             pass
 
+    def _render_buffer(self, buffer) -> str:
+        text = super()._render_buffer(buffer)
+        if not self.is_terminal:  # piped: no padding after the last column (tables fill each line)
+            text = "\n".join(line.rstrip(" ") for line in text.split("\n"))
+        return text
+
     def _check_buffer(self) -> None:
         try:
             super()._check_buffer()
@@ -265,12 +271,12 @@ class RunView:
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"),
-            TextColumn("{task.fields[tps]} tok/s"),
+            TextColumn("{task.fields[tps]}"),  # empty until a rank reports tokens (a model without them: never)
             TimeElapsedColumn(),
             console=console,
             transient=False,
         )
-        self.task = self.progress.add_task("pending", total=steps, loss="-", tps="-")
+        self.task = self.progress.add_task("pending", total=steps, loss="-", tps="")
         self.first_loss: float | None = None
         self.last_loss: float | None = None
         self._partial: dict[int, str] = {}
@@ -326,7 +332,7 @@ class RunView:
             self.task,
             completed=step,
             loss=f"{self.last_loss:.4f}" if self.last_loss is not None else "-",
-            tps=f"{sum(self._tps.values()):,.0f}" if self._tps else "-",
+            tps=f"{sum(self._tps.values()):,.0f} tok/s" if self._tps else "",
         )
 
 
@@ -406,15 +412,20 @@ def plan_table(candidates: list, steps: int) -> FitTable:
     return FitTable(cols, rows, title=f"offerings for {steps:,} steps", notes=notes)
 
 
-def catalog_table(offerings: list) -> FitTable:
-    """``sftctl catalog``: the offerings with prices and their sources (folded)."""
+def catalog_table(offerings: list):
+    """``sftctl catalog``: the offerings with prices; each price's source a numbered footnote
+    under the table (a source is a long URL or sentence: in a column it wrapped to many lines)."""
+    from rich.console import Group
+    from rich.text import Text
+
+    notes = list(dict.fromkeys(o.source for o in offerings if o.source))
     cols = [Col("PROVIDER"), Col("INSTANCE"), Col("ACCEL"), Col("REGION", drop=5), Col("$/H", "right"),
             Col("SPOT $/H", "right", drop=4), Col("VCPUS", "right", drop=2), Col("MEM GIB", "right", drop=3),
-            Col("AS OF", drop=1), Col("SOURCE", wrap=True, drop=6)]
+            Col("AS OF", drop=1), Col("SRC", "right")]
     rows = [[o.provider, o.instance_type, f"{o.accelerator}:{o.count}", o.region, f"{o.usd_per_hour:.3f}",
              _num(o.spot_usd_per_hour, ".3f"), _num(o.vcpus, "d"), _num(o.memory_gib, ".0f"),
-             getattr(o, "as_of", "") or "", o.source] for o in offerings]
-    return FitTable(cols, rows)
+             getattr(o, "as_of", "") or "", f"[{notes.index(o.source) + 1}]" if o.source else "-"] for o in offerings]
+    return Group(FitTable(cols, rows), *(Text(f"[{i}] {n}") for i, n in enumerate(notes, 1)))
 
 
 def kernels_table(kernels: list, top: int) -> FitTable:

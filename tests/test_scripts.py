@@ -208,3 +208,42 @@ def test_status_skips_typers_adapters_and_pydantic(home):
     # the same command through typer still parses what the fast path does not take
     assert sftctl("status", "--watch", "--json", "nope").returncode == 2
     assert sftctl("status", "--bogus").returncode == 2
+
+
+def test_output_catalog_footnotes_no_padding_no_tok_s_and_orphans_scope(home, tmp_path):
+    """Item 13: catalog rows stay one line at 80 and 120 columns (sources are footnotes); piped
+    tables end lines without padding; no "- tok/s" for a model without tokens; `down --orphans`
+    with no cloud configured says that no cloud was checked."""
+    import io
+    import os
+    import re
+
+    from rich.console import Console
+
+    from sftctl.ui import RunView
+
+    n = len(json.loads(sftctl("catalog", "--json", check=True).stdout)["offerings"])
+    for width in ("80", "120"):
+        lines = sftctl("catalog", env={**os.environ, "COLUMNS": width}, check=True).stdout.splitlines()
+        table = lines[:n + 1]  # header + one line per offering, then the footnotes
+        assert table[0].split()[-1] == "SRC" and all(re.search(r" \[\d+\]$", line) for line in table[1:]), lines
+        assert all(len(line) <= int(width) for line in lines)
+        assert any(line.startswith("[1] ") for line in lines[n + 1:]) and table[1].endswith("[1]")
+    for args in (("catalog",), ("status",), ("check",)):
+        out = sftctl(*args, check=True).stdout
+        assert [line for line in out.splitlines() if line.endswith(" ")] == [], args
+
+    buf = io.StringIO()
+    with RunView(Console(file=buf, width=100, force_terminal=False), 10, show_logs=False) as view:
+        view.metrics([{"rank": 0, "step": 3, "loss": 1.5}])
+    assert "tok/s" not in buf.getvalue() and "loss 1.5000" in buf.getvalue()
+    buf = io.StringIO()
+    with RunView(Console(file=buf, width=100, force_terminal=False), 10, show_logs=False) as view:
+        view.metrics([{"rank": 0, "step": 3, "loss": 1.5, "tokens_per_s": 1234.0}])
+    assert "1,234 tok/s" in buf.getvalue()
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "GOOGLE_", "KUBECONFIG", "CLOUDSDK"))}
+    env["HOME"] = str(tmp_path / "nobody")
+    proc = sftctl("down", "--orphans", env=env, check=True)
+    assert "no cloud was checked" in proc.stdout and "no orphaned resources" not in proc.stdout
+    assert json.loads(sftctl("down", "--orphans", "--json", env=env, check=True).stdout)["checked"] == ["local"]
