@@ -922,6 +922,13 @@ def catalog(accelerator: str | None = None) -> list[Offering]:
     return offerings
 
 
+def accelerator_names() -> list[str]:
+    """Every accelerator name sftctl knows (offered, or in the hardware table), sorted."""
+    from sftctl.catalog import accelerator_names as names
+
+    return names()
+
+
 def accelerator_name(name: str) -> str:
     """The catalog's spelling of an accelerator name (``h100`` -> ``H100``).
 

@@ -69,6 +69,45 @@ def _plain_metavars() -> None:
 _plain_metavars()
 
 
+# ------------------------------------------------------------------------ shell completion
+# Each runs inside the user's shell at <TAB>: quick, and silent on any error (no traceback).
+
+
+def _complete_jobs(incomplete: str) -> list[str]:
+    """Job ids of this $SFTCTL_HOME, newest first, that start with what was typed."""
+    try:
+        from sftctl import api
+
+        return [v.id for v in api.status() if v.id.startswith(incomplete)]
+    except Exception:  # noqa: BLE001 (a damaged or locked state: no completions, never a traceback)
+        return []
+
+
+def _complete_accelerators(incomplete: str) -> list[str]:
+    """Accelerator names (``--target``, ``--accelerator``), in the case typed."""
+    try:
+        from sftctl import api
+
+        names = api.accelerator_names()
+    except Exception:  # noqa: BLE001
+        return []
+    low = incomplete.lower()
+    return [n.lower() if incomplete.islower() else n for n in names if n.lower().startswith(low)]
+
+
+def _complete_specs(incomplete: str) -> list[str]:
+    """Spec paths: directories (to descend into) and ``*.yaml`` / ``*.yml`` files."""
+    import glob
+
+    out = []
+    for p in sorted(glob.glob(glob.escape(incomplete) + "*")):
+        if os.path.isdir(p):
+            out.append(p.rstrip("/") + "/")
+        elif p.endswith((".yaml", ".yml")):
+            out.append(p)
+    return out
+
+
 @app.callback(invoke_without_command=True)
 def _root(
     ctx: typer.Context,
@@ -119,7 +158,7 @@ def _planning(stderr: bool, label: str = "planning"):
 
 @app.command()
 def run(
-    spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec YAML file."),
+    spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec YAML file.", autocompletion=_complete_specs),
     set_: list[str] = typer.Option([], "--set", metavar="KEY.PATH=VALUE", help="Override a spec field; repeatable."),
     detach: bool = typer.Option(False, "--detach", "-d", help="Start a background controller and print the job id."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
@@ -216,7 +255,7 @@ def _render_dry_run(doc: dict, as_json: bool) -> None:
 
 @app.command()
 def plan(
-    spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec YAML file."),
+    spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec YAML file.", autocompletion=_complete_specs),
     set_: list[str] = typer.Option([], "--set", metavar="KEY.PATH=VALUE", help="Override a spec field; repeatable."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
@@ -250,7 +289,8 @@ def plan(
 
 @app.command()
 def catalog(
-    accelerator: Optional[str] = typer.Option(None, "--accelerator", "-a", help="Only this accelerator (e.g. H100)."),
+    accelerator: Optional[str] = typer.Option(None, "--accelerator", "-a", help="Only this accelerator (e.g. H100).",
+                                               autocompletion=_complete_accelerators),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
     """List the offerings sftctl knows: provider, instance, accelerators, region, prices, source."""
@@ -270,8 +310,10 @@ def catalog(
 
 @app.command(name="compile")
 def compile_(
-    spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec YAML file (its model is compiled)."),
-    target: str = typer.Option(..., "--target", "-t", metavar="ACCELERATOR", help="Accelerator, e.g. h100, a100-80gb, mi300x, cpu."),
+    spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec YAML file (its model is compiled).",
+                                     autocompletion=_complete_specs),
+    target: str = typer.Option(..., "--target", "-t", metavar="ACCELERATOR", help="Accelerator, e.g. h100, a100-80gb, mi300x, cpu.",
+                                autocompletion=_complete_accelerators),
     set_: list[str] = typer.Option([], "--set", metavar="KEY.PATH=VALUE", help="Override a spec field; repeatable."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Directory for plan.json and report.md (default: ./sftctl-compile/<job>-<target>)."),
     as_json: bool = typer.Option(False, "--json", help="Print the compiled plan as JSON on stdout."),
@@ -386,7 +428,8 @@ def check(
 
 @app.command()
 def status(
-    job_id: Optional[str] = typer.Argument(None, metavar="[JOB]", help="One job (its id or a unique prefix)."),
+    job_id: Optional[str] = typer.Argument(None, metavar="[JOB]", help="One job (its id or a unique prefix).",
+                                            autocompletion=_complete_jobs),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh every second until the job ends (Ctrl-C stops)."),
     all_: bool = typer.Option(False, "--all", "-a", help=f"Table: every job, not only the newest {TABLE_ROWS}."),
@@ -450,7 +493,7 @@ def status(
 
 @app.command()
 def logs(
-    job_id: str = typer.Argument(..., metavar="JOB"),
+    job_id: str = typer.Argument(..., metavar="JOB", autocompletion=_complete_jobs),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends."),
     node: Optional[int] = typer.Option(None, "--node", "-n", metavar="N", help="Only this node (its node rank)."),
     rank: Optional[int] = typer.Option(None, "--rank", "-r", metavar="R", help="Only the node that runs training "
@@ -484,7 +527,8 @@ def logs(
 
 @app.command()
 def wait(
-    job_ids: list[str] = typer.Argument(..., metavar="JOB...", help="Job ids (or unique prefixes)."),
+    job_ids: list[str] = typer.Argument(..., metavar="JOB...", help="Job ids (or unique prefixes).",
+                                   autocompletion=_complete_jobs),
     timeout: Optional[float] = typer.Option(None, "--timeout", metavar="SECONDS", help="Give up after this long: "
                                             f"exit {int(ExitCode.TIMEOUT)}, the jobs go on."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout: {\"jobs\": [status of each]}."),
@@ -520,7 +564,7 @@ def wait(
 
 @app.command()
 def down(
-    job_id: Optional[str] = typer.Argument(None, metavar="[JOB]"),
+    job_id: Optional[str] = typer.Argument(None, metavar="[JOB]", autocompletion=_complete_jobs),
     all_: bool = typer.Option(False, "--all", help="Every job that is not finished, and their nodes."),
     orphans: bool = typer.Option(False, "--orphans", help="Resources on any configured cloud whose job is gone or ended."),
     purge: bool = typer.Option(False, "--purge", help="Then remove what sftctl wrote for the job: its storage "
@@ -568,7 +612,7 @@ def down(
 
 @app.command()
 def events(
-    job_id: str = typer.Argument(..., metavar="JOB"),
+    job_id: str = typer.Argument(..., metavar="JOB", autocompletion=_complete_jobs),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
     """Show a job's history: plan, transitions, nodes, restarts, teardown."""

@@ -247,3 +247,26 @@ def test_output_catalog_footnotes_no_padding_no_tok_s_and_orphans_scope(home, tm
     proc = sftctl("down", "--orphans", env=env, check=True)
     assert "no cloud was checked" in proc.stdout and "no orphaned resources" not in proc.stdout
     assert json.loads(sftctl("down", "--orphans", "--json", env=env, check=True).stdout)["checked"] == ["local"]
+
+
+def test_completion_of_job_ids_accelerators_and_spec_paths(home):
+    """Item 14: <TAB> completes job ids (status, logs, events, down, wait), --target accelerators
+    and spec paths, not only subcommands."""
+    import os
+
+    from sftctl.state import Store
+
+    job = Store().create_job("demo", {"name": "demo", "run": "true", "resources": {"nodes": 1}})
+
+    def complete(line: str) -> list[str]:
+        words = line.split()
+        env = {**os.environ, "_SFTCTL_COMPLETE": "complete_bash", "COMP_WORDS": line,
+               "COMP_CWORD": str(len(words) if line.endswith(" ") else len(words) - 1)}
+        return sftctl(env=env, check=True).stdout.split()
+
+    for cmd in ("status", "logs", "events", "down", "wait"):
+        assert complete(f"sftctl {cmd} ") == [job], cmd
+    assert complete("sftctl logs dem") == [job] and complete("sftctl logs zz") == []
+    assert "h100" in complete("sftctl compile x.yaml --target h") and "H100" in complete("sftctl catalog -a H")
+    assert complete("sftctl run examples/quick") == ["examples/quickstart.yaml"]
+    assert "examples/" in complete("sftctl plan exam")
