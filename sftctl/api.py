@@ -313,6 +313,7 @@ def _prepare(spec: SpecLike, overrides: Overrides, progress: Progress | None) ->
     if missing:
         raise SpecError(f"{label}: secrets: {', '.join(missing)} not set in this shell",
                         hint="export it before sftctl run (secrets come from your environment), or drop it from secrets")
+    _refuse_empty_secrets(s, label)
     check_checkpoint_dir(s)  # another run's checkpoints would be resumed silently
     clouds = s.resources.clouds
     if clouds is not None and "local" not in clouds:  # known before planning: say it now
@@ -320,6 +321,26 @@ def _prepare(spec: SpecLike, overrides: Overrides, progress: Progress | None) ->
     chosen = plan(s, strict=False, progress=progress)  # a model it cannot predict: a warning, price only
     _need_storage(s, label, chosen.offering.provider)
     return s, path, chosen
+
+
+def _refuse_empty_secrets(spec: JobSpec, label: str) -> None:
+    """A secret the nodes would get empty (``secrets: [X]`` with X empty, ``env: {TOKEN: ${X}}``
+    resolving to nothing) is refused now: a node never runs with an empty secret (issue 28).
+
+    Raises:
+        SpecError: naming the variable (exit 2).
+    """
+    from sftctl.controller import required_secrets
+    from sftctl.spec import resolve_env
+
+    for name in required_secrets(spec):
+        if name in spec.env:
+            if not resolve_env({name: spec.env[name]})[name]:
+                raise SpecError(f"{label}: env.{name}: {spec.env[name]} is empty in this shell; a node would "
+                                "get an empty secret", hint="export the variable it refers to with its value")
+        elif not os.environ.get(name):
+            raise SpecError(f"{label}: secrets: {name} is empty in this shell; a node would get an empty secret",
+                            hint=f"export {name}=... with its value, or drop it from secrets")
 
 
 def _need_storage(spec: JobSpec, label: str, where: str) -> None:

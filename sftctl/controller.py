@@ -499,8 +499,8 @@ class Controller:
                 if st.state == NodeState.FAILED:
                     self._drain()
                     why = self._exit_reason(node, st.exit_code)
-                    # a full disk stays full: a restart would write the same checkpoint into it
-                    action = None if why.code == FailureCode.DISK_FULL else RESTART
+                    # a full disk stays full, a missing secret stays missing: restarting hits them again
+                    action = None if why.code in (FailureCode.DISK_FULL, FailureCode.SECRET_MISSING) else RESTART
                     return Failure(why, action, node["rank"], st.exit_code)
                 if st.state == NodeState.LOST:
                     return Failure(FailureReason(FailureCode.NODE_LOST, f"node {node['rank']}: {st.detail}",

@@ -67,6 +67,7 @@ class FailureCode(str, enum.Enum):
     EXIT = "exit"  # the script exited non-zero (exit_code in data)
     SIGNAL = "signal"  # killed by a signal (signal number in data)
     OOM = "oom"  # the kernel's OOM killer, or CUDA out of memory
+    SECRET_MISSING = "secret_missing"  # a secret the job needs is empty or not set on the node
     DISK_FULL = "disk_full"  # a checkpoint hit no space left / the file-size limit: restarting hits it again
     EXCEPTION = "exception"  # an uncaught exception (torchelastic's error file)
     NODE_LOST = "node_lost"  # the node or its process vanished without an exit code

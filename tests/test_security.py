@@ -94,7 +94,7 @@ def test_a_node_without_its_secret_refuses_to_run(tmp_path):
     import subprocess
     import sys
 
-    from sftctl.protocol import NodeDir
+    from sftctl.protocol import NodeDir, failure_name, parse_failure
     from sftctl.templates import render
 
     node = tmp_path / "node"
@@ -107,6 +107,8 @@ def test_a_node_without_its_secret_refuses_to_run(tmp_path):
     assert proc.returncode == 78 and "user-run-started" not in proc.stdout, proc.stdout
     assert "secret TOKEN is empty or not set on this node" in proc.stdout
     assert NodeDir(node).exits() == [(1, 78)]
+    why = parse_failure((node / failure_name(1)).read_bytes())
+    assert why.code.value == "secret_missing" and why.message == "secret TOKEN is empty or not set on node 0"
     env["TOKEN"] = "x"
     proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "user-run-started" in proc.stdout, proc.stdout
@@ -218,3 +220,50 @@ def test_tables_show_control_characters_of_node_output():
         console.print(r)
     text = out.getvalue()
     assert "\\x1b]0;pwned\\x07" in text and "\\x1b[2J" in text and "\x1b]0;" not in text and "\x07" not in text
+
+
+def test_an_empty_secret_is_refused_at_submit(home, tmp_path, monkeypatch):
+    """Issue 28 item 3: a secret that would reach the nodes empty is refused before anything runs."""
+    from sftctl import api
+    from sftctl.errors import SpecError
+
+    monkeypatch.setenv("MY_SECRET", "")
+    monkeypatch.setenv("HF_TOKEN", "")
+    spec = write_spec(tmp_path / "job.yaml", f"""\
+name: secret-empty
+workdir: {tmp_path}
+env: {{TOKEN: "${{MY_SECRET}}"}}
+run: echo user-run-started
+""")
+    with pytest.raises(SpecError, match=r"env.TOKEN: \$\{MY_SECRET\} is empty in this shell"):
+        api.run(spec, detach=True)
+    spec.write_text(spec.read_text().replace('env: {TOKEN: "${MY_SECRET}"}', "secrets: [HF_TOKEN]"))
+    with pytest.raises(SpecError, match="secrets: HF_TOKEN is empty in this shell"):
+        api.run(spec, detach=True)
+    assert api.status() == []
+
+
+def test_a_job_whose_secret_does_not_arrive_fails_once_naming_it(home, tmp_path, monkeypatch):
+    """Issue 28 item 3: a node without the job's secret does not run it, and the job fails with
+    that line instead of restarting into the same wall (the controller here starts in a shell
+    that lacks the secret the submitting shell had)."""
+    from sftctl import api
+    from sftctl.types import JobStatus
+
+    monkeypatch.setenv("MY_SECRET", "present-at-submit")
+    spec = write_spec(tmp_path / "job.yaml", f"""\
+name: secret-gone
+workdir: {tmp_path}
+health: {{enabled: false}}
+recovery: {{max_restarts: 3}}
+secrets: [MY_SECRET]
+run: echo user-run-started
+""")
+    submitted = api.submit(spec)
+    monkeypatch.delenv("MY_SECRET")
+    api.start(submitted.job_id)
+    done = api.wait(submitted.job_id, timeout_s=300, poll_s=0.5)
+    text = "\n".join(map(str, api.logs(done.id)))
+    assert done.status is JobStatus.FAILED and "user-run-started" not in text, text
+    assert len(done.attempts) == 1 and done.record.failure_code == "secret_missing"
+    assert done.failure_reason == "node 0 exited with code 78: secret MY_SECRET is empty or not set on node 0"
