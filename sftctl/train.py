@@ -113,10 +113,15 @@ class CheckpointSpaceError(OSError):
 
     failure_code = "disk_full"
 
+    def __str__(self) -> str:  # the line itself, without OSError's "[Errno 28]"
+        return self.strerror or super().__str__()
 
-def _space_error(exc: BaseException, step: int, path: Path) -> CheckpointSpaceError | None:
-    """``exc`` (raised while writing checkpoint ``step`` to ``path``) as a
-    :class:`CheckpointSpaceError` when lack of room caused it, else None."""
+
+def _space_error(exc: BaseException, step: int, path: Path, final: Path) -> CheckpointSpaceError | None:
+    """``exc`` (raised while writing checkpoint ``step`` into the temporary directory ``path``
+    on its way to ``final``) as a :class:`CheckpointSpaceError` when lack of room caused it
+    (the file-size limit: the biggest file written reached it; a full disk: under 1 MiB free),
+    else None."""
     import resource
 
     code = getattr(exc, "errno", None)
@@ -137,7 +142,7 @@ def _space_error(exc: BaseException, step: int, path: Path) -> CheckpointSpaceEr
         return None
     what = {errno.EFBIG: "the file-size limit (ulimit -f) was reached", errno.EDQUOT: "the disk quota is used up"}.get(
         code, "no space left on device")
-    return CheckpointSpaceError(code, f"{what} writing checkpoint step {step} to {path}")
+    return CheckpointSpaceError(code, f"{what} writing checkpoint step {step} to {final}")
 
 EXTRA_FILE = "extra.pt"  # a sharded checkpoint's small values (step, RNG state), written by rank 0
 DEFAULT_CHECKPOINT_DIR = "checkpoints"
@@ -389,7 +394,7 @@ def save_checkpoint(state: dict[str, Any], step: int, *, keep: int | None = None
         aside = root / f"{name}.tmp-{os.getpid()}.old"
         if aside.exists() and not final.exists():  # failed between the two renames: put it back
             os.rename(aside, final)
-        full = _space_error(exc, step, tmp) if isinstance(exc, (OSError, RuntimeError)) else None
+        full = _space_error(exc, step, tmp, final) if isinstance(exc, (OSError, RuntimeError)) else None
         shutil.rmtree(tmp, ignore_errors=True)
         if full is not None:
             raise full from exc
@@ -849,7 +854,7 @@ def save_sharded_checkpoint(model: Any, optimizer: Any, step: int, *, extra: dic
                 fh.flush()
                 os.fsync(fh.fileno())
     except (OSError, RuntimeError) as exc:
-        full = _space_error(exc, step, tmp)
+        full = _space_error(exc, step, tmp, final)
         if full is not None:
             raise full from exc
         raise

@@ -267,3 +267,27 @@ run: echo user-run-started
     assert done.status is JobStatus.FAILED and "user-run-started" not in text, text
     assert len(done.attempts) == 1 and done.record.failure_code == "secret_missing"
     assert done.failure_reason == "node 0 exited with code 78: secret MY_SECRET is empty or not set on node 0"
+
+
+def test_a_checkpoint_on_a_full_disk_names_the_cause(tmp_path, monkeypatch):
+    """Issue 28 item 7: a 1 MiB tmpfs (a real full disk) under a 4 MB checkpoint: torch's
+    'unexpected pos' becomes the cause, step and path; earlier checkpoints stay, no temp dir."""
+    import subprocess
+
+    torch = pytest.importorskip("torch")
+    from sftctl import train
+
+    disk = tmp_path / "tiny"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        monkeypatch.setenv("SFTCTL_CHECKPOINT_DIR", str(disk / "ck"))
+        first = train.save_checkpoint({"w": torch.zeros(1000)}, 10)
+        with pytest.raises(train.CheckpointSpaceError) as info:
+            train.save_checkpoint({"w": torch.zeros(1_000_000)}, 20)
+        assert str(info.value) == f"no space left on device writing checkpoint step 20 to {disk / 'ck' / 'step-00000020'}"
+        assert info.value.errno == 28 and info.value.failure_code == "disk_full"
+        assert sorted(p.name for p in (disk / "ck").iterdir()) == [first.name]
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
