@@ -239,14 +239,9 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
     feasible = [c for c in ranked if c.rejected is None]
     if not feasible:
         wanted = ", ".join(str(a) for a in res.accelerators)
-        counts: dict[str, int] = {}
-        for c in ranked:
-            counts[c.rejected.message] = counts.get(c.rejected.message, 0) + 1
-        reasons = [f"{n} x {why}" for why, n in sorted(counts.items(), key=lambda kv: -kv[1])]
         raise InfeasibleError(
             candidates=ranked,
-            message=f"no offering can run {res.nodes} node(s) of {wanted}"
-            + (f" ({'; '.join(reasons[:4])}{'; ...' if len(reasons) > 4 else ''})" if reasons else ": no provider offers it"),
+            message=f"no offering can run {res.nodes} node(s) of {wanted}" + _why_none(ranked),
             hint=("make model.batch_size a multiple of nodes x accelerators per node"
                   if any(c.rejected.code == FailureCode.UNSUPPORTED for c in ranked) else
                   f"lower resources.nodes (this machine holds at most {os.cpu_count() or 1} local CPU worker(s)), "
@@ -385,6 +380,35 @@ def format_hours(h: float | None) -> str:
     if h < 1 / 60:
         return f"{h * 3600:.1f} s"
     return f"{h * 60:.1f} min" if h < 1 else f"{h:.1f} h"
+
+
+def _why_none(ranked: list[PlanChoice], width: int = 160) -> str:
+    """The rejections of an infeasible plan in one short clause (``sftctl plan`` lists them all):
+    each distinct line with its count when they fit ``width`` characters, else grouped by
+    failure code, most common first, ``N x <line>`` when a group has one line, else
+    ``N <code> (e.g. <its shortest line>)``; groups that would pass ``width`` characters are
+    left to ``...``."""
+    if not ranked:
+        return ": no provider offers it"
+    counts: dict[str, int] = {}
+    for c in ranked:
+        counts[c.rejected.message] = counts.get(c.rejected.message, 0) + 1
+    each = "; ".join(f"{n} x {why}" for why, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    if len(each) <= width:  # every distinct line fits: say them all
+        return f" ({each})"
+    by_code: dict[str, list[str]] = {}
+    for c in ranked:
+        by_code.setdefault(c.rejected.code.value, []).append(c.rejected.message)
+    parts: list[str] = []
+    for code, lines in sorted(by_code.items(), key=lambda kv: -len(kv[1])):
+        unique = set(lines)
+        part = (f"{len(lines)} x {lines[0]}" if len(unique) == 1
+                else f"{len(lines)} {code.replace('_', ' ')} (e.g. {min(unique, key=len)})")
+        if parts and len("; ".join(parts + [part])) > width:
+            parts.append("...")
+            break
+        parts.append(part)
+    return f" ({'; '.join(parts)})"
 
 
 def _offerings(accelerator: str, count: int, usable: dict[str, str | None] | None = None,

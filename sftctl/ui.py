@@ -281,6 +281,7 @@ class RunView:
         self.last_loss: float | None = None
         self._partial: dict[int, str] = {}
         self._tps: dict[int, float] = {}
+        self._noise: dict[int, "TorchNoise"] = {}  # per node: known torch noise left out of this view
         self._first: dict[int, float] = {}  # per rank: first and latest loss
         self._last: dict[int, float] = {}
 
@@ -305,8 +306,10 @@ class RunView:
             return
         lines = (self._partial.get(rank, "") + text).split("\n")
         self._partial[rank] = lines.pop()
+        noise = self._noise.setdefault(rank, TorchNoise())
         for line in lines:
-            self._print_log(rank, line)
+            if noise.keep(line):
+                self._print_log(rank, line)
 
     def _print_log(self, rank: int, line: str) -> None:
         text = line.rstrip("\r")
@@ -334,6 +337,42 @@ class RunView:
             loss=f"{self.last_loss:.4f}" if self.last_loss is not None else "-",
             tps=f"{sum(self._tps.values()):,.0f} tok/s" if self._tps else "",
         )
+
+
+class TorchNoise:
+    """Which lines of one node's log the attached view shows: known torch noise is left out
+    (``sftctl logs`` and the node logs keep every line). Known noise: torchrun's warning that
+    ``node_rank is only used for static rdzv_backend`` (sftctl launches with c10d and passes the
+    node rank for the logs), and torchrun's ``Error waiting on exit barrier`` with the traceback
+    frames that follow it (pytorch#69520: the exit barrier times out after the job finished)."""
+
+    LINES = ("node_rank is only used for static rdzv_backend",)
+    BLOCKS = ("Error waiting on exit barrier",)
+    CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+
+    def __init__(self) -> None:
+        self.state = "show"  # show | block (after a block's first line) | frames | after (its exception line)
+
+    def keep(self, line: str) -> bool:
+        if any(s in line for s in self.LINES):
+            return False
+        if any(s in line for s in self.BLOCKS):
+            self.state = "block"
+            return False
+        if self.state == "show":
+            return True
+        if line.startswith("Traceback (most recent call last):"):
+            self.state = "frames"
+            return False
+        if self.state == "frames":
+            if line.startswith((" ", "\t")) or not line.strip():
+                return False
+            self.state = "after"  # the exception's own line ends the frames
+            return False
+        if not line.strip() or line.startswith(self.CHAINED):
+            return False  # a chained exception: its traceback follows
+        self.state = "show"
+        return True
 
 
 def _seconds(s: float | None) -> str:

@@ -270,3 +270,55 @@ def test_completion_of_job_ids_accelerators_and_spec_paths(home):
     assert "h100" in complete("sftctl compile x.yaml --target h") and "H100" in complete("sftctl catalog -a H")
     assert complete("sftctl run examples/quick") == ["examples/quickstart.yaml"]
     assert "examples/" in complete("sftctl plan exam")
+
+
+TORCHRUN_NOISE = """\
+W1203 07:30:00.123000 4242 torch/distributed/run.py:866] node_rank is only used for static rdzv_backend. It will be ignored for rdzv_backend=c10d.
+step 10/20 loss 2.1000
+E1203 07:31:00.000000 4242 torch/distributed/elastic/agent/server/api.py:1009] Error waiting on exit barrier. Elapsed: 300.1 seconds
+Traceback (most recent call last):
+  File "/x/torch/distributed/elastic/agent/server/api.py", line 995, in _exit_barrier
+    store_util.barrier(
+torch.distributed.DistStoreError: Socket Timeout
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "/x/torch/distributed/elastic/utils/store.py", line 60, in barrier
+    raise RuntimeError("exit barrier")
+RuntimeError: exit barrier
+first loss 2.5 last loss 2.0
+"""
+
+
+def test_attached_view_leaves_out_known_torch_noise(home):
+    """Item 13: torchrun's node_rank warning and its exit-barrier frames (pytorch#69520) do not
+    reach the attached view; every other line does, and `sftctl logs` keeps everything."""
+    import io
+
+    from rich.console import Console
+
+    from sftctl.ui import RunView
+
+    buf = io.StringIO()
+    with RunView(Console(file=buf, width=300, force_terminal=False), 20) as view:
+        for chunk in (TORCHRUN_NOISE[:100], TORCHRUN_NOISE[100:333], TORCHRUN_NOISE[333:]):  # split mid-line
+            view.log(1, chunk)
+    shown = [line for line in buf.getvalue().splitlines() if line.startswith("(node 1)")]
+    assert shown == ["(node 1) step 10/20 loss 2.1000", "(node 1) first loss 2.5 last loss 2.0"]
+
+
+def test_plans_error_line_stays_short(tmp_path, home):
+    """Item 13: an infeasible plan's error line was about 330 characters; it groups the
+    rejections by cause when their lines do not fit, and lists them when they do."""
+    import re
+
+    spec = write_spec(tmp_path / "dear.yaml", 'name: dear\nresources: {accelerators: ["H100:8", "A100-80GB:8", '
+                      '"L4:1"], max_price_per_hour: 0.1}\nrun: "true"\n')
+    proc = sftctl("plan", str(spec))
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 3 and len(line) <= 200, line
+    assert re.search(r"\(\d+ over budget \(e\.g\. \$[\d.]+/h is above max_price_per_hour \$0\.10\)\)$", line), line
+    spec = write_spec(tmp_path / "local.yaml", 'name: l\nresources: {accelerators: ["H100:8"], clouds: [local]}\nrun: "true"\n')
+    (line,) = [line for line in sftctl("plan", str(spec)).stderr.splitlines() if line.startswith("error:")]
+    assert "x aws is not in resources.clouds; 1 x gcp is not in resources.clouds" in line
