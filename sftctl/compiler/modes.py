@@ -23,12 +23,14 @@ Hardware numbers and where they come from (the target's peer model,
 used when no calibration is shipped; other accelerators get the H200's fractions of peak and its
 fixed times):
 
-* cuBLAS: ``waves x (tile FLOPs / (CUBLAS_MMA_EFFICIENCY x per-SM peak) + CUBLAS_WAVE_CYCLES /
-  clock)`` over 128x128 output tiles, or the HBM time of its bytes if larger, plus the launch.
-  The two coefficients are solved from two H200 cuBLAS measurements
-  (``../shared/h200/peers.jsonl``: ``torch.mm`` bf16 4096^3 = 175.4 us, i.e. 784 TFLOP/s, and GPT-2's
-  QKV 8192x2304x768 = 47.7 us, 608 TFLOP/s; torch 2.11, CUDA 13.0, ``do_bench`` median): MMA
-  efficiency 0.875 of the dense peak, 1.47 us per wave (prologue, epilogue store, tail).
+* cuBLAS (tensor-core dtypes): :mod:`sftctl.compiler.gemm_table`: XLA's measured GEMM tables
+  (H100, B200; the H200 on the H100's die plus its own ``torch.mm`` timings, ``peers.jsonl``:
+  4096^3 = 175.4 us, GPT-2's QKV 8192x2304x768 = 47.7 us) interpolated in log space; beyond them
+  and on other accelerators the analytical model fitted to them (split-K, wave quantization, a
+  ~5 us GPU floor per kernel); plus the host launch. IEEE fp32 (CUDA cores): ``waves x (tile
+  FLOPs / (cublas_efficiency x per-SM peak) + cublas_wave_s)`` over 128x128 output tiles, or
+  the HBM time of its bytes if larger, plus the launch (the peer model's two coefficients, solved
+  from the same two H200 timings).
 * Eager memory-bound kernels: bandwidth and a per-kernel fixed time solved from torch's eager
   kernels at two sizes on the same H200 (``peers.jsonl``: layer norm, softmax and bias+GELU at
   8192x768 and 65536x1024, bf16). The bandwidth scales with the accelerator's HBM bandwidth (as a
@@ -95,11 +97,23 @@ def foreach_adamw_passes(grad_clip: bool) -> list[tuple[str, int, int, int]]:
 
 
 def cublas_time_s(batch: int, m: int, n: int, k: int, bytes_moved: float, peak_flops: float,
-                  target: Target) -> float:
-    """Seconds of one cuBLAS GEMM (see the module docstring): wave-quantized tiles at
-    ``CUBLAS_MMA_EFFICIENCY`` of ``peak_flops`` plus ``CUBLAS_WAVE_S`` per wave, never faster than
-    its bytes at HBM speed, plus the launch."""
+                  target: Target, dtype: str | None = None) -> float:
+    """Seconds of one cuBLAS GEMM, host launch included (the eager and ``default`` modes pay it).
+
+    With ``dtype`` (the tensor-core path: ``bfloat16``, ``float16``, ``float32`` = TF32,
+    ``float8``) the GPU time is :func:`sftctl.compiler.gemm_table.gemm_gpu_time_s`: XLA's
+    measured tables (H100, B200; the H200 on the H100's die plus its own cuBLAS peers) in log
+    space, the fitted analytical model (split-K, wave quantization, a ~5 us floor per kernel)
+    beyond them and on accelerators without a table. Without ``dtype`` (IEEE fp32 on CUDA
+    cores), or for a CPU: the peer model's wave-quantized 128x128 tiles at ``cublas_efficiency``
+    of ``peak_flops`` plus ``cublas_wave_s`` per wave, never faster than its bytes at HBM speed."""
     hw, pm = target.hw, target.peers
+    if dtype is not None:
+        from sftctl.compiler.gemm_table import gemm_gpu_time_s
+
+        gpu = gemm_gpu_time_s(batch, m, n, k, hw, dtype)
+        if gpu is not None:
+            return hw.launch_overhead_s + gpu
     bm, bn = CUBLAS_TILE
     tiles = batch * math.ceil(m / bm) * math.ceil(n / bn)
     waves = math.ceil(tiles / hw.sm_count)
@@ -283,19 +297,22 @@ def has_grad_clip(graph: Graph, phase: list[str]) -> bool:
 # predictions
 
 
-def _gemm_peak(graph: Graph, k: Kernel, hw: Accelerator, ieee_fp32: bool, dtype_map: dict) -> float:
+def _gemm_dtype(graph: Graph, k: Kernel, ieee_fp32: bool, dtype_map: dict) -> str | None:
+    """The matrix-unit path of a library GEMM: its input dtype (float64 runs as float32), or
+    None for IEEE fp32 (``matmul_precision: highest``: CUDA cores, not TF32)."""
     dtype = graph.nodes[graph.nodes[k.anchor].inputs[0]].type.dtype
     dtype = dtype_map.get(dtype, dtype)
     mma = "float32" if dtype == "float64" else dtype
-    return hw.vector_peak("float32") if ieee_fp32 and mma == "float32" else hw.matrix_peak(mma)
+    return None if ieee_fp32 and mma == "float32" else mma
 
 
 def _library_gemm_s(graph: Graph, k: Kernel, target: Target, ieee_fp32: bool, dtype_map: dict) -> float:
     """A library GEMM (cuBLAS; a convolution is cuDNN's implicit GEMM, divided by the target's
     ``conv_efficiency`` as the compiler prices its own convolutions)."""
     batch, m, n, kk = _gemm_dims(graph, graph.nodes[k.anchor])
-    t = cublas_time_s(batch, m, n, kk, k.bytes_read + k.bytes_written,
-                      _gemm_peak(graph, k, target.hw, ieee_fp32, dtype_map), target)
+    mma = _gemm_dtype(graph, k, ieee_fp32, dtype_map)
+    peak = target.hw.vector_peak("float32") if mma is None else target.hw.matrix_peak(mma)
+    t = cublas_time_s(batch, m, n, kk, k.bytes_read + k.bytes_written, peak, target, mma)
     if graph.nodes[k.anchor].op == "conv":
         t /= target.coeffs.conv_efficiency
     return t

@@ -11,11 +11,15 @@ line per input line, in order. Kernels, as written in ``calibrations/data/h200/k
   ``ROWS`` (default 1), ``BLOCK_N`` (default ``next_power_of_2(N)``), ``num_warps``;
 * ``bias_gelu``: over ``M x N`` elements, config ``BLOCK``, ``num_warps``.
 
-Two more record kinds, predicted as the compiler prices them in a step:
+Three more record kinds, predicted as the compiler prices them in a step:
 
 * a collective of XLA's measured table (``calibrations/data/xla/collectives.jsonl``, as written:
   a record with ``opcode``, ``group_size``, ``input_bytes_per_device``,
   ``output_bytes_per_device``), on the 8-GPU host of the target (:mod:`sftctl.compiler.collectives`);
+* a library GEMM of XLA's measured table (``../shared/xla/matmul.jsonl``, as written: a record
+  with ``b, m, n, k`` and ``dtype`` such as ``bf16xbf16->bf16``, no ``kernel``; ``time_s`` and
+  ``flops_per_s`` are not read): cuBLAS / hipBLASLt GPU time on the target, no host launch
+  (:func:`sftctl.compiler.gemm_table.predict_record`);
 * ``{"kernel": "attention", "batch", "heads", "kv_heads", "q_len", "kv_len", "head_dim",
   "causal", "dtype", "direction": "forward" | "backward"}``: torch SDPA's kernel on the target
   (:mod:`sftctl.compiler.attention`).
@@ -66,7 +70,7 @@ def main(argv=None) -> int:
             print(f"predict: --coefficients: {e}", file=sys.stderr)
             return 2
 
-    from sftctl.compiler import attention, collectives
+    from sftctl.compiler import attention, collectives, gemm_table
 
     raw, recs, direct = [], [], {}  # direct: line index -> seconds of a collective / attention record
     for n, line in enumerate(sys.stdin, start=1):
@@ -79,6 +83,8 @@ def main(argv=None) -> int:
         try:
             if isinstance(rec, dict) and "opcode" in rec:
                 direct[len(raw)] = collectives.predict_record(rec, target.name)
+            elif isinstance(rec, dict) and "kernel" not in rec and {"m", "n", "k"} <= rec.keys():
+                direct[len(raw)] = gemm_table.predict_record(rec, hw)
             elif isinstance(rec, dict) and rec.get("kernel") == "attention":
                 direct[len(raw)] = attention.predict_record(rec, target)
             else:
