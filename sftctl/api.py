@@ -418,14 +418,18 @@ def start(job: str) -> JobView:
 
     Raises:
         NotFoundError: no such job (exit 2).
+        ControllerBusy: the job already has a live controller, named by pid and host (exit 2).
     """
     import subprocess
 
     from sftctl import procs
     from sftctl.paths import job_dir
 
+    from sftctl.controller import check_no_live_controller
+
     store = _store()
     record = _resolve(store, job)
+    check_no_live_controller(record.id)
     with _owner_only():
         jd = job_dir(record.id)
         jd.mkdir(parents=True, exist_ok=True)
@@ -472,17 +476,23 @@ def attach(job: str, reporter=None) -> Attached:
         reporter: receives events, node log text and metrics as they happen
             (:class:`sftctl.controller.Reporter`; the CLI's is :class:`sftctl.ui.RunView`).
             None: events go to the ``sftctl.controller`` logger.
+
+    Raises:
+        ControllerBusy: the job already has a live controller, named by pid and host (exit 2);
+            the job is left untouched.
     """
-    from sftctl import procs
-    from sftctl.controller import Controller
+    from sftctl.controller import Controller, claim_job
 
     store = _store()
     record = _resolve(store, job)
-    store.update_job(record.id, controller_pid=os.getpid(), controller_start_ticks=procs.start_ticks(os.getpid()))
     started = time.monotonic()
     with _owner_only():
-        controller = Controller(store, record.id, reporter)
-        controller.run()
+        lock = claim_job(store, record.id)
+        try:
+            controller = Controller(store, record.id, reporter)
+            controller.run()
+        finally:
+            lock.release()
     wall_s = time.monotonic() - started
     return Attached(_view(store, store.get_job(record.id), detail=True), controller.error, wall_s)
 

@@ -476,8 +476,12 @@ class Controller:
         """
         deadline_s = self.spec.resources.deadline_s
         outage_since: float | None = None  # when the job's storage stopped answering
+        # a provider whose nodes outlive a dead controller (Slurm) is told that this one watches
+        keepalive = getattr(self.provider, "keepalive", None)
         while True:
             try:
+                if keepalive is not None:
+                    keepalive(self.job_id)
                 self._drain()
                 statuses = [(n, self.provider.status(n["handle"])) for n in self.nodes]
             except StorageError as e:  # nodes keep training and buffering: wait for the storage
@@ -1243,14 +1247,97 @@ def _bindable(port: int) -> bool:
             return False
 
 
+CONTROLLER_LOCK = "controller.lock"  # in the job dir: held (flock) by the one live controller
+CONTROLLER_OWNER = "controller.json"  # beside it: {"pid", "host", "start_ticks", "since"} of that controller
+
+
+class ControllerBusy(SftctlError):
+    """The job already has a live controller: a second one must not act on it (exit 2)."""
+
+
+def _busy(job_id: str) -> ControllerBusy:
+    import json
+
+    try:
+        owner = json.loads((job_dir(job_id) / CONTROLLER_OWNER).read_text())
+        who = f"pid {owner['pid']} on {owner['host']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        who = "a process that has not recorded itself yet"
+    return ControllerBusy(
+        f"job {job_id} already has a live controller ({who}); this one leaves the job alone",
+        hint=f"sftctl status {job_id} shows it; sftctl down {job_id} stops the job",
+    )
+
+
+def claim_job(store: Store, job_id: str):
+    """Become the job's one controller: take ``jobs/JOB/controller.lock`` (an flock, so the
+    kernel releases it when its holder dies, even by SIGKILL: a dead controller never blocks a
+    restart) without waiting, record this process in ``controller.json`` and in state.
+
+    Returns the held :class:`filelock.FileLock`; the caller releases it when the job is done
+    (a process that exits releases it anyway).
+
+    Raises:
+        ControllerBusy: another live controller holds the lock; nothing was changed.
+    """
+    import json
+
+    from filelock import FileLock, Timeout
+
+    jd = job_dir(job_id)
+    jd.mkdir(parents=True, exist_ok=True, mode=0o700)
+    lock = FileLock(str(jd / CONTROLLER_LOCK))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise _busy(job_id) from None
+    pid = os.getpid()
+    ticks = procs.start_ticks(pid)
+    owner = {"pid": pid, "host": socket.gethostname(), "start_ticks": ticks, "since": time.time()}
+    tmp = jd / f"{CONTROLLER_OWNER}.{pid}"
+    tmp.write_text(json.dumps(owner))
+    os.replace(tmp, jd / CONTROLLER_OWNER)
+    try:
+        store.update_job(job_id, controller_pid=pid, controller_start_ticks=ticks)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def check_no_live_controller(job_id: str) -> None:
+    """Raise :class:`ControllerBusy` if a live controller holds the job (see :func:`claim_job`)."""
+    from filelock import FileLock, Timeout
+
+    path = job_dir(job_id) / CONTROLLER_LOCK
+    if not path.exists():
+        return
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise _busy(job_id) from None
+    lock.release()
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the detached controller: ``python -m sftctl.controller JOB_ID``."""
+    """Entry point of the detached controller: ``python -m sftctl.controller JOB_ID``.
+
+    Exits 0 when the job succeeded, 1 when it ended otherwise, 2 (one ``error:`` line on stderr,
+    the job untouched) when the job already has a live controller."""
     job_id = (argv or sys.argv[1:])[0]
     os.umask(0o077)  # logs, scripts and checkpoints of the job: owner-only whatever the dir's mode
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     store = Store()
-    store.update_job(job_id, controller_pid=os.getpid(), controller_start_ticks=procs.start_ticks(os.getpid()))
-    status = Controller(store, job_id).run()
+    try:
+        lock = claim_job(store, job_id)
+    except ControllerBusy as e:
+        print(f"error: {e.message}\nhint: {e.hint}", file=sys.stderr)
+        return int(e.exit_code)
+    try:
+        status = Controller(store, job_id).run()
+    finally:
+        lock.release()
     return 0 if status == JobStatus.SUCCEEDED else 1
 
 

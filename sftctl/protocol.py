@@ -93,6 +93,7 @@ from typing import Union
 
 
 __all__ = [
+    "CONTROLLER_HEARTBEAT",
     "AGENT_LOG",
     "HEALTH_LOG",
     "METRICS_DIR",
@@ -138,6 +139,9 @@ METRICS_DIR = "metrics"
 METRICS_GLOB = "rank-*.jsonl"
 #: Marks that the spec's setup ran on this node.
 SETUP_DONE = "setup-done"
+#: Slurm: the job directory file the controller rewrites (a timestamp) while it watches the job;
+#: the allocation ends itself when it stops changing for ``SFTCTL_SLURM_CONTROLLER_GRACE_S``.
+CONTROLLER_HEARTBEAT = "controller.heartbeat"
 #: The node directory files shipped as streams (``metrics/*.jsonl`` come by glob).
 STREAMED_FILES = (NODE_LOG, AGENT_LOG, HEALTH_LOG)
 

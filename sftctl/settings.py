@@ -189,6 +189,9 @@ DECLARED: tuple[Setting, ...] = (
        file="defaults.storage", shown_default="none"),
     _u("LOCAL_MAX_NODES", "int", None, "the local provider refuses nodes beyond this many (capacity drills)",
        set_by="user, tests", file="local.max_nodes", minimum=0, shown_default="no limit"),
+    _u("SLURM_CONTROLLER_GRACE_S", "float", 300.0, "a Slurm allocation cancels itself when its controller's "
+       "heartbeat has not changed for this many seconds (a controller killed -9; 0: never)",
+       set_by="user, tests", minimum=0),
     _u("AWS_INSTANCE_PROFILE", "str", None, "the IAM instance profile AWS nodes run with (a spec's "
        "resources.instance_profile wins)", file="aws.instance_profile"),
     _u("GCE_ENDPOINT", "str", None, "the Compute Engine API endpoint (an emulator); also counts as credentials",

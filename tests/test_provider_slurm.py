@@ -166,6 +166,9 @@ def test_shell_job_on_two_nodes(cluster, tmp_path):
     doc = json.loads(proc.stdout)
     assert doc["status"] == "SUCCEEDED" and doc["provider"] == "slurm"
     assert all(n["status"] == "TERMINATED" for n in doc["nodes"])
+    from sftctl.paths import job_dir
+
+    assert sorted(job_dir(doc["id"]).glob("slurm/nodes/*/env-*")) == []  # issue 23.4: gone with the attempt
     logs = sftctl("logs", doc["id"], check=True).stdout
     lines = sorted(line for line in logs.splitlines() if "rank=" in line)
     assert len(lines) == 2, logs
@@ -558,3 +561,36 @@ def test_dry_run_shows_the_sbatch_script(cluster, tmp_path, home):
     shown = sftctl("run", str(spec), "--dry-run", check=True).stdout
     assert "attempt-1/sbatch.sh (would be submitted)" in shown and "#SBATCH --qos=normal" in shown
     assert cluster.jobs() == []
+
+
+def test_a_killed_controllers_allocation_ends_by_itself_and_forgets_its_secrets(cluster, tmp_path, home, monkeypatch):
+    """Issue 23 items 3, 4: after `kill -9` of the controller the allocation watches the
+    controller's heartbeat and cancels itself within SFTCTL_SLURM_CONTROLLER_GRACE_S; the
+    attempt's env files (0600, holding the secret's value) are deleted when it ends."""
+    grace = 6
+    monkeypatch.setenv("SFTCTL_SLURM_CONTROLLER_GRACE_S", str(grace))
+    monkeypatch.setenv("MY_SECRET", "s3cr3t-value-23")
+    spec = shell_spec(tmp_path, extra="sleep 300").read_text().replace(
+        "health:", 'env: {TOKEN: "${MY_SECRET}"}\nhealth:')
+    job = json.loads(sftctl("run", str(write_spec(tmp_path / "job.yaml", spec)), "--detach", "--json",
+                            check=True).stdout)["job_id"]
+    try:
+        wait_for(lambda: sftctl("logs", job).stdout.count("rank=") == 2, timeout_s=60, what="the nodes to start")
+        envs = sorted((home / "jobs" / job / "slurm" / "nodes").glob("*/env-1"))
+        assert len(envs) == 2
+        assert all(p.stat().st_mode & 0o777 == 0o600 and "s3cr3t-value-23" in p.read_text() for p in envs)
+        heartbeat = home / "jobs" / job / "slurm" / "controller.heartbeat"
+        assert heartbeat.exists()
+        os.kill(status_json(job)["controller_pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        time.sleep(1)
+        assert len(cluster.jobs()) == 1  # within the grace period the allocation stays
+        wait_for(lambda: cluster.jobs() == [], timeout_s=grace + 60, interval_s=0.5,
+                 what="the allocation to cancel itself")
+        ended_after = time.monotonic() - killed
+        assert ended_after >= grace - 1, ended_after
+        assert [p for p in envs if p.exists()] == []
+        out = "".join(p.read_text() for p in (home / "jobs" / job / "slurm").glob("slurm-*.out"))
+        assert f"it is gone; Slurm job " in out and "cancels itself" in out, out
+    finally:
+        sftctl("down", job)

@@ -63,7 +63,7 @@ from sftctl import settings
 from sftctl.catalog import Offering
 from sftctl.catalog.identity import from_slurm_gres
 from sftctl.errors import CapacityError, ProviderError
-from sftctl.protocol import NodeDir, complete_json_lines, parse_exit_code, parse_failure
+from sftctl.protocol import CONTROLLER_HEARTBEAT, NodeDir, complete_json_lines, parse_exit_code, parse_failure
 from sftctl.providers.base import NodeState, NodeStatus
 from sftctl.slurm_config import SlurmConfig
 from sftctl.types import FailureReason, SlurmHandle
@@ -450,6 +450,7 @@ class SlurmProvider:
         self.excluded: set[str] = set()  # Slurm nodes that failed this job
         self.uploaded: dict[str, str] = {}  # job -> remote workdir
         self._cpu_share: dict[tuple[str, str], int | None] = {}
+        self._beats: dict[str, float] = {}  # job -> when keepalive last wrote its heartbeat (monotonic)
 
     # ---------------------------------------------------------------- paths
 
@@ -594,6 +595,20 @@ class SlurmProvider:
             self._pending.pop((job_id, attempt), None)
         return handle.with_(slurm_job_id=slurm_id)
 
+    def keepalive(self, job_id: str) -> None:
+        """The controller watches ``job_id``: rewrite ``<job root>/controller.heartbeat`` (a
+        timestamp) at most every ``grace / 5`` seconds (1 to 30 s). sbatch.sh cancels its own
+        allocation when the file's content has not changed for ``SFTCTL_SLURM_CONTROLLER_GRACE_S``
+        by the compute node's clock (so clock skew between hosts does not matter)."""
+        grace = settings.get("SFTCTL_SLURM_CONTROLLER_GRACE_S")
+        if not grace:
+            return
+        now = time.monotonic()
+        if now - self._beats.get(job_id, -1e9) < max(1.0, min(30.0, grace / 5)):
+            return
+        self._beats[job_id] = now
+        self.runner.write_files({f"{self.job_root(job_id)}/{CONTROLLER_HEARTBEAT}": (f"{time.time():.3f}\n", 0o600)})
+
     def _submit(self, job_id: str, attempt: int, launches: list[dict]) -> str:
         root = self.job_root(job_id)
         offering = Offering(**launches[0]["handle"].offering)
@@ -623,6 +638,8 @@ class SlurmProvider:
         adir = f"{root}/attempt-{attempt}"
         for name, text in self.batch_scripts(job_id, attempt, node_ids, offering).items():
             files[f"{adir}/{name}"] = (text, 0o700)
+        files[f"{root}/{CONTROLLER_HEARTBEAT}"] = (f"{time.time():.3f}\n", 0o600)
+        self._beats[job_id] = time.monotonic()
         self.runner.write_files(files)
         proc = self.runner.run(["sbatch", "--parsable", f"{adir}/sbatch.sh"], check=False, timeout=60)
         if proc.returncode != 0:
@@ -649,10 +666,12 @@ class SlurmProvider:
         root = self.job_root(job_id)
         python = self.cfg.python or (None if self.runner.remote else sys.executable)
         opts = self._allocation_args(offering, len(node_ids), exclude=self.excluded)
+        grace = settings.get("SFTCTL_SLURM_CONTROLLER_GRACE_S")
         return {
             "sbatch.sh": render("slurm/sbatch.sh.j2", job_id=job_id, attempt=attempt, root=root, options=opts,
                                 nodes=len(node_ids), signal_s=SIGNAL_BEFORE_S, comment=comment(job_id),
-                                requeue=self.cfg.requeue),
+                                requeue=self.cfg.requeue, grace_s=int(round(grace)),
+                                check_s=max(1, min(30, int(grace // 10) or 1))),
             "step.sh": render("slurm/step.sh.j2", job_id=job_id, attempt=attempt, root=root, node_ids=node_ids,
                               python_dir=str(Path(python).parent) if python else ""),
         }
@@ -906,6 +925,8 @@ class SlurmProvider:
         if slurm_id:
             self.runner.run(["scancel", slurm_id], check=False)
             self._states.pop(slurm_id, None)
+        if handle.attempt and handle.dir:  # the attempt is over: its secret values go with it
+            self.runner.run(["rm", "-f", NodeDir(handle.dir).env(handle.attempt)], check=False)
 
     def list_instances(self, job_id: str | None = None) -> list[dict]:
         """The user's live Slurm jobs whose comment carries sftctl's labels and this home."""
