@@ -570,7 +570,7 @@ def test_a_killed_controllers_allocation_ends_by_itself_and_forgets_its_secrets(
     grace = 6
     monkeypatch.setenv("SFTCTL_SLURM_CONTROLLER_GRACE_S", str(grace))
     monkeypatch.setenv("MY_SECRET", "s3cr3t-value-23")
-    spec = shell_spec(tmp_path, extra="sleep 300").read_text().replace(
+    spec = shell_spec(tmp_path, extra="sleep 3000").read_text().replace(
         "health:", 'env: {TOKEN: "${MY_SECRET}"}\nhealth:')
     job = json.loads(sftctl("run", str(write_spec(tmp_path / "job.yaml", spec)), "--detach", "--json",
                             check=True).stdout)["job_id"]
