@@ -423,9 +423,8 @@ def start(job: str) -> JobView:
     import subprocess
 
     from sftctl import procs
-    from sftctl.paths import job_dir
-
     from sftctl.controller import check_no_live_controller
+    from sftctl.paths import job_dir
 
     store = _store()
     record = _resolve(store, job)
