@@ -47,7 +47,14 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from sftctl import settings
 from sftctl.catalog.identity import identify
+from sftctl.compiler.cache import atomic_write, cache_dir, cache_key
+from sftctl.compiler.fusion import fuse
+from sftctl.compiler.hardware import get_accelerator
+from sftctl.compiler.search.gemm import search_gemm
+from sftctl.compiler.step import cost_kernels
+from sftctl.compiler.target import load_target
 
 log = logging.getLogger("sftctl.compiler.backend")
 aten = torch.ops.aten
@@ -157,9 +164,6 @@ def accelerator_for_device(device: torch.device | None, default: str = "H100"):
     unknown GPU falls back to ``default`` with a warning. Other devices (forced CPU runs): the
     ``default`` catalog entry. Raises KeyError for an unknown ``$SFTCTL_ACCELERATOR``/``default``.
     """
-    from sftctl import settings
-    from sftctl.compiler.hardware import get_accelerator
-
     override = settings.get("SFTCTL_ACCELERATOR")
     if override:
         return get_accelerator(override)
@@ -412,13 +416,9 @@ def search_cached(problem, target, space: dict | None = None, use_disk: bool = T
     ``<compiler cache>/backend/gemm/`` (:mod:`sftctl.compiler.cache`) keyed by the problem, every
     hardware number, the coefficients, the space and the compiler's fingerprint. A config of None
     means nothing feasible (the site stays ATen)."""
-    from sftctl.compiler.search.gemm import search_gemm
-
     hw, coeffs = target.hw, target.coeffs
     path = None
     if use_disk:
-        from sftctl.compiler.cache import cache_dir, cache_key
-
         path = cache_dir() / "backend" / "gemm" / f"{cache_key('gemm-search', problem, hw, coeffs, space)}.json"
         if path.exists():
             try:
@@ -428,8 +428,6 @@ def search_cached(problem, target, space: dict | None = None, use_disk: bool = T
                 path.unlink(missing_ok=True)
     choice = search_gemm(problem, hw, coeffs, space=space)
     if path is not None:
-        from sftctl.compiler.cache import atomic_write
-
         atomic_write(path, json.dumps({"problem": dataclasses.asdict(problem), "accelerator": hw.name,
                                         "config": choice.config, "time_s": choice.time_s,
                                         "search_s": choice.seconds}).encode())
@@ -573,9 +571,6 @@ def analyze_ir(gm: fx.GraphModule, target, matmul_precision: str | None = None) 
     ``matmul_precision``: as ``compile_graph`` takes it; default torch's current
     ``torch.get_float32_matmul_precision()``. Never raises: ``{"error": ...}`` instead."""
     try:
-        from sftctl.compiler.fusion import fuse
-        from sftctl.compiler.step import cost_kernels
-
         graph, stats = lower_fx_to_ir(gm)
         kernels = fuse(graph)
         costs = cost_kernels(graph, kernels, target,
@@ -643,8 +638,6 @@ class SftensorBackend:
 
     def __init__(self, force: bool | None = None, accelerator: str | None = None, space: dict | None = None,
                  fuse_epilogues: bool = True, use_disk_cache: bool | None = None, analyze: bool | None = None):
-        from sftctl import settings
-
         self.force = settings.get("SFTCTL_SFTENSOR_FORCE") if force is None else force
         self.accelerator = accelerator
         self.space = space
@@ -676,8 +669,6 @@ class SftensorBackend:
     def target(self, example_inputs: Sequence[Any]):
         """The :class:`sftctl.compiler.target.Target` this graph is scheduled for: ``accelerator``,
         else the inputs' device (:func:`accelerator_for_device`)."""
-        from sftctl.compiler.target import load_target
-
         return load_target(self.accelerator or accelerator_for_device(_device_of(example_inputs)))
 
     def compile_aten(self, gm: fx.GraphModule, example_inputs: Sequence[Any], kind: str = "forward") -> Callable:
