@@ -4,7 +4,8 @@ Each command parses its options, calls :mod:`sftctl.api` and renders what it ret
 tables (:mod:`sftctl.ui`) for people, or with ``--json`` the api's documents
 (``JobView.to_dict()``, ``plan_doc``, ``events_doc`` ...; built in :mod:`sftctl.api`, never
 here). No orchestration lives here. Heavy modules (pydantic specs, the controller, torch) are
-imported inside the api's functions, so ``sftctl status`` starts fast. Exit codes: see
+imported inside the api's functions, and a plain ``sftctl status`` skips typer's parsing (see
+:func:`_plain_status`), so it starts fast. Exit codes: see
 :class:`sftctl.errors.ExitCode`. A :class:`~sftctl.errors.SftctlError` prints one ``error:`` line
 and a ``hint:`` line on stderr, never a traceback (``--debug`` shows it).
 """
