@@ -887,7 +887,11 @@ def down_orphans(checked: list[str] | None = None) -> list[str]:
     list, receives the providers that were asked (``local`` always; a cloud once configured)."""
     from sftctl.controller import down_orphans as sweep
 
-    return sweep(_store(), checked)
+    try:
+        store = _store()
+    except SftctlError as e:  # a lost or damaged state: the job dirs and provider tags still know
+        return [f"state: {e.message}; every job counts as unknown"] + sweep(None, checked)
+    return sweep(store, checked)
 
 
 # ------------------------------------------------------------------------------ clouds and catalog

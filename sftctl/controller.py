@@ -1111,15 +1111,18 @@ def _default_install() -> str:
     return f"sftctl[aws,gcp]=={__version__}"
 
 
-def down_orphans(store: Store, checked: list[str] | None = None) -> list[str]:
-    """Delete every labelled resource, on every configured provider, whose job is gone or ended.
+def down_orphans(store: Store | None, checked: list[str] | None = None) -> list[str]:
+    """Stop every live controller, and delete every labelled resource on every configured
+    provider, whose job is gone or ended.
 
-    A job is gone when this machine's state does not know it; ended when its status is terminal.
+    A job is gone when this machine's state does not know it (``store`` None: the state is
+    unreadable, every job is gone); ended when its status is terminal. Controllers are found by
+    their job directories' ``controller.json`` (see :func:`claim_job`), outside the state.
     Returns one summary line per job swept; ``checked`` (when given) receives the providers asked.
     """
     from sftctl.providers import PROVIDERS, configured
 
-    out = []
+    out = _stop_unknown_controllers(store)
     for name in PROVIDERS:
         if configured(name) is not None:
             continue
@@ -1132,12 +1135,37 @@ def down_orphans(store: Store, checked: list[str] | None = None) -> list[str]:
             out.append(f"{name}: skipped ({e.message})")
             continue
         for job_id in sorted({r.get("job_id") or "?" for r in found}):
-            job = store.get_job(job_id)
+            job = store.get_job(job_id) if store is not None else None
             if job is not None and not job.status.terminal:
                 continue
             n = provider.terminate_tagged(job_id)
             why = "unknown job" if job is None else job.status.value.lower()
             out.append(f"{name}: {job_id} ({why}): removed {n} resource(s)")
+    return out
+
+
+def _stop_unknown_controllers(store: Store | None) -> list[str]:
+    """SIGTERM (then SIGKILL after ``DOWN_GRACE_S``) each live controller on this host whose job
+    the state does not know; its teardown removes the job's nodes. One line per controller."""
+    import json
+
+    from sftctl.paths import sftctl_home
+
+    root = sftctl_home() / "jobs"
+    out = []
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        try:
+            owner = json.loads((d / CONTROLLER_OWNER).read_text())
+            pid, ticks, host = int(owner["pid"]), owner.get("start_ticks"), owner.get("host")
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if host != socket.gethostname() or not procs.alive(pid, ticks):
+            continue
+        if store is not None and store.get_job(d.name) is not None:
+            continue  # a job the state knows: sftctl down JOB stops it
+        procs.kill_all([pid], grace_s=DOWN_GRACE_S)
+        out.append(f"{owner.get('provider') or 'local'}: {d.name} (unknown job): stopped its controller (pid {pid}), "
+                   "which removed its nodes")
     return out
 
 
@@ -1248,7 +1276,9 @@ def _bindable(port: int) -> bool:
 
 
 CONTROLLER_LOCK = "controller.lock"  # in the job dir: held (flock) by the one live controller
-CONTROLLER_OWNER = "controller.json"  # beside it: {"pid", "host", "start_ticks", "since"} of that controller
+#: beside it, the job's own record outside the state (down --orphans reads it when the state is lost):
+#: {"job_id", "provider", "pid", "host", "start_ticks", "since"} of that controller
+CONTROLLER_OWNER = "controller.json"
 
 
 class ControllerBusy(SftctlError):
@@ -1293,7 +1323,9 @@ def claim_job(store: Store, job_id: str):
         raise _busy(job_id) from None
     pid = os.getpid()
     ticks = procs.start_ticks(pid)
-    owner = {"pid": pid, "host": socket.gethostname(), "start_ticks": ticks, "since": time.time()}
+    job = store.get_job(job_id)
+    owner = {"job_id": job_id, "provider": job.provider if job is not None else None, "pid": pid,
+             "host": socket.gethostname(), "start_ticks": ticks, "since": time.time()}
     tmp = jd / f"{CONTROLLER_OWNER}.{pid}"
     tmp.write_text(json.dumps(owner))
     os.replace(tmp, jd / CONTROLLER_OWNER)

@@ -157,7 +157,7 @@ class Store:
         self.on_locked = None
         try:
             self._conn = self._open()
-        except sqlite3.DatabaseError as e:
+        except (sqlite3.DatabaseError, OSError) as e:
             from sftctl.errors import SftctlError
 
             raise SftctlError(
@@ -170,16 +170,14 @@ class Store:
     def _open(self) -> sqlite3.Connection:
         from sftctl.errors import SftctlError
 
+        damaged = self._damage()
+        if damaged is not None:
+            raise SftctlError(f"{self.path}: {damaged}", hint=(
+                "sftctl down --orphans stops the jobs it still finds (by their job directories and "
+                f"provider tags); then move the files aside (mv {self.path}* to a backup) and sftctl "
+                "starts a new one"))
         if not self.path.exists():
             self._create()
-        elif self.path.stat().st_size == 0 and not _nonempty(Path(str(self.path) + "-wal")):
-            # sftctl creates the file whole (see _create): an empty one was truncated
-            raise SftctlError(
-                f"{self.path}: the state database is empty (0 bytes): it was truncated, and the jobs "
-                "it recorded are lost",
-                hint=f"move it aside (mv {self.path} {self.path}.bad) and sftctl starts a new one; "
-                     "sftctl down --orphans removes cloud resources of jobs it no longer knows",
-            )
         conn = sqlite3.connect(self.path, timeout=self.busy_timeout_ms / 1000, isolation_level=None)
         conn.row_factory = sqlite3.Row
         conn.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
@@ -201,6 +199,36 @@ class Store:
                 conn.execute("PRAGMA journal_mode = WAL")
                 self._migrate(conn)
         return conn
+
+    def _damage(self) -> str | None:
+        """What is wrong with the file before SQLite opens it, or None.
+
+        sftctl creates ``state.db`` whole (see :meth:`_create`), so: missing while its ``-wal``
+        or ``-shm`` is there means it was deleted (maybe under a running controller, whose log a
+        fresh file would take in: never create one then); 0 bytes, or without SQLite's header,
+        means it was truncated or overwritten, whatever the WAL holds. An ``OSError`` of these
+        checks (a path that cannot be read) is said too.
+        """
+        try:
+            if not self.path.exists():
+                left = [Path(str(self.path) + x) for x in ("-wal", "-shm") if Path(str(self.path) + x).exists()]
+                if left:
+                    return (f"the state database was deleted while {' and '.join(p.name for p in left)} remained "
+                            "(a controller may still run): the jobs it recorded are lost, and sftctl will not "
+                            "create a new database beside them")
+                return None
+            with open(self.path, "rb") as f:
+                header = f.read(100)
+            size = self.path.stat().st_size
+        except OSError as e:
+            return f"cannot read the state database: {e.strerror or e}"
+        if size == 0:
+            return "the state database is empty (0 bytes): it was truncated, and the jobs it recorded are lost"
+        if len(header) < 100 or not header.startswith(b"SQLite format 3\0"):
+            return f"the state database is not an SQLite file ({size} bytes): it was overwritten or truncated"
+        # (a file cut after its header is not told from one mid-checkpoint here: its first query
+        # fails with "database disk image is malformed", which the CLI says in one line)
+        return None
 
     def _create(self) -> None:
         """Create the database whole: schema built in a temporary file, then linked into place,
@@ -517,13 +545,6 @@ class Store:
 def _is_locked(e: sqlite3.OperationalError) -> bool:
     text = str(e).lower()
     return "locked" in text or "busy" in text
-
-
-def _nonempty(path: Path) -> bool:
-    try:
-        return path.stat().st_size > 0
-    except OSError:
-        return False
 
 
 def _job(row: sqlite3.Row) -> JobRecord:

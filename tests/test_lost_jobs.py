@@ -93,3 +93,40 @@ def test_a_killed_controllers_lock_does_not_block_the_next_one(home):
         if holder.poll() is None:
             holder.kill()
             holder.wait()
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_a_state_db_lost_mid_run_is_said_in_one_line_and_down_orphans_stops_the_job(tmp_path, home, damage):
+    """Issue 23.2 / 28.4: a state.db deleted or truncated under a running job. Before: `events`
+    and `down` printed a traceback, `status` said "no jobs yet" (the WAL made a 0-byte file look
+    fine), and a new db was created beside the running controller's WAL. Now every command says
+    what happened in one line (exit 2), nothing is created, and `down --orphans` finds the job by
+    its job directory and stops it."""
+    job, flag = _gated_job(tmp_path, nodes=2)
+    db = home / "state.db"
+    try:
+        assert (home / "state.db-wal").exists()
+        pid = status_json(job)["controller_pid"]
+        if damage == "deleted":
+            db.unlink()
+            expected = "the state database was deleted while state.db-wal and state.db-shm remained"
+        else:
+            os.truncate(db, 0)
+            expected = "the state database is empty (0 bytes): it was truncated"
+        for args in (("status",), ("status", job), ("events", job), ("down", job), ("logs", job)):
+            proc = sftctl(*args)
+            assert proc.returncode == 2 and "Traceback" not in proc.stderr, (args, proc.stderr)
+            (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+            assert line.startswith(f"error: {db}: {expected}"), (args, line)
+            assert db.exists() == (damage == "truncated")  # never a new db beside the WAL
+        assert len(job_processes(job)) >= 2  # the job still runs: nothing above touched it
+        proc = sftctl("down", "--orphans")
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+        lines = proc.stdout.splitlines()
+        assert lines[0].startswith(f"state: {db}: {expected}") and lines[0].endswith("every job counts as unknown")
+        assert f"local: {job} (unknown job): stopped its controller (pid {pid}), which removed its nodes" in lines
+        wait_for(lambda: job_processes(job) == [], timeout_s=60, what="the job's nodes to stop")
+    finally:
+        flag.touch()
+        for suffix in ("", "-wal", "-shm"):  # a fresh state for the fixture's cleanup
+            (home / f"state.db{suffix}").unlink(missing_ok=True)
