@@ -259,12 +259,43 @@ def plan(spec: SpecLike, overrides: Overrides = (), *, strict: bool = True,
 
     s = load(spec, overrides)
     if s.model is None:
-        return plan_(s)
-    predictor = Predictor(s, progress=progress, strict=strict)
-    chosen = plan_(s, predict=predictor)
-    if predictor.error:
-        warnings.warn(SftctlWarning(f"{predictor.error}; ranking by price only"), stacklevel=2)
+        chosen = plan_(s)
+    else:
+        predictor = Predictor(s, progress=progress, strict=strict)
+        chosen = plan_(s, predict=predictor)
+        if predictor.error:
+            warnings.warn(SftctlWarning(f"{predictor.error}; ranking by price only"), stacklevel=2)
+    _warn_unset_references(s, chosen)
     return chosen
+
+
+def _warn_unset_references(spec: JobSpec, chosen: Plan) -> None:
+    """Warn (:class:`SftctlWarning`, so ``plan``, ``run --dry-run`` and ``run`` say it) for each
+    ``$VAR``/``${VAR}`` of ``setup:``/``run:`` that nothing sets on the chosen offering's nodes:
+    the node's shell would expand it to nothing. Local and Slurm nodes inherit this shell's
+    environment; cloud nodes get only ``env:``, ``secrets:`` and sftctl's variables."""
+    from sftctl.controller import node_env_names
+    from sftctl.spec import unset_shell_references
+
+    provider = chosen.offering.provider
+    known = node_env_names(spec, chosen.to_dict())
+    script = "\n".join(t for t in (spec.setup, spec.run) if t)
+    inherits = provider in ("local", "slurm")
+    unset = unset_shell_references(script, known, os.environ if inherits else {})
+    if not unset:
+        return
+    here = [n for n in unset if n in os.environ]  # set in this shell, but a cloud node does not get it
+    gone = [n for n in unset if n not in os.environ]
+    refs = lambda names: ", ".join(f"${{{n}}}" for n in names)  # noqa: E731
+    if gone:
+        warnings.warn(SftctlWarning(
+            f"run: {refs(gone)} {'is' if len(gone) == 1 else 'are'} not set here nor in env: or secrets:; "
+            f"the node's shell will expand {'it' if len(gone) == 1 else 'them'} to nothing "
+            f"(export it, add it to env:, or write ${{{gone[0]}:-default}})"), stacklevel=3)
+    if here:
+        warnings.warn(SftctlWarning(
+            f"run: {refs(here)} {'is' if len(here) == 1 else 'are'} set in this shell, but {provider} nodes do not "
+            f"get this shell's environment; add env: {{{here[0]}: \"${{{here[0]}}}\"}} to pass it"), stacklevel=3)
 
 
 def plan_doc(spec: JobSpec, chosen: Plan | None, reason: str, candidates: list) -> dict:
@@ -315,6 +346,10 @@ def _prepare(spec: SpecLike, overrides: Overrides, progress: Progress | None) ->
                         hint="export it before sftctl run (secrets come from your environment), or drop it from secrets")
     _refuse_empty_secrets(s, label)
     check_checkpoint_dir(s)  # another run's checkpoints would be resumed silently
+    if s.storage is not None:  # the nodes get the workdir as a pack: too big is said now, not at LAUNCHING
+        from sftctl.storage.workdir import check_workdir_size
+
+        check_workdir_size(s.workdir, max_bytes=int(s.storage.max_workdir_mb * 2**20))
     clouds = s.resources.clouds
     if clouds is not None and "local" not in clouds:  # known before planning: say it now
         _need_storage(s, label, "/".join(clouds))
@@ -347,9 +382,11 @@ def _need_storage(spec: JobSpec, label: str, where: str) -> None:
     """Cloud nodes keep code, checkpoints and logs in the job's storage: refuse a spec without.
     Local and Slurm nodes keep them on a filesystem sftctl reads (Slurm: the cluster's own)."""
     if not set(where.split("/")) & {"local", "slurm"} and spec.storage is None:
+        origin = spec.defaults_from.get("resources.clouds")
         raise SftctlError(
             f"{label}: storage: required for {where} nodes (they keep code, checkpoints and logs in the "
-            "job's storage)",
+            "job's storage)" + (f"; the spec leaves resources.clouds out, and {origin} sets it to [{where.replace('/', ', ')}]"
+                                if origin else ""),
             hint="add storage: s3://BUCKET/PREFIX (aws), gs://BUCKET/PREFIX (gcp) or pvc://CLAIM/PREFIX (kubernetes)",
         )
 
@@ -970,13 +1007,13 @@ def accelerator_name(name: str) -> str:
         SftctlError: unknown, with a did-you-mean (exit 2).
     """
     from sftctl.catalog import accelerator_names
+    from sftctl.catalog.accelerators import suggest_accelerators
 
     names = {n.lower(): n for n in accelerator_names()}
     if name.lower() not in names:
-        import difflib
-
-        close = difflib.get_close_matches(name, list(names.values()), n=1, cutoff=0.5)
-        raise SftctlError(f"--accelerator: unknown accelerator {name!r}" + (f"; did you mean '{close[0]}'?" if close else ""),
+        close = suggest_accelerators(name, list(names.values()))
+        raise SftctlError(f"--accelerator: unknown accelerator {name!r}"
+                          + (f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""),
                           hint=f"known: {', '.join(names.values())}")
     return names[name.lower()]
 

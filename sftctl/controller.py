@@ -438,7 +438,7 @@ class Controller:
             packed = upload_workdir(open_storage(self.spec.storage.url), self.spec.workdir,
                                     max_bytes=int(self.spec.storage.max_workdir_mb * 2**20))
             self.workdir_key = packed.key
-            self.store.add_event(self.job_id, "storage", f"workdir {packed.key} ({packed.size_bytes / 2**20:.1f} MB"
+            self.store.add_event(self.job_id, "storage", f"workdir {packed.key} ({packed.size_bytes / 2**20:.1f} MiB"
                                  f"{', already there' if not packed.uploaded else ''}) in {self.spec.storage.url}",
                                  {"workdir_key": packed.key, "uploaded": packed.uploaded})  # for `down --purge`
         if attempt == 1:
@@ -933,6 +933,18 @@ def preview(spec: JobSpec, plan_doc: dict, job_id: str = "<job-id>") -> dict:
               "bootstrap_lines_differ": changed(first["bootstrap"], second["bootstrap"])}
     return {"offering": c.offering.to_dict(), "nodes": [first], "other_nodes": others,
             "submits": _preview_submits(spec, c, [first])}
+
+
+def node_env_names(spec: JobSpec, plan_doc: dict) -> set[str]:
+    """The names of the environment every node of ``spec`` gets on the plan's offering (the
+    spec's ``env`` and ``secrets``, sftctl's own variables): what ``run:`` may expand."""
+    c = Controller.__new__(Controller)  # no store, no provider: the names only
+    c.spec, c.job_id, c.plan_doc = spec, "<job-id>", plan_doc
+    c.offering = Offering(**plan_doc["offering"])
+    c.nodes = [{"id": "<node>", "rank": 0, "generation": 0,
+                "handle": NodeHandle(job_id="<job-id>", node_id="<node>", rank=0, ip="127.0.0.1")}]
+    c.workdir_key = "<workdir pack>" if spec.storage is not None else None
+    return set(c.node_env(0, 1, 0)) | set(spec.env) | set(spec.secrets)
 
 
 def _preview_node(c: Controller, spec: JobSpec, n: dict, cloud: bool) -> dict:

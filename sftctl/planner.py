@@ -247,7 +247,11 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
                   f"lower resources.nodes (this machine holds at most {os.cpu_count() or 1} local CPU worker(s)), "
                   "or run on a cluster (resources.clouds: [slurm], [kubernetes], a cloud)"
                   if any(c.rejected.code == FailureCode.NO_CAPACITY and capabilities(c.offering.provider).local_admission
-                         for c in ranked) else
+                         for c in ranked) else  # (a placeholder row's provider "-" has no capabilities)
+                  f"the spec leaves resources.clouds out, so {spec.defaults_from['resources.clouds']} applies: "
+                  "widen it there, or set resources.clouds in the spec"
+                  if "resources.clouds" in spec.defaults_from
+                  and all(c.rejected.code == FailureCode.EXCLUDED for c in ranked) else
                   "widen resources (accelerators, clouds, regions, max_price_per_hour, deadline, spot); "
                   "sftctl plan shows all"),
         )
@@ -448,7 +452,9 @@ def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: P
         return dataclasses.replace(c, rejected=FailureReason(code, why, data))
 
     if res.clouds is not None and o.provider not in res.clouds:
-        return reject(FailureCode.EXCLUDED, f"{o.provider} is not in resources.clouds")
+        origin = spec.defaults_from.get("resources.clouds")  # the spec leaves clouds to the user's defaults
+        return reject(FailureCode.EXCLUDED, f"{o.provider} is not in resources.clouds"
+                      + (f" [{', '.join(res.clouds)}], which {origin} sets" if origin else ""))
     if res.regions is not None and o.region not in res.regions and capabilities(o.provider).regional:
         return reject(FailureCode.EXCLUDED, f"region {o.region} is not in resources.regions")
     if c.usd_per_hour is None:

@@ -309,6 +309,20 @@ def get(name: str, environ: typing.Mapping[str, str] | None = None) -> typing.An
     return s.default
 
 
+def origin(name: str) -> str | None:
+    """Where :func:`get` takes ``name``'s value from, for a message that names the cause:
+    ``$SFTCTL_CLOUDS`` (the environment), ``<config file>:<line>: defaults.clouds`` (the config
+    file), or None (the declared default)."""
+    s = declared(name)
+    if raw(name) is not None:
+        return f"${name}"
+    if s.file is not None:
+        path, doc, lines = config_document()
+        if _value_in(s, path, doc, lines) is not _MISSING:
+            return f"{path}:{lines.get(s.file, 1)}: {s.file}"
+    return None
+
+
 def validate_all() -> dict[str, typing.Any]:
     """Every user setting's typed value (environment, config file, default), after checking the
     config file as a whole (:func:`config_document`). :mod:`sftctl.api` calls it before it plans
@@ -349,19 +363,37 @@ _cache: dict = {}  # (path, mtime_ns, size) -> (document, lines)
 OTHER_SECTIONS = ("slurm",)
 
 
+def _not_a_file(path: str) -> str:
+    """What ``path``, which is not a regular file, is instead: "does not exist", "is a directory,
+    not a file", "is a FIFO (named pipe), not a file", ..."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
+    return f"is {kind}, not a file" if kind != "not a regular file" else "is not a regular file"
+
+
 def config_path() -> str | None:
     """The config file to read: ``$SFTCTL_CONFIG``; else ``config.yaml`` in the user config
     directory when it exists; else ``$SFTCTL_HOME/config.yaml`` when it exists (the old
     location); else None.
 
     Raises:
-        SettingError: ``$SFTCTL_CONFIG`` names a file that does not exist, or a directory (exit 2).
+        SettingError: ``$SFTCTL_CONFIG`` names a file that does not exist, or a directory, FIFO,
+            device or socket (exit 2).
     """
     explicit = raw("SFTCTL_CONFIG")
     if explicit:  # named by the user: it must be there (the default location may be absent)
         path = os.path.expanduser(explicit)
         if not os.path.isfile(path):
-            what = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
+            what = _not_a_file(path)
             raise SettingError(f"SFTCTL_CONFIG: {path} {what}",
                                hint="point SFTCTL_CONFIG at your config file, or unset it "
                                     "(then ~/.config/sftctl/config.yaml is read when it exists)")

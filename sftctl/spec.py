@@ -41,6 +41,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PositiveFloat,
+    PrivateAttr,
     Strict,
     ValidationError,
     ValidationInfo,
@@ -175,7 +176,7 @@ class ResourcesSpec(_Strict):
         if isinstance(v, (str, dict)):
             v = [v]
         if isinstance(v, list):
-            return [_parse_accelerator(a) if isinstance(a, str) else a for a in v]
+            return [_parse_accelerator(a) if isinstance(a, str) else _accelerator_mapping(a) for a in v]
         return v
 
     @field_validator("deadline")
@@ -245,7 +246,7 @@ class StorageSpec(_Strict):
 
     url: str = Field(min_length=1)
     create_bucket: StrictBool = Field(False, description="create the bucket if it does not exist")
-    max_workdir_mb: PositiveFloat = Field(100.0, description="refuse to upload a bigger packed workdir")
+    max_workdir_mb: PositiveFloat = Field(100.0, description="MiB: refuse to upload a bigger workdir (its files, uncompressed)")
 
     @field_validator("url")
     @classmethod
@@ -314,6 +315,14 @@ class JobSpec(_Strict):
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     health: HealthSpec = Field(default_factory=HealthSpec)
     slurm: SlurmSpec | None = None
+    #: where a field the spec leaves out was filled from by the user's settings (load_spec):
+    #: ``{"resources.clouds": "<config file>:<line>: defaults.clouds" or "$SFTCTL_CLOUDS"}``;
+    #: not part of the spec's document (model_dump), so messages can name the cause
+    _defaults_from: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @property
+    def defaults_from(self) -> dict[str, str]:
+        return self._defaults_from
 
     @model_validator(mode="after")
     def _min_nodes_within_nodes(self) -> "JobSpec":
@@ -361,6 +370,18 @@ def _parse_accelerator(text: str) -> dict[str, Any]:
     if not re.fullmatch(r"\s*[0-9]+\s*", count):
         raise ValueError(f"accelerator {text!r}: expected NAME or NAME:COUNT, e.g. 'H100:8'")
     return {"name": name.strip(), "count": int(count)}
+
+
+def _accelerator_mapping(item: Any) -> Any:
+    """An accelerator written as a one-key mapping (``{H100: eight}``, ``{H100: 8}``) is neither
+    accepted form: say so, with the forms that are, instead of "name: required field is missing"."""
+    if isinstance(item, dict) and len(item) == 1 and not ({"name", "count"} & set(item)):
+        (name, count), = item.items()
+        why = (f"the count {count!r} is not an integer" if not isinstance(count, int) or isinstance(count, bool)
+               else "a mapping NAME: COUNT is not an accelerator form")
+        n = count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 8
+        raise ValueError(f"{{{name}: {count}}}: {why}; write '{name}:{n}' or {{name: {name}, count: {n}}}")
+    return item
 
 
 # --------------------------------------------------------------------------- YAML with lines
@@ -417,6 +438,39 @@ def env_references(value: str) -> list[str]:
     return [m.group(1) for m in _VAR.finditer(value) if m.group(1)]
 
 
+#: variables the shell or every machine sets itself: never reported as unset in ``run:``
+_SHELL_SET = frozenset("""HOME PATH USER LOGNAME SHELL PWD OLDPWD HOSTNAME HOSTTYPE OSTYPE MACHTYPE UID EUID
+PPID RANDOM SRANDOM SECONDS LINENO BASHPID BASH BASH_VERSION BASH_SOURCE BASH_LINENO FUNCNAME IFS PS1 PS2 PS4
+SHLVL TERM LANG TMPDIR REPLY OPTARG OPTIND PIPESTATUS EPOCHSECONDS EPOCHREALTIME GROUPS""".split())
+_SHELL_REF = re.compile(r"\\\$|\$\$|\$\{#?([A-Za-z_][A-Za-z0-9_]*)(:?[-=?+])?|\$([A-Za-z_][A-Za-z0-9_]*)")
+_SINGLE_QUOTED = re.compile(r"'[^']*'")
+
+
+def unset_shell_references(script: str, known: typing.Iterable[str],
+                           environ: typing.Mapping[str, str] | None = None) -> list[str]:
+    """The variables a ``run:``/``setup:`` shell script expands (``$NAME``, ``${NAME}``) that
+    nothing sets: not in ``known`` (the node's environment: the spec's ``env`` and ``secrets``,
+    sftctl's own variables), not in ``environ`` (what the node inherits: this shell's, for local
+    nodes; pass ``{}`` for nodes that do not), not the shell's own (``$HOME``, ``$RANDOM``), not
+    assigned in the script (``NAME=``, ``for NAME in``, ``read NAME``), not given a default
+    (``${NAME:-x}``). The node's shell expands each to nothing. In order, each once; text in
+    single quotes and ``$$``/``\\$`` are not expansions."""
+    known = set(known) | _SHELL_SET
+    environ = os.environ if environ is None else environ
+    text = _SINGLE_QUOTED.sub("", script)
+    out: list[str] = []
+    for m in _SHELL_REF.finditer(text):
+        name = m.group(1) or m.group(3)
+        if not name or m.group(2) or name in known or name in environ or name in out:
+            continue
+        if name.startswith(("SFTCTL_", "PET_")):  # sftctl's node variables, some set by the node itself
+            continue
+        if re.search(rf"(^|[\s;&|(]){name}=|\bfor\s+{name}\b|\bread\b[^\n;]*\b{name}\b", script, re.M):
+            continue
+        out.append(name)
+    return out
+
+
 def resolve_env(env: typing.Mapping[str, str], environ: typing.Mapping[str, str] | None = None) -> dict[str, str]:
     """The spec's ``env`` as a node gets it: each ``${VAR}`` replaced from ``environ`` (default
     ``os.environ``, the controller's: ``sftctl run`` or the controller it starts, which inherits
@@ -468,6 +522,12 @@ def _apply_override(data: dict, assignment: str, loc: _Located) -> None:
     parts: list[Any] = [int(p) if re.fullmatch(r"[0-9]+", p) else p for p in key.split(".")]
     if any(p == "" for p in parts):
         raise SpecError(f"--set {shown_}: empty segment in {key!r}", hint="e.g. train.steps")
+    negative = next((p for p in parts if isinstance(p, str) and re.fullmatch(r"-[0-9]+", p)), None)
+    if negative is not None:
+        head = ".".join(str(p) for p in parts[:parts.index(negative)])
+        raise SpecError(f"--set {shown_}: {head}: index {negative}: list indexes count from 0; negative ones are not "
+                        "supported", hint=f"give the item's position (0 is the first), or set the whole list: "
+                                          f"--set '{head}=[...]'")
     if parts[0] == "env" and value is not raw:  # env values are the text written: env.UMASK=0022
         value = _build(yaml.compose(raw, Loader=_Loader), _Located(f"--set {shown_}"), tuple(parts))
     node: Any = data
@@ -479,6 +539,11 @@ def _apply_override(data: dict, assignment: str, loc: _Located) -> None:
                 node[part] = value
             else:
                 nxt = node.get(part)
+                if nxt is None and isinstance(parts[i + 1], int):  # a list the spec leaves to its default
+                    raise SpecError(
+                        f"--set {shown_}: {_dotted(here)}: not set in the spec (its default applies), "
+                        f"so it has no item {parts[i + 1]}",
+                        hint=f"set the whole list: --set '{'.'.join(str(p) for p in here)}=[...]'")
                 if nxt is None:
                     nxt = node[part] = {}
                 elif here == ("storage",) and isinstance(nxt, str):  # storage: URL is {url: URL}
@@ -571,14 +636,15 @@ def unknown_accelerator(i: int, name: str, where: str | None = None) -> SpecErro
     """The error for ``resources.accelerators[i]`` naming an accelerator sftctl does not know
     (:func:`sftctl.catalog.accelerator_names`), at ``where`` (``file:line``) when given; else None."""
     from sftctl.catalog import accelerator_names
+    from sftctl.catalog.accelerators import suggest_accelerators
 
     known = {n.lower(): n for n in accelerator_names()}
     if name.lower() in known:
         return None
-    close = difflib.get_close_matches(name, list(known.values()), n=1, cutoff=0.5)
+    close = suggest_accelerators(name, list(known.values()))
     return SpecError(
         (f"{where}: " if where else "") + f"resources.accelerators[{i}]: unknown accelerator {name!r}"
-        + (f"; did you mean '{close[0]}'?" if close else ""),
+        + (f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""),
         hint=f"known accelerators: {', '.join(known.values())} (sftctl catalog lists offerings)",
     )
 
@@ -626,20 +692,26 @@ def _read_spec_file(path: Path) -> str:
                         hint="give the path to a job spec YAML file") from None
 
 
-def _user_defaults(data: dict) -> None:
+def _user_defaults(data: dict) -> dict[str, str]:
     """Fill ``resources.clouds``, ``resources.regions`` and ``storage`` that the spec leaves out
     from the user's settings (``SFTCTL_CLOUDS``/``defaults.clouds`` of the config file, ...:
-    :mod:`sftctl.settings`). Raises SettingError (exit 2) for a malformed setting."""
+    :mod:`sftctl.settings`); return where each filled field came from (``{"resources.clouds":
+    "<file>:<line>: defaults.clouds"}``, see :func:`sftctl.settings.origin`). Raises
+    SettingError (exit 2) for a malformed setting."""
     from sftctl import settings
 
+    filled: dict[str, str] = {}
     for key, name in (("clouds", "SFTCTL_CLOUDS"), ("regions", "SFTCTL_REGIONS")):
         value = settings.get(name)
         resources = data.get("resources", {})
         if value is not None and isinstance(resources, dict) and key not in resources:
             data["resources"] = {**resources, key: value}
+            filled[f"resources.{key}"] = settings.origin(name) or name
     storage = settings.get("SFTCTL_STORAGE")
     if storage is not None and "storage" not in data:
         data["storage"] = storage
+        filled["storage"] = settings.origin("SFTCTL_STORAGE") or "SFTCTL_STORAGE"
+    return filled
 
 
 def load_spec(
@@ -682,7 +754,7 @@ def load_spec(
     for assignment in overrides:
         _apply_override(data, assignment, loc)
     _check_env_references(data, loc, os.environ if environ is None else environ)
-    _user_defaults(data)
+    filled = _user_defaults(data)
     data.setdefault("name", default_name(path))
     try:
         spec = JobSpec.model_validate(data)
@@ -694,6 +766,7 @@ def load_spec(
         if len(errors) > 1:
             first.message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
         raise first from None
+    spec._defaults_from.update(filled)
     workdir = (path.parent / spec.workdir).resolve()
     if not workdir.is_dir():
         raise SpecError(
@@ -706,8 +779,65 @@ def load_spec(
             f"{spec.model.entrypoint_file} not found in workdir {workdir}",
             hint="the entrypoint's file is relative to workdir",
         )
+    if spec.model is not None:
+        _check_entrypoint_function(workdir, spec.model.entrypoint_file, spec.model.entrypoint,
+                                   loc.where(("model", "entrypoint")))
     for i, acc in enumerate(spec.resources.accelerators):
         error = unknown_accelerator(i, acc.name, loc.where(("resources", "accelerators", i)))
         if error is not None:
             raise error
     return spec.model_copy(update={"workdir": str(workdir)})
+
+
+def _check_entrypoint_function(workdir: Path, name: str, entrypoint: str, where: str) -> None:
+    """A ``model.entrypoint`` function the file does not define is said at load, with a
+    did-you-mean, in milliseconds: the file is parsed (:mod:`ast`), never imported (importing
+    it imports torch: 20 s). What the module's top level binds counts (``def``, ``class``,
+    assignments, imports, also inside ``if``/``try``/``with``); a file Python cannot parse, one
+    that binds names dynamically (``from x import *``, a module ``__getattr__``, ``globals()``)
+    or raises at its top level is left to the tracer."""
+    import ast
+
+    func = entrypoint.rpartition(":")[2]
+    file = workdir / name
+    try:
+        tree = ast.parse(file.read_bytes(), filename=str(file))
+    except (SyntaxError, ValueError, OSError):
+        return
+    names: set[str] = set()
+    functions: list[str] = []
+    dynamic = False
+
+    def visit(body: list) -> None:
+        nonlocal dynamic
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+                functions.append(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                for alias in node.names:
+                    if alias.name == "*":
+                        dynamic = True
+                    names.add((alias.asname or alias.name).split(".")[0])
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+            for child in ("body", "orelse", "finalbody", "handlers"):  # if/try/with/for blocks
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    inner = getattr(node, child, None)
+                    if isinstance(inner, list):
+                        visit(inner)
+            if isinstance(node, ast.Raise) or not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and any(
+                    isinstance(n, ast.Name) and n.id in ("globals", "setattr", "exec") for n in ast.walk(node)):
+                dynamic = True  # what its import does is the tracer's to say
+
+    visit(tree.body)
+    if func in names or dynamic or "__getattr__" in names:
+        return
+    close = difflib.get_close_matches(func, functions, n=1, cutoff=0.6)
+    raise SpecError(
+        f"{where}: model.entrypoint: {name} has no function {func!r}"
+        + (f"; did you mean '{close[0]}'?" if close else ""),
+        hint=f"defined in {name}: {', '.join(functions[:10]) or 'none'}" + (" ..." if len(functions) > 10 else ""),
+    )

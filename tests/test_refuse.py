@@ -4,6 +4,7 @@ any node count, `down` returns within seconds for any job, and messages blame th
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -123,3 +124,157 @@ def test_down_of_a_200_node_local_job_returns_quickly_and_leaves_nothing(tmp_pat
     finally:
         for p in children:
             p.kill()
+
+
+def test_an_accelerator_count_in_words_names_the_count(tmp_path):
+    """`{H100: eight}` used to say "resources.accelerators[0].name: required field is missing"."""
+    from sftctl import api
+    from sftctl.errors import SpecError
+
+    spec = write_spec(tmp_path / "a.yaml", "name: a\nresources:\n  accelerators: [{H100: eight}]\nrun: echo hi\n")
+    with pytest.raises(SpecError) as e:
+        api.load(str(spec))
+    assert e.value.message == (f"{spec}:3: resources.accelerators: {{H100: eight}}: the count 'eight' is not an "
+                               "integer; write 'H100:8' or {name: H100, count: 8}")
+
+
+@pytest.mark.parametrize("assignment, line", [
+    # the field is absent (its default list applies): used to say "resources.accelerators is not a list"
+    ("resources.accelerators.99=cpu:1",
+     "--set resources.accelerators.99=cpu:1: resources.accelerators: not set in the spec (its default applies), "
+     "so it has no item 99"),
+    # a negative index used to become a mapping key and blame line 1 of the spec file
+    ("resources.accelerators.-1=cpu:1",
+     "--set resources.accelerators.-1=cpu:1: resources.accelerators: index -1: list indexes count from 0; "
+     "negative ones are not supported"),
+])
+def test_set_into_a_list_blames_the_override(tmp_path, assignment, line):
+    from sftctl import api
+    from sftctl.errors import SpecError
+
+    spec = write_spec(tmp_path / "b.yaml", "name: b\nrun: echo hi\n")
+    with pytest.raises(SpecError) as e:
+        api.load(str(spec), [assignment])
+    assert e.value.message == line and "b.yaml:1" not in e.value.message
+    assert "--set 'resources.accelerators=[...]'" in e.value.hint
+
+
+@pytest.mark.parametrize("kind", ["FIFO (named pipe)", "character device"])
+def test_sftctl_config_naming_a_fifo_or_a_device_says_what_it_is(tmp_path, monkeypatch, kind):
+    """It used to say "does not exist" of a path that exists."""
+    from sftctl import settings
+    from sftctl.settings import SettingError
+
+    path = tmp_path / "fifo"
+    if kind.startswith("FIFO"):
+        os.mkfifo(path)
+    else:
+        path = "/dev/zero"
+    monkeypatch.setenv("SFTCTL_CONFIG", str(path))
+    with pytest.raises(SettingError) as e:
+        settings.config_path()
+    assert e.value.message == f"SFTCTL_CONFIG: {path} is a {kind}, not a file"
+
+
+def test_an_unset_variable_in_run_is_warned_at_plan_dry_run_and_submit(tmp_path, home, monkeypatch):
+    """`run: echo ${SFTCTL_T_NOPE}` used to pass plan, --dry-run and submit silently; the node's
+    shell expands it to nothing. Variables the node does get are not reported."""
+    from sftctl import api
+    from sftctl.errors import SftctlWarning
+
+    monkeypatch.delenv("T_NOPE", raising=False)
+    monkeypatch.setenv("T_HERE", "1")
+    spec = write_spec(tmp_path / "u.yaml", "name: u\nenv: {A: x}\n"
+                      "run: echo ${T_NOPE} $A $T_HERE $SFTCTL_NODE_RANK $MASTER_ADDR $HOME ${T_D:-d} '$T_Q'; B=1; echo $B\n")
+    want = ("run: ${T_NOPE} is not set here nor in env: or secrets:; the node's shell will expand it to nothing "
+            "(export it, add it to env:, or write ${T_NOPE:-default})")
+    for call in (api.plan, api.dry_run, api.submit):
+        with pytest.warns(SftctlWarning) as caught:
+            call(str(spec))
+        assert [str(w.message) for w in caught if issubclass(w.category, SftctlWarning)] == [want], call
+
+
+def test_a_workdir_over_the_limit_is_refused_at_submit_and_dry_run(tmp_path, home):
+    """Issue 23 item 9: it used to be found at LAUNCHING (after minutes PENDING), in MB against a
+    MiB limit ("104.9 MB" for 100). Now submit and --dry-run refuse it, in MiB, naming
+    .sftctlignore and storage.max_workdir_mb."""
+    from sftctl import api
+    from sftctl.storage.workdir import WorkdirTooLargeError
+
+    work = tmp_path / "w"
+    (work / "data").mkdir(parents=True)
+    (work / "data" / "big.bin").write_bytes(b"x" * (3 * 2**20 // 2))
+    (work / "train.py").write_text("print('hi')\n")
+    spec = write_spec(work / "job.yaml", f"name: wd\nstorage: {{url: {tmp_path / 'store'}, max_workdir_mb: 1}}\n"
+                      "run: python train.py\n")
+    for call in (api.dry_run, api.submit):
+        with pytest.raises(WorkdirTooLargeError) as e:
+            call(str(spec))
+        assert e.value.message == (f"workdir {work} is 1.5 MiB, over the 1.0 MiB limit; biggest: data/big.bin "
+                                   f"(1.5 MiB), job.yaml (0.0 MiB), train.py (0.0 MiB)")
+        assert ".sftctlignore" in e.value.hint and "storage.max_workdir_mb (now 1, in MiB)" in e.value.hint
+    assert api.status() == [] and not (tmp_path / "store").exists()
+    (work / ".sftctlignore").write_text("data/\n")
+    assert api.dry_run(str(spec))["dry_run"] is True
+
+
+@pytest.mark.parametrize("name, suggested", [
+    ("A100", "did you mean 'A100-40GB' or 'A100-80GB'?"),  # used to suggest V100
+    ("H100-80GB", "did you mean 'H100'?"),  # used to suggest A100-80GB
+    ("B200x", "did you mean 'B200'?"),  # a plain misspelling still gets the closest name
+])
+def test_an_unknown_accelerator_suggests_the_same_chip(tmp_path, name, suggested):
+    """Issue 23 item 10: the suggestion is the chip the user named, with or without its memory size."""
+    from sftctl import api
+    from sftctl.errors import SftctlError, SpecError
+
+    spec = write_spec(tmp_path / "a.yaml", f"name: a\nresources: {{accelerators: ['{name}:8']}}\nrun: echo hi\n")
+    with pytest.raises(SpecError) as e:
+        api.load(str(spec))
+    assert e.value.message == f"{spec}:2: resources.accelerators[0]: unknown accelerator '{name}'; {suggested}"
+    with pytest.raises(SftctlError, match=re.escape(suggested)):
+        api.accelerator_name(name)
+
+
+def test_a_mistyped_entrypoint_function_is_said_at_load_with_a_did_you_mean(tmp_path):
+    """Issue 23 item 10: it used to take the tracer's import of torch (20 s) and had no
+    did-you-mean. The file is parsed, not imported: torch stays unimported."""
+    import subprocess
+    import sys
+
+    (tmp_path / "model.py").write_text("import torch\n\nclass Net(torch.nn.Module):\n    pass\n\n"
+                                       "def build(batch_size=2, dtype='float32'):\n    return Net()\n")
+    spec = write_spec(tmp_path / "job.yaml", "name: typo\nmodel: {entrypoint: model.py:biuld, batch_size: 2}\n"
+                                             "run: echo hi\n")
+    probe = ("import sys, time\nfrom sftctl import api\nt = time.monotonic()\n"
+             "try:\n    api.load(sys.argv[1])\nexcept Exception as e:\n    print(e.message)\n"
+             "print(time.monotonic() - t)\nprint('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", probe, str(spec)], capture_output=True, text=True, check=True).stdout
+    message, took, torch_imported = out.splitlines()
+    assert message == f"{spec}:2: model.entrypoint: model.py has no function 'biuld'; did you mean 'build'?"
+    assert torch_imported == "False" and float(took) < deadline(2.0)
+    (tmp_path / "model.py").write_text("from helpers import *\n")  # names bound dynamically: left to the tracer
+    subprocess.run([sys.executable, "-c", "import sys; from sftctl import api; api.load(sys.argv[1])", str(spec)],
+                   check=True)
+
+
+def test_config_defaults_that_exclude_local_are_named_as_the_cause(tmp_path, home, monkeypatch):
+    """Issue 23 item 10: a config file whose defaults.clouds leaves local out stopped the
+    quickstart with "1 x local is not in resources.clouds", without naming the file."""
+    from sftctl import api
+    from sftctl.errors import InfeasibleError, SftctlError
+
+    config = tmp_path / "config.yaml"
+    config.write_text("# mine\ndefaults:\n  clouds: [slurm]\n")
+    monkeypatch.setenv("SFTCTL_CONFIG", str(config))
+    spec = write_spec(tmp_path / "q.yaml", "name: q\nrun: echo hi\n")
+    with pytest.raises(InfeasibleError) as e:
+        api.plan(str(spec))
+    where = f"{config}:3: defaults.clouds"
+    assert f"local is not in resources.clouds [slurm], which {where} sets" in e.value.message
+    assert e.value.hint == (f"the spec leaves resources.clouds out, so {where} applies: widen it there, "
+                            "or set resources.clouds in the spec")
+    monkeypatch.setenv("SFTCTL_CLOUDS", "aws")  # the environment wins over the file, and is named
+    with pytest.raises(SftctlError) as e:
+        api.dry_run(str(spec))  # cloud nodes need storage: said before planning, with the cause
+    assert e.value.message.endswith("; the spec leaves resources.clouds out, and $SFTCTL_CLOUDS sets it to [aws]")

@@ -274,14 +274,27 @@ def get_accelerator(name: str) -> Accelerator:
     acc = find_accelerator(name)
     if acc is not None:
         return acc
-    import difflib
-
     names = list(load_accelerators())
-    lowered = {n.lower(): n for n in names}
-    key = name.strip().lower()
-    # "a100" -> both A100 variants; otherwise the closest spelling ("h10" -> H100)
-    close = [n for low, n in lowered.items() if key and low.startswith(key)]
-    if not close:
-        close = [lowered[c] for c in difflib.get_close_matches(key, list(lowered), n=1, cutoff=0.5)]
+    close = suggest_accelerators(name, names)
     hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
     raise KeyError(f"unknown accelerator {name!r}{hint} (known: {', '.join(names)})")
+
+
+def suggest_accelerators(name: str, names: list[str]) -> list[str]:
+    """What an unknown accelerator ``name`` most likely meant, of ``names`` (the catalog's
+    spellings): the same chip with a memory suffix (``A100`` -> A100-40GB, A100-80GB; ``h10``
+    -> H100), the chip without one (``H100-80GB`` -> H100, which comes in one size), else the
+    closest spelling (``B200x`` -> B200). Empty when nothing is close."""
+    import difflib
+    import re
+
+    lowered = {n.lower(): n for n in names}
+    key = name.strip().lower()
+    sized = sorted(real for low, real in lowered.items() if key and low.startswith(key))
+    if sized:
+        return sized
+    base = re.sub(r"-\d+\s*gb$", "", key)
+    if base != key and base in lowered:
+        return [lowered[base]]
+    return difflib.get_close_matches(name.strip(), names, n=1, cutoff=0.5)
+

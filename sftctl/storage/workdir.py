@@ -37,6 +37,7 @@ __all__ = [
     "IGNORE_FILES",
     "PackedWorkdir",
     "WorkdirTooLargeError",
+    "check_workdir_size",
     "fetch_workdir",
     "list_workdir",
     "pack_workdir",
@@ -44,8 +45,9 @@ __all__ = [
     "workdir_key",
 ]
 
-#: Default limit on the workdir's packed files, uncompressed (100 MB).
-DEFAULT_MAX_BYTES = 100 * 1000 * 1000
+#: Default limit on the workdir's packed files, uncompressed (100 MiB: the spec's
+#: ``storage.max_workdir_mb`` default, which counts MiB).
+DEFAULT_MAX_BYTES = 100 * 2**20
 #: Ignore files read in every directory, in this order (later wins).
 IGNORE_FILES = (".gitignore", ".sftctlignore")
 #: Names never packed.
@@ -154,8 +156,35 @@ def list_workdir(root: str | os.PathLike) -> list[tuple[str, Path, os.stat_resul
     return out
 
 
-def _fmt_mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
+def _fmt_mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def check_workdir_size(root: str | os.PathLike, *, max_bytes: int = DEFAULT_MAX_BYTES,
+                       files: list[tuple[str, Path, os.stat_result]] | None = None) -> int:
+    """The bytes the files a pack of ``root`` would hold add up to, uncompressed; nothing is
+    read but the directory tree (``sftctl run`` and ``--dry-run`` check this before the job is
+    recorded, instead of failing at LAUNCHING).
+
+    Raises:
+        WorkdirTooLargeError: more than ``max_bytes``: the message (in MiB, as
+            ``storage.max_workdir_mb``) names the five biggest files, the hint ``.sftctlignore``
+            and ``storage.max_workdir_mb``.
+        SpecError: ``root`` is not a directory, or a directory cannot be read.
+    """
+    files = list_workdir(root) if files is None else files
+    total = sum(st.st_size for _, _, st in files if stat.S_ISREG(st.st_mode))
+    if total > max_bytes:
+        biggest = sorted(((rel, st.st_size) for rel, _, st in files if stat.S_ISREG(st.st_mode)),
+                         key=lambda t: (-t[1], t[0]))[:5]
+        names = ", ".join(f"{rel} ({_fmt_mib(size)})" for rel, size in biggest)
+        raise WorkdirTooLargeError(
+            f"workdir {root} is {_fmt_mib(total)}, over the {_fmt_mib(max_bytes)} limit; biggest: {names}",
+            hint="list what the nodes do not need in .sftctlignore (gitignore syntax, e.g. 'data/' or '*.pt'), "
+                 f"or raise storage.max_workdir_mb (now {max_bytes / 2**20:g}, in MiB)",
+            biggest=biggest,
+        )
+    return total
 
 
 def pack_workdir(root: str | os.PathLike, *, max_bytes: int = DEFAULT_MAX_BYTES) -> PackedWorkdir:
@@ -166,22 +195,11 @@ def pack_workdir(root: str | os.PathLike, *, max_bytes: int = DEFAULT_MAX_BYTES)
         max_bytes: the most the packed files may add up to, uncompressed, in bytes.
 
     Raises:
-        WorkdirTooLargeError: the files add up to more than ``max_bytes``; the message names the
-            five biggest and the hint suggests ``.sftctlignore``.
+        WorkdirTooLargeError: the files add up to more than ``max_bytes`` (:func:`check_workdir_size`).
         SpecError: ``root`` is not a directory, or a file cannot be read.
     """
     files = list_workdir(root)
-    total = sum(st.st_size for _, _, st in files if stat.S_ISREG(st.st_mode))
-    if total > max_bytes:
-        biggest = sorted(((rel, st.st_size) for rel, _, st in files if stat.S_ISREG(st.st_mode)),
-                         key=lambda t: (-t[1], t[0]))[:5]
-        names = ", ".join(f"{rel} ({_fmt_mb(size)})" for rel, size in biggest)
-        raise WorkdirTooLargeError(
-            f"workdir {root} is {_fmt_mb(total)}, over the {_fmt_mb(max_bytes)} limit; biggest: {names}",
-            hint="list what the nodes do not need in .sftctlignore (gitignore syntax, e.g. 'data/' or '*.pt'), "
-                 "or raise the workdir size limit",
-            biggest=biggest,
-        )
+    total = check_workdir_size(root, max_bytes=max_bytes, files=files)
     raw = io.BytesIO()
     # gzip header: no file name, mtime 0 (tarfile's "w:gz" would record both)
     with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz:
