@@ -21,6 +21,8 @@ Sources, first that answers:
    ``memory.events``, v1 ``memory.oom_control``), else the machine's ``/proc/vmstat``; a
    counter that rose while the run ran means the kernel killed a process for memory.
 3. The exit status: above 128 is a signal (bash reports 128 + signal number).
+4. The last line the run wrote to stderr (``node.sh`` keeps its last 20 lines in
+   ``stderr-tail-<attempt>``): a plain script's own words (``exit``).
 
 Imports nothing heavy (it runs on every failure, on every node).
 """
@@ -136,6 +138,29 @@ def diagnose(rc: int, error_file: str | None = None, oom_before: int | None = No
     return None
 
 
+#: how long the failure diagnosis waits for the run's stderr tail (node.sh writes it when the
+#: run's stderr closes, just after the run exits)
+STDERR_TAIL_WAIT_S = 2.0
+
+
+def last_stderr_line(path: str | os.PathLike, wait_s: float = STDERR_TAIL_WAIT_S) -> str | None:
+    """The last non-empty line of the run's stderr tail file (``node.sh`` writes it whole, by
+    rename, once the run's stderr closes: waited for up to ``wait_s`` seconds), cut to 300
+    characters; None when there is none."""
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return None
+    last = lines[-1]
+    return last if len(last) <= 300 else last[:297] + "..."
+
+
 def describe(rc: int, error_file: str | None = None, oom_before: int | None = None) -> str | None:
     """:func:`diagnose`'s line, or None."""
     why = diagnose(rc, error_file, oom_before)
@@ -191,8 +216,11 @@ def install_excepthook() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``--oom-kills``: print the counter. ``RC [ERROR_FILE [OOM_BEFORE [RECORD]]]``: print the
-    reason's line, and write its record to ``RECORD`` when given."""
+    """``--oom-kills``: print the counter. ``RC [ERROR_FILE [OOM_BEFORE [RECORD [STDERR_TAIL]]]]``:
+    print the reason's line, and write its record to ``RECORD`` when given. A failure nothing
+    else explains (a plain script, no torchrun, no :mod:`sftctl.train`) is ``exit`` with the
+    last line the run wrote to stderr (``STDERR_TAIL``: ``python: can't open file ...``, the
+    exception's last line) as its message."""
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--oom-kills"]:
         n = oom_kills()
@@ -203,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     oom_before = int(args[2]) if len(args) > 2 and args[2].isdigit() else None
     record = args[3] if len(args) > 3 and args[3] else None
     why = diagnose(rc, error_file, oom_before)
+    if why is None and len(args) > 4 and args[4]:
+        last = last_stderr_line(args[4])
+        if last is not None:
+            why = FailureReason(FailureCode.EXIT, last, {"exit_code": rc, "stderr": last})
     if why:
         if record:
             write_record(why, record)

@@ -105,6 +105,7 @@ __all__ = [
     "env_name",
     "error_name",
     "failure_name",
+    "stderr_tail_name",
     "exit_name",
     "format_exit_code",
     "host_name",
@@ -186,6 +187,13 @@ def error_name(attempt: Attempt) -> str:
 def failure_name(attempt: Attempt) -> str:
     """``failure-<attempt>.json``: why the attempt failed, as the node found out (rule 2a)."""
     return f"failure-{attempt}.json"
+
+
+def stderr_tail_name(attempt: Attempt) -> str:
+    """``stderr-tail-<attempt>``: the last 20 lines the attempt's run wrote to stderr (written
+    whole, by rename, when its stderr closes; the node's own, read only by ``sftctl.failure``
+    for the reason of a plain script's failure)."""
+    return f"stderr-tail-{attempt}"
 
 
 def complete_json_lines(key: str, data: bytes, offsets: dict[str, int]) -> list[dict]:

@@ -278,3 +278,19 @@ def test_config_defaults_that_exclude_local_are_named_as_the_cause(tmp_path, hom
     with pytest.raises(SftctlError) as e:
         api.dry_run(str(spec))  # cloud nodes need storage: said before planning, with the cause
     assert e.value.message.endswith("; the spec leaves resources.clouds out, and $SFTCTL_CLOUDS sets it to [aws]")
+
+
+def test_a_plain_scripts_failure_carries_its_last_stderr_line(tmp_path, home):
+    """Issue 23 item 11: a plain script (no torchrun, no sftctl.train) that failed said only
+    "node 0 exited with code 2"; the reason now carries what it said last on stderr, and the
+    node's log keeps every line."""
+    from sftctl import api
+
+    spec = write_spec(tmp_path / "f.yaml", "name: f\nrun: |\n  echo to stdout\n  echo noise >&2\n"
+                      "  python /nonexistent/train.py\n")
+    view = api.run(str(spec))
+    assert view.status.value == "FAILED"
+    assert view.failure_reason == ("node 0 exited with code 2: python: can't open file '/nonexistent/train.py': "
+                                   "[Errno 2] No such file or directory")
+    text = "".join(line.text for line in api.logs(view.id))
+    assert "noise" in text and "to stdout" in text and "can't open file" in text
