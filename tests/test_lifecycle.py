@@ -141,12 +141,12 @@ def test_a_missing_framework_still_ranks_by_price_only(tmp_path, home):
 
 
 @pytest.mark.parametrize("text,overrides,expected", [
-    ("resources:\n  accelerators: [\"B200:8\"]\n", (),
-     "job.yaml:4: resources.accelerators[0]: unknown accelerator 'B200'; did you mean 'H200'?"),
-    ("resources:\n  nodes: 1\n  accelerators:\n    - cpu:1\n    - B200:8\n", (),
-     "job.yaml:7: resources.accelerators[1]: unknown accelerator 'B200'; did you mean 'H200'?"),
-    ("resources: {accelerators: [cpu]}\n", ("resources.accelerators=B200:8",),
-     "--set resources.accelerators=B200:8: resources.accelerators[0]: unknown accelerator 'B200'; did you mean 'H200'?"),
+    ("resources:\n  accelerators: [\"B300:8\"]\n", (),
+     "job.yaml:4: resources.accelerators[0]: unknown accelerator 'B300'; did you mean 'B200'?"),
+    ("resources:\n  nodes: 1\n  accelerators:\n    - cpu:1\n    - B300:8\n", (),
+     "job.yaml:7: resources.accelerators[1]: unknown accelerator 'B300'; did you mean 'B200'?"),
+    ("resources: {accelerators: [cpu]}\n", ("resources.accelerators=B300:8",),
+     "--set resources.accelerators=B300:8: resources.accelerators[0]: unknown accelerator 'B300'; did you mean 'B200'?"),
     ("resources: {nodes: 2}\nrecovery:\n  min_nodes: 5\n", (),
      "job.yaml:5: recovery.min_nodes: 5 is more than resources.nodes 2; set it to at most 2"),
     ("resources: {nodes: 2}\n", ("recovery.min_nodes=3",),
