@@ -12,11 +12,14 @@ For each graph it
    forced), with the simple epilogues that only they feed: the bias of ``addmm`` (or an ``add`` of
    a length-N vector), ``gelu`` (exact) / ``relu`` / ``silu``, and a residual ``add`` of a tensor of
    the output's shape, looked for through one ``view``;
-3. searches each distinct :class:`~sftctl.compiler.costmodel.GemmProblem`'s schedule with
-   :func:`~sftctl.compiler.search.gemm.search_gemm` on the accelerator of the inputs' device
-   (``torch.cuda.get_device_name()`` mapped to the catalog by :func:`sftctl.catalog.identify`); results
-   are cached on disk under the compiler's cache dir (``<cache>/backend/gemm/<key>.json``), kernels
-   by Triton's own cache;
+3. picks each distinct :class:`~sftctl.compiler.costmodel.GemmProblem`'s schedule: the model's
+   top :data:`TOP_K` (:func:`~sftctl.compiler.search.gemm.top_k_gemm`) on the accelerator of the
+   inputs' device (``torch.cuda.get_device_name()`` mapped to the catalog by
+   :func:`sftctl.catalog.identify`); on a CUDA device they are timed once at first compile and
+   the fastest wins (:func:`search_cached`, :func:`pick_measured`), with no device the model's
+   pick stands. Both are cached on disk under the compiler's cache dir
+   (``<cache>/backend/gemm/<key>.json``, ``<cache>/backend/gemm-measured/<key>.json``, the winner
+   per (kernel, problem, device name)), kernels by Triton's own cache;
 4. rewrites the FX graph so each site is one call of :func:`sftensor_gemm` (which launches
    ``sftctl.compiler.codegen.gemm.gemm`` with the chosen config) while every other op stays ATen.
 
@@ -36,6 +39,7 @@ name overriding device detection), ``SFTCTL_SFTENSOR_NO_CACHE`` (1: no disk cach
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -52,7 +56,7 @@ from sftctl.catalog.identity import identify
 from sftctl.compiler.cache import atomic_write, cache_dir, cache_key
 from sftctl.compiler.fusion import fuse
 from sftctl.compiler.hardware import get_accelerator
-from sftctl.compiler.search.gemm import search_gemm
+from sftctl.compiler.search.gemm import top_k_gemm
 from sftctl.compiler.step import cost_kernels
 from sftctl.compiler.target import load_target
 
@@ -410,28 +414,114 @@ def gemm_problem(site: GemmSite):
                        epilogue_bytes_per_elem=epi_bytes, epilogue_flops_per_elem=flops)
 
 
-def search_cached(problem, target, space: dict | None = None, use_disk: bool = True) -> tuple[dict | None, float]:
-    """``(config, predicted_s)`` of :func:`~sftctl.compiler.search.gemm.search_gemm` on ``target``
-    (a :class:`sftctl.compiler.target.Target`), cached as JSON under
-    ``<compiler cache>/backend/gemm/`` (:mod:`sftctl.compiler.cache`) keyed by the problem, every
-    hardware number, the coefficients, the space and the compiler's fingerprint. A config of None
-    means nothing feasible (the site stays ATen)."""
+#: how many of the model's best schedules the backend times on the device at first compile
+TOP_K = 8
+
+
+def search_cached(problem, target, space: dict | None = None, use_disk: bool = True, timer=None,
+                  device_name: str | None = None, k: int = TOP_K) -> tuple[dict | None, float]:
+    """``(config, predicted_s)`` for one GEMM class on ``target`` (a
+    :class:`sftctl.compiler.target.Target`).
+
+    The model keeps its ``k`` best schedules (:func:`~sftctl.compiler.search.gemm.top_k_gemm`,
+    ties broken by row segments, memory traffic and footprint, never by order). With no
+    ``timer`` the model's first pick stands. With ``timer`` (``config -> seconds`` on the
+    device; :func:`device_gemm_timer` builds the real one; a raise or a non-finite time marks
+    a config that failed) the candidates are timed once, at first compile, and the fastest wins
+    (:func:`pick_measured`); the winner is cached per (kernel, problem, ``device_name``) as
+    JSON under ``<compiler cache>/backend/gemm-measured/``. The model's picks are cached under
+    ``backend/gemm/`` keyed by the problem, every hardware number, the coefficients, the space
+    and the compiler's fingerprint (:mod:`sftctl.compiler.cache`). A config of None means
+    nothing feasible (the site stays ATen); ``predicted_s`` is the model's time of the config
+    returned."""
     hw, coeffs = target.hw, target.coeffs
     path = None
     if use_disk:
-        path = cache_dir() / "backend" / "gemm" / f"{cache_key('gemm-search', problem, hw, coeffs, space)}.json"
+        path = cache_dir() / "backend" / "gemm" / f"{cache_key('gemm-topk', problem, hw, coeffs, space, k)}.json"
+    cands = None
+    if path is not None and path.exists():
+        try:
+            cands = [(d["config"], float(d["time_s"])) for d in json.loads(path.read_text())["candidates"]]
+        except Exception:  # noqa: BLE001 - a bad entry is recomputed
+            path.unlink(missing_ok=True)
+    if cands is None:
+        cands = [(c.config, c.time_s) for c in top_k_gemm(problem, hw, coeffs, k=k, space=space)]
+        if path is not None:
+            atomic_write(path, json.dumps({"problem": dataclasses.asdict(problem), "accelerator": hw.name,
+                                           "candidates": [{"config": c, "time_s": t} for c, t in cands]}).encode())
+    if not cands:
+        return None, math.inf
+    if timer is None or len(cands) == 1:
+        return cands[0]
+    return pick_measured("gemm", problem, device_name or hw.name, cands, timer, use_disk=use_disk)
+
+
+def pick_measured(kernel: str, problem, device_name: str, cands: list[tuple[dict, float]], timer,
+                  use_disk: bool = True) -> tuple[dict, float]:
+    """The fastest of ``cands`` (``(config, model seconds)``, the model's order) as ``timer``
+    measures them on ``device_name``, cached per (``kernel``, ``problem``, device, candidate
+    set): a later compile reads the winner instead of timing again. A config whose timing
+    raises or is not finite loses; when every one fails the model's first pick stands (and is
+    not cached). Ties of measured time keep the model's order (its own tie-break)."""
+    path = None
+    if use_disk:
+        key = cache_key(f"{kernel}-measured", problem, device_name, [c for c, _ in cands])
+        path = cache_dir() / "backend" / f"{kernel}-measured" / f"{key}.json"
         if path.exists():
             try:
-                d = json.loads(path.read_text())
-                return d["config"], float(d["time_s"])
-            except Exception:  # noqa: BLE001 - a bad entry is recomputed
+                i = int(json.loads(path.read_text())["winner"])
+                return cands[i]
+            except Exception:  # noqa: BLE001 - a bad entry is measured again
                 path.unlink(missing_ok=True)
-    choice = search_gemm(problem, hw, coeffs, space=space)
+    measured = []
+    for cfg, _ in cands:
+        try:
+            t = float(timer(dict(cfg)))
+        except Exception as e:  # noqa: BLE001 - a config that cannot run loses
+            log.warning("sftensor: timing %s config %s failed (%s: %s)", kernel, cfg, type(e).__name__, e)
+            t = math.inf
+        measured.append(t if math.isfinite(t) and t > 0 else math.inf)
+    best = min(range(len(cands)), key=lambda i: (measured[i], i))
+    if not math.isfinite(measured[best]):
+        return cands[0]
     if path is not None:
-        atomic_write(path, json.dumps({"problem": dataclasses.asdict(problem), "accelerator": hw.name,
-                                        "config": choice.config, "time_s": choice.time_s,
-                                        "search_s": choice.seconds}).encode())
-    return choice.config, float(choice.time_s)
+        atomic_write(path, json.dumps({"kernel": kernel, "problem": dataclasses.asdict(problem),
+                                        "device": device_name, "winner": best,
+                                        "candidates": [{"config": c, "model_s": t, "measured_s": m}
+                                                       for (c, t), m in zip(cands, measured)]},
+                                       default=str).encode())
+    return cands[best]
+
+
+def device_gemm_timer(problem, device: torch.device) -> Callable[[dict], float]:
+    """``config -> seconds`` of the generated Triton GEMM for ``problem`` on ``device`` (a CUDA
+    device): random operands of the problem's shapes, dtype and storage order, timed with
+    ``triton.testing.do_bench`` (median, ms -> s). Needs the codegen and a GPU.
+
+    Raises:
+        RuntimeError: the codegen GEMM is not available.
+    """
+    impl = _codegen_gemm()
+    if impl is None:
+        raise RuntimeError("the codegen GEMM is unavailable (triton missing?)")
+    from triton.testing import do_bench
+
+    dtype = getattr(torch, problem.dtype if problem.dtype in ("bfloat16", "float16", "float32") else "bfloat16")
+    bs = (problem.batch,) if problem.batch > 1 else ()
+    tf32 = torch.get_float32_matmul_precision() != "highest"
+    operands: list = []  # built at the first timing: a cached winner allocates nothing
+
+    def timer(config: dict) -> float:
+        if not operands:
+            a = torch.randn(*bs, problem.k, problem.m, device=device, dtype=dtype).transpose(-1, -2) \
+                if problem.a_transposed else torch.randn(*bs, problem.m, problem.k, device=device, dtype=dtype)
+            b = torch.randn(*bs, problem.n, problem.k, device=device, dtype=dtype).transpose(-1, -2) \
+                if problem.b_transposed else torch.randn(*bs, problem.k, problem.n, device=device, dtype=dtype)
+            operands.extend((a, b))
+        a, b = operands
+        return do_bench(lambda: impl(a, b, config=dict(config), allow_tf32=tf32), return_mode="median") * 1e-3
+
+    return timer
 
 
 # ------------------------------------------------------------------------------------------------
@@ -440,9 +530,14 @@ def search_cached(problem, target, space: dict | None = None, use_disk: bool = T
 
 
 def rewrite_gemms(gm: fx.GraphModule, target, *, space: dict | None = None, force: bool = False,
-                  fuse_epilogues: bool = True, use_disk_cache: bool = True) -> list[GemmSite]:
+                  fuse_epilogues: bool = True, use_disk_cache: bool = True, timer_for=None,
+                  device_name: str | None = None) -> list[GemmSite]:
     """Replace every :func:`find_gemm_sites` site of ``gm`` by a :func:`sftensor_gemm` call
     with the searched config for ``target`` (a :class:`sftctl.compiler.target.Target`); in place (``gm`` is recompiled). Every other node stays.
+
+    ``timer_for``: ``problem -> (config -> seconds)`` on the device (``device_name``): the
+    model's top candidates are timed there at first compile (:func:`search_cached`); None keeps
+    the model's pick.
 
     Returns the rewritten sites (with ``problem``, ``config``, ``predicted_s``). A site whose
     problem has no feasible schedule is left as ATen.
@@ -454,7 +549,9 @@ def rewrite_gemms(gm: fx.GraphModule, target, *, space: dict | None = None, forc
     for site in sites:
         site.problem = gemm_problem(site)
         if site.problem not in chosen:
-            chosen[site.problem] = search_cached(site.problem, target, space, use_disk_cache)
+            timer = timer_for(site.problem) if timer_for is not None else None
+            chosen[site.problem] = search_cached(site.problem, target, space, use_disk_cache, timer=timer,
+                                                 device_name=device_name)
         site.config, site.predicted_s = chosen[site.problem]
         if site.config is None:
             continue
@@ -678,8 +775,13 @@ class SftensorBackend:
         target = self.target(example_inputs)
         hw = target.hw
         ir = analyze_ir(gm, target) if self.analyze else {}
+        device = _device_of(example_inputs)
+        timer_for, device_name = None, None
+        if device is not None and device.type == "cuda" and _codegen_gemm() is not None:
+            timer_for = functools.partial(device_gemm_timer, device=device)
+            device_name = torch.cuda.get_device_name(device)
         sites = rewrite_gemms(gm, target, space=self.space, force=self.force, fuse_epilogues=self.fuse_epilogues,
-                              use_disk_cache=self.use_disk_cache)
+                              use_disk_cache=self.use_disk_cache, timer_for=timer_for, device_name=device_name)
         report = GraphReport(kind=kind, accelerator=hw.name, fx_nodes=len(gm.graph.nodes), ir=ir, sites=[
             {"replaced": [n.name for n in s.chain], "epilogue": s.epilogue, "problem": dataclasses.asdict(s.problem),
              "config": s.config, "predicted_s": s.predicted_s} for s in sites])

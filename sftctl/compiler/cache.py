@@ -7,7 +7,9 @@ derived and may be deleted at any time. Its parts:
 
 * ``traces/<key>.pkl``: traced IR graphs (``driver.trace_model``);
 * ``steps/<key>.json``: compiled steps (``driver.compile_for``);
-* ``backend/gemm/<key>.json``: the ``sftensor`` backend's schedule searches;
+* ``backend/gemm/<key>.json``: the ``sftensor`` backend's schedule searches (the model's top k);
+* ``backend/gemm-measured/<key>.json``: the winner of those timed on a device, per (kernel,
+  problem, device name);
 * ``codegen/``: generated kernel sources and compiled kernels' resources
   (``$SFTCTL_CODEGEN_CACHE`` overrides this part).
 
