@@ -408,9 +408,11 @@ def dry_run(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | N
     """What :func:`run` would do, rendered, with nothing created or started (``run --dry-run``).
 
     Returns ``run --dry-run --json``'s document: ``{"dry_run": true, "job", "plan" (the reason),
-    "offering", "nodes": [{"rank", "env", "script", "bootstrap"}] (node 0 only), "other_nodes"}``
-    (the other nodes summarised, so its size does not grow with the node count; secret values
-    shown as ``<secret>``; see :func:`sftctl.controller.preview`).
+    "offering", "nodes": [{"rank", "env", "script", "bootstrap"}] (node 0 only), "other_nodes",
+    "submits": [{"name", "text"}]}`` (the other nodes summarised, so its size does not grow with
+    the node count; secret values shown as ``<secret>``; ``submits``: Slurm's sbatch.sh and
+    step.sh, Kubernetes manifests, as they would be handed over; see
+    :func:`sftctl.controller.preview`).
 
     Raises:
         SpecError, InfeasibleError: as :func:`submit`.
