@@ -18,6 +18,7 @@ class ExitCode(enum.IntEnum):
     USAGE = 2
     INFEASIBLE = 3
     PROVIDER = 4
+    UNTRACEABLE = 5  # the model's step cannot be traced or lowered (an op, a data-dependent shape)
     TIMEOUT = 124  # `sftctl wait --timeout` ran out with a job still going (as timeout(1) exits)
     HANGUP = 129  # 128 + SIGHUP: the terminal closed; the job was cancelled
     INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C
@@ -53,6 +54,15 @@ class SpecError(SftctlError):
     """The job spec (file or ``--set`` override) is invalid. Exit code 2."""
 
     exit_code = ExitCode.USAGE
+
+
+class UntraceableModelError(SftctlError):
+    """The tracer cannot take the model's training step (an op without a lowering, a
+    data-dependent shape or branch, an error raised inside the model's code while tracing): not a
+    mistake in the spec. Exit code 5. The message names the op, the module and the model's
+    file:line where known; ``run`` still runs the job, ranked by price, with a warning."""
+
+    exit_code = ExitCode.UNTRACEABLE
 
 
 class NotFoundError(SftctlError):

@@ -22,7 +22,7 @@ import os
 from typing import TYPE_CHECKING, Callable
 
 from sftctl.catalog import Offering, accelerator_names, cloud_offerings
-from sftctl.errors import InfeasibleError, SftctlError, SpecError
+from sftctl.errors import InfeasibleError, SftctlError, SpecError, UntraceableModelError
 from sftctl.spec import JobSpec, unknown_accelerator
 from sftctl.types import FailureCode, FailureReason, Plan, PlanChoice, capabilities
 
@@ -89,6 +89,10 @@ class Predictor:
                 extra = _EXTRA_OF_MODULE.get((getattr(e, "name", None) or "").split(".")[0])
                 if isinstance(e, ModuleNotFoundError) and extra:
                     hint = f"install it: pip install 'sftctl[{extra}]' (or leave model out to skip prediction)"
+                elif error is SpecError and not isinstance(e, ImportError):
+                    error = UntraceableModelError  # the model traced as far as the tracer could take it
+                    hint = ("sftctl compile --debug shows the traceback; write that part with supported ops, "
+                            "or leave model out to skip prediction (sftctl run ranks by price)")
                 what = f"cannot trace {m.entrypoint}: {type(e).__name__}: {first}"
                 if isinstance(e, (EntrypointFileNotFound, EntrypointFunctionNotFound)):
                     what = first  # "examples/gpt/model.py has no function 'nofunc'"
@@ -132,7 +136,7 @@ class Predictor:
             return self._predict(offering, nodes)
         except _Unsplittable:
             raise
-        except SpecError as e:
+        except (SpecError, UntraceableModelError) as e:
             if self.strict or isinstance(e, EntrypointError):
                 raise
             self.error = e.message

@@ -84,7 +84,8 @@ _UNARY = {
     "relu": lambda x: np.maximum(x, np.zeros((), x.dtype)), "sigmoid": _sigmoid, "erf": _erf,
     "reciprocal": lambda x: 1 / x, "sin": np.sin, "cos": np.cos,
     "logical_not": lambda x: np.logical_not(x.astype(bool)), "sign": np.sign,
-    "log1p": np.log1p, "expm1": np.expm1,
+    "log1p": np.log1p, "expm1": np.expm1, "floor": np.floor, "ceil": np.ceil,
+    "round": np.rint, "trunc": np.trunc,  # round: half to even, as torch.round and lax.round_nearest_even
 }
 _BINARY = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": _div, "pow": np.power,

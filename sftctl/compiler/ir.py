@@ -67,7 +67,8 @@ import math
 from typing import Any, Iterable
 
 UNARY = frozenset({"neg", "exp", "log", "tanh", "rsqrt", "sqrt", "abs", "relu", "sigmoid", "erf",
-                   "reciprocal", "sin", "cos", "logical_not", "cast", "sign", "log1p", "expm1"})
+                   "reciprocal", "sin", "cos", "logical_not", "cast", "sign", "log1p", "expm1", "floor",
+                   "ceil", "round", "trunc"})
 BINARY = frozenset({"add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le",
                     "gt", "ge", "logical_and", "logical_or"})
 ELEMENTWISE = UNARY | BINARY | {"where"}

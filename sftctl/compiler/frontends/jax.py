@@ -415,6 +415,233 @@ _CALLS = {"jit", "pjit", "closed_call", "core_call", "remat", "checkpoint", "rem
           "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"}
 
 
+#: jaxpr primitive name -> lowering ``rule(lowering, args, params, shape, dtype) -> [IR ids]`` (``args``:
+#: the equation's operands as IR ids; ``shape``/``dtype``: its first output's). The one op table of
+#: this frontend, as ``frontends/torch/lowering.py``'s ``OPS`` is the torch frontend's; call-like
+#: primitives (inlined) and the attention primitives are handled by ``_Lowering.lower_eqn`` itself.
+_PRIMS: dict[str, Callable] = {}
+
+
+def _prim(*names: str):
+    def register(fn: Callable) -> Callable:
+        for name in names:
+            _PRIMS[name] = fn
+        return fn
+    return register
+
+
+def _install_elementwise() -> None:
+    for name, op in _UNARY.items():
+        _PRIMS[name] = lambda self, args, p, shape, dtype, _op=op: [
+            self.add(_op, [self.cast(args[0], dtype)], shape, dtype)]
+    for name, op in _BINARY.items():
+        _PRIMS[name] = lambda self, args, p, shape, dtype, _op=op: [
+            self.add(_op, [self.cast(a, dtype) for a in args], shape, dtype)]
+    for name, op in _COMPARE.items():
+        _PRIMS[name] = lambda self, args, p, shape, dtype, _op=op: [self.add(_op, args, shape, "bool")]
+    for name in _IDENTITY:
+        _PRIMS[name] = lambda self, args, p, shape, dtype: list(args)
+
+
+_install_elementwise()
+
+
+def _logical_rule(name: str) -> Callable:
+    def rule(self, args, p, shape, dtype):
+        if any(self.dtype(a) != "bool" for a in args):
+            raise NotImplementedError(f"jax frontend: primitive {name} on integers")
+        if name == "not":
+            return [self.add("logical_not", args, shape, "bool")]
+        if name == "xor":
+            return [self.add("ne", args, shape, "bool")]
+        return [self.add("logical_" + name, args, shape, "bool")]
+    return rule
+
+
+for _name in ("and", "or", "not", "xor"):
+    _PRIMS[_name] = _logical_rule(_name)
+
+
+@_prim("integer_pow")
+def _integer_pow(self, args, p, shape, dtype):
+    y = int(p["y"])
+    if y == 2:
+        return [self.add("mul", [args[0], args[0]], shape, dtype)]
+    return [self.add("pow", [args[0], self.const(y, (), dtype)], shape, dtype)]
+
+
+@_prim("square")
+def _square(self, args, p, shape, dtype):
+    return [self.add("mul", [args[0], args[0]], shape, dtype)]
+
+
+@_prim("erfc")
+def _erfc(self, args, p, shape, dtype):
+    e = self.add("erf", [self.cast(args[0], dtype)], shape, dtype)
+    return [self.add("sub", [self.const(1.0, (), dtype), e], shape, dtype)]
+
+
+@_prim("is_finite")
+def _is_finite(self, args, p, shape, dtype):  # |x| < inf is false for inf and nan
+    x = args[0]
+    ax = self.add("abs", [x], self.shape(x), self.dtype(x))
+    return [self.add("lt", [ax, self.const(float("inf"), (), self.dtype(x))], shape, "bool")]
+
+
+@_prim("exp2")
+def _exp2(self, args, p, shape, dtype):
+    return [self.add("pow", [self.const(2.0, (), dtype), args[0]], shape, dtype)]
+
+
+@_prim("select_n")
+def _select_n(self, args, p, shape, dtype):
+    pred, cases = args[0], args[1:]
+    out = self.cast(cases[0], dtype)
+    for k, case in enumerate(cases[1:], start=1):
+        cond = pred if len(cases) == 2 and self.dtype(pred) == "bool" else self.binary(
+            "eq", pred, self.const(k, (), self.dtype(pred)), "bool")
+        out = self.add("where", [cond, self.cast(case, dtype), out], shape, dtype)
+    return [out]
+
+
+@_prim("clamp")
+def _clamp(self, args, p, shape, dtype):
+    lo, x, hi = args
+    y = self.add("maximum", [x, self.cast(lo, dtype)], shape, dtype)
+    return [self.add("minimum", [y, self.cast(hi, dtype)], shape, dtype)]
+
+
+@_prim("convert_element_type")
+def _convert(self, args, p, shape, dtype):
+    return [self.cast(args[0], dtype)]
+
+
+_REDUCE = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min", "reduce_or": "max", "reduce_and": "min"}
+
+
+def _reduce_rule(op: str) -> Callable:
+    def rule(self, args, p, shape, dtype):
+        axes = tuple(sorted(int(a) for a in p["axes"]))
+        if not axes:
+            return [self.cast(args[0], dtype)]
+        return [self.add(op, [self.cast(args[0], dtype)], shape, dtype, axes=axes, keepdim=False)]
+    return rule
+
+
+for _name, _op in _REDUCE.items():
+    _PRIMS[_name] = _reduce_rule(_op)
+
+
+@_prim("broadcast_in_dim")
+def _broadcast_in_dim(self, args, p, shape, dtype):
+    x = args[0]
+    if self.shape(x) == shape:
+        return [x]
+    n = self.g.nodes[x]
+    if n.op == "constant":
+        return [self.const(n.attrs["value"], shape, dtype)]
+    return [self.add("broadcast_in_dim", [x], shape, dtype, shape=shape,
+                     dims=tuple(int(d) for d in p["broadcast_dimensions"]))]
+
+
+@_prim("reshape")
+def _reshape(self, args, p, shape, dtype):
+    x = args[0]
+    if p.get("dimensions") not in (None, ()):  # lax.reshape's transpose-first form
+        x = self.transpose(x, tuple(int(d) for d in p["dimensions"]))
+    return [self.reshape(x, shape)]
+
+
+@_prim("squeeze", "expand_dims")
+def _squeeze(self, args, p, shape, dtype):
+    return [self.reshape(args[0], shape)]
+
+
+@_prim("transpose")
+def _transpose(self, args, p, shape, dtype):
+    return [self.transpose(args[0], p["permutation"])]
+
+
+@_prim("dot_general")
+def _dot_general(self, args, p, shape, dtype):
+    (lc, rc), (lb, rb) = p["dimension_numbers"]
+    return [self.add("dot_general", args[:2], shape, dtype, lhs_batch=tuple(int(d) for d in lb),
+                     rhs_batch=tuple(int(d) for d in rb), lhs_contract=tuple(int(d) for d in lc),
+                     rhs_contract=tuple(int(d) for d in rc))]
+
+
+@_prim("conv_general_dilated")
+def _conv_general_dilated(self, args, p, shape, dtype):
+    return [self.conv(args[0], args[1], p, shape, dtype)]
+
+
+@_prim("rev")
+def _rev(self, args, p, shape, dtype):
+    return [self.add("reverse", [args[0]], shape, dtype, axes=tuple(int(d) for d in p["dimensions"]))]
+
+
+@_prim("iota")
+def _iota(self, args, p, shape, dtype):
+    return [self.add("iota", [], shape, dtype, axis=int(p["dimension"]))]
+
+
+@_prim("concatenate")
+def _concatenate(self, args, p, shape, dtype):
+    return [self.add("concatenate", [self.cast(a, dtype) for a in args], shape, dtype, axis=int(p["dimension"]))]
+
+
+@_prim("pad")
+def _pad(self, args, p, shape, dtype):
+    cfg = p["padding_config"]
+    if any(int(c[2]) for c in cfg):
+        raise NotImplementedError("jax frontend: pad with interior padding")
+    value = self.g.nodes[args[1]]
+    if value.op != "constant":
+        raise NotImplementedError("jax frontend: pad with a non-constant padding value")
+    return [self.add("pad", [args[0]], shape, dtype, low=tuple(int(c[0]) for c in cfg),
+                     high=tuple(int(c[1]) for c in cfg), value=value.attrs["value"])]
+
+
+@_prim("slice")
+def _slice(self, args, p, shape, dtype):
+    xs = self.shape(args[0])
+    strides = p.get("strides") or (1,) * len(xs)
+    return [self.add("slice", [args[0]], shape, dtype, start=tuple(int(s) for s in p["start_indices"]),
+                     limit=tuple(int(s) for s in p["limit_indices"]), step=tuple(int(s) for s in strides))]
+
+
+@_prim("split")
+def _split(self, args, p, shape, dtype):
+    axis = int(p["axis"])
+    xs = self.shape(args[0])
+    res, start = [], 0
+    for size in p["sizes"]:
+        st, lim = [0] * len(xs), list(xs)
+        st[axis], lim[axis] = start, start + int(size)
+        out = list(xs)
+        out[axis] = int(size)
+        res.append(self.add("slice", [args[0]], out, dtype, start=tuple(st), limit=tuple(lim), step=(1,) * len(xs)))
+        start += int(size)
+    return res
+
+
+@_prim("gather")
+def _gather(self, args, p, shape, dtype):
+    return [self.gather(args[0], args[1], p, shape, dtype)]
+
+
+@_prim("scatter")
+def _scatter(self, args, p, shape, dtype):
+    if not tuple(p["dimension_numbers"].scatter_dims_to_operand_dims) and self.shape(args[2]) == shape:
+        return [self.cast(args[2], dtype)]  # x.at[...].set(v) over the whole array: v
+    raise NotImplementedError("jax frontend: primitive scatter has no IR lowering")
+
+
+@_prim("scatter-add", "scatter_add")
+def _scatter_add(self, args, p, shape, dtype):
+    return [self.scatter_add(args[0], args[1], args[2], p, shape, dtype)]
+
+
 class _Lowering(GraphBuilder):
     def __init__(self) -> None:
         super().__init__()
@@ -494,128 +721,10 @@ class _Lowering(GraphBuilder):
             raise NotImplementedError(f"jax frontend: primitive {name} (no inlinable jaxpr)")
         aval = outs[0].aval
         shape, dtype = tuple(aval.shape), ir_dtype(aval.dtype)
-        if name in _IDENTITY:
-            return list(args)
-        if name in _UNARY:
-            return [self.add(_UNARY[name], [self.cast(args[0], dtype)], shape, dtype)]
-        if name in _BINARY:
-            return [self.add(_BINARY[name], [self.cast(a, dtype) for a in args], shape, dtype)]
-        if name in _COMPARE:
-            return [self.add(_COMPARE[name], args, shape, "bool")]
-        if name in ("and", "or", "not", "xor"):
-            if any(self.dtype(a) != "bool" for a in args):
-                raise NotImplementedError(f"jax frontend: primitive {name} on integers")
-            if name == "not":
-                return [self.add("logical_not", args, shape, "bool")]
-            if name == "xor":
-                return [self.add("ne", args, shape, "bool")]
-            return [self.add("logical_" + name, args, shape, "bool")]
-        if name == "integer_pow":
-            y = int(p["y"])
-            if y == 2:
-                return [self.add("mul", [args[0], args[0]], shape, dtype)]
-            return [self.add("pow", [args[0], self.const(y, (), dtype)], shape, dtype)]
-        if name == "square":
-            return [self.add("mul", [args[0], args[0]], shape, dtype)]
-        if name == "erfc":
-            e = self.add("erf", [self.cast(args[0], dtype)], shape, dtype)
-            return [self.add("sub", [self.const(1.0, (), dtype), e], shape, dtype)]
-        if name == "is_finite":  # |x| < inf is false for inf and nan
-            x = args[0]
-            ax = self.add("abs", [x], self.shape(x), self.dtype(x))
-            return [self.add("lt", [ax, self.const(float("inf"), (), self.dtype(x))], shape, "bool")]
-        if name == "exp2":
-            return [self.add("pow", [self.const(2.0, (), dtype), args[0]], shape, dtype)]
-        if name == "select_n":
-            pred, cases = args[0], args[1:]
-            out = self.cast(cases[0], dtype)
-            for k, case in enumerate(cases[1:], start=1):
-                cond = pred if len(cases) == 2 and self.dtype(pred) == "bool" else self.binary(
-                    "eq", pred, self.const(k, (), self.dtype(pred)), "bool")
-                out = self.add("where", [cond, self.cast(case, dtype), out], shape, dtype)
-            return [out]
-        if name == "clamp":
-            lo, x, hi = args
-            y = self.add("maximum", [x, self.cast(lo, dtype)], shape, dtype)
-            return [self.add("minimum", [y, self.cast(hi, dtype)], shape, dtype)]
-        if name == "convert_element_type":
-            return [self.cast(args[0], dtype)]
-        if name in ("reduce_sum", "reduce_max", "reduce_min", "reduce_or", "reduce_and", "argmax", "argmin"):
-            op = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min", "reduce_or": "max",
-                  "reduce_and": "min"}.get(name)
-            if op is None:
-                raise NotImplementedError(f"jax frontend: primitive {name}")
-            axes = tuple(sorted(int(a) for a in p["axes"]))
-            if not axes:
-                return [self.cast(args[0], dtype)]
-            return [self.add(op, [self.cast(args[0], dtype)], shape, dtype, axes=axes, keepdim=False)]
-        if name == "broadcast_in_dim":
-            x = args[0]
-            if self.shape(x) == shape:
-                return [x]
-            n = self.g.nodes[x]
-            if n.op == "constant":
-                return [self.const(n.attrs["value"], shape, dtype)]
-            return [self.add("broadcast_in_dim", [x], shape, dtype, shape=shape,
-                             dims=tuple(int(d) for d in p["broadcast_dimensions"]))]
-        if name == "reshape":
-            x = args[0]
-            if p.get("dimensions") not in (None, ()):  # lax.reshape's transpose-first form
-                x = self.transpose(x, tuple(int(d) for d in p["dimensions"]))
-            return [self.reshape(x, shape)]
-        if name in ("squeeze", "expand_dims"):
-            return [self.reshape(args[0], shape)]
-        if name == "transpose":
-            return [self.transpose(args[0], p["permutation"])]
-        if name == "dot_general":
-            (lc, rc), (lb, rb) = p["dimension_numbers"]
-            return [self.add("dot_general", args[:2], shape, dtype, lhs_batch=tuple(int(d) for d in lb),
-                             rhs_batch=tuple(int(d) for d in rb), lhs_contract=tuple(int(d) for d in lc),
-                             rhs_contract=tuple(int(d) for d in rc))]
-        if name == "conv_general_dilated":
-            return [self.conv(args[0], args[1], p, shape, dtype)]
-        if name == "rev":
-            return [self.add("reverse", [args[0]], shape, dtype, axes=tuple(int(d) for d in p["dimensions"]))]
-        if name == "iota":
-            return [self.add("iota", [], shape, dtype, axis=int(p["dimension"]))]
-        if name == "concatenate":
-            return [self.add("concatenate", [self.cast(a, dtype) for a in args], shape, dtype,
-                             axis=int(p["dimension"]))]
-        if name == "pad":
-            cfg = p["padding_config"]
-            if any(int(c[2]) for c in cfg):
-                raise NotImplementedError("jax frontend: pad with interior padding")
-            value = self.g.nodes[args[1]]
-            if value.op != "constant":
-                raise NotImplementedError("jax frontend: pad with a non-constant padding value")
-            return [self.add("pad", [args[0]], shape, dtype, low=tuple(int(c[0]) for c in cfg),
-                             high=tuple(int(c[1]) for c in cfg), value=value.attrs["value"])]
-        if name == "slice":
-            xs = self.shape(args[0])
-            strides = p.get("strides") or (1,) * len(xs)
-            return [self.add("slice", [args[0]], shape, dtype, start=tuple(int(s) for s in p["start_indices"]),
-                             limit=tuple(int(s) for s in p["limit_indices"]), step=tuple(int(s) for s in strides))]
-        if name == "split":
-            axis = int(p["axis"])
-            xs = self.shape(args[0])
-            res, start = [], 0
-            for size in p["sizes"]:
-                st, lim = [0] * len(xs), list(xs)
-                st[axis], lim[axis] = start, start + int(size)
-                out = list(xs)
-                out[axis] = int(size)
-                res.append(self.add("slice", [args[0]], out, dtype, start=tuple(st), limit=tuple(lim),
-                                    step=(1,) * len(xs)))
-                start += int(size)
-            return res
-        if name == "gather":
-            return [self.gather(args[0], args[1], p, shape, dtype)]
-        if name == "scatter" and not tuple(p["dimension_numbers"].scatter_dims_to_operand_dims) \
-                and self.shape(args[2]) == shape:
-            return [self.cast(args[2], dtype)]  # x.at[...].set(v) over the whole array: v
-        if name in ("scatter-add", "scatter_add"):
-            return [self.scatter_add(args[0], args[1], args[2], p, shape, dtype)]
-        raise NotImplementedError(f"jax frontend: primitive {name} has no IR lowering")
+        rule = _PRIMS.get(name)
+        if rule is None:
+            raise NotImplementedError(f"jax frontend: primitive {name} has no IR lowering")
+        return rule(self, args, p, shape, dtype)
 
     # --- convolution ---------------------------------------------------------------------------
     def conv(self, lhs: int, rhs: int, p, shape, dtype) -> int:

@@ -1,0 +1,300 @@
+"""The torch frontend's lowering driver: an ATen FX graph (from :mod:`.capture`) -> the IR.
+
+:class:`_Lowering` walks the graph in order and looks each ``call_function`` node's ATen op packet
+up in :data:`OPS`, the one op table (``"add"``, ``"convolution_backward"``, ...; the custom
+attention ops as ``"sftctl::attention"``): an in-place packet (``add_``) uses its functional
+packet's lowering and rebinds the mutated operand. The lowerings live by kind in
+:mod:`sftctl.compiler.frontends.torch.lowerings` (elementwise, sources, reductions, linalg,
+pooling, layout, indexing, random, attention), each a plain function
+``fn(lowering, node, *node.args, **node.kwargs)`` registered with :func:`lowers`; it returns an IR
+node id (an ``int``) or a list of them for a tuple-valued op. An op with no entry raises
+``NotImplementedError`` naming the op, the module path and the model's file:line.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from sftctl.compiler.ir import FLOAT_DTYPES, Graph, GraphBuilder
+
+#: ATen op packet (``"sftctl::<name>"`` for the custom ops) -> lowering ``fn(lowering, node, *args, **kwargs)``
+OPS: dict[str, Callable] = {}
+
+
+def lowers(fn_or_packet: Callable | str | None = None, *aliases: str):
+    """Register a lowering in :data:`OPS`: ``@lowers`` under the function's name less ``op_``,
+    ``@lowers("sftctl::attention")`` or ``@lowers("a", "b")`` under the packets named. Raises
+    ``ValueError`` for a packet registered twice."""
+    def register(fn: Callable, packets: tuple[str, ...]) -> Callable:
+        for p in packets or (fn.__name__.removeprefix("op_"),):
+            if p in OPS:
+                raise ValueError(f"torch frontend: two lowerings for {p}")
+            OPS[p] = fn
+        return fn
+    if callable(fn_or_packet):
+        return register(fn_or_packet, ())
+    packets = tuple(p for p in (fn_or_packet, *aliases) if p)
+    return lambda fn: register(fn, packets)
+
+
+_IR_DTYPES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16",
+              torch.float16: "float16", torch.int64: "int64", torch.int32: "int32", torch.bool: "bool"}
+
+
+def ir_dtype(dtype: torch.dtype) -> str:
+    try:
+        return _IR_DTYPES[dtype]
+    except KeyError:
+        raise NotImplementedError(f"torch frontend: dtype {dtype} has no IR dtype") from None
+
+
+def _norm_dims(dims, rank: int) -> tuple[int, ...]:
+    if dims is None:
+        return tuple(range(rank))
+    if isinstance(dims, int):
+        dims = [dims]
+    if len(dims) == 0:
+        return tuple(range(rank))
+    return tuple(sorted(d % rank if rank else 0 for d in dims))
+
+
+def _stack_frame(stack_trace: str | None) -> str | None:
+    """The innermost ``file:line`` of an fx node's recorded ``stack_trace`` outside torch."""
+    import os
+    import re
+
+    if not stack_trace:
+        return None
+    tdir = os.path.dirname(torch.__file__) + os.sep
+    found = None
+    for m in re.finditer(r'File "([^"]+)", line (\d+), in (\S+)', stack_trace):
+        if not m.group(1).startswith(tdir) and "sftctl/compiler/" not in m.group(1):
+            found = f"{m.group(1)}:{m.group(2)} ({m.group(3)})"
+    return found
+
+
+class _Id(int):
+    """An IR id passed where an fx node is expected (an operand already lowered)."""
+
+
+class _Lowering(GraphBuilder):
+    """Lowers a make_fx ATen graph to an IR :class:`Graph`, one :data:`OPS` entry per ATen op packet."""
+
+class _Lowering(GraphBuilder):
+    """Lowers a make_fx ATen graph to an IR :class:`Graph`, one handler per ATen op packet."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__()
+        self.gm = gm
+        self.env: dict[fx.Node, Any] = {}
+        self._node: fx.Node | None = None
+        self._rng = 1 << 20  # random streams of dropout ops (attention dropout uses its call number)
+
+    def bcast(self, i: int, shape) -> int:
+        """numpy-style (trailing-aligned) explicit broadcast."""
+        shape = tuple(int(s) for s in shape)
+        src = self.shape(i)
+        if src == shape:
+            return i
+        n = self.g.nodes[i]
+        if n.op == "constant":
+            return self.const(n.attrs["value"], shape, n.type.dtype)
+        dims = tuple(range(len(shape) - len(src), len(shape)))
+        return self.add("broadcast_in_dim", [i], shape, self.dtype(i), shape=shape, dims=dims)
+
+    def iota(self, shape, axis: int, dtype: str = "int64") -> int:
+        return self.add("iota", [], shape, dtype, axis=axis)
+
+    def slice_dim(self, i: int, dim: int, start: int, stop: int, step: int = 1) -> int:
+        shape = self.shape(i)
+        if start == 0 and stop == shape[dim] and step == 1:
+            return i
+        starts = [0] * len(shape)
+        limits = list(shape)
+        steps = [1] * len(shape)
+        starts[dim], limits[dim], steps[dim] = start, stop, step
+        out = list(shape)
+        out[dim] = len(range(start, stop, step))
+        return self.add("slice", [i], out, self.dtype(i), start=tuple(starts), limit=tuple(limits),
+                        step=tuple(steps))
+
+    # --- fx helpers -------------------------------------------------------------------------------
+    @staticmethod
+    def val(n: fx.Node):
+        v = n.meta.get("val")
+        if v is None:
+            raise NotImplementedError(f"torch frontend: fx node {n.name} has no meta['val']")
+        return v
+
+    def out(self) -> tuple[tuple[int, ...], str]:
+        v = self.val(self._node)
+        return tuple(int(s) for s in v.shape), ir_dtype(v.dtype)
+
+    def arg(self, a, dtype: str | None = None) -> int:
+        """An operand as an IR id: an fx node (cast to ``dtype``) or a Python scalar constant."""
+        if isinstance(a, _Id):
+            return self.cast(int(a), dtype) if dtype else int(a)
+        if isinstance(a, fx.Node):
+            i = self.env[a]
+            if not isinstance(i, int):
+                raise NotImplementedError(f"torch frontend: tuple value {a.name} used as a tensor")
+            return self.cast(i, dtype) if dtype else i
+        if isinstance(a, (bool, int, float)):
+            return self.const(a, (), dtype or ("bool" if isinstance(a, bool) else
+                                               "int64" if isinstance(a, int) else "float32"))
+        raise NotImplementedError(f"torch frontend: operand {a!r} of {self._node.target}")
+
+    def _meta_of(self, a):
+        if isinstance(a, _Id):
+            return torch.empty((1,), dtype=getattr(torch, self.dtype(int(a))), device="meta")
+        if isinstance(a, fx.Node):
+            v = a.meta["val"]
+            return torch.empty(() if v.dim() == 0 else (1,), dtype=v.dtype, device="meta")
+        return a
+
+    def promote(self, a, b) -> str:
+        return ir_dtype(torch.result_type(self._meta_of(a), self._meta_of(b)))
+
+    # --- driver -----------------------------------------------------------------------------------
+    def run(self, roles: list[tuple[str, str]], out_roles: list[str],
+            keep_outputs: list[int] | None = None) -> tuple[Graph, list[int]]:
+        """Lower the graph; ``keep_outputs`` selects (by flat index) the outputs that ``out_roles``
+        names (all of them by default)."""
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(roles):
+            raise RuntimeError(f"traced graph has {len(placeholders)} inputs, expected {len(roles)}")
+        input_ids = []
+        for n, (role, name) in zip(placeholders, roles):
+            v = self.val(n)
+            i = self.add("input", [], tuple(v.shape), ir_dtype(v.dtype), role=role, name=name)
+            self.env[n] = i
+            input_ids.append(i)
+        outputs: list[int] = []
+        for n in self.gm.graph.nodes:
+            self._node = n
+            if n.op == "placeholder":
+                continue
+            if n.op == "get_attr":
+                self.env[n] = self._tensor_constant(n)
+            elif n.op == "call_function":
+                first = len(self.g.nodes)
+                self.env[n] = self._call(n)
+                self._tag(n, first)
+            elif n.op == "output":
+                flat = pytree.tree_leaves(n.args[0])
+                if keep_outputs is not None:
+                    flat = [flat[i] for i in keep_outputs]
+                outputs = [self.arg(a) for a in flat]
+            else:
+                raise NotImplementedError(f"torch frontend: fx node kind {n.op} ({n.name})")
+        if len(outputs) != len(out_roles):
+            raise RuntimeError(f"traced step has {len(outputs)} outputs, expected {len(out_roles)}")
+        self.g.outputs = outputs
+        self.g.output_roles = list(out_roles)
+        return self.g.compact(input_ids)
+
+    def _tag(self, n: fx.Node, first: int) -> None:
+        """Tag the IR nodes lowered from FX node ``n`` (ids ``first``..) with where they came from:
+        ``aten`` (the ATen op eager PyTorch dispatches, before decomposition: ``native_layer_norm``,
+        not its parts), ``call`` (one number per dispatched op instance: the FX nodes of one
+        decomposed call share it), ``phase`` (forward, backward, optimizer) and ``module`` (the
+        nn.Module path inside the model, from ``nn_module_stack``; a backward op has its forward
+        op's; ``""`` outside the model). Untagged FX nodes (no preserved meta) leave the IR nodes
+        untagged."""
+        if first == len(self.g.nodes):
+            return
+        orig = n.meta.get("original_aten")
+        custom = n.meta.get("custom") or {}
+        if orig is None and not custom:
+            return
+        phase = "backward" if n.meta.get("autograd_backward") else custom.get("phase", "")
+        stack = n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack") or {}
+        module = list(stack.values())[-1][0] if stack else ""
+        module = "" if module == "model" else module.removeprefix("model.")
+        target = orig if orig is not None else n.target
+        aten = getattr(target, "_schema", None)
+        aten = aten.name.split("::")[-1] if aten is not None else str(target)
+        key = (aten, n.meta.get("seq_nr")) if orig is not None and orig is not n.target else n.name
+        if key != getattr(self, "_call_key", None):
+            self._call_key = key
+            self._calls = getattr(self, "_calls", 0) + 1
+        tags = {"aten": aten, "call": self._calls, "phase": phase, "module": module}
+        for i in range(first, len(self.g.nodes)):
+            attrs = self.g.nodes[i].attrs
+            for k, v in tags.items():
+                attrs.setdefault(k, v)
+
+    def _tensor_constant(self, n: fx.Node) -> int:
+        t = getattr(self.gm, n.target)
+        if not isinstance(t, torch.Tensor):
+            raise NotImplementedError(f"torch frontend: non-tensor attribute {n.target}")
+        from torch._subclasses.fake_tensor import is_fake
+
+        dtype = ir_dtype(t.dtype)
+        if is_fake(t) and getattr(t, "constant", None) is not None:
+            t = t.constant  # a fake tensor made from a real constant keeps it
+        if is_fake(t) or t.device.type == "meta":
+            raise NotImplementedError(f"torch frontend: tensor constant {n.target} has no value in fake mode")
+        flat = t.detach().reshape(-1)
+        if flat.numel() == 0 or bool((flat == flat[0]).all()):
+            return self.const(flat[0].item() if flat.numel() else 0, tuple(t.shape), dtype)
+        value = t.detach().cpu().to(torch.float64 if dtype in FLOAT_DTYPES else t.dtype).numpy()
+        return self.add("input", [], tuple(t.shape), dtype, role="constant", name=str(n.target), value=value)
+
+    def _call(self, n: fx.Node):
+        target = n.target
+        if target is operator.getitem:
+            seq = self.env[n.args[0]]
+            item = seq[n.args[1]]
+            if item is None:
+                raise NotImplementedError(f"torch frontend: output {n.args[1]} of {n.args[0].target} is not supported")
+            return item
+        if not isinstance(target, torch._ops.OpOverload):
+            raise NotImplementedError(f"torch frontend: unsupported call {target} ({n.name})")
+        packet = target._schema.name.split("::")[-1]
+        inplace = packet.endswith("_") and not packet.startswith("_") and target._schema.is_mutable
+        handler = None
+        if target.namespace == "aten":
+            handler = OPS.get(packet[:-1] if inplace else packet)
+        elif target.namespace == "sftctl":
+            handler = OPS.get("sftctl::" + packet)
+        if handler is None:
+            raise NotImplementedError(
+                f"torch frontend: ATen op {target} has no IR lowering{self.where(n)}; try an equivalent "
+                "written with supported ops, a different module or attn_implementation, or add a "
+                "lowering op_" + packet + " (@lowers) to a module of sftctl/compiler/frontends/torch/lowerings/")
+        out = handler(self, n, *n.args, **n.kwargs)
+        if inplace and isinstance(n.args[0], fx.Node):
+            # in-place op: later readers of the mutated tensor see the new value (views of it
+            # taken before the mutation are not updated; make_fx graphs rarely have them)
+            self.env[n.args[0]] = out
+        return out
+
+    def unsupported(self, n: fx.Node, why: str = ""):
+        raise NotImplementedError(f"torch frontend: ATen op {n.target} {why}".rstrip() + self.where(n))
+
+    @staticmethod
+    def where(n: fx.Node) -> str:
+        """`` (in module <path> (<type>), at <file:line>)`` for an fx node, from make_fx's
+        ``nn_module_stack`` and ``stack_trace``; empty when neither was recorded."""
+        parts = []
+        stack = n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack") or {}
+        if stack:
+            path, typ = list(stack.values())[-1]
+            typ = getattr(typ, "__name__", str(typ).rsplit(".", 1)[-1].rstrip("'>"))
+            path = "" if path == "model" else path.removeprefix("model.")  # as model.named_modules() names it
+            parts.append(f"in module {path} ({typ})" if path else f"in the model's own forward ({typ})")
+        frame = _stack_frame(n.meta.get("stack_trace"))
+        if frame:
+            parts.append(f"at {frame}")
+        return f" ({', '.join(parts)})" if parts else ""
+
+    def out_at(self, k: int) -> tuple[tuple[int, ...], str]:
+        v = self.val(self._node)
+        v = v[k] if isinstance(v, (tuple, list)) else v
+        return tuple(int(s) for s in v.shape), ir_dtype(v.dtype)

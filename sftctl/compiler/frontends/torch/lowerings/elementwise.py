@@ -1,0 +1,297 @@
+"""Elementwise lowerings: arithmetic, comparisons, logical and bitwise ops, ``where``, casts and identities.
+
+Each ``@lowers`` function is the IR lowering of the ATen op packet it is named after (``op_<packet>``),
+called as ``fn(lowering, node, *node.args, **node.kwargs)``; see :mod:`..lowering`."""
+
+from __future__ import annotations
+
+import torch
+
+from sftctl.compiler.ir import FLOAT_DTYPES
+from sftctl.compiler.frontends.torch.lowering import OPS, lowers, _Id
+
+
+def _unary(self, irop: str, n, x):
+    shape, dtype = self.out()
+    return self.add(irop, [self.arg(x, dtype)], shape, dtype)
+
+
+@lowers
+def op_logical_not(self, n, x):
+    shape, _ = self.out()
+    return self.add("logical_not", [self.arg(x)], shape, "bool")
+
+
+@lowers
+def op_isnan(self, n, x):
+    shape, _ = self.out()
+    i = self.arg(x)
+    return self.add("ne", [i, i], shape, "bool")
+
+
+def _abs_vs_inf(self, irop: str, x):
+    shape, _ = self.out()
+    i = self.arg(x)
+    a = self.add("abs", [i], self.shape(i), self.dtype(i))
+    return self.add(irop, [a, self.const(float("inf"), (), self.dtype(i))], shape, "bool")
+
+
+@lowers
+def op_isinf(self, n, x):
+    return _abs_vs_inf(self, "eq", x)
+
+
+@lowers
+def op_isfinite(self, n, x):  # |x| < inf: false for inf and nan
+    return _abs_vs_inf(self, "lt", x)
+
+
+@lowers
+def op_bitwise_not(self, n, x):
+    if self.val(x).dtype != torch.bool:
+        self.unsupported(n, "on integers")
+    return op_logical_not(self, n, x)
+
+
+def _arith(self, irop: str, a, b):
+    shape, dtype = self.out()
+    return self.add(irop, [self.arg(a, dtype), self.arg(b, dtype)], shape, dtype)
+
+
+@lowers
+def op_add(self, n, a, b, alpha=1):
+    if alpha != 1:
+        b = _scaled(self, b, alpha)
+    return _arith(self, "add", a, b)
+
+
+@lowers
+def op_sub(self, n, a, b, alpha=1):
+    if alpha != 1:
+        b = _scaled(self, b, alpha)
+    return _arith(self, "sub", a, b)
+
+
+def _scaled(self, b, alpha):
+    _, dtype = self.out()
+    bi = self.arg(b, dtype)
+    return _Id(self.binary("mul", bi, self.const(alpha, (), dtype), dtype))
+
+
+@lowers
+def op_mul(self, n, a, b):
+    return _arith(self, "mul", a, b)
+
+
+@lowers
+def op_div(self, n, a, b, rounding_mode=None):
+    """True division, or ``rounding_mode`` ``"trunc"`` / ``"floor"``: the float quotient through
+    ``trunc`` / ``floor``; on integers the IR's truncating ``div``, less one where the remainder is
+    non-zero and the signs differ (floor)."""
+    if rounding_mode is None:
+        return _arith(self, "div", a, b)
+    if rounding_mode not in ("trunc", "floor"):
+        self.unsupported(n, f"with rounding_mode={rounding_mode!r}")
+    shape, dtype = self.out()
+    x, y = self.arg(a, dtype), self.arg(b, dtype)
+    q = self.add("div", [x, y], shape, dtype)
+    if dtype in FLOAT_DTYPES:
+        return self.add(rounding_mode, [q], shape, dtype)
+    if rounding_mode == "trunc":
+        return q
+    fix = _sign_fix(self, x, y, q, dtype)
+    return self.add("where", [fix, self.binary("sub", q, self.const(1, (), dtype)), q], shape, dtype)
+
+
+def _sign_fix(self, x: int, y: int, q: int, dtype: str) -> int:
+    """Where an integer truncating quotient ``q = x / y`` needs flooring: a non-zero remainder
+    whose sign differs from ``y``'s (bool, broadcast shape)."""
+    r = self.binary("sub", x, self.binary("mul", q, y))
+    zero = self.const(0, (), dtype)
+    differ = self.binary("ne", self.binary("lt", r, zero, "bool"), self.binary("lt", y, zero, "bool"), "bool")
+    return self.binary("logical_and", self.binary("ne", r, zero, "bool"), differ, "bool")
+
+
+@lowers
+def op_fmod(self, n, a, b):
+    """C's ``fmod``: ``a - trunc(a / b) * b`` (the sign of ``a``)."""
+    shape, dtype = self.out()
+    x, y = self.arg(a, dtype), self.arg(b, dtype)
+    q = self.add("div", [x, y], shape, dtype)
+    if dtype in FLOAT_DTYPES:
+        q = self.add("trunc", [q], shape, dtype)
+    return self.add("sub", [x, self.binary("mul", q, y)], shape, dtype)
+
+
+@lowers
+def op_remainder(self, n, a, b):
+    """Python-style modulo (the sign of ``b``): ``a - floor(a / b) * b`` on floats; on integers
+    ``a - trunc(a / b) * b``, plus ``b`` where the remainder's sign differs from ``b``'s."""
+    shape, dtype = self.out()
+    x, y = self.arg(a, dtype), self.arg(b, dtype)
+    if dtype in FLOAT_DTYPES:
+        q = self.add("floor", [self.add("div", [x, y], shape, dtype)], shape, dtype)
+        return self.add("sub", [x, self.binary("mul", q, y)], shape, dtype)
+    r = self.binary("sub", x, self.binary("mul", self.binary("div", x, y), y))
+    zero = self.const(0, (), dtype)
+    differ = self.binary("ne", self.binary("lt", r, zero, "bool"), self.binary("lt", y, zero, "bool"), "bool")
+    fix = self.binary("logical_and", self.binary("ne", r, zero, "bool"), differ, "bool")
+    return self.add("where", [fix, self.binary("add", r, y), r], shape, dtype)
+
+
+@lowers
+def op_pow(self, n, a, b):
+    return _arith(self, "pow", a, b)
+
+
+@lowers
+def op_maximum(self, n, a, b):
+    return _arith(self, "maximum", a, b)
+
+
+@lowers
+def op_minimum(self, n, a, b):
+    return _arith(self, "minimum", a, b)
+
+
+@lowers
+def op_clamp(self, n, x, min=None, max=None):  # noqa: A002 - ATen's names
+    shape, dtype = self.out()
+    y = self.arg(x, dtype)
+    if min is not None:
+        y = self.add("maximum", [y, self.arg(min, dtype)], shape, dtype)
+    if max is not None:
+        y = self.add("minimum", [y, self.arg(max, dtype)], shape, dtype)
+    return y
+
+
+@lowers
+def op_clamp_min(self, n, x, m):
+    return op_clamp(self, n, x, min=m)
+
+
+@lowers
+def op_clamp_max(self, n, x, m):
+    return op_clamp(self, n, x, max=m)
+
+
+def _compare(self, irop: str, a, b):
+    shape, _ = self.out()
+    dt = self.promote(a, b)
+    return self.add(irop, [self.arg(a, dt), self.arg(b, dt)], shape, "bool")
+
+
+def _logical(self, irop: str, n, a, b):
+    shape, _ = self.out()
+    return self.add(irop, [self.arg(a), self.arg(b)], shape, "bool")
+
+
+@lowers
+def op_logical_and(self, n, a, b):
+    return _logical(self, "logical_and", n, a, b)
+
+
+@lowers
+def op_logical_or(self, n, a, b):
+    return _logical(self, "logical_or", n, a, b)
+
+
+@lowers
+def op_logical_xor(self, n, a, b):
+    shape, _ = self.out()
+    return self.add("ne", [self.cast(self.arg(a), "bool"), self.cast(self.arg(b), "bool")], shape, "bool")
+
+
+def _bitwise(self, irop, n, a, b):
+    if self.val(n).dtype != torch.bool:
+        self.unsupported(n, "on integers")
+    return _logical(self, irop, n, a, b)
+
+
+@lowers
+def op_bitwise_and(self, n, a, b):
+    return _bitwise(self, "logical_and", n, a, b)
+
+
+@lowers
+def op_bitwise_or(self, n, a, b):
+    return _bitwise(self, "logical_or", n, a, b)
+
+
+@lowers
+def op_bitwise_xor(self, n, a, b):
+    if self.val(n).dtype != torch.bool:
+        self.unsupported(n, "on integers")
+    return op_logical_xor(self, n, a, b)
+
+
+@lowers
+def op_where(self, n, c, a=None, b=None):
+    if a is None:
+        self.unsupported(n, "(the nonzero form)")
+    shape, dtype = self.out()
+    return self.add("where", [self.arg(c), self.arg(a, dtype), self.arg(b, dtype)], shape, dtype)
+
+
+@lowers
+def op_masked_fill(self, n, x, mask, value):
+    shape, dtype = self.out()
+    return self.add("where", [self.arg(mask), self.arg(value, dtype), self.arg(x, dtype)], shape, dtype)
+
+
+@lowers
+def op__to_copy(self, n, x, **kw):
+    shape, dtype = self.out()
+    return self.cast(self.arg(x), dtype)
+
+
+def _identity(self, n, x, *args, **kw):
+    return self.env[x]
+
+
+OPS.update(dict.fromkeys(('clone', 'alias', 'detach', 'lift_fresh_copy', 'contiguous'), _identity))
+
+
+@lowers
+def op__assert_tensor_metadata(self, n, *args, **kw):
+    return None
+
+
+@lowers
+def op_copy(self, n, dst, src, non_blocking=False):
+    shape, dtype = self.out()
+    return self.bcast(self.cast(self.arg(src), dtype), shape)
+
+
+_UNARY = {"abs": "abs", "neg": "neg", "exp": "exp", "log": "log", "tanh": "tanh", "rsqrt": "rsqrt",
+          "sqrt": "sqrt", "relu": "relu", "sigmoid": "sigmoid", "erf": "erf", "reciprocal": "reciprocal",
+          "sin": "sin", "cos": "cos", "sign": "sign", "log1p": "log1p", "expm1": "expm1"}
+for _name, _irop in _UNARY.items():
+    OPS[_name] = lambda self, n, x, _op=_irop: _unary(self, _op, n, x)
+for _name in ("eq", "ne", "lt", "le", "gt", "ge"):
+    OPS[_name] = lambda self, n, a, b, _op=_name: _compare(self, _op, a, b)
+
+
+@lowers("floor", "ceil", "trunc", "fix")
+def op_rounding(self, n, x):
+    """``floor`` / ``ceil`` / ``trunc`` (``fix``): the IR op of that name; the identity on integers."""
+    shape, dtype = self.out()
+    if dtype not in FLOAT_DTYPES:
+        return self.arg(x, dtype)
+    op = n.target._schema.name.split("::")[-1].rstrip("_")
+    return self.add("trunc" if op == "fix" else op, [self.arg(x, dtype)], shape, dtype)
+
+
+@lowers
+def op_round(self, n, x, decimals=0):
+    """``torch.round``: half to even (IR ``round``); with ``decimals``, of ``x * 10**decimals``
+    divided back, as torch computes it."""
+    shape, dtype = self.out()
+    xi = self.arg(x, dtype)
+    if dtype not in FLOAT_DTYPES:
+        return xi
+    if not decimals:
+        return self.add("round", [xi], shape, dtype)
+    scale = self.const(10.0 ** int(decimals), (), dtype)
+    y = self.add("round", [self.binary("mul", xi, scale)], shape, dtype)
+    return self.add("div", [y, scale], shape, dtype)

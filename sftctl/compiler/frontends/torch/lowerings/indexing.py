@@ -1,0 +1,237 @@
+"""Data-movement lowerings: embedding, ``index``/``index_put``, ``gather``/``scatter``, slice/select scatters, ``cumsum``, ``flip``.
+
+Each ``@lowers`` function is the IR lowering of the ATen op packet it is named after (``op_<packet>``),
+called as ``fn(lowering, node, *node.args, **node.kwargs)``; see :mod:`..lowering`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from sftctl.compiler.ir import FLOAT_DTYPES, row_major_strides
+from sftctl.compiler.frontends.torch.lowering import OPS, lowers, _Id
+
+
+@lowers
+def op_embedding(self, n, weight, indices, *rest):
+    shape, dtype = self.out()
+    return self.add("gather", [self.arg(weight), self.arg(indices)], shape, dtype, axis=0)
+
+
+@lowers
+def op_index_select(self, n, x, dim, index):
+    shape, dtype = self.out()
+    i = self.arg(x)
+    return self.add("gather", [i, self.arg(index)], shape, dtype, axis=dim % len(self.shape(i)))
+
+
+def _nonneg(self, idx: int, size: int) -> int:
+    """``idx + size`` where negative (python-style wrap), int64."""
+    idx = self.cast(idx, "int64")
+    neg = self.binary("lt", idx, self.const(0, (), "int64"), "bool")
+    wrapped = self.binary("add", idx, self.const(size, (), "int64"))
+    return self.add("where", [neg, wrapped, idx], self.shape(idx), "int64")
+
+
+def _linear_index(self, idxs: list[int], sizes: list[int], bshape) -> int:
+    """Row-major linear index into dims of ``sizes`` from per-dim index tensors (broadcast to ``bshape``)."""
+    strides = row_major_strides(sizes)
+    flat = None
+    for idx, size, stride in zip(idxs, sizes, strides):
+        term = _nonneg(self, idx, size)
+        if stride != 1:
+            term = self.binary("mul", term, self.const(stride, (), "int64"))
+        flat = term if flat is None else self.binary("add", flat, term)
+    return self.bcast(flat, bshape)
+
+
+def _advanced(self, x: int, indices) -> tuple[int, list[int], tuple[int, ...]]:
+    """For ``x[indices]`` (adjacent tensor indices): (first indexed dim k, index ids, broadcast shape)."""
+    pos = [k for k, t in enumerate(indices) if t is not None]
+    if not pos or pos != list(range(pos[0], pos[0] + len(pos))):
+        raise NotImplementedError(f"torch frontend: ATen op {self._node.target} with non-adjacent index tensors")
+    ids = [self.arg(indices[k]) for k in pos]
+    if any(self.dtype(i) == "bool" for i in ids):
+        raise NotImplementedError(f"torch frontend: ATen op {self._node.target} with a boolean mask index")
+    bshape = tuple(torch.broadcast_shapes(*[self.shape(i) for i in ids]))
+    return pos[0], ids, bshape
+
+
+@lowers
+def op_index(self, n, x, indices):
+    shape, dtype = self.out()
+    xi = self.arg(x)
+    k, ids, bshape = _advanced(self, xi, indices)
+    xs = self.shape(xi)
+    if len(ids) == 1:
+        return self.add("gather", [xi, ids[0]], shape, dtype, axis=k)
+    merged = xs[k:k + len(ids)]
+    flat = _linear_index(self, ids, list(merged), bshape)
+    x2 = self.reshape(xi, xs[:k] + (math.prod(merged),) + xs[k + len(ids):])
+    return self.add("gather", [x2, flat], shape, dtype, axis=k)
+
+
+OPS.update(dict.fromkeys(('_unsafe_index',), op_index))
+
+
+def _written_mask(self, flat: int, axis: int, shape, idx_shape_full) -> int:
+    ones = self.const(1, idx_shape_full, "int32")
+    cnt = self.add("scatter_add", [ones, flat], shape, "int32", axis=axis, size=shape[axis])
+    return self.binary("gt", cnt, self.const(0, (), "int32"), "bool")
+
+
+@lowers
+def op_index_put(self, n, x, indices, values, accumulate=False):
+    shape, dtype = self.out()
+    xi = self.arg(x, dtype)
+    xs = self.shape(xi)
+    k, ids, bshape = _advanced(self, xi, indices)
+    m = len(ids)
+    merged = xs[k:k + m]
+    flat = ids[0] if m == 1 else _linear_index(self, ids, list(merged), bshape)
+    flat = self.bcast(flat, bshape)
+    target = xs[:k] + bshape + xs[k + m:]
+    vals = self.bcast(self.arg(values, dtype), target)
+    mshape = xs[:k] + (math.prod(merged),) + xs[k + m:]
+    sc = self.add("scatter_add", [vals, flat], mshape, dtype, axis=k, size=mshape[k])
+    sc = self.reshape(sc, xs)
+    if accumulate:
+        return sc if self.is_const(xi, 0) else self.binary("add", xi, sc)
+    if self.is_const(xi, 0):
+        return sc
+    mask = self.reshape(_written_mask(self, flat, k, mshape, target), xs)
+    return self.add("where", [mask, sc, xi], xs, dtype)
+
+
+def _take_along_index(self, xs, dim: int, idx: int) -> int:
+    ishape = self.shape(idx)
+    strides = row_major_strides(xs)
+    flat = _nonneg(self, idx, xs[dim])
+    if strides[dim] != 1:
+        flat = self.binary("mul", flat, self.const(strides[dim], (), "int64"))
+    for d in range(len(ishape)):
+        if d == dim or ishape[d] == 1:
+            continue
+        term = self.iota(ishape, d, "int64")
+        if strides[d] != 1:
+            term = self.binary("mul", term, self.const(strides[d], (), "int64"))
+        flat = self.binary("add", flat, term)
+    return flat
+
+
+@lowers
+def op_gather(self, n, x, dim, index, sparse_grad=False):
+    shape, dtype = self.out()
+    xi = self.arg(x)
+    xs = self.shape(xi)
+    dim %= max(len(xs), 1)
+    flat = _take_along_index(self, xs, dim, self.arg(index))
+    return self.add("gather", [self.reshape(xi, (math.prod(xs),)), flat], shape, dtype, axis=0)
+
+
+def _scatter(self, n, x, dim, index, src, mode: str):
+    shape, dtype = self.out()
+    xi = self.arg(x, dtype)
+    xs = self.shape(xi)
+    dim %= max(len(xs), 1)
+    idx = self.arg(index)
+    ishape = self.shape(idx)
+    if len(ishape) == len(xs) and ishape[dim] == 1 and all(
+            ishape[d] == xs[d] for d in range(len(xs)) if d != dim):
+        # one index per row (nll_loss backward, one-hot targets): a compare against the
+        # position along ``dim``, elementwise, so it fuses into its consumer as Inductor's
+        # lowering does, instead of a materialized "written" mask of the whole tensor
+        pos = self.iota(tuple(xs[d] if d == dim else 1 for d in range(len(xs))), dim, "int64")
+        hit = self.binary("eq", pos, _nonneg(self, idx, xs[dim]), "bool")
+        if isinstance(src, (fx.Node, _Id)):
+            s = self.arg(src, dtype)
+            for d, size in enumerate(ishape):
+                s = self.slice_dim(s, d, 0, size)
+        else:
+            s = self.const(src, (), dtype)
+        if mode == "add":
+            contrib = self.add("where", [hit, s, self.const(0, (), dtype)], xs, dtype)
+            return contrib if self.is_const(xi, 0) else self.binary("add", xi, contrib)
+        return self.add("where", [hit, s, xi], xs, dtype)
+    flat = _take_along_index(self, xs, dim, idx)
+    total = (math.prod(xs),)
+    if isinstance(src, (fx.Node, _Id)):
+        s = self.arg(src, dtype)
+        for d, size in enumerate(ishape):
+            s = self.slice_dim(s, d, 0, size)
+    else:
+        s = self.const(src, ishape, dtype)
+    if mode == "add":
+        sc = self.reshape(self.add("scatter_add", [s, flat], total, dtype, axis=0, size=total[0]), xs)
+        return sc if self.is_const(xi, 0) else self.binary("add", xi, sc)
+    mask = self.reshape(_written_mask(self, flat, 0, total, ishape), xs)
+    if isinstance(src, (fx.Node, _Id)):
+        new = self.reshape(self.add("scatter_add", [s, flat], total, dtype, axis=0, size=total[0]), xs)
+    else:
+        new = self.const(src, (), dtype)
+    return self.add("where", [mask, new, xi], xs, dtype)
+
+
+@lowers
+def op_scatter(self, n, x, dim, index, src, reduce=None):
+    if reduce is not None:
+        self.unsupported(n, f"with reduce={reduce!r}")
+    return _scatter(self, n, x, dim, index, src, "set")
+
+
+@lowers
+def op_scatter_add(self, n, x, dim, index, src):
+    return _scatter(self, n, x, dim, index, src, "add")
+
+
+@lowers
+def op_slice_scatter(self, n, x, src, dim=0, start=None, end=None, step=1):
+    shape, dtype = self.out()
+    xi = self.arg(x, dtype)
+    rank = len(shape)
+    dim %= rank
+    s, e, st = slice(start, end, step).indices(shape[dim])
+    if st != 1:
+        self.unsupported(n, "with step != 1")
+    si = self.arg(src, dtype)
+    low, high = [0] * rank, [0] * rank
+    low[dim], high[dim] = s, shape[dim] - max(e, s)
+    padded = si if not any(low) and not any(high) else self.add(
+        "pad", [si], shape, dtype, low=tuple(low), high=tuple(high),
+        value=0.0 if dtype in FLOAT_DTYPES else (False if dtype == "bool" else 0))
+    if self.is_const(xi, 0) or (s == 0 and e >= shape[dim]):
+        return padded
+    ishape = tuple(shape[d] if d == dim else 1 for d in range(rank))
+    pos = self.iota(ishape, dim, "int64")
+    inside = self.binary("logical_and", self.binary("ge", pos, self.const(s, (), "int64"), "bool"),
+                         self.binary("lt", pos, self.const(e, (), "int64"), "bool"), "bool")
+    return self.add("where", [inside, padded, xi], shape, dtype)
+
+
+@lowers
+def op_select_scatter(self, n, x, src, dim, index):
+    shape, _ = self.out()
+    dim %= len(shape)
+    index %= shape[dim]
+    si = self.arg(src)
+    s_shape = tuple(shape[:dim]) + (1,) + tuple(shape[dim + 1:])
+    return op_slice_scatter(self, n, x, _Id(self.reshape(si, s_shape)), dim, index, index + 1)
+
+
+@lowers
+def op_cumsum(self, n, x, dim, *, dtype=None):
+    shape, odt = self.out()
+    xi = self.arg(x, odt)
+    if not shape:
+        return xi
+    return self.add("cumsum", [xi], shape, odt, axis=dim % len(shape))
+
+
+@lowers
+def op_flip(self, n, x, dims):
+    shape, _ = self.out()
+    i = self.arg(x)
+    axes = tuple(sorted({d % len(shape) for d in dims if shape[d % len(shape)] > 1})) if shape else ()
+    return self.add("reverse", [i], shape, self.dtype(i), axes=axes) if axes else i

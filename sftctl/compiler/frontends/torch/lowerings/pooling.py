@@ -1,0 +1,214 @@
+"""Pooling lowerings: max pooling over strided slices with torch's first-maximum indices, average and adaptive-average pooling, and their backwards.
+
+Each ``@lowers`` function is the IR lowering of the ATen op packet it is named after (``op_<packet>``),
+called as ``fn(lowering, node, *node.args, **node.kwargs)``; see :mod:`..lowering`."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from sftctl.compiler.frontends.torch.lowering import lowers, _Id
+from sftctl.compiler.frontends.torch.lowerings.indexing import _take_along_index
+from sftctl.compiler.frontends.torch.lowerings.linalg import _per_dim
+
+
+def _pool_geometry(self, in_sp, out_sp, kernel, stride, padding, dilation):
+    """Per spatial dim (low pad, high pad) so that ``out_sp`` windows fit (ceil_mode's extra
+    window included; a negative high pad crops)."""
+    return [(padding[d], (out_sp[d] - 1) * stride[d] + dilation[d] * (kernel[d] - 1) + 1 - in_sp[d] - padding[d])
+            for d in range(len(in_sp))]
+
+
+def _taps(self, xp: int, out_sp, kernel, stride, dilation):
+    """(tap index tuple, strided window view [.., *out_sp]) for every kernel tap of padded ``xp``."""
+    lead = len(self.shape(xp)) - len(kernel)
+    for tap in itertools.product(*(range(k) for k in kernel)):
+        v = xp
+        for d, t in enumerate(tap):
+            start = t * dilation[d]
+            v = self.slice_dim(v, lead + d, start, start + stride[d] * (out_sp[d] - 1) + 1, stride[d])
+        yield tap, v
+
+
+def _pad_spatial(self, x: int, pads, value) -> int:
+    xs = self.shape(x)
+    lead = len(xs) - len(pads)
+    if not any(lo or hi for lo, hi in pads):
+        return x
+    low = (0,) * lead + tuple(lo for lo, _ in pads)
+    high = (0,) * lead + tuple(hi for _, hi in pads)
+    shape = xs[:lead] + tuple(s + lo + hi for s, (lo, hi) in zip(xs[lead:], pads))
+    return self.add("pad", [x], shape, self.dtype(x), low=low, high=high, value=value)
+
+
+def _pool_args(self, x: int, kernel_size, stride, padding, dilation, n_out_sp):
+    nsp = n_out_sp
+    kernel = _per_dim(kernel_size, nsp)
+    stride = _per_dim(stride, nsp) if stride not in (None, [], ()) else list(kernel)
+    return kernel, stride, _per_dim(padding, nsp), _per_dim(dilation, nsp)
+
+
+@lowers
+def op_max_pool2d_with_indices(self, n, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    """Max over each window of the -inf-padded input (strided slices, one per tap, and
+    ``maximum``); indices (int64, flat over the input's spatial dims) follow torch: the
+    first tap holding the maximum wins."""
+    (shape, dtype), (ishape, idt) = self.out_at(0), self.out_at(1)
+    xi = self.arg(x, dtype)
+    xs = self.shape(xi)
+    nsp = 2
+    in_sp, out_sp = xs[-nsp:], shape[-nsp:]
+    kernel, stride, padding, dilation = _pool_args(self, xi, kernel_size, stride, padding, dilation, nsp)
+    pads = _pool_geometry(self, in_sp, out_sp, kernel, stride, padding, dilation)
+    xp = _pad_spatial(self, xi, pads, float("-inf"))
+    best = idx = None
+    for tap, v in _taps(self, xp, out_sp, kernel, stride, dilation):
+        # flat input position of this tap for every output position
+        pos = None
+        for d in range(nsp):
+            term = self.iota(tuple(out_sp), d, "int64")
+            term = self.binary("add", self.binary("mul", term, self.const(stride[d], (), "int64")),
+                               self.const(tap[d] * dilation[d] - padding[d], (), "int64"))
+            term = self.binary("mul", term, self.const(math.prod(in_sp[d + 1:]), (), "int64"))
+            pos = term if pos is None else self.binary("add", pos, term)
+        pos = self.bcast(pos, shape)
+        if best is None:
+            best, idx = v, pos
+            continue
+        better = self.add("gt", [v, best], shape, "bool")
+        idx = self.add("where", [better, pos, idx], shape, "int64")
+        best = self.add("maximum", [best, v], shape, dtype)
+    return [best, self.cast(idx, idt)]
+
+
+@lowers
+def op_max_pool2d_with_indices_backward(self, n, gy, x, kernel_size, stride, padding, dilation, ceil_mode,
+                                        indices):
+    """The output gradient added at each window's argmax: a ``scatter_add`` over the
+    flattened spatial dims (as torch's kernel does)."""
+    shape, dtype = self.out()
+    gyi = self.arg(gy, dtype)
+    gs = self.shape(gyi)
+    nsp = 2
+    lead = gs[:-nsp]
+    flat_out, flat_in = math.prod(gs[-nsp:]), math.prod(shape[-nsp:])
+    g2 = self.reshape(gyi, lead + (flat_out,))
+    i2 = self.reshape(self.arg(indices, "int64"), lead + (flat_out,))
+    zero = _Id(self.const(0, lead + (flat_in,), dtype))
+    sc = _scatter_flat(self, zero, len(lead), i2, g2, lead + (flat_in,), dtype)
+    return self.reshape(sc, shape)
+
+
+def _scatter_flat(self, zero, dim: int, idx: int, src: int, xs, dtype: str) -> int:
+    flat = _take_along_index(self, xs, dim, idx)
+    total = (math.prod(xs),)
+    return self.reshape(self.add("scatter_add", [self.reshape(src, (math.prod(self.shape(src)),)),
+                                                 self.reshape(flat, (math.prod(self.shape(flat)),))],
+                                 total, dtype, axis=0, size=total[0]), xs)
+
+
+def _avg_divisor(self, in_sp, out_sp, kernel, stride, padding, pads, count_include_pad, divisor_override,
+                 dtype: str):
+    """The divisor of every window: ``divisor_override``, else the taps inside the input
+    (plus its zero padding when ``count_include_pad``), as torch's kernels count them."""
+    if divisor_override:
+        return self.const(divisor_override, (), dtype)
+    if all(lo == padding[d] and hi == padding[d] for d, (lo, hi) in enumerate(pads)) and (
+            count_include_pad or not any(padding)):
+        return self.const(math.prod(kernel), (), dtype)
+    if count_include_pad:  # padding counts, ceil_mode's overflow beyond it does not
+        ones = self.const(1, tuple(s + 2 * p for s, p in zip(in_sp, padding)), dtype)
+        mask = _pad_spatial(self, ones, [(0, hi - p) for (lo, hi), p in zip(pads, padding)], 0.0)
+    else:
+        mask = _pad_spatial(self, self.const(1, tuple(in_sp), dtype), pads, 0.0)
+    total = None
+    for _, v in _taps(self, mask, out_sp, kernel, stride, [1] * len(kernel)):
+        total = v if total is None else self.binary("add", total, v)
+    return total
+
+
+@lowers
+def op_avg_pool2d(self, n, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+                  divisor_override=None):
+    shape, dtype = self.out()
+    xi = self.arg(x, dtype)
+    nsp = 2
+    in_sp, out_sp = self.shape(xi)[-nsp:], shape[-nsp:]
+    kernel, stride, padding, dilation = _pool_args(self, xi, kernel_size, stride, padding, 1, nsp)
+    pads = _pool_geometry(self, in_sp, out_sp, kernel, stride, padding, dilation)
+    xp = _pad_spatial(self, xi, pads, 0.0)
+    total = None
+    for _, v in _taps(self, xp, out_sp, kernel, stride, dilation):
+        total = v if total is None else self.binary("add", total, v)
+    div = _avg_divisor(self, in_sp, out_sp, kernel, stride, padding, pads, count_include_pad, divisor_override,
+                            dtype)
+    return self.binary("div", total, div)
+
+
+def _place_strided(self, g: int, sp_axis: int, tap: int, stride: int, size: int) -> int:
+    """``g`` along ``sp_axis`` moved to positions ``tap + stride * i`` of a zero tensor of
+    length ``size`` on that axis (the transpose of a strided slice), with reshapes and pads."""
+    gs = self.shape(g)
+    count = gs[sp_axis]
+    if stride > 1:
+        g = self.reshape(g, gs[:sp_axis + 1] + (1,) + gs[sp_axis + 1:])
+        low = [0] * (len(gs) + 1)
+        high = [0] * (len(gs) + 1)
+        high[sp_axis + 1] = stride - 1
+        shp = gs[:sp_axis + 1] + (stride,) + gs[sp_axis + 1:]
+        g = self.add("pad", [g], shp, self.dtype(g), low=tuple(low), high=tuple(high), value=0.0)
+        g = self.reshape(g, gs[:sp_axis] + (count * stride,) + gs[sp_axis + 1:])
+    cur = self.shape(g)[sp_axis]
+    low = [0] * len(gs)
+    high = [0] * len(gs)
+    low[sp_axis], high[sp_axis] = tap, size - tap - cur
+    if tap == 0 and size == cur:
+        return g
+    shp = gs[:sp_axis] + (size,) + gs[sp_axis + 1:]
+    return self.add("pad", [g], shp, self.dtype(g), low=tuple(low), high=tuple(high), value=0.0)
+
+
+@lowers
+def op_avg_pool2d_backward(self, n, gy, x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                           divisor_override):
+    shape, dtype = self.out()
+    gyi = self.arg(gy, dtype)
+    nsp = 2
+    rank = len(shape)
+    in_sp, out_sp = shape[-nsp:], self.shape(gyi)[-nsp:]
+    kernel, stride, padding, dilation = _pool_args(self, gyi, kernel_size, stride, padding, 1, nsp)
+    pads = _pool_geometry(self, in_sp, out_sp, kernel, stride, padding, dilation)
+    div = _avg_divisor(self, in_sp, out_sp, kernel, stride, padding, pads, count_include_pad, divisor_override,
+                            dtype)
+    g = self.binary("div", gyi, div)
+    padded = [s + lo + hi for s, (lo, hi) in zip(in_sp, pads)]
+    total = None
+    for tap in itertools.product(*(range(k) for k in kernel)):
+        v = g
+        for d in range(nsp):
+            v = _place_strided(self, v, rank - nsp + d, tap[d], stride[d], padded[d])
+        total = v if total is None else self.binary("add", total, v)
+    for d, (lo, _) in enumerate(pads):  # drop the padding
+        total = self.slice_dim(total, rank - nsp + d, lo, lo + in_sp[d])
+    return total
+
+
+@lowers
+def op__adaptive_avg_pool2d(self, n, x, output_size):
+    shape, _ = self.out()
+    xs = self.val(x).shape
+    if any(i % o for i, o in zip(xs[-2:], shape[-2:])):
+        self.unsupported(n, f"(input {tuple(xs[-2:])} not a multiple of output {shape[-2:]})")
+    k = [i // o for i, o in zip(xs[-2:], shape[-2:])]
+    return op_avg_pool2d(self, n, x, k, k, 0)
+
+
+@lowers
+def op__adaptive_avg_pool2d_backward(self, n, gy, x):
+    shape, _ = self.out()
+    gs = self.val(gy).shape
+    if any(i % o for i, o in zip(shape[-2:], gs[-2:])):
+        self.unsupported(n, f"(input {shape[-2:]} not a multiple of output {tuple(gs[-2:])})")
+    k = [i // o for i, o in zip(shape[-2:], gs[-2:])]
+    return op_avg_pool2d_backward(self, n, gy, x, k, k, 0, False, True, None)

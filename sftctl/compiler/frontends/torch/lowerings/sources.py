@@ -1,0 +1,77 @@
+"""Lowerings of ops that make tensors from nothing: ``full``, ``zeros``/``ones``/``empty`` forms, ``arange``.
+
+Each ``@lowers`` function is the IR lowering of the ATen op packet it is named after (``op_<packet>``),
+called as ``fn(lowering, node, *node.args, **node.kwargs)``; see :mod:`..lowering`."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from sftctl.compiler.frontends.torch.lowering import OPS, lowers
+
+
+def _fill(self, value):
+    shape, dtype = self.out()
+    return self.const(value, shape, dtype)
+
+
+@lowers
+def op_full(self, n, size, value, **kw):
+    return _fill(self, value)
+
+
+@lowers
+def op_full_like(self, n, x, value, **kw):
+    return _fill(self, value)
+
+
+@lowers
+def op_new_full(self, n, x, size, value, **kw):
+    return _fill(self, value)
+
+
+@lowers
+def op_scalar_tensor(self, n, value, **kw):
+    return _fill(self, value)
+
+
+@lowers
+def op_fill(self, n, x, value):
+    if isinstance(value, fx.Node):
+        shape, dtype = self.out()
+        return self.bcast(self.cast(self.arg(value), dtype), shape)
+    return _fill(self, value)
+
+
+@lowers
+def op_zeros(self, n, *a, **kw):
+    return _fill(self, 0)
+
+
+OPS.update(dict.fromkeys(('zeros_like', 'new_zeros', 'empty', 'empty_like', 'new_empty', 'empty_strided'), op_zeros))
+OPS.update(dict.fromkeys(('new_empty_strided', 'empty_permuted'), op_zeros))
+
+
+@lowers
+def op_ones(self, n, *a, **kw):
+    return _fill(self, 1)
+
+
+OPS.update(dict.fromkeys(('ones_like', 'new_ones'), op_ones))
+
+
+@lowers
+def op_arange(self, n, *args, **kw):
+    nums = [a for a in args if isinstance(a, (int, float))]
+    start, step = 0, 1
+    if len(nums) == 2:
+        start = nums[0]
+    elif len(nums) >= 3:
+        start, step = nums[0], nums[2]
+    shape, dtype = self.out()
+    i = self.iota(shape, 0, dtype)
+    if step != 1:
+        i = self.binary("mul", i, self.const(step, (), dtype))
+    if start != 0:
+        i = self.binary("add", i, self.const(start, (), dtype))
+    return i

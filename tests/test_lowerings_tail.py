@@ -1,0 +1,123 @@
+"""The long tail of ATen ops models use (issue 22): rounding, ``fmod``/``remainder``, ``div``
+rounding modes, ``argmax``/``argmin``, ``max``/``min`` with indices and ``topk`` (MoE routers),
+each traced with real tensors and run by the float64 interpreter against torch in float64."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sftctl.compiler import interpreter
+from sftctl.compiler.frontends import torch as torch_frontend
+from tests.stepcheck import assert_step_matches
+
+
+class _Rounding(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(6, 8)
+
+    def forward(self, x):
+        h = self.w(x) * 3.7
+        parts = [torch.floor(h), torch.ceil(h), torch.round(h), torch.round(h, decimals=1), torch.trunc(h),
+                 torch.fmod(h, 1.3), torch.remainder(h, 1.3), torch.div(h, 1.7, rounding_mode="floor"),
+                 torch.div(h, 1.7, rounding_mode="trunc")]
+        return sum((k + 1) * p * h for k, p in enumerate(parts)).sum()
+
+
+class _Router(torch.nn.Module):
+    """A top-2 mixture-of-experts router as Mixtral's writes it (softmax, topk, renormalize)."""
+
+    def __init__(self, d=8, experts=4):
+        super().__init__()
+        self.gate = torch.nn.Linear(d, experts, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(experts))
+
+    def forward(self, x):
+        probs = torch.softmax(self.gate(x), dim=-1)
+        top, idx = torch.topk(probs, 2, dim=-1)
+        top = top / top.sum(-1, keepdim=True)
+        outs = torch.stack([e(x) for e in self.experts], dim=-2)          # tokens, experts, d
+        picked = torch.gather(outs, -2, idx[..., None].expand(*idx.shape, outs.shape[-1]))
+        y = (picked * top[..., None]).sum(-2)
+        best = probs.argmax(-1)
+        worst = probs.argmin(-1)
+        vmax, imax = probs.max(-1)
+        return (y ** 2).sum() + (best + 2 * worst + 3 * imax).double().sum() * 1e-3 + vmax.sum()
+
+
+@pytest.mark.parametrize("model, batch", [
+    (_Rounding(), torch.randn(5, 6, generator=torch.Generator().manual_seed(1))),
+    (_Router(), torch.randn(7, 8, generator=torch.Generator().manual_seed(2))),
+], ids=["rounding", "router"])
+def test_tail_ops_match_torch_in_float64(model, batch):
+    torch.manual_seed(0)
+    graph, _ = assert_step_matches(model, batch, lambda m, x: m(x))
+    ops = graph.op_counts()
+    assert ops.get("floor", 0) + ops.get("concatenate", 0) > 0
+
+
+def test_integer_division_modes_match_torch():
+    """Integer ``div`` (floor, trunc), ``fmod`` and ``remainder`` on negative operands."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(4, 7))
+
+        def forward(self, i):
+            q = (torch.div(i, 3, rounding_mode="floor") * 1000 + torch.div(i, 3, rounding_mode="trunc") * 100
+                 + torch.fmod(i, 3) * 10 + torch.remainder(i, 3))
+            return (self.w * q.to(self.w.dtype)).sum()
+
+    i = torch.arange(-14, 14).reshape(4, 7)
+    model = M().double()
+    graph, meta = torch_frontend.trace_step(model, i, lambda m, x: m(x), fake=False, weight_decay=0.0)
+    feed = {meta["params"]["w"]: np.ones((4, 7)), meta["step"]: np.float64(1.0), meta["batch"][0]: i.numpy()}
+    for _, k in meta["opt_state"].items():
+        feed[k] = np.zeros((4, 7))
+    loss = dict(zip(graph.output_roles, interpreter.run(graph, feed, dtype="float64")))["loss"]
+    assert float(loss) == float(model(i).detach())
+
+
+_UNLOWERED = '''import torch
+
+
+class Ranker(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return torch.sort(h, dim=-1).values.sum()
+
+
+def build(batch_size=2, dtype="float32"):
+    return Ranker(), torch.randn(batch_size, 4), lambda m, x: m(x)
+'''
+
+
+def test_a_model_the_tracer_cannot_take_has_its_own_exit_code_and_still_runs(tmp_path, home):
+    """Issue 22: an op without a lowering is not a spec error (exit 2): UntraceableModelError
+    (exit 5) names the op and the module; planning for ``run``
+    (``strict=False``) ranks by price with a warning instead of stopping."""
+    import warnings
+
+    from sftctl import api
+    from sftctl.errors import ExitCode, SftctlWarning, UntraceableModelError
+
+    (tmp_path / "model.py").write_text(_UNLOWERED)
+    spec = tmp_path / "job.yaml"
+    spec.write_text("name: ranker\nmodel: {entrypoint: model.py:build, batch_size: 2}\nrun: echo hi\n")
+    with pytest.raises(UntraceableModelError) as e:
+        api.plan(str(spec))
+    assert e.value.exit_code == ExitCode.UNTRACEABLE == 5
+    msg = e.value.message
+    assert "aten.sort" in msg and "in the model's own forward (Ranker)" in msg, msg
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        chosen = api.plan(str(spec), strict=False)
+    assert chosen.chosen is not None
+    said = [str(w.message) for w in caught if issubclass(w.category, SftctlWarning)]
+    assert any("aten.sort" in s and "ranking by price only" in s for s in said), said
