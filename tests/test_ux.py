@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from conftest import REPO, SLEEPER, job_processes, no_traceback, sftctl, status_json, wait_for, write_spec
+from conftest import REPO, SLEEPER, deadline, job_processes, no_traceback, sftctl, status_json, wait_for, write_spec
 
 # An interpreter without the cloud SDKs (the README's plain `.[torch]` install): a meta-path
 # finder refuses them the way a missing distribution does.
@@ -581,7 +581,12 @@ def test_help_conventions_completion_and_debug(home):
         assert not re.search(r"<(str|int|float|path|bool|list\[[^\]]*\])>", text), (c, text)
     compile_help = " ".join(sftctl("compile", "--help", check=True).stdout.split())
     assert "-t, --target ACCELERATOR Accelerator, e.g. h100, a100-80gb, mi300x, cpu. [required]" in compile_help
-    assert "bash" in sftctl("--show-completion", "bash", check=True).stdout
+    # typer finds the shell among the parent processes (shellingham) and takes --show-completion as a
+    # flag; a suite started with setsid or nohup has no shell above it ("Shell  not supported."), so
+    # the command runs under bash here, as a user's terminal runs it
+    shown = subprocess.run(["bash", "-c", '"$0" -m sftctl.cli --show-completion; exit $?', sys.executable],
+                           capture_output=True, text=True, cwd=REPO, timeout=deadline(120))
+    assert shown.returncode == 0 and "complete -o default -F _sftctl_completion sftctl" in shown.stdout, shown.stderr
     proc = sftctl("status", "no-such-job", "--debug")
     assert proc.returncode == 2 and "Traceback" in proc.stderr
     assert "error: no job 'no-such-job'" in proc.stderr
