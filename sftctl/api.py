@@ -266,7 +266,28 @@ def plan(spec: SpecLike, overrides: Overrides = (), *, strict: bool = True,
         if predictor.error:
             warnings.warn(SftctlWarning(f"{predictor.error}; ranking by price only"), stacklevel=2)
     _warn_unset_references(s, chosen)
+    _warn_stale_catalog()
     return chosen
+
+
+def catalog_info() -> dict:
+    """The catalog's age: ``{"as_of": ISO date of the snapshot's prices, "age_days", "stale"
+    (older than 7 days), "overrides": the price override file in force, or None}``."""
+    from sftctl.catalog import catalog_age
+
+    return catalog_age()
+
+
+def _warn_stale_catalog() -> None:
+    """Warn (:class:`SftctlWarning`) when the catalog's prices are older than 7 days."""
+    from sftctl.catalog import STALE_DAYS
+
+    info = catalog_info()
+    if info["stale"]:
+        warnings.warn(SftctlWarning(
+            f"the catalog's prices are {info['age_days']} days old (as of {info['as_of']}; older than "
+            f"{STALE_DAYS} days): spot prices move hourly; set negotiated prices in the override file "
+            f"({info['overrides'] or 'SFTCTL_CATALOG_OVERRIDES'}) or upgrade sftctl for a newer snapshot"), stacklevel=3)
 
 
 def _warn_unset_references(spec: JobSpec, chosen: Plan) -> None:
@@ -308,7 +329,8 @@ def plan_doc(spec: JobSpec, chosen: Plan | None, reason: str, candidates: list) 
         doc.pop("candidates")
         doc.pop("reason")
     return {"job": spec.name, "objective": spec.resources.objective, "steps": spec.train.steps,
-            "chosen": doc, "reason": reason, "candidates": [c.to_dict() for c in candidates]}
+            "chosen": doc, "reason": reason, "candidates": [c.to_dict() for c in candidates],
+            "catalog": catalog_info()}
 
 
 # ------------------------------------------------------------------------------ run
@@ -989,6 +1011,7 @@ def catalog(accelerator: str | None = None) -> list[Offering]:
     from sftctl.catalog import cloud_offerings, local_offering
 
     offerings = [local_offering(1)] + cloud_offerings()
+    _warn_stale_catalog()
     if accelerator:
         name = accelerator_name(accelerator)
         offerings = [o for o in offerings if o.accelerator.lower() == name.lower()]

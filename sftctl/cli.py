@@ -277,6 +277,7 @@ def plan(
             _console().print(plan_table(e.candidates, spec.train.steps))
             for note in dict.fromkeys(c.note for c in e.candidates if getattr(c, "note", None)):
                 _console().print(f"note: {_escape(note)}", soft_wrap=True)
+            _console().print(_catalog_line(api.catalog_info()), soft_wrap=True)
         raise
     if as_json:
         _print_json(api.plan_doc(spec, chosen, chosen.reason, chosen.candidates))
@@ -286,6 +287,15 @@ def plan(
     for note in dict.fromkeys(c.note for c in chosen.candidates if c.note):
         console.print(f"note: {_escape(note)}", soft_wrap=True)
     console.print(f"[bold]{_escape(chosen.reason)}[/]", soft_wrap=True)
+    if chosen.offering.source.startswith("override "):
+        console.print(f"price: negotiated, {_escape(chosen.offering.source)}", soft_wrap=True)
+    console.print(_catalog_line(api.catalog_info()), soft_wrap=True)
+
+
+def _catalog_line(info: dict) -> str:
+    """One line: the catalog's price date and age, and the override file in force."""
+    line = f"catalog: prices as of {info['as_of']} ({info['age_days']} days old)"
+    return line + (f"; overrides from {_escape(info['overrides'])}" if info["overrides"] else "")
 
 
 @app.command()
@@ -299,7 +309,7 @@ def catalog(
 
     offerings = api.catalog(accelerator)
     if as_json:
-        _print_json({"offerings": [o.to_dict() for o in offerings]})
+        _print_json({"offerings": [o.to_dict() for o in offerings], "catalog": api.catalog_info()})
         return
     if accelerator and not offerings:
         print(f"no provider sftctl supports sells {api.accelerator_name(accelerator)} yet")
@@ -307,6 +317,7 @@ def catalog(
     from sftctl.ui import catalog_table
 
     _console().print(catalog_table(offerings))
+    _console().print(_catalog_line(api.catalog_info()), soft_wrap=True)
 
 
 @app.command(name="compile")

@@ -185,6 +185,9 @@ DECLARED: tuple[Setting, ...] = (
        choices=("local", "aws", "gcp", "kubernetes", "slurm"), shown_default="every configured cloud"),
     _u("REGIONS", "list", None, "the regions a spec without resources.regions may use", file="defaults.regions",
        shown_default="every region"),
+    _u("CATALOG_OVERRIDES", "path", None, "a CSV of negotiated prices that win over the catalog's "
+       "(provider,instance_type,region,usd_per_hour,spot_usd_per_hour,note)", file="catalog.overrides",
+       shown_default="$XDG_CONFIG_HOME/sftctl/prices.csv"),
     _u("STORAGE", "str", None, "the job storage URL of a spec without storage: (s3://, gs://, pvc://, a directory)",
        file="defaults.storage", shown_default="none"),
     _u("LOCAL_MAX_NODES", "int", None, "the local provider refuses nodes beyond this many (capacity drills)",

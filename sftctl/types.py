@@ -124,7 +124,8 @@ class Offering(Record):
     ``intra_node_bytes_per_s``: unidirectional bytes/s per accelerator to the other accelerators of
     the node (None for single-accelerator nodes or where unknown). ``inter_node_bytes_per_s``:
     unidirectional bytes/s per node to other nodes (None where unknown or not applicable).
-    ``bandwidth_source`` says where both bandwidths come from.
+    ``bandwidth_source`` says where both bandwidths come from. ``zone``: the availability zone
+    the spot price is from (the region's cheapest; empty where the source has none).
     """
 
     provider: str
@@ -141,6 +142,7 @@ class Offering(Record):
     inter_node_bytes_per_s: float | None = None
     as_of: str = ""
     bandwidth_source: str = ""
+    zone: str = ""
 
     def price(self, spot: bool) -> float | None:
         """USD per hour per node, or None when the offering has no spot price and spot is asked."""

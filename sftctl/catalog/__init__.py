@@ -21,8 +21,9 @@ shares) is the ``identity:`` column of the same table, read by :mod:`sftctl.cata
 from __future__ import annotations
 
 import csv
-import functools
+import dataclasses
 import datetime
+import functools
 import os
 from pathlib import Path
 
@@ -30,21 +31,52 @@ from sftctl.catalog.identity import identify  # noqa: F401 - catalog.identify(de
 from sftctl.types import Offering  # the vocabulary; re-exported here
 
 _CSV = Path(__file__).with_name("offerings.csv")
-
-
-@functools.lru_cache(maxsize=1)
-def _cloud_offerings() -> tuple[Offering, ...]:
-    return tuple(_read_offerings())
+#: the price snapshot built by ``python -m sftctl.catalog.build`` from SkyPilot's public catalog
+SNAPSHOT = Path(__file__).with_name("snapshot.csv")
+#: offerings.csv's columns; the snapshot adds ``zone`` (the spot price's zone)
+COLUMNS = ["provider", "instance_type", "accelerator", "count", "vcpus", "memory_gib", "region", "usd_per_hour",
+           "spot_usd_per_hour", "intra_node_bytes_per_s", "inter_node_bytes_per_s", "as_of", "source",
+           "bandwidth_source", "zone"]
+#: ``catalog`` and ``plan`` warn when the snapshot's prices are older than this many days
+STALE_DAYS = 7
+#: the override file's columns (``spot_usd_per_hour`` and ``note`` may be empty)
+OVERRIDE_COLUMNS = ["provider", "instance_type", "region", "usd_per_hour", "spot_usd_per_hour", "note"]
 
 
 def cloud_offerings() -> list[Offering]:
-    """The cloud offerings from ``offerings.csv`` (read once per process)."""
-    return list(_cloud_offerings())
+    """The cloud offerings: ``offerings.csv``'s hand-sourced rows, replaced or extended by the
+    snapshot's rows (same provider, instance type and region: the snapshot's prices, the
+    hand-sourced bandwidths where the snapshot has none), then the user's override file's prices
+    (see :func:`override_path`), which win. Read once per process and override-file version.
+
+    Raises:
+        SftctlError: a malformed override file (names the file, line and field; exit 2).
+    """
+    path = override_path()
+    stamp = path.stat().st_mtime_ns if path is not None and path.is_file() else None
+    return list(_cloud_offerings(str(path) if stamp is not None else "", stamp))
 
 
-def _read_offerings() -> list[Offering]:
-    """The cloud offerings from ``offerings.csv``."""
-    with _CSV.open(newline="") as f:
+@functools.lru_cache(maxsize=4)
+def _cloud_offerings(override: str, _stamp: int | None) -> tuple[Offering, ...]:
+    merged = {(o.provider, o.instance_type, o.region): o for o in _read_offerings(_CSV)}
+    if SNAPSHOT.is_file():
+        for o in _read_offerings(SNAPSHOT):
+            old = merged.get((o.provider, o.instance_type, o.region))
+            if old is not None and o.intra_node_bytes_per_s is None and o.inter_node_bytes_per_s is None:
+                o = dataclasses.replace(o, intra_node_bytes_per_s=old.intra_node_bytes_per_s,
+                                        inter_node_bytes_per_s=old.inter_node_bytes_per_s,
+                                        bandwidth_source=old.bandwidth_source)
+            merged[(o.provider, o.instance_type, o.region)] = o
+    out = list(merged.values())
+    if override:
+        out = _apply_overrides(out, Path(override))
+    return tuple(out)
+
+
+def _read_offerings(path: Path) -> list[Offering]:
+    """The offerings of one catalog CSV (``offerings.csv`` or the snapshot)."""
+    with path.open(newline="") as f:
         return [
             Offering(
                 provider=r["provider"],
@@ -61,9 +93,96 @@ def _read_offerings() -> list[Offering]:
                 inter_node_bytes_per_s=_opt_float(r.get("inter_node_bytes_per_s")),
                 as_of=(r.get("as_of") or "").strip(),
                 bandwidth_source=(r.get("bandwidth_source") or "").strip(),
+                zone=(r.get("zone") or "").strip(),
             )
             for r in csv.DictReader(f)
         ]
+
+
+def override_path() -> Path | None:
+    """The price override file (``SFTCTL_CATALOG_OVERRIDES``, default ``prices.csv`` in the user's
+    config dir), whether or not it exists; None when the setting is empty."""
+    import platformdirs
+
+    from sftctl import settings
+
+    value = settings.get("SFTCTL_CATALOG_OVERRIDES")
+    if value:
+        return Path(value).expanduser()
+    return Path(platformdirs.user_config_dir("sftctl", appauthor=False)) / "prices.csv"
+
+
+def _apply_overrides(offerings: list[Offering], path: Path) -> list[Offering]:
+    """``offerings`` with the override file's prices: a row matches provider, instance type and
+    region (``*``: every region); its source says ``override <path>:<line>`` and its as_of is the
+    file's modification date. A row that matches nothing is an error (a typo would silently
+    leave the list price in force).
+
+    Raises:
+        SftctlError: a missing column, a price that is not a number >= 0, a row matching no
+            offering (each names the file, line and field; exit 2).
+    """
+    from sftctl.errors import SftctlError
+
+    as_of = datetime.date.fromtimestamp(path.stat().st_mtime).isoformat()
+    hint = f"columns: {','.join(OVERRIDE_COLUMNS)} (USD per hour per node; region * for every region)"
+    with path.open(newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in OVERRIDE_COLUMNS[:4] if c not in (reader.fieldnames or [])]
+        if missing:
+            raise SftctlError(f"{path}:1: price override file lacks column {missing[0]}", hint)
+        out = list(offerings)
+        for line, r in enumerate(reader, start=2):
+            prices = {}
+            for field in ("usd_per_hour", "spot_usd_per_hour"):
+                text = (r.get(field) or "").strip()
+                if not text:
+                    continue
+                try:
+                    prices[field] = float(text)
+                except ValueError:
+                    prices[field] = -1.0
+                if prices[field] < 0:
+                    raise SftctlError(f"{path}:{line}: {field} {text!r} is not a price", hint)
+            if "usd_per_hour" not in prices:
+                raise SftctlError(f"{path}:{line}: usd_per_hour is empty", hint)
+            note = (r.get("note") or "").strip()
+            source = f"override {path}:{line}" + (f" ({note})" if note else "")
+            hits = 0
+            for i, o in enumerate(out):
+                if (o.provider, o.instance_type) == (r["provider"].strip(), r["instance_type"].strip()) \
+                        and r["region"].strip() in ("*", o.region):
+                    out[i] = dataclasses.replace(o, source=source, as_of=as_of, **prices)
+                    hits += 1
+            if not hits:
+                raise SftctlError(f"{path}:{line}: no offering {r['provider']} {r['instance_type']} in region "
+                                  f"{r['region']}", "see sftctl catalog for the instance types and regions")
+    return out
+
+
+def catalog_age(today: datetime.date | None = None) -> dict:
+    """How old the catalog's prices are: ``{"as_of": the snapshot's newest price date (ISO),
+    "age_days": int, "stale": age_days > STALE_DAYS, "overrides": the override file in force or
+    None}``. Without a snapshot, ``as_of`` is offerings.csv's newest date (a year-month reads as
+    its first day)."""
+    today = today or datetime.date.today()
+    rows = _read_offerings(SNAPSHOT) if SNAPSHOT.is_file() else _read_offerings(_CSV)
+    dates = [_parse_date(o.as_of) for o in rows]
+    newest = max((d for d in dates if d is not None), default=None)
+    age = (today - newest).days if newest else None
+    path = override_path()
+    return {"as_of": newest.isoformat() if newest else None, "age_days": age,
+            "stale": age is None or age > STALE_DAYS,
+            "overrides": str(path) if path is not None and path.is_file() else None}
+
+
+def _parse_date(text: str) -> datetime.date | None:
+    parts = text.strip().split("-")
+    try:
+        return datetime.date(int(parts[0]), int(parts[1]) if len(parts) > 1 else 1,
+                             int(parts[2]) if len(parts) > 2 else 1)
+    except (ValueError, IndexError):
+        return None
 
 
 def _opt_float(text: str | None) -> float | None:
