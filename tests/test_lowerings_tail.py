@@ -121,3 +121,25 @@ def test_a_model_the_tracer_cannot_take_has_its_own_exit_code_and_still_runs(tmp
     assert chosen.chosen is not None
     said = [str(w.message) for w in caught if issubclass(w.category, SftctlWarning)]
     assert any("aten.sort" in s and "ranking by price only" in s for s in said), said
+
+
+def test_reentrant_checkpoint_names_the_line_and_the_fix():
+    """Issue 22: ``checkpoint(use_reentrant=True)`` failed with torch's "element 0 of tensors does
+    not require grad", which blames the user's code; now one line names the call and the fix."""
+    import inspect
+
+    import torch.utils.checkpoint as ck
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return ck.checkpoint(self.lin, x, use_reentrant=True).sum()
+
+    line = inspect.getsourcelines(M.forward)[1] + 1
+    with pytest.raises(NotImplementedError) as e:
+        torch_frontend.trace_step(M(), torch.randn(2, 4), lambda m, x: m(x))
+    msg = str(e.value)
+    assert "use_reentrant=False" in msg and f"test_lowerings_tail.py:{line} (forward)" in msg, msg

@@ -219,6 +219,33 @@ def _backward_module_stacks(gm: fx.GraphModule) -> None:
             n.meta["fwd_nn_module_stack"] = fwd[n.meta["seq_nr"]]
 
 
+class _ReentrantCheckpoint(RuntimeError):
+    """Raised where the traced model calls reentrant activation checkpointing."""
+
+
+@contextlib.contextmanager
+def _refuse_reentrant_checkpoint():
+    """``torch.utils.checkpoint``'s reentrant form (``CheckpointFunction``) raises
+    :class:`_ReentrantCheckpoint` while the step is traced: it would run a backward of its own
+    inside the forward on inputs that do not require grad, and fail later in the backward with
+    autograd's "element 0 of tensors does not require grad", which blames nothing."""
+    import torch.utils.checkpoint as ck
+
+    def refuse(*args, **kwargs):
+        raise _ReentrantCheckpoint("checkpoint(use_reentrant=True)")
+
+    own = "apply" in ck.CheckpointFunction.__dict__
+    saved = ck.CheckpointFunction.__dict__.get("apply")
+    ck.CheckpointFunction.apply = refuse
+    try:
+        yield
+    finally:
+        if own:
+            ck.CheckpointFunction.apply = saved
+        else:
+            del ck.CheckpointFunction.apply
+
+
 @contextlib.contextmanager
 def _model_errors():
     """Turn a data-dependent branch met while tracing into a NotImplementedError that names the
@@ -230,6 +257,12 @@ def _model_errors():
         yield
     except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode,
             RuntimeError) as e:
+        if isinstance(e, _ReentrantCheckpoint):
+            raise NotImplementedError(
+                f"torch frontend: torch.utils.checkpoint(..., use_reentrant=True) at {_model_frame(e.__traceback__)} "
+                "cannot be traced: the reentrant form runs a backward of its own inside the forward, which "
+                "the traced step's autograd cannot see; use checkpoint(..., use_reentrant=False) "
+                "(what torch recommends; the same recomputation and memory)") from e
         if isinstance(e, RuntimeError) and "_local_scalar_dense" not in str(e):
             raise  # only real-mode make_fx's "value out of a tracing tensor" is a data-dependent branch
         what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -364,7 +397,8 @@ def trace_step(
         return loss.detach(), new_p, new_m, new_v, list(bufs)
 
     t0 = time.perf_counter()
-    with sdpa_kernel(SDPBackend.MATH), _model_errors(), _module_stack_meta(wrapper):
+    with (sdpa_kernel(SDPBackend.MATH), _model_errors(), _refuse_reentrant_checkpoint(),
+          _module_stack_meta(wrapper)):
         gm = make_fx(step_fn, decomposition_table=decomposition_table(),
                      tracing_mode="fake" if fake else "real")(p_in, m_in, v_in, b_in, s_in, x_in)
     _backward_module_stacks(gm)
