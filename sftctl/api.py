@@ -484,7 +484,7 @@ def start(job: str) -> JobView:
     import subprocess
 
     from sftctl import procs
-    from sftctl.controller import check_no_live_controller
+    from sftctl.queue import check_no_live_controller
     from sftctl.paths import job_dir
 
     store = _store()
@@ -541,7 +541,8 @@ def attach(job: str, reporter=None) -> Attached:
         ControllerBusy: the job already has a live controller, named by pid and host (exit 2);
             the job is left untouched.
     """
-    from sftctl.controller import Controller, claim_job
+    from sftctl.controller import Controller
+    from sftctl.queue import claim_job
 
     store = _store()
     record = _resolve(store, job)

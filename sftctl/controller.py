@@ -35,7 +35,7 @@ from sftctl.health.telemetry import REPLACE, RESTART
 from sftctl.paths import job_dir
 from sftctl.providers import get_provider
 from sftctl.providers.base import NodeState, provision_all, terminate_all
-from sftctl.queue import CANCEL_SIGNALS, DOWN_REASON  # how a signal cancels a job (shared with the waiting stage)
+from sftctl.queue import CANCEL_SIGNALS, CONTROLLER_OWNER, DOWN_REASON, ControllerBusy, claim_job  # shared with the waiting stage
 from sftctl.spec import JobSpec, env_references, resolve_env
 from sftctl.storage import StorageError
 from sftctl.state import JobRecord, JobStatus, Store, controller_died_reason
@@ -1129,7 +1129,7 @@ def down_orphans(store: Store | None, checked: list[str] | None = None) -> list[
 
     A job is gone when this machine's state does not know it (``store`` None: the state is
     unreadable, every job is gone); ended when its status is terminal. Controllers are found by
-    their job directories' ``controller.json`` (see :func:`claim_job`), outside the state.
+    their job directories' ``controller.json`` (see :func:`sftctl.queue.claim_job`), outside the state.
     Returns one summary line per job swept; ``checked`` (when given) receives the providers asked.
     """
     from sftctl.providers import PROVIDERS, configured
@@ -1285,83 +1285,6 @@ def _bindable(port: int) -> bool:
             return True
         except OSError:
             return False
-
-
-CONTROLLER_LOCK = "controller.lock"  # in the job dir: held (flock) by the one live controller
-#: beside it, the job's own record outside the state (down --orphans reads it when the state is lost):
-#: {"job_id", "provider", "pid", "host", "start_ticks", "since"} of that controller
-CONTROLLER_OWNER = "controller.json"
-
-
-class ControllerBusy(SftctlError):
-    """The job already has a live controller: a second one must not act on it (exit 2)."""
-
-
-def _busy(job_id: str) -> ControllerBusy:
-    import json
-
-    try:
-        owner = json.loads((job_dir(job_id) / CONTROLLER_OWNER).read_text())
-        who = f"pid {owner['pid']} on {owner['host']}"
-    except (OSError, ValueError, KeyError, TypeError):
-        who = "a process that has not recorded itself yet"
-    return ControllerBusy(
-        f"job {job_id} already has a live controller ({who}); this one leaves the job alone",
-        hint=f"sftctl status {job_id} shows it; sftctl down {job_id} stops the job",
-    )
-
-
-def claim_job(store: Store, job_id: str):
-    """Become the job's one controller: take ``jobs/JOB/controller.lock`` (an flock, so the
-    kernel releases it when its holder dies, even by SIGKILL: a dead controller never blocks a
-    restart) without waiting, record this process in ``controller.json`` and in state.
-
-    Returns the held :class:`filelock.FileLock`; the caller releases it when the job is done
-    (a process that exits releases it anyway).
-
-    Raises:
-        ControllerBusy: another live controller holds the lock; nothing was changed.
-    """
-    import json
-
-    from filelock import FileLock, Timeout
-
-    jd = job_dir(job_id)
-    jd.mkdir(parents=True, exist_ok=True, mode=0o700)
-    lock = FileLock(str(jd / CONTROLLER_LOCK))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise _busy(job_id) from None
-    pid = os.getpid()
-    ticks = procs.start_ticks(pid)
-    job = store.get_job(job_id)
-    owner = {"job_id": job_id, "provider": job.provider if job is not None else None, "pid": pid,
-             "host": socket.gethostname(), "start_ticks": ticks, "since": time.time()}
-    tmp = jd / f"{CONTROLLER_OWNER}.{pid}"
-    tmp.write_text(json.dumps(owner))
-    os.replace(tmp, jd / CONTROLLER_OWNER)
-    try:
-        store.update_job(job_id, controller_pid=pid, controller_start_ticks=ticks)
-    except BaseException:
-        lock.release()
-        raise
-    return lock
-
-
-def check_no_live_controller(job_id: str) -> None:
-    """Raise :class:`ControllerBusy` if a live controller holds the job (see :func:`claim_job`)."""
-    from filelock import FileLock, Timeout
-
-    path = job_dir(job_id) / CONTROLLER_LOCK
-    if not path.exists():
-        return
-    lock = FileLock(str(path))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise _busy(job_id) from None
-    lock.release()
 
 
 def main(argv: list[str] | None = None) -> int:

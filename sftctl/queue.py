@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
 
-from sftctl.errors import ExitCode
+from sftctl.errors import ExitCode, SftctlError
+from sftctl.paths import job_dir
 from sftctl.state import JobRecord, JobStatus, Store
 from sftctl.types import FailureCode, capabilities
 
@@ -207,6 +209,85 @@ def wait_turn(store: Store, job_id: str, say=lambda line: None) -> bool:
         time.sleep(delay)
 
 
+CONTROLLER_LOCK = "controller.lock"  # in the job dir: held (flock) by the one live controller
+#: beside it, the job's own record outside the state (down --orphans reads it when the state is lost):
+#: {"job_id", "provider", "pid", "host", "start_ticks", "since"} of that controller
+CONTROLLER_OWNER = "controller.json"
+
+
+class ControllerBusy(SftctlError):
+    """The job already has a live controller: a second one must not act on it (exit 2)."""
+
+
+def _busy(job_id: str) -> ControllerBusy:
+    import json
+
+    try:
+        owner = json.loads((job_dir(job_id) / CONTROLLER_OWNER).read_text())
+        who = f"pid {owner['pid']} on {owner['host']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        who = "a process that has not recorded itself yet"
+    return ControllerBusy(
+        f"job {job_id} already has a live controller ({who}); this one leaves the job alone",
+        hint=f"sftctl status {job_id} shows it; sftctl down {job_id} stops the job",
+    )
+
+
+def claim_job(store: Store, job_id: str):
+    """Become the job's one controller: take ``jobs/JOB/controller.lock`` (an flock, so the
+    kernel releases it when its holder dies, even by SIGKILL: a dead controller never blocks a
+    restart) without waiting, record this process in ``controller.json`` and in state.
+
+    Returns the held :class:`filelock.FileLock`; the caller releases it when the job is done
+    (a process that exits releases it anyway).
+
+    Raises:
+        ControllerBusy: another live controller holds the lock; nothing was changed.
+    """
+    import json
+
+    from filelock import FileLock, Timeout
+
+    from sftctl import procs
+
+    jd = job_dir(job_id)
+    jd.mkdir(parents=True, exist_ok=True, mode=0o700)
+    lock = FileLock(str(jd / CONTROLLER_LOCK))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise _busy(job_id) from None
+    pid = os.getpid()
+    ticks = procs.start_ticks(pid)
+    job = store.get_job(job_id)
+    owner = {"job_id": job_id, "provider": job.provider if job is not None else None, "pid": pid,
+             "host": socket.gethostname(), "start_ticks": ticks, "since": time.time()}
+    tmp = jd / f"{CONTROLLER_OWNER}.{pid}"
+    tmp.write_text(json.dumps(owner))
+    os.replace(tmp, jd / CONTROLLER_OWNER)
+    try:
+        store.update_job(job_id, controller_pid=pid, controller_start_ticks=ticks)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def check_no_live_controller(job_id: str) -> None:
+    """Raise :class:`ControllerBusy` if a live controller holds the job (see :func:`claim_job`)."""
+    from filelock import FileLock, Timeout
+
+    path = job_dir(job_id) / CONTROLLER_LOCK
+    if not path.exists():
+        return
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise _busy(job_id) from None
+    lock.release()
+
+
 class _Signalled(Exception):
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -219,11 +300,13 @@ def main(argv: list[str] | None = None) -> int:
     process becomes ``python -m sftctl.controller JOB`` (same pid; :func:`sftctl.procs.module_argv`)."""
     job_id = (argv or sys.argv[1:])[0]
     store = Store()
+    try:
+        lock = claim_job(store, job_id)  # held while waiting too: a second controller refuses
+    except ControllerBusy as e:
+        print(f"error: {e.message}\nhint: {e.hint}", file=sys.stderr)
+        return int(e.exit_code)
     job = store.get_job(job_id)
     if job is not None and job.status == JobStatus.PENDING and _local(job):
-        from sftctl import procs
-
-        store.update_job(job_id, controller_pid=os.getpid(), controller_start_ticks=procs.start_ticks(os.getpid()))
 
         def cancel(signum, frame):
             raise _Signalled(signum)
@@ -249,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     from sftctl.procs import module_argv
 
     argv = module_argv("sftctl.controller", job_id)  # never from the working directory either
+    lock.release()  # the controller takes it again at once (exec closes the lock's descriptor anyway)
     os.execv(argv[0], argv)
     return 0  # not reached
 

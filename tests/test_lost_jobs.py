@@ -36,7 +36,7 @@ def test_a_second_controller_refuses_and_the_job_still_succeeds(tmp_path, home):
     """Issue 23.1: `python -m sftctl.controller JOB` beside the live controller failed the job
     (IllegalTransition RUNNING -> PROVISIONING). It must refuse, name the live one, touch nothing."""
     from sftctl import api
-    from sftctl.controller import ControllerBusy
+    from sftctl.queue import ControllerBusy
     from sftctl.state import Store
 
     job, flag = _gated_job(tmp_path)
@@ -69,18 +69,18 @@ def test_a_second_controller_refuses_and_the_job_still_succeeds(tmp_path, home):
 
 def test_a_killed_controllers_lock_does_not_block_the_next_one(home):
     """The lock is an flock: the kernel drops it with its holder, even after SIGKILL."""
-    from sftctl.controller import claim_job
+    from sftctl.queue import claim_job
     from sftctl.state import Store
 
     store = Store()
     job = store.create_job("j", {"resources": {"nodes": 1}, "run": "true"})
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom sftctl.controller import claim_job\n"
+        [sys.executable, "-c", "import sys, time\nfrom sftctl.queue import claim_job\n"
          "from sftctl.state import Store\nlock = claim_job(Store(), sys.argv[1])\nprint('held', flush=True)\n"
          "time.sleep(600)\n", job], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        from sftctl.controller import ControllerBusy
+        from sftctl.queue import ControllerBusy
 
         with pytest.raises(ControllerBusy, match=f"pid {holder.pid} on {socket.gethostname()}"):
             claim_job(store, job)
@@ -130,3 +130,29 @@ def test_a_state_db_lost_mid_run_is_said_in_one_line_and_down_orphans_stops_the_
         flag.touch()
         for suffix in ("", "-wal", "-shm"):  # a fresh state for the fixture's cleanup
             (home / f"state.db{suffix}").unlink(missing_ok=True)
+
+
+def test_a_queued_jobs_waiting_controller_holds_the_job_too(tmp_path, home):
+    """A job waiting its turn (the light `python -m sftctl.queue` stage) has its controller too:
+    a second controller refuses, and the job runs once admitted."""
+    cpus = os.cpu_count() or 1
+    if cpus < 2:
+        pytest.skip("needs 2 CPUs")
+    hog, flag = _gated_job(tmp_path, nodes=cpus)
+    spec = write_spec(tmp_path / "later.yaml", "name: later\nresources: {nodes: 1}\nrun: echo later ran\n")
+    later = json.loads(sftctl("run", str(spec), "--detach", "--json", check=True).stdout)["job_id"]
+    try:
+        wait_for(lambda: status_json(later)["pending_reason"], what="the later job to queue")
+        pid = status_json(later)["controller_pid"]
+        proc = subprocess.run([sys.executable, "-m", "sftctl.controller", later], cwd=REPO,
+                              capture_output=True, text=True, timeout=deadline(120))
+        assert proc.returncode == 2 and f"already has a live controller (pid {pid} on " in proc.stderr, proc.stderr
+        assert status_json(later)["status"] == "PENDING"
+        flag.touch()
+        wait_for(lambda: status_json(later)["status"] in ("SUCCEEDED", "FAILED", "CANCELLED"), timeout_s=180,
+                 what="the later job to end")
+        assert status_json(later)["status"] == "SUCCEEDED"
+    finally:
+        flag.touch()
+        for j in (hog, later):
+            sftctl("down", j)
