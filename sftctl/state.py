@@ -205,9 +205,9 @@ class Store:
 
         sftctl creates ``state.db`` whole (see :meth:`_create`), so: missing while its ``-wal``
         or ``-shm`` is there means it was deleted (maybe under a running controller, whose log a
-        fresh file would take in: never create one then); 0 bytes, or without SQLite's header,
-        means it was truncated or overwritten, whatever the WAL holds. An ``OSError`` of these
-        checks (a path that cannot be read) is said too.
+        fresh file would take in: never create one then); 0 bytes means it was truncated,
+        whatever the WAL holds. An ``OSError`` of these checks (a path that cannot be read) is
+        said too.
         """
         try:
             if not self.path.exists():
@@ -217,17 +217,14 @@ class Store:
                             "(a controller may still run): the jobs it recorded are lost, and sftctl will not "
                             "create a new database beside them")
                 return None
-            with open(self.path, "rb") as f:
-                header = f.read(100)
-            size = self.path.stat().st_size
+            size = self.path.stat().st_size  # never open() it: closing any descriptor of the file
+            # drops this process's POSIX locks on it, SQLite's included (a live connection's WAL lock)
         except OSError as e:
             return f"cannot read the state database: {e.strerror or e}"
         if size == 0:
             return "the state database is empty (0 bytes): it was truncated, and the jobs it recorded are lost"
-        if len(header) < 100 or not header.startswith(b"SQLite format 3\0"):
-            return f"the state database is not an SQLite file ({size} bytes): it was overwritten or truncated"
-        # (a file cut after its header is not told from one mid-checkpoint here: its first query
-        # fails with "database disk image is malformed", which the CLI says in one line)
+        # (a file overwritten or cut after its header fails at its first query: "file is not a
+        # database" or "database disk image is malformed", which the CLI says in one line)
         return None
 
     def _create(self) -> None:
