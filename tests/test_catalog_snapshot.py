@@ -21,7 +21,7 @@ def _snapshot_rows(itype: str) -> list[dict]:
 
 def test_snapshot_covers_regions_with_sources_and_dates():
     rows = list(csv.DictReader(catalog.SNAPSHOT.open(newline="")))
-    assert len({r["region"] for r in rows if r["provider"] == "aws"}) >= 12
+    assert len({r["region"] for r in rows if r["provider"] == "aws"}) >= 20
     assert all(r["source"].startswith("SkyPilot catalog skypilot-org/skypilot-catalog@") for r in rows)
     assert all(datetime.date.fromisoformat(r["as_of"]) for r in rows)
     assert {int(r["count"]) for r in rows} >= {1, 8}
