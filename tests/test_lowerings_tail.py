@@ -143,3 +143,38 @@ def test_reentrant_checkpoint_names_the_line_and_the_fix():
         torch_frontend.trace_step(M(), torch.randn(2, 4), lambda m, x: m(x))
     msg = str(e.value)
     assert "use_reentrant=False" in msg and f"test_lowerings_tail.py:{line} (forward)" in msg, msg
+
+
+def test_jax_rounding_rem_and_argmax_match_jax_in_float64():
+    """Issue 22 (JAX side): ``floor``, ``ceil``, ``round`` (both methods), ``rem`` and ``argmax``
+    / ``argmin`` through the jax frontend and the float64 interpreter, against JAX."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from sftctl.compiler.frontends import jax as jax_frontend
+
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        rng = np.random.default_rng(3)
+
+        def loss_fn(p, x):
+            h = x @ p["w"] * 3.7
+            i = jnp.argmax(h, axis=-1)[:, None]
+            j = jnp.argmin(h, axis=-1)[:, None]
+            terms = (jnp.floor(h) + 2 * jnp.ceil(h) + 3 * jnp.round(h) + 4 * jax.lax.round(h)
+                     + 5 * jnp.fmod(h, 1.3))
+            picked = jnp.take_along_axis(h, i, axis=1) - jnp.take_along_axis(h, j, axis=1)
+            return jnp.sum(terms * h) + jnp.sum(picked)
+
+        params = {"w": jnp.asarray(rng.normal(size=(6, 5)))}
+        x = jnp.asarray(rng.normal(size=(4, 6)))
+        graph, meta = jax_frontend.trace_step(loss_fn, params, x, weight_decay=0.0)
+        assert {"floor", "ceil", "round", "trunc"} <= set(graph.op_counts())
+        feed = {meta["params"]["w"]: np.asarray(params["w"]), meta["step"]: 1.0, meta["batch"][0]: np.asarray(x)}
+        for i in meta["opt_state"].values():
+            feed[i] = np.zeros(graph.nodes[i].type.shape)
+        loss = dict(zip(graph.output_roles, interpreter.run(graph, feed, dtype="float64")))["loss"]
+        np.testing.assert_allclose(float(loss), float(loss_fn(params, x)), rtol=1e-12)
+    finally:
+        jax.config.update("jax_enable_x64", previous)

@@ -405,7 +405,7 @@ def _jcore():
 
 _UNARY = {"neg": "neg", "exp": "exp", "log": "log", "log1p": "log1p", "expm1": "expm1", "tanh": "tanh",
           "logistic": "sigmoid", "rsqrt": "rsqrt", "sqrt": "sqrt", "abs": "abs", "sign": "sign",
-          "sin": "sin", "cos": "cos", "erf": "erf"}
+          "sin": "sin", "cos": "cos", "erf": "erf", "floor": "floor", "ceil": "ceil"}
 _BINARY = {"add": "add", "add_any": "add", "sub": "sub", "mul": "mul", "div": "div", "pow": "pow",
            "max": "maximum", "min": "minimum"}
 _COMPARE = {"eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge"}
@@ -635,6 +635,46 @@ def _scatter(self, args, p, shape, dtype):
     if not tuple(p["dimension_numbers"].scatter_dims_to_operand_dims) and self.shape(args[2]) == shape:
         return [self.cast(args[2], dtype)]  # x.at[...].set(v) over the whole array: v
     raise NotImplementedError("jax frontend: primitive scatter has no IR lowering")
+
+
+@_prim("round")
+def _round(self, args, p, shape, dtype):
+    """``lax.round``: to nearest even (IR ``round``, what ``jnp.round`` asks for) or, by default,
+    half away from zero: ``sign(x) * floor(|x| + 0.5)``."""
+    x = self.cast(args[0], dtype)
+    if int(p.get("rounding_method", 0)) == 1:
+        return [self.add("round", [x], shape, dtype)]
+    up = self.add("floor", [self.binary("add", self.add("abs", [x], shape, dtype), self.const(0.5, (), dtype))],
+                  shape, dtype)
+    return [self.add("mul", [self.add("sign", [x], shape, dtype), up], shape, dtype)]
+
+
+@_prim("rem")
+def _rem(self, args, p, shape, dtype):
+    """``lax.rem`` (C's fmod, the sign of the dividend): ``x - trunc(x / y) * y``."""
+    x, y = (self.cast(a, dtype) for a in args)
+    q = self.add("div", [x, y], shape, dtype)
+    if dtype in FLOAT_DTYPES:
+        q = self.add("trunc", [q], shape, dtype)
+    return [self.add("sub", [x, self.binary("mul", q, y)], shape, dtype)]
+
+
+def _arg_rule(largest: bool) -> Callable:
+    def rule(self, args, p, shape, dtype):
+        """``argmax`` / ``argmin`` along one axis: the first index of the extreme, as XLA's."""
+        x = args[0]
+        xs = self.shape(x)
+        d = int(p["axes"][0])
+        kshape = tuple(1 if i == d else s_ for i, s_ in enumerate(xs))
+        m = self.add("max" if largest else "min", [x], kshape, self.dtype(x), axes=(d,), keepdim=True)
+        mb = self.add("broadcast_in_dim", [m], xs, self.dtype(x), shape=xs, dims=tuple(range(len(xs))))
+        hit = self.add("eq", [x, mb], xs, "bool")
+        cand = self.add("where", [hit, self.add("iota", [], xs, dtype, axis=d), self.const(xs[d], (), dtype)], xs, dtype)
+        return [self.reshape(self.add("min", [cand], kshape, dtype, axes=(d,), keepdim=True), shape)]
+    return rule
+
+
+_PRIMS["argmax"], _PRIMS["argmin"] = _arg_rule(True), _arg_rule(False)
 
 
 @_prim("scatter-add", "scatter_add")
