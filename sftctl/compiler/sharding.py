@@ -161,9 +161,18 @@ def predict_strategies(compiled, target: Target, gpus_per_node: int, nodes: int,
     return out
 
 
+#: A strategy other than plain DDP replaces a DDP that fits only when it is predicted faster by
+#: more than this fraction of DDP's step. Our policy, not a measurement: a gain inside the model's
+#: own error (a few per cent at best, calibrations/accuracy) is no gain, and sharding or
+#: recomputation adds collectives, sharded checkpoints and a resume that must reshard.
+SWITCH_MARGIN = 0.05
+
+
 def choose(predictions: list[StrategyPrediction]) -> tuple[StrategyPrediction, str]:
-    """The fastest strategy that fits (ties: the listed order, DDP and no checkpointing first),
-    else the one with the least memory; and why, in one line.
+    """The fastest strategy that fits, else the one with the least memory; and why, in one line.
+    Plain DDP (no activation checkpointing) is kept while it fits unless another strategy is
+    predicted faster by more than :data:`SWITCH_MARGIN` of its step (ties: the listed order, DDP
+    and no checkpointing first).
 
     Returns:
         (the strategy, the reason).
@@ -176,6 +185,8 @@ def choose(predictions: list[StrategyPrediction]) -> tuple[StrategyPrediction, s
         return best, (f"nothing fits: {best.label} needs {best.memory_bytes / gib:.1f} GiB per device "
                       f"of {best.memory_capacity_bytes / gib:.0f} GiB")
     best = min(fitting, key=lambda p: p.step_time_s)
+    if plain is not None and plain.fits and best.step_time_s >= plain.step_time_s * (1 - SWITCH_MARGIN):
+        best = plain
     if plain is not None and best is plain:
         return best, f"ddp fits ({best.memory_bytes / gib:.1f} of {best.memory_capacity_bytes / gib:.0f} GiB per device)"
     why = f"{best.label}: {best.memory_bytes / gib:.1f} of {best.memory_capacity_bytes / gib:.0f} GiB per device"
