@@ -757,7 +757,7 @@ def wait(job: str, *, timeout_s: float | None = None, poll_s: float = 1.0) -> Jo
         if view.status.terminal:
             return view
         if end is not None and time.monotonic() >= end:
-            raise TimeoutError(f"job {view.id} is still {view.status.value} after {timeout_s} s")
+            raise TimeoutError(f"job {view.id} is still {view.status.value} after {timeout_s:.3g} s")
         time.sleep(poll_s)
 
 

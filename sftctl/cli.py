@@ -707,6 +707,10 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"{path}: the state database is damaged: {e}",
                     f"move it aside (mv {path} {path}.bad) and sftctl starts a new one; "
                     "sftctl down --orphans removes cloud resources of jobs it no longer knows", ExitCode.USAGE)
+    except Exception as e:  # noqa: BLE001 - a bug or damaged data: one line, the traceback with --debug
+        return fail(f"internal error: {type(e).__name__}: {e}",
+                    "sftctl --debug ... shows the traceback; please report it. If the state database may be "
+                    "damaged: sqlite3 state.db 'PRAGMA integrity_check' in $SFTCTL_HOME", ExitCode.JOB_FAILED)
 
 
 def _plain_status(args: list[str]) -> dict | None:

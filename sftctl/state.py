@@ -162,7 +162,9 @@ class Store:
 
             raise SftctlError(
                 f"{self.path}: cannot open the state database: {e}",
-                hint=f"move the file aside (mv {self.path} {self.path}.bad) and sftctl starts a new one",
+                hint=("retry: a busy machine can fail an open for a moment; if it persists the file is "
+                      "damaged: sftctl down --orphans stops the jobs it still finds, then move it aside "
+                      f"(mv {self.path} {self.path}.bad) and sftctl starts a new one"),
             ) from None
 
     # ---------------------------------------------------------------- connection and schema

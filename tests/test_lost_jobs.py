@@ -156,3 +156,26 @@ def test_a_queued_jobs_waiting_controller_holds_the_job_too(tmp_path, home):
         flag.touch()
         for j in (hog, later):
             sftctl("down", j)
+
+
+def test_rows_damaged_inside_a_readable_db_are_one_line_not_a_traceback(home):
+    """A state.db whose pages survived but whose values did not (a new user's stress run left a
+    job with provider '\\x00\\x00\\x00\\x00\\x00'): status, events and down each say one line, exit
+    non-zero, and --debug still shows the traceback."""
+    import sqlite3
+
+    from sftctl.state import JobStatus, Store
+
+    store = Store()
+    job = store.create_job("damaged", {"resources": {"nodes": 1}, "run": "true"})
+    store.transition(job, JobStatus.PROVISIONING, "test")
+    store._conn.close()
+    with sqlite3.connect(home / "state.db") as conn:
+        conn.execute("UPDATE jobs SET provider = ?, controller_pid = NULL, created_at = 0 WHERE id = ?",
+                     ("\x00" * 5, job))
+    for args in (["status"], ["status", "--json"], ["events", job], ["down", "--all"]):
+        proc = sftctl(*args)
+        assert proc.returncode != 0 and "Traceback" not in proc.stderr + proc.stdout, (args, proc.stderr)
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(lines) == 1 and "unknown provider" in lines[0], (args, proc.stderr)
+    assert "Traceback" in sftctl("status", "--debug").stderr

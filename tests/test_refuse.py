@@ -222,6 +222,7 @@ def test_a_workdir_over_the_limit_is_refused_at_submit_and_dry_run(tmp_path, hom
     ("A100", "did you mean 'A100-40GB' or 'A100-80GB'?"),  # used to suggest V100
     ("H100-80GB", "did you mean 'H100'?"),  # used to suggest A100-80GB
     ("B200x", "did you mean 'B200'?"),  # a plain misspelling still gets the closest name
+    ("h1000", "did you mean 'H100'?"),  # in any case (compile --target h1000 suggested V100)
 ])
 def test_an_unknown_accelerator_suggests_the_same_chip(tmp_path, name, suggested):
     """Issue 23 item 10: the suggestion is the chip the user named, with or without its memory size."""

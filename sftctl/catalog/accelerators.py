@@ -296,5 +296,5 @@ def suggest_accelerators(name: str, names: list[str]) -> list[str]:
     base = re.sub(r"-\d+\s*gb$", "", key)
     if base != key and base in lowered:
         return [lowered[base]]
-    return difflib.get_close_matches(name.strip(), names, n=1, cutoff=0.5)
+    return [lowered[c] for c in difflib.get_close_matches(key, list(lowered), n=1, cutoff=0.5)]
 
