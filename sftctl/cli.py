@@ -422,8 +422,15 @@ def check(
     from sftctl import api
 
     rows = api.check(clouds or None)
+    failed = (not all(r.ok for r in rows)) if clouds else not any(r.ok for r in rows)
     if as_json:
-        _print_json({"clouds": [r.to_dict() for r in rows]})
+        doc = {"clouds": [r.to_dict() for r in rows]}
+        if failed:  # as every failing --json command: what went wrong, what to do, the exit code
+            bad = [r for r in rows if not r.ok]
+            doc.update(error="; ".join(f"{r.cloud}: {r.reason}" for r in bad),
+                       hint="; ".join(f"{r.cloud}: {r.hint}" for r in bad if r.hint) or None,
+                       exit_code=int(ExitCode.PROVIDER))
+        _print_json(doc)
     else:
         from rich.table import Table
 
@@ -434,7 +441,7 @@ def check(
             detail = {"local": "usable here", "slurm": "sinfo answers"}.get(r.cloud, "credentials work") if r.ok else r.reason + (f" (hint: {r.hint})" if r.hint else "")
             table.add_row(r.cloud, "[green]yes[/]" if r.ok else "[red]no[/]", _escape(detail))
         _console().print(table)
-    if (not all(r.ok for r in rows)) if clouds else not any(r.ok for r in rows):
+    if failed:
         raise typer.Exit(int(ExitCode.PROVIDER))
 
 

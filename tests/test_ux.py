@@ -632,8 +632,12 @@ def test_check_exits_0_when_something_works_and_4_when_a_named_cloud_does_not(ho
                                (("check", "local", "aws"), 4, ["local", "aws"])):
         proc = sftctl(*args, "--json", env=env)
         assert proc.returncode == code, (args, proc.stdout, proc.stderr)
-        rows = json.loads(proc.stdout)["clouds"]
+        doc = json.loads(proc.stdout)
+        rows = doc["clouds"]
         assert [r["cloud"] for r in rows] == clouds and [r["ok"] for r in rows] == [c == "local" for c in clouds]
+        # a failing --json command says what failed, what to do and its exit code, as every other
+        assert (doc.get("exit_code"), "aws: no credentials" in (doc.get("error") or "")) == \
+            ((4, True) if code else (None, False)), doc
     table = sftctl("check", env=env)
     assert table.returncode == 0 and "aws" in table.stdout and "no credentials" in table.stdout
 
