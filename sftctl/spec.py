@@ -179,11 +179,11 @@ class ResourcesSpec(_Strict):
             return [_parse_accelerator(a) if isinstance(a, str) else _accelerator_mapping(a) for a in v]
         return v
 
-    @field_validator("deadline")
+    @field_validator("deadline", mode="before")
     @classmethod
-    def _deadline_form(cls, v: str | None) -> str | None:
-        if v is not None:
-            parse_duration_s(v)
+    def _deadline_form(cls, v: object) -> object:
+        if v is not None:  # a bare number has no unit: say the forms, not "should be a string"
+            parse_duration_s(v if isinstance(v, str) else repr(v))
         return v
 
     @property

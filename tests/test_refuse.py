@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import deadline, job_processes, write_spec
+from conftest import deadline, job_processes, sftctl, write_spec
 
 
 def test_a_job_larger_than_this_machine_is_refused_at_submit(tmp_path, home):
@@ -295,3 +295,13 @@ def test_a_plain_scripts_failure_carries_its_last_stderr_line(tmp_path, home):
                                    "[Errno 2] No such file or directory")
     text = "".join(line.text for line in api.logs(view.id))
     assert "noise" in text and "to stdout" in text and "can't open file" in text
+
+
+def test_a_deadline_without_a_unit_shows_the_forms(tmp_path, home):
+    """A new user's `--set resources.deadline=3` got "Input should be a valid string (got 3)" with
+    the hint to quote it, which cannot help: the duration forms are what it lacks."""
+    spec = write_spec(tmp_path / "d.yaml", "name: d\nrun: echo hi\n")
+    proc = sftctl("plan", str(spec), "--set", "resources.deadline=3")
+    assert proc.returncode == 2 and proc.stderr.splitlines()[0] == (
+        "error: --set resources.deadline=3: resources.deadline: expected a positive duration like "
+        "'90m', '6h' or '2d', got '3'"), proc.stderr
