@@ -64,7 +64,7 @@ def test_cli_plan_compile_catalog(tmp_path, home):
     chosen = doc["chosen"]
     assert chosen["offering"]["provider"] == "local" and chosen["step_time_s"] > 0
     assert doc["candidates"][0]["total_usd"] == 0.0 and "candidates" not in chosen
-    assert set(doc) == {"job", "objective", "steps", "chosen", "reason", "candidates"}
+    assert set(doc) == {"job", "objective", "steps", "chosen", "reason", "candidates", "catalog"}
     out = tmp_path / "c"
     proc = sftctl("compile", "examples/quickstart.yaml", "--target", "h100", "--out", str(out))
     assert proc.returncode == 0, proc.stderr

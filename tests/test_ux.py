@@ -208,7 +208,8 @@ def test_catalog_at_80_columns_keeps_accelerators_and_prices_whole(home):
     lines = proc.stdout.splitlines()
     assert all(len(line) <= 80 for line in lines), max(lines, key=len)
     for o in doc:
-        row = next(line for line in lines if line.split()[:2] == [o["provider"], o["instance_type"]])
+        row = next(line for line in lines  # an instance type is sold in many regions: its own row
+                   if line.split()[:2] == [o["provider"], o["instance_type"]] and o["region"] in line.split())
         assert f"{o['accelerator']}:{o['count']}" in row.split()
         assert f"{o['usd_per_hour']:.3f}" in row.split()
 
@@ -613,7 +614,7 @@ def test_plan_json_of_an_infeasible_job_has_the_plan_and_the_error_keys(tmp_path
     proc = sftctl("plan", str(spec), "--json")
     doc = json.loads(proc.stdout)
     assert proc.returncode == doc["exit_code"] == 3
-    assert {"job", "objective", "steps", "chosen", "reason", "candidates", "error", "hint", "exit_code"} == set(doc)
+    assert {"job", "objective", "steps", "chosen", "reason", "candidates", "catalog", "error", "hint", "exit_code"} == set(doc)
     assert doc["chosen"] is None and doc["candidates"] and all(c["rejected"] for c in doc["candidates"])
     assert doc["error"] == doc["reason"] and proc.stderr.startswith(f"error: {doc['error']}") and doc["hint"]
     ok = write_spec(tmp_path / "ok.yaml", "name: ok\nresources: {clouds: [local]}\nrun: x\n")

@@ -13,7 +13,7 @@ columns plus ``zone``: ``usd_per_hour`` is the region's on-demand price (the sam
 ``spot_usd_per_hour`` the cheapest zone's spot price and ``zone`` that zone (empty when no zone has
 spot). ``as_of`` is ``--date`` (when the file was read), ``source`` names the file and commit.
 Bandwidths are copied from ``offerings.csv``'s hand-sourced row of the same instance type (the same
-hardware in every region), else left empty (unknown).
+hardware in every region), else from :data:`NETWORK` (AWS's published figures), else left empty.
 
 GCP's vms.csv prices the host and its GPUs in separate rows; joining them is not built yet.
 """
@@ -29,6 +29,19 @@ from sftctl.catalog import COLUMNS, _CSV, SNAPSHOT
 
 #: SkyPilot's accelerator names that differ from sftctl's (AWS p4d's A100 is the 40 GB part).
 SKYPILOT_NAMES = {"A100": "A100-40GB"}
+
+_PCIE4 = "GPUs on PCIe 4.0 x16 (~25 GB/s, no NVLink)"
+#: Bandwidths (bytes/s) of instance types that ``offerings.csv`` has no hand-sourced row for:
+#: network performance from the AWS EC2 accelerated computing instance specifications (G4dn, G5,
+#: G6 tables; Gbps / 8), the GPUs' link as for the hand-typed G5/G6 rows.
+NETWORK = {
+    "g4dn.16xlarge": ("", "6.25e9", "One GPU per node; 50 Gbps network (AWS EC2 accelerated computing instance specifications, G4dn)"),
+    "g5.2xlarge": ("", "1.25e9", "One GPU per node; up to 10 Gbps network (AWS EC2 accelerated computing instance specifications, G5)"),
+    "g5.24xlarge": ("2.5e10", "6.25e9", f"4 {_PCIE4}; 50 Gbps network (AWS EC2 accelerated computing instance specifications, G5)"),
+    "g6.2xlarge": ("", "1.25e9", "One GPU per node; up to 10 Gbps network (AWS EC2 accelerated computing instance specifications, G6)"),
+    "g6.24xlarge": ("2.5e10", "6.25e9", f"4 {_PCIE4}; 50 Gbps network (AWS EC2 accelerated computing instance specifications, G6)"),
+    "g6.48xlarge": ("2.5e10", "1.25e10", f"8 {_PCIE4}; 100 Gbps network (AWS EC2 accelerated computing instance specifications, G6)"),
+}
 
 
 def build_aws(rows: list[dict[str, str]], known: set[str], commit: str, date: str,
@@ -81,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--date", required=True, help="the date the file was read (its commit's date where known), YYYY-MM-DD: each row's as_of")
     p.add_argument("--out", type=Path, default=SNAPSHOT)
     a = p.parse_args(argv)
+    bandwidths = {itype: {"intra_node_bytes_per_s": intra, "inter_node_bytes_per_s": inter, "bandwidth_source": src}
+                  for itype, (intra, inter, src) in NETWORK.items()}
     with _CSV.open(newline="") as f:
-        bandwidths = {r["instance_type"]: r for r in csv.DictReader(f)}
+        bandwidths.update({r["instance_type"]: r for r in csv.DictReader(f)})
     with a.aws.open(newline="") as f:
         rows = build_aws(list(csv.DictReader(f)), set(load_accelerators()), a.commit, a.date, bandwidths)
     with a.out.open("w", newline="") as f:

@@ -370,7 +370,9 @@ def cross_validate(arch: str, dtype: str, folds: int = 5, seed: int = 0) -> dict
             "model_within": mwithin, "ratios": [float(r) for r in ratios]}
 
 
-if __name__ == "__main__":  # python -m sftctl.compiler.gemm_table ../shared/xla/matmul.jsonl
+def main() -> None:
+    """``python -m sftctl.compiler.gemm_table ../shared/xla/matmul.jsonl``: rebuild the shipped
+    tables from XLA's measured GEMMs and record each table's cross-validation."""
     import sys
 
     doc = build_tables(sys.argv[1])
@@ -385,3 +387,7 @@ if __name__ == "__main__":  # python -m sftctl.compiler.gemm_table ../shared/xla
                 k: round(cv[k], 4) for k in ("median", "within_0.8_1.25", "model_median", "model_within")}
             print(arch, dtype, len(t["rows"]), t["params"], doc["cross_validation"]["tables"][arch][dtype])
     TABLE_PATH.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
+
+
+if __name__ == "__main__":
+    main()
