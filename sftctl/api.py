@@ -272,7 +272,8 @@ def plan(spec: SpecLike, overrides: Overrides = (), *, strict: bool = True,
 
 def catalog_info() -> dict:
     """The catalog's age: ``{"as_of": ISO date of the snapshot's prices, "age_days", "stale"
-    (older than 7 days), "overrides": the price override file in force, or None}``."""
+    (older than 7 days), "file": the price file it is from (the refreshed catalog or the shipped
+    snapshot), "overrides": the price override file in force, or None}``."""
     from sftctl.catalog import catalog_age
 
     return catalog_age()
@@ -287,7 +288,7 @@ def _warn_stale_catalog() -> None:
         warnings.warn(SftctlWarning(
             f"the catalog's prices are {info['age_days']} days old (as of {info['as_of']}; older than "
             f"{STALE_DAYS} days): spot prices move hourly; set negotiated prices in the override file "
-            f"({info['overrides'] or 'SFTCTL_CATALOG_OVERRIDES'}) or upgrade sftctl for a newer snapshot"), stacklevel=3)
+            f"({info['overrides'] or 'SFTCTL_CATALOG_OVERRIDES'}) or run `sftctl catalog refresh`"), stacklevel=3)
 
 
 def _warn_unset_references(spec: JobSpec, chosen: Plan) -> None:

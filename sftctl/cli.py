@@ -307,7 +307,8 @@ def catalog(
     """List the offerings sftctl knows: provider, instance, accelerators, region, prices, source."""
     from sftctl import api
 
-    offerings = api.catalog(accelerator)
+    with _planning(stderr=True, label="reading the catalog"):  # its age warning as a `warning:` line
+        offerings = api.catalog(accelerator)
     if as_json:
         _print_json({"offerings": [o.to_dict() for o in offerings], "catalog": api.catalog_info()})
         return

@@ -458,9 +458,9 @@ def catalog_table(offerings: list):
     from rich.text import Text
 
     notes = list(dict.fromkeys(o.source for o in offerings if o.source))
-    cols = [Col("PROVIDER"), Col("INSTANCE"), Col("ACCEL"), Col("REGION", drop=5), Col("$/H", "right"),
+    cols = [Col("PROVIDER"), Col("INSTANCE"), Col("ACCEL"), Col("REGION", drop=6), Col("$/H", "right"),
             Col("SPOT $/H", "right", drop=4), Col("VCPUS", "right", drop=2), Col("MEM GIB", "right", drop=3),
-            Col("AS OF", drop=1), Col("SRC", "right")]
+            Col("AS OF", drop=1), Col("SRC", "right", drop=5)]
     rows = [[o.provider, o.instance_type, f"{o.accelerator}:{o.count}", o.region, f"{o.usd_per_hour:.3f}",
              _num(o.spot_usd_per_hour, ".3f"), _num(o.vcpus, "d"), _num(o.memory_gib, ".0f"),
              getattr(o, "as_of", "") or "", f"[{notes.index(o.source) + 1}]" if o.source else "-"] for o in offerings]

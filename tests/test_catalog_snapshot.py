@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import csv
 import datetime
+import io
 import warnings
 
 import pytest
 
 from sftctl import api, catalog
+from sftctl.catalog import build
 from sftctl.errors import SftctlError, SftctlWarning
 from sftctl.planner import plan
 from test_planner import ALL_USABLE, fixed_predictor, spec
@@ -21,10 +23,72 @@ def _snapshot_rows(itype: str) -> list[dict]:
 
 def test_snapshot_covers_regions_with_sources_and_dates():
     rows = list(csv.DictReader(catalog.SNAPSHOT.open(newline="")))
-    assert len({r["region"] for r in rows if r["provider"] == "aws"}) >= 20
-    assert all(r["source"].startswith("SkyPilot catalog skypilot-org/skypilot-catalog@") for r in rows)
-    assert all(datetime.date.fromisoformat(r["as_of"]) for r in rows)
-    assert {int(r["count"]) for r in rows} >= {1, 8}
+    for cloud in ("aws", "gcp"):
+        assert len({r["region"] for r in rows if r["provider"] == cloud}) >= 20, cloud
+    assert all(r["source"].startswith(("SkyPilot catalog skypilot-org/skypilot-catalog@",
+                                       "SkyPilot-format catalog anycloud-sh/catalog@")) for r in rows)
+    assert all(catalog._parse_date(r["as_of"]) for r in rows)
+    # every GPU family the compiler knows, in the sizes the clouds sell it (with offerings.csv's
+    # hand-sourced rows: AWS's single-H100 p5.4xlarge and B200 p6-b200 are not in the SkyPilot copy)
+    families = {(o.provider, o.accelerator, o.count > 1) for o in catalog.cloud_offerings()}
+    sizes = {"aws": {"H100": "18", "L4": "18", "A10G": "18", "V100": "18", "T4": "1", "H200": "8",
+                     "A100-40GB": "8", "A100-80GB": "8", "B200": "8"},
+             "gcp": {"H100": "18", "A100-40GB": "18", "A100-80GB": "18", "L4": "18", "T4": "18", "V100": "18",
+                     "H200": "8", "B200": "8"}}
+    for cloud, names in sizes.items():
+        for name, kinds in names.items():
+            want = {(cloud, name, False)} if "1" in kinds else set()
+            want |= {(cloud, name, True)} if "8" in kinds else set()
+            assert want <= families, (cloud, name)
+    hosts = {r["instance_type"] for r in rows}
+    assert {"p3.2xlarge", "p3.16xlarge", "p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5en.48xlarge",
+            "g5.2xlarge", "g6.48xlarge", "a2-highgpu-1g", "a2-ultragpu-8g", "a3-highgpu-8g", "a3-megagpu-8g",
+            "a3-edgegpu-8g", "a3-ultragpu-8g", "a4-highgpu-8g", "g2-standard-96"} <= hosts
+    assert all(not r["spot_usd_per_hour"] or float(r["spot_usd_per_hour"]) < float(r["usd_per_hour"])
+               for r in rows)
+
+
+def test_shipped_snapshot_is_what_build_makes_of_its_inputs(tmp_path):
+    out = tmp_path / "snapshot.csv"
+    assert build.main(["--shipped", "--out", str(out)]) == 0
+    assert out.read_text() == catalog.SNAPSHOT.read_text()
+
+
+def _gcp(rows: str) -> list[dict]:
+    head = "InstanceType,vCPUs,MemoryGiB,AcceleratorName,AcceleratorCount,GpuInfo,Region,AvailabilityZone,Price,SpotPrice\n"
+    return list(csv.DictReader(io.StringIO(head + rows)))
+
+
+def test_gcp_prices_are_host_plus_gpus_in_the_same_zone():
+    rows = _gcp("a3-highgpu-8g,208.0,1872.0,,,,us-central1,us-central1-a,9.46,3.86\n"
+                "a3-highgpu-8g,208.0,1872.0,,,,us-central1,us-central1-b,9.46,2.00\n"
+                ",,,H100,8,,us-central1,us-central1-a,78.8,20.0\n"
+                ",,,H100,8,,us-central1,us-central1-b,78.8,\n"   # no spot GPU in b: no spot there
+                "a3-highgpu-8g,208.0,1872.0,,,,europe-west4,europe-west4-b,9.93,1.79\n"  # no GPU row: not sold
+                "n1-standard-4,4.0,15.0,,,,us-east1,us-east1-c,0.19,0.04\n"
+                ",,,T4,1,,us-east1,us-east1-c,0.35,0.14\n"
+                ",,,T4,2,,us-east1,us-east1-c,0.70,0.28\n")  # no n1-standard-8 host row: no T4 x2
+    out = build.build_gcp(rows, {"H100", "T4"}, "test source", "2026-05-20", build.bandwidth_table())
+    got = {(r["instance_type"], r["region"]): r for r in out}
+    assert set(got) == {("a3-highgpu-8g", "us-central1"), ("n1-standard-4+T4", "us-east1")}
+    a3 = got[("a3-highgpu-8g", "us-central1")]
+    assert (float(a3["usd_per_hour"]), float(a3["spot_usd_per_hour"]), a3["zone"]) == (88.26, 23.86, "us-central1-a")
+    assert (a3["accelerator"], a3["count"], a3["as_of"]) == ("H100", "8", "2026-05-20")
+    assert a3["source"].startswith("test source")
+    t4 = got[("n1-standard-4+T4", "us-east1")]
+    assert (float(t4["usd_per_hour"]), float(t4["spot_usd_per_hour"]), t4["count"]) == (0.54, 0.18, "1")
+
+
+def test_a_newer_hand_sourced_price_beats_an_older_snapshot_figure():
+    """offerings.csv's p5.48xlarge us-east-1 price is after AWS's June 2025 cut (2025-06); the
+    snapshot's SkyPilot figure predates it (2025-05): the newer one stays."""
+    p5 = next(o for o in catalog.cloud_offerings() if (o.instance_type, o.region) == ("p5.48xlarge", "us-east-1"))
+    assert (p5.usd_per_hour, p5.as_of) == (55.04, "2025-06")
+    snap = next(r for r in _snapshot_rows("p5.48xlarge") if r["region"] == "us-east-1")
+    assert float(snap["usd_per_hour"]) == 98.32
+    # where the snapshot is newer (g5.xlarge's hand row is from 2024) the snapshot's row wins
+    p5_tokyo = next(o for o in catalog.cloud_offerings() if (o.instance_type, o.region) == ("p5.48xlarge", "ap-northeast-1"))
+    assert p5_tokyo.source.startswith("SkyPilot catalog") and p5_tokyo.zone == "apne1-az4"
 
 
 def test_plan_picks_the_cheapest_spot_region_of_the_snapshot(tmp_path):

@@ -228,13 +228,14 @@ def test_missing_credentials(aws, tmp_path, monkeypatch):
     assert err.value.message.startswith("aws: no usable credentials")
     assert "AWS_ACCESS_KEY_ID" in err.value.hint and "aws configure" in err.value.hint
     # offerings still come from the catalog
-    assert {o.region for o in p.offerings("H100", 8)} == {"us-east-1", "us-west-2"}
+    assert {o.region for o in p.offerings("H100", 8)} >= {"us-east-1", "us-west-2", "eu-north-1"}
 
 
 def test_offerings(aws):
     p = provider()
     got = p.offerings("a100-40gb", 8)
-    assert [(o.instance_type, o.region) for o in got] == [("p4d.24xlarge", "us-east-1")]
+    assert {o.instance_type for o in got} == {"p4d.24xlarge"}
+    assert {o.region for o in got} >= {"us-east-1", "us-west-2", "eu-west-1", "ap-northeast-1"}
     assert p.offerings("A100-40GB", 4) == []
     assert {o.instance_type for o in p.offerings("L4", 1)} == {"g6.xlarge", "g6.2xlarge"}  # the snapshot adds g6.2xlarge
 

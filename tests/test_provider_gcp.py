@@ -52,8 +52,9 @@ def provider(gce) -> GCPProvider:
 
 
 def offering(provider: GCPProvider, accelerator: str, count: int = 1) -> Offering:
-    (o,) = provider.offerings(accelerator, count)
-    return o
+    """The cheapest offering of ``accelerator:count`` in us-central1 (the emulator's zones)."""
+    return min((o for o in provider.offerings(accelerator, count) if o.region == "us-central1"),
+               key=lambda o: o.usd_per_hour)
 
 
 # ------------------------------------------------------------------------------ happy path
@@ -155,9 +156,9 @@ def test_zones_are_up_zones_of_the_region_sorted(provider, gce):
 
 
 def test_offerings_come_from_the_catalog(provider):
-    assert {o.instance_type for o in provider.offerings("h100", 8)} == {"a3-highgpu-8g"}
+    assert {o.instance_type for o in provider.offerings("h100", 8)} == {"a3-highgpu-8g", "a3-megagpu-8g", "a3-edgegpu-8g"}
     assert {o.instance_type for o in provider.offerings("H100", 1)} == {"a3-highgpu-1g"}
-    assert provider.offerings("H100", 2) == []
+    assert provider.offerings("H100", 3) == []
     assert split_instance_type("a3-highgpu-1g", "H100", 1) == ("a3-highgpu-1g", None)  # the GPU comes attached
     assert all(o.provider == "gcp" for o in provider.offerings("T4", 1))
     assert split_instance_type("n1-standard-4+T4", "T4", 1) == ("n1-standard-4", ("nvidia-tesla-t4", 1))

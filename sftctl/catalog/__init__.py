@@ -45,24 +45,30 @@ OVERRIDE_COLUMNS = ["provider", "instance_type", "region", "usd_per_hour", "spot
 
 def cloud_offerings() -> list[Offering]:
     """The cloud offerings: ``offerings.csv``'s hand-sourced rows, replaced or extended by the
-    snapshot's rows (same provider, instance type and region: the snapshot's prices, the
-    hand-sourced bandwidths where the snapshot has none), then the user's override file's prices
-    (see :func:`override_path`), which win. Read once per process and override-file version.
+    shipped snapshot's rows and then the refreshed catalog's (:func:`price_files`; same provider,
+    instance type and region: the later file's prices unless the earlier row's ``as_of`` is
+    newer, the hand-sourced bandwidths where the later row has none), then the user's override
+    file's prices (see :func:`override_path`), which win. Read once per process and version of
+    the override file and the refreshed catalog.
 
     Raises:
         SftctlError: a malformed override file (names the file, line and field; exit 2).
     """
     path = override_path()
     stamp = path.stat().st_mtime_ns if path is not None and path.is_file() else None
-    return list(_cloud_offerings(str(path) if stamp is not None else "", stamp))
+    refreshed = refreshed_path()
+    fresh = refreshed.stat().st_mtime_ns if refreshed.is_file() else None
+    return list(_cloud_offerings(str(path) if stamp is not None else "", stamp, str(refreshed), fresh))
 
 
 @functools.lru_cache(maxsize=4)
-def _cloud_offerings(override: str, _stamp: int | None) -> tuple[Offering, ...]:
+def _cloud_offerings(override: str, _stamp: int | None, _refreshed: str, _fresh: int | None) -> tuple[Offering, ...]:
     merged = {(o.provider, o.instance_type, o.region): o for o in _read_offerings(_CSV)}
-    if SNAPSHOT.is_file():
-        for o in _read_offerings(SNAPSHOT):
+    for path in price_files():
+        for o in _read_offerings(path):
             old = merged.get((o.provider, o.instance_type, o.region))
+            if old is not None and _newer(old.as_of, o.as_of):
+                continue  # a hand-sourced price newer than the snapshot's figures stays
             if old is not None and o.intra_node_bytes_per_s is None and o.inter_node_bytes_per_s is None:
                 o = dataclasses.replace(o, intra_node_bytes_per_s=old.intra_node_bytes_per_s,
                                         inter_node_bytes_per_s=old.inter_node_bytes_per_s,
@@ -72,6 +78,30 @@ def _cloud_offerings(override: str, _stamp: int | None) -> tuple[Offering, ...]:
     if override:
         out = _apply_overrides(out, Path(override))
     return tuple(out)
+
+
+def _newer(a: str, b: str) -> bool:
+    """Whether price date ``a`` is strictly newer than ``b`` (``YYYY[-MM[-DD]]``; unparsable: no)."""
+    da, db = _parse_date(a), _parse_date(b)
+    return da is not None and db is not None and da > db
+
+
+def price_files() -> list[Path]:
+    """The price files over ``offerings.csv``, oldest first: the shipped snapshot, then the
+    refreshed catalog in the user's data dir (``sftctl catalog refresh``) where there is one."""
+    out = [SNAPSHOT] if SNAPSHOT.is_file() else []
+    refreshed = refreshed_path()
+    if refreshed.is_file():
+        out.append(refreshed)
+    return out
+
+
+def refreshed_path() -> Path:
+    """Where ``sftctl catalog refresh`` keeps the catalog it built: ``catalog.csv`` in
+    ``$SFTCTL_HOME`` (the user's data dir by default)."""
+    from sftctl import paths
+
+    return paths.sftctl_home() / "catalog.csv"
 
 
 def _read_offerings(path: Path) -> list[Offering]:
@@ -161,19 +191,21 @@ def _apply_overrides(offerings: list[Offering], path: Path) -> list[Offering]:
 
 
 def catalog_age(today: datetime.date | None = None) -> dict:
-    """How old the catalog's prices are: ``{"as_of": the snapshot's newest price date (ISO),
-    "age_days": int, "stale": age_days > STALE_DAYS, "overrides": the override file in force or
-    None}``. Without a snapshot, ``as_of`` is offerings.csv's newest date (a year-month reads as
-    its first day)."""
+    """How old the catalog's prices are: ``{"as_of": the newest price file's newest price date
+    (ISO), "age_days": int, "stale": age_days > STALE_DAYS, "file": that file (the refreshed
+    catalog, else the shipped snapshot), "overrides": the override file in force or None}``.
+    Without either, ``as_of`` is offerings.csv's newest date (a year-month reads as its first
+    day)."""
     today = today or datetime.date.today()
-    rows = _read_offerings(SNAPSHOT) if SNAPSHOT.is_file() else _read_offerings(_CSV)
-    dates = [_parse_date(o.as_of) for o in rows]
+    files = price_files()
+    path = files[-1] if files else _CSV
+    dates = [_parse_date(o.as_of) for o in _read_offerings(path)]
     newest = max((d for d in dates if d is not None), default=None)
     age = (today - newest).days if newest else None
-    path = override_path()
+    override = override_path()
     return {"as_of": newest.isoformat() if newest else None, "age_days": age,
-            "stale": age is None or age > STALE_DAYS,
-            "overrides": str(path) if path is not None and path.is_file() else None}
+            "stale": age is None or age > STALE_DAYS, "file": str(path),
+            "overrides": str(override) if override is not None and override.is_file() else None}
 
 
 def _parse_date(text: str) -> datetime.date | None:
