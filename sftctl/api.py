@@ -296,7 +296,7 @@ def _warn_unset_references(spec: JobSpec, chosen: Plan) -> None:
     ``$VAR``/``${VAR}`` of ``setup:``/``run:`` that nothing sets on the chosen offering's nodes:
     the node's shell would expand it to nothing. Local and Slurm nodes inherit this shell's
     environment; cloud nodes get only ``env:``, ``secrets:`` and sftctl's variables."""
-    from sftctl.controller import node_env_names
+    from sftctl.controller.submit import node_env_names
     from sftctl.spec import unset_shell_references
 
     provider = chosen.offering.provider
@@ -360,7 +360,7 @@ def _owner_only() -> Iterator[None]:
 def _prepare(spec: SpecLike, overrides: Overrides, progress: Progress | None) -> tuple[JobSpec, Path | None, Plan]:
     """Validate a spec for running, then plan it: secrets set, checkpoint dir free, storage
     present where the nodes need it."""
-    from sftctl.controller import check_checkpoint_dir
+    from sftctl.controller.submit import check_checkpoint_dir
 
     s, label, path = _load(spec, overrides)
     missing = [k for k in s.secrets if k not in os.environ]
@@ -388,7 +388,7 @@ def _refuse_empty_secrets(spec: JobSpec, label: str) -> None:
     Raises:
         SpecError: naming the variable (exit 2).
     """
-    from sftctl.controller import required_secrets
+    from sftctl.controller.submit import required_secrets
     from sftctl.spec import resolve_env
 
     for name in required_secrets(spec):
@@ -435,12 +435,12 @@ def dry_run(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | N
     "submits": [{"name", "text"}]}`` (the other nodes summarised, so its size does not grow with
     the node count; secret values shown as ``<secret>``; ``submits``: Slurm's sbatch.sh and
     step.sh, Kubernetes manifests, as they would be handed over; see
-    :func:`sftctl.controller.preview`).
+    :func:`sftctl.controller.preview.preview`).
 
     Raises:
         SpecError, InfeasibleError: as :func:`submit`.
     """
-    from sftctl.controller import preview
+    from sftctl.controller.preview import preview
 
     s, _, chosen = _prepare(spec, overrides, progress)
     return {"dry_run": True, "job": s.name, "plan": chosen.reason, **preview(s, chosen.to_dict())}
@@ -535,14 +535,14 @@ def attach(job: str, reporter=None) -> Attached:
 
     Args:
         reporter: receives events, node log text and metrics as they happen
-            (:class:`sftctl.controller.Reporter`; the CLI's is :class:`sftctl.ui.RunView`).
+            (:class:`sftctl.controller.lifecycle.Reporter`; the CLI's is :class:`sftctl.ui.RunView`).
             None: events go to the ``sftctl.controller`` logger.
 
     Raises:
         ControllerBusy: the job already has a live controller, named by pid and host (exit 2);
             the job is left untouched.
     """
-    from sftctl.controller import Controller
+    from sftctl.controller.lifecycle import Controller
     from sftctl.queue import claim_job
 
     store = _store()
@@ -721,7 +721,7 @@ def _node_status(job: JobRecord, node: NodeRecord) -> str:
     handle = node.node_handle
     if job.status != JobStatus.FAILED_CONTROLLER or node.status == NodeState.TERMINATED or handle is None:
         return node.status
-    from sftctl.controller import job_provider
+    from sftctl.controller.submit import job_provider
 
     return job_provider(job, node.provider).status(handle).state.value
 
@@ -798,7 +798,7 @@ def logs(job: str, *, follow: bool = False, node: int | None = None, rank: int |
         SftctlError: ``node`` is not a rank of the job, or no node reported ``rank`` (exit 2).
         TypeError: ``job`` or ``node`` of the wrong type (as every function here).
     """
-    from sftctl.controller import job_provider
+    from sftctl.controller.submit import job_provider
 
     store = _store()
     record = _resolve(store, job)
@@ -896,7 +896,7 @@ def events_doc(job_id: str, evs: list[Event]) -> dict:
 @dataclasses.dataclass(frozen=True)
 class DownResult(Record):
     """What ``down`` did to one job: its status after, a one-line summary and, with ``purge``,
-    what was removed (:func:`sftctl.controller.purge`'s ``{"job_id", "objects", "bytes",
+    what was removed (:func:`sftctl.controller.teardown.purge`'s ``{"job_id", "objects", "bytes",
     "removed", "kept"}``). ``to_dict()`` is a row of ``down --json``'s ``down``; ``purged`` is
     there only when a purge was asked."""
 
@@ -926,8 +926,8 @@ def down(job: str | None = None, *, all: bool = False, purge: bool = False,  # n
         SftctlError: neither or both of ``job`` and ``all`` (exit 2).
         StorageError: the job's storage failed while purging (exit 4).
     """
-    from sftctl.controller import down as down_job
-    from sftctl.controller import purge as purge_job
+    from sftctl.controller.teardown import down as down_job
+    from sftctl.controller.teardown import purge as purge_job
     from sftctl.types import TERMINAL
 
     if bool(job) == all:
@@ -946,9 +946,9 @@ def down(job: str | None = None, *, all: bool = False, purge: bool = False,  # n
 
 def down_orphans(checked: list[str] | None = None) -> list[str]:
     """Delete every labelled resource, on every configured cloud, whose job is gone or ended;
-    one summary line per job swept (see :func:`sftctl.controller.down_orphans`). ``checked``, a
+    one summary line per job swept (see :func:`sftctl.controller.teardown.down_orphans`). ``checked``, a
     list, receives the providers that were asked (``local`` always; a cloud once configured)."""
-    from sftctl.controller import down_orphans as sweep
+    from sftctl.controller.teardown import down_orphans as sweep
 
     try:
         store = _store()

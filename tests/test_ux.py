@@ -473,23 +473,23 @@ def test_rendezvous_ports_are_claimed_outside_the_ephemeral_range(tmp_path, monk
     port something listens on is skipped; a released port can be claimed again."""
     import socket
 
-    from sftctl import controller
+    from sftctl.controller import ports
 
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # a claims registry of this test's own
-    lo, _ = controller._ephemeral_range()
-    a = controller.claim_rendezvous_port("job-a")
-    b = controller.claim_rendezvous_port("job-a")  # the same start: the claim makes it move on
-    assert a != b and all(lo - controller.RDZV_PORTS <= p < lo for p in (a, b))
-    controller.release_rendezvous_port(a)
+    lo, _ = ports._ephemeral_range()
+    a = ports.claim_rendezvous_port("job-a")
+    b = ports.claim_rendezvous_port("job-a")  # the same start: the claim makes it move on
+    assert a != b and all(lo - ports.RDZV_PORTS <= p < lo for p in (a, b))
+    ports.release_rendezvous_port(a)
     with socket.socket() as busy:  # someone else listens on the port job-a would get first
         busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         busy.bind(("0.0.0.0", a))
         busy.listen()
-        c = controller.claim_rendezvous_port("job-a")
+        c = ports.claim_rendezvous_port("job-a")
     assert c not in (a, b)
     for p in (b, c):
-        controller.release_rendezvous_port(p)
-    assert controller.claim_rendezvous_port("job-a") == a
+        ports.release_rendezvous_port(p)
+    assert ports.claim_rendezvous_port("job-a") == a
 
 
 def test_a_checkpoint_dir_of_another_job_is_refused_unless_resumed_from(tmp_path, home):

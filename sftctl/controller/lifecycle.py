@@ -1,4 +1,5 @@
-"""The job lifecycle as an explicit state machine, and ``sftctl down``.
+"""The job lifecycle as an explicit state machine: :class:`Controller` and the detached
+controller's entry point :func:`main`.
 
 One controller drives one job (see :mod:`sftctl.state` for the statuses and allowed moves)::
 
@@ -17,36 +18,39 @@ detached, it runs as ``python -m sftctl.controller JOB_ID`` in a session of its 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
 import signal
-import socket
 import sys
 import time
-from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
-from sftctl import procs, settings
+from sftctl import settings
 from sftctl.catalog import Offering
+from sftctl.controller.ports import claim_rendezvous_port, release_rendezvous_port
+from sftctl.controller.submit import (
+    claim_checkpoint_dir,
+    default_install,
+    job_provider,
+    job_storage_url,
+    node_env,
+    required_secrets,
+)
 from sftctl.errors import CapacityError, ExitCode, InfeasibleError, SftctlError
 from sftctl.health.telemetry import REPLACE, RESTART
 from sftctl.paths import job_dir
-from sftctl.providers import get_provider
 from sftctl.providers.base import NodeState, provision_all, terminate_all
-from sftctl.queue import CANCEL_SIGNALS, CONTROLLER_OWNER, DOWN_REASON, ControllerBusy, claim_job  # shared with the waiting stage
-from sftctl.spec import JobSpec, env_references, resolve_env
+from sftctl.queue import CANCEL_SIGNALS, DOWN_REASON, ControllerBusy, claim_job  # shared with the waiting stage
+from sftctl.spec import JobSpec
+from sftctl.state import JobStatus, Store
 from sftctl.storage import StorageError
-from sftctl.state import JobRecord, JobStatus, Store, controller_died_reason
-from sftctl.types import AttemptStatus, FailureCode, FailureReason, NodeHandle, capabilities
+from sftctl.types import AttemptStatus, FailureCode, FailureReason, capabilities
 
 POLL_S = 0.5
 #: With job storage every poll lists each node's streams (about 5 requests per node): poll less
 #: often there; S3 charges per request and a node ships its files every second anyway.
 STORAGE_POLL_S = 2.0
-REPLACED = NodeState.REPLACED  # the node status of a node a health verdict replaced (terminated too)
-DOWN_GRACE_S = 20.0  # how long `sftctl down` lets a live controller clean up before killing it
 STORAGE_OUTAGE_S = 300.0  # how long the job's storage may be unreachable before the job fails
 
 
@@ -339,7 +343,7 @@ class Controller:
 
         return render("bootstrap.sh.j2", job_id=self.job_id, node_id=node_id, rank=rank,
                       storage_url=job_storage_url(self.spec, self.job_id) or "",
-                      install=settings.get("SFTCTL_NODE_INSTALL") or _default_install())
+                      install=settings.get("SFTCTL_NODE_INSTALL") or default_install())
 
     def _next_offering(self) -> Offering | None:
         """The best feasible candidate of the plan after the current one that no block rules out."""
@@ -353,79 +357,9 @@ class Controller:
         return None
 
     def node_env(self, rank: int, attempt: int, master_port: int) -> dict[str, str]:
-        """The environment every node gets: the spec's ``env`` and sftctl's own variables.
-
-        ``SFTCTL_NODE_IPS`` is comma-separated in node-rank order; ``MASTER_ADDR``/``MASTER_PORT``
-        and ``SFTCTL_RDZV_ENDPOINT`` point at node 0 for torchrun's c10d rendezvous.
-        """
-        spec = self.spec
-        ips = [(n["handle"].ip if n["handle"] is not None else None) or "127.0.0.1" for n in self.nodes]
-        env = resolve_env(spec.env)  # the spec holds ${VAR} references; values only reach the node
-        env.update({k: os.environ[k] for k in spec.secrets if k in os.environ})  # values never stored
-        url = job_storage_url(spec, self.job_id)
-        if url is not None:  # nodes keep checkpoints on their disk and in the job's storage
-            env.update(settings.node_env(storage_url=url))
-            if self.workdir_key:
-                env.update(settings.node_env(workdir_key=self.workdir_key, workdir_storage=spec.storage.url))
-            if spec.train.checkpoint_dir:
-                env.update(settings.node_env(checkpoint_dir=spec.train.checkpoint_dir))
-        else:
-            env.update(settings.node_env(
-                checkpoint_dir=spec.train.checkpoint_dir or str(job_dir(self.job_id) / "checkpoints")))
-        # the node's SFTCTL_* variables: names and formats from sftctl.settings
-        env.update(settings.node_env(
-            keep_checkpoints=spec.train.keep_checkpoints,
-            compile=spec.train.compile,
-            # the strategy the plan chose for this offering (sftctl.train.prepare runs it)
-            parallelism=self._planned("parallelism") or (
-                spec.train.parallelism if spec.train.parallelism != "auto" else "ddp"),
-            activation_checkpointing=bool(self._planned("activation_checkpointing")
-                                          or spec.train.activation_checkpointing),
-            grad_accum=max(1, spec.resources.nodes // len(self.nodes)),
-            job_id=self.job_id,
-            node_rank=rank,
-            num_nodes=len(self.nodes),
-            node_ips=",".join(ips),
-            nproc_per_node=self.offering.count,
-            attempt=attempt,
-            node_generation=next(n.get("generation", 0) for n in self.nodes if n["rank"] == rank),
-            health_interval_s=spec.health.interval_s,
-            agent_address=spec.health.metrics_address,
-            checkpoint_interval=spec.train.checkpoint_interval,
-            train_steps=spec.train.steps,
-        ))
-        env.update(
-            MASTER_ADDR=ips[0],
-            MASTER_PORT=str(master_port),
-            **settings.node_env(rdzv_endpoint=f"{ips[0]}:{master_port}", rdzv_is_host=rank == 0),
-            # torchrun reads PET_<OPTION> for each option it is not given, so `run: torchrun
-            # train.py` joins the job's rendezvous without spelling out --nnodes --rdzv-*
-            PET_NNODES=str(len(self.nodes)),
-            PET_NPROC_PER_NODE=str(self.offering.count),
-            PET_NODE_RANK=str(rank),
-            PET_RDZV_BACKEND="c10d",
-            PET_RDZV_ENDPOINT=f"{ips[0]}:{master_port}",
-            PET_RDZV_ID=self.job_id,
-            PET_RDZV_CONF=f"is_host={1 if rank == 0 else 0}",
-            PET_MAX_RESTARTS="0",  # sftctl restarts the job itself, from its last checkpoint
-        )
-        if spec.model is not None:
-            env.update(settings.node_env(
-                model_entrypoint=spec.model.entrypoint,
-                # the planned per-rank share; fewer nodes than planned (elastic) accumulate more of them
-                batch_size=max(1, spec.model.batch_size // (spec.resources.nodes * self.offering.count)),
-                dtype=spec.model.dtype,
-                matmul_precision=spec.model.matmul_precision,
-            ))
-        return env
-
-    def _planned(self, key: str):
-        """The plan's choice for the offering the job runs on (``parallelism``,
-        ``activation_checkpointing``), or None (no model, or a plan made before strategies)."""
-        for c in self.plan_doc.get("candidates", []):  # after a failover: that offering's own choice
-            if not c.get("rejected") and "offering" in c and Offering(**c["offering"]) == self.offering:
-                return c.get(key)
-        return self.plan_doc.get(key)
+        """The environment node ``rank`` gets for ``attempt`` (:func:`sftctl.controller.submit.node_env`)."""
+        return node_env(self.spec, self.job_id, self.plan_doc, self.offering, self.nodes, rank, attempt,
+                        master_port, self.workdir_key)
 
     def _launch(self, attempt: int) -> None:
         from sftctl.templates import render
@@ -572,7 +506,7 @@ class Controller:
         if quarantine and old["handle"]:
             self._quarantine(old, quarantine)
         self.provider.terminate(old["handle"])
-        self.store.update_node(old["id"], status=REPLACED, handle=old["handle"].with_(terminated=True).to_dict())
+        self.store.update_node(old["id"], status=NodeState.REPLACED, handle=old["handle"].with_(terminated=True).to_dict())
         node_id = self.store.add_node(self.job_id, rank, self.provider.name)
         new = {"id": node_id, "rank": rank, "handle": None, "generation": old.get("generation", 0) + 1}
         self.nodes[i] = new
@@ -719,468 +653,6 @@ class Controller:
         release_rendezvous_port(self.rdzv_port)  # its nodes are gone: the port is free again
 
 
-# -------------------------------------------------------------------- down and reconciliation
-
-
-def down(store: Store, job_id: str, progress: Callable[[str], None] | None = None) -> str:
-    """Cancel a job if it is live and remove every node and process it has. Idempotent: safe to
-    run again, also while another ``down`` of it runs or after one was interrupted.
-
-    A live controller gets SIGTERM and ``DOWN_GRACE_S`` seconds to tear down by itself; then this
-    function terminates whatever the state and the provider's tags still show, every node at
-    once (:func:`sftctl.providers.base.terminate_all`: 200 local nodes in about a second), and
-    SIGKILLs a controller that did not exit. ``progress(line)``, when given, hears what it waits
-    on (the controller; the nodes, with a count every few seconds of a long teardown). Returns
-    a one-line summary.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    say = progress or (lambda line: None)
-    job = store.get_job(job_id)
-    if job is None:
-        raise KeyError(job_id)
-    pid, ticks = job.controller_pid, job.controller_start_ticks
-    controller_was_alive = bool(pid and pid != os.getpid() and procs.alive(pid, ticks))
-    if controller_was_alive:
-        # said first, so the controller's reason names sftctl down, not an anonymous SIGTERM
-        store.add_event(job_id, "down", f"sftctl down: SIGTERM to the controller (pid {pid})",
-                        {"signal": "SIGTERM", "controller_pid": pid})
-        say(f"{job_id}: waiting up to {DOWN_GRACE_S:.0f} s for its controller (pid {pid}) to stop its nodes")
-        os.kill(pid, signal.SIGTERM)
-        end = time.monotonic() + DOWN_GRACE_S
-        while procs.alive(pid, ticks) and time.monotonic() < end:
-            time.sleep(0.1)
-        if procs.alive(pid, ticks):
-            procs.kill_all([pid], grace_s=0)
-    cancelled = store.transition(job_id, JobStatus.CANCELLED, DOWN_REASON, strict=False,
-                                 code=FailureCode.CANCELLED.value)
-    provider = job_provider(job)
-    up = [n for n in store.nodes(job_id) if n.status not in (NodeState.TERMINATED.value, REPLACED)]
-    handles = [n.node_handle for n in up if n.node_handle is not None]
-    if up:
-        say(f"{job_id}: taking down {len(up)} node(s)")
-    with ThreadPoolExecutor(max_workers=max(1, min(16, len(handles)))) as pool:  # a cloud's status is a call
-        running = sum(st.state == NodeState.RUNNING for st in pool.map(provider.status, handles))
-    terminate_all(provider, handles, progress=lambda line: say(f"{job_id}: {line}"))
-    for node in up:
-        store.update_node(node.id, status=NodeState.TERMINATED.value, handle={**node.handle, "terminated": True})
-    released = len(up)
-    strays = provider.terminate_tagged(job_id)
-    store.end_open_attempts(job_id, AttemptStatus.ABANDONED, "the controller was gone; ended by sftctl down",
-                            FailureCode.CONTROLLER_DIED.value)
-    after = store.get_job(job_id)
-    if not (cancelled or controller_was_alive or released or strays):
-        return f"{job_id}: {after.status.value.lower()}, nothing left to take down"
-    if after.status == JobStatus.FAILED_CONTROLLER:  # only a reaped controller ends a job so
-        store.update_job(job_id, failure_reason=controller_died_reason(job_id, after.controller_pid, nodes_removed=True))
-    parts = [f"{job_id}: " + ("cancelled" if cancelled else after.status.value.lower())]
-    if running:
-        parts.append(f"stopped {running} running node(s)")
-    elif controller_was_alive:
-        parts.append("its controller stopped the nodes")
-    else:
-        parts.append("no node was running")
-    if released:
-        parts.append(f"released {released} node(s)")
-    if strays:
-        parts.append(f"killed {strays} stray process(es)")
-    summary = ", ".join(parts)
-    store.add_event(job_id, "down", summary)
-    return summary
-
-
-def purge(store: Store, job_id: str) -> dict:
-    """Remove what sftctl wrote for a job that is down (``sftctl down JOB --purge``). Idempotent.
-
-    Removed: under the job's storage prefix (``<storage>/<job id>/``) the objects of
-    :data:`sftctl.storage.SFTCTL_PREFIXES` (checkpoints, node logs, metrics and health streams,
-    launch requests, exit codes); the workdir pack under the storage root when this job uploaded
-    it and no live job of this state uses it; the job's local directory
-    (``$SFTCTL_HOME/jobs/<job id>``: local nodes, logs, default checkpoints, controller log).
-    Never removed: the bucket or directory itself and its marker, anything else under the job's
-    prefix, a spec's own ``train.checkpoint_dir``, a Slurm job's directory on a remote cluster;
-    those that exist are listed under ``kept``. The job's record and events stay in the state.
-
-    Returns:
-        ``{"job_id", "objects", "bytes", "removed": [{"where", "objects", "bytes"}],
-        "kept": [{"where", "why"}]}`` (bytes: the sizes the storage listed before deleting).
-
-    Raises:
-        KeyError: no such job.
-        SftctlError: (exit 2) the job is not down: it is live, or nodes of it may still run.
-        StorageError: the job's storage failed (exit 4).
-    """
-    import shutil
-
-    from sftctl.state import TERMINAL
-
-    job = store.get_job(job_id)
-    if job is None:
-        raise KeyError(job_id)
-    alive = bool(job.controller_pid and procs.alive(job.controller_pid, job.controller_start_ticks))
-    up = [n for n in store.nodes(job_id) if n.status not in (NodeState.TERMINATED, REPLACED, NodeState.FAILED)]
-    if job.status not in TERMINAL or alive or up:
-        why = f"{len(up)} node(s) may still run" if up and job.status in TERMINAL else job.status.value
-        raise SftctlError(f"job {job_id} is {why}: --purge removes its storage only when the job is down",
-                          hint=f"sftctl down {job_id} --purge (takes it down first)")
-    spec = JobSpec.model_validate(job.spec)
-    removed: list[dict] = []
-    kept: list[dict] = []
-    url = job_storage_url(spec, job_id)
-    if url is not None:
-        from sftctl.storage import LocalStorage, open_storage
-
-        storage = open_storage(url)
-        if isinstance(storage, LocalStorage) and storage.mount is not None and not storage.mount.is_dir():
-            kept.append({"where": storage.url, "why": f"the claim is not mounted here ({storage.mount})"})
-        else:
-            n, size = storage.delete_prefixes()
-            removed.append({"where": storage.url, "objects": n, "bytes": size})
-            rest = storage.list("")
-            if rest:
-                kept.append({"where": storage.url, "why": f"{len(rest)} object(s) sftctl did not write"})
-            elif isinstance(storage, LocalStorage):
-                with contextlib.suppress(OSError):
-                    storage.root.rmdir()
-            removed += _purge_workdir_pack(store, job_id, spec, kept)
-    local = job_dir(job_id)
-    if local.exists():
-        files = [p for p in local.rglob("*") if p.is_file() and not p.is_symlink()]
-        size = sum(p.stat().st_size for p in files)
-        shutil.rmtree(local, ignore_errors=True)
-        if local.exists():
-            kept.append({"where": str(local), "why": "some files could not be removed"})
-        removed.append({"where": str(local), "objects": len(files), "bytes": size})
-    own = checkpoint_dir_path(spec)
-    if own is not None and own.exists():
-        kept.append({"where": str(own), "why": "train.checkpoint_dir is yours: sftctl never deletes it"})
-    remote = {(n.handle or {}).get("root") for n in store.nodes(job_id) if job.provider == "slurm"}
-    for root in sorted(r for r in remote if r and not Path(r).is_relative_to(local)):  # over ssh
-        kept.append({"where": root, "why": "the job's directory on the Slurm cluster: remove it there"})
-    doc = {"job_id": job_id, "objects": sum(r["objects"] for r in removed),
-           "bytes": sum(r["bytes"] for r in removed), "removed": removed, "kept": kept}
-    store.add_event(job_id, "purge", f"purged {doc['objects']} object(s), {doc['bytes']} bytes", doc)
-    return doc
-
-
-def _purge_workdir_pack(store: Store, job_id: str, spec: JobSpec, kept: list[dict]) -> list[dict]:
-    """Delete the workdir pack this job uploaded to its storage root (packs are shared by content
-    hash), unless a live job of this state uses the same one."""
-    from sftctl.state import TERMINAL
-    from sftctl.storage import open_storage
-
-    def packs(jid: str) -> list[dict]:
-        return [e.data for e in store.events(jid) if e.kind == "storage" and (e.data or {}).get("workdir_key")]
-
-    mine = [d for d in packs(job_id) if d.get("uploaded")]
-    if not mine:
-        return []
-    key = mine[0]["workdir_key"]
-    for other in store.list_jobs():
-        if other.id == job_id or other.status in TERMINAL:
-            continue
-        other_spec = other.spec or {}
-        if (other_spec.get("storage") or {}).get("url") == spec.storage.url and any(
-                d["workdir_key"] == key for d in packs(other.id)):
-            kept.append({"where": f"{spec.storage.url.rstrip('/')}/{key}", "why": f"live job {other.id} uses it"})
-            return []
-    root = open_storage(spec.storage.url)
-    size = root.size(key)
-    if size is None:
-        return []
-    root.delete(key)
-    return [{"where": f"{root.url.rstrip('/')}/{key}", "objects": 1, "bytes": size}]
-
-
-def preview(spec: JobSpec, plan_doc: dict, job_id: str = "<job-id>") -> dict:
-    """What ``sftctl run`` would provision and start, rendered but not done (``run --dry-run``).
-
-    Returns ``{"offering", "nodes": [{"rank", "env", "script", "bootstrap"}], "other_nodes",
-    "submits": [{"name", "text"}]}``: node 0 in full (its environment with secret values shown as
-    ``<secret>``, its attempt script ``node.sh`` and, on a cloud, its first-boot script), the rest
-    summarised, so the output stays the same size for 2 nodes or 10,000: ``other_nodes`` is None
-    for one node, else ``{"count", "ranks": [first, last], "env_differs": [names],
-    "script_lines_differ": n, "bootstrap_lines_differ": n}`` (what rank 1 has that node 0 has not:
-    its rank, node id, address...); ``submits``: what the scheduler would be handed (Slurm's sbatch
-    and step scripts, node 0's Kubernetes manifests). Nothing is recorded, created or started.
-    """
-    import difflib
-
-    c = Controller.__new__(Controller)  # rendering only: no store, no provider
-    c.spec, c.job_id, c.plan_doc = spec, job_id, plan_doc
-    c.offering = Offering(**plan_doc["offering"])
-    cloud = not capabilities(c.offering.provider).local_admission
-    count = spec.resources.nodes
-    c.nodes = [{"id": f"{job_id}-n{r}", "rank": r, "generation": 0,
-                "handle": NodeHandle(job_id=job_id, node_id=f"{job_id}-n{r}", rank=r,
-                                     ip=f"<node {r} ip>" if cloud else "127.0.0.1")}
-               for r in range(count)]
-    c.workdir_key = "<workdir pack>" if spec.storage is not None else None
-    nodes = [_preview_node(c, spec, n, cloud) for n in c.nodes[:2]]  # node 0 in full, node 1 for what differs
-    if count == 1:
-        return {"offering": c.offering.to_dict(), "nodes": nodes, "other_nodes": None,
-                "submits": _preview_submits(spec, c, nodes)}
-
-    def changed(a: str | None, b: str | None) -> int:
-        lines = difflib.ndiff((a or "").splitlines(), (b or "").splitlines())
-        return sum(line.startswith("+ ") for line in lines)
-
-    first, second = nodes
-    others = {"count": count - 1, "ranks": [1, count - 1],
-              "env_differs": sorted(k for k in first["env"].keys() | second["env"].keys()
-                                    if first["env"].get(k) != second["env"].get(k)),
-              "script_lines_differ": changed(first["script"], second["script"]),
-              "bootstrap_lines_differ": changed(first["bootstrap"], second["bootstrap"])}
-    return {"offering": c.offering.to_dict(), "nodes": [first], "other_nodes": others,
-            "submits": _preview_submits(spec, c, [first])}
-
-
-def node_env_names(spec: JobSpec, plan_doc: dict) -> set[str]:
-    """The names of the environment every node of ``spec`` gets on the plan's offering (the
-    spec's ``env`` and ``secrets``, sftctl's own variables): what ``run:`` may expand."""
-    c = Controller.__new__(Controller)  # no store, no provider: the names only
-    c.spec, c.job_id, c.plan_doc = spec, "<job-id>", plan_doc
-    c.offering = Offering(**plan_doc["offering"])
-    c.nodes = [{"id": "<node>", "rank": 0, "generation": 0,
-                "handle": NodeHandle(job_id="<job-id>", node_id="<node>", rank=0, ip="127.0.0.1")}]
-    c.workdir_key = "<workdir pack>" if spec.storage is not None else None
-    return set(c.node_env(0, 1, 0)) | set(spec.env) | set(spec.secrets)
-
-
-def _preview_node(c: Controller, spec: JobSpec, n: dict, cloud: bool) -> dict:
-    """One node of :func:`preview`: ``{"rank", "env", "script", "bootstrap"}``."""
-    from sftctl.templates import render
-
-    job_id = c.job_id
-    env = c.node_env(n["rank"], 1, "<rendezvous port>")
-    env.update({k: "<secret>" for k in spec.secrets if k in env})
-    env.update({k: v for k, v in spec.env.items() if env_references(v)})  # ${MY_API_TOKEN}, not its value
-    script = render("node.sh.j2", job_id=job_id, node_id=n["id"], rank=n["rank"], attempt=1,
-                    workdir=spec.workdir, setup=spec.setup, run=spec.run, health=spec.health.enabled,
-                    secrets=required_secrets(spec))
-    bootstrap = None
-    if cloud:
-        bootstrap = render("bootstrap.sh.j2", job_id=job_id, node_id=n["id"], rank=n["rank"],
-                           storage_url=job_storage_url(spec, job_id) or "",
-                           install=settings.get("SFTCTL_NODE_INSTALL") or _default_install())
-    return {"rank": n["rank"], "env": env, "script": script, "bootstrap": bootstrap}
-
-
-def _preview_submits(spec: JobSpec, c: "Controller", nodes: list[dict]) -> list[dict]:
-    """What ``preview`` adds per provider: ``[{"name", "text"}]``, the documents sftctl would hand
-    the scheduler: Slurm's ``sbatch.sh`` and ``step.sh``, the shown nodes' Kubernetes manifests
-    (Secret values shown as ``<secret>``). Empty for the others (their nodes get ``bootstrap``)."""
-    provider = c.offering.provider
-    if provider == "slurm":
-        from sftctl.providers import get_provider
-
-        slurm = get_provider("slurm", config=spec.slurm.model_dump() if spec.slurm else None,
-                             num_nodes=spec.resources.nodes, time_limit_s=spec.resources.deadline_s)
-        scripts = slurm.batch_scripts(c.job_id, 1, [n["id"] for n in c.nodes], c.offering)
-        return [{"name": f"attempt-1/{name}", "text": text} for name, text in scripts.items()]
-    if provider == "kubernetes":
-        import yaml
-
-        from sftctl.providers.cloud import InstanceRequest
-        from sftctl.providers.kubernetes import node_manifests
-
-        out = []
-        secrets = {k: "<secret>" for k in required_secrets(spec)}
-        for n, shown_node in zip(c.nodes, nodes):
-            request = InstanceRequest(job_id=c.job_id, node_id=n["id"], rank=n["rank"], offering=c.offering,
-                                      zone=None, spot=spec.resources.spot, bootstrap=shown_node["bootstrap"] or "",
-                                      image=spec.resources.image)
-            objs = node_manifests(request, namespace=settings.get("SFTCTL_K8S_NAMESPACE") or "default",
-                                  secrets=secrets or None, num_nodes=spec.resources.nodes)
-            out.append({"name": f"node {n['rank']}: Kubernetes objects",
-                        "text": yaml.safe_dump_all([o for o in objs.values() if o is not None], sort_keys=False)})
-        return out
-    return []
-
-
-OWNER_FILE = ".sftctl-job"  # in a spec's train.checkpoint_dir: the job whose checkpoints it holds
-
-
-def checkpoint_dir_path(spec: JobSpec) -> Path | None:
-    """The spec's own ``train.checkpoint_dir`` on this machine (relative to the workdir, where
-    the nodes run), or None when the job keeps checkpoints in its job dir or its storage."""
-    if spec.train.checkpoint_dir is None or spec.storage is not None:
-        return None
-    return (Path(spec.workdir) / os.path.expanduser(spec.train.checkpoint_dir)).resolve()
-
-
-def check_checkpoint_dir(spec: JobSpec) -> None:
-    """Refuse a ``train.checkpoint_dir`` that holds another run's checkpoints (a new job would
-    silently resume its weights) unless ``train.resume_from`` names that job (or is ``any``).
-
-    Raises:
-        SpecError: the directory holds complete checkpoints of another job or of an unknown run.
-    """
-    from sftctl.errors import SpecError
-    from sftctl.storage.checkpoints import complete_checkpoint_steps
-
-    root = checkpoint_dir_path(spec)
-    if root is None or not root.is_dir():
-        return
-    steps = complete_checkpoint_steps(root)
-    if not steps:
-        return
-    try:
-        owner = (root / OWNER_FILE).read_text().strip() or None
-    except OSError:
-        owner = None
-    wanted = spec.train.resume_from
-    if wanted == "any" or (wanted is not None and wanted == owner):
-        return
-    whose = f"job {owner}" if owner else "a run sftctl did not start"
-    if wanted is not None:
-        raise SpecError(f"train.resume_from: {wanted} but {root} holds the checkpoints of {whose}",
-                        hint=f"set train.resume_from: {owner or 'any'}, or give an empty train.checkpoint_dir")
-    raise SpecError(
-        f"train.checkpoint_dir: {root} holds checkpoints of {whose} (up to step {steps[-1]}); "
-        "this job would resume from them",
-        hint=f"to continue that run set train.resume_from: {owner or 'any'}; for a fresh start use another "
-             "checkpoint_dir (or none: each job gets its own)",
-    )
-
-
-def claim_checkpoint_dir(spec: JobSpec, job_id: str) -> None:
-    """Mark the spec's ``train.checkpoint_dir`` as holding this job's checkpoints."""
-    root = checkpoint_dir_path(spec)
-    if root is None:
-        return
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        (root / OWNER_FILE).write_text(job_id + "\n")
-    except OSError:  # a read-only dir: the training script's own save says so, with its error
-        pass
-
-
-def job_storage_url(spec: JobSpec, job_id: str) -> str | None:
-    """Where this job keeps its code, checkpoints, logs and telemetry: ``<storage.url>/<job id>``."""
-    if spec.storage is None:
-        return None
-    return f"{spec.storage.url.rstrip('/')}/{job_id}"
-
-
-def job_provider(job: JobRecord, name: str | None = None):
-    """The provider of ``job`` (``name`` overrides the recorded one), wired to the job's storage."""
-    name = name or job.provider or "local"
-    spec = JobSpec.model_validate(job.spec)
-    url = job_storage_url(spec, job.id)
-    if name == "slurm":  # one allocation of resources.nodes, --time from the deadline
-        return get_provider(name, config=spec.slurm.model_dump() if spec.slurm else None,
-                            num_nodes=spec.resources.nodes, time_limit_s=spec.resources.deadline_s)
-    options = _provider_options(spec, name)
-    if url is None:
-        return get_provider(name, **options)
-    from sftctl.storage import open_storage
-    from sftctl.storage.stream import NodeChannel
-
-    kwargs = {}
-    secret_env = secret_env_keys(spec)
-    if name == "kubernetes":  # a Kubernetes Secret carries the secrets; pods learn the world size
-        refs = {k: v for k, v in spec.env.items() if k in secret_env
-                and all(name in os.environ for name in env_references(v))}  # `down` from another shell
-        kwargs = {"secrets": {**{k: os.environ[k] for k in spec.secrets if k in os.environ}, **resolve_env(refs)},
-                  "num_nodes": spec.resources.nodes}
-    return get_provider(name, channel=NodeChannel(open_storage(url), secret_keys=set(spec.secrets) | secret_env),
-                        **kwargs, **options)
-
-
-def secret_env_keys(spec: JobSpec) -> set[str]:
-    """The ``env:`` variables that carry a secret: their value refers to a variable named in
-    ``secrets:`` or one whose name says it is secret (``${MY_API_TOKEN}``, see
-    :func:`sftctl.protocol.is_secret_name`). Job storage holds their names, not values;
-    on Kubernetes the job's Secret carries them."""
-    from sftctl.protocol import is_secret_name
-
-    return {k for k, v in spec.env.items()
-            if any(name in spec.secrets or is_secret_name(name) for name in env_references(v))}
-
-
-def required_secrets(spec: JobSpec) -> list[str]:
-    """The variables a node refuses to run without (``templates/node.sh.j2``): every name in
-    ``secrets:`` and every ``env:`` variable that carries a secret (:func:`secret_env_keys`), so
-    a secret that did not arrive stops the attempt with a line naming it, never runs empty."""
-    names = set(spec.secrets) | secret_env_keys(spec)
-    return sorted(n for n in names if n.isascii() and n.isidentifier())
-
-
-def _provider_options(spec: JobSpec, name: str) -> dict:
-    """Per-cloud settings from the spec, else from this shell's configuration: the IAM instance
-    profile of AWS nodes (``resources.instance_profile``, else ``$SFTCTL_AWS_INSTANCE_PROFILE``)."""
-    if name == "aws":
-        profile = spec.resources.instance_profile or settings.get("SFTCTL_AWS_INSTANCE_PROFILE")
-        if profile:
-            return {"instance_profile": profile}
-    return {}
-
-
-def _default_install() -> str:
-    from sftctl import __version__
-
-    return f"sftctl[aws,gcp]=={__version__}"
-
-
-def down_orphans(store: Store | None, checked: list[str] | None = None) -> list[str]:
-    """Stop every live controller, and delete every labelled resource on every configured
-    provider, whose job is gone or ended.
-
-    A job is gone when this machine's state does not know it (``store`` None: the state is
-    unreadable, every job is gone); ended when its status is terminal. Controllers are found by
-    their job directories' ``controller.json`` (see :func:`sftctl.queue.claim_job`), outside the state.
-    Returns one summary line per job swept; ``checked`` (when given) receives the providers asked.
-    """
-    from sftctl.providers import PROVIDERS, configured
-
-    out = _stop_unknown_controllers(store)
-    for name in PROVIDERS:
-        if configured(name) is not None:
-            continue
-        if checked is not None:
-            checked.append(name)
-        try:
-            provider = get_provider(name)
-            found = provider.list_instances(None)
-        except SftctlError as e:
-            out.append(f"{name}: skipped ({e.message})")
-            continue
-        for job_id in sorted({r.get("job_id") or "?" for r in found}):
-            job = store.get_job(job_id) if store is not None else None
-            if job is not None and not job.status.terminal:
-                continue
-            n = provider.terminate_tagged(job_id)
-            why = "unknown job" if job is None else job.status.value.lower()
-            out.append(f"{name}: {job_id} ({why}): removed {n} resource(s)")
-    return out
-
-
-def _stop_unknown_controllers(store: Store | None) -> list[str]:
-    """SIGTERM (then SIGKILL after ``DOWN_GRACE_S``) each live controller on this host whose job
-    the state does not know; its teardown removes the job's nodes. One line per controller."""
-    import json
-
-    from sftctl.paths import sftctl_home
-
-    root = sftctl_home() / "jobs"
-    out = []
-    for d in sorted(root.iterdir()) if root.is_dir() else []:
-        try:
-            owner = json.loads((d / CONTROLLER_OWNER).read_text())
-            pid, ticks, host = int(owner["pid"]), owner.get("start_ticks"), owner.get("host")
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if host != socket.gethostname() or not procs.alive(pid, ticks):
-            continue
-        if store is not None and store.get_job(d.name) is not None:
-            continue  # a job the state knows: sftctl down JOB stops it
-        procs.kill_all([pid], grace_s=DOWN_GRACE_S)
-        out.append(f"{owner.get('provider') or 'local'}: {d.name} (unknown job): stopped its controller (pid {pid}), "
-                   "which removed its nodes")
-    return out
-
-
 #: Each signal that cancels a job: its reason and the exit code of ``sftctl run`` (128 + signal).
 #: When ``sftctl down`` sent the SIGTERM (it says so in an event first) the reason is DOWN_REASON.
 
@@ -1206,87 +678,6 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    """The kernel's ephemeral port range (where port-0 binds and outgoing connections land)."""
-    try:
-        lo, hi = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-RDZV_PORTS = 2000  # how many ports below the ephemeral range rendezvous ports come from
-
-
-def _ports_dir() -> str:
-    import tempfile
-
-    return os.path.join(tempfile.gettempdir(), f"sftctl-rdzv-ports-{os.getuid()}")
-
-
-def claim_rendezvous_port(job_id: str) -> int:
-    """A TCP port for the job's rendezvous (torchrun's c10d store on node 0), held until
-    :func:`release_rendezvous_port`.
-
-    Binding port 0 and releasing it raced: the kernel may hand the same ephemeral port to any
-    other process before torchrun binds it (a run failed with EADDRINUSE). Instead the port
-    comes from the ``RDZV_PORTS`` ports just below the kernel's ephemeral range, which the
-    kernel never hands out by itself, and is claimed machine-wide (every sftctl home of this
-    user) by a file ``<tmp>/sftctl-rdzv-ports-<uid>/<port>`` naming the claiming controller; a
-    claim whose controller is gone is taken over. A port something already listens on is skipped.
-
-    Raises:
-        SftctlError: every port of the range is claimed or in use.
-    """
-    from filelock import FileLock
-
-    lo, _ = _ephemeral_range()
-    first = max(1024, lo - RDZV_PORTS)
-    span = lo - first
-    d = _ports_dir()
-    os.makedirs(d, mode=0o700, exist_ok=True)
-    me = f"{os.getpid()} {procs.start_ticks(os.getpid())} {job_id}"
-    start = int.from_bytes(job_id.encode()[-4:].rjust(4, b"\0"), "big") % span
-    with FileLock(os.path.join(d, ".lock")):
-        for i in range(span):
-            port = first + (start + i) % span
-            path = os.path.join(d, str(port))
-            try:
-                pid, ticks, _job = open(path).read().split(" ", 2)
-                if procs.alive(int(pid), int(ticks) if ticks.isdigit() else None):
-                    continue  # held by a live controller
-            except (OSError, ValueError):
-                pass
-            if not _bindable(port):
-                continue
-            with open(path, "w") as f:
-                f.write(me)
-            return port
-    raise SftctlError(f"no free rendezvous port in {first}-{lo - 1}", hint="end finished jobs' controllers, or retry")
-
-
-def release_rendezvous_port(port: int | None) -> None:
-    """Give up a port claimed by this process (a no-op for a port it does not hold)."""
-    if port is None:
-        return
-    path = os.path.join(_ports_dir(), str(port))
-    try:
-        if open(path).read().split(" ", 1)[0] == str(os.getpid()):
-            os.unlink(path)
-    except OSError:
-        pass
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the TCPStore binds it
-        try:
-            s.bind(("0.0.0.0", port))
-            return True
-        except OSError:
-            return False
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the detached controller: ``python -m sftctl.controller JOB_ID``.
 
@@ -1307,6 +698,3 @@ def main(argv: list[str] | None = None) -> int:
         lock.release()
     return 0 if status == JobStatus.SUCCEEDED else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

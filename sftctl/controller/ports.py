@@ -1,0 +1,92 @@
+"""The rendezvous-port allocator: one TCP port per job for torchrun's c10d store on node 0,
+claimed machine-wide (every sftctl home of this user) below the kernel's ephemeral range and
+released when the job's nodes are gone."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from sftctl import procs
+from sftctl.errors import SftctlError
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range (where port-0 binds and outgoing connections land)."""
+    try:
+        lo, hi = (int(x) for x in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+RDZV_PORTS = 2000  # how many ports below the ephemeral range rendezvous ports come from
+
+
+def _ports_dir() -> str:
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"sftctl-rdzv-ports-{os.getuid()}")
+
+
+def claim_rendezvous_port(job_id: str) -> int:
+    """A TCP port for the job's rendezvous (torchrun's c10d store on node 0), held until
+    :func:`release_rendezvous_port`.
+
+    Binding port 0 and releasing it raced: the kernel may hand the same ephemeral port to any
+    other process before torchrun binds it (a run failed with EADDRINUSE). Instead the port
+    comes from the ``RDZV_PORTS`` ports just below the kernel's ephemeral range, which the
+    kernel never hands out by itself, and is claimed machine-wide (every sftctl home of this
+    user) by a file ``<tmp>/sftctl-rdzv-ports-<uid>/<port>`` naming the claiming controller; a
+    claim whose controller is gone is taken over. A port something already listens on is skipped.
+
+    Raises:
+        SftctlError: every port of the range is claimed or in use.
+    """
+    from filelock import FileLock
+
+    lo, _ = _ephemeral_range()
+    first = max(1024, lo - RDZV_PORTS)
+    span = lo - first
+    d = _ports_dir()
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    me = f"{os.getpid()} {procs.start_ticks(os.getpid())} {job_id}"
+    start = int.from_bytes(job_id.encode()[-4:].rjust(4, b"\0"), "big") % span
+    with FileLock(os.path.join(d, ".lock")):
+        for i in range(span):
+            port = first + (start + i) % span
+            path = os.path.join(d, str(port))
+            try:
+                pid, ticks, _job = open(path).read().split(" ", 2)
+                if procs.alive(int(pid), int(ticks) if ticks.isdigit() else None):
+                    continue  # held by a live controller
+            except (OSError, ValueError):
+                pass
+            if not _bindable(port):
+                continue
+            with open(path, "w") as f:
+                f.write(me)
+            return port
+    raise SftctlError(f"no free rendezvous port in {first}-{lo - 1}", hint="end finished jobs' controllers, or retry")
+
+
+def release_rendezvous_port(port: int | None) -> None:
+    """Give up a port claimed by this process (a no-op for a port it does not hold)."""
+    if port is None:
+        return
+    path = os.path.join(_ports_dir(), str(port))
+    try:
+        if open(path).read().split(" ", 1)[0] == str(os.getpid()):
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the TCPStore binds it
+        try:
+            s.bind(("0.0.0.0", port))
+            return True
+        except OSError:
+            return False

@@ -1,0 +1,233 @@
+"""Submit-time rules of a job and what its nodes are given: the ownership of a spec's
+``train.checkpoint_dir``, the secrets a node refuses to run without, the environment every node
+gets (:func:`node_env`, :func:`node_env_names`), where the job keeps its storage, and the job's
+provider wired to that storage (:func:`job_provider`).
+
+The api checks a spec with these before it records the job; the controller, ``down`` and the
+dry-run preview build nodes' environments and providers with the same functions."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sftctl import settings
+from sftctl.catalog import Offering
+from sftctl.paths import job_dir
+from sftctl.providers import get_provider
+from sftctl.spec import JobSpec, env_references, resolve_env
+from sftctl.state import JobRecord
+from sftctl.types import NodeHandle
+
+OWNER_FILE = ".sftctl-job"  # in a spec's train.checkpoint_dir: the job whose checkpoints it holds
+
+
+def checkpoint_dir_path(spec: JobSpec) -> Path | None:
+    """The spec's own ``train.checkpoint_dir`` on this machine (relative to the workdir, where
+    the nodes run), or None when the job keeps checkpoints in its job dir or its storage."""
+    if spec.train.checkpoint_dir is None or spec.storage is not None:
+        return None
+    return (Path(spec.workdir) / os.path.expanduser(spec.train.checkpoint_dir)).resolve()
+
+
+def check_checkpoint_dir(spec: JobSpec) -> None:
+    """Refuse a ``train.checkpoint_dir`` that holds another run's checkpoints (a new job would
+    silently resume its weights) unless ``train.resume_from`` names that job (or is ``any``).
+
+    Raises:
+        SpecError: the directory holds complete checkpoints of another job or of an unknown run.
+    """
+    from sftctl.errors import SpecError
+    from sftctl.storage.checkpoints import complete_checkpoint_steps
+
+    root = checkpoint_dir_path(spec)
+    if root is None or not root.is_dir():
+        return
+    steps = complete_checkpoint_steps(root)
+    if not steps:
+        return
+    try:
+        owner = (root / OWNER_FILE).read_text().strip() or None
+    except OSError:
+        owner = None
+    wanted = spec.train.resume_from
+    if wanted == "any" or (wanted is not None and wanted == owner):
+        return
+    whose = f"job {owner}" if owner else "a run sftctl did not start"
+    if wanted is not None:
+        raise SpecError(f"train.resume_from: {wanted} but {root} holds the checkpoints of {whose}",
+                        hint=f"set train.resume_from: {owner or 'any'}, or give an empty train.checkpoint_dir")
+    raise SpecError(
+        f"train.checkpoint_dir: {root} holds checkpoints of {whose} (up to step {steps[-1]}); "
+        "this job would resume from them",
+        hint=f"to continue that run set train.resume_from: {owner or 'any'}; for a fresh start use another "
+             "checkpoint_dir (or none: each job gets its own)",
+    )
+
+
+def claim_checkpoint_dir(spec: JobSpec, job_id: str) -> None:
+    """Mark the spec's ``train.checkpoint_dir`` as holding this job's checkpoints."""
+    root = checkpoint_dir_path(spec)
+    if root is None:
+        return
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        (root / OWNER_FILE).write_text(job_id + "\n")
+    except OSError:  # a read-only dir: the training script's own save says so, with its error
+        pass
+
+
+def job_storage_url(spec: JobSpec, job_id: str) -> str | None:
+    """Where this job keeps its code, checkpoints, logs and telemetry: ``<storage.url>/<job id>``."""
+    if spec.storage is None:
+        return None
+    return f"{spec.storage.url.rstrip('/')}/{job_id}"
+
+
+def job_provider(job: JobRecord, name: str | None = None):
+    """The provider of ``job`` (``name`` overrides the recorded one), wired to the job's storage."""
+    name = name or job.provider or "local"
+    spec = JobSpec.model_validate(job.spec)
+    url = job_storage_url(spec, job.id)
+    if name == "slurm":  # one allocation of resources.nodes, --time from the deadline
+        return get_provider(name, config=spec.slurm.model_dump() if spec.slurm else None,
+                            num_nodes=spec.resources.nodes, time_limit_s=spec.resources.deadline_s)
+    options = _provider_options(spec, name)
+    if url is None:
+        return get_provider(name, **options)
+    from sftctl.storage import open_storage
+    from sftctl.storage.stream import NodeChannel
+
+    kwargs = {}
+    secret_env = secret_env_keys(spec)
+    if name == "kubernetes":  # a Kubernetes Secret carries the secrets; pods learn the world size
+        refs = {k: v for k, v in spec.env.items() if k in secret_env
+                and all(name in os.environ for name in env_references(v))}  # `down` from another shell
+        kwargs = {"secrets": {**{k: os.environ[k] for k in spec.secrets if k in os.environ}, **resolve_env(refs)},
+                  "num_nodes": spec.resources.nodes}
+    return get_provider(name, channel=NodeChannel(open_storage(url), secret_keys=set(spec.secrets) | secret_env),
+                        **kwargs, **options)
+
+
+def secret_env_keys(spec: JobSpec) -> set[str]:
+    """The ``env:`` variables that carry a secret: their value refers to a variable named in
+    ``secrets:`` or one whose name says it is secret (``${MY_API_TOKEN}``, see
+    :func:`sftctl.protocol.is_secret_name`). Job storage holds their names, not values;
+    on Kubernetes the job's Secret carries them."""
+    from sftctl.protocol import is_secret_name
+
+    return {k for k, v in spec.env.items()
+            if any(name in spec.secrets or is_secret_name(name) for name in env_references(v))}
+
+
+def required_secrets(spec: JobSpec) -> list[str]:
+    """The variables a node refuses to run without (``templates/node.sh.j2``): every name in
+    ``secrets:`` and every ``env:`` variable that carries a secret (:func:`secret_env_keys`), so
+    a secret that did not arrive stops the attempt with a line naming it, never runs empty."""
+    names = set(spec.secrets) | secret_env_keys(spec)
+    return sorted(n for n in names if n.isascii() and n.isidentifier())
+
+
+def _provider_options(spec: JobSpec, name: str) -> dict:
+    """Per-cloud settings from the spec, else from this shell's configuration: the IAM instance
+    profile of AWS nodes (``resources.instance_profile``, else ``$SFTCTL_AWS_INSTANCE_PROFILE``)."""
+    if name == "aws":
+        profile = spec.resources.instance_profile or settings.get("SFTCTL_AWS_INSTANCE_PROFILE")
+        if profile:
+            return {"instance_profile": profile}
+    return {}
+
+
+def default_install() -> str:
+    """What a cloud node's bootstrap pip-installs: this sftctl's version with the cloud extras."""
+    from sftctl import __version__
+
+    return f"sftctl[aws,gcp]=={__version__}"
+
+
+def node_env(spec: JobSpec, job_id: str, plan_doc: dict, offering: Offering, nodes: list[dict], rank: int,
+             attempt: int, master_port: int | str, workdir_key: str | None = None) -> dict[str, str]:
+    """The environment node ``rank`` of ``nodes`` gets for ``attempt`` on ``offering``: the spec's
+    ``env`` and sftctl's own variables (``nodes``: the job's node slots in node-rank order, their
+    handles' ``ip`` giving the addresses; ``workdir_key``: the workdir pack in job storage).
+
+    ``SFTCTL_NODE_IPS`` is comma-separated in node-rank order; ``MASTER_ADDR``/``MASTER_PORT``
+    and ``SFTCTL_RDZV_ENDPOINT`` point at node 0 for torchrun's c10d rendezvous.
+    """
+    ips = [(n["handle"].ip if n["handle"] is not None else None) or "127.0.0.1" for n in nodes]
+    env = resolve_env(spec.env)  # the spec holds ${VAR} references; values only reach the node
+    env.update({k: os.environ[k] for k in spec.secrets if k in os.environ})  # values never stored
+    url = job_storage_url(spec, job_id)
+    if url is not None:  # nodes keep checkpoints on their disk and in the job's storage
+        env.update(settings.node_env(storage_url=url))
+        if workdir_key:
+            env.update(settings.node_env(workdir_key=workdir_key, workdir_storage=spec.storage.url))
+        if spec.train.checkpoint_dir:
+            env.update(settings.node_env(checkpoint_dir=spec.train.checkpoint_dir))
+    else:
+        env.update(settings.node_env(
+            checkpoint_dir=spec.train.checkpoint_dir or str(job_dir(job_id) / "checkpoints")))
+    # the node's SFTCTL_* variables: names and formats from sftctl.settings
+    env.update(settings.node_env(
+        keep_checkpoints=spec.train.keep_checkpoints,
+        compile=spec.train.compile,
+        # the strategy the plan chose for this offering (sftctl.train.prepare runs it)
+        parallelism=planned(plan_doc, offering, "parallelism") or (
+            spec.train.parallelism if spec.train.parallelism != "auto" else "ddp"),
+        activation_checkpointing=bool(planned(plan_doc, offering, "activation_checkpointing")
+                                      or spec.train.activation_checkpointing),
+        grad_accum=max(1, spec.resources.nodes // len(nodes)),
+        job_id=job_id,
+        node_rank=rank,
+        num_nodes=len(nodes),
+        node_ips=",".join(ips),
+        nproc_per_node=offering.count,
+        attempt=attempt,
+        node_generation=next(n.get("generation", 0) for n in nodes if n["rank"] == rank),
+        health_interval_s=spec.health.interval_s,
+        agent_address=spec.health.metrics_address,
+        checkpoint_interval=spec.train.checkpoint_interval,
+        train_steps=spec.train.steps,
+    ))
+    env.update(
+        MASTER_ADDR=ips[0],
+        MASTER_PORT=str(master_port),
+        **settings.node_env(rdzv_endpoint=f"{ips[0]}:{master_port}", rdzv_is_host=rank == 0),
+        # torchrun reads PET_<OPTION> for each option it is not given, so `run: torchrun
+        # train.py` joins the job's rendezvous without spelling out --nnodes --rdzv-*
+        PET_NNODES=str(len(nodes)),
+        PET_NPROC_PER_NODE=str(offering.count),
+        PET_NODE_RANK=str(rank),
+        PET_RDZV_BACKEND="c10d",
+        PET_RDZV_ENDPOINT=f"{ips[0]}:{master_port}",
+        PET_RDZV_ID=job_id,
+        PET_RDZV_CONF=f"is_host={1 if rank == 0 else 0}",
+        PET_MAX_RESTARTS="0",  # sftctl restarts the job itself, from its last checkpoint
+    )
+    if spec.model is not None:
+        env.update(settings.node_env(
+            model_entrypoint=spec.model.entrypoint,
+            # the planned per-rank share; fewer nodes than planned (elastic) accumulate more of them
+            batch_size=max(1, spec.model.batch_size // (spec.resources.nodes * offering.count)),
+            dtype=spec.model.dtype,
+            matmul_precision=spec.model.matmul_precision,
+        ))
+    return env
+
+def planned(plan_doc: dict, offering: Offering, key: str):
+    """The plan's choice for the offering the job runs on (``parallelism``,
+    ``activation_checkpointing``), or None (no model, or a plan made before strategies)."""
+    for c in plan_doc.get("candidates", []):  # after a failover: that offering's own choice
+        if not c.get("rejected") and "offering" in c and Offering(**c["offering"]) == offering:
+            return c.get(key)
+    return plan_doc.get(key)
+
+
+def node_env_names(spec: JobSpec, plan_doc: dict) -> set[str]:
+    """The names of the environment every node of ``spec`` gets on the plan's offering (the
+    spec's ``env`` and ``secrets``, sftctl's own variables): what ``run:`` may expand."""
+    nodes = [{"id": "<node>", "rank": 0, "generation": 0,
+              "handle": NodeHandle(job_id="<job-id>", node_id="<node>", rank=0, ip="127.0.0.1")}]
+    env = node_env(spec, "<job-id>", plan_doc, Offering(**plan_doc["offering"]), nodes, 0, 1, 0,
+                   workdir_key="<workdir pack>" if spec.storage is not None else None)
+    return set(env) | set(spec.env) | set(spec.secrets)
