@@ -168,6 +168,27 @@ def _typed(fn: Callable) -> Callable:
     return wrapper
 
 
+# ------------------------------------------------------------------------------ a server
+
+#: True in the ``sftctl server`` process: its calls are this machine's, whatever the config names
+#: (:mod:`sftctl.server` sets it; the controllers it starts never call this module)
+SERVING = False
+
+
+def _remote():
+    """The configured server's :class:`sftctl.remote.Client`, or None (no server configured, or
+    this process is the server). Job commands go there instead of this machine's state.
+
+    Raises:
+        SettingError: a malformed setting or config file (exit 2).
+    """
+    if SERVING:
+        return None
+    from sftctl import remote
+
+    return remote.configured()
+
+
 # ------------------------------------------------------------------------------ settings
 
 
@@ -458,6 +479,9 @@ def submit(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | No
         InfeasibleError: nothing can run it (exit 3).
         ProviderError: the job's storage is unreachable or not writable (exit 4).
     """
+    remote = _remote()
+    if remote is not None:
+        return _submit_remote(remote, spec, overrides)
     from sftctl.state import Store
 
     with _owner_only():
@@ -472,6 +496,61 @@ def submit(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | No
     return Submitted(job_id, s, chosen)
 
 
+def _submit_remote(remote, spec: SpecLike, overrides: Overrides) -> Submitted:
+    """:func:`submit` through the server: the spec's text and where it came from (relative paths
+    are taken from its directory, as here) and the overrides go there; the server validates,
+    plans and records the job as its requester's. Secrets travel by name: the server's
+    environment holds their values. The server's warnings are issued here."""
+    from sftctl.spec import JobSpec
+    from sftctl.types import PlanChoice
+    from sftctl.types import Plan as Plan_
+
+    if isinstance(spec, JobSpec):
+        import json
+
+        text, label = json.dumps(spec.model_dump(mode="json")), str(Path(spec.workdir).resolve() / "<JobSpec>")
+    elif isinstance(spec, str) and ("\n" in spec or not (spec.endswith((".yaml", ".yml")) or Path(spec).exists())):
+        text, label = spec, str(Path.cwd() / "<spec>")
+    else:
+        path = Path(spec).resolve()
+        from sftctl.spec import _read_spec_file
+
+        text, label = _read_spec_file(path), str(path)
+    doc = remote.request("POST", "/v1/jobs", read_s=None,
+                         json={"spec_text": text, "spec_path": label, "overrides": _override_strings(overrides)})
+    for line in doc.get("warnings", []):
+        warnings.warn(SftctlWarning(line), stacklevel=3)
+    record = JobRecord.from_dict(doc["job"])
+    p = record.plan or {}
+    chosen = PlanChoice.from_dict(p)
+    return Submitted(record.id, JobSpec.model_validate(record.spec), Plan_(
+        chosen, p.get("reason") or "", [PlanChoice.from_dict(c) for c in p.get("candidates", [])]))
+
+
+def spawn_controller(job_id: str):
+    """Start the detached controller of a recorded job: ``python -m sftctl.queue JOB`` (which
+    becomes ``python -m sftctl.controller JOB`` once the job may start; :func:`sftctl.procs.module_argv`),
+    in a session of its own, logging to ``$SFTCTL_HOME/jobs/JOB/controller.log``; record its pid.
+    Returns the :class:`subprocess.Popen` (the server keeps it, to reap it when it ends)."""
+    import subprocess
+
+    from sftctl import procs
+    from sftctl.paths import job_dir
+
+    with _owner_only():
+        jd = job_dir(job_id)
+        jd.mkdir(parents=True, exist_ok=True)
+        with open(jd / "controller.log", "ab") as log:
+            proc = subprocess.Popen(
+                # sftctl.queue waits light for a local job's turn, then execs sftctl.controller
+                procs.module_argv("sftctl.queue", job_id),
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, close_fds=True,
+            )
+    _store().update_job(job_id, controller_pid=proc.pid, controller_start_ticks=procs.start_ticks(proc.pid))
+    return proc
+
+
 @_typed
 def start(job: str) -> JobView:
     """Start a detached controller for a submitted job (``python -m sftctl.queue JOB``, which
@@ -481,27 +560,18 @@ def start(job: str) -> JobView:
     Raises:
         NotFoundError: no such job (exit 2).
         ControllerBusy: the job already has a live controller, named by pid and host (exit 2).
+
+    With a server configured, the server starts it, as its own child process.
     """
-    import subprocess
-
-    from sftctl import procs
     from sftctl.queue import check_no_live_controller
-    from sftctl.paths import job_dir
 
+    remote = _remote()
+    if remote is not None:
+        return JobView.from_wire(remote.request("POST", remote.job_path(job, "/start")))
     store = _store()
     record = _resolve(store, job)
     check_no_live_controller(record.id)
-    with _owner_only():
-        jd = job_dir(record.id)
-        jd.mkdir(parents=True, exist_ok=True)
-        with open(jd / "controller.log", "ab") as log:
-            proc = subprocess.Popen(
-                # sftctl.queue waits light for a local job's turn, then execs sftctl.controller
-                procs.module_argv("sftctl.queue", record.id),
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, close_fds=True,
-            )
-    store.update_job(record.id, controller_pid=proc.pid, controller_start_ticks=procs.start_ticks(proc.pid))
+    spawn_controller(record.id)
     return _view(store, store.get_job(record.id), detail=True)
 
 
@@ -541,7 +611,20 @@ def attach(job: str, reporter=None) -> Attached:
     Raises:
         ControllerBusy: the job already has a live controller, named by pid and host (exit 2);
             the job is left untouched.
+
+    With a server configured, the controller runs on the server (:func:`start`) and this
+    process follows the job's logs (``reporter.log``) until it ends: a client that stops
+    (Ctrl-C, a closed laptop) leaves the job running, supervised by the server.
     """
+    remote = _remote()
+    if remote is not None:
+        started = time.monotonic()
+        start(job)
+        for line in logs(job, follow=True):
+            if reporter is not None and not line.notice:
+                reporter.log(line.rank or 0, line.text + "\n")
+        view = wait(job)
+        return Attached(view, None, time.monotonic() - started)
     from sftctl.controller.lifecycle import Controller
     from sftctl.queue import claim_job
 
@@ -660,6 +743,22 @@ class JobView:
             doc["health"] = [{"ts": e.ts, "message": e.message, **(e.data or {})} for e in self.health]
         return doc
 
+    def to_wire(self) -> dict[str, Any]:
+        """The view as the server sends it: every record whole (:meth:`from_wire` reads it
+        back), so a client's :meth:`to_dict` is the same document as the server's."""
+        return {"record": self.record.to_dict(), "ranks": [r.to_dict() for r in self.ranks], "detail": self.detail,
+                "nodes": [n.to_dict() for n in self.nodes], "attempts": [a.to_dict() for a in self.attempts],
+                "health": [e.to_dict() for e in self.health],
+                "rank_nodes": {str(k): v for k, v in self.rank_nodes.items()}}
+
+    @classmethod
+    def from_wire(cls, doc: dict[str, Any]) -> "JobView":
+        """Read :meth:`to_wire`'s document back."""
+        return cls(JobRecord.from_dict(doc["record"]), [MetricsRecord.from_dict(r) for r in doc["ranks"]],
+                   doc["detail"], [NodeRecord.from_dict(n) for n in doc["nodes"]],
+                   [Attempt.from_dict(a) for a in doc["attempts"]], [Event.from_dict(e) for e in doc["health"]],
+                   {int(k): v for k, v in doc["rank_nodes"].items()})
+
 
 @_typed
 def job(job: str) -> JobRecord:
@@ -668,6 +767,8 @@ def job(job: str) -> JobRecord:
     Raises:
         NotFoundError: empty, unknown or ambiguous id (exit 2).
     """
+    if _remote() is not None:
+        return status(job).record
     return _resolve(_store(), job)
 
 
@@ -727,13 +828,24 @@ def _node_status(job: JobRecord, node: NodeRecord) -> str:
 
 
 @_typed
-def status(job: str | None = None) -> JobView | list[JobView]:
+def status(job: str | None = None, *, all_users: bool = False) -> JobView | list[JobView]:
     """One job in detail, or every job (newest first) without. Marks jobs whose controller died
     FAILED_CONTROLLER first.
 
     Raises:
         NotFoundError: ``job`` matches no job or several (exit 2).
+
+    With a server configured: the jobs of this token's user there (``all_users``: every user's,
+    for an admin; else a :class:`SftctlError`, exit 2).
     """
+    remote = _remote()
+    if remote is not None:
+        if job is not None:
+            return JobView.from_wire(remote.request("GET", remote.job_path(job)))
+        return [JobView.from_wire(d) for d in remote.request("GET", "/v1/jobs", params={"all_users": all_users})["jobs"]]
+    if all_users:
+        raise SftctlError("--all-users is for a server's admins; without a server every job here is shown",
+                          hint="sftctl status")
     store = _store()
     if job is not None:
         return _view(store, _resolve(store, job), detail=True)
@@ -797,7 +909,16 @@ def logs(job: str, *, follow: bool = False, node: int | None = None, rank: int |
             exit 1, as ``kubectl logs`` of a deleted pod).
         SftctlError: ``node`` is not a rank of the job, or no node reported ``rank`` (exit 2).
         TypeError: ``job`` or ``node`` of the wrong type (as every function here).
+
+    With a server configured, the server reads the nodes and streams the lines (``follow``: as
+    they come).
     """
+    remote = _remote()
+    if remote is not None:
+        params = {"follow": follow, **({"node": node} if node is not None else {}),
+                  **({"rank": rank} if rank is not None else {})}
+        return (LogLine(d["text"], d.get("rank"), d.get("prefix", ""), d.get("notice", False))
+                for d in remote.stream_lines(remote.job_path(job, "/logs"), params))
     from sftctl.controller.submit import job_provider
 
     store = _store()
@@ -868,6 +989,9 @@ def events(job: str) -> list[Event]:
     Raises:
         NotFoundError: no such job (exit 2).
     """
+    remote = _remote()
+    if remote is not None:
+        return [Event.from_dict(e) for e in remote.request("GET", remote.job_path(job, "/events"))["events"]]
     store = _store()
     return store.events(_resolve(store, job).id)
 
@@ -932,6 +1056,10 @@ def down(job: str | None = None, *, all: bool = False, purge: bool = False,  # n
 
     if bool(job) == all:
         raise SftctlError("give one JOB or --all", hint="sftctl down JOB, or sftctl down --all, or sftctl down --orphans")
+    remote = _remote()
+    if remote is not None:  # --all: this user's jobs on the server
+        doc = remote.request("POST", "/v1/down", read_s=None, json={"job": job, "all": all, "purge": purge})
+        return [DownResult(**d) for d in doc["down"]]
     store = _store()
     if all:
         store.reap_dead_controllers()
@@ -950,6 +1078,10 @@ def down_orphans(checked: list[str] | None = None) -> list[str]:
     list, receives the providers that were asked (``local`` always; a cloud once configured)."""
     from sftctl.controller.teardown import down_orphans as sweep
 
+    if _remote() is not None:
+        raise SftctlError("down --orphans sweeps the clouds this machine's credentials reach; with a server "
+                          "configured, run it on the server's machine", hint="sftctl down JOB takes a job down "
+                          "through the server")
     try:
         store = _store()
     except SftctlError as e:  # a lost or damaged state: the job dirs and provider tags still know

@@ -453,6 +453,7 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
     watch: bool = typer.Option(False, "--watch", "-w", help="Refresh every second until the job ends (Ctrl-C stops)."),
     all_: bool = typer.Option(False, "--all", "-a", help=f"Table: every job, not only the newest {TABLE_ROWS}."),
+    all_users: bool = typer.Option(False, "--all-users", help="With a server: every user's jobs (its admins only)."),
 ) -> None:
     """Show jobs: status, resources, step, loss, throughput (--json: every job)."""
     from sftctl import api
@@ -461,7 +462,7 @@ def status(
     def collect():
         if job_id is not None:
             return api.status(job_id).to_dict()
-        return [v.to_dict() for v in api.status()]
+        return [v.to_dict() for v in api.status(all_users=all_users)]
 
     def render(doc):
         from rich.console import Group
@@ -648,6 +649,60 @@ def events(
         _console().print(events_table(doc["events"]))
 
 
+# ------------------------------------------------------------------------------------ server
+
+server_app = typer.Typer(help="Run the sftctl server: one place for a team's jobs (sftctl server start).",
+                         no_args_is_help=True)
+app.add_typer(server_app, name="server")
+user_app = typer.Typer(help="The server's users and their tokens.", no_args_is_help=True)
+server_app.add_typer(user_app, name="user")
+
+
+@server_app.command("start")
+def server_start(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8470, "--port", help="Port to listen on."),
+) -> None:
+    """Serve the API here until stopped; run the controllers of the jobs submitted to it and,
+    first, give every unfinished job without a live controller one."""
+    from sftctl.server import serve
+
+    os.umask(0o077)
+    serve(host, port)
+
+
+@user_app.command("add")
+def server_user_add(
+    name: str = typer.Argument(..., metavar="NAME"),
+    admin: bool = typer.Option(False, "--admin", help="May see and stop every user's jobs (status --all-users)."),
+) -> None:
+    """Create a user of this machine's server and print its token (once: only its hash is kept)."""
+    from sftctl.server.users import add_user
+
+    token = add_user(name, admin)
+    print(token)
+    _console(stderr=True).print(f"[dim]user {_escape(name)}{' (admin)' if admin else ''}: put this token in their "
+                                "config file as server: {url: ..., token: ...} (or SFTCTL_SERVER_TOKEN); "
+                                "it is not shown again[/]", soft_wrap=True)
+
+
+@server_app.command("manifest")
+def server_manifest(
+    kubernetes: bool = typer.Option(False, "--kubernetes", help="A Deployment, a Service and a Secret (YAML)."),
+    systemd: bool = typer.Option(False, "--systemd", help="A systemd unit for a lab's login node."),
+    port: int = typer.Option(8470, "--port", help="The port the server listens on."),
+    image: str = typer.Option("sftctl:latest", "--image", help="Kubernetes: the image with sftctl[server] installed."),
+    namespace: Optional[str] = typer.Option(None, "--namespace", help="Kubernetes: the namespace (default: the context's)."),
+) -> None:
+    """Print what runs the server elsewhere: Kubernetes objects or a systemd unit."""
+    from sftctl.server.manifest import kubernetes as k8s_text
+    from sftctl.server.manifest import systemd as unit_text
+
+    if kubernetes == systemd:
+        raise SftctlError("give one of --kubernetes and --systemd", hint="sftctl server manifest --kubernetes")
+    sys.stdout.write(k8s_text(port=port, image=image, namespace=namespace) if kubernetes else unit_text(port=port))
+
+
 # ------------------------------------------------------------------------------------ main
 
 
@@ -722,13 +777,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plain_status(args: list[str]) -> dict | None:
-    """``status [JOB] [--json] [--all|-a]`` as :func:`status`'s arguments, or None for anything
+    """``status [JOB] [--json] [--all|-a] [--all-users]`` as :func:`status`'s arguments, or None for anything
     else (``--watch``, ``--help``, a typo: typer parses those). ``sftctl status`` is what scripts
     and prompts poll: typer's parameter adapters cost about 0.1-0.4 s (they import pydantic)."""
     if not args or args[0] != "status":
         return None
-    flags = {"--json": "as_json", "--all": "all_", "-a": "all_"}
-    out = {"job_id": None, "as_json": False, "watch": False, "all_": False}
+    flags = {"--json": "as_json", "--all": "all_", "-a": "all_", "--all-users": "all_users"}
+    out = {"job_id": None, "as_json": False, "watch": False, "all_": False, "all_users": False}
     for a in args[1:]:
         if a in flags:
             out[flags[a]] = True

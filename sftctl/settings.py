@@ -185,6 +185,10 @@ DECLARED: tuple[Setting, ...] = (
        choices=("local", "aws", "gcp", "kubernetes", "slurm"), shown_default="every configured cloud"),
     _u("REGIONS", "list", None, "the regions a spec without resources.regions may use", file="defaults.regions",
        shown_default="every region"),
+    _u("SERVER_URL", "str", None, "the sftctl server the CLI and sftctl.api use instead of this machine's state "
+       "(sftctl server start)", file="server.url", shown_default="none: this machine"),
+    _u("SERVER_TOKEN", "str", None, "your token on that server (sftctl server user add prints it)",
+       file="server.token", shown_default="none"),
     _u("CATALOG_OVERRIDES", "path", None, "a CSV of negotiated prices that win over the catalog's "
        "(provider,instance_type,region,usd_per_hour,spot_usd_per_hour,note)", file="catalog.overrides",
        shown_default="$XDG_CONFIG_HOME/sftctl/prices.csv"),

@@ -25,10 +25,10 @@ LAYERS = [
     {"sftctl.providers", "sftctl.train", "sftctl.node", "sftctl.agent"},
     # 3: deciding and driving a job
     {"sftctl.planner", "sftctl.controller", "sftctl.queue"},
-    # 4: the one entry to the core
-    {"sftctl.api"},
-    # 5: presentation
-    {"sftctl.ui", "sftctl.cli"},
+    # 4: the one entry to the core (and the client it sends job commands through when a server is configured)
+    {"sftctl.api", "sftctl.remote"},
+    # 5: presentation, and the server that runs the api for its clients
+    {"sftctl.ui", "sftctl.cli", "sftctl.server"},
 ]
 
 #: Tools at the top: ``python -m`` entry points no module imports.
@@ -173,7 +173,9 @@ def test_these_know_nothing_of_the_compiler(prefix):
 
 
 def test_cli_imports_only_the_api_and_presentation():
-    assert GRAPH["sftctl.cli"] <= {"sftctl", "sftctl.api", "sftctl.ui", "sftctl.errors", "sftctl.types", "sftctl.paths"}
+    # sftctl.server is presentation too: the API over HTTP (`sftctl server ...` starts it, adds its users)
+    assert GRAPH["sftctl.cli"] <= {"sftctl", "sftctl.api", "sftctl.ui", "sftctl.errors", "sftctl.types", "sftctl.paths",
+                                   "sftctl.server", "sftctl.server.manifest", "sftctl.server.users"}
 
 
 def test_architecture_names_every_module():

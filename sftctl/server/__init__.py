@@ -1,0 +1,146 @@
+"""``sftctl server``: one place that runs a team's jobs, so they stay supervised when a laptop closes.
+
+A REST API over :mod:`sftctl.api` (FastAPI on uvicorn; :mod:`sftctl.server.app`), the same
+functions the CLI calls here, for clients whose config names the server (``server: {url,
+token}``; :mod:`sftctl.remote`). Every request carries a user's token (``Authorization: Bearer``;
+:mod:`sftctl.server.users`); a user sees and stops only their own jobs, an admin every one.
+
+The server runs the controller of each job submitted to it as its own child process (the same
+``python -m sftctl.queue JOB`` -> ``python -m sftctl.controller JOB`` path as ``sftctl run
+--detach``; :func:`sftctl.api.spawn_controller`), in a session of its own: a server stopped or
+killed leaves them running. On its start, and every :data:`RECONCILE_S` after, it reconciles from
+state: every job that is not finished and has no live controller gets one
+(:class:`Supervisor`), which takes the job over where it stands.
+
+Its state is this machine's (``$SFTCTL_HOME``): the same state.db a local ``sftctl`` uses.
+``fastapi`` and ``uvicorn`` are the ``server`` extra (``pip install 'sftctl[server]'``);
+nothing below :mod:`sftctl.cli` imports this package.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from sftctl.errors import SftctlError
+
+#: seconds between two reconciliations of the state with the live controllers
+RECONCILE_S = 10.0
+
+log = logging.getLogger("sftctl.server")
+
+
+class Supervisor:
+    """The server's controllers: starts them (:meth:`start`), reaps them when they end, and
+    gives every unfinished job without a live controller a new one (:meth:`reconcile`)."""
+
+    def __init__(self):
+        self._procs: dict[str, object] = {}  # job id -> subprocess.Popen
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def start(self, job_id: str) -> None:
+        """Start the controller of a recorded job as this process's child.
+
+        Raises:
+            ControllerBusy: the job already has a live controller (exit 2).
+        """
+        from sftctl import api
+        from sftctl.queue import check_no_live_controller
+
+        with self._lock:
+            check_no_live_controller(job_id)
+            self._procs[job_id] = api.spawn_controller(job_id)
+        log.info("controller of %s started (pid %d)", job_id, self._procs[job_id].pid)
+
+    def reap(self) -> None:
+        """Collect the exit status of controllers that ended (no zombies)."""
+        with self._lock:
+            for job_id, proc in list(self._procs.items()):
+                if proc.poll() is not None:
+                    log.info("controller of %s exited %s", job_id, proc.returncode)
+                    del self._procs[job_id]
+
+    def orphans(self) -> list[str]:
+        """Unfinished jobs in state whose controller is not alive: none recorded (past
+        ``CONTROLLER_START_GRACE_S`` after submission: a client that died between submit and
+        start), or its process is gone (pid and start time; :func:`sftctl.procs.alive`)."""
+        from sftctl import procs
+        from sftctl.queue import check_no_live_controller
+        from sftctl.state import CONTROLLER_START_GRACE_S, Store
+        from sftctl.types import JobStatus
+
+        store = Store()
+        try:
+            live = store.list_jobs({s for s in JobStatus if not s.terminal})
+        finally:
+            store.close()
+        out = []
+        for j in live:
+            if j.controller_pid is None and time.time() - j.created_at < CONTROLLER_START_GRACE_S:
+                continue  # just submitted: its client starts it
+            if j.controller_pid and procs.alive(j.controller_pid, j.controller_start_ticks):
+                continue
+            try:
+                check_no_live_controller(j.id)  # its lock free: nobody acts on the job now
+            except SftctlError:
+                continue
+            out.append(j.id)
+        return out
+
+    def reconcile(self) -> list[str]:
+        """Give every unfinished job without a live controller a new one; return their ids."""
+        started = []
+        for job_id in self.orphans():
+            try:
+                self.start(job_id)
+            except SftctlError as e:  # another controller took it meanwhile
+                log.info("%s: %s", job_id, e.message)
+                continue
+            started.append(job_id)
+        return started
+
+    def run_in_background(self) -> threading.Thread:
+        """Reap and reconcile every :data:`RECONCILE_S` seconds until :meth:`stop`."""
+
+        def loop():
+            while not self._stop.wait(RECONCILE_S):
+                try:
+                    self.reap()
+                    self.reconcile()
+                except Exception:  # noqa: BLE001 (a busy state: the next round retries)
+                    log.exception("reconcile failed")
+
+        t = threading.Thread(target=loop, name="sftctl-reconcile", daemon=True)
+        t.start()
+        return t
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def serve(host: str = "127.0.0.1", port: int = 8470) -> None:
+    """Run the server in this process until it is stopped (SIGINT/SIGTERM): reconcile first,
+    then answer requests on ``host:port``.
+
+    Raises:
+        SftctlError: fastapi or uvicorn is not installed (exit 2).
+    """
+    try:
+        import uvicorn
+    except ImportError:
+        raise SftctlError("sftctl server needs fastapi and uvicorn", hint="pip install 'sftctl[server]'") from None
+    from sftctl import api
+    from sftctl.server.app import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    api.SERVING = True
+    supervisor = Supervisor()
+    adopted = supervisor.reconcile()
+    log.info("reconciled: %d job(s) given a controller%s", len(adopted), f" ({', '.join(adopted)})" if adopted else "")
+    supervisor.run_in_background()
+    try:
+        uvicorn.run(create_app(supervisor), host=host, port=port, log_level="warning")
+    finally:
+        supervisor.stop()

@@ -1,0 +1,286 @@
+"""sftctl server (issue 24): a real server process on a loopback port, its users' tokens, and
+clients (sftctl.api in this process, the CLI in subprocesses) whose config names it.
+
+- users cannot cross: a second user neither sees, reads the logs of, nor stops the first's job;
+- the laptop closing: the client that submitted a job is killed; a GPU fault is replayed into
+  one node; the server's controller replaces it and the job SUCCEEDS with no client attached;
+- the server killed -9 mid-job and started again: the job SUCCEEDS, with no node started twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, job_processes, no_traceback, sftctl, wait_for
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``sftctl server start`` as a process of its own (a session of its own: killed -9 alone)."""
+
+    def __init__(self, home: Path, log: Path):
+        self.home, self.log, self.port = home, log, _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "Server":
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SFTCTL_SERVER_")}
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "sftctl.cli", "server", "start", "--port", str(self.port)],
+                                         cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        import httpx
+
+        def up():
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                return httpx.get(f"{self.url}/v1/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, timeout_s=60, what="the server to answer")
+        return self
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def server(home, tmp_path):
+    s = Server(home, tmp_path / "server.log").start()
+    yield s
+    s.stop()
+
+
+def as_user(monkeypatch, server: Server, token: str) -> None:
+    """This process's sftctl.api (and the CLI processes it starts) talk to ``server`` as the
+    token's user."""
+    monkeypatch.setenv("SFTCTL_SERVER_URL", server.url)
+    monkeypatch.setenv("SFTCTL_SERVER_TOKEN", token)
+
+
+def tokens(*names: str, admin: str | None = None) -> dict[str, str]:
+    from sftctl.server.users import add_user
+
+    out = {n: add_user(n) for n in names}
+    if admin:
+        out[admin] = add_user(admin, admin=True)
+    return out
+
+
+SLEEPER = "name: sleeper\nresources: {nodes: 1}\nrun: |\n  echo started\n  sleep 300\n"
+
+
+def test_a_user_cannot_see_read_or_stop_another_users_job(server, tmp_path, monkeypatch):
+    from sftctl import api
+    from sftctl.errors import NotFoundError, SftctlError
+
+    t = tokens("alice", "bob", admin="root")
+    spec = tmp_path / "sleeper.yaml"
+    spec.write_text(SLEEPER)
+    as_user(monkeypatch, server, t["alice"])
+    job = api.run(str(spec), detach=True).id
+    wait_for(lambda: "started" in "".join(line.text for line in api.logs(job)), timeout_s=90, what="the job to start")
+
+    as_user(monkeypatch, server, t["bob"])
+    assert api.status() == []
+    for call in (lambda: api.status(job), lambda: list(api.logs(job)), lambda: api.events(job),
+                 lambda: api.down(job), lambda: api.status(job[:8])):
+        with pytest.raises(NotFoundError, match="of yours"):
+            call()
+    with pytest.raises(SftctlError, match="not an admin"):
+        api.status(all_users=True)
+    for args in (["logs", job], ["down", job], ["status", job], ["events", job]):  # the CLI: one line, exit 2
+        proc = sftctl(*args)
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")] == \
+            [f"error: no job '{job}' of yours (bob) on this server"] and no_traceback(proc)
+    proc = sftctl("status", "--all-users", "--json")
+    assert proc.returncode == 2 and json.loads(proc.stdout)["exit_code"] == 2
+
+    monkeypatch.setenv("SFTCTL_SERVER_TOKEN", "not-a-token")
+    proc = sftctl("status")
+    assert proc.returncode == 4 and "knows no user with this token" in proc.stderr and no_traceback(proc)
+
+    as_user(monkeypatch, server, t["root"])  # an admin sees every user's jobs
+    assert [v.id for v in api.status(all_users=True)] == [job]
+    assert api.status() == []  # ... and, without --all-users, their own
+
+    as_user(monkeypatch, server, t["alice"])
+    assert api.status(job).status.value == "RUNNING"  # bob's tries left it alone
+    doc = json.loads(sftctl("status", job, "--json", check=True).stdout)
+    assert doc["id"] == job and doc["status"] == "RUNNING" and doc["nodes"][0]["rank"] == 0
+    [down] = api.down(job)
+    assert down.status == "CANCELLED"
+    wait_for(lambda: job_processes(job) == [], timeout_s=30, what="the job's processes to end")
+
+
+# A two-node job whose ranks step and checkpoint to a file; past step 3 they wait for the test's
+# go-ahead (a file), so a fault replayed at step 5 comes only once the test allows it.
+LOOP = """\
+import os, pathlib, time
+from sftctl.train import report
+rank = int(os.environ["SFTCTL_NODE_RANK"])
+work = pathlib.Path(os.environ["WORK"])
+ckpt = work / f"ckpt-{rank}"
+start = int(ckpt.read_text()) if ckpt.exists() else 0
+print(f"rank {rank} resumes from {start}", flush=True)
+for step in range(start + 1, STEPS + 1):
+    while step > 3 and not (work / "go").exists():
+        time.sleep(0.2)
+    report(step=step, loss=1.0 / step)
+    (work / f"ckpt-{rank}.tmp").write_text(str(step))
+    os.replace(work / f"ckpt-{rank}.tmp", ckpt)
+    time.sleep(0.3)
+print(f"rank {rank} done", flush=True)
+"""
+
+
+def loop_job(tmp_path: Path, steps: int, replay: Path | None = None) -> Path:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "loop.py").write_text(LOOP.replace("STEPS", str(steps)))
+    env = {"WORK": str(work)}
+    if replay is not None:
+        env.update(SFTCTL_TELEMETRY_REPLAY=str(replay), SFTCTL_TELEMETRY_REPLAY_RANK="1")
+    spec = tmp_path / "loop.yaml"
+    spec.write_text(f"name: loop\nworkdir: {work}\nresources: {{nodes: 2}}\n"
+                    f"health: {{enabled: true, interval_s: 0.5}}\nrecovery: {{max_restarts: 1}}\n"
+                    f"env: {json.dumps(env)}\nrun: python loop.py\n")
+    return spec
+
+
+def xid79_at_step(path: Path, step: int) -> Path:
+    """tests/fixtures/xid79.jsonl with its first XID record held until training reached ``step``."""
+    records = [json.loads(line) for line in (REPO / "tests/fixtures/xid79.jsonl").read_text().splitlines() if line]
+    first = next(i for i, r in enumerate(records) if r.get("xids"))
+    records[first]["at_step"] = step
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_the_laptop_closes_and_the_server_recovers_the_job(server, tmp_path, monkeypatch):
+    from sftctl import api
+
+    t = tokens("alice", "bob")
+    spec = loop_job(tmp_path, steps=30, replay=xid79_at_step(tmp_path / "xid79.jsonl", 5))
+    as_user(monkeypatch, server, t["alice"])
+    client = subprocess.Popen([sys.executable, "-m", "sftctl.cli", "run", str(spec)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    job = wait_for(lambda: next((v.id for v in api.status() if v.status.value == "RUNNING"), None), timeout_s=120,
+                   what="the submitted job to run")
+    wait_for(lambda: (tmp_path / "work" / "ckpt-1").exists(), timeout_s=60, what="rank 1 to step")
+    os.killpg(client.pid, signal.SIGKILL)  # the laptop closes
+    client.wait(timeout=30)
+    killed_at = time.time()
+    (tmp_path / "work" / "go").touch()  # training goes on past step 3: the fault comes at step 5
+
+    view = wait_for(lambda: (v := api.status(job)).status.terminal and v, timeout_s=240, what="the job to end")
+    assert view.status.value == "SUCCEEDED", view.failure_reason
+    evs = api.events(job)
+    health = [e for e in evs if e.kind == "health"]
+    assert health and health[0].data["node_rank"] == 1 and health[0].data["action"] == "replace", health
+    assert health[0].ts > killed_at  # found and acted on with no client attached
+    assert [n.rank for n in view.nodes] == [0, 1, 1] and view.record.restarts == 1
+    logs = "\n".join(line.text for line in api.logs(job))
+    assert "rank 1 resumes from 0" in logs and "rank 1 done" in logs
+    resumed = [int(w.split()[-1]) for w in logs.splitlines() if w.startswith("rank 1 resumes from") and not w.endswith(" 0")]
+    assert resumed and resumed[0] >= 4, logs  # from its checkpoint, not from the start
+
+    as_user(monkeypatch, server, t["bob"])  # a second user sees nothing of it
+    assert api.status() == []
+    proc = sftctl("status", "--json", check=True)
+    assert json.loads(proc.stdout) == {"jobs": []}
+
+
+def test_the_server_killed_mid_job_restarts_and_the_job_succeeds_once(server, tmp_path, monkeypatch):
+    from sftctl import api
+
+    t = tokens("alice")
+    spec = loop_job(tmp_path, steps=25)
+    (tmp_path / "work" / "go").touch()
+    as_user(monkeypatch, server, t["alice"])
+    job = api.run(str(spec), detach=True).id
+    wait_for(lambda: (tmp_path / "work" / "ckpt-1").exists() and int((tmp_path / "work" / "ckpt-1").read_text() or 0) >= 3,
+             timeout_s=120, what="rank 1 to reach step 3")
+    controller = api.status(job).record.controller_pid
+    server.kill()
+    node_ids = set()
+    from sftctl import procs
+
+    node_ids |= set(procs.tag_values("SFTCTL_NODE_ID").values()) & {n.id for n in _nodes(job)}
+    server.start()  # reconciles: the job's controller lives on (a session of its own), nothing is started twice
+    assert "reconciled: 0 job(s) given a controller" in server.log.read_text()
+    view = wait_for(lambda: (v := api.status(job)).status.terminal and v, timeout_s=180, what="the job to end")
+    assert view.status.value == "SUCCEEDED", view.failure_reason
+    assert view.record.controller_pid == controller and view.record.restarts == 0
+    assert sorted(n.rank for n in view.nodes) == [0, 1]  # the provider's nodes: two, never replaced
+    assert node_ids == {n.id for n in view.nodes}
+
+
+def _nodes(job: str):
+    from sftctl.state import Store
+
+    return Store().nodes(job)
+
+
+def test_the_kubernetes_manifest_is_a_valid_deployment_service_and_secret(home, monkeypatch):
+    """``sftctl server manifest --kubernetes``: three objects, each valid against Kubernetes'
+    schema (kubernetes-validate, strict); the Deployment's probe and Service target its port."""
+    import kubernetes_validate
+    import yaml
+
+    from k8s_emulator import SCHEMA_VERSION
+    from sftctl.server.manifest import kubernetes
+
+    proc = sftctl("server", "manifest", "--kubernetes", "--port", "9000", "--namespace", "lab", check=True)
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    assert [d["kind"] for d in docs] == ["Secret", "Deployment", "Service"]
+    for d in docs:
+        kubernetes_validate.validate(d, SCHEMA_VERSION, strict=True)
+        assert d["metadata"]["namespace"] == "lab"
+    secret, deploy, service = docs
+    [c] = deploy["spec"]["template"]["spec"]["containers"]
+    assert c["command"][-4:] == ["--host", "0.0.0.0", "--port", "9000"] and c["ports"][0]["containerPort"] == 9000
+    assert c["readinessProbe"]["httpGet"]["path"] == "/v1/health"
+    assert c["envFrom"] == [{"secretRef": {"name": secret["metadata"]["name"]}}]
+    assert service["spec"]["ports"][0]["port"] == 9000 and service["spec"]["selector"] == deploy["spec"]["selector"]["matchLabels"]
+    with_secret = [d for d in yaml.safe_load_all(kubernetes(secrets={"WANDB_API_KEY": "k\"ey"})) if d][0]
+    kubernetes_validate.validate(with_secret, SCHEMA_VERSION, strict=True)
+    import base64
+
+    assert base64.b64decode(with_secret["data"]["WANDB_API_KEY"]).decode() == "k\"ey"
+
+
+def test_the_systemd_unit_runs_this_sftctl_and_leaves_controllers_running(home):
+    proc = sftctl("server", "manifest", "--systemd", "--port", "9001", check=True)
+    unit = proc.stdout
+    [start] = [ln for ln in unit.splitlines() if ln.startswith("ExecStart=")]
+    assert start.startswith(f"ExecStart={sys.executable} ") and start.endswith("server start --host 0.0.0.0 --port 9001")
+    assert "KillMode=process" in unit and f"SFTCTL_HOME={home}" in unit
+    assert sftctl("server", "manifest").returncode == 2
