@@ -56,12 +56,13 @@ def atomic_write(path: Path, data: bytes) -> None:
 
 @functools.lru_cache(maxsize=1)
 def compiler_fingerprint() -> str:
-    """``COMPILER_VERSION`` plus a hash of every ``.py`` file of ``sftctl/compiler`` (paths and
-    bytes), so any change to the compiler invalidates cached traces and plans (a forgotten
-    version bump cannot serve stale results). Read once per process."""
+    """``COMPILER_VERSION`` plus a hash of every ``.py``, ``.json`` and ``.jsonl`` file of ``sftctl/compiler``
+    (paths and bytes: the code and the shipped calibrations it prices with, e.g.
+    ``calibrations/attention.json``), so any change to the compiler or its data invalidates cached
+    traces and plans (a forgotten version bump cannot serve stale results). Read once per process."""
     h = hashlib.sha256(COMPILER_VERSION.encode())
     root = Path(__file__).resolve().parent
-    for py in sorted(root.rglob("*.py")):
+    for py in sorted([*root.rglob("*.py"), *root.rglob("*.json"), *root.rglob("*.jsonl")]):
         h.update(str(py.relative_to(root)).encode() + py.read_bytes())
     return f"{COMPILER_VERSION}+{h.hexdigest()[:12]}"
 

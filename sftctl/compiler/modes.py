@@ -27,10 +27,13 @@ fixed times):
   (H100, B200; the H200 on the H100's die plus its own ``torch.mm`` timings, ``peers.jsonl``:
   4096^3 = 175.4 us, GPT-2's QKV 8192x2304x768 = 47.7 us) interpolated in log space; beyond them
   and on other accelerators the analytical model fitted to them (split-K, wave quantization, a
-  ~5 us GPU floor per kernel); plus the host launch. IEEE fp32 (CUDA cores): ``waves x (tile
+  ~5 us GPU floor per kernel). IEEE fp32 (CUDA cores): ``waves x (tile
   FLOPs / (cublas_efficiency x per-SM peak) + cublas_wave_s)`` over 128x128 output tiles, or
-  the HBM time of its bytes if larger, plus the launch (the peer model's two coefficients, solved
-  from the same two H200 timings).
+  the HBM time of its bytes if larger (the peer model's two coefficients, solved from the same
+  two H200 timings).
+* Host launches: every kernel is GPU time; the host's dispatch (``hw.launch_overhead_s`` a
+  launch) runs ahead of the GPU as a queue (:func:`predict_mode`), so a launch costs step time only
+  when the GPU has drained what the host queued (``by_kind["host (GPU waits for launches)"]``).
 * Eager memory-bound kernels: bandwidth and a per-kernel fixed time solved from torch's eager
   kernels at two sizes on the same H200 (``peers.jsonl``: layer norm, softmax and bias+GELU at
   8192x768 and 65536x1024, bf16). The bandwidth scales with the accelerator's HBM bandwidth (as a
@@ -98,7 +101,8 @@ def foreach_adamw_passes(grad_clip: bool) -> list[tuple[str, int, int, int]]:
 
 def cublas_time_s(batch: int, m: int, n: int, k: int, bytes_moved: float, peak_flops: float,
                   target: Target, dtype: str | None = None) -> float:
-    """Seconds of one cuBLAS GEMM, host launch included (the eager and ``default`` modes pay it).
+    """GPU seconds of one cuBLAS GEMM (the host's launch is not in it: :func:`predict_mode` runs
+    the host's dispatch and the GPU as a queue, so a launch costs time only when the GPU waits).
 
     With ``dtype`` (the tensor-core path: ``bfloat16``, ``float16``, ``float32`` = TF32,
     ``float8``) the GPU time is :func:`sftctl.compiler.gemm_table.gemm_gpu_time_s`: XLA's
@@ -113,24 +117,24 @@ def cublas_time_s(batch: int, m: int, n: int, k: int, bytes_moved: float, peak_f
 
         gpu = gemm_gpu_time_s(batch, m, n, k, hw, dtype)
         if gpu is not None:
-            return hw.launch_overhead_s + gpu
+            return gpu
     bm, bn = CUBLAS_TILE
     tiles = batch * math.ceil(m / bm) * math.ceil(n / bn)
     waves = math.ceil(tiles / hw.sm_count)
     tile_s = 2.0 * bm * bn * k / (pm.cublas_efficiency * peak_flops / hw.sm_count)
     compute = waves * (tile_s + pm.cublas_wave_s)
     memory = bytes_moved / (hw.hbm_bytes_per_s * pm.copy_fraction)
-    return hw.launch_overhead_s + max(compute, memory)
+    return max(compute, memory)
 
 
 def eager_memory_time_s(k: Kernel, klass: str, target: Target) -> float:
-    """Seconds of one eager memory-bound kernel of class ``klass`` (``EAGER_KERNELS``): the
-    larger of its GPU time and the host's dispatch cost (``hw.launch_overhead_s``: a kernel shorter
-    than that leaves the GPU waiting for the CPU)."""
+    """GPU seconds of one eager memory-bound kernel of class ``klass`` (``EAGER_KERNELS``): its
+    fixed time plus its bytes at the class's bandwidth, or its vector work if longer. The host's
+    dispatch is not in it (:func:`predict_mode` queues it)."""
     hw, c = target.hw, target.peers.classes[klass]
     gpu = c.fixed_s + (k.bytes_read + k.bytes_written) / (hw.hbm_bytes_per_s * c.hbm_fraction)
     vector = k.flops / (hw.vector_peak("float32") * 0.7)
-    return max(hw.launch_overhead_s, gpu, c.fixed_s + vector)
+    return max(gpu, c.fixed_s + vector)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -268,8 +272,9 @@ def eager_class(graph: Graph, k: Kernel) -> str:
 
 
 def foreach_optimizer_time_s(graph: Graph, target: Target, grad_clip: bool) -> tuple[float, int, float]:
-    """(seconds, kernel launches, bytes) of PyTorch's foreach AdamW over the graph's parameters
-    (fp32 master weights; see :func:`foreach_adamw_passes`)."""
+    """(GPU seconds, kernel launches, bytes) of PyTorch's foreach AdamW over the graph's
+    parameters (fp32 master weights; see :func:`foreach_adamw_passes`). The host's dispatch of
+    the launches is not in the seconds (:func:`predict_mode` queues it)."""
     params = graph.inputs_with_role("param")
     if not params:
         return 0.0, 0, 0.0
@@ -282,7 +287,7 @@ def foreach_optimizer_time_s(graph: Graph, target: Target, grad_clip: bool) -> t
         n = max(math.ceil(n_tensors / _MTA_MAX_TENSORS[depth]),
                 math.ceil(chunks / _MTA_MAX_BLOCKS))
         b = (reads + writes) * list_bytes
-        total_s += max(n * hw.launch_overhead_s, n * c.fixed_s + b / (hw.hbm_bytes_per_s * c.hbm_fraction))
+        total_s += n * c.fixed_s + b / (hw.hbm_bytes_per_s * c.hbm_fraction)
         launches += n
         moved += b
     return total_s, launches, moved
@@ -347,7 +352,7 @@ def predict_mode(graph: Graph, target: Target, mode: str, matmul_precision: str 
     by_kind: dict[str, float] = {}
     by_phase: dict[str, float] = {}
     by_module: dict[str, float] = {}
-    total = flops = moved = 0.0
+    flops = moved = 0.0
     launches = 0
     # PyTorch runs its optimizer step eagerly (foreach) in both modes; an untagged graph (JAX: the
     # whole step jitted) keeps the optimizer it was traced with, fused like the rest
@@ -359,6 +364,23 @@ def predict_mode(graph: Graph, target: Target, mode: str, matmul_precision: str 
         by_phase[ph or "other"] = by_phase.get(ph or "other", 0.0) + t
         g = module_group(mod) if mod is not None else "(optimizer)"
         by_module[g] = by_module.get(g, 0.0) + t
+
+    # eager and default: the host dispatches each launch (hw.launch_overhead_s) while the GPU runs
+    # what is queued; the GPU waits only when the host has fallen behind (a CUDA stream is a FIFO
+    # the CPU fills asynchronously). sftensor's kernel_times already carry their launch.
+    queued = kernel_times is None
+    host_s = gpu_s = 0.0
+
+    def run(t: float, n_launches: int) -> float:
+        """Queue ``n_launches`` taking ``t`` GPU seconds; the seconds the GPU waited for the host."""
+        nonlocal host_s, gpu_s
+        if not queued:
+            gpu_s += t
+            return 0.0
+        host_s += n_launches * hw.launch_overhead_s
+        wait = max(0.0, host_s - gpu_s)
+        gpu_s = max(gpu_s, host_s) + t
+        return wait
 
     for i, k in enumerate(kernels):
         ph, mod = kernel_phase_module(graph, k, phase, module)
@@ -377,19 +399,25 @@ def predict_mode(graph: Graph, target: Target, mode: str, matmul_precision: str 
             elif t is None:
                 t = roofline_time_s(k, target, hw.vector_peak(graph.nodes[k.anchor].type.dtype)
                                      * coeffs.vector_efficiency)
+        n_launch = max(1, k.horizontal) if mode != "sftensor" else 1
+        wait = run(t, n_launch)
+        if wait:
+            add("host (GPU waits for launches)", ph, mod, wait)
         add(k.kind, ph, mod, t)
-        total += t
         flops += k.flops
         moved += k.bytes_read + k.bytes_written
-        launches += max(1, k.horizontal) if mode != "sftensor" else 1
+        launches += n_launch
     if optimizer_eager:
         t, n, b = foreach_optimizer_time_s(graph, target, has_grad_clip(graph, phase))
         if n:
+            wait = run(t, n)
+            if wait:
+                add("host (GPU waits for launches)", "optimizer", None, wait)
             add("optimizer (foreach)", "optimizer", None, t)
-            total += t
             launches += n
             moved += b
             flops += 12.0 * sum(p.type.numel for p in graph.inputs_with_role("param"))
+    total = gpu_s
     pm = peak_memory(graph, kernels)
     return {
         "compute_time_s": total,
