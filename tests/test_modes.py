@@ -96,6 +96,25 @@ def test_default_mode_keeps_gemms_plain_and_loss_eager(gpt):
     assert len(kernels) < len(modes.eager_kernels(g))
 
 
+def test_root_module_ops_and_gradient_accumulation_are_compiled(gpt):
+    """``torch.compile(model)`` compiles the root module's own ops (GPT.forward's embedding add,
+    module path ``""`` like the loss's) and, through AOTAutograd, autograd's accumulation of the
+    residual stream's gradients in the backward; only the loss on the logits and its backward
+    run eager."""
+    g = gpt
+    phase, module = modes.node_phases_modules(g)
+    out = modes.outside_nodes(g, phase, module)
+    atens = {g.nodes[i].attrs["aten"] for i in out}
+    assert "_log_softmax" in atens and "_log_softmax_backward_data" in atens
+    assert "add" not in atens, sorted(atens)
+    # the residual gradient adds (backward, no module) fuse with their neighbours in default mode
+    adds = [n.id for n in g.nodes if n.attrs.get("aten") == "add" and phase[n.id] == "backward" and not module[n.id]]
+    assert adds
+    kernels = modes.default_kernels(g, phase, module)
+    alone = [k for k in kernels if len(k.nodes) == 1 and k.nodes[0] in adds]
+    assert not alone
+
+
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory):
     import os

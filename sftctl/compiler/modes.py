@@ -231,9 +231,9 @@ def eager_kernels(graph: Graph) -> list[Kernel]:
 
 def default_kernels(graph: Graph, phase: list[str], module: list[str]) -> list[Kernel]:
     """Inductor's kernels: :func:`fuse` without GEMM epilogues or horizontal optimizer batching;
-    kernels holding any node that runs outside the compiled module (tagged, module ``""``, forward
+    kernels holding any node that runs outside the compiled module (:func:`outside_nodes`: forward
     or backward) are split back into eager ATen calls."""
-    outside = {n.id for n in graph.nodes if _outside(graph, n.id, phase, module)}
+    outside = outside_nodes(graph, phase, module)
     fused = fuse(graph, gemm_epilogues=False, horizontal=False, barrier=outside)
     groups: list[list[int]] = []
     eager_calls: dict[object, list[int]] = {}  # outside the compiled module: one kernel per ATen call
@@ -247,8 +247,27 @@ def default_kernels(graph: Graph, phase: list[str], module: list[str]) -> list[K
     return regroup(graph, groups)
 
 
-def _outside(graph: Graph, i: int, phase: list[str], module: list[str]) -> bool:
-    return "call" in graph.nodes[i].attrs and phase[i] in ("forward", "backward") and not module[i]
+def outside_nodes(graph: Graph, phase: list[str], module: list[str]) -> set[int]:
+    """Ids of the tagged forward/backward nodes that run outside ``torch.compile(model)``: the
+    loss a script computes on the model's output, and its backward. A node with a module path, or
+    that ran in the model's forward (``attrs["in_model"]``: the root module's own ops, whose path is
+    ``""`` too), is inside; so is a backward node without a module that reads a gradient an
+    inside backward node made (autograd's accumulation of a residual's or a tied weight's
+    gradients, which AOTAutograd puts in the compiled backward)."""
+    out: set[int] = set()
+    inside_bwd: set[int] = set()
+    for n in graph.nodes:
+        if "call" not in n.attrs or phase[n.id] not in ("forward", "backward"):
+            continue
+        if module[n.id] or n.attrs.get("in_model"):
+            if phase[n.id] == "backward":
+                inside_bwd.add(n.id)
+            continue
+        if phase[n.id] == "backward" and any(source_of(graph, j) in inside_bwd for j in n.inputs):
+            inside_bwd.add(n.id)
+            continue
+        out.add(n.id)
+    return out
 
 
 def kernel_phase_module(graph: Graph, k: Kernel, phase: list[str], module: list[str]) -> tuple[str, str]:
@@ -347,6 +366,7 @@ def predict_mode(graph: Graph, target: Target, mode: str, matmul_precision: str 
     dtype_map = dict(dtype_map or {})
     ieee = matmul_precision == "highest"
     phase, module = node_phases_modules(graph)
+    outside = outside_nodes(graph, phase, module) if mode == "default" else set()
     if kernels is None:
         kernels = eager_kernels(graph) if mode == "eager" else default_kernels(graph, phase, module)
     by_kind: dict[str, float] = {}
@@ -394,7 +414,7 @@ def predict_mode(graph: Graph, target: Target, mode: str, matmul_precision: str 
             t = _other_kernel_s(graph, k, target, eager=mode == "eager")
             if t is None and k.kind == "gemm":
                 t = _library_gemm_s(graph, k, target, ieee, dtype_map)
-            elif t is None and (mode == "eager" or any(_outside(graph, j, phase, module) for j in k.nodes)):
+            elif t is None and (mode == "eager" or any(j in outside for j in k.nodes)):
                 t = eager_memory_time_s(k, eager_class(graph, k), target)
             elif t is None:
                 t = roofline_time_s(k, target, hw.vector_peak(graph.nodes[k.anchor].type.dtype)

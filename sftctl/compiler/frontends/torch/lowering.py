@@ -204,8 +204,10 @@ class _Lowering(GraphBuilder):
         not its parts), ``call`` (one number per dispatched op instance: the FX nodes of one
         decomposed call share it), ``phase`` (forward, backward, optimizer) and ``module`` (the
         nn.Module path inside the model, from ``nn_module_stack``; a backward op has its forward
-        op's; ``""`` outside the model). Untagged FX nodes (no preserved meta) leave the IR nodes
-        untagged."""
+        op's; ``""`` for the root module and outside the model) and ``in_model`` (whether the op ran
+        inside the model's forward, the root module's own ops included, or is the backward of one:
+        what ``torch.compile(model)`` compiles). Untagged FX nodes (no preserved meta) leave the IR
+        nodes untagged."""
         if first == len(self.g.nodes):
             return
         orig = n.meta.get("original_aten")
@@ -223,7 +225,8 @@ class _Lowering(GraphBuilder):
         if key != getattr(self, "_call_key", None):
             self._call_key = key
             self._calls = getattr(self, "_calls", 0) + 1
-        tags = {"aten": aten, "call": self._calls, "phase": phase, "module": module}
+        tags = {"aten": aten, "call": self._calls, "phase": phase, "module": module,
+                "in_model": any(p == "model" or p.startswith("model.") for p in stack)}
         for i in range(first, len(self.g.nodes)):
             attrs = self.g.nodes[i].attrs
             for k, v in tags.items():
