@@ -321,7 +321,7 @@ def _warn_unset_references(spec: JobSpec, chosen: Plan) -> None:
     from sftctl.spec import unset_shell_references
 
     provider = chosen.offering.provider
-    known = node_env_names(spec, chosen.to_dict())
+    known = node_env_names(spec, chosen)
     script = "\n".join(t for t in (spec.setup, spec.run) if t)
     inherits = provider in ("local", "slurm")
     unset = unset_shell_references(script, known, os.environ if inherits else {})
@@ -464,7 +464,7 @@ def dry_run(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | N
     from sftctl.controller.preview import preview
 
     s, _, chosen = _prepare(spec, overrides, progress)
-    return {"dry_run": True, "job": s.name, "plan": chosen.reason, **preview(s, chosen.to_dict())}
+    return {"dry_run": True, "job": s.name, "plan": chosen.reason, **preview(s, chosen)}
 
 
 @_typed

@@ -253,6 +253,39 @@ class Plan(Record):
             "candidates": [c.to_dict() for c in self.candidates],
         }
 
+    #: The keys of :meth:`to_dict` that describe the chosen row (besides ``offering``).
+    _CHOSEN_KEYS = ("nodes", "usd_per_hour", "step_time_s", "mode", "parallelism", "activation_checkpointing",
+                    "total_usd")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        """Read :meth:`to_dict`'s document (``jobs.offering_json``) back: ``Plan.from_dict(p.to_dict())
+        .to_dict() == p.to_dict()``. The chosen row is the feasible candidate on the document's
+        ``offering`` (its other fields from the document's top level, which win), else one built from
+        the top level alone; a document missing keys (a plan kept before they existed) reads them as
+        None (``reason``: "")."""
+        candidates = [PlanChoice.from_dict(c) for c in data.get("candidates") or []]
+        offering = Offering.from_dict(data["offering"])
+        top = {k: data.get(k) for k in cls._CHOSEN_KEYS}
+        match = next((c for c in candidates if c.rejected is None and c.offering == offering), None)
+        chosen = (dataclasses.replace(match, **top) if match is not None
+                  else PlanChoice(offering=offering, **top))
+        return cls(chosen=chosen, reason=data.get("reason") or "", candidates=candidates)
+
+    def with_offering(self, offering: Offering) -> "Plan":
+        """This plan moved to ``offering`` (a failover down the candidates): the chosen row keeps
+        its other fields, so ``to_dict()`` is the old document with ``offering`` replaced."""
+        return dataclasses.replace(self, chosen=dataclasses.replace(self.chosen, offering=offering))
+
+    def planned(self, key: str) -> Any:
+        """The plan's choice ``key`` (``parallelism``, ``activation_checkpointing``) for the
+        offering the job runs on: after a failover that candidate's own choice, else the chosen
+        row's (None: no model, or a plan made before strategies)."""
+        for c in self.candidates:
+            if c.rejected is None and c.offering == self.offering:
+                return getattr(c, key)
+        return getattr(self.chosen, key)
+
 
 # ---------------------------------------------------------------------------- nodes
 
@@ -493,8 +526,8 @@ TERMINAL = frozenset(
 class JobRecord(Record):
     """A job as ``state.db`` keeps it. Times are Unix seconds; ``spec`` is the validated spec as
     JSON (``env:`` holds ``${VAR}`` references, never secret values); ``offering`` the one it runs
-    on once planned and ``plan`` the planner's whole plan document (``Plan.to_dict()``: offering,
-    nodes, predicted step time, ``reason``, ``candidates``; the ``offering_json`` column);
+    on once planned and ``plan`` the planner's whole :class:`Plan` (state keeps ``Plan.to_dict()``:
+    offering, nodes, predicted step time, ``reason``, ``candidates``; the ``offering_json`` column);
     ``failure_reason`` the line that ended it; ``pending_reason`` why it still waits (local
     admission control)."""
 
@@ -514,20 +547,22 @@ class JobRecord(Record):
     ended_at: float | None = None
     pending_reason: str | None = None
     failure_code: str | None = None  # the FailureCode value of failure_reason
-    plan: dict[str, Any] | None = None
+    plan: Plan | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.status, JobStatus):
             object.__setattr__(self, "status", JobStatus(self.status))
-        if self.offering is None and self.plan and self.plan.get("offering"):
-            object.__setattr__(self, "offering", self.plan["offering"])
+        if isinstance(self.plan, dict):
+            object.__setattr__(self, "plan", Plan.from_dict(self.plan) if self.plan.get("offering") else None)
+        if self.offering is None and self.plan is not None:
+            object.__setattr__(self, "offering", self.plan.offering)
         if isinstance(self.offering, dict):
             object.__setattr__(self, "offering", Offering.from_dict(self.offering))
 
     @property
     def plan_reason(self) -> str | None:
         """The planner's one line on why this offering (None before planning)."""
-        return (self.plan or {}).get("reason")
+        return (self.plan.reason or None) if self.plan is not None else None
 
 
 @dataclasses.dataclass(frozen=True)

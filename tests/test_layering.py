@@ -195,18 +195,20 @@ def test_architecture_names_every_module():
 
 
 def test_the_controller_is_split_by_job():
-    """controller/ (ARCHITECTURE.md's "Layers"): lifecycle > teardown, preview > submit, ports.
-    Teardown and preview never import the lifecycle (they work without a Controller); submit
-    and ports import no controller module; only the package's front door and ``__main__``
+    """controller/ (ARCHITECTURE.md's "Layers"): lifecycle > teardown, preview > submit > slots,
+    and ports. Teardown and preview never import the lifecycle (they work without a Controller);
+    slots and ports import no controller module; only the package's front door and ``__main__``
     import the lifecycle."""
     inside = {m: sorted(t for t in ts if t.startswith("sftctl.controller")) for m, ts in GRAPH.items()
               if m.startswith("sftctl.controller.")}
     assert inside == {
         "sftctl.controller.__main__": ["sftctl.controller.lifecycle"],
-        "sftctl.controller.lifecycle": ["sftctl.controller.ports", "sftctl.controller.submit"],
+        "sftctl.controller.lifecycle": ["sftctl.controller.ports", "sftctl.controller.slots",
+                                        "sftctl.controller.submit"],
         "sftctl.controller.ports": [],
-        "sftctl.controller.preview": ["sftctl.controller.submit"],
-        "sftctl.controller.submit": [],
+        "sftctl.controller.preview": ["sftctl.controller.slots", "sftctl.controller.submit"],
+        "sftctl.controller.slots": [],
+        "sftctl.controller.submit": ["sftctl.controller.slots"],
         "sftctl.controller.teardown": ["sftctl.controller.submit"],
     }
     assert sorted(m for m in GRAPH_IN["sftctl.controller.lifecycle"]) == [

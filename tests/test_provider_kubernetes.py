@@ -29,7 +29,7 @@ from sftctl.providers.kubernetes import (
     node_manifests,
     render,
 )
-from sftctl.types import KubernetesHandle
+from sftctl.types import KubernetesHandle, Plan
 
 SECRET = "hf_Sup3rS3cretValue-9f8e7d"
 JOB = "gpt-small-a1b2c3"
@@ -446,10 +446,10 @@ def test_controller_quarantines_the_machine_of_a_node_replaced_for_a_verdict(kub
     ctrl = Controller(store, job)
     ctrl.provider.poll_s, ctrl.provider.pending_timeout_s = 0.02, 5
     ctrl._provision_on(offering)
-    bad = ctrl.nodes[0]["handle"].node_name
+    bad = ctrl.nodes[0].handle.node_name
     # a LOST node (no verdict) is replaced but its machine is not suspected: the first fit again
     ctrl._replace(0)
-    assert ctrl.nodes[0]["handle"].node_name == bad
+    assert ctrl.nodes[0].handle.node_name == bad
     assert not any(n["spec"].get("unschedulable") for n in cluster.list("nodes"))
     ctrl._replace(0, quarantine=VERDICT)
     node = cluster.get("nodes", "", bad)
@@ -459,7 +459,7 @@ def test_controller_quarantines_the_machine_of_a_node_replaced_for_a_verdict(kub
     assert event.message.startswith(f"node 0: kubernetes: cordoned node {bad} (")
     assert event.data["machine"] == bad and event.data["actions"] == ["anti-affinity", "cordon"]
     # the replacement of rank 0 could not go back to its machine
-    assert ctrl.nodes[0]["handle"].node_name not in (None, bad)
+    assert ctrl.nodes[0].handle.node_name not in (None, bad)
 
 
 # ------------------------------------------------------------------ the emulator itself
@@ -549,7 +549,7 @@ secrets: [HF_TOKEN]
 run: echo hi
 """)
     spec = api.load(spec_path)
-    doc = preview(spec, {"offering": Offering("kubernetes", "pool", "H100", 8, "ctx", 0.0).to_dict()})
+    doc = preview(spec, Plan.from_dict({"offering": Offering("kubernetes", "pool", "H100", 8, "ctx", 0.0).to_dict()}))
     # node 0's objects; the other nodes are summarised (issue 26: bounded for any node count)
     assert [s["name"] for s in doc["submits"]] == ["node 0: Kubernetes objects"]
     assert doc["other_nodes"]["count"] == 1

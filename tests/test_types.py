@@ -6,7 +6,7 @@ import pytest
 
 from sftctl.types import (
     Attempt, FailureCode, FailureReason, JobRecord, JobStatus, KubernetesHandle, LocalHandle,
-    MetricsRecord, NodeHandle, Offering, SlurmHandle,
+    MetricsRecord, NodeHandle, Offering, Plan, PlanChoice, SlurmHandle,
 )
 
 
@@ -66,3 +66,33 @@ def test_stored_handle_reads_state_rows_old_and_new():
     gone = h.with_(terminated=True).to_dict()
     assert {k: gone[k] for k in old} == old and gone["terminated"] is True
     assert NodeHandle.stored("local", gone).terminated
+
+
+def test_job_record_plan_is_a_plan_whose_document_round_trips():
+    """Issue 21: ``JobRecord.plan`` was the plan document (a dict); it is a :class:`Plan` read
+    back from ``offering_json``, whose ``to_dict()`` is the document state keeps, key for key."""
+    a = Offering("aws", "p5.48xlarge", "H100", 8, "us-east-1", 98.32, spot_usd_per_hour=39.3)
+    b = Offering("aws", "p4d.24xlarge", "A100", 8, "us-west-2", 32.77)
+    c = Offering("aws", "g5.xlarge", "A10G", 1, "us-east-1", 1.0)
+    rows = [PlanChoice(a, 2, 196.64, step_time_s=0.5, total_usd=10.0, hours=0.05, mode="compile",
+                       parallelism="fsdp", activation_checkpointing=True),
+            PlanChoice(b, 2, 65.54, step_time_s=0.9, total_usd=12.0, hours=0.2, parallelism="ddp",
+                       activation_checkpointing=False, queue_wait_s=60.0),
+            PlanChoice(c, 2, 2.0, rejected=FailureReason("does_not_fit", "needs 80 GiB, has 24"))]
+    plan = Plan(rows[0], "cheapest: H100", rows)
+    doc = json.loads(json.dumps(plan.to_dict()))
+    back = Plan.from_dict(doc)
+    assert back.to_dict() == doc and back == plan
+    job = JobRecord.from_dict({"id": "a-1", "name": "a", "status": "RUNNING", "spec": {}, "created_at": 1.0,
+                               "updated_at": 2.0, "plan": doc})
+    assert isinstance(job.plan, Plan) and job.offering == a and job.plan_reason == "cheapest: H100"
+    assert job.to_dict()["plan"] == doc
+    assert (job.plan.planned("parallelism"), job.plan.planned("activation_checkpointing")) == ("fsdp", True)
+    moved = job.plan.with_offering(b)  # a failover: the document with its offering replaced
+    assert moved.to_dict() == {**doc, "offering": b.to_dict()}
+    assert (moved.planned("parallelism"), moved.planned("activation_checkpointing")) == ("ddp", False)
+    assert Plan.from_dict(moved.to_dict()).offering == b
+    old = Plan.from_dict({"offering": c.to_dict(), "candidates": []})  # a plan kept before most keys
+    assert (old.offering, old.reason, old.planned("parallelism"), old.chosen.nodes) == (c, "", None, None)
+    assert JobRecord.from_dict({"id": "a-1", "name": "a", "status": "PENDING", "spec": {}, "created_at": 1.0,
+                                "updated_at": 2.0, "plan": None}).plan_reason is None

@@ -28,6 +28,7 @@ from typing import Protocol
 
 from sftctl import settings
 from sftctl.catalog import Offering
+from sftctl.controller.slots import NodeSlot
 from sftctl.controller.ports import claim_rendezvous_port, release_rendezvous_port
 from sftctl.controller.submit import (
     claim_checkpoint_dir,
@@ -45,7 +46,7 @@ from sftctl.queue import CANCEL_SIGNALS, DOWN_REASON, ControllerBusy, claim_job 
 from sftctl.spec import JobSpec
 from sftctl.state import JobStatus, Store
 from sftctl.storage import StorageError
-from sftctl.types import AttemptStatus, FailureCode, FailureReason, capabilities
+from sftctl.types import AttemptStatus, FailureCode, FailureReason, Plan, capabilities
 
 POLL_S = 0.5
 #: With job storage every poll lists each node's streams (about 5 requests per node): poll less
@@ -148,7 +149,7 @@ class Controller:
     Args:
         store: the state store.
         job_id: a job created by ``Store.create_job`` with ``provider`` and ``offering_json`` set
-            (``offering_json`` holds the planner's :meth:`Plan.to_dict`).
+            (``offering_json`` holds the planner's :meth:`Plan.to_dict`; ``JobRecord.plan`` reads it back).
         reporter: receives events, node log text and training metrics.
     """
 
@@ -164,16 +165,11 @@ class Controller:
             raise KeyError(job_id)
         self.created_at = job.created_at
         self.spec = JobSpec.model_validate(job.spec)
-        self.plan_doc = job.plan
-        self.offering = Offering(**self.plan_doc["offering"])
+        self.plan: Plan = job.plan
+        self.offering = self.plan.offering
         self.provider = job_provider(job, self.offering.provider)
         self.blocked: list[CapacityError] = []  # capacity errors seen by this job: failover skips them
-        # {"id", "rank", "handle" (a NodeHandle, None until provisioned), "generation" (replacements of this rank)}
-        self.nodes: list[dict] = []
-        # read offsets survive restarts: every attempt appends to the same node log and metrics
-        self.log_offsets: dict[str, int] = {}
-        self.metric_offsets: dict[str, dict[str, int]] = {}
-        self.health_offsets: dict[str, dict[str, int]] = {}
+        self.nodes: list[NodeSlot] = []  # in node-rank order; each keeps its streams' read offsets
         self.monitor = None
         self._queued_reason: str | None = None  # the scheduler's pending reason, as last recorded
         if self.spec.health.enabled:
@@ -308,8 +304,8 @@ class Controller:
                 self.reporter.event(message)
                 self.offering = nxt
                 self.provider = job_provider(self.store.get_job(self.job_id), nxt.provider)
-                self.plan_doc = {**self.plan_doc, "offering": nxt.to_dict()}
-                self.store.update_job(self.job_id, provider=nxt.provider, offering_json=self.plan_doc)
+                self.plan = self.plan.with_offering(nxt)
+                self.store.update_job(self.job_id, provider=nxt.provider, offering_json=self.plan.to_dict())
         self.store.add_event(self.job_id, "provision", f"{len(self.nodes)} node(s) ready on {self.provider.name}")
         self.reporter.event(f"{len(self.nodes)} node(s) ready on {self.provider.name}")
 
@@ -318,19 +314,18 @@ class Controller:
         self.nodes = []
         for rank in range(self.spec.resources.nodes):
             node_id = self.store.add_node(self.job_id, rank, self.provider.name)
-            self.nodes.append({"id": node_id, "rank": rank, "handle": None, "generation": 0})
-            self.log_offsets[node_id], self.metric_offsets[node_id], self.health_offsets[node_id] = 0, {}, {}
+            self.nodes.append(NodeSlot(node_id, rank))
         try:
-            handles = provision_all(self.provider, self.job_id, [(n["id"], n["rank"]) for n in self.nodes],
+            handles = provision_all(self.provider, self.job_id, [(n.id, n.rank) for n in self.nodes],
                                     offering, bootstrap_for=self._bootstrap, **self._provision_options())
         except BaseException:
             for n in self.nodes:  # provision_all removed what came up; the records say so
-                self.store.update_node(n["id"], status=NodeState.TERMINATED.value, handle={"terminated": True})
+                self.store.update_node(n.id, status=NodeState.TERMINATED.value, handle={"terminated": True})
             self.nodes = []
             raise
         for node, handle in zip(self.nodes, handles):
-            node["handle"] = handle
-            self.store.update_node(node["id"], status=NodeState.READY.value, handle=handle.to_dict())
+            node.handle = handle
+            self.store.update_node(node.id, status=NodeState.READY.value, handle=handle.to_dict())
 
     def _provision_options(self) -> dict:
         return {"spot": self.spec.resources.spot, "image": self.spec.resources.image}
@@ -347,10 +342,10 @@ class Controller:
 
     def _next_offering(self) -> Offering | None:
         """The best feasible candidate of the plan after the current one that no block rules out."""
-        for c in self.plan_doc.get("candidates", []):
-            if c.get("rejected") or "offering" not in c:
+        for c in self.plan.candidates:
+            if c.rejected is not None:
                 continue
-            o = Offering(**c["offering"])
+            o = c.offering
             if o == self.offering or any(b.blocks(o.provider, o.region, o.instance_type) for b in self.blocked):
                 continue
             return o
@@ -358,8 +353,7 @@ class Controller:
 
     def node_env(self, rank: int, attempt: int, master_port: int) -> dict[str, str]:
         """The environment node ``rank`` gets for ``attempt`` (:func:`sftctl.controller.submit.node_env`)."""
-        return node_env(self.spec, self.job_id, self.plan_doc, self.offering, self.nodes, rank, attempt,
-                        master_port, self.workdir_key)
+        return node_env(self.spec, self.job_id, self.plan, self.nodes, rank, attempt, master_port, self.workdir_key)
 
     def _launch(self, attempt: int) -> None:
         from sftctl.templates import render
@@ -384,8 +378,8 @@ class Controller:
             script = render(
                 "node.sh.j2",
                 job_id=self.job_id,
-                node_id=node["id"],
-                rank=node["rank"],
+                node_id=node.id,
+                rank=node.rank,
                 attempt=attempt,
                 workdir=self.spec.workdir,
                 setup=self.spec.setup,
@@ -393,9 +387,9 @@ class Controller:
                 health=self.spec.health.enabled,
                 secrets=required_secrets(self.spec),
             )
-            env = self.node_env(node["rank"], attempt, port)
-            node["handle"] = self.provider.launch(node["handle"], script, env, attempt)
-            self.store.update_node(node["id"], status=NodeState.RUNNING.value, handle=node["handle"].to_dict())
+            env = self.node_env(node.rank, attempt, port)
+            node.handle = self.provider.launch(node.handle, script, env, attempt)
+            self.store.update_node(node.id, status=NodeState.RUNNING.value, handle=node.handle.to_dict())
         self.attempt = attempt
         if self.monitor is not None:
             self.monitor.reset_training()
@@ -417,7 +411,7 @@ class Controller:
                 if keepalive is not None:
                     keepalive(self.job_id)
                 self._drain()
-                statuses = [(n, self.provider.status(n["handle"])) for n in self.nodes]
+                statuses = [(n, self.provider.status(n.handle)) for n in self.nodes]
             except StorageError as e:  # nodes keep training and buffering: wait for the storage
                 now = time.monotonic()
                 if outage_since is None:
@@ -439,10 +433,10 @@ class Controller:
                     why = self._exit_reason(node, st.exit_code)
                     # a full disk stays full, a missing secret stays missing: restarting hits them again
                     action = None if why.code in (FailureCode.DISK_FULL, FailureCode.SECRET_MISSING) else RESTART
-                    return Failure(why, action, node["rank"], st.exit_code)
+                    return Failure(why, action, node.rank, st.exit_code)
                 if st.state == NodeState.LOST:
-                    return Failure(FailureReason(FailureCode.NODE_LOST, f"node {node['rank']}: {st.detail}",
-                                                 {"node_rank": node["rank"]}), REPLACE, node["rank"])
+                    return Failure(FailureReason(FailureCode.NODE_LOST, f"node {node.rank}: {st.detail}",
+                                                 {"node_rank": node.rank}), REPLACE, node.rank)
             if all(st.state == NodeState.SUCCEEDED for _, st in statuses):
                 self._drain()
                 return None
@@ -467,11 +461,11 @@ class Controller:
         the job's ``pending_reason`` is the first such detail until none is pending."""
         changed: dict[str, list[int]] = {}
         for node, st in statuses:
-            if st.state == NodeState.RUNNING and st.detail != node.get("detail", ""):
-                node["detail"] = st.detail
+            if st.state == NodeState.RUNNING and st.detail != node.detail:
+                node.detail = st.detail
                 if st.detail:
-                    changed.setdefault(st.detail, []).append(node["rank"])
-                self.store.update_node(node["id"], status=NodeState.PENDING if st.pending else NodeState.RUNNING)
+                    changed.setdefault(st.detail, []).append(node.rank)
+                self.store.update_node(node.id, status=NodeState.PENDING if st.pending else NodeState.RUNNING)
         for detail, ranks in changed.items():
             who = f"node {ranks[0]}" if len(ranks) == 1 else f"nodes {', '.join(map(str, ranks))}"
             self.store.add_event(self.job_id, "node", f"{who}: {detail}")
@@ -501,45 +495,44 @@ class Controller:
         """Terminate node ``rank`` and provision a new node in its place (a new node id). With
         ``quarantine`` (a health verdict) the machine it ran on is kept out first
         (:meth:`Provider.quarantine`: anti-affinity and cordon on Kubernetes, ``--exclude`` on Slurm)."""
-        i = next(i for i, n in enumerate(self.nodes) if n["rank"] == rank)
+        i = next(i for i, n in enumerate(self.nodes) if n.rank == rank)
         old = self.nodes[i]
-        if quarantine and old["handle"]:
+        if quarantine and old.handle:
             self._quarantine(old, quarantine)
-        self.provider.terminate(old["handle"])
-        self.store.update_node(old["id"], status=NodeState.REPLACED, handle=old["handle"].with_(terminated=True).to_dict())
+        self.provider.terminate(old.handle)
+        self.store.update_node(old.id, status=NodeState.REPLACED, handle=old.handle.with_(terminated=True).to_dict())
         node_id = self.store.add_node(self.job_id, rank, self.provider.name)
-        new = {"id": node_id, "rank": rank, "handle": None, "generation": old.get("generation", 0) + 1}
+        new = NodeSlot(node_id, rank, generation=old.generation + 1)
         self.nodes[i] = new
-        self.log_offsets[node_id], self.metric_offsets[node_id], self.health_offsets[node_id] = 0, {}, {}
         try:
-            new["handle"] = self.provider.provision(self.job_id, node_id, rank, self.offering,
+            new.handle = self.provider.provision(self.job_id, node_id, rank, self.offering,
                                                     bootstrap=self._bootstrap(node_id, rank), **self._provision_options())
         except CapacityError as e:
             self.store.update_node(node_id, status=NodeState.FAILED.value)
             if not self._shrink(i, rank, e):
                 raise
             return
-        self.store.update_node(node_id, status=NodeState.READY.value, handle=new["handle"].to_dict())
+        self.store.update_node(node_id, status=NodeState.READY.value, handle=new.handle.to_dict())
         if self.monitor is not None:
             self.monitor.reset_node(rank)
-        message = f"node {rank} replaced: {old['id']} -> {node_id}"
+        message = f"node {rank} replaced: {old.id} -> {node_id}"
         self.store.add_event(self.job_id, "replace", message)
         self.reporter.event(message)
 
-    def _quarantine(self, node: dict, verdict: str) -> None:
+    def _quarantine(self, node: NodeSlot, verdict: str) -> None:
         """Ask the provider to keep ``node``'s machine out (best effort) and record what it did."""
         quarantine = getattr(self.provider, "quarantine", None)
         if quarantine is None:  # a provider outside this package that predates the method
             return
         try:
-            done = quarantine(node["handle"], verdict)
+            done = quarantine(node.handle, verdict)
         except SftctlError as e:
             done = {"machine": None, "actions": [], "message": f"could not keep its machine out: {e.message}"}
         if not done:
             return
-        message = f"node {node['rank']}: {done['message']}"
+        message = f"node {node.rank}: {done['message']}"
         self.store.add_event(self.job_id, "quarantine", message,
-                             {k: v for k, v in done.items() if k != "message"} | {"node_id": node["id"]})
+                             {k: v for k, v in done.items() if k != "message"} | {"node_id": node.id})
         self.reporter.event(message)
 
     def _shrink(self, i: int, rank: int, e: CapacityError) -> bool:
@@ -559,14 +552,14 @@ class Controller:
             self.reporter.event(message)
             return False
         del self.nodes[i]
-        for new_rank, node in enumerate(sorted(self.nodes, key=lambda n: n["rank"])):
-            if node["rank"] != new_rank:
-                node["rank"] = new_rank
-                if node["handle"] is not None:
-                    node["handle"] = node["handle"].with_(rank=new_rank)
-                self.store.update_node(node["id"], rank=new_rank,
-                                       handle=node["handle"].to_dict() if node["handle"] is not None else {})
-        self.nodes.sort(key=lambda n: n["rank"])
+        for new_rank, node in enumerate(sorted(self.nodes, key=lambda n: n.rank)):
+            if node.rank != new_rank:
+                node.rank = new_rank
+                if node.handle is not None:
+                    node.handle = node.handle.with_(rank=new_rank)
+                self.store.update_node(node.id, rank=new_rank,
+                                       handle=node.handle.to_dict() if node.handle is not None else {})
+        self.nodes.sort(key=lambda n: n.rank)
         if self.monitor is not None:
             for r in range(planned):
                 self.monitor.reset_node(r)
@@ -583,28 +576,26 @@ class Controller:
         batch: list[dict] = []
         placed: dict[int, int] = {}
         for node in self.nodes:
-            data, self.log_offsets[node["id"]] = self.provider.read_log(
-                node["handle"], self.log_offsets[node["id"]]
-            )
+            data, node.log_offset = self.provider.read_log(node.handle, node.log_offset)
             if data:
                 text = data.decode("utf-8", "replace")
-                self.reporter.log(node["rank"], text)
-            records = self.provider.read_metrics(node["handle"], self.metric_offsets[node["id"]])
+                self.reporter.log(node.rank, text)
+            records = self.provider.read_metrics(node.handle, node.metric_offsets)
             samples = [s for s in records if "step" in s]  # the rest are heartbeats
             for r in {int(s["rank"]) for s in records if s.get("rank") is not None}:
-                placed[r] = node["rank"]
+                placed[r] = node.rank
             if samples:
                 self.reporter.metrics(samples)
-                batch += [{**s, "rank": s.get("rank", node["rank"])} for s in samples]
+                batch += [{**s, "rank": s.get("rank", node.rank)} for s in samples]
             if self.monitor is not None:
-                self.monitor.add_metrics(node["rank"], records, time.time())
-                gpu = self.provider.read_health(node["handle"], self.health_offsets[node["id"]])
+                self.monitor.add_metrics(node.rank, records, time.time())
+                gpu = self.provider.read_health(node.handle, node.health_offsets)
                 for problem in {s["agent_error"] for s in gpu if "agent_error" in s}:
                     # the agent keeps going without that part, so the job does too, but says so
-                    message = f"node {node['rank']}: health agent: {problem}"
+                    message = f"node {node.rank}: health agent: {problem}"
                     self.store.add_event(self.job_id, "health", message)
                     self.reporter.event(f"warning: {message}")
-                self.monitor.add_gpu(node["rank"], gpu)
+                self.monitor.add_gpu(node.rank, gpu)
         if any(self.rank_nodes.get(r) != n for r, n in placed.items()):  # c10d decides: say which node got which rank
             self.rank_nodes.update(placed)
             pairs = sorted(self.rank_nodes.items())
@@ -617,12 +608,12 @@ class Controller:
                 first = min(int(s["step"]) for s in batch)
                 self.store.add_event(self.job_id, "progress", f"attempt {self.attempt}: first step reported is {first}")
 
-    def _exit_reason(self, node: dict, code: int | None) -> FailureReason:
+    def _exit_reason(self, node: NodeSlot, code: int | None) -> FailureReason:
         """Node ``node`` exited with ``code``: the node's own failure record says why (OOM, an
         exception, a signal; see :mod:`sftctl.failure`), else the code alone (``exit``)."""
-        line = f"node {node['rank']} exited with code {code}"
-        data = {"node_rank": node["rank"], "exit_code": code}
-        why = self.provider.read_failure(node["handle"])
+        line = f"node {node.rank} exited with code {code}"
+        data = {"node_rank": node.rank, "exit_code": code}
+        why = self.provider.read_failure(node.handle)
         if why is None:
             return FailureReason(FailureCode.EXIT, line, data)
         return FailureReason(why.code, f"{line}: {why.message}", {**why.data, **data})
@@ -634,16 +625,16 @@ class Controller:
 
     def _stop_nodes(self) -> None:
         for node in self.nodes:
-            self.provider.stop_attempt(node["handle"])
+            self.provider.stop_attempt(node.handle)
 
     def _teardown(self) -> None:
-        terminate_all(self.provider, [n["handle"] for n in self.nodes if n["handle"] is not None],
+        terminate_all(self.provider, [n.handle for n in self.nodes if n.handle is not None],
                       progress=self.reporter.event)  # all at once: a wide job comes down as fast as one node
         for node in self.nodes:
-            if node["handle"] is not None:
-                node["handle"] = node["handle"].with_(terminated=True)
-            self.store.update_node(node["id"], status=NodeState.TERMINATED.value,
-                                   handle=node["handle"].to_dict() if node["handle"] is not None else {"terminated": True})
+            if node.handle is not None:
+                node.handle = node.handle.with_(terminated=True)
+            self.store.update_node(node.id, status=NodeState.TERMINATED.value,
+                                   handle=node.handle.to_dict() if node.handle is not None else {"terminated": True})
         leftover = self.provider.terminate_tagged(self.job_id)
         message = f"terminated {len(self.nodes)} node(s)" + (
             f" and {leftover} stray process(es)" if leftover else ""

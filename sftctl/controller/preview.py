@@ -11,13 +11,14 @@ import difflib
 from sftctl import settings
 from sftctl.catalog import Offering
 from sftctl.providers import get_provider
+from sftctl.controller.slots import NodeSlot
 from sftctl.controller.submit import default_install, job_storage_url, node_env, required_secrets
 from sftctl.spec import JobSpec, env_references
 from sftctl.templates import render
-from sftctl.types import NodeHandle, capabilities
+from sftctl.types import NodeHandle, Plan, capabilities
 
 
-def preview(spec: JobSpec, plan_doc: dict, job_id: str = "<job-id>") -> dict:
+def preview(spec: JobSpec, plan: Plan, job_id: str = "<job-id>") -> dict:
     """What ``sftctl run`` would provision and start, rendered but not done (``run --dry-run``).
 
     Returns ``{"offering", "nodes": [{"rank", "env", "script", "bootstrap"}], "other_nodes",
@@ -29,15 +30,14 @@ def preview(spec: JobSpec, plan_doc: dict, job_id: str = "<job-id>") -> dict:
     its rank, node id, address...); ``submits``: what the scheduler would be handed (Slurm's sbatch
     and step scripts, node 0's Kubernetes manifests). Nothing is recorded, created or started.
     """
-    offering = Offering(**plan_doc["offering"])
+    offering = plan.offering
     cloud = not capabilities(offering.provider).local_admission
     count = spec.resources.nodes
-    nodes = [{"id": f"{job_id}-n{r}", "rank": r, "generation": 0,
-              "handle": NodeHandle(job_id=job_id, node_id=f"{job_id}-n{r}", rank=r,
-                                   ip=f"<node {r} ip>" if cloud else "127.0.0.1")}
+    nodes = [NodeSlot(f"{job_id}-n{r}", r, NodeHandle(job_id=job_id, node_id=f"{job_id}-n{r}", rank=r,
+                                                    ip=f"<node {r} ip>" if cloud else "127.0.0.1"))
              for r in range(count)]
     workdir_key = "<workdir pack>" if spec.storage is not None else None
-    shown = [_preview_node(spec, plan_doc, offering, job_id, nodes, n, workdir_key, cloud)
+    shown = [_preview_node(spec, plan, job_id, nodes, n, workdir_key, cloud)
              for n in nodes[:2]]  # node 0 in full, node 1 for what differs
     if count == 1:
         return {"offering": offering.to_dict(), "nodes": shown, "other_nodes": None,
@@ -57,24 +57,24 @@ def preview(spec: JobSpec, plan_doc: dict, job_id: str = "<job-id>") -> dict:
             "submits": _preview_submits(spec, offering, job_id, nodes, [first])}
 
 
-def _preview_node(spec: JobSpec, plan_doc: dict, offering: Offering, job_id: str, nodes: list[dict], n: dict,
+def _preview_node(spec: JobSpec, plan: Plan, job_id: str, nodes: list[NodeSlot], n: NodeSlot,
                   workdir_key: str | None, cloud: bool) -> dict:
     """One node of :func:`preview`: ``{"rank", "env", "script", "bootstrap"}``."""
-    env = node_env(spec, job_id, plan_doc, offering, nodes, n["rank"], 1, "<rendezvous port>", workdir_key)
+    env = node_env(spec, job_id, plan, nodes, n.rank, 1, "<rendezvous port>", workdir_key)
     env.update({k: "<secret>" for k in spec.secrets if k in env})
     env.update({k: v for k, v in spec.env.items() if env_references(v)})  # ${MY_API_TOKEN}, not its value
-    script = render("node.sh.j2", job_id=job_id, node_id=n["id"], rank=n["rank"], attempt=1,
+    script = render("node.sh.j2", job_id=job_id, node_id=n.id, rank=n.rank, attempt=1,
                     workdir=spec.workdir, setup=spec.setup, run=spec.run, health=spec.health.enabled,
                     secrets=required_secrets(spec))
     bootstrap = None
     if cloud:
-        bootstrap = render("bootstrap.sh.j2", job_id=job_id, node_id=n["id"], rank=n["rank"],
+        bootstrap = render("bootstrap.sh.j2", job_id=job_id, node_id=n.id, rank=n.rank,
                            storage_url=job_storage_url(spec, job_id) or "",
                            install=settings.get("SFTCTL_NODE_INSTALL") or default_install())
-    return {"rank": n["rank"], "env": env, "script": script, "bootstrap": bootstrap}
+    return {"rank": n.rank, "env": env, "script": script, "bootstrap": bootstrap}
 
 
-def _preview_submits(spec: JobSpec, offering: Offering, job_id: str, nodes: list[dict],
+def _preview_submits(spec: JobSpec, offering: Offering, job_id: str, nodes: list[NodeSlot],
                      shown: list[dict]) -> list[dict]:
     """What ``preview`` adds per provider: ``[{"name", "text"}]``, the documents sftctl would hand
     the scheduler: Slurm's ``sbatch.sh`` and ``step.sh``, the shown nodes' Kubernetes manifests
@@ -83,7 +83,7 @@ def _preview_submits(spec: JobSpec, offering: Offering, job_id: str, nodes: list
     if provider == "slurm":
         slurm = get_provider("slurm", config=spec.slurm.model_dump() if spec.slurm else None,
                              num_nodes=spec.resources.nodes, time_limit_s=spec.resources.deadline_s)
-        scripts = slurm.batch_scripts(job_id, 1, [n["id"] for n in nodes], offering)
+        scripts = slurm.batch_scripts(job_id, 1, [n.id for n in nodes], offering)
         return [{"name": f"attempt-1/{name}", "text": text} for name, text in scripts.items()]
     if provider == "kubernetes":
         import yaml
@@ -94,12 +94,12 @@ def _preview_submits(spec: JobSpec, offering: Offering, job_id: str, nodes: list
         out = []
         secrets = {k: "<secret>" for k in required_secrets(spec)}
         for n, shown_node in zip(nodes, shown):
-            request = InstanceRequest(job_id=job_id, node_id=n["id"], rank=n["rank"], offering=offering,
+            request = InstanceRequest(job_id=job_id, node_id=n.id, rank=n.rank, offering=offering,
                                       zone=None, spot=spec.resources.spot, bootstrap=shown_node["bootstrap"] or "",
                                       image=spec.resources.image)
             objs = node_manifests(request, namespace=settings.get("SFTCTL_K8S_NAMESPACE") or "default",
                                   secrets=secrets or None, num_nodes=spec.resources.nodes)
-            out.append({"name": f"node {n['rank']}: Kubernetes objects",
+            out.append({"name": f"node {n.rank}: Kubernetes objects",
                         "text": yaml.safe_dump_all([o for o in objs.values() if o is not None], sort_keys=False)})
         return out
     return []

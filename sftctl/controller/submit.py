@@ -12,12 +12,12 @@ import os
 from pathlib import Path
 
 from sftctl import settings
-from sftctl.catalog import Offering
+from sftctl.controller.slots import NodeSlot
 from sftctl.paths import job_dir
 from sftctl.providers import get_provider
 from sftctl.spec import JobSpec, env_references, resolve_env
 from sftctl.state import JobRecord
-from sftctl.types import NodeHandle
+from sftctl.types import NodeHandle, Plan
 
 OWNER_FILE = ".sftctl-job"  # in a spec's train.checkpoint_dir: the job whose checkpoints it holds
 
@@ -145,16 +145,17 @@ def default_install() -> str:
     return f"sftctl[aws,gcp]=={__version__}"
 
 
-def node_env(spec: JobSpec, job_id: str, plan_doc: dict, offering: Offering, nodes: list[dict], rank: int,
-             attempt: int, master_port: int | str, workdir_key: str | None = None) -> dict[str, str]:
-    """The environment node ``rank`` of ``nodes`` gets for ``attempt`` on ``offering``: the spec's
-    ``env`` and sftctl's own variables (``nodes``: the job's node slots in node-rank order, their
-    handles' ``ip`` giving the addresses; ``workdir_key``: the workdir pack in job storage).
+def node_env(spec: JobSpec, job_id: str, plan: Plan, nodes: list[NodeSlot], rank: int, attempt: int,
+             master_port: int | str, workdir_key: str | None = None) -> dict[str, str]:
+    """The environment node ``rank`` of ``nodes`` gets for ``attempt`` on the plan's offering:
+    the spec's ``env`` and sftctl's own variables (``nodes``: the job's slots in node-rank order,
+    their handles' ``ip`` giving the addresses; ``workdir_key``: the workdir pack in job storage).
 
     ``SFTCTL_NODE_IPS`` is comma-separated in node-rank order; ``MASTER_ADDR``/``MASTER_PORT``
     and ``SFTCTL_RDZV_ENDPOINT`` point at node 0 for torchrun's c10d rendezvous.
     """
-    ips = [(n["handle"].ip if n["handle"] is not None else None) or "127.0.0.1" for n in nodes]
+    offering = plan.offering
+    ips = [(n.handle.ip if n.handle is not None else None) or "127.0.0.1" for n in nodes]
     env = resolve_env(spec.env)  # the spec holds ${VAR} references; values only reach the node
     env.update({k: os.environ[k] for k in spec.secrets if k in os.environ})  # values never stored
     url = job_storage_url(spec, job_id)
@@ -172,9 +173,9 @@ def node_env(spec: JobSpec, job_id: str, plan_doc: dict, offering: Offering, nod
         keep_checkpoints=spec.train.keep_checkpoints,
         compile=spec.train.compile,
         # the strategy the plan chose for this offering (sftctl.train.prepare runs it)
-        parallelism=planned(plan_doc, offering, "parallelism") or (
+        parallelism=plan.planned("parallelism") or (
             spec.train.parallelism if spec.train.parallelism != "auto" else "ddp"),
-        activation_checkpointing=bool(planned(plan_doc, offering, "activation_checkpointing")
+        activation_checkpointing=bool(plan.planned("activation_checkpointing")
                                       or spec.train.activation_checkpointing),
         grad_accum=max(1, spec.resources.nodes // len(nodes)),
         job_id=job_id,
@@ -183,7 +184,7 @@ def node_env(spec: JobSpec, job_id: str, plan_doc: dict, offering: Offering, nod
         node_ips=",".join(ips),
         nproc_per_node=offering.count,
         attempt=attempt,
-        node_generation=next(n.get("generation", 0) for n in nodes if n["rank"] == rank),
+        node_generation=next(n.generation for n in nodes if n.rank == rank),
         health_interval_s=spec.health.interval_s,
         agent_address=spec.health.metrics_address,
         checkpoint_interval=spec.train.checkpoint_interval,
@@ -214,20 +215,10 @@ def node_env(spec: JobSpec, job_id: str, plan_doc: dict, offering: Offering, nod
         ))
     return env
 
-def planned(plan_doc: dict, offering: Offering, key: str):
-    """The plan's choice for the offering the job runs on (``parallelism``,
-    ``activation_checkpointing``), or None (no model, or a plan made before strategies)."""
-    for c in plan_doc.get("candidates", []):  # after a failover: that offering's own choice
-        if not c.get("rejected") and "offering" in c and Offering(**c["offering"]) == offering:
-            return c.get(key)
-    return plan_doc.get(key)
-
-
-def node_env_names(spec: JobSpec, plan_doc: dict) -> set[str]:
+def node_env_names(spec: JobSpec, plan: Plan) -> set[str]:
     """The names of the environment every node of ``spec`` gets on the plan's offering (the
     spec's ``env`` and ``secrets``, sftctl's own variables): what ``run:`` may expand."""
-    nodes = [{"id": "<node>", "rank": 0, "generation": 0,
-              "handle": NodeHandle(job_id="<job-id>", node_id="<node>", rank=0, ip="127.0.0.1")}]
-    env = node_env(spec, "<job-id>", plan_doc, Offering(**plan_doc["offering"]), nodes, 0, 1, 0,
+    nodes = [NodeSlot("<node>", 0, NodeHandle(job_id="<job-id>", node_id="<node>", rank=0, ip="127.0.0.1"))]
+    env = node_env(spec, "<job-id>", plan, nodes, 0, 1, 0,
                    workdir_key="<workdir pack>" if spec.storage is not None else None)
     return set(env) | set(spec.env) | set(spec.secrets)
