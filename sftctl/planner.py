@@ -278,28 +278,33 @@ def _not_sold(name: str, count: int, nodes: int) -> PlanChoice:
     return PlanChoice(placeholder, nodes, None, rejected=why)
 
 
-def _calibration(accelerator: str, step_time_s: float) -> dict:
-    """A prediction's calibration (sources, error factor) and its step-time interval."""
-    from sftctl.compiler.accuracy import accuracy, interval
+def _calibration(accelerator: str, step_time_s: float, comm_time_s: float = 0.0) -> dict:
+    """A prediction's calibration (sources, error factor for a step with ``comm_time_s`` of exposed
+    communication: :func:`sftctl.compiler.accuracy.factor`) and its step-time interval."""
+    from sftctl.compiler.accuracy import accuracy, factor
 
     acc = accuracy(accelerator)
-    lo, hi = interval(accelerator, step_time_s)
-    return {"calibration": {"calibrated": acc["calibrated"], "sources": acc["sources"], "error": acc["error"]},
-            "step_time_interval_s": [lo, hi]}
+    f = factor(accelerator, comm_time_s / step_time_s if step_time_s > 0 else 0.0)
+    return {"calibration": {"calibrated": acc["calibrated"], "sources": acc["sources"], "error": f},
+            "step_time_interval_s": [step_time_s / f, step_time_s * f]}
 
 
 def _ranking_notes(ranked: list[PlanChoice], objective: str) -> list[PlanChoice]:
     """Each predicted row whose interval (total cost, or step time for ``objective: time``)
     overlaps the nearest row above it on another accelerator or node shape says so (once per pair
     of shapes): the model cannot tell those two apart."""
-    from sftctl.compiler.accuracy import interval, overlap
+    from sftctl.compiler.accuracy import overlap
+
+    def interval(c: PlanChoice, value: float) -> tuple[float, float]:
+        f = c.calibration["error"]
+        return value / f, value * f
 
     out: list[PlanChoice] = []
     noted: set = set()  # (shape above, shape) pairs already said once
     for i, c in enumerate(ranked):
         if c.step_time_s is not None and c.calibration is not None:
             key = "step_time_s" if objective == "time" else "total_usd"
-            mine = interval(c.offering.accelerator, getattr(c, key) or 0.0)
+            mine = interval(c, getattr(c, key) or 0.0)
             for j in range(i - 1, -1, -1):
                 above = out[j]
                 if above.step_time_s is None or above.calibration is None or (
@@ -308,7 +313,7 @@ def _ranking_notes(ranked: list[PlanChoice], objective: str) -> list[PlanChoice]
                     continue
                 pair = ((above.offering.accelerator, above.offering.count, above.nodes),
                         (c.offering.accelerator, c.offering.count, c.nodes))
-                if pair not in noted and overlap(mine, interval(above.offering.accelerator, getattr(above, key) or 0.0)):
+                if pair not in noted and overlap(mine, interval(above, getattr(above, key) or 0.0)):
                     noted.add(pair)
                     what = "step-time" if objective == "time" else "cost"
                     c = dataclasses.replace(c, ranking_note=(
@@ -488,7 +493,7 @@ def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: P
                                     activation_checkpointing=got.chosen.activation_checkpointing,
                                     parallelism_reason=got.reason,
                                     strategies=[p.to_dict() for p in got.strategies],
-                                    **_calibration(o.accelerator, got.step_time_s))
+                                    **_calibration(o.accelerator, got.step_time_s, got.chosen.comm_time_s))
             if got.devices_needed != 1:
                 return reject(FailureCode.DOES_NOT_FIT, got.reason + (
                     f"; train.parallelism {spec.train.parallelism} rules out the other strategy"

@@ -32,7 +32,7 @@ LAYERS = [
 ]
 
 #: Tools at the top: ``python -m`` entry points no module imports.
-TOOLS = {"sftctl.compiler.calibration", "sftctl.compiler.predict"}
+TOOLS = {"sftctl.compiler.calibration", "sftctl.compiler.predict", "sftctl.compiler.accuracy_cv"}
 
 
 def _modules() -> dict[str, Path]:

@@ -300,13 +300,16 @@ def _summary(ratios: dict) -> dict:
     return out
 
 
-def cross_validate(records: list[dict]) -> dict:
+def cross_validate(records: list[dict], ratios: bool = False) -> dict:
     """Predicted / measured on data each fit never saw, per size bucket:
 
     * ``sizes``: each group's sizes split in two interleaved halves (even / odd positions of the
       sorted sizes); fit on one, predict the other, both ways;
     * ``ops``: each op predicted from the link's other ops at the same group size (alpha and bus
       bandwidth of the op with the nearest bus factor, no correction).
+
+    With ``ratios``, the result also holds every predicted / measured ratio under
+    ``"ratios": {"held_out_sizes": {bucket: [...]}, "held_out_ops": {...}}``.
     """
     groups = _groups(records)
     by_size = {name: [] for _, _, name in BUCKETS}
@@ -332,7 +335,10 @@ def cross_validate(records: list[dict]) -> dict:
         for r in rs:
             b = record_bytes(r)
             by_op[bucket_of(b)].append(f.time_s(op, g, b) / r["time_s"])
-    return {"held_out_sizes": _summary(by_size), "held_out_ops": _summary(by_op)}
+    out = {"held_out_sizes": _summary(by_size), "held_out_ops": _summary(by_op)}
+    if ratios:
+        out["ratios"] = {"held_out_sizes": by_size, "held_out_ops": by_op}
+    return out
 
 
 #: arch of the measured table -> the link its 8-GPU host records fit

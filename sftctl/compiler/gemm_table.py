@@ -338,18 +338,32 @@ def predict_record(rec: dict, hw) -> float:
     return t
 
 
-def cross_validate(arch: str, dtype: str, folds: int = 5, seed: int = 0) -> dict:
-    """k-fold by shape: the (m, n, k) shapes of the table are split into ``folds`` groups; each
-    group (at every b) is predicted by coefficients refitted on, and residuals interpolated
-    from, the others. Returns ``{"n", "median", "within_0.8_1.25", "model_median",
-    "model_within", "ratios"}`` (predicted / measured)."""
+def size_buckets(shapes: list[tuple[int, int, int]], folds: int) -> dict[tuple[int, int, int], int]:
+    """Shape -> bucket: the (m, n, k) shapes sorted by size (log2 of m n k, then m, n, k) and cut
+    into ``folds`` contiguous buckets of (nearly) equal count, smallest first. Holding a bucket
+    out asks the table's neighbours and the model for a size range none of the rest covers."""
+    order = sorted(shapes, key=lambda s: (math.log2(s[0] * s[1] * s[2]), s))
+    return {s: min(folds - 1, i * folds // len(order)) for i, s in enumerate(order)}
+
+
+def cross_validate(arch: str, dtype: str, folds: int = 5, seed: int = 0, by: str = "shape") -> dict:
+    """k-fold by shape: the (m, n, k) shapes of the table are split into ``folds`` groups (``by``
+    ``shape``: at random; ``size``: :func:`size_buckets`, contiguous size ranges); each group (at
+    every b) is predicted by coefficients refitted on, and residuals interpolated from, the
+    others. Returns ``{"n", "shapes", "median", "within_0.8_1.25", "model_median",
+    "model_within", "ratios"}`` (predicted / measured). Raises ValueError for another ``by``."""
     import numpy as np
 
     rows = tables()[arch][dtype]["rows"]
     shapes = sorted({tuple(r[1:4]) for r in rows})
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(len(shapes))
-    fold_of = {shapes[j]: i % folds for i, j in enumerate(order)}
+    if by == "size":
+        fold_of = size_buckets(shapes, folds)
+    elif by == "shape":
+        rng = np.random.default_rng(seed)
+        order = rng.permutation(len(shapes))
+        fold_of = {shapes[j]: i % folds for i, j in enumerate(order)}
+    else:
+        raise ValueError(f"by must be shape or size, got {by!r}")
     ratios, model_ratios = [], []
     for f in range(folds):
         train = [r for r in rows if fold_of[tuple(r[1:4])] != f]
@@ -366,7 +380,7 @@ def cross_validate(arch: str, dtype: str, folds: int = 5, seed: int = 0) -> dict
 
     med, within = summary(ratios)
     mmed, mwithin = summary(model_ratios)
-    return {"n": len(ratios), "median": med, "within_0.8_1.25": within, "model_median": mmed,
+    return {"n": len(ratios), "shapes": len(shapes), "median": med, "within_0.8_1.25": within, "model_median": mmed,
             "model_within": mwithin, "ratios": [float(r) for r in ratios]}
 
 
