@@ -744,9 +744,14 @@ class JobView:
         return doc
 
     def to_wire(self) -> dict[str, Any]:
-        """The view as the server sends it: every record whole (:meth:`from_wire` reads it
-        back), so a client's :meth:`to_dict` is the same document as the server's."""
-        return {"record": self.record.to_dict(), "ranks": [r.to_dict() for r in self.ranks], "detail": self.detail,
+        """The view as the server sends it: its records whole (:meth:`from_wire` reads it back),
+        so a client's :meth:`to_dict` is the same document as the server's; a view without
+        ``detail`` (a row of the jobs list) leaves out its plan's ``candidates``, which can be
+        hundreds per job (``status(job)`` has them)."""
+        record = self.record.to_dict()
+        if not self.detail and record.get("plan"):
+            record["plan"] = {k: v for k, v in record["plan"].items() if k != "candidates"}
+        return {"record": record, "ranks": [r.to_dict() for r in self.ranks], "detail": self.detail,
                 "nodes": [n.to_dict() for n in self.nodes], "attempts": [a.to_dict() for a in self.attempts],
                 "health": [e.to_dict() for e in self.health],
                 "rank_nodes": {str(k): v for k, v in self.rank_nodes.items()}}
@@ -836,7 +841,8 @@ def status(job: str | None = None, *, all_users: bool = False) -> JobView | list
         NotFoundError: ``job`` matches no job or several (exit 2).
 
     With a server configured: the jobs of this token's user there (``all_users``: every user's,
-    for an admin; else a :class:`SftctlError`, exit 2).
+    for an admin; else a :class:`SftctlError`, exit 2); the list's records carry their plan
+    without its ``candidates`` (one job's view has them).
     """
     remote = _remote()
     if remote is not None:

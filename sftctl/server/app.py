@@ -34,7 +34,7 @@ from pathlib import Path
 
 from fastapi import Body, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sftctl import __version__, api
 from sftctl.errors import ExitCode, NotFoundError, ProviderError, SftctlError, SftctlWarning
@@ -50,6 +50,12 @@ class Forbidden(SftctlError):
 
 
 _STATUS = ((Unauthorized, 401), (Forbidden, 403), (NotFoundError, 404))
+
+
+def _json(doc) -> Response:
+    """``doc`` as JSON, encoded by :func:`json.dumps` alone: FastAPI's own encoder walks every
+    value first (0.54 s for 1,000 jobs' views, against 0.04 s; benchmarks/server_status.py)."""
+    return Response(json.dumps(doc, default=str), media_type="application/json")
 
 
 def create_app(supervisor):
@@ -130,14 +136,14 @@ def create_app(supervisor):
             warnings.simplefilter("always", SftctlWarning)
             submitted = api.submit(load_spec(Path(label), overrides, text=text))
             set_owner(submitted.job_id, user)
-        return {"job": api.job(submitted.job_id).to_dict(),
-                "warnings": [str(w.message) for w in caught if issubclass(w.category, SftctlWarning)]}
+        return _json({"job": api.job(submitted.job_id).to_dict(),
+                      "warnings": [str(w.message) for w in caught if issubclass(w.category, SftctlWarning)]})
 
     @app.post("/v1/jobs/{job}/start")
     def start(job: str, user: User = Depends(current_user)):
         job_id = owned(user, job)
         supervisor.start(job_id)
-        return api.status(job_id).to_wire()
+        return _json(api.status(job_id).to_wire())
 
     @app.get("/v1/jobs")
     def status_all(all_users: bool = False, user: User = Depends(current_user)):
@@ -147,15 +153,15 @@ def create_app(supervisor):
         if not all_users:
             ids = {j for j, owner in owners().items() if owner == user.name}
             views = [v for v in views if v.id in ids]
-        return {"jobs": [v.to_wire() for v in views]}
+        return _json({"jobs": [v.to_wire() for v in views]})
 
     @app.get("/v1/jobs/{job}")
     def status_one(job: str, user: User = Depends(current_user)):
-        return api.status(owned(user, job)).to_wire()
+        return _json(api.status(owned(user, job)).to_wire())
 
     @app.get("/v1/jobs/{job}/events")
     def events(job: str, user: User = Depends(current_user)):
-        return {"events": [e.to_dict() for e in api.events(owned(user, job))]}
+        return _json({"events": [e.to_dict() for e in api.events(owned(user, job))]})
 
     @app.get("/v1/jobs/{job}/logs")
     def logs(job: str, follow: bool = False, node: int | None = None, rank: int | None = None,
@@ -181,6 +187,6 @@ def create_app(supervisor):
                     or any(n.status != NodeState.TERMINATED for n in api.status(v.id).nodes)]
         else:
             todo = [owned(user, str(body.get("job") or ""))]
-        return {"down": [r.to_dict() for j in todo for r in api.down(j, purge=purge)]}
+        return _json({"down": [r.to_dict() for j in todo for r in api.down(j, purge=purge)]})
 
     return app
