@@ -502,8 +502,6 @@ def _submit_remote(remote, spec: SpecLike, overrides: Overrides) -> Submitted:
     plans and records the job as its requester's. Secrets travel by name: the server's
     environment holds their values. The server's warnings are issued here."""
     from sftctl.spec import JobSpec
-    from sftctl.types import PlanChoice
-    from sftctl.types import Plan as Plan_
 
     if isinstance(spec, JobSpec):
         import json
@@ -521,10 +519,7 @@ def _submit_remote(remote, spec: SpecLike, overrides: Overrides) -> Submitted:
     for line in doc.get("warnings", []):
         warnings.warn(SftctlWarning(line), stacklevel=3)
     record = JobRecord.from_dict(doc["job"])
-    p = record.plan or {}
-    chosen = PlanChoice.from_dict(p)
-    return Submitted(record.id, JobSpec.model_validate(record.spec), Plan_(
-        chosen, p.get("reason") or "", [PlanChoice.from_dict(c) for c in p.get("candidates", [])]))
+    return Submitted(record.id, JobSpec.model_validate(record.spec), record.plan)
 
 
 def spawn_controller(job_id: str):
