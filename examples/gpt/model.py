@@ -190,6 +190,53 @@ def build_gpt2_small(batch_size: int = 8, dtype: str = "bfloat16"):
     return build(batch_size=batch_size, dtype=dtype, cfg=GPT2_SMALL)
 
 
+#: GPT-3 shapes at 2048 tokens as the FlashAttention repository trains them on The Pile
+#: (Dao-AILab/flash-attention training/configs/experiment/pile/: gpt3s/m/l/xl-flash, gpt3-2.7B-flash-hdim128;
+#: GPT-2's architecture, learned positions, vocab 50257 padded to a multiple of 8)
+GPT3 = {
+    "125m": GPTConfig(block_size=2048, vocab_size=50264, n_layer=12, n_head=12, n_embd=768),
+    "355m": GPTConfig(block_size=2048, vocab_size=50264, n_layer=24, n_head=16, n_embd=1024),
+    "760m": GPTConfig(block_size=2048, vocab_size=50264, n_layer=24, n_head=16, n_embd=1536),
+    "1.3b": GPTConfig(block_size=2048, vocab_size=50264, n_layer=24, n_head=16, n_embd=2048),
+    "2.7b": GPTConfig(block_size=2048, vocab_size=50264, n_layer=32, n_head=20, n_embd=2560),
+}
+
+
+#: NeMo's GPT3-5B (24 layers, hidden 4096, 32 heads, MLP 4x, 2048 tokens: NVIDIA/NeMo
+#: examples/nlp/language_modeling/conf/ and its performance summary), GPT-2 vocabulary
+GPT3_5B = GPTConfig(block_size=2048, vocab_size=50257, n_layer=24, n_head=32, n_embd=4096)
+
+
+def build_gpt3_5b(batch_size: int = 4, dtype: str = "bfloat16"):
+    """NeMo's GPT3-5B shape (:data:`GPT3_5B`); same contract as :func:`build`."""
+    return build(batch_size=batch_size, dtype=dtype, cfg=GPT3_5B)
+
+
+def build_gpt3_125m(batch_size: int = 32, dtype: str = "bfloat16"):
+    """GPT-3 125M at 2048 tokens (:data:`GPT3`); same contract as :func:`build`."""
+    return build(batch_size=batch_size, dtype=dtype, cfg=GPT3["125m"])
+
+
+def build_gpt3_355m(batch_size: int = 16, dtype: str = "bfloat16"):
+    """GPT-3 355M at 2048 tokens (:data:`GPT3`)."""
+    return build(batch_size=batch_size, dtype=dtype, cfg=GPT3["355m"])
+
+
+def build_gpt3_760m(batch_size: int = 16, dtype: str = "bfloat16"):
+    """GPT-3 760M at 2048 tokens (:data:`GPT3`)."""
+    return build(batch_size=batch_size, dtype=dtype, cfg=GPT3["760m"])
+
+
+def build_gpt3_1_3b(batch_size: int = 8, dtype: str = "bfloat16"):
+    """GPT-3 1.3B at 2048 tokens (:data:`GPT3`)."""
+    return build(batch_size=batch_size, dtype=dtype, cfg=GPT3["1.3b"])
+
+
+def build_gpt3_2_7b(batch_size: int = 4, dtype: str = "bfloat16"):
+    """GPT-3 2.7B at 2048 tokens, head dim 128 (:data:`GPT3`)."""
+    return build(batch_size=batch_size, dtype=dtype, cfg=GPT3["2.7b"])
+
+
 # ------------------------------------------------------------------------------------------------
 # data
 # ------------------------------------------------------------------------------------------------

@@ -20,6 +20,12 @@ TINYLLAMA = dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
                  intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048)
 LLAMA2_7B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                  intermediate_size=11008, vocab_size=32000, max_position_embeddings=4096)
+LLAMA2_13B = dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40,
+                  intermediate_size=13824, vocab_size=32000, max_position_embeddings=4096)
+LLAMA_34B = dict(hidden_size=8192, num_hidden_layers=48, num_attention_heads=64, num_key_value_heads=8,
+                 intermediate_size=22016, vocab_size=32000, max_position_embeddings=4096)
+LLAMA2_70B = dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                  intermediate_size=28672, vocab_size=32000, max_position_embeddings=4096)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=256, max_position_embeddings=128)
 
@@ -60,6 +66,26 @@ def build_llama2_7b(batch_size: int = 2, dtype: str = "bfloat16"):
     ``meta-llama/Llama-2-7b-hf``) with random weights, for planning only (build it on the meta
     device)."""
     return _build(LLAMA2_7B, batch_size, dtype)
+
+
+def build_llama2_13b(batch_size: int = 1, dtype: str = "bfloat16"):
+    """Llama-2-13B-shaped (40 layers, hidden 5120, MLP 13824, 40 heads, vocab 32000, 4096 tokens;
+    the HF config ``meta-llama/Llama-2-13b-hf``), random weights, for planning only (meta device)."""
+    return _build(LLAMA2_13B, batch_size, dtype)
+
+
+def build_llama_34b(batch_size: int = 1, dtype: str = "bfloat16"):
+    """A 34B Llama (48 layers, hidden 8192, MLP 22016, 64 query / 8 key-value heads, vocab 32000,
+    4096 tokens: the HF config ``codellama/CodeLlama-34b-hf`` with Llama 2's vocabulary and
+    context), random weights, for planning only (meta device)."""
+    return _build(LLAMA_34B, batch_size, dtype)
+
+
+def build_llama2_70b(batch_size: int = 1, dtype: str = "bfloat16"):
+    """Llama-2-70B-shaped (80 layers, hidden 8192, MLP 28672, 64 query / 8 key-value heads, vocab
+    32000, 4096 tokens; the HF config ``meta-llama/Llama-2-70b-hf``), random weights, for planning
+    only (meta device)."""
+    return _build(LLAMA2_70B, batch_size, dtype)
 
 
 def build(batch_size: int = 4, dtype: str = "float32"):
