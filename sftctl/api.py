@@ -50,7 +50,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
 from sftctl.errors import ExitCode, NotFoundError, SftctlError, SftctlWarning, SpecError
-from sftctl.types import Attempt, Event, JobRecord, JobStatus, MetricsRecord, NodeRecord, NodeState, Offering, Record
+from sftctl.types import (Attempt, Cost, CostTotal, Event, JobRecord, JobStatus, MetricsRecord, NodeRecord, NodeState,
+                          Offering, Record)
 
 if TYPE_CHECKING:
     from sftctl.spec import JobSpec
@@ -63,7 +64,7 @@ Progress = Callable[[str], None]
 
 __all__ = [
     "job", "load", "plan", "submit", "dry_run", "start", "attach", "run", "status", "wait", "logs", "events",
-    "down", "down_orphans", "check", "catalog", "compile", "validate_config", "JobView", "LogLine", "Submitted",
+    "down", "down_orphans", "check", "catalog", "compile", "validate_config", "costs", "JobView", "LogLine", "Submitted",
     "Attached", "DownResult", "CloudCheck", "CompileResult", "plan_doc", "events_doc",
 ]
 
@@ -673,6 +674,7 @@ class JobView:
     attempts: list[Attempt] = dataclasses.field(default_factory=list)
     health: list[Event] = dataclasses.field(default_factory=list)
     rank_nodes: dict[int, int] = dataclasses.field(default_factory=dict)  # training rank -> node rank
+    cost: Cost | None = None  # accumulated so far (None before it is planned)
 
     id = property(lambda self: self.record.id)
     name = property(lambda self: self.record.name)
@@ -728,6 +730,7 @@ class JobView:
             "created_at": job.created_at,
             "ended_at": job.ended_at,
             "controller_pid": job.controller_pid,
+            "cost": self.cost.to_dict() if self.cost else None,  # {usd, price_per_hour, source, node_hours}
         }
         if self.detail:
             doc["plan"] = job.plan_reason
@@ -749,7 +752,8 @@ class JobView:
         return {"record": record, "ranks": [r.to_dict() for r in self.ranks], "detail": self.detail,
                 "nodes": [n.to_dict() for n in self.nodes], "attempts": [a.to_dict() for a in self.attempts],
                 "health": [e.to_dict() for e in self.health],
-                "rank_nodes": {str(k): v for k, v in self.rank_nodes.items()}}
+                "rank_nodes": {str(k): v for k, v in self.rank_nodes.items()},
+                "cost": self.cost.to_dict() if self.cost else None}
 
     @classmethod
     def from_wire(cls, doc: dict[str, Any]) -> "JobView":
@@ -757,7 +761,8 @@ class JobView:
         return cls(JobRecord.from_dict(doc["record"]), [MetricsRecord.from_dict(r) for r in doc["ranks"]],
                    doc["detail"], [NodeRecord.from_dict(n) for n in doc["nodes"]],
                    [Attempt.from_dict(a) for a in doc["attempts"]], [Event.from_dict(e) for e in doc["health"]],
-                   {int(k): v for k, v in doc["rank_nodes"].items()})
+                   {int(k): v for k, v in doc["rank_nodes"].items()},
+                   Cost.from_dict(doc["cost"]) if doc.get("cost") else None)
 
 
 @_typed
@@ -799,15 +804,54 @@ def _resolve(store: Store, job: str) -> JobRecord:
     raise NotFoundError(f"no job {job!r}", hint="sftctl status lists the jobs")
 
 
-def _view(store: Store, job: JobRecord, detail: bool = False, ranks: list[MetricsRecord] | None = None) -> JobView:
+def _view(store: Store, job: JobRecord, detail: bool = False, ranks: list[MetricsRecord] | None = None,
+          spans: list[tuple[float, float | None]] | None = None) -> JobView:
     if ranks is None:
         ranks = store.metrics(job.id)
+    if spans is None:
+        spans = store.node_spans(job.id).get(job.id, [])
+    cost = _cost(job, spans)
     if not detail:
-        return JobView(job, ranks)
+        return JobView(job, ranks, cost=cost)
     nodes = [dataclasses.replace(n, status=_node_status(job, n)) for n in store.nodes(job.id)]
     events = store.events(job.id)
     health = [e for e in events if e.kind == "health"]
-    return JobView(job, ranks, True, nodes, store.attempts(job.id), health, _rank_nodes(events))
+    return JobView(job, ranks, True, nodes, store.attempts(job.id), health, _rank_nodes(events), cost)
+
+
+def _node_hours(job: JobRecord, spans: list[tuple[float, float | None]], since: float | None = None,
+                until: float | None = None, now: float | None = None) -> float:
+    """Hours the job's nodes billed inside [since, until]. A node bills from when it was recorded
+    until it was TERMINATED or REPLACED; one with no end bills until the job ended (its
+    controller tore it down), or until now when the job is live or its controller died (then
+    nothing may have stopped it: ``sftctl down`` does)."""
+    now = time.time() if now is None else now
+    open_end = job.ended_at if job.status.terminal and job.status != JobStatus.FAILED_CONTROLLER else None
+    total = 0.0
+    for start, end in spans:
+        end = end if end is not None else (open_end if open_end is not None else now)
+        lo, hi = max(start, since if since is not None else start), min(end, until if until is not None else end)
+        total += max(0.0, hi - lo)
+    return total / 3600.0
+
+
+def _cost(job: JobRecord, spans: list[tuple[float, float | None]], since: float | None = None,
+          until: float | None = None) -> Cost | None:
+    """The job's :class:`~sftctl.types.Cost` (None before it has an offering)."""
+    o = job.offering
+    if o is None:
+        return None
+    spot = bool((job.spec.get("resources") or {}).get("spot"))
+    price = o.price(spot)
+    hours = _node_hours(job, spans, since, until)
+    where = f"{o.provider} {o.instance_type}" + (f" in {o.region}" if o.region else "")
+    if price is None:
+        source = f"no spot price for {where} in the catalog"
+    else:
+        source = (f"{'spot' if spot else 'on-demand'} price of {where}: {o.source or 'the catalog'}"
+                  + (f" ({o.as_of})" if o.as_of else ""))
+    usd = None if price is None else round(price * hours, 6)
+    return Cost(usd=usd, price_per_hour=price, source=source, node_hours=round(hours, 6))
 
 
 def _rank_nodes(events: list[Event]) -> dict[int, int]:
@@ -854,7 +898,43 @@ def status(job: str | None = None, *, all_users: bool = False) -> JobView | list
     by_job: dict[str, list[MetricsRecord]] = {}
     for r in store.metrics():
         by_job.setdefault(r.job_id, []).append(r)
-    return [_view(store, j, ranks=by_job.get(j.id, [])) for j in store.list_jobs()]
+    spans = store.node_spans()
+    return [_view(store, j, ranks=by_job.get(j.id, []), spans=spans.get(j.id, [])) for j in store.list_jobs()]
+
+
+def costs(by: str = "user", since: float | None = None, until: float | None = None) -> list[CostTotal]:
+    """What the jobs cost over a period, per user (``by="user"``: one row per job owner, by
+    name) or for the whole lab (``by="lab"``: one row, group ``lab``). ``since``/``until``: Unix
+    seconds (None: open); each node counts only its hours inside the period, at its job's price
+    (see :class:`~sftctl.types.Cost`).
+
+    Raises:
+        SftctlError: ``by`` is neither user nor lab, or since > until (exit 2).
+    """
+    if by not in ("user", "lab"):
+        raise SftctlError(f"costs: by must be 'user' or 'lab', not {by!r}", exit_code=ExitCode.USAGE)
+    for name, value in (("since", since), ("until", until)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise TypeError(f"api.costs: {name} must be Unix seconds (int or float), or None, got {_type_name(value)}")
+    if since is not None and until is not None and since > until:
+        raise SftctlError(f"costs: since ({since}) is after until ({until})", exit_code=ExitCode.USAGE)
+    store = _store()
+    spans = store.node_spans()
+    totals: dict[str, dict[str, Any]] = {}
+    for job in store.list_jobs():
+        cost = _cost(job, spans.get(job.id, []), since, until)
+        if cost is None or cost.node_hours == 0:
+            continue
+        group = (job.owner or "unknown") if by == "user" else "lab"
+        t = totals.setdefault(group, {"usd": 0.0, "node_hours": 0.0, "jobs": 0, "unpriced_jobs": 0})
+        t["jobs"] += 1
+        t["node_hours"] += cost.node_hours
+        if cost.usd is None:
+            t["unpriced_jobs"] += 1
+        else:
+            t["usd"] += cost.usd
+    return [CostTotal(group=g, usd=round(t["usd"], 6), node_hours=round(t["node_hours"], 6), jobs=t["jobs"],
+                      unpriced_jobs=t["unpriced_jobs"], since=since, until=until) for g, t in sorted(totals.items())]
 
 
 @_typed

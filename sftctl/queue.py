@@ -238,8 +238,11 @@ def claim_job(store: Store, job_id: str):
     kernel releases it when its holder dies, even by SIGKILL: a dead controller never blocks a
     restart) without waiting, record this process in ``controller.json`` and in state.
 
-    Returns the held :class:`filelock.FileLock`; the caller releases it when the job is done
-    (a process that exits releases it anyway).
+    On a shared (Postgres) state the controller also takes the job's lease in the database
+    (:class:`sftctl.state.LeaseKeeper`), so two machines never both run the job.
+
+    Returns the held claim; the caller calls its ``release()`` when the job is done (a process
+    that exits releases the file lock anyway; an unrenewed lease expires).
 
     Raises:
         ControllerBusy: another live controller holds the lock; nothing was changed.
@@ -257,6 +260,17 @@ def claim_job(store: Store, job_id: str):
         lock.acquire(timeout=0)
     except Timeout:
         raise _busy(job_id) from None
+    claim = _Claim(lock, None)
+    if store.dialect.shared:
+        from sftctl.state import LeaseKeeper
+
+        claim.lease = LeaseKeeper(store, job_id)
+        if not claim.lease.acquire():
+            lock.release()
+            held = store.lease(job_id)
+            raise ControllerBusy(f"job {job_id} already has a live controller ({held[0] if held else 'elsewhere'}, "
+                                 "by its lease in the state database); this one leaves the job alone",
+                                 hint=f"sftctl status {job_id} shows it; sftctl down {job_id} stops the job")
     pid = os.getpid()
     ticks = procs.start_ticks(pid)
     job = store.get_job(job_id)
@@ -268,9 +282,27 @@ def claim_job(store: Store, job_id: str):
     try:
         store.update_job(job_id, controller_pid=pid, controller_start_ticks=ticks)
     except BaseException:
-        lock.release()
+        claim.release()
         raise
-    return lock
+    return claim
+
+
+class _Claim:
+    """A controller's hold on its job: the file lock, and the database lease when shared."""
+
+    def __init__(self, lock, lease):
+        self.lock, self.lease = lock, lease
+
+    @property
+    def is_locked(self) -> bool:
+        return self.lock.is_locked
+
+    def release(self, keep_lease: bool = False) -> None:
+        try:
+            if self.lease is not None:
+                self.lease.release(keep=keep_lease)
+        finally:
+            self.lock.release()
 
 
 def check_no_live_controller(job_id: str) -> None:
@@ -332,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     from sftctl.procs import module_argv
 
     argv = module_argv("sftctl.controller", job_id)  # never from the working directory either
-    lock.release()  # the controller takes it again at once (exec closes the lock's descriptor anyway)
+    # the controller takes both again at once (exec closes the lock's descriptor anyway; the lease is this pid's)
+    lock.release(keep_lease=True)
     os.execv(argv[0], argv)
     return 0  # not reached
 

@@ -22,7 +22,7 @@ setting (the CLI checks the file before every command, the api every setting bef
 spec). Example::
 
     defaults: {clouds: [aws, slurm], regions: [us-east-1], storage: "s3://my-lab-bucket/sftctl"}
-    state: {busy_timeout_ms: 30000}
+    state: {busy_timeout_ms: 30000}   # or {url: "postgresql://sftctl@db.lab/sftctl"}
     aws: {instance_profile: sftctl-node}
     kubernetes: {context: lab, namespace: training}
     slurm: {host: login.example.org, user: me, partition: gpu, gpu_hour_usd: 0.9}
@@ -181,6 +181,12 @@ DECLARED: tuple[Setting, ...] = (
        shown_default="$XDG_CONFIG_HOME/sftctl/config.yaml, else $SFTCTL_HOME/config.yaml"),
     _u("STATE_BUSY_TIMEOUT_MS", "int", 60_000, "how long a state write waits for another writer's lock (ms)",
        file="state.busy_timeout_ms", minimum=1),
+    _u("STATE_URL", "str", None, "the state database: a postgresql:// URL (a lab's shared state; "
+       "pip install 'sftctl[server]') or a SQLite file", file="state.url", shown_default="$SFTCTL_HOME/state.db"),
+    _u("STATE_RETRY_S", "float", 60.0, "how long a controller retries the state database while it is unreachable "
+       "(s; events are held back meanwhile)", set_by="user, tests", file="state.retry_s", minimum=0),
+    _u("STATE_LEASE_S", "float", 90.0, "a controller's lease on its job in a shared (Postgres) state lasts this "
+       "long unless renewed (s)", set_by="user, tests", file="state.lease_s", minimum=1),
     _u("CLOUDS", "list", None, "the clouds a spec without resources.clouds may use", file="defaults.clouds",
        choices=("local", "aws", "gcp", "kubernetes", "slurm"), shown_default="every configured cloud"),
     _u("REGIONS", "list", None, "the regions a spec without resources.regions may use", file="defaults.regions",

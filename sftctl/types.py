@@ -548,6 +548,7 @@ class JobRecord(Record):
     pending_reason: str | None = None
     failure_code: str | None = None  # the FailureCode value of failure_reason
     plan: Plan | None = None
+    owner: str | None = None  # the user the job belongs to (the OS user that recorded it, or a server's user)
 
     def __post_init__(self) -> None:
         if not isinstance(self.status, JobStatus):
@@ -578,6 +579,7 @@ class NodeRecord(Record):
     handle: dict[str, Any]
     created_at: float
     updated_at: float
+    ended_at: float | None = None  # when it stopped billing (TERMINATED or REPLACED); Unix seconds
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "status", NodeState(self.status))
@@ -586,6 +588,46 @@ class NodeRecord(Record):
     def node_handle(self) -> NodeHandle | None:
         """The provider's typed handle, or None when the node never got one."""
         return NodeHandle.stored(self.provider, self.handle)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost(Record):
+    """What a job has cost so far: ``node_hours`` (each node from when it was recorded to when it
+    was TERMINATED or REPLACED, or until now while it may still bill) x ``price_per_hour`` (USD
+    for one node of the job's offering, its spot price when the job runs on spot; None when the
+    catalog has none, and then ``usd`` is None). ``source`` says which price and where it comes
+    from (the offering's catalog source, as planned)."""
+
+    usd: float | None
+    price_per_hour: float | None
+    source: str
+    node_hours: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTotal(Record):
+    """Cost summed over a group of jobs (``by``: ``user``, one row per owner; ``lab``, one row
+    named ``lab``) over the period [``since``, ``until``] (Unix seconds; None: open): each node's
+    hours inside the period only. ``unpriced_jobs``: jobs with node-hours but no price, left out
+    of ``usd``."""
+
+    group: str
+    usd: float
+    node_hours: float
+    jobs: int
+    unpriced_jobs: int = 0
+    since: float | None = None
+    until: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class User(Record):
+    """A user of a shared state (a lab's server): ``admin`` sees and stops every job. Their token
+    is never a field: state keeps only its hash."""
+
+    name: str
+    admin: bool
+    created_at: float  # Unix seconds
 
 
 @dataclasses.dataclass(frozen=True)

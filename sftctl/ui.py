@@ -183,15 +183,22 @@ def jobs_table(jobs: list[dict]) -> FitTable:
     """One row per job: id, status, where it runs, progress, loss, throughput, age, reason.
 
     Ids, statuses and numbers are never cut: on a narrow terminal the optional columns go first
-    (DURATION, AGE, TOK/S, LOSS, RESOURCES) and the note folds."""
+    (COST, DURATION, AGE, TOK/S, LOSS, RESOURCES) and the note folds."""
     cols = [Col("JOB"), Col("STATUS"), Col("RESOURCES", drop=5), Col("STEP", "right"), Col("LOSS", "right", drop=4),
             Col("TOK/S", "right", drop=3), Col("AGE", "right", drop=2), Col("DURATION", "right", drop=1),
-            Col("NOTE", wrap=True, min_wrap=20)]
+            Col("COST", "right", drop=0), Col("NOTE", wrap=True, min_wrap=20)]
     rows = [[j["id"], Text(j["status"], style=STATUS_STYLE.get(j["status"], "")), j["resources"], _steps(j),
-             _num(j["loss"], ".4f"), _num(j["tokens_per_s"], ",.0f"), _age(j["created_at"]), _duration(j),
+             _num(j["loss"], ".4f"), _num(j["tokens_per_s"], ",.0f"), _age(j["created_at"]), _duration(j), _usd(j.get("cost")),
              tty_safe(j["failure_reason"] or j.get("pending_reason") or (f"{j['restarts']} restart(s)" if j["restarts"] else ""))]
             for j in jobs]
     return FitTable(cols, rows)
+
+
+def _usd(cost: dict | None) -> str:
+    """A job's accumulated cost for the table: ``$12.34``; ``-`` unplanned or unpriced."""
+    if not cost or cost.get("usd") is None:
+        return "-"
+    return f"${cost['usd']:,.2f}"
 
 
 def _steps(job: dict) -> str:

@@ -172,6 +172,37 @@ os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
 
 @pytest.fixture(scope="session")
+def postgres():
+    """A real Postgres (Debian's postgresql 15) for the session: tests/pg_server.py. Skips only
+    when its binaries are missing."""
+    from pg_server import PostgresServer, skip_reason
+
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    with PostgresServer() as pg:
+        yield pg
+
+
+@pytest.fixture
+def pg_url(postgres, home, monkeypatch) -> str:
+    """A new database on the session's Postgres, made this test's state (``SFTCTL_STATE_URL``,
+    which the CLI processes the test starts inherit)."""
+    url = postgres.create_database()
+    monkeypatch.setenv("SFTCTL_STATE_URL", url)
+    return url
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def state_backend(request, home) -> str:
+    """Run the test twice: on SQLite in its $SFTCTL_HOME, and on a new database of the session's
+    real Postgres (``pg_url``). Returns ``"sqlite"`` or ``"postgres"``."""
+    if request.param == "postgres":
+        request.getfixturevalue("pg_url")
+    return request.param
+
+
+@pytest.fixture(scope="session")
 def moto_endpoint():
     """moto's server for the whole session (a real HTTP server on a free loopback port)."""
     from servers import moto_server

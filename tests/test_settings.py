@@ -144,7 +144,7 @@ def test_the_environment_overrides_the_file_which_overrides_the_default(home, tm
     ("state:\n  busy_timeout: 5\n", "config.yaml:2: state.busy_timeout: unknown setting",
      "did you mean 'state.busy_timeout_ms'?"),
     ("stat: {busy_timeout_ms: 5}\n", "config.yaml:1: stat: unknown setting", "did you mean 'state'?"),
-    ("state: 5\n", "config.yaml:1: state: expected a mapping (busy_timeout_ms)", "state: {key: value}"),
+    ("state: 5\n", "config.yaml:1: state: expected a mapping (busy_timeout_ms, lease_s, retry_s, url)", "state: {key: value}"),
     ("state: {busy_timeout_ms: [1]}\n", "config.yaml:1: state.busy_timeout_ms: expected an integer >= 1, got [1]",
      "SFTCTL_STATE_BUSY_TIMEOUT_MS"),
     ("state: {busy_timeout_ms: 5\n", "config.yaml:1: malformed YAML: expected ',' or '}'", "fix the YAML"),

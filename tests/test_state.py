@@ -7,12 +7,15 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 
-from conftest import deadline, sftctl
+from conftest import deadline, sftctl, wait_for
 from sftctl.errors import SftctlError
 from sftctl.state import SCHEMA_VERSION, IllegalTransition, JobStatus, Store
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
 
 def test_file_is_owner_only_wal_and_versioned(home):
@@ -44,7 +47,7 @@ def test_migrates_an_unversioned_file(tmp_path):
     assert store.list_jobs() == []
 
 
-def test_lifecycle_is_enforced(home):
+def test_lifecycle_is_enforced(state_backend):
     store = Store()
     job = store.create_job("demo", {"run": "true"})
     assert store.get_job(job).status == "PENDING"
@@ -66,14 +69,13 @@ def test_lifecycle_is_enforced(home):
 def test_a_schema_2_file_keeps_its_jobs_and_gains_failure_codes(home):
     """Schema 3 adds the code of each failure line (jobs.failure_code, attempts.reason_code):
     a version-2 file migrates in place, its rows read back with no code; new endings get one."""
-    from sftctl.state import MIGRATIONS
+    from sftctl.state import MIGRATIONS, SQLITE
 
     home.mkdir(mode=0o700, parents=True, exist_ok=True)
     conn = sqlite3.connect(home / "state.db", isolation_level=None)
     for migration in MIGRATIONS[:2]:
-        for statement in migration.split(";"):
-            if statement.strip():
-                conn.execute(statement)
+        for statement in SQLITE.statements(migration):
+            conn.execute(statement)
     conn.execute("INSERT INTO jobs (id, name, status, spec_json, failure_reason, created_at, updated_at)"
                  " VALUES ('old-1', 'old', 'FAILED', '{}', 'node 0 exited with code 3', 1.0, 2.0)")
     conn.execute("INSERT INTO attempts (job_id, number, status, exit_code, reason, started_at)"
@@ -81,7 +83,7 @@ def test_a_schema_2_file_keeps_its_jobs_and_gains_failure_codes(home):
     conn.execute("PRAGMA user_version = 2")
     conn.close()
     store = Store()
-    assert store.schema_version == SCHEMA_VERSION == 3
+    assert store.schema_version == SCHEMA_VERSION
     old = store.get_job("old-1")
     assert (old.failure_reason, old.failure_code) == ("node 0 exited with code 3", None)
     assert [(a.reason, a.reason_code) for a in store.attempts("old-1")] == [("node 0 exited with code 3", None)]
@@ -96,7 +98,7 @@ def test_a_schema_2_file_keeps_its_jobs_and_gains_failure_codes(home):
     assert store.events(job)[-1].data == {"code": "signal"}
 
 
-def test_metrics_keep_first_and_latest(home):
+def test_metrics_keep_first_and_latest(state_backend):
     store = Store()
     job = store.create_job("demo", {})
     store.record_metrics(job, [{"rank": 0, "step": 1, "loss": 5.5, "ts": 1.0}])
@@ -105,7 +107,7 @@ def test_metrics_keep_first_and_latest(home):
     assert (m.first_step, m.first_loss, m.step, m.loss, m.tokens_per_s) == (1, 5.5, 9, 2.0, 10.0)
 
 
-def test_dead_controller_is_reaped_live_one_is_not(home):
+def test_dead_controller_is_reaped_live_one_is_not(state_backend):
     store = Store()
     dead = store.create_job("dead", {})
     live = store.create_job("live", {})
@@ -115,14 +117,22 @@ def test_dead_controller_is_reaped_live_one_is_not(home):
 
     store.update_job(dead, controller_pid=proc.pid, controller_start_ticks=123)
     store.update_job(live, controller_pid=os.getpid(), controller_start_ticks=procs.start_ticks(os.getpid()))
+    if state_backend == "postgres":  # a shared state: liveness is the lease (the controller may run elsewhere)
+        elsewhere = store.create_job("elsewhere", {})
+        store.update_job(elsewhere, controller_pid=proc.pid, controller_start_ticks=123)  # no such pid here
+        assert store.acquire_lease(elsewhere, "other-machine:1:1", 60.0)
+        assert store.acquire_lease(live, "this-machine:1:1", 60.0)
     assert store.reap_dead_controllers() == [dead]
     assert store.get_job(dead).status == "FAILED_CONTROLLER"
     assert "exited without finishing" in store.get_job(dead).failure_reason
     assert store.get_job(live).status == "PENDING"
+    if state_backend == "postgres":
+        assert store.get_job(elsewhere).status == "PENDING"
 
 
 WRITER = r"""
 import sys
+import time
 from sftctl.state import JobStatus, Store
 store = Store()
 for i in range(int(sys.argv[1])):
@@ -136,7 +146,7 @@ print("ok")
 """
 
 
-def test_twenty_concurrent_writers(home):
+def test_twenty_concurrent_writers(state_backend):
     """20 processes writing at once: no 'database is locked', nothing lost."""
     per_writer = 15
     procs_ = [
@@ -208,7 +218,7 @@ def test_a_corrupted_state_db_gives_one_line_not_a_traceback(home):
         assert "state database" in line and str(path) in line
 
 
-def test_node_and_attempt_statuses_are_enum_members(home):
+def test_node_and_attempt_statuses_are_enum_members(state_backend):
     """Every node and attempt status state keeps is a member of NodeState / AttemptStatus (the
     controller's PENDING and REPLACED too), read back as the member."""
     from sftctl.types import AttemptStatus, NodeState
@@ -230,3 +240,298 @@ def test_node_and_attempt_statuses_are_enum_members(home):
         store.update_node(node, status="BORED")  # not a node status: refused before it is written
     assert store.nodes(job)[0].status is NodeState.REPLACED
     store.close()
+
+
+# ---------------------------------------------------------------- schema 4-7, both dialects
+
+
+def test_a_state_db_of_the_previous_sftctl_migrates_forward(home):
+    """tests/fixtures/state-v3.db was written by sftctl's own Store at schema 3: it migrates to
+    the current schema in place, its job keeps everything and gains an owner (this machine's
+    user), its terminated node an end time, and the version is in schema_version too."""
+    import shutil
+
+    from sftctl.state import os_user
+
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    shutil.copy(os.path.join(FIXTURES, "state-v3.db"), home / "state.db")
+    assert sqlite3.connect(home / "state.db").execute("PRAGMA user_version").fetchone()[0] == 3
+    store = Store()
+    assert store.schema_version == SCHEMA_VERSION == 7
+    assert sqlite3.connect(home / "state.db").execute("SELECT version FROM schema_version").fetchall() == [(7,)]
+    (job,) = store.list_jobs()
+    assert (job.id, job.status, job.failure_code, job.owner) == ("old-0e0435", "FAILED", "exit", os_user())
+    assert job.offering.instance_type == "p5.48xlarge"
+    assert store.list_jobs(owner=os_user()) == [job] and store.list_jobs(owner="nobody-else") == []
+    n0, n1 = store.nodes(job.id)
+    assert (n0.status, n0.ended_at) == ("TERMINATED", n0.updated_at) and n1.ended_at is None
+    assert [m.step for m in store.metrics(job.id)] == [5]
+    assert [e.message for e in store.events(job.id)][-1] == "PROVISIONING -> FAILED: node 0 exited with code 3"
+    assert store.list_users() == []
+    store.close()
+    Store().close()  # a second open finds it current: nothing to do
+
+
+def test_postgres_gets_the_same_schema(pg_url):
+    """One list of migrations: a new Postgres database has every table and column a SQLite
+    file has (by name), and the version in schema_version."""
+    import psycopg
+
+    Store().close()
+    Store(os.path.join(os.environ["SFTCTL_HOME"], "state.db")).close()
+    lite = sqlite3.connect(os.path.join(os.environ["SFTCTL_HOME"], "state.db"))
+    want = {(t, c) for (t,) in lite.execute("SELECT name FROM sqlite_master WHERE type='table'"
+                                             " AND name NOT LIKE 'sqlite_%'")
+            for c in [r[1] for r in lite.execute(f"PRAGMA table_info({t})")]}
+    with psycopg.connect(pg_url) as conn:
+        got = set(conn.execute("SELECT table_name, column_name FROM information_schema.columns"
+                               " WHERE table_schema = 'public'").fetchall())
+        assert conn.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+    assert got == want and len(want) > 50
+
+
+def test_the_postgres_path_is_chosen_by_state_url_and_said_with_no_password(pg_url, monkeypatch, tmp_path):
+    from sftctl.state import redact
+
+    store = Store()
+    assert store.dialect.name == "postgres" and store.path is None
+    job = store.create_job("pg", {"run": "true"})
+    assert Store().get_job(job).name == "pg"  # a second store sees it: no state.db involved
+    assert not (tmp_path / "home" / "state.db").exists()
+    assert redact("postgresql://lab:s3cr3t@db.example:5432/sftctl") == "postgresql://lab:***@db.example:5432/sftctl"
+    monkeypatch.setenv("SFTCTL_STATE_URL", "postgresql://lab:s3cr3t@/nosuchdb?host=" + str(tmp_path))
+    with pytest.raises(SftctlError) as e:
+        Store()
+    assert "cannot connect to the state database" in e.value.message and "s3cr3t" not in e.value.message
+
+
+def test_users_tokens_are_stored_hashed(state_backend):
+    """create_user returns a token once; only its SHA-256 is stored; user_for_token finds the
+    user by it, and nobody by a wrong, altered or empty one."""
+    import hashlib
+
+    store = Store()
+    alice = store.create_user("alice")
+    root = store.create_user("root", admin=True)
+    assert alice.startswith("sft_") and len(alice) == 4 + 43 and alice != root
+    got = store.user_for_token(alice)
+    assert (got.name, got.admin) == ("alice", False)
+    assert store.user_for_token(root).admin is True
+    for wrong in ("", alice[:-1], alice + "x", root.upper(), "sft_" + "A" * 43, None):
+        assert store.user_for_token(wrong) is None
+    assert [(u.name, u.admin) for u in store.list_users()] == [("alice", False), ("root", True)]
+    with pytest.raises(SftctlError, match="user alice already exists"):
+        store.create_user("alice")
+    with pytest.raises(SftctlError, match="not valid"):
+        store.create_user("bob; DROP TABLE users")
+    rows = store._conn.execute("SELECT * FROM users ORDER BY name").fetchall()
+    assert [r["token_hash"] for r in rows] == [hashlib.sha256(t.encode()).hexdigest() for t in (alice, root)]
+    assert all(alice not in str(v) and root not in str(v) for r in rows for v in dict(r).values())
+
+
+def test_jobs_have_owners(state_backend):
+    from sftctl.state import os_user
+
+    store = Store()
+    mine = store.create_job("a", {})
+    hers = store.create_job("b", {}, owner="alice")
+    assert store.get_job(mine).owner == os_user() and store.get_job(hers).owner == "alice"
+    assert [j.id for j in store.list_jobs(owner="alice")] == [hers]
+    assert [j.id for j in store.list_jobs({JobStatus.PENDING}, owner=os_user())] == [mine]
+    assert {j.id for j in store.list_jobs()} == {mine, hers}
+
+
+def test_a_node_records_when_it_stopped_billing(state_backend):
+    from sftctl.types import NodeState
+
+    store = Store()
+    job = store.create_job("bill", {})
+    node = store.add_node(job, 0, "aws")
+    store.update_node(node, status=NodeState.RUNNING)
+    assert store.nodes(job)[0].ended_at is None
+    store.update_node(node, status=NodeState.TERMINATED)
+    ended = store.nodes(job)[0].ended_at
+    assert ended is not None and ended >= store.nodes(job)[0].created_at
+    store.update_node(node, status=NodeState.TERMINATED, handle={"terminated": True})
+    assert store.nodes(job)[0].ended_at == ended  # kept from the first time
+
+
+# ---------------------------------------------------------------- leases
+
+
+def test_a_held_lease_is_never_taken_until_it_expires(state_backend):
+    """Two Stores (on Postgres: two connections, as two servers have): the second never
+    acquires a held, unexpired lease; it takes it once expired, and the first then cannot renew."""
+    first, second = Store(), Store()
+    job = first.create_job("leased", {})
+    assert first.acquire_lease(job, "server-a", ttl_s=3.0)
+    assert first.acquire_lease(job, "server-a", ttl_s=3.0)  # its own: extended
+    started = time.monotonic()
+    while time.monotonic() - started < 1.0:
+        assert not second.acquire_lease(job, "server-b", ttl_s=3.0)
+    assert first.renew_lease(job, "server-a", ttl_s=2.0)
+    assert second.lease(job)[0] == "server-a"
+    assert not second.renew_lease(job, "server-b", ttl_s=3.0) and not second.release_lease(job, "server-b")
+    wait_for(lambda: second.lease(job) is None, timeout_s=deadline(30), what="the lease to expire")
+    assert second.acquire_lease(job, "server-b", ttl_s=60.0)
+    assert not first.renew_lease(job, "server-a", ttl_s=60.0)
+    assert not first.acquire_lease(job, "server-a", ttl_s=60.0)
+    assert first.lease(job)[0] == "server-b"
+    assert second.release_lease(job, "server-b") and first.acquire_lease(job, "server-a", ttl_s=60.0)
+
+
+RACER = r"""
+import sys
+import time
+from sftctl.state import Store
+store = Store()
+print("won" if store.acquire_lease(sys.argv[1], sys.argv[2], 60.0) else "lost")
+"""
+
+
+def test_racing_controllers_one_wins_the_lease(state_backend):
+    """Eight processes ask for the same free lease at once: exactly one gets it."""
+    store = Store()
+    job = store.create_job("race", {})
+    procs_ = [subprocess.Popen([sys.executable, "-c", RACER, job, f"racer-{i}"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True) for i in range(8)]
+    results = [p.communicate(timeout=deadline(120)) for p in procs_]
+    assert all(p.returncode == 0 for p in procs_), [e for _, e in results]
+    winners = [f"racer-{i}" for i, (out, _) in enumerate(results) if out.strip() == "won"]
+    assert len(winners) == 1 and [o.strip() for o, _ in results].count("lost") == 7
+    assert store.lease(job)[0] == winners[0]
+
+
+# ---------------------------------------------------------------- Postgres unreachable
+
+
+def test_postgres_down_for_seconds_mid_write_loses_nothing(postgres, pg_url):
+    """A controller's Store (retry window 60 s) keeps writing while pg_ctl stops the server for a
+    few seconds: events and metrics are held back and the job goes on, a transition waits for
+    the database; once it is back everything is written, in order, with its own times."""
+    import threading
+
+    store = Store()
+    store.retry_window_s = 60.0
+    outages = []
+    store.on_unreachable = outages.append
+    job = store.create_job("outage", {})
+    store.transition(job, JobStatus.PROVISIONING)
+    written = []
+
+    def write(i):
+        store.add_event(job, "test", f"event {i}")
+        store.record_metrics(job, [{"rank": 0, "step": i, "loss": 1.0 / (i + 1), "ts": time.time()}])
+        written.append(time.time())
+
+    for i in range(20):
+        write(i)
+    postgres.stop()  # every connection cut, as an outage does
+    down_at = time.time()
+    for i in range(20, 40):  # the job goes on: nothing blocks
+        write(i)
+    assert store.held >= 2 and time.time() - down_at < 10
+    restarter = threading.Timer(3.0, postgres.start)
+    restarter.start()
+    try:
+        assert store.transition(job, JobStatus.LAUNCHING)  # waits for the database, then goes through
+    finally:
+        restarter.join()
+    assert outages and store.held == 0
+    for i in range(40, 45):
+        write(i)
+    other = Store()  # a fresh connection sees all of it
+    events = [e for e in other.events(job) if e.kind == "test"]
+    assert [e.message for e in events] == [f"event {i}" for i in range(45)]
+    assert [e.ts for e in events] == sorted(e.ts for e in events)
+    assert all(down_at <= e.ts <= down_at + 10 for e in events[20:40])  # when they happened, not when written
+    assert other.get_job(job).status == "LAUNCHING" and other.metrics(job)[0].step == 44
+    statuses = [e.message for e in other.events(job) if e.kind == "status"]
+    assert statuses[-1] == "PROVISIONING -> LAUNCHING"
+    assert other.events(job).index(next(e for e in other.events(job) if e.message == statuses[-1])) > \
+        other.events(job).index(events[39])  # the held events went first
+
+
+def test_without_a_retry_window_an_outage_is_one_clear_error(postgres, pg_url):
+    store = Store()
+    job = store.create_job("cli", {})
+    postgres.stop()
+    try:
+        with pytest.raises(SftctlError, match="the state database is unreachable") as e:
+            store.get_job(job)
+        assert "Traceback" not in e.value.message
+    finally:
+        postgres.start()
+    assert Store().get_job(job).name == "cli"
+
+
+HOLDER = r"""
+import sys, time
+from sftctl.queue import claim_job
+from sftctl.state import Store
+claim = claim_job(Store(), sys.argv[1])
+print("claimed", getattr(claim.lease, "holder", None), flush=True)
+time.sleep(600)
+"""
+
+
+def test_two_servers_sharing_postgres_never_both_run_a_job(pg_url, tmp_path):
+    """A controller claims a job with the state in Postgres (its own SFTCTL_HOME, as a server
+    on another machine has): a second controller elsewhere refuses the job (exit 2, by the
+    lease), leaving it untouched; once the first is gone its lease expires and a new one may
+    take the job."""
+    from sftctl.queue import ControllerBusy, claim_job
+
+    job = Store().create_job("shared", {"run": "true"})
+    env_a = {**os.environ, "SFTCTL_HOME": str(tmp_path / "server-a"), "SFTCTL_STATE_LEASE_S": "4"}
+    first = subprocess.Popen([sys.executable, "-c", HOLDER, job], env=env_a, stdout=subprocess.PIPE, text=True)
+    try:
+        line = first.stdout.readline()
+        assert line.startswith("claimed "), line
+        env_b = {**os.environ, "SFTCTL_HOME": str(tmp_path / "server-b")}
+        started = time.monotonic()
+        while time.monotonic() - started < 6:  # longer than the lease: renewed by its heartbeat
+            second = subprocess.run([sys.executable, "-m", "sftctl.controller", job], env=env_b,
+                                    capture_output=True, text=True, timeout=deadline(120))
+            assert second.returncode == 2, second.stderr
+            assert "already has a live controller" in second.stderr and "by its lease" in second.stderr
+        got = Store().get_job(job)
+        assert got.status == "PENDING" and got.controller_pid == first.pid
+        assert Store().lease(job)[0] == line.split()[1]
+    finally:
+        first.kill()
+        first.wait()
+    wait_for(lambda: Store().lease(job) is None, timeout_s=deadline(30), what="the dead controller's lease to expire")
+    claim = claim_job(Store(), job)
+    try:
+        assert Store().lease(job)[0] == claim.lease.holder
+        with pytest.raises(ControllerBusy):  # this process's own file lock, as before
+            claim_job(Store(), job)
+    finally:
+        claim.release()
+    assert Store().lease(job) is None
+
+
+def test_a_controller_that_lost_its_lease_stops_at_once(pg_url):
+    """A controller frozen longer than its lease (a laptop asleep) finds, when it runs again,
+    that another took the job: it exits 3 without touching it."""
+    import signal
+
+    job = Store().create_job("frozen", {"run": "true"})
+    env = {**os.environ, "SFTCTL_STATE_LEASE_S": "2"}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, job], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().startswith("claimed ")
+        holder.send_signal(signal.SIGSTOP)
+        store = Store()
+        wait_for(lambda: store.acquire_lease(job, "server-b", 60.0), timeout_s=deadline(30), what="the lease")
+        holder.send_signal(signal.SIGCONT)
+        _, err = holder.communicate(timeout=deadline(30))
+        assert holder.returncode == 3, err
+        assert "lost its lease" in err and "stops without touching the job" in err
+        assert store.lease(job)[0] == "server-b" and store.get_job(job).status == "PENDING"
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()

@@ -160,6 +160,9 @@ class Controller:
         # a reader or another sftctl holding state.db must not fail a healthy job: wait it out
         store.on_locked = lambda e: self.reporter.event(
             f"warning: the state database is locked by another process ({e}); waiting for it")
+        store.retry_window_s = settings.get("SFTCTL_STATE_RETRY_S")  # Postgres unreachable: hold events, retry
+        store.on_unreachable = lambda e: self.reporter.event(
+            f"warning: the state database is unreachable ({e}); retrying for up to {store.retry_window_s:g} s")
         job = store.get_job(job_id)
         if job is None:
             raise KeyError(job_id)
