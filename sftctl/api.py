@@ -171,9 +171,18 @@ def _typed(fn: Callable) -> Callable:
 
 # ------------------------------------------------------------------------------ a server
 
-#: True in the ``sftctl server`` process: its calls are this machine's, whatever the config names
+#: True in the ``sftctl server`` process: its calls are this machine's, whatever the config names,
+#: and its reads leave a job whose controller died to its Supervisor (:func:`_reap`)
 #: (:mod:`sftctl.server` sets it; the controllers it starts never call this module)
 SERVING = False
+
+
+def _reap(store: Store) -> None:
+    """Mark live jobs whose controller process is gone FAILED_CONTROLLER (every read does,
+    :func:`_resolve`), except in the server: its :class:`sftctl.server.Supervisor` gives such a
+    job a new controller, which adopts it where it stands."""
+    if not SERVING:
+        store.reap_dead_controllers()
 
 
 def _remote():
@@ -792,7 +801,7 @@ def _resolve(store: Store, job: str) -> JobRecord:
     """
     if not job.strip():
         raise NotFoundError("the job id is empty", hint="sftctl status lists the jobs")
-    store.reap_dead_controllers()
+    _reap(store)
     record = store.get_job(job)
     if record is not None:
         return record
@@ -894,7 +903,7 @@ def status(job: str | None = None, *, all_users: bool = False) -> JobView | list
     store = _store()
     if job is not None:
         return _view(store, _resolve(store, job), detail=True)
-    store.reap_dead_controllers()
+    _reap(store)
     by_job: dict[str, list[MetricsRecord]] = {}
     for r in store.metrics():
         by_job.setdefault(r.job_id, []).append(r)
@@ -1046,7 +1055,7 @@ def _log_lines(store, record, provider, follow, node, poll_s, NodeState) -> Iter
                 yield LogLine(line, n.rank, prefix)
         if not follow:
             break
-        store.reap_dead_controllers()
+        _reap(store)
         now = store.get_job(record.id)
         if now.status == JobStatus.FAILED_CONTROLLER:
             # nobody supervises the nodes any more: following them could last forever
@@ -1143,7 +1152,7 @@ def down(job: str | None = None, *, all: bool = False, purge: bool = False,  # n
         return [DownResult(**d) for d in doc["down"]]
     store = _store()
     if all:
-        store.reap_dead_controllers()
+        _reap(store)
         ids = [j.id for j in store.list_jobs()
                if j.status not in TERMINAL or any(n.status != NodeState.TERMINATED for n in store.nodes(j.id))]
     else:

@@ -105,7 +105,10 @@ def test_a_user_cannot_see_read_or_stop_another_users_job(server, tmp_path, monk
     spec.write_text(SLEEPER)
     as_user(monkeypatch, server, t["alice"])
     job = api.run(str(spec), detach=True).id
-    wait_for(lambda: "started" in "".join(line.text for line in api.logs(job)), timeout_s=90, what="the job to start")
+    follow = api.logs(job, follow=True)  # streamed: the job sleeps 300 s after its first line
+    assert next(line.text for line in follow if not line.notice) == "[sftctl] node 0: run (attempt 1)"
+    assert next(follow).text == "started" and api.status(job).status.value == "RUNNING"
+    follow.close()
 
     as_user(monkeypatch, server, t["bob"])
     assert api.status() == []
@@ -212,8 +215,13 @@ def test_the_laptop_closes_and_the_server_recovers_the_job(server, tmp_path, mon
     resumed = [int(w.split()[-1]) for w in logs.splitlines() if w.startswith("rank 1 resumes from") and not w.endswith(" 0")]
     assert resumed and resumed[0] >= 4, logs  # from its checkpoint, not from the start
 
+    proc = sftctl("wait", job, "--json")  # a client back after the job ended: same exit code and document
+    assert proc.returncode == 0 and json.loads(proc.stdout)["jobs"][0]["status"] == "SUCCEEDED"
+    assert json.loads(proc.stdout)["jobs"][0] == view.to_dict()
+
     as_user(monkeypatch, server, t["bob"])  # a second user sees nothing of it
     assert api.status() == []
+    assert sftctl("wait", job).returncode == 2
     proc = sftctl("status", "--json", check=True)
     assert json.loads(proc.stdout) == {"jobs": []}
 
@@ -222,20 +230,20 @@ def test_the_server_killed_mid_job_restarts_and_the_job_succeeds_once(server, tm
     from sftctl import api
 
     t = tokens("alice")
-    spec = loop_job(tmp_path, steps=25)
-    (tmp_path / "work" / "go").touch()
+    spec = loop_job(tmp_path, steps=12)
     as_user(monkeypatch, server, t["alice"])
     job = api.run(str(spec), detach=True).id
     wait_for(lambda: (tmp_path / "work" / "ckpt-1").exists() and int((tmp_path / "work" / "ckpt-1").read_text() or 0) >= 3,
              timeout_s=120, what="rank 1 to reach step 3")
     controller = api.status(job).record.controller_pid
     server.kill()
-    node_ids = set()
     from sftctl import procs
 
-    node_ids |= set(procs.tag_values("SFTCTL_NODE_ID").values()) & {n.id for n in _nodes(job)}
+    node_ids = set(procs.tag_values("SFTCTL_NODE_ID").values()) & {n.id for n in _nodes(job)}
+    assert len(node_ids) == 2  # both nodes live on without the server
     server.start()  # reconciles: the job's controller lives on (a session of its own), nothing is started twice
     assert "reconciled: 0 job(s) given a controller" in server.log.read_text()
+    (tmp_path / "work" / "go").touch()  # the job waited at step 3 for the restart
     view = wait_for(lambda: (v := api.status(job)).status.terminal and v, timeout_s=180, what="the job to end")
     assert view.status.value == "SUCCEEDED", view.failure_reason
     assert view.record.controller_pid == controller and view.record.restarts == 0
@@ -284,3 +292,4 @@ def test_the_systemd_unit_runs_this_sftctl_and_leaves_controllers_running(home):
     assert start.startswith(f"ExecStart={sys.executable} ") and start.endswith("server start --host 0.0.0.0 --port 9001")
     assert "KillMode=process" in unit and f"SFTCTL_HOME={home}" in unit
     assert sftctl("server", "manifest").returncode == 2
+

@@ -27,16 +27,23 @@ from sftctl.errors import SftctlError
 
 #: seconds between two reconciliations of the state with the live controllers
 RECONCILE_S = 10.0
+#: a job whose controller this server restarted this many times and that died again fails
+#: (FAILED_CONTROLLER) instead of a fourth restart: a controller that crashes at once would loop
+MAX_RESTARTS = 3
 
 log = logging.getLogger("sftctl.server")
 
 
 class Supervisor:
     """The server's controllers: starts them (:meth:`start`), reaps them when they end, and
-    gives every unfinished job without a live controller a new one (:meth:`reconcile`)."""
+    gives every unfinished job without a live controller a new one (:meth:`reconcile`), which
+    adopts the job where it stands (:meth:`sftctl.controller.Controller.run`); after
+    :data:`MAX_RESTARTS` such restarts of one job, the next death fails it (FAILED_CONTROLLER).
+    The server's reads never mark a job FAILED_CONTROLLER themselves (:func:`sftctl.api._reap`)."""
 
     def __init__(self):
         self._procs: dict[str, object] = {}  # job id -> subprocess.Popen
+        self._restarts: dict[str, int] = {}  # job id -> controllers reconcile started for it
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -93,6 +100,10 @@ class Supervisor:
         """Give every unfinished job without a live controller a new one; return their ids."""
         started = []
         for job_id in self.orphans():
+            if self._restarts.get(job_id, 0) >= MAX_RESTARTS:
+                self._give_up(job_id)
+                continue
+            self._restarts[job_id] = self._restarts.get(job_id, 0) + 1
             try:
                 self.start(job_id)
             except SftctlError as e:  # another controller took it meanwhile
@@ -100,6 +111,20 @@ class Supervisor:
                 continue
             started.append(job_id)
         return started
+
+    def _give_up(self, job_id: str) -> None:
+        from sftctl.state import Store
+        from sftctl.types import JobStatus
+
+        store = Store()
+        try:
+            store.transition(job_id, JobStatus.FAILED_CONTROLLER,
+                             f"its controller died {MAX_RESTARTS + 1} times; the server gave up on it "
+                             f"(jobs/{job_id}/controller.log says why; sftctl down {job_id} removes its nodes)",
+                             strict=False, code="controller_died")
+        finally:
+            store.close()
+        log.warning("%s: its controller died %d times: FAILED_CONTROLLER", job_id, MAX_RESTARTS + 1)
 
     def run_in_background(self) -> threading.Thread:
         """Reap and reconcile every :data:`RECONCILE_S` seconds until :meth:`stop`."""
