@@ -230,10 +230,12 @@ def load(spec: SpecLike, overrides: Overrides = ()) -> JobSpec:
     return _load(spec, overrides)[0]
 
 
-def _load(spec: SpecLike, overrides: Overrides = ()) -> tuple[JobSpec, str, Path | None]:
+def _load(spec: SpecLike, overrides: Overrides = (), origin: str | None = None) -> tuple[JobSpec, str, Path | None]:
     """(spec, its label for messages, the file it came from or None). Every user setting is
     checked first (:func:`sftctl.settings.validate_all`): whatever uses a spec (plan, dry run,
-    submit, compile) fails on a malformed variable or config file before anything is created."""
+    submit, compile) fails on a malformed variable or config file before anything is created.
+    ``origin``: the file YAML text ``spec`` was read from elsewhere (a server's client), which
+    messages name and relative paths are taken from."""
     import json
 
     from sftctl import settings
@@ -248,6 +250,8 @@ def _load(spec: SpecLike, overrides: Overrides = ()) -> tuple[JobSpec, str, Path
             return spec.model_copy(update={"workdir": workdir}), f"spec {spec.name}", None
         label = Path(spec.workdir).resolve() / "<JobSpec>"
         return load_spec(label, sets, text=json.dumps(spec.model_dump(mode="json"))), f"spec {spec.name}", None
+    if origin is not None:
+        return load_spec(Path(origin), sets, text=spec), origin, Path(origin)
     if isinstance(spec, str) and ("\n" in spec or not (spec.endswith((".yaml", ".yml")) or Path(spec).exists())):
         return load_spec(Path("<spec>"), sets, text=spec), "<spec>", None
     path = Path(spec)
@@ -388,16 +392,19 @@ def _owner_only() -> Iterator[None]:
         os.umask(old)
 
 
-def _prepare(spec: SpecLike, overrides: Overrides, progress: Progress | None) -> tuple[JobSpec, Path | None, Plan]:
+def _prepare(spec: SpecLike, overrides: Overrides, progress: Progress | None,
+             origin: str | None = None) -> tuple[JobSpec, Path | None, Plan]:
     """Validate a spec for running, then plan it: secrets set, checkpoint dir free, storage
     present where the nodes need it."""
     from sftctl.controller.submit import check_checkpoint_dir
 
-    s, label, path = _load(spec, overrides)
+    s, label, path = _load(spec, overrides, origin)
     missing = [k for k in s.secrets if k not in os.environ]
     if missing:
-        raise SpecError(f"{label}: secrets: {', '.join(missing)} not set in this shell",
-                        hint="export it before sftctl run (secrets come from your environment), or drop it from secrets")
+        raise SpecError(f"{label}: secrets: {', '.join(missing)} not set in {_WHERE_SECRETS[SERVING]}",
+                        hint="the server's admin sets it in the server's environment (its Kubernetes Secret, its "
+                             "systemd server.env), or drop it from secrets" if SERVING else
+                             "export it before sftctl run (secrets come from your environment), or drop it from secrets")
     _refuse_empty_secrets(s, label)
     check_checkpoint_dir(s)  # another run's checkpoints would be resumed silently
     if s.storage is not None:  # the nodes get the workdir as a pack: too big is said now, not at LAUNCHING
@@ -410,6 +417,10 @@ def _prepare(spec: SpecLike, overrides: Overrides, progress: Progress | None) ->
     chosen = plan(s, strict=False, progress=progress)  # a model it cannot predict: a warning, price only
     _need_storage(s, label, chosen.offering.provider)
     return s, path, chosen
+
+
+#: where a job's secret values come from: this shell, or the server's environment (by name only)
+_WHERE_SECRETS = {False: "this shell", True: "the server's environment"}
 
 
 def _refuse_empty_secrets(spec: JobSpec, label: str) -> None:
@@ -425,10 +436,10 @@ def _refuse_empty_secrets(spec: JobSpec, label: str) -> None:
     for name in required_secrets(spec):
         if name in spec.env:
             if not resolve_env({name: spec.env[name]})[name]:
-                raise SpecError(f"{label}: env.{name}: {spec.env[name]} is empty in this shell; a node would "
+                raise SpecError(f"{label}: env.{name}: {spec.env[name]} is empty in {_WHERE_SECRETS[SERVING]}; a node would "
                                 "get an empty secret", hint="export the variable it refers to with its value")
         elif not os.environ.get(name):
-            raise SpecError(f"{label}: secrets: {name} is empty in this shell; a node would get an empty secret",
+            raise SpecError(f"{label}: secrets: {name} is empty in {_WHERE_SECRETS[SERVING]}; a node would get an empty secret",
                             hint=f"export {name}=... with its value, or drop it from secrets")
 
 
@@ -478,9 +489,13 @@ def dry_run(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | N
 
 
 @_typed
-def submit(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | None = None) -> Submitted:
+def submit(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | None = None,
+           origin: str | None = None) -> Submitted:
     """Validate and plan a job, check its storage, and record it in state (PENDING). Starts
     nothing: :func:`start` (detached) or :func:`attach` (in this process) runs it.
+
+    ``origin``: with ``spec`` the YAML text of a file read elsewhere, that file's path (messages
+    name it, relative paths are taken from its directory; a server passes its client's).
 
     Raises:
         SpecError: invalid spec, a secret not set in this environment, or a checkpoint dir
@@ -495,7 +510,7 @@ def submit(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | No
     from sftctl.state import Store
 
     with _owner_only():
-        s, path, chosen = _prepare(spec, overrides, progress)
+        s, path, chosen = _prepare(spec, overrides, progress, origin)
         if s.storage is not None:
             _check_storage(s.storage)
         store = Store()

@@ -35,13 +35,13 @@ def _free_port() -> int:
 class Server:
     """``sftctl server start`` as a process of its own (a session of its own: killed -9 alone)."""
 
-    def __init__(self, home: Path, log: Path):
-        self.home, self.log, self.port = home, log, _free_port()
+    def __init__(self, home: Path, log: Path, env: dict[str, str] | None = None):
+        self.home, self.log, self.port, self.extra_env = home, log, _free_port(), env or {}
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "Server":
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SFTCTL_SERVER_")}
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("SFTCTL_SERVER_")}, **self.extra_env}
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "sftctl.cli", "server", "start", "--port", str(self.port)],
                                          cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -293,3 +293,28 @@ def test_the_systemd_unit_runs_this_sftctl_and_leaves_controllers_running(home):
     assert "KillMode=process" in unit and f"SFTCTL_HOME={home}" in unit
     assert sftctl("server", "manifest").returncode == 2
 
+
+def test_secrets_travel_by_name_the_server_holds_their_values(home, tmp_path, monkeypatch):
+    """A spec's ``secrets:`` name a variable; the node gets the server's value of it, never the
+    client's (which the request does not carry); one the server lacks is refused, exit 2."""
+    server = Server(home, tmp_path / "server.log", env={"LAB_TOKEN": "the-servers-value"}).start()
+    try:
+        t = tokens("alice")
+        as_user(monkeypatch, server, t["alice"])
+        monkeypatch.setenv("LAB_TOKEN", "alices-own-value")
+        spec = tmp_path / "secret.yaml"
+        spec.write_text('name: secret\nsecrets: [LAB_TOKEN]\nresources: {nodes: 1}\n'
+                        'run: \'echo "token=$LAB_TOKEN"\'\n')
+        proc = sftctl("run", str(spec), "--json")
+        assert proc.returncode == 0, proc.stderr
+        from sftctl import api
+
+        job = json.loads(proc.stdout)["id"]
+        assert [line.text for line in api.logs(job) if line.text.startswith("token=")] == ["token=the-servers-value"]
+        spec.write_text(spec.read_text().replace("LAB_TOKEN]", "LAB_TOKEN, NOT_ON_THE_SERVER]"))
+        monkeypatch.setenv("NOT_ON_THE_SERVER", "x")
+        proc = sftctl("run", str(spec), "--detach")
+        assert proc.returncode == 2 and no_traceback(proc)
+        assert f"error: {spec}: secrets: NOT_ON_THE_SERVER not set in the server's environment" in proc.stderr
+    finally:
+        server.stop()

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import threading
 import warnings
-from pathlib import Path
 
 from fastapi import Body, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -126,15 +125,13 @@ def create_app(supervisor):
 
     @app.post("/v1/jobs")
     def submit(body: dict = Body(...), user: User = Depends(current_user)):
-        from sftctl.spec import load_spec
-
         text, label, overrides = body.get("spec_text"), body.get("spec_path"), body.get("overrides") or []
         if not isinstance(text, str) or not isinstance(label, str) or not all(isinstance(o, str) for o in overrides):
             raise SftctlError("submit needs spec_text, spec_path (strings) and overrides (a list of strings)",
                               hint="sftctl run SPEC with server.url set sends them")
         with submitting, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", SftctlWarning)
-            submitted = api.submit(load_spec(Path(label), overrides, text=text))
+            submitted = api.submit(text, overrides, origin=label)
             set_owner(submitted.job_id, user)
         return _json({"job": api.job(submitted.job_id).to_dict(),
                       "warnings": [str(w.message) for w in caught if issubclass(w.category, SftctlWarning)]})
