@@ -93,7 +93,7 @@ def test_costs_per_user_and_per_lab_over_a_period(state_backend):
         api.costs(since="yesterday")
 
 
-def test_status_json_and_table_show_the_cost(home):
+def test_status_json_and_table_show_the_cost(state_backend):
     store = Store()
     job = _job(store, "shown", "alice", [(T0, T0 + 2 * H)])
     proc = sftctl("status", "--json")

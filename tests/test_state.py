@@ -290,6 +290,16 @@ def test_postgres_gets_the_same_schema(pg_url):
     assert got == want and len(want) > 50
 
 
+def test_a_newer_postgres_schema_is_refused(pg_url):
+    import psycopg
+
+    Store().close()
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("UPDATE schema_version SET version = %s", (SCHEMA_VERSION + 1,))
+    with pytest.raises(SftctlError, match="newer than this sftctl"):
+        Store()
+
+
 def test_the_postgres_path_is_chosen_by_state_url_and_said_with_no_password(pg_url, monkeypatch, tmp_path):
     from sftctl.state import redact
 
@@ -535,3 +545,29 @@ def test_a_controller_that_lost_its_lease_stops_at_once(pg_url):
         if holder.poll() is None:
             holder.kill()
             holder.wait()
+
+
+def test_a_job_on_postgres_rides_out_an_outage_and_succeeds(postgres, pg_url, tmp_path):
+    """The whole path on Postgres: a detached local job's controller claims it (file lock +
+    lease), Postgres is stopped for 5 s while the job runs, and the job still SUCCEEDS with
+    every status change recorded; its lease is given back at the end."""
+    from sftctl import api
+
+    spec = tmp_path / "ticker.yaml"
+    spec.write_text("name: ticker\nresources: {nodes: 1}\nrun: |\n  for i in $(seq 12); do echo tick $i; sleep 1; done\n")
+    job = api.run(str(spec), detach=True).id
+    wait_for(lambda: Store().get_job(job).status == "RUNNING", timeout_s=deadline(120), what="RUNNING")
+    assert Store().lease(job) is not None
+    postgres.stop()
+    try:
+        time.sleep(5)
+    finally:
+        postgres.start()
+    view = api.wait(job, timeout_s=deadline(180))
+    assert view.status == "SUCCEEDED", view.failure_reason
+    messages = [e.message for e in api.events(job) if e.kind == "status"]
+    assert [m.split(" -> ")[-1].split(":")[0] for m in messages[1:]] == ["PROVISIONING", "LAUNCHING", "RUNNING", "SUCCEEDED"]
+    log = (tmp_path / "home" / "jobs" / job / "controller.log").read_text()
+    assert "the state database is unreachable" in log  # it noticed, and waited
+    wait_for(lambda: Store().lease(job) is None, timeout_s=deadline(30), what="the lease given back")
+    assert view.cost.node_hours > 0 and view.cost.price_per_hour is not None
