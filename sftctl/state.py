@@ -54,7 +54,7 @@ _ENDINGS = {JobStatus.FAILED, JobStatus.CANCELLED, JobStatus.FAILED_CONTROLLER}
 TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     JobStatus.PENDING: frozenset({JobStatus.PROVISIONING} | _ENDINGS),
     JobStatus.PROVISIONING: frozenset({JobStatus.LAUNCHING} | _ENDINGS),
-    JobStatus.LAUNCHING: frozenset({JobStatus.RUNNING} | _ENDINGS),
+    JobStatus.LAUNCHING: frozenset({JobStatus.RUNNING, JobStatus.RECOVERING} | _ENDINGS),  # a launch cut short
     JobStatus.RUNNING: frozenset({JobStatus.SUCCEEDED, JobStatus.RECOVERING} | _ENDINGS),
     JobStatus.RECOVERING: frozenset({JobStatus.PROVISIONING, JobStatus.LAUNCHING} | _ENDINGS),
     **{s: frozenset() for s in TERMINAL},

@@ -179,3 +179,72 @@ def test_rows_damaged_inside_a_readable_db_are_one_line_not_a_traceback(home):
         lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert len(lines) == 1 and "unknown provider" in lines[0], (args, proc.stderr)
     assert "Traceback" in sftctl("status", "--debug").stderr
+
+
+def test_a_new_controller_adopts_a_running_job_whose_controller_was_killed(tmp_path, home):
+    """Issue 23 (lost jobs): `python -m sftctl.controller JOB` for a RUNNING job whose controller
+    was killed -9 failed the job ("controller error: IllegalTransition(RUNNING -> PROVISIONING)").
+    Now the new controller adopts it from state: it keeps the recorded nodes, finds that their
+    processes went with the old controller (the local guard), abandons that attempt and
+    relaunches (no restart counted: max_restarts is 0), and the job SUCCEEDS, never with more
+    nodes at the provider than the job has."""
+    from sftctl import procs
+    from sftctl.providers.local import LocalProvider
+    from sftctl.state import JobStatus, NodeState, Store
+
+    job, flag = _gated_job(tmp_path, nodes=2)
+    provider = LocalProvider()
+    seen: list[int] = []
+
+    def nodes_up() -> int:
+        """Nodes with live processes at the provider (by node id: a process that exits between
+        the provider's /proc scans may show without its node tag)."""
+        n = len({r["node_id"] for r in provider.list_instances(job) if r["node_id"]})
+        seen.append(n)
+        return n
+
+    adopter = None
+    try:
+        wait_for(lambda: nodes_up() == 2, what="both nodes to run")
+        store = Store()
+        before = store.get_job(job)
+        recorded = [n.id for n in store.nodes(job)]
+        os.kill(before.controller_pid, signal.SIGKILL)
+        wait_for(lambda: not procs.alive(before.controller_pid, before.controller_start_ticks), what="the kill")
+        wait_for(lambda: nodes_up() == 0, timeout_s=60, what="the guard to stop the dead controller's nodes")
+        # no `sftctl status` here: it would mark the job FAILED_CONTROLLER (terminal) before the restart
+        assert store.get_job(job).status == JobStatus.RUNNING
+        adopter = subprocess.Popen([sys.executable, "-m", "sftctl.controller", job], cwd=REPO,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+        def running_again() -> bool:
+            now = store.get_job(job)
+            assert not now.status.terminal, now.failure_reason  # before: IllegalTransition(RUNNING -> PROVISIONING)
+            live = [n for n in store.nodes(job) if n.status not in (NodeState.TERMINATED, NodeState.REPLACED)]
+            assert len(live) <= 2, live  # never two records of one rank
+            return len(store.attempts(job)) == 2 and now.status == JobStatus.RUNNING and nodes_up() == 2
+
+        wait_for(running_again, timeout_s=120, what="the adopted job to run again on 2 nodes")
+        flag.touch()
+        out, _ = adopter.communicate(timeout=deadline(120))
+        assert adopter.returncode == 0, out
+        after = store.get_job(job)
+        assert after.status == JobStatus.SUCCEEDED, (after.failure_reason, out)
+        assert max(seen) == 2
+        (adopt,) = [e for e in store.events(job) if e.kind == "adopt"]
+        assert adopt.data["nodes"] == recorded and adopt.data["status"] == "RUNNING" and adopt.data["attempt"] == 1
+        attempts = store.attempts(job)
+        assert [(a.number, a.status.value, a.reason_code) for a in attempts] == [
+            (1, "ABANDONED", "controller_died"), (2, "SUCCEEDED", None)]
+        assert after.restarts == 0
+        nodes = store.nodes(job)
+        # every node recorded is down now; no rank ever had two live nodes
+        assert all(n.status in (NodeState.TERMINATED, NodeState.REPLACED) for n in nodes)
+        assert sorted({n.rank for n in nodes}) == [0, 1]
+    finally:
+        flag.touch()
+        if adopter is not None and adopter.poll() is None:
+            adopter.kill()
+            adopter.wait()
+        sftctl("down", job)
+    assert job_processes(job) == []

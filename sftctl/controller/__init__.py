@@ -3,7 +3,8 @@
 Split by job (ARCHITECTURE.md, "Layout"):
 
 - :mod:`~sftctl.controller.lifecycle`: the state machine (:class:`Controller`, its reporters)
-  and the detached controller's entry point :func:`main` (``python -m sftctl.controller JOB``);
+  the detached controller's entry point :func:`main` (``python -m sftctl.controller JOB``) and
+  :func:`adopt` (take over a job whose controller died, from Python);
 - :mod:`~sftctl.controller.submit`: submit-time rules (checkpoint-dir ownership, secrets, the
   nodes' environment, job storage) and the job's provider wired to its storage;
 - :mod:`~sftctl.controller.teardown`: ``sftctl down`` / ``--purge`` / ``--orphans``;
@@ -13,7 +14,7 @@ Split by job (ARCHITECTURE.md, "Layout"):
 The names below are the package's public surface, re-exported from those modules.
 """
 
-from sftctl.controller.lifecycle import Cancelled, Controller, LogReporter, Reporter, main
+from sftctl.controller.lifecycle import Cancelled, Controller, LogReporter, Reporter, adopt, main
 from sftctl.controller.ports import claim_rendezvous_port, release_rendezvous_port
 from sftctl.controller.preview import preview
 from sftctl.controller.submit import (
@@ -30,7 +31,7 @@ from sftctl.controller.submit import (
 from sftctl.controller.teardown import down, down_orphans, purge
 
 __all__ = [
-    "Cancelled", "Controller", "LogReporter", "Reporter", "main", "claim_rendezvous_port",
+    "Cancelled", "Controller", "LogReporter", "Reporter", "adopt", "main", "claim_rendezvous_port",
     "release_rendezvous_port", "preview", "check_checkpoint_dir", "checkpoint_dir_path",
     "claim_checkpoint_dir", "job_provider", "job_storage_url", "node_env", "node_env_names",
     "required_secrets", "secret_env_keys", "down", "down_orphans", "purge",

@@ -29,7 +29,7 @@ from typing import Protocol
 from sftctl import settings
 from sftctl.catalog import Offering
 from sftctl.controller.slots import NodeSlot
-from sftctl.controller.ports import claim_rendezvous_port, release_rendezvous_port
+from sftctl.controller.ports import claim_rendezvous_port, reclaim_rendezvous_port, release_rendezvous_port
 from sftctl.controller.submit import (
     claim_checkpoint_dir,
     default_install,
@@ -58,6 +58,12 @@ STORAGE_OUTAGE_S = 300.0  # how long the job's storage may be unreachable before
 # wait before a relaunch: 1 s, 2 s, 4 s, ... up to 30 s (restarts that fail fast do not spin)
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 30.0
+
+#: The statuses in which a controller that died (even by SIGKILL) left its job under way: a new
+#: controller for the job adopts it (:meth:`Controller.run`, :func:`adopt`) instead of starting over.
+UNDER_WAY = frozenset({JobStatus.PROVISIONING, JobStatus.LAUNCHING, JobStatus.RUNNING, JobStatus.RECOVERING})
+#: recorded node statuses of nodes that are no longer part of the job
+GONE = frozenset({NodeState.TERMINATED, NodeState.REPLACED, NodeState.FAILED})
 
 
 def _error_code(e: SftctlError) -> str:
@@ -187,20 +193,30 @@ class Controller:
         self.storage = getattr(getattr(self.provider, "channel", None), "storage", None)
         self.workdir_key: str | None = None
         self.rdzv_port: int | None = None  # claimed at the first launch, released at teardown
+        self.adopted = False  # True once run() took the job over from a controller that died
 
     # ---------------------------------------------------------------- lifecycle
 
     def run(self) -> JobStatus:
-        """Drive the job to a terminal status and return it. Nodes are always torn down."""
+        """Drive the job to a terminal status and return it. Nodes are always torn down.
+
+        A job some earlier controller left under way (it died, even by SIGKILL: LAUNCHING,
+        RUNNING or RECOVERING) is adopted, not started over: see :meth:`_adopt`. The caller
+        holds the job (:func:`sftctl.queue.claim_job`), so no other controller is alive."""
         previous = _install_cancel_signals()
         try:
-            self._admit()
-            self._provision()
+            resume = self._adopt()
+            if not self.adopted:
+                self._admit()
+                self._provision()
             while True:
-                attempt = self.store.start_attempt(self.job_id)
-                self._move(JobStatus.LAUNCHING, f"attempt {attempt}")
-                self._launch(attempt)
-                self._move(JobStatus.RUNNING)
+                if resume is not None:  # the dead controller's attempt, its nodes still running: watch it on
+                    attempt, resume = resume, None
+                else:
+                    attempt = self.store.start_attempt(self.job_id)
+                    self._move(JobStatus.LAUNCHING, f"attempt {attempt}")
+                    self._launch(attempt)
+                    self._move(JobStatus.RUNNING)
                 failure = self._monitor()
                 if failure is None:
                     self.store.end_attempt(self.job_id, attempt, AttemptStatus.SUCCEEDED, 0, None)
@@ -261,17 +277,97 @@ class Controller:
         PENDING with ``pending_reason`` saying why). A detached controller has waited already,
         as ``python -m sftctl.queue``, and finds its job PROVISIONING.
         """
+        if self.store.get_job(self.job_id).status == JobStatus.PROVISIONING:  # admitted by sftctl.queue
+            self.reporter.event(JobStatus.PROVISIONING.value)  # (or a dead controller's, see _adopt)
+            return
         if not capabilities(self.provider.name).local_admission:
             self._move(JobStatus.PROVISIONING)
-            return
-        if self.store.get_job(self.job_id).status == JobStatus.PROVISIONING:  # admitted by sftctl.queue
-            self.reporter.event(JobStatus.PROVISIONING.value)
             return
         from sftctl.queue import wait_turn
 
         if not wait_turn(self.store, self.job_id, self.reporter.event):
             raise Cancelled("the job was ended by another process (sftctl down)")
         self.reporter.event(JobStatus.PROVISIONING.value)
+
+    def _adopt(self) -> int | None:
+        """Reconcile a job that an earlier controller left under way, from state and the provider.
+
+        - PENDING (or ended): nothing to adopt; returns None and :attr:`adopted` stays False.
+        - PROVISIONING: the nodes the dead controller recorded are removed (terminated at the
+          provider, recorded TERMINATED) and provisioning starts over; None, not adopted.
+        - RUNNING with an open attempt and every node still running (or done) at the provider:
+          the nodes are kept as they are and watched on; returns that attempt.
+        - Otherwise (LAUNCHING, RECOVERING, or RUNNING with a node that ended while no
+          controller watched: a local node's guard stops it with its controller; a crash then
+          cannot be told from that): the open attempt is ended ABANDONED (``controller_died``),
+          the live nodes' scripts are stopped, the nodes gone at the provider (LOST, TERMINATED,
+          never provisioned) are replaced per ``recovery:`` (``min_nodes``: elastic), and the
+          job relaunches from its last checkpoint (-> RECOVERING -> LAUNCHING). No restart is
+          counted: the job did not fail under a controller; what fails after is counted as ever.
+
+        One slot per rank is kept: the newest recorded node not TERMINATED/REPLACED/FAILED; an
+        older live record of the same rank is terminated, so the provider never runs two nodes
+        for one rank. The job's rendezvous port is taken over from the dead controller's claim.
+        """
+        job = self.store.get_job(self.job_id)
+        if job.status not in UNDER_WAY:
+            return None
+        records = [r for r in self.store.nodes(self.job_id) if r.status not in GONE]
+        if job.status == JobStatus.PROVISIONING:
+            if records:
+                self._remove_records(records, "left by a controller that died while provisioning")
+            return None
+        self.adopted = True
+        newest: dict[int, object] = {}
+        for r in records:  # by rank, then creation: the newest of a rank wins
+            if r.rank in newest:
+                self._remove_records([newest[r.rank]], f"a second node of rank {r.rank}")
+            newest[r.rank] = r
+        replaced = [r for r in self.store.nodes(self.job_id) if r.status == NodeState.REPLACED]
+        self.nodes = [NodeSlot(r.id, r.rank, r.node_handle, generation=sum(x.rank == r.rank for x in replaced))
+                      for r in (newest[k] for k in sorted(newest))]
+        self.rdzv_port = reclaim_rendezvous_port(self.job_id)
+        self.workdir_key = next((e.data["workdir_key"] for e in reversed(self.store.events(self.job_id))
+                                 if e.kind == "storage" and (e.data or {}).get("workdir_key")), None)
+        open_ = [a.number for a in self.store.attempts(self.job_id) if a.status == AttemptStatus.RUNNING]
+        message = (f"adopted by a new controller (pid {os.getpid()}): the job was {job.status.value} with "
+                   f"{len(self.nodes)} node(s) recorded, its controller gone")
+        self.store.add_event(self.job_id, "adopt", message, {"status": job.status.value, "nodes": [n.id for n in self.nodes],
+                                                             "attempt": open_[-1] if open_ else None})
+        self.reporter.event(message)
+        states = {n.rank: self.provider.status(n.handle).state if n.handle is not None else None for n in self.nodes}
+        if (job.status == JobStatus.RUNNING and open_ and self.nodes
+                and all(st in (NodeState.RUNNING, NodeState.SUCCEEDED) for st in states.values())):
+            self.attempt = open_[-1]
+            if self.monitor is not None:
+                self.monitor.reset_training()
+            return self.attempt
+        dead = [rank for rank, st in states.items() if st in (None, NodeState.LOST, NodeState.TERMINATED)]
+        why = f"its controller died while the job was {job.status.value}"
+        ended = [f"node {rank} {st.value.lower()}" for rank, st in states.items()
+                 if st not in (NodeState.RUNNING, NodeState.SUCCEEDED, NodeState.READY)]
+        if ended:  # ended unwatched: a crash cannot be told from the local guard's stop, so no restart is counted
+            why += f" ({', '.join(str(e) for e in ended)} meanwhile)"
+        self.store.end_open_attempts(self.job_id, AttemptStatus.ABANDONED, why, FailureCode.CONTROLLER_DIED.value)
+        for n in self.nodes:
+            if n.handle is not None and n.rank not in dead:
+                self.provider.stop_attempt(n.handle)
+        if job.status != JobStatus.RECOVERING:
+            self._move(JobStatus.RECOVERING, f"{why}; relaunching {self._resume_point()}")
+        for rank in dead:
+            self._replace(rank)
+        return None
+
+    def _remove_records(self, records: list, why: str) -> None:
+        """Terminate recorded nodes that are no part of the adopted job and record them TERMINATED."""
+        handles = [r.node_handle for r in records if r.node_handle is not None]
+        if handles:
+            terminate_all(self.provider, handles)
+        for r in records:
+            self.store.update_node(r.id, status=NodeState.TERMINATED, handle={**(r.handle or {}), "terminated": True})
+        message = f"removed {len(records)} node(s) {why}: {', '.join(r.id for r in records)}"
+        self.store.add_event(self.job_id, "adopt", message)
+        self.reporter.event(message)
 
     def _move(self, status: JobStatus, reason: str | None = None, code: str | None = None) -> None:
         if not self.store.transition(self.job_id, status, reason, code=code):
@@ -502,8 +598,10 @@ class Controller:
         old = self.nodes[i]
         if quarantine and old.handle:
             self._quarantine(old, quarantine)
-        self.provider.terminate(old.handle)
-        self.store.update_node(old.id, status=NodeState.REPLACED, handle=old.handle.with_(terminated=True).to_dict())
+        if old.handle is not None:
+            self.provider.terminate(old.handle)
+        self.store.update_node(old.id, status=NodeState.REPLACED, handle=old.handle.with_(terminated=True).to_dict()
+                               if old.handle is not None else {"terminated": True})
         node_id = self.store.add_node(self.job_id, rank, self.provider.name)
         new = NodeSlot(node_id, rank, generation=old.generation + 1)
         self.nodes[i] = new
@@ -673,22 +771,35 @@ def _in_main_thread() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the detached controller: ``python -m sftctl.controller JOB_ID``.
+    """Entry point of the detached controller: ``python -m sftctl.controller JOB_ID`` (:func:`adopt`:
+    a job whose controller died under way is taken over, not failed).
 
     Exits 0 when the job succeeded, 1 when it ended otherwise, 2 (one ``error:`` line on stderr,
     the job untouched) when the job already has a live controller."""
     job_id = (argv or sys.argv[1:])[0]
     os.umask(0o077)  # logs, scripts and checkpoints of the job: owner-only whatever the dir's mode
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    store = Store()
     try:
-        lock = claim_job(store, job_id)
+        status = adopt(Store(), job_id)
     except ControllerBusy as e:
         print(f"error: {e.message}\nhint: {e.hint}", file=sys.stderr)
         return int(e.exit_code)
+    return 0 if status == JobStatus.SUCCEEDED else 1
+
+
+def adopt(store: Store, job_id: str, reporter: Reporter | None = None) -> JobStatus:
+    """Become the controller of ``job_id`` and drive it to a terminal status: a job whose
+    controller died under way is adopted (:meth:`Controller._adopt`: its live nodes kept, the
+    dead ones replaced per ``recovery:``), a PENDING one is run from the start. What
+    ``python -m sftctl.controller JOB`` does, for a caller in Python (a server after its restart).
+
+    Raises:
+        ControllerBusy: a live controller holds the job (exit 2); nothing was changed.
+        KeyError: no such job.
+    """
+    lock = claim_job(store, job_id)
     try:
-        status = Controller(store, job_id).run()
+        return Controller(store, job_id, reporter).run()
     finally:
         lock.release()
-    return 0 if status == JobStatus.SUCCEEDED else 1
 

@@ -70,6 +70,33 @@ def claim_rendezvous_port(job_id: str) -> int:
     raise SftctlError(f"no free rendezvous port in {first}-{lo - 1}", hint="end finished jobs' controllers, or retry")
 
 
+def reclaim_rendezvous_port(job_id: str) -> int | None:
+    """Take over the port a dead controller of ``job_id`` claimed (its nodes may still use it):
+    the claim is rewritten to name this process. None when no claim of the job is left, or its
+    claimant still lives (the caller then claims a new port at its next launch)."""
+    from filelock import FileLock
+
+    d = _ports_dir()
+    if not os.path.isdir(d):
+        return None
+    me = f"{os.getpid()} {procs.start_ticks(os.getpid())} {job_id}"
+    with FileLock(os.path.join(d, ".lock")):
+        for name in sorted(os.listdir(d)):
+            if not name.isdigit():
+                continue
+            path = os.path.join(d, name)
+            try:
+                pid, ticks, job = open(path).read().split(" ", 2)
+            except (OSError, ValueError):
+                continue
+            if job != job_id or procs.alive(int(pid), int(ticks) if ticks.isdigit() else None):
+                continue
+            with open(path, "w") as f:
+                f.write(me)
+            return int(name)
+    return None
+
+
 def release_rendezvous_port(port: int | None) -> None:
     """Give up a port claimed by this process (a no-op for a port it does not hold)."""
     if port is None:
