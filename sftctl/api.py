@@ -590,7 +590,7 @@ def start(job: str) -> JobView:
         return JobView.from_wire(remote.request("POST", remote.job_path(job, "/start")))
     store = _store()
     record = _resolve(store, job)
-    check_no_live_controller(record.id)
+    check_no_live_controller(record.id, store)
     spawn_controller(record.id)
     return _view(store, store.get_job(record.id), detail=True)
 

@@ -268,9 +268,7 @@ def claim_job(store: Store, job_id: str):
         if not claim.lease.acquire():
             lock.release()
             held = store.lease(job_id)
-            raise ControllerBusy(f"job {job_id} already has a live controller ({held[0] if held else 'elsewhere'}, "
-                                 "by its lease in the state database); this one leaves the job alone",
-                                 hint=f"sftctl status {job_id} shows it; sftctl down {job_id} stops the job")
+            raise _leased(job_id, held[0] if held else "elsewhere")
     pid = os.getpid()
     ticks = procs.start_ticks(pid)
     job = store.get_job(job_id)
@@ -305,10 +303,23 @@ class _Claim:
             self.lock.release()
 
 
-def check_no_live_controller(job_id: str) -> None:
-    """Raise :class:`ControllerBusy` if a live controller holds the job (see :func:`claim_job`)."""
+def check_no_live_controller(job_id: str, store: Store | None = None) -> None:
+    """Raise :class:`ControllerBusy` if a live controller holds the job (see :func:`claim_job`):
+    this home's file lock, or, on a shared (Postgres) state, the job's unexpired lease in the
+    database (a controller on another machine). ``store``: the state to ask (default: the
+    configured one, opened only when it is shared)."""
     from filelock import FileLock, Timeout
 
+    from sftctl import settings
+    from sftctl.state import is_url
+
+    if store is not None and store.dialect.shared or store is None and is_url(settings.get("SFTCTL_STATE_URL")):
+        shared = store or Store()
+        held = shared.lease(job_id)
+        if store is None:
+            shared.close()
+        if held is not None:
+            raise _leased(job_id, held[0])
     path = job_dir(job_id) / CONTROLLER_LOCK
     if not path.exists():
         return
@@ -318,6 +329,12 @@ def check_no_live_controller(job_id: str) -> None:
     except Timeout:
         raise _busy(job_id) from None
     lock.release()
+
+
+def _leased(job_id: str, holder: str) -> ControllerBusy:
+    return ControllerBusy(f"job {job_id} already has a live controller ({holder}, by its lease in the state "
+                          "database); this one leaves the job alone",
+                          hint=f"sftctl status {job_id} shows it; sftctl down {job_id} stops the job")
 
 
 class _Signalled(Exception):

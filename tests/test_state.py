@@ -505,8 +505,15 @@ def test_two_servers_sharing_postgres_never_both_run_a_job(pg_url, tmp_path):
                                     capture_output=True, text=True, timeout=deadline(120))
             assert second.returncode == 2, second.stderr
             assert "already has a live controller" in second.stderr and "by its lease" in second.stderr
+        from sftctl import api
+        from sftctl.queue import check_no_live_controller
+
+        with pytest.raises(ControllerBusy, match="by its lease"):  # what a server asks before it starts one
+            check_no_live_controller(job)
+        with pytest.raises(ControllerBusy, match="by its lease"):
+            api.start(job)
         got = Store().get_job(job)
-        assert got.status == "PENDING" and got.controller_pid == first.pid
+        assert got.status == "PENDING" and got.controller_pid == first.pid  # nobody wrote over it
         assert Store().lease(job)[0] == line.split()[1]
     finally:
         first.kill()
