@@ -278,7 +278,7 @@ def os_user() -> str:
 
 def redact(url: str) -> str:
     """``url`` with its password replaced by ``***`` (for messages: never print a secret)."""
-    return re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url)
+    return re.sub(r"(password=)[^&\s]*", r"\1***", re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", url))
 
 
 def is_url(target: str | None) -> bool:

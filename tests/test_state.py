@@ -309,6 +309,12 @@ def test_the_postgres_path_is_chosen_by_state_url_and_said_with_no_password(pg_u
     assert Store().get_job(job).name == "pg"  # a second store sees it: no state.db involved
     assert not (tmp_path / "home" / "state.db").exists()
     assert redact("postgresql://lab:s3cr3t@db.example:5432/sftctl") == "postgresql://lab:***@db.example:5432/sftctl"
+    assert redact("postgresql://db.example/sftctl?user=lab&password=s3cr3t&sslmode=require") == \
+        "postgresql://db.example/sftctl?user=lab&password=***&sslmode=require"
+    blocked = subprocess.run([sys.executable, "-c", "import sys; sys.modules['psycopg'] = None\n"
+                              "from sftctl.state import Store\nStore()"], capture_output=True, text=True)
+    assert blocked.returncode == 1 and blocked.stderr.strip().splitlines()[-1] == (
+        f"sftctl.errors.SftctlError: state.url is {redact(pg_url)}, but psycopg is not installed")
     monkeypatch.setenv("SFTCTL_STATE_URL", "postgresql://lab:s3cr3t@/nosuchdb?host=" + str(tmp_path))
     with pytest.raises(SftctlError) as e:
         Store()
