@@ -1,7 +1,7 @@
 """`sftctl status --json` through an sftctl server against the SQLite path, in the same run (issue 24).
 
 A state of 1,000 finished jobs (2 nodes, metrics and 6 events each: benchmarks/cli_latency.py's
-`populate`), all one user's. 10 client threads poll `status --json` at once, each `--polls`
+`populate`), all one user's (the server's user of this machine's name). 10 client threads poll `status --json` at once, each `--polls`
 times, two ways:
 
 - `cli`: each poll is a `sftctl status --json` process (what a script or a prompt runs), with
@@ -86,12 +86,10 @@ def main() -> None:
 
     t0 = time.perf_counter()
     populate(home, args.jobs)
-    from sftctl.server.users import add_user, set_owner, User
-    from sftctl.state import Store
+    from sftctl.server.users import add_user
+    from sftctl.state import os_user
 
-    token = add_user("bench")
-    for j in Store().list_jobs():
-        set_owner(j.id, User("bench"))
+    token = add_user(os_user())  # populate's jobs are this machine's user's
     print(f"state: {args.jobs} jobs in {time.perf_counter() - t0:.1f} s")
 
     with socket.socket() as s:

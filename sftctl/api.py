@@ -490,12 +490,14 @@ def dry_run(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | N
 
 @_typed
 def submit(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | None = None,
-           origin: str | None = None) -> Submitted:
+           origin: str | None = None, owner: str | None = None) -> Submitted:
     """Validate and plan a job, check its storage, and record it in state (PENDING). Starts
     nothing: :func:`start` (detached) or :func:`attach` (in this process) runs it.
 
     ``origin``: with ``spec`` the YAML text of a file read elsewhere, that file's path (messages
     name it, relative paths are taken from its directory; a server passes its client's).
+    ``owner``: the user the job belongs to (a server passes its requester's name; default: this
+    machine's user).
 
     Raises:
         SpecError: invalid spec, a secret not set in this environment, or a checkpoint dir
@@ -515,7 +517,7 @@ def submit(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | No
             _check_storage(s.storage)
         store = Store()
         job_id = store.create_job(s.name, s.model_dump(mode="json"),
-                                  spec_path=str(path.resolve()) if path is not None else None)
+                                  spec_path=str(path.resolve()) if path is not None else None, owner=owner)
         store.update_job(job_id, provider=chosen.offering.provider, offering_json=chosen.to_dict())
         store.add_event(job_id, "plan", chosen.reason)
     return Submitted(job_id, s, chosen)

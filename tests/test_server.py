@@ -100,7 +100,7 @@ def test_a_user_cannot_see_read_or_stop_another_users_job(server, tmp_path, monk
     from sftctl import api
     from sftctl.errors import NotFoundError, SftctlError
 
-    t = tokens("alice", "bob", admin="root")
+    t = tokens("alice", "bob", admin="admin1")
     spec = tmp_path / "sleeper.yaml"
     spec.write_text(SLEEPER)
     as_user(monkeypatch, server, t["alice"])
@@ -130,7 +130,7 @@ def test_a_user_cannot_see_read_or_stop_another_users_job(server, tmp_path, monk
     proc = sftctl("status")
     assert proc.returncode == 4 and "knows no user with this token" in proc.stderr and no_traceback(proc)
 
-    as_user(monkeypatch, server, t["root"])  # an admin sees every user's jobs
+    as_user(monkeypatch, server, t["admin1"])  # an admin sees every user's jobs
     assert [v.id for v in api.status(all_users=True)] == [job]
     assert api.status() == []  # ... and, without --all-users, their own
 
@@ -187,9 +187,18 @@ def xid79_at_step(path: Path, step: int) -> Path:
     return path
 
 
-def test_the_laptop_closes_and_the_server_recovers_the_job(server, tmp_path, monkeypatch):
+@pytest.fixture
+def server_on(state_backend, home, tmp_path):
+    """A server on each state backend: SQLite in $SFTCTL_HOME, then a real Postgres."""
+    s = Server(home, tmp_path / "server.log").start()
+    yield s
+    s.stop()
+
+
+def test_the_laptop_closes_and_the_server_recovers_the_job(server_on, state_backend, tmp_path, monkeypatch):
     from sftctl import api
 
+    server = server_on
     t = tokens("alice", "bob")
     spec = loop_job(tmp_path, steps=30, replay=xid79_at_step(tmp_path / "xid79.jsonl", 5))
     as_user(monkeypatch, server, t["alice"])

@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sftctl import __version__, api
 from sftctl.errors import ExitCode, NotFoundError, ProviderError, SftctlError, SftctlWarning
-from sftctl.server.users import User, owners, set_owner, user_for_token
+from sftctl.server.users import User, job_ids, user_for_token
 
 
 class Unauthorized(ProviderError):
@@ -97,9 +97,7 @@ def create_app(supervisor):
 
     def mine(user: User) -> set[str] | None:
         """The ids of the jobs ``user`` may see (None: every job, an admin's)."""
-        if user.admin:
-            return None
-        return {j for j, owner in owners().items() if owner == user.name}
+        return None if user.admin else job_ids(user)
 
     def owned(user: User, job: str) -> str:
         """The full id of ``job`` (an id or a unique prefix) among the user's jobs."""
@@ -131,8 +129,7 @@ def create_app(supervisor):
                               hint="sftctl run SPEC with server.url set sends them")
         with submitting, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", SftctlWarning)
-            submitted = api.submit(text, overrides, origin=label)
-            set_owner(submitted.job_id, user)
+            submitted = api.submit(text, overrides, origin=label, owner=user.name)
         return _json({"job": api.job(submitted.job_id).to_dict(),
                       "warnings": [str(w.message) for w in caught if issubclass(w.category, SftctlWarning)]})
 
@@ -148,8 +145,7 @@ def create_app(supervisor):
             raise Forbidden(f"--all-users: {user.name} is not an admin of this server", hint="sftctl status shows your jobs")
         views = api.status()
         if not all_users:
-            ids = {j for j, owner in owners().items() if owner == user.name}
-            views = [v for v in views if v.id in ids]
+            views = [v for v in views if v.record.owner == user.name]
         return _json({"jobs": [v.to_wire() for v in views]})
 
     @app.get("/v1/jobs/{job}")
