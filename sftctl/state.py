@@ -334,6 +334,7 @@ class Store:
         self.on_unreachable = None
         self._held: list[tuple[str, tuple, dict]] = []
         self._reconnected_at = 0.0
+        self._retrying = 0  # > 0 inside _retry: a call may be repeating one whose commit went through
         self._d = SQLITE
         try:
             if self.url:
@@ -561,6 +562,7 @@ class Store:
 
         if self.on_unreachable is not None:
             self.on_unreachable(error)
+        self._retrying += 1
         try:
             for attempt in tenacity.Retrying(
                 stop=tenacity.stop_after_delay(self.retry_window_s),
@@ -574,6 +576,8 @@ class Store:
         except self._d.disconnect as e:
             raise SftctlError(f"{self.where}: the state database was unreachable for {self.retry_window_s:g} s: "
                               f"{_one_line(e)}", hint="check that Postgres is up (state.retry_s sets the window)") from None
+        finally:
+            self._retrying -= 1
         return result
 
     def _reconnect(self) -> None:
@@ -667,6 +671,8 @@ class Store:
             if row is None:
                 raise KeyError(job_id)
             old = JobStatus(row["status"])
+            if old == new and self._retrying:  # a retry of this very call, whose commit went through
+                return True
             if new not in TRANSITIONS[old]:
                 if old.terminal or not strict:
                     return False

@@ -468,6 +468,24 @@ def test_postgres_down_for_seconds_mid_write_loses_nothing(postgres, pg_url):
         other.events(job).index(events[39])  # the held events went first
 
 
+def test_a_transition_retried_after_its_commit_went_through_is_not_an_error(pg_url):
+    """The connection drops after a COMMIT was sent: the retry finds the job already moved. It
+    must not be an IllegalTransition (that would fail a healthy job)."""
+    import psycopg
+
+    store = Store()
+    store.retry_window_s = 30.0
+    job = store.create_job("ambiguous", {})
+    assert store.transition(job, JobStatus.PROVISIONING)
+    pid = store._conn.raw.info.backend_pid
+    with psycopg.connect(pg_url, autocommit=True) as admin:  # the answer to that COMMIT is lost
+        admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+    assert store.transition(job, JobStatus.PROVISIONING)  # reconnects, finds it done
+    assert [e.message for e in store.events(job)] == ["job submitted (PENDING)", "PENDING -> PROVISIONING"]
+    with pytest.raises(IllegalTransition):  # outside a retry the lifecycle is as strict as ever
+        store.transition(job, JobStatus.PROVISIONING)
+
+
 def test_without_a_retry_window_an_outage_is_one_clear_error(postgres, pg_url):
     store = Store()
     job = store.create_job("cli", {})
