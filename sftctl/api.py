@@ -49,7 +49,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
 
-from sftctl.errors import ExitCode, NotFoundError, SftctlError, SftctlWarning, SpecError
+from sftctl.errors import ExitCode, NotFoundError, ProviderError, SftctlError, SftctlWarning, SpecError
 from sftctl.types import (Attempt, Cost, CostTotal, Event, JobRecord, JobStatus, MetricsRecord, NodeRecord, NodeState,
                           Offering, Record)
 
@@ -134,6 +134,7 @@ _ARGS: dict[str, tuple[Callable[[Any, bool], Any], str]] = {
     "spec": (_arg_spec, "a path (str or os.PathLike), YAML text or a JobSpec"),
     "overrides": (_arg_overrides, "a list of 'key.path=value' strings or a mapping {'key.path': value}"),
     "clouds": (_arg_names, "a cloud name (str) or a list of them"),
+    "regions": (_arg_names, "a region name (str) or a list of them"),
     "accelerator": (_arg_text, "an accelerator name (str)"),
     "target": (_arg_text, "an accelerator name (str)"),
     "node": (_arg_rank, "a node rank (int)"),
@@ -1257,6 +1258,48 @@ def catalog(accelerator: str | None = None) -> list[Offering]:
         name = accelerator_name(accelerator)
         offerings = [o for o in offerings if o.accelerator.lower() == name.lower()]
     return offerings
+
+
+@_typed
+def catalog_refresh(clouds: list[str] | None = None, regions: list[str] | None = None, *,
+                    progress: Callable[[str], None] | None = None, workers: int = 16) -> dict:
+    """Rebuild the catalog of ``clouds`` (default aws and gcp) from their APIs with the user's
+    credentials (:mod:`sftctl.providers.prices`), narrowed to ``regions`` when given, and store it
+    in the user's data dir (``$SFTCTL_HOME/catalog.csv``), which ``catalog`` and ``plan`` then use.
+    All or nothing: any cloud that fails (credentials, a call still throttled after the retries, no
+    offerings at all) raises and the previous catalog stays whole.
+
+    Returns:
+        ``{"file": path, "seconds": wall time, "clouds": {cloud: {"offerings": n, "regions": n}}}``.
+    Raises:
+        SftctlError: an unknown cloud (exit 2); CredentialsError (exit 4); ProviderError.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sftctl.catalog import write_refreshed
+    from sftctl.providers import prices
+
+    clouds = list(dict.fromkeys(clouds or ["aws", "gcp"]))
+    fns = {"aws": prices.aws_rows, "gcp": prices.gcp_rows}
+    bad = [c for c in clouds if c not in fns]
+    if bad:
+        raise SftctlError(f"catalog refresh: no price list for cloud {bad[0]!r}",
+                          hint="clouds with price APIs: aws, gcp (Kubernetes and Slurm report what they have)")
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=len(clouds)) as pool:
+        futures = {c: pool.submit(fns[c], regions, workers=workers, progress=progress) for c in clouds}
+        done = {c: f.result() for c, f in futures.items()}
+    rows = {c: got for c, (got, _) in done.items()}
+    for c, got in rows.items():
+        if not got:
+            raise ProviderError(f"{c}: the refresh found no GPU offerings"
+                                + (f" in {', '.join(regions)}" if regions else ""),
+                                hint="the previous catalog is kept; check --regions and the account's access")
+    path = write_refreshed([r for got in rows.values() for r in got],
+                           {c: (None if regions is None else read) for c, (_, read) in done.items()})
+    return {"file": str(path), "seconds": round(time.monotonic() - start, 1),
+            "clouds": {c: {"offerings": len(got), "regions": len({r["region"] for r in got})}
+                       for c, got in rows.items()}}
 
 
 def accelerator_names() -> list[str]:

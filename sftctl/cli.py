@@ -298,13 +298,21 @@ def _catalog_line(info: dict) -> str:
     return line + (f"; overrides from {_escape(info['overrides'])}" if info["overrides"] else "")
 
 
-@app.command()
+catalog_app = typer.Typer(help="List the offerings sftctl knows; `catalog refresh` rebuilds prices from the clouds' APIs.")
+app.add_typer(catalog_app, name="catalog")
+
+
+@catalog_app.callback(invoke_without_command=True)
 def catalog(
-    accelerator: Optional[str] = typer.Option(None, "--accelerator", "-a", help="Only this accelerator (e.g. H100).",
+    ctx: typer.Context,
+    accelerator: Optional[str] = typer.Option(None, "--accelerator", "-a", help="Only this accelerator (e.g. H100), "
+                                               "one row per zone with a spot price.",
                                                autocompletion=_complete_accelerators),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
     """List the offerings sftctl knows: provider, instance, accelerators, region, prices, source."""
+    if ctx.invoked_subcommand is not None:
+        return
     from sftctl import api
 
     with _planning(stderr=True, label="reading the catalog"):  # its age warning as a `warning:` line
@@ -317,8 +325,30 @@ def catalog(
         return
     from sftctl.ui import catalog_table
 
-    _console().print(catalog_table(offerings))
+    _console().print(catalog_table(offerings, zones=bool(accelerator)))
     _console().print(_catalog_line(api.catalog_info()), soft_wrap=True)
+
+
+@catalog_app.command("refresh")
+def catalog_refresh(
+    clouds: Optional[list[str]] = typer.Argument(None, metavar="[aws] [gcp]", help="The clouds to refresh (default both)."),
+    regions: Optional[str] = typer.Option(None, "--regions", metavar="R1,R2", help="Only these regions (comma-separated)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+) -> None:
+    """Rebuild prices, spot prices per zone and availability from the clouds' APIs with your
+    credentials, into the catalog in sftctl's data dir (all or nothing: a failed refresh keeps
+    the previous catalog)."""
+    from sftctl import api
+
+    wanted = [r.strip() for r in regions.split(",") if r.strip()] if regions else None
+    with _planning(stderr=True, label="refreshing the catalog") as progress:
+        result = api.catalog_refresh(clouds or None, wanted, progress=progress)
+    if as_json:
+        _print_json(result)
+        return
+    for cloud, n in result["clouds"].items():
+        _console().print(f"{cloud}: {n['offerings']} offerings in {n['regions']} regions", soft_wrap=True)
+    _console().print(f"catalog: {_escape(result['file'])} ({result['seconds']:.1f} s)", soft_wrap=True)
 
 
 @app.command(name="compile")

@@ -494,6 +494,9 @@ def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: P
                                     parallelism_reason=got.reason,
                                     strategies=[p.to_dict() for p in got.strategies],
                                     **_calibration(o.accelerator, got.step_time_s, got.chosen.comm_time_s))
+            if res.spot:
+                c = _with_spot_loss(c, spec, got.step_time_s, hours)
+                hours = c.hours
             if got.devices_needed != 1:
                 return reject(FailureCode.DOES_NOT_FIT, got.reason + (
                     f"; train.parallelism {spec.train.parallelism} rules out the other strategy"
@@ -508,6 +511,35 @@ def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: P
     if why_not:
         return reject(FailureCode.NOT_CONFIGURED, why_not)
     return c
+
+
+#: Expected preemptions per spot node-hour when neither the spec nor a cloud says. ASSUMPTION: no
+#: cloud publishes a per-type rate sftctl can read offline (AWS's Spot Instance Advisor gives
+#: monthly interruption-frequency bands per type and region, from <5 % to >20 % of instances a
+#: month; GCP publishes none and may preempt a Spot VM at any time); one per 24 node-hours is a
+#: pessimistic figure for GPU types, which are often in the advisor's highest band.
+SPOT_PREEMPTIONS_PER_NODE_HOUR = 1 / 24
+SPOT_RATE_SOURCE = ("stated default: 1 preemption per 24 node-hours (an assumption: no per-type rate is "
+                    "published offline; set resources.spot.preemptions_per_hour)")
+
+
+def _with_spot_loss(c: PlanChoice, spec: JobSpec, step_time_s: float, hours: float) -> PlanChoice:
+    """``c`` with the expected cost of preemptions in its hours and total: each preemption loses
+    the work since the last checkpoint (half a ``train.checkpoint_interval`` on average) plus the
+    relaunch (``resources.spot.relaunch_s``); ``rate x nodes x hours`` preemptions are expected
+    (first order). ``spot_loss`` says every number and the rate's source."""
+    rules = spec.resources.spot_rules
+    rate = rules.preemptions_per_hour or SPOT_PREEMPTIONS_PER_NODE_HOUR
+    source = "resources.spot.preemptions_per_hour" if rules.preemptions_per_hour else SPOT_RATE_SOURCE
+    lost_work_s = spec.train.checkpoint_interval * step_time_s / 2
+    loss_h = (lost_work_s + rules.relaunch_s) / 3600
+    expected = rate * c.nodes * hours
+    extra_h = expected * loss_h
+    total_h = hours + extra_h
+    return dataclasses.replace(c, hours=total_h, total_usd=total_h * c.usd_per_hour, spot_loss={
+        "preemptions_per_node_hour": rate, "rate_source": source, "expected_preemptions": expected,
+        "lost_work_s": lost_work_s, "relaunch_s": rules.relaunch_s, "loss_per_preemption_h": loss_h,
+        "extra_hours": extra_h, "usd": extra_h * c.usd_per_hour})
 
 
 def error_reason(e: SftctlError) -> FailureReason:

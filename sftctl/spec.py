@@ -148,6 +148,30 @@ class Accelerator(_Strict):
         return f"{self.name}:{self.count}"
 
 
+class SpotPolicy(_Strict):
+    """How a spot job rides out preemptions (written as ``resources.spot: {...}``)."""
+
+    fallback_on_demand_after: Annotated[StrictPositiveInt, Le(MAX_COUNT)] | None = Field(
+        None, description="after this many preemptions the job's nodes are replaced on demand (unset: spot always)")
+    zone_cooldown: str = Field("1h", description="how long a zone that took a spot node back is avoided "
+                                                 "(a duration: 30m, 1h); it is kept in state.db for every job")
+    preemptions_per_hour: PositiveFloat | None = Field(
+        None, description="expected preemptions per node-hour for the plan's spot cost (default: sftctl's "
+                          "stated assumption, planner.SPOT_PREEMPTIONS_PER_NODE_HOUR)")
+    relaunch_s: PositiveFloat = Field(600.0, description="seconds from a preemption to training again (new node, "
+                                                         "boot, checkpoint load): part of the plan's spot cost")
+
+    @field_validator("zone_cooldown", mode="before")
+    @classmethod
+    def _cooldown_form(cls, v: object) -> object:
+        parse_duration_s(v if isinstance(v, str) else repr(v))
+        return v
+
+    @property
+    def zone_cooldown_s(self) -> float:
+        return parse_duration_s(self.zone_cooldown)
+
+
 class ResourcesSpec(_Strict):
     """What the job may run on. Any one of ``accelerators`` will do; the planner picks."""
 
@@ -155,7 +179,9 @@ class ResourcesSpec(_Strict):
         default_factory=lambda: [Accelerator(name="cpu", count=1)], min_length=1
     )
     nodes: Annotated[StrictPositiveInt, Le(MAX_NODES)] = 1
-    spot: StrictBool = False
+    spot: StrictBool = Field(False, description="true, or the spot policy as a mapping: {fallback_on_demand_after: "
+                                                "N, zone_cooldown: 1h, preemptions_per_hour: R, relaunch_s: S}")
+    spot_policy: SpotPolicy | None = Field(None, description="resources.spot's mapping (write it there)")
     clouds: list[Literal["local", "aws", "gcp", "kubernetes", "slurm"]] | None = None
     regions: list[str] | None = None
     max_price_per_hour: PositiveFloat | None = Field(None, description="USD/h, all nodes together")
@@ -169,6 +195,19 @@ class ResourcesSpec(_Strict):
     objective: Literal["cost", "time"] = Field(
         "cost", description="cost: cheapest within deadline and price; time: fastest within price"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _spot_mapping(cls, data: Any) -> Any:
+        """``spot: {fallback_on_demand_after: 3}`` is spot with that policy."""
+        if isinstance(data, dict) and isinstance(data.get("spot"), dict):
+            data = {**data, "spot": True, "spot_policy": data["spot"]}
+        return data
+
+    @property
+    def spot_rules(self) -> SpotPolicy:
+        """The spot policy in force (the defaults where ``spot: true`` gave none)."""
+        return self.spot_policy or SpotPolicy()
 
     @field_validator("accelerators", mode="before")
     @classmethod
@@ -595,12 +634,14 @@ def _unwrap(tp: Any) -> Any:
 
 
 def _explain(err: dict, loc: _Located) -> SpecError:
-    path = tuple(p for p in err["loc"] if isinstance(p, (str, int)))
+    path = model_path = tuple(p for p in err["loc"] if isinstance(p, (str, int)))
+    if path[:2] == ("resources", "spot_policy"):  # written as resources.spot: {...}
+        path = ("resources", "spot") + path[2:]
     field = _dotted(path) or "top level"
     where = loc.where(path)
     kind = err["type"]
     if kind == "extra_forbidden":
-        parent = _field_model_at(path[:-1])
+        parent = _field_model_at(model_path[:-1])
         allowed = sorted(parent.model_fields) if parent else []
         close = difflib.get_close_matches(str(path[-1]), allowed, n=1, cutoff=0.6)
         suggestion = f"; did you mean '{close[0]}'?" if close else ""

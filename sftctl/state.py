@@ -60,7 +60,7 @@ TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     **{s: frozenset() for s in TERMINAL},
 }
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 # Each migration takes the schema from version i to i + 1, on SQLite and on Postgres alike.
 # Append; never change what a landed one does. Types are written as tokens the dialect fills in
 # ({real}, {int}, {autoid}; see _Dialect); {os_user} is this machine's user as an SQL literal.
@@ -168,6 +168,18 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE nodes ADD COLUMN ended_at {real};
     UPDATE nodes SET ended_at = updated_at WHERE status IN ('TERMINATED', 'REPLACED');
+    """,
+    # 8: zones that took a spot node back, avoided by every job until the cool-down ends
+    """
+    CREATE TABLE blocked_zones (
+        provider TEXT NOT NULL,
+        instance_type TEXT NOT NULL,
+        zone TEXT NOT NULL,
+        until {real} NOT NULL,
+        reason TEXT NOT NULL,
+        job_id TEXT,
+        PRIMARY KEY (provider, instance_type, zone)
+    );
     """,
 ]
 assert len(MIGRATIONS) == SCHEMA_VERSION
@@ -836,6 +848,26 @@ class Store:
     def add_event(self, job_id: str, kind: str, message: str, data: dict | None = None) -> None:
         """Append an event (``kind``: status, plan, provision, launch, node, recovery, ...)."""
         self._add_event(job_id, kind, message, data)
+
+    def block_zone(self, provider: str, instance_type: str, zone: str, until: float, reason: str,
+                   job_id: str | None = None) -> None:
+        """Avoid ``zone`` for ``instance_type`` on ``provider`` until ``until`` (epoch seconds):
+        it took a spot node back (``reason``). A later block of the same zone extends it."""
+        with self.write() as db:
+            db.execute(
+                "INSERT INTO blocked_zones (provider, instance_type, zone, until, reason, job_id) VALUES (?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (provider, instance_type, zone) DO UPDATE SET until = CASE WHEN excluded.until > blocked_zones.until THEN excluded.until "
+                "ELSE blocked_zones.until END, "
+                "reason = excluded.reason, job_id = excluded.job_id",
+                (provider, instance_type, zone, until, reason, job_id))
+
+    @_retrying
+    def blocked_zones(self, provider: str, now: float | None = None) -> dict[tuple[str, str], float]:
+        """``{(instance type, zone): until}`` of ``provider``'s zones still in their cool-down."""
+        now = time.time() if now is None else now
+        rows = self._conn.execute("SELECT instance_type, zone, until FROM blocked_zones WHERE provider = ? AND until > ?",
+                                  (provider, now)).fetchall()
+        return {(r["instance_type"], r["zone"]): r["until"] for r in rows}
 
     def _add_event(self, job_id: str, kind: str, message: str, data: dict | None = None,
                    ts: float | None = None) -> None:

@@ -126,6 +126,8 @@ class Offering(Record):
     unidirectional bytes/s per node to other nodes (None where unknown or not applicable).
     ``bandwidth_source`` says where both bandwidths come from. ``zone``: the availability zone
     the spot price is from (the region's cheapest; empty where the source has none).
+    ``spot_zones``: ``(zone, spot USD per hour per node)`` of every zone with a spot price, as a
+    refreshed catalog knows them (cheapest first; empty where the source gave only the region's).
     """
 
     provider: str
@@ -143,6 +145,12 @@ class Offering(Record):
     as_of: str = ""
     bandwidth_source: str = ""
     zone: str = ""
+    spot_zones: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        # to_dict() writes pairs as lists (JSON); a stored plan's Offering(**dict) reads them back
+        pairs = self.spot_zones.items() if isinstance(self.spot_zones, dict) else self.spot_zones
+        object.__setattr__(self, "spot_zones", tuple((str(z), float(p)) for z, p in pairs))
 
     def price(self, spot: bool) -> float | None:
         """USD per hour per node, or None when the offering has no spot price and spot is asked."""
@@ -163,6 +171,8 @@ class PlanChoice(Record):
     ``calibration``: what the prediction rests on and its error factor
     (:mod:`sftctl.compiler.accuracy`); ``step_time_interval_s`` the step time's interval from it;
     ``ranking_note`` says when this row's cost interval overlaps the row ranked above it.
+    ``spot_loss``: for spot, the expected preemptions and the hours and USD they cost, already in
+    ``hours`` and ``total_usd``, with the interruption rate's source.
     """
 
     offering: Offering
@@ -185,6 +195,7 @@ class PlanChoice(Record):
     calibration: dict | None = None  # {"calibrated", "sources", "error"}: compiler.accuracy
     step_time_interval_s: list | None = None  # [low, high]: step_time_s / and x the error factor
     ranking_note: str | None = None  # the intervals of this row and the one ranked above overlap
+    spot_loss: dict | None = None  # spot: the expected preemption cost in hours/total_usd (planner._with_spot_loss)
 
     @property
     def finish_s(self) -> float | None:
@@ -210,7 +221,7 @@ class PlanChoice(Record):
             "activation_checkpointing": self.activation_checkpointing,
             "parallelism_reason": self.parallelism_reason, "strategies": self.strategies,
             "calibration": self.calibration, "step_time_interval_s": self.step_time_interval_s,
-            "ranking_note": self.ranking_note,
+            "ranking_note": self.ranking_note, "spot_loss": self.spot_loss,
             "offering": o.to_dict(),
         }
 

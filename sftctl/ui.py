@@ -458,9 +458,10 @@ def plan_table(candidates: list, steps: int) -> FitTable:
     return FitTable(cols, rows, title=f"offerings for {steps:,} steps", notes=notes)
 
 
-def catalog_table(offerings: list):
+def catalog_table(offerings: list, zones: bool = False):
     """``sftctl catalog``: the offerings with prices; each price's source a numbered footnote
-    under the table (a source is a long URL or sentence: in a column it wrapped to many lines)."""
+    under the table (a source is a long URL or sentence: in a column it wrapped to many lines).
+    ``zones``: one row per zone with a spot price (``Offering.spot_zones``), that zone's spot."""
     from rich.console import Group
     from rich.text import Text
 
@@ -468,9 +469,19 @@ def catalog_table(offerings: list):
     cols = [Col("PROVIDER"), Col("INSTANCE"), Col("ACCEL"), Col("REGION", drop=6), Col("$/H", "right"),
             Col("SPOT $/H", "right", drop=4), Col("VCPUS", "right", drop=2), Col("MEM GIB", "right", drop=3),
             Col("AS OF", drop=1), Col("SRC", "right", drop=5)]
-    rows = [[o.provider, o.instance_type, f"{o.accelerator}:{o.count}", o.region, f"{o.usd_per_hour:.3f}",
-             _num(o.spot_usd_per_hour, ".3f"), _num(o.vcpus, "d"), _num(o.memory_gib, ".0f"),
-             getattr(o, "as_of", "") or "", f"[{notes.index(o.source) + 1}]" if o.source else "-"] for o in offerings]
+    if zones:
+        cols.insert(4, Col("ZONE", drop=4))
+    rows = []
+    for o in offerings:
+        row = [o.provider, o.instance_type, f"{o.accelerator}:{o.count}", o.region, f"{o.usd_per_hour:.3f}",
+               _num(o.spot_usd_per_hour, ".3f"), _num(o.vcpus, "d"), _num(o.memory_gib, ".0f"),
+               getattr(o, "as_of", "") or "", f"[{notes.index(o.source) + 1}]" if o.source else "-"]
+        if not zones:
+            rows.append(row)
+            continue
+        per_zone = list(getattr(o, "spot_zones", ()) or ()) or [(o.zone or "-", o.spot_usd_per_hour)]
+        for zone, spot in per_zone:
+            rows.append(row[:4] + [zone] + row[4:5] + [_num(spot, ".3f")] + row[6:])
     return Group(FitTable(cols, rows), *(Text(f"[{i}] {n}") for i, n in enumerate(notes, 1)))
 
 

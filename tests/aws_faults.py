@@ -67,6 +67,9 @@ class FaultProxy:
         self.inflight = 0  # requests being answered now
         self.lock = threading.Lock()
         self.url = ""
+        #: called with (service, params, headers, body) before anything else; a (status,
+        #: content type, payload) it returns is the answer (tests/aws_prices.py serves prices)
+        self.intercept = None
 
     def run_instances(self) -> list[dict]:
         """The parameters of every RunInstances seen (answered or not)."""
@@ -123,11 +126,12 @@ def _handler(proxy: FaultProxy):
             auth = self.headers.get("Authorization", "")
             scope = auth.split("Credential=", 1)[1].split(",", 1)[0].split("/") if "Credential=" in auth else []
             service = scope[3] if len(scope) > 3 else ""
-            answer = proxy.fault(service, params.get("Action", ""), params)
+            answer = proxy.intercept(service, params, self.headers, body) if proxy.intercept else None
+            answer = answer or proxy.fault(service, params.get("Action", ""), params)
             if answer is not None:
-                status, payload = answer
+                status, payload, *kind = answer
                 self.send_response(status)
-                self.send_header("Content-Type", "text/xml")
+                self.send_header("Content-Type", kind[0] if kind else "text/xml")
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
                 self.wfile.write(payload)

@@ -13,6 +13,17 @@ client (REST transport) against this server. It serves the paths that client sen
     GET    /compute/v1/projects/{p}/aggregated/instances                   instances.aggregatedList
     GET    /compute/v1/projects/{p}/zones/{z}/operations/{op}              zoneOperations.get
     POST   /compute/v1/projects/{p}/zones/{z}/operations/{op}/wait         zoneOperations.wait
+    GET    /compute/v1/projects/{p}/zones/{z}/acceleratorTypes             acceleratorTypes.list
+    GET    /compute/v1/projects/{p}/zones/{z}/machineTypes                 machineTypes.list
+    GET    /v1/services/{service}/skus                                     Cloud Billing Catalog services.skus.list
+
+The two catalog lists and the SKUs serve ``sftctl catalog refresh``: machine types carry
+``guestCpus``, ``memoryMb`` and (for A2/A3/A4/G2) their ``accelerators`` (:data:`MACHINE_SPECS`,
+GCP's published shapes); a test seeds which types and accelerator types each zone has
+(``machine_types_by_zone``, ``accelerator_types_by_zone``) and the SKUs (``skus``: Cloud Billing
+``Sku`` JSON, checked against ``google.cloud.billing_v1.Sku`` and its list response, as the
+Compute answers are against ``compute_v1``). ``error(status, path_contains)`` answers matching
+requests with a plain HTTP error (a 500 ``backendError`` by default).
 
 and is strict where GCE is strict: request bodies are parsed into the official message types
 (``compute_v1.Instance.from_json(body, ignore_unknown_fields=False)``), so an unknown field is a
@@ -61,7 +72,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-from google.cloud import compute_v1
+from google.cloud import billing_v1, compute_v1
 from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
 
@@ -80,7 +91,24 @@ MACHINE_TYPES = {
 ACCELERATOR_TYPES = {
     "nvidia-tesla-t4", "nvidia-tesla-v100", "nvidia-tesla-p100", "nvidia-tesla-p4", "nvidia-l4",
     "nvidia-tesla-a100", "nvidia-a100-80gb", "nvidia-h100-80gb", "nvidia-h200-141gb",
+    "nvidia-h100-mega-80gb", "nvidia-b200",
 }
+#: machine type -> (vCPUs, memory GB, (accelerator type, count) it carries or None): GCP's
+#: published shapes ('GPU machine types', 'General-purpose machine family').
+MACHINE_SPECS = {
+    "a2-highgpu-1g": (12, 85, ("nvidia-tesla-a100", 1)), "a2-highgpu-8g": (96, 680, ("nvidia-tesla-a100", 8)),
+    "a2-ultragpu-1g": (12, 170, ("nvidia-a100-80gb", 1)), "a2-ultragpu-8g": (96, 1360, ("nvidia-a100-80gb", 8)),
+    "a3-highgpu-1g": (26, 234, ("nvidia-h100-80gb", 1)), "a3-highgpu-8g": (208, 1872, ("nvidia-h100-80gb", 8)),
+    "a3-megagpu-8g": (208, 1872, ("nvidia-h100-mega-80gb", 8)), "a3-ultragpu-8g": (224, 2952, ("nvidia-h200-141gb", 8)),
+    "a4-highgpu-8g": (224, 3968, ("nvidia-b200", 8)), "g2-standard-4": (4, 16, ("nvidia-l4", 1)),
+    "g2-standard-8": (8, 32, ("nvidia-l4", 1)), "g2-standard-96": (96, 384, ("nvidia-l4", 8)),
+    "n1-standard-4": (4, 15, None), "n1-standard-8": (8, 30, None), "n1-standard-16": (16, 60, None),
+    "e2-standard-2": (2, 8, None), "e2-standard-4": (4, 16, None), "n2-standard-8": (8, 32, None),
+}
+#: accelerator type -> maximumCardsPerInstance (GCP 'GPU machine types')
+MAX_CARDS = {"nvidia-tesla-t4": 4, "nvidia-tesla-v100": 8, "nvidia-tesla-p100": 4, "nvidia-tesla-p4": 4,
+             "nvidia-l4": 8, "nvidia-tesla-a100": 16, "nvidia-a100-80gb": 8, "nvidia-h100-80gb": 8,
+             "nvidia-h200-141gb": 8, "nvidia-h100-mega-80gb": 8, "nvidia-b200": 8}
 #: Machine families whose types carry their GPUs (no guestAccelerators allowed on them).
 ACCELERATOR_OPTIMIZED = ("a2", "a3", "a4", "g2")
 ZONE_CODES = ("ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS", "RESOURCE_NOT_READY")
@@ -165,7 +193,11 @@ ROUTES = [  # (method, regex, handler name, request message type)
      compute_v1.GetZoneOperationRequest),
     ("POST", P + r"/zones/(?P<zone>[^/]+)/operations/(?P<operation>[^/]+)/wait", "wait_operation",
      compute_v1.WaitZoneOperationRequest),
+    ("GET", P + r"/zones/(?P<zone>[^/]+)/acceleratorTypes", "list_accelerator_types",
+     compute_v1.ListAcceleratorTypesRequest),
+    ("GET", P + r"/zones/(?P<zone>[^/]+)/machineTypes", "list_machine_types", compute_v1.ListMachineTypesRequest),
 ]
+BILLING_SKUS = r"/v1/(?P<parent>services/[^/]+)/skus"
 BODY_FIELDS = {"insert_instance": "instance_resource"}
 
 
@@ -248,6 +280,9 @@ class GCEEmulator:
             self.throttles: list[list] = []  # [remaining, method or None, path substring or None]
             self.denied: tuple[int, int | None] | None = None  # (status, remaining or None)
             self.requests: list[dict] = []
+            self.errors: list[list] = []  # [remaining, status, path substring]
+            self.accelerator_types_by_zone: dict[str, set[str]] = {}  # zones not named offer all
+            self.skus: list[dict] = []
 
     def fail(self, code: str = "ZONE_RESOURCE_POOL_EXHAUSTED", *, machine_type: str | None = None,
              zone: str | None = None, metric: str | None = None, http: bool = False,
@@ -267,6 +302,12 @@ class GCEEmulator:
         """Answer the next ``times`` matching requests with HTTP 429 rateLimitExceeded."""
         with self.lock:
             self.throttles.append([times, method, path_contains])
+
+    def error(self, status: int = 500, path_contains: str = "", times: int = 1_000_000) -> None:
+        """Answer the next ``times`` requests whose path contains ``path_contains`` with HTTP
+        ``status`` (``backendError``: not a throttle, so clients do not retry it)."""
+        with self.lock:
+            self.errors.append([times, status, path_contains])
 
     def deny(self, status: int = 401, times: int | None = None) -> None:
         """Answer requests with 401 (bad credentials) or 403 (no permission); None: until reset."""
@@ -319,6 +360,17 @@ class GCEEmulator:
             if t[0] > 0 and t[1] in (None, method) and (t[2] is None or t[2] in path):
                 t[0] -= 1
                 raise self._throttle_error()
+        for e in self.errors:
+            if e[0] > 0 and e[2] in path:
+                e[0] -= 1
+                raise ApiError(e[1], error_body(e[1], "Internal error. Please try again or contact Google Support.",
+                                                "backendError"))
+        m = re.fullmatch(BILLING_SKUS, path)
+        if m is not None:
+            if method != "GET":
+                raise ApiError(405, error_body(405, f"Method {method} not allowed on {path}", "httpMethodNotAllowed"))
+            q = self._parse_query(query, billing_v1.ListSkusRequest, {"parent"}, None)
+            return self._list_skus(m.group("parent"), q)
         for verb, pattern, name, request_type in ROUTES:
             m = re.fullmatch(pattern, path)
             if m is None or verb != method:
@@ -469,6 +521,53 @@ class GCEEmulator:
 
     def _get_zone(self, params, q, body):
         return self._checked(self._zone_json(params["zone"]), compute_v1.Zone)
+
+    # ------------------------------------------------------------------ catalog: types and SKUs
+
+    def _list_accelerator_types(self, params, q, body):
+        zone = params["zone"]
+        names = sorted(self.accelerator_types_by_zone.get(zone, ACCELERATOR_TYPES))
+        items = [{"kind": "compute#acceleratorType", "id": str(10_000 + i), "name": n,
+                  "creationTimestamp": "1969-12-31T16:00:00.000-08:00", "description": n, "zone": zone,
+                  "maximumCardsPerInstance": MAX_CARDS.get(n, 8),
+                  "selfLink": f"{GOOGLEAPIS}/projects/{self.project}/zones/{zone}/acceleratorTypes/{n}"}
+                 for i, n in enumerate(names)]
+        items = [a for a in items if self._filter_matches(q.get("filter", ""), a)]
+        return self._page(q, items, "compute#acceleratorTypeList",
+                          f"projects/{self.project}/zones/{zone}/acceleratorTypes", compute_v1.AcceleratorTypeList)
+
+    def _list_machine_types(self, params, q, body):
+        zone = params["zone"]
+        names = sorted(n for n in self.machine_types_by_zone.get(zone, MACHINE_TYPES) if n in MACHINE_SPECS)
+        items = []
+        for i, n in enumerate(names):
+            cpus, gb, acc = MACHINE_SPECS[n]
+            item = {"kind": "compute#machineType", "id": str(20_000 + i), "name": n,
+                    "creationTimestamp": "1969-12-31T16:00:00.000-08:00",
+                    "description": f"{cpus} vCPUs, {gb} GB RAM", "guestCpus": cpus, "memoryMb": gb * 1024,
+                    "imageSpaceGb": 0, "maximumPersistentDisks": 128, "maximumPersistentDisksSizeGb": "263168",
+                    "zone": zone, "isSharedCpu": False,
+                    "selfLink": f"{GOOGLEAPIS}/projects/{self.project}/zones/{zone}/machineTypes/{n}"}
+            if acc:
+                item["accelerators"] = [{"guestAcceleratorType": acc[0], "guestAcceleratorCount": acc[1]}]
+            items.append(item)
+        items = [m for m in items if self._filter_matches(q.get("filter", ""), m)]
+        return self._page(q, items, "compute#machineTypeList",
+                          f"projects/{self.project}/zones/{zone}/machineTypes", compute_v1.MachineTypeList)
+
+    def _list_skus(self, parent: str, q: dict) -> dict:
+        if parent != "services/6F81-5844-456A":
+            raise ApiError(404, error_body(404, f"Service {parent} not found.", "notFound"))
+        if q.get("currencyCode", "USD") != "USD":
+            raise bad_request("Only USD is served by the emulator")
+        start = int(q.get("pageToken") or 0)
+        size = int(q.get("pageSize") or 5000)
+        out = {"skus": self.skus[start:start + size], "nextPageToken": ""}
+        if start + size < len(self.skus):
+            out["nextPageToken"] = str(start + size)
+        for sku in out["skus"]:
+            self._checked(sku, billing_v1.Sku)
+        return self._checked(out, billing_v1.ListSkusResponse)
 
     # ------------------------------------------------------------------ instances
 

@@ -33,10 +33,11 @@ from sftctl.types import Offering  # the vocabulary; re-exported here
 _CSV = Path(__file__).with_name("offerings.csv")
 #: the price snapshot built by ``python -m sftctl.catalog.build`` from SkyPilot's public catalog
 SNAPSHOT = Path(__file__).with_name("snapshot.csv")
-#: offerings.csv's columns; the snapshot adds ``zone`` (the spot price's zone)
+#: offerings.csv's columns; the snapshot adds ``zone`` (the spot price's zone), a refreshed
+#: catalog also ``spot_zones`` (``zone=price`` per zone, ``;``-separated, cheapest first)
 COLUMNS = ["provider", "instance_type", "accelerator", "count", "vcpus", "memory_gib", "region", "usd_per_hour",
            "spot_usd_per_hour", "intra_node_bytes_per_s", "inter_node_bytes_per_s", "as_of", "source",
-           "bandwidth_source", "zone"]
+           "bandwidth_source", "zone", "spot_zones"]
 #: ``catalog`` and ``plan`` warn when the snapshot's prices are older than this many days
 STALE_DAYS = 7
 #: the override file's columns (``spot_usd_per_hour`` and ``note`` may be empty)
@@ -64,8 +65,15 @@ def cloud_offerings() -> list[Offering]:
 @functools.lru_cache(maxsize=4)
 def _cloud_offerings(override: str, _stamp: int | None, _refreshed: str, _fresh: int | None) -> tuple[Offering, ...]:
     merged = {(o.provider, o.instance_type, o.region): o for o in _read_offerings(_CSV)}
-    for path in price_files():
+    files, refreshed = price_files(), refreshed_path()
+    # a refresh is the truth for the clouds and regions it read: what it did not find there (a
+    # type no longer sold, a region without it) is not offered from the older files either
+    covered = refreshed_coverage(refreshed) if refreshed in files else {}
+    merged = {k: o for k, o in merged.items() if not _covers(covered, o.provider, o.region)}
+    for path in files:
         for o in _read_offerings(path):
+            if path != refreshed and _covers(covered, o.provider, o.region):
+                continue
             old = merged.get((o.provider, o.instance_type, o.region))
             if old is not None and _newer(old.as_of, o.as_of):
                 continue  # a hand-sourced price newer than the snapshot's figures stays
@@ -96,12 +104,73 @@ def price_files() -> list[Path]:
     return out
 
 
+def _covers(covered: dict[str, list[str] | None], provider: str, region: str) -> bool:
+    return provider in covered and (covered[provider] is None or region in covered[provider])
+
+
+def refreshed_coverage(path: Path | None = None) -> dict[str, list[str] | None]:
+    """``{cloud: regions the refreshed catalog read, or None for all}`` (its ``# coverage:`` line)."""
+    import json
+
+    path = path or refreshed_path()
+    if not path.is_file():
+        return {}
+    with path.open() as f:
+        first = f.readline()
+    return json.loads(first[len(_COVERAGE):]) if first.startswith(_COVERAGE) else {}
+
+
+_COVERAGE = "# coverage: "
+
+
 def refreshed_path() -> Path:
     """Where ``sftctl catalog refresh`` keeps the catalog it built: ``catalog.csv`` in
     ``$SFTCTL_HOME`` (the user's data dir by default)."""
     from sftctl import paths
 
     return paths.sftctl_home() / "catalog.csv"
+
+
+def write_refreshed(rows: list[dict[str, str]], read: dict[str, list[str] | None]) -> Path:
+    """Replace the refreshed catalog's rows of the clouds and regions a refresh ``read``
+    (``{cloud: regions, or None for all}``) with ``rows`` (:data:`COLUMNS` dicts); its other rows
+    stay, and its coverage line adds what was read. The new file is written beside
+    the old one, read back as offerings and only then renamed over it (atomic on POSIX), under a
+    lock (concurrent refreshes take turns): a failure at any point leaves the previous catalog
+    whole. Returns the catalog's path.
+
+    Raises:
+        ValueError: a row that does not read back as an offering (nothing is replaced).
+    """
+    import json
+    import os
+
+    from filelock import FileLock
+
+    path = refreshed_path()
+    with FileLock(str(path) + ".lock"):
+        kept, coverage = [], refreshed_coverage(path)
+        if path.is_file():
+            with path.open(newline="") as f:
+                kept = [r for r in csv.DictReader(_rows(f)) if not _covers(read, r["provider"], r["region"])]
+        for cloud, regions in read.items():
+            before = coverage.get(cloud, [])
+            coverage[cloud] = None if regions is None or (cloud in coverage and before is None) else \
+                sorted(set(before or []) | set(regions))
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            with tmp.open("w", newline="") as f:
+                f.write(_COVERAGE + json.dumps(coverage, sort_keys=True) + "\n")
+                w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+                w.writeheader()
+                w.writerows(sorted(kept + list(rows), key=lambda r: (r["provider"], r["instance_type"], r["region"])))
+                f.flush()
+                os.fsync(f.fileno())
+            _read_offerings(tmp)  # every row must read back
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return path
 
 
 def _read_offerings(path: Path) -> list[Offering]:
@@ -124,9 +193,15 @@ def _read_offerings(path: Path) -> list[Offering]:
                 as_of=(r.get("as_of") or "").strip(),
                 bandwidth_source=(r.get("bandwidth_source") or "").strip(),
                 zone=(r.get("zone") or "").strip(),
+                spot_zones=_zone_prices(r.get("spot_zones") or ""),
             )
-            for r in csv.DictReader(f)
+            for r in csv.DictReader(_rows(f))
         ]
+
+
+def _rows(f):
+    """A catalog file's lines without its ``#`` comment lines (the refreshed catalog's coverage)."""
+    return (line for line in f if not line.startswith("#"))
 
 
 def override_path() -> Path | None:
@@ -215,6 +290,17 @@ def _parse_date(text: str) -> datetime.date | None:
                              int(parts[2]) if len(parts) > 2 else 1)
     except (ValueError, IndexError):
         return None
+
+
+def _zone_prices(text: str) -> tuple[tuple[str, float], ...]:
+    """``zone=price;zone=price`` as pairs (the catalog CSV's ``spot_zones`` column)."""
+    pairs = (item.partition("=") for item in text.split(";") if item.strip())
+    return tuple((z.strip(), float(p)) for z, _, p in pairs)
+
+
+def zone_prices_text(pairs) -> str:
+    """The ``spot_zones`` column of ``(zone, price)`` pairs."""
+    return ";".join(f"{z}={p!r}" for z, p in pairs)
 
 
 def _opt_float(text: str | None) -> float | None:

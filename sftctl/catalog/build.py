@@ -22,7 +22,7 @@ with the same header; the inputs of the shipped snapshot are in ``tests/fixtures
 Output: one row per (instance type, region) whose accelerator sftctl knows, in ``offerings.csv``'s
 columns plus ``zone``: ``usd_per_hour`` the region's on-demand price (its cheapest zone's),
 ``spot_usd_per_hour`` the cheapest zone's spot price (only below on-demand) and ``zone`` that
-zone (empty when no zone has spot). ``as_of`` is the date of the figures (``--*-date``: the
+zone (empty when no zone has spot), ``spot_zones`` every zone's spot price, cheapest first. ``as_of`` is the date of the figures (``--*-date``: the
 source commit's date where known), ``source`` names the file, commit and date.
 Bandwidths come from ``offerings.csv``'s hand-sourced row of the same instance type (the same
 hardware in every region), else from :data:`NETWORK` (the clouds' published figures); an
@@ -37,7 +37,7 @@ import re
 import sys
 from pathlib import Path
 
-from sftctl.catalog import COLUMNS, _CSV, SNAPSHOT
+from sftctl.catalog import COLUMNS, _CSV, SNAPSHOT, zone_prices_text
 
 #: SkyPilot's accelerator names that differ from sftctl's (AWS p4d's and GCP A2's A100 are
 #: the 40 GB part; GCP's A3 Mega prices its H100s under their own name).
@@ -175,6 +175,8 @@ def _rows_out(by_key: dict, provider: str, source: str, date: str,
             "inter_node_bytes_per_s": bw.get("inter_node_bytes_per_s", ""), "as_of": date,
             "source": f"{source}: on-demand list price; spot is the cheapest zone's, spot prices move hourly",
             "bandwidth_source": bw.get("bandwidth_source", ""), "zone": v["zone"] if spot is not None else "",
+            "spot_zones": zone_prices_text(sorted(((z, round(p, 6)) for z, p in v["zones"].items() if p < v["price"]),
+                                                  key=lambda zp: (zp[1], zp[0]))),
         })
     return out
 
@@ -182,10 +184,12 @@ def _rows_out(by_key: dict, provider: str, source: str, date: str,
 def _offer(by_key: dict, key: tuple[str, str], name: str, count: int, vcpus: float, memory: float,
            price: float, spot: float | None, zone: str) -> None:
     cur = by_key.setdefault(key, {"name": name, "count": count, "vcpus": vcpus, "memory": memory,
-                                  "price": price, "spot": None, "zone": ""})
+                                  "price": price, "spot": None, "zone": "", "zones": {}})
     cur["price"] = min(cur["price"], price)
     if spot is not None and (cur["spot"] is None or spot < cur["spot"]):
         cur["spot"], cur["zone"] = spot, zone
+    if spot is not None and zone:
+        cur["zones"][zone] = min(spot, cur["zones"].get(zone, spot))
 
 
 def build_aws(rows: list[dict[str, str]], known: set[str], source: str, date: str,

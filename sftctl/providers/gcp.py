@@ -8,7 +8,8 @@ Configuration, first match wins:
 * project: the ``project`` argument, ``CLOUDSDK_CORE_PROJECT``, ``GOOGLE_CLOUD_PROJECT``, then the
   project of Application Default Credentials (``google.auth.default()``).
 * credentials: the ``credentials`` argument (tests pass ``AnonymousCredentials``), else ADC
-  (``gcloud auth application-default login`` or ``GOOGLE_APPLICATION_CREDENTIALS``).
+  (``gcloud auth application-default login`` or ``GOOGLE_APPLICATION_CREDENTIALS``); anonymous
+  when the endpoint is an emulator's (``SFTCTL_GCE_ENDPOINT``) and the project is set.
 * endpoint: the ``api_endpoint`` argument or ``SFTCTL_GCE_ENDPOINT`` (an emulator), else Google's.
 
 A node is one instance named after its node id (:func:`instance_name`), in a zone of the
@@ -181,6 +182,10 @@ class GCPProvider(CloudProvider):
             credentials = self._credentials_arg
             project = (self._project_arg or os.environ.get("CLOUDSDK_CORE_PROJECT")
                        or os.environ.get("GOOGLE_CLOUD_PROJECT"))
+            if credentials is None and self.api_endpoint and project:  # an emulator takes anyone
+                from google.auth.credentials import AnonymousCredentials
+
+                credentials = AnonymousCredentials()
             if credentials is None or not project:
                 import google.auth
                 from google.auth.exceptions import DefaultCredentialsError
