@@ -204,10 +204,11 @@ def test_the_controller_is_split_by_job():
     assert inside == {
         "sftctl.controller.__main__": ["sftctl.controller.lifecycle"],
         "sftctl.controller.lifecycle": ["sftctl.controller.ports", "sftctl.controller.slots",
-                                        "sftctl.controller.submit"],
+                                        "sftctl.controller.spot", "sftctl.controller.submit"],
         "sftctl.controller.ports": [],
         "sftctl.controller.preview": ["sftctl.controller.slots", "sftctl.controller.submit"],
         "sftctl.controller.slots": [],
+        "sftctl.controller.spot": [],
         "sftctl.controller.submit": ["sftctl.controller.slots"],
         "sftctl.controller.teardown": ["sftctl.controller.submit"],
     }

@@ -71,3 +71,105 @@ def test_spot_mapping_is_spot_with_a_policy(tmp_path):
     assert s.resources.spot is True
     assert (s.resources.spot_rules.fallback_on_demand_after, s.resources.spot_rules.zone_cooldown_s) == (2, 1800)
     assert _spec(tmp_path, "{accelerators: [L4:8], spot: true}").resources.spot_rules.fallback_on_demand_after is None
+
+
+def test_blocked_zones_are_kept_in_state_until_their_cool_down_ends(home):
+    from sftctl.state import Store
+
+    store = Store()
+    store.block_zone("gcp", "a3-highgpu-8g", "us-central1-a", until=1000.0, reason="preempted")
+    store.block_zone("gcp", "a3-highgpu-8g", "us-central1-a", until=500.0, reason="again")  # never shortens
+    store.block_zone("aws", "p5.48xlarge", "us-east-1a", until=2000.0, reason="preempted")
+    assert store.blocked_zones("gcp", now=999.0) == {("a3-highgpu-8g", "us-central1-a"): 1000.0}
+    assert store.blocked_zones("gcp", now=1000.0) == {}
+    assert store.blocked_zones("aws", now=0.0) == {("p5.48xlarge", "us-east-1a"): 2000.0}
+
+
+SPOT_SPEC = """\
+name: spot
+run: echo
+resources: {{accelerators: [T4:1], clouds: [gcp], regions: [us-central1],
+             spot: {{fallback_on_demand_after: 2, zone_cooldown: 2h}}}}
+storage: gs://{bucket}/runs
+health: {{enabled: false}}
+"""
+
+
+def _monitor(controller, timeout_s: float):
+    """``controller._monitor()`` under an alarm, so a node that never shows lost fails the test
+    (the controller's store is this thread's: SQLite connections stay on their thread)."""
+    import signal
+
+    def expired(*_):
+        raise TimeoutError(f"no failure seen within {timeout_s:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(max(1, int(timeout_s)))
+    try:
+        return controller._monitor()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_preempted_spot_node_is_replaced_in_another_zone_then_on_demand(home, gcs_endpoint, monkeypatch, tmp_path):
+    """A replayed GCE preemption (the spot VM goes TERMINATED) through the controller, the GCP
+    provider and the GCE emulator: the zone is blocked in state.db, the replacement lands in the
+    next zone; after fallback_on_demand_after (2) preemptions the replacement is on demand."""
+    import uuid
+
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage as gcs
+
+    from conftest import deadline
+    from gce_emulator import GCEEmulator
+    from servers import gcs_env
+    from sftctl import api
+    from sftctl.controller.lifecycle import REPLACE, Controller
+    from sftctl.state import Store
+    from sftctl.types import FailureCode
+
+    for key, value in gcs_env(gcs_endpoint).items():
+        monkeypatch.setenv(key, value)
+    bucket = f"spot-{uuid.uuid4().hex[:10]}"
+    gcs.Client(project="sftctl-test", credentials=AnonymousCredentials()).create_bucket(bucket)
+    with GCEEmulator() as gce:
+        monkeypatch.setenv("SFTCTL_GCE_ENDPOINT", gce.url)
+        monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", gce.project)
+        path = tmp_path / "spot.yaml"
+        path.write_text(SPOT_SPEC.format(bucket=bucket))
+        job = api.submit(str(path))
+        store = Store()
+        c = Controller(store, job.job_id)
+        try:
+            c._provision()
+            first = c.nodes[0].handle
+            assert (first.zone, first.spot) == ("us-central1-a", True)
+            zones = []
+            for n in (1, 2):
+                h = c.nodes[0].handle
+                gce.set_status(h.zone, h.id, "TERMINATED")  # GCE took the spot VM back
+                failure = _monitor(c, deadline(60))
+                assert (failure.reason.code, failure.action, failure.node_rank) == (FailureCode.PREEMPTED, REPLACE, 0)
+                assert failure.reason.data["zone"] == h.zone and failure.reason.data["count"] == n
+                c._replace(0)
+                zones.append((c.nodes[0].handle.zone, c.nodes[0].handle.spot))
+            assert zones == [("us-central1-b", True), ("us-central1-c", False)]  # then on demand
+            last = gce.inserted(c.nodes[0].handle.id)["scheduling"]
+            assert last.get("provisioningModel", "STANDARD") == "STANDARD"
+            itype = c.offering.instance_type
+            assert set(store.blocked_zones("gcp")) == {(itype, "us-central1-a"), (itype, "us-central1-b")}
+            events = [(e.kind, e.message, e.data) for e in api.events(job.job_id) if e.kind in ("spot", "replace")]
+            kinds = [k for k, _, _ in events]
+            assert kinds == ["spot", "replace", "spot", "spot", "replace"]
+            assert "taken back in us-central1-a" in events[0][1] and "avoided for 2h" in events[0][1]
+            assert events[1][2]["zone"] == "us-central1-b" and events[1][2]["spot"] is True
+            assert "fallback_on_demand_after 2" in events[3][1] and events[3][2]["fallback_on_demand"] is True
+            assert events[4][2]["zone"] == "us-central1-c" and events[4][2]["spot"] is False
+            # a later controller (another job, or this one restarted) avoids the zones in their cool-down
+            again = Controller(store, job.job_id)
+            again.spot.seed(again.provider)
+            assert {(itype, "us-central1-a"), (itype, "us-central1-b")} <= again.provider.blocked_zones
+            assert again.spot.spot is False  # its count comes from the job's events: still on demand
+        finally:
+            c._teardown()

@@ -30,6 +30,7 @@ from sftctl import settings
 from sftctl.catalog import Offering
 from sftctl.controller.slots import NodeSlot
 from sftctl.controller.ports import claim_rendezvous_port, reclaim_rendezvous_port, release_rendezvous_port
+from sftctl.controller.spot import SpotGuard
 from sftctl.controller.submit import (
     claim_checkpoint_dir,
     default_install,
@@ -178,6 +179,7 @@ class Controller:
         self.offering = self.plan.offering
         self.provider = job_provider(job, self.offering.provider)
         self.blocked: list[CapacityError] = []  # capacity errors seen by this job: failover skips them
+        self.spot = SpotGuard(store, job_id, self.spec)  # resources.spot: preempted zones, on-demand fallback
         self.nodes: list[NodeSlot] = []  # in node-rank order; each keeps its streams' read offsets
         self.monitor = None
         self._queued_reason: str | None = None  # the scheduler's pending reason, as last recorded
@@ -410,6 +412,7 @@ class Controller:
 
     def _provision_on(self, offering: Offering) -> None:
         """Record the nodes, then create them all in parallel; all or nothing."""
+        self.spot.seed(self.provider)  # zones that took spot nodes back are avoided for a while
         self.nodes = []
         for rank in range(self.spec.resources.nodes):
             node_id = self.store.add_node(self.job_id, rank, self.provider.name)
@@ -427,7 +430,7 @@ class Controller:
             self.store.update_node(node.id, status=NodeState.READY.value, handle=handle.to_dict())
 
     def _provision_options(self) -> dict:
-        return {"spot": self.spec.resources.spot, "image": self.spec.resources.image}
+        return {"spot": self.spot.spot, "image": self.spec.resources.image}
 
     def _bootstrap(self, node_id: str, rank: int) -> str:
         """The first-boot script of a cloud node: install sftctl, run the node daemon."""
@@ -533,6 +536,10 @@ class Controller:
                     # a full disk stays full, a missing secret stays missing: restarting hits them again
                     action = None if why.code in (FailureCode.DISK_FULL, FailureCode.SECRET_MISSING) else RESTART
                     return Failure(why, action, node.rank, st.exit_code)
+                if st.state == NodeState.LOST and self.spot.is_preemption(node.handle):
+                    why = self.spot.preempted(self.provider, self.offering, node.rank, node.handle, st.detail)
+                    self.reporter.event(why.message)
+                    return Failure(why, REPLACE, node.rank)
                 if st.state == NodeState.LOST:
                     return Failure(FailureReason(FailureCode.NODE_LOST, f"node {node.rank}: {st.detail}",
                                                  {"node_rank": node.rank}), REPLACE, node.rank)
@@ -605,6 +612,7 @@ class Controller:
         node_id = self.store.add_node(self.job_id, rank, self.provider.name)
         new = NodeSlot(node_id, rank, generation=old.generation + 1)
         self.nodes[i] = new
+        self.spot.seed(self.provider)
         try:
             new.handle = self.provider.provision(self.job_id, node_id, rank, self.offering,
                                                     bootstrap=self._bootstrap(node_id, rank), **self._provision_options())
@@ -616,8 +624,10 @@ class Controller:
         self.store.update_node(node_id, status=NodeState.READY.value, handle=new.handle.to_dict())
         if self.monitor is not None:
             self.monitor.reset_node(rank)
-        message = f"node {rank} replaced: {old.id} -> {node_id}"
-        self.store.add_event(self.job_id, "replace", message)
+        zone, spot = getattr(new.handle, "zone", None), getattr(new.handle, "spot", None)
+        message = f"node {rank} replaced: {old.id} -> {node_id}" + (
+            f" in {zone}" + ("" if spot is None else (", spot" if spot else ", on demand")) if zone else "")
+        self.store.add_event(self.job_id, "replace", message, {"zone": zone, "spot": spot} if zone else None)
         self.reporter.event(message)
 
     def _quarantine(self, node: NodeSlot, verdict: str) -> None:
