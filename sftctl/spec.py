@@ -642,7 +642,7 @@ def _explain(err: dict, loc: _Located) -> SpecError:
     kind = err["type"]
     if kind == "extra_forbidden":
         parent = _field_model_at(model_path[:-1])
-        allowed = sorted(parent.model_fields) if parent else []
+        allowed = sorted(f for f in parent.model_fields if f != "spot_policy") if parent else []  # written as spot
         close = difflib.get_close_matches(str(path[-1]), allowed, n=1, cutoff=0.6)
         suggestion = f"; did you mean '{close[0]}'?" if close else ""
         return SpecError(

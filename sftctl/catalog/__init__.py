@@ -48,7 +48,8 @@ def cloud_offerings() -> list[Offering]:
     """The cloud offerings: ``offerings.csv``'s hand-sourced rows, replaced or extended by the
     shipped snapshot's rows and then the refreshed catalog's (:func:`price_files`; same provider,
     instance type and region: the later file's prices unless the earlier row's ``as_of`` is
-    newer, the hand-sourced bandwidths where the later row has none), then the user's override
+    newer, the hand-sourced bandwidths where the later row has none; for the clouds and regions
+    a refresh read (its coverage line) only the refreshed rows), then the user's override
     file's prices (see :func:`override_path`), which win. Read once per process and version of
     the override file and the refreshed catalog.
 
