@@ -73,7 +73,7 @@ def test_spot_mapping_is_spot_with_a_policy(tmp_path):
     assert _spec(tmp_path, "{accelerators: [L4:8], spot: true}").resources.spot_rules.fallback_on_demand_after is None
 
 
-def test_blocked_zones_are_kept_in_state_until_their_cool_down_ends(home):
+def test_blocked_zones_are_kept_in_state_until_their_cool_down_ends(state_backend):
     from sftctl.state import Store
 
     store = Store()

@@ -257,8 +257,8 @@ def test_a_state_db_of_the_previous_sftctl_migrates_forward(home):
     shutil.copy(os.path.join(FIXTURES, "state-v3.db"), home / "state.db")
     assert sqlite3.connect(home / "state.db").execute("PRAGMA user_version").fetchone()[0] == 3
     store = Store()
-    assert store.schema_version == SCHEMA_VERSION == 7
-    assert sqlite3.connect(home / "state.db").execute("SELECT version FROM schema_version").fetchall() == [(7,)]
+    assert store.schema_version == SCHEMA_VERSION == 8
+    assert sqlite3.connect(home / "state.db").execute("SELECT version FROM schema_version").fetchall() == [(8,)]
     (job,) = store.list_jobs()
     assert (job.id, job.status, job.failure_code, job.owner) == ("old-0e0435", "FAILED", "exit", os_user())
     assert job.offering.instance_type == "p5.48xlarge"
