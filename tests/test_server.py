@@ -327,3 +327,54 @@ def test_secrets_travel_by_name_the_server_holds_their_values(home, tmp_path, mo
         assert f"error: {spec}: secrets: NOT_ON_THE_SERVER not set in the server's environment" in proc.stderr
     finally:
         server.stop()
+
+
+def test_the_server_and_its_controller_killed_restart_adopts_the_job(state_backend, home, tmp_path, monkeypatch):
+    """The server's machine loses its processes (the server and the job's controller, kill -9;
+    the local guard stops the nodes): the restarted server gives the job a new controller, which
+    adopts it from state (on Postgres once the dead controller's lease expired: 5 s here). It
+    SUCCEEDS, and the provider never has more than one live node per rank."""
+    import threading
+
+    from sftctl import api, procs
+    from sftctl.providers.local import LocalProvider
+
+    monkeypatch.setenv("SFTCTL_STATE_LEASE_S", "5")
+    server = Server(home, tmp_path / "server.log").start()
+    t = tokens("alice")
+    spec = loop_job(tmp_path, steps=12)
+    as_user(monkeypatch, server, t["alice"])
+    job = api.run(str(spec), detach=True).id
+    provider = LocalProvider()
+    seen: list[int] = []
+    done = threading.Event()
+
+    def count():  # the nodes with live processes at the provider, every 0.3 s, until the test ends
+        while not done.is_set():
+            seen.append(len({r["node_id"] for r in provider.list_instances(job) if r["node_id"]}))
+            time.sleep(0.3)
+
+    counter = threading.Thread(target=count, daemon=True)
+    counter.start()
+    try:
+        wait_for(lambda: int((tmp_path / "work" / "ckpt-1").read_text() or 0) >= 3
+                 if (tmp_path / "work" / "ckpt-1").exists() else False, timeout_s=120, what="rank 1 to reach step 3")
+        controller = api.status(job).record
+        server.kill()
+        os.kill(controller.controller_pid, signal.SIGKILL)
+        wait_for(lambda: not procs.alive(controller.controller_pid, controller.controller_start_ticks), what="the kill")
+        server.start()
+        wait_for(lambda: f"controller of {job} started" in server.log.read_text(), timeout_s=60,
+                 what="the restarted server to give the job a controller")
+        (tmp_path / "work" / "go").touch()
+        view = wait_for(lambda: (v := api.status(job)).status.terminal and v, timeout_s=180, what="the job to end")
+        assert view.status.value == "SUCCEEDED", view.failure_reason
+        assert view.record.controller_pid != controller.controller_pid
+        assert [e for e in api.events(job) if e.kind == "adopt"], [e.kind for e in api.events(job)]
+    finally:
+        done.set()
+        counter.join()
+        server.stop()
+    assert max(seen) == 2, seen  # never a duplicate node at the provider
+    assert sorted({n.rank for n in view.nodes}) == [0, 1]
+    assert job_processes(job) == []
