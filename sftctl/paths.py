@@ -31,6 +31,12 @@ def sftctl_home() -> Path:
     return home
 
 
+#: In a job's directory, the job's one live controller as it recorded itself (:func:`sftctl.queue.claim_job`):
+#: ``{"job_id", "provider", "pid", "host", "start_ticks", "since"}``. ``down --orphans`` reads it when
+#: the state is lost; a local node's guard (:func:`sftctl.procs.guard`) finds a new controller there.
+CONTROLLER_OWNER = "controller.json"
+
+
 def job_dir(job_id: str) -> Path:
     """Directory holding one job's local files (node dirs, logs, metrics, controller log)."""
     return sftctl_home() / "jobs" / job_id

@@ -111,41 +111,81 @@ def _signal(pid: int, sig: int) -> None:
 
 
 #: How often a node's guard looks at its controller (seconds): a local node outlives a killed
-#: controller by about this long plus ``kill_all``'s grace.
+#: controller by about this long plus ``kill_all``'s grace (plus ``SFTCTL_LOCAL_ADOPT_GRACE_S``).
 GUARD_POLL_S = 1.0
 
 
-def guard(controller_pid: int, controller_ticks: int | None, node_id: str, argv: list[str]) -> int:
+def guard(controller_pid: int, controller_ticks: int | None, node_id: str, argv: list[str],
+          owner: str | None = None, grace_s: float = 0.0) -> int:
     """Run ``argv`` and stop it, with every process tagged ``SFTCTL_NODE_ID=node_id``, once the
     controller ``controller_pid`` (started at ``controller_ticks``) is gone.
 
     A local node (:mod:`sftctl.providers.local`) runs under this guard: its processes live in a
     session of their own, so a controller killed with SIGKILL would otherwise leave them training
     with nobody watching. Cloud and Slurm nodes are tagged instead, and ``sftctl down`` finds them.
+    ``owner``: the job's controller record (``controller.json``, :data:`sftctl.paths.CONTROLLER_OWNER`);
+    a live controller recorded there on this host (one that adopted the job after its first
+    died) is watched from then on. ``grace_s``: how long the node outlives its controller
+    waiting for such a successor (``SFTCTL_LOCAL_ADOPT_GRACE_S``; 0: stopped within seconds).
     Returns ``argv``'s exit code (128 + N when signal N ended it).
     """
     import subprocess
 
     child = subprocess.Popen(argv)
+    gone_since: float | None = None
     while True:
         try:
             code = child.wait(timeout=GUARD_POLL_S)
         except subprocess.TimeoutExpired:
             if alive(controller_pid, controller_ticks):
                 continue
+            successor = _successor(owner, controller_pid)
+            if successor is not None:  # a new controller adopted the job: watch it instead
+                controller_pid, controller_ticks = successor
+                gone_since = None
+                continue
+            gone_since = time.monotonic() if gone_since is None else gone_since
+            if time.monotonic() - gone_since < grace_s:
+                continue
             kill_all(sorted(set(tagged("SFTCTL_NODE_ID", node_id)) | {child.pid}), grace_s=5.0)
             code = child.wait()
         return code if code >= 0 else 128 - code
 
 
+def _successor(owner: str | None, old_pid: int) -> tuple[int, int | None] | None:
+    """``(pid, start ticks)`` of the live controller ``owner`` records on this host, if it is
+    not ``old_pid``; else None."""
+    import json
+    import socket
+
+    if not owner:
+        return None
+    try:
+        rec = json.loads(Path(owner).read_text())
+        pid, ticks, host = int(rec["pid"]), rec.get("start_ticks"), rec.get("host")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if pid == old_pid or host != socket.gethostname() or not alive(pid, ticks):
+        return None
+    return pid, ticks
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m sftctl.procs guard PID TICKS NODE_ID -- COMMAND...`` (see :func:`guard`)."""
+    """``python -m sftctl.procs guard PID TICKS NODE_ID [--owner FILE] -- COMMAND...`` (see
+    :func:`guard`; the grace comes from ``SFTCTL_LOCAL_ADOPT_GRACE_S`` in its environment)."""
+    from sftctl import settings
+
     args = list(sys.argv[1:] if argv is None else argv)
+    owner = None
+    if len(args) > 5 and args[4] == "--owner":
+        owner = args[5]
+        del args[4:6]
     if len(args) < 6 or args[0] != "guard" or args[4] != "--":
-        sys.stderr.write("usage: python -m sftctl.procs guard PID TICKS NODE_ID -- COMMAND...\n")
+        sys.stderr.write("usage: python -m sftctl.procs guard PID TICKS NODE_ID [--owner FILE] -- COMMAND...\n")
         return 2
     ticks = None if args[2] == "-" else int(args[2])
-    return guard(int(args[1]), ticks, args[3], args[5:])
+    return guard(int(args[1]), ticks, args[3], args[5:], owner=owner,
+                 grace_s=settings.get("SFTCTL_LOCAL_ADOPT_GRACE_S") or 0.0)
 
 
 if __name__ == "__main__":

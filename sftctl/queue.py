@@ -33,7 +33,7 @@ import sys
 import time
 
 from sftctl.errors import ExitCode, SftctlError
-from sftctl.paths import job_dir
+from sftctl.paths import CONTROLLER_OWNER, job_dir
 from sftctl.state import JobRecord, JobStatus, Store
 from sftctl.types import FailureCode, capabilities
 
@@ -210,9 +210,7 @@ def wait_turn(store: Store, job_id: str, say=lambda line: None) -> bool:
 
 
 CONTROLLER_LOCK = "controller.lock"  # in the job dir: held (flock) by the one live controller
-#: beside it, the job's own record outside the state (down --orphans reads it when the state is lost):
-#: {"job_id", "provider", "pid", "host", "start_ticks", "since"} of that controller
-CONTROLLER_OWNER = "controller.json"
+# beside it, CONTROLLER_OWNER (sftctl.paths): that controller's own record outside the state
 
 
 class ControllerBusy(SftctlError):

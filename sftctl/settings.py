@@ -202,6 +202,9 @@ DECLARED: tuple[Setting, ...] = (
        file="defaults.storage", shown_default="none"),
     _u("LOCAL_MAX_NODES", "int", None, "the local provider refuses nodes beyond this many (capacity drills)",
        set_by="user, tests", file="local.max_nodes", minimum=0, shown_default="no limit"),
+    _u("LOCAL_ADOPT_GRACE_S", "float", 0.0, "a local node outlives its killed controller by this many seconds, "
+       "so a new controller of the job (python -m sftctl.controller JOB) adopts it still running (0: it stops "
+       "within seconds)", set_by="user, tests", file="local.adopt_grace_s", minimum=0),
     _u("SLURM_CONTROLLER_GRACE_S", "float", 300.0, "a Slurm allocation cancels itself when its controller's "
        "heartbeat has not changed for this many seconds (a controller killed -9; 0: never)",
        set_by="user, tests", minimum=0),

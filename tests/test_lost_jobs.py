@@ -10,14 +10,17 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from conftest import REPO, deadline, job_processes, sftctl, status_json, wait_for, write_spec
 
 
-def _gated_job(tmp_path, nodes: int = 1) -> tuple[str, object]:
-    """A detached local job that runs until the returned flag file exists, then succeeds."""
+def _gated_job(tmp_path, nodes: int = 1, env: dict | None = None) -> tuple[str, object]:
+    """A detached local job that runs until the returned flag file exists, then succeeds
+    (``env``: added to the environment of its controller and nodes)."""
     flag = tmp_path / "go"
     spec = write_spec(tmp_path / "gated.yaml", f"""\
 name: gated
@@ -27,7 +30,8 @@ run: |
   while [ ! -e {flag} ]; do sleep 0.2; done
   echo done
 """)
-    job = json.loads(sftctl("run", str(spec), "--detach", "--json", check=True).stdout)["job_id"]
+    job = json.loads(sftctl("run", str(spec), "--detach", "--json", check=True,
+                            **({"env": {**os.environ, **env}} if env else {})).stdout)["job_id"]
     wait_for(lambda: status_json(job)["status"] == "RUNNING", what="RUNNING")
     return job, flag
 
@@ -248,3 +252,76 @@ def test_a_new_controller_adopts_a_running_job_whose_controller_was_killed(tmp_p
             adopter.wait()
         sftctl("down", job)
     assert job_processes(job) == []
+
+
+def test_a_new_controller_keeps_the_nodes_that_outlived_the_killed_one(tmp_path, home):
+    """Issue 23 (lost jobs), the nodes still alive: with SFTCTL_LOCAL_ADOPT_GRACE_S the local
+    nodes outlive their controller killed -9; the next controller adopts the job with the same
+    nodes, the same processes and the same attempt (their guard now watches it), and the job
+    SUCCEEDS with no relaunch. Before: IllegalTransition(RUNNING -> PROVISIONING), job FAILED."""
+    from sftctl import procs
+    from sftctl.controller import adopt
+    from sftctl.providers.local import LocalProvider
+    from sftctl.state import JobStatus, Store
+
+    job, flag = _gated_job(tmp_path, nodes=2, env={"SFTCTL_LOCAL_ADOPT_GRACE_S": "600"})
+    provider = LocalProvider()
+
+    def up() -> dict[str, bool]:
+        """node id -> its first process (the guard the controller started) still runs, for
+        each node with live processes at the provider."""
+        first = {n.id: (n.handle.get("pid"), n.handle.get("start_ticks")) for n in Store().nodes(job)}
+        return {r["node_id"]: procs.alive(*first.get(r["node_id"], (None, None)))
+                for r in provider.list_instances(job) if r["node_id"]}
+
+    try:
+        wait_for(lambda: len(up()) == 2 and "started" in (sftctl("logs", job).stdout or ""), what="both nodes to run")
+        store = Store()
+        before = store.get_job(job)
+        nodes_before = up()
+        os.kill(before.controller_pid, signal.SIGKILL)
+        wait_for(lambda: not procs.alive(before.controller_pid, before.controller_start_ticks), what="the kill")
+        time.sleep(3 * procs.GUARD_POLL_S)  # the guards have seen their controller gone by now
+        assert up() == nodes_before == {n: True for n in nodes_before}
+        assert store.get_job(job).status == JobStatus.RUNNING
+        ended: list = []
+        adopter = threading.Thread(target=lambda: ended.append(adopt(Store(), job)))  # as a server would
+        adopter.start()
+        wait_for(lambda: any(e.kind == "adopt" for e in store.events(job)), what="the adoption")
+        time.sleep(3 * procs.GUARD_POLL_S)
+        assert up() == nodes_before  # kept: the same processes, nothing started twice
+        flag.touch()
+        adopter.join(timeout=deadline(120))
+        assert ended == [JobStatus.SUCCEEDED], store.get_job(job).failure_reason
+        after = store.get_job(job)
+        assert (after.restarts, after.controller_pid) == (0, os.getpid())
+        assert [(a.number, a.status.value) for a in store.attempts(job)] == [(1, "SUCCEEDED")]
+        assert sorted(n.id for n in store.nodes(job)) == sorted(nodes_before)  # no node replaced or added
+        (ev,) = [e for e in store.events(job) if e.kind == "adopt"]
+        assert ev.data["attempt"] == 1 and sorted(ev.data["nodes"]) == sorted(nodes_before)
+    finally:
+        flag.touch()
+        sftctl("down", job)
+    assert job_processes(job) == []
+
+
+def test_down_of_an_ended_job_never_signals_the_process_recorded_as_its_controller(home):
+    """A job run attached from a script (or adopted by a server) records that process as its
+    controller; once the job ended, `sftctl down JOB` sent it SIGTERM and then SIGKILL."""
+    from sftctl import procs
+    from sftctl.state import JobStatus, Store
+
+    store = Store()
+    job = store.create_job("ended", {"name": "ended", "resources": {"nodes": 1}, "run": "true"})
+    script = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        store.update_job(job, controller_pid=script.pid, controller_start_ticks=procs.start_ticks(script.pid))
+        for s in (JobStatus.PROVISIONING, JobStatus.LAUNCHING, JobStatus.RUNNING, JobStatus.SUCCEEDED):
+            store.transition(job, s)
+        proc = sftctl("down", job)
+        assert proc.returncode == 0, proc.stderr
+        assert script.poll() is None  # before: killed
+        assert store.get_job(job).status == JobStatus.SUCCEEDED
+    finally:
+        script.kill()
+        script.wait()

@@ -260,13 +260,16 @@ class Controller:
             self.store.end_open_attempts(self.job_id, AttemptStatus.FAILED, f"controller error: {e!r}", FailureCode.UNKNOWN.value)
             raise
         finally:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut teardown
+            main = _in_main_thread()  # signals are the main thread's (a thread of a server has none)
+            if main:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut teardown
             for signum in previous:  # nor a SIGHUP or SIGTERM that follows the first one
                 signal.signal(signum, signal.SIG_IGN)
             try:
                 self._teardown()
             finally:
-                signal.signal(signal.SIGINT, signal.default_int_handler)
+                if main:
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
                 for signum, handler in previous.items():
                     signal.signal(signum, handler)
         return self.store.get_job(self.job_id).status

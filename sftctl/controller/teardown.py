@@ -17,10 +17,10 @@ from typing import Callable
 from sftctl import procs
 from sftctl.controller.submit import checkpoint_dir_path, job_provider, job_storage_url
 from sftctl.errors import SftctlError
-from sftctl.paths import job_dir
+from sftctl.paths import CONTROLLER_OWNER, job_dir
 from sftctl.providers import get_provider
 from sftctl.providers.base import NodeState, terminate_all
-from sftctl.queue import CONTROLLER_OWNER, DOWN_REASON
+from sftctl.queue import DOWN_REASON
 from sftctl.spec import JobSpec
 from sftctl.state import JobStatus, Store, controller_died_reason
 from sftctl.types import AttemptStatus, FailureCode
@@ -47,7 +47,9 @@ def down(store: Store, job_id: str, progress: Callable[[str], None] | None = Non
     if job is None:
         raise KeyError(job_id)
     pid, ticks = job.controller_pid, job.controller_start_ticks
-    controller_was_alive = bool(pid and pid != os.getpid() and procs.alive(pid, ticks))
+    # an ended job's recorded controller may be a process that went on to other things (a script
+    # that ran the job attached, a server): it is never signalled
+    controller_was_alive = bool(not job.status.terminal and pid and pid != os.getpid() and procs.alive(pid, ticks))
     if controller_was_alive:
         # said first, so the controller's reason names sftctl down, not an anonymous SIGTERM
         store.add_event(job_id, "down", f"sftctl down: SIGTERM to the controller (pid {pid})",

@@ -21,7 +21,7 @@ from pathlib import Path
 from sftctl import procs
 from sftctl.catalog import Offering, local_offering
 from sftctl.errors import CapacityError, ProviderError
-from sftctl.paths import job_dir, sftctl_home
+from sftctl.paths import CONTROLLER_OWNER, job_dir, sftctl_home
 from sftctl.protocol import METRICS_GLOB, NodeDir, complete_json_lines, is_secret_name, parse_failure, read_exit_file
 from sftctl.providers.base import NodeState, NodeStatus
 from sftctl.types import FailureReason, LocalHandle
@@ -111,7 +111,7 @@ class LocalProvider:
         with open(files.log, "ab") as log:
             try:
                 proc = subprocess.Popen(
-                    _guarded(handle.node_id, ["bash", str(path)]),
+                    _guarded(handle.job_id, handle.node_id, ["bash", str(path)]),
                     cwd=node_dir,
                     env=full_env,
                     stdin=subprocess.DEVNULL,
@@ -145,7 +145,7 @@ class LocalProvider:
             **{k: v for k, v in env.items() if k in self.channel.secret_keys or is_secret_name(k)},
         }
         with open(Path(handle.dir) / "daemon.log", "ab") as log:
-            proc = subprocess.Popen(_guarded(handle.node_id, procs.module_argv("sftctl.node")), cwd=daemon_dir, env=full_env,
+            proc = subprocess.Popen(_guarded(handle.job_id, handle.node_id, procs.module_argv("sftctl.node")), cwd=daemon_dir, env=full_env,
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         return handle.with_(pid=proc.pid, start_ticks=procs.start_ticks(proc.pid), attempt=attempt)
@@ -242,14 +242,16 @@ class LocalProvider:
         return len(pids)
 
 
-def _guarded(node_id: str, argv: list[str]) -> list[str]:
+def _guarded(job_id: str, node_id: str, argv: list[str]) -> list[str]:
     """``argv`` under :func:`sftctl.procs.guard`, watching this process: the controller (the
-    attached ``sftctl run`` or a detached ``python -m sftctl.controller``) that launches the node.
-    A controller killed even with SIGKILL thus takes its local nodes with it within seconds."""
+    attached ``sftctl run`` or a detached ``python -m sftctl.controller``) that launches the node,
+    then whichever controller adopts the job (its ``controller.json``). A controller killed even
+    with SIGKILL thus takes its local nodes with it within seconds, or after
+    ``SFTCTL_LOCAL_ADOPT_GRACE_S`` when no new controller took the job over by then."""
     me = os.getpid()
     ticks = procs.start_ticks(me)
     return procs.module_argv("sftctl.procs", "guard", str(me), "-" if ticks is None else str(ticks),
-                             node_id, "--", *argv)
+                             node_id, "--owner", str(job_dir(job_id) / CONTROLLER_OWNER), "--", *argv)
 
 
 #: Every local node process carries the sftctl home that started it, so ``sftctl down
