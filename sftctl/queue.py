@@ -309,14 +309,14 @@ def check_no_live_controller(job_id: str, store: Store | None = None) -> None:
     from filelock import FileLock, Timeout
 
     from sftctl import settings
-    from sftctl.state import is_url
+    from sftctl.state import LeaseKeeper, is_url
 
     if store is not None and store.dialect.shared or store is None and is_url(settings.get("SFTCTL_STATE_URL")):
         shared = store or Store()
         held = shared.lease(job_id)
         if store is None:
             shared.close()
-        if held is not None:
+        if held is not None and not LeaseKeeper.dead_here(held[0]):  # a dead one's is taken over at once
             raise _leased(job_id, held[0])
     path = job_dir(job_id) / CONTROLLER_LOCK
     if not path.exists():

@@ -972,12 +972,13 @@ class Store:
     # ---------------------------------------------------------------- leases
 
     @_retrying
-    def acquire_lease(self, job_id: str, holder: str, ttl_s: float) -> bool:
+    def acquire_lease(self, job_id: str, holder: str, ttl_s: float, replacing: str | None = None) -> bool:
         """Become the job's one live controller for ``ttl_s`` seconds, by the database's clock
         (the same for every machine). True when ``holder`` now holds the lease: it was free,
-        expired, or already ``holder``'s (then it is extended). Atomic: one upsert whose update
-        applies only to an expired or own row (SQLite under ``BEGIN IMMEDIATE``, Postgres under
-        the row's lock that ``ON CONFLICT DO UPDATE`` takes)."""
+        expired, already ``holder``'s (then it is extended), or ``replacing``'s (a holder known to
+        be dead: :class:`LeaseKeeper` names one of its own host whose process is gone). Atomic:
+        one upsert whose update applies only to such a row (SQLite under ``BEGIN IMMEDIATE``,
+        Postgres under the row's lock that ``ON CONFLICT DO UPDATE`` takes)."""
         now = self._d.now
         with self.write() as db:
             row = db.execute(
@@ -985,9 +986,9 @@ class Store:
                 " ON CONFLICT (job_id) DO UPDATE SET holder = excluded.holder,"
                 " acquired_at = CASE WHEN leases.holder = excluded.holder THEN leases.acquired_at"
                 " ELSE excluded.acquired_at END, expires_at = excluded.expires_at"
-                f" WHERE leases.holder = excluded.holder OR leases.expires_at < {now}"
+                f" WHERE leases.holder = excluded.holder OR leases.expires_at < {now} OR leases.holder = ?"
                 " RETURNING holder",
-                (job_id, holder, float(ttl_s)),
+                (job_id, holder, float(ttl_s), replacing),
             ).fetchone()
         return row is not None
 
@@ -1020,7 +1021,9 @@ class LeaseKeeper:
     daemon thread every ``ttl_s / 6`` seconds, on a connection of its own.
 
     ``holder`` is ``host:pid:start_ticks``: the same after ``exec`` (``python -m sftctl.queue``
-    becomes the controller, same pid), so the controller takes its waiting stage's lease over.
+    becomes the controller, same pid), so the controller takes its waiting stage's lease over;
+    and a lease of a dead process of this host (a controller killed -9) is taken over at once,
+    without waiting for it to expire.
     A renewal that finds the lease gone (this process was frozen or cut off for longer than
     ``ttl_s``, and another controller took the job) calls ``on_lost``: by default it says so in
     the ``sftctl.controller`` log and ends this process at once with exit code 3, without touching the job, whose
@@ -1044,11 +1047,29 @@ class LeaseKeeper:
         import threading
 
         if not self.store.acquire_lease(self.job_id, self.holder, self.ttl_s):
-            return False
+            held = self.store.lease(self.job_id)
+            dead = held[0] if held and self.dead_here(held[0]) else None
+            if dead is None or not self.store.acquire_lease(self.job_id, self.holder, self.ttl_s, replacing=dead):
+                return False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew, name=f"lease-{self.job_id}", daemon=True)
         self._thread.start()
         return True
+
+    @staticmethod
+    def dead_here(holder: str) -> bool:
+        """``holder`` names a process of this host that is gone (killed -9: its lease has not
+        expired yet, but nobody renews it). A holder of another host is never judged from here."""
+        import socket
+
+        from sftctl import procs
+
+        host, pid, ticks = (holder.rsplit(":", 2) + ["", ""])[:3]
+        try:
+            pid, ticks = int(pid), int(ticks)
+        except ValueError:
+            return False
+        return host == socket.gethostname() and not procs.alive(pid, ticks)
 
     def _renew(self) -> None:
         store = Store(self.store.url or self.store.path)

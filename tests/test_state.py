@@ -553,6 +553,37 @@ def test_two_servers_sharing_postgres_never_both_run_a_job(pg_url, tmp_path):
     assert Store().lease(job) is None
 
 
+def test_the_lease_of_a_controller_killed_here_is_taken_over_at_once(pg_url):
+    """A controller killed -9 leaves its lease unexpired (90 s): a new controller on the same
+    host sees that holder's process is gone and takes the job over at once; one whose holder
+    is alive, or of another host, still waits."""
+    from sftctl.queue import ControllerBusy, claim_job
+
+    store = Store()
+    job = store.create_job("adopted", {"run": "true"})
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, job], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().startswith("claimed ")
+        with pytest.raises(ControllerBusy):
+            claim_job(Store(), job)  # alive: refused
+    finally:
+        holder.kill()
+        holder.wait()
+    dead = store.lease(job)
+    assert dead is not None and dead[1] > 60  # not expired
+    from sftctl.queue import check_no_live_controller
+
+    check_no_live_controller(job)  # what a server's reconcile asks: nobody acts on it
+    claim = claim_job(Store(), job)
+    try:
+        assert store.lease(job)[0] == claim.lease.holder != dead[0]
+    finally:
+        claim.release()
+    assert store.acquire_lease(job, "elsewhere:1:1", 90.0)  # another host's pid 1: never judged from here
+    with pytest.raises(ControllerBusy):
+        claim_job(Store(), job)
+
+
 def test_a_controller_that_lost_its_lease_stops_at_once(pg_url):
     """A controller frozen longer than its lease (a laptop asleep) finds, when it runs again,
     that another took the job: it exits 3 without touching it."""
