@@ -185,13 +185,16 @@ def test_rows_damaged_inside_a_readable_db_are_one_line_not_a_traceback(home):
     assert "Traceback" in sftctl("status", "--debug").stderr
 
 
-def test_a_new_controller_adopts_a_running_job_whose_controller_was_killed(tmp_path, home):
+@pytest.mark.parametrize("died_in", ["RUNNING", "LAUNCHING", "RECOVERING", "PROVISIONING"])
+def test_a_new_controller_adopts_a_running_job_whose_controller_was_killed(tmp_path, home, died_in):
     """Issue 23 (lost jobs): `python -m sftctl.controller JOB` for a RUNNING job whose controller
     was killed -9 failed the job ("controller error: IllegalTransition(RUNNING -> PROVISIONING)").
     Now the new controller adopts it from state: it keeps the recorded nodes, finds that their
     processes went with the old controller (the local guard), abandons that attempt and
     relaunches (no restart counted: max_restarts is 0), and the job SUCCEEDS, never with more
-    nodes at the provider than the job has."""
+    nodes at the provider than the job has. ``died_in``: the status the state is moved to after
+    the kill, as if the controller had died there (mid-launch, mid-recovery, mid-provisioning:
+    there the recorded nodes are removed and two new ones provisioned)."""
     from sftctl import procs
     from sftctl.providers.local import LocalProvider
     from sftctl.state import JobStatus, NodeState, Store
@@ -218,6 +221,10 @@ def test_a_new_controller_adopts_a_running_job_whose_controller_was_killed(tmp_p
         wait_for(lambda: nodes_up() == 0, timeout_s=60, what="the guard to stop the dead controller's nodes")
         # no `sftctl status` here: it would mark the job FAILED_CONTROLLER (terminal) before the restart
         assert store.get_job(job).status == JobStatus.RUNNING
+        path = {"RUNNING": [], "LAUNCHING": [JobStatus.RECOVERING, JobStatus.LAUNCHING],
+                "RECOVERING": [JobStatus.RECOVERING], "PROVISIONING": [JobStatus.RECOVERING, JobStatus.PROVISIONING]}
+        for status in path[died_in]:
+            assert store.transition(job, status, "test: as if the controller died here")
         adopter = subprocess.Popen([sys.executable, "-m", "sftctl.controller", job], cwd=REPO,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -235,8 +242,14 @@ def test_a_new_controller_adopts_a_running_job_whose_controller_was_killed(tmp_p
         after = store.get_job(job)
         assert after.status == JobStatus.SUCCEEDED, (after.failure_reason, out)
         assert max(seen) == 2
-        (adopt,) = [e for e in store.events(job) if e.kind == "adopt"]
-        assert adopt.data["nodes"] == recorded and adopt.data["status"] == "RUNNING" and adopt.data["attempt"] == 1
+        adopted = [e for e in store.events(job) if e.kind == "adopt"]
+        if died_in == "PROVISIONING":
+            (removed,) = adopted
+            assert removed.message.startswith("removed 2 node(s) left by a controller that died while provisioning")
+            assert len({n.id for n in store.nodes(job)} - set(recorded)) == 2
+        else:
+            (adopt,) = adopted
+            assert adopt.data["nodes"] == recorded and adopt.data["status"] == died_in and adopt.data["attempt"] == 1
         attempts = store.attempts(job)
         assert [(a.number, a.status.value, a.reason_code) for a in attempts] == [
             (1, "ABANDONED", "controller_died"), (2, "SUCCEEDED", None)]

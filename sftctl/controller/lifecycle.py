@@ -321,6 +321,8 @@ class Controller:
         if job.status == JobStatus.PROVISIONING:
             if records:
                 self._remove_records(records, "left by a controller that died while provisioning")
+            self.store.end_open_attempts(self.job_id, AttemptStatus.ABANDONED, "its controller died",
+                                         FailureCode.CONTROLLER_DIED.value)  # one a recovery left open
             return None
         self.adopted = True
         newest: dict[int, object] = {}
