@@ -935,6 +935,9 @@ def costs(by: str = "user", since: float | None = None, until: float | None = No
     seconds (None: open); each node counts only its hours inside the period, at its job's price
     (see :class:`~sftctl.types.Cost`).
 
+    With a server configured, the server sums them: a user gets their own row (``by="user"``),
+    an admin every user's and the lab's (else a :class:`SftctlError`, exit 2).
+
     Raises:
         SftctlError: ``by`` is neither user nor lab, or since > until (exit 2).
     """
@@ -945,6 +948,10 @@ def costs(by: str = "user", since: float | None = None, until: float | None = No
             raise TypeError(f"api.costs: {name} must be Unix seconds (int or float), or None, got {_type_name(value)}")
     if since is not None and until is not None and since > until:
         raise SftctlError(f"costs: since ({since}) is after until ({until})", exit_code=ExitCode.USAGE)
+    remote = _remote()
+    if remote is not None:
+        params = {"by": by, **{k: v for k, v in (("since", since), ("until", until)) if v is not None}}
+        return [CostTotal.from_dict(r) for r in remote.request("GET", "/v1/costs", params=params)["costs"]]
     store = _store()
     spans = store.node_spans()
     totals: dict[str, dict[str, Any]] = {}

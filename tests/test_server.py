@@ -134,7 +134,16 @@ def test_a_user_cannot_see_read_or_stop_another_users_job(server, tmp_path, monk
     assert [v.id for v in api.status(all_users=True)] == [job]
     assert api.status() == []  # ... and, without --all-users, their own
 
+    [lab] = api.costs(by="lab")  # the admin's: every user's jobs
+    assert lab.group == "lab" and lab.jobs == 1 and lab.node_hours > 0
+
+    as_user(monkeypatch, server, t["bob"])
+    assert api.costs() == []  # bob's own jobs cost nothing yet; alice's row is not his to see
+    with pytest.raises(SftctlError, match="not an admin"):
+        api.costs(by="lab")
+
     as_user(monkeypatch, server, t["alice"])
+    assert [(c.group, c.jobs) for c in api.costs()] == [("alice", 1)]
     assert api.status(job).status.value == "RUNNING"  # bob's tries left it alone
     doc = json.loads(sftctl("status", job, "--json", check=True).stdout)
     assert doc["id"] == job and doc["status"] == "RUNNING" and doc["nodes"][0]["rank"] == 0

@@ -14,6 +14,8 @@ Routes (JSON; every one but ``/v1/health`` needs ``Authorization: Bearer <token>
 ``GET  /v1/jobs/{job}/events``  ``{"events": [Event.to_dict(), ...]}``
 ``GET  /v1/jobs/{job}/logs``    ``?follow&node&rank``: JSON lines ``{"text", "rank", "prefix",
                             "notice"}``, streamed as the nodes write them
+``GET  /v1/costs``          ``?by=user|lab&since&until`` -> ``{"costs": [CostTotal.to_dict()]}``: a
+                            user's own row; ``lab`` and every user's rows for admins
 ``POST /v1/down``           ``{"job" | "all", "purge"}`` -> ``{"down": [DownResult.to_dict()]}``
 ==========================  ==============================================================
 
@@ -167,6 +169,16 @@ def create_app(supervisor):
                                   "notice": line.notice}) + "\n"
 
         return StreamingResponse(stream(), media_type="application/x-ndjson")
+
+    @app.get("/v1/costs")
+    def costs(by: str = "user", since: float | None = None, until: float | None = None,
+              user: User = Depends(current_user)):
+        if by == "lab" and not user.admin:
+            raise Forbidden(f"costs by lab: {user.name} is not an admin of this server", hint="by user: your own jobs' cost")
+        rows = api.costs(by, since, until)
+        if not user.admin:
+            rows = [r for r in rows if r.group == user.name]
+        return _json({"costs": [r.to_dict() for r in rows]})
 
     @app.post("/v1/down")
     def down(body: dict = Body(...), user: User = Depends(current_user)):
