@@ -300,7 +300,7 @@ def test_a_newer_postgres_schema_is_refused(pg_url):
         Store()
 
 
-def test_the_postgres_path_is_chosen_by_state_url_and_said_with_no_password(pg_url, monkeypatch, tmp_path):
+def test_the_postgres_path_is_chosen_by_state_url_and_said_with_no_password(postgres, pg_url, monkeypatch, tmp_path):
     from sftctl.state import redact
 
     store = Store()
@@ -319,6 +319,14 @@ def test_the_postgres_path_is_chosen_by_state_url_and_said_with_no_password(pg_u
     with pytest.raises(SftctlError) as e:
         Store()
     assert "cannot connect to the state database" in e.value.message and "s3cr3t" not in e.value.message
+    import psycopg
+
+    with psycopg.connect(pg_url, autocommit=True) as admin:  # a role that may not create the tables
+        admin.execute("CREATE ROLE reader LOGIN")
+        admin.execute("CREATE DATABASE empty_for_reader")
+    monkeypatch.setenv("SFTCTL_STATE_URL", postgres.url("empty_for_reader").replace("postgres@", "reader@"))
+    with pytest.raises(SftctlError, match="cannot connect to the state database: permission denied"):
+        Store()
 
 
 def test_users_tokens_are_stored_hashed(state_backend):
