@@ -173,3 +173,21 @@ def test_a_preempted_spot_node_is_replaced_in_another_zone_then_on_demand(home, 
             assert again.spot.spot is False  # its count comes from the job's events: still on demand
         finally:
             c._teardown()
+
+
+def test_spot_nodes_go_to_the_cheapest_zone_first_and_skip_blocked_ones(home, monkeypatch):
+    import dataclasses
+
+    from gce_emulator import GCEEmulator
+    from test_provider_gcp import make_provider
+
+    with GCEEmulator() as gce:
+        provider = make_provider(gce)
+        t4 = min((o for o in provider.offerings("T4", 1) if o.region == "us-central1"), key=lambda o: o.usd_per_hour)
+        priced = dataclasses.replace(t4, spot_zones=(("us-central1-f", 0.11), ("us-central1-c", 0.12),
+                                                      ("us-central1-a", 0.2)))
+        h = provider.provision("j", "j-n0-0001", 0, priced, spot=True)
+        assert h.zone == "us-central1-f"
+        provider.blocked_zones.add((t4.instance_type, "us-central1-f"))
+        assert provider.provision("j", "j-n0-0002", 0, priced, spot=True).zone == "us-central1-c"
+        assert provider.provision("j", "j-n0-0003", 0, priced).zone == "us-central1-a"  # on demand: zone order

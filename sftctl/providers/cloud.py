@@ -183,6 +183,8 @@ class CloudProvider:
     def provision(self, job_id: str, node_id: str, rank: int, offering: Offering, *,
                   spot: bool = False, bootstrap: str = "", image: str | None = None) -> NodeHandle:
         """Create one node in the first zone of ``offering.region`` with capacity; wait until it runs.
+        On spot, zones go cheapest first where the offering knows their prices (``spot_zones``);
+        ``blocked_zones`` (no capacity for this job, or a spot preemption's cool-down) are skipped.
 
         Raises:
             CapacityError: no zone of the region had capacity (scope ``offering``), or the cloud
@@ -191,6 +193,9 @@ class CloudProvider:
                 deleted first), or the cloud rejected the request.
         """
         zones = self.zones(offering.region)
+        if spot and offering.spot_zones:  # the cheapest spot zone first (a refreshed catalog knows each)
+            price = dict(offering.spot_zones)
+            zones = sorted(zones, key=lambda z: price.get(z or "", float("inf")))
         tried: list[str] = []
         last: CapacityError | None = None
         for zone in zones:
