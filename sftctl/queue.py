@@ -262,10 +262,15 @@ def claim_job(store: Store, job_id: str):
     if store.dialect.shared:
         from sftctl.state import LeaseKeeper
 
-        claim.lease = LeaseKeeper(store, job_id)
-        if not claim.lease.acquire():
+        try:
+            claim.lease = LeaseKeeper(store, job_id)
+            acquired = claim.lease.acquire()
+            held = None if acquired else store.lease(job_id)
+        except BaseException:  # the database unreachable: give the file lock back too
             lock.release()
-            held = store.lease(job_id)
+            raise
+        if not acquired:
+            lock.release()
             raise _leased(job_id, held[0] if held else "elsewhere")
     pid = os.getpid()
     ticks = procs.start_ticks(pid)
