@@ -104,7 +104,9 @@ def test_a_user_cannot_see_read_or_stop_another_users_job(server, tmp_path, monk
     spec = tmp_path / "sleeper.yaml"
     spec.write_text(SLEEPER)
     as_user(monkeypatch, server, t["alice"])
+    assert api.status() == []  # the server's list, cached for a second ...
     job = api.run(str(spec), detach=True).id
+    assert [v.id for v in api.status()] == [job]  # ... is forgotten at a submit through it
     follow = api.logs(job, follow=True)  # streamed: the job sleeps 300 s after its first line
     assert next(line.text for line in follow if not line.notice) == "[sftctl] node 0: run (attempt 1)"
     assert next(follow).text == "started" and api.status(job).status.value == "RUNNING"

@@ -9,7 +9,9 @@ Routes (JSON; every one but ``/v1/health`` needs ``Authorization: Bearer <token>
                             ``{"job": JobRecord.to_dict(), "warnings": [line, ...]}``
 ``POST /v1/jobs/{job}/start``  the server starts the job's controller -> the job's view
 ``GET  /v1/jobs``           ``{"jobs": [view, ...]}``, newest first; ``?all_users=true``: an
-                            admin's view of every user's jobs
+                            admin's view of every user's jobs. At most :data:`LIST_CACHE_S` old
+                            (concurrent polls share one read of the state), never older than a
+                            submit, start or down through this server
 ``GET  /v1/jobs/{job}``     one job's view in detail
 ``GET  /v1/jobs/{job}/events``  ``{"events": [Event.to_dict(), ...]}``
 ``GET  /v1/jobs/{job}/logs``    ``?follow&node&rank``: JSON lines ``{"text", "rank", "prefix",
@@ -53,6 +55,36 @@ class Forbidden(SftctlError):
 _STATUS = ((Unauthorized, 401), (Forbidden, 403), (NotFoundError, 404))
 
 
+#: seconds a jobs list answers every user's poll of it: ten clients polling `status --json` at
+#: once cost one read of the state, not ten (benchmarks/server_status.py)
+LIST_CACHE_S = 1.0
+
+
+class _Recent:
+    """A value per key, built at most once per ``ttl_s`` seconds: callers that ask while it is
+    being built wait for that build instead of starting their own."""
+
+    def __init__(self, ttl_s: float):
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._keys: dict = {}  # key -> [lock, built at (monotonic s), value]
+
+    def get(self, key, build):
+        import time
+
+        with self._lock:
+            entry = self._keys.setdefault(key, [threading.Lock(), -1e18, None])
+        with entry[0]:
+            if time.monotonic() - entry[1] > self.ttl_s:
+                entry[2], entry[1] = build(), time.monotonic()
+            return entry[2]
+
+    def clear(self) -> None:
+        """Forget every value (a write through this server: a submit, start or down)."""
+        with self._lock:
+            self._keys.clear()
+
+
 def _json(doc) -> Response:
     """``doc`` as JSON, encoded by :func:`json.dumps` alone: FastAPI's own encoder walks every
     value first (0.54 s for 1,000 jobs' views, against 0.04 s; benchmarks/server_status.py)."""
@@ -64,6 +96,7 @@ def create_app(supervisor):
     controllers of the jobs submitted to it."""
     app = FastAPI(title="sftctl server", version=__version__)
     submitting = threading.Lock()  # one plan at a time (CPU-bound; keeps each request's warnings its own)
+    lists = _Recent(LIST_CACHE_S)
 
     def error_doc(e: SftctlError) -> dict:
         return {"error": e.message, "hint": e.hint, "exit_code": int(e.exit_code), "kind": type(e).__name__}
@@ -132,6 +165,7 @@ def create_app(supervisor):
         with submitting, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", SftctlWarning)
             submitted = api.submit(text, overrides, origin=label, owner=user.name)
+            lists.clear()
         return _json({"job": api.job(submitted.job_id).to_dict(),
                       "warnings": [str(w.message) for w in caught if issubclass(w.category, SftctlWarning)]})
 
@@ -139,16 +173,21 @@ def create_app(supervisor):
     def start(job: str, user: User = Depends(current_user)):
         job_id = owned(user, job)
         supervisor.start(job_id)
+        lists.clear()
         return _json(api.status(job_id).to_wire())
 
     @app.get("/v1/jobs")
     def status_all(all_users: bool = False, user: User = Depends(current_user)):
         if all_users and not user.admin:
             raise Forbidden(f"--all-users: {user.name} is not an admin of this server", hint="sftctl status shows your jobs")
-        views = api.status()
-        if not all_users:
-            views = [v for v in views if v.record.owner == user.name]
-        return _json({"jobs": [v.to_wire() for v in views]})
+        def build() -> bytes:
+            views = api.status()
+            if not all_users:
+                views = [v for v in views if v.record.owner == user.name]
+            return json.dumps({"jobs": [v.to_wire() for v in views]}, default=str).encode()
+
+        body = lists.get((None if all_users else user.name), build)
+        return Response(body, media_type="application/json")
 
     @app.get("/v1/jobs/{job}")
     def status_one(job: str, user: User = Depends(current_user)):
@@ -192,6 +231,8 @@ def create_app(supervisor):
                     or any(n.status != NodeState.TERMINATED for n in api.status(v.id).nodes)]
         else:
             todo = [owned(user, str(body.get("job") or ""))]
-        return _json({"down": [r.to_dict() for j in todo for r in api.down(j, purge=purge)]})
+        results = [r.to_dict() for j in todo for r in api.down(j, purge=purge)]
+        lists.clear()
+        return _json({"down": results})
 
     return app
