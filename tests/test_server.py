@@ -314,6 +314,12 @@ def test_the_systemd_unit_runs_this_sftctl_and_leaves_controllers_running(home):
     assert sftctl("server", "manifest").returncode == 2
 
 
+def test_a_port_in_use_is_one_line(server):
+    proc = sftctl("server", "start", "--port", str(server.port))
+    assert proc.returncode == 2 and no_traceback(proc)
+    assert proc.stderr.startswith(f"error: sftctl server: cannot listen on 127.0.0.1:{server.port}: ")
+
+
 def test_secrets_travel_by_name_the_server_holds_their_values(home, tmp_path, monkeypatch):
     """A spec's ``secrets:`` name a variable; the node gets the server's value of it, never the
     client's (which the request does not carry); one the server lacks is refused, exit 2."""

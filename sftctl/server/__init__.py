@@ -150,12 +150,21 @@ def serve(host: str = "127.0.0.1", port: int = 8470) -> None:
     then answer requests on ``host:port``.
 
     Raises:
-        SftctlError: fastapi or uvicorn is not installed (exit 2).
+        SftctlError: fastapi or uvicorn is not installed, or ``host:port`` cannot be bound (in
+            use, or not an address of this machine) (exit 2).
     """
+    import socket
+
     try:
         import uvicorn
     except ImportError:
         raise SftctlError("sftctl server needs fastapi and uvicorn", hint="pip install 'sftctl[server]'") from None
+    try:  # said in one line now, not in uvicorn's log after the reconcile
+        with socket.create_server((host, port)):
+            pass
+    except OSError as e:
+        raise SftctlError(f"sftctl server: cannot listen on {host}:{port}: {e.strerror or e}",
+                          hint="another server runs there? pick another --port (or --host)") from None
     from sftctl import api
     from sftctl.server.app import create_app
 
