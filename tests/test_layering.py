@@ -214,3 +214,31 @@ def test_the_controller_is_split_by_job():
     }
     assert sorted(m for m in GRAPH_IN["sftctl.controller.lifecycle"]) == [
         "sftctl.api", "sftctl.controller", "sftctl.controller.__main__"]
+
+
+def _function_level_imports(module: str) -> list[str]:
+    """``line: module`` of each import of an sftctl module inside a function of ``module``."""
+    path = _modules()[module]
+    out = []
+    for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "sftctl":
+                    out.append(f"{node.lineno}: {node.module}")
+                elif isinstance(node, ast.Import):
+                    out += [f"{node.lineno}: {a.name}" for a in node.names if a.name.split(".")[0] == "sftctl"]
+    return sorted(set(out))
+
+
+#: Modules whose sftctl imports are all at module level (ARCHITECTURE.md, "Layers": a
+#: function-level import is for a heavy third-party module, never for a light sftctl one). The
+#: controller package is imported by no light path (`import sftctl.api`, `sftctl status`, the
+#: queue's waiting stage), so its imports cost those nothing.
+NO_FUNCTION_LEVEL_SFTCTL_IMPORTS = ["sftctl.controller", "sftctl.controller.lifecycle", "sftctl.controller.submit",
+                                    "sftctl.controller.teardown", "sftctl.controller.preview",
+                                    "sftctl.controller.ports", "sftctl.controller.slots"]
+
+
+@pytest.mark.parametrize("module", NO_FUNCTION_LEVEL_SFTCTL_IMPORTS)
+def test_light_sftctl_imports_are_at_module_level(module):
+    assert _function_level_imports(module) == []

@@ -43,10 +43,14 @@ from sftctl.errors import CapacityError, ExitCode, InfeasibleError, SftctlError
 from sftctl.health.telemetry import REPLACE, RESTART
 from sftctl.paths import job_dir
 from sftctl.providers.base import NodeState, provision_all, terminate_all
-from sftctl.queue import CANCEL_SIGNALS, DOWN_REASON, ControllerBusy, claim_job  # shared with the waiting stage
+from sftctl.health.monitor import HealthMonitor
+from sftctl.queue import CANCEL_SIGNALS, DOWN_REASON, ControllerBusy, claim_job, wait_turn  # shared with the waiting stage
 from sftctl.spec import JobSpec
 from sftctl.state import JobStatus, Store
-from sftctl.storage import StorageError
+from sftctl.storage import StorageError, open_storage
+from sftctl.storage.checkpoints import complete_checkpoint_steps
+from sftctl.storage.workdir import upload_workdir
+from sftctl.templates import render
 from sftctl.types import AttemptStatus, FailureCode, FailureReason, Plan, capabilities
 
 POLL_S = 0.5
@@ -184,8 +188,6 @@ class Controller:
         self.monitor = None
         self._queued_reason: str | None = None  # the scheduler's pending reason, as last recorded
         if self.spec.health.enabled:
-            from sftctl.health.monitor import HealthMonitor
-
             self.monitor = HealthMonitor(self.spec.health.thresholds(), self.spec.train.steps)
         self.attempt = 0
         self._reported_attempt = 0  # the attempt whose first step report has been seen
@@ -288,7 +290,6 @@ class Controller:
         if not capabilities(self.provider.name).local_admission:
             self._move(JobStatus.PROVISIONING)
             return
-        from sftctl.queue import wait_turn
 
         if not wait_turn(self.store, self.job_id, self.reporter.event):
             raise Cancelled("the job was ended by another process (sftctl down)")
@@ -441,7 +442,6 @@ class Controller:
         """The first-boot script of a cloud node: install sftctl, run the node daemon."""
         if not capabilities(self.provider.name).boots_script:
             return ""
-        from sftctl.templates import render
 
         return render("bootstrap.sh.j2", job_id=self.job_id, node_id=node_id, rank=rank,
                       storage_url=job_storage_url(self.spec, self.job_id) or "",
@@ -463,12 +463,7 @@ class Controller:
         return node_env(self.spec, self.job_id, self.plan, self.nodes, rank, attempt, master_port, self.workdir_key)
 
     def _launch(self, attempt: int) -> None:
-        from sftctl.templates import render
-
         if self.storage is not None and self.workdir_key is None:
-            from sftctl.storage import open_storage
-            from sftctl.storage.workdir import upload_workdir
-
             # under the storage's root, not the job's prefix: an unchanged workdir is uploaded once
             packed = upload_workdir(open_storage(self.spec.storage.url), self.spec.workdir,
                                     max_bytes=int(self.spec.storage.max_workdir_mb * 2**20))
@@ -590,8 +585,6 @@ class Controller:
 
     def _resume_point(self) -> str:
         """Where a relaunch resumes: the newest complete checkpoint, if this machine sees it."""
-        from sftctl.storage.checkpoints import complete_checkpoint_steps
-
         url = self.storage.url if self.storage is not None else None  # canonical: file:// for a directory
         root = url or self.spec.train.checkpoint_dir or str(job_dir(self.job_id) / "checkpoints")
         # Slurm on a login node shares its filesystem with the nodes; over SSH it does not

@@ -10,9 +10,11 @@ import difflib
 
 from sftctl import settings
 from sftctl.catalog import Offering
-from sftctl.providers import get_provider
 from sftctl.controller.slots import NodeSlot
 from sftctl.controller.submit import default_install, job_storage_url, node_env, required_secrets
+from sftctl.providers import get_provider
+from sftctl.providers.cloud import InstanceRequest
+from sftctl.providers.kubernetes import node_manifests
 from sftctl.spec import JobSpec, env_references
 from sftctl.templates import render
 from sftctl.types import NodeHandle, Plan, capabilities
@@ -87,9 +89,6 @@ def _preview_submits(spec: JobSpec, offering: Offering, job_id: str, nodes: list
         return [{"name": f"attempt-1/{name}", "text": text} for name, text in scripts.items()]
     if provider == "kubernetes":
         import yaml
-
-        from sftctl.providers.cloud import InstanceRequest
-        from sftctl.providers.kubernetes import node_manifests
 
         out = []
         secrets = {k: "<secret>" for k in required_secrets(spec)}

@@ -11,12 +11,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sftctl import settings
+from sftctl import __version__, settings
 from sftctl.controller.slots import NodeSlot
+from sftctl.errors import SpecError
 from sftctl.paths import job_dir
+from sftctl.protocol import is_secret_name
 from sftctl.providers import get_provider
 from sftctl.spec import JobSpec, env_references, resolve_env
 from sftctl.state import JobRecord
+from sftctl.storage import open_storage
+from sftctl.storage.checkpoints import complete_checkpoint_steps
+from sftctl.storage.stream import NodeChannel
 from sftctl.types import NodeHandle, Plan
 
 OWNER_FILE = ".sftctl-job"  # in a spec's train.checkpoint_dir: the job whose checkpoints it holds
@@ -37,9 +42,6 @@ def check_checkpoint_dir(spec: JobSpec) -> None:
     Raises:
         SpecError: the directory holds complete checkpoints of another job or of an unknown run.
     """
-    from sftctl.errors import SpecError
-    from sftctl.storage.checkpoints import complete_checkpoint_steps
-
     root = checkpoint_dir_path(spec)
     if root is None or not root.is_dir():
         return
@@ -95,8 +97,6 @@ def job_provider(job: JobRecord, name: str | None = None):
     options = _provider_options(spec, name)
     if url is None:
         return get_provider(name, **options)
-    from sftctl.storage import open_storage
-    from sftctl.storage.stream import NodeChannel
 
     kwargs = {}
     secret_env = secret_env_keys(spec)
@@ -114,8 +114,6 @@ def secret_env_keys(spec: JobSpec) -> set[str]:
     ``secrets:`` or one whose name says it is secret (``${MY_API_TOKEN}``, see
     :func:`sftctl.protocol.is_secret_name`). Job storage holds their names, not values;
     on Kubernetes the job's Secret carries them."""
-    from sftctl.protocol import is_secret_name
-
     return {k for k, v in spec.env.items()
             if any(name in spec.secrets or is_secret_name(name) for name in env_references(v))}
 
@@ -140,8 +138,6 @@ def _provider_options(spec: JobSpec, name: str) -> dict:
 
 def default_install() -> str:
     """What a cloud node's bootstrap pip-installs: this sftctl's version with the cloud extras."""
-    from sftctl import __version__
-
     return f"sftctl[aws,gcp]=={__version__}"
 
 

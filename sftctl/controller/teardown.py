@@ -17,12 +17,13 @@ from typing import Callable
 from sftctl import procs
 from sftctl.controller.submit import checkpoint_dir_path, job_provider, job_storage_url
 from sftctl.errors import SftctlError
-from sftctl.paths import CONTROLLER_OWNER, job_dir
-from sftctl.providers import get_provider
+from sftctl.paths import CONTROLLER_OWNER, job_dir, sftctl_home
+from sftctl.providers import PROVIDERS, configured, get_provider
 from sftctl.providers.base import NodeState, terminate_all
 from sftctl.queue import DOWN_REASON
 from sftctl.spec import JobSpec
-from sftctl.state import JobStatus, Store, controller_died_reason
+from sftctl.state import TERMINAL, JobStatus, Store, controller_died_reason
+from sftctl.storage import LocalStorage, open_storage
 from sftctl.types import AttemptStatus, FailureCode
 
 
@@ -121,8 +122,6 @@ def purge(store: Store, job_id: str) -> dict:
     """
     import shutil
 
-    from sftctl.state import TERMINAL
-
     job = store.get_job(job_id)
     if job is None:
         raise KeyError(job_id)
@@ -137,8 +136,6 @@ def purge(store: Store, job_id: str) -> dict:
     kept: list[dict] = []
     url = job_storage_url(spec, job_id)
     if url is not None:
-        from sftctl.storage import LocalStorage, open_storage
-
         storage = open_storage(url)
         if isinstance(storage, LocalStorage) and storage.mount is not None and not storage.mount.is_dir():
             kept.append({"where": storage.url, "why": f"the claim is not mounted here ({storage.mount})"})
@@ -175,9 +172,6 @@ def purge(store: Store, job_id: str) -> dict:
 def _purge_workdir_pack(store: Store, job_id: str, spec: JobSpec, kept: list[dict]) -> list[dict]:
     """Delete the workdir pack this job uploaded to its storage root (packs are shared by content
     hash), unless a live job of this state uses the same one."""
-    from sftctl.state import TERMINAL
-    from sftctl.storage import open_storage
-
     def packs(jid: str) -> list[dict]:
         return [e.data for e in store.events(jid) if e.kind == "storage" and (e.data or {}).get("workdir_key")]
 
@@ -210,8 +204,6 @@ def down_orphans(store: Store | None, checked: list[str] | None = None) -> list[
     their job directories' ``controller.json`` (see :func:`sftctl.queue.claim_job`), outside the state.
     Returns one summary line per job swept; ``checked`` (when given) receives the providers asked.
     """
-    from sftctl.providers import PROVIDERS, configured
-
     out = _stop_unknown_controllers(store)
     for name in PROVIDERS:
         if configured(name) is not None:
@@ -238,8 +230,6 @@ def _stop_unknown_controllers(store: Store | None) -> list[str]:
     """SIGTERM (then SIGKILL after ``DOWN_GRACE_S``) each live controller on this host whose job
     the state does not know; its teardown removes the job's nodes. One line per controller."""
     import json
-
-    from sftctl.paths import sftctl_home
 
     root = sftctl_home() / "jobs"
     out = []
