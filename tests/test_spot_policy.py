@@ -191,3 +191,53 @@ def test_spot_nodes_go_to_the_cheapest_zone_first_and_skip_blocked_ones(home, mo
         provider.blocked_zones.add((t4.instance_type, "us-central1-f"))
         assert provider.provision("j", "j-n0-0002", 0, priced, spot=True).zone == "us-central1-c"
         assert provider.provision("j", "j-n0-0003", 0, priced).zone == "us-central1-a"  # on demand: zone order
+
+
+def test_a_lone_preempted_node_moves_to_another_region_when_its_zones_are_blocked(home, gcs_endpoint, monkeypatch,
+                                                                                 tmp_path):
+    """Every zone of the job's region is in its cool-down (stored in state.db): the replacement
+    of a one-node job's preempted spot node fails over to the plan's offering in another region."""
+    import uuid
+
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage as gcs
+
+    from conftest import deadline
+    from gce_emulator import GCEEmulator
+    from servers import gcs_env
+    from sftctl import api
+    from sftctl.controller.lifecycle import Controller
+    from sftctl.state import Store
+    from sftctl.types import FailureCode
+
+    for key, value in gcs_env(gcs_endpoint).items():
+        monkeypatch.setenv(key, value)
+    bucket = f"spot-{uuid.uuid4().hex[:10]}"
+    gcs.Client(project="sftctl-test", credentials=AnonymousCredentials()).create_bucket(bucket)
+    with GCEEmulator() as gce:
+        monkeypatch.setenv("SFTCTL_GCE_ENDPOINT", gce.url)
+        monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", gce.project)
+        path = tmp_path / "spot.yaml"
+        path.write_text(SPOT_SPEC.format(bucket=bucket).replace("regions: [us-central1]", "regions: [us-central1, us-east1]"))
+        job = api.submit(str(path))
+        store = Store()
+        c = Controller(store, job.job_id)
+        try:
+            c._provision()
+            h = c.nodes[0].handle
+            region = c.offering.region
+            other = ({"us-central1", "us-east1"} - {region}).pop()
+            for zone in (z for z, st in gce.zones.items() if z.startswith(region + "-")):
+                store.block_zone("gcp", c.offering.instance_type, zone, until=2e9, reason="an earlier preemption")
+            gce.set_status(h.zone, h.id, "TERMINATED")
+            failure = _monitor(c, deadline(60))
+            assert failure.reason.code is FailureCode.PREEMPTED
+            c._replace(0)
+            moved = c.nodes[0].handle
+            assert (c.offering.region, moved.zone.rsplit("-", 1)[0], moved.spot) == (other, other, True)
+            assert store.get_job(job.job_id).plan.offering.region == other  # the plan in state moved too
+            events = [(e.kind, e.message) for e in api.events(job.job_id) if e.kind in ("spot", "capacity", "replace")]
+            assert [k for k, _ in events] == ["spot", "capacity", "replace"]
+            assert f"in {other}" in events[1][1] and f"in {moved.zone}" in events[2][1]
+        finally:
+            c._teardown()

@@ -610,15 +610,19 @@ class Controller:
         node_id = self.store.add_node(self.job_id, rank, self.provider.name)
         new = NodeSlot(node_id, rank, generation=old.generation + 1)
         self.nodes[i] = new
-        self.spot.seed(self.provider)
-        try:
-            new.handle = self.provider.provision(self.job_id, node_id, rank, self.offering,
-                                                    bootstrap=self._bootstrap(node_id, rank), **self._provision_options())
-        except CapacityError as e:
-            self.store.update_node(node_id, status=NodeState.FAILED.value)
-            if not self._shrink(i, rank, e):
-                raise
-            return
+        while True:
+            self.spot.seed(self.provider)
+            try:
+                new.handle = self.provider.provision(self.job_id, node_id, rank, self.offering,
+                                                        bootstrap=self._bootstrap(node_id, rank), **self._provision_options())
+                break
+            except CapacityError as e:
+                if len(self.nodes) == 1 and self._fail_over(e):  # a lone node may move: next offering of the plan
+                    continue
+                self.store.update_node(node_id, status=NodeState.FAILED.value)
+                if not self._shrink(i, rank, e):
+                    raise
+                return
         self.store.update_node(node_id, status=NodeState.READY.value, handle=new.handle.to_dict())
         if self.monitor is not None:
             self.monitor.reset_node(rank)
@@ -627,6 +631,24 @@ class Controller:
             f" in {zone}" + ("" if spot is None else (", spot" if spot else ", on demand")) if zone else "")
         self.store.add_event(self.job_id, "replace", message, {"zone": zone, "spot": spot} if zone else None)
         self.reporter.event(message)
+
+    def _fail_over(self, e: CapacityError) -> bool:
+        """Block what ``e`` names for this job and move the job to the plan's next feasible
+        offering (another zone's worth of capacity having run out: another region, instance type
+        or cloud). False when the plan has none left. Only for a job of one node: the others of a
+        multi-node job stay where they run."""
+        self.blocked.append(e)
+        nxt = self._next_offering()
+        if nxt is None:
+            return False
+        message = f"{e.message}; trying {nxt.provider} {nxt.instance_type} in {nxt.region}"
+        self.store.add_event(self.job_id, "capacity", message)
+        self.reporter.event(message)
+        self.offering = nxt
+        self.provider = job_provider(self.store.get_job(self.job_id), nxt.provider)
+        self.plan = self.plan.with_offering(nxt)
+        self.store.update_job(self.job_id, provider=nxt.provider, offering_json=self.plan.to_dict())
+        return True
 
     def _quarantine(self, node: NodeSlot, verdict: str) -> None:
         """Ask the provider to keep ``node``'s machine out (best effort) and record what it did."""

@@ -260,7 +260,7 @@ def gcp_rows(regions: list[str] | None = None, *, workers: int = 16, provider=No
     wanted = set(regions) if regions else None
     zones = sorted(z.name for z in zones if wanted is None or z.name.rsplit("-", 1)[0] in wanted)
     read = sorted({z.rsplit("-", 1)[0] for z in zones})
-    n1 = {machine for machine in GCP_N1_HOSTS.values()}
+    n1 = set(GCP_N1_HOSTS.values())
 
     def zone_types(zone: str) -> tuple[str, list, dict]:
         accs = call(f"list the accelerator types of {zone}",
@@ -270,7 +270,7 @@ def gcp_rows(regions: list[str] | None = None, *, workers: int = 16, provider=No
                                  if m.accelerators or m.name in n1])
         return zone, machines, accs
 
-    skus = _pool(workers, lambda _: _gce_skus(p, call), [0])[0]
+    skus = _gce_skus(p, call)
     rows: dict[tuple[str, str], dict] = {}
     for zone, machines, accs in _pool(workers, zone_types, zones):
         region = zone.rsplit("-", 1)[0]
