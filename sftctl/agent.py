@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 
 from sftctl import settings
+from sftctl.health.prometheus import render
+from sftctl.health.sources import NoGpuSource, open_source
+from sftctl.protocol import NodeDir
 
 
 def _replay_path(explicit: str | None) -> str | None:
@@ -53,8 +56,6 @@ def _serve(port: int, latest: list, lock: threading.Lock, address: str = "127.0.
     """Serve ``/metrics`` on ``address:port``: loopback unless the spec's
     ``health.metrics_address`` opens it (the endpoint has no authentication)."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    from sftctl.health.prometheus import render
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's name)
@@ -81,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m sftctl.agent",
         description="Sample this node's GPUs into a JSON-lines file and serve them to Prometheus.",
     )
-    from sftctl.protocol import NodeDir
 
     node_dir = settings.get("SFTCTL_NODE_DIR")
     ap.add_argument("--out", default=str(NodeDir(Path(node_dir)).health), help="JSON-lines file to append samples to")
@@ -105,8 +105,6 @@ def main(argv: list[str] | None = None) -> int:
             """Say it in the stream (the controller turns it into an event) and keep going."""
             f.write(json.dumps({"ts": time.time(), "agent_error": message}) + "\n")
             print(f"sftctl agent: {message}", file=sys.stderr, flush=True)
-
-        from sftctl.health.sources import NoGpuSource, open_source
 
         try:
             source = open_source(replay_path=_replay_path(args.replay), metrics_dir=args.metrics_dir)

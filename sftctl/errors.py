@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import enum
 
+from sftctl.types import FailureReason
+
 
 class ExitCode(enum.IntEnum):
     """Process exit codes shared by every ``sftctl`` command."""
@@ -97,8 +99,6 @@ class ProviderError(SftctlError):
 
     @property
     def reason(self):
-        from sftctl.types import FailureReason
-
         return FailureReason(self.failure_code, self.message, self._reason_data())
 
     def _reason_data(self) -> dict:

@@ -38,6 +38,7 @@ import traceback
 from pathlib import Path
 
 from sftctl import settings
+from sftctl.protocol import parse_failure
 from sftctl.types import FailureCode, FailureReason
 
 
@@ -177,8 +178,6 @@ def write_record(reason: FailureReason, path: str | os.PathLike) -> None:
 
 def read_record(data: bytes | str | None) -> FailureReason | None:
     """:func:`sftctl.protocol.parse_failure`: the record's reason, or None."""
-    from sftctl.protocol import parse_failure
-
     return parse_failure(data)
 
 

@@ -29,6 +29,10 @@ import threading
 from pathlib import Path
 
 from sftctl import settings
+from sftctl.protocol import NodeDir, write_exit_file
+from sftctl.storage import StorageError, open_storage
+from sftctl.storage.stream import NodeChannel, Shipper
+from sftctl.storage.workdir import fetch_workdir
 
 
 class NodeDaemon:
@@ -42,10 +46,6 @@ class NodeDaemon:
     """
 
     def __init__(self, storage, node_id: str, node_dir: str | os.PathLike, poll_s: float = 1.0):
-        from sftctl.protocol import NodeDir
-        from sftctl.storage.stream import NodeChannel
-        from sftctl.storage.stream import Shipper
-
         self.storage, self.node_id, self.poll_s = storage, node_id, poll_s
         self.node_dir = Path(node_dir)
         self.files = NodeDir(self.node_dir)
@@ -70,8 +70,6 @@ class NodeDaemon:
 
     def tick(self) -> None:
         """One poll: start a newer attempt, honour a stop request, record an exit nobody wrote."""
-        from sftctl.storage import StorageError
-
         try:
             request = self.channel.poll_launch(self.node_id, self.attempt)
             if request is not None:
@@ -91,9 +89,6 @@ class NodeDaemon:
         env = dict(env)
         key = settings.raw("SFTCTL_WORKDIR_KEY", env)
         if key:
-            from sftctl.storage import open_storage
-            from sftctl.storage.workdir import fetch_workdir
-
             dest = self.node_dir / "workdir" / Path(key).name.split(".")[0]
             if not dest.is_dir():
                 root = settings.raw("SFTCTL_WORKDIR_STORAGE", env)
@@ -131,8 +126,6 @@ class NodeDaemon:
     def _record_exit(self) -> None:
         """When the attempt's shell ended without an exit file (it was killed), write one
         (the protocol's rule 3)."""
-        from sftctl.protocol import write_exit_file
-
         if self.proc is None or self.proc.poll() is None:
             return
         exit_file = self.files.exit(self.attempt)
@@ -144,8 +137,6 @@ class NodeDaemon:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: ``python -m sftctl.node`` with the environment of the module docstring."""
-    from sftctl.storage import open_storage
-
     os.umask(0o077)  # the job's files on this node (logs, checkpoints): owner-only
 
     missing = [k for k in ("SFTCTL_STORAGE_URL", "SFTCTL_NODE_ID", "SFTCTL_NODE_DIR") if not settings.raw(k)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sftctl import settings
+from sftctl.errors import SftctlError
 
 
 def sftctl_home() -> Path:
@@ -24,8 +25,6 @@ def sftctl_home() -> Path:
         try:
             home.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as e:
-            from sftctl.errors import SftctlError
-
             raise SftctlError(f"cannot use {home} as the sftctl home: {e.strerror or e}",
                               hint="point SFTCTL_HOME at a directory you can write") from None
     return home

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from sftctl import settings
+
 _PROC = Path("/proc")
 
 #: ``python -c`` code that runs sftctl module ``{module}`` as ``python -m`` would, but with no
@@ -173,8 +175,6 @@ def _successor(owner: str | None, old_pid: int) -> tuple[int, int | None] | None
 def main(argv: list[str] | None = None) -> int:
     """``python -m sftctl.procs guard PID TICKS NODE_ID [--owner FILE] -- COMMAND...`` (see
     :func:`guard`; the grace comes from ``SFTCTL_LOCAL_ADOPT_GRACE_S`` in its environment)."""
-    from sftctl import settings
-
     args = list(sys.argv[1:] if argv is None else argv)
     owner = None
     if len(args) > 5 and args[4] == "--owner":

@@ -91,6 +91,8 @@ import re
 from pathlib import Path
 from typing import Union
 
+from sftctl.types import FailureReason
+
 
 __all__ = [
     "CONTROLLER_HEARTBEAT",
@@ -214,8 +216,6 @@ def complete_json_lines(key: str, data: bytes, offsets: dict[str, int]) -> list[
 def parse_failure(raw: bytes | str | None):
     """A failure record's :class:`sftctl.types.FailureReason`; None for no record, or one that
     does not parse (a truncated or foreign file is not worth failing the controller)."""
-    from sftctl.types import FailureReason
-
     if not raw:
         return None
     try:

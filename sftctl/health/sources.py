@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from sftctl.protocol import METRICS_GLOB
+
 Clock = Callable[[], float]
 
 
@@ -526,7 +528,6 @@ class ReplaySource:
         """Highest ``step`` in ``metrics_dir/rank-*.jsonl`` so far (read incrementally)."""
         if self._metrics_dir is None:
             return None
-        from sftctl.protocol import METRICS_GLOB
 
         for name in sorted(glob.glob(str(self._metrics_dir / METRICS_GLOB))):
             offset = self._offsets.get(name, 0)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from sftctl.errors import CapacityError
 from sftctl.types import FailureReason, NodeHandle, NodeState, NodeStatus, Offering  # noqa: F401  (re-exported)
 
 
@@ -123,8 +124,6 @@ def provision_all(provider: Provider, job_id: str, nodes: list[tuple[str, int]],
         the handles in the order of ``nodes``.
     """
     from concurrent.futures import ThreadPoolExecutor
-
-    from sftctl.errors import CapacityError
 
     def one(node: tuple[str, int]) -> NodeHandle:
         kw = dict(kwargs)

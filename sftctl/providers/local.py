@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sftctl import procs
+from sftctl import procs, settings
 from sftctl.catalog import Offering, local_offering
 from sftctl.errors import CapacityError, ProviderError
 from sftctl.paths import CONTROLLER_OWNER, job_dir, sftctl_home
@@ -58,8 +58,6 @@ class LocalProvider:
         nodes than ``$SFTCTL_LOCAL_MAX_NODES`` lends a job. Known at plan time, so a job that
         can never start is refused at submit (exit 3) instead of queueing or starting
         thousands of processes."""
-        from sftctl import settings
-
         cores = os.cpu_count() or 1
         cap = settings.get("SFTCTL_LOCAL_MAX_NODES")
         need = nodes * offering.count
@@ -77,8 +75,6 @@ class LocalProvider:
         process): this machine lends a job at most that many nodes in its lifetime; the next one
         is refused with :class:`CapacityError`, as a cloud out of capacity refuses a replacement.
         """
-        from sftctl import settings
-
         cap = settings.get("SFTCTL_LOCAL_MAX_NODES")
         made = job_dir(job_id) / "nodes"
         if cap is not None and made.is_dir() and sum(1 for _ in made.iterdir()) >= cap:

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Union
 
-from sftctl.storage import Storage, StorageError, StorageNotFound, _check_key
+from sftctl.storage import Storage, StorageError, StorageNotFound, _check_key, open_storage
 
 __all__ = [
     "MANIFEST",
@@ -448,7 +448,5 @@ def complete_checkpoint_steps(root: str | os.PathLike) -> list[int]:
         StorageError: the storage URL is bad or the storage unreachable.
     """
     if isinstance(root, str) and "://" in root:
-        from sftctl.storage import open_storage
-
         return complete_steps(open_storage(root))
     return [step for step, _ in complete_local_checkpoints(root)]

@@ -45,9 +45,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from sftctl import protocol
+from sftctl import protocol, settings
 from sftctl.protocol import node_prefix
-from sftctl.storage import Storage, StorageError, StorageNotFound
+from sftctl.storage import Storage, StorageError, StorageNotFound, open_storage
 
 __all__ = [
     "FLUSH_BYTES",
@@ -612,11 +612,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import signal
 
-    from sftctl.storage import open_storage
-
     ap = argparse.ArgumentParser(prog="python -m sftctl.storage.stream",
                                  description="Ship a node directory's logs, metrics and exit codes to job storage.")
-    from sftctl import settings
 
     ap.add_argument("--storage", default=settings.raw("SFTCTL_STORAGE_URL"), help="job storage URL")
     ap.add_argument("--node-id", default=settings.raw("SFTCTL_NODE_ID"))

@@ -20,6 +20,10 @@ import base64
 import shlex
 from functools import lru_cache
 
+from sftctl import protocol
+from sftctl.procs import module_argv
+from sftctl.slurm_config import control_problem
+
 
 def _yaml_scalar(value) -> str:
     import yaml
@@ -30,8 +34,6 @@ def _yaml_scalar(value) -> str:
 def _py_module(module: str) -> str:
     """``-c '...'``: the shell words after a Python that run sftctl's ``module`` without the
     working directory on ``sys.path`` (:func:`sftctl.procs.module_argv`)."""
-    from sftctl.procs import module_argv
-
     return " ".join(shlex.quote(a) for a in module_argv(module)[1:])
 
 
@@ -39,8 +41,6 @@ def _sbatch_word(value) -> str:
     """One word of an ``#SBATCH`` line: refused (ValueError) if it holds a control character
     (a newline would end the comment and run the rest as shell on the compute node);
     the ``slurm:`` settings are checked for this long before (:func:`sftctl.slurm_config.control_problem`)."""
-    from sftctl.slurm_config import control_problem
-
     text = str(value)
     problem = control_problem(text)
     if problem:
@@ -62,7 +62,6 @@ def _env():
     env.filters["yq"] = _yaml_scalar
     env.filters["sbatch"] = _sbatch_word
     env.filters["b64"] = lambda v: base64.b64encode(str(v).encode()).decode()
-    from sftctl import protocol
 
     env.globals["protocol"] = protocol
     env.globals["py_module"] = _py_module
