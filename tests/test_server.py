@@ -395,3 +395,37 @@ def test_the_server_and_its_controller_killed_restart_adopts_the_job(state_backe
     assert max(seen) == 2, seen  # never a duplicate node at the provider
     assert sorted({n.rank for n in view.nodes}) == [0, 1]
     assert job_processes(job) == []
+
+
+def test_two_servers_on_one_postgres_one_controller_per_job(postgres, pg_url, home, tmp_path, monkeypatch):
+    """Two servers, each with a home of its own (two machines: no file lock in common), share one
+    Postgres. A job submitted to the first has its one controller there; the second shows it to
+    its user (one place for the team's jobs) and, through reconciliations while it runs, never
+    starts a controller for it (the controller's lease in the database)."""
+    import httpx
+
+    from sftctl import api
+
+    a = Server(home, tmp_path / "a.log").start()
+    b = Server(tmp_path / "home-b", tmp_path / "b.log", env={"SFTCTL_HOME": str(tmp_path / "home-b")}).start()
+    try:
+        t = tokens("alice")  # the users are the database's: one token for both servers
+        spec = loop_job(tmp_path, steps=6)
+        as_user(monkeypatch, a, t["alice"])
+        job = api.run(str(spec), detach=True).id
+        wait_for(lambda: (tmp_path / "work" / "ckpt-1").exists(), timeout_s=120, what="the job to step")
+        started = [ln for ln in a.log.read_text().splitlines() if f"controller of {job} started" in ln]
+        assert len(started) == 1
+        rounds = httpx.get(f"{b.url}/v1/health").json()["reconciles"]
+        wait_for(lambda: httpx.get(f"{b.url}/v1/health").json()["reconciles"] >= rounds + 2, timeout_s=60,
+                 what="two reconciliations on the second server while the job runs")
+        as_user(monkeypatch, b, t["alice"])
+        assert [v.id for v in api.status()] == [job] and api.status(job).status.value == "RUNNING"
+        (tmp_path / "work" / "go").touch()
+        view = wait_for(lambda: (v := api.status(job)).status.terminal and v, timeout_s=120, what="the job to end")
+        assert view.status.value == "SUCCEEDED", view.failure_reason
+        assert f"started (pid {view.record.controller_pid})" in started[0]  # the first server's, all along
+        assert "controller of" not in b.log.read_text()
+    finally:
+        b.stop()
+        a.stop()

@@ -27,6 +27,10 @@ from sftctl.errors import SftctlError
 
 #: seconds between two reconciliations of the state with the live controllers
 RECONCILE_S = 10.0
+#: seconds an unfinished job on a shared (Postgres) state is seen without a controller's lease
+#: before a reconcile gives it one (a controller just started by another server takes it soon):
+#: in effect two reconciliations in a row, RECONCILE_S apart
+CLAIM_GRACE_S = 5.0
 #: a job whose controller this server restarted this many times and that died again fails
 #: (FAILED_CONTROLLER) instead of a fourth restart: a controller that crashes at once would loop
 MAX_RESTARTS = 3
@@ -44,6 +48,8 @@ class Supervisor:
     def __init__(self):
         self._procs: dict[str, object] = {}  # job id -> subprocess.Popen
         self._restarts: dict[str, int] = {}  # job id -> controllers reconcile started for it
+        self.rounds = 0  # reconciliations done (GET /v1/health says it)
+        self._leaseless: dict[str, float] = {}  # shared state: job id -> when first seen without a lease
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -72,7 +78,11 @@ class Supervisor:
     def orphans(self) -> list[str]:
         """Unfinished jobs in state whose controller is not alive: none recorded (past
         ``CONTROLLER_START_GRACE_S`` after submission: a client that died between submit and
-        start), or its process is gone (pid and start time; :func:`sftctl.procs.alive`)."""
+        start), or it is gone: on this machine's state, its process (pid and start time;
+        :func:`sftctl.procs.alive`) and its file lock; on a shared (Postgres) state, whose
+        controllers may run on other servers' machines, its lease in the database (a controller
+        just started, maybe by another server, may not hold it yet: a job counts once it was
+        seen without a lease for :data:`CLAIM_GRACE_S` seconds)."""
         from sftctl import procs
         from sftctl.queue import check_no_live_controller
         from sftctl.state import CONTROLLER_START_GRACE_S, Store
@@ -80,21 +90,28 @@ class Supervisor:
 
         store = Store()
         try:
+            shared = store.dialect.shared
+            out = []
             live = store.list_jobs({s for s in JobStatus if not s.terminal})
+            self._leaseless = {k: v for k, v in self._leaseless.items() if k in {j.id for j in live}}
+            for j in live:
+                now = time.time()
+                if j.controller_pid is None and now - j.created_at < CONTROLLER_START_GRACE_S:
+                    continue  # just submitted: its client starts it
+                if not shared and j.controller_pid and procs.alive(j.controller_pid, j.controller_start_ticks):
+                    continue
+                try:
+                    check_no_live_controller(j.id, store)  # no file lock held here, no lease held anywhere
+                except SftctlError:
+                    self._leaseless.pop(j.id, None)
+                    continue
+                if shared and now - self._leaseless.setdefault(j.id, now) < CLAIM_GRACE_S:
+                    continue  # just started somewhere? its lease may come
+                self._leaseless.pop(j.id, None)
+                out.append(j.id)
+            return out
         finally:
             store.close()
-        out = []
-        for j in live:
-            if j.controller_pid is None and time.time() - j.created_at < CONTROLLER_START_GRACE_S:
-                continue  # just submitted: its client starts it
-            if j.controller_pid and procs.alive(j.controller_pid, j.controller_start_ticks):
-                continue
-            try:
-                check_no_live_controller(j.id)  # its lock free: nobody acts on the job now
-            except SftctlError:
-                continue
-            out.append(j.id)
-        return out
 
     def reconcile(self) -> list[str]:
         """Give every unfinished job without a live controller a new one; return their ids."""
@@ -110,6 +127,7 @@ class Supervisor:
                 log.info("%s: %s", job_id, e.message)
                 continue
             started.append(job_id)
+        self.rounds += 1
         return started
 
     def _give_up(self, job_id: str) -> None:

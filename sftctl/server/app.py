@@ -3,7 +3,8 @@
 Routes (JSON; every one but ``/v1/health`` needs ``Authorization: Bearer <token>``):
 
 ==========================  ==============================================================
-``GET  /v1/health``         ``{"ok": true, "version"}`` (liveness and readiness probes)
+``GET  /v1/health``         ``{"ok": true, "version", "reconciles"}`` (liveness and readiness
+                            probes; reconciliations of state with live controllers so far)
 ``GET  /v1/whoami``         ``{"name", "admin"}``
 ``POST /v1/jobs``           submit: ``{"spec_text", "spec_path", "overrides"}`` ->
                             ``{"job": JobRecord.to_dict(), "warnings": [line, ...]}``
@@ -150,7 +151,7 @@ def create_app(supervisor):
 
     @app.get("/v1/health")
     def health():
-        return {"ok": True, "version": __version__}
+        return {"ok": True, "version": __version__, "reconciles": supervisor.rounds}
 
     @app.get("/v1/whoami")
     def whoami(user: User = Depends(current_user)):
