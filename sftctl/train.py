@@ -76,12 +76,16 @@ from typing import Any
 
 from sftctl import failure as _failure
 from sftctl import settings
+from sftctl.protocol import metrics_name
+from sftctl.storage import open_storage
 
 # the local checkpoint layout (state.pt / .metadata, COMPLETE last) is defined in storage, which
 # the controller counts checkpoints through without importing this module
 from sftctl.storage.checkpoints import COMPLETE_FILE, DCP_METADATA, STATE_FILE, complete_checkpoint_steps
 from sftctl.storage.checkpoints import complete_local_checkpoints as _complete_checkpoints
 from sftctl.storage.checkpoints import read_complete_marker as _read_complete
+from sftctl.storage.checkpoints import (begin_checkpoint, download_checkpoint, latest_complete, upload_files,
+                                       write_checkpoint, write_manifest)
 
 # an uncaught exception in the training script lands in torchelastic's error file, so the job's
 # failure reason names it (see sftctl/failure.py); no-op outside an sftctl node
@@ -238,7 +242,6 @@ def report(
 def _append_line(path: Path, rank: int, record: dict) -> None:
     line = (json.dumps(record, allow_nan=False) + "\n").encode("utf-8")
     path.mkdir(parents=True, exist_ok=True)
-    from sftctl.protocol import metrics_name
 
     fd = os.open(path / metrics_name(rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -402,8 +405,6 @@ def save_checkpoint(state: dict[str, Any], step: int, *, keep: int | None = None
     _prune(root, keep)
     storage = _job_storage()
     if storage is not None:
-        from sftctl.storage.checkpoints import write_checkpoint
-
         write_checkpoint(storage, step, final, keep=keep)
     return final
 
@@ -426,8 +427,6 @@ def latest_checkpoint() -> Path | None:
     local = complete[-1] if complete else None
     storage = _job_storage()
     if storage is not None:
-        from sftctl.storage.checkpoints import latest_complete
-
         remote = latest_complete(storage)
         if remote is not None and (local is None or remote > local[0]):
             return _download_checkpoint(storage, remote, root)
@@ -439,7 +438,6 @@ def _job_storage():
     url = settings.raw("SFTCTL_STORAGE_URL")
     if not url:
         return None
-    from sftctl.storage import open_storage  # lazy: keep this module's import light
 
     cached = _storage_cache.get(url)
     if cached is None:
@@ -452,8 +450,6 @@ _storage_cache: dict[str, Any] = {}
 
 def _download_checkpoint(storage: Any, step: int, root: Path) -> Path:
     """Download the storage's checkpoint of ``step`` into ``root/step-%08d`` (tmp dir + rename)."""
-    from sftctl.storage.checkpoints import download_checkpoint
-
     root.mkdir(parents=True, exist_ok=True)
     name = _step_name(step)
     final = root / name
@@ -860,8 +856,6 @@ def save_sharded_checkpoint(model: Any, optimizer: Any, step: int, *, extra: dic
         raise
     storage = _job_storage()
     if storage is not None:
-        from sftctl.storage.checkpoints import begin_checkpoint, upload_files, write_manifest
-
         if rank == 0:
             begin_checkpoint(storage, step)
         if dist:

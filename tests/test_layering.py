@@ -242,9 +242,18 @@ NO_FUNCTION_LEVEL_SFTCTL_IMPORTS = [
     # the node side (daemon, GPU agent, failure records), storage, templates, the provider base
     "sftctl.node", "sftctl.agent", "sftctl.failure", "sftctl.health.sources", "sftctl.storage.checkpoints",
     "sftctl.storage.stream", "sftctl.templates", "sftctl.providers.base", "sftctl.providers.local",
+    "sftctl.providers.kubernetes", "sftctl.train",
+    # these keep only the imports named: a backend's SDK (boto3, google-cloud), a provider loaded on demand
+    "sftctl.storage", "sftctl.providers",
 ]
+#: module -> the function-level sftctl imports it keeps, and why (heavy or loaded only when asked for)
+KEPT_FUNCTION_LEVEL = {
+    "sftctl.storage": {"sftctl.storage.s3", "sftctl.storage.gcs"},  # boto3, google-cloud-storage
+    "sftctl.providers": {"sftctl.providers.slurm"},  # only when slurm's configuration is asked about
+}
 
 
 @pytest.mark.parametrize("module", NO_FUNCTION_LEVEL_SFTCTL_IMPORTS)
 def test_light_sftctl_imports_are_at_module_level(module):
-    assert _function_level_imports(module) == []
+    kept = KEPT_FUNCTION_LEVEL.get(module, set())
+    assert [i for i in _function_level_imports(module) if i.split(": ")[1] not in kept] == []

@@ -12,6 +12,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+from sftctl import settings
+from sftctl.errors import ProviderError
 from sftctl.providers.base import Provider
 
 PROVIDERS = ("local", "aws", "gcp", "kubernetes", "slurm")
@@ -34,8 +36,6 @@ def get_provider(name: str, **kwargs) -> Provider:
     Raises:
         ProviderError: unknown provider, or its SDK is not installed (exit code 4).
     """
-    from sftctl.errors import ProviderError
-
     if name not in _CLASSES:
         raise ProviderError(f"unknown provider {name!r}", hint=f"providers: {', '.join(PROVIDERS)}")
     module, cls = _CLASSES[name]
@@ -89,7 +89,6 @@ def configured(name: str, environ: dict | None = None) -> str | None:
         return "aws: no credentials (set AWS_PROFILE or AWS_ACCESS_KEY_ID, or run aws configure)"
     if name == "gcp":
         adc = Path(env.get("CLOUDSDK_CONFIG", home / ".config" / "gcloud")) / "application_default_credentials.json"
-        from sftctl import settings
 
         if env.get("GOOGLE_APPLICATION_CREDENTIALS") or settings.get("SFTCTL_GCE_ENDPOINT", environ) or adc.is_file():
             return None

@@ -45,6 +45,7 @@ import re
 import threading
 import time
 
+from sftctl import settings, templates
 from sftctl.catalog import Offering
 from sftctl.catalog.identity import from_node_labels, kubernetes_labels
 from sftctl.errors import CapacityError, CredentialsError, ProviderError
@@ -204,8 +205,6 @@ def _quantity(value) -> float:
 
 def render(name: str, **context) -> str:
     """Render ``sftctl/templates/k8s/<name>`` (YAML text); a missing variable raises an error."""
-    from sftctl import templates
-
     return templates.render(f"k8s/{name}", **context)
 
 
@@ -329,7 +328,6 @@ class KubernetesProvider(CloudProvider):
                  kubeconfig: str | None = None, prices: dict[str, float] | None = None,
                  secrets: dict[str, str] | None = None, num_nodes: int | None = None, **_):
         super().__init__(channel=channel, poll_s=poll_s, ready_timeout_s=ready_timeout_s)
-        from sftctl import settings
 
         self.context = context or settings.get("SFTCTL_K8S_CONTEXT")
         self._namespace = namespace or settings.get("SFTCTL_K8S_NAMESPACE")

@@ -39,6 +39,8 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
+from sftctl import settings
+
 
 __all__ = [
     "MARKER_KEY",
@@ -100,7 +102,6 @@ def open_storage(url: str | os.PathLike) -> Storage:
         claim, _, prefix = rest.partition("/")
         if not claim:
             raise StorageError(f"storage URL {raw!r}: no claim name", hint="write pvc://CLAIM/PREFIX")
-        from sftctl import settings
 
         mount = Path(settings.get("SFTCTL_PVC_MOUNT"))
         prefix = _clean_prefix(raw, prefix)
