@@ -642,11 +642,16 @@ def attach(job: str, reporter=None) -> Attached:
     remote = _remote()
     if remote is not None:
         started = time.monotonic()
-        start(job)
-        for line in logs(job, follow=True):
-            if reporter is not None and not line.notice:
-                reporter.log(line.rank or 0, line.text + "\n")
-        view = wait(job)
+        job = start(job).id
+        try:
+            for line in logs(job, follow=True):
+                if reporter is not None and not line.notice:
+                    reporter.log(line.rank or 0, line.text + "\n")
+            view = wait(job)
+        except KeyboardInterrupt:
+            raise SftctlError(f"interrupted: job {job} goes on, supervised by the server",
+                              hint=f"sftctl logs {job} --follow watches it again; sftctl down {job} stops it",
+                              exit_code=ExitCode.INTERRUPTED) from None
         return Attached(view, None, time.monotonic() - started)
     from sftctl.controller.lifecycle import Controller
     from sftctl.queue import claim_job

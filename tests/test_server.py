@@ -314,6 +314,25 @@ def test_the_systemd_unit_runs_this_sftctl_and_leaves_controllers_running(home):
     assert sftctl("server", "manifest").returncode == 2
 
 
+def test_ctrl_c_of_an_attached_run_leaves_the_job_to_the_server(server, tmp_path, monkeypatch):
+    from sftctl import api
+
+    t = tokens("alice")
+    as_user(monkeypatch, server, t["alice"])
+    spec = tmp_path / "sleeper.yaml"
+    spec.write_text(SLEEPER)
+    client = subprocess.Popen([sys.executable, "-m", "sftctl.cli", "run", str(spec)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job = wait_for(lambda: next((v.id for v in api.status() if v.status.value == "RUNNING"), None), timeout_s=90,
+                   what="the job to run")
+    client.send_signal(signal.SIGINT)
+    _, err = client.communicate(timeout=60)
+    assert client.returncode == 130 and "Traceback" not in err
+    assert f"error: interrupted: job {job} goes on, supervised by the server" in err
+    assert api.status(job).status.value == "RUNNING"
+    assert api.down(job)[0].status == "CANCELLED"
+
+
 def test_a_port_in_use_is_one_line(server):
     proc = sftctl("server", "start", "--port", str(server.port))
     assert proc.returncode == 2 and no_traceback(proc)
