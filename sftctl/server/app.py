@@ -33,6 +33,7 @@ admin; exit 2), 404 (no such job of yours; exit 2), 400 (any other
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import warnings
 
@@ -116,6 +117,7 @@ def create_app(supervisor):
 
     @app.exception_handler(Exception)
     async def internal_error(request, e: Exception):
+        logging.getLogger("sftctl.server").error("%s %s", request.method, request.url.path, exc_info=e)
         return JSONResponse({"error": f"internal error on the server: {type(e).__name__}: {e}",
                              "hint": "the server's log has the traceback; please report it",
                              "exit_code": int(ExitCode.JOB_FAILED), "kind": "SftctlError"}, status_code=500)
