@@ -22,7 +22,11 @@ import os
 from typing import TYPE_CHECKING, Callable
 
 from sftctl.catalog import Offering, accelerator_names, cloud_offerings
+from sftctl.compiler.accuracy import accuracy, factor, overlap
+from sftctl.compiler.frontends import EntrypointFileNotFound, EntrypointFunctionNotFound
 from sftctl.errors import InfeasibleError, SftctlError, SpecError, UntraceableModelError
+from sftctl.providers import get_provider, usable_providers
+from sftctl.providers.local import LocalProvider
 from sftctl.spec import JobSpec, unknown_accelerator
 from sftctl.types import FailureCode, FailureReason, Plan, PlanChoice, capabilities
 
@@ -78,8 +82,6 @@ class Predictor:
             except SpecError:
                 raise
             except Exception as e:  # the user's model code, or an op the frontend cannot lower
-                from sftctl.compiler.frontends import EntrypointFileNotFound, EntrypointFunctionNotFound
-
                 first = str(e).splitlines()[0] if str(e) else ""
                 hint = "sftctl compile --debug shows the traceback; leave model out to skip prediction"
                 error = SpecError
@@ -218,8 +220,6 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
         InfeasibleError: nothing matches, or nothing that matches is usable (exit 3).
     """
     if usable is None:
-        from sftctl.providers import usable_providers
-
         usable = usable_providers()
     if predict is None and spec.model is not None:
         predict = Predictor(spec)
@@ -281,8 +281,6 @@ def _not_sold(name: str, count: int, nodes: int) -> PlanChoice:
 def _calibration(accelerator: str, step_time_s: float, comm_time_s: float = 0.0) -> dict:
     """A prediction's calibration (sources, error factor for a step with ``comm_time_s`` of exposed
     communication: :func:`sftctl.compiler.accuracy.factor`) and its step-time interval."""
-    from sftctl.compiler.accuracy import accuracy, factor
-
     acc = accuracy(accelerator)
     f = factor(accelerator, comm_time_s / step_time_s if step_time_s > 0 else 0.0)
     return {"calibration": {"calibrated": acc["calibrated"], "sources": acc["sources"], "error": f},
@@ -293,8 +291,6 @@ def _ranking_notes(ranked: list[PlanChoice], objective: str) -> list[PlanChoice]
     """Each predicted row whose interval (total cost, or step time for ``objective: time``)
     overlaps the nearest row above it on another accelerator or node shape says so (once per pair
     of shapes): the model cannot tell those two apart."""
-    from sftctl.compiler.accuracy import overlap
-
     def interval(c: PlanChoice, value: float) -> tuple[float, float]:
         f = c.calibration["error"]
         return value / f, value * f
@@ -336,8 +332,6 @@ def _objective(c: PlanChoice, objective: str) -> tuple:
 
 
 def _slurm_provider(spec: JobSpec):
-    from sftctl.providers import get_provider
-
     cfg = spec.slurm.model_dump() if spec.slurm is not None else None
     return get_provider("slurm", config=cfg, num_nodes=spec.resources.nodes, time_limit_s=spec.resources.deadline_s)
 
@@ -429,15 +423,11 @@ def _offerings(accelerator: str, count: int, usable: dict[str, str | None] | Non
     """The catalog's offerings of ``count`` x ``accelerator``, plus what a usable Kubernetes
     cluster offers (read from its nodes' GPU labels: a cluster has no catalog)."""
     if accelerator.lower() == "cpu":
-        from sftctl.providers.local import LocalProvider
-
         out = LocalProvider().offerings(accelerator, count)
     else:
         out = [o for o in cloud_offerings() if o.accelerator.lower() == accelerator.lower() and o.count == count]
     wanted = "kubernetes" in clouds if clouds is not None else accelerator.lower() != "cpu"
     if usable is not None and usable.get("kubernetes", "") is None and wanted:
-        from sftctl.providers import get_provider
-
         try:
             out += get_provider("kubernetes").offerings(accelerator, count)
         except SftctlError as e:  # an unreachable cluster is a reason, shown by sftctl check
@@ -473,7 +463,6 @@ def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: P
                       f"${c.usd_per_hour:.2f}/h is above max_price_per_hour ${res.max_price_per_hour:.2f}",
                       usd_per_hour=c.usd_per_hour, max_price_per_hour=res.max_price_per_hour)
     if capabilities(o.provider).local_admission:  # before the compiler: a job this machine can never hold says so at once
-        from sftctl.providers.local import LocalProvider
 
         never = LocalProvider().never_fits(o, res.nodes)
         if never is not None:

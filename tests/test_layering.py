@@ -242,7 +242,7 @@ NO_FUNCTION_LEVEL_SFTCTL_IMPORTS = [
     # the node side (daemon, GPU agent, failure records), storage, templates, the provider base
     "sftctl.node", "sftctl.agent", "sftctl.failure", "sftctl.health.sources", "sftctl.storage.checkpoints",
     "sftctl.storage.stream", "sftctl.templates", "sftctl.providers.base", "sftctl.providers.local",
-    "sftctl.providers.kubernetes", "sftctl.train",
+    "sftctl.providers.kubernetes", "sftctl.train", "sftctl.planner",
     # these keep only the imports named: a backend's SDK (boto3, google-cloud), a provider loaded on demand
     "sftctl.storage", "sftctl.providers",
 ]
@@ -250,6 +250,7 @@ NO_FUNCTION_LEVEL_SFTCTL_IMPORTS = [
 KEPT_FUNCTION_LEVEL = {
     "sftctl.storage": {"sftctl.storage.s3", "sftctl.storage.gcs"},  # boto3, google-cloud-storage
     "sftctl.providers": {"sftctl.providers.slurm"},  # only when slurm's configuration is asked about
+    "sftctl.planner": {"sftctl.compiler.api", "sftctl.compiler.target", "sftctl.compiler.modes"},  # numpy
 }
 
 
