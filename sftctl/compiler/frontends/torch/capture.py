@@ -276,6 +276,26 @@ def _model_errors():
         ) from e
 
 
+@contextlib.contextmanager
+def _plain_tensor_attributes(model: torch.nn.Module, to_input: Callable | None):
+    """A model's plain tensor attributes (neither parameter nor buffer: a diffusion scheduler's
+    ``alphas_cumprod``) are constants of the step. A real one is captured with its value; one on
+    the ``meta`` device (the model was built there) is swapped for a fake CPU tensor of its shape
+    and dtype while the step is traced (a constant input without a value), then put back."""
+    saved = []
+    if to_input is not None:
+        for mod in model.modules():
+            for name, t in list(vars(mod).items()):
+                if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and t.device.type == "meta":
+                    saved.append((mod, name, t))
+                    object.__setattr__(mod, name, to_input(t))
+    try:
+        yield
+    finally:
+        for mod, name, t in saved:
+            object.__setattr__(mod, name, t)
+
+
 def trace_step(
     model: torch.nn.Module,
     batch: Any,
@@ -337,7 +357,12 @@ def trace_step(
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 
-        mode = FakeTensorMode()
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        # allow_non_fake_inputs: a plain tensor attribute of the model (not a buffer: a diffusion
+        # scheduler's alphas_cumprod) is a constant of the step; shape_env: data-dependent sizes
+        # (nonzero, a boolean-mask select) become unbacked symbols, bounded in the lowering
+        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
 
         def to_input(t: torch.Tensor) -> torch.Tensor:
             if is_fake(t) or t.device.type == "meta":
@@ -398,7 +423,7 @@ def trace_step(
 
     t0 = time.perf_counter()
     with (sdpa_kernel(SDPBackend.MATH), _model_errors(), _refuse_reentrant_checkpoint(),
-          _module_stack_meta(wrapper)):
+          _module_stack_meta(wrapper), _plain_tensor_attributes(model, to_input if fake else None)):
         gm = make_fx(step_fn, decomposition_table=decomposition_table(),
                      tracing_mode="fake" if fake else "real")(p_in, m_in, v_in, b_in, s_in, x_in)
     _backward_module_stacks(gm)

@@ -242,7 +242,9 @@ class _Lowering(GraphBuilder):
         if is_fake(t) and getattr(t, "constant", None) is not None:
             t = t.constant  # a fake tensor made from a real constant keeps it
         if is_fake(t) or t.device.type == "meta":
-            raise NotImplementedError(f"torch frontend: tensor constant {n.target} has no value in fake mode")
+            # a plain tensor attribute of a model built on the meta device (a diffusion scheduler's
+            # alphas_cumprod): priced as a constant input; the interpreter needs it fed
+            return self.add("input", [], tuple(t.shape), dtype, role="constant", name=str(n.target))
         flat = t.detach().reshape(-1)
         if flat.numel() == 0 or bool((flat == flat[0]).all()):
             return self.const(flat[0].item() if flat.numel() else 0, tuple(t.shape), dtype)
@@ -271,7 +273,15 @@ class _Lowering(GraphBuilder):
                 f"torch frontend: ATen op {target} has no IR lowering{self.where(n)}; try an equivalent "
                 "written with supported ops, a different module or attn_implementation, or add a "
                 "lowering op_" + packet + " (@lowers) to a module of sftctl/compiler/frontends/torch/lowerings/")
-        out = handler(self, n, *n.args, **n.kwargs)
+        from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+        try:
+            out = handler(self, n, *n.args, **n.kwargs)
+        except GuardOnDataDependentSymNode as e:
+            raise NotImplementedError(
+                f"torch frontend: ATen op {target} has a data-dependent size ({str(e).splitlines()[0]})"
+                f"{self.where(n)}; make the size static (torch.where / masked_fill instead of a "
+                "boolean-mask select, a fixed expert capacity)") from None
         if inplace and isinstance(n.args[0], fx.Node):
             # in-place op: later readers of the mutated tensor see the new value (views of it
             # taken before the mutation are not updated; make_fx graphs rarely have them)
