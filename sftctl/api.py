@@ -1398,6 +1398,9 @@ def compile(spec: SpecLike, target: str, overrides: Overrides = (), *, out: str 
     compiled = predictor.compile(hw.name)
     doc = compile_doc(compiled, graph, s, hw, predictor.mode)
     doc["notes"] = [predictor.notes[hw.name]] if hw.name in predictor.notes else []
+    # data-dependent sizes (boolean-mask selects, MoE dispatch) were priced at a bound: say which
+    doc["notes"] += ["assumed " + n.attrs["assumption"] + " (set model.mask_fraction / model.expert_capacity)"
+                     for n in graph.nodes if "assumption" in n.attrs]
     where = Path(out) if out is not None else Path("sftctl-compile") / f"{s.name}-{hw.name.lower()}"
     where.mkdir(parents=True, exist_ok=True)
     (where / "plan.json").write_text(json.dumps(doc, indent=1) + "\n")

@@ -78,7 +78,8 @@ class Predictor:
 
             self.progress(f"tracing {m.entrypoint} ({m.framework}, batch {batch} per rank, {m.dtype})")
             try:
-                self._graphs[batch] = compiler.trace(m.framework, m.entrypoint, self.spec.workdir, batch, m.dtype)
+                self._graphs[batch] = compiler.trace(m.framework, m.entrypoint, self.spec.workdir, batch, m.dtype,
+                                                     mask_fraction=m.mask_fraction, expert_capacity=m.expert_capacity)
             except SpecError:
                 raise
             except Exception as e:  # the user's model code, or an op the frontend cannot lower

@@ -103,6 +103,16 @@ class ModelSpec(_Strict):
         description="float32 matmuls as torch.set_float32_matmul_precision runs them (SFTCTL_MATMUL_PRECISION): "
         "highest = IEEE FP32 on CUDA cores (torch's default), high = TF32 tensor cores, medium = as high on CUDA",
     )
+    mask_fraction: Annotated[float, Gt(0), Le(1)] = Field(
+        1.0,
+        description="data-dependent shapes (torch): the fraction of a boolean mask's elements a select "
+        "(logits[mask], out[train_mask], nonzero) is priced at; 1.0 = all of them, the mask's bound",
+    )
+    expert_capacity: Annotated[float, Gt(0)] = Field(
+        1.0,
+        description="MoE dispatch through nonzero (torch): tokens per expert as a multiple of the uniform "
+        "top-k load (tokens x k / experts), as a capacity factor",
+    )
 
     @field_validator("entrypoint")
     @classmethod

@@ -30,15 +30,18 @@ __all__ = ["OfferingPrediction", "Target", "compile", "load_target", "predict", 
 
 
 def trace(framework: str, entrypoint: str, workdir: str, batch_size: int, dtype: str, *,
-          use_cache: bool = True) -> Graph:
+          use_cache: bool = True, mask_fraction: float = 1.0, expert_capacity: float = 1.0) -> Graph:
     """The whole training step ``entrypoint`` builds, as an IR graph (disk-cached:
     :func:`sftctl.compiler.driver.trace_model`). ``batch_size`` is one data-parallel rank's.
+    ``mask_fraction`` / ``expert_capacity``: the bounds of data-dependent sizes (the spec's
+    ``model.mask_fraction`` / ``model.expert_capacity``; torch frontend, see its ``dynamic`` module).
 
     Raises:
         SpecError: the entrypoint cannot be imported or called, or returns the wrong things.
         NotImplementedError: the step uses an op the frontend cannot lower (named).
     """
-    return trace_model(framework, entrypoint, workdir, batch_size, dtype, use_cache=use_cache)
+    return trace_model(framework, entrypoint, workdir, batch_size, dtype, use_cache=use_cache,
+                       mask_fraction=mask_fraction, expert_capacity=expert_capacity)
 
 
 def compile(graph: Graph, target: Target, *, matmul_precision: str,  # noqa: A001 - the compiler's verb

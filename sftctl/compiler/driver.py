@@ -25,26 +25,28 @@ from sftctl.compiler.step import CompiledStep, compile_graph, graph_signature
 from sftctl.compiler.target import Target
 
 
-def trace_key(framework: str, entrypoint: str, workdir: str, batch_size: int, dtype: str) -> str:
+def trace_key(framework: str, entrypoint: str, workdir: str, batch_size: int, dtype: str,
+              *bounds: float) -> str:
     """Cache key of a trace: the arguments and the bytes of every ``.py`` file next to the
     entrypoint's file (the modules a model imports from its directory)."""
     file = Path(workdir) / entrypoint.rsplit(":", 1)[0]
     sources = {py.name: py.read_bytes() for py in sorted(file.parent.glob("*.py"))}
-    return cache_key("trace", framework, entrypoint, batch_size, dtype, sources)
+    return cache_key("trace", framework, entrypoint, batch_size, dtype, sources, *(b for b in bounds if b != 1.0))
 
 
 def trace_model(framework: str, entrypoint: str, workdir: str, batch_size: int, dtype: str,
-                use_cache: bool = True) -> Graph:
+                use_cache: bool = True, mask_fraction: float = 1.0, expert_capacity: float = 1.0) -> Graph:
     """Trace the whole training step that ``entrypoint`` builds (see the job spec's ``model``).
 
     Raises:
         SpecError: the entrypoint cannot be imported or called, or returns the wrong things.
         NotImplementedError: the step uses an op the frontend cannot lower (named).
     """
-    key = trace_key(framework, entrypoint, workdir, batch_size, dtype)
+    key = trace_key(framework, entrypoint, workdir, batch_size, dtype, mask_fraction, expert_capacity)
+    bounds = {"mask_fraction": mask_fraction, "expert_capacity": expert_capacity}
     path = cache_dir() / "traces" / f"{key}.pkl"
     if not use_cache:
-        return _trace(framework, entrypoint, workdir, batch_size, dtype)
+        return _trace(framework, entrypoint, workdir, batch_size, dtype, bounds)
     cached = _load_trace(path)
     if cached is not None:
         return cached
@@ -56,7 +58,7 @@ def trace_model(framework: str, entrypoint: str, workdir: str, batch_size: int, 
         cached = _load_trace(path)
         if cached is not None:
             return cached
-        graph = _trace(framework, entrypoint, workdir, batch_size, dtype)
+        graph = _trace(framework, entrypoint, workdir, batch_size, dtype, bounds)
         atomic_write(path, pickle.dumps(graph))
     return graph
 
@@ -70,12 +72,13 @@ def _load_trace(path: Path) -> Graph | None:
     return None
 
 
-def _trace(framework: str, entrypoint: str, workdir: str, batch_size: int, dtype: str) -> Graph:
+def _trace(framework: str, entrypoint: str, workdir: str, batch_size: int, dtype: str, bounds: dict) -> Graph:
     if framework == "jax":
         from sftctl.compiler.frontends.jax import trace_entrypoint
+        bounds = {}
     else:
         from sftctl.compiler.frontends.torch import trace_entrypoint
-    graph = trace_entrypoint(entrypoint, workdir, batch_size=batch_size, dtype=dtype)
+    graph = trace_entrypoint(entrypoint, workdir, batch_size=batch_size, dtype=dtype, **bounds)
     if isinstance(graph, tuple):  # frontends return (graph, meta)
         graph = graph[0]
     return graph

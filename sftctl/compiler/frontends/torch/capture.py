@@ -263,7 +263,9 @@ def _model_errors():
                 "cannot be traced: the reentrant form runs a backward of its own inside the forward, which "
                 "the traced step's autograd cannot see; use checkpoint(..., use_reentrant=False) "
                 "(what torch recommends; the same recomputation and memory)") from e
-        if isinstance(e, RuntimeError) and "_local_scalar_dense" not in str(e):
+        data_dependent = isinstance(e, (DataDependentOutputException, DynamicOutputShapeException,
+                                        GuardOnDataDependentSymNode))
+        if not data_dependent and "_local_scalar_dense" not in str(e):
             raise  # only real-mode make_fx's "value out of a tracing tensor" is a data-dependent branch
         what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise NotImplementedError(
@@ -272,8 +274,56 @@ def _model_errors():
             "control flow or shapes cannot depend on tensor values: compute it from the batch's shape, "
             "use torch.where instead of an if, or move it out of the step"
             + ("; with fake=False the model sees real tensors, so libraries that take another path when "
-               "traced (transformers' masks) do not: trace with fake=True" if isinstance(e, RuntimeError) else "")
+               "traced (transformers' masks) do not: trace with fake=True" if not data_dependent else "")
         ) from e
+
+
+@contextlib.contextmanager
+def _unbacked_frames(frames: dict):
+    """Record, for each data-dependent size the trace creates (an unbacked symbol: a boolean-mask
+    select, ``nonzero``, ``.item()``), the model's ``file:line`` that asked for it, in ``frames``
+    (symbol -> line), so a bound or a refusal names it."""
+    import sys
+    import traceback
+
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    saved = {}
+
+    def wrap(name):
+        orig = getattr(ShapeEnv, name)
+
+        def create(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            try:
+                frame = _model_frame_of(traceback.extract_stack(sys._getframe(1)))
+                frames[out.node.expr] = frame
+            except Exception:  # noqa: BLE001 - a missing line never stops the trace
+                pass
+            return out
+        saved[name] = orig
+        setattr(ShapeEnv, name, create)
+
+    for name in ("create_unbacked_symint", "create_unbacked_symfloat", "create_unbacked_symbool"):
+        if hasattr(ShapeEnv, name):
+            wrap(name)
+    try:
+        yield
+    finally:
+        for name, orig in saved.items():
+            setattr(ShapeEnv, name, orig)
+
+
+def _model_frame_of(frames) -> str | None:
+    import os
+    import sysconfig
+
+    skip = tuple(os.path.dirname(m) + os.sep for m in (torch.__file__, __file__))
+    skip += (os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)
+    for f in reversed(frames):
+        if not os.path.abspath(f.filename).startswith(skip):
+            return f"{f.filename}:{f.lineno} ({f.name})"
+    return None
 
 
 @contextlib.contextmanager
@@ -309,6 +359,8 @@ def trace_step(
     grad_clip: float | None = None,
     fake: bool = True,
     autocast_dtype: str | torch.dtype | None = None,
+    mask_fraction: float = 1.0,
+    expert_capacity: float = 1.0,
 ) -> tuple[Graph, dict[str, Any]]:
     """Trace one training step of ``model`` on ``batch`` into an IR graph.
 
@@ -322,6 +374,10 @@ def trace_step(
         fake: trace with fake tensors (no memory, no compute); False runs the step for real while
             tracing (small models; needed for tensor constants whose values the graph must hold).
         autocast_dtype: None, or ``bfloat16``/``float16`` to run the loss under ``torch.autocast``.
+        mask_fraction: the fraction of a boolean mask's elements a data-dependent select
+            (``x[mask]``, ``nonzero``) is priced at (1.0: all of them; see :mod:`.dynamic`).
+        expert_capacity: an MoE dispatch's rows per expert as a multiple of the uniform top-k
+            load (1.0; the number of experts makes any routing exact).
 
     Returns:
         ``(graph, meta)``: ``meta`` has ``params`` / ``opt_state`` / ``buffers`` (name -> input node
@@ -421,9 +477,11 @@ def trace_step(
                                          eps=eps, decays=decays, grad_clip=grad_clip)
         return loss.detach(), new_p, new_m, new_v, list(bufs)
 
+    frames: dict = {}
     t0 = time.perf_counter()
     with (sdpa_kernel(SDPBackend.MATH), _model_errors(), _refuse_reentrant_checkpoint(),
-          _module_stack_meta(wrapper), _plain_tensor_attributes(model, to_input if fake else None)):
+          _module_stack_meta(wrapper), _plain_tensor_attributes(model, to_input if fake else None),
+          _unbacked_frames(frames)):
         gm = make_fx(step_fn, decomposition_table=decomposition_table(),
                      tracing_mode="fake" if fake else "real")(p_in, m_in, v_in, b_in, s_in, x_in)
     _backward_module_stacks(gm)
@@ -439,7 +497,8 @@ def trace_step(
     out_roles = (["loss"] + [f"param:{nm}" for nm in pnames] + [f"opt_state:{nm}.exp_avg" for nm in pnames]
                  + [f"opt_state:{nm}.exp_avg_sq" for nm in pnames] + [f"buffer:{bnames[i]}" for i in mutated])
     keep = list(range(1 + 3 * len(pnames))) + [1 + 3 * len(pnames) + i for i in mutated]
-    graph, input_ids = _Lowering(gm).run(roles, out_roles, keep_outputs=keep)
+    graph, input_ids = _Lowering(gm, mask_fraction=mask_fraction, expert_capacity=expert_capacity,
+                                 frames=frames).run(roles, out_roles, keep_outputs=keep)
     t2 = time.perf_counter()
     ids = dict(zip(range(len(roles)), input_ids))
     meta: dict[str, Any] = {

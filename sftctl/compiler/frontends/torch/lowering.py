@@ -13,6 +13,8 @@ node id (an ``int``) or a list of them for a tuple-valued op. An op with no entr
 
 from __future__ import annotations
 
+import contextlib
+import math
 import operator
 from typing import Any, Callable
 
@@ -88,9 +90,15 @@ class _Lowering(GraphBuilder):
 class _Lowering(GraphBuilder):
     """Lowers a make_fx ATen graph to an IR :class:`Graph`, one handler per ATen op packet."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, *, mask_fraction: float = 1.0, expert_capacity: float = 1.0,
+                 frames: dict | None = None) -> None:
         super().__init__()
         self.gm = gm
+        self.frames = frames or {}
+        self.mask_fraction = mask_fraction
+        self.expert_capacity = expert_capacity
+        self.bounds = None  # :class:`.dynamic.Bounds` once ``run`` starts
+        self._sym_values: dict = {}
         self.env: dict[fx.Node, Any] = {}
         self._node: fx.Node | None = None
         self._rng = 1 << 20  # random streams of dropout ops (attention dropout uses its call number)
@@ -165,6 +173,9 @@ class _Lowering(GraphBuilder):
             keep_outputs: list[int] | None = None) -> tuple[Graph, list[int]]:
         """Lower the graph; ``keep_outputs`` selects (by flat index) the outputs that ``out_roles``
         names (all of them by default)."""
+        from sftctl.compiler.frontends.torch.dynamic import Bounds
+
+        self.bounds = Bounds(self.gm, self.mask_fraction, self.expert_capacity, where=self.where, frames=self.frames)
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         if len(placeholders) != len(roles):
             raise RuntimeError(f"traced graph has {len(placeholders)} inputs, expected {len(roles)}")
@@ -185,6 +196,9 @@ class _Lowering(GraphBuilder):
                 first = len(self.g.nodes)
                 self.env[n] = self._call(n)
                 self._tag(n, first)
+                if "sftctl_assumption" in n.meta and isinstance(self.env[n], int):
+                    # a bounded data-dependent size: the compile report states what it was priced at
+                    self.g.nodes[self.env[n]].attrs["assumption"] = n.meta["sftctl_assumption"]
             elif n.op == "output":
                 flat = pytree.tree_leaves(n.args[0])
                 if keep_outputs is not None:
@@ -259,6 +273,8 @@ class _Lowering(GraphBuilder):
             if item is None:
                 raise NotImplementedError(f"torch frontend: output {n.args[1]} of {n.args[0].target} is not supported")
             return item
+        if "sym_expr" in n.meta or isinstance(n.meta.get("val"), (torch.SymInt, torch.SymBool)):
+            return self._sym_node(n)
         if not isinstance(target, torch._ops.OpOverload):
             raise NotImplementedError(f"torch frontend: unsupported call {target} ({n.name})")
         packet = target._schema.name.split("::")[-1]
@@ -276,7 +292,10 @@ class _Lowering(GraphBuilder):
         from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
         try:
-            out = handler(self, n, *n.args, **n.kwargs)
+            with self._padding_masked(n, packet[:-1] if inplace else packet):
+                out = handler(self, n, *n.args, **n.kwargs)
+            if packet == "mean" and self.bounds and self.bounds.bound:
+                out = self._mean_over_padding(n, out)
         except GuardOnDataDependentSymNode as e:
             raise NotImplementedError(
                 f"torch frontend: ATen op {target} has a data-dependent size ({str(e).splitlines()[0]})"
@@ -287,6 +306,124 @@ class _Lowering(GraphBuilder):
             # taken before the mutation are not updated; make_fx graphs rarely have them)
             self.env[n.args[0]] = out
         return out
+
+    # --- bounded data-dependent sizes (see .dynamic) --------------------------------------------
+    def _sym_node(self, n: fx.Node):
+        """A size-valued FX node (``sym_size``, arithmetic on sizes, a runtime assert): its
+        runtime value as an int64 IR scalar; asserts and range constraints lower to nothing."""
+        expr = n.meta.get("sym_expr")
+        if expr is None:
+            v = n.meta.get("val")
+            if isinstance(v, torch.SymBool) or v is None:
+                return None
+            expr = v.node.expr
+        return self.sym_value(expr)
+
+    def sym_value(self, expr) -> int:
+        """The runtime value of a size expression (ints, unbacked symbols, + and *) as an int64
+        IR scalar: a symbol's value is the count of its mask's true elements, capped at its bound."""
+        import sympy
+
+        if isinstance(expr, int) or getattr(expr, "is_Integer", False):
+            return self.const(int(expr), (), "int64")
+        if expr in self._sym_values:
+            return self._sym_values[expr]
+        if isinstance(expr, sympy.Symbol):
+            if self.bounds is None or expr not in self.bounds.source:
+                raise NotImplementedError(f"torch frontend: size {expr} has no known origin")
+            _, mask = self.bounds.source[expr]
+            m = self.env[mask]
+            nz = self.cast(m, "bool") if self.dtype(m) != "bool" else m
+            cnt = self.add("sum", [self.cast(nz, "int64")], (), "int64", axes=tuple(range(len(self.shape(m)))),
+                           keepdim=False)
+            out = self.binary("minimum", cnt, self.const(self.bounds.bound[expr], (), "int64"))
+        elif isinstance(expr, (sympy.Add, sympy.Mul)):
+            parts = [self.sym_value(a) for a in expr.args]
+            out = parts[0]
+            for p in parts[1:]:
+                out = self.binary("add" if isinstance(expr, sympy.Add) else "mul", out, p)
+        else:
+            raise NotImplementedError(f"torch frontend: size expression {expr} is not supported")
+        self._sym_values[expr] = out
+        return out
+
+    def valid_mask(self, node: fx.Node) -> int | None:
+        """A bool IR tensor (broadcastable to ``node``'s bounded shape) that is True on the valid
+        entries of a tensor whose shape holds data-dependent sizes (each such dim's first
+        ``value`` entries), or None for a static shape."""
+        sym = node.meta.get("sym_shape") if isinstance(node, fx.Node) else None
+        if not sym or not all(isinstance(e, int) or hasattr(e, "free_symbols") for e in sym):
+            return None
+        shape = tuple(int(s) for s in self.val(node).shape)
+        ok = None
+        for d, e in enumerate(sym):
+            if isinstance(e, int) or not e.free_symbols:
+                continue
+            ishape = tuple(shape[k] if k == d else 1 for k in range(len(shape)))
+            lt = self.binary("lt", self.iota(ishape, d, "int64"), self.sym_value(e), "bool")
+            ok = lt if ok is None else self.binary("logical_and", ok, lt, "bool")
+        return ok
+
+    def pad_fill(self, node: fx.Node, kind: str) -> int:
+        """``node``'s IR value with its padding replaced by ``kind``'s neutral element."""
+        from sftctl.compiler.ir import FLOAT_DTYPES
+
+        i = self.env[node]
+        ok = self.valid_mask(node)
+        if ok is None:
+            return i
+        dt = self.dtype(i)
+        if dt == "bool":
+            value = kind in ("one",)
+        elif kind == "zero":
+            value = 0
+        elif kind == "one":
+            value = 1
+        elif dt in FLOAT_DTYPES:
+            value = float("-inf") if kind == "low" else float("inf")
+        else:
+            value = -(2 ** 62) if kind == "low" else 2 ** 62
+        return self.add("where", [ok, i, self.const(value, (), dt)], self.shape(i), dt)
+
+    def _mean_over_padding(self, n: fx.Node, out: int) -> int:
+        """A ``mean`` over dims with padding summed the valid entries and divided by the bound's
+        count: rescaled to divide by the runtime count."""
+        x = n.args[0]
+        sym = x.meta.get("sym_shape") if isinstance(x, fx.Node) else None
+        if not sym:
+            return out
+        dims = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+        axes = _norm_dims(dims, len(sym))
+        static = [int(self.val(x).shape[d]) for d in axes]
+        runtime = None
+        for d in axes:
+            v = self.sym_value(sym[d])
+            runtime = v if runtime is None else self.binary("mul", runtime, v)
+        dt = self.dtype(out)
+        scale = self.binary("div", self.const(float(math.prod(static)), (), dt),
+                            self.binary("maximum", self.cast(runtime, dt), self.const(1.0, (), dt)))
+        return self.binary("mul", out, scale)
+
+    @contextlib.contextmanager
+    def _padding_masked(self, n: fx.Node, packet: str):
+        """While op ``packet`` lowers: its tensor operands with padding (data-dependent sizes)
+        are seen with the padding set to the op's neutral element (:data:`.dynamic.MASK_FILL`);
+        a ``mean`` over padded dims is rescaled from the bound to the runtime count."""
+        from sftctl.compiler.frontends.torch.dynamic import MASK_FILL
+
+        kind = MASK_FILL.get(packet)
+        if kind is None or not self.bounds or not self.bounds.bound:
+            yield
+            return
+        saved = {}
+        for a in list(n.args) + list(n.kwargs.values()):
+            if isinstance(a, fx.Node) and a not in saved and a.meta.get("sym_shape") and isinstance(self.env.get(a), int):
+                saved[a] = self.env[a]
+                self.env[a] = self.pad_fill(a, kind)
+        try:
+            yield
+        finally:
+            self.env.update(saved)
 
     def unsupported(self, n: fx.Node, why: str = ""):
         raise NotImplementedError(f"torch frontend: ATen op {n.target} {why}".rstrip() + self.where(n))

@@ -8,6 +8,7 @@ from sftctl.compiler.frontends.torch.lowerings import (  # noqa: F401
     linalg,
     pooling,
     layout,
+    select,
     indexing,
     random,
     attention,

@@ -12,6 +12,7 @@ import torch.fx as fx
 
 from sftctl.compiler.ir import FLOAT_DTYPES, row_major_strides
 from sftctl.compiler.frontends.torch.lowering import OPS, lowers, _Id
+from sftctl.compiler.frontends.torch.lowerings.select import _bool_position, bool_index, bool_index_put
 
 
 @lowers
@@ -61,6 +62,8 @@ def _advanced(self, x: int, indices) -> tuple[int, list[int], tuple[int, ...]]:
 
 @lowers
 def op_index(self, n, x, indices):
+    if _bool_position(indices) is not None:
+        return bool_index(self, n, x, indices)
     shape, dtype = self.out()
     xi = self.arg(x)
     k, ids, bshape = _advanced(self, xi, indices)
@@ -84,6 +87,8 @@ def _written_mask(self, flat: int, axis: int, shape, idx_shape_full) -> int:
 
 @lowers
 def op_index_put(self, n, x, indices, values, accumulate=False):
+    if _bool_position(indices) is not None:
+        return bool_index_put(self, n, x, indices, values, accumulate)
     shape, dtype = self.out()
     xi = self.arg(x, dtype)
     xs = self.shape(xi)
