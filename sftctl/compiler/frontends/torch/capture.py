@@ -42,6 +42,9 @@ def decomposition_table() -> dict:
 
     table = dict(core_aten_decompositions())
     table.update(get_decompositions([getattr(aten, n) for n in _EXTRA_DECOMPS if hasattr(aten, n)]))
+    from sftctl.compiler.frontends.torch.moe import decompositions as moe_decompositions
+
+    table.update(moe_decompositions())  # aten._grouped_mm -> sftctl::grouped_mm (any float dtype)
     for op in _KEEP_WHOLE:
         for overload in op.overloads():
             table.pop(getattr(op, overload), None)

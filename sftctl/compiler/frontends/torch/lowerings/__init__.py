@@ -9,6 +9,7 @@ from sftctl.compiler.frontends.torch.lowerings import (  # noqa: F401
     pooling,
     layout,
     select,
+    moe,
     indexing,
     random,
     attention,
