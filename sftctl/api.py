@@ -302,29 +302,22 @@ def plan(spec: SpecLike, overrides: Overrides = (), *, strict: bool = True,
         if predictor.error:
             warnings.warn(SftctlWarning(f"{predictor.error}; ranking by price only"), stacklevel=2)
     _warn_unset_references(s, chosen)
-    _warn_stale_catalog()
     return chosen
 
 
 def catalog_info() -> dict:
     """The catalog's age: ``{"as_of": ISO date of the snapshot's prices, "age_days", "stale"
     (older than 7 days), "file": the price file it is from (the refreshed catalog or the shipped
-    snapshot), "overrides": the price override file in force, or None}``."""
+    snapshot), "overrides": the price override file in force, or None}``.
+
+    Its age is a property of the catalog, not of a job: ``plan``, ``run --dry-run`` and
+    ``catalog`` print it once (``catalog: prices as of ...``, with ``sftctl catalog refresh`` as
+    the fix when stale) and ``--json`` carries it under ``catalog``; :func:`plan`,
+    :func:`dry_run` and :func:`submit` raise no per-job warning for it (SkyPilot shows its
+    catalog's prices without one)."""
     from sftctl.catalog import catalog_age
 
     return catalog_age()
-
-
-def _warn_stale_catalog() -> None:
-    """Warn (:class:`SftctlWarning`) when the catalog's prices are older than 7 days."""
-    from sftctl.catalog import STALE_DAYS
-
-    info = catalog_info()
-    if info["stale"]:
-        warnings.warn(SftctlWarning(
-            f"the catalog's prices are {info['age_days']} days old (as of {info['as_of']}; older than "
-            f"{STALE_DAYS} days): spot prices move hourly; set negotiated prices in the override file "
-            f"({info['overrides'] or 'SFTCTL_CATALOG_OVERRIDES'}) or run `sftctl catalog refresh`"), stacklevel=3)
 
 
 def _warn_unset_references(spec: JobSpec, chosen: Plan) -> None:
@@ -1265,7 +1258,6 @@ def catalog(accelerator: str | None = None) -> list[Offering]:
     from sftctl.catalog import cloud_offerings, local_offering
 
     offerings = [local_offering(1)] + cloud_offerings()
-    _warn_stale_catalog()
     if accelerator:
         name = accelerator_name(accelerator)
         offerings = [o for o in offerings if o.accelerator.lower() == name.lower()]

@@ -252,6 +252,9 @@ def _render_dry_run(doc: dict, as_json: bool) -> None:
     for sub in doc.get("submits", []):  # what the scheduler would be handed: sbatch.sh, manifests
         console.print(Rule(f"{sub['name']} (would be submitted)", align="left"))
         console.print(Text(sub["text"].rstrip()), soft_wrap=True)
+    from sftctl import api
+
+    console.print(_catalog_line(api.catalog_info()), soft_wrap=True)
 
 
 @app.command()
@@ -293,8 +296,15 @@ def plan(
 
 
 def _catalog_line(info: dict) -> str:
-    """One line: the catalog's price date and age, and the override file in force."""
+    """One line: the catalog's price date and age (when older than
+    :data:`sftctl.catalog.STALE_DAYS`, in yellow with ``sftctl catalog refresh`` as the fix), and
+    the override file in force. Printed once per ``plan``, ``run --dry-run`` and ``catalog``."""
+    from sftctl.catalog import STALE_DAYS
+
     line = f"catalog: prices as of {info['as_of']} ({info['age_days']} days old)"
+    if info["stale"]:
+        line = (f"[yellow]{line[:-1]}, older than {STALE_DAYS} days: spot prices move hourly; "
+                f"`sftctl catalog refresh` rebuilds them)[/]")
     return line + (f"; overrides from {_escape(info['overrides'])}" if info["overrides"] else "")
 
 
@@ -315,7 +325,7 @@ def catalog(
         return
     from sftctl import api
 
-    with _planning(stderr=True, label="reading the catalog"):  # its age warning as a `warning:` line
+    with _planning(stderr=True, label="reading the catalog"):
         offerings = api.catalog(accelerator)
     if as_json:
         _print_json({"offerings": [o.to_dict() for o in offerings], "catalog": api.catalog_info()})

@@ -103,19 +103,34 @@ def test_plan_picks_the_cheapest_spot_region_of_the_snapshot(tmp_path):
     assert cheapest["region"] not in ("us-east-1", "us-west-2")
 
 
-def test_catalog_warns_when_older_than_seven_days(monkeypatch):
+def test_catalog_age_is_one_line_in_plan_and_catalog_not_a_job_warning(tmp_path, monkeypatch):
+    """Older than 7 days: `catalog` and `plan` say so once, on their catalog line, with the fix;
+    api.plan/api.catalog raise no SftctlWarning for it (it would sit in every job's warnings)."""
+    from typer.testing import CliRunner
+
+    from sftctl.cli import app
+
     as_of = datetime.date.fromisoformat(catalog.catalog_age()["as_of"])
     assert catalog.catalog_age(as_of + datetime.timedelta(days=7))["stale"] is False
     old = catalog.catalog_age(as_of + datetime.timedelta(days=8))
     assert old["stale"] is True and old["age_days"] == 8
     real = catalog.catalog_age
-    monkeypatch.setattr(catalog, "catalog_age", lambda: real(as_of + datetime.timedelta(days=30)))
-    with pytest.warns(SftctlWarning, match="30 days old"):
-        api.catalog("L4")
-    monkeypatch.setattr(catalog, "catalog_age", lambda: real(as_of))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", SftctlWarning)
-        api.catalog("L4")
+    job = tmp_path / "j.yaml"
+    job.write_text("name: j\nrun: echo hi\n")
+    for days, stale in ((30, True), (0, False)):
+        monkeypatch.setattr(catalog, "catalog_age", lambda days=days: real(as_of + datetime.timedelta(days=days)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", SftctlWarning)
+            api.catalog("L4")
+            api.plan(str(job))
+        for args in (["catalog", "-a", "L4"], ["plan", str(job)], ["run", "--dry-run", str(job)]):
+            out = CliRunner().invoke(app, args, env={"COLUMNS": "400"})
+            assert out.exit_code == 0, out.output
+            lines = [ln for ln in out.output.splitlines() if ln.startswith("catalog: prices as of")]
+            assert len(lines) == 1, out.output
+            assert f"({days} days old" in lines[0]
+            assert ("older than 7 days" in lines[0] and "`sftctl catalog refresh`" in lines[0]) is stale, lines[0]
+            assert "warning:" not in out.output
 
 
 def test_override_price_wins_and_is_named(tmp_path, monkeypatch):

@@ -162,7 +162,12 @@ def test_planner_names_the_strategy_and_spec_can_fix_it(tmp_path, monkeypatch):
 
     table = plan_table(p.candidates, 100)
     col = [c.name for c in table.cols].index("STRATEGY")
-    assert {row[col] for row in table.rows} == {"fsdp"}
+    # every offering the planner compiled for names its strategy; the snapshot's GCP g2-standard-48
+    # rows (L4:4) are listed as excluded by clouds: [aws], never compiled: no strategy ("-")
+    strategy = {(c.offering.provider, c.offering.region): row[col] for c, row in zip(p.candidates, table.rows)}
+    assert {v for (cloud, _), v in strategy.items() if cloud == "aws"} == {"fsdp"}
+    assert {v for (cloud, _), v in strategy.items() if cloud != "aws"} <= {"-"}
+    assert all(c.rejected.code.name == "EXCLUDED" for c in p.candidates if c.offering.provider != "aws")
     with pytest.raises(InfeasibleError) as e:
         plan(write("ddp"), {"aws": None})
     assert "nothing fits: ddp needs" in e.value.message and "train.parallelism ddp" in str(e.value.candidates[0].rejected)
