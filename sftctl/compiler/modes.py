@@ -120,10 +120,20 @@ def cublas_time_s(batch: int, m: int, n: int, k: int, bytes_moved: float, peak_f
             return gpu
     bm, bn = CUBLAS_TILE
     tiles = batch * math.ceil(m / bm) * math.ceil(n / bn)
-    waves = math.ceil(tiles / hw.sm_count)
     tile_s = 2.0 * bm * bn * k / (pm.cublas_efficiency * peak_flops / hw.sm_count)
-    compute = waves * (tile_s + pm.cublas_wave_s)
     memory = bytes_moved / (hw.hbm_bytes_per_s * pm.copy_fraction)
+    # split-K, as cuBLAS picks it when the output has fewer tiles than the GPU has SMs (a weight
+    # gradient: [256, 256] reduced over 169343 rows): K cut in s slices of at least 256, fp32
+    # partials written and read back (the gemm_table model's reduce term); the best s is taken
+    compute = math.inf
+    s = 1
+    while True:
+        waves = math.ceil(tiles * s / hw.sm_count)
+        reduce_s = (s + 1) * 4.0 * batch * m * n / (hw.hbm_bytes_per_s * pm.copy_fraction) if s > 1 else 0.0
+        compute = min(compute, waves * (tile_s / s + pm.cublas_wave_s) + reduce_s)
+        if tiles * s >= hw.sm_count or k / (2 * s) < 256:
+            break
+        s *= 2
     return max(compute, memory)
 
 
