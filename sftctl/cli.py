@@ -254,7 +254,7 @@ def _render_dry_run(doc: dict, as_json: bool) -> None:
         console.print(Text(sub["text"].rstrip()), soft_wrap=True)
     from sftctl import api
 
-    console.print(_catalog_line(api.catalog_info()), soft_wrap=True)
+    console.print(_catalog_line(api.catalog_info()))  # wrapped at the width
 
 
 @app.command()
@@ -280,7 +280,7 @@ def plan(
             _console().print(plan_table(e.candidates, spec.train.steps))
             for note in dict.fromkeys(c.note for c in e.candidates if getattr(c, "note", None)):
                 _console().print(f"note: {_escape(note)}", soft_wrap=True)
-            _console().print(_catalog_line(api.catalog_info()), soft_wrap=True)
+            _console().print(_catalog_line(api.catalog_info()))  # wrapped at the width
         raise
     if as_json:
         _print_json(api.plan_doc(spec, chosen, chosen.reason, chosen.candidates))
@@ -292,18 +292,16 @@ def plan(
     console.print(f"[bold]{_escape(chosen.reason)}[/]", soft_wrap=True)
     if chosen.offering.source.startswith("override "):
         console.print(f"price: negotiated, {_escape(chosen.offering.source)}", soft_wrap=True)
-    console.print(_catalog_line(api.catalog_info()), soft_wrap=True)
+    console.print(_catalog_line(api.catalog_info()))  # wrapped at the width
 
 
 def _catalog_line(info: dict) -> str:
     """One line: the catalog's price date and age (when older than
-    :data:`sftctl.catalog.STALE_DAYS`, in yellow with ``sftctl catalog refresh`` as the fix), and
+    ``info['stale_after_days']``, in yellow with ``sftctl catalog refresh`` as the fix), and
     the override file in force. Printed once per ``plan``, ``run --dry-run`` and ``catalog``."""
-    from sftctl.catalog import STALE_DAYS
-
     line = f"catalog: prices as of {info['as_of']} ({info['age_days']} days old)"
     if info["stale"]:
-        line = (f"[yellow]{line[:-1]}, older than {STALE_DAYS} days: spot prices move hourly; "
+        line = (f"[yellow]{line[:-1]}, older than {info['stale_after_days']} days: "
                 f"`sftctl catalog refresh` rebuilds them)[/]")
     return line + (f"; overrides from {_escape(info['overrides'])}" if info["overrides"] else "")
 
@@ -336,7 +334,7 @@ def catalog(
     from sftctl.ui import catalog_table
 
     _console().print(catalog_table(offerings, zones=bool(accelerator)))
-    _console().print(_catalog_line(api.catalog_info()), soft_wrap=True)
+    _console().print(_catalog_line(api.catalog_info()))  # wrapped at the width
 
 
 @catalog_app.command("refresh")

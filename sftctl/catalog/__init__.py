@@ -268,7 +268,7 @@ def _apply_overrides(offerings: list[Offering], path: Path) -> list[Offering]:
 
 def catalog_age(today: datetime.date | None = None) -> dict:
     """How old the catalog's prices are: ``{"as_of": the newest price file's newest price date
-    (ISO), "age_days": int, "stale": age_days > STALE_DAYS, "file": that file (the refreshed
+    (ISO), "age_days": int, "stale": age_days > STALE_DAYS, "stale_after_days": STALE_DAYS, "file": that file (the refreshed
     catalog, else the shipped snapshot), "overrides": the override file in force or None}``.
     Without either, ``as_of`` is offerings.csv's newest date (a year-month reads as its first
     day)."""
@@ -280,7 +280,7 @@ def catalog_age(today: datetime.date | None = None) -> dict:
     age = (today - newest).days if newest else None
     override = override_path()
     return {"as_of": newest.isoformat() if newest else None, "age_days": age,
-            "stale": age is None or age > STALE_DAYS, "file": str(path),
+            "stale": age is None or age > STALE_DAYS, "stale_after_days": STALE_DAYS, "file": str(path),
             "overrides": str(override) if override is not None and override.is_file() else None}
 
 
