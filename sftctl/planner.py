@@ -130,6 +130,9 @@ class Predictor:
                 fp16 = compiler.compile(graph, target, matmul_precision=precision,
                                         mma_dtype_map={"bfloat16": "float16"})
                 self.notes[name] = bf16_note(target.hw, compiled, fp16, self.mode)
+            moe = moe_note(graph)
+            if moe and moe not in self.notes.get(name, ""):
+                self.notes[name] = "; ".join(filter(None, [self.notes.get(name), moe]))
         return self.compiled[name, batch]
 
     def __call__(self, offering: Offering, nodes: int) -> OfferingPrediction | None:
@@ -179,6 +182,20 @@ def execution_mode(spec: JobSpec) -> str:
     if spec.model is not None and spec.model.framework == "jax":
         return "default"
     return COMPILE_TO_MODE[spec.train.compile]
+
+
+def moe_note(graph) -> str | None:
+    """The line a plan of a mixture-of-experts model carries (None for a dense model): its
+    experts are priced at the uniform top-k load and placed as every other weight (DDP/FSDP);
+    expert parallelism (experts sharded over ranks, tokens sent by all-to-all) is not modelled."""
+    experts = {(n.attrs["experts"], n.attrs.get("capacity")) for n in graph.nodes
+               if n.op == "dot_general" and "experts" in n.attrs}
+    if not experts:
+        return None
+    e, cap = max(experts)
+    return (f"MoE: {e} experts priced at the uniform top-k load ({cap} rows per expert per grouped GEMM, "
+            "model.expert_capacity scales it), sharded like dense weights; expert parallelism "
+            "(all-to-all dispatch) is not yet supported")
 
 
 def bf16_note(hw, compiled, fp16, mode: str) -> str:

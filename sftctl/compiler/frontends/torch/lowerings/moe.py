@@ -66,7 +66,7 @@ def op_grouped_mm(self, n, a, b, offs=None):
         disp = self.reshape(self.add("gather", [ai, row], (experts * cap, k), dtype, axis=0), (experts, cap, k))
         disp = self.add("where", [self.reshape(valid, (experts, cap, 1)), disp, zero], (experts, cap, k), dtype)
         prod = self.add("dot_general", [disp, bi], (experts, cap, nn), dtype, lhs_batch=(0,), rhs_batch=(0,),
-                        lhs_contract=(2,), rhs_contract=(1,))
+                        lhs_contract=(2,), rhs_contract=(1,), experts=experts, capacity=cap)
         # combine: row r's group g = #ends <= r, its slot r - starts[g]
         r = self.iota((rows, 1), 0, "int64")
         past = self.binary("ge", r, self.reshape(ends, (1, experts)), "bool")
@@ -90,7 +90,7 @@ def op_grouped_mm(self, n, a, b, offs=None):
         db = self.reshape(self.add("gather", [bi, row], (experts * cap, nn), dtype, axis=0), (experts, cap, nn))
         db = self.add("where", [self.reshape(valid, (experts, cap, 1)), db, zero], (experts, cap, nn), dtype)
         return self.add("dot_general", [da, db], shape, dtype, lhs_batch=(1,), rhs_batch=(0,),
-                        lhs_contract=(2,), rhs_contract=(1,))
+                        lhs_contract=(2,), rhs_contract=(1,), experts=experts, capacity=cap)
     self.unsupported(n, f"with {len(ash)}-D x {len(bsh)}-D operands and offs")
 
 
