@@ -33,8 +33,9 @@ def test_snapshot_covers_regions_with_sources_and_dates():
     families = {(o.provider, o.accelerator, o.count > 1) for o in catalog.cloud_offerings()}
     sizes = {"aws": {"H100": "18", "L4": "18", "A10G": "18", "V100": "18", "T4": "1", "H200": "8",
                      "A100-40GB": "8", "A100-80GB": "8", "B200": "8"},
+             # GCP's B200 (a4-highgpu-8g) is left out: its host is priced 0 in the source (no A4 SKUs)
              "gcp": {"H100": "18", "A100-40GB": "18", "A100-80GB": "18", "L4": "18", "T4": "18", "V100": "18",
-                     "H200": "8", "B200": "8"}}
+                     "H200": "8"}}
     for cloud, names in sizes.items():
         for name, kinds in names.items():
             want = {(cloud, name, False)} if "1" in kinds else set()
@@ -43,7 +44,8 @@ def test_snapshot_covers_regions_with_sources_and_dates():
     hosts = {r["instance_type"] for r in rows}
     assert {"p3.2xlarge", "p3.16xlarge", "p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5en.48xlarge",
             "g5.2xlarge", "g6.48xlarge", "a2-highgpu-1g", "a2-ultragpu-8g", "a3-highgpu-8g", "a3-megagpu-8g",
-            "a3-edgegpu-8g", "a3-ultragpu-8g", "a4-highgpu-8g", "g2-standard-96"} <= hosts
+            "a3-edgegpu-8g", "a3-ultragpu-8g", "g2-standard-96"} <= hosts
+    assert all(float(r["usd_per_hour"]) > 0 for r in rows) and "a4-highgpu-8g" not in hosts
     assert all(not r["spot_usd_per_hour"] or float(r["spot_usd_per_hour"]) < float(r["usd_per_hour"])
                for r in rows)
 
@@ -77,6 +79,30 @@ def test_gcp_prices_are_host_plus_gpus_in_the_same_zone():
     assert a3["source"].startswith("test source")
     t4 = got[("n1-standard-4+T4", "us-east1")]
     assert (float(t4["usd_per_hour"]), float(t4["spot_usd_per_hour"]), t4["count"]) == (0.54, 0.18, "1")
+
+
+def test_gcp_rows_priced_zero_or_with_another_skus_price_are_left_out():
+    """A host priced 0 (GCP's A4: no SKUs in the source) would make its B200s the cheapest; a GPU
+    row at less than half the dearest region's price (SkyPilot's fetch_gcp matched another SKU:
+    H100 4.20076 per GPU in us-central1, where a3-highgpu-8g lists at 88.49) or not above its own
+    spot price is another SKU's price. Both are left out."""
+    rows = _gcp("a4-highgpu-8g,224.0,3968.0,,,,us-central1,us-central1-b,0.0,0.0\n"
+                ",,,B200,8,,us-central1,us-central1-b,90.216,34.2368\n"
+                "a3-highgpu-8g,208.0,1872.0,,,,us-central1,us-central1-a,9.46006,3.86318\n"
+                ",,,H100,8,,us-central1,us-central1-a,33.60609,32.0104\n"
+                "a3-highgpu-8g,208.0,1872.0,,,,us-east4,us-east4-a,9.46006,3.0\n"
+                ",,,H100,8,,us-east4,us-east4-a,78.37241,23.9136\n"
+                "a3-highgpu-8g,208.0,1872.0,,,,europe-west4,europe-west4-b,9.93306,1.7888\n"
+                ",,,H100,8,,europe-west4,europe-west4-b,101.88413,29.724\n"
+                "a3-ultragpu-8g,224.0,2952.0,,,,us-central1,us-central1-b,12.266,5.0093\n"
+                ",,,H200,8,,us-central1,us-central1-b,74.49392,80.0\n")  # spot above on-demand
+    out = build.build_gcp(rows, {"H100", "H200", "B200"}, "test source", "2026-05-20", build.bandwidth_table())
+    got = {(r["instance_type"], r["region"]): float(r["usd_per_hour"]) for r in out}
+    assert got == {("a3-highgpu-8g", "us-east4"): 87.83247, ("a3-highgpu-8g", "europe-west4"): 111.81719}
+    # the shipped snapshot: GCP's H100 x8 starts at us-east4's 87.83 (was us-central1's 43.07)
+    h100 = [r for r in _snapshot_rows("a3-highgpu-8g")]
+    assert min(float(r["usd_per_hour"]) for r in h100) == 87.83247
+    assert {"us-central1", "us-west1", "asia-southeast1"}.isdisjoint(r["region"] for r in h100)
 
 
 def test_a_newer_hand_sourced_price_beats_an_older_snapshot_figure():

@@ -17,7 +17,10 @@ with the same header; the inputs of the shipped snapshot are in ``tests/fixtures
   A4 and G2 hosts are priced *without* their GPUs) and a GPU row per accelerator, count and zone
   (``InstanceType`` empty). An offering's price is host + GPUs in the same zone
   (:func:`build_gcp`); N1 hosts take T4/V100 GPUs attached (``n1-standard-8+T4``, see
-  :data:`GCP_N1_HOSTS`).
+  :data:`GCP_N1_HOSTS`). Rows priced 0 are SKUs the source did not find (the A4 hosts: SkyPilot's
+  fetch_gcp notes "GCP does not have A4 instance in SKUs API yet"), left out with what they would
+  have joined: a host priced 0 would rank its B200s below every honest offering. GPU rows whose
+  price is another SKU's (:func:`mismatched_gpu_prices`) are left out too.
 
 Output: one row per (instance type, region) whose accelerator sftctl knows, in ``offerings.csv``'s
 columns plus ``zone``: ``usd_per_hour`` the region's on-demand price (its cheapest zone's),
@@ -229,12 +232,15 @@ def build_gcp(rows: list[dict[str, str]], known: set[str], source: str, date: st
     for r in rows:
         what = f"{r['InstanceType'] or r['AcceleratorName']} {r['AvailabilityZone']}"
         price, spot = _price(r["Price"], what), _price(r["SpotPrice"], what)
-        if price is None:
-            continue
+        if price is None or price <= 0:
+            continue  # a host or GPU priced 0 is a SKU the source did not find, not a free machine
+        spot = spot if spot is not None and spot > 0 else None
         if not r["InstanceType"]:
             gpus[(r["AcceleratorName"], int(float(r["AcceleratorCount"])), r["AvailabilityZone"])] = (price, spot)
         else:
             hosts.append((r, price, spot))
+    for key in mismatched_gpu_prices(gpus):
+        del gpus[key]
     n1 = {machine: [] for machine in GCP_N1_HOSTS.values()}
     for (gpu, count), machine in GCP_N1_HOSTS.items():
         n1[machine].append((gpu, count))
@@ -252,6 +258,35 @@ def build_gcp(rows: list[dict[str, str]], known: set[str], source: str, date: st
             _offer(by_key, (itype, r["Region"]), name, count, float(r["vCPUs"]), float(r["MemoryGiB"]),
                    price + g[0], total_spot, zone)
     return _rows_out(by_key, "gcp", source, date, bandwidths)
+
+
+#: A GPU row whose on-demand price is below this fraction of the dearest region's price for the
+#: same GPU and count is a SKU mismatch in the source, not a regional price (GCP's regional GPU
+#: prices differ by at most ~1.6x in the shipped data: L4 0.56-0.90, T4 0.35-0.48 USD/h).
+GCP_GPU_PRICE_FLOOR = 0.5
+
+
+def mismatched_gpu_prices(gpus: dict[tuple[str, int, str], tuple[float, float | None]]) -> list[tuple[str, int, str]]:
+    """The GCP GPU rows (``(gpu, count, zone) -> (on-demand, spot)``) whose on-demand price is not
+    the GPU's on-demand list price: below :data:`GCP_GPU_PRICE_FLOOR` of the dearest region's
+    for the same GPU and count, or not above the same zone's spot price.
+
+    Why: SkyPilot's ``fetch_gcp.py`` (``get_gpu_price``) prices a GPU with the first OnDemand SKU
+    whose description *contains* e.g. ``H100 80GB GPU``, and other SKUs (DWS / flex-start
+    capacity) contain it too; the copy the snapshot is built from has H100 at 4.20076 USD/h per
+    GPU in 7 regions as different as us-central1 and asia-northeast1 (the same figure is in
+    skypilot-catalog@017e2502 catalogs/v7/gcp/vms.csv), while us-east4, with the same host
+    price (9.46006), has 9.79655, and GCP's list price for a3-highgpu-8g in us-central1 is
+    88.49 USD/h (offerings.csv), i.e. ~9.9 per GPU. Likewise H100-MEGA 35.39 (vs 82.75-107.58),
+    H200 36.60 (vs 74.49; spot above it in 4 regions), A100-80GB 1.85-2.08 (vs 4.42-4.85;
+    spot above it in us-central1; list price 5.07 for a2-ultragpu-1g). Such a row would make its
+    region the cheapest by a factor of two: it is left out (the region keeps offerings.csv's
+    hand-sourced row where there is one)."""
+    dearest: dict[tuple[str, int], float] = {}
+    for (gpu, count, _zone), (price, _spot) in gpus.items():
+        dearest[(gpu, count)] = max(price, dearest.get((gpu, count), 0.0))
+    return [key for key, (price, spot) in gpus.items()
+            if price < GCP_GPU_PRICE_FLOOR * dearest[key[:2]] or (spot is not None and spot >= price)]
 
 
 def bandwidth_table() -> dict[str, dict[str, str]]:
