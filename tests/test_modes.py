@@ -384,3 +384,24 @@ def test_tall_skinny_fp32_gemms_in_eager_are_priced_near_the_searched_schedule(p
     compiled = compile_graph(graph, load_target("h100"), matmul_precision=precision)
     eager, ours = (compiled.modes[m]["by_kind"]["gemm"] for m in ("eager", "sftensor"))
     assert ours / at_most <= eager <= at_most * ours, (eager, ours)
+
+
+def test_mamba_torch_compile_is_predicted_faster_than_eager():
+    """Issue 22 reported Mamba's ``torch.compile`` (default) mode predicted slower than eager.
+    transformers' Mamba (its PyTorch selective scan: a Python loop over time of small elementwise
+    ops) must come out faster in default mode, which fuses each step's chain, than in eager, which
+    launches every op: the fused pointwise time below eager's, and the step too."""
+    transformers = pytest.importorskip("transformers")
+    from sftctl.compiler.frontends import torch as torch_frontend
+
+    cfg = transformers.MambaConfig(vocab_size=1000, hidden_size=256, state_size=16, num_hidden_layers=2, expand=2,
+                                   conv_kernel=4)
+    with torch.device("meta"):
+        model = transformers.MambaForCausalLM(cfg)
+    ids = torch.randint(0, 1000, (4, 64))
+    graph, _ = torch_frontend.trace_step(model, {"input_ids": ids, "labels": ids}, lambda m, b: m(**b).loss,
+                                         autocast_dtype="bfloat16")
+    m = compile_graph(graph, load_target("h100"), matmul_precision="high").modes
+    assert m["default"]["kernels"] < m["eager"]["kernels"]
+    assert m["default"]["by_kind"]["pointwise"] < m["eager"]["by_kind"]["pointwise"]
+    assert m["default"]["compute_time_s"] < m["eager"]["compute_time_s"]

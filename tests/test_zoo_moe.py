@@ -141,3 +141,14 @@ def test_plan_of_an_moe_names_expert_parallelism_as_not_supported(tmp_path, home
     note = plan.chosen.note or ""
     assert "MoE: 4 experts" in note and "16 rows per expert" in note, note  # 2 x 16 tokens x top-2 / 4
     assert "expert parallelism (all-to-all dispatch) is not yet supported" in note
+
+
+def test_eager_experts_loop_is_untraceable_with_the_fix_named():
+    """transformers' eager experts loop iterates over ``expert_hit.nonzero()``: a trip count the
+    trace cannot know. The refusal names the library's line and the experts implementation to use."""
+    model = _mixtral()
+    model.config._experts_implementation = "eager"
+    with pytest.raises(NotImplementedError) as e:
+        torch_frontend.trace_step(model, _batch(), _loss)
+    msg = str(e.value)
+    assert "modeling_mixtral.py:" in msg and "_experts_implementation = 'grouped_mm'" in msg, msg

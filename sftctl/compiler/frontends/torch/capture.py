@@ -271,6 +271,13 @@ def _model_errors():
         if not data_dependent and "_local_scalar_dense" not in str(e):
             raise  # only real-mode make_fx's "value out of a tracing tensor" is a data-dependent branch
         what = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        at = _model_frame(e.__traceback__)
+        if "transformers" in at and ("moe" in at.lower() or "mixtral" in at.lower() or "expert" in at.lower()):
+            raise NotImplementedError(
+                f"torch frontend: the experts loop at {at} iterates over the experts the batch routes to "
+                f"({type(e).__name__}: {what}), a count the trace cannot know; use transformers' grouped "
+                "experts: config._experts_implementation = 'grouped_mm' (transformers 5's default) or "
+                "'batched_mm', or from_pretrained(..., experts_implementation='grouped_mm')") from e
         raise NotImplementedError(
             f"torch frontend: the model's code at {_model_frame(e.__traceback__)} needs a tensor's value "
             f"while tracing ({type(e).__name__}: {what}); the step is traced without data, so Python "
