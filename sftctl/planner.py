@@ -21,7 +21,7 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Callable
 
-from sftctl.catalog import Offering, accelerator_names, cloud_offerings
+from sftctl.catalog import Offering, accelerator_names, cloud_offerings, refreshed_coverage
 from sftctl.compiler.accuracy import accuracy, factor, overlap
 from sftctl.compiler.frontends import EntrypointFileNotFound, EntrypointFunctionNotFound
 from sftctl.errors import InfeasibleError, SftctlError, SpecError, UntraceableModelError
@@ -256,6 +256,8 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
             candidates.append(c)
         if not offerings and acc.name.lower() != "cpu":
             candidates.append(_not_sold(known[acc.name.lower()], acc.count, res.nodes))
+        elif res.regions is not None:
+            candidates += _not_offered_in(known.get(acc.name.lower(), acc.name), acc.count, res, offerings)
     ranked = _ranking_notes(sorted(candidates, key=lambda c: (c.rejected is not None, _objective(c, res.objective))),
                             res.objective)
     feasible = [c for c in ranked if c.rejected is None]
@@ -279,6 +281,36 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
         )
     best = feasible[0]
     return Plan(best, _reason(best, ranked, res.objective), ranked)
+
+
+#: the availability signal a refresh reads per zone, by cloud (``sftctl catalog refresh``)
+_ZONE_SIGNAL = {"aws": "EC2 DescribeInstanceTypeOfferings per availability zone",
+                "gcp": "Compute Engine machineTypes and acceleratorTypes per zone"}
+
+
+def _not_offered_in(name: str, count: int, res, offerings: list[Offering]) -> list[PlanChoice]:
+    """Rows for the regions of ``resources.regions`` where no offering of ``name:count`` is sold:
+    where a refresh read the region (its coverage), the reason names the signal (no zone of the
+    region offers the type); elsewhere it says the catalog lists none there."""
+    offered = {o.region for o in offerings}
+    covered = refreshed_coverage()
+    out = []
+    for region in res.regions:
+        if region in offered:
+            continue
+        clouds = [c for c, regions in covered.items() if (res.clouds is None or c in res.clouds)
+                  and (regions is None or region in regions)]
+        if clouds:
+            signal = "; ".join(_ZONE_SIGNAL.get(c, f"{c}'s API") for c in clouds)
+            why = f"no zone of {region} offers {name}:{count} (sftctl catalog refresh read it: {signal})"
+        else:
+            why = (f"the catalog lists no {name}:{count} in {region} (`sftctl catalog refresh` reads "
+                   "which zones offer it)")
+        reason = FailureReason(FailureCode.NOT_SOLD, why, {"accelerator": name, "count": count, "region": region})
+        placeholder = Offering(provider="-", instance_type="(not offered)", accelerator=name, count=count,
+                               region=region, usd_per_hour=0.0, source="sftctl catalog: no offering in this region")
+        out.append(PlanChoice(placeholder, res.nodes, None, rejected=reason))
+    return out
 
 
 def _not_sold(name: str, count: int, nodes: int) -> PlanChoice:
@@ -460,6 +492,15 @@ def _offerings(accelerator: str, count: int, usable: dict[str, str | None] | Non
     return out
 
 
+def _spot_signal(o: Offering) -> str:
+    """Where an offering's (missing) spot price comes from, for a rejection reason."""
+    if "DescribeSpotPriceHistory" in o.source:
+        return "EC2 DescribeSpotPriceHistory per zone"
+    if "Cloud Billing" in o.source:
+        return "Cloud Billing Catalog Spot SKUs"
+    return f"source: {o.source.split(':')[0]}"
+
+
 def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: PredictFn | None) -> PlanChoice:
     res = spec.resources
     unit = o.price(res.spot)
@@ -475,7 +516,8 @@ def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: P
     if res.regions is not None and o.region not in res.regions and capabilities(o.provider).regional:
         return reject(FailureCode.EXCLUDED, f"region {o.region} is not in resources.regions")
     if c.usd_per_hour is None:
-        return reject(FailureCode.NOT_SOLD, "no spot price for this offering")
+        return reject(FailureCode.NOT_SOLD, f"no spot price for this offering: no zone of {o.region} reported one "
+                      f"({_spot_signal(o)}, as of {o.as_of or 'an unknown date'})")
     if res.max_price_per_hour is not None and c.usd_per_hour > res.max_price_per_hour:
         return reject(FailureCode.OVER_BUDGET,
                       f"${c.usd_per_hour:.2f}/h is above max_price_per_hour ${res.max_price_per_hour:.2f}",

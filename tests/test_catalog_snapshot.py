@@ -187,3 +187,28 @@ def test_bad_override_names_file_and_line(tmp_path, monkeypatch, line, message):
     with pytest.raises(SftctlError) as e:
         catalog.cloud_offerings()
     assert e.value.message == f"{prices}{message}"
+
+
+def test_a_region_whose_zones_do_not_offer_the_type_is_named_with_the_signal(home, tmp_path):
+    """A refresh that read eu-west-3 and found no zone offering p5.48xlarge: a job pinned there is
+    rejected with that signal (DescribeInstanceTypeOfferings), not as a bare exclusion; a region
+    no refresh read says the catalog lists none there. A spot job on an offering without spot
+    names where the spot prices come from."""
+    from sftctl.errors import InfeasibleError
+
+    row = dict(next(r for r in _snapshot_rows("p5.48xlarge") if r["region"] == "us-east-1"))
+    today = datetime.date.today().isoformat()
+    row.update(as_of=today, source="AWS APIs: EC2 DescribeInstanceTypes, DescribeInstanceTypeOfferings, "
+               "DescribeSpotPriceHistory; Price List", spot_usd_per_hour="", zone="", spot_zones="")
+    catalog.write_refreshed([row], {"aws": ["us-east-1", "eu-west-3"]})
+    with pytest.raises(InfeasibleError) as e:
+        plan(spec(tmp_path, "{accelerators: [H100:8], clouds: [aws], regions: [eu-west-3, mars-1]}"), ALL_USABLE,
+             fixed_predictor({"H100": 1.0}))
+    why = {c.offering.region: str(c.rejected) for c in e.value.candidates if c.rejected.code.name == "NOT_SOLD"}
+    assert "no zone of eu-west-3 offers H100:8" in why["eu-west-3"] and "DescribeInstanceTypeOfferings" in why["eu-west-3"]
+    assert "the catalog lists no H100:8 in mars-1" in why["mars-1"]
+    with pytest.raises(InfeasibleError) as e:
+        plan(spec(tmp_path, "{accelerators: [H100:8], clouds: [aws], regions: [us-east-1], spot: true}"), ALL_USABLE,
+             fixed_predictor({"H100": 1.0}))
+    (c,) = [c for c in e.value.candidates if (c.offering.instance_type, c.offering.region) == ("p5.48xlarge", "us-east-1")]
+    assert f"no zone of us-east-1 reported one (EC2 DescribeSpotPriceHistory per zone, as of {today})" in str(c.rejected)
