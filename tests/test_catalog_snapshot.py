@@ -170,6 +170,18 @@ def test_override_price_wins_and_is_named(tmp_path, monkeypatch):
     assert p.offering.spot_usd_per_hour == float(  # an empty spot column keeps the catalog's spot price
         next(r for r in _snapshot_rows("g6.48xlarge") if r["region"] == "eu-north-1")["spot_usd_per_hour"])
     assert catalog.catalog_age()["overrides"] == str(prices)
+    # `sftctl plan` names the file and line of the price it used, and the file on its catalog line
+    from typer.testing import CliRunner
+
+    from sftctl.cli import app
+
+    job = tmp_path / "l4.yaml"
+    job.write_text("name: j\nresources: {accelerators: [L4:8], clouds: [aws]}\nrun: echo hi\n")
+    out = CliRunner().invoke(app, ["plan", str(job)], env={"COLUMNS": "400", "AWS_ACCESS_KEY_ID": "testing",
+                                                           "AWS_SECRET_ACCESS_KEY": "testing"})
+    assert out.exit_code == 0, out.output
+    assert f"price: negotiated, override {prices}:2 (lab contract 2026)" in out.output
+    assert "at $4.50/h" in out.output and out.output.rstrip().endswith(f"overrides from {prices}")
     monkeypatch.delenv("SFTCTL_CATALOG_OVERRIDES")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "none"))
     p = plan(spec(tmp_path, "{accelerators: [L4:8], clouds: [aws]}"), ALL_USABLE, fixed_predictor({"L4": 1.0}))
