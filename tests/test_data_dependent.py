@@ -96,6 +96,30 @@ class _GCN(torch.nn.Module):
         return F.cross_entropy(out[train_mask], y[train_mask])
 
 
+class _ManySelects(torch.nn.Module):
+    """The other spellings: a mask on a later dim, a 2-D mask written to, masked_select (whose
+    backward is masked_scatter), nonzero's coordinates and torch.where(mask)'s indices."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 6)
+
+    def forward(self, x, mask2, m1):
+        h = self.lin(x)
+        written = h.clone()
+        written[mask2] = 0.0
+        idx = torch.nonzero(mask2)
+        cols = torch.where(m1)[0]
+        return (h[:, m1].square().sum() + written.sum() + torch.masked_select(h, mask2).mean()
+                + 2 * h[idx[:, 0], idx[:, 1]].sum() + 0.5 * h[:, cols].sum())
+
+
+def _many_batch():
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(5, 8, generator=gen), torch.rand(5, 6, generator=gen) < 0.4,
+            torch.tensor([1, 0, 1, 1, 0, 0], dtype=torch.bool))
+
+
 def _masked_batch():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(7, 8, generator=gen)
@@ -113,13 +137,15 @@ def _graph_batch():
     return x, edge_index, y, train_mask
 
 
-@pytest.mark.parametrize("model, batch", [(_MaskedHead, _masked_batch), (_GCN, _graph_batch)], ids=["logits_mask", "gcn_train_mask"])
+@pytest.mark.parametrize("model, batch", [(_MaskedHead, _masked_batch), (_GCN, _graph_batch), (_ManySelects, _many_batch)],
+                         ids=["logits_mask", "gcn_train_mask", "many_selects"])
 def test_boolean_mask_select_traces_bounded_and_matches_torch(model, batch):
     graph, _ = assert_step_matches(model(), batch(), lambda m, b: m(*b), fake=True)
     said = [n.attrs["assumption"] for n in graph.nodes if "assumption" in n.attrs]
     assert said and all("test_data_dependent.py:" in s for s in said), said
     n_mask = int(batch()[-1].numel())
     assert any(f"{n_mask} of {n_mask} elements selected" in s for s in said), said
+    assert_step_matches(model(), batch(), lambda m, b: m(*b), fake=False)  # real mode: sizes as counted
 
 
 def test_mask_fraction_prices_the_select_smaller():

@@ -122,3 +122,20 @@ def op_masked_select(self, n, x, mask):
     xi, mi = self.bcast(xi, bshape), self.bcast(mi, bshape)
     _, _, src = _compaction(self, mi, shape[0])
     return self.add("gather", [self.reshape(xi, (math.prod(bshape),)), src], shape, dtype, axis=0)
+
+
+@lowers
+def op_masked_scatter(self, n, x, mask, source):
+    """``x.masked_scatter(mask, source)`` (the backward of ``masked_select``): the k-th True
+    element of the broadcast mask takes ``source``'s k-th element (row-major)."""
+    shape, dtype = self.out()
+    xi = self.arg(x, dtype)
+    mi = self.bcast(self.arg(mask), shape)
+    flat, pos, _ = _compaction(self, mi, 1)
+    si = self.arg(source, dtype)
+    total = math.prod(self.shape(si))
+    at = self.binary("maximum", self.binary("minimum", pos, self.const(total - 1, (), "int64")),
+                     self.const(0, (), "int64"))
+    vals = self.add("gather", [self.reshape(si, (total,)), at], (math.prod(shape),), dtype, axis=0)
+    inside = self.binary("logical_and", flat, self.binary("lt", pos, self.const(total, (), "int64"), "bool"), "bool")
+    return self.add("where", [self.reshape(inside, shape), self.reshape(vals, shape), xi], shape, dtype)
