@@ -114,6 +114,23 @@ class _ManySelects(torch.nn.Module):
                 + 2 * h[idx[:, 0], idx[:, 1]].sum() + 0.5 * h[:, cols].sum())
 
 
+class _SizeAsNumber(torch.nn.Module):
+    """The selected count used as a number and a size: a divisor, an arange, a reshape."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 6)
+
+    def forward(self, x, mask):
+        h = self.lin(x)[mask]
+        pos = torch.arange(h.shape[0], dtype=h.dtype)
+        return (h.reshape(-1, 3) ** 2).sum() + (h * pos[:, None]).sum() + h.sum() / h.shape[0]
+
+
+def _size_batch():
+    return torch.randn(5, 8, generator=torch.Generator().manual_seed(2)), torch.tensor([1, 0, 1, 1, 0], dtype=torch.bool)
+
+
 def _many_batch():
     gen = torch.Generator().manual_seed(0)
     return (torch.randn(5, 8, generator=gen), torch.rand(5, 6, generator=gen) < 0.4,
@@ -137,8 +154,9 @@ def _graph_batch():
     return x, edge_index, y, train_mask
 
 
-@pytest.mark.parametrize("model, batch", [(_MaskedHead, _masked_batch), (_GCN, _graph_batch), (_ManySelects, _many_batch)],
-                         ids=["logits_mask", "gcn_train_mask", "many_selects"])
+@pytest.mark.parametrize("model, batch", [(_MaskedHead, _masked_batch), (_GCN, _graph_batch), (_ManySelects, _many_batch),
+                                           (_SizeAsNumber, _size_batch)],
+                         ids=["logits_mask", "gcn_train_mask", "many_selects", "size_as_number"])
 def test_boolean_mask_select_traces_bounded_and_matches_torch(model, batch):
     graph, _ = assert_step_matches(model(), batch(), lambda m, b: m(*b), fake=True)
     said = [n.attrs["assumption"] for n in graph.nodes if "assumption" in n.attrs]

@@ -297,9 +297,13 @@ class _Lowering(GraphBuilder):
             if packet == "mean" and self.bounds and self.bounds.bound:
                 out = self._mean_over_padding(n, out)
         except GuardOnDataDependentSymNode as e:
+            import re
+
+            made = sorted({str(self.frames[s]) for s in self.frames if re.search(rf"\b{s}\b", str(e))})
+            made = f", a size made at {', '.join(made)}" if made else ""
             raise NotImplementedError(
                 f"torch frontend: ATen op {target} has a data-dependent size ({str(e).splitlines()[0]})"
-                f"{self.where(n)}; make the size static (torch.where / masked_fill instead of a "
+                f"{self.where(n)}{made}; make the size static (torch.where / masked_fill instead of a "
                 "boolean-mask select, a fixed expert capacity)") from None
         if inplace and isinstance(n.args[0], fx.Node):
             # in-place op: later readers of the mutated tensor see the new value (views of it
