@@ -464,7 +464,8 @@ class Store:
         try:
             if not self.path.exists():
                 left = [Path(str(self.path) + x) for x in ("-wal", "-shm") if Path(str(self.path) + x).exists()]
-                if left:
+                if left and not self.path.exists():  # again: another process may have just
+                    # linked a new one into place and opened its WAL between the two checks
                     return (f"the state database was deleted while {' and '.join(p.name for p in left)} remained "
                             "(a controller may still run): the jobs it recorded are lost, and sftctl will not "
                             "create a new database beside them")
