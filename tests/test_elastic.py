@@ -15,7 +15,7 @@ pytest.importorskip("torch")
 
 # The replayed throttle starts at step 40 and takes interval + window (4 s) to be judged: 200
 # steps leave room for that however fast this machine trains (60 once finished before it).
-QUICK = ["--set", "train.steps=200", "--set", "train.checkpoint_interval=15",
+QUICK = ["--set", "train.steps=200", "--set", "train.checkpoint_interval=15", "--set", "model.batch_size=8",
          "--set", "health.interval_s=1", "--set", "health.throttle_window_s=3"]
 
 
@@ -34,7 +34,7 @@ def test_lost_node_without_capacity_resumes_on_fewer_nodes(home, monkeypatch):
     logs = sftctl("logs", doc["id"], check=True).stdout
     resumed = [int(m) for m in re.findall(r"resumed from step (\d+)", logs)]
     assert len(resumed) == 1 and resumed[0] % 15 == 0 and resumed[0] >= 15
-    assert "world_size 1 " in logs and "batch 16/rank x 2 accumulated" in logs  # same global batch of 32
+    assert "world_size 1 " in logs and "batch 4/rank x 2 accumulated" in logs  # same global batch of 8
     assert job_processes(doc["id"]) == []
 
 

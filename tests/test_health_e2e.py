@@ -12,7 +12,7 @@ from conftest import job_processes, sftctl, status_json, wait_for
 
 # Two ranks share this 2-core machine with the controller and the agents, so their forward
 # times are noisier than a GPU's: the straggler ratio is 2x here (1.3x by default).
-QUICK = ["--set", "train.steps=90", "--set", "train.checkpoint_interval=15",
+QUICK = ["--set", "train.steps=90", "--set", "train.checkpoint_interval=15", "--set", "model.batch_size=8",
          "--set", "health.interval_s=1", "--set", "health.throttle_window_s=3",
          "--set", "health.straggler_ratio=2"]
 
@@ -26,14 +26,17 @@ def final_loss(doc: dict) -> float:
 
 
 def test_throttling_node_is_replaced_and_training_resumes(home):
-    """Node 1's agent replays HW slowdown from step 40 on (tests/fixtures/throttle_at_step.jsonl)."""
-    clean = sftctl("run", "examples/quickstart.yaml", *QUICK, "--json")
+    """Node 1's agent replays HW slowdown from step 40 on (tests/fixtures/throttle_at_step.jsonl).
+    Its verdict takes interval + window (4 s) of wall time after step 40: 240 small steps leave
+    room for that however fast this machine trains."""
+    quick = QUICK + ["--set", "train.steps=240"]
+    clean = sftctl("run", "examples/quickstart.yaml", *quick, "--json")
     assert clean.returncode == 0, clean.stderr[-2000:]
     clean_doc = json.loads(clean.stdout)
     assert clean_doc["restarts"] == 0
     assert not [e for e in events(clean_doc["id"]) if e["kind"] == "health"]  # no false alarm
 
-    proc = sftctl("run", "examples/quickstart.yaml", *QUICK,
+    proc = sftctl("run", "examples/quickstart.yaml", *quick,
                   "--set", "env.SFTCTL_TELEMETRY_REPLAY=tests/fixtures/throttle_at_step.jsonl",
                   "--set", "env.SFTCTL_TELEMETRY_REPLAY_RANK=1", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -48,7 +51,7 @@ def test_throttling_node_is_replaced_and_training_resumes(home):
     assert [n["rank"] for n in doc["nodes"]] == [0, 1, 1]  # node 1 was replaced by a new node
     logs = sftctl("logs", doc["id"], check=True).stdout
     resumed = [int(m) for m in re.findall(r"resumed from step (\d+)", logs)]
-    assert len(resumed) == 1 and resumed[0] % 15 == 0 and 30 <= resumed[0] < 90  # the last checkpoint before the verdict
+    assert len(resumed) == 1 and resumed[0] % 15 == 0 and 30 <= resumed[0] < 240  # the last checkpoint before the verdict
     # same batches per (rank, step) and an exact restore: the loss ends where the clean run's did
     assert abs(final_loss(doc) - final_loss(clean_doc)) < 0.05
     assert job_processes(doc["id"]) == []
