@@ -1,7 +1,14 @@
 """TOOL (no module imports it): the cross-validated error factors of ``calibrations/accuracy/<name>.json``.
 
     python -m sftctl.compiler.accuracy_cv            # prints each accelerator's factor and its parts
-    python -m sftctl.compiler.accuracy_cv --write    # and writes them into the accuracy files
+    python -m sftctl.compiler.accuracy_cv --write    # and writes them into the accuracy files and
+                                                     # benchmarks/results/accuracy_cv.json
+
+It first prints issue 20's held-out checks as its done-when states them, on the data we have
+(:func:`held_out_report`): library GEMMs per die (median predicted / measured in 0.9-1.1, 80 %
+within 0.8-1.25; the criterion names H100), collectives per 8-GPU host and size bucket (median in
+0.8-1.25 in every bucket), and the H200 Triton kernels per kind (leave-one-shape-out Spearman >=
+0.9 and top pick <= 1.10x the best measured, by the model alone).
 
 A step's error factor ``f`` (the measured step is expected within ``[predicted / f, predicted x f]``)
 is built from errors measured on data the model never saw, never stated:
@@ -29,6 +36,7 @@ only; ``sftctl.compiler.accuracy`` (read by the planner) stays json + pathlib.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -38,6 +46,13 @@ from sftctl.compiler.accuracy import ACCURACY_DIR
 
 COVERAGE = 0.9
 FOLDS = 5
+#: issue 20's done-when bands
+GEMM_MEDIAN_BAND = (0.9, 1.1)
+GEMM_WITHIN_MIN = 0.8
+COLLECTIVE_MEDIAN_BAND = (0.8, 1.25)
+TRITON_SPEARMAN_MIN = 0.9
+TRITON_PICK_MAX = 1.10
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "accuracy_cv.json"
 GEMM_DTYPE = "bf16xbf16->bf16"
 #: accelerator -> (XLA arch of its GEMM and collective tables, collective link)
 DIES = {"H100": ("sm_90", "nvswitch-h100"), "H200": ("sm_90", "nvswitch-h100"),
@@ -67,13 +82,18 @@ def combine(factors) -> float:
     return float(math.exp(math.sqrt(sum(math.log(f) ** 2 for f in factors))))
 
 
+@functools.lru_cache(maxsize=None)
+def _gemm_cv(arch: str, folds: int) -> dict:
+    from sftctl.compiler import gemm_table
+
+    return gemm_table.cross_validate(arch, GEMM_DTYPE, folds=folds, by="size")
+
+
 def gemm_part(arch: str, folds: int = FOLDS) -> dict:
     """The GEMM table's held-out error, k-fold over shape buckets."""
     import statistics
 
-    from sftctl.compiler import gemm_table
-
-    cv = gemm_table.cross_validate(arch, GEMM_DTYPE, folds=folds, by="size")
+    cv = _gemm_cv(arch, folds)
     return {"method": f"{folds}-fold over shape buckets (contiguous size ranges of m*n*k, gemm_table.size_buckets), "
                       f"every b of a held-out shape out, coefficients refitted; XLA table {arch} {GEMM_DTYPE}",
             "shapes": cv["shapes"], "n": cv["n"], "median": round(statistics.median(cv["ratios"]), 4),
@@ -125,6 +145,85 @@ def accelerator_error(name: str, step: dict | None = None) -> dict:
             "parts": parts}
 
 
+def _in(v: float, band: tuple[float, float]) -> bool:
+    return band[0] <= v <= band[1]
+
+
+def held_out_report(folds: int = FOLDS) -> dict:
+    """Issue 20's held-out checks on the data we have, each with its band and ``ok``.
+
+    * ``gemm``: per die (:data:`DIES`' archs), XLA's bf16 table k-fold over shape buckets
+      (:func:`gemm_part`'s cross-validation): ``median`` and ``within_0.8_1.25`` of predicted /
+      measured, ``ok`` when the median is in :data:`GEMM_MEDIAN_BAND` and at least
+      :data:`GEMM_WITHIN_MIN` are within 0.8-1.25;
+    * ``collectives``: per 8-GPU host, :func:`sftctl.compiler.collectives.cross_validate`'s
+      held-out sizes (and, stricter, held-out ops) per size bucket: ``median``, ``n``, ``ok`` in
+      :data:`COLLECTIVE_MEDIAN_BAND`;
+    * ``triton``: per kernel kind on H200, the worst leave-one-shape-out Spearman and top pick
+      over its shapes (``calibrations/h200.json`` ``fit.leave_one_shape_out``, which
+      ``tests/test_calibration.py`` refits and checks), ``ok`` against :data:`TRITON_SPEARMAN_MIN`
+      and :data:`TRITON_PICK_MAX`.
+    """
+    from sftctl.compiler import collectives
+    from sftctl.compiler.calibrated import calibration_path
+
+    hosts = {}
+    for name, (arch, _) in DIES.items():
+        hosts.setdefault(arch, name if name != "H200" else hosts.get(arch, name))
+    gemm, coll = {}, {}
+    for arch, name in hosts.items():
+        g = gemm_part(arch, folds)
+        gemm[name] = {"arch": arch, "n": g["n"], "median": g["median"], "within_0.8_1.25": g["within_0.8_1.25"],
+                      "ok": _in(g["median"], GEMM_MEDIAN_BAND) and g["within_0.8_1.25"] >= GEMM_WITHIN_MIN}
+        cv = collectives.cross_validate(collectives.measured_records(arch))
+        entry = {"arch": arch}
+        for part in ("held_out_sizes", "held_out_ops"):
+            entry[part] = {b: dict(v, ok=_in(v["median"], COLLECTIVE_MEDIAN_BAND)) for b, v in cv[part].items()}
+        entry["ok"] = all(v["ok"] for v in entry["held_out_sizes"].values())
+        coll[name] = entry
+    loso = json.loads(calibration_path("H200").read_text())["fit"]["leave_one_shape_out"]
+    triton = {}
+    for gname, q in loso.items():
+        kind, shape = gname.split(":", 1)
+        t = triton.setdefault(kind, {"spearman": math.inf, "pick_over_best": 0.0, "shapes": {}})
+        t["shapes"][shape] = {"spearman": q["spearman"], "pick_over_best": q["pick_over_best"]}
+        t["spearman"] = min(t["spearman"], q["spearman"])
+        t["pick_over_best"] = max(t["pick_over_best"], q["pick_over_best"])
+    for t in triton.values():
+        t["ok"] = t["spearman"] >= TRITON_SPEARMAN_MIN and t["pick_over_best"] <= TRITON_PICK_MAX
+    return {"bands": {"gemm_median": GEMM_MEDIAN_BAND, "gemm_within_0.8_1.25_min": GEMM_WITHIN_MIN,
+                      "collective_median_per_bucket": COLLECTIVE_MEDIAN_BAND,
+                      "triton_spearman_min": TRITON_SPEARMAN_MIN, "triton_pick_over_best_max": TRITON_PICK_MAX},
+            "gemm": gemm, "collectives": coll, "triton_h200": triton}
+
+
+def format_report(rep: dict) -> list[str]:
+    """The report's lines: one per die / host / kernel kind, each figure with ok or FAIL."""
+    def mark(ok):
+        return "ok" if ok else "FAIL"
+
+    b = rep["bands"]
+    lines = [f"library GEMMs, bf16, {FOLDS}-fold over shape buckets: median in {b['gemm_median'][0]}-"
+             f"{b['gemm_median'][1]}, >= {b['gemm_within_0.8_1.25_min']:.0%} within 0.8-1.25"]
+    for name, g in rep["gemm"].items():
+        lines.append(f"  {name:7s} ({g['arch']}): median {g['median']:.3f}, within {g['within_0.8_1.25']:.1%} "
+                     f"of {g['n']}  {mark(g['ok'])}")
+    lo, hi = b["collective_median_per_bucket"]
+    lines.append(f"collectives, 8-GPU host, median predicted/measured per size bucket in {lo}-{hi}")
+    for name, c in rep["collectives"].items():
+        for part, label in (("held_out_sizes", "held-out sizes"), ("held_out_ops", "held-out ops")):
+            cells = "  ".join(f"{bk} {v['median']:.3f} (n {v['n']}, {v['within_0.8_1.25']:.0%} in 0.8-1.25) "
+                              f"{mark(v['ok'])}" for bk, v in c[part].items())
+            lines.append(f"  {name:7s} ({c['arch']}) {label:14s}: {cells}")
+    lines.append(f"Triton on H200, leave one shape out: Spearman >= {b['triton_spearman_min']}, top pick <= "
+                 f"{b['triton_pick_over_best_max']:.2f}x the best")
+    for kind, t in rep["triton_h200"].items():
+        shapes = ", ".join(f"{s} {v['spearman']:.3f}/{v['pick_over_best']:.3f}x" for s, v in t["shapes"].items())
+        lines.append(f"  {kind:10s}: worst Spearman {t['spearman']:.3f}, worst pick {t['pick_over_best']:.3f}x  "
+                     f"{mark(t['ok'])}  ({shapes})")
+    return lines
+
+
 def write(name: str, error: dict) -> Path:
     """Put ``error`` into ``name``'s accuracy file (created for an accelerator the catalog lacks:
     MI355X-class), keeping its sources."""
@@ -140,19 +239,31 @@ def write(name: str, error: dict) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sftctl.compiler.accuracy_cv", description=__doc__.split("\n")[0])
-    p.add_argument("--write", action="store_true", help="write the factors into calibrations/accuracy/")
+    p.add_argument("--write", action="store_true", help="write the factors into calibrations/accuracy/ and the "
+                                                        "held-out report to benchmarks/results/accuracy_cv.json")
+    p.add_argument("--results", default=str(RESULTS), help="where --write puts the held-out report")
     p.add_argument("names", nargs="*", default=list(DIES), help=f"accelerators (default: {', '.join(DIES)})")
     args = p.parse_args(argv)
     unknown = [n for n in args.names if n not in DIES]
     if unknown:
         print(f"error: no measured tables for {', '.join(unknown)}; known: {', '.join(DIES)}", file=sys.stderr)
         return 2
+    rep = held_out_report()
+    for line in format_report(rep):
+        print(line)
     step = step_part()
+    factors = {}
     for name in args.names:
         err = accelerator_error(name, step)
+        factors[name] = {"factor": err["factor"], "collectives_factor": err["collectives_factor"]}
         print(f"{name}: factor {err['factor']}  ({err['basis']})")
         if args.write:
             print(f"  wrote {write(name, err)}")
+    if args.write:
+        out = Path(args.results)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(dict(rep, step_composition=step, factors=factors), indent=1) + "\n")
+        print(f"wrote {out}")
     return 0
 
 
