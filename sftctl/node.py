@@ -16,7 +16,9 @@ job's storage; the files, their formats and ordering rules are :mod:`sftctl.prot
 On SIGTERM it stops the attempt, ships what is left and exits 0.
 
 Environment: ``SFTCTL_STORAGE_URL`` (the job's storage), ``SFTCTL_NODE_ID``, ``SFTCTL_NODE_DIR``
-(created), optional ``SFTCTL_NODE_POLL_S`` (seconds between polls, default 1).
+(created), optional ``SFTCTL_NODE_POLL_S`` (seconds between polls, default 1) and
+``SFTCTL_SECRETS_REF`` (where the job's secret values are: they join the environment the launch
+requests' secret names are taken from; :mod:`sftctl.storage.secrets`).
 """
 
 from __future__ import annotations
@@ -26,13 +28,20 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from sftctl import settings
 from sftctl.protocol import NodeDir, write_exit_file
 from sftctl.storage import StorageError, open_storage
+from sftctl.storage.secrets import SecretStoreError
+from sftctl.storage.secrets import fetch as fetch_secrets
 from sftctl.storage.stream import NodeChannel, Shipper
 from sftctl.storage.workdir import fetch_workdir
+
+
+#: how long the daemon retries reading the job's secrets before attempts start without them (s)
+SECRETS_WAIT_S = 120.0
 
 
 class NodeDaemon:
@@ -43,10 +52,18 @@ class NodeDaemon:
         node_id: this node's id, as the controller named it.
         node_dir: local directory for the node's scripts, logs and workdirs.
         poll_s: seconds between polls of the channel.
+        secrets_ref: where the job's secret values are (``SFTCTL_SECRETS_REF``,
+            :mod:`sftctl.storage.secrets`); read before the first attempt starts, retried for
+            ``SECRETS_WAIT_S``, then attempts start without them (the node script then refuses to
+            run, naming each missing secret).
     """
 
-    def __init__(self, storage, node_id: str, node_dir: str | os.PathLike, poll_s: float = 1.0):
+    def __init__(self, storage, node_id: str, node_dir: str | os.PathLike, poll_s: float = 1.0,
+                 secrets_ref: str | None = None):
         self.storage, self.node_id, self.poll_s = storage, node_id, poll_s
+        self.secrets_ref = secrets_ref
+        self.secrets: dict[str, str] | None = None if secrets_ref else {}
+        self._secrets_deadline = time.monotonic() + SECRETS_WAIT_S
         self.node_dir = Path(node_dir)
         self.files = NodeDir(self.node_dir)
         self.files.metrics.mkdir(parents=True, exist_ok=True)
@@ -70,8 +87,10 @@ class NodeDaemon:
 
     def tick(self) -> None:
         """One poll: start a newer attempt, honour a stop request, record an exit nobody wrote."""
+        if self.secrets is None and not self._read_secrets():
+            return
         try:
-            request = self.channel.poll_launch(self.node_id, self.attempt)
+            request = self.channel.poll_launch(self.node_id, self.attempt, {**os.environ, **self.secrets})
             if request is not None:
                 self._start(*request)
             elif self.proc is not None and self.channel.stop_requested(self.node_id, self.attempt):
@@ -79,6 +98,18 @@ class NodeDaemon:
         except StorageError as e:  # the storage is unreachable for now: try again next tick
             print(f"[sftctl node] {e.message} (retrying)", file=sys.stderr, flush=True)
         self._record_exit()
+
+    def _read_secrets(self) -> bool:
+        """Read the job's secret values once; False while a failed read may still be retried."""
+        try:
+            self.secrets = fetch_secrets(self.secrets_ref)
+        except SecretStoreError as e:
+            if time.monotonic() < self._secrets_deadline:
+                print(f"[sftctl node] {e} (retrying)", file=sys.stderr, flush=True)
+                return False
+            print(f"[sftctl node] {e}: attempts start without the job's secrets", file=sys.stderr, flush=True)
+            self.secrets = {}
+        return True
 
     def stop(self) -> None:
         self.stopping.set()
@@ -144,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sftctl node: {', '.join(missing)} not set (the bootstrap sets them)", file=sys.stderr)
         return 2
     daemon = NodeDaemon(open_storage(settings.raw("SFTCTL_STORAGE_URL")), settings.raw("SFTCTL_NODE_ID"),
-                        settings.get("SFTCTL_NODE_DIR"), settings.get("SFTCTL_NODE_POLL_S"))
+                        settings.get("SFTCTL_NODE_DIR"), settings.get("SFTCTL_NODE_POLL_S"),
+                        secrets_ref=settings.raw("SFTCTL_SECRETS_REF"))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.stop())
     return daemon.run()

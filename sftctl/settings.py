@@ -210,6 +210,8 @@ DECLARED: tuple[Setting, ...] = (
        set_by="user, tests", minimum=0),
     _u("AWS_INSTANCE_PROFILE", "str", None, "the IAM instance profile AWS nodes run with (a spec's "
        "resources.instance_profile wins)", file="aws.instance_profile"),
+    _u("AWS_SECRETS_REGION", "str", "us-east-1", "the AWS Secrets Manager region that carries a job's secret "
+       "values to its AWS nodes (one region whatever region the nodes run in)", file="aws.secrets_region"),
     _u("GCE_ENDPOINT", "str", None, "the Compute Engine API endpoint (an emulator); also counts as credentials",
        set_by="user, tests", file="gcp.endpoint", shown_default="Google's"),
     _u("K8S_CONTEXT", "str", None, "the kubeconfig context", file="kubernetes.context",
@@ -251,6 +253,8 @@ DECLARED: tuple[Setting, ...] = (
     _n("COMPILE", "str", "none", "train.compile: the torch.compile backend (none: eager)"),
     _n("MODEL_ENTRYPOINT", "str", None, "model.entrypoint (file.py:function)"),
     _n("STORAGE_URL", "str", None, "the job's storage (checkpoints and logs are uploaded there)"),
+    _n("SECRETS_REF", "str", None, "where a cloud node reads the job's secret values (aws-sm://REGION/NAME; "
+       "a reference, never a value)", set_by="provider"),
     _n("WORKDIR_KEY", "str", None, "the packed workdir's key in the job's storage"),
     _n("WORKDIR_STORAGE", "str", None, "the storage holding the packed workdir, when not the job's"),
     _n("HEALTH_INTERVAL_S", "float", 2.0, "health.interval_s: seconds between GPU samples", minimum=0),

@@ -125,3 +125,60 @@ def test_check_without_credentials_says_what_to_set(home, tmp_path):
     assert "AWS_PROFILE" in rows["aws"]["reason"] and rows["aws"]["ok"] is False
     assert "gcloud auth application-default login" in rows["gcp"]["reason"]
     assert "KUBECONFIG" in rows["kubernetes"]["reason"]
+
+
+SECRET_SPEC = """\
+name: cloud-secret
+workdir: {workdir}
+resources: {{accelerators: ["L4:1"], nodes: 1, clouds: [aws], regions: [us-west-2], image: {ami}}}
+storage: s3://cloud-e2e/runs
+health: {{enabled: false}}
+secrets: [E2E_API_TOKEN]
+env: {{DERIVED: "x-${{E2E_API_TOKEN}}"}}
+run: python check.py
+"""
+
+CHECK = """\
+import os, sys
+ok = os.environ.get("E2E_API_TOKEN") == "tok-5ecr3t-%s" and os.environ.get("DERIVED") == "x-tok-5ecr3t-%s"
+print("secrets arrived" if ok else "secrets missing: " + repr(sorted(k for k in os.environ if "E2E" in k)))
+sys.exit(0 if ok else 3)
+"""
+
+
+def test_secrets_reach_aws_nodes_through_secrets_manager_and_are_deleted_with_the_job(home, aws, tmp_path):
+    """Issue 23 item 4: an AWS node gets the job's secret values from Secrets Manager (its
+    bootstrap carries only the secret's name), job storage and user data never hold a value, and
+    the secret is gone when the job ends."""
+    import base64
+    import secrets as pysecrets
+
+    nonce = pysecrets.token_hex(4)
+    value = f"tok-5ecr3t-{nonce}"
+    boto3.client("s3").create_bucket(Bucket="cloud-e2e")
+    ami = boto3.client("ec2", region_name="us-west-2").describe_images(Owners=["amazon"])["Images"][0]["ImageId"]
+    workdir = tmp_path / "wd"
+    workdir.mkdir()
+    (workdir / "check.py").write_text(CHECK % (nonce, nonce))
+    spec = tmp_path / "secret.yaml"
+    spec.write_text(SECRET_SPEC.format(workdir=workdir, ami=ami))
+    sim = Ec2NodeSimulator(tmp_path / "instances", regions=("us-west-2",), env={"AWS_ENDPOINT_URL": aws})
+    sim.start()
+    try:
+        proc = sftctl("run", str(spec), "--json", timeout=600, env={**os.environ, "E2E_API_TOKEN": value})
+        user_data = [base64.b64decode(boto3.client("ec2", region_name="us-west-2").describe_instance_attribute(
+            InstanceId=i, Attribute="userData")["UserData"]["Value"]).decode() for _, i in sim.booted]
+    finally:
+        sim.close()
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(proc.stdout)
+    assert doc["status"] == "SUCCEEDED", doc.get("failure_reason")
+    assert "secrets arrived" in sftctl("logs", doc["id"], check=True).stdout
+    assert len(user_data) == 1 and f"SFTCTL_SECRETS_REF=aws-sm://us-east-1/sftctl/{doc['id']}" in user_data[0]
+    assert value not in user_data[0] and nonce not in proc.stdout + proc.stderr
+    s3 = boto3.client("s3")
+    for obj in s3.list_objects_v2(Bucket="cloud-e2e").get("Contents", []):
+        assert nonce.encode() not in s3.get_object(Bucket="cloud-e2e", Key=obj["Key"])["Body"].read(), obj["Key"]
+    sm = boto3.client("secretsmanager", region_name="us-east-1")
+    assert [s["Name"] for s in sm.list_secrets()["SecretList"] if doc["id"] in s["Name"]] == []
+    assert _instances(doc["id"]) == []

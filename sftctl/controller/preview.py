@@ -16,6 +16,7 @@ from sftctl.providers import get_provider
 from sftctl.providers.cloud import InstanceRequest
 from sftctl.providers.kubernetes import node_manifests
 from sftctl.spec import JobSpec, env_references
+from sftctl.storage.secrets import aws_ref
 from sftctl.templates import render
 from sftctl.types import NodeHandle, Plan, capabilities
 
@@ -70,8 +71,11 @@ def _preview_node(spec: JobSpec, plan: Plan, job_id: str, nodes: list[NodeSlot],
                     secrets=required_secrets(spec))
     bootstrap = None
     if cloud:
+        ref = ""
+        if plan.offering.provider == "aws" and required_secrets(spec):  # what secrets_ref will store
+            ref = aws_ref(settings.get("SFTCTL_AWS_SECRETS_REGION"), job_id)
         bootstrap = render("bootstrap.sh.j2", job_id=job_id, node_id=n.id, rank=n.rank,
-                           storage_url=job_storage_url(spec, job_id) or "",
+                           storage_url=job_storage_url(spec, job_id) or "", secrets_ref=ref,
                            install=settings.get("SFTCTL_NODE_INSTALL") or default_install())
     return {"rank": n.rank, "env": env, "script": script, "bootstrap": bootstrap}
 

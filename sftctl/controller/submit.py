@@ -100,11 +100,12 @@ def job_provider(job: JobRecord, name: str | None = None):
 
     kwargs = {}
     secret_env = secret_env_keys(spec)
-    if name == "kubernetes":  # a Kubernetes Secret carries the secrets; pods learn the world size
+    if name in ("kubernetes", "aws"):  # a Kubernetes Secret / AWS Secrets Manager carries the values
         refs = {k: v for k, v in spec.env.items() if k in secret_env
                 and all(name in os.environ for name in env_references(v))}  # `down` from another shell
-        kwargs = {"secrets": {**{k: os.environ[k] for k in spec.secrets if k in os.environ}, **resolve_env(refs)},
-                  "num_nodes": spec.resources.nodes}
+        kwargs = {"secrets": {**{k: os.environ[k] for k in spec.secrets if k in os.environ}, **resolve_env(refs)}}
+        if name == "kubernetes":  # pods learn the world size
+            kwargs["num_nodes"] = spec.resources.nodes
     return get_provider(name, channel=NodeChannel(open_storage(url), secret_keys=set(spec.secrets) | secret_env),
                         **kwargs, **options)
 

@@ -53,8 +53,10 @@ import threading
 import time
 import uuid
 
+from sftctl import settings
 from sftctl.catalog import Offering, cloud_offerings
 from sftctl.errors import CapacityError, CredentialsError, ProviderError
+from sftctl.storage import secrets as store
 from sftctl.types import AWSHandle
 from sftctl.providers.cloud import (
     JOB_LABEL,
@@ -212,6 +214,8 @@ class AWSProvider(CloudProvider):
         ami_name_pattern, ami_owners: the DescribeImages fallback when the parameter is unreadable.
         regions: the regions ``list_instances`` searches (default: the regions of the catalog's aws
             offerings).
+        secrets: the job's secret values ``{NAME: value}``, put into Secrets Manager for its
+            nodes (:meth:`secrets_ref`, :mod:`sftctl.storage.secrets`); never in user data or storage.
         teardown_timeout_s: how long ``terminate_tagged`` waits for instances to be terminated before
             it deletes the job's security groups.
         throttle_attempts: tries of one API call while AWS throttles it.
@@ -224,8 +228,10 @@ class AWSProvider(CloudProvider):
                  key_name: str | None = None, instance_profile: str | None = None, ami_parameter: str = DLAMI_PARAMETER,
                  ami_name_pattern: str = DLAMI_NAME_PATTERN, ami_owners: tuple[str, ...] = ("amazon",),
                  regions: list[str] | None = None, teardown_timeout_s: float = 600.0,
-                 throttle_attempts: int = 8, **_: object):
+                 throttle_attempts: int = 8, secrets: dict[str, str] | None = None, **_: object):
         super().__init__(channel=channel, poll_s=poll_s, ready_timeout_s=ready_timeout_s)
+        self.secrets = dict(secrets or {})  # values: only ever sent to Secrets Manager
+        self._secret_refs: dict[str, str] = {}  # job -> its stored secret's reference
         self.key_name = key_name
         self.instance_profile = instance_profile
         self.ami_parameter = ami_parameter
@@ -696,11 +702,42 @@ class AWSProvider(CloudProvider):
                             "spot": i.get("InstanceLifecycle") == "spot"})
         return out
 
+    def secrets_ref(self, job_id: str) -> str:
+        """Store the job's secret values in Secrets Manager (once per job; a restarted
+        controller overwrites them) and return the reference its nodes' bootstrap carries.
+
+        Raises:
+            ProviderError: Secrets Manager refused (the message names the secret and the error code).
+        """
+        if not self.secrets:
+            return ""
+        with self._lock:
+            if job_id in self._secret_refs:
+                return self._secret_refs[job_id]
+        region = settings.get("SFTCTL_AWS_SECRETS_REGION")
+        try:
+            store.put_aws(self.client("secretsmanager", region), job_id, self.secrets,
+                          {MANAGED_LABEL: "true", JOB_LABEL: label_value(job_id)})
+        except store.SecretStoreError as e:
+            raise ProviderError(str(e), hint="the credentials need secretsmanager:CreateSecret, PutSecretValue "
+                                             "and DeleteSecret on secret:sftctl/*") from e
+        with self._lock:
+            self._secret_refs[job_id] = ref = store.aws_ref(region, job_id)
+        return ref
+
     def terminate_tagged(self, job_id: str) -> int:
         """Terminate every live instance of ``job_id`` (one call per region), wait (at most
         ``teardown_timeout_s``) until the job's security groups hold no live instance, and delete
-        them. Returns how many instances there were; security groups are not counted. A group still
-        in use after the wait is left (logged) for the next ``sftctl down``."""
+        them, and the job's secret in Secrets Manager. Returns how many instances there were;
+        security groups and the secret are not counted. A group still in use after the wait is
+        left (logged) for the next ``sftctl down``."""
+        try:
+            store.delete_aws(self.client("secretsmanager", settings.get("SFTCTL_AWS_SECRETS_REGION")), job_id)
+        except store.SecretStoreError as e:
+            raise ProviderError(str(e), hint="sftctl down JOB deletes it once the credentials allow "
+                                             "secretsmanager:DeleteSecret") from e
+        with self._lock:
+            self._secret_refs.pop(job_id, None)
         found = self.list_instances(job_id)
         by_region: dict[str, list[str]] = {}
         for listed in found:

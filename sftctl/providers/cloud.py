@@ -289,6 +289,13 @@ class CloudProvider:
         """Nothing to do: the instance is deleted, and its replacement is another machine."""
         return None
 
+    def secrets_ref(self, job_id: str) -> str:
+        """Where this job's nodes read its secret values (``SFTCTL_SECRETS_REF`` of their
+        bootstrap, :mod:`sftctl.storage.secrets`), storing them there first; "" when the job has
+        none or the cloud has no secret store sftctl uses (then a node refuses to run without a
+        secret, naming it)."""
+        return ""
+
     def terminate(self, handle: NodeHandle) -> None:
         if handle.id:
             self.delete_instance(handle)
