@@ -56,14 +56,22 @@ class NodeDaemon:
             :mod:`sftctl.storage.secrets`); read before the first attempt starts, retried for
             ``SECRETS_WAIT_S``, then attempts start without them (the node script then refuses to
             run, naming each missing secret).
+        controller_grace_s: when the controller's heartbeat in job storage has not changed for
+            this many seconds (by this node's monotonic clock: clock skew does not matter), the
+            daemon stops the attempt, ships what is left and ends with ``controller_gone`` set,
+            so :func:`main` powers the node off (``SFTCTL_POWEROFF``). 0: never.
     """
 
     def __init__(self, storage, node_id: str, node_dir: str | os.PathLike, poll_s: float = 1.0,
-                 secrets_ref: str | None = None):
+                 secrets_ref: str | None = None, controller_grace_s: float = 0.0):
         self.storage, self.node_id, self.poll_s = storage, node_id, poll_s
         self.secrets_ref = secrets_ref
         self.secrets: dict[str, str] | None = None if secrets_ref else {}
         self._secrets_deadline = time.monotonic() + SECRETS_WAIT_S
+        self.controller_grace_s = controller_grace_s
+        self._beat: bytes | None = None
+        self._beat_changed = self._beat_checked = time.monotonic()
+        self.controller_gone = False
         self.node_dir = Path(node_dir)
         self.files = NodeDir(self.node_dir)
         self.files.metrics.mkdir(parents=True, exist_ok=True)
@@ -86,7 +94,10 @@ class NodeDaemon:
         return 0
 
     def tick(self) -> None:
-        """One poll: start a newer attempt, honour a stop request, record an exit nobody wrote."""
+        """One poll: start a newer attempt, honour a stop request, record an exit nobody wrote;
+        end when the controller is gone."""
+        if self.controller_grace_s and self._controller_is_gone():
+            return
         if self.secrets is None and not self._read_secrets():
             return
         try:
@@ -98,6 +109,33 @@ class NodeDaemon:
         except StorageError as e:  # the storage is unreachable for now: try again next tick
             print(f"[sftctl node] {e.message} (retrying)", file=sys.stderr, flush=True)
         self._record_exit()
+
+    def _controller_is_gone(self) -> bool:
+        """Read the heartbeat (at most every grace / 20 s); once it has not changed for the
+        grace period, stop the attempt and the loop (and say why in the node's log)."""
+        now = time.monotonic()
+        if now - self._beat_checked < max(1.0, self.controller_grace_s / 20):
+            return False
+        self._beat_checked = now
+        try:
+            beat = self.channel.heartbeat()
+        except StorageError:  # storage unreachable: not evidence that the controller is gone
+            return False
+        if beat != self._beat:
+            self._beat, self._beat_changed = beat, now
+            return False
+        if now - self._beat_changed < self.controller_grace_s:
+            return False
+        line = (f"[sftctl node] the controller's heartbeat has not changed for {now - self._beat_changed:.0f} s "
+                f"(SFTCTL_CLOUD_CONTROLLER_GRACE_S={self.controller_grace_s:g}): stopping attempt {self.attempt} "
+                "and powering this node off so it stops billing")
+        print(line, file=sys.stderr, flush=True)
+        with open(self.files.log, "a") as log:
+            log.write(line + "\n")
+        self.controller_gone = True
+        self._end_attempt()
+        self.stopping.set()
+        return True
 
     def _read_secrets(self) -> bool:
         """Read the job's secret values once; False while a failed read may still be retried."""
@@ -176,10 +214,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     daemon = NodeDaemon(open_storage(settings.raw("SFTCTL_STORAGE_URL")), settings.raw("SFTCTL_NODE_ID"),
                         settings.get("SFTCTL_NODE_DIR"), settings.get("SFTCTL_NODE_POLL_S"),
-                        secrets_ref=settings.raw("SFTCTL_SECRETS_REF"))
+                        secrets_ref=settings.raw("SFTCTL_SECRETS_REF"),
+                        controller_grace_s=settings.get("SFTCTL_CONTROLLER_GRACE_S"))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.stop())
-    return daemon.run()
+    code = daemon.run()
+    if daemon.controller_gone:  # everything is shipped: power off (EC2 terminates the instance)
+        cmd = settings.get("SFTCTL_POWEROFF")
+        print(f"[sftctl node] running {cmd!r}", file=sys.stderr, flush=True)
+        subprocess.run(cmd, shell=True, check=False)
+        return 3
+    return code
 
 
 if __name__ == "__main__":

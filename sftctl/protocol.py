@@ -40,7 +40,10 @@ The node directory (``$SFTCTL_NODE_DIR``)
         setup-done              node.sh                     the spec's setup ran on this node (once)
         exit-<a>                node.sh, else the daemon    LAST; see the ordering rules
 
-Job storage (``nodes/<node id>/`` under the job's storage prefix; :class:`sftctl.storage.stream.NodeChannel`)::
+Job storage (``nodes/<node id>/`` under the job's storage prefix; :class:`sftctl.storage.stream.NodeChannel`),
+and at the prefix's root ``controller.heartbeat``: the controller (``CloudProvider.keepalive``)
+rewrites it (unix time) at most every grace / 5 s while it watches; a node's daemon that sees it
+unchanged for ``SFTCTL_CONTROLLER_GRACE_S`` (by its own clock) stops its attempt and powers off::
 
         key                     written by                  when / format
         launch-<a>.json         controller (send_launch)    to start attempt a on the node; JSON
@@ -142,8 +145,9 @@ METRICS_DIR = "metrics"
 METRICS_GLOB = "rank-*.jsonl"
 #: Marks that the spec's setup ran on this node.
 SETUP_DONE = "setup-done"
-#: Slurm: the job directory file the controller rewrites (a timestamp) while it watches the job;
-#: the allocation ends itself when it stops changing for ``SFTCTL_SLURM_CONTROLLER_GRACE_S``.
+#: The file (Slurm: in the job directory) / object (job storage: at its root) the controller
+#: rewrites (a timestamp) while it watches the job; a Slurm allocation ends itself, a cloud node
+#: powers off, when it stops changing for the grace period.
 CONTROLLER_HEARTBEAT = "controller.heartbeat"
 #: The node directory files shipped as streams (``metrics/*.jsonl`` come by glob).
 STREAMED_FILES = (NODE_LOG, AGENT_LOG, HEALTH_LOG)

@@ -208,6 +208,9 @@ DECLARED: tuple[Setting, ...] = (
     _u("SLURM_CONTROLLER_GRACE_S", "float", 300.0, "a Slurm allocation cancels itself when its controller's "
        "heartbeat has not changed for this many seconds (a controller killed -9; 0: never)",
        set_by="user, tests", minimum=0),
+    _u("CLOUD_CONTROLLER_GRACE_S", "float", 1800.0, "a cloud node (fed by job storage) stops its attempt and "
+       "powers itself off when its controller's heartbeat in job storage has not changed for this many seconds "
+       "(a controller killed -9, a laptop closed; 0: never)", set_by="user, tests", minimum=0),
     _u("AWS_INSTANCE_PROFILE", "str", None, "the IAM instance profile AWS nodes run with (a spec's "
        "resources.instance_profile wins)", file="aws.instance_profile"),
     _u("AWS_SECRETS_REGION", "str", "us-east-1", "the AWS Secrets Manager region that carries a job's secret "
@@ -253,6 +256,11 @@ DECLARED: tuple[Setting, ...] = (
     _n("COMPILE", "str", "none", "train.compile: the torch.compile backend (none: eager)"),
     _n("MODEL_ENTRYPOINT", "str", None, "model.entrypoint (file.py:function)"),
     _n("STORAGE_URL", "str", None, "the job's storage (checkpoints and logs are uploaded there)"),
+    _n("CONTROLLER_GRACE_S", "float", 0.0, "the node daemon powers its node off when the controller's heartbeat "
+       "has not changed for this many seconds (the controller's SFTCTL_CLOUD_CONTROLLER_GRACE_S; 0: never)",
+       set_by="provider", minimum=0),
+    _n("POWEROFF", "str", "shutdown -h now", "what the node daemon runs to power its node off when the "
+       "controller is gone (EC2 terminates the instance on it; GCE stops it)", set_by="tests"),
     _n("SECRETS_REF", "str", None, "where a cloud node reads the job's secret values (aws-sm://REGION/NAME; "
        "a reference, never a value)", set_by="provider"),
     _n("WORKDIR_KEY", "str", None, "the packed workdir's key in the job's storage"),

@@ -265,3 +265,44 @@ def test_slurm_scripts_name_the_protocols_files():
     batch = render("slurm/sbatch.sh.j2", job_id="j", attempt=2, root="/r", options=[], nodes=1, signal_s=60,
                    comment="c", requeue=True)
     assert f'rm -f "$d/{protocol.exit_name("$attempt")}"' in batch
+
+
+def test_a_cloud_node_powers_off_when_its_controllers_heartbeat_stops(store, tmp_path, monkeypatch):
+    """Issue 23 item 3 (cloud nodes): the real node daemon (``python -m sftctl.node``) keeps its
+    attempt while the controller's keepalive (``CloudProvider.keepalive``) rewrites the heartbeat
+    in job storage; once it stops (a controller killed -9), the daemon stops the attempt, ships its
+    exit code and a line saying why, and runs the power-off command (here: touch a file)."""
+    from conftest import deadline
+
+    from sftctl.providers.cloud import CloudProvider
+
+    monkeypatch.setenv("SFTCTL_CLOUD_CONTROLLER_GRACE_S", "3")
+    controller = CloudProvider(channel=NodeChannel(store))
+    controller.keepalive("j")  # the first beat, before the node boots
+    off = tmp_path / "powered-off"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "SFTCTL_STORAGE_URL": str(tmp_path / "store"),
+           "SFTCTL_NODE_ID": "n1", "SFTCTL_NODE_DIR": str(tmp_path / "node"), "SFTCTL_NODE_POLL_S": "0.2",
+           "SFTCTL_CONTROLLER_GRACE_S": "3", "SFTCTL_POWEROFF": f"touch {off}"}
+    node = subprocess.Popen([sys.executable, "-m", "sftctl.node"], env=env, stderr=subprocess.PIPE, text=True)
+    ch = NodeChannel(store)
+    try:
+        ch.send_launch("n1", 1, "echo started; exec sleep 600", {})
+        end = time.monotonic() + deadline(30)
+        while not ch.acked("n1", 1):
+            assert time.monotonic() < end and node.poll() is None, "the daemon never took attempt 1"
+            controller.keepalive("j")
+            time.sleep(0.2)
+        watched = time.monotonic() + 8  # well past the 3 s grace: a beating controller keeps the node
+        while time.monotonic() < watched:
+            controller.keepalive("j")
+            time.sleep(0.2)
+        assert node.poll() is None and not off.exists() and ch.exit_code("n1", 1) is None
+        # the controller is killed: no more beats
+        _, err = node.communicate(timeout=deadline(60))
+    finally:
+        if node.poll() is None:
+            node.kill()
+    assert node.returncode == 3 and off.exists(), err
+    assert ch.exit_code("n1", 1) == 143  # the attempt was stopped (SIGTERM) and its exit shipped
+    log = ch.read_log("n1", 0)[0].decode()
+    assert "started" in log and "heartbeat has not changed" in log and "SFTCTL_CLOUD_CONTROLLER_GRACE_S=3" in log

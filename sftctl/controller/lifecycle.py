@@ -446,6 +446,7 @@ class Controller:
         return render("bootstrap.sh.j2", job_id=self.job_id, node_id=node_id, rank=rank,
                       storage_url=job_storage_url(self.spec, self.job_id) or "",
                       secrets_ref=getattr(self.provider, "secrets_ref", lambda job: "")(self.job_id),
+                      controller_grace_s=settings.get("SFTCTL_CLOUD_CONTROLLER_GRACE_S"),
                       install=settings.get("SFTCTL_NODE_INSTALL") or default_install())
 
     def _next_offering(self) -> Offering | None:

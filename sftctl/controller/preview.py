@@ -76,6 +76,7 @@ def _preview_node(spec: JobSpec, plan: Plan, job_id: str, nodes: list[NodeSlot],
             ref = aws_ref(settings.get("SFTCTL_AWS_SECRETS_REGION"), job_id)
         bootstrap = render("bootstrap.sh.j2", job_id=job_id, node_id=n.id, rank=n.rank,
                            storage_url=job_storage_url(spec, job_id) or "", secrets_ref=ref,
+                           controller_grace_s=settings.get("SFTCTL_CLOUD_CONTROLLER_GRACE_S"),
                            install=settings.get("SFTCTL_NODE_INSTALL") or default_install())
     return {"rank": n.rank, "env": env, "script": script, "bootstrap": bootstrap}
 

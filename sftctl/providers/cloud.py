@@ -37,6 +37,7 @@ import re
 import time
 from typing import Callable
 
+from sftctl import settings
 from sftctl.catalog import Offering
 from sftctl.errors import CapacityError, ProviderError
 from sftctl.providers.base import NodeState, NodeStatus
@@ -142,6 +143,7 @@ class CloudProvider:
         self.blocked_zones: set[tuple[str, str]] = set()  # (instance_type, zone)
         self.launch_timeout_s = LAUNCH_TIMEOUT_S
         self._acked: set[tuple[str, int]] = set()  # (node id, attempt) the node's daemon took
+        self._beat_at = -1e9  # time.monotonic() of the last heartbeat written
 
     # ------------------------------------------------------------ implemented per cloud
 
@@ -288,6 +290,21 @@ class CloudProvider:
     def quarantine(self, handle: NodeHandle, reason: str) -> dict | None:
         """Nothing to do: the instance is deleted, and its replacement is another machine."""
         return None
+
+    def keepalive(self, job_id: str) -> None:
+        """The controller watches ``job_id``: rewrite the heartbeat in the job's storage
+        (:meth:`NodeChannel.beat`) at most every ``grace / 5`` s (1 to 60 s). A node's daemon
+        powers its node off when it stops changing for ``SFTCTL_CLOUD_CONTROLLER_GRACE_S``
+        (a controller killed -9 no longer leaves GPUs billing). Raises StorageError (the
+        controller's outage handling takes it)."""
+        grace = settings.get("SFTCTL_CLOUD_CONTROLLER_GRACE_S")
+        if not grace or self.channel is None:
+            return
+        now = time.monotonic()
+        if now - self._beat_at < max(1.0, min(60.0, grace / 5)):
+            return
+        self.channel.beat()
+        self._beat_at = now
 
     def secrets_ref(self, job_id: str) -> str:
         """Where this job's nodes read its secret values (``SFTCTL_SECRETS_REF`` of their

@@ -372,6 +372,17 @@ class NodeChannel:
         """Whether the node's daemon took ``attempt`` (``ack-<attempt>`` exists)."""
         return self.storage.exists(self.ack_key(node_id, attempt))
 
+    def beat(self) -> None:
+        """The controller watches the job: rewrite ``controller.heartbeat`` (unix time)."""
+        self.storage.put_bytes(protocol.CONTROLLER_HEARTBEAT, f"{time.time():.3f}\n".encode())
+
+    def heartbeat(self) -> bytes | None:
+        """The controller's heartbeat as last written, or None when there is none (yet)."""
+        try:
+            return self.storage.get_bytes(protocol.CONTROLLER_HEARTBEAT)
+        except StorageNotFound:
+            return None
+
     def request_stop(self, node_id: str, attempt: int) -> None:
         """Ask the node's daemon to stop ``attempt`` (rule 5); the node stays."""
         self.storage.put_bytes(self.stop_key(node_id, attempt), b"")
