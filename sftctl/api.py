@@ -390,9 +390,11 @@ def _prepare(spec: SpecLike, overrides: Overrides, progress: Progress | None,
              origin: str | None = None) -> tuple[JobSpec, Path | None, Plan]:
     """Validate a spec for running, then plan it: secrets set, checkpoint dir free, storage
     present where the nodes need it."""
-    from sftctl.controller.submit import check_checkpoint_dir
+    from sftctl.controller.submit import check_checkpoint_dir, check_controller_place
 
     s, label, path = _load(spec, overrides, origin)
+    server = SERVING or _remote() is not None
+    check_controller_place(s, label, server=server)
     missing = [k for k in s.secrets if k not in os.environ]
     if missing:
         raise SpecError(f"{label}: secrets: {', '.join(missing)} not set in {_WHERE_SECRETS[SERVING]}",
@@ -410,6 +412,7 @@ def _prepare(spec: SpecLike, overrides: Overrides, progress: Progress | None,
         _need_storage(s, label, "/".join(clouds))
     chosen = plan(s, strict=False, progress=progress)  # a model it cannot predict: a warning, price only
     _need_storage(s, label, chosen.offering.provider)
+    check_controller_place(s, label, server=server, provider=chosen.offering.provider)
     return s, path, chosen
 
 
@@ -547,11 +550,28 @@ def spawn_controller(job_id: str):
     """Start the detached controller of a recorded job: ``python -m sftctl.queue JOB`` (which
     becomes ``python -m sftctl.controller JOB`` once the job may start; :func:`sftctl.procs.module_argv`),
     in a session of its own, logging to ``$SFTCTL_HOME/jobs/JOB/controller.log``; record its pid.
-    Returns the :class:`subprocess.Popen` (the server keeps it, to reap it when it ends)."""
+    Returns the :class:`subprocess.Popen` (the server keeps it, to reap it when it ends).
+
+    A job whose spec says ``controller.place: slurm`` gets its controller as a Slurm job instead
+    (:func:`sftctl.controller.submit.place_controller`); then None is returned.
+
+    Raises:
+        ProviderError: sbatch refused the controller's Slurm job (exit 4).
+    """
     import subprocess
 
     from sftctl import procs
     from sftctl.paths import job_dir
+    from sftctl.state import placed
+
+    store = _store()
+    record = store.get_job(job_id)
+    if record is not None and placed(record.spec):
+        from sftctl.controller.submit import place_controller
+
+        with _owner_only():
+            place_controller(store, record)
+        return None
 
     with _owner_only():
         jd = job_dir(job_id)
@@ -563,7 +583,7 @@ def spawn_controller(job_id: str):
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, close_fds=True,
             )
-    _store().update_job(job_id, controller_pid=proc.pid, controller_start_ticks=procs.start_ticks(proc.pid))
+    store.update_job(job_id, controller_pid=proc.pid, controller_start_ticks=procs.start_ticks(proc.pid))
     return proc
 
 
@@ -634,23 +654,15 @@ def attach(job: str, reporter=None) -> Attached:
     """
     remote = _remote()
     if remote is not None:
-        started = time.monotonic()
-        job = start(job).id
-        try:
-            for line in logs(job, follow=True):
-                if reporter is not None and not line.notice:
-                    reporter.log(line.rank or 0, line.text + "\n")
-            view = wait(job)
-        except KeyboardInterrupt:
-            raise SftctlError(f"interrupted: job {job} goes on, supervised by the server",
-                              hint=f"sftctl logs {job} --follow watches it again; sftctl down {job} stops it",
-                              exit_code=ExitCode.INTERRUPTED) from None
-        return Attached(view, None, time.monotonic() - started)
+        return _follow(job, reporter, "by the server")
     from sftctl.controller.lifecycle import Controller
     from sftctl.queue import claim_job
+    from sftctl.state import placed
 
     store = _store()
     record = _resolve(store, job)
+    if placed(record.spec):  # controller.place: slurm: this process only follows the job
+        return _follow(record.id, reporter, f"by its controller on {placed(record.spec)}")
     started = time.monotonic()
     with _owner_only():
         lock = claim_job(store, record.id)
@@ -661,6 +673,23 @@ def attach(job: str, reporter=None) -> Attached:
             lock.release()
     wall_s = time.monotonic() - started
     return Attached(_view(store, store.get_job(record.id), detail=True), controller.error, wall_s)
+
+
+def _follow(job: str, reporter, by: str) -> Attached:
+    """:func:`attach` of a job whose controller runs elsewhere (a server, a Slurm job): start it
+    there and follow its logs (``reporter.log``) until it ends; Ctrl-C leaves it running."""
+    started = time.monotonic()
+    job = start(job).id
+    try:
+        for line in logs(job, follow=True):
+            if reporter is not None and not line.notice:
+                reporter.log(line.rank or 0, line.text + "\n")
+        view = wait(job)
+    except KeyboardInterrupt:
+        raise SftctlError(f"interrupted: job {job} goes on, supervised {by}",
+                          hint=f"sftctl logs {job} --follow watches it again; sftctl down {job} stops it",
+                          exit_code=ExitCode.INTERRUPTED) from None
+    return Attached(view, None, time.monotonic() - started)
 
 
 @_typed

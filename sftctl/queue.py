@@ -32,9 +32,10 @@ import socket
 import sys
 import time
 
+from sftctl import settings
 from sftctl.errors import ExitCode, SftctlError
 from sftctl.paths import CONTROLLER_OWNER, job_dir
-from sftctl.state import JobRecord, JobStatus, Store
+from sftctl.state import JobRecord, JobStatus, Store, placed
 from sftctl.types import FailureCode, capabilities
 
 #: the memory one worker process is expected to take. 0.8 GiB: the quickstart's two torch nodes
@@ -259,7 +260,10 @@ def claim_job(store: Store, job_id: str):
     except Timeout:
         raise _busy(job_id) from None
     claim = _Claim(lock, None)
-    if store.dialect.shared:
+    job = store.get_job(job_id)
+    # a controller placed in a scheduler's job (controller.place: slurm) is seen by its lease
+    # everywhere, as on a shared state: its pid is another machine's
+    if store.dialect.shared or job is not None and placed(job.spec):
         from sftctl.state import LeaseKeeper
 
         try:
@@ -274,9 +278,11 @@ def claim_job(store: Store, job_id: str):
             raise _leased(job_id, held[0] if held else "elsewhere")
     pid = os.getpid()
     ticks = procs.start_ticks(pid)
-    job = store.get_job(job_id)
     owner = {"job_id": job_id, "provider": job.provider if job is not None else None, "pid": pid,
              "host": socket.gethostname(), "start_ticks": ticks, "since": time.time()}
+    slurm_job = settings.get("SFTCTL_CONTROLLER_SLURM_JOB_ID")
+    if slurm_job:  # controller.place: slurm
+        owner["slurm_job_id"] = slurm_job
     tmp = jd / f"{CONTROLLER_OWNER}.{pid}"
     tmp.write_text(json.dumps(owner))
     os.replace(tmp, jd / CONTROLLER_OWNER)
@@ -308,21 +314,24 @@ class _Claim:
 
 def check_no_live_controller(job_id: str, store: Store | None = None) -> None:
     """Raise :class:`ControllerBusy` if a live controller holds the job (see :func:`claim_job`):
-    this home's file lock, or, on a shared (Postgres) state, the job's unexpired lease in the
-    database (a controller on another machine). ``store``: the state to ask (default: the
-    configured one, opened only when it is shared)."""
+    this home's file lock, or, on a shared (Postgres) state or for a controller placed in a
+    Slurm job (``controller.place: slurm``), the job's unexpired lease in the database (a
+    controller on another machine, or one still in Slurm's queue: holder ``slurm:<id>``).
+    ``store``: the state to ask (default: the configured one)."""
     from filelock import FileLock, Timeout
 
-    from sftctl import settings
     from sftctl.state import LeaseKeeper, is_url
 
-    if store is not None and store.dialect.shared or store is None and is_url(settings.get("SFTCTL_STATE_URL")):
-        shared = store or Store()
-        held = shared.lease(job_id)
+    shared = store is not None and store.dialect.shared or store is None and is_url(settings.get("SFTCTL_STATE_URL"))
+    asked = store or Store()
+    try:
+        if shared or placed(getattr(asked.get_job(job_id), "spec", None)):  # a lease tells (see claim_job)
+            held = asked.lease(job_id)
+            if held is not None and not LeaseKeeper.dead_here(held[0]):  # a dead one's is taken over at once
+                raise _leased(job_id, held[0])
+    finally:
         if store is None:
-            shared.close()
-        if held is not None and not LeaseKeeper.dead_here(held[0]):  # a dead one's is taken over at once
-            raise _leased(job_id, held[0])
+            asked.close()
     path = job_dir(job_id) / CONTROLLER_LOCK
     if not path.exists():
         return

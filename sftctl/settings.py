@@ -208,6 +208,9 @@ DECLARED: tuple[Setting, ...] = (
     _u("SLURM_CONTROLLER_GRACE_S", "float", 300.0, "a Slurm allocation cancels itself when its controller's "
        "heartbeat has not changed for this many seconds (a controller killed -9; 0: never)",
        set_by="user, tests", minimum=0),
+    _u("CONTROLLER_SLURM_JOB_ID", "str", None, "the Slurm job a controller placed on Slurm (controller.place: "
+       "slurm) runs in; its batch script sets it and clears the job's other SLURM_* variables, so the node "
+       "allocations it submits inherit none of them", set_by="provider", shown_default="none"),
     _u("CLOUD_CONTROLLER_GRACE_S", "float", 1800.0, "a cloud node (fed by job storage) stops its attempt and "
        "powers itself off when its controller's heartbeat in job storage has not changed for this many seconds "
        "(a controller killed -9, a laptop closed; 0: never)", set_by="user, tests", minimum=0),

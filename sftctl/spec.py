@@ -344,6 +344,38 @@ class SlurmSpec(_Strict):
         return v
 
 
+class ControllerSpec(_Strict):
+    """Where the job's supervising controller runs (see README "Where a controller runs")."""
+
+    place: Literal["local", "server", "slurm"] | None = Field(
+        None, description="local: the machine that runs sftctl (the server's, when the config names one); "
+        "server: the configured sftctl server; slurm: a 1-CPU Slurm job (sftctl-ctl-<job>) on the lab's "
+        "cluster, reporting to the same state (Postgres, or SQLite on the cluster's shared filesystem). "
+        "Unset: server when the config names one, else local")
+    partition: str | None = Field(
+        None, description="place: slurm: the partition of the controller's Slurm job (a CPU partition); "
+        "default: slurm.partition, else the cluster's default partition")
+
+    @field_validator("partition")
+    @classmethod
+    def _one_name(cls, v: str | None) -> str | None:
+        from sftctl.slurm_config import control_problem
+
+        problem = control_problem(v)
+        if problem:
+            raise ValueError(f"{shown(v)}: {problem}; write it on one line")
+        if v is not None and (not v or any(c.isspace() for c in v)):
+            raise ValueError(f"{shown(v)}: a Slurm partition name is one word (no white space)")
+        return v
+
+    @model_validator(mode="after")
+    def _partition_is_for_slurm(self) -> "ControllerSpec":
+        if self.partition is not None and self.place != "slurm":
+            raise ValueError("partition is for place: slurm only (the controller's Slurm job); "
+                             "set place: slurm or drop partition")
+        return self
+
+
 class JobSpec(_Strict):
     """A whole job. ``workdir`` is absolute after :func:`load_spec`."""
 
@@ -364,6 +396,7 @@ class JobSpec(_Strict):
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     health: HealthSpec = Field(default_factory=HealthSpec)
     slurm: SlurmSpec | None = None
+    controller: ControllerSpec = Field(default_factory=ControllerSpec)
     #: where a field the spec leaves out was filled from by the user's settings (load_spec):
     #: ``{"resources.clouds": "<config file>:<line>: defaults.clouds" or "$SFTCTL_CLOUDS"}``;
     #: not part of the spec's document (model_dump), so messages can name the cause

@@ -192,6 +192,28 @@ _MIGRATION_LOCK = 0x5F7C7100  # pg_advisory_xact_lock key: one migrating process
 CONTROLLER_START_GRACE_S = 30.0  # a job may wait this long for its controller to record its pid
 
 
+#: controller.place values whose controller runs off the submitting machine, in a scheduler's job:
+#: its process is never judged by a pid here; it holds the job's lease in the state (also on
+#: SQLite), and while it waits in the scheduler's queue the lease is ``queued_holder``'s
+PLACED = frozenset({"slurm"})
+#: seconds the lease of a placed controller still queued at its scheduler lasts: past it (the
+#: scheduler lost or dropped the job unseen) the job counts as without a controller
+QUEUED_CONTROLLER_LEASE_S = 24 * 3600.0
+
+
+def placed(spec: dict | None) -> str | None:
+    """The spec's ``controller.place`` (a stored spec's document) when the controller runs in a
+    scheduler's job elsewhere (:data:`PLACED`: ``"slurm"``), else None."""
+    place = ((spec or {}).get("controller") or {}).get("place")
+    return place if place in PLACED else None
+
+
+def queued_holder(scheduler: str, scheduler_job_id: str) -> str:
+    """The lease holder that stands for a placed controller still queued at its scheduler
+    (``slurm:1234``); the controller takes it over when it starts (:meth:`LeaseKeeper.acquire`)."""
+    return f"{scheduler}:{scheduler_job_id}"
+
+
 def controller_died_reason(job_id: str, pid: int | None, nodes_removed: bool = False, local: bool = False) -> str:
     """The failure line of a job whose controller is gone (code ``controller_died``): what
     happened, then what became of its nodes (``sftctl down`` rewrites it with ``nodes_removed``).
@@ -711,23 +733,26 @@ class Store:
         from sftctl import procs
 
         live = [s.value for s in JobStatus if not s.terminal]
-        leased = None
-        if self._d.shared:  # controllers run on other machines: a live one holds an unexpired lease
-            leased = {r["job_id"] for r in self._conn.execute(
-                f"SELECT job_id FROM leases WHERE expires_at > {self._d.now}").fetchall()}
         rows = self._conn.execute(
-            f"SELECT id, controller_pid, controller_start_ticks, created_at, provider FROM jobs"
+            f"SELECT id, controller_pid, controller_start_ticks, created_at, provider, spec_json FROM jobs"
             f" WHERE status IN ({','.join('?' * len(live))})",
             live,
         ).fetchall()
+        leased = None
+        # controllers run on other machines (a shared state, or a controller placed in a Slurm
+        # job): a live one holds an unexpired lease, or its scheduler's queue holds it for it
+        if self._d.shared or any(placed(json.loads(r["spec_json"] or "{}")) for r in rows):
+            leased = {r["job_id"] for r in self._conn.execute(
+                f"SELECT job_id FROM leases WHERE expires_at > {self._d.now}").fetchall()}
         reaped = []
         for r in rows:
             pid = r["controller_pid"]
             if pid is None and time.time() - r["created_at"] < CONTROLLER_START_GRACE_S:
                 continue
-            if leased is not None and r["id"] in leased:
+            by_lease = self._d.shared or placed(json.loads(r["spec_json"] or "{}")) is not None
+            if by_lease and r["id"] in leased:
                 continue
-            if leased is None and pid is not None and procs.alive(pid, r["controller_start_ticks"]):
+            if not by_lease and pid is not None and procs.alive(pid, r["controller_start_ticks"]):
                 continue
             reason = controller_died_reason(r["id"], pid, local=capabilities(r["provider"]).local_admission)
             if self.transition(r["id"], JobStatus.FAILED_CONTROLLER, reason, strict=False, code="controller_died"):
@@ -1049,13 +1074,21 @@ class LeaseKeeper:
 
         if not self.store.acquire_lease(self.job_id, self.holder, self.ttl_s):
             held = self.store.lease(self.job_id)
-            dead = held[0] if held and self.dead_here(held[0]) else None
+            dead = held[0] if held and (self.dead_here(held[0]) or held[0] == self.queued_as()) else None
             if dead is None or not self.store.acquire_lease(self.job_id, self.holder, self.ttl_s, replacing=dead):
                 return False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew, name=f"lease-{self.job_id}", daemon=True)
         self._thread.start()
         return True
+
+    @staticmethod
+    def queued_as() -> str | None:
+        """The holder that stood for this process while its scheduler queued it (a controller
+        placed in Slurm job N, ``SFTCTL_CONTROLLER_SLURM_JOB_ID``: ``slurm:N``,
+        :func:`queued_holder`), or None outside such a job."""
+        slurm_job = settings.get("SFTCTL_CONTROLLER_SLURM_JOB_ID")
+        return queued_holder("slurm", slurm_job) if slurm_job else None
 
     @staticmethod
     def dead_here(holder: str) -> bool:

@@ -1,7 +1,9 @@
 """Submit-time rules of a job and what its nodes are given: the ownership of a spec's
 ``train.checkpoint_dir``, the secrets a node refuses to run without, the environment every node
 gets (:func:`node_env`, :func:`node_env_names`), where the job keeps its storage, and the job's
-provider wired to that storage (:func:`job_provider`).
+provider wired to that storage (:func:`job_provider`), and where the job's controller runs
+(``controller.place``: :func:`check_controller_place`; :func:`place_controller` submits it as a
+Slurm job, :func:`stop_placed_controller` ends that job).
 
 The api checks a spec with these before it records the job; the controller, ``down`` and the
 dry-run preview build nodes' environments and providers with the same functions."""
@@ -9,16 +11,19 @@ dry-run preview build nodes' environments and providers with the same functions.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from sftctl import __version__, settings
 from sftctl.controller.slots import NodeSlot
-from sftctl.errors import SpecError
-from sftctl.paths import job_dir
+from sftctl.errors import SftctlError, SpecError
+from sftctl.paths import job_dir, sftctl_home
+from sftctl.procs import module_argv
 from sftctl.protocol import is_secret_name
 from sftctl.providers import get_provider
+from sftctl.providers import slurm as slurm_provider
 from sftctl.spec import JobSpec, env_references, resolve_env
-from sftctl.state import JobRecord
+from sftctl.state import QUEUED_CONTROLLER_LEASE_S, JobRecord, Store, is_url, placed, queued_holder
 from sftctl.storage import open_storage
 from sftctl.storage.checkpoints import complete_checkpoint_steps
 from sftctl.storage.stream import NodeChannel
@@ -219,3 +224,89 @@ def node_env_names(spec: JobSpec, plan: Plan) -> set[str]:
     env = node_env(spec, "<job-id>", plan, nodes, 0, 1, 0,
                    workdir_key="<workdir pack>" if spec.storage is not None else None)
     return set(env) | set(spec.env) | set(spec.secrets)
+
+
+# ------------------------------------------------------------------ where the controller runs
+
+
+def check_controller_place(spec: JobSpec, label: str, *, server: bool, provider: str | None = None) -> None:
+    """Refuse a ``controller.place`` that cannot work here, before anything is recorded.
+
+    ``server``: a server runs the job's commands (this process is it, or the config names one).
+    ``provider``: the planned offering's provider (None: before planning, the other checks only).
+    ``place: slurm`` needs Slurm's commands (a login node: ``slurm.host`` unset) and a state the
+    cluster's nodes reach: Postgres (``state.url``), or this SQLite file on the shared filesystem
+    a login node and its compute nodes see; it cannot supervise local nodes.
+
+    Raises:
+        SpecError: one line naming ``controller.place`` and the fix (exit 2).
+    """
+    place = spec.controller.place
+    if place == "server" and not server:
+        raise SpecError(f"{label}: controller.place: server, but the config names no sftctl server",
+                        hint="add server: {url, token} to the config (sftctl server start makes one), "
+                             "or set controller.place: local")
+    if place != "slurm":
+        return
+    if provider == "local":
+        raise SpecError(f"{label}: controller.place: slurm cannot supervise local nodes (they run on this machine)",
+                        hint="set resources.clouds to where the nodes should run (slurm, aws, gcp, kubernetes), "
+                             "or drop controller.place")
+    cfg = slurm_provider.load_config(spec.slurm.model_dump() if spec.slurm else None)
+    state_url = settings.get("SFTCTL_STATE_URL")
+    if cfg.host and not is_url(state_url):
+        raise SpecError(
+            f"{label}: controller.place: slurm: the job's state is this machine's SQLite file "
+            f"({state_url or sftctl_home() / 'state.db'}), which the cluster's nodes cannot reach over SSH "
+            f"(slurm.host: {cfg.host})",
+            hint="set state.url (SFTCTL_STATE_URL) to a Postgres database the cluster reaches, or run sftctl on "
+                 "the cluster's login node, or drop controller.place")
+    if cfg.host:
+        raise SpecError(f"{label}: controller.place: slurm is not supported over SSH yet (slurm.host: {cfg.host})",
+                        hint="run sftctl on the cluster's login node (slurm.host unset), or drop controller.place")
+    why = slurm_provider.login_node_reason()
+    if why:
+        raise SftctlError(f"{label}: controller.place: slurm: {why}", hint="run sftctl on the cluster's login node")
+
+
+def controller_provider(spec: JobSpec):
+    """The Slurm provider that runs the controller of a ``controller.place: slurm`` job (the
+    config's ``slurm:`` section overlaid by the spec's, as for Slurm nodes)."""
+    return get_provider("slurm", config=spec.slurm.model_dump() if spec.slurm else None)
+
+
+def place_controller(store: Store, job: JobRecord) -> str:
+    """Submit the controller of a ``controller.place: slurm`` job as a Slurm job
+    (``sftctl-ctl-<job>``, 1 CPU, ``controller.partition`` or ``slurm.partition``) running
+    ``python -m sftctl.queue JOB`` with the config's ``slurm.python`` (default: this
+    interpreter, on the shared filesystem); its output goes to the job dir's ``controller.log``.
+    Until it starts, the job's lease is held for it (holder ``slurm:<id>``, for
+    :data:`~sftctl.state.QUEUED_CONTROLLER_LEASE_S`), so no second controller starts and reads
+    do not take the job for one without a controller. Returns the Slurm job id.
+
+    Raises:
+        ProviderError: sbatch refused it (exit 4).
+    """
+    spec = JobSpec.model_validate(job.spec)
+    provider = controller_provider(spec)
+    jd = job_dir(job.id)
+    jd.mkdir(parents=True, exist_ok=True, mode=0o700)
+    argv = module_argv("sftctl.queue", job.id, python=provider.cfg.python or sys.executable)
+    partition = spec.controller.partition or provider.cfg.partition
+    slurm_id = provider.submit_controller(job.id, argv, partition=partition, log=str(jd / "controller.log"),
+                                          chdir=str(jd))
+    store.acquire_lease(job.id, queued_holder("slurm", slurm_id), QUEUED_CONTROLLER_LEASE_S)
+    store.add_event(job.id, "controller",
+                    f"controller: Slurm job {slurm_id} ({slurm_provider.controller_job_name(job.id)}) in "
+                    f"{'partition ' + partition if partition else 'the default partition'}",
+                    {"place": "slurm", "slurm_job_id": slurm_id, "partition": partition})
+    return slurm_id
+
+
+def stop_placed_controller(job: JobRecord, grace_s: float) -> list[str]:
+    """End the Slurm job(s) running or waiting to run ``job``'s controller (placed jobs only):
+    SIGTERM to a running one, which cancels the job and stops its nodes, then ``scancel`` after
+    ``grace_s`` seconds. Returns the Slurm job ids found ([] for a job not placed on Slurm)."""
+    if placed(job.spec) != "slurm":
+        return []
+    return controller_provider(JobSpec.model_validate(job.spec)).cancel_controller(job.id, grace_s)

@@ -15,14 +15,14 @@ from pathlib import Path
 from typing import Callable
 
 from sftctl import procs
-from sftctl.controller.submit import checkpoint_dir_path, job_provider, job_storage_url
+from sftctl.controller.submit import checkpoint_dir_path, job_provider, job_storage_url, stop_placed_controller
 from sftctl.errors import SftctlError
 from sftctl.paths import CONTROLLER_OWNER, job_dir, sftctl_home
 from sftctl.providers import PROVIDERS, configured, get_provider
 from sftctl.providers.base import NodeState, terminate_all
 from sftctl.queue import DOWN_REASON
 from sftctl.spec import JobSpec
-from sftctl.state import TERMINAL, JobStatus, Store, controller_died_reason
+from sftctl.state import TERMINAL, JobStatus, Store, controller_died_reason, placed, queued_holder
 from sftctl.storage import LocalStorage, open_storage
 from sftctl.types import AttemptStatus, FailureCode
 
@@ -34,7 +34,9 @@ def down(store: Store, job_id: str, progress: Callable[[str], None] | None = Non
     """Cancel a job if it is live and remove every node and process it has. Idempotent: safe to
     run again, also while another ``down`` of it runs or after one was interrupted.
 
-    A live controller gets SIGTERM and ``DOWN_GRACE_S`` seconds to tear down by itself; then this
+    A live controller gets SIGTERM and ``DOWN_GRACE_S`` seconds to tear down by itself (one placed
+    on Slurm, ``controller.place: slurm``: its Slurm job gets it, then is ``scancel``-ed, also when
+    it still waits in the queue); then this
     function terminates whatever the state and the provider's tags still show, every node at
     once (:func:`sftctl.providers.base.terminate_all`: 200 local nodes in about a second), and
     SIGKILLs a controller that did not exit. ``progress(line)``, when given, hears what it waits
@@ -51,7 +53,16 @@ def down(store: Store, job_id: str, progress: Callable[[str], None] | None = Non
     # an ended job's recorded controller may be a process that went on to other things (a script
     # that ran the job attached, a server): it is never signalled
     controller_was_alive = bool(not job.status.terminal and pid and pid != os.getpid() and procs.alive(pid, ticks))
-    if controller_was_alive:
+    if placed(job.spec):  # its controller is a Slurm job, its pid another machine's: scancel it
+        controller_was_alive = False
+        if not job.status.terminal:
+            store.add_event(job_id, "down", "sftctl down: SIGTERM to the controller's Slurm job", {"signal": "SIGTERM"})
+            say(f"{job_id}: waiting up to {DOWN_GRACE_S:.0f} s for its controller's Slurm job to stop its nodes")
+        found = stop_placed_controller(job, DOWN_GRACE_S)
+        for slurm_id in found:  # one that never started leaves its queued lease behind
+            store.release_lease(job_id, queued_holder("slurm", slurm_id))
+        controller_was_alive = bool(found) and not job.status.terminal
+    elif controller_was_alive:
         # said first, so the controller's reason names sftctl down, not an anonymous SIGTERM
         store.add_event(job_id, "down", f"sftctl down: SIGTERM to the controller (pid {pid})",
                         {"signal": "SIGTERM", "controller_pid": pid})

@@ -112,6 +112,14 @@ SIGNAL_BEFORE_S = 90
 STATE_TTL_S = 0.5
 
 COMMENT_PREFIX = "sftctl-managed=true"
+#: the comment label of a job's controller run as a Slurm job (controller.place: slurm); the
+#: node allocations' listing (list_instances, terminate_tagged) leaves such jobs out
+CONTROLLER_ROLE = "sftctl-role=controller"
+
+
+def controller_job_name(job_id: str) -> str:
+    """The Slurm job name of ``job_id``'s controller (``sftctl-ctl-<job>``)."""
+    return f"sftctl-ctl-{job_id}"
 
 
 def load_config(spec_section: dict | None = None) -> SlurmConfig:
@@ -676,6 +684,86 @@ class SlurmProvider:
                               python_dir=str(Path(python).parent) if python else ""),
         }
 
+    # ---------------------------------------------------------------- the job's controller
+
+    def controller_script(self, job_id: str, argv: list[str], *, partition: str | None, log: str, chdir: str) -> str:
+        """The batch script that runs ``job_id``'s controller (``argv``: ``python -m sftctl.queue
+        JOB``, :func:`sftctl.procs.module_argv`) as one 1-CPU task in ``partition`` (default: the
+        config's partition, else the cluster's default), appending its output to ``log``.
+
+        Raises:
+            ValueError: a value bound for an ``#SBATCH`` line holds a control character.
+        """
+        from sftctl.templates import render
+
+        options = []
+        if partition or self.cfg.partition:
+            options.append(f"--partition={partition or self.cfg.partition}")
+        if self.cfg.account:
+            options.append(f"--account={self.cfg.account}")
+        if self.cfg.qos:
+            options.append(f"--qos={self.cfg.qos}")
+        return render("slurm/controller.sh.j2", job_id=job_id, slurm_name=controller_job_name(job_id), options=options,
+                      log=log, chdir=chdir, comment=f"{comment(job_id)},{CONTROLLER_ROLE}", argv=argv)
+
+    def submit_controller(self, job_id: str, argv: list[str], *, partition: str | None, log: str,
+                          chdir: str) -> str:
+        """Write :meth:`controller_script` to ``<job root>/controller.sbatch.sh`` and ``sbatch`` it;
+        return the Slurm job id. The job is ``--no-requeue`` and inherits the environment of
+        the process that submits it (sbatch's default ``--export=ALL``: ``SFTCTL_HOME``, the
+        state's URL, ``SLURM_CONF``, the secrets' values).
+
+        Raises:
+            ProviderError: sbatch refused it (an unknown partition, an account limit), exit 4.
+        """
+        path = f"{self.job_root(job_id)}/controller.sbatch.sh"
+        self.runner.write_files({path: (self.controller_script(job_id, argv, partition=partition, log=log,
+                                                                chdir=chdir), 0o700)})
+        proc = self.runner.run(["sbatch", "--parsable", path], check=False, timeout=60)
+        if proc.returncode != 0:
+            err = (proc.stderr or b"").decode(errors="replace").strip()
+            line = re.sub(r"^sbatch: error: ", "", err.splitlines()[-1] if err else f"exit code {proc.returncode}")
+            raise ProviderError(f"slurm: sbatch refused the controller of job {job_id}: {line}",
+                                hint="controller.partition (or slurm.partition) names a partition of the cluster? "
+                                     "sinfo lists them")
+        return proc.stdout.decode().strip().split(";")[0]
+
+    def controller_jobs(self, job_id: str | None = None) -> list[dict]:
+        """The live Slurm jobs running (or waiting to run) a controller of this sftctl home:
+        ``[{"id", "job_id", "state", "name"}]``, of ``job_id`` only when given."""
+        proc = self.runner.run(["squeue", "-h", "-o", "%i|%T|%j|%k"], check=False)
+        out, mine = [], home_tag()
+        for line in proc.stdout.decode().splitlines():
+            bits = line.strip().split("|", 3)
+            if len(bits) != 4 or CONTROLLER_ROLE not in bits[3]:
+                continue
+            labels = parse_comment(bits[3])
+            if labels.get("sftctl-home") != mine or (job_id is not None and labels.get("sftctl-job") != job_id):
+                continue
+            out.append({"id": bits[0], "job_id": labels.get("sftctl-job"), "state": bits[1], "name": bits[2]})
+        return out
+
+    def cancel_controller(self, job_id: str, grace_s: float = 20.0) -> list[str]:
+        """Stop ``job_id``'s controller jobs: a running one gets SIGTERM (``scancel --batch
+        --signal=TERM``: the controller cancels the job and stops its nodes itself) and
+        ``grace_s`` seconds to end; what is still in the queue then is cancelled outright. Returns
+        the Slurm job ids it found."""
+        found = self.controller_jobs(job_id)
+        running = [f["id"] for f in found if f["state"] in ("RUNNING", "CONFIGURING")]
+        waiting = [f["id"] for f in found if f["id"] not in running]
+        if waiting:
+            self.runner.run(["scancel", *waiting], check=False)
+        if running:
+            self.runner.run(["scancel", "--batch", "--signal=TERM", *running], check=False)
+            end = time.monotonic() + grace_s
+            while time.monotonic() < end and any(f["state"] in ("RUNNING", "CONFIGURING")
+                                                 for f in self.controller_jobs(job_id)):
+                time.sleep(0.5)
+            left = [f["id"] for f in self.controller_jobs(job_id) if f["state"] not in ("COMPLETING",)]
+            if left:
+                self.runner.run(["scancel", *left], check=False)
+        return [f["id"] for f in found]
+
     def _upload_workdir(self, job_id: str, root: str) -> str:
         if job_id not in self.uploaded:
             from sftctl.state import Store
@@ -929,7 +1017,8 @@ class SlurmProvider:
             self.runner.run(["rm", "-f", NodeDir(handle.dir).env(handle.attempt)], check=False)
 
     def list_instances(self, job_id: str | None = None) -> list[dict]:
-        """The user's live Slurm jobs whose comment carries sftctl's labels and this home."""
+        """The user's live Slurm jobs whose comment carries sftctl's labels and this home (node
+        allocations only: a controller's Slurm job is :meth:`controller_jobs`')."""
         user = ["--me"] if not self.runner.remote and os.geteuid() != 0 else ["-u", self.cfg.user] if self.cfg.user else ["--me"]
         proc = self.runner.run(["squeue", "-h", *user, "-o", "%i|%T|%k"], check=False)
         if proc.returncode != 0:
@@ -938,8 +1027,8 @@ class SlurmProvider:
         mine = home_tag()
         for line in proc.stdout.decode().splitlines():
             bits = line.strip().split("|", 2)
-            if len(bits) != 3 or COMMENT_PREFIX not in bits[2]:
-                continue
+            if len(bits) != 3 or COMMENT_PREFIX not in bits[2] or CONTROLLER_ROLE in bits[2]:
+                continue  # a controller's own Slurm job is not a node (its teardown calls this)
             labels = parse_comment(bits[2])
             if labels.get("sftctl-home") != mine:
                 continue

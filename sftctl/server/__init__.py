@@ -64,8 +64,12 @@ class Supervisor:
 
         with self._lock:
             check_no_live_controller(job_id)
-            self._procs[job_id] = api.spawn_controller(job_id)
-        log.info("controller of %s started (pid %d)", job_id, self._procs[job_id].pid)
+            proc = api.spawn_controller(job_id)
+            if proc is None:  # controller.place: slurm: a Slurm job, not a child of this process
+                log.info("controller of %s submitted to Slurm", job_id)
+                return
+            self._procs[job_id] = proc
+        log.info("controller of %s started (pid %d)", job_id, proc.pid)
 
     def reap(self) -> None:
         """Collect the exit status of controllers that ended (no zombies)."""
