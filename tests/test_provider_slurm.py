@@ -711,3 +711,26 @@ def test_a_placed_controller_is_refused_where_it_cannot_work(cluster, tmp_path, 
     proc = sftctl("run", str(_placed_spec(tmp_path, controller="{place: mars}")), "--detach")
     assert proc.returncode == 2 and "controller.place" in proc.stderr and "'slurm'" in proc.stderr, proc.stderr
     assert cluster.jobs() == []
+
+
+def test_down_orphans_stops_a_placed_controller_of_an_unknown_job(cluster, tmp_path, home):
+    """A controller's Slurm job (sftctl-role=controller) whose job this state does not know is
+    stopped by down --orphans; another home's is left alone."""
+    from sftctl.providers.slurm import CONTROLLER_ROLE, comment
+
+    mine = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", "--job-name=sftctl-ctl-ghost-ctl",
+                           f"--comment={comment('ghost-ctl')},{CONTROLLER_ROLE}", "--wrap", "sleep 300"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    theirs = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", "--job-name=sftctl-ctl-x",
+                             f"--comment=sftctl-managed=true,sftctl-job=x,sftctl-home=other,{CONTROLLER_ROLE}",
+                             "--wrap", "sleep 300"], capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        wait_for(lambda: {r["id"]: r["state"] for r in _squeue(cluster)}.get(mine) == "RUNNING", timeout_s=30,
+                 what="the ghost controller to run")
+        out = sftctl("down", "--orphans", check=True).stdout
+        assert f"slurm: ghost-ctl (unknown job): stopped its controller's Slurm job {mine}" in out, out
+        assert "removed" not in out  # a controller's job is not a node allocation
+        wait_for(lambda: cluster.jobs() == [theirs], timeout_s=30, what="only the other home's job to remain")
+    finally:
+        subprocess.run(["scancel", mine, theirs])
+    wait_for(lambda: cluster.jobs() == [], timeout_s=30, what="cleanup")

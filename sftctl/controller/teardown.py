@@ -234,6 +234,22 @@ def down_orphans(store: Store | None, checked: list[str] | None = None) -> list[
             n = provider.terminate_tagged(job_id)
             why = "unknown job" if job is None else job.status.value.lower()
             out.append(f"{name}: {job_id} ({why}): removed {n} resource(s)")
+        if name == "slurm":  # controllers placed on Slurm (controller.place: slurm) of jobs gone or ended
+            out += _stop_orphan_slurm_controllers(store, provider)
+    return out
+
+
+def _stop_orphan_slurm_controllers(store: Store | None, provider) -> list[str]:
+    """Stop each controller's Slurm job of this home (``sftctl-ctl-<job>``) whose job the state
+    does not know or that ended (SIGTERM, then ``scancel`` after ``DOWN_GRACE_S``)."""
+    out = []
+    for job_id in sorted({r["job_id"] or "?" for r in provider.controller_jobs(None)}):
+        job = store.get_job(job_id) if store is not None else None
+        if job is not None and not job.status.terminal:
+            continue
+        ids = provider.cancel_controller(job_id, DOWN_GRACE_S)
+        why = "unknown job" if job is None else job.status.value.lower()
+        out.append(f"slurm: {job_id} ({why}): stopped its controller's Slurm job {', '.join(ids)}")
     return out
 
 
