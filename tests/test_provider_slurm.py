@@ -651,10 +651,13 @@ def test_down_of_a_job_with_a_placed_controller_leaves_no_slurm_job(cluster, tmp
     """`sftctl down` ends the controller's Slurm job (SIGTERM: it cancels the job and stops the
     allocation itself) and leaves nothing in Slurm."""
     job = json.loads(sftctl("run", str(_placed_spec(tmp_path, extra="sleep 300")), "--detach", "--json",
-                            check=True).stdout)["job_id"]
+                            "--set", "resources.deadline=90m", check=True).stdout)["job_id"]
     wait_for(lambda: sftctl("logs", job).stdout.count("rank=") == 2, timeout_s=90, what="the nodes to start")
     names = sorted(r["name"] for r in _squeue(cluster))
     assert names == sorted([f"sftctl-{job}", f"sftctl-ctl-{job}"]), names
+    [ctl] = [r["id"] for r in _squeue(cluster) if r["name"] == f"sftctl-ctl-{job}"]
+    f = scontrol_job(cluster, ctl)  # as Slurm recorded it: 1 CPU, the deadline + 10 min, never requeued
+    assert (f["NumCPUs"], f["TimeLimit"], f["Requeue"], f["Partition"]) == ("1", "01:40:00", "0", "gpu"), f
     summary = sftctl("down", job, check=True).stdout
     assert job in summary and "cancelled" in summary, summary
     wait_for(lambda: cluster.jobs() == [], timeout_s=30, what="both Slurm jobs to be gone")
@@ -734,3 +737,14 @@ def test_down_orphans_stops_a_placed_controller_of_an_unknown_job(cluster, tmp_p
     finally:
         subprocess.run(["scancel", mine, theirs])
     wait_for(lambda: cluster.jobs() == [], timeout_s=30, what="cleanup")
+
+
+def test_an_attached_run_with_a_placed_controller_follows_the_job(cluster, tmp_path, home):
+    """`sftctl run` without --detach submits the controller to Slurm and follows the job's logs
+    until it ends: the exit code and the document are the job's."""
+    proc = sftctl("run", str(_placed_spec(tmp_path, extra="sleep 1")), "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["status"] == "SUCCEEDED" and doc["provider"] == "slurm", doc
+    owner = json.loads((home / "jobs" / doc["id"] / "controller.json").read_text())
+    assert owner["slurm_job_id"] and owner["pid"] == doc["controller_pid"]

@@ -275,9 +275,15 @@ def controller_provider(spec: JobSpec):
     return get_provider("slurm", config=spec.slurm.model_dump() if spec.slurm else None)
 
 
+#: seconds a placed controller's Slurm job runs past the spec's deadline (``--time``): the
+#: controller fails the job at its deadline and then tears its nodes down
+CONTROLLER_TEARDOWN_S = 600.0
+
+
 def place_controller(store: Store, job: JobRecord) -> str:
     """Submit the controller of a ``controller.place: slurm`` job as a Slurm job
-    (``sftctl-ctl-<job>``, 1 CPU, ``controller.partition`` or ``slurm.partition``) running
+    (``sftctl-ctl-<job>``, 1 CPU, ``controller.partition`` or ``slurm.partition``, ``--time`` the
+    spec's deadline + :data:`CONTROLLER_TEARDOWN_S`, else the partition's default) running
     ``python -m sftctl.queue JOB`` with the config's ``slurm.python`` (default: this
     interpreter, on the shared filesystem); its output goes to the job dir's ``controller.log``.
     Until it starts, the job's lease is held for it (holder ``slurm:<id>``, for
@@ -293,8 +299,10 @@ def place_controller(store: Store, job: JobRecord) -> str:
     jd.mkdir(parents=True, exist_ok=True, mode=0o700)
     argv = module_argv("sftctl.queue", job.id, python=provider.cfg.python or sys.executable)
     partition = spec.controller.partition or provider.cfg.partition
-    slurm_id = provider.submit_controller(job.id, argv, partition=partition, log=str(jd / "controller.log"),
-                                          chdir=str(jd))
+    deadline_s = spec.resources.deadline_s
+    slurm_id = provider.submit_controller(
+        job.id, argv, partition=partition, log=str(jd / "controller.log"), chdir=str(jd),
+        time_limit_s=None if deadline_s is None else deadline_s + CONTROLLER_TEARDOWN_S)
     store.acquire_lease(job.id, queued_holder("slurm", slurm_id), QUEUED_CONTROLLER_LEASE_S)
     store.add_event(job.id, "controller",
                     f"controller: Slurm job {slurm_id} ({slurm_provider.controller_job_name(job.id)}) in "

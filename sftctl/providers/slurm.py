@@ -686,10 +686,12 @@ class SlurmProvider:
 
     # ---------------------------------------------------------------- the job's controller
 
-    def controller_script(self, job_id: str, argv: list[str], *, partition: str | None, log: str, chdir: str) -> str:
+    def controller_script(self, job_id: str, argv: list[str], *, partition: str | None, log: str, chdir: str,
+                          time_limit_s: float | None = None) -> str:
         """The batch script that runs ``job_id``'s controller (``argv``: ``python -m sftctl.queue
         JOB``, :func:`sftctl.procs.module_argv`) as one 1-CPU task in ``partition`` (default: the
-        config's partition, else the cluster's default), appending its output to ``log``.
+        config's partition, else the cluster's default), appending its output to ``log``;
+        ``--time`` is ``time_limit_s`` (None: the partition's default time limit).
 
         Raises:
             ValueError: a value bound for an ``#SBATCH`` line holds a control character.
@@ -703,11 +705,13 @@ class SlurmProvider:
             options.append(f"--account={self.cfg.account}")
         if self.cfg.qos:
             options.append(f"--qos={self.cfg.qos}")
+        if time_limit_s:
+            options.append(f"--time={duration(time_limit_s)}")
         return render("slurm/controller.sh.j2", job_id=job_id, slurm_name=controller_job_name(job_id), options=options,
                       log=log, chdir=chdir, comment=f"{comment(job_id)},{CONTROLLER_ROLE}", argv=argv)
 
     def submit_controller(self, job_id: str, argv: list[str], *, partition: str | None, log: str,
-                          chdir: str) -> str:
+                          chdir: str, time_limit_s: float | None = None) -> str:
         """Write :meth:`controller_script` to ``<job root>/controller.sbatch.sh`` and ``sbatch`` it;
         return the Slurm job id. The job is ``--no-requeue`` and inherits the environment of
         the process that submits it (sbatch's default ``--export=ALL``: ``SFTCTL_HOME``, the
@@ -718,7 +722,7 @@ class SlurmProvider:
         """
         path = f"{self.job_root(job_id)}/controller.sbatch.sh"
         self.runner.write_files({path: (self.controller_script(job_id, argv, partition=partition, log=log,
-                                                                chdir=chdir), 0o700)})
+                                                                chdir=chdir, time_limit_s=time_limit_s), 0o700)})
         proc = self.runner.run(["sbatch", "--parsable", path], check=False, timeout=60)
         if proc.returncode != 0:
             err = (proc.stderr or b"").decode(errors="replace").strip()
