@@ -1,0 +1,168 @@
+"""Where a job's controller runs (issue 24): ``controller.place: slurm`` against the real Slurm
+cluster of tests/slurm_cluster.py (the ``cluster`` fixture of test_provider_slurm.py, which ends
+each test by asserting that ``squeue`` is empty: sftctl never leaks a Slurm job)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import sftctl, status_json, wait_for, write_spec
+from slurm_cluster import SlurmCluster, skip_reason
+from test_provider_slurm import cluster, scontrol_job, shell_spec  # noqa: F401 (cluster: the fixture)
+
+pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
+
+def _placed_spec(tmp_path: Path, extra: str = "sleep 4", controller: str = "{place: slurm}") -> Path:
+    return write_spec(tmp_path / "placed.yaml", shell_spec(tmp_path, extra=extra).read_text()
+                      + f"controller: {controller}\n")
+
+
+def _squeue(cluster: SlurmCluster) -> list[dict]:
+    out = cluster._run(["squeue", "-h", "-o", "%i|%j|%T|%C|%k"]).stdout
+    return [dict(zip(("id", "name", "state", "cpus", "comment"), line.split("|", 4)))
+            for line in out.splitlines() if line.strip()]
+
+
+def test_a_controller_placed_on_slurm_runs_the_job_to_success(cluster, tmp_path, home):
+    """controller.place: slurm: the controller is a 1-CPU Slurm job named sftctl-ctl-<job>,
+    running inside that job (its pid's parent is slurmstepd, its environment names the job), and
+    drives the job to SUCCEEDED; nothing is left in Slurm afterwards (the fixture asserts it)."""
+    from sftctl.state import Store
+
+    job = json.loads(sftctl("run", str(_placed_spec(tmp_path)), "--detach", "--json", check=True).stdout)["job_id"]
+    name = f"sftctl-ctl-{job}"
+    ctl = wait_for(lambda: [r for r in _squeue(cluster) if r["name"] == name and r["state"] == "RUNNING"],
+                   timeout_s=60, what="the controller's Slurm job to run")[0]
+    assert ctl["cpus"] == "1" and "sftctl-role=controller" in ctl["comment"] and f"sftctl-job={job}" in ctl["comment"]
+    pid = wait_for(lambda: status_json(job)["controller_pid"], timeout_s=60, what="the controller to claim the job")
+    owner = json.loads((home / "jobs" / job / "controller.json").read_text())
+    assert owner["pid"] == pid and owner["slurm_job_id"] == ctl["id"]
+    assert pid != os.getpid()
+    # the recorded controller is a process of the Slurm job, not one this test or its CLI started
+    assert Path(f"/proc/{pid}/comm").exists(), "the controller should still run"
+    environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+    assert environ["SFTCTL_CONTROLLER_SLURM_JOB_ID"] == ctl["id"]
+    assert not [k for k in environ if k.startswith("SLURM_") and k != "SLURM_CONF"]  # none reach its allocations
+    ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    assert Path(f"/proc/{ppid}/comm").read_text().strip() == "slurmstepd"
+    holder = Store().lease(job)[0]
+    assert holder.split(":")[1] == str(pid)  # the controller holds the job's lease (also on SQLite)
+    wait_for(lambda: status_json(job)["status"] in ("SUCCEEDED", "FAILED", "FAILED_CONTROLLER", "CANCELLED"),
+             timeout_s=120, what="the job to end")
+    doc = status_json(job)
+    assert doc["status"] == "SUCCEEDED", doc
+    assert sftctl("logs", job).stdout.count("rank=") == 2
+    events = json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]
+    assert any(e["message"].startswith(f"controller: Slurm job {ctl['id']} ({name})") for e in events), events
+    log = (home / "jobs" / job / "controller.log").read_text()
+    assert f"[sftctl] Slurm job {ctl['id']}: the controller of job {job}" in log
+    wait_for(lambda: not [r for r in _squeue(cluster) if r["name"] == name], timeout_s=30,
+             what="the controller's Slurm job to end with the job")
+
+
+def test_down_of_a_job_with_a_placed_controller_leaves_no_slurm_job(cluster, tmp_path, home):
+    """`sftctl down` ends the controller's Slurm job (SIGTERM: it cancels the job and stops the
+    allocation itself) and leaves nothing in Slurm."""
+    job = json.loads(sftctl("run", str(_placed_spec(tmp_path, extra="sleep 300")), "--detach", "--json",
+                            "--set", "resources.deadline=90m", check=True).stdout)["job_id"]
+    wait_for(lambda: sftctl("logs", job).stdout.count("rank=") == 2, timeout_s=90, what="the nodes to start")
+    names = sorted(r["name"] for r in _squeue(cluster))
+    assert names == sorted([f"sftctl-{job}", f"sftctl-ctl-{job}"]), names
+    [ctl] = [r["id"] for r in _squeue(cluster) if r["name"] == f"sftctl-ctl-{job}"]
+    f = scontrol_job(cluster, ctl)  # as Slurm recorded it: 1 CPU, the deadline + 10 min, never requeued
+    assert (f["NumCPUs"], f["TimeLimit"], f["Requeue"], f["Partition"]) == ("1", "01:40:00", "0", "gpu"), f
+    summary = sftctl("down", job, check=True).stdout
+    assert job in summary and "cancelled" in summary, summary
+    wait_for(lambda: cluster.jobs() == [], timeout_s=30, what="both Slurm jobs to be gone")
+    assert status_json(job)["status"] == "CANCELLED"
+
+
+def test_a_queued_controller_holds_the_job_and_down_cancels_it(cluster, tmp_path, home, monkeypatch):
+    """While the controller's Slurm job waits in the queue the job is not one without a
+    controller (a read does not fail it, a second start is refused), and `down` cancels it."""
+    from sftctl import api, state
+
+    blocker = subprocess.run(["sbatch", "--parsable", "-N3", "--exclusive", "--output=/dev/null", "--wrap", "sleep 300"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        job = json.loads(sftctl("run", str(_placed_spec(tmp_path)), "--detach", "--json", check=True).stdout)["job_id"]
+        queued = [r for r in _squeue(cluster) if r["name"] == f"sftctl-ctl-{job}"]
+        assert [r["state"] for r in queued] == ["PENDING"]
+        monkeypatch.setattr(state, "CONTROLLER_START_GRACE_S", 0.0)  # a plain job would be reaped now
+        assert api.status(job).status.value == "PENDING"
+        from sftctl.queue import ControllerBusy
+
+        with pytest.raises(ControllerBusy) as busy:  # the queued controller holds the lease
+            api.start(job)
+        assert f"slurm:{queued[0]['id']}" in busy.value.message and busy.value.exit_code == 2
+        assert len([r for r in _squeue(cluster) if r["name"] == f"sftctl-ctl-{job}"]) == 1  # no second one
+        summary = sftctl("down", job, check=True).stdout
+        assert "cancelled" in summary, summary
+        wait_for(lambda: cluster.jobs() == [blocker], timeout_s=30, what="the queued controller to be cancelled")
+        assert status_json(job)["status"] == "CANCELLED"
+    finally:
+        subprocess.run(["scancel", blocker], check=True)
+
+
+def test_a_placed_controller_is_refused_where_it_cannot_work(cluster, tmp_path, home, monkeypatch):
+    """One line naming controller.place and the fix, exit 2, nothing submitted: SQLite state with
+    the cluster over SSH; place: server without a server; local nodes; a bad partition (exit 4)."""
+    config = tmp_path / "config.yaml"
+    config.write_text("slurm: {host: login.example.org}\n")
+    monkeypatch.setenv("SFTCTL_CONFIG", str(config))
+    proc = sftctl("run", str(_placed_spec(tmp_path)), "--detach")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[0]
+    assert "controller.place: slurm" in line and "SQLite" in line and "over SSH" in line, proc.stderr
+    assert "state.url" in proc.stderr and "Postgres" in proc.stderr
+    monkeypatch.delenv("SFTCTL_CONFIG")
+    proc = sftctl("run", str(_placed_spec(tmp_path, controller="{place: server}")), "--detach")
+    assert proc.returncode == 2 and "controller.place: server, but the config names no sftctl server" in proc.stderr
+    local = _placed_spec(tmp_path).read_text().replace("clouds: [slurm]", "clouds: [local]")
+    proc = sftctl("run", str(write_spec(tmp_path / "local.yaml", local)), "--detach")
+    assert proc.returncode == 2 and "controller.place: slurm cannot supervise local nodes" in proc.stderr, proc.stderr
+    proc = sftctl("run", str(_placed_spec(tmp_path, controller="{place: slurm, partition: nosuch}")), "--detach")
+    assert proc.returncode == 4 and "sbatch refused the controller" in proc.stderr and "Traceback" not in proc.stderr, \
+        proc.stderr
+    proc = sftctl("run", str(_placed_spec(tmp_path, controller="{place: mars}")), "--detach")
+    assert proc.returncode == 2 and "controller.place" in proc.stderr and "'slurm'" in proc.stderr, proc.stderr
+    assert cluster.jobs() == []
+
+
+def test_down_orphans_stops_a_placed_controller_of_an_unknown_job(cluster, tmp_path, home):
+    """A controller's Slurm job (sftctl-role=controller) whose job this state does not know is
+    stopped by down --orphans; another home's is left alone."""
+    from sftctl.providers.slurm import CONTROLLER_ROLE, comment
+
+    mine = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", "--job-name=sftctl-ctl-ghost-ctl",
+                           f"--comment={comment('ghost-ctl')},{CONTROLLER_ROLE}", "--wrap", "sleep 300"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    theirs = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", "--job-name=sftctl-ctl-x",
+                             f"--comment=sftctl-managed=true,sftctl-job=x,sftctl-home=other,{CONTROLLER_ROLE}",
+                             "--wrap", "sleep 300"], capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        wait_for(lambda: {r["id"]: r["state"] for r in _squeue(cluster)}.get(mine) == "RUNNING", timeout_s=30,
+                 what="the ghost controller to run")
+        out = sftctl("down", "--orphans", check=True).stdout
+        assert f"slurm: ghost-ctl (unknown job): stopped its controller's Slurm job {mine}" in out, out
+        assert "removed" not in out  # a controller's job is not a node allocation
+        wait_for(lambda: cluster.jobs() == [theirs], timeout_s=30, what="only the other home's job to remain")
+    finally:
+        subprocess.run(["scancel", mine, theirs])
+    wait_for(lambda: cluster.jobs() == [], timeout_s=30, what="cleanup")
+
+
+def test_an_attached_run_with_a_placed_controller_follows_the_job(cluster, tmp_path, home):
+    """`sftctl run` without --detach submits the controller to Slurm and follows the job's logs
+    until it ends: the exit code and the document are the job's."""
+    proc = sftctl("run", str(_placed_spec(tmp_path, extra="sleep 1")), "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["status"] == "SUCCEEDED" and doc["provider"] == "slurm", doc
+    owner = json.loads((home / "jobs" / doc["id"] / "controller.json").read_text())
+    assert owner["slurm_job_id"] and owner["pid"] == doc["controller_pid"]
