@@ -80,16 +80,9 @@ def _compiler_cache_outside_the_users(tmp_path_factory):
     """The compiler's disk cache (``platformdirs.user_cache_dir("sftctl")``, i.e.
     ``$XDG_CACHE_HOME/sftctl`` on Linux) goes to a temporary directory shared by the session
     (the CLI processes tests start inherit it), never to the user's ``~/.cache``. Tests that
-    take ``home`` get a fresh one of their own. Under pytest-xdist the workers share one (the
-    cache writes whole files through a rename: concurrent writers are safe), so a model is traced
-    once per run, not once per worker."""
+    take ``home`` get a fresh one of their own."""
     old = os.environ.get("XDG_CACHE_HOME")
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = tmp_path_factory.getbasetemp().parent / "xdg-cache"
-        shared.mkdir(exist_ok=True)
-        os.environ["XDG_CACHE_HOME"] = str(shared)
-    else:
-        os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
     yield
     if old is None:
         os.environ.pop("XDG_CACHE_HOME", None)

@@ -319,16 +319,22 @@ def test_node_failure_resumes_on_the_remaining_nodes(cluster, tmp_path, home):
     doc = status_json(job)
     assert doc["status"] == "SUCCEEDED", doc["failure_reason"]
     runs: dict[str, list[list[str]]] = {}  # rank -> its runs' "rank R on NODE resumes from STEP"
-    for line in sftctl("logs", job).stdout.splitlines():
+    text = sftctl("logs", job).stdout
+    for line in text.splitlines():
         if "resumes from" in line:
             words = line.split(") ", 1)[1].split()
             runs.setdefault(words[1], []).append(words)
-    assert [len(runs["0"]), len(runs["1"])] == [2, 2], runs  # every node ran again
+    events = [e["message"] for e in json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]]
+    node_logs = {p.parent.name: p.read_text() for p in (home / "jobs" / job / "slurm" / "nodes").glob("*/node.log")}
+    assert [len(runs["0"]), len(runs["1"])] == [2, 2], f"{text}\n{node_logs}\n{events}"  # every node ran again
     again = runs["1"][1]
     assert again[3] != victim and int(again[6]) >= killed_at - 1  # elsewhere, from its checkpoint
     assert int(runs["0"][1][6]) > 0
-    events = [e["message"] for e in json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]]
-    assert any("runs again after Slurm requeued it (restart 1" in m for m in events), "\n".join(events)
+    # Slurm's requeue (slurmctld saw NODE_FAIL first) or sftctl's own restart without the down node
+    # (srun saw the step die first and the allocation ended FAILED): which one is a race of the two
+    # daemons; either way the run resumes elsewhere from its checkpoint
+    assert any("runs again after Slurm requeued it (restart 1" in m or
+               f"Slurm node {victim} is down: sftctl leaves it out" in m for m in events), "\n".join(events)
     assert progress(work / "ckpt-1") == 30
 
 
