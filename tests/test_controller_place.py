@@ -80,6 +80,10 @@ def test_down_of_a_job_with_a_placed_controller_leaves_no_slurm_job(cluster, tmp
     assert job in summary and "cancelled" in summary, summary
     wait_for(lambda: cluster.jobs() == [], timeout_s=30, what="both Slurm jobs to be gone")
     assert status_json(job)["status"] == "CANCELLED"
+    # the controller got the SIGTERM in its Slurm job and stopped the nodes itself
+    messages = [e["message"] for e in json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]]
+    assert "sftctl down: SIGTERM to the controller's Slurm job" in messages, messages
+    assert "RUNNING -> CANCELLED: cancelled by SIGTERM" in messages and "its controller stopped the nodes" in summary
 
 
 def test_a_queued_controller_holds_the_job_and_down_cancels_it(cluster, tmp_path, home, monkeypatch):

@@ -735,7 +735,8 @@ class SlurmProvider:
     def controller_jobs(self, job_id: str | None = None) -> list[dict]:
         """The live Slurm jobs running (or waiting to run) a controller of this sftctl home:
         ``[{"id", "job_id", "state", "name"}]``, of ``job_id`` only when given."""
-        proc = self.runner.run(["squeue", "-h", "-o", "%i|%T|%j|%k"], check=False)
+        by_name = ["--name", controller_job_name(job_id)] if job_id is not None else []
+        proc = self.runner.run(["squeue", "-h", *by_name, "-o", "%i|%T|%j|%k"], check=False)
         out, mine = [], home_tag()
         for line in proc.stdout.decode().splitlines():
             bits = line.strip().split("|", 3)
