@@ -170,3 +170,32 @@ def test_an_attached_run_with_a_placed_controller_follows_the_job(cluster, tmp_p
     assert doc["status"] == "SUCCEEDED" and doc["provider"] == "slurm", doc
     owner = json.loads((home / "jobs" / doc["id"] / "controller.json").read_text())
     assert owner["slurm_job_id"] and owner["pid"] == doc["controller_pid"]
+
+
+def test_a_server_places_the_controller_on_slurm_once(cluster, tmp_path, home, monkeypatch):
+    """With a server configured the server submits the placed controller (not its own child);
+    its reconciliation (every 10 s) sees the job's lease and never gives it a second controller;
+    the job SUCCEEDS with the client gone."""
+    pytest.importorskip("fastapi")
+    from test_server import Server, as_user, tokens
+
+    server = Server(home, tmp_path / "server.log").start()
+    try:
+        as_user(monkeypatch, server, tokens("alice")["alice"])
+        job = json.loads(sftctl("run", str(_placed_spec(tmp_path, extra="sleep 25")), "--detach", "--json",
+                                check=True).stdout)["job_id"]
+        wait_for(lambda: [r for r in _squeue(cluster) if r["name"] == f"sftctl-ctl-{job}"], timeout_s=30,
+                 what="the server to submit the controller")
+        wait_for(lambda: status_json(job)["status"] in ("SUCCEEDED", "FAILED", "FAILED_CONTROLLER", "CANCELLED"),
+                 timeout_s=150, what="the job to end")
+        assert status_json(job)["status"] == "SUCCEEDED"
+        events = json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]
+        placed = [e["message"] for e in events if e["message"].startswith("controller: Slurm job")]
+        import httpx
+
+        rounds = httpx.get(f"{server.url}/v1/health", timeout=10).json()["reconciles"]
+        assert len(placed) == 1 and rounds >= 3, (placed, rounds)  # one controller through every reconcile
+        log = (tmp_path / "server.log").read_text()
+        assert f"controller of {job} submitted to Slurm" in log and "reconcile failed" not in log, log[-3000:]
+    finally:
+        server.stop()
