@@ -738,10 +738,13 @@ class Store:
             f" WHERE status IN ({','.join('?' * len(live))})",
             live,
         ).fetchall()
+        # a controller placed in a scheduler's job runs on another machine: judged by the lease
+        elsewhere = {r["id"] for r in rows if '"place"' in (r["spec_json"] or "")
+                     and placed(json.loads(r["spec_json"]))}
         leased = None
         # controllers run on other machines (a shared state, or a controller placed in a Slurm
         # job): a live one holds an unexpired lease, or its scheduler's queue holds it for it
-        if self._d.shared or any(placed(json.loads(r["spec_json"] or "{}")) for r in rows):
+        if self._d.shared or elsewhere:
             leased = {r["job_id"] for r in self._conn.execute(
                 f"SELECT job_id FROM leases WHERE expires_at > {self._d.now}").fetchall()}
         reaped = []
@@ -749,7 +752,7 @@ class Store:
             pid = r["controller_pid"]
             if pid is None and time.time() - r["created_at"] < CONTROLLER_START_GRACE_S:
                 continue
-            by_lease = self._d.shared or placed(json.loads(r["spec_json"] or "{}")) is not None
+            by_lease = self._d.shared or r["id"] in elsewhere
             if by_lease and r["id"] in leased:
                 continue
             if not by_lease and pid is not None and procs.alive(pid, r["controller_start_ticks"]):
