@@ -10,7 +10,10 @@ it, its float64 loss and gradients from the interpreter checked against torch's:
 * ConvNeXt-ish: depthwise 7x7, LayerNorm over channels, inverted MLP, layer scale and drop_path
   (stochastic depth: ``floor(keep + rand)``);
 * Mamba-ish: a selective scan (input-dependent step, decay and projections) unrolled over time,
-  with a gated depthwise causal conv.
+  with a gated depthwise causal conv;
+* RNNs: a 2-layer LSTM language model with a tied decoder, and a bidirectional GRU classifier
+  whose label smoothing indexes ``torch.eye`` (both trace through ATen's native RNN: an input
+  projection GEMM, then a recurrent GEMM and the gates per step, as cuDNN runs them).
 (GNN with a train mask: tests/test_data_dependent.py; MoE: tests/test_zoo_moe.py.)
 """
 
@@ -233,16 +236,55 @@ def _mamba():
     return TinyMamba(), torch.randint(0, 30, (2, 7), generator=_gen(5))
 
 
-FAMILIES = {"unet": _unet, "clip": _clip, "speech": _speech, "convnext": _convnext, "mamba": _mamba}
+class TinyLSTMLM(nn.Module):
+    """A word-level LSTM language model as the PyTorch examples write it: embedding, dropout, a
+    2-layer ``nn.LSTM`` (batch_first), tied decoder."""
+
+    def __init__(self, vocab=30, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.drop = nn.Dropout(0.0)
+        self.rnn = nn.LSTM(d, d, num_layers=2, batch_first=True)
+        self.dec = nn.Linear(d, vocab)
+        self.dec.weight = self.emb.weight
+
+    def forward(self, ids):
+        out, _ = self.rnn(self.drop(self.emb(ids)))
+        logits = self.dec(out)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+class TinyBiGRU(nn.Module):
+    """A bidirectional GRU sequence classifier with label smoothing built from ``torch.eye``
+    (one-hot rows: a uint8 ``arange`` compared inside torch's decomposition)."""
+
+    def __init__(self, d_in=6, d=8, classes=3):
+        super().__init__()
+        self.rnn = nn.GRU(d_in, d, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(2 * d, classes)
+        self.classes = classes
+
+    def forward(self, x, y):
+        out, h = self.rnn(x)
+        logits = self.head(torch.cat([h[0], h[1]], dim=-1))
+        target = torch.eye(self.classes, dtype=x.dtype, device=x.device)[y] * 0.9 + 0.1 / self.classes
+        return -(target * F.log_softmax(logits, -1)).sum(-1).mean()
+
+
+def _lstm():
+    return TinyLSTMLM(), torch.randint(0, 30, (2, 6), generator=_gen(6))
+
+
+def _gru():
+    return TinyBiGRU(), (torch.randn(3, 5, 6, generator=_gen(7)), torch.randint(0, 3, (3,), generator=_gen(8)))
+
+
+FAMILIES = {"unet": _unet, "clip": _clip, "speech": _speech, "convnext": _convnext, "mamba": _mamba,
+            "lstm": _lstm, "gru": _gru}
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_family_matches_torch_in_float64(name):
-    from sftctl.compiler.frontends.torch import OPS
-
-    missing = [op for op in ("as_strided", "upsample_nearest2d_backward") if op not in OPS]
-    if name == "unet" and missing:  # nn.GroupNorm decomposes through as_strided; F.interpolate's backward
-        pytest.skip(f"the UNet needs {missing}, lowered with the Core ATen tail (issue 22)")
     torch.manual_seed(0)
     model, batch = FAMILIES[name]()
     model.train()

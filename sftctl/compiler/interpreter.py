@@ -44,7 +44,8 @@ from sftctl.compiler.ir import Graph, Node
 
 FLOAT_DTYPES = frozenset({"float64", "float32", "bfloat16", "float16"})
 _NP = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "bfloat16": np.float32,
-       "int64": np.int64, "int32": np.int32, "bool": np.bool_}
+       "int64": np.int64, "int32": np.int32, "int16": np.int16, "int8": np.int8, "uint8": np.uint8,
+       "uint32": np.uint32, "bool": np.bool_}
 
 
 def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
@@ -85,7 +86,7 @@ _UNARY = {
     "reciprocal": lambda x: 1 / x, "sin": np.sin, "cos": np.cos,
     "logical_not": lambda x: np.logical_not(x.astype(bool)), "sign": np.sign,
     "log1p": np.log1p, "expm1": np.expm1, "floor": np.floor, "ceil": np.ceil,
-    "round": np.rint, "trunc": np.trunc,  # round: half to even, as torch.round and lax.round_nearest_even
+    "round": np.rint, "trunc": np.trunc, "atan": np.arctan,  # round: half to even, as torch.round and lax.round_nearest_even
 }
 _BINARY = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": _div, "pow": np.power,
@@ -253,14 +254,15 @@ def _eval(node: Node, args: list[np.ndarray], dt, acc, seed: int = 0) -> np.ndar
     if op == "where":
         c, x, y = args
         return np.where(c.astype(bool), x.astype(acc, copy=False), y.astype(acc, copy=False))
-    if op in ("sum", "max", "min"):
+    if op in ("sum", "max", "min", "prod"):
         x = args[0]
         axes = tuple(a["axes"])
         keep = bool(a.get("keepdim", False))
-        if op == "sum":
+        if op in ("sum", "prod"):
             if x.dtype == np.bool_:
                 x = x.astype(acc)
-            return np.sum(x, axis=axes, keepdims=keep, dtype=acc if acc is not np.bool_ else None)
+            return (np.sum if op == "sum" else np.prod)(x, axis=axes, keepdims=keep,
+                                                         dtype=acc if acc is not np.bool_ else None)
         if x.size == 0:
             raise ValueError(f"node {node.id}: {op} of an empty tensor")
         return (np.max if op == "max" else np.min)(x, axis=axes, keepdims=keep)

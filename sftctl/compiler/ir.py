@@ -12,7 +12,7 @@ Op vocabulary (``Node.op``; attribute names in brackets). Semantics follow numpy
   ``iota`` [axis]
 * elementwise (numpy broadcasting of operands to the node's shape): see ``UNARY``, ``BINARY``,
   ``where``; ``cast`` converts to the node's dtype
-* reductions: ``sum``, ``max``, ``min`` [axes: tuple[int], keepdim: bool]
+* reductions: ``sum``, ``max``, ``min``, ``prod`` [axes: tuple[int], keepdim: bool]
 * contraction: ``dot_general`` [lhs_batch, rhs_batch, lhs_contract, rhs_contract: tuple[int]];
   the result is batch dims, then lhs free dims, then rhs free dims (as ``jax.lax.dot_general``)
 * convolution: ``conv`` [stride, padding: tuple of (low, high), lhs_dilation, rhs_dilation:
@@ -57,7 +57,8 @@ Op vocabulary (``Node.op``; attribute names in brackets). Semantics follow numpy
   by the Box-Muller transform, integers by scaling and truncation).
 
 Dtypes are the strings ``float64``, ``float32``, ``bfloat16``, ``float16``, ``int64``, ``int32``,
-``bool``.
+``int16``, ``int8``, ``uint8``, ``uint32`` (``torch.eye``'s index ranges, JAX's PRNG key words) and
+``bool``. Integer arithmetic wraps as numpy's does in that dtype.
 """
 
 from __future__ import annotations
@@ -68,11 +69,11 @@ from typing import Any, Iterable
 
 UNARY = frozenset({"neg", "exp", "log", "tanh", "rsqrt", "sqrt", "abs", "relu", "sigmoid", "erf",
                    "reciprocal", "sin", "cos", "logical_not", "cast", "sign", "log1p", "expm1", "floor",
-                   "ceil", "round", "trunc"})
+                   "ceil", "round", "trunc", "atan"})
 BINARY = frozenset({"add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le",
                     "gt", "ge", "logical_and", "logical_or"})
 ELEMENTWISE = UNARY | BINARY | {"where"}
-REDUCTIONS = frozenset({"sum", "max", "min"})
+REDUCTIONS = frozenset({"sum", "max", "min", "prod"})
 CONTRACTIONS = frozenset({"dot_general", "conv"})
 LAYOUT = frozenset({"reshape", "transpose", "broadcast_in_dim", "slice", "concatenate", "pad", "reverse"})
 DATA = frozenset({"gather", "scatter_add"})
@@ -82,7 +83,8 @@ RANDOM = frozenset({"rng_bernoulli", "rng_uniform"})
 SCANS = frozenset({"cumsum"})
 ALL_OPS = ELEMENTWISE | REDUCTIONS | CONTRACTIONS | LAYOUT | DATA | SOURCES | ATTENTION | RANDOM | SCANS
 
-DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1}
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int16": 2,
+               "int8": 1, "uint8": 1, "uint32": 4, "bool": 1}
 
 
 @dataclasses.dataclass(frozen=True)

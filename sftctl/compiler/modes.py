@@ -59,7 +59,7 @@ MODES = ("eager", "default", "sftensor")
 COMPILE_TO_MODE = {"none": "eager", "default": "default", "sftensor": "sftensor"}
 
 _TRANSCENDENTAL = frozenset({"exp", "log", "tanh", "erf", "sigmoid", "sin", "cos", "pow", "log1p", "expm1",
-                             "rsqrt", "sqrt"})
+                             "rsqrt", "sqrt", "atan"})
 _LAYERNORM_OPS = ("native_layer_norm", "native_layer_norm_backward", "native_group_norm",
                   "native_group_norm_backward", "native_batch_norm", "native_batch_norm_backward",
                   "_fused_rms_norm", "_fused_rms_norm_backward")

@@ -21,7 +21,7 @@ __all__ = ["DTYPE_BYTES", "GemmProblem", "dtype_bytes"]
 #: matrix peak (``Accelerator.matrix_peak`` falls back to it): no integer MMA path is modelled.
 DTYPE_BYTES = {"float64": 8, "float32": 4, "tf32": 4, "bfloat16": 2, "float16": 2,
                "float8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1,
-               "int64": 8, "int32": 4, "bool": 1}
+               "int64": 8, "int32": 4, "int16": 2, "uint8": 1, "uint32": 4, "bool": 1}
 
 
 def dtype_bytes(dtype: str) -> int:

@@ -73,7 +73,7 @@ import numpy as np
 
 from sftctl.compiler.ir import FLOAT_DTYPES, Graph, GraphBuilder, row_major_strides
 
-_DTYPES = {"float64", "float32", "bfloat16", "float16", "int64", "int32", "bool"}
+_DTYPES = {"float64", "float32", "bfloat16", "float16", "int64", "int32", "int16", "int8", "uint8", "uint32", "bool"}
 
 
 def ir_dtype(dtype) -> str:
@@ -405,7 +405,8 @@ def _jcore():
 
 _UNARY = {"neg": "neg", "exp": "exp", "log": "log", "log1p": "log1p", "expm1": "expm1", "tanh": "tanh",
           "logistic": "sigmoid", "rsqrt": "rsqrt", "sqrt": "sqrt", "abs": "abs", "sign": "sign",
-          "sin": "sin", "cos": "cos", "erf": "erf", "floor": "floor", "ceil": "ceil"}
+          "sin": "sin", "cos": "cos", "erf": "erf", "floor": "floor", "ceil": "ceil",
+          "atan": "atan"}
 _BINARY = {"add": "add", "add_any": "add", "sub": "sub", "mul": "mul", "div": "div", "pow": "pow",
            "max": "maximum", "min": "minimum"}
 _COMPARE = {"eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge"}
@@ -516,7 +517,8 @@ def _convert(self, args, p, shape, dtype):
     return [self.cast(args[0], dtype)]
 
 
-_REDUCE = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min", "reduce_or": "max", "reduce_and": "min"}
+_REDUCE = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min", "reduce_or": "max", "reduce_and": "min",
+           "reduce_prod": "prod"}
 
 
 def _reduce_rule(op: str) -> Callable:

@@ -489,7 +489,11 @@ def trace_step(
 
     frames: dict = {}
     t0 = time.perf_counter()
-    with (sdpa_kernel(SDPBackend.MATH), _model_errors(), _refuse_reentrant_checkpoint(),
+    # torch.backends.mkldnn off: nn.LSTM / GRU / RNN trace through ATen's native RNN (one input
+    # projection GEMM over the sequence, then a recurrent GEMM and the gates per step: what cuDNN
+    # runs on a GPU), not the CPU's fused oneDNN op
+    with (sdpa_kernel(SDPBackend.MATH), torch.backends.mkldnn.flags(enabled=False), _model_errors(),
+          _refuse_reentrant_checkpoint(),
           _module_stack_meta(wrapper), _plain_tensor_attributes(model, to_input if fake else None),
           _unbacked_frames(frames)):
         gm = make_fx(step_fn, decomposition_table=decomposition_table(),

@@ -26,6 +26,10 @@ from sftctl.compiler.ir import FLOAT_DTYPES, Graph, GraphBuilder
 
 #: ATen op packet (``"sftctl::<name>"`` for the custom ops) -> lowering ``fn(lowering, node, *args, **kwargs)``
 OPS: dict[str, Callable] = {}
+#: view packet -> ``fn(lowering, view_node, base, new_view_value) -> new base value`` (IR ids):
+#: how an in-place write into that view reaches its base (``copy_`` into a ``slice`` of an
+#: ``empty``, as circular padding and autograd's strided backward write)
+VIEW_WRITEBACK: dict[str, Callable] = {}
 
 
 def lowers(fn_or_packet: Callable | str | None = None, *aliases: str):
@@ -45,7 +49,8 @@ def lowers(fn_or_packet: Callable | str | None = None, *aliases: str):
 
 
 _IR_DTYPES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16",
-              torch.float16: "float16", torch.int64: "int64", torch.int32: "int32", torch.bool: "bool"}
+              torch.float16: "float16", torch.int64: "int64", torch.int32: "int32", torch.int16: "int16",
+              torch.int8: "int8", torch.uint8: "uint8", torch.uint32: "uint32", torch.bool: "bool"}
 
 
 def ir_dtype(dtype: torch.dtype) -> str:
@@ -292,8 +297,10 @@ class _Lowering(GraphBuilder):
         from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
         try:
+            kwargs = dict(n.kwargs)
+            dest = kwargs.pop("out", None) if target._overloadname.startswith("out") else None
             with self._padding_masked(n, packet[:-1] if inplace else packet):
-                out = handler(self, n, *n.args, **n.kwargs)
+                out = handler(self, n, *n.args, **kwargs)
             if packet == "mean" and self.bounds and self.bounds.bound:
                 out = self._mean_over_padding(n, out)
         except GuardOnDataDependentSymNode as e:
@@ -305,11 +312,34 @@ class _Lowering(GraphBuilder):
                 f"torch frontend: ATen op {target} has a data-dependent size ({str(e).splitlines()[0]})"
                 f"{self.where(n)}{made}; make the size static (torch.where / masked_fill instead of a "
                 "boolean-mask select, a fixed expert capacity)") from None
+        if isinstance(dest, fx.Node):  # an ``out=`` overload: the result lands in ``dest``
+            self.env[dest] = out
+            self._write_back(dest, out)
         if inplace and isinstance(n.args[0], fx.Node):
             # in-place op: later readers of the mutated tensor see the new value (views of it
-            # taken before the mutation are not updated; make_fx graphs rarely have them)
+            # taken before the mutation are not updated; make_fx graphs rarely have them), and
+            # so does the base of a view in VIEW_WRITEBACK
             self.env[n.args[0]] = out
+            self._write_back(n.args[0], out)
         return out
+
+    def _write_back(self, view: fx.Node, new) -> None:
+        """Carry an in-place write of ``new`` into ``view`` up its chain of aliases to their
+        bases: a view in :data:`VIEW_WRITEBACK`, the result of an in-place op (its first
+        operand) or of an ``out=`` overload (its ``out``), which are the tensor they wrote."""
+        while new is not None and isinstance(view.target, torch._ops.OpOverload) and view.target.namespace == "aten":
+            packet = view.target._schema.name.split("::")[-1]
+            if isinstance(view.kwargs.get("out"), fx.Node) and view.target._overloadname.startswith("out"):
+                base = view.kwargs["out"]
+            elif packet.endswith("_") and view.target._schema.is_mutable and view.args and isinstance(view.args[0], fx.Node):
+                base = view.args[0]
+            elif packet in VIEW_WRITEBACK and view.args and isinstance(view.args[0], fx.Node):
+                base = view.args[0]
+                new = _Id(VIEW_WRITEBACK[packet](self, view, self.arg(base), int(new)))
+            else:
+                return
+            self.env[base] = new
+            view = base
 
     # --- bounded data-dependent sizes (see .dynamic) --------------------------------------------
     def _sym_node(self, n: fx.Node):

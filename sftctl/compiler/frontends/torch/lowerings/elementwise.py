@@ -5,6 +5,8 @@ called as ``fn(lowering, node, *node.args, **node.kwargs)``; see :mod:`..lowerin
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from sftctl.compiler.ir import FLOAT_DTYPES
@@ -295,3 +297,128 @@ def op_round(self, n, x, decimals=0):
     scale = self.const(10.0 ** int(decimals), (), dtype)
     y = self.add("round", [self.binary("mul", xi, scale)], shape, dtype)
     return self.add("div", [y, scale], shape, dtype)
+
+
+# Inverse trigonometric, hyperbolic and base-2/10 logarithms: compositions of the IR's
+# transcendentals (``atan`` is the one IR op they add), written in the forms that keep float64's
+# relative precision (log1p / expm1 near 0, (1 - x)(1 + x) near |x| = 1). Integer inputs compute
+# in the output's float dtype, as torch promotes them.
+def _math(self, x):
+    shape, dtype = self.out()
+    xi = self.arg(x, dtype)
+
+    def u(op, a):
+        return self.add(op, [a], shape, dtype)
+
+    def b(op, p, q):
+        return self.add(op, [p, q], shape, dtype)
+
+    def c(v):
+        return self.const(v, (), dtype)
+    return xi, u, b, c
+
+
+@lowers
+def op_tan(self, n, x):
+    xi, u, b, c = _math(self, x)
+    return b("div", u("sin", xi), u("cos", xi))
+
+
+@lowers
+def op_sinh(self, n, x):
+    """``(expm1(x) - expm1(-x)) / 2``: no cancellation near 0."""
+    xi, u, b, c = _math(self, x)
+    return b("mul", b("sub", u("expm1", xi), u("expm1", u("neg", xi))), c(0.5))
+
+
+@lowers
+def op_cosh(self, n, x):
+    xi, u, b, c = _math(self, x)
+    return b("mul", b("add", u("exp", xi), u("exp", u("neg", xi))), c(0.5))
+
+
+@lowers
+def op_atan(self, n, x):
+    xi, u, b, c = _math(self, x)
+    return u("atan", xi)
+
+
+@lowers
+def op_asin(self, n, x):
+    """``atan(x / sqrt((1 - x)(1 + x)))``: +-pi/2 at +-1, NaN outside [-1, 1]."""
+    xi, u, b, c = _math(self, x)
+    one = c(1.0)
+    return u("atan", b("div", xi, u("sqrt", b("mul", b("sub", one, xi), b("add", one, xi)))))
+
+
+@lowers
+def op_acos(self, n, x):
+    """``2 atan(sqrt((1 - x) / (1 + x)))``: exact at 1 (0) and -1 (pi)."""
+    xi, u, b, c = _math(self, x)
+    one = c(1.0)
+    return b("mul", c(2.0), u("atan", u("sqrt", b("div", b("sub", one, xi), b("add", one, xi)))))
+
+
+@lowers
+def op_asinh(self, n, x):
+    """``sign(x) log1p(|x| + x^2 / (1 + sqrt(1 + x^2)))``: odd, precise near 0, no overflow
+    of the sum for large |x| before the log."""
+    xi, u, b, c = _math(self, x)
+    a = u("abs", xi)
+    sq = b("mul", a, a)
+    inner = b("add", a, b("div", sq, b("add", c(1.0), u("sqrt", b("add", c(1.0), sq)))))
+    # x^2 overflows past 1e154: there asinh(|x|) = log(2|x|)
+    big = self.add("gt", [a, c(1e150)], self.shape(xi), "bool")
+    mag = self.add("where", [big, b("add", u("log", a), c(0.6931471805599453)), u("log1p", inner)],
+                   self.shape(xi), self.dtype(xi))
+    return b("mul", u("sign", xi), mag)
+
+
+@lowers
+def op_acosh(self, n, x):
+    """``log1p((x - 1) + sqrt((x - 1)(x + 1)))``: precise near 1, NaN below 1."""
+    xi, u, b, c = _math(self, x)
+    t = b("sub", xi, c(1.0))
+    big = self.add("gt", [xi, c(1e150)], self.shape(xi), "bool")
+    small = u("log1p", b("add", t, u("sqrt", b("mul", t, b("add", xi, c(1.0))))))
+    return self.add("where", [big, b("add", u("log", xi), c(0.6931471805599453)), small],
+                    self.shape(xi), self.dtype(xi))
+
+
+@lowers
+def op_atanh(self, n, x):
+    """``(log1p(x) - log1p(-x)) / 2``."""
+    xi, u, b, c = _math(self, x)
+    return b("mul", b("sub", u("log1p", xi), u("log1p", u("neg", xi))), c(0.5))
+
+
+@lowers
+def op_log2(self, n, x):
+    xi, u, b, c = _math(self, x)
+    return b("mul", u("log", xi), c(1.4426950408889634))  # 1 / ln 2
+
+
+@lowers
+def op_log10(self, n, x):
+    xi, u, b, c = _math(self, x)
+    return b("mul", u("log", xi), c(0.4342944819032518))  # 1 / ln 10
+
+
+@lowers
+def op_atan2(self, n, y, x):
+    """``atan(y / x)`` moved to the quadrant of ``(x, y)``: +-pi where x < 0 (the sign of y),
+    +-pi/2 (or 0) where x == 0, as C's atan2."""
+    shape, dtype = self.out()
+    yi, xi = self.bcast(self.arg(y, dtype), shape), self.bcast(self.arg(x, dtype), shape)
+
+    def cmp(op, p, v):
+        return self.add(op, [p, self.const(v, (), dtype)], shape, "bool")
+
+    def sel(m, p, q):
+        return self.add("where", [m, p, q], shape, dtype)
+    base = self.add("atan", [self.add("div", [yi, xi], shape, dtype)], shape, dtype)
+    pi = self.const(math.pi, (), dtype)
+    ysign = sel(cmp("lt", yi, 0.0), self.const(-1.0, shape, dtype), self.const(1.0, shape, dtype))
+    neg_x = self.add("add", [base, self.add("mul", [ysign, pi], shape, dtype)], shape, dtype)
+    half = self.add("mul", [self.add("sign", [yi], shape, dtype), self.const(math.pi / 2, (), dtype)], shape, dtype)
+    return sel(cmp("lt", xi, 0.0), neg_x, sel(cmp("eq", xi, 0.0), half, base))

@@ -25,6 +25,9 @@ def op_embedding(self, n, weight, indices, *rest):
 def op_index_select(self, n, x, dim, index):
     shape, dtype = self.out()
     i = self.arg(x)
+    if not self.shape(i):  # a 0-d tensor: index 0 of it
+        idx = self.arg(index)
+        return self.reshape(self.add("gather", [self.reshape(i, (1,)), idx], self.shape(idx), dtype, axis=0), shape)
     return self.add("gather", [i, self.arg(index)], shape, dtype, axis=dim % len(self.shape(i)))
 
 
@@ -79,10 +82,23 @@ def op_index(self, n, x, indices):
 OPS.update(dict.fromkeys(('_unsafe_index',), op_index))
 
 
-def _written_mask(self, flat: int, axis: int, shape, idx_shape_full) -> int:
+def _write_count(self, flat: int, axis: int, shape, idx_shape_full) -> int:
+    """How many index entries write each position (int32, ``shape``)."""
     ones = self.const(1, idx_shape_full, "int32")
-    cnt = self.add("scatter_add", [ones, flat], shape, "int32", axis=axis, size=shape[axis])
-    return self.binary("gt", cnt, self.const(0, (), "int32"), "bool")
+    return self.add("scatter_add", [ones, flat], shape, "int32", axis=axis, size=shape[axis])
+
+
+def _written_mask(self, flat: int, axis: int, shape, idx_shape_full) -> int:
+    return self.binary("gt", _write_count(self, flat, axis, shape, idx_shape_full), self.const(0, (), "int32"), "bool")
+
+
+def _assigned(self, summed: int, count: int, dtype: str) -> int:
+    """Values assigned (not accumulated) through a ``scatter_add`` ``summed``: where an index
+    repeats, the mean of its values (torch leaves which one wins undefined; max_unpool's
+    repeats carry one value, which this keeps exactly). Integer values stay summed."""
+    if dtype not in FLOAT_DTYPES:
+        return summed
+    return self.binary("div", summed, self.cast(self.binary("maximum", count, self.const(1, (), "int32")), dtype))
 
 
 @lowers
@@ -104,9 +120,11 @@ def op_index_put(self, n, x, indices, values, accumulate=False):
     sc = self.reshape(sc, xs)
     if accumulate:
         return sc if self.is_const(xi, 0) else self.binary("add", xi, sc)
+    count = self.reshape(_write_count(self, flat, k, mshape, target), xs)
+    sc = _assigned(self, sc, count, dtype)
     if self.is_const(xi, 0):
         return sc
-    mask = self.reshape(_written_mask(self, flat, k, mshape, target), xs)
+    mask = self.binary("gt", count, self.const(0, (), "int32"), "bool")
     return self.add("where", [mask, sc, xi], xs, dtype)
 
 
@@ -171,9 +189,11 @@ def _scatter(self, n, x, dim, index, src, mode: str):
     if mode == "add":
         sc = self.reshape(self.add("scatter_add", [s, flat], total, dtype, axis=0, size=total[0]), xs)
         return sc if self.is_const(xi, 0) else self.binary("add", xi, sc)
-    mask = self.reshape(_written_mask(self, flat, 0, total, ishape), xs)
+    count = self.reshape(_write_count(self, flat, 0, total, ishape), xs)
+    mask = self.binary("gt", count, self.const(0, (), "int32"), "bool")
     if isinstance(src, (fx.Node, _Id)):
         new = self.reshape(self.add("scatter_add", [s, flat], total, dtype, axis=0, size=total[0]), xs)
+        new = _assigned(self, new, count, dtype)
     else:
         new = self.const(src, (), dtype)
     return self.add("where", [mask, new, xi], xs, dtype)
@@ -189,6 +209,40 @@ def op_scatter(self, n, x, dim, index, src, reduce=None):
 @lowers
 def op_scatter_add(self, n, x, dim, index, src):
     return _scatter(self, n, x, dim, index, src, "add")
+
+
+@lowers
+def op_scatter_reduce(self, n, x, dim, index, src, reduce, *, include_self=True):
+    """``scatter_reduce`` with ``reduce="sum"`` or ``"mean"`` (float): ``scatter_add`` of the
+    values and, for the mean, of their count; ``include_self=False`` keeps ``x`` only where
+    nothing was written. ``amax`` / ``amin`` / ``prod``: unsupported (the IR scatters by adding)."""
+    if reduce not in ("sum", "mean"):
+        self.unsupported(n, f"with reduce={reduce!r} (sum and mean are lowered)")
+    shape, dtype = self.out()
+    if reduce == "mean" and dtype not in FLOAT_DTYPES:
+        self.unsupported(n, f"mean of {dtype} (torch rounds it)")
+    xi = self.arg(x, dtype)
+    xs = self.shape(xi)
+    dim %= max(len(xs), 1)
+    idx = self.arg(index)
+    ishape = self.shape(idx)
+    s = self.arg(src, dtype)
+    for d, size in enumerate(ishape):
+        s = self.slice_dim(s, d, 0, size)
+    flat = _take_along_index(self, xs, dim, idx)
+    total = (math.prod(xs),)
+    summed = self.reshape(self.add("scatter_add", [s, flat], total, dtype, axis=0, size=total[0]), xs)
+    count = self.reshape(self.add("scatter_add", [self.const(1, ishape, dtype), flat], total, dtype, axis=0,
+                                  size=total[0]), xs)
+    written = self.binary("gt", count, self.const(0, (), dtype), "bool")
+    if include_self:
+        out = self.binary("add", xi, summed)
+        if reduce == "mean":
+            out = self.binary("div", out, self.binary("add", count, self.const(1, (), dtype)))
+        return out
+    if reduce == "mean":
+        summed = self.binary("div", summed, self.binary("maximum", count, self.const(1, (), dtype)))
+    return self.add("where", [written, summed, xi], xs, dtype)
 
 
 @lowers

@@ -5,8 +5,12 @@ called as ``fn(lowering, node, *node.args, **node.kwargs)``; see :mod:`..lowerin
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
 from sftctl.compiler.ir import FLOAT_DTYPES
-from sftctl.compiler.frontends.torch.lowering import OPS, lowers
+from sftctl.compiler.frontends.torch.lowering import OPS, VIEW_WRITEBACK, lowers
 
 
 @lowers
@@ -132,3 +136,129 @@ def op_constant_pad_nd(self, n, x, pad, value=0):
         return i
     return self.add("pad", [i], shape, dtype, low=tuple(low), high=tuple(high), value=float(value)
                     if dtype in FLOAT_DTYPES else int(value))
+
+
+def _strided_index(self, shape, strides, offset: int) -> int:
+    """int64 ``offset + sum_d i_d * strides[d]`` over ``shape``, built from ``iota``."""
+    idx = self.const(int(offset), shape, "int64")
+    for d, st in enumerate(strides):
+        if shape[d] == 1 or not st:
+            continue
+        term = self.binary("mul", self.iota(shape, d), self.const(int(st), (), "int64"))
+        idx = self.binary("add", idx, term)
+    return idx
+
+
+def _strided_gather(self, x: int, shape, strides, offset: int, dtype: str) -> int:
+    """The view of ``x``'s row-major storage with ``shape``, element ``strides`` and
+    ``offset`` (torch's ``as_strided`` semantics): one ``gather`` from the flattened tensor at
+    :func:`_strided_index` (what a GPU reads: one strided copy)."""
+    shape = tuple(int(s) for s in shape)
+    flat = self.reshape(x, (math.prod(self.shape(x)),))
+    return self.add("gather", [flat, _strided_index(self, shape, strides, offset)], shape, dtype, axis=0)
+
+
+def _strided_writeback(self, base: int, shape, strides, offset: int, new: int, *, check_overlap: bool) -> int:
+    """``base`` after an in-place write of ``new`` into its strided view (``shape``, element
+    ``strides``, ``offset`` into the row-major base): ``base + scatter_add(new - old)`` at the
+    view's positions. Raises NotImplementedError (via ``unsupported``) where ``check_overlap``
+    finds a position the view holds twice."""
+    shape = tuple(int(s) for s in shape)
+    if not math.prod(shape) or not math.prod(self.shape(base)):
+        return base  # nothing written
+    if check_overlap:
+        pos = np.full(shape, int(offset), dtype=np.int64)
+        for d, st in enumerate(strides):
+            pos = pos + np.arange(shape[d]).reshape([-1 if k == d else 1 for k in range(len(shape))]) * int(st)
+        if np.unique(pos).size != pos.size:
+            self.unsupported(self._node, "(an in-place write into an as_strided view whose elements overlap)")
+    bshape, dtype = self.shape(base), self.dtype(base)
+    total = math.prod(bshape)
+    delta = self.add("sub", [self.bcast(self.cast(new, dtype), shape),
+                             _strided_gather(self, base, shape, strides, offset, dtype)], shape, dtype)
+    count = math.prod(shape)
+    idx = self.reshape(_strided_index(self, shape, strides, offset), (count,))
+    sc = self.add("scatter_add", [self.reshape(delta, (count,)), idx], (total,), dtype, axis=0, size=total)
+    return self.binary("add", base, self.reshape(sc, bshape))
+
+
+def _row_major(shape) -> list[int]:
+    return [math.prod(shape[k + 1:]) for k in range(len(shape))]
+
+
+def _writeback_as_strided(self, view, base: int, new: int) -> int:
+    size, stride = view.args[1], view.args[2]
+    offset = (view.args[3] if len(view.args) > 3 else view.kwargs.get("storage_offset")) or 0
+    return _strided_writeback(self, base, size, stride, offset, new, check_overlap=True)
+
+
+def _writeback_slice(self, view, base: int, new: int) -> int:
+    bshape = self.shape(base)
+    dim = (view.args[1] if len(view.args) > 1 else 0) % len(bshape)
+    start = view.args[2] if len(view.args) > 2 else None
+    end = view.args[3] if len(view.args) > 3 else None
+    step = view.args[4] if len(view.args) > 4 else 1
+    s, _, st = slice(start, end, step).indices(bshape[dim])
+    rm = _row_major(bshape)
+    strides = list(rm)
+    strides[dim] = rm[dim] * st
+    return _strided_writeback(self, base, self.shape(new), strides, s * rm[dim], new, check_overlap=False)
+
+
+def _writeback_select(self, view, base: int, new: int) -> int:
+    bshape = self.shape(base)
+    dim = view.args[1] % len(bshape)
+    index = view.args[2] % bshape[dim]
+    rm = _row_major(bshape)
+    strides = [r for k, r in enumerate(rm) if k != dim]
+    return _strided_writeback(self, base, self.shape(new), strides, index * rm[dim], new, check_overlap=False)
+
+
+def _writeback_permute(self, view, base: int, new: int) -> int:
+    bshape = self.shape(base)
+    rank = len(bshape)
+    if view.target._schema.name.endswith("permute"):
+        perm = [d % rank for d in view.args[1]]
+    else:  # transpose / t
+        perm = list(range(rank))
+        d0, d1 = (view.args[1] % rank, view.args[2] % rank) if len(view.args) > 2 else (0, 1)
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+    inverse = [perm.index(k) for k in range(rank)]
+    return self.transpose(self.cast(new, self.dtype(base)), inverse)
+
+
+def _writeback_reshape(self, view, base: int, new: int) -> int:
+    return self.reshape(self.cast(new, self.dtype(base)), self.shape(base))
+
+
+VIEW_WRITEBACK.update({"as_strided": _writeback_as_strided, "slice": _writeback_slice, "select": _writeback_select,
+                       "permute": _writeback_permute, "transpose": _writeback_permute, "t": _writeback_permute,
+                       **dict.fromkeys(("view", "_unsafe_view", "reshape", "unsqueeze", "squeeze"), _writeback_reshape)})
+
+
+@lowers
+def op_as_strided(self, n, x, size, stride, storage_offset=None):
+    """``as_strided`` of a tensor the graph made (contiguous, offset 0, as functionalized
+    graphs hand it over, e.g. ``nn.GroupNorm``'s views): a strided gather."""
+    shape, dtype = self.out()
+    src = self.val(x)
+    if not src.is_contiguous() or src.storage_offset():
+        self.unsupported(n, "(of a non-contiguous or offset tensor)")
+    return _strided_gather(self, self.arg(x, dtype), shape, stride, storage_offset or 0, dtype)
+
+
+@lowers
+def op_diagonal(self, n, x, offset=0, dim1=0, dim2=1):
+    """``torch.diagonal``: the other dims first, the diagonal last, as a strided gather of the
+    row-major input (stride of the diagonal: the two dims' strides summed)."""
+    shape, dtype = self.out()
+    xi = self.arg(x, dtype)
+    xs = self.shape(xi)
+    rank = len(xs)
+    d1, d2 = dim1 % rank, dim2 % rank
+    rm = [math.prod(xs[k + 1:]) for k in range(rank)]
+    if not math.prod(shape):
+        return self.const(0, shape, dtype)
+    start = offset * rm[d2] if offset >= 0 else -offset * rm[d1]
+    strides = [rm[k] for k in range(rank) if k not in (d1, d2)] + [rm[d1] + rm[d2]]
+    return _strided_gather(self, xi, shape, strides, start, dtype)

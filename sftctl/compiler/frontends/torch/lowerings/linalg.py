@@ -5,6 +5,9 @@ called as ``fn(lowering, node, *node.args, **node.kwargs)``; see :mod:`..lowerin
 
 from __future__ import annotations
 
+import numpy as np
+import torch
+
 from sftctl.compiler.frontends.torch.lowering import lowers
 
 
@@ -169,3 +172,52 @@ def op_convolution_backward(self, n, gy, x, w, bias_sizes, stride, padding, dila
         if o is not None and tuple(self.shape(o)) != self.out_at(k)[0]:
             self.unsupported(n, f"(output {k}: lowered shape {self.shape(o)} != {self.out_at(k)[0]})")
     return outs
+
+
+def _pairwise_p(self, a: int, b: int, p: float, shape, dtype: str) -> int:
+    """``(sum_k |a_k - b_k|^p)^(1/p)`` over the last dim of broadcast ``a`` [.., P, 1, M] and
+    ``b`` [.., 1, R, M] -> ``shape`` [.., P, R]; ``p = 0`` counts the nonzero differences,
+    ``p = inf`` takes their maximum."""
+    full = tuple(torch.broadcast_shapes(self.shape(a), self.shape(b)))
+    d = self.add("abs", [self.add("sub", [self.bcast(a, full), self.bcast(b, full)], full, dtype)], full, dtype)
+    axes = (len(full) - 1,)
+    if p == float("inf"):
+        return self.add("max", [d], shape, dtype, axes=axes, keepdim=False)
+    if p == 0:
+        nz = self.cast(self.add("ne", [d, self.const(0.0, (), dtype)], full, "bool"), dtype)
+        return self.add("sum", [nz], shape, dtype, axes=axes, keepdim=False)
+    if p == 1:
+        return self.add("sum", [d], shape, dtype, axes=axes, keepdim=False)
+    if p == 2:
+        s = self.add("sum", [self.binary("mul", d, d)], shape, dtype, axes=axes, keepdim=False)
+        return self.add("sqrt", [s], shape, dtype)
+    s = self.add("sum", [self.binary("pow", d, self.const(p, (), dtype))], shape, dtype, axes=axes, keepdim=False)
+    return self.binary("pow", s, self.const(1.0 / p, (), dtype))
+
+
+@lowers
+def op__cdist_forward(self, n, x1, x2, p, compute_mode=None):
+    """``torch.cdist``: x1 [.., P, M], x2 [.., R, M] -> [.., P, R], the p-norm of every
+    difference (an elementwise pass over [.., P, R, M] and a reduction; torch's matmul form
+    for p = 2 reads less, and differs in the last bits)."""
+    shape, dtype = self.out()
+    a, b = self.arg(x1, dtype), self.arg(x2, dtype)
+    sa, sb = self.shape(a), self.shape(b)
+    a = self.reshape(a, sa[:-1] + (1, sa[-1]))
+    b = self.reshape(b, sb[:-2] + (1,) + sb[-2:])
+    return _pairwise_p(self, a, b, float(p), shape, dtype)
+
+
+@lowers
+def op__pdist_forward(self, n, x, p=2.0):
+    """``torch.pdist``: x [N, M] -> the distances of the N (N - 1) / 2 pairs i < j in row-major
+    order: :func:`_pairwise_p` of all pairs, then one gather of the upper triangle."""
+    shape, dtype = self.out()
+    xi = self.arg(x, dtype)
+    rows, m = self.shape(xi)
+    full = _pairwise_p(self, self.reshape(xi, (rows, 1, m)), self.reshape(xi, (1, rows, m)), float(p),
+                       (rows, rows), dtype)
+    i, j = np.triu_indices(rows, k=1)
+    pick = self.add("input", [], (len(i),), "int64", role="constant", name="pdist_pairs",
+                    value=(i * rows + j).astype(np.int64))
+    return self.add("gather", [self.reshape(full, (rows * rows,)), pick], shape, dtype, axis=0)

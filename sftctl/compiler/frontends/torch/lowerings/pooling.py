@@ -7,10 +7,17 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 from sftctl.compiler.frontends.torch.lowering import lowers, _Id
 from sftctl.compiler.frontends.torch.lowerings.indexing import _take_along_index
 from sftctl.compiler.frontends.torch.lowerings.linalg import _per_dim
+
+
+def _nsp(n) -> int:
+    """The spatial dims of a pooling node: the ``Nd`` in its ATen packet's name (2 for
+    ``avg_pool2d``, 3 for ``max_pool3d_with_indices``)."""
+    return int(re.search(r"(\d)d", n.target._schema.name.split("::")[-1]).group(1))
 
 
 def _pool_geometry(self, in_sp, out_sp, kernel, stride, padding, dilation):
@@ -49,7 +56,7 @@ def _pool_args(self, x: int, kernel_size, stride, padding, dilation, n_out_sp):
     return kernel, stride, _per_dim(padding, nsp), _per_dim(dilation, nsp)
 
 
-@lowers
+@lowers("max_pool2d_with_indices", "max_pool3d_with_indices")
 def op_max_pool2d_with_indices(self, n, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
     """Max over each window of the -inf-padded input (strided slices, one per tap, and
     ``maximum``); indices (int64, flat over the input's spatial dims) follow torch: the
@@ -57,7 +64,7 @@ def op_max_pool2d_with_indices(self, n, x, kernel_size, stride=(), padding=0, di
     (shape, dtype), (ishape, idt) = self.out_at(0), self.out_at(1)
     xi = self.arg(x, dtype)
     xs = self.shape(xi)
-    nsp = 2
+    nsp = _nsp(n)
     in_sp, out_sp = xs[-nsp:], shape[-nsp:]
     kernel, stride, padding, dilation = _pool_args(self, xi, kernel_size, stride, padding, dilation, nsp)
     pads = _pool_geometry(self, in_sp, out_sp, kernel, stride, padding, dilation)
@@ -82,7 +89,7 @@ def op_max_pool2d_with_indices(self, n, x, kernel_size, stride=(), padding=0, di
     return [best, self.cast(idx, idt)]
 
 
-@lowers
+@lowers("max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward")
 def op_max_pool2d_with_indices_backward(self, n, gy, x, kernel_size, stride, padding, dilation, ceil_mode,
                                         indices):
     """The output gradient added at each window's argmax: a ``scatter_add`` over the
@@ -90,7 +97,7 @@ def op_max_pool2d_with_indices_backward(self, n, gy, x, kernel_size, stride, pad
     shape, dtype = self.out()
     gyi = self.arg(gy, dtype)
     gs = self.shape(gyi)
-    nsp = 2
+    nsp = _nsp(n)
     lead = gs[:-nsp]
     flat_out, flat_in = math.prod(gs[-nsp:]), math.prod(shape[-nsp:])
     g2 = self.reshape(gyi, lead + (flat_out,))
@@ -128,12 +135,12 @@ def _avg_divisor(self, in_sp, out_sp, kernel, stride, padding, pads, count_inclu
     return total
 
 
-@lowers
+@lowers("avg_pool2d", "avg_pool3d")
 def op_avg_pool2d(self, n, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
                   divisor_override=None):
     shape, dtype = self.out()
     xi = self.arg(x, dtype)
-    nsp = 2
+    nsp = _nsp(n)
     in_sp, out_sp = self.shape(xi)[-nsp:], shape[-nsp:]
     kernel, stride, padding, dilation = _pool_args(self, xi, kernel_size, stride, padding, 1, nsp)
     pads = _pool_geometry(self, in_sp, out_sp, kernel, stride, padding, dilation)
@@ -169,12 +176,12 @@ def _place_strided(self, g: int, sp_axis: int, tap: int, stride: int, size: int)
     return self.add("pad", [g], shp, self.dtype(g), low=tuple(low), high=tuple(high), value=0.0)
 
 
-@lowers
+@lowers("avg_pool2d_backward", "avg_pool3d_backward")
 def op_avg_pool2d_backward(self, n, gy, x, kernel_size, stride, padding, ceil_mode, count_include_pad,
                            divisor_override):
     shape, dtype = self.out()
     gyi = self.arg(gy, dtype)
-    nsp = 2
+    nsp = _nsp(n)
     rank = len(shape)
     in_sp, out_sp = shape[-nsp:], self.shape(gyi)[-nsp:]
     kernel, stride, padding, dilation = _pool_args(self, gyi, kernel_size, stride, padding, 1, nsp)
@@ -182,7 +189,7 @@ def op_avg_pool2d_backward(self, n, gy, x, kernel_size, stride, padding, ceil_mo
     div = _avg_divisor(self, in_sp, out_sp, kernel, stride, padding, pads, count_include_pad, divisor_override,
                             dtype)
     g = self.binary("div", gyi, div)
-    padded = [s + lo + hi for s, (lo, hi) in zip(in_sp, pads)]
+    padded = [s + lo + max(hi, 0) for s, (lo, hi) in zip(in_sp, pads)]  # a cropped tail gets no gradient
     total = None
     for tap in itertools.product(*(range(k) for k in kernel)):
         v = g
@@ -194,21 +201,56 @@ def op_avg_pool2d_backward(self, n, gy, x, kernel_size, stride, padding, ceil_mo
     return total
 
 
-@lowers
+@lowers("_adaptive_avg_pool2d", "_adaptive_avg_pool3d")
 def op__adaptive_avg_pool2d(self, n, x, output_size):
+    """Adaptive average pooling where each input size is a multiple of the output's: an
+    average pool with kernel = stride = input / output (other sizes: unsupported)."""
     shape, _ = self.out()
+    nsp = _nsp(n)
     xs = self.val(x).shape
-    if any(i % o for i, o in zip(xs[-2:], shape[-2:])):
-        self.unsupported(n, f"(input {tuple(xs[-2:])} not a multiple of output {shape[-2:]})")
-    k = [i // o for i, o in zip(xs[-2:], shape[-2:])]
+    if any(i % o for i, o in zip(xs[-nsp:], shape[-nsp:])):
+        self.unsupported(n, f"(input {tuple(xs[-nsp:])} not a multiple of output {shape[-nsp:]})")
+    k = [i // o for i, o in zip(xs[-nsp:], shape[-nsp:])]
     return op_avg_pool2d(self, n, x, k, k, 0)
 
 
-@lowers
+@lowers("_adaptive_avg_pool2d_backward", "_adaptive_avg_pool3d_backward")
 def op__adaptive_avg_pool2d_backward(self, n, gy, x):
     shape, _ = self.out()
+    nsp = _nsp(n)
     gs = self.val(gy).shape
-    if any(i % o for i, o in zip(shape[-2:], gs[-2:])):
-        self.unsupported(n, f"(input {shape[-2:]} not a multiple of output {tuple(gs[-2:])})")
-    k = [i // o for i, o in zip(shape[-2:], gs[-2:])]
+    if any(i % o for i, o in zip(shape[-nsp:], gs[-nsp:])):
+        self.unsupported(n, f"(input {shape[-nsp:]} not a multiple of output {tuple(gs[-nsp:])})")
+    k = [i // o for i, o in zip(shape[-nsp:], gs[-nsp:])]
     return op_avg_pool2d_backward(self, n, gy, x, k, k, 0, False, True, None)
+
+
+@lowers("upsample_nearest1d_backward", "upsample_nearest2d_backward", "upsample_nearest3d_backward")
+def op_upsample_nearest2d_backward(self, n, gy, output_size, input_size, *scales):
+    """The gradient of nearest upsampling: each output gradient added at its source pixel
+    ``floor(o * in / out)`` per spatial dim (``scales`` given: ``floor(o / scale)``, as torch's
+    kernel), one ``scatter_add`` over the flattened spatial dims."""
+    shape, dtype = self.out()
+    nsp = _nsp(n)
+    gyi = self.arg(gy, dtype)
+    gs = self.shape(gyi)
+    out_sp, in_sp, lead = gs[-nsp:], shape[-nsp:], gs[:-nsp]
+    pos = None
+    for d in range(nsp):
+        o = self.iota(tuple(out_sp), d, "int64")
+        scale = scales[d] if d < len(scales) and scales[d] else None
+        if scale:  # torch: src = min(floor(o * (1 / scale)), in - 1), in float
+            src = self.cast(self.add("floor", [self.binary("mul", self.cast(o, "float64"),
+                                                              self.const(1.0 / scale, (), "float64"))],
+                                     tuple(out_sp), "float64"), "int64")
+        else:
+            src = self.binary("div", self.binary("mul", o, self.const(in_sp[d], (), "int64")),
+                              self.const(out_sp[d], (), "int64"))
+        src = self.binary("minimum", src, self.const(in_sp[d] - 1, (), "int64"))
+        term = self.binary("mul", src, self.const(math.prod(in_sp[d + 1:]), (), "int64"))
+        pos = term if pos is None else self.binary("add", pos, term)
+    flat_out, flat_in = math.prod(out_sp), math.prod(in_sp)
+    g2 = self.reshape(gyi, lead + (flat_out,))
+    i2 = self.bcast(self.reshape(pos, (flat_out,)), lead + (flat_out,))
+    zero = _Id(self.const(0, lead + (flat_in,), dtype))
+    return self.reshape(_scatter_flat(self, zero, len(lead), i2, g2, lead + (flat_in,), dtype), shape)

@@ -176,3 +176,10 @@ def op_topk(self, n, x, k, dim=-1, largest=True, sorted=True):
     cat = lambda parts, dtype: parts[0] if len(parts) == 1 else self.add(  # noqa: E731
         "concatenate", parts, vshape, dtype, axis=d)
     return [self.cast(cat(vals, dt), vdt), cat(idxs, "int64")]
+
+
+@lowers
+def op_prod(self, n, x, dim=None, keepdim=False, dtype=None):
+    """``torch.prod`` over all elements or one ``dim``: the IR ``prod`` reduction (bool and
+    integer inputs in the output's integer dtype, as torch promotes them)."""
+    return _reduce(self, "prod", x, dim, keepdim)

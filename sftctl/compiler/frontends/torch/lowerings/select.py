@@ -98,6 +98,8 @@ def op_nonzero(self, n, x):
     shape, dtype = self.out()
     xi = self.arg(x)
     xs = self.shape(xi)
+    if not xs:  # a 0-d tensor: [0 or 1, 0], no coordinates to give
+        return self.const(0, shape, dtype)
     mask = self.binary("ne", xi, self.const(0, (), self.dtype(xi)), "bool") if self.dtype(xi) != "bool" else xi
     _, _, src = _compaction(self, mask, shape[0])
     cols = []

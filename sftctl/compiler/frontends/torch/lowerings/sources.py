@@ -75,3 +75,20 @@ def op_arange(self, n, *args, **kw):
     if start != 0:
         i = self.binary("add", i, self.const(start, (), dtype))
     return i
+
+
+@lowers
+def op__local_scalar_dense(self, n, x):
+    """``Tensor.item()``: the one element as a 0-d IR value (later ops read it as a scalar
+    operand); a data-dependent size made from it is refused where it is used."""
+    return self.reshape(self.arg(x), ())
+
+
+@lowers("sym_numel", "sym_storage_offset", "sym_size", "sym_stride")
+def op_sym_numel(self, n, x, *dim):
+    """A size query traced with static shapes: the value make_fx recorded, an int64 constant
+    (a symbolic one goes through the lowering's size expressions instead)."""
+    value = n.meta.get("val")
+    if not isinstance(value, int):
+        self.unsupported(n, f"(size value {value!r})")
+    return self.const(int(value), (), "int64")
