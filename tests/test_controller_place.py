@@ -199,3 +199,19 @@ def test_a_server_places_the_controller_on_slurm_once(cluster, tmp_path, home, m
         assert f"controller of {job} submitted to Slurm" in log and "reconcile failed" not in log, log[-3000:]
     finally:
         server.stop()
+
+
+def test_dry_run_shows_the_controllers_sbatch_script(cluster, tmp_path, home):
+    """`run --dry-run` shows controller.sbatch.sh as place_controller would submit it; nothing
+    is submitted."""
+    spec = _placed_spec(tmp_path, controller="{place: slurm, partition: gpu}")
+    doc = json.loads(sftctl("run", str(spec), "--dry-run", "--json", "--set", "resources.deadline=2h",
+                            check=True).stdout)
+    texts = {s["name"]: s["text"] for s in doc["submits"]}
+    assert set(texts) == {"controller.sbatch.sh", "attempt-1/sbatch.sh", "attempt-1/step.sh"}
+    ctl = texts["controller.sbatch.sh"]
+    for line in ("#SBATCH --job-name=sftctl-ctl-<job-id>\n", "#SBATCH --cpus-per-task=1\n", "#SBATCH --partition=gpu\n",
+                 "#SBATCH --time=0-02:10:00\n", "#SBATCH --no-requeue\n"):
+        assert line in ctl, ctl
+    assert "sftctl.queue" in ctl and "<job-id>" in ctl.rsplit("exec ", 1)[1]
+    assert cluster.jobs() == []

@@ -11,7 +11,14 @@ import difflib
 from sftctl import settings
 from sftctl.catalog import Offering
 from sftctl.controller.slots import NodeSlot
-from sftctl.controller.submit import default_install, job_storage_url, node_env, required_secrets
+from sftctl.controller.submit import (
+    controller_job_args,
+    controller_provider,
+    default_install,
+    job_storage_url,
+    node_env,
+    required_secrets,
+)
 from sftctl.providers import get_provider
 from sftctl.providers.cloud import InstanceRequest
 from sftctl.providers.kubernetes import node_manifests
@@ -85,7 +92,18 @@ def _preview_submits(spec: JobSpec, offering: Offering, job_id: str, nodes: list
                      shown: list[dict]) -> list[dict]:
     """What ``preview`` adds per provider: ``[{"name", "text"}]``, the documents sftctl would hand
     the scheduler: Slurm's ``sbatch.sh`` and ``step.sh``, the shown nodes' Kubernetes manifests
-    (Secret values shown as ``<secret>``). Empty for the others (their nodes get ``bootstrap``)."""
+    (Secret values shown as ``<secret>``), and ``controller.sbatch.sh`` first for a controller
+    placed on Slurm. Empty for the others (their nodes get ``bootstrap``)."""
+    out = []
+    if spec.controller.place == "slurm":  # the controller's own Slurm job (controller.place)
+        ctl = controller_provider(spec)
+        out.append({"name": "controller.sbatch.sh",
+                    "text": ctl.controller_script(job_id, **controller_job_args(spec, job_id, ctl))})
+    return out + _preview_node_submits(spec, offering, job_id, nodes, shown)
+
+
+def _preview_node_submits(spec: JobSpec, offering: Offering, job_id: str, nodes: list[NodeSlot],
+                          shown: list[dict]) -> list[dict]:
     provider = offering.provider
     if provider == "slurm":
         slurm = get_provider("slurm", config=spec.slurm.model_dump() if spec.slurm else None,

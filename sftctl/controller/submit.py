@@ -295,20 +295,28 @@ def place_controller(store: Store, job: JobRecord) -> str:
     """
     spec = JobSpec.model_validate(job.spec)
     provider = controller_provider(spec)
-    jd = job_dir(job.id)
-    jd.mkdir(parents=True, exist_ok=True, mode=0o700)
-    argv = module_argv("sftctl.queue", job.id, python=provider.cfg.python or sys.executable)
-    partition = spec.controller.partition or provider.cfg.partition
-    deadline_s = spec.resources.deadline_s
-    slurm_id = provider.submit_controller(
-        job.id, argv, partition=partition, log=str(jd / "controller.log"), chdir=str(jd),
-        time_limit_s=None if deadline_s is None else deadline_s + CONTROLLER_TEARDOWN_S)
+    job_dir(job.id).mkdir(parents=True, exist_ok=True, mode=0o700)
+    args = controller_job_args(spec, job.id, provider)
+    partition = args["partition"]
+    slurm_id = provider.submit_controller(job.id, **args)
     store.acquire_lease(job.id, queued_holder("slurm", slurm_id), QUEUED_CONTROLLER_LEASE_S)
     store.add_event(job.id, "controller",
                     f"controller: Slurm job {slurm_id} ({slurm_provider.controller_job_name(job.id)}) in "
                     f"{'partition ' + partition if partition else 'the default partition'}",
                     {"place": "slurm", "slurm_job_id": slurm_id, "partition": partition})
     return slurm_id
+
+
+def controller_job_args(spec: JobSpec, job_id: str, provider) -> dict:
+    """The keyword arguments of ``provider.submit_controller``/``controller_script`` for the
+    controller of ``job_id`` (``argv``, ``partition``, ``log``, ``chdir``, ``time_limit_s``):
+    what :func:`place_controller` submits and ``run --dry-run`` shows."""
+    jd = job_dir(job_id)
+    deadline_s = spec.resources.deadline_s
+    return {"argv": module_argv("sftctl.queue", job_id, python=provider.cfg.python or sys.executable),
+            "partition": spec.controller.partition or provider.cfg.partition,
+            "log": str(jd / "controller.log"), "chdir": str(jd),
+            "time_limit_s": None if deadline_s is None else deadline_s + CONTROLLER_TEARDOWN_S}
 
 
 def stop_placed_controller(job: JobRecord, grace_s: float) -> list[str]:
