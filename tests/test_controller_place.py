@@ -133,6 +133,10 @@ def test_a_placed_controller_is_refused_where_it_cannot_work(cluster, tmp_path, 
     proc = sftctl("run", str(_placed_spec(tmp_path, controller="{place: slurm, partition: nosuch}")), "--detach")
     assert proc.returncode == 4 and "sbatch refused the controller" in proc.stderr and "Traceback" not in proc.stderr, \
         proc.stderr
+    [failed] = json.loads(sftctl("status", "--json", "--all", check=True).stdout)["jobs"]
+    # failed at once with Slurm's reason, not left PENDING for the reaper's "never started"
+    assert failed["status"] == "FAILED" and failed["failure_code"] == "provider_error", failed
+    assert failed["failure_reason"].startswith("its controller could not be placed on Slurm: slurm: sbatch refused")
     proc = sftctl("run", str(_placed_spec(tmp_path, controller="{place: mars}")), "--detach")
     assert proc.returncode == 2 and "controller.place" in proc.stderr and "'slurm'" in proc.stderr, proc.stderr
     assert cluster.jobs() == []

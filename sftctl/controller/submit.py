@@ -27,7 +27,7 @@ from sftctl.state import QUEUED_CONTROLLER_LEASE_S, JobRecord, Store, is_url, pl
 from sftctl.storage import open_storage
 from sftctl.storage.checkpoints import complete_checkpoint_steps
 from sftctl.storage.stream import NodeChannel
-from sftctl.types import NodeHandle, Plan
+from sftctl.types import FailureCode, JobStatus, NodeHandle, Plan
 
 OWNER_FILE = ".sftctl-job"  # in a spec's train.checkpoint_dir: the job whose checkpoints it holds
 
@@ -291,14 +291,19 @@ def place_controller(store: Store, job: JobRecord) -> str:
     do not take the job for one without a controller. Returns the Slurm job id.
 
     Raises:
-        ProviderError: sbatch refused it (exit 4).
+        ProviderError: sbatch refused it (exit 4); the job is then FAILED with that line.
     """
     spec = JobSpec.model_validate(job.spec)
     provider = controller_provider(spec)
     job_dir(job.id).mkdir(parents=True, exist_ok=True, mode=0o700)
     args = controller_job_args(spec, job.id, provider)
     partition = args["partition"]
-    slurm_id = provider.submit_controller(job.id, **args)
+    try:
+        slurm_id = provider.submit_controller(job.id, **args)
+    except SftctlError as e:  # no controller will come: the job fails now, with Slurm's reason
+        store.transition(job.id, JobStatus.FAILED, f"its controller could not be placed on Slurm: {e.message}",
+                         strict=False, code=FailureCode.PROVIDER_ERROR.value)
+        raise
     store.acquire_lease(job.id, queued_holder("slurm", slurm_id), QUEUED_CONTROLLER_LEASE_S)
     store.add_event(job.id, "controller",
                     f"controller: Slurm job {slurm_id} ({slurm_provider.controller_job_name(job.id)}) in "
