@@ -1217,13 +1217,21 @@ def down(job: str | None = None, *, all: bool = False, purge: bool = False,  # n
 def down_orphans(checked: list[str] | None = None) -> list[str]:
     """Delete every labelled resource, on every configured cloud, whose job is gone or ended;
     one summary line per job swept (see :func:`sftctl.controller.teardown.down_orphans`). ``checked``, a
-    list, receives the providers that were asked (``local`` always; a cloud once configured)."""
+    list, receives the providers that were asked (``local`` always; a cloud once configured).
+
+    With a server configured, the server sweeps its own state with its own credentials.
+
+    Raises:
+        SftctlError: through a server, the user is not one of its admins (exit 2).
+    """
     from sftctl.controller.teardown import down_orphans as sweep
 
-    if _remote() is not None:
-        raise SftctlError("down --orphans sweeps the clouds this machine's credentials reach; with a server "
-                          "configured, run it on the server's machine", hint="sftctl down JOB takes a job down "
-                          "through the server")
+    remote = _remote()
+    if remote is not None:  # the server sweeps with its state and its credentials (admins only)
+        doc = remote.request("POST", "/v1/orphans", read_s=None)
+        if checked is not None:
+            checked.extend(doc["checked"])
+        return list(doc["swept"])
     try:
         store = _store()
     except SftctlError as e:  # a lost or damaged state: the job dirs and provider tags still know

@@ -175,6 +175,30 @@ print(f"rank {rank} done", flush=True)
 """
 
 
+def test_down_orphans_through_the_server_is_an_admins_and_sweeps_the_servers_machine(server, home, monkeypatch):
+    """``down --orphans`` with a server configured: the server sweeps its own state and providers
+    (here: a node process of its home whose job no state knows); a plain user is refused."""
+    t = tokens("alice", admin="admin1")
+    tags = {"SFTCTL_JOB_ID": "ghost-0001", "SFTCTL_NODE_ID": "ghost-0001-n0", "SFTCTL_NODE_HOME": str(home.resolve())}
+    ghost = subprocess.Popen(["sleep", "300"], env={**os.environ, **tags}, start_new_session=True)
+    try:
+        as_user(monkeypatch, server, t["alice"])
+        proc = sftctl("down", "--orphans")
+        assert proc.returncode == 2 and no_traceback(proc), proc.stderr
+        assert proc.stderr.splitlines()[0] == "error: down --orphans: alice is not an admin of this server"
+        assert ghost.poll() is None
+        as_user(monkeypatch, server, t["admin1"])
+        proc = sftctl("down", "--orphans", "--json")
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(proc.stdout)
+        assert "local" in doc["checked"], doc
+        assert "local: ghost-0001 (unknown job): removed 1 resource(s)" in doc["orphans"], doc
+        assert ghost.wait(timeout=30) is not None
+    finally:
+        if ghost.poll() is None:
+            ghost.kill()
+
+
 def loop_job(tmp_path: Path, steps: int, replay: Path | None = None) -> Path:
     work = tmp_path / "work"
     work.mkdir()

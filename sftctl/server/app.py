@@ -20,6 +20,7 @@ Routes (JSON; every one but ``/v1/health`` needs ``Authorization: Bearer <token>
 ``GET  /v1/costs``          ``?by=user|lab&since&until`` -> ``{"costs": [CostTotal.to_dict()]}``: a
                             user's own row; ``lab`` and every user's rows for admins
 ``POST /v1/down``           ``{"job" | "all", "purge"}`` -> ``{"down": [DownResult.to_dict()]}``
+``POST /v1/orphans``        admins: ``down --orphans`` here -> ``{"swept": [line], "checked": [provider]}``
 ==========================  ==============================================================
 
 A view is :meth:`sftctl.api.JobView.to_wire` (records whole), so a client's ``to_dict()`` is
@@ -237,5 +238,17 @@ def create_app(supervisor):
         results = [r.to_dict() for j in todo for r in api.down(j, purge=purge)]
         lists.clear()
         return _json({"down": results})
+
+    @app.post("/v1/orphans")
+    def orphans(user: User = Depends(current_user)):
+        """``down --orphans`` on the server's machine: its state, its providers' credentials
+        (an admin's request: it may stop what belongs to anyone)."""
+        if not user.admin:
+            raise Forbidden(f"down --orphans: {user.name} is not an admin of this server",
+                            hint="sftctl down JOB takes down one of your jobs")
+        checked: list[str] = []
+        swept = api.down_orphans(checked)
+        lists.clear()
+        return _json({"swept": swept, "checked": checked})
 
     return app
