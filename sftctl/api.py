@@ -604,8 +604,14 @@ def start(job: str) -> JobView:
     remote = _remote()
     if remote is not None:
         return JobView.from_wire(remote.request("POST", remote.job_path(job, "/start")))
+    from sftctl.state import placed
+
     store = _store()
     record = _resolve(store, job)
+    if placed(record.spec):
+        from sftctl.controller.submit import forget_lost_queued_controller
+
+        forget_lost_queued_controller(store, record)  # its Slurm job was cancelled before it ran
     check_no_live_controller(record.id, store)
     spawn_controller(record.id)
     return _view(store, store.get_job(record.id), detail=True)

@@ -105,6 +105,20 @@ def test_a_queued_controller_holds_the_job_and_down_cancels_it(cluster, tmp_path
             api.start(job)
         assert f"slurm:{queued[0]['id']}" in busy.value.message and busy.value.exit_code == 2
         assert len([r for r in _squeue(cluster) if r["name"] == f"sftctl-ctl-{job}"]) == 1  # no second one
+        # an admin cancels the queued controller: its lease goes with it and start places another
+        subprocess.run(["scancel", queued[0]["id"]], check=True)
+        wait_for(lambda: queued[0]["id"] not in cluster.jobs(), timeout_s=30, what="the scancel")
+        api.start(job)
+        again = [r for r in _squeue(cluster) if r["name"] == f"sftctl-ctl-{job}"]
+        assert [r["state"] for r in again] == ["PENDING"] and again[0]["id"] != queued[0]["id"], again
+        messages = [e["message"] for e in json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]]
+        assert f"controller: Slurm job {queued[0]['id']} left the queue without starting" in messages, messages
+        # the same seen by a server: its reconcile would give the job a controller again
+        from sftctl.server import Supervisor
+
+        subprocess.run(["scancel", again[0]["id"]], check=True)
+        wait_for(lambda: again[0]["id"] not in cluster.jobs(), timeout_s=30, what="the second scancel")
+        assert Supervisor().orphans() == [job]
         summary = sftctl("down", job, check=True).stdout
         assert "cancelled" in summary, summary
         wait_for(lambda: cluster.jobs() == [blocker], timeout_s=30, what="the queued controller to be cancelled")

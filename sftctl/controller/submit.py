@@ -324,6 +324,24 @@ def controller_job_args(spec: JobSpec, job_id: str, provider) -> dict:
             "time_limit_s": None if deadline_s is None else deadline_s + CONTROLLER_TEARDOWN_S}
 
 
+def forget_lost_queued_controller(store: Store, job: JobRecord) -> str | None:
+    """A placed controller's Slurm job that left the queue without starting (an admin's
+    ``scancel``, a purge) still holds the job's lease as ``slurm:<id>``, so nothing would start
+    another until it expired: when Slurm no longer shows that job, give the lease up and return
+    its holder (None otherwise: not placed, not queued, or still queued). Asks Slurm (``squeue``)."""
+    held = store.lease(job.id) if placed(job.spec) == "slurm" else None
+    if held is None or not held[0].startswith("slurm:"):
+        return None
+    slurm_id = held[0].split(":", 1)[1]
+    if any(f["id"] == slurm_id for f in controller_provider(JobSpec.model_validate(job.spec)).controller_jobs(job.id)):
+        return None
+    if not store.release_lease(job.id, held[0]):  # it started meanwhile and took the lease over
+        return None
+    store.add_event(job.id, "controller", f"controller: Slurm job {slurm_id} left the queue without starting",
+                    {"place": "slurm", "slurm_job_id": slurm_id})
+    return held[0]
+
+
 def stop_placed_controller(job: JobRecord, grace_s: float) -> list[str]:
     """End the Slurm job(s) running or waiting to run ``job``'s controller (placed jobs only):
     SIGTERM to a running one, which cancels the job and stops its nodes, then ``scancel`` after

@@ -88,8 +88,9 @@ class Supervisor:
         just started, maybe by another server, may not hold it yet: a job counts once it was
         seen without a lease for :data:`CLAIM_GRACE_S` seconds)."""
         from sftctl import procs
+        from sftctl.controller.submit import forget_lost_queued_controller
         from sftctl.queue import check_no_live_controller
-        from sftctl.state import CONTROLLER_START_GRACE_S, Store
+        from sftctl.state import CONTROLLER_START_GRACE_S, Store, placed
         from sftctl.types import JobStatus
 
         store = Store()
@@ -104,6 +105,11 @@ class Supervisor:
                     continue  # just submitted: its client starts it
                 if not shared and j.controller_pid and procs.alive(j.controller_pid, j.controller_start_ticks):
                     continue
+                if placed(j.spec):
+                    try:  # a controller's Slurm job cancelled while queued holds the lease no more
+                        forget_lost_queued_controller(store, j)
+                    except SftctlError as e:  # Slurm unreachable: the lease decides, as it stands
+                        log.info("%s: %s", j.id, e.message)
                 try:
                     check_no_live_controller(j.id, store)  # no file lock held here, no lease held anywhere
                 except SftctlError:
