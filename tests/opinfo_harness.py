@@ -288,7 +288,9 @@ def check_op(op, *, limit: int = 3, backward_limit: int = 1, seed: int = 0) -> d
 def core_aten_packets() -> set[str]:
     """Core ATen: the ``torch.ops.aten`` overload packets with an overload tagged ``torch.Tag.core``."""
     out = set()
-    for name in dir(torch.ops.aten):
+    # every registered aten schema (``dir(torch.ops.aten)`` lists only the packets loaded so far)
+    names = {s.name.split("::", 1)[1] for s in torch._C._jit_get_all_schemas() if s.name.startswith("aten::")}
+    for name in sorted(names):
         try:
             packet = getattr(torch.ops.aten, name)
         except (AttributeError, RuntimeError):

@@ -13,7 +13,9 @@ it, its float64 loss and gradients from the interpreter checked against torch's:
   with a gated depthwise causal conv;
 * RNNs: a 2-layer LSTM language model with a tied decoder, and a bidirectional GRU classifier
   whose label smoothing indexes ``torch.eye`` (both trace through ATen's native RNN: an input
-  projection GEMM, then a recurrent GEMM and the gates per step, as cuDNN runs them).
+  projection GEMM, then a recurrent GEMM and the gates per step, as cuDNN runs them);
+* DLRM-style recommender: ``nn.EmbeddingBag`` (sum with per-sample weights, mean, an empty bag),
+  a bottom MLP, pairwise dot interactions and a top MLP on a click label.
 (GNN with a train mask: tests/test_data_dependent.py; MoE: tests/test_zoo_moe.py.)
 """
 
@@ -271,6 +273,34 @@ class TinyBiGRU(nn.Module):
         return -(target * F.log_softmax(logits, -1)).sum(-1).mean()
 
 
+class TinyDLRM(nn.Module):
+    """A DLRM-style recommender: sparse features pooled by ``nn.EmbeddingBag`` (sum, with
+    per-sample weights, and mean), dense features through an MLP, pairwise dot interactions,
+    a top MLP and BCE on a click label."""
+
+    def __init__(self, vocab=(20, 12), d=8, dense=5):
+        super().__init__()
+        self.bags = nn.ModuleList([nn.EmbeddingBag(vocab[0], d, mode="sum"), nn.EmbeddingBag(vocab[1], d, mode="mean")])
+        self.bottom = nn.Sequential(nn.Linear(dense, 16), nn.ReLU(), nn.Linear(16, d))
+        self.top = nn.Sequential(nn.Linear(d + 3, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, dense, ids0, off0, w0, ids1, off1, label):
+        feats = [self.bottom(dense), self.bags[0](ids0, off0, per_sample_weights=w0), self.bags[1](ids1, off1)]
+        z = torch.stack(feats, dim=1)                                   # B, 3, d
+        inter = torch.bmm(z, z.transpose(1, 2))
+        i, j = torch.triu_indices(3, 3, offset=1)
+        x = torch.cat([feats[0], inter[:, i, j]], dim=1)
+        return F.binary_cross_entropy_with_logits(self.top(x).squeeze(1), label)
+
+
+def _dlrm():
+    g = _gen(9)
+    return TinyDLRM(), (torch.randn(4, 5, generator=g), torch.randint(0, 20, (9,), generator=g),
+                        torch.tensor([0, 2, 5, 5]), torch.rand(9, generator=g),
+                        torch.randint(0, 12, (6,), generator=g), torch.tensor([0, 1, 3, 4]),
+                        torch.randint(0, 2, (4,), generator=g).float())
+
+
 def _lstm():
     return TinyLSTMLM(), torch.randint(0, 30, (2, 6), generator=_gen(6))
 
@@ -280,7 +310,7 @@ def _gru():
 
 
 FAMILIES = {"unet": _unet, "clip": _clip, "speech": _speech, "convnext": _convnext, "mamba": _mamba,
-            "lstm": _lstm, "gru": _gru}
+            "lstm": _lstm, "gru": _gru, "dlrm": _dlrm}
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

@@ -294,3 +294,141 @@ def op_flip(self, n, x, dims):
     i = self.arg(x)
     axes = tuple(sorted({d % len(shape) for d in dims if shape[d % len(shape)] > 1})) if shape else ()
     return self.add("reverse", [i], shape, self.dtype(i), axes=axes) if axes else i
+
+
+def _bag_of(self, n_idx: int, offsets: int, bags: int) -> int:
+    """int64 [n_idx]: the bag of each index position, ``(#offsets <= i) - 1`` over the first
+    ``bags`` offsets (a compare of [n_idx, bags] and a row sum: what a GPU kernel reads once)."""
+    off = self.cast(self.arg(offsets), "int64")
+    if self.shape(off)[0] != bags:
+        off = self.slice_dim(off, 0, 0, bags)
+    pos = self.iota((n_idx, 1), 0, "int64")
+    ge = self.add("ge", [self.bcast(pos, (n_idx, bags)), self.bcast(self.reshape(off, (1, bags)), (n_idx, bags))],
+                  (n_idx, bags), "bool")
+    cnt = self.add("sum", [self.cast(ge, "int64")], (n_idx,), "int64", axes=(1,), keepdim=False)
+    return self.binary("sub", cnt, self.const(1, (), "int64"))
+
+
+def _bag_keep(self, idx: int, padding_idx) -> int | None:
+    """bool [N]: the index positions that count (not ``padding_idx``); None when all do."""
+    if padding_idx is None or padding_idx < 0:
+        return None
+    return self.binary("ne", idx, self.const(int(padding_idx), (), "int64"), "bool")
+
+
+@lowers("_embedding_bag", "_embedding_bag_forward_only")
+def op__embedding_bag(self, n, weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                      per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+    """``nn.EmbeddingBag`` / ``F.embedding_bag`` (recommender models), ``mode`` sum (0) or mean
+    (1): a gather of the rows, times ``per_sample_weights``, ``scatter_add`` into the bags
+    (mean: over the bag's non-padding count). Returns ``[output [B, D], offset2bag, bag_size,
+    max_indices]`` in the shapes torch gives them. ``max`` (2): unsupported."""
+    if mode not in (0, 1):
+        self.unsupported(n, "with mode='max' (sum and mean are lowered)")
+    (oshape, dtype) = self.out_at(0)
+    bags, dim = oshape
+    w = self.arg(weight, dtype)
+    idx = self.cast(self.arg(indices), "int64")
+    count = self.shape(idx)[0]
+    rows = self.add("gather", [w, idx], (count, dim), dtype, axis=0)
+    if per_sample_weights is not None:
+        psw = self.reshape(self.arg(per_sample_weights, dtype), (count, 1))
+        rows = self.binary("mul", rows, psw)
+    keep = _bag_keep(self, idx, padding_idx)
+    if keep is not None:
+        rows = self.add("where", [self.reshape(keep, (count, 1)), rows, self.const(0, (), dtype)], (count, dim), dtype)
+    bag = _bag_of(self, count, offsets, bags)
+    out = self.add("scatter_add", [rows, bag], (bags, dim), dtype, axis=0, size=bags)
+    ones = self.const(1, (count,), "int64") if keep is None else self.cast(keep, "int64")
+    size = self.add("scatter_add", [ones, bag], (bags,), "int64", axis=0, size=bags)
+    if mode == 1:
+        div = self.cast(self.binary("maximum", size, self.const(1, (), "int64")), dtype)
+        out = self.binary("div", out, self.reshape(div, (bags, 1)))
+    results = [out]
+    for k, value in ((1, bag), (2, size)):
+        shape, odt = self.out_at(k)
+        results.append(self.cast(value, odt) if tuple(shape) == self.shape(value) else self.const(0, shape, odt))
+    shape, odt = self.out_at(3)
+    results.append(self.const(0, shape, odt))
+    return results
+
+
+@lowers
+def op__embedding_bag_dense_backward(self, n, grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                                     scale_grad_by_freq, mode, per_sample_weights, padding_idx=-1):
+    """The weight gradient of :func:`op__embedding_bag`: each bag's gradient gathered back to
+    its index positions (mean: over the bag's size; times ``per_sample_weights``; padding rows
+    0) and ``scatter_add`` into the table's rows."""
+    if mode not in (0, 1) or scale_grad_by_freq:
+        self.unsupported(n, "with mode='max' or scale_grad_by_freq")
+    shape, dtype = self.out()
+    g = self.arg(grad, dtype)
+    idx = self.cast(self.arg(indices), "int64")
+    count, dim = self.shape(idx)[0], shape[1]
+    bag = self.cast(self.arg(offset2bag), "int64")
+    rows = self.add("gather", [g, bag], (count, dim), dtype, axis=0)
+    if mode == 1:
+        size = self.add("gather", [self.cast(self.arg(bag_size), dtype), bag], (count,), dtype, axis=0)
+        rows = self.binary("div", rows, self.reshape(self.binary("maximum", size, self.const(1, (), dtype)), (count, 1)))
+    if per_sample_weights is not None:
+        rows = self.binary("mul", rows, self.reshape(self.arg(per_sample_weights, dtype), (count, 1)))
+    keep = _bag_keep(self, idx, padding_idx)
+    if keep is not None:
+        rows = self.add("where", [self.reshape(keep, (count, 1)), rows, self.const(0, (), dtype)], (count, dim), dtype)
+    return self.add("scatter_add", [rows, idx], tuple(shape), dtype, axis=0, size=shape[0])
+
+
+@lowers
+def op__embedding_bag_backward(self, n, grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights,
+                               scale_grad_by_freq, mode, sparse, per_sample_weights, padding_idx=-1):
+    """Autograd's entry for the table's gradient: the dense one (``sparse=True`` is priced as
+    dense: the same rows are read and written)."""
+    return op__embedding_bag_dense_backward(self, n, grad, indices, offset2bag, bag_size, maximum_indices,
+                                            num_weights, scale_grad_by_freq, mode, per_sample_weights, padding_idx)
+
+
+@lowers
+def op__embedding_bag_per_sample_weights_backward(self, n, grad, weight, indices, offsets, offset2bag, mode,
+                                                  padding_idx=-1):
+    """The ``per_sample_weights`` gradient (sum mode): each position's bag gradient dotted with
+    its table row (0 at padding)."""
+    shape, dtype = self.out()
+    idx = self.cast(self.arg(indices), "int64")
+    count = self.shape(idx)[0]
+    g = self.arg(grad, dtype)
+    dim = self.shape(g)[1]
+    bag = self.cast(self.arg(offset2bag), "int64")
+    prod = self.binary("mul", self.add("gather", [g, bag], (count, dim), dtype, axis=0),
+                       self.add("gather", [self.arg(weight, dtype), idx], (count, dim), dtype, axis=0))
+    out = self.add("sum", [prod], (count,), dtype, axes=(1,), keepdim=False)
+    keep = _bag_keep(self, idx, padding_idx)
+    if keep is not None:
+        out = self.add("where", [keep, out, self.const(0, (), dtype)], (count,), dtype)
+    return self.reshape(out, shape)
+
+
+@lowers
+def op_embedding_renorm(self, n, weight, indices, max_norm, norm_type):
+    """``embedding_renorm_`` (``max_norm=`` of nn.Embedding / EmbeddingBag): each row the
+    indices name whose ``norm_type``-norm exceeds ``max_norm`` scaled to ``max_norm / (norm +
+    1e-7)``, as torch's kernel; the other rows unchanged."""
+    shape, dtype = self.out()
+    w = self.arg(weight, dtype)
+    rows, dim = shape
+    ids = self.cast(self.arg(indices), "int64")
+    idx = self.reshape(ids, (math.prod(self.shape(ids)),))
+    hits = self.add("scatter_add", [self.const(1, self.shape(idx), "int32"), idx], (rows,), "int32", axis=0, size=rows)
+    p = float(norm_type)
+    a = self.add("abs", [w], shape, dtype)
+    if p == 2.0:
+        norm = self.add("sqrt", [self.add("sum", [self.binary("mul", a, a)], (rows, 1), dtype, axes=(1,), keepdim=True)],
+                        (rows, 1), dtype)
+    elif p == 1.0:
+        norm = self.add("sum", [a], (rows, 1), dtype, axes=(1,), keepdim=True)
+    else:
+        s = self.add("sum", [self.binary("pow", a, self.const(p, (), dtype))], (rows, 1), dtype, axes=(1,), keepdim=True)
+        norm = self.binary("pow", s, self.const(1.0 / p, (), dtype))
+    over = self.add("logical_and", [self.reshape(self.binary("gt", hits, self.const(0, (), "int32"), "bool"), (rows, 1)),
+                                    self.binary("gt", norm, self.const(float(max_norm), (), dtype), "bool")], (rows, 1), "bool")
+    scale = self.binary("div", self.const(float(max_norm), (), dtype), self.binary("add", norm, self.const(1e-7, (), dtype)))
+    return self.add("where", [self.bcast(over, shape), self.binary("mul", w, scale), w], shape, dtype)

@@ -5,6 +5,7 @@ called as ``fn(lowering, node, *node.args, **node.kwargs)``; see :mod:`..lowerin
 
 from __future__ import annotations
 
+import numpy as np
 import torch.fx as fx
 
 from sftctl.compiler.frontends.torch.lowering import OPS, lowers
@@ -92,3 +93,13 @@ def op_sym_numel(self, n, x, *dim):
     if not isinstance(value, int):
         self.unsupported(n, f"(size value {value!r})")
     return self.const(int(value), (), "int64")
+
+
+@lowers("triu_indices", "tril_indices")
+def op_triu_indices(self, n, row, col, offset=0, **kw):
+    """``torch.triu_indices`` / ``tril_indices``: [2, K] int64 coordinates known at trace time,
+    a constant input (DLRM's pairwise interactions index with them)."""
+    shape, dtype = self.out()
+    upper = n.target._schema.name.endswith("triu_indices")
+    i, j = (np.triu_indices if upper else np.tril_indices)(int(row), int(offset), int(col))
+    return self.add("input", [], shape, dtype, role="constant", name=n.name, value=np.stack([i, j]).astype(np.int64))
