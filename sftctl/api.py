@@ -596,6 +596,7 @@ def start(job: str) -> JobView:
     Raises:
         NotFoundError: no such job (exit 2).
         ControllerBusy: the job already has a live controller, named by pid and host (exit 2).
+        SftctlError: the job already ended (exit 2).
 
     With a server configured, the server starts it, as its own child process.
     """
@@ -608,6 +609,9 @@ def start(job: str) -> JobView:
 
     store = _store()
     record = _resolve(store, job)
+    if record.status.terminal:
+        raise SftctlError(f"job {record.id} already ended ({record.status.value}): there is nothing to start",
+                          hint="sftctl run SPEC starts a new job; sftctl events " + record.id + " shows how it ended")
     if placed(record.spec):
         from sftctl.controller.submit import forget_lost_queued_controller
 

@@ -162,3 +162,16 @@ def test_spec_errors_across_fields_name_the_field_and_its_line(tmp_path, text, o
     with pytest.raises(SpecError) as e:
         load_spec(path, overrides)
     assert e.value.message.replace(f"{tmp_path}/", "") == expected
+
+
+def test_start_refuses_a_job_that_already_ended(home):
+    """``api.start`` of a cancelled job: one clear error, no controller spawned, the job unchanged."""
+    from sftctl import api
+    from sftctl.errors import SftctlError
+
+    job = api.submit("name: ended\nrun: echo hi\n").job_id
+    api.down(job)
+    assert api.status(job).status.value == "CANCELLED"
+    with pytest.raises(SftctlError, match=rf"job {job} already ended \(CANCELLED\): there is nothing to start"):
+        api.start(job)
+    assert api.status(job).status.value == "CANCELLED" and job_processes(job) == []

@@ -176,6 +176,10 @@ def create_app(supervisor):
     @app.post("/v1/jobs/{job}/start")
     def start(job: str, user: User = Depends(current_user)):
         job_id = owned(user, job)
+        ended = api.job(job_id).status
+        if ended.terminal:
+            raise SftctlError(f"job {job_id} already ended ({ended.value}): there is nothing to start",
+                              hint="sftctl run SPEC starts a new job")
         supervisor.start(job_id)
         lists.clear()
         return _json(api.status(job_id).to_wire())
