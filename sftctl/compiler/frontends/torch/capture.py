@@ -29,6 +29,7 @@ _EXTRA_DECOMPS = (
     "masked_fill", "linalg_vector_norm", "norm", "glu", "huber_loss", "smooth_l1_loss",
     "binary_cross_entropy", "binary_cross_entropy_with_logits", "xlogy", "logit", "stack", "repeat",
     "tril", "triu", "_unsafe_index", "index_add",
+    "upsample_bilinear2d", "upsample_trilinear3d", "upsample_bicubic2d", "unfold", "grid_sampler_2d",
     "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
     "_native_batch_norm_legit_no_training",
 )

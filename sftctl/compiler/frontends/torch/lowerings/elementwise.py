@@ -422,3 +422,16 @@ def op_atan2(self, n, y, x):
     neg_x = self.add("add", [base, self.add("mul", [ysign, pi], shape, dtype)], shape, dtype)
     half = self.add("mul", [self.add("sign", [yi], shape, dtype), self.const(math.pi / 2, (), dtype)], shape, dtype)
     return sel(cmp("lt", xi, 0.0), neg_x, sel(cmp("eq", xi, 0.0), half, base))
+
+
+@lowers
+def op_exp2(self, n, x):
+    xi, u, b, c = _math(self, x)
+    return u("exp", b("mul", xi, c(0.6931471805599453)))  # ln 2
+
+
+@lowers
+def op_erfc(self, n, x):
+    """``1 - erf(x)`` (absolute precision: erfc's tail below 1e-16 reads as 0)."""
+    xi, u, b, c = _math(self, x)
+    return b("sub", c(1.0), u("erf", xi))

@@ -1,4 +1,4 @@
-"""Pooling lowerings: max pooling over strided slices with torch's first-maximum indices, average and adaptive-average pooling, and their backwards.
+"""Pooling and resampling lowerings: max pooling over strided slices with torch's first-maximum indices, average and adaptive-average pooling, and their backwards; the backwards of nearest, linear and cubic upsampling.
 
 Each ``@lowers`` function is the IR lowering of the ATen op packet it is named after (``op_<packet>``),
 called as ``fn(lowering, node, *node.args, **node.kwargs)``; see :mod:`..lowering`."""
@@ -8,6 +8,8 @@ from __future__ import annotations
 import itertools
 import math
 import re
+
+import numpy as np
 
 from sftctl.compiler.frontends.torch.lowering import lowers, _Id
 from sftctl.compiler.frontends.torch.lowerings.indexing import _take_along_index
@@ -254,3 +256,77 @@ def op_upsample_nearest2d_backward(self, n, gy, output_size, input_size, *scales
     i2 = self.bcast(self.reshape(pos, (flat_out,)), lead + (flat_out,))
     zero = _Id(self.const(0, lead + (flat_in,), dtype))
     return self.reshape(_scatter_flat(self, zero, len(lead), i2, g2, lead + (flat_in,), dtype), shape)
+
+
+def _src_scale(in_size: int, out_size: int, align_corners: bool, scale) -> float:
+    """torch's ``area_pixel_compute_scale`` (aten/src/ATen/native/UpSample.h)."""
+    if align_corners:
+        return (in_size - 1) / (out_size - 1) if out_size > 1 else 0.0
+    return 1.0 / scale if scale else in_size / out_size
+
+
+def _interp_taps(in_size: int, out_size: int, align_corners: bool, scale, cubic: bool):
+    """Per output position of one dim, the input taps of torch's linear (2 taps) or cubic (4 taps,
+    A = -0.75, indices clamped) interpolation: a list of (int64 index [out], float64 weight [out])."""
+    o = np.arange(out_size, dtype=np.float64)
+    s = _src_scale(in_size, out_size, align_corners, scale)
+    if align_corners:
+        src = s * o
+    else:
+        src = s * (o + 0.5) - 0.5
+        if not cubic:
+            src = np.maximum(src, 0.0)
+    if not cubic:
+        i0 = src.astype(np.int64)  # C's truncation of a non-negative index
+        i1 = i0 + (i0 < in_size - 1)
+        l1 = src - i0
+        return [(i0, 1.0 - l1), (i1, l1)]
+    base = np.floor(src)
+    t = src - base
+    a = -0.75
+
+    def conv1(x):
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+
+    def conv2(x):
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    weights = [conv2(t + 1.0), conv1(t), conv1(1.0 - t), conv2(2.0 - t)]
+    return [(np.clip(base.astype(np.int64) - 1 + k, 0, in_size - 1), w) for k, w in enumerate(weights)]
+
+
+def _interp_backward(self, n, gy, input_size, align_corners, scales, cubic: bool):
+    """The gradient of separable linear / cubic upsampling: per spatial dim, each tap's weighted
+    output gradient ``scatter_add``-ed at its input index (constants computed at trace time)."""
+    shape, dtype = self.out()
+    g = self.arg(gy, dtype)
+    nsp = len(input_size) - 2 if len(input_size) > 2 else len(scales)
+    rank = len(shape)
+    for d in range(nsp):
+        axis = rank - nsp + d
+        gs = self.shape(g)
+        in_d, out_d = shape[axis], gs[axis]
+        scale = scales[d] if d < len(scales) else None
+        total = None
+        for k, (idx, w) in enumerate(_interp_taps(in_d, out_d, bool(align_corners), scale, cubic)):
+            wshape = tuple(out_d if a == axis else 1 for a in range(rank))
+            wid = self.add("input", [], wshape, dtype, role="constant", name=f"{n.name}_w{d}_{k}",
+                           value=w.reshape(wshape))
+            iid = self.add("input", [], (out_d,), "int64", role="constant", name=f"{n.name}_i{d}_{k}", value=idx)
+            out_shape = tuple(in_d if a == axis else s for a, s in enumerate(gs))
+            part = self.add("scatter_add", [self.binary("mul", g, wid), iid], out_shape, dtype, axis=axis, size=in_d)
+            total = part if total is None else self.binary("add", total, part)
+        g = total
+    return g
+
+
+@lowers("upsample_linear1d_backward", "upsample_bilinear2d_backward", "upsample_trilinear3d_backward")
+def op_upsample_bilinear2d_backward(self, n, gy, output_size, input_size, align_corners, *scales):
+    """Gradient of ``F.interpolate(mode="linear" | "bilinear" | "trilinear")`` (the forward
+    decomposes into gathers; see :func:`_interp_backward`)."""
+    return _interp_backward(self, n, gy, list(input_size), align_corners, list(scales), cubic=False)
+
+
+@lowers
+def op_upsample_bicubic2d_backward(self, n, gy, output_size, input_size, align_corners, *scales):
+    """Gradient of ``F.interpolate(mode="bicubic")``: 4 clamped taps per dim, A = -0.75."""
+    return _interp_backward(self, n, gy, list(input_size), align_corners, list(scales), cubic=True)
