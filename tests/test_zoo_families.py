@@ -14,6 +14,8 @@ it, its float64 loss and gradients from the interpreter checked against torch's:
 * RNNs: a 2-layer LSTM language model with a tied decoder, and a bidirectional GRU classifier
   whose label smoothing indexes ``torch.eye`` (both trace through ATen's native RNN: an input
   projection GEMM, then a recurrent GEMM and the gates per step, as cuDNN runs them);
+* CTC speech recognition: conv front end, GRU, ``F.ctc_loss`` with per-utterance lengths,
+  concatenated targets and ``zero_infinity``;
 * DLRM-style recommender: ``nn.EmbeddingBag`` (sum with per-sample weights, mean, an empty bag),
   a bottom MLP, pairwise dot interactions and a top MLP on a click label.
 (GNN with a train mask: tests/test_data_dependent.py; MoE: tests/test_zoo_moe.py.)
@@ -301,6 +303,33 @@ def _dlrm():
                         torch.randint(0, 2, (4,), generator=g).float())
 
 
+class TinyCTC(nn.Module):
+    """A CTC speech recognizer as wav2vec2-for-CTC / Conformer-CTC recipes train it: a strided
+    conv front end over features, a GRU, per-frame log-probabilities and ``F.ctc_loss`` with
+    per-utterance input and target lengths (tensors), concatenated targets and
+    ``zero_infinity`` (an utterance too short for its transcript)."""
+
+    def __init__(self, feats=6, d=8, vocab=5):
+        super().__init__()
+        self.conv = nn.Conv1d(feats, d, 3, stride=2, padding=1)
+        self.rnn = nn.GRU(d, d, batch_first=True)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x, x_lens, targets, target_lens):
+        h = F.gelu(self.conv(x.transpose(1, 2))).transpose(1, 2)        # B, T/2, d
+        h, _ = self.rnn(h)
+        lp = self.head(h).log_softmax(-1).transpose(0, 1)                # T', B, vocab
+        out_lens = torch.div(x_lens + 1, 2, rounding_mode="floor")
+        return F.ctc_loss(lp, targets, out_lens, target_lens, blank=0, zero_infinity=True)
+
+
+def _ctc():
+    g = _gen(10)
+    target_lens = torch.tensor([3, 1, 4])                     # the last cannot fit 3 frames: inf -> 0
+    return TinyCTC(), (torch.randn(3, 12, 6, generator=g), torch.tensor([12, 9, 5]),
+                       torch.randint(1, 5, (int(target_lens.sum()),), generator=g), target_lens)
+
+
 def _lstm():
     return TinyLSTMLM(), torch.randint(0, 30, (2, 6), generator=_gen(6))
 
@@ -310,7 +339,7 @@ def _gru():
 
 
 FAMILIES = {"unet": _unet, "clip": _clip, "speech": _speech, "convnext": _convnext, "mamba": _mamba,
-            "lstm": _lstm, "gru": _gru, "dlrm": _dlrm}
+            "lstm": _lstm, "gru": _gru, "dlrm": _dlrm, "ctc": _ctc}
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

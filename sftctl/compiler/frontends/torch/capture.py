@@ -46,6 +46,9 @@ def decomposition_table() -> dict:
     from sftctl.compiler.frontends.torch.moe import decompositions as moe_decompositions
 
     table.update(moe_decompositions())  # aten._grouped_mm -> sftctl::grouped_mm (any float dtype)
+    from sftctl.compiler.frontends.torch.ctc import decompositions as ctc_decompositions
+
+    table.update(ctc_decompositions())  # aten._ctc_loss.Tensor -> sftctl::ctc_loss (a static log_alpha)
     for op in _KEEP_WHOLE:
         for overload in op.overloads():
             table.pop(getattr(op, overload), None)

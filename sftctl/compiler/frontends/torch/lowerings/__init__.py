@@ -13,4 +13,5 @@ from sftctl.compiler.frontends.torch.lowerings import (  # noqa: F401
     indexing,
     random,
     attention,
+    ctc,
 )
