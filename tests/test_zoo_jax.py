@@ -317,3 +317,43 @@ def test_flax_nnx_dropout_in_train_mode_is_refused_with_a_hint():
     model.eval()
     graph, meta = jax_frontend.trace_step(_nnx_loss, model, batch)
     assert meta["param_names"] == ["lin.bias", "lin.kernel"]
+
+
+# ------------------------------------------------------------------------------------------------
+# flax.linen CNN with max and average pooling (reduce_window, select_and_scatter_add)
+# ------------------------------------------------------------------------------------------------
+
+
+class LinenPoolCNN(nn.Module):
+    """The flax examples' CNN shape: conv, relu, max_pool (padded, overlapping windows), conv,
+    avg_pool (strided), mean over space, dense head."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(4, (3, 3))(x))
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+        x = nn.relu(nn.Conv(6, (3, 3))(x))
+        x = nn.avg_pool(x, (2, 2), strides=(2, 2))
+        return nn.Dense(3)(x.mean(axis=(1, 2)))
+
+
+def test_flax_linen_cnn_with_max_and_avg_pooling_float64(x64):
+    """reduce_window_max / _sum and max pooling's gradient (select_and_scatter_add), and
+    average pooling's (an interior pad), against JAX in float64."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    model = LinenPoolCNN()
+    x = jnp.asarray(rng.normal(size=(2, 9, 9, 2)))
+    y = jnp.asarray(rng.integers(0, 3, 2))
+    params = jax.tree_util.tree_map(lambda p: jnp.asarray(rng.normal(size=p.shape) * 0.5),
+                                    model.init(jax.random.PRNGKey(0), x)["params"])
+
+    def loss_fn(p, batch):
+        xb, yb = batch
+        logits = model.apply({"params": p}, xb)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), yb[:, None], axis=1))
+
+    loss, grads = jax.value_and_grad(loss_fn)(params, (x, y))
+    graph, _ = check_step_float64(loss_fn, params, (x, y), grads, loss, seed)
+    ops = graph.op_counts()
+    assert ops["maximum"] >= 8 and ops["conv"] >= 4, ops  # 9 window taps; forward and weight-gradient convs

@@ -65,6 +65,7 @@ jax is imported lazily, inside the functions of this module.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from typing import Any, Callable
@@ -592,16 +593,129 @@ def _concatenate(self, args, p, shape, dtype):
     return [self.add("concatenate", [self.cast(a, dtype) for a in args], shape, dtype, axis=int(p["dimension"]))]
 
 
+def _pad_general(self, x: int, cfg, value, dtype: str) -> int:
+    """``lax.pad``: per dim (low, high, interior); interior zeros between elements (the
+    transpose of a strided window sum) by a reshape to [.., n, 1 + interior], a pad and a crop;
+    negative low/high crop."""
+    shape = list(self.shape(x))
+    for d, (_, _, interior) in enumerate(cfg):
+        interior = int(interior)
+        if not interior or shape[d] == 0:
+            continue
+        n = shape[d]
+        wide = shape[:d + 1] + [1] + shape[d + 1:]
+        x = self.add("reshape", [x], wide, dtype, shape=tuple(wide))
+        grown = list(wide)
+        grown[d + 1] = 1 + interior
+        hi = [0] * len(wide)
+        hi[d + 1] = interior
+        x = self.add("pad", [x], grown, dtype, low=(0,) * len(wide), high=tuple(hi), value=value)
+        flat = shape[:d] + [n * (1 + interior)] + shape[d + 1:]
+        x = self.add("reshape", [x], flat, dtype, shape=tuple(flat))
+        shape = shape[:d] + [n + (n - 1) * interior] + shape[d + 1:]
+        x = self.add("slice", [x], shape, dtype, start=(0,) * len(shape), limit=tuple(shape), step=(1,) * len(shape))
+    lows = [max(int(c[0]), 0) for c in cfg]
+    highs = [max(int(c[1]), 0) for c in cfg]
+    if any(lows) or any(highs):
+        shape = [s + lo + hi for s, lo, hi in zip(shape, lows, highs)]
+        x = self.add("pad", [x], shape, dtype, low=tuple(lows), high=tuple(highs), value=value)
+    if any(int(c[0]) < 0 or int(c[1]) < 0 for c in cfg):
+        start = [-min(int(c[0]), 0) for c in cfg]
+        limit = [s + min(int(c[1]), 0) for s, c in zip(shape, cfg)]
+        shape = [hi - lo for lo, hi in zip(start, limit)]
+        x = self.add("slice", [x], shape, dtype, start=tuple(start), limit=tuple(limit), step=(1,) * len(shape))
+    return x
+
+
 @_prim("pad")
 def _pad(self, args, p, shape, dtype):
-    cfg = p["padding_config"]
-    if any(int(c[2]) for c in cfg):
-        raise NotImplementedError("jax frontend: pad with interior padding")
     value = self.g.nodes[args[1]]
     if value.op != "constant":
         raise NotImplementedError("jax frontend: pad with a non-constant padding value")
-    return [self.add("pad", [args[0]], shape, dtype, low=tuple(int(c[0]) for c in cfg),
-                     high=tuple(int(c[1]) for c in cfg), value=value.attrs["value"])]
+    return [_pad_general(self, self.cast(args[0], dtype), p["padding_config"], value.attrs["value"], dtype)]
+
+
+_WINDOW_INIT = {"reduce_window_sum": 0.0, "reduce_window_max": float("-inf"), "reduce_window_min": float("inf")}
+_WINDOW_OP = {"reduce_window_sum": "add", "reduce_window_max": "maximum", "reduce_window_min": "minimum"}
+
+
+def _window_taps(self, x: int, p, out_shape, dtype: str, fill):
+    """(tap, strided view of the padded ``x`` [out_shape]) for every window position of a
+    ``reduce_window``-style primitive (``window_dimensions``, ``window_strides``, ``padding``,
+    ``window_dilation``; a ``base_dilation`` other than 1 is unsupported)."""
+    import itertools
+
+    dims = [int(w) for w in p["window_dimensions"]]
+    strides = [int(s) for s in p["window_strides"]]
+    wdil = [int(d) for d in (p.get("window_dilation") or (1,) * len(dims))]
+    if any(int(b) != 1 for b in (p.get("base_dilation") or ())):
+        raise NotImplementedError("jax frontend: reduce_window with base dilation")
+    xp = _pad_general(self, x, [(lo, hi, 0) for lo, hi in p["padding"]], fill, dtype)
+    for tap in itertools.product(*(range(w) for w in dims)):
+        start = [t * d for t, d in zip(tap, wdil)]
+        limit = [st + s * (o - 1) + 1 for st, s, o in zip(start, strides, out_shape)]
+        yield tap, self.add("slice", [xp], tuple(out_shape), dtype, start=tuple(start), limit=tuple(limit),
+                            step=tuple(strides))
+
+
+def _reduce_window(kind: str) -> Callable:
+    def rule(self, args, p, shape, dtype):
+        """``lax.reduce_window`` sum / max / min (flax's ``avg_pool`` / ``max_pool``): one
+        strided slice of the padded operand per window tap, combined elementwise."""
+        x = self.cast(args[0], dtype)
+        fill = _WINDOW_INIT[kind] if dtype in FLOAT_DTYPES else {"reduce_window_sum": 0}.get(kind)
+        if fill is None:
+            raise NotImplementedError(f"jax frontend: {kind} of {dtype}")
+        out = None
+        for _, v in _window_taps(self, x, p, shape, dtype, fill):
+            out = v if out is None else self.add(_WINDOW_OP[kind], [out, v], shape, dtype)
+        return [out]
+    return rule
+
+
+for _name in _WINDOW_OP:
+    _PRIMS[_name] = _reduce_window(_name)
+
+
+@_prim("select_and_scatter_add")
+def _select_and_scatter_add(self, args, p, shape, dtype):
+    """The gradient of ``reduce_window_max`` (``select_prim`` ge) / ``_min`` (le): each window's
+    cotangent added at the first element of the window the select keeps (XLA's
+    SelectAndScatter), as the torch lowering of max pooling's backward: the winning tap per
+    output, then each tap's share placed back by an interior pad."""
+    source, operand = args[0], self.cast(args[1], dtype)
+    select = str(p["select_prim"])
+    fill = float("-inf") if "ge" in select else float("inf")
+    cmp = "gt" if "ge" in select else "lt"
+    out_shape = self.shape(source)
+    best = win = None
+    taps = []
+    for k, (tap, v) in enumerate(_window_taps(self, operand, p, out_shape, dtype, fill)):
+        taps.append(tap)
+        if best is None:
+            best, win = v, self.const(0, out_shape, "int64")
+            continue
+        better = self.add(cmp, [v, best], out_shape, "bool")
+        win = self.add("where", [better, self.const(k, out_shape, "int64"), win], out_shape, "int64")
+        best = self.add("maximum" if cmp == "gt" else "minimum", [best, v], out_shape, dtype)
+    strides = [int(s) for s in p["window_strides"]]
+    wdil = [int(d) for d in (p.get("window_dilation") or (1,) * len(strides))]
+    pads = [(int(lo), int(hi)) for lo, hi in p["padding"]]
+    padded = [s + lo + hi for s, (lo, hi) in zip(shape, pads)]
+    src = self.cast(source, dtype)
+    total = None
+    for k, tap in enumerate(taps):
+        part = self.add("where", [self.add("eq", [win, self.const(k, out_shape, "int64")], out_shape, "bool"), src,
+                                  self.const(0.0, out_shape, dtype)], out_shape, dtype)
+        cfg = []
+        for d, o in enumerate(out_shape):
+            lo = tap[d] * wdil[d]
+            span = (o - 1) * strides[d] + 1 if o else 0
+            cfg.append((lo, padded[d] - lo - span, strides[d] - 1))
+        placed = _pad_general(self, part, cfg, 0.0, dtype)
+        total = placed if total is None else self.add("add", [total, placed], tuple(padded), dtype)
+    crop = [(-lo, -hi, 0) for lo, hi in pads]
+    return [_pad_general(self, total, crop, 0.0, dtype)]
 
 
 @_prim("slice")
