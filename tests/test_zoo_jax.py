@@ -357,3 +357,23 @@ def test_flax_linen_cnn_with_max_and_avg_pooling_float64(x64):
     graph, _ = check_step_float64(loss_fn, params, (x, y), grads, loss, seed)
     ops = graph.op_counts()
     assert ops["maximum"] >= 8 and ops["conv"] >= 4, ops  # 9 window taps; forward and weight-gradient convs
+
+
+def test_flax_linen_dropout_with_a_key_in_the_batch_is_refused_with_a_hint():
+    """flax.linen dropout in train mode with its PRNG key carried in the batch: one line saying
+    random ops are not lowered and what to do (it was numpy's "Cannot interpret 'key<fry>'")."""
+
+    class Drop(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1)(nn.Dropout(0.2, deterministic=False)(nn.Dense(8)(x))).mean()
+
+    model, x = Drop(), jnp.ones((4, 5))
+    params = model.init({"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}, x)["params"]
+
+    def loss_fn(p, batch):
+        xb, key = batch
+        return model.apply({"params": p}, xb, rngs={"dropout": key})
+
+    with pytest.raises(NotImplementedError, match=r"draws random numbers from a PRNG key .*deterministic=True"):
+        jax_frontend.trace_step(loss_fn, params, (x, jax.random.PRNGKey(2)))

@@ -78,7 +78,18 @@ _DTYPES = {"float64", "float32", "bfloat16", "float16", "int64", "int32", "int16
 
 
 def ir_dtype(dtype) -> str:
-    name = np.dtype(dtype).name
+    """The IR dtype of a jax dtype. Raises NotImplementedError for one the IR lacks, and for a
+    typed PRNG key (``key<fry>``: flax dropout in train mode, ``jax.random`` in the step) with
+    what to do instead."""
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:  # an extended dtype numpy does not know
+        name = str(dtype)
+    if name.startswith("key<"):
+        raise NotImplementedError(
+            "jax frontend: the step draws random numbers from a PRNG key (flax dropout in train mode, "
+            "or jax.random in the loss); random ops are not lowered: trace with deterministic=True "
+            "(model.eval() in flax.nnx) or set the dropout rate to 0")
     if name not in _DTYPES:
         raise NotImplementedError(f"jax frontend: dtype {name} has no IR dtype")
     return name
