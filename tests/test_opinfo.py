@@ -22,6 +22,9 @@ pytest.importorskip("expecttest", reason="torch's OpInfo database needs expectte
 
 import opinfo_harness as harness  # noqa: E402
 
+#: torch's own OpInfo samples warn about deprecated forms they exercise on purpose
+pytestmark = pytest.mark.filterwarnings("ignore")
+
 #: the Core ATen share the lowering must cover (issue 22's done-when)
 MIN_CORE_PERCENT = 95.0
 

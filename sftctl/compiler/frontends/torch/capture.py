@@ -58,6 +58,17 @@ def decomposition_table() -> dict:
 _KEEP_WHOLE = (aten.native_dropout, aten.native_dropout_backward)
 
 
+@contextlib.contextmanager
+def _onednn_off():
+    """``torch.backends.mkldnn`` disabled, nothing else touched (its ``flags()`` also resets
+    oneDNN's TF32 switch, which warns on every trace on a CPU without an Intel GPU)."""
+    before = torch.backends.mkldnn.set_flags(_enabled=False, _fp32_precision=None)[0]
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.set_flags(_enabled=before, _fp32_precision=None)
+
+
 class _LossModule(torch.nn.Module):
     """Holds the model so ``functional_call`` can swap its parameters around ``loss_fn``."""
 
@@ -496,7 +507,7 @@ def trace_step(
     # torch.backends.mkldnn off: nn.LSTM / GRU / RNN trace through ATen's native RNN (one input
     # projection GEMM over the sequence, then a recurrent GEMM and the gates per step: what cuDNN
     # runs on a GPU), not the CPU's fused oneDNN op
-    with (sdpa_kernel(SDPBackend.MATH), torch.backends.mkldnn.flags(enabled=False), _model_errors(),
+    with (sdpa_kernel(SDPBackend.MATH), _onednn_off(), _model_errors(),
           _refuse_reentrant_checkpoint(),
           _module_stack_meta(wrapper), _plain_tensor_attributes(model, to_input if fake else None),
           _unbacked_frames(frames)):
