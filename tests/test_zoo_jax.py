@@ -377,3 +377,34 @@ def test_flax_linen_dropout_with_a_key_in_the_batch_is_refused_with_a_hint():
 
     with pytest.raises(NotImplementedError, match=r"draws random numbers from a PRNG key .*deterministic=True"):
         jax_frontend.trace_step(loss_fn, params, (x, jax.random.PRNGKey(2)))
+
+
+class LinenLSTM(nn.Module):
+    """A flax sequence classifier: ``nn.RNN(nn.OptimizedLSTMCell)`` (a ``lax.scan`` over time)
+    and a dense head on the last step."""
+
+    @nn.compact
+    def __call__(self, x):
+        cell = nn.OptimizedLSTMCell(6, dtype=x.dtype, param_dtype=x.dtype)
+        return nn.Dense(3)(nn.RNN(cell)(x)[:, -1])
+
+
+def test_flax_linen_lstm_over_nn_rnn_float64(x64):
+    """``lax.scan`` unrolled over 7 steps; loss and every gradient against JAX in float64 (it
+    failed on ``random_seed`` / ``random_split``, the lifted scan's unused key splits, before)."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    model = LinenLSTM()
+    x = jnp.asarray(rng.normal(size=(2, 7, 4)))
+    y = jnp.asarray(rng.integers(0, 3, 2))
+    params = jax.tree_util.tree_map(lambda p: jnp.asarray(rng.normal(size=p.shape) * 0.5),
+                                    model.init(jax.random.PRNGKey(0), x)["params"])
+
+    def loss_fn(p, batch):
+        xb, yb = batch
+        logits = model.apply({"params": p}, xb)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), yb[:, None], axis=1))
+
+    loss, grads = jax.value_and_grad(loss_fn)(params, (x, y))
+    graph, _ = check_step_float64(loss_fn, params, (x, y), grads, loss, seed)
+    assert graph.op_counts()["dot_general"] >= 7 * 2, graph.op_counts()  # a recurrent GEMM per step, and its gradient

@@ -77,6 +77,14 @@ from sftctl.compiler.ir import FLOAT_DTYPES, Graph, GraphBuilder, row_major_stri
 _DTYPES = {"float64", "float32", "bfloat16", "float16", "int64", "int32", "int16", "int8", "uint8", "uint32", "bool"}
 
 
+_PRNG_REFUSAL = ("jax frontend: the step draws random numbers from a PRNG key (flax dropout in train mode, "
+                 "or jax.random in the loss); random ops are not lowered: trace with deterministic=True "
+                 "(model.eval() in flax.nnx) or set the dropout rate to 0")
+#: primitives that only make or split PRNG keys: lowered to no value (flax's lifted transforms split
+#: keys nobody draws from); a primitive that draws from one (random_bits) refuses with _PRNG_REFUSAL
+_KEY_OPS = frozenset({"random_seed", "random_split", "random_fold_in", "random_wrap", "random_clone"})
+
+
 def ir_dtype(dtype) -> str:
     """The IR dtype of a jax dtype. Raises NotImplementedError for one the IR lacks, and for a
     typed PRNG key (``key<fry>``: flax dropout in train mode, ``jax.random`` in the step) with
@@ -86,10 +94,7 @@ def ir_dtype(dtype) -> str:
     except TypeError:  # an extended dtype numpy does not know
         name = str(dtype)
     if name.startswith("key<"):
-        raise NotImplementedError(
-            "jax frontend: the step draws random numbers from a PRNG key (flax dropout in train mode, "
-            "or jax.random in the loss); random ops are not lowered: trace with deterministic=True "
-            "(model.eval() in flax.nnx) or set the dropout rate to 0")
+        raise NotImplementedError(_PRNG_REFUSAL)
     if name not in _DTYPES:
         raise NotImplementedError(f"jax frontend: dtype {name} has no IR dtype")
     return name
@@ -874,6 +879,13 @@ class _Lowering(GraphBuilder):
         name = eqn.primitive.name
         p = eqn.params
         outs = eqn.outvars
+        if name in _KEY_OPS:
+            return [None] * len(outs)  # a PRNG key: no IR value (see _KEY_OPS)
+        if any(a is None for a in args) and name not in ("scan", "cond") and not (
+                name in _CALLS or name.endswith("_call")):
+            if all(str(v.aval.dtype).startswith("key<") for v in outs):
+                return [None] * len(outs)  # a slice or reshape of keys is keys
+            raise NotImplementedError(_PRNG_REFUSAL + f" (primitive {name})")
         if name in ("sftctl_attention", "sftctl_attention_bwd"):
             attrs = dict(causal=bool(p["causal"]), scale=float(p["scale"]), dropout_p=0.0, rng=0)
             types = [(tuple(v.aval.shape), ir_dtype(v.aval.dtype)) for v in outs]
@@ -886,12 +898,76 @@ class _Lowering(GraphBuilder):
                 if isinstance(sub, (self.core.ClosedJaxpr, self.core.Jaxpr)):
                     return self.inline(sub, args[len(args) - len(getattr(sub, "jaxpr", sub).invars):])
             raise NotImplementedError(f"jax frontend: primitive {name} (no inlinable jaxpr)")
+        if name == "scan":
+            return self.scan(p, args)
+        if name == "cond":
+            return self.cond(p, args)
         aval = outs[0].aval
         shape, dtype = tuple(aval.shape), ir_dtype(aval.dtype)
         rule = _PRIMS.get(name)
         if rule is None:
             raise NotImplementedError(f"jax frontend: primitive {name} has no IR lowering")
         return rule(self, args, p, shape, dtype)
+
+    # --- control flow ----------------------------------------------------------------------------
+    def _spread(self, scalar: int, shape) -> int:
+        """A 0-d value broadcast to ``shape``."""
+        shape = tuple(shape)
+        if not shape:
+            return scalar
+        return self.add("broadcast_in_dim", [scalar], shape, self.dtype(scalar), shape=shape, dims=())
+
+    def scan(self, p, args) -> list[int]:
+        """``lax.scan`` (flax ``nn.RNN`` / ``nn.scan``, a hand-written recurrence) unrolled over
+        its static ``length``: the body inlined once per step, each step's slice of ``xs`` in, its
+        ``ys`` stacked along a new leading axis (``reverse``: steps from the end)."""
+        body = p["jaxpr"]
+        n_consts, n_carry, length = int(p["num_consts"]), int(p["num_carry"]), int(p["length"])
+        consts, carry, xs = args[:n_consts], list(args[n_consts:n_consts + n_carry]), args[n_consts + n_carry:]
+        y_avals = [v.aval for v in body.jaxpr.outvars[n_carry:]]
+        ys: list[list[int]] = [[None] * length for _ in y_avals]
+        steps = range(length - 1, -1, -1) if p.get("reverse") else range(length)
+        for i in steps:
+            x_i = []
+            for x in xs:
+                xs_shape = self.shape(x)
+                sl = self.add("slice", [x], (1,) + xs_shape[1:], self.dtype(x), start=(i,) + (0,) * (len(xs_shape) - 1),
+                              limit=(i + 1,) + xs_shape[1:], step=(1,) * len(xs_shape))
+                x_i.append(self.reshape(sl, xs_shape[1:]))
+            out = self.inline(body, list(consts) + carry + x_i)
+            carry = list(out[:n_carry])
+            for k, y in enumerate(out[n_carry:]):
+                ys[k][i] = y
+        stacked = []
+        for k, aval in enumerate(y_avals):
+            full = (length,) + tuple(aval.shape)
+            if str(aval.dtype).startswith("key<"):
+                stacked.append(None)
+                continue
+            dt = ir_dtype(aval.dtype)
+            if length == 0:
+                stacked.append(self.const(0, full, dt))
+                continue
+            if any(y is None for y in ys[k]):  # a PRNG key per step: no value (see _KEY_OPS)
+                stacked.append(None)
+                continue
+            parts = [self.reshape(self.cast(y, dt), (1,) + tuple(aval.shape)) for y in ys[k]]
+            stacked.append(parts[0] if length == 1 else self.add("concatenate", parts, full, dt, axis=0))
+        return carry + stacked
+
+    def cond(self, p, args) -> list[int]:
+        """``lax.cond`` / ``lax.switch`` on a traced index: every branch lowered and the outputs
+        selected elementwise by the index (both branches are priced, as a GPU running
+        ``jnp.where`` would run them; XLA runs one)."""
+        index, ops = args[0], args[1:]
+        branches = [self.inline(b, list(ops)) for b in p["branches"]]
+        idx = self.cast(index, "int64")
+        outs = list(branches[0])
+        for k, br in enumerate(branches[1:], start=1):
+            pick = self.add("eq", [idx, self.const(k, (), "int64")], (), "bool")
+            outs = [self.add("where", [self._spread(pick, self.shape(a)), self.cast(b, self.dtype(a)), a],
+                             self.shape(a), self.dtype(a)) for a, b in zip(outs, br)]
+        return outs
 
     # --- convolution ---------------------------------------------------------------------------
     def conv(self, lhs: int, rhs: int, p, shape, dtype) -> int:
@@ -1036,3 +1112,86 @@ def trace_entrypoint(entrypoint: str, workdir: str, batch_size: int, dtype: str 
     meta.update(entrypoint=entrypoint, dtype=dtype,
                 precision=f"compute {dtype}, float32 master weights" if amp else dtype)
     return graph, meta
+
+
+@_prim("empty", "empty2")
+def _empty(self, args, p, shape, dtype):
+    """An uninitialized array (JAX's transposes make them for outputs a branch does not write):
+    zeros, what the interpreter can compare."""
+    return [self.const(0, shape, dtype)]
+
+
+@_prim("cumsum")
+def _cumsum(self, args, p, shape, dtype):
+    """``lax.cumsum`` (``jnp.cumsum``): the IR's inclusive scan; ``reverse`` by flipping."""
+    axis = int(p["axis"])
+    x = self.cast(args[0], dtype)
+    if p.get("reverse"):
+        x = self.add("reverse", [x], shape, dtype, axes=(axis,))
+    y = self.add("cumsum", [x], shape, dtype, axis=axis)
+    return [self.add("reverse", [y], shape, dtype, axes=(axis,)) if p.get("reverse") else y]
+
+
+def _dynamic_window(self, operand_shape, starts, sizes):
+    """(int64 flat index over ``sizes`` into the flattened operand, the clamped starts) for a
+    window at traced ``starts`` (XLA clamps each to [0, dim - size])."""
+    rm = row_major_strides(list(operand_shape))
+    flat = None
+    clamped = []
+    for d, (st, size) in enumerate(zip(starts, sizes)):
+        s0 = self.cast(st, "int64")
+        s0 = self.add("maximum", [s0, self.const(0, (), "int64")], (), "int64")
+        s0 = self.add("minimum", [s0, self.const(int(operand_shape[d]) - int(size), (), "int64")], (), "int64")
+        clamped.append(s0)
+        term = self.add("add", [self.add("iota", [], tuple(sizes), "int64", axis=d),
+                                self.add("broadcast_in_dim", [s0], tuple(sizes), "int64", shape=tuple(sizes), dims=())],
+                        tuple(sizes), "int64")
+        if rm[d] != 1:
+            term = self.add("mul", [term, self.const(rm[d], (), "int64")], tuple(sizes), "int64")
+        flat = term if flat is None else self.add("add", [flat, term], tuple(sizes), "int64")
+    return flat, clamped
+
+
+@_prim("dynamic_slice")
+def _dynamic_slice(self, args, p, shape, dtype):
+    """``lax.dynamic_slice`` at traced start indices: one gather from the flattened operand."""
+    x = self.cast(args[0], dtype)
+    xs = self.shape(x)
+    if not xs:
+        return [x]
+    flat, _ = _dynamic_window(self, xs, args[1:1 + len(xs)], shape)
+    n = 1
+    for v in xs:
+        n *= v
+    return [self.add("gather", [self.add("reshape", [x], (n,), dtype, shape=(n,)), flat], shape, dtype, axis=0)]
+
+
+@_prim("dynamic_update_slice")
+def _dynamic_update_slice(self, args, p, shape, dtype):
+    """``lax.dynamic_update_slice``: the update where the (clamped) window lies, the operand
+    elsewhere: a compare of each position with the window and one gather of the update."""
+    x, upd = self.cast(args[0], dtype), self.cast(args[1], dtype)
+    us = self.shape(upd)
+    if not shape:
+        return [upd]
+    _, starts = _dynamic_window(self, shape, args[2:2 + len(shape)], us)
+    inside = None
+    rel = None
+    urm = row_major_strides(list(us))
+    for d, s0 in enumerate(starts):
+        pos = self.add("iota", [], shape, "int64", axis=d)
+        off = self.add("sub", [pos, self.add("broadcast_in_dim", [s0], shape, "int64", shape=shape, dims=())], shape, "int64")
+        ok = self.add("logical_and", [self.add("ge", [off, self.const(0, (), "int64")], shape, "bool"),
+                                      self.add("lt", [off, self.const(us[d], (), "int64")], shape, "bool")], shape, "bool")
+        inside = ok if inside is None else self.add("logical_and", [inside, ok], shape, "bool")
+        off = self.add("minimum", [self.add("maximum", [off, self.const(0, (), "int64")], shape, "int64"),
+                                   self.const(max(us[d] - 1, 0), (), "int64")], shape, "int64")
+        term = off if urm[d] == 1 else self.add("mul", [off, self.const(urm[d], (), "int64")], shape, "int64")
+        rel = term if rel is None else self.add("add", [rel, term], shape, "int64")
+    n = 1
+    for v in us:
+        n *= v
+    if n == 0:
+        return [x]
+    picked = self.add("gather", [self.add("reshape", [upd], (n,), dtype, shape=(n,)), rel], shape, dtype, axis=0)
+    return [self.add("where", [inside, picked, x], shape, dtype)]
