@@ -1440,6 +1440,7 @@ def compile(spec: SpecLike, target: str, overrides: Overrides = (), *, out: str 
     # data-dependent sizes (boolean-mask selects, MoE dispatch) were priced at a bound: say which
     doc["notes"] += ["assumed " + n.attrs["assumption"] + " (set model.mask_fraction / model.expert_capacity)"
                      for n in graph.nodes if "assumption" in n.attrs]
+    doc["notes"] += [n.attrs["note"] for n in graph.nodes if "note" in n.attrs]  # what the trace leaves out
     where = Path(out) if out is not None else Path("sftctl-compile") / f"{s.name}-{hw.name.lower()}"
     where.mkdir(parents=True, exist_ok=True)
     (where / "plan.json").write_text(json.dumps(doc, indent=1) + "\n")

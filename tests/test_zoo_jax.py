@@ -408,3 +408,28 @@ def test_flax_linen_lstm_over_nn_rnn_float64(x64):
     loss, grads = jax.value_and_grad(loss_fn)(params, (x, y))
     graph, _ = check_step_float64(loss_fn, params, (x, y), grads, loss, seed)
     assert graph.op_counts()["dot_general"] >= 7 * 2, graph.op_counts()  # a recurrent GEMM per step, and its gradient
+
+
+def test_flax_linen_batch_stats_update_left_out_of_the_step_is_said():
+    """flax.linen BatchNorm in train mode with ``mutable=["batch_stats"]`` inside the loss: the
+    running statistics' update cannot leave a loss function; the trace says so (a warning and a
+    note on the graph that ``sftctl compile`` prints) instead of pricing silently without it."""
+    from sftctl.errors import SftctlWarning
+
+    class BN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1)(nn.BatchNorm(use_running_average=False)(nn.Dense(4)(x))).mean()
+
+    model, x = BN(), jnp.ones((4, 3))
+    variables = model.init(jax.random.PRNGKey(0), x)
+
+    def loss_fn(p, batch):
+        out, _updates = model.apply({"params": p, "batch_stats": variables["batch_stats"]}, batch,
+                                    mutable=["batch_stats"])
+        return out
+
+    with pytest.warns(SftctlWarning, match=r"apply\(mutable=\['batch_stats'\]\) in the loss"):
+        graph, meta = jax_frontend.trace_step(loss_fn, variables["params"], x)
+    notes = [n.attrs["note"] for n in graph.nodes if "note" in n.attrs]
+    assert len(notes) == 1 and "not part of the traced step" in notes[0], notes

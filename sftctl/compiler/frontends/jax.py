@@ -65,14 +65,17 @@ jax is imported lazily, inside the functions of this module.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
+import warnings
 from typing import Any, Callable
 
 import numpy as np
 
 from sftctl.compiler.ir import FLOAT_DTYPES, Graph, GraphBuilder, row_major_strides
+from sftctl.errors import SftctlWarning
 
 _DTYPES = {"float64", "float32", "bfloat16", "float16", "int64", "int32", "int16", "int8", "uint8", "uint32", "bool"}
 
@@ -98,6 +101,35 @@ def ir_dtype(dtype) -> str:
     if name not in _DTYPES:
         raise NotImplementedError(f"jax frontend: dtype {name} has no IR dtype")
     return name
+
+
+@contextlib.contextmanager
+def _linen_mutable_watch(seen: set):
+    """Record the collections a flax.linen ``Module.apply(..., mutable=...)`` inside the traced
+    loss asks to mutate (their updates cannot leave a loss function)."""
+    try:
+        from flax import linen
+    except ImportError:
+        yield
+        return
+    original = linen.Module.apply
+
+    def apply(self, variables, *args, mutable=False, **kwargs):
+        if mutable is True:
+            seen.add("every collection")
+        elif isinstance(mutable, str):
+            seen.add(mutable)
+        elif isinstance(mutable, (list, tuple, set)):
+            seen.update(str(m) for m in mutable)
+        elif mutable:
+            seen.add(str(mutable))
+        return original(self, variables, *args, mutable=mutable, **kwargs)
+
+    linen.Module.apply = apply
+    try:
+        yield
+    finally:
+        linen.Module.apply = original
 
 
 def _leaf_names(tree, prefix: str) -> list[str]:
@@ -215,8 +247,9 @@ def trace_step(
     step_abs = jax.ShapeDtypeStruct((), jnp.float64 if wide else jnp.float32)
     fn = _make_step_with_buffers(loss_fn, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     t0 = time.perf_counter()
+    mutated: set[str] = set()
     try:
-        with _attention_patch():
+        with _attention_patch(), _linen_mutable_watch(mutated):
             closed = jax.make_jaxpr(fn)(p_abs, p_abs, p_abs, buf_abs, step_abs, b_abs)
     except Exception as e:
         if type(e).__name__ == "TraceContextError":  # flax: RNG state mutated inside the trace
@@ -241,6 +274,14 @@ def trace_step(
             if not (r.startswith("buffer:") and graph.outputs[k] == ids[3 * n + bufnames.index(r[7:])])]
     graph.outputs = [graph.outputs[k] for k in keep]
     graph.output_roles = out_roles = [out_roles[k] for k in keep]
+    if mutated:
+        # the loss function returns only the loss: what apply(mutable=...) updated is dropped
+        note = (f"flax.linen apply(mutable={sorted(mutated)}) in the loss: the updated "
+                f"{', '.join(sorted(mutated))} (batch norm's running statistics) are not part of the "
+                "traced step, which is priced without their update (a few elementwise ops per layer); "
+                "flax.nnx BatchNorm is traced with it")
+        graph.nodes[graph.outputs[0]].attrs["note"] = note
+        warnings.warn(SftctlWarning(note), stacklevel=2)
     t2 = time.perf_counter()
     meta = {
         "params": {nm: ids[i] for i, nm in enumerate(pnames)},
