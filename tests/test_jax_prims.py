@@ -196,3 +196,15 @@ def test_primitives_of_representative_programs_are_lowered():
     print(f"\nJAX primitives in {', '.join(programs)}: {len(seen)}, lowered {len(seen) - len(missing)}; "
           f"missing: {missing}")
     assert not missing, {n: sorted(ps - handled) for n, ps in programs.items()}
+
+
+def test_sort_argsort_and_cumprod(x64, rng):
+    x = rng.normal(size=(4, 6))
+    x[1, 2] = x[1, 4]  # a tie: the stable order keeps the earlier first
+    x[2, 3] = 0.0      # cumprod is 0 from there on
+
+    def f(x):
+        return jnp.sort(x, axis=1), jnp.argsort(x, axis=0), lax.cumprod(x, axis=1), lax.cumprod(x, axis=0, reverse=True)
+
+    assert_matches(f, x, seed=rng.seed_value, grad=False)
+    assert_matches(lambda x: (jnp.sort(x, axis=1) * jnp.arange(6.0)).sum(), x, seed=rng.seed_value)

@@ -1236,3 +1236,55 @@ def _dynamic_update_slice(self, args, p, shape, dtype):
         return [x]
     picked = self.add("gather", [self.add("reshape", [upd], (n,), dtype, shape=(n,)), rel], shape, dtype, axis=0)
     return [self.add("where", [inside, picked, x], shape, dtype)]
+
+
+@_prim("sort")
+def _sort(self, args, p, shape, dtype):
+    """``lax.sort`` (``jnp.sort`` / ``argsort``: the operands sorted together by the first one,
+    ascending, stable): each element's rank along ``dimension`` by comparisons (an [m, m] compare
+    per row and a row sum, as the torch frontend sorts), then every operand scattered to its rank.
+    More than one key operand is unsupported."""
+    if int(p.get("num_keys", 1)) != 1:
+        raise NotImplementedError("jax frontend: sort by more than one key")
+    key = args[0]
+    ks = self.shape(key)
+    if not ks:
+        return list(args)
+    dim = int(p["dimension"]) % len(ks)
+    perm = tuple(d for d in range(len(ks)) if d != dim) + (dim,)
+    inv = tuple(perm.index(d) for d in range(len(ks)))
+    kt = self.transpose(key, perm)
+    ts = self.shape(kt)
+    m = ts[-1]
+    rows = math.prod(ts[:-1])
+    k2 = self.reshape(kt, (rows, m))
+    a = self.reshape(k2, (rows, m, 1))
+    b = self.reshape(k2, (rows, 1, m))
+    kd = self.dtype(k2)
+    before = self.add("lt", [self.add("broadcast_in_dim", [b], (rows, m, m), kd, shape=(rows, m, m), dims=(0, 1, 2)),
+                             self.add("broadcast_in_dim", [a], (rows, m, m), kd, shape=(rows, m, m), dims=(0, 1, 2))],
+                      (rows, m, m), "bool")
+    ties = self.add("eq", [self.add("broadcast_in_dim", [b], (rows, m, m), kd, shape=(rows, m, m), dims=(0, 1, 2)),
+                           self.add("broadcast_in_dim", [a], (rows, m, m), kd, shape=(rows, m, m), dims=(0, 1, 2))],
+                    (rows, m, m), "bool")
+    earlier = self.add("lt", [self.add("iota", [], (rows, m, m), "int64", axis=2),
+                              self.add("iota", [], (rows, m, m), "int64", axis=1)], (rows, m, m), "bool")
+    first = self.add("logical_or", [before, self.add("logical_and", [ties, earlier], (rows, m, m), "bool")],
+                     (rows, m, m), "bool")
+    rank = self.add("sum", [self.cast(first, "int64")], (rows, m), "int64", axes=(2,), keepdim=False)
+    row_base = self.add("mul", [self.add("iota", [], (rows, m), "int64", axis=0), self.const(m, (), "int64")],
+                        (rows, m), "int64")
+    flat = self.reshape(self.add("add", [rank, row_base], (rows, m), "int64"), (rows * m,))
+    outs = []
+    for x in args:
+        xd = self.dtype(x)
+        xt = self.reshape(self.transpose(x, perm), (rows * m,))
+        placed = self.add("scatter_add", [xt, flat], (rows * m,), xd, axis=0, size=rows * m)
+        outs.append(self.transpose(self.reshape(placed, ts), inv))
+    return outs
+
+
+@_prim("cumprod")
+def _cumprod(self, args, p, shape, dtype):
+    """``lax.cumprod``: :meth:`GraphBuilder.cumprod`."""
+    return [self.cumprod(self.cast(args[0], dtype), int(p["axis"]), bool(p.get("reverse")))]

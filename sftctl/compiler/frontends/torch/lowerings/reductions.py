@@ -183,3 +183,16 @@ def op_prod(self, n, x, dim=None, keepdim=False, dtype=None):
     """``torch.prod`` over all elements or one ``dim``: the IR ``prod`` reduction (bool and
     integer inputs in the output's integer dtype, as torch promotes them)."""
     return _reduce(self, "prod", x, dim, keepdim)
+
+
+@lowers
+def op_cumprod(self, n, x, dim, dtype=None):
+    """``torch.cumprod``: :meth:`GraphBuilder.cumprod` (float dtypes; its backward, which torch
+    writes with cumprod and cumsum, traces through it)."""
+    shape, odt = self.out()
+    xi = self.arg(x, odt)
+    if not shape:
+        return xi
+    if odt not in FLOAT_DTYPES:
+        self.unsupported(n, f"of {odt}")
+    return self.cumprod(xi, dim % len(shape))
