@@ -103,6 +103,25 @@ def ir_dtype(dtype) -> str:
     return name
 
 
+def _user_line(eqn) -> str | None:
+    """``file:line (function)`` of the user's code that emitted a jaxpr equation (the innermost
+    frame outside jax, flax, optax and sftctl), or None."""
+    try:
+        from jax._src import source_info_util
+    except ImportError:  # pragma: no cover - jax moved it
+        return None
+    skip = ("/jax/", "/jaxlib/", "/flax/", "/optax/", "/sftctl/compiler/")
+    found = None
+    try:
+        frames = source_info_util.user_frames(eqn.source_info.traceback) if eqn.source_info.traceback else []
+    except Exception:  # noqa: BLE001 - a traceback jax cannot read: no line to name
+        return None
+    for frame in frames:
+        if not any(s in frame.file_name for s in skip):
+            found = found or f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+    return found
+
+
 @contextlib.contextmanager
 def _linen_mutable_watch(seen: set):
     """Record the collections a flax.linen ``Module.apply(..., mutable=...)`` inside the traced
@@ -899,7 +918,13 @@ class _Lowering(GraphBuilder):
     def lower_jaxpr(self, jaxpr, env) -> list[int]:
         for eqn in jaxpr.eqns:
             args = [self.read(env, a) for a in eqn.invars]
-            outs = self.lower_eqn(eqn, args)
+            try:
+                outs = self.lower_eqn(eqn, args)
+            except NotImplementedError as e:
+                where = _user_line(eqn)
+                if where and " at " not in str(e).rsplit(")", 1)[-1] and "(at " not in str(e):
+                    raise NotImplementedError(f"{e} (at {where})") from None
+                raise
             for var, i in zip(eqn.outvars, outs):
                 if not isinstance(var, self.core.DropVar):
                     env[var] = i
