@@ -208,3 +208,23 @@ def test_sort_argsort_and_cumprod(x64, rng):
 
     assert_matches(f, x, seed=rng.seed_value, grad=False)
     assert_matches(lambda x: (jnp.sort(x, axis=1) * jnp.arange(6.0)).sum(), x, seed=rng.seed_value)
+
+
+def test_bit_ops_and_bitcast_match_jax_and_random_bits_draw_uniformly(rng):
+    """``jax.random.uniform``'s mantissa trick on given bits (shift, or, and, xor, bitcast)
+    equals JAX's exactly; ``random_bits`` from the IR's stream gives uniforms with mean 1/2 and
+    Bernoulli draws at their rate (20,000 each, 5 standard deviations)."""
+    bits = np.asarray(rng._gen.integers(0, 2**32, size=(64,), dtype=np.uint64), dtype=np.uint32)
+
+    def trick(b):
+        m = lax.shift_right_logical(b, np.uint32(9)) | np.uint32(0x3F800000)
+        return lax.bitcast_convert_type(m, jnp.float32) - 1.0, (b & np.uint32(0xFF)) ^ np.uint32(0x0F)
+
+    assert_matches(trick, bits, seed=rng.seed_value, grad=False)
+
+    def draws(key):
+        return jax.random.uniform(key, (20000,)), jax.random.bernoulli(key, 0.3, (20000,))
+
+    u, b = run_lowered(draws, jax.random.PRNGKey(0))
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0 and abs(float(u.mean()) - 0.5) < 0.011
+    assert abs(float(b.astype(float).mean()) - 0.3) < 0.017

@@ -359,25 +359,52 @@ def test_flax_linen_cnn_with_max_and_avg_pooling_float64(x64):
     assert ops["maximum"] >= 8 and ops["conv"] >= 4, ops  # 9 window taps; forward and weight-gradient convs
 
 
-def test_flax_linen_dropout_with_a_key_in_the_batch_is_refused_with_a_hint():
-    """flax.linen dropout in train mode with its PRNG key carried in the batch: one line saying
-    random ops are not lowered and what to do (it was numpy's "Cannot interpret 'key<fry>'")."""
+def test_flax_linen_dropout_in_train_mode_traces_drawing_from_the_ir_stream():
+    """flax.linen dropout in train mode with its PRNG key carried in the batch: the key's
+    plumbing carries no value, ``random_bits`` draws from the IR's random stream, and the mantissa
+    trick (shift, or, bitcast) makes uniforms in [0, 1): the interpreted keep fraction is
+    1 - rate (it failed with numpy's "Cannot interpret 'key<fry>' as a data type")."""
 
     class Drop(nn.Module):
         @nn.compact
         def __call__(self, x):
-            return nn.Dense(1)(nn.Dropout(0.2, deterministic=False)(nn.Dense(8)(x))).mean()
+            h = nn.Dropout(0.25, deterministic=False)(jnp.ones((x.shape[0], 4000)))
+            return nn.Dense(1)(x).mean() + 0.0 * h.sum(), h
 
-    model, x = Drop(), jnp.ones((4, 5))
+    model, x = Drop(), jnp.ones((2, 5))
     params = model.init({"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)}, x)["params"]
 
     def loss_fn(p, batch):
         xb, key = batch
-        return model.apply({"params": p}, xb, rngs={"dropout": key})
+        return model.apply({"params": p}, xb, rngs={"dropout": key})[0]
+
+    graph, _ = jax_frontend.trace_step(loss_fn, params, (x, jax.random.PRNGKey(2)))
+    ops = graph.op_counts()
+    assert ops.get("rng_uniform") == 1 and ops.get("bitcast") == 1, ops
+
+    def mask(p, key):
+        return model.apply({"params": p}, x, rngs={"dropout": key})[1]
+
+    closed = jax.make_jaxpr(mask)(params, jax.random.PRNGKey(2))
+    leaves = jax.tree_util.tree_leaves((params, jax.random.PRNGKey(2)))
+    g, ids = jax_frontend._Lowering().run(closed, [("batch", f"x{i}") for i in range(len(leaves))], ["mask"])
+    [kept] = interpreter.run(g, {i: np.asarray(v) for i, v in zip(ids, leaves)}, dtype="float64")
+    frac = float((kept != 0).mean())
+    assert abs(frac - 0.75) < 0.02, frac  # 8000 draws: 5 standard deviations
+    assert set(np.unique(kept)) <= {0.0, 1.0 / 0.75}
+
+
+def test_a_prng_keys_value_used_as_data_is_refused_naming_the_line():
+    """A key's raw data used as numbers cannot be priced: one line with what to do and the
+    user's file:line."""
+
+    def loss_fn(p, batch):
+        xb, key = batch
+        return (p["w"] * xb).sum() + jax.random.key_data(jax.random.wrap_key_data(key)).sum().astype(jnp.float32)
 
     with pytest.raises(NotImplementedError, match=r"draws random numbers from a PRNG key .*deterministic=True"
-                                                  r".*\(at .*test_zoo_jax\.py:\d+ \(.*Drop\.__call__\)\)"):
-        jax_frontend.trace_step(loss_fn, params, (x, jax.random.PRNGKey(2)))
+                                                  r".*\(at .*test_zoo_jax\.py:\d+ \(.*loss_fn\)\)"):
+        jax_frontend.trace_step(loss_fn, {"w": jnp.ones(3)}, (jnp.ones(3), jax.random.PRNGKey(2)))
 
 
 class LinenLSTM(nn.Module):

@@ -92,6 +92,8 @@ _BINARY = {
     "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": _div, "pow": np.power,
     "maximum": np.maximum, "minimum": np.minimum, "eq": np.equal, "ne": np.not_equal,
     "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal,
+    "bitwise_and": np.bitwise_and, "bitwise_or": np.bitwise_or, "bitwise_xor": np.bitwise_xor,
+    "shift_left": np.left_shift, "shift_right_logical": np.right_shift,
     "logical_and": lambda a, b: np.logical_and(a.astype(bool), b.astype(bool)),
     "logical_or": lambda a, b: np.logical_or(a.astype(bool), b.astype(bool)),
 }
@@ -242,6 +244,10 @@ def _eval(node: Node, args: list[np.ndarray], dt, acc, seed: int = 0) -> np.ndar
         if np.issubdtype(np.dtype(dt), np.integer) and np.issubdtype(x.dtype, np.floating):
             return np.trunc(x).astype(dt)
         return x.astype(dt)
+    if op == "bitcast":  # an integer's bits as the node's float dtype of the same width
+        target = {"float32": np.float32, "float16": np.float16, "float64": np.float64}[node.type.dtype]
+        width = {np.float32: np.uint32, np.float16: np.uint16, np.float64: np.uint64}[target]
+        return args[0].astype(width).view(target).astype(dt)
     if op in _UNARY:
         with np.errstate(all="ignore"):
             return _UNARY[op](args[0].astype(acc, copy=False) if op not in ("logical_not",) else args[0])

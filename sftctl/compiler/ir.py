@@ -11,7 +11,9 @@ Op vocabulary (``Node.op``; attribute names in brackets). Semantics follow numpy
 * sources: ``input`` [role, name], ``constant`` [value: scalar, broadcast to the node's shape],
   ``iota`` [axis]
 * elementwise (numpy broadcasting of operands to the node's shape): see ``UNARY``, ``BINARY``,
-  ``where``; ``cast`` converts to the node's dtype
+  ``where``; ``cast`` converts to the node's dtype, ``bitcast`` reinterprets an integer's bits as
+  the node's dtype of the same width (``jax.random.uniform``'s mantissa trick); the bitwise ops
+  and shifts are on unsigned or non-negative integers
 * reductions: ``sum``, ``max``, ``min``, ``prod`` [axes: tuple[int], keepdim: bool]
 * contraction: ``dot_general`` [lhs_batch, rhs_batch, lhs_contract, rhs_contract: tuple[int]];
   the result is batch dims, then lhs free dims, then rhs free dims (as ``jax.lax.dot_general``)
@@ -69,9 +71,10 @@ from typing import Any, Iterable
 
 UNARY = frozenset({"neg", "exp", "log", "tanh", "rsqrt", "sqrt", "abs", "relu", "sigmoid", "erf",
                    "reciprocal", "sin", "cos", "logical_not", "cast", "sign", "log1p", "expm1", "floor",
-                   "ceil", "round", "trunc", "atan"})
+                   "ceil", "round", "trunc", "atan", "bitcast"})
 BINARY = frozenset({"add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le",
-                    "gt", "ge", "logical_and", "logical_or"})
+                    "gt", "ge", "logical_and", "logical_or", "bitwise_and", "bitwise_or", "bitwise_xor",
+                    "shift_left", "shift_right_logical"})
 ELEMENTWISE = UNARY | BINARY | {"where"}
 REDUCTIONS = frozenset({"sum", "max", "min", "prod"})
 CONTRACTIONS = frozenset({"dot_general", "conv"})

@@ -83,9 +83,11 @@ _DTYPES = {"float64", "float32", "bfloat16", "float16", "int64", "int32", "int16
 _PRNG_REFUSAL = ("jax frontend: the step draws random numbers from a PRNG key (flax dropout in train mode, "
                  "or jax.random in the loss); random ops are not lowered: trace with deterministic=True "
                  "(model.eval() in flax.nnx) or set the dropout rate to 0")
-#: primitives that only make or split PRNG keys: lowered to no value (flax's lifted transforms split
-#: keys nobody draws from); a primitive that draws from one (random_bits) refuses with _PRNG_REFUSAL
-_KEY_OPS = frozenset({"random_seed", "random_split", "random_fold_in", "random_wrap", "random_clone"})
+#: primitives that only make, split or hash PRNG keys: lowered to no value (flax's lifted transforms
+#: split keys nobody draws from); ``random_bits`` draws from the IR's random stream instead, and any
+#: other use of a key's value refuses with _PRNG_REFUSAL
+_KEY_OPS = frozenset({"random_seed", "random_split", "random_fold_in", "random_wrap", "random_clone",
+                      "random_unwrap", "threefry2x32"})
 
 
 def ir_dtype(dtype) -> str:
@@ -527,6 +529,8 @@ _install_elementwise()
 def _logical_rule(name: str) -> Callable:
     def rule(self, args, p, shape, dtype):
         if any(self.dtype(a) != "bool" for a in args):
+            if name in ("and", "or", "xor"):  # bitwise on integers (jax.random's bit tricks)
+                return [self.add("bitwise_" + name, [self.cast(a, dtype) for a in args], shape, dtype)]
             raise NotImplementedError(f"jax frontend: primitive {name} on integers")
         if name == "not":
             return [self.add("logical_not", args, shape, "bool")]
@@ -947,7 +951,7 @@ class _Lowering(GraphBuilder):
         outs = eqn.outvars
         if name in _KEY_OPS:
             return [None] * len(outs)  # a PRNG key: no IR value (see _KEY_OPS)
-        if any(a is None for a in args) and name not in ("scan", "cond") and not (
+        if any(a is None for a in args) and name not in ("scan", "cond", "random_bits") and not (
                 name in _CALLS or name.endswith("_call")):
             if all(str(v.aval.dtype).startswith("key<") for v in outs):
                 return [None] * len(outs)  # a slice or reshape of keys is keys
@@ -1185,6 +1189,39 @@ def _empty(self, args, p, shape, dtype):
     """An uninitialized array (JAX's transposes make them for outputs a branch does not write):
     zeros, what the interpreter can compare."""
     return [self.const(0, shape, dtype)]
+
+
+def _shift_rule(op: str) -> Callable:
+    def rule(self, args, p, shape, dtype):
+        return [self.add(op, [self.cast(a, dtype) for a in args], shape, dtype)]
+    return rule
+
+
+_PRIMS["shift_right_logical"], _PRIMS["shift_left"] = _shift_rule("shift_right_logical"), _shift_rule("shift_left")
+
+
+@_prim("bitcast_convert_type")
+def _bitcast(self, args, p, shape, dtype):
+    """An integer's bits as a float of the same width (``jax.random.uniform`` builds floats in
+    [1, 2) from random mantissa bits this way)."""
+    if self.shape(args[0]) != tuple(shape) or dtype not in ("float32", "float16", "float64"):
+        raise NotImplementedError(f"jax frontend: bitcast_convert_type to {dtype}")
+    return [self.add("bitcast", [args[0]], shape, dtype)]
+
+
+@_prim("random_bits")
+def _random_bits(self, args, p, shape, dtype):
+    """``jax.random.bits`` (under ``uniform``, ``bernoulli``, flax dropout): uniform random
+    integers of the output's width from the IR's ``rng_uniform`` stream, as the torch frontend
+    prices dropout (the distribution, not threefry's exact bits)."""
+    width = int(p.get("bit_width", 32))
+    if width > 32:
+        raise NotImplementedError(f"jax frontend: random_bits of {width} bits")
+    self._rng = getattr(self, "_rng", 1 << 21) + 1
+    u = self.add("rng_uniform", [], shape, "float64", rng=self._rng)
+    scaled = self.add("floor", [self.add("mul", [u, self.const(float(2 ** width), (), "float64")], shape, "float64")],
+                      shape, "float64")
+    return [self.cast(self.cast(scaled, "int64"), dtype)]
 
 
 @_prim("cumsum")
