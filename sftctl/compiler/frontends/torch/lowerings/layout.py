@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from sftctl.compiler.ir import FLOAT_DTYPES
+from sftctl.compiler.ir import FLOAT_DTYPES, row_major_strides
 from sftctl.compiler.frontends.torch.lowering import OPS, VIEW_WRITEBACK, lowers
 
 
@@ -182,10 +182,6 @@ def _strided_writeback(self, base: int, shape, strides, offset: int, new: int, *
     return self.binary("add", base, self.reshape(sc, bshape))
 
 
-def _row_major(shape) -> list[int]:
-    return [math.prod(shape[k + 1:]) for k in range(len(shape))]
-
-
 def _writeback_as_strided(self, view, base: int, new: int) -> int:
     size, stride = view.args[1], view.args[2]
     offset = (view.args[3] if len(view.args) > 3 else view.kwargs.get("storage_offset")) or 0
@@ -199,7 +195,7 @@ def _writeback_slice(self, view, base: int, new: int) -> int:
     end = view.args[3] if len(view.args) > 3 else None
     step = view.args[4] if len(view.args) > 4 else 1
     s, _, st = slice(start, end, step).indices(bshape[dim])
-    rm = _row_major(bshape)
+    rm = list(row_major_strides(bshape))
     strides = list(rm)
     strides[dim] = rm[dim] * st
     return _strided_writeback(self, base, self.shape(new), strides, s * rm[dim], new, check_overlap=False)
@@ -209,7 +205,7 @@ def _writeback_select(self, view, base: int, new: int) -> int:
     bshape = self.shape(base)
     dim = view.args[1] % len(bshape)
     index = view.args[2] % bshape[dim]
-    rm = _row_major(bshape)
+    rm = list(row_major_strides(bshape))
     strides = [r for k, r in enumerate(rm) if k != dim]
     return _strided_writeback(self, base, self.shape(new), strides, index * rm[dim], new, check_overlap=False)
 
@@ -256,7 +252,7 @@ def op_diagonal(self, n, x, offset=0, dim1=0, dim2=1):
     xs = self.shape(xi)
     rank = len(xs)
     d1, d2 = dim1 % rank, dim2 % rank
-    rm = [math.prod(xs[k + 1:]) for k in range(rank)]
+    rm = list(row_major_strides(xs))
     if not math.prod(shape):
         return self.const(0, shape, dtype)
     start = offset * rm[d2] if offset >= 0 else -offset * rm[d1]
