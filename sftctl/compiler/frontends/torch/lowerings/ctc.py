@@ -21,11 +21,11 @@ from sftctl.compiler.frontends.torch.lowering import lowers
 _NEG_INF = float("-inf")
 
 
-def _lengths(self, lengths, batch: int) -> int:
-    """int64 [B] of an ``int[]`` or a tensor of lengths."""
+def _lengths(self, lengths, batch: int, what: str) -> int:
+    """int64 [B] of an ``int[]`` or a tensor of lengths (``what``: its name in the graph)."""
     if isinstance(lengths, fx.Node):
         return self.cast(self.arg(lengths), "int64")
-    return self.add("input", [], (batch,), "int64", role="constant", name=f"{self._node.name}_len{id(lengths) % 997}",
+    return self.add("input", [], (batch,), "int64", role="constant", name=f"{self._node.name}_{what}",
                     value=np.asarray(list(lengths), dtype=np.int64))
 
 
@@ -42,8 +42,8 @@ class _Ctc:
         self.L, self.S = L, (L - 1) // 2
         T, B, C, S, dt = self.T, self.B, self.C, self.S, self.dtype
         self.lp = lp
-        self.il = _lengths(g, input_lengths, B)
-        self.tl = _lengths(g, target_lengths, B)
+        self.il = _lengths(g, input_lengths, B, "input_lengths")
+        self.tl = _lengths(g, target_lengths, B, "target_lengths")
         tg = g.cast(g.arg(targets), "int64")
         if len(g.shape(tg)) == 2:  # [B, S_max] padded
             tgt = g.slice_dim(tg, 1, 0, S) if g.shape(tg)[1] > S else tg
