@@ -148,6 +148,16 @@ def wait_for(predicate, timeout_s: float = 120, interval_s: float = 0.3, what: s
         time.sleep(interval_s)
 
 
+@pytest.fixture
+def x64():
+    """JAX with 64-bit types for the test (float64 references), put back after it."""
+    jax = pytest.importorskip("jax")
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", previous)
+
+
 def job_processes(job_id: str) -> list[int]:
     """Live processes tagged with the job's id (the local provider's node tag)."""
     from sftctl import procs

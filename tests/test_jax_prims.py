@@ -30,14 +30,6 @@ from sftctl.compiler.frontends import jax as jax_frontend  # noqa: E402
 RTOL, ATOL_REL = 1e-7, 1e-9
 
 
-@pytest.fixture
-def x64():
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
-
-
 class _Rng:
     """numpy's Generator from a fresh (or replayed) seed, which it remembers for messages."""
 

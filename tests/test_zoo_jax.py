@@ -33,14 +33,6 @@ from sftctl.compiler.step import compile_graph  # noqa: E402
 RTOL = 1e-7
 
 
-@pytest.fixture
-def x64():
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
-
-
 def _seed() -> int:
     return int(np.random.SeedSequence().entropy % (2**31))
 
@@ -337,14 +329,13 @@ class LinenPoolCNN(nn.Module):
         return nn.Dense(3)(x.mean(axis=(1, 2)))
 
 
-def test_flax_linen_cnn_with_max_and_avg_pooling_float64(x64):
-    """reduce_window_max / _sum and max pooling's gradient (select_and_scatter_add), and
-    average pooling's (an interior pad), against JAX in float64."""
+def check_linen_classifier(model, x_shape, classes: int = 3):
+    """A flax.linen classifier's step (cross-entropy on random labels) against JAX in float64:
+    fresh seed, random weights; returns the graph."""
     seed = _seed()
     rng = np.random.default_rng(seed)
-    model = LinenPoolCNN()
-    x = jnp.asarray(rng.normal(size=(2, 9, 9, 2)))
-    y = jnp.asarray(rng.integers(0, 3, 2))
+    x = jnp.asarray(rng.normal(size=x_shape))
+    y = jnp.asarray(rng.integers(0, classes, x_shape[0]))
     params = jax.tree_util.tree_map(lambda p: jnp.asarray(rng.normal(size=p.shape) * 0.5),
                                     model.init(jax.random.PRNGKey(0), x)["params"])
 
@@ -355,7 +346,13 @@ def test_flax_linen_cnn_with_max_and_avg_pooling_float64(x64):
 
     loss, grads = jax.value_and_grad(loss_fn)(params, (x, y))
     graph, _ = check_step_float64(loss_fn, params, (x, y), grads, loss, seed)
-    ops = graph.op_counts()
+    return graph
+
+
+def test_flax_linen_cnn_with_max_and_avg_pooling_float64(x64):
+    """reduce_window_max / _sum and max pooling's gradient (select_and_scatter_add), and
+    average pooling's (an interior pad), against JAX in float64."""
+    ops = check_linen_classifier(LinenPoolCNN(), (2, 9, 9, 2)).op_counts()
     assert ops["maximum"] >= 8 and ops["conv"] >= 4, ops  # 9 window taps; forward and weight-gradient convs
 
 
@@ -420,21 +417,7 @@ class LinenLSTM(nn.Module):
 def test_flax_linen_lstm_over_nn_rnn_float64(x64):
     """``lax.scan`` unrolled over 7 steps; loss and every gradient against JAX in float64 (it
     failed on ``random_seed`` / ``random_split``, the lifted scan's unused key splits, before)."""
-    seed = _seed()
-    rng = np.random.default_rng(seed)
-    model = LinenLSTM()
-    x = jnp.asarray(rng.normal(size=(2, 7, 4)))
-    y = jnp.asarray(rng.integers(0, 3, 2))
-    params = jax.tree_util.tree_map(lambda p: jnp.asarray(rng.normal(size=p.shape) * 0.5),
-                                    model.init(jax.random.PRNGKey(0), x)["params"])
-
-    def loss_fn(p, batch):
-        xb, yb = batch
-        logits = model.apply({"params": p}, xb)
-        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), yb[:, None], axis=1))
-
-    loss, grads = jax.value_and_grad(loss_fn)(params, (x, y))
-    graph, _ = check_step_float64(loss_fn, params, (x, y), grads, loss, seed)
+    graph = check_linen_classifier(LinenLSTM(), (2, 7, 4))
     assert graph.op_counts()["dot_general"] >= 7 * 2, graph.op_counts()  # a recurrent GEMM per step, and its gradient
 
 

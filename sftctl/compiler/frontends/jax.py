@@ -1235,24 +1235,28 @@ def _cumsum(self, args, p, shape, dtype):
     return [self.add("reverse", [y], shape, dtype, axes=(axis,)) if p.get("reverse") else y]
 
 
-def _dynamic_window(self, operand_shape, starts, sizes):
-    """(int64 flat index over ``sizes`` into the flattened operand, the clamped starts) for a
-    window at traced ``starts`` (XLA clamps each to [0, dim - size])."""
+def _clamped_starts(self, operand_shape, starts, sizes) -> list[int]:
+    """int64 0-d start of each dim, clamped into [0, dim - size] as XLA clamps them."""
+    out = []
+    for d, (st, size) in enumerate(zip(starts, sizes)):
+        s0 = self.add("maximum", [self.cast(st, "int64"), self.const(0, (), "int64")], (), "int64")
+        out.append(self.add("minimum", [s0, self.const(int(operand_shape[d]) - int(size), (), "int64")], (), "int64"))
+    return out
+
+
+def _dynamic_window(self, operand_shape, starts, sizes) -> int:
+    """int64 flat index over ``sizes`` into the flattened operand for a window at traced
+    ``starts`` (clamped: :func:`_clamped_starts`)."""
     rm = row_major_strides(list(operand_shape))
     flat = None
-    clamped = []
-    for d, (st, size) in enumerate(zip(starts, sizes)):
-        s0 = self.cast(st, "int64")
-        s0 = self.add("maximum", [s0, self.const(0, (), "int64")], (), "int64")
-        s0 = self.add("minimum", [s0, self.const(int(operand_shape[d]) - int(size), (), "int64")], (), "int64")
-        clamped.append(s0)
+    for d, s0 in enumerate(_clamped_starts(self, operand_shape, starts, sizes)):
         term = self.add("add", [self.add("iota", [], tuple(sizes), "int64", axis=d),
                                 self.add("broadcast_in_dim", [s0], tuple(sizes), "int64", shape=tuple(sizes), dims=())],
                         tuple(sizes), "int64")
         if rm[d] != 1:
             term = self.add("mul", [term, self.const(rm[d], (), "int64")], tuple(sizes), "int64")
         flat = term if flat is None else self.add("add", [flat, term], tuple(sizes), "int64")
-    return flat, clamped
+    return flat
 
 
 @_prim("dynamic_slice")
@@ -1262,7 +1266,7 @@ def _dynamic_slice(self, args, p, shape, dtype):
     xs = self.shape(x)
     if not xs:
         return [x]
-    flat, _ = _dynamic_window(self, xs, args[1:1 + len(xs)], shape)
+    flat = _dynamic_window(self, xs, args[1:1 + len(xs)], shape)
     n = 1
     for v in xs:
         n *= v
@@ -1277,7 +1281,7 @@ def _dynamic_update_slice(self, args, p, shape, dtype):
     us = self.shape(upd)
     if not shape:
         return [upd]
-    _, starts = _dynamic_window(self, shape, args[2:2 + len(shape)], us)
+    starts = _clamped_starts(self, shape, args[2:2 + len(shape)], us)
     inside = None
     rel = None
     urm = row_major_strides(list(us))
@@ -1323,12 +1327,11 @@ def _sort(self, args, p, shape, dtype):
     a = self.reshape(k2, (rows, m, 1))
     b = self.reshape(k2, (rows, 1, m))
     kd = self.dtype(k2)
-    before = self.add("lt", [self.add("broadcast_in_dim", [b], (rows, m, m), kd, shape=(rows, m, m), dims=(0, 1, 2)),
-                             self.add("broadcast_in_dim", [a], (rows, m, m), kd, shape=(rows, m, m), dims=(0, 1, 2))],
-                      (rows, m, m), "bool")
-    ties = self.add("eq", [self.add("broadcast_in_dim", [b], (rows, m, m), kd, shape=(rows, m, m), dims=(0, 1, 2)),
-                           self.add("broadcast_in_dim", [a], (rows, m, m), kd, shape=(rows, m, m), dims=(0, 1, 2))],
-                    (rows, m, m), "bool")
+    cube = (rows, m, m)
+    bj = self.add("broadcast_in_dim", [b], cube, kd, shape=cube, dims=(0, 1, 2))  # element j
+    ai = self.add("broadcast_in_dim", [a], cube, kd, shape=cube, dims=(0, 1, 2))  # element i
+    before = self.add("lt", [bj, ai], cube, "bool")
+    ties = self.add("eq", [bj, ai], cube, "bool")
     earlier = self.add("lt", [self.add("iota", [], (rows, m, m), "int64", axis=2),
                               self.add("iota", [], (rows, m, m), "int64", axis=1)], (rows, m, m), "bool")
     first = self.add("logical_or", [before, self.add("logical_and", [ties, earlier], (rows, m, m), "bool")],

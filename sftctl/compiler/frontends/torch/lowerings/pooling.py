@@ -11,7 +11,7 @@ import re
 
 import numpy as np
 
-from sftctl.compiler.frontends.torch.lowering import lowers, _Id
+from sftctl.compiler.frontends.torch.lowering import lowers
 from sftctl.compiler.frontends.torch.lowerings.indexing import _take_along_index
 from sftctl.compiler.frontends.torch.lowerings.linalg import _per_dim
 
@@ -104,12 +104,11 @@ def op_max_pool2d_with_indices_backward(self, n, gy, x, kernel_size, stride, pad
     flat_out, flat_in = math.prod(gs[-nsp:]), math.prod(shape[-nsp:])
     g2 = self.reshape(gyi, lead + (flat_out,))
     i2 = self.reshape(self.arg(indices, "int64"), lead + (flat_out,))
-    zero = _Id(self.const(0, lead + (flat_in,), dtype))
-    sc = _scatter_flat(self, zero, len(lead), i2, g2, lead + (flat_in,), dtype)
+    sc = _scatter_flat(self, len(lead), i2, g2, lead + (flat_in,), dtype)
     return self.reshape(sc, shape)
 
 
-def _scatter_flat(self, zero, dim: int, idx: int, src: int, xs, dtype: str) -> int:
+def _scatter_flat(self, dim: int, idx: int, src: int, xs, dtype: str) -> int:
     flat = _take_along_index(self, xs, dim, idx)
     total = (math.prod(xs),)
     return self.reshape(self.add("scatter_add", [self.reshape(src, (math.prod(self.shape(src)),)),
@@ -254,8 +253,7 @@ def op_upsample_nearest2d_backward(self, n, gy, output_size, input_size, *scales
     flat_out, flat_in = math.prod(out_sp), math.prod(in_sp)
     g2 = self.reshape(gyi, lead + (flat_out,))
     i2 = self.bcast(self.reshape(pos, (flat_out,)), lead + (flat_out,))
-    zero = _Id(self.const(0, lead + (flat_in,), dtype))
-    return self.reshape(_scatter_flat(self, zero, len(lead), i2, g2, lead + (flat_in,), dtype), shape)
+    return self.reshape(_scatter_flat(self, len(lead), i2, g2, lead + (flat_in,), dtype), shape)
 
 
 def _src_scale(in_size: int, out_size: int, align_corners: bool, scale) -> float:
