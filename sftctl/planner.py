@@ -244,6 +244,7 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
     res = spec.resources
     known = {n.lower(): n for n in accelerator_names()}  # the catalog's spelling of each name
     candidates: list[PlanChoice] = []
+    asked = {name for name, why in usable.items() if why is None}
     for i, acc in enumerate(res.accelerators):
         error = unknown_accelerator(i, acc.name)  # load_spec says it at its line already
         if error is not None:
@@ -265,7 +266,10 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
         wanted = ", ".join(str(a) for a in res.accelerators)
         raise InfeasibleError(
             candidates=ranked,
-            message=f"no offering can run {res.nodes} node(s) of {wanted}" + _why_none(ranked),
+            # a cluster whose query failed (sinfo over SSH, the Kubernetes API) has no row to
+            # reject: its reason goes in the message, not lost
+            message=f"no offering can run {res.nodes} node(s) of {wanted}" + _why_none(ranked)
+            + "".join(f"; {usable[name]}" for name in sorted(asked) if usable.get(name) is not None),
             hint=("make model.batch_size a multiple of nodes x accelerators per node"
                   if any(c.rejected.code == FailureCode.UNSUPPORTED for c in ranked) else
                   f"lower resources.nodes (this machine holds at most {os.cpu_count() or 1} local CPU worker(s)), "

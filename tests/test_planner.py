@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from conftest import write_spec
@@ -164,3 +168,33 @@ def test_missing_framework_names_the_extra_to_install(tmp_path):
         Predictor(s).graph()
     assert "No module named 'flax'" in e.value.message
     assert e.value.hint.startswith("install it: pip install 'sftctl[jax]'"), e.value.hint
+
+
+def test_a_cluster_whose_query_fails_names_its_reason_in_the_error(tmp_path, home):
+    """A Slurm cluster reached over SSH that does not answer has no row to reject: its reason
+    was lost ("no offering can run 2 node(s) of cpu:1 (1 x local is not in resources.clouds)")."""
+    from slurm_cluster import free_ports
+
+    [closed] = free_ports(1)  # nothing listens there
+    spec = load_spec(write_spec(tmp_path / "job.yaml", (
+        "name: t\nresources: {nodes: 2, accelerators: ['cpu:1'], clouds: [slurm]}\n"
+        f"slurm: {{host: 127.0.0.1, port: {closed}}}\nrun: echo\n")))
+    with pytest.raises(InfeasibleError) as e:
+        plan(spec, usable={"local": None, "slurm": None})
+    assert "no offering can run 2 node(s) of cpu:1" in e.value.message
+    assert "slurm: ssh 127.0.0.1" in e.value.message, e.value.message
+
+
+def test_ssh_control_sockets_fit_a_unix_socket_path_under_a_deep_home(tmp_path, monkeypatch):
+    """A deep SFTCTL_HOME (an xdist worker's tmp_path) put ssh's ControlPath past the 108 bytes
+    a unix socket holds: ssh failed and the cluster's offerings vanished from the plan."""
+    from sftctl.providers.slurm import _SOCKET_PATH_MAX, SSHRunner
+    from sftctl.slurm_config import SlurmConfig
+
+    for home in (tmp_path / "h", tmp_path / ("deep" * 20) / "home"):
+        monkeypatch.setenv("SFTCTL_HOME", str(home))
+        path = SSHRunner(SlurmConfig(host="127.0.0.1")).control_path
+        assert len(path) <= _SOCKET_PATH_MAX, path
+        fits = len(str(home / "ssh" / "cm-000000000000")) <= _SOCKET_PATH_MAX
+        assert Path(path).parent == (home / "ssh" if fits else Path(tempfile.gettempdir()) / f"sftctl-ssh-{os.getuid()}")
+        assert Path(path).parent.stat().st_mode & 0o777 == 0o700

@@ -55,6 +55,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -328,6 +329,27 @@ class LocalRunner(Runner):
         return str(Path.home())
 
 
+#: a unix socket's path holds at most 108 bytes (Linux; 104 on macOS), and ssh first binds the
+#: control socket at the path plus a 17-character random suffix
+_SOCKET_PATH_MAX = 104 - 17
+
+
+def _control_dir(home: Path) -> Path:
+    """The directory of this home's ssh ControlMaster sockets: ``<home>/ssh``, or, when a path in
+    it would be too long for a unix socket (a deep ``SFTCTL_HOME``), ``sftctl-ssh-<uid>`` in the
+    temporary directory. Created 0700; raises ProviderError when that directory belongs to another
+    user or others can enter it (someone else could put a socket there)."""
+    d = home / "ssh"
+    if len(str(d / "cm-000000000000")) > _SOCKET_PATH_MAX:
+        d = Path(tempfile.gettempdir()) / f"sftctl-ssh-{os.getuid()}"
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = d.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ProviderError(f"slurm: {d} (ssh control sockets) belongs to uid {st.st_uid} or is open to "
+                            f"others (mode {st.st_mode & 0o777:o})", hint="remove it, or set a shorter SFTCTL_HOME")
+    return d
+
+
 class SSHRunner(Runner):
     """Every command through the system ``ssh`` to the login node, over one reused connection.
 
@@ -343,10 +365,9 @@ class SSHRunner(Runner):
 
         self.cfg = cfg
         self.target = f"{cfg.user}@{cfg.host}" if cfg.user else cfg.host
-        digest = hashlib.sha256(f"{self.target}:{cfg.port}".encode()).hexdigest()[:12]
-        sock_dir = sftctl_home() / "ssh"
-        sock_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.control_path = str(sock_dir / f"cm-{digest}")  # short: a unix socket path has ~104 chars
+        home = sftctl_home()
+        digest = hashlib.sha256(f"{home}:{self.target}:{cfg.port}".encode()).hexdigest()[:12]
+        self.control_path = str(_control_dir(home) / f"cm-{digest}")
         self._home: str | None = None
 
     def ssh_argv(self) -> list[str]:
