@@ -185,6 +185,10 @@ def no_traceback(proc: subprocess.CompletedProcess) -> bool:
 
 
 os.environ.setdefault("PYTHONUNBUFFERED", "1")
+# Tables are laid out for the width they are printed at: a terminal's, else $COLUMNS, else 80. The
+# suite fixes one width however pytest was started (a terminal, a pipe, an xdist worker, whose
+# CLI subprocesses saw 80 and wrapped the cells tests look for); a test of a narrow table sets its own.
+os.environ["COLUMNS"] = "200"
 
 
 @pytest.fixture(scope="session")

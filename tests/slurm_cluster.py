@@ -25,6 +25,7 @@ import signal
 import socket
 import stat
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -92,7 +93,11 @@ class SlurmCluster(_Managed):
         self.names = [f"node{i + 1}" for i in range(nodes)]
         self.procs: dict[str, subprocess.Popen] = {}
         self.conf = self.root / "etc" / "slurm.conf"
-        self.munge_socket = self.root / "munge" / "munge.socket"
+        # Unix sockets (munged's, and each slurmstepd's in the spool) must fit 108 bytes, which a
+        # pytest tmp_path under xdist (.../popen-gw2/test_node_failure_without_slur0/slurm/spool/
+        # node1/node1_5.4294967291: 110) does not: they live in a short directory of their own
+        self.short = Path(tempfile.mkdtemp(prefix="sftctl-slurm-"))
+        self.munge_socket = self.short / "munge.socket"
         self.hostname = socket.gethostname().split(".")[0]
 
     # ---------------------------------------------------------------- set up
@@ -122,7 +127,7 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.munge_socket},cred_expire=5
 StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool/%n
+SlurmdSpoolDir={self.short}/spool/%n
 SlurmctldPidFile={r}/run/slurmctld.pid
 SlurmdPidFile={r}/run/slurmd-%n.pid
 SlurmctldLogFile={r}/log/slurmctld.log
@@ -203,7 +208,7 @@ PartitionName=gpu Nodes={','.join(self.names)} Default=YES MaxTime=INFINITE Stat
         return self
 
     def start_node(self, name: str) -> None:
-        (self.root / "spool" / name).mkdir(parents=True, exist_ok=True)
+        (self.short / "spool" / name).mkdir(parents=True, exist_ok=True)
         self._spawn(f"slurmd-{name}", [_which("slurmd"), "-D", "-N", name, "-f", str(self.conf)])
 
     def kill_node(self, name: str) -> None:
@@ -251,6 +256,7 @@ PartitionName=gpu Nodes={','.join(self.names)} Default=YES MaxTime=INFINITE Stat
                 proc.wait(5)
         self.procs.clear()
         _kill_stepds(self.root)
+        shutil.rmtree(self.short, ignore_errors=True)
 
     def log_tail(self, chars: int = 3000) -> str:
         out = []
