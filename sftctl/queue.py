@@ -283,6 +283,9 @@ def claim_job(store: Store, job_id: str):
     slurm_job = settings.get("SFTCTL_CONTROLLER_SLURM_JOB_ID")
     if slurm_job:  # controller.place: slurm
         owner["slurm_job_id"] = slurm_job
+    k8s_job = settings.get("SFTCTL_CONTROLLER_K8S_JOB")
+    if k8s_job:  # controller.place: kubernetes
+        owner["kubernetes_job"] = k8s_job
     tmp = jd / f"{CONTROLLER_OWNER}.{pid}"
     tmp.write_text(json.dumps(owner))
     os.replace(tmp, jd / CONTROLLER_OWNER)

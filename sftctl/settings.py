@@ -211,6 +211,9 @@ DECLARED: tuple[Setting, ...] = (
     _u("CONTROLLER_SLURM_JOB_ID", "str", None, "the Slurm job a controller placed on Slurm (controller.place: "
        "slurm) runs in; its batch script sets it and clears the job's other SLURM_* variables, so the node "
        "allocations it submits inherit none of them", set_by="provider", shown_default="none"),
+    _u("CONTROLLER_K8S_JOB", "str", None, "the Kubernetes Job a controller placed on Kubernetes "
+       "(controller.place: kubernetes) runs in; the Job's container environment sets it", set_by="provider",
+       shown_default="none"),
     _u("CLOUD_CONTROLLER_GRACE_S", "float", 1800.0, "a cloud node (fed by job storage) stops its attempt and "
        "powers itself off when its controller's heartbeat in job storage has not changed for this many seconds "
        "(a controller killed -9, a laptop closed; 0: never)", set_by="user, tests", minimum=0),

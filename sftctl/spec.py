@@ -347,14 +347,19 @@ class SlurmSpec(_Strict):
 class ControllerSpec(_Strict):
     """Where the job's supervising controller runs (see README "Where a controller runs")."""
 
-    place: Literal["local", "server", "slurm"] | None = Field(
+    place: Literal["local", "server", "slurm", "kubernetes"] | None = Field(
         None, description="local: the machine that runs sftctl (the server's, when the config names one); "
         "server: the configured sftctl server; slurm: a 1-CPU Slurm job (sftctl-ctl-<job>) on the lab's "
-        "cluster, reporting to the same state (Postgres, or SQLite on the cluster's shared filesystem). "
-        "Unset: server when the config names one, else local")
+        "cluster, reporting to the same state (Postgres, or SQLite on the cluster's shared filesystem); "
+        "kubernetes: a batch/v1 Job (sftctl-ctl-<job>) in the kubernetes context and namespace, reporting "
+        "to the same Postgres state. Unset: server when the config names one, else local")
     partition: str | None = Field(
         None, description="place: slurm: the partition of the controller's Slurm job (a CPU partition); "
         "default: slurm.partition, else the cluster's default partition")
+    image: str | None = Field(
+        None, description="place: kubernetes: the container image of the controller's Job; it must have "
+        "sftctl installed (python -m sftctl runs); default: python:3.11-slim, the kubernetes provider's "
+        "CPU image")
 
     @field_validator("partition")
     @classmethod
@@ -368,11 +373,21 @@ class ControllerSpec(_Strict):
             raise ValueError(f"{shown(v)}: a Slurm partition name is one word (no white space)")
         return v
 
+    @field_validator("image")
+    @classmethod
+    def _image_one_word(cls, v: str | None) -> str | None:
+        if v is not None and (not v or any(c.isspace() for c in v)):
+            raise ValueError(f"{shown(v)}: a container image reference is one word (no white space)")
+        return v
+
     @model_validator(mode="after")
     def _partition_is_for_slurm(self) -> "ControllerSpec":
         if self.partition is not None and self.place != "slurm":
             raise ValueError("partition is for place: slurm only (the controller's Slurm job); "
                              "set place: slurm or drop partition")
+        if self.image is not None and self.place != "kubernetes":
+            raise ValueError("image is for place: kubernetes only (the controller's Job); "
+                             "set place: kubernetes or drop image")
         return self
 
 

@@ -195,7 +195,7 @@ CONTROLLER_START_GRACE_S = 30.0  # a job may wait this long for its controller t
 #: controller.place values whose controller runs off the submitting machine, in a scheduler's job:
 #: its process is never judged by a pid here; it holds the job's lease in the state (also on
 #: SQLite), and while it waits in the scheduler's queue the lease is ``queued_holder``'s
-PLACED = frozenset({"slurm"})
+PLACED = frozenset({"slurm", "kubernetes"})
 #: seconds the lease of a placed controller still queued at its scheduler lasts: past it (the
 #: scheduler lost or dropped the job unseen) the job counts as without a controller
 QUEUED_CONTROLLER_LEASE_S = 24 * 3600.0
@@ -203,7 +203,7 @@ QUEUED_CONTROLLER_LEASE_S = 24 * 3600.0
 
 def placed(spec: dict | None) -> str | None:
     """The spec's ``controller.place`` (a stored spec's document) when the controller runs in a
-    scheduler's job elsewhere (:data:`PLACED`: ``"slurm"``), else None."""
+    scheduler's job elsewhere (:data:`PLACED`: ``"slurm"``, ``"kubernetes"``), else None."""
     place = ((spec or {}).get("controller") or {}).get("place")
     return place if place in PLACED else None
 
@@ -1089,9 +1089,13 @@ class LeaseKeeper:
     def queued_as() -> str | None:
         """The holder that stood for this process while its scheduler queued it (a controller
         placed in Slurm job N, ``SFTCTL_CONTROLLER_SLURM_JOB_ID``: ``slurm:N``,
-        :func:`queued_holder`), or None outside such a job."""
+        :func:`queued_holder`; one placed in Kubernetes Job N, ``SFTCTL_CONTROLLER_K8S_JOB``:
+        ``kubernetes:N``), or None outside such a job."""
         slurm_job = settings.get("SFTCTL_CONTROLLER_SLURM_JOB_ID")
-        return queued_holder("slurm", slurm_job) if slurm_job else None
+        if slurm_job:
+            return queued_holder("slurm", slurm_job)
+        k8s_job = settings.get("SFTCTL_CONTROLLER_K8S_JOB")
+        return queued_holder("kubernetes", k8s_job) if k8s_job else None
 
     @staticmethod
     def dead_here(holder: str) -> bool:

@@ -233,3 +233,147 @@ def test_dry_run_shows_the_controllers_sbatch_script(cluster, tmp_path, home):
         assert line in ctl, ctl
     assert "sftctl.queue" in ctl and "<job-id>" in ctl.rsplit("exec ", 1)[1]
     assert cluster.jobs() == []
+
+
+# ------------------------------------------------------------------ controller.place: kubernetes
+
+
+@pytest.fixture
+def k8s(tmp_path, monkeypatch):
+    """The Kubernetes API emulator (tests/k8s_emulator.py: every body checked against the
+    official schema, strictly) as the configured cluster of this test and its CLI processes."""
+    from k8s_emulator import K8sEmulator
+
+    with K8sEmulator() as c:
+        monkeypatch.setenv("KUBECONFIG", str(c.write_kubeconfig(tmp_path / "kubeconfig")))
+        for var in ("SFTCTL_K8S_CONTEXT", "SFTCTL_K8S_NAMESPACE", "KUBERNETES_SERVICE_HOST"):
+            monkeypatch.delenv(var, raising=False)
+        yield c
+
+
+def _controller_jobs(k8s, job: str) -> list[dict]:
+    return k8s.list("jobs", "default", f"sftctl-controller-of={job}")
+
+
+def _kubelet(k8s, kjob: dict, pod_root: Path) -> subprocess.Popen:
+    """Run the container of ``kjob`` as the kubelet would, as a local process: its command, its
+    env with the envFrom Secret read from the cluster (base64-decoded), the emptyDir volume a
+    fresh directory. The "image" is this interpreter's venv (``python`` on PATH) and the
+    machine's Slurm client configuration; no SFTCTL_* variable of this test reaches it."""
+    import base64
+    import sys
+
+    [container] = kjob["spec"]["template"]["spec"]["containers"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SFTCTL_", "KUBECONFIG"))}
+    env.update(PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", HOME=str(pod_root / "root"),
+               XDG_CONFIG_HOME=str(pod_root / "xdg"))
+    for ref in container.get("envFrom") or []:
+        secret = k8s.get("secrets", "default", ref["secretRef"]["name"])
+        env.update({k: base64.b64decode(v).decode() for k, v in secret["data"].items()})
+    env.update({e["name"]: e["value"] for e in container["env"]})
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    for vol in kjob["spec"]["template"]["spec"]["volumes"]:  # emptyDir: a fresh directory
+        assert "emptyDir" in vol
+        local = pod_root / vol["name"]
+        local.mkdir(parents=True)
+        env = {k: str(local) if v == mounts[vol["name"]] else v for k, v in env.items()}
+    return subprocess.Popen(container["command"], env=env, cwd=pod_root, stdout=open(pod_root / "pod.log", "wb"),
+                            stderr=subprocess.STDOUT)
+
+
+def test_a_controller_placed_on_kubernetes_runs_the_job_to_success(cluster, pg_url, k8s, tmp_path, home):
+    """controller.place: kubernetes: `run --detach` creates exactly one batch/v1 Job (schema-valid,
+    restartPolicy Never, backoffLimit 0, labelled with the job) whose Secret carries the state's
+    URL (never the Job's body); the queued Job holds the job's lease, so a second start places
+    nothing; the Job's container, run as the kubelet would, drives the job to SUCCEEDED on Slurm
+    nodes with no client attached; `down` deletes the Job and its Secret."""
+    from sftctl import api
+    from sftctl.queue import ControllerBusy
+
+    job = json.loads(sftctl("run", str(_placed_spec(tmp_path, extra="sleep 2", controller="{place: kubernetes}")),
+                            "--detach", "--json", check=True).stdout)["job_id"]
+    [kjob] = _controller_jobs(k8s, job)
+    name = kjob["metadata"]["name"]
+    assert name == f"sftctl-ctl-{job}" and kjob["metadata"]["annotations"]["sftctl.dev/job-id"] == job
+    pod = kjob["spec"]["template"]["spec"]
+    assert (pod["restartPolicy"], kjob["spec"]["backoffLimit"]) == ("Never", 0)
+    [container] = pod["containers"]
+    assert container["image"] == "python:3.11-slim" and container["command"][0] == "python"
+    assert container["command"][-1] == job and "sftctl.queue" in container["command"][2]
+    assert {e["name"]: e["value"] for e in container["env"]}["SFTCTL_CONTROLLER_K8S_JOB"] == name
+    assert pg_url not in json.dumps(kjob)  # the database password travels in the Secret only
+    secret = k8s.get("secrets", "default", container["envFrom"][0]["secretRef"]["name"])
+    import base64
+
+    assert base64.b64decode(secret["data"]["SFTCTL_STATE_URL"]).decode() == pg_url
+    assert not k8s.list("pods", "default")  # the controller is no node of the job
+    # queued: the Job holds the lease; a second start is refused and creates no second Job
+    with pytest.raises(ControllerBusy) as busy:
+        api.start(job)
+    assert f"kubernetes:{name}" in busy.value.message and busy.value.exit_code == 2
+    assert len(_controller_jobs(k8s, job)) == 1
+    assert status_json(job)["status"] == "PENDING"
+    # the kubelet starts the pod: the container's command, on its own, with no client attached
+    proc = _kubelet(k8s, kjob, tmp_path / "pod")
+    try:
+        wait_for(lambda: status_json(job)["status"] in ("SUCCEEDED", "FAILED", "FAILED_CONTROLLER", "CANCELLED"),
+                 timeout_s=150, what="the job to end")
+        assert proc.wait(timeout=60) == 0, (tmp_path / "pod" / "pod.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    doc = status_json(job)
+    assert doc["status"] == "SUCCEEDED" and doc["provider"] == "slurm", doc
+    assert doc["controller_pid"] == proc.pid  # the pod's process was the controller
+    owner = json.loads((tmp_path / "pod" / "sftctl-home" / "jobs" / job / "controller.json").read_text())
+    assert owner["kubernetes_job"] == name and owner["pid"] == proc.pid
+    events = json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]
+    placed = [e["message"] for e in events if e["message"].startswith("controller: Kubernetes Job")]
+    assert placed == [f"controller: Kubernetes Job {name} in namespace default"], placed
+    assert len(_controller_jobs(k8s, job)) == 1
+    sftctl("down", job, check=True)
+    assert _controller_jobs(k8s, job) == [] and k8s.get("secrets", "default", secret["metadata"]["name"]) is None
+
+
+def test_down_of_a_job_placed_on_kubernetes_deletes_its_job(cluster, pg_url, k8s, tmp_path, home):
+    """`down` of a running job deletes the controller's Job (the kubelet then stops its pod with
+    SIGTERM) and its Secret, and the job is CANCELLED with nothing left in Slurm."""
+    job = json.loads(sftctl("run", str(_placed_spec(tmp_path, extra="sleep 300", controller="{place: kubernetes}")),
+                            "--detach", "--json", check=True).stdout)["job_id"]
+    [kjob] = _controller_jobs(k8s, job)
+    proc = _kubelet(k8s, kjob, tmp_path / "pod")
+    try:
+        wait_for(lambda: status_json(job)["status"] == "RUNNING" and len(cluster.jobs()) == 1, timeout_s=90,
+                 what="the nodes to start")
+        summary = sftctl("down", job, check=True).stdout
+        assert "cancelled" in summary, summary
+        assert _controller_jobs(k8s, job) == [] and not k8s.list("secrets", "default")
+        proc.terminate()  # the kubelet's SIGTERM to the pod of the deleted Job
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    wait_for(lambda: cluster.jobs() == [], timeout_s=30, what="the node allocation to be gone")
+    assert status_json(job)["status"] == "CANCELLED"
+    messages = [e["message"] for e in json.loads(sftctl("events", job, "--json", check=True).stdout)["events"]]
+    assert "sftctl down: SIGTERM to the controller's Kubernetes Job" in messages, messages
+
+
+def test_a_controller_placed_on_kubernetes_is_refused_where_it_cannot_work(cluster, postgres, k8s, tmp_path, home,
+                                                                          monkeypatch):
+    """One line naming controller.place and the fix, exit 2, no Job created: SQLite state;
+    local nodes (with a Postgres state); image without place: kubernetes."""
+    proc = sftctl("run", str(_placed_spec(tmp_path, controller="{place: kubernetes}")), "--detach")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    line = proc.stderr.strip().splitlines()[0]
+    assert "controller.place: kubernetes" in line and "SQLite" in line, proc.stderr
+    assert "state.url" in proc.stderr and "Postgres" in proc.stderr
+    monkeypatch.setenv("SFTCTL_STATE_URL", postgres.create_database())
+    local = _placed_spec(tmp_path, controller="{place: kubernetes}").read_text().replace("clouds: [slurm]",
+                                                                                         "clouds: [local]")
+    proc = sftctl("run", str(write_spec(tmp_path / "local.yaml", local)), "--detach")
+    assert proc.returncode == 2 and "controller.place: kubernetes cannot supervise local nodes" in proc.stderr, \
+        proc.stderr
+    proc = sftctl("run", str(_placed_spec(tmp_path, controller="{place: slurm, image: x}")), "--detach")
+    assert proc.returncode == 2 and "image is for place: kubernetes only" in proc.stderr, proc.stderr
+    assert k8s.list("jobs", "default") == [] and cluster.jobs() == []

@@ -558,3 +558,24 @@ run: echo hi
     assert SECRET not in doc["submits"][0]["text"]
     pod = objs[-1]
     assert pod["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "8"}
+
+
+def test_controller_job_manifest_passes_the_schema_and_keeps_secrets_in_the_secret():
+    """controller.place: kubernetes: the controller's Job and Secret pass the official schema
+    strictly; the Job names its Secret (envFrom) and never carries a value; its labels are not
+    a node's (the job's sweeps never take the controller for a node)."""
+    from sftctl.providers.kubernetes import controller_manifests
+
+    objs = controller_manifests(JOB, ["python", "-c", "pass", JOB], namespace="default",
+                                env={"SFTCTL_CONTROLLER_K8S_JOB": f"sftctl-ctl-{JOB}"},
+                                secret_env={"SFTCTL_STATE_URL": f"postgresql://u:{SECRET}@db/x"}, image="img:1")
+    for obj in objs.values():
+        kubernetes_validate.validate(obj, SCHEMA_VERSION, strict=True)
+    job, secret = objs["job"], objs["secret"]
+    assert SECRET not in json.dumps(job) and SECRET in base64.b64decode(secret["data"]["SFTCTL_STATE_URL"]).decode()
+    [container] = job["spec"]["template"]["spec"]["containers"]
+    assert container["envFrom"] == [{"secretRef": {"name": secret["metadata"]["name"]}}]
+    assert (job["spec"]["backoffLimit"], job["spec"]["template"]["spec"]["restartPolicy"]) == (0, "Never")
+    for obj in (job, secret, job["spec"]["template"]):
+        assert "sftctl-job" not in obj["metadata"]["labels"] and "sftctl-managed" not in obj["metadata"]["labels"]
+        assert obj["metadata"]["labels"]["sftctl-controller-of"] == JOB

@@ -3,7 +3,7 @@
 gets (:func:`node_env`, :func:`node_env_names`), where the job keeps its storage, and the job's
 provider wired to that storage (:func:`job_provider`), and where the job's controller runs
 (``controller.place``: :func:`check_controller_place`; :func:`place_controller` submits it as a
-Slurm job, :func:`stop_placed_controller` ends that job).
+Slurm job or a Kubernetes Job, :func:`stop_placed_controller` ends that job).
 
 The api checks a spec with these before it records the job; the controller, ``down`` and the
 dry-run preview build nodes' environments and providers with the same functions."""
@@ -21,6 +21,7 @@ from sftctl.paths import job_dir, sftctl_home
 from sftctl.procs import module_argv
 from sftctl.protocol import is_secret_name
 from sftctl.providers import get_provider
+from sftctl.providers import kubernetes as k8s_provider
 from sftctl.providers import slurm as slurm_provider
 from sftctl.spec import JobSpec, env_references, resolve_env
 from sftctl.state import QUEUED_CONTROLLER_LEASE_S, JobRecord, Store, is_url, placed, queued_holder
@@ -236,7 +237,9 @@ def check_controller_place(spec: JobSpec, label: str, *, server: bool, provider:
     ``provider``: the planned offering's provider (None: before planning, the other checks only).
     ``place: slurm`` needs Slurm's commands (a login node: ``slurm.host`` unset) and a state the
     cluster's nodes reach: Postgres (``state.url``), or this SQLite file on the shared filesystem
-    a login node and its compute nodes see; it cannot supervise local nodes.
+    a login node and its compute nodes see; it cannot supervise local nodes. ``place: kubernetes``
+    needs a Postgres ``state.url`` (a pod never sees this machine's SQLite file) and cannot
+    supervise local nodes either.
 
     Raises:
         SpecError: one line naming ``controller.place`` and the fix (exit 2).
@@ -246,6 +249,9 @@ def check_controller_place(spec: JobSpec, label: str, *, server: bool, provider:
         raise SpecError(f"{label}: controller.place: server, but the config names no sftctl server",
                         hint="add server: {url, token} to the config (sftctl server start makes one), "
                              "or set controller.place: local")
+    if place == "kubernetes":
+        _check_kubernetes_place(label, provider)
+        return
     if place != "slurm":
         return
     if provider == "local":
@@ -269,10 +275,46 @@ def check_controller_place(spec: JobSpec, label: str, *, server: bool, provider:
         raise SftctlError(f"{label}: controller.place: slurm: {why}", hint="run sftctl on the cluster's login node")
 
 
+def _check_kubernetes_place(label: str, provider: str | None) -> None:
+    """The rules of ``controller.place: kubernetes`` (see :func:`check_controller_place`)."""
+    if provider == "local":
+        raise SpecError(f"{label}: controller.place: kubernetes cannot supervise local nodes (they run on this machine)",
+                        hint="set resources.clouds to where the nodes should run (kubernetes, slurm, aws, gcp), "
+                             "or drop controller.place")
+    state_url = settings.get("SFTCTL_STATE_URL")
+    if not is_url(state_url):
+        raise SpecError(
+            f"{label}: controller.place: kubernetes: the job's state is this machine's SQLite file "
+            f"({state_url or sftctl_home() / 'state.db'}), which a pod on the cluster cannot reach",
+            hint="set state.url (SFTCTL_STATE_URL) to a Postgres database the cluster reaches, "
+                 "or drop controller.place")
+
+
 def controller_provider(spec: JobSpec):
-    """The Slurm provider that runs the controller of a ``controller.place: slurm`` job (the
-    config's ``slurm:`` section overlaid by the spec's, as for Slurm nodes)."""
+    """The provider that runs the controller of a placed job: Slurm's for ``controller.place:
+    slurm`` (the config's ``slurm:`` section overlaid by the spec's, as for Slurm nodes), the
+    Kubernetes provider (the configured context and namespace) for ``place: kubernetes``."""
+    if spec.controller.place == "kubernetes":
+        return get_provider("kubernetes")
     return get_provider("slurm", config=spec.slurm.model_dump() if spec.slurm else None)
+
+
+def controller_argv(job_id: str, python: str | None = None) -> list[str]:
+    """The argv of a placed controller: ``python -m sftctl.queue JOB`` (which becomes the
+    controller once the job may start), the same for a Slurm job and a Kubernetes Job."""
+    return module_argv("sftctl.queue", job_id, python=python or sys.executable)
+
+
+def controller_pod_env(spec: JobSpec, job_name: str, namespace: str) -> tuple[dict[str, str], dict[str, str]]:
+    """``(env, secret_env)`` of a controller's Kubernetes Job: plain values (the Job's name,
+    ``SFTCTL_CONTROLLER_K8S_JOB``, and the namespace its Kubernetes nodes go to) and what the
+    Secret carries (``SFTCTL_STATE_URL``, which holds the database password, and the values of
+    the spec's ``secrets:`` in this shell's environment). Secrets travel by name: the state only
+    ever records the spec."""
+    env = {"SFTCTL_CONTROLLER_K8S_JOB": job_name, "SFTCTL_K8S_NAMESPACE": namespace, "PYTHONUNBUFFERED": "1"}
+    secret_env = {"SFTCTL_STATE_URL": settings.get("SFTCTL_STATE_URL"),
+                  **{k: os.environ[k] for k in spec.secrets if k in os.environ}}
+    return env, secret_env
 
 
 #: seconds a placed controller's Slurm job runs past the spec's deadline (``--time``): the
@@ -295,6 +337,8 @@ def place_controller(store: Store, job: JobRecord) -> str:
     """
     spec = JobSpec.model_validate(job.spec)
     provider = controller_provider(spec)
+    if spec.controller.place == "kubernetes":
+        return _place_on_kubernetes(store, job, spec, provider)
     job_dir(job.id).mkdir(parents=True, exist_ok=True, mode=0o700)
     args = controller_job_args(spec, job.id, provider)
     partition = args["partition"]
@@ -312,13 +356,38 @@ def place_controller(store: Store, job: JobRecord) -> str:
     return slurm_id
 
 
+def _place_on_kubernetes(store: Store, job: JobRecord, spec: JobSpec, provider) -> str:
+    """Create the controller of a ``controller.place: kubernetes`` job as a Kubernetes Job
+    (``sftctl-ctl-<job>``, :func:`sftctl.providers.kubernetes.controller_manifests`) running
+    :func:`controller_argv` with the image's ``python``; hold the job's lease for it (holder
+    ``kubernetes:<Job>``) until it starts. Returns the Job's name.
+
+    Raises:
+        ProviderError, CredentialsError: the API server refused it (exit 4); the job is FAILED.
+    """
+    name = k8s_provider.controller_names(job.id)["job"]
+    try:
+        ns = provider.namespace
+        env, secret_env = controller_pod_env(spec, name, ns)
+        name = provider.submit_controller(job.id, controller_argv(job.id, "python"), env=env,
+                                          secret_env=secret_env, image=spec.controller.image)
+    except SftctlError as e:
+        store.transition(job.id, JobStatus.FAILED, f"its controller could not be placed on Kubernetes: {e.message}",
+                         strict=False, code=FailureCode.PROVIDER_ERROR.value)
+        raise
+    store.acquire_lease(job.id, queued_holder("kubernetes", name), QUEUED_CONTROLLER_LEASE_S)
+    store.add_event(job.id, "controller", f"controller: Kubernetes Job {name} in namespace {ns}",
+                    {"place": "kubernetes", "kubernetes_job": name, "namespace": ns})
+    return name
+
+
 def controller_job_args(spec: JobSpec, job_id: str, provider) -> dict:
     """The keyword arguments of ``provider.submit_controller``/``controller_script`` for the
     controller of ``job_id`` (``argv``, ``partition``, ``log``, ``chdir``, ``time_limit_s``):
     what :func:`place_controller` submits and ``run --dry-run`` shows."""
     jd = job_dir(job_id)
     deadline_s = spec.resources.deadline_s
-    return {"argv": module_argv("sftctl.queue", job_id, python=provider.cfg.python or sys.executable),
+    return {"argv": controller_argv(job_id, provider.cfg.python),
             "partition": spec.controller.partition or provider.cfg.partition,
             "log": str(jd / "controller.log"), "chdir": str(jd),
             "time_limit_s": None if deadline_s is None else deadline_s + CONTROLLER_TEARDOWN_S}
@@ -329,23 +398,29 @@ def forget_lost_queued_controller(store: Store, job: JobRecord) -> str | None:
     ``scancel``, a purge) still holds the job's lease as ``slurm:<id>``, so nothing would start
     another until it expired: when Slurm no longer shows that job, give the lease up and return
     its holder (None otherwise: not placed, not queued, or still queued). Asks Slurm (``squeue``)."""
-    held = store.lease(job.id) if placed(job.spec) == "slurm" else None
-    if held is None or not held[0].startswith("slurm:"):
+    place = placed(job.spec)
+    held = store.lease(job.id) if place else None
+    if held is None or not held[0].startswith(f"{place}:"):
         return None
     slurm_id = held[0].split(":", 1)[1]
     if any(f["id"] == slurm_id for f in controller_provider(JobSpec.model_validate(job.spec)).controller_jobs(job.id)):
         return None
     if not store.release_lease(job.id, held[0]):  # it started meanwhile and took the lease over
         return None
-    store.add_event(job.id, "controller", f"controller: Slurm job {slurm_id} left the queue without starting",
-                    {"place": "slurm", "slurm_job_id": slurm_id})
+    if place == "kubernetes":
+        store.add_event(job.id, "controller", f"controller: Kubernetes Job {slurm_id} is gone without starting",
+                        {"place": "kubernetes", "kubernetes_job": slurm_id})
+    else:
+        store.add_event(job.id, "controller", f"controller: Slurm job {slurm_id} left the queue without starting",
+                        {"place": "slurm", "slurm_job_id": slurm_id})
     return held[0]
 
 
 def stop_placed_controller(job: JobRecord, grace_s: float) -> list[str]:
-    """End the Slurm job(s) running or waiting to run ``job``'s controller (placed jobs only):
-    SIGTERM to a running one, which cancels the job and stops its nodes, then ``scancel`` after
-    ``grace_s`` seconds. Returns the Slurm job ids found ([] for a job not placed on Slurm)."""
-    if placed(job.spec) != "slurm":
+    """End the Slurm job(s) or Kubernetes Job(s) running or waiting to run ``job``'s controller
+    (placed jobs only): SIGTERM to a running one, which cancels the job and stops its nodes, then
+    ``scancel`` after ``grace_s`` seconds (Slurm); the Job deleted with ``grace_s`` for its pod
+    and its Secret with it (Kubernetes). Returns the ids found ([] for a job not placed)."""
+    if not placed(job.spec):
         return []
     return controller_provider(JobSpec.model_validate(job.spec)).cancel_controller(job.id, grace_s)

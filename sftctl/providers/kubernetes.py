@@ -275,6 +275,53 @@ def node_manifests(request: InstanceRequest, *, namespace: str, secrets: dict[st
 # -------------------------------------------------------------------- API errors
 
 
+#: Labels of a controller's Job, its pod and its Secret (never ``sftctl-managed``/``sftctl-job``:
+#: the job's node sweeps, :meth:`KubernetesProvider.terminate_tagged` and ``list_instances``, must
+#: not take the controller for a node)
+CONTROLLER_ROLE_LABEL = "sftctl-role"
+CONTROLLER_OF_LABEL = "sftctl-controller-of"
+#: where the controller's pod keeps its SFTCTL_HOME (an emptyDir: the job dir, its log)
+CONTROLLER_HOME = "/var/lib/sftctl"
+
+
+def controller_names(job_id: str) -> dict[str, str]:
+    """The names of ``job_id``'s controller Job and its Secret (DNS labels)."""
+    job = dns_label(job_id, prefix="sftctl-ctl-", max_len=52)  # the Job controller's pod suffix fits 63
+    return {"job": job, "secret": f"{job}-env"}
+
+
+def controller_manifests(job_id: str, argv: list[str], *, namespace: str, env: dict[str, str],
+                         secret_env: dict[str, str], image: str) -> dict:
+    """The batch/v1 Job (one pod, ``restartPolicy: Never``, ``backoffLimit: 0``: a controller
+    that dies is the state's to see, never run twice at once) running ``argv`` with ``env`` and
+    the Secret (``secret_env``, base64, read through ``envFrom``; None when empty) of ``job_id``'s
+    controller. Returns ``{"job": dict, "secret": dict | None}``; values never appear in the Job."""
+    import base64
+
+    n = controller_names(job_id)
+    lab = {CONTROLLER_ROLE_LABEL: "controller", CONTROLLER_OF_LABEL: label_value(job_id)}
+    ann = {"sftctl.dev/job-id": job_id}
+    secret = None if not secret_env else {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": {"name": n["secret"], "namespace": namespace, "labels": lab, "annotations": ann},
+        "data": {k: base64.b64encode(v.encode()).decode() for k, v in sorted(secret_env.items())}}
+    container = {
+        "name": "controller", "image": image, "command": list(argv),
+        "env": [{"name": k, "value": v} for k, v in sorted({**env, "SFTCTL_HOME": CONTROLLER_HOME}.items())],
+        "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
+        "volumeMounts": [{"name": "sftctl-home", "mountPath": CONTROLLER_HOME}]}
+    if secret is not None:
+        container["envFrom"] = [{"secretRef": {"name": n["secret"]}}]
+    job = {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": n["job"], "namespace": namespace, "labels": lab, "annotations": ann},
+        "spec": {"backoffLimit": 0, "template": {
+            "metadata": {"labels": lab, "annotations": ann},
+            "spec": {"restartPolicy": "Never", "containers": [container],
+                     "volumes": [{"name": "sftctl-home", "emptyDir": {}}]}}}}
+    return {"job": job, "secret": secret}
+
+
 def _status_message(e) -> str:
     """The one-line message of an ``ApiException`` (its ``Status`` body's message when there is one)."""
     text = ""
@@ -699,6 +746,60 @@ class KubernetesProvider(CloudProvider):
         with self._lock:
             self._job_objects.discard((ns, job_id))
         return count
+
+    # ---------------------------------------------------------------- a job's controller (controller.place)
+
+    def _batch(self):
+        from kubernetes import client
+
+        return client.BatchV1Api(self._client())
+
+    def submit_controller(self, job_id: str, argv: list[str], *, env: dict[str, str],
+                          secret_env: dict[str, str], image: str | None = None) -> str:
+        """Create the Secret (``secret_env``) and the batch/v1 Job of ``job_id``'s controller
+        (:func:`controller_manifests`) in the namespace; return the Job's name. A Job or Secret
+        that already exists (409) is taken as this one (idempotent).
+
+        Raises:
+            CredentialsError, ProviderError: see :meth:`_error` (exit 4).
+        """
+        ns = self.namespace
+        objs = controller_manifests(job_id, argv, namespace=ns, env=env, secret_env=secret_env,
+                                    image=image or self.image or DEFAULT_IMAGES["cpu"])
+        name = objs["job"]["metadata"]["name"]
+        if objs["secret"] is not None:
+            self._call(f"create secret {objs['secret']['metadata']['name']}", self._core().create_namespaced_secret,
+                       ns, objs["secret"], allow=(409,))
+        self._call(f"create job {name}", self._batch().create_namespaced_job, ns, objs["job"], allow=(409,))
+        return name
+
+    def controller_jobs(self, job_id: str | None = None) -> list[dict]:
+        """The controller Jobs of the namespace (of ``job_id`` only when given):
+        ``[{"id", "job_id", "state", "name"}]`` (state: ``active``, ``succeeded``, ``failed``)."""
+        selector = CONTROLLER_ROLE_LABEL + "=controller" + (
+            f",{CONTROLLER_OF_LABEL}={label_value(job_id)}" if job_id is not None else "")
+        items = (self._json("list jobs", self._batch().list_namespaced_job, self.namespace, label_selector=selector)
+                 or {}).get("items") or []
+        out = []
+        for job in items:
+            meta, st = job["metadata"], job.get("status") or {}
+            state = "succeeded" if st.get("succeeded") else "failed" if st.get("failed") else "active"
+            out.append({"id": meta["name"], "name": meta["name"], "state": state,
+                        "job_id": (meta.get("annotations") or {}).get("sftctl.dev/job-id")})
+        return out
+
+    def cancel_controller(self, job_id: str, grace_s: float = 20.0) -> list[str]:
+        """Delete ``job_id``'s controller Job(s) (propagation ``Background``: its pod gets SIGTERM
+        and ``grace_s`` seconds, so the controller cancels the job and stops its nodes) and their
+        Secret. Returns the names of the Jobs it found."""
+        ns = self.namespace
+        found = [f["id"] for f in self.controller_jobs(job_id)]
+        for name in found:
+            self._call(f"delete job {name}", self._batch().delete_namespaced_job, name, ns, allow=(404,),
+                       propagation_policy="Background", grace_period_seconds=max(0, int(grace_s)))
+        secret = controller_names(job_id)["secret"]
+        self._call(f"delete secret {secret}", self._core().delete_namespaced_secret, secret, ns, allow=(404,))
+        return found
 
     def cordon(self, node_name, reason: str | None = None, by: str | None = None) -> dict | None:
         """Mark a cluster node unschedulable (``kubectl cordon``): a node judged bad gets no new pods.
