@@ -203,9 +203,9 @@ class Coefficients:
             a row reduction over ``w`` warps takes ``1 + log2(w)`` of them.
         warp_ipc: instructions per cycle one warp issues on its own (dependent instruction
             latency); an SM issues ``min(4, resident_warps * warp_ipc)`` per cycle.
-        stream_wave_tail: share of a streaming kernel's DRAM time exposed per round of
-            programs (wave quantization of load/compute/store phases): the DRAM term is
-            multiplied by ``1 + stream_wave_tail / rounds``.
+        stream_wave_tail: share of a streaming kernel's pipeline fill and drain left exposed
+            (wave quantization of load/compute/store phases): the DRAM term becomes
+            ``t_dram + stream_wave_tail * min(t_dram, t_issue) / rounds``.
         stream_combine_p: exponent of the smooth maximum ``(sum t_i^p)^(1/p)`` that combines the
             DRAM, latency (Little's law), block-rate and issue limits of a streaming kernel.
     """
@@ -339,7 +339,8 @@ def _stream_time(kind, programs, work_per_program, rows_per_program, elems_per_t
     load of its data, ``elems_per_thread`` elements of work per thread and (rows) block-wide
     reductions, then a store. Limits, combined by a smooth maximum ``(sum t^p)^(1/p)``:
 
-    * DRAM: ``bytes / (hbm_efficiency * peak)`` (HBM roofline);
+    * DRAM: ``bytes / (hbm_efficiency * peak)`` (HBM roofline), plus the wave tail
+      ``stream_wave_tail * min(DRAM, issue) / rounds`` (two-stage pipeline fill and drain);
     * latency, Little's law: each resident program has one step's loads in flight, so an SM with
       ``a`` resident programs finishes ``a`` steps per step latency; programs run in
       ``ceil(per_sm / a)`` rounds (wave quantization over the busiest SM);
@@ -374,24 +375,28 @@ def _stream_time(kind, programs, work_per_program, rows_per_program, elems_per_t
     issue = np.minimum(float(c.mma_subpartitions), a * W * c.warp_ipc)
     red = k["reductions"] * c.row_reduce_cycles * (1.0 + np.log2(W)) / clock
     spill_t = 2.0 * spill * threads / (c.spill_bytes_per_clk * clock)  # store + reload per step
-    # a warp issues its threads' elements one instruction after another: the step's compute
-    # latency grows with elements per thread whatever the number of warps
-    step = lat + red + e * k["instr"] / (c.warp_ipc * clock) + spill_t
+    # a thread's elements are independent (instruction-level parallelism): one element's
+    # dependent chain costs ``instr / warp_ipc`` cycles, each further element's instructions
+    # issue behind it at up to one per cycle (one warp, one scheduler)
+    step = lat + red + (k["instr"] / c.warp_ipc + (e - 1.0) * k["instr"]) / clock + spill_t
     t_lat = rounds * _f(rows_per_program) * step
-    # Wave tail: programs of one round load, compute and store in step, so the DRAM is idle
-    # while a round's loads are in flight before its first store and busy only with stores at
-    # its end; rounds overlap with their neighbours, so ``stream_wave_tail / rounds`` of the
-    # transfer time stays exposed (one round: everything loads, then everything stores).
-    t_hbm = _f(bytes_moved) / (hw.hbm_bytes_per_s * c.hbm_efficiency) * (1.0 + c.stream_wave_tail / rounds)
+    t_dram = _f(bytes_moved) / (hw.hbm_bytes_per_s * c.hbm_efficiency)
     t_blk = per_sm * c.block_launch_cycles / clock
     t_iss = per_sm * _f(work_per_program) * k["instr"] / (hw.warp_size * issue * clock)
+    # Wave tail (pipeline fill and drain): programs of one round load, compute and store in
+    # step, so a round's memory phase (DRAM) and compute phase (issue) overlap only with other
+    # rounds'. ``rounds`` rounds through that two-stage pipeline take ``max + min / rounds`` of the
+    # two stages' times: the shorter stage stays exposed once per round's share
+    # (one round: load everything, compute everything, store everything). ``stream_wave_tail``
+    # is the share of that ideal lockstep exposure left after programs drift out of step.
+    t_hbm = t_dram + c.stream_wave_tail * np.minimum(t_dram, t_iss) / rounds
     p = c.stream_combine_p
     body = (t_hbm ** p + t_lat ** p + t_blk ** p + t_iss ** p) ** (1.0 / p)
     fixed = hw.launch_overhead_s * c.launch_multiplier
     total = np.where(feasible, fixed + body, np.inf)
     if not terms:
         return total
-    return dict(total=total, fixed=np.broadcast_to(fixed, np.shape(total)), t_hbm=t_hbm, t_latency=t_lat,
+    return dict(total=total, fixed=np.broadcast_to(fixed, np.shape(total)), t_hbm=t_hbm, t_dram=t_dram, t_latency=t_lat,
                 t_blocks=t_blk, t_issue=t_iss, occupancy=occ, registers=regs, spill_bytes=spill,
                 feasible=feasible)
 
