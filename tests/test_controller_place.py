@@ -377,3 +377,18 @@ def test_a_controller_placed_on_kubernetes_is_refused_where_it_cannot_work(clust
     proc = sftctl("run", str(_placed_spec(tmp_path, controller="{place: slurm, image: x}")), "--detach")
     assert proc.returncode == 2 and "image is for place: kubernetes only" in proc.stderr, proc.stderr
     assert k8s.list("jobs", "default") == [] and cluster.jobs() == []
+
+
+def test_down_orphans_deletes_a_kubernetes_controller_of_an_unknown_job(k8s, tmp_path, home):
+    """A controller's Kubernetes Job (sftctl-role=controller) whose job this state does not know
+    is deleted by down --orphans, with its Secret; a node pod sweep never took it for a node."""
+    from sftctl.providers.kubernetes import KubernetesProvider
+
+    name = KubernetesProvider().submit_controller("ghost-k8s", ["sleep", "300"], env={"A": "b"},
+                                                  secret_env={"SFTCTL_STATE_URL": "postgresql://x"})
+    assert [j["metadata"]["name"] for j in _controller_jobs(k8s, "ghost-k8s")] == [name]
+    out = sftctl("down", "--orphans", check=True).stdout
+    assert f"kubernetes: ghost-k8s (unknown job): stopped its controller's Kubernetes Job {name}" in out, out
+    assert "removed" not in out  # not a node
+    assert _controller_jobs(k8s, "ghost-k8s") == [] and not k8s.list("secrets", "default")
+    assert "ghost-k8s" not in sftctl("down", "--orphans", check=True).stdout  # nothing left to find

@@ -235,14 +235,23 @@ def down_orphans(store: Store | None, checked: list[str] | None = None) -> list[
             n = provider.terminate_tagged(job_id)
             why = "unknown job" if job is None else job.status.value.lower()
             out.append(f"{name}: {job_id} ({why}): removed {n} resource(s)")
-        if name == "slurm":  # controllers placed on Slurm (controller.place: slurm) of jobs gone or ended
-            out += _stop_orphan_slurm_controllers(store, provider)
+        if name in PLACED_CONTROLLER_KIND:  # controllers placed there (controller.place) of jobs gone or ended
+            try:
+                out += _stop_orphan_placed_controllers(store, provider, name)
+            except SftctlError as e:
+                out.append(f"{name}: placed controllers skipped ({e.message})")
     return out
 
 
-def _stop_orphan_slurm_controllers(store: Store | None, provider) -> list[str]:
-    """Stop each controller's Slurm job of this home (``sftctl-ctl-<job>``) whose job the state
-    does not know or that ended (SIGTERM, then ``scancel`` after ``DOWN_GRACE_S``)."""
+#: where ``controller.place`` runs a controller -> what the provider calls it
+PLACED_CONTROLLER_KIND = {"slurm": "Slurm job", "kubernetes": "Kubernetes Job"}
+
+
+def _stop_orphan_placed_controllers(store: Store | None, provider, name: str) -> list[str]:
+    """Stop each placed controller (``sftctl-ctl-<job>``: a Slurm job of this home, a Kubernetes
+    Job of the namespace) whose job the state does not know or that ended: SIGTERM, then
+    ``scancel`` after ``DOWN_GRACE_S``; a Kubernetes Job is deleted (its pod gets the grace) with
+    its Secret."""
     out = []
     for job_id in sorted({r["job_id"] or "?" for r in provider.controller_jobs(None)}):
         job = store.get_job(job_id) if store is not None else None
@@ -250,7 +259,7 @@ def _stop_orphan_slurm_controllers(store: Store | None, provider) -> list[str]:
             continue
         ids = provider.cancel_controller(job_id, DOWN_GRACE_S)
         why = "unknown job" if job is None else job.status.value.lower()
-        out.append(f"slurm: {job_id} ({why}): stopped its controller's Slurm job {', '.join(ids)}")
+        out.append(f"{name}: {job_id} ({why}): stopped its controller's {PLACED_CONTROLLER_KIND[name]} {', '.join(ids)}")
     return out
 
 
