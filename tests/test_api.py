@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, SLEEPER, job_processes, sftctl
+from conftest import REPO, SLEEPER, job_processes, sftctl, wait_for
 
 QUICKSTART = str(REPO / "examples" / "quickstart.yaml")
 #: heavy modules `sftctl status` does not import either (tests/test_cli.py keeps that bar)
@@ -53,7 +53,10 @@ def test_detached_quickstart_from_python_to_succeeded(home):
     assert all(r.loss < r.first_loss for r in done.ranks)  # it learned something
     assert done.loss == pytest.approx(sum(r.loss for r in done.ranks) / 2)
     assert [a.status for a in done.attempts] == ["SUCCEEDED"]
-    assert {n.status for n in done.nodes} == {"TERMINATED"} and job_processes(job.id) == []
+    # the controller records SUCCEEDED, then terminates the nodes (api.wait returns at the first)
+    wait_for(lambda: {n.status for n in api.status(job.id).nodes} == {"TERMINATED"}, timeout_s=60,
+             what="the controller's teardown of the finished job's nodes")
+    assert job_processes(job.id) == []
 
     lines = list(api.logs(job.id))
     text = "\n".join(map(str, lines))

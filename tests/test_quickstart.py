@@ -43,6 +43,10 @@ def test_quickstart_detached(home):
     job = json.loads(sftctl("run", QUICKSTART, *SHORT, "--detach", "--json", check=True).stdout)["job_id"]
     wait_for(lambda: status_json(job)["status"] in ("SUCCEEDED", "FAILED", "FAILED_CONTROLLER"), timeout_s=300,
              what="the detached quickstart to finish")
+    # the controller records SUCCEEDED, then terminates the nodes: a poll between the two saw
+    # RUNNING nodes of a finished job (a second copy of the suite beside this one)
+    wait_for(lambda: all(n["status"] == "TERMINATED" for n in status_json(job)["nodes"]), timeout_s=60,
+             what="the controller's teardown of the finished job's nodes")
     assert_trained(status_json(job), home)
     table = sftctl("status", job, check=True).stdout
     assert "training ranks" in table and "SUCCEEDED" in table
