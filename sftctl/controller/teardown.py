@@ -55,13 +55,13 @@ def down(store: Store, job_id: str, progress: Callable[[str], None] | None = Non
     controller_was_alive = bool(not job.status.terminal and pid and pid != os.getpid() and procs.alive(pid, ticks))
     if placed(job.spec):  # its controller is a Slurm job / Kubernetes Job, its pid another machine's
         controller_was_alive = False
-        what = "Kubernetes Job" if placed(job.spec) == "kubernetes" else "Slurm job"
+        what = PLACED_CONTROLLER_KIND[placed(job.spec)]
         if not job.status.terminal:
             store.add_event(job_id, "down", f"sftctl down: SIGTERM to the controller's {what}", {"signal": "SIGTERM"})
             say(f"{job_id}: waiting up to {DOWN_GRACE_S:.0f} s for its controller's {what} to stop its nodes")
         found = stop_placed_controller(job, DOWN_GRACE_S)
-        for slurm_id in found:  # one that never started leaves its queued lease behind
-            store.release_lease(job_id, queued_holder(placed(job.spec), slurm_id))
+        for ctl_id in found:  # one that never started leaves its queued lease behind
+            store.release_lease(job_id, queued_holder(placed(job.spec), ctl_id))
         controller_was_alive = bool(found) and not job.status.terminal
     elif controller_was_alive:
         # said first, so the controller's reason names sftctl down, not an anonymous SIGTERM
