@@ -1,9 +1,10 @@
 """A real Slurm cluster on this machine for the tests: munged, slurmctld and one slurmd per node.
 
 Debian's ``slurm-wlm`` (22.05 on bookworm) and ``munge`` packages; ``.ci/run`` installs them.
-Everything lives in one temporary directory (configuration, munge key and socket, state, spool,
-logs, pid files) and every port is chosen free on 127.0.0.1, so the cluster never touches the
-machine's own Slurm or munge. The nodes are ``node1..nodeN``, each its own ``slurmd -N nodeK``
+Everything lives in one temporary directory (configuration, munge key, state, logs, pid files)
+but the unix sockets (munge's, and the spool where slurmstepd binds its own), which live in a
+short directory of their own that ``stop`` removes (a socket path holds 108 bytes); every port
+is chosen free on 127.0.0.1, so the cluster never touches the machine's own Slurm or munge. The nodes are ``node1..nodeN``, each its own ``slurmd -N nodeK``
 with its own ``Port=`` (Slurm's "multiple slurmd" mode), all with ``NodeAddr=127.0.0.1``.
 
 GPUs cannot exist here, so each node declares typed GPUs as a counted GRES without device
