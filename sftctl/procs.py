@@ -41,13 +41,13 @@ def start_ticks(pid: int) -> int | None:
     """Start time of ``pid`` in clock ticks since boot, or None if there is no such process."""
     try:
         stat = (_PROC / str(pid) / "stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        # the command name (field 2) may contain spaces and parentheses: split after the last ')'
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] == "Z":  # a zombie has exited; only its parent has not reaped it
+            return None
+        return int(fields[19])
+    except (OSError, ValueError, IndexError):  # gone, or gone mid-read (an empty or cut-off stat)
         return None
-    # the command name (field 2) may contain spaces and parentheses: split after the last ')'
-    fields = stat[stat.rindex(")") + 2 :].split()
-    if fields[0] == "Z":  # a zombie has exited; only its parent has not reaped it
-        return None
-    return int(fields[19])
 
 
 def alive(pid: int | None, ticks: int | None = None) -> bool:
@@ -139,18 +139,23 @@ def guard(controller_pid: int, controller_ticks: int | None, node_id: str, argv:
         try:
             code = child.wait(timeout=GUARD_POLL_S)
         except subprocess.TimeoutExpired:
-            if alive(controller_pid, controller_ticks):
+            try:
+                if alive(controller_pid, controller_ticks):
+                    continue
+                successor = _successor(owner, controller_pid)
+                if successor is not None:  # a new controller adopted the job: watch it instead
+                    controller_pid, controller_ticks = successor
+                    gone_since = None
+                    continue
+                gone_since = time.monotonic() if gone_since is None else gone_since
+                if time.monotonic() - gone_since < grace_s:
+                    continue
+                sys.stderr.write(f"sftctl guard: controller {controller_pid} is gone; stopping node {node_id}\n")
+                kill_all(sorted(set(tagged("SFTCTL_NODE_ID", node_id)) | {child.pid}), grace_s=5.0)
+                code = child.wait()
+            except Exception as exc:  # noqa: BLE001 - a guard that dies leaves its node unwatched: retry
+                sys.stderr.write(f"sftctl guard: {type(exc).__name__}: {exc}; trying again\n")
                 continue
-            successor = _successor(owner, controller_pid)
-            if successor is not None:  # a new controller adopted the job: watch it instead
-                controller_pid, controller_ticks = successor
-                gone_since = None
-                continue
-            gone_since = time.monotonic() if gone_since is None else gone_since
-            if time.monotonic() - gone_since < grace_s:
-                continue
-            kill_all(sorted(set(tagged("SFTCTL_NODE_ID", node_id)) | {child.pid}), grace_s=5.0)
-            code = child.wait()
         return code if code >= 0 else 128 - code
 
 

@@ -132,10 +132,13 @@ def status_json(job_id: str | None = None) -> dict:
     return json.loads(json.dumps(doc, default=str))
 
 
-def wait_for(predicate, timeout_s: float = 120, interval_s: float = 0.3, what: str = "condition"):
+def wait_for(predicate, timeout_s: float = 120, interval_s: float = 0.3, what: str = "condition",
+             report=None):
     """Poll ``predicate`` until it returns a truthy value; fail the test once ``timeout_s`` (a
     quiet-machine budget) times the machine's :func:`slowdown` has passed. The slowdown is read
-    again on every poll, so a load that rises during the wait extends it."""
+    again on every poll, so a load that rises during the wait extends it. ``report``: called at
+    the timeout, its string added to the failure message (processes, logs: pytest rotates the
+    tmp dirs of old runs away, so what is not in the message is lost)."""
     start = time.monotonic()
     while True:
         value = predicate()
@@ -144,7 +147,8 @@ def wait_for(predicate, timeout_s: float = 120, interval_s: float = 0.3, what: s
         waited = time.monotonic() - start
         if waited > deadline(timeout_s):
             raise AssertionError(f"timed out after {waited:.0f} s waiting for {what} "
-                                 f"(budget {timeout_s} s on a quiet machine, slowdown {slowdown():.1f}x)")
+                                 f"(budget {timeout_s} s on a quiet machine, slowdown {slowdown():.1f}x)"
+                                 + (f"\n{report()}" if report else ""))
         time.sleep(interval_s)
 
 
@@ -156,6 +160,27 @@ def x64():
     jax.config.update("jax_enable_x64", True)
     yield
     jax.config.update("jax_enable_x64", previous)
+
+
+def process_report(job_id: str) -> str:
+    """For a failure message: every live process tagged with the job's id (pid, parent, state,
+    node tag, command line) and the tail of each of the job's node logs under the sftctl home."""
+    from sftctl import paths, procs
+
+    lines = []
+    nodes = procs.tag_values("SFTCTL_NODE_ID")
+    for pid in sorted(procs.tagged("SFTCTL_JOB_ID", job_id)):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            state, ppid = stat[stat.rindex(")") + 2:].split()[:2]
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        lines.append(f"  pid {pid} ppid {ppid} {state} node {nodes.get(pid)}: {cmd[:200]}")
+    for log in sorted(paths.job_dir(job_id).rglob("*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-8:]
+        lines.append(f"  {log.relative_to(paths.job_dir(job_id))}:\n" + "\n".join(f"    {t}" for t in tail))
+    return "processes of the job and its logs:\n" + ("\n".join(lines) or "  none")
 
 
 def job_processes(job_id: str) -> list[int]:

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import REPO, deadline, job_processes, sftctl, status_json, wait_for, write_spec
+from conftest import REPO, deadline, job_processes, process_report, sftctl, status_json, wait_for, write_spec
 
 
 def _gated_job(tmp_path, nodes: int = 1, env: dict | None = None) -> tuple[str, object]:
@@ -218,7 +218,8 @@ def test_a_new_controller_adopts_a_running_job_whose_controller_was_killed(tmp_p
         recorded = [n.id for n in store.nodes(job)]
         os.kill(before.controller_pid, signal.SIGKILL)
         wait_for(lambda: not procs.alive(before.controller_pid, before.controller_start_ticks), what="the kill")
-        wait_for(lambda: nodes_up() == 0, timeout_s=60, what="the guard to stop the dead controller's nodes")
+        wait_for(lambda: nodes_up() == 0, timeout_s=60, what="the guard to stop the dead controller's nodes",
+                 report=lambda: process_report(job))
         # no `sftctl status` here: it would mark the job FAILED_CONTROLLER (terminal) before the restart
         assert store.get_job(job).status == JobStatus.RUNNING
         path = {"RUNNING": [], "LAUNCHING": [JobStatus.RECOVERING, JobStatus.LAUNCHING],
@@ -338,3 +339,18 @@ def test_down_of_an_ended_job_never_signals_the_process_recorded_as_its_controll
     finally:
         script.kill()
         script.wait()
+
+
+@pytest.mark.parametrize("stat", ["", "123 (python", "123 (py) S 1"])
+def test_start_ticks_of_a_process_gone_mid_read_is_none(tmp_path, monkeypatch, stat):
+    """A node's guard (`procs.guard`) asks `start_ticks` about its controller every second; a
+    /proc stat read as the process exits can come back empty or cut off. That raised (ValueError,
+    IndexError) where it means "gone", and an exception ends the guard, leaving its node running
+    unwatched. Now it is None; the guard also survives any exception of one poll (it retries)."""
+    from sftctl import procs
+
+    (tmp_path / "123").mkdir()
+    (tmp_path / "123" / "stat").write_text(stat)
+    monkeypatch.setattr(procs, "_PROC", tmp_path)
+    assert procs.start_ticks(123) is None
+    assert not procs.alive(123)
