@@ -66,13 +66,13 @@ def test_refit_reproduces_the_stated_fit(doc):
     loso = doc["fit"]["leave_one_shape_out"]
     for name in ("gemm:4096x4096x4096", "gemm:8192x2304x768"):
         assert loso[name]["spearman"] >= 0.9 and loso[name]["pick_over_best"] <= 1.10, loso[name]
-    # every (kernel, shape) ranks its configs with Spearman >= 0.9 held out, bias_gelu included
-    # (0.8775 at 8192x768 before the streaming model's pipeline wave tail and per-thread ILP);
-    # top picks within 1.10x of the best except bias_gelu 8192x768 (1.125x: issue 20, open)
-    for name, q in loso.items():
-        assert q["spearman"] >= 0.9, (name, q)
-        if name != "bias_gelu:8192x768":
-            assert q["pick_over_best"] <= 1.10, (name, q)
+    # issue 20's done-when, by the model alone: every (kernel, shape) held out ranks its configs
+    # with Spearman >= 0.9 and picks one within 1.10x of the best measured, in both tables
+    # (bias_gelu 8192x768 picked 1.125x before the instruction-fetch term and the per-thread
+    # instruction count; its Spearman was 0.8775 before the pipeline wave tail)
+    for table in ("leave_one_shape_out", "leave_shape_out_all_kernels"):
+        for name, q in doc["fit"][table].items():
+            assert q["spearman"] >= 0.9 and q["pick_over_best"] <= 1.10, (table, name, q)
 
 
 def test_spearman_and_ranks_against_hand_values():

@@ -77,6 +77,7 @@ STREAM_PARAMS = {
     "warp_ipc": (0.02, 1.0),
     "stream_combine_p": (1.0, 16.0),
     "stream_wave_tail": (0.0, 1.0),
+    "icache_fetch_bytes_per_clk": (2.0, 256.0),
 }
 RANK_WEIGHT = 1.0
 STARTS = 4

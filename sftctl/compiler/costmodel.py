@@ -105,6 +105,7 @@ expression tree with best-case leaves, so it is <= every member's time in floati
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -206,8 +207,10 @@ class Coefficients:
         stream_wave_tail: share of a streaming kernel's pipeline fill and drain left exposed
             (wave quantization of load/compute/store phases): the DRAM term becomes
             ``t_dram + stream_wave_tail * min(t_dram, t_issue) / rounds``.
+        icache_fetch_bytes_per_clk: instruction bytes per clock an SM fetches past its nearest
+            instruction cache (:data:`ICACHE`) when a streaming kernel's code outgrows it.
         stream_combine_p: exponent of the smooth maximum ``(sum t_i^p)^(1/p)`` that combines the
-            DRAM, latency (Little's law), block-rate and issue limits of a streaming kernel.
+            DRAM, latency (Little's law), block-rate, issue and instruction-fetch limits of a streaming kernel.
     """
 
     mma_efficiency: float = 0.88
@@ -245,6 +248,7 @@ class Coefficients:
     warp_ipc: float = 0.5
     stream_combine_p: float = 4.0
     stream_wave_tail: float = 0.0
+    icache_fetch_bytes_per_clk: float = 32.0
 
     #: Per-vendor overrides of the defaults (``for_vendor``).
     VENDOR: ClassVar[dict] = {
@@ -316,18 +320,31 @@ def reduction_time_s(rows, cols, dtype: str, hw: Accelerator, coeffs: Coefficien
 #: Per-element work of the streaming kernels :func:`row_kernel_time_s` and
 #: :func:`elementwise_time_s` model, counted from their Triton source (``calibrations/data/h200/
 #: kernels.py``; SASS instructions per element, approximate): ``instr`` per element per thread,
-#: ``reductions`` block-wide reductions per row, ``regs_per_elem`` fp32 registers each element a
-#: thread holds needs (from ptxas register counts of those kernels on sm_90), ``params`` per-column
-#: parameter vectors read per program (weight, bias: from L2).
+#: ``thread_instr`` per thread and step whatever its element count (index, mask and address
+#: arithmetic; 0 where not counted), ``reductions`` block-wide reductions per row,
+#: ``regs_per_elem`` fp32 registers each element a thread holds needs (from ptxas register counts
+#: of those kernels on sm_90), ``params`` per-column parameter vectors read per program (weight,
+#: bias: from L2). ``bias_gelu``'s two counts are its compiled SASS (Triton 3.9, sm_90, nvdisasm):
+#: 215, 400, 772 and 3077 instructions per thread at 8, 16, 32 and 128 elements per thread, a
+#: least-squares line of 24 per element + 24 (``tests/test_costmodel_stream.py`` recounts them).
 STREAM_KERNELS = {
     "layernorm": dict(instr=14.0, reductions=2.0, regs_per_elem=3.3, params=2.0),
     "softmax": dict(instr=10.0, reductions=2.0, regs_per_elem=1.5, params=0.0),
     "rmsnorm": dict(instr=10.0, reductions=1.0, regs_per_elem=2.5, params=1.0),
-    "bias_gelu": dict(instr=30.0, reductions=0.0, regs_per_elem=1.3, params=1.0),
+    "bias_gelu": dict(instr=24.0, reductions=0.0, regs_per_elem=1.3, params=1.0, thread_instr=24.0),
     "elementwise": dict(instr=8.0, reductions=0.0, regs_per_elem=1.0, params=0.0),
 }
 
 _STREAM_REG_BASE = 16.0
+
+#: Per vendor: (bytes of the instruction cache nearest the scheduler, bytes per instruction).
+#: NVIDIA: the L0 instruction cache of one SM sub-partition, 12 KiB on Volta (Jia et al.,
+#: "Dissecting the NVIDIA Volta GPU Architecture via Microbenchmarking", arXiv:1804.06826, 2018);
+#: NVIDIA publishes no size for Ampere or Hopper, so Volta's is carried over; instructions are
+#: 128-bit since Volta (same paper). AMD CDNA3: 64 KB instruction cache per two CUs, 32 KiB each (AMD
+#: CDNA 3 architecture white paper), instructions 4 or 8 bytes (8 taken). On the H200 records
+#: the held-out fit passes at 8 and 12 KiB and not at 16 (bias_gelu 8192x768 Spearman 0.77).
+ICACHE = {"nvidia": (12 * 1024, 16.0), "amd": (32 * 1024, 8.0)}
 
 
 def _stream_time(kind, programs, work_per_program, rows_per_program, elems_per_thread, warps,
@@ -345,8 +362,11 @@ def _stream_time(kind, programs, work_per_program, rows_per_program, elems_per_t
       ``a`` resident programs finishes ``a`` steps per step latency; programs run in
       ``ceil(per_sm / a)`` rounds (wave quantization over the busiest SM);
     * block rate: an SM launches one block per ``block_launch_cycles``;
-    * issue: ``instr`` per element over the SM's issue rate ``min(4, a*warps*warp_ipc)``/clock
-      (4 schedulers; CUDA C++ Programming Guide, "Hardware Multithreading").
+    * issue: ``instr`` per element (+ ``thread_instr / elems_per_thread``) over the SM's issue
+      rate ``min(4, a*warps*warp_ipc)``/clock (4 schedulers; CUDA C++ Programming Guide,
+      "Hardware Multithreading");
+    * instruction fetch: code past the instruction cache (:data:`ICACHE`) fetched at
+      ``icache_fetch_bytes_per_clk``.
     Occupancy (blocks per SM) from warps, blocks and registers per SM as the CUDA Occupancy
     Calculator computes it; registers from ptxas when given, else estimated.
     """
@@ -378,11 +398,12 @@ def _stream_time(kind, programs, work_per_program, rows_per_program, elems_per_t
     # a thread's elements are independent (instruction-level parallelism): one element's
     # dependent chain costs ``instr / warp_ipc`` cycles, each further element's instructions
     # issue behind it at up to one per cycle (one warp, one scheduler)
-    step = lat + red + (k["instr"] / c.warp_ipc + (e - 1.0) * k["instr"]) / clock + spill_t
+    ti = k.get("thread_instr", 0.0)
+    step = lat + red + ((k["instr"] + ti) / c.warp_ipc + (e - 1.0) * k["instr"]) / clock + spill_t
     t_lat = rounds * _f(rows_per_program) * step
     t_dram = _f(bytes_moved) / (hw.hbm_bytes_per_s * c.hbm_efficiency)
     t_blk = per_sm * c.block_launch_cycles / clock
-    t_iss = per_sm * _f(work_per_program) * k["instr"] / (hw.warp_size * issue * clock)
+    t_iss = per_sm * _f(work_per_program) * (k["instr"] + ti / e) / (hw.warp_size * issue * clock)
     # Wave tail (pipeline fill and drain): programs of one round load, compute and store in
     # step, so a round's memory phase (DRAM) and compute phase (issue) overlap only with other
     # rounds'. ``rounds`` rounds through that two-stage pipeline take ``max + min / rounds`` of the
@@ -390,15 +411,24 @@ def _stream_time(kind, programs, work_per_program, rows_per_program, elems_per_t
     # (one round: load everything, compute everything, store everything). ``stream_wave_tail``
     # is the share of that ideal lockstep exposure left after programs drift out of step.
     t_hbm = t_dram + c.stream_wave_tail * np.minimum(t_dram, t_iss) / rounds
+    # Instruction fetch: a thread's step is straight-line code (the elements unrolled); once it
+    # outgrows the instruction cache nearest the scheduler, the share ``1 - cache / code`` of
+    # every warp's fetches comes from the next level at ``icache_fetch_bytes_per_clk`` per SM
+    # (the slowdown of 64 to 256 elements per thread on H200: 1.2-1.6x at 65536x1024)
+    cache_bytes, instr_bytes = ICACHE.get(hw.vendor, (math.inf, 0.0))
+    code = (k["instr"] * e + ti) * instr_bytes
+    miss = np.maximum(0.0, 1.0 - cache_bytes / np.maximum(code, 1.0))
+    warp_steps = per_sm * _f(work_per_program) / (e * hw.warp_size)
+    t_fetch = warp_steps * code * miss / (c.icache_fetch_bytes_per_clk * clock)
     p = c.stream_combine_p
-    body = (t_hbm ** p + t_lat ** p + t_blk ** p + t_iss ** p) ** (1.0 / p)
+    body = (t_hbm ** p + t_lat ** p + t_blk ** p + t_iss ** p + t_fetch ** p) ** (1.0 / p)
     fixed = hw.launch_overhead_s * c.launch_multiplier
     total = np.where(feasible, fixed + body, np.inf)
     if not terms:
         return total
     return dict(total=total, fixed=np.broadcast_to(fixed, np.shape(total)), t_hbm=t_hbm, t_dram=t_dram, t_latency=t_lat,
-                t_blocks=t_blk, t_issue=t_iss, occupancy=occ, registers=regs, spill_bytes=spill,
-                feasible=feasible)
+                t_blocks=t_blk, t_issue=t_iss, t_fetch=t_fetch, occupancy=occ, registers=regs,
+                spill_bytes=spill, feasible=feasible)
 
 
 def row_kernel_time_s(kind: str, rows, cols, config: dict, hw: Accelerator,

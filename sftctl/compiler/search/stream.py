@@ -4,9 +4,11 @@ reductions) and elementwise chains, scored by the cost model.
 The spaces are small (a row kernel: :data:`ROW_WARPS` at the row's block width; an elementwise
 kernel: :data:`ELEMENTWISE_BLOCKS` x :data:`ELEMENTWISE_WARPS`), so the search scores every
 point with :func:`~sftctl.compiler.costmodel.row_kernel_time_s` /
-:func:`~sftctl.compiler.costmodel.elementwise_time_s` (vectorized) and returns the fastest; ties
-go to the first point in enumeration order. Results are memoized per (kind, sizes,
-accelerator, coefficients).
+:func:`~sftctl.compiler.costmodel.elementwise_time_s` (vectorized) and returns the fastest. Ties
+(equal to 9 significant digits) go to the schedule launching the fewest threads (each thread
+pays its index, mask and address instructions once), then the fewest blocks (each block costs
+the SM a launch), never to the enumeration order (:func:`_pick`). Results are memoized per
+(kind, sizes, accelerator, coefficients).
 
 On the H200 measurements (``calibrations/data/h200``) the model orders these configs with
 Spearman 0.92-0.97 (row kernels) and picks a config within 1.05x of the best measured; the old
@@ -52,6 +54,15 @@ class _Key:
         return isinstance(other, _Key) and self.key == other.key
 
 
+def _pick(t: np.ndarray, threads: np.ndarray, blocks: np.ndarray) -> int:
+    """Index of the fastest of ``t`` (seconds per candidate), ties broken by fewer ``threads``
+    launched in all, then fewer ``blocks`` (see the module's docstring)."""
+    from sftctl.compiler.search.gemm import _tie_time
+
+    key = np.asarray([_tie_time(float(x)) if np.isfinite(x) else np.inf for x in t])
+    return int(np.lexsort((blocks, threads, key))[0])
+
+
 @functools.lru_cache(maxsize=4096)
 def _row_search(kind: str, rows: int, cols: int, dtype: str, hwk: _Key, coeffs: Coefficients):
     hw = hwk.hw
@@ -59,7 +70,7 @@ def _row_search(kind: str, rows: int, cols: int, dtype: str, hwk: _Key, coeffs: 
     W = np.asarray(ROW_WARPS, dtype=float)
     cfg = {"ROWS": np.ones_like(W), "BLOCK_N": np.full_like(W, block), "num_warps": W}
     t = np.asarray(row_kernel_time_s(kind, rows, cols, cfg, hw, coeffs, dtype=dtype), dtype=float)
-    i = int(np.argmin(t))
+    i = _pick(t, rows * W * hw.warp_size, np.full_like(W, rows))
     return {"BLOCK_N": block, "num_warps": int(W[i])}, float(t[i])
 
 
@@ -80,7 +91,8 @@ def _ew_search(n: int, bytes_per_element: float, instr: float, hwk: _Key, coeffs
     B, W = B.reshape(-1), W.reshape(-1)
     t = np.asarray(elementwise_time_s(n, {"BLOCK": B, "num_warps": W}, hw, coeffs, kind="elementwise",
                                       bytes_per_element=bytes_per_element, instr_per_element=instr), dtype=float)
-    i = int(np.argmin(t))
+    blocks = np.ceil(n / B)
+    i = _pick(t, blocks * W * hw.warp_size, blocks)
     return {"BLOCK": int(B[i]), "num_warps": int(W[i])}, float(t[i])
 
 
