@@ -357,9 +357,9 @@ class ControllerSpec(_Strict):
         None, description="place: slurm: the partition of the controller's Slurm job (a CPU partition); "
         "default: slurm.partition, else the cluster's default partition")
     image: str | None = Field(
-        None, description="place: kubernetes: the container image of the controller's Job; it must have "
-        "sftctl installed (python -m sftctl runs); default: python:3.11-slim, the kubernetes provider's "
-        "CPU image")
+        None, description="place: kubernetes: the container image of the controller's Job, with sftctl "
+        "installed (python -m sftctl runs); default: python:3.11-slim, the kubernetes provider's CPU image, "
+        "where the pod pip-installs this sftctl version (or node.install) before it starts")
 
     @field_validator("partition")
     @classmethod

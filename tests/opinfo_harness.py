@@ -320,9 +320,13 @@ def core_aten_coverage() -> dict[str, Any]:
 
 
 def sweep(limit: int = 3, backward_limit: int = 1, names: Iterable[str] | None = None,
-          seed: int = 0) -> list[dict[str, Any]]:
-    """:func:`check_op` over :func:`selected_ops`."""
-    return [check_op(op, limit=limit, backward_limit=backward_limit, seed=seed) for op in selected_ops(names)]
+          seed: int = 0, shard: tuple[int, int] = (0, 1)) -> list[dict[str, Any]]:
+    """:func:`check_op` over :func:`selected_ops`; ``shard=(k, n)``: only the OpInfos whose
+    index in that order is ``k`` modulo ``n`` (the suite runs the sweep as ``n`` tests, which
+    pytest-xdist spreads over its workers)."""
+    k, n = shard
+    return [check_op(op, limit=limit, backward_limit=backward_limit, seed=seed)
+            for i, op in enumerate(selected_ops(names)) if i % n == k]
 
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -288,6 +288,7 @@ def test_a_controller_placed_on_kubernetes_runs_the_job_to_success(cluster, pg_u
     nothing; the Job's container, run as the kubelet would, drives the job to SUCCEEDED on Slurm
     nodes with no client attached; `down` deletes the Job and its Secret."""
     from sftctl import api
+    from sftctl.controller.submit import controller_install
     from sftctl.queue import ControllerBusy
 
     job = json.loads(sftctl("run", str(_placed_spec(tmp_path, extra="sleep 2", controller="{place: kubernetes}")),
@@ -298,8 +299,11 @@ def test_a_controller_placed_on_kubernetes_runs_the_job_to_success(cluster, pg_u
     pod = kjob["spec"]["template"]["spec"]
     assert (pod["restartPolicy"], kjob["spec"]["backoffLimit"]) == ("Never", 0)
     [container] = pod["containers"]
-    assert container["image"] == "python:3.11-slim" and container["command"][0] == "python"
-    assert container["command"][-1] == job and "sftctl.queue" in container["command"][2]
+    # the default image has no sftctl: the command pip-installs it when missing (here the
+    # "image" is this venv, which has it), then execs `python -m sftctl.queue JOB`
+    assert container["image"] == "python:3.11-slim" and container["command"][:2] == ["sh", "-c"]
+    assert container["command"][3] == controller_install() and container["command"][4] == "python"
+    assert container["command"][-1] == job and "sftctl.queue" in container["command"][-2]
     assert {e["name"]: e["value"] for e in container["env"]}["SFTCTL_CONTROLLER_K8S_JOB"] == name
     assert pg_url not in json.dumps(kjob)  # the database password travels in the Secret only
     secret = k8s.get("secrets", "default", container["envFrom"][0]["secretRef"]["name"])
@@ -392,3 +396,39 @@ def test_down_orphans_deletes_a_kubernetes_controller_of_an_unknown_job(k8s, tmp
     assert "removed" not in out  # not a node
     assert _controller_jobs(k8s, "ghost-k8s") == [] and not k8s.list("secrets", "default")
     assert "ghost-k8s" not in sftctl("down", "--orphans", check=True).stdout  # nothing left to find
+
+
+def test_the_default_controller_image_gets_sftctl_installed_first(tmp_path):
+    """A controller Job on the default image (python:3.11-slim, no sftctl) ran `python -m
+    sftctl.queue` there and died at its import. Its command now pip-installs sftctl when
+    `python` cannot import it, then execs the controller; an image that has it skips the install;
+    a failed install is one line and exit 1. Run here with stub `python` and `pip` on PATH."""
+    from sftctl.controller.submit import controller_container_command, controller_install
+
+    assert controller_container_command("j1", "ghcr.io/lab/sftctl:1")[0] == "python"  # an image of the user's: as is
+    cmd = controller_container_command("j1", None)
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    log = tmp_path / "calls"
+
+    def stub(name: str, body: str) -> None:
+        (stubs / name).write_text(f"#!/bin/sh\necho {name} \"$@\" >> {log}\n{body}\n")
+        (stubs / name).chmod(0o755)
+
+    env = {"PATH": f"{stubs}:/usr/bin:/bin"}
+    for has_sftctl, pip_ok in ((False, True), (True, True), (False, False)):
+        log.write_text("")
+        # `python -c "import sftctl"` fails until pip ran (a marker file), or from the start
+        stub("python", f'case "$2" in "import sftctl") {"exit 0" if has_sftctl else f"[ -e {tmp_path}/installed ]; exit $?"};; esac; exit 0')
+        stub("pip", f"touch {tmp_path}/installed; exit 0" if pip_ok else "exit 3")
+        (tmp_path / "installed").unlink(missing_ok=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=30)
+        calls = log.read_text().splitlines()
+        if not pip_ok:
+            assert proc.returncode == 1 and "cannot pip install" in proc.stderr, proc
+            assert not any("sftctl.queue" in c for c in calls), calls
+            continue
+        assert proc.returncode == 0, proc
+        pips = [c for c in calls if c.startswith("pip ")]
+        assert pips == ([] if has_sftctl else [f"pip install --quiet --no-cache-dir {controller_install()}"]), calls
+        assert calls[-1].startswith("python -c") and calls[-1].endswith(" j1") and "sftctl.queue" in calls[-1], calls

@@ -42,20 +42,29 @@ def test_core_aten_coverage_is_at_least_95_percent():
         assert packet not in cov["missing"], packet
 
 
-def test_every_opinfo_sample_a_lowering_takes_matches_torch_in_float64():
+#: the sweep runs as this many tests (every SHARDS-th OpInfo each), so pytest-xdist spreads it
+#: over its workers: one test of 77-142 s was the suite's longest on a busy machine
+SHARDS = 4
+
+
+@pytest.mark.parametrize("shard", range(SHARDS))
+def test_every_opinfo_sample_a_lowering_takes_matches_torch_in_float64(shard):
     seed = int(os.environ.get("SFTCTL_OPINFO_SEED") or random.randrange(1 << 31))
-    results = harness.sweep(limit=3, backward_limit=1, seed=seed)
+    results = harness.sweep(limit=3, backward_limit=1, seed=seed, shard=(shard, SHARDS))
     summary = harness.summarize(results)
     counts = summary["samples"]
     checked = sum(v for k, v in counts.items() if not k.endswith("_skip"))
     passed = counts.get("forward_pass", 0) + counts.get("backward_pass", 0)
-    print(f"\nOpInfo (seed {seed}): {summary['opinfos']} OpInfos, {summary['opinfos_all_samples_pass']} with every "
-          f"sample passing; samples {counts}; {passed} of {checked} checked samples pass")
-    assert summary["opinfos"] >= 500, summary["opinfos"]  # the database is there, not a stub
+    print(f"\nOpInfo shard {shard}/{SHARDS} (seed {seed}): {summary['opinfos']} OpInfos, "
+          f"{summary['opinfos_all_samples_pass']} with every sample passing; samples {counts}; "
+          f"{passed} of {checked} checked samples pass")
+    # the database is there, not a stub: 644 OpInfos in all with torch 2.13, 161 per shard
+    assert summary["opinfos"] >= 500 // SHARDS, summary["opinfos"]
     assert not summary["failures"], (f"SFTCTL_OPINFO_SEED={seed}: {len(summary['failures'])} sample(s) lowered "
                                      "but wrong:\n" + "\n".join(summary["failures"]))
-    # most of what torch tests runs through: a lowering lost wholesale shows here
-    assert passed >= 1400, counts
+    # most of what torch tests runs through: a lowering lost wholesale shows here (1,606 samples
+    # pass in all, 385-425 per shard; the floor was 1,400 for the whole sweep)
+    assert passed >= 1400 // SHARDS, counts
 
 
 def test_a_wrong_lowering_is_caught():

@@ -305,6 +305,31 @@ def controller_argv(job_id: str, python: str | None = None) -> list[str]:
     return module_argv("sftctl.queue", job_id, python=python or sys.executable)
 
 
+#: ``sh -c`` program of a controller Job whose image is the default (``python:3.11-slim``, no
+#: sftctl): pip-install ``$0`` unless ``python`` already imports sftctl, then exec the argv
+#: (``$@``). An image that has sftctl skips the install.
+_INSTALL_THEN_EXEC = ('python -c "import sftctl" 2>/dev/null || pip install --quiet --no-cache-dir "$0" '
+                      '|| { echo "sftctl: cannot pip install $0 in the controller pod" >&2; exit 1; }; exec "$@"')
+
+
+def controller_install() -> str:
+    """What a controller Job on the default image pip-installs: ``SFTCTL_NODE_INSTALL`` when
+    set (a lab's own index or wheel, as for cloud nodes), else this sftctl's version with the
+    extras a controller uses (Postgres state, Kubernetes, the clouds)."""
+    return settings.get("SFTCTL_NODE_INSTALL") or f"sftctl[aws,gcp,kubernetes,server]=={__version__}"
+
+
+def controller_container_command(job_id: str, image: str | None) -> list[str]:
+    """The container command of ``job_id``'s controller Job: :func:`controller_argv` with the
+    image's ``python``; on the default image (``image`` None: python:3.11-slim, which has no
+    sftctl) behind ``sh -c`` that first pip-installs :func:`controller_install` when sftctl is
+    missing, as a cloud node's bootstrap does."""
+    argv = controller_argv(job_id, "python")
+    if image is not None:
+        return argv
+    return ["sh", "-c", _INSTALL_THEN_EXEC, controller_install(), *argv]
+
+
 def controller_pod_env(spec: JobSpec, job_name: str, namespace: str) -> tuple[dict[str, str], dict[str, str]]:
     """``(env, secret_env)`` of a controller's Kubernetes Job: plain values (the Job's name,
     ``SFTCTL_CONTROLLER_K8S_JOB``, and the namespace its Kubernetes nodes go to) and what the
@@ -369,8 +394,8 @@ def _place_on_kubernetes(store: Store, job: JobRecord, spec: JobSpec, provider) 
     try:
         ns = provider.namespace
         env, secret_env = controller_pod_env(spec, name, ns)
-        name = provider.submit_controller(job.id, controller_argv(job.id, "python"), env=env,
-                                          secret_env=secret_env, image=spec.controller.image)
+        name = provider.submit_controller(job.id, controller_container_command(job.id, spec.controller.image),
+                                          env=env, secret_env=secret_env, image=spec.controller.image)
     except SftctlError as e:
         store.transition(job.id, JobStatus.FAILED, f"its controller could not be placed on Kubernetes: {e.message}",
                          strict=False, code=FailureCode.PROVIDER_ERROR.value)
