@@ -6,7 +6,7 @@ notebook calls it directly::
     from sftctl import api
 
     job = api.run("examples/quickstart.yaml", overrides={"train.steps": 40}, detach=True)
-    job = api.wait(job.id)                     # polls api.status until the job ends
+    job = api.wait(job.id)                     # polls api.status until the job ends, nodes down
     print(job.status.value, job.loss)          # SUCCEEDED 2.31 (mean over the ranks' last reports)
     for line in api.logs(job.id):
         print(line)
@@ -1008,20 +1008,40 @@ def costs(by: str = "user", since: float | None = None, until: float | None = No
                       unpriced_jobs=t["unpriced_jobs"], since=since, until=until) for g, t in sorted(totals.items())]
 
 
+#: Seconds (at most) :func:`wait` waits, once a job has ended, for its controller to bring the
+#: job's nodes down: the controller records the end first, then terminates them.
+WAIT_TEARDOWN_S = 120.0
+
+
+def _nodes_released(view: JobView) -> bool:
+    """Whether an ended job's nodes are down (every record TERMINATED or REPLACED), or nobody is
+    left to bring them down (FAILED_CONTROLLER: ``sftctl down`` does that)."""
+    if view.status == JobStatus.FAILED_CONTROLLER:
+        return True
+    return all(n.status in (NodeState.TERMINATED, NodeState.REPLACED) for n in view.nodes)
+
+
 @_typed
 def wait(job: str, *, timeout_s: float | None = None, poll_s: float = 1.0) -> JobView:
-    """Poll :func:`status` until the job ends; return its final view.
+    """Poll :func:`status` until the job ends and its controller has brought its nodes down
+    (at most :data:`WAIT_TEARDOWN_S` more, and not past ``timeout_s``); return its final view.
+    A script that starts the next job after ``wait`` thus never runs beside this one's nodes.
 
     Raises:
         NotFoundError: no such job (exit 2).
-        TimeoutError: still running after ``timeout_s`` seconds.
+        TimeoutError: still running after ``timeout_s`` seconds (an ended job never raises).
     """
-    end = None if timeout_s is None else time.monotonic() + timeout_s
+    now = time.monotonic()
+    end = None if timeout_s is None else now + timeout_s
+    teardown_end = None
     while True:
         view = status(job)
+        now = time.monotonic()
         if view.status.terminal:
-            return view
-        if end is not None and time.monotonic() >= end:
+            teardown_end = teardown_end or now + WAIT_TEARDOWN_S
+            if _nodes_released(view) or now >= teardown_end or (end is not None and now >= end):
+                return view
+        elif end is not None and now >= end:
             raise TimeoutError(f"job {view.id} is still {view.status.value} after {timeout_s:.3g} s")
         time.sleep(poll_s)
 

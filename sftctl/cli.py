@@ -592,7 +592,8 @@ def wait(
                                             f"exit {int(ExitCode.TIMEOUT)}, the jobs go on."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout: {\"jobs\": [status of each]}."),
 ) -> None:
-    """Wait until every job ends: exit 0 if all SUCCEEDED, 1 if one did not, 124 on --timeout.
+    """Wait until every job ends and its nodes are down: exit 0 if all SUCCEEDED, 1 if one did
+    not, 124 on --timeout.
 
     Prints one line per job (id, status, reason) as the jobs end, in the order given.
     """

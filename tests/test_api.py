@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -53,9 +54,9 @@ def test_detached_quickstart_from_python_to_succeeded(home):
     assert all(r.loss < r.first_loss for r in done.ranks)  # it learned something
     assert done.loss == pytest.approx(sum(r.loss for r in done.ranks) / 2)
     assert [a.status for a in done.attempts] == ["SUCCEEDED"]
-    # the controller records SUCCEEDED, then terminates the nodes (api.wait returns at the first)
-    wait_for(lambda: {n.status for n in api.status(job.id).nodes} == {"TERMINATED"}, timeout_s=60,
-             what="the controller's teardown of the finished job's nodes")
+    # the controller records SUCCEEDED, then terminates the nodes: api.wait returns after both
+    # (it returned between the two, and a third pass beside a second suite saw RUNNING nodes)
+    assert {n.status for n in done.nodes} == {"TERMINATED"}, done.nodes
     assert job_processes(job.id) == []
 
     lines = list(api.logs(job.id))
@@ -250,3 +251,34 @@ def test_a_bad_user_setting_fails_submit_before_a_job_is_recorded(home, monkeypa
         assert e.value.exit_code == 2
     monkeypatch.delenv("SFTCTL_LOCAL_MAX_NODES")
     assert api.status() == []
+
+
+def test_wait_returns_once_an_ended_jobs_nodes_are_down(monkeypatch):
+    """api.wait: a SUCCEEDED job whose controller has not yet terminated its nodes is waited on
+    until it has (views from a stand-in api.status: SUCCEEDED with a RUNNING node, then with
+    TERMINATED ones); a FAILED_CONTROLLER job returns at once (no controller is left to bring
+    them down); an ended job whose nodes stay up returns after WAIT_TEARDOWN_S, never raising."""
+    from sftctl import api
+    from sftctl.types import JobStatus, NodeState
+
+    def view(status, *nodes):
+        rec = types.SimpleNamespace(id="j1", status=status, failure_reason=None)
+        return types.SimpleNamespace(id="j1", status=status, record=rec,
+                                     nodes=[types.SimpleNamespace(status=n) for n in nodes])
+
+    seq = [view(JobStatus.RUNNING, NodeState.RUNNING), view(JobStatus.SUCCEEDED, NodeState.RUNNING, NodeState.TERMINATED),
+           view(JobStatus.SUCCEEDED, NodeState.TERMINATED, NodeState.REPLACED)]
+    calls = []
+    monkeypatch.setattr(api, "status", lambda job: calls.append(job) or seq[min(len(calls), len(seq)) - 1])
+    done = api.wait("j1", poll_s=0)
+    assert len(calls) == 3 and [n.status for n in done.nodes] == [NodeState.TERMINATED, NodeState.REPLACED]
+
+    calls.clear()
+    seq[:] = [view(JobStatus.FAILED_CONTROLLER, NodeState.RUNNING)]
+    assert api.wait("j1", poll_s=0).status == JobStatus.FAILED_CONTROLLER and len(calls) == 1
+
+    calls.clear()
+    seq[:] = [view(JobStatus.FAILED, NodeState.RUNNING)]
+    monkeypatch.setattr(api, "WAIT_TEARDOWN_S", 0.05)
+    assert api.wait("j1", poll_s=0.01, timeout_s=0.0).status == JobStatus.FAILED  # timeout: the view, no raise
+    assert api.wait("j1", poll_s=0.01).status == JobStatus.FAILED and len(calls) >= 3
