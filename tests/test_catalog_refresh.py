@@ -12,6 +12,7 @@ import pytest
 
 from aws_faults import fault_proxy
 from aws_prices import PriceSeed
+from conftest import deadline
 from gce_emulator import GCEEmulator
 from servers import aws_env
 from sftctl import api, catalog
@@ -245,4 +246,4 @@ def test_refresh_of_30_regions_is_under_a_minute(home, moto_endpoint, monkeypatc
               f"({result['clouds']})")
     assert result["clouds"]["gcp"] == {"offerings": 60, "regions": 30}
     assert result["clouds"]["aws"]["regions"] == len(offered) >= 25  # where moto offers a seeded type
-    assert took < 60
+    assert took < deadline(60), took  # the quiet-machine budget, scaled by the load (slowdown)
