@@ -432,3 +432,27 @@ def test_the_default_controller_image_gets_sftctl_installed_first(tmp_path):
         pips = [c for c in calls if c.startswith("pip ")]
         assert pips == ([] if has_sftctl else [f"pip install --quiet --no-cache-dir {controller_install()}"]), calls
         assert calls[-1].startswith("python -c") and calls[-1].endswith(" j1") and "sftctl.queue" in calls[-1], calls
+
+
+def test_dry_run_shows_the_kubernetes_controllers_job(cluster, pg_url, k8s, tmp_path, home):
+    """`run --dry-run` with controller.place: kubernetes shows the controller's Job and Secret as
+    place_controller would create them (the default image's install-then-exec command; the
+    Secret's keys with values masked: the state URL holds the database password); nothing is
+    created. Before, the dry run showed no controller at all."""
+    import yaml
+
+    from sftctl.controller.submit import controller_install
+    from sftctl.providers.kubernetes import controller_names
+
+    spec = _placed_spec(tmp_path, controller="{place: kubernetes}")
+    out = sftctl("run", str(spec), "--dry-run", "--json", check=True).stdout
+    texts = {s["name"]: s["text"] for s in json.loads(out)["submits"]}
+    assert "controller: Kubernetes objects" in texts, sorted(texts)
+    kjob, secret = yaml.safe_load_all(texts["controller: Kubernetes objects"])
+    assert (kjob["kind"], kjob["metadata"]["name"]) == ("Job", controller_names("<job-id>")["job"])
+    [container] = kjob["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "python:3.11-slim" and container["command"][:2] == ["sh", "-c"]
+    assert container["command"][3] == controller_install() and container["command"][-1] == "<job-id>"
+    assert secret["kind"] == "Secret" and "SFTCTL_STATE_URL" in secret["data"]
+    assert pg_url not in out
+    assert not k8s.list("jobs", "default") and not k8s.list("secrets", "default")

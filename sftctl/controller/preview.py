@@ -12,7 +12,9 @@ from sftctl import settings
 from sftctl.catalog import Offering
 from sftctl.controller.slots import NodeSlot
 from sftctl.controller.submit import (
+    controller_container_command,
     controller_job_args,
+    controller_pod_env,
     controller_provider,
     default_install,
     job_storage_url,
@@ -21,7 +23,7 @@ from sftctl.controller.submit import (
 )
 from sftctl.providers import get_provider
 from sftctl.providers.cloud import InstanceRequest
-from sftctl.providers.kubernetes import node_manifests
+from sftctl.providers.kubernetes import DEFAULT_IMAGES, controller_manifests, controller_names, node_manifests
 from sftctl.spec import JobSpec, env_references
 from sftctl.storage.secrets import aws_ref
 from sftctl.templates import render
@@ -92,13 +94,25 @@ def _preview_submits(spec: JobSpec, offering: Offering, job_id: str, nodes: list
                      shown: list[dict]) -> list[dict]:
     """What ``preview`` adds per provider: ``[{"name", "text"}]``, the documents sftctl would hand
     the scheduler: Slurm's ``sbatch.sh`` and ``step.sh``, the shown nodes' Kubernetes manifests
-    (Secret values shown as ``<secret>``), and ``controller.sbatch.sh`` first for a controller
-    placed on Slurm. Empty for the others (their nodes get ``bootstrap``)."""
+    (Secret values shown as ``<secret>``), and first the controller's own submission when
+    ``controller.place`` puts it on Slurm (``controller.sbatch.sh``) or Kubernetes (its Job and
+    Secret). Empty for the others (their nodes get ``bootstrap``)."""
     out = []
     if spec.controller.place == "slurm":  # the controller's own Slurm job (controller.place)
         ctl = controller_provider(spec)
         out.append({"name": "controller.sbatch.sh",
                     "text": ctl.controller_script(job_id, **controller_job_args(spec, job_id, ctl))})
+    elif spec.controller.place == "kubernetes":
+        import yaml
+
+        ns = settings.get("SFTCTL_K8S_NAMESPACE") or "default"
+        env, secret_env = controller_pod_env(spec, controller_names(job_id)["job"], ns)
+        objs = controller_manifests(job_id, controller_container_command(job_id, spec.controller.image),
+                                    namespace=ns, env=env, secret_env={k: "<secret>" for k in secret_env},
+                                    image=spec.controller.image or DEFAULT_IMAGES["cpu"])
+        out.append({"name": "controller: Kubernetes objects",
+                    "text": yaml.safe_dump_all([o for o in (objs["job"], objs["secret"]) if o is not None],
+                                               sort_keys=False)})
     return out + _preview_node_submits(spec, offering, job_id, nodes, shown)
 
 
