@@ -381,3 +381,21 @@ def test_instance_profile_from_the_spec_or_the_shell_reaches_ec2(proxy, job, ami
     sent = proxy.run_instances()
     assert [s["IamInstanceProfile.Name"] for s in sent] == [f"spec-{job}", f"shell-{job}"]
     p.terminate_tagged(job)
+
+
+def test_a_request_cut_off_by_a_killed_client_is_not_left_in_flight(proxy):
+    """The fault proxy (tests/aws_faults.py) itself: a client killed mid-request leaves a body
+    shorter than its Content-Length. The proxy passed it on to moto with that length, and moto
+    waited for the rest until the proxy's 60 s upstream timeout, so the kill -9 test above timed
+    out waiting for in-flight requests (54 s, a quiet run). Now it drops such a request."""
+    import socket
+    import urllib.parse
+
+    host, port = urllib.parse.urlsplit(proxy.url).hostname, urllib.parse.urlsplit(proxy.url).port
+    with socket.create_connection((host, port)) as s:
+        s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\n"
+                  b"Content-Length: 100\r\n\r\nAction=RunInstances")
+        wait_for(lambda: proxy.inflight == 1, timeout_s=10, what="the request to reach the proxy")
+    # the client is gone with 80 bytes unsent
+    wait_for(lambda: proxy.inflight == 0, timeout_s=10, what="the cut-off request to be dropped")
+    assert proxy.run_instances() == []  # never forwarded
