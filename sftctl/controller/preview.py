@@ -12,18 +12,17 @@ from sftctl import settings
 from sftctl.catalog import Offering
 from sftctl.controller.slots import NodeSlot
 from sftctl.controller.submit import (
-    controller_container_command,
     controller_job_args,
-    controller_pod_env,
     controller_provider,
     default_install,
     job_storage_url,
+    kubernetes_controller_args,
     node_env,
     required_secrets,
 )
 from sftctl.providers import get_provider
 from sftctl.providers.cloud import InstanceRequest
-from sftctl.providers.kubernetes import DEFAULT_IMAGES, controller_manifests, controller_names, node_manifests
+from sftctl.providers.kubernetes import DEFAULT_IMAGES, controller_manifests, node_manifests
 from sftctl.spec import JobSpec, env_references
 from sftctl.storage.secrets import aws_ref
 from sftctl.templates import render
@@ -106,10 +105,10 @@ def _preview_submits(spec: JobSpec, offering: Offering, job_id: str, nodes: list
         import yaml
 
         ns = settings.get("SFTCTL_K8S_NAMESPACE") or "default"
-        env, secret_env = controller_pod_env(spec, controller_names(job_id)["job"], ns)
-        objs = controller_manifests(job_id, controller_container_command(job_id, spec.controller.image),
-                                    namespace=ns, env=env, secret_env={k: "<secret>" for k in secret_env},
-                                    image=spec.controller.image or DEFAULT_IMAGES["cpu"])
+        args = kubernetes_controller_args(spec, job_id, ns)
+        objs = controller_manifests(job_id, args["argv"], namespace=ns, env=args["env"],
+                                    secret_env={k: "<secret>" for k in args["secret_env"]},
+                                    image=args["image"] or DEFAULT_IMAGES["cpu"])
         out.append({"name": "controller: Kubernetes objects",
                     "text": yaml.safe_dump_all([o for o in (objs["job"], objs["secret"]) if o is not None],
                                                sort_keys=False)})

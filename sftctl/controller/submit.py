@@ -390,12 +390,9 @@ def _place_on_kubernetes(store: Store, job: JobRecord, spec: JobSpec, provider) 
     Raises:
         ProviderError, CredentialsError: the API server refused it (exit 4); the job is FAILED.
     """
-    name = k8s_provider.controller_names(job.id)["job"]
     try:
         ns = provider.namespace
-        env, secret_env = controller_pod_env(spec, name, ns)
-        name = provider.submit_controller(job.id, controller_container_command(job.id, spec.controller.image),
-                                          env=env, secret_env=secret_env, image=spec.controller.image)
+        name = provider.submit_controller(job.id, **kubernetes_controller_args(spec, job.id, ns))
     except SftctlError as e:
         store.transition(job.id, JobStatus.FAILED, f"its controller could not be placed on Kubernetes: {e.message}",
                          strict=False, code=FailureCode.PROVIDER_ERROR.value)
@@ -404,6 +401,16 @@ def _place_on_kubernetes(store: Store, job: JobRecord, spec: JobSpec, provider) 
     store.add_event(job.id, "controller", f"controller: Kubernetes Job {name} in namespace {ns}",
                     {"place": "kubernetes", "kubernetes_job": name, "namespace": ns})
     return name
+
+
+def kubernetes_controller_args(spec: JobSpec, job_id: str, namespace: str) -> dict:
+    """The keyword arguments (``argv``, ``env``, ``secret_env``, ``image``) of
+    ``KubernetesProvider.submit_controller`` / ``controller_manifests`` for the controller of
+    ``job_id`` in ``namespace``: what :func:`place_controller` creates and ``run --dry-run``
+    shows (``image`` None: the provider's default)."""
+    env, secret_env = controller_pod_env(spec, k8s_provider.controller_names(job_id)["job"], namespace)
+    return {"argv": controller_container_command(job_id, spec.controller.image), "env": env,
+            "secret_env": secret_env, "image": spec.controller.image}
 
 
 def controller_job_args(spec: JobSpec, job_id: str, provider) -> dict:
@@ -427,17 +434,17 @@ def forget_lost_queued_controller(store: Store, job: JobRecord) -> str | None:
     held = store.lease(job.id) if place else None
     if held is None or not held[0].startswith(f"{place}:"):
         return None
-    slurm_id = held[0].split(":", 1)[1]
-    if any(f["id"] == slurm_id for f in controller_provider(JobSpec.model_validate(job.spec)).controller_jobs(job.id)):
+    ctl_id = held[0].split(":", 1)[1]  # the Slurm job id / the Kubernetes Job's name
+    if any(f["id"] == ctl_id for f in controller_provider(JobSpec.model_validate(job.spec)).controller_jobs(job.id)):
         return None
     if not store.release_lease(job.id, held[0]):  # it started meanwhile and took the lease over
         return None
     if place == "kubernetes":
-        store.add_event(job.id, "controller", f"controller: Kubernetes Job {slurm_id} is gone without starting",
-                        {"place": "kubernetes", "kubernetes_job": slurm_id})
+        store.add_event(job.id, "controller", f"controller: Kubernetes Job {ctl_id} is gone without starting",
+                        {"place": "kubernetes", "kubernetes_job": ctl_id})
     else:
-        store.add_event(job.id, "controller", f"controller: Slurm job {slurm_id} left the queue without starting",
-                        {"place": "slurm", "slurm_job_id": slurm_id})
+        store.add_event(job.id, "controller", f"controller: Slurm job {ctl_id} left the queue without starting",
+                        {"place": "slurm", "slurm_job_id": ctl_id})
     return held[0]
 
 
