@@ -2,13 +2,14 @@
 
 One file per catalog accelerator names the sources its prediction rests on (measured kernels,
 collectives, attention tables, end-to-end steps) and its error as a factor ``f``: the measured
-step is expected within ``[predicted / f, predicted * f]``. Where measured tables exist (H100,
-H200, B200; MI355X-class outside the catalog) the factor is cross-validated
+step is expected within ``[predicted / f, predicted * f]``; which file is an accelerator's is its
+catalog entry's ``accuracy`` field. Where measured tables exist (H100, H200, B200, MI355X) the factor is cross-validated
 (:mod:`sftctl.compiler.accuracy_cv`: GEMMs k-fold over shape buckets, the H200 step) and the
 collectives' own factor is kept apart, weighed by a plan's communication share. An accelerator
 with no measured data says so (``calibrated: false``) and carries the error of the
 published-steps check of issue 20.
-Only ``json``, ``math`` and ``pathlib`` are imported: the planner reads this for every offering.
+Only ``json``, ``math``, ``pathlib`` and the catalog's light loader are imported: the planner reads
+this for every offering.
 """
 
 from __future__ import annotations
@@ -26,9 +27,13 @@ DEFAULT_FACTOR = 1.84
 @functools.lru_cache(maxsize=None)
 def accuracy(name: str) -> dict:
     """``{"calibrated": bool, "sources": [str], "error": factor, "basis": str}`` of accelerator
-    ``name`` (catalog spelling, any case); an unknown one is uncalibrated with :data:`DEFAULT_FACTOR`."""
-    p = ACCURACY_DIR / f"{name.lower()}.json"
-    if not p.exists():
+    ``name`` (catalog spelling, any case); one the catalog does not know, or whose entry names no
+    ``accuracy`` file, is uncalibrated with :data:`DEFAULT_FACTOR`."""
+    from sftctl.catalog.accelerators import find_accelerator
+
+    acc = find_accelerator(name)
+    p = ACCURACY_DIR / acc.accuracy if acc is not None and acc.accuracy else None
+    if p is None or not p.exists():
         return {"calibrated": False, "sources": ["no accuracy file: nothing measured"], "error": DEFAULT_FACTOR,
                 "basis": "uncalibrated default"}
     d = json.loads(p.read_text())

@@ -14,7 +14,7 @@ A step's error factor ``f`` (the measured step is expected within ``[predicted /
 is built from errors measured on data the model never saw, never stated:
 
 * **library GEMMs**: XLA's measured table of the accelerator's die (``sm_90`` H100/H200,
-  ``sm_100_B200`` B200, ``gfx950`` MI355X-class), bf16, k-fold over **shape buckets**
+  ``sm_100_B200`` B200, ``gfx950`` MI355X), bf16, k-fold over **shape buckets**
   (:func:`sftctl.compiler.gemm_table.size_buckets`: contiguous size ranges of (m, n, k), every b
   of a held-out shape out, coefficients refitted): each held-out GEMM's predicted / measured;
 * **collectives**: the 8-GPU host table of the same die, each group's sizes held out in
@@ -54,13 +54,23 @@ TRITON_SPEARMAN_MIN = 0.9
 TRITON_PICK_MAX = 1.10
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "accuracy_cv.json"
 GEMM_DTYPE = "bf16xbf16->bf16"
-#: accelerator -> (XLA arch of its GEMM and collective tables, collective link)
-DIES = {"H100": ("sm_90", "nvswitch-h100"), "H200": ("sm_90", "nvswitch-h100"),
-        "B200": ("sm_100_B200", "nvswitch-b200"), "MI355X": ("gfx950", "xgmi-mi355x")}
+
+
+def dies() -> dict[str, tuple[str, str]]:
+    """Accelerator -> (XLA arch of its die's measured GEMM and collective tables, its collective
+    link): the catalog's accelerators with a measured ``gemm_table`` (H100, H200, B200, MI355X),
+    in catalog order."""
+    from sftctl.compiler import gemm_table
+    from sftctl.compiler.hardware import load_accelerators
+
+    return {n: (a.gemm_table, a.collective_link) for n, a in load_accelerators().items()
+            if a.gemm_table and a.gemm_table in gemm_table.tables()}
 #: GPT-2 small (examples/gpt/model.py:build_gpt2_small), batch 8 x 1024, bf16 autocast, one
 #: H200, torch 2.11.0+cu130: measured step seconds per mode (issue 11's brief, the project's own
 #: measurement; the issue-20 held-out figures are not among them)
 H200_STEPS = {"eager": 25.9e-3, "default": 22.4e-3}
+#: the accelerator those steps and the Triton kernels of calibrations/h200.json were measured on
+STEP_ACCELERATOR = "H200"
 H200_STEPS_SOURCE = ("GPT-2 small, batch 8 x 1024, bf16 autocast, one H200 (torch 2.11.0+cu130): eager 25.9 ms, "
                      "torch.compile 22.4 ms (issue 11's brief; our own measurement)")
 
@@ -119,7 +129,7 @@ def step_part() -> dict:
 
     root = Path(__file__).resolve().parents[2]
     graph = api.trace("torch", "examples/gpt/model.py:build_gpt2_small", str(root), 8, "bfloat16")
-    target = api.load_target("H200")
+    target = api.load_target(STEP_ACCELERATOR)
     compiled = api.compile(graph, target, matmul_precision="highest")
     ratios = {m: compiled.mode_time_s(m) / s for m, s in H200_STEPS.items()}
     return {"method": "GPT-2 small step on one H200 predicted per mode and compared, never fitted to",
@@ -128,12 +138,13 @@ def step_part() -> dict:
 
 
 def accelerator_error(name: str, step: dict | None = None) -> dict:
-    """``{"factor", "basis", "method", "parts"}`` of accelerator ``name`` (a key of :data:`DIES`)."""
-    arch, _ = DIES[name]
+    """``{"factor", "basis", "method", "parts"}`` of accelerator ``name`` (a key of :func:`dies`)."""
+    arch, _ = dies()[name]
     step = step or step_part()
     parts = {"gemm": gemm_part(arch), "collectives": collectives_part(arch), "step_composition": step}
     f = combine((parts["gemm"]["factor"], step["factor"]))
-    where = "measured on this H200" if name == "H200" else "measured on H200, carried over (no step measured here)"
+    where = (f"measured on this {name}" if name == STEP_ACCELERATOR
+             else f"measured on {STEP_ACCELERATOR}, carried over (no step measured here)")
     basis = (f"cross-validated: GEMMs {parts['gemm']['factor']:.3f} ({parts['gemm']['n']} held-out GEMMs) and "
              f"step composition {step['factor']:.3f} ({where}) in quadrature; collectives "
              f"{parts['collectives']['factor']:.3f} ({parts['collectives']['n']} held-out), weighted by the step's "
@@ -152,7 +163,7 @@ def _in(v: float, band: tuple[float, float]) -> bool:
 def held_out_report(folds: int = FOLDS) -> dict:
     """Issue 20's held-out checks on the data we have, each with its band and ``ok``.
 
-    * ``gemm``: per die (:data:`DIES`' archs), XLA's bf16 table k-fold over shape buckets
+    * ``gemm``: per die (:func:`dies`' archs, named by the accelerator the table was measured on), XLA's bf16 table k-fold over shape buckets
       (:func:`gemm_part`'s cross-validation): ``median`` and ``within_0.8_1.25`` of predicted /
       measured, ``ok`` when the median is in :data:`GEMM_MEDIAN_BAND` and at least
       :data:`GEMM_WITHIN_MIN` are within 0.8-1.25;
@@ -164,24 +175,22 @@ def held_out_report(folds: int = FOLDS) -> dict:
       ``tests/test_calibration.py`` refits and checks), ``ok`` against :data:`TRITON_SPEARMAN_MIN`
       and :data:`TRITON_PICK_MAX`.
     """
-    from sftctl.compiler import collectives
+    from sftctl.compiler import collectives, gemm_table
     from sftctl.compiler.calibrated import calibration_path
 
-    hosts = {}
-    for name, (arch, _) in DIES.items():
-        hosts.setdefault(arch, name if name != "H200" else hosts.get(arch, name))
+    hosts = {arch: gemm_table.measured_on(arch).name for arch, _ in dies().values()}
     gemm, coll = {}, {}
     for arch, name in hosts.items():
         g = gemm_part(arch, folds)
         gemm[name] = {"arch": arch, "n": g["n"], "median": g["median"], "within_0.8_1.25": g["within_0.8_1.25"],
                       "ok": _in(g["median"], GEMM_MEDIAN_BAND) and g["within_0.8_1.25"] >= GEMM_WITHIN_MIN}
         cv = collectives.cross_validate(collectives.measured_records(arch))
-        entry = {"arch": arch}
+        entry: dict = {"arch": arch}
         for part in ("held_out_sizes", "held_out_ops"):
             entry[part] = {b: dict(v, ok=_in(v["median"], COLLECTIVE_MEDIAN_BAND)) for b, v in cv[part].items()}
         entry["ok"] = all(v["ok"] for v in entry["held_out_sizes"].values())
         coll[name] = entry
-    loso = json.loads(calibration_path("H200").read_text())["fit"]["leave_one_shape_out"]
+    loso = json.loads(calibration_path(STEP_ACCELERATOR).read_text())["fit"]["leave_one_shape_out"]
     triton = {}
     for gname, q in loso.items():
         kind, shape = gname.split(":", 1)
@@ -225,12 +234,14 @@ def format_report(rep: dict) -> list[str]:
 
 
 def write(name: str, error: dict) -> Path:
-    """Put ``error`` into ``name``'s accuracy file (created for an accelerator the catalog lacks:
-    MI355X-class), keeping its sources."""
-    path = ACCURACY_DIR / f"{name.lower()}.json"
+    """Put ``error`` into ``name``'s accuracy file (its catalog entry's ``accuracy``; created where
+    missing), keeping its sources."""
+    from sftctl.compiler.hardware import get_accelerator
+
+    path = ACCURACY_DIR / (get_accelerator(name).accuracy or f"{name.lower()}.json")
     doc = json.loads(path.read_text()) if path.exists() else {
         "kind": "sftctl prediction accuracy", "schema": 1, "accelerator": name, "calibrated": False,
-        "sources": [f"not in the catalog: XLA's measured {DIES[name][0]} GEMM and collective tables only"]}
+        "sources": [f"XLA's measured {dies()[name][0]} GEMM and collective tables only"]}
     doc["error"] = dict(error, meaning="the measured step time is expected within [predicted / factor, "
                                        "predicted x factor]")
     path.write_text(json.dumps(doc, indent=1) + "\n")
@@ -242,11 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", action="store_true", help="write the factors into calibrations/accuracy/ and the "
                                                         "held-out report to benchmarks/results/accuracy_cv.json")
     p.add_argument("--results", default=str(RESULTS), help="where --write puts the held-out report")
-    p.add_argument("names", nargs="*", default=list(DIES), help=f"accelerators (default: {', '.join(DIES)})")
+    known = dies()
+    p.add_argument("names", nargs="*", default=list(known), help=f"accelerators (default: {', '.join(known)})")
     args = p.parse_args(argv)
-    unknown = [n for n in args.names if n not in DIES]
+    unknown = [n for n in args.names if n not in known]
     if unknown:
-        print(f"error: no measured tables for {', '.join(unknown)}; known: {', '.join(DIES)}", file=sys.stderr)
+        print(f"error: no measured tables for {', '.join(unknown)}; known: {', '.join(known)}", file=sys.stderr)
         return 2
     rep = held_out_report()
     for line in format_report(rep):

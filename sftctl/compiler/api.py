@@ -18,7 +18,7 @@ data-parallel :class:`~sftctl.compiler.step.StepPrediction` and every
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, cast
 
 from sftctl.compiler.driver import compile_for, trace_model
 from sftctl.compiler.ir import Graph
@@ -30,18 +30,24 @@ __all__ = ["OfferingPrediction", "Target", "compile", "load_target", "predict", 
 
 
 def trace(framework: str, entrypoint: str, workdir: str, batch_size: int, dtype: str, *,
-          use_cache: bool = True, mask_fraction: float = 1.0, expert_capacity: float = 1.0) -> Graph:
+          use_cache: bool = True, mask_fraction: float = 1.0, expert_capacity: float = 1.0,
+          attention: str = "auto") -> Graph:
     """The whole training step ``entrypoint`` builds, as an IR graph (disk-cached:
     :func:`sftctl.compiler.driver.trace_model`). ``batch_size`` is one data-parallel rank's.
     ``mask_fraction`` / ``expert_capacity``: the bounds of data-dependent sizes (the spec's
     ``model.mask_fraction`` / ``model.expert_capacity``; torch frontend, see its ``dynamic`` module).
+    ``attention``: the attention implementation the job runs (the spec's ``model.attention``,
+    :func:`sftctl.compiler.attention.with_implementation`; ``auto``: what the model says, else
+    torch SDPA's choice per GPU).
 
     Raises:
         SpecError: the entrypoint cannot be imported or called, or returns the wrong things.
         NotImplementedError: the step uses an op the frontend cannot lower (named).
     """
-    return trace_model(framework, entrypoint, workdir, batch_size, dtype, use_cache=use_cache,
-                       mask_fraction=mask_fraction, expert_capacity=expert_capacity)
+    from sftctl.compiler.attention import with_implementation
+
+    return with_implementation(trace_model(framework, entrypoint, workdir, batch_size, dtype, use_cache=use_cache,
+                                           mask_fraction=mask_fraction, expert_capacity=expert_capacity), attention)
 
 
 def compile(graph: Graph, target: Target, *, matmul_precision: str,  # noqa: A001 - the compiler's verb
@@ -73,6 +79,9 @@ class OfferingPrediction:
     strategies: tuple[StrategyPrediction, ...]
     chosen: StrategyPrediction
     reason: str
+    #: the parallel layout (:func:`sftctl.compiler.layouts.offering.plan_layout`'s document: label,
+    #: degrees, source); a model-parallel layout that replaces the strategy is ``chosen`` too
+    layout: dict | None = None
 
     @property
     def step_time_s(self) -> float:
@@ -97,7 +106,9 @@ class OfferingPrediction:
 def predict(compiled: CompiledStep, target: Target, *, gpus_per_node: int, nodes: int,
             intra_node_bytes_per_s: float | None, inter_node_bytes_per_s: float | None, mode: str,
             param_dtype_bytes: int, parallelisms: tuple[str, ...] = PARALLELISMS,
-            checkpointing: tuple[bool, ...] = (False, True), provider: str | None = None) -> OfferingPrediction:
+            checkpointing: tuple[bool, ...] = (False, True), provider: str | None = None,
+            graph: Graph | None = None, global_batch: int | None = None,
+            model_parallel: bool = True, pipeline: bool = True) -> OfferingPrediction:
     """``compiled`` (one rank's share of the batch) on ``nodes`` x ``gpus_per_node`` devices of
     ``target``, in execution ``mode`` (``eager``, ``default``, ``sftensor``), under each of
     ``parallelisms`` x ``checkpointing``.
@@ -110,6 +121,10 @@ def predict(compiled: CompiledStep, target: Target, *, gpus_per_node: int, nodes
         provider: the offering's provider, or ``provider:instance_type``: which network joins
             its nodes (EFA on ``aws``, GPUDirect-TCPX on ``gcp:a3-highgpu-8g``, else RDMA /
             InfiniBand; :func:`sftctl.compiler.collectives.network_link`).
+        graph / global_batch: the traced step and the sequences per step: with both, the parallel
+            layouts are searched (:mod:`sftctl.compiler.layouts`) and a tensor/pipeline/context
+            parallel one replaces the strategy where that does not fit or is slower
+            (``model_parallel`` False: data parallel only; ``pipeline`` False: no pipeline stages).
     """
     step = predict_step(compiled, target, gpus_per_node, nodes, intra_node_bytes_per_s, inter_node_bytes_per_s,
                         mode=mode, provider=provider)
@@ -117,4 +132,14 @@ def predict(compiled: CompiledStep, target: Target, *, gpus_per_node: int, nodes
                                     inter_node_bytes_per_s, mode=mode, param_dtype_bytes=param_dtype_bytes,
                                     parallelisms=parallelisms, checkpointing=checkpointing, provider=provider)
     chosen, reason = choose(strategies)
-    return OfferingPrediction(step, tuple(strategies), chosen, reason)
+    layout = None
+    if global_batch:
+        from sftctl.compiler.layouts import Links
+        from sftctl.compiler.layouts.offering import plan_layout
+
+        links = Links(target.name, gpus_per_node, nodes, intra_node_bytes_per_s, inter_node_bytes_per_s, provider)
+        layout, replaced, why = plan_layout(graph, target, chosen, links, global_batch, model_parallel=model_parallel,
+                                            pipeline=pipeline)
+        if replaced is not None:
+            chosen, reason = cast(StrategyPrediction, replaced), why or reason
+    return OfferingPrediction(step, tuple(strategies), chosen, reason, layout)

@@ -14,8 +14,7 @@ For each graph it
    the output's shape, looked for through one ``view``;
 3. picks each distinct :class:`~sftctl.compiler.costmodel.GemmProblem`'s schedule: the model's
    top :data:`TOP_K` (:func:`~sftctl.compiler.search.gemm.top_k_gemm`) on the accelerator of the
-   inputs' device (``torch.cuda.get_device_name()`` mapped to the catalog by
-   :func:`sftctl.catalog.identify`); on a CUDA device they are timed once at first compile and
+   inputs' device (:meth:`sftctl.compiler.target.Target.for_device`); on a CUDA device they are timed once at first compile and
    the fastest wins (:func:`search_cached`, :func:`pick_measured`), with no device the model's
    pick stands. Both are cached on disk under the compiler's cache dir
    (``<cache>/backend/gemm/<key>.json``, ``<cache>/backend/gemm-measured/<key>.json``, the winner
@@ -26,7 +25,8 @@ For each graph it
 Inputs not on CUDA: the graph runs eager (Dynamo's graph, unchanged) and the backend warns once
 (``sftensor: no GPU, running eager``). ``force=True`` (or ``SFTCTL_SFTENSOR_FORCE=1``) rewrites
 graphs of CPU tensors too, for tests under ``TRITON_INTERPRET=1``; the schedule is then searched
-for ``accelerator`` (default ``H100``, or ``$SFTCTL_ACCELERATOR``).
+for ``accelerator`` (default: ``$SFTCTL_ACCELERATOR``, else
+:data:`sftctl.compiler.target.DEVICE_DEFAULT`).
 
 Registration: the ``torch_dynamo_backends`` entry point ``sftensor`` (pyproject.toml), and on
 ``import sftctl.compiler`` when torch is already imported (:func:`register`).
@@ -52,13 +52,11 @@ import torch
 import torch.fx as fx
 
 from sftctl import settings
-from sftctl.catalog.identity import identify
 from sftctl.compiler.cache import atomic_write, cache_dir, cache_key
 from sftctl.compiler.fusion import fuse
-from sftctl.compiler.hardware import get_accelerator
 from sftctl.compiler.search.gemm import top_k_gemm
 from sftctl.compiler.step import cost_kernels
-from sftctl.compiler.target import load_target
+from sftctl.compiler.target import Target, load_target
 
 log = logging.getLogger("sftctl.compiler.backend")
 aten = torch.ops.aten
@@ -155,32 +153,6 @@ def sftensor_gemm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = 
                             dict(key), type(e).__name__, e)
     STATS["fallback"] += 1
     return reference_gemm(a, b, bias, residual, activation, alpha, out_dtype)
-
-
-# ------------------------------------------------------------------------------------------------
-# devices -> catalog accelerators
-# ------------------------------------------------------------------------------------------------
-
-def accelerator_for_device(device: torch.device | None, default: str = "H100"):
-    """The catalog accelerator of a torch device (``$SFTCTL_ACCELERATOR`` overrides).
-
-    CUDA devices: :func:`sftctl.catalog.identify` over the device's name, memory and capability; an
-    unknown GPU falls back to ``default`` with a warning. Other devices (forced CPU runs): the
-    ``default`` catalog entry. Raises KeyError for an unknown ``$SFTCTL_ACCELERATOR``/``default``.
-    """
-    override = settings.get("SFTCTL_ACCELERATOR")
-    if override:
-        return get_accelerator(override)
-    if device is not None and device.type == "cuda":
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        props = torch.cuda.get_device_properties(idx)
-        acc = identify(name=torch.cuda.get_device_name(idx), memory_bytes=int(props.total_memory),
-                       capability=(props.major, props.minor))
-        if acc is not None:
-            return acc
-        warnings.warn(f"sftensor: GPU {torch.cuda.get_device_name(idx)!r} is not in the catalog; "
-                      f"scheduling for {default}", stacklevel=2)
-    return get_accelerator(default)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -296,7 +268,7 @@ def find_gemm_sites(gm: fx.GraphModule, *, fuse_epilogues: bool = True, force: b
 
 
 def _match_site(node: fx.Node, fuse_epilogues: bool, force: bool,
-                claimed: set[fx.Node] = frozenset()) -> GemmSite | None:
+                claimed: set[fx.Node] | frozenset[fx.Node] = frozenset()) -> GemmSite | None:
     out = _val(node)
     if not isinstance(out, torch.Tensor) or _concrete(out.shape) is None or out.numel() == 0:
         return None
@@ -345,7 +317,7 @@ def _walk_transparent(cur: fx.Node) -> tuple[list[fx.Node], fx.Node | None]:
     return passed, user
 
 
-def _absorb_epilogue(site: GemmSite, claimed: set[fx.Node] = frozenset()) -> None:
+def _absorb_epilogue(site: GemmSite, claimed: set[fx.Node] | frozenset[fx.Node] = frozenset()) -> None:
     """Extend ``site.chain`` by the bias / activation / residual nodes that follow its GEMM,
     never taking a node in ``claimed`` (absorbed by another site already)."""
     cur = site.start
@@ -623,7 +595,7 @@ def lower_fx_to_ir(gm: fx.GraphModule):
             return [one(x) for x in v] if isinstance(v, (list, tuple)) else one(v)
 
     low = _Tolerant(gm)
-    stats = {"fx_ops": 0, "lowered": 0, "opaque": 0, "opaque_ops": {}}
+    stats: dict[str, Any] = {"fx_ops": 0, "lowered": 0, "opaque": 0, "opaque_ops": {}}
     outputs: list[int] = []
     for n in gm.graph.nodes:
         low._node = n
@@ -724,7 +696,7 @@ class SftensorBackend:
         force: rewrite graphs whose inputs are not on CUDA (CPU tests under
             ``TRITON_INTERPRET=1``); default ``$SFTCTL_SFTENSOR_FORCE``.
         accelerator: catalog name to schedule for; default: the inputs' GPU (see
-            :func:`accelerator_for_device`), ``H100`` on a forced CPU run.
+            :meth:`Target.for_device`, which has the one default for a forced CPU run).
         space: restricts the schedule space per key (as ``search_gemm``'s ``space``).
         fuse_epilogues: absorb bias / activation / residual nodes into the GEMM.
         use_disk_cache: cache searches on disk (default: unless ``$SFTCTL_SFTENSOR_NO_CACHE``).
@@ -765,8 +737,8 @@ class SftensorBackend:
 
     def target(self, example_inputs: Sequence[Any]):
         """The :class:`sftctl.compiler.target.Target` this graph is scheduled for: ``accelerator``,
-        else the inputs' device (:func:`accelerator_for_device`)."""
-        return load_target(self.accelerator or accelerator_for_device(_device_of(example_inputs)))
+        else the inputs' device (:meth:`Target.for_device`)."""
+        return load_target(self.accelerator) if self.accelerator else Target.for_device(_device_of(example_inputs))
 
     def compile_aten(self, gm: fx.GraphModule, example_inputs: Sequence[Any], kind: str = "forward") -> Callable:
         """Rewrite one ATen graph's GEMMs (see the module docstring); returns a boxed callable."""

@@ -12,10 +12,9 @@ import functools
 import json
 from pathlib import Path
 
-from sftctl.catalog.accelerators import load_identities
-from sftctl.catalog.identity import calibrated_from
+from sftctl.catalog.accelerators import calibrated_from
 from sftctl.compiler.costmodel import Coefficients
-from sftctl.compiler.hardware import get_accelerator
+from sftctl.compiler.hardware import find_accelerator, get_accelerator, load_accelerators
 
 CALIBRATION_DIR = Path(__file__).resolve().parent / "calibrations"
 DATA_DIR = CALIBRATION_DIR / "data"
@@ -24,8 +23,8 @@ DATA_DIR = CALIBRATION_DIR / "data"
 
 def carries_over() -> dict[str, str]:
     """Accelerator -> the accelerator whose calibration it uses (the same die: H100 <- H200), from
-    the catalog's ``identity.calibrated_from`` column (:func:`sftctl.catalog.identity.calibrated_from`)."""
-    return {n: src for n in load_identities() if (src := calibrated_from(n))}
+    the catalog's ``calibration`` column (:func:`sftctl.catalog.accelerators.calibrated_from`)."""
+    return {n: src for n in load_accelerators() if (src := calibrated_from(n))}
 
 
 def calibration_path(name: str) -> Path:
@@ -41,13 +40,11 @@ def _load_json(path: str) -> dict | None:
 
 
 def calibration_for(name: str) -> dict | None:
-    """The shipped calibration document for accelerator ``name`` (its own, or the one it shares
-    a die with, :func:`carries_over`); None when there is none."""
-    own = _load_json(str(calibration_path(name)))
-    if own is not None:
-        return own
-    src = calibrated_from(name)
-    return _load_json(str(calibration_path(src))) if src else None
+    """The shipped calibration document of accelerator ``name``: the file its catalog entry's
+    ``calibration`` names (its own, or its die's: :func:`carries_over`); None when it names none
+    or the catalog does not know it."""
+    acc = find_accelerator(name)
+    return _load_json(str(CALIBRATION_DIR / acc.calibration)) if acc is not None and acc.calibration else None
 
 
 def coefficient_overrides(name: str) -> dict:
@@ -82,11 +79,12 @@ class PeerEfficiency:
 
 def peer_efficiency(accelerator) -> PeerEfficiency | None:
     """Measured cuBLAS GEMM efficiency and torch-eager row-kernel bandwidth for ``accelerator``
-    (an ``Accelerator`` or catalog name), from the shipped calibration's peers; an accelerator
-    sharing the die (:func:`carries_over`) gets the same fractions of its own peaks. None when
-    no calibration covers it. E.g. H200: cuBLAS bf16 4096^3 = 784 TFLOP/s (0.79 of 989.4)."""
+    (an ``Accelerator`` or catalog name), from the peers of the calibration its catalog entry's
+    ``peers`` names, as the same fractions of its own peaks (its die's, or carried over from
+    another's, as the entry's source says). None when it names none. E.g. H200: cuBLAS bf16
+    4096^3 = 784 TFLOP/s (0.79 of 989.4)."""
     hw = get_accelerator(accelerator) if isinstance(accelerator, str) else accelerator
-    doc = calibration_for(hw.name)
+    doc = _load_json(str(CALIBRATION_DIR / hw.peers)) if hw.peers else None
     if not doc or "peers" not in doc:
         return None
     p = doc["peers"]

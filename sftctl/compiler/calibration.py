@@ -31,7 +31,7 @@ microarchitecture: H200 datasheet; H100 whitepaper Table 3): the fitted efficien
 fraction of HBM peak), latency multipliers, spill, block-launch, reduction and issue
 coefficients carry over. What does not: HBM3 at 3.35 TB/s (H100 SXM) vs HBM3e at 4.8 TB/s, and 80
 vs 141 GB; those come from each accelerator's catalog entry, so the same coefficients predict
-H100 from its own bandwidth and memory size (``identity.calibrated_from`` in
+H100 from its own bandwidth and memory size (its entry's ``calibration: h200.json`` in
 ``sftctl/catalog/accelerators.yaml``).
 """
 
@@ -45,6 +45,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 from sftctl.compiler.calibrated import (CALIBRATION_DIR, DATA_DIR, _load_json, calibration_for, calibration_path,
                                         carries_over)
@@ -109,7 +110,6 @@ def rankdata(x):
 
 def spearman(x, y) -> float:
     """Spearman's rho (Pearson of average ranks); nan below 3 points or without variation."""
-    import numpy as np
 
     if len(x) < 3:
         return float("nan")
@@ -131,7 +131,7 @@ class Group:
     kernel: str
     records: list
     resources: list
-    measured: "object"  # numpy array
+    measured: Any  # a list while collected, then a numpy array of seconds
 
 
 def group_name(rec: dict) -> str:
@@ -426,12 +426,12 @@ def run_fit(target: str, data: Path, loso: bool = True, iters: int = 200, restar
     c = dataclasses.replace(c, **fitted)
     defaults = {g.name: quality(g, predict_group(g, hw, base)) for g in groups}
     insample = {g.name: quality(g, predict_group(g, hw, c)) for g in groups}
-    doc = {
+    doc: dict[str, Any] = {
         "kind": "sftctl cost-model calibration", "schema": 1, "accelerator": hw.name,
         "date": _dt.date.today().isoformat(),
         "data": {"train": str(train.relative_to(CALIBRATION_DIR.parent)) if train.is_relative_to(CALIBRATION_DIR.parent) else str(train),
                  "train_sha256": _sha256(train), "records": sum(len(g.records) for g in groups),
-                 "source": "H200 SXM measurements (triton.testing.do_bench median), ../shared/h200; "
+                 "source": "H200 SXM measurements (triton.testing.do_bench median), calibrations/data/h200; "
                            "see calibrations/data/h200/SOURCE.json"},
         "method": {"objective": f"mean over (kernel, shape) of mean squared log error + {RANK_WEIGHT} x "
                                 f"pairwise softplus ranking term (tau {TAU}, pairs {PAIR_MARGIN}x apart)",

@@ -15,7 +15,9 @@ measured / fitted ratio per buffer size, interpolated in log(size) between the m
 1 beyond them (NCCL switches protocol and channel count with size, which one line cannot follow).
 
 Every link lives in ``calibrations/collectives.json``: its fits, where they come from (the source
-and a quote), and the cross-validated error of the fitted ones. Links fitted here (``python -m
+and a quote), and the cross-validated error of the fitted ones. Which link an accelerator's hosts
+have is its catalog record's (``accelerators.yaml``: ``collective_link``, and ``pcie_link`` for
+its PCIe-only hosts); no accelerator is named here. Links fitted here (``python -m
 sftctl.compiler.collectives fit``) come from XLA's measured table (``calibrations/data/xla/
 collectives.jsonl``: 8-GPU H100, B200 and MI355X hosts); the others (PCIe-only hosts, A100 and
 V100 NVLink, EFA, GPUDirect-TCPX, InfiniBand) carry one (alpha, beta) from published nccl-tests
@@ -156,13 +158,21 @@ def links() -> list[str]:
 
 
 def host_link(accelerator: str, intra_node_bytes_per_s: float | None = None) -> Link:
-    """The in-host link of an accelerator's hosts: its NVLink/xGMI link
-    (``collectives.json`` ``accelerators``), or its PCIe link when the offering's in-host
-    bandwidth says PCIe (under :data:`NVLINK_MIN_BYTES_PER_S`) or it has no NVLink."""
-    acc = _load()["accelerators"].get(accelerator) or _load()["accelerators"]["default"]
-    name = acc["host"]
-    if intra_node_bytes_per_s is not None and intra_node_bytes_per_s < NVLINK_MIN_BYTES_PER_S:
-        name = acc.get("pcie", "pcie-gen4")
+    """The in-host link of an accelerator's hosts: its catalog record's ``collective_link``
+    (NVLink/NVSwitch, xGMI), or its ``pcie_link`` when the offering's in-host bandwidth says
+    PCIe (under :data:`NVLINK_MIN_BYTES_PER_S`).
+
+    Raises:
+        KeyError: an accelerator the catalog does not know, or one whose entry names no link.
+    """
+    from sftctl.compiler.hardware import get_accelerator
+
+    acc = get_accelerator(accelerator)
+    pcie = intra_node_bytes_per_s is not None and intra_node_bytes_per_s < NVLINK_MIN_BYTES_PER_S
+    name = acc.pcie_link if pcie else acc.collective_link
+    if not name:
+        field = "pcie_link" if pcie else "collective_link"
+        raise KeyError(f"{acc.name}: accelerators.yaml names no {field}; add one of {', '.join(links())}")
     return link(name)
 
 
@@ -326,7 +336,7 @@ def cross_validate(records: list[dict], ratios: bool = False) -> dict:
             for r in test:
                 b = record_bytes(r)
                 by_size[bucket_of(b)].append(f.time_s(key[0], key[1], b) / r["time_s"])
-    for (op, g, pat), rs in groups.items():
+    for (op, g, _pat), rs in groups.items():
         others = [fit_group(v) for (o, gg, p), v in groups.items() if o != op and gg == g and o != "collective-permute"]
         if not others or op == "collective-permute":
             continue
@@ -341,8 +351,23 @@ def cross_validate(records: list[dict], ratios: bool = False) -> dict:
     return out
 
 
-#: arch of the measured table -> the link its 8-GPU host records fit
-MEASURED_LINKS = {"sm_90": "nvswitch-h100", "sm_100_B200": "nvswitch-b200", "gfx950": "xgmi-mi355x"}
+def measured_links(path: Path = MEASURED) -> dict[str, str]:
+    """XLA arch (the catalog's ``die``) -> the link its 8-GPU host records fit: the
+    ``collective_link`` of the catalog's accelerators of each die with measured records.
+
+    Raises:
+        ValueError: two accelerators of one measured die name different links.
+    """
+    from sftctl.compiler.hardware import load_accelerators
+
+    archs = {r["arch"] for r in measured_records(path=path)}
+    out: dict[str, str] = {}
+    for acc in load_accelerators().values():
+        if acc.die in archs and acc.collective_link:
+            if out.setdefault(acc.die, acc.collective_link) != acc.collective_link:
+                raise ValueError(f"accelerators.yaml: die {acc.die} is measured on one host, but its accelerators "
+                                 f"name links {out[acc.die]} and {acc.collective_link}")
+    return dict(sorted(out.items()))
 
 
 def measured_records(arch: str | None = None, path: Path = MEASURED) -> list[dict]:
@@ -356,9 +381,9 @@ def measured_records(arch: str | None = None, path: Path = MEASURED) -> list[dic
 
 
 def fit_links(path: Path = MEASURED) -> dict:
-    """name -> {fits, cv_error} for each measured link (:data:`MEASURED_LINKS`)."""
+    """name -> {fits, cv_error} for each measured link (:func:`measured_links`)."""
     out = {}
-    for arch, name in MEASURED_LINKS.items():
+    for arch, name in measured_links(path).items():
         recs = measured_records(arch, path)
         fits = [fit_group(rs) for rs in _groups(recs).values()]
         out[name] = {

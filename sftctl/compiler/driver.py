@@ -67,7 +67,7 @@ def _load_trace(path: Path) -> Graph | None:
     if path.exists():
         try:
             return pickle.loads(path.read_bytes())
-        except Exception:  # a stale or truncated cache entry is rebuilt, never trusted
+        except Exception:  # noqa: BLE001 a stale or truncated cache entry is rebuilt, never trusted
             path.unlink(missing_ok=True)
     return None
 
@@ -95,7 +95,7 @@ def compile_for(graph: Graph, target: Target, progress: Callable[[int, int], Non
     if use_cache and path.exists():
         try:
             return CompiledStep.from_dict(json.loads(path.read_text()))
-        except Exception:
+        except Exception:  # noqa: BLE001 a stale or truncated cache entry is recompiled
             path.unlink(missing_ok=True)
     compiled = compile_graph(graph, target, progress=progress, matmul_precision=matmul_precision,
                              mma_dtype_map=mma_dtype_map)

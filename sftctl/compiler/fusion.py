@@ -395,26 +395,81 @@ def causal_fraction(L: int, S: int) -> float:
     return kept / (L * S) if L and S else 0.0
 
 
+#: ops a query/key position index passes through unchanged in order (HF's cache_position offsets,
+#: unsqueezes, broadcasts, dtype casts)
+_INDEX_OPS = ("reshape", "broadcast", "cast", "add", "sub")
+
+
+def _position_index(graph: Graph, i: int, depth: int = 0) -> bool:
+    """Whether node ``i`` is a position index: an ``iota`` (``torch.arange``) moved only by
+    reshapes, broadcasts, casts and additions of constants."""
+    n = graph.nodes[i]
+    if n.op == "iota":
+        return True
+    if depth > 12 or n.op not in _INDEX_OPS:
+        return False
+    args = [j for j in n.inputs if graph.nodes[j].op != "constant"]
+    return len(args) == 1 and _position_index(graph, args[0], depth + 1)
+
+
+def causal_mask(graph: Graph, i: int, depth: int = 0) -> bool:
+    """Whether the boolean mask node ``i`` keeps no key after its query: it is, or is a
+    ``logical_and`` with, the comparison ``key position <= query position`` of two position
+    indexes (:func:`_position_index`; the key's varying along the last axis, the query's along
+    the one before), as transformers' ``sdpa_mask`` builds it on traced tensors, where it cannot
+    see that an unpadded batch lets it drop the mask and call SDPA with ``is_causal=True``. The
+    other terms of the ``and`` (a padding mask from ``batch['attention_mask']``, a sliding
+    window) only remove more keys."""
+    n = graph.nodes[i]
+    if depth > 8:
+        return False
+    if n.op in ("logical_and", "reshape", "broadcast"):
+        return any(causal_mask(graph, j, depth + 1) for j in n.inputs)
+    if n.op not in ("le", "lt", "ge", "gt") or len(n.inputs) != 2:
+        return False
+    a, b = (graph.nodes[j] for j in n.inputs)
+    if not all(_position_index(graph, j) for j in n.inputs) or len(a.type.shape) < 2 or len(b.type.shape) < 2:
+        return False
+
+    def along(x, axis: int) -> bool:  # varies along ``axis`` only (size > 1 there, 1 on the other)
+        other = -1 if axis == -2 else -2
+        return x.type.shape[axis] > 1 and x.type.shape[other] == 1
+
+    key_first = along(a, -1) and along(b, -2)   # le(key, query): key <= query
+    query_first = along(a, -2) and along(b, -1)  # ge(query, key)
+    return (n.op in ("le", "lt") and key_first) or (n.op in ("ge", "gt") and query_first)
+
+
 def attention_shape(graph: Graph, node: Node) -> dict:
     """The problem an attention kernel solves, from one of its nodes.
 
     Returns ``{"direction": "forward"|"backward", "batch", "q_heads", "kv_heads", "q_len",
     "kv_len", "head_dim", "v_head_dim", "dtype", "causal", "masked", "dropout_p",
-    "kept_fraction"}`` (lengths in tokens; ``kept_fraction`` is the causal fraction, 1.0 otherwise:
+    "kept_fraction", "implementation", "torch", "bias", "alibi"}`` (``alibi``: FlashAttention's
+    ``alibi_slopes`` given; ``implementation`` and ``torch``: the
+    node's ``impl`` and ``torch`` attributes, :func:`sftctl.compiler.attention.with_implementation`,
+    ``auto`` and None without them; ``bias``: the mask is an additive float bias, not boolean; lengths in tokens; ``kept_fraction`` is the causal fraction, 1.0 otherwise:
     an explicit mask is not assumed to skip work, as a kernel given a mask tensor computes every
-    tile).
+    tile, except a boolean causal mask (:func:`causal_mask`), which is priced causal).
     """
     q, k, v = (graph.nodes[i].type for i in node.inputs[:3])
     B, Hq, L, D = q.shape
     _, Hkv, S, _ = k.shape
-    causal = bool(node.attrs.get("causal"))
     backward = node.op == "attention_grad"
+    masked = len(node.inputs) > (6 if backward else 3)
+    mask = graph.nodes[node.inputs[-1]] if masked else None
+    # a boolean causal mask (transformers' on traced tensors) is the causal kernel's work
+    causal = bool(node.attrs.get("causal")) or (
+        mask is not None and mask.type.dtype == "bool" and causal_mask(graph, node.inputs[-1]))
     return {
         "direction": "backward" if backward else "forward", "batch": B, "q_heads": Hq, "kv_heads": Hkv,
         "q_len": L, "kv_len": S, "head_dim": D, "v_head_dim": v.shape[-1], "dtype": q.dtype,
-        "causal": causal, "masked": len(node.inputs) > (6 if backward else 3),
+        "causal": causal, "masked": masked,
         "dropout_p": float(node.attrs.get("dropout_p", 0.0)),
         "kept_fraction": causal_fraction(L, S) if causal else 1.0,
+        "implementation": node.attrs.get("impl", "auto"), "torch": node.attrs.get("torch"),
+        "bias": mask is not None and mask.type.dtype != "bool",
+        "alibi": bool(node.attrs.get("alibi", False)),
     }
 
 

@@ -59,7 +59,7 @@ def round_to_bfloat16(x: np.ndarray) -> np.ndarray:
 
 def _erf(x: np.ndarray) -> np.ndarray:
     try:  # scipy is optional; math.erf is exact but slow
-        from scipy.special import erf  # type: ignore
+        from scipy.special import erf
 
         return erf(x)
     except ImportError:  # pragma: no cover - depends on the environment

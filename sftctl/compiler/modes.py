@@ -204,7 +204,8 @@ def _compute_nodes(graph: Graph) -> list[int]:
 
 def eager_kernels(graph: Graph) -> list[Kernel]:
     """One kernel per dispatched ATen op (IR nodes sharing ``attrs["call"]``); untagged compute
-    nodes one kernel each. Norm backwards are their CUDA kernels: input gradient, then the
+    nodes one kernel each; an RNN layer's nodes (``attrs["rnn"]``) as :func:`fuse` groups them
+    (cuDNN's per-step GEMM and fused gates). Norm backwards are their CUDA kernels: input gradient, then the
     parameter gradients (``_MULTI_KERNEL_OPS``). A call that mixes a contraction with elementwise work (``addmm``'s bias)
     is one cuBLAS kernel with that epilogue; a call whose nodes span several contractions is split
     at each."""
@@ -213,11 +214,17 @@ def eager_kernels(graph: Graph) -> list[Kernel]:
     part: dict[int, int] = {}
     if any(n.attrs.get("aten") in _MULTI_KERNEL_OPS for n in graph.nodes):
         part = {i: gi for gi, k in enumerate(fuse(graph, gemm_epilogues=False, horizontal=False)) for i in k.nodes}
+    # cuDNN's RNN layers (frontends/torch/rnn.py): per step a GEMM and one fused pointwise kernel
+    fused = ({i: gi for gi, k in enumerate(fuse(graph, horizontal=False)) for i in k.nodes
+              if all("rnn" in graph.nodes[j].attrs for j in k.nodes)}
+             if any("rnn" in n.attrs for n in graph.nodes) else {})
     for i in _compute_nodes(graph):
         call = graph.nodes[i].attrs.get("call")
-        key = ("call", call) if call is not None else ("node", i)
+        key: object = ("call", call) if call is not None else ("node", i)
         if call is not None and graph.nodes[i].attrs.get("aten") in _MULTI_KERNEL_OPS:
             key = ("call", call, part.get(i))
+        if "rnn" in graph.nodes[i].attrs and i in fused:
+            key = ("rnn", fused[i])
         if key not in groups:
             groups[key] = []
             order.append(key)
@@ -322,6 +329,38 @@ def foreach_optimizer_time_s(graph: Graph, target: Target, grad_clip: bool) -> t
     return total_s, launches, moved
 
 
+#: Host seconds of the device-to-host sync ``GradScaler.step`` makes each step (``found_inf.item()``
+#: in ``torch/amp/grad_scaler.py`` ``_maybe_opt_step``): the host waits for the GPU to drain its
+#: queue, then reads one scalar back. A ``cudaMemcpy`` device-to-host round trip of a few bytes is
+#: ~10 us on PCIe (NVIDIA's CUDA C++ Best Practices Guide, "Data Transfer Between Host and
+#: Device": small transfers are latency-bound); stated, not fitted.
+GRAD_SCALER_SYNC_S = 10e-6
+
+
+def uses_grad_scaler(graph: Graph) -> bool:
+    """Whether the step trains in float16 mixed precision (a contraction reads float16 while the
+    parameters are float32), which PyTorch pairs with ``torch.amp.GradScaler``: bf16 needs none."""
+    params = graph.inputs_with_role("param")
+    if not params or any(p.type.dtype != "float32" for p in params):
+        return False
+    return any(n.op in CONTRACTIONS and graph.nodes[n.inputs[0]].type.dtype == "float16" for n in graph.nodes)
+
+
+def grad_scaler_time_s(graph: Graph, target: Target) -> tuple[float, int, float]:
+    """(GPU seconds, kernel launches, bytes) of ``GradScaler``'s per-step work before the
+    optimizer: ``_amp_foreach_non_finite_check_and_unscale_`` over the fp32 gradients (one
+    multi-tensor pass that reads and writes them: depth 1, as ``foreach_adamw_passes`` counts
+    launches) and ``_amp_update_scale_`` (one launch). The sync that follows is
+    :data:`GRAD_SCALER_SYNC_S` (:func:`predict_mode`)."""
+    params = graph.inputs_with_role("param")
+    list_bytes = sum(p.type.numel for p in params) * 4
+    chunks = sum(math.ceil(p.type.numel / _MTA_CHUNK) for p in params)
+    hw, c = target.hw, target.peers.classes["copy"]
+    n = max(math.ceil(len(params) / _MTA_MAX_TENSORS[1]), math.ceil(chunks / _MTA_MAX_BLOCKS))
+    b = 2 * list_bytes
+    return (n + 1) * c.fixed_s + b / (hw.hbm_bytes_per_s * c.hbm_fraction), n + 1, b
+
+
 def has_grad_clip(graph: Graph, phase: list[str]) -> bool:
     """Whether the traced optimizer clips gradients (a global norm: reductions in its phase)."""
     return any(phase[n.id] == "optimizer" and n.op == "sum" for n in graph.nodes)
@@ -331,12 +370,28 @@ def has_grad_clip(graph: Graph, phase: list[str]) -> bool:
 # predictions
 
 
-def _gemm_dtype(graph: Graph, k: Kernel, ieee_fp32: bool, dtype_map: dict) -> str | None:
+def has_tensor_cores(hw: Accelerator, dtype: str) -> bool:
+    """Whether ``hw`` has a matrix-unit path for a 16-bit ``dtype`` (``bfloat16``/``float16``):
+    its matrix peak for that dtype exceeds its float32 vector peak. The catalog gives a GPU
+    without one (bf16 on the T4, sm_75, and the V100, sm_70: tensor cores for fp16 only) its
+    float32 CUDA-core rate as the matrix peak. There torch still runs a bf16 matmul (cuBLAS's
+    ``cublasGemmEx`` with bf16 operands and fp32 compute on the CUDA cores; bf16 autocast is allowed,
+    ``torch.cuda.is_bf16_supported(including_emulation=True)``), so it is priced as IEEE fp32 SGEMM on
+    the CUDA cores, never at a tensor-core efficiency. Other dtypes and non-NVIDIA targets: True."""
+    if dtype not in ("bfloat16", "float16") or getattr(hw, "vendor", "") != "nvidia":
+        return True
+    return hw.matrix_peak(dtype) > hw.vector_peak("float32") * 1.01
+
+
+def _gemm_dtype(graph: Graph, k: Kernel, ieee_fp32: bool, dtype_map: dict, hw: Accelerator | None = None) -> str | None:
     """The matrix-unit path of a library GEMM: its input dtype (float64 runs as float32), or
-    None for IEEE fp32 (``matmul_precision: highest``: CUDA cores, not TF32)."""
+    None for the CUDA cores: IEEE fp32 (``matmul_precision: highest``, not TF32), and a 16-bit
+    dtype ``hw`` has no tensor cores for (:func:`has_tensor_cores`)."""
     dtype = graph.nodes[graph.nodes[k.anchor].inputs[0]].type.dtype
     dtype = dtype_map.get(dtype, dtype)
     mma = "float32" if dtype == "float64" else dtype
+    if hw is not None and not has_tensor_cores(hw, mma):
+        return None
     return None if ieee_fp32 and mma == "float32" else mma
 
 
@@ -344,7 +399,7 @@ def _library_gemm_s(graph: Graph, k: Kernel, target: Target, ieee_fp32: bool, dt
     """A library GEMM (cuBLAS; a convolution is cuDNN's implicit GEMM, divided by the target's
     ``conv_efficiency`` as the compiler prices its own convolutions)."""
     batch, m, n, kk = _gemm_dims(graph, graph.nodes[k.anchor])
-    mma = _gemm_dtype(graph, k, ieee_fp32, dtype_map)
+    mma = _gemm_dtype(graph, k, ieee_fp32, dtype_map, target.hw)
     peak = target.hw.vector_peak("float32") if mma is None else target.hw.matrix_peak(mma)
     t = cublas_time_s(batch, m, n, kk, k.bytes_read + k.bytes_written, peak, target, mma)
     if graph.nodes[k.anchor].op == "conv":
@@ -357,7 +412,9 @@ def _other_kernel_s(graph: Graph, k: Kernel, target: Target, eager: bool) -> flo
     kernels (:func:`sftctl.compiler.roofline.attention_time_s`); None for other kinds."""
     if k.kind == "attention":
         return float(attention_time_s(k, target))
-    return None
+    from sftctl.compiler.linalg import library_time_s
+
+    return library_time_s(graph, k, target)  # cuFFT, cuSOLVER in every mode (None: an ordinary kernel)
 
 
 def predict_mode(graph: Graph, target: Target, mode: str, matmul_precision: str = "highest",
@@ -412,7 +469,11 @@ def predict_mode(graph: Graph, target: Target, mode: str, matmul_precision: str 
         gpu_s = max(gpu_s, host_s) + t
         return wait
 
+    from sftctl.compiler.linalg import is_solver_part
+
     for i, k in enumerate(kernels):
+        if is_solver_part(graph, k):
+            continue  # a piece of a cuSOLVER call, priced whole at its first kernel (sftctl.compiler.linalg)
         ph, mod = kernel_phase_module(graph, k, phase, module)
         if optimizer_eager and ph == "optimizer":
             continue  # PyTorch's foreach AdamW, priced as a whole below
@@ -437,6 +498,19 @@ def predict_mode(graph: Graph, target: Target, mode: str, matmul_precision: str 
         flops += k.flops
         moved += k.bytes_read + k.bytes_written
         launches += n_launch
+    if optimizer_eager and uses_grad_scaler(graph):
+        # GradScaler: unscale and check the gradients, then the host waits for the GPU to read
+        # found_inf back, so the optimizer's launches start from an empty queue
+        t, n, b = grad_scaler_time_s(graph, target)
+        wait = run(t, n)
+        add("grad scaler (fp16)", "optimizer", None, t)
+        launches += n
+        moved += b
+        host_s = max(host_s, gpu_s) + GRAD_SCALER_SYNC_S
+        wait += max(0.0, host_s - gpu_s)
+        gpu_s = max(gpu_s, host_s)
+        if wait:
+            add("host (GPU waits for launches)", "optimizer", None, wait)
     if optimizer_eager:
         t, n, b = foreach_optimizer_time_s(graph, target, has_grad_clip(graph, phase))
         if n:
@@ -448,7 +522,7 @@ def predict_mode(graph: Graph, target: Target, mode: str, matmul_precision: str 
             moved += b
             flops += 12.0 * sum(p.type.numel for p in graph.inputs_with_role("param"))
     total = gpu_s
-    pm = peak_memory(graph, kernels)
+    pm = peak_memory(graph, kernels, foreach_optimizer=optimizer_eager)
     return {
         "compute_time_s": total,
         "kernels": launches,

@@ -1,10 +1,11 @@
 """The peer model: what the field's own library kernels (cuBLAS, torch's eager kernels, copies)
 achieve on an accelerator, for pricing the ``eager`` and ``default`` execution modes
 (:mod:`sftctl.compiler.modes`). Solved from the shipped calibration's peers
-(:func:`sftctl.compiler.calibrated.peer_efficiency`, measured in
-``sftctl/compiler/calibrations/data/h200/peers.jsonl``); the constants below are the same solve,
-used when no calibration is shipped (other accelerators get the H200's fractions of peak and its
-fixed times; see :mod:`sftctl.compiler.modes` for the arithmetic and each number's source).
+(:func:`sftctl.compiler.calibrated.peer_efficiency`: the calibration the accelerator's catalog
+entry names as ``peers``, today ``sftctl/compiler/calibrations/data/h200/peers.jsonl`` for every
+GPU, as fractions of its own peaks); the constants below are the same solve, used for an
+accelerator whose entry names no peers (see :mod:`sftctl.compiler.modes` for the arithmetic and
+each number's source).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ COPY_HBM_FRACTION = 4.241e12 / H200_HBM_BYTES_PER_S
 CUBLAS_TILE = (128, 128)
 CUBLAS_MMA_EFFICIENCY = 0.875
 CUBLAS_WAVE_S = 1.47e-6
-CUBLAS_SOURCE = ("H200 torch.mm (cuBLAS) bf16, ../shared/h200/peers.jsonl: 4096^3 175.4 us (784 TFLOP/s), "
+CUBLAS_SOURCE = ("H200 torch.mm (cuBLAS) bf16, calibrations/data/h200/peers.jsonl: 4096^3 175.4 us (784 TFLOP/s), "
                  "8192x2304x768 47.7 us (608 TFLOP/s); torch 2.11 + CUDA 13.0, triton do_bench median")
 
 
@@ -39,7 +40,7 @@ class EagerKernelClass:
     source: str
 
 
-# (bytes, seconds) pairs from ../shared/h200/peers.jsonl -> bandwidth = dB/dt, fixed = t - B/bw
+# (bytes, seconds) pairs from calibrations/data/h200/peers.jsonl -> bandwidth = dB/dt, fixed = t - B/bw
 EAGER_KERNELS = {
     # layer norm bf16: 8192x768 21.65 us, 65536x1024 155.55 us (read + write x, 8 B/row stats)
     "layernorm": EagerKernelClass(1.817e12 / H200_HBM_BYTES_PER_S, 7.8e-6,
@@ -109,11 +110,12 @@ _FALLBACK_SOURCE = "constants in sftctl.compiler.modes (H200 peers.jsonl, solved
 
 def peer_model(hw: Accelerator) -> PeerModel:
     """:class:`PeerModel` for accelerator ``hw`` (:func:`sftctl.compiler.target.load_target`, which
-    caches per accelerator, is its caller). Falls back to this module's constants (the same H200 measurements) when no
-    calibration is shipped or its peers file is missing."""
+    caches per accelerator, is its caller): solved from the calibration its catalog entry names as
+    ``peers``. Falls back to this module's constants (the same H200 measurements) when it names
+    none or the peers file is missing."""
     fallback = PeerModel(CUBLAS_MMA_EFFICIENCY, CUBLAS_WAVE_S, dict(EAGER_KERNELS), COPY_HBM_FRACTION,
                          _FALLBACK_SOURCE)
-    peers = peer_efficiency(hw) or peer_efficiency("H200")
+    peers = peer_efficiency(hw)
     if peers is None:
         return fallback
     # solve on the device that was measured (its peaks and SMs); efficiencies and bandwidth
@@ -135,7 +137,7 @@ def peer_model(hw: Accelerator) -> PeerModel:
     classes = dict(EAGER_KERNELS)
     for kernel, klass, bytes_per_elem, kernels in (("layernorm", "layernorm", 4, 1), ("softmax", "softmax", 4, 1),
                                                    ("bias_gelu", "elementwise", 8, 2)):
-        pts = []
+        pts: list[tuple[float, float]] = []
         for shape, f in peers.eager_row_fraction_of_hbm_peak.get(kernel, {}).items():
             m, n = (int(x) for x in shape.split("x"))
             t = 4.0 * m * n / (f * hbm)  # the calibration's convention: bf16 read + write

@@ -1,7 +1,7 @@
 """Predict measured kernel records: ``python -m sftctl.compiler.predict --target ACCEL``.
 
 Reads JSON lines on stdin in the record format of the H200 calibration set
-(``calibrations/data/h200/README.md``, copied from ``../shared/h200``), writes the same records
+(``calibrations/data/h200/README.md``, the team's measurements, copied verbatim), writes the same records
 with ``predicted_s`` (seconds; null where the model says the config cannot run) on stdout, one
 line per input line, in order. Kernels, as written in ``calibrations/data/h200/kernels.py``:
 
@@ -16,7 +16,7 @@ Three more record kinds, predicted as the compiler prices them in a step:
 * a collective of XLA's measured table (``calibrations/data/xla/collectives.jsonl``, as written:
   a record with ``opcode``, ``group_size``, ``input_bytes_per_device``,
   ``output_bytes_per_device``), on the 8-GPU host of the target (:mod:`sftctl.compiler.collectives`);
-* a library GEMM of XLA's measured table (``../shared/xla/matmul.jsonl``, as written: a record
+* a library GEMM of XLA's measured table (``data/provenance/xla/matmul.jsonl``, as written: a record
   with ``b, m, n, k`` and ``dtype`` such as ``bf16xbf16->bf16``, no ``kernel``; ``time_s`` and
   ``flops_per_s`` are not read): cuBLAS / hipBLASLt GPU time on the target, no host launch
   (:func:`sftctl.compiler.gemm_table.predict_record`);
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     for n, line in enumerate(sys.stdin, start=1):
         try:
             rec = json.loads(line)
-        except ValueError as e:
+        except json.JSONDecodeError as e:
             what = "empty line" if not line.strip() else f"not JSON ({e.msg} at column {e.colno})"
             print(f"predict: line {n}: {what}; give one JSON record per line", file=sys.stderr)
             return 2

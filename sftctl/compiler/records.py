@@ -1,5 +1,5 @@
 """Measured kernel records and their predictions: the record format of the H200 calibration set
-(``calibrations/data/h200/README.md``, copied from ``../shared/h200``), checked and completed
+(``calibrations/data/h200/README.md``, the team's measurements, copied verbatim), checked and completed
 (:func:`normalize`), their ptxas resources (:func:`resources_for`), and the cost model's seconds
 for each (:func:`predict_records`). The tools ``python -m sftctl.compiler.predict`` (records in,
 ``predicted_s`` out) and ``python -m sftctl.compiler.calibration`` (the fit) both price through
@@ -149,7 +149,7 @@ def compile_reference(kernel: str, config: dict, target: str, dtype: str = "bflo
             r = compile_resources(fn, sig, ce, target, num_warps=config["num_warps"],
                                   num_stages=config.get("num_stages", 3), attrs=attrs)
         return {"registers": r.registers, "spill_bytes": r.spill_bytes, "shared_bytes": r.shared_bytes}
-    except Exception:
+    except Exception:  # noqa: BLE001 a schedule the compiler rejects has no resources
         return None
 
 

@@ -30,7 +30,7 @@ def model_flops(graph: Graph) -> float:
         if n.op in CONTRACTIONS:
             total += 2.0 * math.prod(_gemm_dims(graph, n))
     try:
-        from sftctl.compiler.fusion import attention_flops, attention_shape  # type: ignore[attr-defined]
+        from sftctl.compiler.fusion import attention_flops, attention_shape
     except ImportError:
         return total
     seen = set()
@@ -118,7 +118,7 @@ def compile_doc(compiled: CompiledStep, graph: Graph, spec, hw: Accelerator, mod
     tokens, unit = tokens_per_step(graph)
     batch = spec.model.batch_size
     peak_rate = _peak_rate(hw, spec.model.dtype, compiled.matmul_precision)
-    for m, d in details.items():
+    for d in details.values():
         t = d["compute_time_s"]
         d["mfu"] = flops / (t * peak_rate) if t > 0 and peak_rate else 0.0
         d["model_tflops_per_s"] = flops / t / 1e12 if t > 0 else 0.0

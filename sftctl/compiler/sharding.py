@@ -14,7 +14,9 @@ Strategies (what :func:`sftctl.train.prepare` runs):
 * activation checkpointing (either strategy): each block keeps only its input during forward and
   recomputes its activations in backward.
 
-Memory per device (bytes)::
+Memory per device (bytes): parameters, gradients and optimizer state divided as
+:func:`sftctl.compiler.layouts.memory.sharded_state` divides them, the one place the layout
+search (:mod:`sftctl.compiler.layouts`) divides them too::
 
     activations A   = max(0, transient_peak - grad_bytes)     # the liveness peak less the gradients
     ddp             = params + grads + opt_state + batch + A + reserve          (the liveness peak;
@@ -109,6 +111,7 @@ def predict_strategies(compiled, target: Target, gpus_per_node: int, nodes: int,
         predictions in the order asked (ddp first), see the module docstring for the arithmetic.
     """
     from sftctl.compiler.collectives import time_s as collective_s
+    from sftctl.compiler.layouts.memory import sharded_state
 
     world = gpus_per_node * nodes
     inter = inter_node_bytes_per_s or DEFAULT_INTER_NODE_BYTES_PER_S
@@ -121,6 +124,8 @@ def predict_strategies(compiled, target: Target, gpus_per_node: int, nodes: int,
     params, opt, batch = pm["params_bytes"], pm["opt_state_bytes"], pm["batch_bytes"]
     reserve, grads = pm["reserve_bytes"], compiled.grad_bytes
     acts = max(0, pm["transient_peak_bytes"] - grads)
+    # a foreach optimizer's temporaries (memory.peak_memory): one per parameter of the rank's shard
+    foreach = max(0, pm.get("optimizer_transient_bytes", 0) - grads)
     units = dict(getattr(compiled, "param_units", None) or {})
     n_params = grads // 4
     if not units:  # a step compiled before units were recorded: one unit, the worst case
@@ -140,19 +145,21 @@ def predict_strategies(compiled, target: Target, gpus_per_node: int, nodes: int,
             a = int(acts * min(1.0, 2.0 / blocks)) if ckpt else acts
             recompute = fwd if ckpt else 0.0
             base = compute
+            st = sharded_state(params, grads, opt, par, world, unit_params=largest_unit,
+                               gather_bytes=param_dtype_bytes, reduce_bytes=REDUCE_DTYPE_BYTES)
+            mem = {"params": int(st["weights"]), "grads": int(st["grads"]), "opt_state": int(st["optimizer"]),
+                   "activations": a, "gather": int(st["gather"])}
             if par == "ddp":
-                mem = {"params": params, "grads": grads, "opt_state": opt, "activations": a, "gather": 0}
                 comm = ddp.allreduce_time_s
             else:
                 base = compute - optimizer * (1 - 1 / world)
-                mem = {"params": params // world, "grads": grads // world, "opt_state": opt // world,
-                       "activations": a,
-                       "gather": 2 * largest_unit * param_dtype_bytes + largest_unit * REDUCE_DTYPE_BYTES}
                 n_units = len(units) if len(units) > 1 else 1
                 bwd = compute - fwd + recompute
                 comm = (ag / n_units + max(0.0, ag * (1 - 1 / n_units) - fwd)
                         + rs / n_units + max(0.0, ag + rs * (1 - 1 / n_units) - bwd)) if world > 1 else 0.0
-            mem |= {"batch": batch, "reserve": reserve}
+            # the optimizer's step peaks with its temporaries where they outweigh the activations
+            opt_temp = foreach / (world if par == "fsdp" else 1)
+            mem |= {"optimizer_temporaries": int(max(0.0, opt_temp - a)), "batch": batch, "reserve": reserve}
             out.append(StrategyPrediction(
                 parallelism=par, activation_checkpointing=ckpt, world_size=world,
                 compute_time_s=base + recompute, comm_time_s=comm, step_time_s=base + recompute + comm,

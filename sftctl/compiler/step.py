@@ -21,19 +21,37 @@ from sftctl.compiler.fusion import Kernel, fuse
 from sftctl.compiler.hardware import Accelerator
 from sftctl.compiler.ir import Graph
 from sftctl.compiler.memory import PeakMemory, peak_memory
-from sftctl.compiler.modes import predict_mode
+from sftctl.compiler.modes import has_tensor_cores, predict_mode
 from sftctl.compiler.problem import GemmProblem
 from sftctl.compiler.roofline import attention_time_s, mma_dtype, roofline_time_s
-from sftctl.compiler.search.gemm import search_gemm
+from sftctl.compiler.search.gemm import GemmChoice, search_gemm
 from sftctl.compiler.target import Target
 
-# Data-parallel gradient all-reduce (sftctl.compiler.collectives: measured alpha-beta per link).
-# PyTorch DDP all-reduces 25 MiB buckets (bucket_cap_mb=25) while backward runs (Li et al.,
-# "PyTorch Distributed", VLDB 2020), so most of it hides behind backward, which is about 2/3 of a
-# step's compute (backward ~ 2x forward FLOPs); each bucket pays the collective's latency.
-ALLREDUCE_OVERLAP = 0.8
+# Data-parallel gradient all-reduce (sftctl.compiler.collectives: measured alpha-beta per link), as
+# PyTorch DDP runs it (Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel
+# Training", VLDB 2020, sections 3.2.3 and 4.2): float32 gradients in buckets of ``bucket_cap_mb``
+# = 25 MiB, the first bucket 1 MiB (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``), in reverse
+# parameter order; a bucket's all-reduce starts on NCCL's stream when its last gradient is ready and
+# the collectives run one after another. Buckets hold whole parameters, as torch assigns them
+# (``torch.distributed._compute_bucket_assignment_by_size``, which the reducer reruns over the order
+# gradients became ready after the first iteration): a bucket closes once it reaches its cap, so a
+# parameter larger than the cap (a 30k x 1024 word embedding: 125 MB of float32 gradient) lands
+# in one bucket with whatever preceded it. Gradients become ready over backward (about 2/3 of a
+# step's compute: backward ~ 2x forward FLOPs) in proportion to the bytes produced, in the reverse
+# of the order the forward first reads them, so the parameters read first (the embeddings) are
+# ready last and their bucket's all-reduce is exposed whole (:func:`ddp_allreduce_exposed_s`).
 BACKWARD_SHARE = 2 / 3
 DDP_BUCKET_BYTES = 25 * 2**20
+DDP_FIRST_BUCKET_BYTES = 2**20
+#: Thread blocks (one per SM) an NCCL collective kernel occupies while it overlaps backward: the
+#: compute kernels lose those SMs (and their wave quantization) for as long as the collective runs.
+#: Published measurement (NVIDIA developer forum, "Compute-Communication Overlap Causes Severe GEMM
+#: Performance Degradation because of Tail Effect", 2025: on an H100, ncclAllGather launched 24
+#: blocks and a concurrent 132-block GEMM took nearly 2x). We take the SM share, 24 / sm_count,
+#: as the compute lost while overlapped by a memory-bound kernel; a compute-bound GEMM loses its
+#: wave quantization instead (:func:`overlap_slowdown`: ``ceil(tiles / (SMs - 24))`` waves for
+#: ``ceil(tiles / SMs)``, which gives the forum's 2x for a 132-tile GEMM), stated, not fitted.
+NCCL_OVERLAP_SMS = 24
 # The network when an offering does not say: 10 Gbit/s per node.
 DEFAULT_INTER_NODE_BYTES_PER_S = 1.25e9
 
@@ -82,6 +100,8 @@ class CompiledStep:
     modes: dict = dataclasses.field(default_factory=dict)
     #: FSDP unit (``blocks.3``; ``""`` the root) -> parameters (elements); see :mod:`sftctl.compiler.sharding`
     param_units: dict = dataclasses.field(default_factory=dict)
+    #: elements of each parameter tensor in the order the forward first reads them (DDP's buckets hold whole tensors)
+    param_numels: list = dataclasses.field(default_factory=list)
 
     def mode_time_s(self, mode: str) -> float:
         """Predicted compute seconds of one step in ``mode`` (``sftensor`` is ``compute_time_s``)."""
@@ -96,8 +116,7 @@ class CompiledStep:
 
     @property
     def peak_memory_bytes(self) -> int:
-        m = self.peak_memory
-        return m["params_bytes"] + m["opt_state_bytes"] + m["batch_bytes"] + m["transient_peak_bytes"] + m["reserve_bytes"]
+        return PeakMemory(**self.peak_memory).total_bytes
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -175,7 +194,21 @@ def compile_graph(
         matmul_precision=matmul_precision,
         modes=modes,
         param_units=_param_units(graph),
+        param_numels=_params_in_forward_order(graph),
     )
+
+
+def _params_in_forward_order(graph: Graph) -> list[int]:
+    """Elements of each parameter in the order the forward first reads them (the reverse of the
+    order backward finishes their gradients, which DDP's rebuilt buckets follow); a parameter no
+    node reads comes last."""
+    first: dict[int, int] = {}
+    for n in graph.nodes:
+        for i in n.inputs:
+            first.setdefault(i, n.id)
+    params = graph.inputs_with_role("param")
+    order = sorted(params, key=lambda p: first.get(p.id, len(graph.nodes)))
+    return [int(p.type.numel) for p in order]
 
 
 @dataclasses.dataclass
@@ -219,17 +252,25 @@ def cost_kernels(
     ieee_fp32 = matmul_precision == "highest"
     dtype_map = dict(mma_dtype_map or {})
     hw, coeffs = target.hw, target.coeffs
-    gemm_classes: dict[GemmProblem, object] = {}
+    gemm_classes: dict[GemmProblem, GemmChoice] = {}
     total_gemm = len({_gemm_class(k.gemm) for k in kernels if k.kind == "gemm"})
     plans: list[KernelPlan] = []
     candidates = scored = 0
+    from sftctl.compiler.linalg import library_time_s
+
     for i, k in enumerate(kernels):
         config, cands, sc = None, 0, 0
+        lib = library_time_s(graph, k, target)
+        if lib is not None:  # a DFT or a dense solver the frontend spelled in IR ops: cuFFT's / cuSOLVER's time
+            t = lib
+            plans.append(_kernel_plan(graph, i, k, t, hw, None, 0, 0, ieee_fp32, dtype_map))
+            continue
         if k.kind == "gemm":
             dtype = dtype_map.get(k.gemm.dtype, k.gemm.dtype)
             key = _gemm_class(k.gemm)
-            if ieee_fp32 and mma_dtype(dtype) == "float32":
-                # IEEE FP32 (no TF32): CUDA-core SGEMM at the vector peak, no tensor-core schedule
+            if (ieee_fp32 and mma_dtype(dtype) == "float32") or not has_tensor_cores(hw, mma_dtype(dtype)):
+                # IEEE FP32 (no TF32), or a 16-bit dtype without tensor cores (bf16 on a T4 or
+                # V100): CUDA-core SGEMM at the vector peak, no tensor-core schedule
                 t = roofline_time_s(k, target, hw.vector_peak("float32") * coeffs.mma_efficiency)
                 plans.append(_kernel_plan(graph, i, k, t, hw, None, 0, 0, ieee_fp32, dtype_map))
                 continue
@@ -360,6 +401,122 @@ class StepPrediction:
         return self.devices_needed == 1
 
 
+def ddp_buckets(grad_bytes: float, param_bytes: list[float] | None = None) -> list[float]:
+    """DDP's gradient buckets in the order they are reduced (bytes).
+
+    ``param_bytes``: each parameter's gradient bytes in forward order. Walked in reverse
+    (the order backward makes them), a parameter joins the open bucket and the bucket closes once
+    it holds at least its cap: :data:`DDP_FIRST_BUCKET_BYTES` for the first, then
+    :data:`DDP_BUCKET_BYTES` (torch's ``_compute_bucket_assignment_by_size``; a parameter is never
+    split). Without ``param_bytes``, ``grad_bytes`` is divided as if into tiny parameters: the
+    first cap, then full caps, the remainder last."""
+    out: list[float] = []
+    cap = float(DDP_FIRST_BUCKET_BYTES)
+    if param_bytes:
+        open_bytes = 0.0
+        for b in reversed(param_bytes):
+            open_bytes += float(b)
+            if open_bytes >= cap:
+                out.append(open_bytes)
+                open_bytes, cap = 0.0, float(DDP_BUCKET_BYTES)
+        if open_bytes:
+            out.append(open_bytes)
+        return out
+    left = float(grad_bytes)
+    while left > 0:
+        out.append(min(cap, left))
+        left -= out[-1]
+        cap = float(DDP_BUCKET_BYTES)
+    return out
+
+
+_GEMM_LABEL = re.compile(r"^(?:gemm|conv) ((?:\d+x){2,3}\d+) ")
+
+
+def overlap_slowdown(kernels: list[KernelPlan], sm_count: int, nccl_sms: int = NCCL_OVERLAP_SMS) -> float:
+    """How much slower the step's kernels run while an NCCL collective holds ``nccl_sms`` of the
+    GPU's ``sm_count`` SMs (>= 1; their time-weighted mean).
+
+    A compute-bound GEMM (``bound == "compute"``) runs in waves of one output tile per SM: its
+    time scales with ``ceil(tiles / (sm_count - nccl_sms)) / ceil(tiles / sm_count)``, ``tiles``
+    from its shape (the label's ``[batch x] m x n x k``) and its schedule's ``BLOCK_M`` x ``BLOCK_N``
+    x ``split_k`` (cuBLAS's 128 x 128 when the search chose none). The published case this
+    reproduces: on an H100 (132 SMs) a 132-block GEMM took nearly 2x beside ncclAllGather's 24
+    blocks (NVIDIA developer forum, "Compute-Communication Overlap Causes Severe GEMM Performance
+    Degradation because of Tail Effect", 2025): 2 waves for 1. Every other kernel loses the SMs'
+    share, ``1 + nccl_sms / sm_count`` (stated). The kernels of the whole step stand for those of
+    backward, which overlap (a transformer's backward GEMMs are its forward's shapes transposed)."""
+    from sftctl.compiler.peers import CUBLAS_TILE
+
+    if sm_count <= nccl_sms or not kernels:
+        return 1.0 + nccl_sms / max(1, sm_count)
+    total = slowed = 0.0
+    for k in kernels:
+        f = 1.0 + nccl_sms / sm_count
+        m = _GEMM_LABEL.match(k.label)
+        if k.kind == "gemm" and k.bound == "compute" and m:
+            dims = [int(x) for x in m.group(1).split("x")]
+            batch, (mm, nn) = (dims[0] if len(dims) == 4 else 1), dims[-3:-1]
+            cfg = k.config or {}
+            bm, bn = int(cfg.get("BLOCK_M", CUBLAS_TILE[0])), int(cfg.get("BLOCK_N", CUBLAS_TILE[1]))
+            tiles = batch * -(-mm // bm) * -(-nn // bn) * int(cfg.get("split_k", 1))
+            f = -(-tiles // (sm_count - nccl_sms)) / -(-tiles // sm_count)
+        total += k.time_s
+        slowed += k.time_s * f
+    return slowed / total if total > 0 else 1.0 + nccl_sms / sm_count
+
+
+def ddp_allreduce_exposed_s(grad_bytes: float, backward_s: float, accelerator: str, sm_count: int,
+                            gpus_per_node: int, nodes: int = 1, intra_node_bytes_per_s: float | None = None,
+                            inter_node_bytes_per_s: float | None = None, provider: str | None = None,
+                            param_bytes: list[float] | None = None, slowdown: float | None = None) -> float:
+    """Seconds DDP's gradient all-reduce adds to a step of ``backward_s`` seconds of backward.
+
+    Bucket ``i`` (:func:`ddp_buckets`, of whole parameters when ``param_bytes`` gives them) is
+    ready when backward has produced its share of the gradients (``backward_s x bytes so far /
+    grad_bytes``, the last bucket at the end of backward); its all-reduce
+    (:func:`sftctl.compiler.collectives.time_s`, each paying its latency alpha) starts then or when
+    the previous one ends. Exposed = the collectives' end past the end of backward, plus the
+    contention: while a collective overlaps backward, its :data:`NCCL_OVERLAP_SMS` SMs are lost
+    to compute, ``overlapped x (slowdown - 1)``, ``slowdown`` from :func:`overlap_slowdown`
+    (None: the SMs' share, ``1 + NCCL_OVERLAP_SMS / sm_count``). 0 on one device.
+    """
+    from sftctl.compiler.collectives import time_s as collective_s
+
+    if gpus_per_node * nodes <= 1 or grad_bytes <= 0:
+        return 0.0
+    buckets = ddp_buckets(grad_bytes, param_bytes)
+    grad_bytes = sum(buckets)
+    end = done = overlapped = 0.0
+    for b in buckets:
+        done += b
+        ready = backward_s * done / grad_bytes
+        t = collective_s("all-reduce", b, accelerator, gpus_per_node, nodes, intra_node_bytes_per_s,
+                         inter_node_bytes_per_s, provider)
+        start = max(ready, end)
+        end = start + t
+        overlapped += max(0.0, min(end, backward_s) - start)
+    if slowdown is None:
+        slowdown = 1.0 + min(1.0, NCCL_OVERLAP_SMS / max(1, sm_count))
+    contention = overlapped * max(0.0, slowdown - 1.0)
+    return max(0.0, end - backward_s) + contention
+
+
+def ddp_grad_copy_s(param_numels: list[int], target: Target) -> float:
+    """GPU seconds per step of DDP's reducer copying each fresh gradient into its bucket.
+
+    ``optimizer.zero_grad()`` sets gradients to None (``set_to_none=True``, torch's default since
+    2.0), so every step autograd makes each ``.grad`` anew and the reducer, finding it is not a view
+    of its bucket, writes it there scaled by 1 / world (``Reducer::mark_variable_ready_dense``:
+    ``at::mul_out(bucket_view, grad, 1 / div_factor)``; with ``gradient_as_bucket_view`` the grad
+    then points at the bucket). One copy kernel per parameter on the compute stream, each its fixed
+    time plus 8 bytes per element (read float32, write float32) at the copy class's bandwidth
+    (``target.peers.classes["copy"]``, as the foreach optimizer is priced); a step on one device
+    has none of it."""
+    hw, c = target.hw, target.peers.classes["copy"]
+    return sum(c.fixed_s + 8.0 * n / (hw.hbm_bytes_per_s * c.hbm_fraction) for n in param_numels)
+
+
 def predict(compiled: CompiledStep, target: Target, gpus_per_node: int, nodes: int,
             intra_node_bytes_per_s: float | None, inter_node_bytes_per_s: float | None,
             mode: str = "sftensor", provider: str | None = None) -> StepPrediction:
@@ -368,20 +525,23 @@ def predict(compiled: CompiledStep, target: Target, gpus_per_node: int, nodes: i
 
     The gradient all-reduce is DDP's: float32 gradients in 25 MiB buckets, each priced by
     :func:`sftctl.compiler.collectives.time_s` on the accelerator's in-host link (PCIe when
-    ``intra_node_bytes_per_s`` says so) and ``provider``'s network, ``ALLREDUCE_OVERLAP`` of it
-    hidden behind backward (never more than the backward's compute)."""
-    from sftctl.compiler.collectives import bucketed_time_s
-
+    ``intra_node_bytes_per_s`` says so) and ``provider``'s network, overlapped with backward as
+    :func:`ddp_allreduce_exposed_s` says (its contention from the compiled kernels' waves:
+    :func:`overlap_slowdown`), plus the reducer's per-parameter copies into the buckets
+    (:func:`ddp_grad_copy_s`)."""
     hw = target.hw
     world = gpus_per_node * nodes
     compute = compiled.mode_time_s(mode)
     pm = PeakMemory(**(compiled.modes[mode]["peak_memory"] if mode in compiled.modes else compiled.peak_memory))
     ar = 0.0
     if world > 1:
-        total = bucketed_time_s("all-reduce", compiled.grad_bytes, DDP_BUCKET_BYTES, hw.name, gpus_per_node, nodes,
-                                intra_node_bytes_per_s, inter_node_bytes_per_s or DEFAULT_INTER_NODE_BYTES_PER_S,
-                                provider)
-        ar = total - min(ALLREDUCE_OVERLAP * total, compute * BACKWARD_SHARE)
+        numels = list(getattr(compiled, "param_numels", None) or [])
+        ar = ddp_allreduce_exposed_s(compiled.grad_bytes, compute * BACKWARD_SHARE, hw.name, hw.sm_count,
+                                     gpus_per_node, nodes, intra_node_bytes_per_s,
+                                     inter_node_bytes_per_s or DEFAULT_INTER_NODE_BYTES_PER_S, provider,
+                                     param_bytes=[4 * n for n in numels] or None,
+                                     slowdown=overlap_slowdown(compiled.kernels, hw.sm_count))
+        ar += ddp_grad_copy_s(numels, target)
     return StepPrediction(
         accelerator=compiled.accelerator,
         world_size=world,

@@ -62,7 +62,7 @@ def normalize_config(config: dict | None) -> dict:
         ValueError: a block size that is not a power of two >= 16, a non-positive count, an
             unknown layout or an unknown key.
     """
-    cfg = dict(DEFAULT_CONFIG)
+    cfg: dict = dict(DEFAULT_CONFIG)
     if config:
         unknown = set(config) - set(DEFAULT_CONFIG)
         if unknown:

@@ -53,7 +53,7 @@ __all__ = ["ALLOCATION", "KernelResources", "TARGETS", "compile_resources", "ele
            "target_for", "gpu_target"]
 
 #: Target name -> (Triton backend, arch, warp size).
-TARGETS = {
+TARGETS: dict[str, tuple[str, int | str, int]] = {
     "sm_90": ("cuda", 90, 32),     # H100, H200 (compute capability 9.0)
     "sm_80": ("cuda", 80, 32),     # A100
     "sm_89": ("cuda", 89, 32),     # L4
@@ -450,7 +450,7 @@ def gemm_measurer(problem, hw, *, use_cache: bool = True):
             return gemm_resources(config, target, dtype, out_dtype=out_dtype,
                                   a_transposed=problem.a_transposed, b_transposed=problem.b_transposed,
                                   use_cache=use_cache)
-        except Exception:  # the backend rejects the schedule (e.g. out of resources at compile)
+        except Exception:  # noqa: BLE001 the backend rejects the schedule (e.g. out of resources at compile)
             return None
 
     return measure

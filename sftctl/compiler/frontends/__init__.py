@@ -1,6 +1,6 @@
 """Frontends trace a whole training step (forward, loss, backward, optimizer) into the IR.
 
-``torch.py`` (make_fx) and ``jax.py`` (make_jaxpr) each offer ``trace_step`` and
+``torch/`` (make_fx) and ``jax/`` (make_jaxpr) each offer ``trace_step`` and
 ``trace_entrypoint``; the job spec's ``model.entrypoint`` (``file.py:function``) is loaded with
 :func:`load_entrypoint`.
 """
@@ -11,6 +11,20 @@ import importlib.util
 import sys
 from pathlib import Path
 from typing import Callable
+
+
+def user_prints_to_stderr(fn: Callable) -> Callable:
+    """Run ``fn`` with ``sys.stdout`` sent to ``sys.stderr``: what the user's code prints while it is
+    imported, built and traced (a model's ``print`` in its forward, a banner at import) never lands
+    on the stdout of a ``--json`` command, whose document must parse; it stays visible on stderr."""
+    import contextlib
+    import functools
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with contextlib.redirect_stdout(sys.stderr):
+            return fn(*args, **kwargs)
+    return wrapped
 
 
 class EntrypointFileNotFound(FileNotFoundError):
@@ -41,7 +55,7 @@ def load_entrypoint(entrypoint: str, workdir: str) -> Callable:
     sys.modules[mod_name] = module  # dataclasses and pickling look the module up
     sys.path.insert(0, str(path.parent))
     try:
-        mod_spec.loader.exec_module(module)  # type: ignore[union-attr]
+        mod_spec.loader.exec_module(module)
     except BaseException:
         sys.modules.pop(mod_name, None)
         raise

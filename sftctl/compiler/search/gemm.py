@@ -112,7 +112,7 @@ def schedule_space(problem: GemmProblem | None = None, hw: Accelerator | None = 
 def _config(vals: dict, rank: int) -> dict:
     dims = [len(vals[k]) for k in ORDER]
     idx = np.unravel_index(rank, dims)
-    cfg = {k: int(vals[k][int(i)]) for k, i in zip(ORDER, idx)}
+    cfg: dict = {k: int(vals[k][int(i)]) for k, i in zip(ORDER, idx)}
     cfg["layout"] = LAYOUTS[cfg["layout"]]
     return cfg
 
@@ -373,7 +373,7 @@ def top_k_gemm(problem: GemmProblem, hw: Accelerator, coeffs: Coefficients, k: i
         return []
     cfgs = [_config(vals, int(r)) for r in pool_r]
     segments, traffic, foot = tie_break_costs(problem, hw, c, cfgs)
-    keyed = sorted(range(pool_t.size), key=lambda i: (_tie_time(pool_t[i]), float(segments[i]), float(traffic[i]),
+    keyed = sorted(range(pool_t.size), key=lambda i: (_tie_time(float(pool_t[i])), float(segments[i]), float(traffic[i]),
                                                        float(foot[i]), int(pool_r[i])))
     return [GemmCandidate(cfgs[i], float(pool_t[i]), float(segments[i]), float(traffic[i]), float(foot[i]))
             for i in keyed[:k]]

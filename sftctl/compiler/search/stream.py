@@ -21,9 +21,8 @@ import functools
 
 import numpy as np
 
-from sftctl.catalog.identity import identify
 from sftctl.compiler.costmodel import Coefficients, elementwise_time_s, row_kernel_time_s
-from sftctl.compiler.hardware import Accelerator, get_accelerator
+from sftctl.compiler.hardware import Accelerator
 
 ROW_WARPS = (1, 2, 4, 8, 16, 32)
 ELEMENTWISE_BLOCKS = (256, 512, 1024, 2048, 4096, 8192)
@@ -87,8 +86,8 @@ def search_row_config(kind: str, rows: int, cols: int, hw: Accelerator, coeffs: 
 @functools.lru_cache(maxsize=4096)
 def _ew_search(n: int, bytes_per_element: float, instr: float, hwk: _Key, coeffs: Coefficients):
     hw = hwk.hw
-    B, W = np.meshgrid(np.asarray(ELEMENTWISE_BLOCKS, float), np.asarray(ELEMENTWISE_WARPS, float), indexing="ij")
-    B, W = B.reshape(-1), W.reshape(-1)
+    grid_b, grid_w = np.meshgrid(np.asarray(ELEMENTWISE_BLOCKS, float), np.asarray(ELEMENTWISE_WARPS, float), indexing="ij")
+    B, W = grid_b.reshape(-1), grid_w.reshape(-1)
     t = np.asarray(elementwise_time_s(n, {"BLOCK": B, "num_warps": W}, hw, coeffs, kind="elementwise",
                                       bytes_per_element=bytes_per_element, instr_per_element=instr), dtype=float)
     blocks = np.ceil(n / B)
@@ -110,34 +109,10 @@ def search_elementwise_config(n_elements: int, hw: Accelerator, coeffs: Coeffici
     return dict(cfg), t
 
 
-def target_for_tensor(x, default: str = "H100"):
-    """The :class:`sftctl.compiler.target.Target` of :func:`accelerator_for_tensor` (the codegen's
-    kernels, launched outside any compile, price their configs against it)."""
-    from sftctl.compiler.target import load_target
+def target_for_tensor(x):
+    """The :class:`sftctl.compiler.target.Target` a tensor's kernels are scheduled for (the
+    codegen's kernels, launched outside any compile, price their configs against it): that of its
+    device, :meth:`sftctl.compiler.target.Target.for_device`."""
+    from sftctl.compiler.target import Target
 
-    return load_target(accelerator_for_tensor(x, default))
-
-
-def accelerator_for_tensor(x, default: str = "H100") -> Accelerator:
-    """The catalog accelerator a tensor's kernels are scheduled for: ``$SFTCTL_ACCELERATOR``,
-    else the CUDA device's catalog entry (by name, memory and capability), else ``default``."""
-    from sftctl import settings
-
-    override = settings.get("SFTCTL_ACCELERATOR")
-    if override:
-        return get_accelerator(override)
-    dev = getattr(x, "device", None)
-    if dev is not None and dev.type == "cuda":
-        return _cuda_accelerator(dev.index, default)
-    return get_accelerator(default)
-
-
-@functools.lru_cache(maxsize=16)
-def _cuda_accelerator(index, default: str) -> Accelerator:
-    import torch
-
-    idx = index if index is not None else torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(idx)
-    acc = identify(name=torch.cuda.get_device_name(idx), memory_bytes=int(props.total_memory),
-                   capability=(props.major, props.minor))
-    return acc if acc is not None else get_accelerator(default)
+    return Target.for_device(getattr(x, "device", None))

@@ -177,7 +177,7 @@ def splitk_reduce_kernel(
     w_ptrs = (ws_ptr + pid_b.to(tl.int64) * stride_wb + offs_m[:, None].to(tl.int64) * stride_wm
               + offs_n[None, :].to(tl.int64) * stride_wn)
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-    for s in tl.static_range(SPLIT_K):
+    for _s in tl.static_range(SPLIT_K):
         acc += tl.load(w_ptrs, mask=mask, other=0.0)
         w_ptrs += stride_ws
     _epilogue_store(acc, c_ptr, bias_ptr, res_ptr, pid_b, offs_m, offs_n, M, N,

@@ -67,7 +67,31 @@ GELU (computed in float32 by its decomposition) and the loss stay float32. The C
 used; for the ops a transformer uses (linear, matmul, bmm, baddbmm) they agree with CUDA's.
 This is the one scheme a spec's ``model.dtype`` names in both frontends: the JAX frontend gives
 the same float32 master weights and AdamW state with bfloat16/float16 compute
-(``frontends/jax.py``, ``compute_dtype``).
+(``frontends/jax/``, ``compute_dtype``).
+
+Reentrant activation checkpointing (``checkpoint(..., use_reentrant=True)``) is traced as the
+non-reentrant form (:func:`.capture._reentrant_checkpoint_as_non_reentrant`). ``.item()`` of a
+tensor is a 0-d IR value (arithmetic on it lowers as scalar ops); a size made from one is refused
+naming the line. Integer shifts (arithmetic ``>>`` on signed integers) and bitwise ops are the
+IR's two's-complement bitwise ops; ``slice_scatter`` with a step is a gather and a select.
+
+Complex tensors (FNO's weights, ``torch.fft``'s results) are pairs of real IR tensors (a complex
+parameter or AdamW moment is one IR input ``[..., 2]``, ``view_as_real``'s layout; AdamW steps it
+as torch does, on that view); the FFTs (``_fft_r2c`` / ``_fft_c2r`` / ``_fft_c2c``, so every
+``torch.fft`` function, ``stft`` and their gradients) are DFT products priced as cuFFT
+(:mod:`.lowerings.complex`, :mod:`sftctl.compiler.fft`). ``randperm`` ranks uniform draws.
+A NaN / inf check in the forward (``if torch.isnan(h).any(): raise``, ``assert
+torch.isfinite(loss)``) is taken as it is on finite data, the assumption and the model's line in
+``meta["assumptions"]`` (:func:`.capture._finite_checks_assumed`). Any other value the model reads
+(a data-dependent ``if`` / ``assert`` / ``while``, ``.numpy()``, ``.tolist()``) is taken on the
+representative batch, also recorded (:mod:`.branches`; refused naming the line where no real
+input exists). Dense linear algebra (``eigh``, ``svd``, ``qr``, LU, ``solve``, ``inv``, ``det``)
+decomposes below autograd, each call tagged for cuSOLVER's price (:mod:`.solvers`,
+:mod:`sftctl.compiler.linalg`); RNN layers are tagged so eager mode runs them as cuDNN's fused
+kernels (:mod:`.rnn`).
+Special functions (``lgamma``, ``digamma``, ``polygamma`` n <= 2), ``adaptive_max_pool2d`` (any
+sizes), ``linalg.cholesky`` / ``solve_triangular`` / ``cholesky_solve`` (unrolled over the matrix
+size, with their backward) and ``grid_sample``'s backward go through :mod:`.decomps`.
 
 Lowering notes: ``cumsum`` is the IR's ``cumsum`` scan and ``flip`` its ``reverse``; ``torch.gather`` / ``scatter`` (take-along-axis forms) become an IR ``gather`` /
 ``scatter_add`` on the flattened tensor with a computed linear index; ``index`` / ``index_put``

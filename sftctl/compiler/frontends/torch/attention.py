@@ -1,6 +1,9 @@
 """The attention custom op: ``F.scaled_dot_product_attention`` as one op with a flash-attention backward.
 
-While tracing, :class:`_DecomposeSDPA` routes every SDPA call to ``sftctl::attention`` (forward:
+While tracing, :class:`_DecomposeSDPA` routes every SDPA call, and the model's own calls of
+FlashAttention's ``flash_attn_func``, xformers' ``memory_efficient_attention`` and
+``flex_attention`` (:data:`MODEL_CALLS`, tagged with their implementation for pricing), to
+``sftctl::attention`` (forward:
 O and the row log-sum-exp) whose autograd formula is ``sftctl::attention_backward`` (dQ, dK, dV
 from Q, K, V, O, dO, LSE), and ``F.dropout`` to ``aten.native_dropout``; a mask that requires grad
 falls back to the materialized math (:func:`_sdpa_math`). The lowerings of the two ops are in
@@ -195,14 +198,30 @@ _F_SDPA = torch.nn.functional.scaled_dot_product_attention
 _F_DROPOUT = torch.nn.functional.dropout
 
 
+#: the attention functions models call themselves: (module, attribute, implementation). While
+#: tracing, every reference to one of them (the module's attribute and any name a model's module
+#: bound with ``from ... import``) is routed to the attention op, tagged with its implementation.
+MODEL_CALLS = (
+    ("flash_attn", "flash_attn_func", "flash2"),
+    ("flash_attn.flash_attn_interface", "flash_attn_func", "flash2"),
+    ("flash_attn_interface", "flash_attn_func", "flash3"),
+    ("xformers.ops", "memory_efficient_attention", "xformers"),
+    ("xformers.ops.fmha", "memory_efficient_attention", "xformers"),
+    ("torch.nn.attention.flex_attention", "flex_attention", "flex"),
+)
+
+
 class _DecomposeSDPA(torch.overrides.TorchFunctionMode):
     """Routes ``F.scaled_dot_product_attention`` to the attention op (:func:`_sdpa_to_op`) while
     tracing, numbering the calls so each dropout draws from its own random stream, and
-    ``F.dropout`` to ``native_dropout`` (:func:`_dropout`)."""
+    ``F.dropout`` to ``native_dropout`` (:func:`_dropout`). Calls of :data:`MODEL_CALLS` go the
+    same way; ``impls`` maps such a call's number (the attention nodes' ``rng``) to
+    ``(implementation, alibi)``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
+        self.impls: dict[int, tuple[str, bool]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -212,9 +231,59 @@ class _DecomposeSDPA(torch.overrides.TorchFunctionMode):
             return _dropout(*args, **kwargs)
         return func(*args, **kwargs)
 
-    def sdpa(self, *args, **kwargs):
+    def sdpa(self, *args, impl: str | None = None, alibi: bool = False, **kwargs):
         self.calls += 1
+        if impl is not None:
+            self.impls[self.calls] = (impl, alibi)
         return _sdpa_to_op(*args, **kwargs, rng=self.calls)
+
+    def flash_attn_func(self, impl: str):
+        """FlashAttention's ``flash_attn_func`` (q, k, v ``[B, S, H, D]``, GQA by head counts)."""
+        def call(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, *args, alibi_slopes=None, **kwargs):
+            out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=dropout_p,
+                            is_causal=bool(causal), scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2],
+                            impl=impl, alibi=alibi_slopes is not None)
+            return out.transpose(1, 2)
+        return call
+
+    def memory_efficient_attention(self, query, key, value, attn_bias=None, p=0.0, scale=None, *args, **kwargs):
+        """xformers' ``memory_efficient_attention`` (``[B, M, H, K]``): a ``LowerTriangularMask``
+        bias is the causal mask, a tensor bias an additive mask."""
+        causal = attn_bias is not None and "LowerTriangular" in type(attn_bias).__name__
+        mask = attn_bias if isinstance(attn_bias, torch.Tensor) else None
+        if attn_bias is not None and mask is None and not causal:
+            raise NotImplementedError(f"torch frontend: memory_efficient_attention with attn_bias "
+                                      f"{type(attn_bias).__name__} (None, a tensor or LowerTriangularMask)")
+        out = self.sdpa(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask,
+                        dropout_p=p, is_causal=causal, scale=scale, enable_gqa=query.shape[2] != key.shape[2],
+                        impl="xformers")
+        return out.transpose(1, 2)
+
+    def flex_attention(self, query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+                       return_lse=False, kernel_options=None, **kwargs):
+        """``flex_attention`` (``[B, H, L, D]``) as one attention kernel: ``score_mod`` is pointwise
+        work inside the kernel (its cost is in FlexAttention's rate); a ``block_mask`` whose
+        mask_mod is named ``*causal*`` is the causal mask, any other is priced dense (all tiles)."""
+        if return_lse or kwargs.get("return_aux") is not None:
+            raise NotImplementedError("torch frontend: flex_attention with return_lse / return_aux")
+        causal = block_mask is not None and "causal" in getattr(getattr(block_mask, "mask_mod", None),
+                                                                "__name__", "").lower()
+        return self.sdpa(query, key, value, is_causal=causal, scale=scale, enable_gqa=enable_gqa, impl="flex")
+
+    def _model_call_routes(self) -> dict:
+        """Original function -> its router, for the :data:`MODEL_CALLS` already imported."""
+        import sys
+
+        routes = {}
+        for module, name, impl in MODEL_CALLS:
+            fn = getattr(sys.modules.get(module), name, None)
+            if fn is None or fn in routes:
+                continue
+            if name == "flash_attn_func":
+                routes[fn] = self.flash_attn_func(impl)
+            else:
+                routes[fn] = getattr(self, name)
+        return routes
 
     @contextlib.contextmanager
     def patched(self):
@@ -222,10 +291,30 @@ class _DecomposeSDPA(torch.overrides.TorchFunctionMode):
         long as the context lasts: what routes the calls that activation checkpointing recomputes
         in backward (inside ``torch.autograd.grad`` this mode is off, as a mode is while it
         handles a call). Code holding its own reference to those functions is routed by the mode
-        in the forward only."""
+        in the forward only. The :data:`MODEL_CALLS` already imported are swapped in every
+        module's namespace that binds them (``from flash_attn import flash_attn_func``), and
+        back."""
+        import sys
+
         F = torch.nn.functional
         F.scaled_dot_product_attention, F.dropout = self.sdpa, _dropout
+        routes = self._model_call_routes()
+        swapped = []  # (namespace, name, original): every binding of a routed model call
+        for mod in list(sys.modules.values()) if routes else ():
+            ns = getattr(mod, "__dict__", None)
+            if not isinstance(ns, dict):
+                continue
+            for name, value in list(ns.items()):
+                try:
+                    route = routes.get(value)
+                except Exception:  # noqa: BLE001 - an unhashable (or oddly hashing) module attribute
+                    continue
+                if route is not None:
+                    swapped.append((ns, name, value))
+                    ns[name] = route
         try:
             yield
         finally:
             F.scaled_dot_product_attention, F.dropout = _F_SDPA, _F_DROPOUT
+            for ns, name, value in swapped:
+                ns[name] = value

@@ -9,6 +9,7 @@ mixed precision and the model errors raised.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Any, Callable
 
@@ -18,7 +19,11 @@ import torch.utils._pytree as pytree
 
 from sftctl.compiler.ir import Graph
 from sftctl.compiler.frontends.torch.attention import _DecomposeSDPA
+from sftctl.compiler.frontends.torch.branches import Representative, branch_value, values_read
+from sftctl.compiler.frontends.torch.rnn import tagged_rnns
 from sftctl.compiler.frontends.torch.lowering import _Lowering
+from sftctl.compiler.frontends import user_prints_to_stderr
+from sftctl.compiler.frontends.torch.decomps import grid_sample_decomposed
 
 aten = torch.ops.aten
 
@@ -49,6 +54,12 @@ def decomposition_table() -> dict:
     from sftctl.compiler.frontends.torch.ctc import decompositions as ctc_decompositions
 
     table.update(ctc_decompositions())  # aten._ctc_loss.Tensor -> sftctl::ctc_loss (a static log_alpha)
+    from sftctl.compiler.frontends.torch.decomps import decompositions as extra_decompositions
+
+    table.update(extra_decompositions())  # lgamma/digamma/trigamma, adaptive_max_pool2d (+ backward)
+    from sftctl.compiler.frontends.torch.solvers import decompositions as solver_decompositions
+
+    table.update(solver_decompositions())  # eigh, svd, qr, LU, solve, inv, det (tagged for cuSOLVER)
     for op in _KEEP_WHOLE:
         for overload in op.overloads():
             table.pop(getattr(op, overload), None)
@@ -84,16 +95,24 @@ class _LossModule(torch.nn.Module):
 def _adamw(params, grads, ms, vs, step, *, lr, betas, eps, decays, grad_clip):
     b1, b2 = betas
     if grad_clip is not None:
+        reals = [torch.view_as_real(g) if g.is_complex() else g for g in grads]  # |g|^2 of a complex one
         sq = [torch.sum(g.to(torch.float32) * g.to(torch.float32)) if g.dtype in (torch.bfloat16, torch.float16)
-              else torch.sum(g * g) for g in grads]
+              else torch.sum(g * g) for g in reals]
         total = torch.sqrt(sum(sq[1:], sq[0]))
         coef = torch.clamp(grad_clip / (total + 1e-6), max=1.0)
-        grads = [g * coef.to(g.dtype) for g in grads]
+        grads = [g * coef.to(g.real.dtype if g.is_complex() else g.dtype) for g in grads]
     bias1 = 1 - torch.pow(b1, step)
     bias2_sqrt = torch.sqrt(1 - torch.pow(b2, step))
     step_size = lr / bias1
     new_p, new_m, new_v = [], [], []
     for p, g, m, v, wd in zip(params, grads, ms, vs, decays):
+        if p.is_complex():  # torch's AdamW steps a complex parameter as its real view
+            p2, m2, v2 = _adamw([torch.view_as_real(p)], [torch.view_as_real(g.to(p.dtype))], [torch.view_as_real(m)],
+                                [torch.view_as_real(v)], step, lr=lr, betas=betas, eps=eps, decays=[wd], grad_clip=None)
+            new_p.append(torch.view_as_complex(p2[0]))
+            new_m.append(torch.view_as_complex(m2[0]))
+            new_v.append(torch.view_as_complex(v2[0]))
+            continue
         g = g.to(p.dtype)
         m2 = m + (g - m) * (1 - b1)  # exp_avg.lerp_(grad, 1 - beta1)
         v2 = v * b2 + g * g * (1 - b2)  # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2)
@@ -228,33 +247,52 @@ def _backward_module_stacks(gm: fx.GraphModule) -> None:
     forward node with its autograd ``seq_nr``, as ``meta["fwd_nn_module_stack"]`` (what
     AOTAutograd's ``copy_fwd_metadata_to_bw_nodes`` does for its joint graphs)."""
     fwd: dict[int, dict] = {}
+    rnn: dict[int, dict] = {}  # the forward's RNN call tag (.rnn), for its backward too
     for n in gm.graph.nodes:
         if n.op == "call_function" and not n.meta.get("autograd_backward") and "seq_nr" in n.meta:
             if n.meta.get("nn_module_stack"):
                 fwd.setdefault(n.meta["seq_nr"], n.meta["nn_module_stack"])
+            if (n.meta.get("custom") or {}).get("rnn"):
+                rnn.setdefault(n.meta["seq_nr"], n.meta["custom"]["rnn"])
     for n in gm.graph.nodes:
         if n.meta.get("autograd_backward") and n.meta.get("seq_nr") in fwd:
             n.meta["fwd_nn_module_stack"] = fwd[n.meta["seq_nr"]]
-
-
-class _ReentrantCheckpoint(RuntimeError):
-    """Raised where the traced model calls reentrant activation checkpointing."""
+        tag = rnn.get(n.meta.get("seq_nr"))
+        if tag is None and n.meta.get("autograd_backward") and n.op == "call_function":
+            # a backward op on the RNN's tensors alone (autograd's accumulation of a weight's
+            # per-step gradients: cuDNN's weight GEMM over the sequence; a decomposed gate's)
+            tags = [(a.meta.get("custom") or {}).get("rnn") for a in n.all_input_nodes if a.op != "get_attr"]
+            tag = tags[0] if tags and all(tags) else None
+        if n.meta.get("autograd_backward") and tag is not None:
+            n.meta["custom"] = {**(n.meta.get("custom") or {}), "rnn": tag}
 
 
 @contextlib.contextmanager
-def _refuse_reentrant_checkpoint():
-    """``torch.utils.checkpoint``'s reentrant form (``CheckpointFunction``) raises
-    :class:`_ReentrantCheckpoint` while the step is traced: it would run a backward of its own
-    inside the forward on inputs that do not require grad, and fail later in the backward with
-    autograd's "element 0 of tensors does not require grad", which blames nothing."""
+def _reentrant_checkpoint_as_non_reentrant(no_grad_calls: list):
+    """``torch.utils.checkpoint``'s reentrant form (``CheckpointFunction``, ``use_reentrant=True``,
+    the default of much research code and of transformers before 4.35) traced as the
+    non-reentrant form: the same recomputation in the backward and the same gradients, seen by
+    the traced step's autograd (the reentrant form runs a backward of its own inside the
+    backward, on inputs it detached, which ``make_fx`` cannot record). As torch does, a call none
+    of whose tensor inputs requires grad runs under ``no_grad``: its outputs carry no gradient and
+    the parameters inside it get none; its ``file:line`` is appended to ``no_grad_calls``."""
     import torch.utils.checkpoint as ck
 
-    def refuse(*args, **kwargs):
-        raise _ReentrantCheckpoint("checkpoint(use_reentrant=True)")
+    def as_non_reentrant(function, preserve_rng_state, *args):
+        if not torch.is_grad_enabled():
+            return function(*args)
+        if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            import sys
+            import traceback
+
+            no_grad_calls.append(_model_frame_of(traceback.extract_stack(sys._getframe(1))) or "an unknown place")
+            with torch.no_grad():
+                return function(*args)
+        return ck.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
 
     own = "apply" in ck.CheckpointFunction.__dict__
     saved = ck.CheckpointFunction.__dict__.get("apply")
-    ck.CheckpointFunction.apply = refuse
+    ck.CheckpointFunction.apply = as_non_reentrant
     try:
         yield
     finally:
@@ -262,6 +300,139 @@ def _refuse_reentrant_checkpoint():
             ck.CheckpointFunction.apply = saved
         else:
             del ck.CheckpointFunction.apply
+
+
+#: ATen packets of a finiteness test and the value each has on finite data
+_FINITE_TESTS = {"isnan": False, "isinf": False, "isposinf": False, "isneginf": False, "isfinite": True}
+
+
+def _finite_check_verdict(node, depth: int = 0) -> bool | None:
+    """The value a finiteness check (``torch.isnan(h).any()``, ``torch.isfinite(loss).all()``,
+    ``~``/``not`` of one, ``x != x``, as decomposed: ``x == x``, ``|x| != inf``, their product)
+    has on finite data, from the FX node that computed it; None for any other tensor."""
+    if node is None or getattr(node, "op", None) != "call_function" or depth > 12:
+        return None
+    packet = getattr(getattr(node.target, "_schema", None), "name", "").split("::")[-1]
+    args = node.args
+    if packet in ("any", "all", "_to_copy", "clone", "alias", "view", "squeeze", "reshape", "expand"):
+        return _finite_check_verdict(args[0], depth + 1)
+    if packet in ("logical_not", "bitwise_not"):
+        v = _finite_check_verdict(args[0], depth + 1)
+        return None if v is None else not v
+    if packet in _FINITE_TESTS:
+        return _FINITE_TESTS[packet]
+    if packet in ("eq", "ne") and len(args) == 2:
+        if args[0] is args[1]:  # x == x: not NaN
+            return packet == "eq"
+        if isinstance(args[1], float) and math.isinf(args[1]):  # |x| == inf, x != -inf
+            return packet == "ne"
+        return None
+    if packet in ("mul", "logical_and", "bitwise_and", "logical_or", "bitwise_or", "add") and len(args) == 2:
+        a, b = (_finite_check_verdict(x, depth + 1) for x in args)
+        if a is None or b is None:
+            return None
+        return (a and b) if packet in ("mul", "logical_and", "bitwise_and") else (a or b)
+    return None
+
+
+#: the largest model (bytes of parameters) rebuilt for real to read a value a meta build lacks
+REAL_REBUILD_MAX_BYTES = 4 << 30
+
+
+def _set_model_frame_of() -> None:
+    import sftctl.compiler.frontends.torch.branches as branches_module
+
+    branches_module.model_frame_of = _model_frame_of
+
+
+def _representative(params: list, buffers: list, batch: list, rebuild: Callable[[], tuple] | None = None,
+                    names: tuple[list, list] = ([], [])) -> Representative:
+    """The step's real inputs, in ``make_fx``'s placeholder order (parameters, AdamW's zero
+    moments twice, buffers, the step, the batch), for :class:`.branches.Representative`. A tensor
+    with no value (on ``meta``, or fake) takes its counterpart from ``rebuild()`` (the
+    entrypoint built for real: ``(model, batch, loss_fn)``, called once, when first needed and
+    when the parameters fit :data:`REAL_REBUILD_MAX_BYTES`), else None."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    built: dict = {}
+
+    def rebuilt():
+        if "v" not in built:
+            size = sum(p.numel() * p.element_size() for p in params)
+            built["v"] = None
+            if rebuild is not None and size <= REAL_REBUILD_MAX_BYTES:
+                model, b, _ = rebuild()
+                state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+                leaves = [x for x in pytree.tree_leaves(b) if isinstance(x, torch.Tensor)]
+                built["v"] = (state, leaves)
+        return built["v"]
+
+    def missing(kind: str, key):
+        def get():
+            got = rebuilt()
+            if got is None:
+                return None
+            state, leaves = got
+            if kind == "batch":
+                return leaves[key].detach() if key < len(leaves) else None
+            t = state.get(key)
+            return None if t is None else t.detach()
+        return get
+
+    def real(t, kind: str = "", key=None):
+        if not isinstance(t, torch.Tensor) or is_fake(t) or t.device.type == "meta":
+            return missing(kind, key) if kind else (lambda: None)
+        return lambda: t.detach()
+
+    def zeros(t):
+        return lambda: torch.zeros(t.shape, dtype=t.dtype)
+
+    pnames, bnames = names
+    _set_model_frame_of()
+    thunks = ([real(p, "state", n) for p, n in zip(params, pnames)] + [zeros(p) for p in params]
+              + [zeros(p) for p in params] + [real(b, "state", n) for b, n in zip(buffers, bnames)]
+              + [lambda: torch.ones((), dtype=torch.float32)] + [real(x, "batch", i) for i, x in enumerate(batch)])
+    return Representative(thunks)
+
+
+@contextlib.contextmanager
+def _finite_checks_assumed(assumptions: list, rep: Representative | None = None):
+    """A model's NaN / inf check (``if torch.isnan(h).any(): raise``, ``assert torch.isfinite(loss)``)
+    asks for a tensor's value while tracing; the step is priced as it runs on finite data, so
+    such a check takes the value it has there (no NaN, no inf) and the assumption, with the
+    model's ``file:line``, is appended to ``assumptions``. Any other data-dependent ``bool`` takes
+    its value on the representative batch (:func:`.branches.branch_value`, also recorded), and
+    raises (named by :func:`_model_errors`) where it has none."""
+    import sys
+    import traceback
+
+    from torch.fx.experimental.proxy_tensor import get_innermost_proxy_mode, get_proxy_slot
+
+    orig = torch.Tensor.__bool__
+
+    def as_bool(self):
+        mode = get_innermost_proxy_mode()
+        if mode is not None and self.numel() == 1:
+            try:
+                node = get_proxy_slot(self, mode.tracer).proxy.node
+            except Exception:  # noqa: BLE001 - not a traced tensor: torch decides
+                node = None
+            verdict = _finite_check_verdict(node)
+            if verdict is not None:
+                at = _model_frame_of(traceback.extract_stack(sys._getframe(1))) or "the model"
+                assumptions.append(f"finiteness check at {at}: taken as {verdict} (the step's values are finite)")
+                return verdict
+            if node is not None:
+                taken = branch_value(rep, self, assumptions)
+                if taken is not None:
+                    return taken
+        return orig(self)
+
+    torch.Tensor.__bool__ = as_bool
+    try:
+        yield
+    finally:
+        torch.Tensor.__bool__ = orig
 
 
 @contextlib.contextmanager
@@ -275,12 +446,6 @@ def _model_errors():
         yield
     except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode,
             RuntimeError) as e:
-        if isinstance(e, _ReentrantCheckpoint):
-            raise NotImplementedError(
-                f"torch frontend: torch.utils.checkpoint(..., use_reentrant=True) at {_model_frame(e.__traceback__)} "
-                "cannot be traced: the reentrant form runs a backward of its own inside the forward, which "
-                "the traced step's autograd cannot see; use checkpoint(..., use_reentrant=False) "
-                "(what torch recommends; the same recomputation and memory)") from e
         data_dependent = isinstance(e, (DataDependentOutputException, DynamicOutputShapeException,
                                         GuardOnDataDependentSymNode))
         if not data_dependent and "_local_scalar_dense" not in str(e):
@@ -386,6 +551,7 @@ def trace_step(
     autocast_dtype: str | torch.dtype | None = None,
     mask_fraction: float = 1.0,
     expert_capacity: float = 1.0,
+    representative: Callable[[], tuple] | None = None,
 ) -> tuple[Graph, dict[str, Any]]:
     """Trace one training step of ``model`` on ``batch`` into an IR graph.
 
@@ -403,6 +569,9 @@ def trace_step(
             (``x[mask]``, ``nonzero``) is priced at (1.0: all of them; see :mod:`.dynamic`).
         expert_capacity: an MoE dispatch's rows per expert as a multiple of the uniform top-k
             load (1.0; the number of experts makes any routing exact).
+        representative: ``() -> (model, batch, loss_fn)`` built for real, for the values a
+            data-dependent branch reads when ``model`` / ``batch`` are on ``meta``
+            (:mod:`.branches`; ``trace_entrypoint`` passes its entrypoint).
 
     Returns:
         ``(graph, meta)``: ``meta`` has ``params`` / ``opt_state`` / ``buffers`` (name -> input node
@@ -468,7 +637,14 @@ def trace_step(
     v_in = [zeros_like(p) for _, p in trainable]
     b_in = [to_input(b) for _, b in frozen]
     s_in = to_input(torch.ones((), dtype=torch.float32)) if fake else torch.ones((), dtype=torch.float32)
-    x_in = [to_input(leaves[i]) for i in tpos]
+    # a batch leaf that requires grad keeps it (a physics-informed loss differentiates the model
+    # with respect to its input coordinates: torch.autograd.grad(u, x, create_graph=True))
+    x_in = [to_input(leaves[i]).requires_grad_(True) if leaves[i].requires_grad else to_input(leaves[i])
+            for i in tpos]
+
+    routes: list[_DecomposeSDPA] = []  # step_fn's attention router (the model's own calls, per call)
+    rep = _representative([p for _, p in trainable], [b for _, b in frozen], [leaves[i] for i in tpos],
+                          representative, (pnames, bnames))
 
     def step_fn(params, ms, vs, bufs, step, xs):
         # The joint graph, as AOTAutograd builds it: the forward runs under autograd on tensors
@@ -487,12 +663,20 @@ def trace_step(
         # backward (torch.utils.checkpoint, transformers' gradient_checkpointing) runs on them too.
         # Phases for the execution-mode predictions (sftctl.compiler.modes), as node.meta["custom"].
         route = _DecomposeSDPA()
+        routes.append(route)
         with _reparametrized(wrapper, state), route.patched():
             with torch.enable_grad(), ctx, route, fx_traceback.annotate({"phase": "forward"}):
                 loss = wrapper(b)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise ValueError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
                                  + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""))
+            if not loss.requires_grad and no_grad_checkpoints and params:
+                raise NotImplementedError(
+                    f"torch frontend: the loss has no gradient: torch.utils.checkpoint(..., use_reentrant=True) at "
+                    f"{', '.join(dict.fromkeys(no_grad_checkpoints))} gets no input that requires grad, so torch runs "
+                    "it without autograd (its parameters get no gradient; torch warns \"None of the inputs have "
+                    "requires_grad=True\"); use checkpoint(..., use_reentrant=False), or checkpoint only "
+                    "blocks whose input comes from a trainable layer")
             _tag_backward(loss)
             with fx_traceback.annotate({"phase": "backward"}):
                 grads = list(torch.autograd.grad(loss, list(params), allow_unused=True)) if params else []
@@ -503,12 +687,15 @@ def trace_step(
         return loss.detach(), new_p, new_m, new_v, list(bufs)
 
     frames: dict = {}
+    no_grad_checkpoints: list[str] = []  # reentrant checkpoint calls with no input requiring grad
+    assumptions: list[str] = []  # what the trace assumed where the model read a tensor's value
     t0 = time.perf_counter()
     # torch.backends.mkldnn off: nn.LSTM / GRU / RNN trace through ATen's native RNN (one input
     # projection GEMM over the sequence, then a recurrent GEMM and the gates per step: what cuDNN
     # runs on a GPU), not the CPU's fused oneDNN op
-    with (sdpa_kernel(SDPBackend.MATH), _onednn_off(), _model_errors(),
-          _refuse_reentrant_checkpoint(),
+    with (sdpa_kernel(SDPBackend.MATH), _onednn_off(), tagged_rnns(), _model_errors(),
+          _reentrant_checkpoint_as_non_reentrant(no_grad_checkpoints), grid_sample_decomposed(),
+          _finite_checks_assumed(assumptions, rep), values_read(rep, assumptions),
           _module_stack_meta(wrapper), _plain_tensor_attributes(model, to_input if fake else None),
           _unbacked_frames(frames)):
         gm = make_fx(step_fn, decomposition_table=decomposition_table(),
@@ -528,8 +715,19 @@ def trace_step(
     keep = list(range(1 + 3 * len(pnames))) + [1 + 3 * len(pnames) + i for i in mutated]
     graph, input_ids = _Lowering(gm, mask_fraction=mask_fraction, expert_capacity=expert_capacity,
                                  frames=frames).run(roles, out_roles, keep_outputs=keep)
+    hf_impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if isinstance(hf_impl, str):  # HF's attn_implementation: the kernel its attention calls run
+        from sftctl.compiler.attention import HF_IMPLEMENTATIONS, with_implementation
+
+        graph = with_implementation(graph, HF_IMPLEMENTATIONS.get(hf_impl, "auto"))
+    if routes and routes[-1].impls:  # the model's own calls (flash_attn_func, xformers, flex_attention)
+        from sftctl.compiler.attention import with_call_implementations
+
+        graph = with_call_implementations(graph, routes[-1].impls)
     t2 = time.perf_counter()
     ids = dict(zip(range(len(roles)), input_ids))
+    if assumptions:  # carried by the graph (traces are cached as graphs): sftctl compile's notes
+        graph.nodes[ids[3 * n + len(bnames)]].attrs["trace_assumptions"] = list(dict.fromkeys(assumptions))
     meta: dict[str, Any] = {
         "params": {nm: ids[i] for i, nm in enumerate(pnames)},
         "opt_state": {**{nm + ".exp_avg": ids[n + i] for i, nm in enumerate(pnames)},
@@ -544,6 +742,7 @@ def trace_step(
         "hyper": {"optimizer": optimizer, "lr": lr, "betas": tuple(betas), "eps": eps,
                   "weight_decay": dict(zip(pnames, decays)), "grad_clip": grad_clip,
                   "autocast_dtype": str(autocast_dtype).replace("torch.", "") if autocast_dtype else None},
+        "assumptions": list(dict.fromkeys(assumptions)),  # also on the step input: compile's notes
         "fx_nodes": len(gm.graph.nodes),
         "trace_s": t1 - t0,
         "lower_s": t2 - t1,
@@ -551,6 +750,7 @@ def trace_step(
     return graph, meta
 
 
+@user_prints_to_stderr
 def trace_entrypoint(entrypoint: str, workdir: str, batch_size: int, dtype: str = "float32", *,
                      fake: bool = True, mixed_precision: bool = True, **step_kwargs: Any) -> tuple[Graph, dict]:
     """Import ``file.py:function`` (relative to ``workdir``), build and trace its training step.
@@ -578,7 +778,7 @@ def trace_entrypoint(entrypoint: str, workdir: str, batch_size: int, dtype: str 
     else:
         model, batch, loss_fn = fn(batch_size=batch_size, dtype=build_dtype)
     graph, meta = trace_step(model, batch, loss_fn, fake=fake, autocast_dtype=dtype if amp else None,
-                             **step_kwargs)
+                             representative=lambda: fn(batch_size=batch_size, dtype=build_dtype), **step_kwargs)
     meta.update(entrypoint=entrypoint, dtype=dtype, built_on=built_on,
                 precision=f"autocast {dtype}, float32 master weights" if amp else dtype)
     return graph, meta

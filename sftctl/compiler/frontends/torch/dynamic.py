@@ -76,6 +76,10 @@ class Bounds:
             for sym in (n.meta.get("unbacked_bindings") or {}):
                 self._bind(n, sym, where)
         if not self.bound:
+            for n in gm.graph.nodes:
+                v = n.meta.get("val")
+                if isinstance(v, torch.Tensor) and any(_is_sym(s) for s in v.shape):
+                    self.static(v.shape)  # a size made from ``.item()``: refused, naming its line
             return
         for n in gm.graph.nodes:
             v = n.meta.get("val")
@@ -91,9 +95,15 @@ class Bounds:
                                         if isinstance(t, torch.Tensor) else t for t in v)
             elif isinstance(v, torch.SymInt) and _is_sym(v):
                 n.meta["sym_expr"] = _expr(v)
-                n.meta["val"] = self.static_expr(_expr(v))
+                if not (_expr(v).free_symbols & set(self.items())):  # an ``.item()`` value stays a value
+                    n.meta["val"] = self.static_expr(_expr(v))
 
     def _bind(self, n: fx.Node, sym, where) -> None:
+        if n.target is aten._local_scalar_dense.default:
+            # ``.item()``: a value, not a size. It flows on as a 0-d IR tensor (``x / h.max().item()``,
+            # a loss divided by ``mask.sum().item()``); used as a size, :meth:`static_expr` refuses it
+            self.source[sym] = ("item", n)
+            return
         mask = None
         if n.target is aten.nonzero.default or n.target is aten.nonzero_static.default:
             mask = n.args[0]
@@ -125,10 +135,21 @@ class Bounds:
         self.source[sym] = ("mask", mask)
         n.meta["sftctl_assumption"] = self.assumptions[-1]
 
+    def items(self) -> list:
+        """The symbols that are values read with ``.item()`` (no bound: values, not sizes)."""
+        return [s for s, (kind, _) in self.source.items() if kind == "item"]
+
     def static_expr(self, expr) -> int:
         if isinstance(expr, int):
             return expr
         free = expr.free_symbols - set(self.bound)
+        made = [str(self.frames[s]) for s in free & set(self.items()) if s in self.frames]
+        if free & set(self.items()):
+            at = f" at {', '.join(sorted(set(made)))}" if made else ""
+            raise NotImplementedError(
+                f"torch frontend: a tensor's size is computed from a value read with .item(){at}; the "
+                "step's shapes cannot depend on tensor values: compute the size from the batch's shape, "
+                "or keep the value a tensor (torch.where / masked_fill instead of slicing by it)")
         if free:
             raise NotImplementedError(f"torch frontend: size {expr} has symbols the tracer did not bound: {free}")
         return int(expr.xreplace({s: b for s, b in self.bound.items()}))

@@ -22,7 +22,9 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from sftctl.compiler.ir import FLOAT_DTYPES, Graph, GraphBuilder
+from sftctl.compiler.ir import CONTRACTIONS, ELEMENTWISE, FLOAT_DTYPES, REDUCTIONS, Graph, GraphBuilder
+
+_COMPUTE = CONTRACTIONS | ELEMENTWISE | REDUCTIONS
 
 #: ATen op packet (``"sftctl::<name>"`` for the custom ops) -> lowering ``fn(lowering, node, *args, **kwargs)``
 OPS: dict[str, Callable] = {}
@@ -53,9 +55,14 @@ _IR_DTYPES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16
               torch.int8: "int8", torch.uint8: "uint8", torch.uint32: "uint32", torch.bool: "bool"}
 
 
+#: a complex tensor is two real IR tensors of its shape (:class:`_Cplx`), of this dtype each
+_COMPLEX_PARTS = {torch.complex64: "float32", torch.complex128: "float64"}
+
+
 def ir_dtype(dtype: torch.dtype) -> str:
+    """The IR dtype of a torch dtype; a complex dtype's is that of its real and imaginary parts."""
     try:
-        return _IR_DTYPES[dtype]
+        return _IR_DTYPES[dtype] if dtype not in _COMPLEX_PARTS else _COMPLEX_PARTS[dtype]
     except KeyError:
         raise NotImplementedError(f"torch frontend: dtype {dtype} has no IR dtype") from None
 
@@ -89,11 +96,26 @@ class _Id(int):
     """An IR id passed where an fx node is expected (an operand already lowered)."""
 
 
-class _Lowering(GraphBuilder):
-    """Lowers a make_fx ATen graph to an IR :class:`Graph`, one :data:`OPS` entry per ATen op packet."""
+class _Cplx(tuple):
+    """A complex tensor's value: ``(real, imag)``, two IR ids of real tensors of its shape (the IR
+    has no complex dtype; a GPU stores them interleaved, the same bytes). Lowerings of complex
+    ops are in :data:`COMPLEX_OPS`; the ops in :data:`PARTWISE` apply to each part alone."""
+
+    def __new__(cls, re: int, im: int):
+        return super().__new__(cls, (int(re), int(im)))
+
+
+#: ATen packet -> lowering ``fn(lowering, node, *args, **kwargs)`` used when an operand or the
+#: result is complex (operands' values are :class:`_Cplx`; it returns one, or a real IR id)
+COMPLEX_OPS: dict[str, Callable] = {}
+#: ATen packets that are R-linear in their complex operands and take no other floating tensor
+#: (layout, slicing, sums, scatters of complex into complex, scaling by a real scalar): the real
+#: lowering applies to the real parts, then to the imaginary parts
+PARTWISE: set[str] = set()
+
 
 class _Lowering(GraphBuilder):
-    """Lowers a make_fx ATen graph to an IR :class:`Graph`, one handler per ATen op packet."""
+    """Lowers a make_fx ATen graph to an IR :class:`Graph`, one :data:`OPS` entry per ATen op packet."""
 
     def __init__(self, gm: fx.GraphModule, *, mask_fraction: float = 1.0, expert_capacity: float = 1.0,
                  frames: dict | None = None) -> None:
@@ -102,11 +124,12 @@ class _Lowering(GraphBuilder):
         self.frames = frames or {}
         self.mask_fraction = mask_fraction
         self.expert_capacity = expert_capacity
-        self.bounds = None  # :class:`.dynamic.Bounds` once ``run`` starts
+        self.bounds: Any = None  # :class:`.dynamic.Bounds` once ``run`` starts
         self._sym_values: dict = {}
         self.env: dict[fx.Node, Any] = {}
         self._node: fx.Node | None = None
         self._rng = 1 << 20  # random streams of dropout ops (attention dropout uses its call number)
+        self._solver_leads: set[int] = set()  # solver calls whose first compute node is tagged
 
     def bcast(self, i: int, shape) -> int:
         """numpy-style (trailing-aligned) explicit broadcast."""
@@ -154,6 +177,9 @@ class _Lowering(GraphBuilder):
             return self.cast(int(a), dtype) if dtype else int(a)
         if isinstance(a, fx.Node):
             i = self.env[a]
+            if isinstance(i, _Cplx):
+                raise NotImplementedError(f"torch frontend: complex value {a.name} used as a real tensor by "
+                                          f"{getattr(self._node, 'target', '?')}")
             if not isinstance(i, int):
                 raise NotImplementedError(f"torch frontend: tuple value {a.name} used as a tensor")
             return self.cast(i, dtype) if dtype else i
@@ -167,6 +193,8 @@ class _Lowering(GraphBuilder):
             return torch.empty((1,), dtype=getattr(torch, self.dtype(int(a))), device="meta")
         if isinstance(a, fx.Node):
             v = a.meta["val"]
+            if isinstance(v, (torch.SymFloat, torch.SymInt, torch.SymBool)):  # a Python scalar's weak type
+                return {torch.SymFloat: 1.0, torch.SymInt: 1, torch.SymBool: True}[type(v)]
             return torch.empty(() if v.dim() == 0 else (1,), dtype=v.dtype, device="meta")
         return a
 
@@ -187,8 +215,9 @@ class _Lowering(GraphBuilder):
         input_ids = []
         for n, (role, name) in zip(placeholders, roles):
             v = self.val(n)
-            i = self.add("input", [], tuple(v.shape), ir_dtype(v.dtype), role=role, name=name)
-            self.env[n] = i
+            shape = tuple(v.shape) + ((2,) if v.is_complex() else ())  # complex: view_as_real's layout
+            i = self.add("input", [], shape, ir_dtype(v.dtype), role=role, name=name)
+            self.env[n] = self.complex_split(i) if v.is_complex() else i
             input_ids.append(i)
         outputs: list[int] = []
         for n in self.gm.graph.nodes:
@@ -208,7 +237,8 @@ class _Lowering(GraphBuilder):
                 flat = pytree.tree_leaves(n.args[0])
                 if keep_outputs is not None:
                     flat = [flat[i] for i in keep_outputs]
-                outputs = [self.arg(a) for a in flat]
+                outputs = [self.complex_join(self.env[a]) if isinstance(self.env.get(a), _Cplx) else self.arg(a)
+                           for a in flat]
             else:
                 raise NotImplementedError(f"torch frontend: fx node kind {n.op} ({n.name})")
         if len(outputs) != len(out_roles):
@@ -246,10 +276,19 @@ class _Lowering(GraphBuilder):
             self._calls = getattr(self, "_calls", 0) + 1
         tags = {"aten": aten, "call": self._calls, "phase": phase, "module": module,
                 "in_model": any(p == "model" or p.startswith("model.") for p in stack)}
+        if custom.get("rnn"):  # a cuDNN RNN layer's op (.rnn): eager mode prices it fused
+            tags["rnn"] = custom["rnn"]["id"]
+        solver = custom.get("solver")
+        if solver is not None:  # a dense linear algebra call (.solvers): priced as one cuSOLVER routine
+            tags["solver"] = dict(solver)
         for i in range(first, len(self.g.nodes)):
             attrs = self.g.nodes[i].attrs
             for k, v in tags.items():
                 attrs.setdefault(k, v)
+            if solver is not None and solver["id"] not in self._solver_leads and self.g.nodes[i].op in _COMPUTE:
+                # the call's first compute node carries its whole time (sftctl.compiler.linalg)
+                self._solver_leads.add(solver["id"])
+                attrs["solver"] = {**solver, "lead": True}
 
     def _tensor_constant(self, n: fx.Node) -> int:
         t = getattr(self.gm, n.target)
@@ -278,6 +317,10 @@ class _Lowering(GraphBuilder):
             if item is None:
                 raise NotImplementedError(f"torch frontend: output {n.args[1]} of {n.args[0].target} is not supported")
             return item
+        if target is torch.ops.aten._local_scalar_dense.default:  # ``.item()``: the 0-d tensor, a value
+            return self.reshape(self.arg(n.args[0]), ())
+        if isinstance(n.meta.get("val"), torch.SymFloat):
+            return self._scalar_op(n)
         if "sym_expr" in n.meta or isinstance(n.meta.get("val"), (torch.SymInt, torch.SymBool)):
             return self._sym_node(n)
         if not isinstance(target, torch._ops.OpOverload):
@@ -287,6 +330,8 @@ class _Lowering(GraphBuilder):
         handler = None
         if target.namespace == "aten":
             handler = OPS.get(packet[:-1] if inplace else packet)
+            if handler is None and (packet[:-1] if inplace else packet) in COMPLEX_OPS:
+                handler = COMPLEX_OPS[packet[:-1] if inplace else packet]
         elif target.namespace == "sftctl":
             handler = OPS.get("sftctl::" + packet)
         if handler is None:
@@ -300,14 +345,17 @@ class _Lowering(GraphBuilder):
             kwargs = dict(n.kwargs)
             dest = kwargs.pop("out", None) if target._overloadname.startswith("out") else None
             with self._padding_masked(n, packet[:-1] if inplace else packet):
-                out = handler(self, n, *n.args, **kwargs)
+                if self._complex_involved(n):
+                    out = self._complex_call(n, packet[:-1] if inplace else packet, handler, kwargs)
+                else:
+                    out = handler(self, n, *n.args, **kwargs)
             if packet == "mean" and self.bounds and self.bounds.bound:
                 out = self._mean_over_padding(n, out)
         except GuardOnDataDependentSymNode as e:
             import re
 
-            made = sorted({str(self.frames[s]) for s in self.frames if re.search(rf"\b{s}\b", str(e))})
-            made = f", a size made at {', '.join(made)}" if made else ""
+            frames = sorted({str(self.frames[s]) for s in self.frames if re.search(rf"\b{s}\b", str(e))})
+            made = f", a size made at {', '.join(frames)}" if frames else ""
             raise NotImplementedError(
                 f"torch frontend: ATen op {target} has a data-dependent size ({str(e).splitlines()[0]})"
                 f"{self.where(n)}{made}; make the size static (torch.where / masked_fill instead of a "
@@ -326,7 +374,16 @@ class _Lowering(GraphBuilder):
     def _write_back(self, view: fx.Node, new) -> None:
         """Carry an in-place write of ``new`` into ``view`` up its chain of aliases to their
         bases: a view in :data:`VIEW_WRITEBACK`, the result of an in-place op (its first
-        operand) or of an ``out=`` overload (its ``out``), which are the tensor they wrote."""
+        operand) or of an ``out=`` overload (its ``out``), which are the tensor they wrote; a
+        piece of ``split`` / ``chunk`` / ``unbind`` writes back into its slice of the base."""
+        while new is not None and view.target is operator.getitem and isinstance(view.args[0], fx.Node) \
+                and isinstance(self.env.get(view.args[0]), (list, tuple)) and not isinstance(new, _Cplx):
+            src = view.args[0]
+            new = self._write_back_piece(src, view.args[1], int(new))
+            if new is None:
+                return
+            self.env[src.args[0]] = new
+            view = src.args[0]
         while new is not None and isinstance(view.target, torch._ops.OpOverload) and view.target.namespace == "aten":
             packet = view.target._schema.name.split("::")[-1]
             if isinstance(view.kwargs.get("out"), fx.Node) and view.target._overloadname.startswith("out"):
@@ -335,11 +392,101 @@ class _Lowering(GraphBuilder):
                 base = view.args[0]
             elif packet in VIEW_WRITEBACK and view.args and isinstance(view.args[0], fx.Node):
                 base = view.args[0]
-                new = _Id(VIEW_WRITEBACK[packet](self, view, self.arg(base), int(new)))
+                old = self.env[base]
+                if isinstance(new, _Cplx) or isinstance(old, _Cplx):  # each part through the view
+                    old = old if isinstance(old, _Cplx) else _Cplx(old, self.const(0, self.shape(old), self.dtype(old)))
+                    new = new if isinstance(new, _Cplx) else _Cplx(new, self.const(0, self.shape(new), self.dtype(new)))
+                    new = _Cplx(*(VIEW_WRITEBACK[packet](self, view, old[p], new[p]) for p in (0, 1)))
+                else:
+                    new = _Id(VIEW_WRITEBACK[packet](self, view, self.arg(base), int(new)))
             else:
+                returns = view.target._schema.returns
+                if returns and returns[0].alias_info is not None and view.args and isinstance(view.args[0], fx.Node):
+                    # a view whose base the write cannot reach: refused, never silently lost
+                    self.unsupported(self._node, f"writing in place into a {packet} view of {view.args[0].name} "
+                                                 "(no write-back through that view)")
                 return
             self.env[base] = new
             view = base
+
+    def _write_back_piece(self, src: fx.Node, k: int, new: int) -> int | None:
+        """The base of ``split`` / ``split_with_sizes`` / ``unbind`` node ``src`` after an
+        in-place write of ``new`` into its piece ``k`` (None for another op)."""
+        if not isinstance(src.target, torch._ops.OpOverload) or not isinstance(src.args[0], fx.Node):
+            return None
+        packet = src.target._schema.name.split("::")[-1]
+        base = self.env[src.args[0]]
+        if not isinstance(base, int) or packet not in ("split", "split_with_sizes", "unbind"):
+            return None
+        shape = self.shape(base)
+        dim = (src.args[2] if len(src.args) > 2 else src.kwargs.get("dim", 0)) if packet != "unbind" else \
+            (src.args[1] if len(src.args) > 1 else src.kwargs.get("dim", 0))
+        dim %= len(shape)
+        if packet == "unbind":
+            start, size = k, 1
+            new = self.reshape(new, shape[:dim] + (1,) + shape[dim + 1:])
+        elif packet == "split":
+            start, size = k * int(src.args[1]), min(int(src.args[1]), shape[dim] - k * int(src.args[1]))
+        else:
+            sizes = [int(v) for v in src.args[1]]
+            start, size = sum(sizes[:k]), sizes[k]
+        low, high = [0] * len(shape), [0] * len(shape)
+        low[dim], high[dim] = start, shape[dim] - start - size
+        dt = self.dtype(base)
+        padded = self.add("pad", [self.cast(new, dt)], shape, dt, low=tuple(low), high=tuple(high),
+                          value=False if dt == "bool" else 0.0 if dt in FLOAT_DTYPES else 0)
+        pos = self.iota(tuple(shape[d] if d == dim else 1 for d in range(len(shape))), dim, "int64")
+        inside = self.binary("logical_and", self.binary("ge", pos, self.const(start, (), "int64"), "bool"),
+                             self.binary("lt", pos, self.const(start + size, (), "int64"), "bool"), "bool")
+        return self.add("where", [inside, padded, base], shape, dt)
+
+    # --- complex tensors: (real, imag) pairs -------------------------------------------------------
+    def complex_split(self, i: int) -> _Cplx:
+        """A real IR tensor ``[..., 2]`` (``view_as_real``'s layout) as a complex value."""
+        shape = self.shape(i)[:-1]
+        parts = [self.reshape(self.slice_dim(i, len(shape), p, p + 1), shape) for p in (0, 1)]
+        return _Cplx(*parts)
+
+    def complex_join(self, c: _Cplx) -> int:
+        """A complex value as one real IR tensor ``[..., 2]`` (``view_as_real``'s layout)."""
+        shape = self.shape(c[0])
+        parts = [self.reshape(p, shape + (1,)) for p in c]
+        return self.add("concatenate", parts, shape + (2,), self.dtype(c[0]), axis=len(shape))
+
+    def _complex_involved(self, n: fx.Node) -> bool:
+        v = n.meta.get("val")
+        vals = v if isinstance(v, (tuple, list)) else [v]
+        if any(isinstance(t, torch.Tensor) and t.is_complex() for t in vals):
+            return True
+        return any(isinstance(self.env.get(a), _Cplx) for a in pytree.tree_leaves((n.args, n.kwargs))
+                   if isinstance(a, fx.Node))
+
+    def _complex_call(self, n: fx.Node, packet: str, handler: Callable, kwargs: dict):
+        """Lower op ``n`` whose operands or result are complex: its :data:`COMPLEX_OPS` lowering, or
+        for a :data:`PARTWISE` op the real lowering on the real parts, then on the imaginary ones
+        (a real operand with a complex result is the real part, its imaginary part zero)."""
+        if packet in COMPLEX_OPS:
+            return COMPLEX_OPS[packet](self, n, *n.args, **kwargs)
+        if packet not in PARTWISE:
+            self.unsupported(n, "on complex tensors (no complex lowering; the IR holds a complex tensor as its "
+                                "real and imaginary parts)")
+        nodes = [a for a in pytree.tree_leaves((n.args, kwargs)) if isinstance(a, fx.Node)]
+        saved = {a: self.env[a] for a in nodes if a in self.env}
+        outs = []
+        try:
+            for p in (0, 1):
+                for a in nodes:
+                    c = saved.get(a)
+                    if isinstance(c, _Cplx):
+                        self.env[a] = c[p]
+                    elif p == 1 and isinstance(c, int) and self.dtype(c) in FLOAT_DTYPES:
+                        self.env[a] = self.const(0, self.shape(c), self.dtype(c))  # a real operand's imag
+                outs.append(handler(self, n, *n.args, **kwargs))
+        finally:
+            self.env.update(saved)
+        if isinstance(outs[0], (list, tuple)):
+            return [None if r is None else _Cplx(r, i) for r, i in zip(*outs)]
+        return _Cplx(*outs)
 
     # --- bounded data-dependent sizes (see .dynamic) --------------------------------------------
     def _sym_node(self, n: fx.Node):
@@ -353,6 +500,30 @@ class _Lowering(GraphBuilder):
             expr = v.node.expr
         return self.sym_value(expr)
 
+    #: Python scalar arithmetic make_fx records on ``.item()`` values -> IR op
+    _SCALAR_OPS = {operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "div",
+                   operator.pow: "pow", operator.neg: "neg", math.sqrt: "sqrt", math.exp: "exp", math.log: "log"}
+
+    def _scalar_op(self, n: fx.Node) -> int:
+        """A float-valued scalar FX node (arithmetic on an ``.item()`` value: ``m + 1.0``,
+        ``sym_float(n)``) as a float64 0-d IR tensor. Raises NotImplementedError for other calls."""
+        target = n.target
+        sqrt = getattr(torch, "_sym_sqrt", None)
+        if target is torch.sym_float or getattr(target, "__name__", "") == "sym_float":
+            return self.cast(self._scalar(n.args[0]), "float64")
+        irop = self._SCALAR_OPS.get(target) or ("sqrt" if sqrt is not None and target is sqrt else None)
+        if irop is None:
+            raise NotImplementedError(f"torch frontend: scalar operation {target} on a value read with "
+                                      f".item(){self.where(n)}; keep the value a tensor")
+        return self.add(irop, [self.cast(self._scalar(a), "float64") for a in n.args], (), "float64")
+
+    def _scalar(self, a) -> int:
+        """An operand of a scalar FX node as a 0-d IR tensor."""
+        if isinstance(a, fx.Node):
+            i = self.env[a]
+            return self.reshape(i, ()) if isinstance(i, int) else self.sym_value(a.meta["val"].node.expr)
+        return self.const(a, (), "float64" if isinstance(a, float) else "int64")
+
     def sym_value(self, expr) -> int:
         """The runtime value of a size expression (ints, unbacked symbols, + and *) as an int64
         IR scalar: a symbol's value is the count of its mask's true elements, capped at its bound."""
@@ -365,7 +536,11 @@ class _Lowering(GraphBuilder):
         if isinstance(expr, sympy.Symbol):
             if self.bounds is None or expr not in self.bounds.source:
                 raise NotImplementedError(f"torch frontend: size {expr} has no known origin")
-            _, mask = self.bounds.source[expr]
+            kind, mask = self.bounds.source[expr]
+            if kind == "item":  # an integer read with ``.item()``: its value
+                out = self.cast(self.reshape(self.env[mask], ()), "int64")
+                self._sym_values[expr] = out
+                return out
             m = self.env[mask]
             nz = self.cast(m, "bool") if self.dtype(m) != "bool" else m
             cnt = self.add("sum", [self.cast(nz, "int64")], (), "int64", axes=tuple(range(len(self.shape(m)))),
@@ -407,6 +582,7 @@ class _Lowering(GraphBuilder):
         if ok is None:
             return i
         dt = self.dtype(i)
+        value: bool | int | float
         if dt == "bool":
             value = kind in ("one",)
         elif kind == "zero":

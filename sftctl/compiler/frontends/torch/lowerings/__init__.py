@@ -14,4 +14,5 @@ from sftctl.compiler.frontends.torch.lowerings import (  # noqa: F401
     random,
     attention,
     ctc,
+    complex,
 )

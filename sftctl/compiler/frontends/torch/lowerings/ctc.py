@@ -173,7 +173,7 @@ def op__ctc_loss(self, n, log_probs, targets, input_lengths, target_lengths, bla
     return [nll, self.transpose(alphas, (1, 0, 2))]
 
 
-@lowers
+@lowers("_ctc_loss_backward", "sftctl::ctc_loss_backward")
 def op__ctc_loss_backward(self, n, grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood,
                           log_alpha, blank, zero_infinity=False):
     """The log-probabilities' gradient [T, B, C], as torch's kernel: the beta recursion from

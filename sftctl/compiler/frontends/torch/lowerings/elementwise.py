@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from sftctl.compiler.ir import FLOAT_DTYPES
+from sftctl.compiler.ir import DTYPE_BYTES, FLOAT_DTYPES
 from sftctl.compiler.frontends.torch.lowering import OPS, lowers, _Id
 
 
@@ -48,11 +48,46 @@ def op_isfinite(self, n, x):  # |x| < inf: false for inf and nan
     return _abs_vs_inf(self, "lt", x)
 
 
+def _all_ones(self, dtype: str) -> int:
+    """The integer of ``dtype`` with every bit set: -1 signed, 2**bits - 1 unsigned."""
+    return self.const((1 << (8 * DTYPE_BYTES[dtype])) - 1 if dtype.startswith("uint") else -1, (), dtype)
+
+
 @lowers
 def op_bitwise_not(self, n, x):
-    if self.val(x).dtype != torch.bool:
-        self.unsupported(n, "on integers")
-    return op_logical_not(self, n, x)
+    if self.val(x).dtype == torch.bool:
+        return op_logical_not(self, n, x)
+    shape, dtype = self.out()
+    return self.add("bitwise_xor", [self.arg(x, dtype), _all_ones(self, dtype)], shape, dtype)
+
+
+@lowers("bitwise_left_shift", "__lshift__")
+def op_bitwise_left_shift(self, n, a, b):
+    """``x << k`` on integers: two's complement, wrapping in the dtype, as torch (and a GPU) shifts."""
+    shape, dtype = self.out()
+    if dtype in FLOAT_DTYPES:  # torch's float ``x << k`` is ``x * 2**k``
+        return self.add("mul", [self.arg(a, dtype), self.add("pow", [self.const(2.0, (), dtype), self.arg(b, dtype)],
+                                                            self.shape(self.arg(b)), dtype)], shape, dtype)
+    return self.add("shift_left", [self.arg(a, dtype), self.arg(b, dtype)], shape, dtype)
+
+
+@lowers("bitwise_right_shift", "__rshift__")
+def op_bitwise_right_shift(self, n, a, b):
+    """``x >> k``: arithmetic for signed integers (the sign fills in, ``floor(x / 2**k)``), as torch
+    does: a negative ``x`` is ``~(~x >> k)`` with ``~x`` non-negative, so the IR's logical shift
+    is only ever applied to non-negative values; logical for unsigned ones."""
+    shape, dtype = self.out()
+    if dtype in FLOAT_DTYPES:
+        return self.add("div", [self.arg(a, dtype), self.add("pow", [self.const(2.0, (), dtype), self.arg(b, dtype)],
+                                                            self.shape(self.arg(b)), dtype)], shape, dtype)
+    x, k = self.arg(a, dtype), self.arg(b, dtype)
+    if dtype.startswith("uint"):
+        return self.add("shift_right_logical", [x, k], shape, dtype)
+    ones = _all_ones(self, dtype)
+    pos = self.add("shift_right_logical", [x, k], shape, dtype)
+    inv = self.add("bitwise_xor", [x, ones], self.shape(x), dtype)
+    neg = self.add("bitwise_xor", [self.add("shift_right_logical", [inv, k], shape, dtype), ones], shape, dtype)
+    return self.add("where", [self.binary("ge", x, self.const(0, (), dtype), "bool"), pos, neg], shape, dtype)
 
 
 def _arith(self, irop: str, a, b):
@@ -205,26 +240,27 @@ def op_logical_xor(self, n, a, b):
 
 
 def _bitwise(self, irop, n, a, b):
-    if self.val(n).dtype != torch.bool:
-        self.unsupported(n, "on integers")
-    return _logical(self, irop, n, a, b)
+    """A bitwise op: logical on bools, the IR's bitwise op (two's complement) on integers."""
+    if self.val(n).dtype == torch.bool:
+        if irop == "bitwise_xor":
+            return op_logical_xor(self, n, a, b)
+        return _logical(self, irop.replace("bitwise_", "logical_"), n, a, b)
+    return _arith(self, irop, a, b)
 
 
-@lowers
+@lowers("bitwise_and", "__and__")
 def op_bitwise_and(self, n, a, b):
-    return _bitwise(self, "logical_and", n, a, b)
+    return _bitwise(self, "bitwise_and", n, a, b)
 
 
-@lowers
+@lowers("bitwise_or", "__or__")
 def op_bitwise_or(self, n, a, b):
-    return _bitwise(self, "logical_or", n, a, b)
+    return _bitwise(self, "bitwise_or", n, a, b)
 
 
-@lowers
+@lowers("bitwise_xor", "__xor__")
 def op_bitwise_xor(self, n, a, b):
-    if self.val(n).dtype != torch.bool:
-        self.unsupported(n, "on integers")
-    return op_logical_xor(self, n, a, b)
+    return _bitwise(self, "bitwise_xor", n, a, b)
 
 
 @lowers

@@ -252,9 +252,9 @@ def op_slice_scatter(self, n, x, src, dim=0, start=None, end=None, step=1):
     rank = len(shape)
     dim %= rank
     s, e, st = slice(start, end, step).indices(shape[dim])
-    if st != 1:
-        self.unsupported(n, "with step != 1")
     si = self.arg(src, dtype)
+    if st != 1:
+        return _strided_slice_scatter(self, xi, si, shape, dtype, dim, s, e, st)
     low, high = [0] * rank, [0] * rank
     low[dim], high[dim] = s, shape[dim] - max(e, s)
     padded = si if not any(low) and not any(high) else self.add(
@@ -267,6 +267,27 @@ def op_slice_scatter(self, n, x, src, dim=0, start=None, end=None, step=1):
     inside = self.binary("logical_and", self.binary("ge", pos, self.const(s, (), "int64"), "bool"),
                          self.binary("lt", pos, self.const(e, (), "int64"), "bool"), "bool")
     return self.add("where", [inside, padded, xi], shape, dtype)
+
+
+def _strided_slice_scatter(self, xi: int, si: int, shape, dtype: str, dim: int, s: int, e: int, st: int) -> int:
+    """``x`` with ``src`` written at positions ``s, s + st, ... < e`` of ``dim`` (Swin's window
+    masks, ``y[:, 1::2] = ...``): ``src`` gathered along ``dim`` by ``(pos - s) // st`` and
+    selected where ``pos`` is one of those positions (one elementwise pass, as Inductor lowers it)."""
+    rank = len(shape)
+    count = len(range(s, e, st))
+    if count == 0:
+        return xi
+    ishape = tuple(shape[d] if d == dim else 1 for d in range(rank))
+    pos = self.iota((shape[dim],), 0, "int64")
+    off = self.binary("sub", pos, self.const(s, (), "int64"))
+    k = self.binary("div", off, self.const(st, (), "int64"))  # trunc: only read where off >= 0
+    hit = self.binary("logical_and", self.binary("ge", off, self.const(0, (), "int64"), "bool"),
+                      self.binary("lt", pos, self.const(e, (), "int64"), "bool"), "bool")
+    hit = self.binary("logical_and", hit, self.binary("eq", self.binary("mul", k, self.const(st, (), "int64")),
+                                                      off, "bool"), "bool")
+    k = self.binary("minimum", self.binary("maximum", k, self.const(0, (), "int64")), self.const(count - 1, (), "int64"))
+    placed = self.add("gather", [si, k], shape, dtype, axis=dim)
+    return self.add("where", [self.reshape(hit, ishape), placed, xi], shape, dtype)
 
 
 @lowers

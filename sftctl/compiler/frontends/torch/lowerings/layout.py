@@ -227,9 +227,45 @@ def _writeback_reshape(self, view, base: int, new: int) -> int:
     return self.reshape(self.cast(new, self.dtype(base)), self.shape(base))
 
 
+def _writeback_diagonal(self, view, base: int, new: int) -> int:
+    """A write into ``diagonal(base, offset, dim1, dim2)`` (``torch.func.jacrev``'s basis:
+    ``zeros(n, n).diagonal().fill_(1)``): the strided view :func:`op_diagonal` reads."""
+    bshape = self.shape(base)
+    rank = len(bshape)
+    args = list(view.args[1:]) + [None] * 3
+    offset = args[0] if args[0] is not None else view.kwargs.get("offset", 0)
+    d1 = (args[1] if args[1] is not None else view.kwargs.get("dim1", 0)) % rank
+    d2 = (args[2] if args[2] is not None else view.kwargs.get("dim2", 1)) % rank
+    rm = list(row_major_strides(bshape))
+    start = offset * rm[d2] if offset >= 0 else -offset * rm[d1]
+    strides = [rm[k] for k in range(rank) if k not in (d1, d2)] + [rm[d1] + rm[d2]]
+    return _strided_writeback(self, base, self.shape(new), strides, start, new, check_overlap=False)
+
+
+def _writeback_alias(self, view, base: int, new: int) -> int:
+    return self.cast(new, self.dtype(base))
+
+
+VIEW_WRITEBACK.update({"diagonal": _writeback_diagonal, "alias": _writeback_alias, "detach": _writeback_alias})
 VIEW_WRITEBACK.update({"as_strided": _writeback_as_strided, "slice": _writeback_slice, "select": _writeback_select,
                        "permute": _writeback_permute, "transpose": _writeback_permute, "t": _writeback_permute,
                        **dict.fromkeys(("view", "_unsafe_view", "reshape", "unsqueeze", "squeeze"), _writeback_reshape)})
+
+
+@lowers("resize", "resize_")
+def op_resize(self, n, x, size, memory_format=None):
+    """``resize_`` (an ``out=`` tensor sized to its result): the row-major prefix of the old
+    contents when the new size is not larger; new elements, which torch leaves uninitialized,
+    are 0."""
+    shape, dtype = self.out()
+    xi = self.arg(x, dtype)
+    old, new = math.prod(self.shape(xi)), math.prod(shape)
+    flat = self.reshape(xi, (old,))
+    if new <= old:
+        return self.reshape(self.slice_dim(flat, 0, 0, new) if new < old else flat, shape)
+    pad = self.add("pad", [flat], (new,), dtype, low=(0,), high=(new - old,),
+                   value=False if dtype == "bool" else 0 if dtype not in ("float64", "float32", "bfloat16", "float16") else 0.0)
+    return self.reshape(pad, shape)
 
 
 @lowers

@@ -98,7 +98,7 @@ def op_grouped_mm(self, n, a, b, offs=None):
 def op_sort(self, n, x, *args, **kwargs):
     """``sort(x, dim=-1, descending=False)`` / ``sort.stable(x, *, stable, dim, descending)``:
     stable, by ranks (see the module docstring)."""
-    (vshape, vdtype), (ishape, idtype) = self.out_at(0), self.out_at(1)
+    (_, vdtype), (_, idtype) = self.out_at(0), self.out_at(1)
     if n.target._overloadname == "stable":
         dim, descending = kwargs.get("dim", -1), kwargs.get("descending", False)
     else:

@@ -63,7 +63,7 @@ def op_max_pool2d_with_indices(self, n, x, kernel_size, stride=(), padding=0, di
     """Max over each window of the -inf-padded input (strided slices, one per tap, and
     ``maximum``); indices (int64, flat over the input's spatial dims) follow torch: the
     first tap holding the maximum wins."""
-    (shape, dtype), (ishape, idt) = self.out_at(0), self.out_at(1)
+    (shape, dtype), (_, idt) = self.out_at(0), self.out_at(1)
     xi = self.arg(x, dtype)
     xs = self.shape(xi)
     nsp = _nsp(n)

@@ -125,3 +125,23 @@ def op_bernoulli(self, n, x, p=None, *, generator=None):
     if p is None:
         self.unsupported(n, "with a tensor of probabilities")
     return _bernoulli(self, n, p)
+
+
+@lowers
+def op_randperm(self, n, size, **kw):
+    """``torch.randperm(n)``: the ranks of ``n`` uniform draws (ties broken by position), so
+    position ``rank[i]`` holds ``i``: a random permutation (PointNet++'s and NeRF's sampling,
+    a shuffled batch). O(n^2) compares, as a sort by ranks (:func:`.moe.op_sort`)."""
+    shape, dtype = self.out()
+    m = int(shape[0]) if shape else 0
+    if m <= 1:
+        return self.const(0, shape, dtype)
+    u = _uniform(self, (m,), "float32")
+    ua, ub = self.reshape(u, (m, 1)), self.reshape(u, (1, m))
+    before = self.binary("lt", ub, ua, "bool")
+    earlier = self.binary("lt", self.iota((m, m), 1, "int64"), self.iota((m, m), 0, "int64"), "bool")
+    tie = self.binary("logical_and", self.binary("eq", ub, ua, "bool"), earlier, "bool")
+    first = self.binary("logical_or", before, tie, "bool")
+    rank = self.add("sum", [self.cast(first, "int64")], (m,), "int64", axes=(1,), keepdim=False)
+    perm = self.add("scatter_add", [self.iota((m,), 0, "int64"), rank], (m,), "int64", axis=0, size=m)
+    return self.cast(perm, dtype)

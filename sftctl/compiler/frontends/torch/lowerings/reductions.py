@@ -172,7 +172,7 @@ def op_topk(self, n, x, k, dim=-1, largest=True, sorted=True):
         if j + 1 < k:
             pick = self.add("eq", [self.iota(xs, d), self.bcast(i, xs)], xs, "bool")
             cur = _Id(self.add("where", [pick, fill, int(cur)], xs, dt))
-    (vshape, vdt), (ishape, _) = self.out_at(0), self.out_at(1)
+    (vshape, vdt), _ = self.out_at(0), self.out_at(1)
     cat = lambda parts, dtype: parts[0] if len(parts) == 1 else self.add(  # noqa: E731
         "concatenate", parts, vshape, dtype, axis=d)
     return [self.cast(cat(vals, dt), vdt), cat(idxs, "int64")]

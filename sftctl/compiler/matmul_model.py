@@ -1,0 +1,125 @@
+"""The fitted analytical model of a library GEMM's GPU time (cuBLAS, hipBLASLt), per accelerator:
+the library's best of tile shapes x split-K factors::
+
+    t = floor + max(waves * (2 BM BN ceil(k/s) / (eff(BM, BN) * peak / SMs) + wave_s)
+                    + reduce(s), bytes / (hbm_frac * HBM))
+    waves = ceil(b ceil(m/BM) ceil(n/BN) s / SMs); eff(BM, BN) = eff / (1 + tile_penalty (128/BM + 128/BN - 2))
+    reduce(s) = (s > 1) * (s + 1) * 4 b m n / (hbm_frac * HBM)   (fp32 partials written, read)
+
+``floor`` is the fixed GPU time of one kernel (about 5 us on H100 and B200 for the smallest
+GEMMs), ``wave_s`` the per-wave prologue/epilogue. The five coefficients (:data:`PARAMS`) are
+fitted per measured table (:func:`fit`: least squares on log time) and shipped with it
+(:mod:`sftctl.compiler.matmul_interpolator`); SMs, peaks and HBM bandwidth are the accelerator's
+own (:mod:`sftctl.catalog.accelerators`), the tiles its library's (``Accelerator.gemm_tiles``).
+
+This module knows no table and no accelerator by name: it takes an ``Accelerator`` and the
+coefficients. :mod:`sftctl.compiler.gemm_table` chooses between it and the measured tables
+(as XLA keeps ``gpu_performance_model`` beside ``matmul_interpolator``). numpy is imported inside
+the functions.
+"""
+
+from __future__ import annotations
+
+PARAMS = ("eff", "floor_s", "wave_s", "tile_penalty", "hbm_frac")
+_START = (0.8, 4.5e-6, 1.5e-6, 0.1, 0.7)
+SPLITS = (1, 2, 4, 8, 16)
+#: bytes per element of each dtype the model prices (a measured table's dtype combination or a
+#: compiler dtype)
+NBYTES = {"bf16xbf16->bf16": 2, "f16xf16->f16": 2, "f32xf32->f32": 4,
+          "bfloat16": 2, "float16": 2, "float32": 4, "tfloat32": 4, "float8": 1}
+#: the catalog's peak key of each table dtype
+PEAK_KEY = {"bf16xbf16->bf16": "bfloat16", "f16xf16->f16": "float16", "f32xf32->f32": "float32"}
+
+
+def facts(hw, dtype: str) -> tuple[int, float, float]:
+    """(SMs, dense peak FLOP/s, HBM bytes/s) of accelerator ``hw`` for ``dtype`` (a table's
+    combination such as ``bf16xbf16->bf16``, or ``bfloat16``/``float16``/``float32``/
+    ``tfloat32``/``float8``). fp32 is the TF32 / matrix-core fp32 rate (``tfloat32`` where the
+    catalog has it). Raises KeyError when ``hw`` has no matrix peak for it."""
+    key = PEAK_KEY.get(dtype, dtype)
+    if key in ("float32", "tfloat32"):
+        peak = hw.matrix_flops_per_s.get("tfloat32") or hw.matrix_peak("float32")
+    else:
+        peak = hw.matrix_flops_per_s.get(key) or hw.matrix_peak(key)
+    return hw.sm_count, peak, hw.hbm_bytes_per_s
+
+
+def predict(shapes, params, sms: int, peak: float, hbm: float, nbytes: int, tiles):
+    """GPU seconds of each GEMM: ``shapes`` an (N, 4) float array of b, m, n, k -> (N,) array,
+    the best of ``tiles`` ((BM, BN), ...) x split-K factors (see the module docstring)."""
+    import numpy as np
+
+    eff, floor, wave, pen, hfrac = params
+    b, m, n, k = (shapes[:, i] for i in range(4))
+    bw = hfrac * hbm
+    memory = nbytes * b * (m * k + k * n + m * n) / bw
+    best = np.full(len(shapes), np.inf)
+    for bm, bn in tiles:
+        e = eff / (1.0 + pen * (128.0 / bm + 128.0 / bn - 2.0))
+        blocks = b * np.ceil(m / bm) * np.ceil(n / bn)
+        for s in SPLITS:
+            waves = np.ceil(blocks * s / sms)
+            t = waves * (2.0 * bm * bn * np.ceil(k / s) / (e * peak / sms) + wave)
+            if s > 1:
+                t = t + (s + 1) * 4.0 * b * m * n / bw
+            best = np.minimum(best, t)
+    return floor + np.maximum(best, memory)
+
+
+def time_s(b: int, m: int, n: int, k: int, hw, dtype: str, params) -> float:
+    """The model's GPU seconds for ``lhs[b,m,k] @ rhs[b,k,n]`` on ``hw`` in ``dtype`` with
+    coefficients ``params`` (:data:`PARAMS` order) and ``hw``'s library tiles."""
+    import numpy as np
+
+    sms, peak, hbm = facts(hw, dtype)
+    return float(predict(np.array([[b, m, n, k]], float), params, sms, peak, hbm, NBYTES[dtype], hw.gemm_tiles)[0])
+
+
+def fit(rows, hw, dtype: str) -> list[float]:
+    """Coefficients (:data:`PARAMS`) minimizing the squared log error of the model on ``rows``
+    (``[b, m, n, k, seconds]`` measured on ``hw``): Nelder-Mead on the log of each coefficient
+    (numpy only)."""
+    import numpy as np
+
+    a = np.asarray(rows, float)
+    shapes, logt = a[:, :4], np.log(a[:, 4])
+    sms, peak, hbm = facts(hw, dtype)
+
+    def loss(x):
+        p = np.exp(x)
+        if p[0] > 1.0 or p[4] > 1.0:
+            return 1e9
+        return float(np.mean((np.log(predict(shapes, p, sms, peak, hbm, NBYTES[dtype], hw.gemm_tiles)) - logt) ** 2))
+
+    x = nelder_mead(loss, np.log(np.array(_START)))
+    return [float(v) for v in np.exp(x)]
+
+
+def nelder_mead(f, x0, iters: int = 600, step: float = 0.3):
+    """The minimizer of ``f`` from ``x0`` (a numpy vector) by Nelder-Mead, ``iters`` steps."""
+    import numpy as np
+
+    n = len(x0)
+    pts = [x0] + [x0 + step * np.eye(n)[i] for i in range(n)]
+    vals = [f(p) for p in pts]
+    for _ in range(iters):
+        order = np.argsort(vals)
+        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
+        c = np.mean(pts[:-1], axis=0)
+        xr = c + (c - pts[-1])
+        fr = f(xr)
+        if fr < vals[0]:
+            xe = c + 2 * (c - pts[-1])
+            fe = f(xe)
+            pts[-1], vals[-1] = (xe, fe) if fe < fr else (xr, fr)
+        elif fr < vals[-2]:
+            pts[-1], vals[-1] = xr, fr
+        else:
+            xc = c + 0.5 * (pts[-1] - c)
+            fc = f(xc)
+            if fc < vals[-1]:
+                pts[-1], vals[-1] = xc, fc
+            else:
+                pts = [pts[0]] + [pts[0] + 0.5 * (p - pts[0]) for p in pts[1:]]
+                vals = [vals[0]] + [f(p) for p in pts[1:]]
+    return pts[int(np.argmin(vals))]
