@@ -27,6 +27,7 @@ import functools
 import os
 from pathlib import Path
 
+from sftctl.catalog.accelerators import find_accelerator
 from sftctl.catalog.identity import identify  # noqa: F401 - catalog.identify(device)
 from sftctl.types import Offering  # the vocabulary; re-exported here
 
@@ -70,10 +71,10 @@ def _cloud_offerings(override: str, _stamp: int | None, _refreshed: str, _fresh:
     # a refresh is the truth for the clouds and regions it read: what it did not find there (a
     # type no longer sold, a region without it) is not offered from the older files either
     covered = refreshed_coverage(refreshed) if refreshed in files else {}
-    merged = {k: o for k, o in merged.items() if not _covers(covered, o.provider, o.region)}
+    merged = {k: o for k, o in merged.items() if not _covers(covered, o.provider, o.region) or _unread(o)}
     for path in files:
         for o in _read_offerings(path):
-            if path != refreshed and _covers(covered, o.provider, o.region):
+            if path != refreshed and _covers(covered, o.provider, o.region) and not _unread(o):
                 continue
             old = merged.get((o.provider, o.instance_type, o.region))
             if old is not None and _newer(old.as_of, o.as_of):
@@ -87,6 +88,35 @@ def _cloud_offerings(override: str, _stamp: int | None, _refreshed: str, _fresh:
     if override:
         out = _apply_overrides(out, Path(override))
     return tuple(out)
+
+
+#: a price at least this many days older than the newest price of its instance type (same
+#: provider) is flagged in ``plan`` and ``catalog``: an older snapshot row beside a newer one
+OLDER_PRICE_DAYS = 28
+
+
+def older_prices(offerings: list[Offering] | None = None) -> dict[tuple[str, str, str], Offering]:
+    """The offerings whose price is at least :data:`OLDER_PRICE_DAYS` older than the newest price
+    of the same provider's instance type in ``offerings`` (default: :func:`cloud_offerings`),
+    e.g. p5.48xlarge at $98-128/h from a 2025-05 snapshot beside $55.04/h after the 2025-06 cut.
+    Returns ``(provider, instance_type, region)`` -> the newest-priced offering of that type (its
+    ``as_of`` and ``usd_per_hour`` say what the flagged row is older than); a date that does not
+    parse is never flagged."""
+    rows = cloud_offerings() if offerings is None else offerings
+    newest: dict[tuple[str, str], tuple[datetime.date, Offering]] = {}
+    for o in rows:
+        d = _parse_date(o.as_of)
+        k = (o.provider, o.instance_type)
+        if d is not None and (k not in newest or d > newest[k][0]
+                              or (d == newest[k][0] and o.usd_per_hour < newest[k][1].usd_per_hour)):
+            newest[k] = (d, o)
+    out = {}
+    for o in rows:
+        d = _parse_date(o.as_of)
+        top = newest.get((o.provider, o.instance_type))
+        if d is not None and top is not None and (top[0] - d).days >= OLDER_PRICE_DAYS:
+            out[(o.provider, o.instance_type, o.region)] = top[1]
+    return out
 
 
 def _newer(a: str, b: str) -> bool:
@@ -103,6 +133,14 @@ def price_files() -> list[Path]:
     if refreshed.is_file():
         out.append(refreshed)
     return out
+
+
+def _unread(o: Offering) -> bool:
+    """Whether ``catalog refresh`` never reads ``o``'s kind: Cloud TPU slices (vendor ``google``)
+    are not in the Compute Engine machine and GPU price lists it reads, so a GCP refresh of a
+    region keeps their hand-sourced rows."""
+    acc = find_accelerator(o.accelerator)
+    return acc is not None and acc.vendor == "google"
 
 
 def _covers(covered: dict[str, list[str] | None], provider: str, region: str) -> bool:
@@ -239,7 +277,7 @@ def _apply_overrides(offerings: list[Offering], path: Path) -> list[Offering]:
             raise SftctlError(f"{path}:1: price override file lacks column {missing[0]}", hint)
         out = list(offerings)
         for line, r in enumerate(reader, start=2):
-            prices = {}
+            prices: dict = {}
             for field in ("usd_per_hour", "spot_usd_per_hour"):
                 text = (r.get(field) or "").strip()
                 if not text:

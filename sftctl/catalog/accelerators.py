@@ -7,6 +7,11 @@ The table is ``accelerators.yaml`` next to this module: :func:`load_accelerators
 :func:`get_accelerator` looks one up by name in any case. The ``cpu`` entry is this machine: its
 core count comes from ``os.cpu_count()`` at load time.
 
+An entry is the accelerator's one record: besides its facts it names the measured tables that
+price it (:data:`TABLE_FIELDS`: its die, GEMM table and model, library tiles, collective links,
+calibration, peers and accuracy files), so adding an accelerator is an entry here, its offerings
+and its rows in the data files those fields name; no code names an accelerator.
+
 Both sides read the facts here: the catalog (:func:`sftctl.catalog.accelerator_names`) and the
 compiler (``sftctl.compiler.hardware`` re-exports :class:`Accelerator` and the lookups for the
 cost model). Nothing else opens the YAML file, and this module imports neither the compiler nor
@@ -50,6 +55,27 @@ class Accelerator:
         triton_backend: ``cuda`` or ``hip`` (None for ``cpu``).
         triton_arch: compute capability as int (90) or gfx name (``gfx942``); None for ``cpu``.
         sources: field name -> where the number comes from.
+
+    The measured tables that price it (the compiler reads these; None where there is none):
+
+    Attributes:
+        die: the chip as XLA's measured tables key it (``sm_90`` for H100 and H200, ``gfx950``):
+            accelerators of one die share its measured GEMM and collective records (the
+            collectives' measured links are those of its accelerators).
+        gemm_table: the key in ``compiler/calibrations/data/xla/matmul.json`` of its die's
+            measured library GEMMs (cuBLAS, hipBLASLt): they price its GEMMs.
+        gemm_model: the table whose fitted coefficients the analytical GEMM model uses where no
+            measured table of its own covers a GEMM (another die, a dtype the table lacks, a
+            what-if copy): its vendor's reference table (``sm_90``, ``gfx950``).
+        gemm_tiles: the library's (BM, BN) tile shapes the GEMM model searches (a named set of the
+            YAML's ``gemm_tile_sets``, resolved on load).
+        collective_link: the in-host link of ``compiler/calibrations/collectives.json`` its
+            collectives run over (NVLink/NVSwitch, xGMI); ``pcie_link`` the one of its PCIe-only
+            hosts (an offering whose in-host bandwidth says PCIe).
+        calibration: the file in ``compiler/calibrations/`` with its fitted cost-model
+            coefficients (its own or its die's); ``peers`` the one whose measured library kernels
+            (cuBLAS, torch eager) price the eager and ``default`` modes, as fractions of its peaks.
+        accuracy: the file in ``compiler/calibrations/accuracy/`` saying how far to trust a step.
     """
 
     name: str
@@ -73,6 +99,15 @@ class Accelerator:
     triton_backend: str | None
     triton_arch: int | str | None
     sources: dict[str, str] = dataclasses.field(default_factory=dict, hash=False, compare=False)
+    die: str | None = None
+    gemm_table: str | None = None
+    gemm_model: str | None = None
+    gemm_tiles: tuple[tuple[int, int], ...] = ()
+    collective_link: str | None = None
+    pcie_link: str | None = None
+    calibration: str | None = None
+    peers: str | None = None
+    accuracy: str | None = None
 
     def matrix_peak(self, dtype: str) -> float:
         """Dense matrix-unit FLOP/s for ``dtype`` (float16 falls back to bfloat16 and back)."""
@@ -93,6 +128,10 @@ class Accelerator:
 ACCELERATORS_YAML = Path(__file__).resolve().with_name("accelerators.yaml")
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(Accelerator))
+#: the fields naming an accelerator's measured tables (strings or null in the YAML; gemm_tiles a
+#: set of ``gemm_tile_sets``): every entry writes each of them, and sources each one it sets
+TABLE_FIELDS = ("die", "gemm_table", "gemm_model", "gemm_tiles", "collective_link", "pcie_link", "calibration",
+                "peers", "accuracy")
 _INT_FIELDS = (
     "sm_count", "l2_bytes", "smem_bytes_per_sm", "smem_bytes_per_block", "regs_per_sm",
     "regs_per_thread_max", "max_warps_per_sm", "max_blocks_per_sm", "warp_size", "memory_bytes",
@@ -197,7 +236,7 @@ def _probe_host(entry: dict, sources: dict[str, str]) -> None:
         entry[field] = {k: v * int(entry["sm_count"]) * clock for k, v in per_clk.items()}
 
 
-def _build(entry: dict) -> Accelerator:
+def _build(entry: dict, tile_sets: dict[str, tuple[tuple[int, int], ...]]) -> Accelerator:
     if not isinstance(entry, dict) or "name" not in entry:
         raise ValueError(f"{ACCELERATORS_YAML.name}: every entry needs a name")
     name = str(entry["name"])
@@ -209,7 +248,7 @@ def _build(entry: dict) -> Accelerator:
     sources = {str(k): str(v) for k, v in (entry.get("sources") or {}).items()}
     if entry["vendor"] == "cpu":
         _probe_host(entry, sources)
-    kwargs = {"name": name, "vendor": str(entry["vendor"]), "sources": sources}
+    kwargs: dict = {"name": name, "vendor": str(entry["vendor"]), "sources": sources}
     for f in _INT_FIELDS:
         kwargs[f] = _number(entry[f], f"{name}.{f}", int)
     for f in _FLOAT_FIELDS:
@@ -219,17 +258,45 @@ def _build(entry: dict) -> Accelerator:
     kwargs["triton_backend"] = None if entry["triton_backend"] is None else str(entry["triton_backend"])
     arch = entry["triton_arch"]
     kwargs["triton_arch"] = arch if arch is None or isinstance(arch, int) else str(arch)
+    for f in TABLE_FIELDS:
+        value = entry[f]
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{name}.{f}: expected a name or null, got {value!r}")
+        if value is not None and not sources.get(f, "").strip():
+            raise ValueError(f"{name}.{f}: no source; add sources.{f} saying where {value!r} comes from")
+        kwargs[f] = value
+    tiles = entry["gemm_tiles"]
+    if tiles is not None and tiles not in tile_sets:
+        raise ValueError(f"{name}.gemm_tiles: unknown tile set {tiles!r}; known: {', '.join(tile_sets)}")
+    kwargs["gemm_tiles"] = tile_sets[tiles] if tiles is not None else ()
     return Accelerator(**kwargs)
 
 
+def _tile_sets(doc: dict) -> dict[str, tuple[tuple[int, int], ...]]:
+    """The YAML's ``gemm_tile_sets``: name -> ((BM, BN), ...); raises ValueError when malformed."""
+    out = {}
+    for name, spec in (doc.get("gemm_tile_sets") or {}).items():
+        tiles = spec.get("tiles") if isinstance(spec, dict) else None
+        if not tiles or not all(isinstance(t, list) and len(t) == 2 and all(isinstance(x, int) and x > 0 for x in t)
+                                for t in tiles) or not str(spec.get("source", "")).strip():
+            raise ValueError(f"{ACCELERATORS_YAML.name}: gemm_tile_sets.{name} needs tiles: [[BM, BN], ...] "
+                             "of positive integers and a source")
+        out[str(name)] = tuple((int(a), int(b)) for a, b in tiles)
+    return out
+
+
 @functools.lru_cache(maxsize=1)
-def _entries() -> tuple[dict, ...]:
-    """The YAML's accelerator entries as written (read once)."""
+def _document() -> dict:
+    """The YAML document as written (read once)."""
     import yaml  # deferred: keeps ``import sftctl.compiler.hardware`` cheap
 
     with ACCELERATORS_YAML.open() as f:
-        doc = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml: 20x faster, same result
-    return tuple(doc["accelerators"])
+        return yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # libyaml: 20x faster, same result
+
+
+def _entries() -> tuple[dict, ...]:
+    """The YAML's accelerator entries as written."""
+    return tuple(_document()["accelerators"])
 
 
 def load_identities() -> dict[str, dict]:
@@ -248,12 +315,24 @@ def load_accelerators() -> dict[str, Accelerator]:
     treat it as read-only. Raises ValueError on a malformed file.
     """
     table: dict[str, Accelerator] = {}
+    tile_sets = _tile_sets(_document())
     for entry in _entries():
-        acc = _build(entry)
+        acc = _build(entry, tile_sets)
         if acc.name.lower() in {n.lower() for n in table}:
             raise ValueError(f"{ACCELERATORS_YAML.name}: {acc.name} appears twice")
         table[acc.name] = acc
     return table
+
+
+def calibrated_from(accelerator: str) -> str | None:
+    """The accelerator whose shipped calibration ``accelerator`` uses (the same die: H100 <- H200),
+    or None (its own, or none): the entry's ``calibration`` file is named after the accelerator
+    it was measured on (``h200.json``)."""
+    acc = find_accelerator(accelerator)
+    if acc is None or not acc.calibration:
+        return None
+    src = find_accelerator(Path(acc.calibration).stem)
+    return src.name if src is not None and src.name != acc.name else None
 
 
 def find_accelerator(name: str) -> Accelerator | None:

@@ -20,7 +20,11 @@ with the same header; the inputs of the shipped snapshot are in ``tests/fixtures
   :data:`GCP_N1_HOSTS`). Rows priced 0 are SKUs the source did not find (the A4 hosts: SkyPilot's
   fetch_gcp notes "GCP does not have A4 instance in SKUs API yet"), left out with what they would
   have joined: a host priced 0 would rank its B200s below every honest offering. GPU rows whose
-  price is another SKU's (:func:`mismatched_gpu_prices`) are left out too.
+  price is another SKU's (:func:`mismatched_gpu_prices`) are left out too. TPU rows
+  (``AcceleratorName`` ``tpu-<version>-<size>``, no ``InstanceType``) are whole slices priced
+  per hour: each is an offering of its own (:func:`gcp_tpu_slice`), its vCPUs and memory from
+  ``offerings.csv``'s hand-sourced row of the same slice; prices of 700.0 are the source's
+  placeholder for a region that does not sell the type (:data:`GCP_TPU_PLACEHOLDER`), left out.
 
 Output: one row per (instance type, region) whose accelerator sftctl knows, in ``offerings.csv``'s
 columns plus ``zone``: ``usd_per_hour`` the region's on-demand price (its cheapest zone's),
@@ -151,6 +155,29 @@ def gcp_host_gpus(machine_type: str) -> tuple[str, int] | None:
     return None
 
 
+#: SkyPilot's TPU version names -> (sftctl accelerator, TensorCores per chip): the size in a
+#: v5p slice's name counts TensorCores (v5p-8 is 4 chips), v5e's and v6e's count chips (Cloud TPU
+#: docs "TPU v5p", "TPU v5e", "TPU v6e").
+GCP_TPU_VERSIONS = {"v5litepod": ("TPU-v5e", 1), "v5p": ("TPU-v5p", 2), "v6e": ("TPU-v6e", 1)}
+
+#: The price SkyPilot's GCP catalog gives a TPU in a region whose SKU it did not find
+#: (anycloud-sh/catalog@62ff0a987e0c gcp/vms.csv: tpu-v6e-1 at 700.0 USD/h on-demand in
+#: asia-east1, us-central2, southamerica-east1 and as spot in southamerica-west1, against 2.70
+#: in us-central1): not a price.
+GCP_TPU_PLACEHOLDER = 700.0
+
+
+def gcp_tpu_slice(accelerator_name: str) -> tuple[str, str, int] | None:
+    """``tpu-v5litepod-8`` -> ``("v5litepod-8", "TPU-v5e", 8 chips)``; None for TPU versions
+    sftctl has no accelerator for (v2, v3, v4) and for anything else."""
+    m = re.fullmatch(r"tpu-(v5litepod|v5p|v6e)-(\d+)", accelerator_name or "")
+    if not m:
+        return None
+    name, cores = GCP_TPU_VERSIONS[m.group(1)]
+    size = int(m.group(2))
+    return f"{m.group(1)}-{size}", name, max(1, size // cores)
+
+
 def _price(text: str, what: str) -> float | None:
     text = (text or "").strip()
     if not text:
@@ -222,19 +249,30 @@ def build_gcp(rows: list[dict[str, str]], known: set[str], source: str, date: st
     """Snapshot rows (``COLUMNS``) from SkyPilot GCP ``vms.csv`` rows: each GPU host's price is
     its host row plus the GPU row (same accelerator and count) of the same zone, on-demand and
     spot alike (spot only where both have one); N1 hosts (:data:`GCP_N1_HOSTS`) are joined with
-    each T4/V100 GPU row. A host with no GPU row in its zone is skipped (not sold there).
+    each T4/V100 GPU row. A host with no GPU row in its zone is skipped (not sold there). A TPU
+    slice row is an offering by itself (:func:`gcp_tpu_slice`), for the slice types
+    ``offerings.csv`` has a hand-sourced row of (its host's vCPUs, memory and ICI bandwidths).
 
     Raises:
         ValueError: a price that is not a number (names the row's type and zone).
     """
     gpus: dict[tuple[str, int, str], tuple[float, float | None]] = {}
     hosts = []
+    tpu_rows: dict[tuple[str, str], dict] = {}
     for r in rows:
         what = f"{r['InstanceType'] or r['AcceleratorName']} {r['AvailabilityZone']}"
         price, spot = _price(r["Price"], what), _price(r["SpotPrice"], what)
         if price is None or price <= 0:
             continue  # a host or GPU priced 0 is a SKU the source did not find, not a free machine
         spot = spot if spot is not None and spot > 0 else None
+        tpu = None if r["InstanceType"] else gcp_tpu_slice(r["AcceleratorName"])
+        if tpu is not None:
+            itype, name, chips = tpu
+            host = bandwidths.get(itype, {})
+            if name in known and price != GCP_TPU_PLACEHOLDER and host.get("vcpus"):
+                _offer(tpu_rows, (itype, r["Region"]), name, chips, float(host["vcpus"]), float(host["memory_gib"]),
+                       price, spot if spot != GCP_TPU_PLACEHOLDER else None, r["AvailabilityZone"])
+            continue
         if not r["InstanceType"]:
             gpus[(r["AcceleratorName"], int(float(r["AcceleratorCount"])), r["AvailabilityZone"])] = (price, spot)
         else:
@@ -257,6 +295,7 @@ def build_gcp(rows: list[dict[str, str]], known: set[str], source: str, date: st
             total_spot = spot + g[1] if spot is not None and g[1] is not None else None
             _offer(by_key, (itype, r["Region"]), name, count, float(r["vCPUs"]), float(r["MemoryGiB"]),
                    price + g[0], total_spot, zone)
+    by_key.update(tpu_rows)
     return _rows_out(by_key, "gcp", source, date, bandwidths)
 
 

@@ -5,8 +5,10 @@
 * a Kubernetes node's labels (:func:`from_node_labels`: GPU Feature Discovery, GKE, Karpenter,
   AMD's node labeller);
 * a Compute Engine accelerator type (:func:`gce_accelerator_type`, :func:`from_gce_accelerator_type`);
-* a Slurm GPU type (:func:`from_slurm_gres`: ``gres.conf`` ``Type=``);
-* the accelerator whose calibration it shares (:func:`calibrated_from`: the same die).
+* a Slurm GPU type (:func:`from_slurm_gres`: ``gres.conf`` ``Type=``).
+
+(:func:`calibrated_from`, the accelerator whose calibration another uses, is read off the entry's
+``calibration`` field by :mod:`sftctl.catalog.accelerators` and re-exported here.)
 
 An entry's ``identity`` keys (every one optional)::
 
@@ -21,10 +23,10 @@ An entry's ``identity`` keys (every one optional)::
     kubernetes_labels: {label: [values]}   node label values that say a node has this GPU
     gce_accelerator_type: nvidia-h100-80gb
     slurm_gres: [h100_80gb]        GPU type names clusters use besides the catalog name itself
-    calibrated_from: H200          the accelerator whose shipped calibration this one uses
 
-Adding an accelerator is an entry in ``accelerators.yaml`` (facts and identity), its rows in
-``offerings.csv``, and, where it has measured data, its calibration file: nothing here changes.
+Adding an accelerator is an entry in ``accelerators.yaml`` (facts, identity, the measured tables
+it names), its rows in ``offerings.csv``, and, where it has measured data, its rows in those
+data files: nothing here changes.
 Imports nothing heavy and nothing of the compiler.
 """
 
@@ -34,7 +36,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from sftctl.catalog.accelerators import Accelerator, find_accelerator, load_accelerators, load_identities
+from sftctl.catalog.accelerators import Accelerator, calibrated_from, find_accelerator, load_accelerators, load_identities
+
+__all__ = ["calibrated_from", "from_gce_accelerator_type", "from_node_labels", "from_slurm_gres",
+           "gce_accelerator_type", "identify", "kubernetes_labels"]
 
 _GB = re.compile(r"(\d+)\s*GB", re.IGNORECASE)
 
@@ -80,8 +85,8 @@ def identify(device: Any = None, *, name: str | None = None, memory_bytes: int |
     return None
 
 
-def kubernetes_labels() -> dict[str, dict[str, list[str]]]:
-    """Catalog accelerator -> ``{node label: [values that identify it]}``, plus ``"vendor"``."""
+def kubernetes_labels() -> dict[str, dict[str, Any]]:
+    """Catalog accelerator -> ``{node label: [values that identify it]}``, plus ``"vendor"`` (a str)."""
     accs = load_accelerators()
     return {n: {"vendor": accs[n].vendor, **{k: [str(v) for v in vs] for k, vs in i["kubernetes_labels"].items()}}
             for n, i in load_identities().items() if i.get("kubernetes_labels") and n in accs}
@@ -127,8 +132,3 @@ def from_slurm_gres(gpu_type: str) -> str:
             return n
     norm = re.sub(r"[-_]", "", key)
     return next((n for n in load_accelerators() if re.sub(r"[-_]", "", n.lower()) == norm), "")
-
-
-def calibrated_from(accelerator: str) -> str | None:
-    """The accelerator whose shipped calibration ``accelerator`` uses (the same die), or None."""
-    return load_identities().get(accelerator, {}).get("calibrated_from")

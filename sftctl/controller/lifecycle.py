@@ -4,8 +4,8 @@ controller's entry point :func:`main`.
 One controller drives one job (see :mod:`sftctl.state` for the statuses and allowed moves)::
 
     PENDING -> PROVISIONING -> LAUNCHING -> RUNNING -> SUCCEEDED
-                                   ^           | a node failed, restarts left
-                                   +- RECOVERING
+                                   ^           | a node failed, restarts left; or resources.replan:
+                                   +- RECOVERING   migrate moves the job at a checkpoint (_migrate)
     any live status -> FAILED | CANCELLED (Ctrl-C, SIGTERM, sftctl down) | FAILED_CONTROLLER
 
 Every transition is written to state *before* the controller acts on it, and every node is
@@ -18,42 +18,54 @@ detached, it runs as ``python -m sftctl.controller JOB_ID`` in a session of its 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
 import sys
 import time
-from typing import Protocol
+from pathlib import Path
 
-from sftctl import settings
+from sftctl import settings, vault
 from sftctl.catalog import Offering
-from sftctl.controller.slots import NodeSlot
-from sftctl.controller.ports import claim_rendezvous_port, reclaim_rendezvous_port, release_rendezvous_port
-from sftctl.controller.spot import SpotGuard
-from sftctl.controller.submit import (
-    claim_checkpoint_dir,
-    default_install,
-    job_provider,
-    job_storage_url,
-    node_env,
-    required_secrets,
+from sftctl.controller.common import (
+    Cancelled,
+    Failure,
+    LogReporter,
+    Reporter,
+    _error_code,
+    _Guarded,
+    _in_main_thread,
+    _install_cancel_signals,
+    _same_file,
+    _stdout_unlinked,
 )
+from sftctl.controller.launch import LaunchRequest, Where, admit
+from sftctl.controller.preflight import keep_out, remember_machine, report as report_preflight
+from sftctl.controller.slots import NodeSlot
+from sftctl.controller.ports import claim_rendezvous_port, release_rendezvous_port
+from sftctl.controller.recovery import Recovery
+from sftctl.controller.replan import Replanner, Verdict
+from sftctl.controller.spot import SpotGuard
+from sftctl.controller.submit import claim_checkpoint_dir, job_provider
 from sftctl.errors import CapacityError, ExitCode, InfeasibleError, SftctlError
 from sftctl.health.telemetry import REPLACE, RESTART
-from sftctl.paths import job_dir
-from sftctl.providers.base import NodeState, provision_all, terminate_all
+from sftctl.paths import CONTROLLER_OWNER, controller_lock, job_dir
+from sftctl.providers.base import (
+    KeepsAlive, NodeState, Quarantines, SecretStore, UsesChannel, provision_all, terminate_all,
+)
 from sftctl.health.monitor import HealthMonitor
-from sftctl.queue import CANCEL_SIGNALS, DOWN_REASON, ControllerBusy, claim_job, wait_turn  # shared with the waiting stage
+from sftctl.history import job_run
+from sftctl.queue import DOWN_REASON, ControllerBusy, claim_job, record_owner, wait_turn  # shared with the waiting stage
+from sftctl.protocol import NodeDir
 from sftctl.spec import JobSpec
 from sftctl.state import JobStatus, Store
 from sftctl.storage import StorageError, open_storage
-from sftctl.storage.checkpoints import complete_checkpoint_steps
 from sftctl.storage.workdir import upload_workdir
-from sftctl.templates import render
-from sftctl.types import AttemptStatus, FailureCode, FailureReason, Plan, capabilities
+from sftctl.types import AttemptStatus, FailureCode, FailureReason, LocalHandle, Plan, capabilities
 
 POLL_S = 0.5
+#: True in the detached controller (:func:`main`): its stdout and stderr are the job's controller.log
+_LOGS_TO_JOB_DIR = False
 #: With job storage every poll lists each node's streams (about 5 requests per node): poll less
 #: often there; S3 charges per request and a node ships its files every second anyway.
 STORAGE_POLL_S = 2.0
@@ -64,97 +76,11 @@ STORAGE_OUTAGE_S = 300.0  # how long the job's storage may be unreachable before
 BACKOFF_BASE_S = 1.0
 BACKOFF_MAX_S = 30.0
 
-#: The statuses in which a controller that died (even by SIGKILL) left its job under way: a new
-#: controller for the job adopts it (:meth:`Controller.run`, :func:`adopt`) instead of starting over.
-UNDER_WAY = frozenset({JobStatus.PROVISIONING, JobStatus.LAUNCHING, JobStatus.RUNNING, JobStatus.RECOVERING})
-#: recorded node statuses of nodes that are no longer part of the job
-GONE = frozenset({NodeState.TERMINATED, NodeState.REPLACED, NodeState.FAILED})
+#: a :class:`Failure` action: stop the attempt at a checkpoint and move to another offering (resources.replan)
+MIGRATE = "migrate"
 
 
-def _error_code(e: SftctlError) -> str:
-    """The :class:`FailureCode` value of an error that ended a job: a provider error's own
-    (``no_capacity``, ``not_configured``, ``provider_error``); ``no_capacity`` when no offering
-    of the plan had capacity (:class:`InfeasibleError`); else ``unknown``."""
-    reason = getattr(e, "reason", None)
-    if isinstance(reason, FailureReason):
-        return reason.code.value
-    if isinstance(e, InfeasibleError):
-        return FailureCode.NO_CAPACITY.value
-    return FailureCode.UNKNOWN.value
-
-
-@dataclasses.dataclass(frozen=True)
-class Failure:
-    """Why an attempt ended: the reason (its ``message`` is the line state keeps), what to do
-    (``restart``, ``replace`` or None: give up), the node it concerns, and the exit code when a
-    script exited."""
-
-    reason: FailureReason
-    action: str | None
-    node_rank: int | None
-    exit_code: int | None = None
-    verdict: str | None = None  # a health verdict's kind and evidence: the replaced machine is quarantined
-
-
-class Cancelled(Exception):
-    """The job was cancelled (Ctrl-C, SIGTERM, SIGHUP, or ``sftctl down`` won a race).
-
-    ``exit_code``: the signal's exit code (128 + its number) when a signal cancelled the job.
-    """
-
-    def __init__(self, why: str = "", exit_code: "ExitCode | None" = None):
-        super().__init__(why)
-        self.exit_code = exit_code
-
-
-class Reporter(Protocol):
-    """Where the controller tells what happens. The CLI's attached view implements it."""
-
-    def event(self, message: str) -> None: ...
-
-    def log(self, rank: int, text: str) -> None: ...
-
-    def metrics(self, samples: list[dict]) -> None: ...
-
-
-class LogReporter:
-    """Events as records of the ``sftctl.controller`` logger (the detached controller's
-    ``main`` sends them to its log, ``controller.log``, one ``HH:MM:SS message`` line each)."""
-
-    def event(self, message: str) -> None:
-        logging.getLogger("sftctl.controller").info(message)
-
-    def log(self, rank: int, text: str) -> None:
-        pass
-
-    def metrics(self, samples: list[dict]) -> None:
-        pass
-
-
-class _Guarded:
-    """A reporter whose failures never reach the job: output that cannot be written (a closed
-    pipe, a terminal that hung up) is dropped; the events are in state anyway."""
-
-    def __init__(self, inner: Reporter):
-        self.inner = inner
-        self.broken = False
-
-    def __getattr__(self, name: str):
-        fn = getattr(self.inner, name)
-
-        def call(*args, **kwargs):
-            if self.broken:
-                return None
-            try:
-                return fn(*args, **kwargs)
-            except (OSError, ValueError):  # EIO, EPIPE, "I/O operation on closed file"
-                self.broken = True
-                return None
-
-        return call
-
-
-class Controller:
+class Controller(Recovery):
     """Runs one job from PENDING to a terminal status.
 
     Args:
@@ -181,9 +107,13 @@ class Controller:
         self.spec = JobSpec.model_validate(job.spec)
         self.plan: Plan = job.plan
         self.offering = self.plan.offering
-        self.provider = job_provider(job, self.offering.provider)
+        # secret values from the job's owner's store (a server's job: never the server's environment)
+        self.provider = job_provider(job, self.offering.provider, vault.job_environ(store, job))
         self.blocked: list[CapacityError] = []  # capacity errors seen by this job: failover skips them
         self.spot = SpotGuard(store, job_id, self.spec)  # resources.spot: preempted zones, on-demand fallback
+        self.replanner = Replanner(store, job_id, self.spec)  # resources.replan: a cheaper offering, once per job
+        self._migrating: tuple[Verdict, int] | None = None  # (the verdict, newest checkpoint step when it came)
+        self._moved_at: float | None = None  # when a migration's new nodes came up: the run history measures after it
         self.nodes: list[NodeSlot] = []  # in node-rank order; each keeps its streams' read offsets
         self.monitor = None
         self._queued_reason: str | None = None  # the scheduler's pending reason, as last recorded
@@ -194,10 +124,12 @@ class Controller:
         self.rank_nodes: dict[int, int] = {}  # training (global) rank -> node rank, as the nodes report
         self.restarts = job.restarts
         self.error: SftctlError | None = None  # what ended the job, when sftctl itself did (exit code)
-        self.storage = getattr(getattr(self.provider, "channel", None), "storage", None)
+        channel = self.provider.channel if isinstance(self.provider, UsesChannel) else None
+        self.storage = channel.storage if channel is not None else None
         self.workdir_key: str | None = None
         self.rdzv_port: int | None = None  # claimed at the first launch, released at teardown
         self.adopted = False  # True once run() took the job over from a controller that died
+        self._owner_seen = False  # this controller's controller.json was seen in the job dir (_keep_job_dir)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -227,6 +159,11 @@ class Controller:
                     self._move(JobStatus.SUCCEEDED)
                     break
                 code = failure.reason.code.value
+                if failure.action == MIGRATE:  # resources.replan: migrate, at a checkpoint; no restart counted
+                    self.store.end_attempt(self.job_id, attempt, AttemptStatus.CANCELLED, None, failure.reason.message, code)
+                    self._stop_nodes()
+                    self._migrate(failure)
+                    continue
                 self.store.end_attempt(self.job_id, attempt, AttemptStatus.FAILED, failure.exit_code, failure.reason.message, code)
                 self._stop_nodes()
                 if failure.action is None or self.restarts >= self.spec.recovery.max_restarts:
@@ -267,6 +204,7 @@ class Controller:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut teardown
             for signum in previous:  # nor a SIGHUP or SIGTERM that follows the first one
                 signal.signal(signum, signal.SIG_IGN)
+            self._record_run()
             try:
                 self._teardown()
             finally:
@@ -294,88 +232,6 @@ class Controller:
         if not wait_turn(self.store, self.job_id, self.reporter.event):
             raise Cancelled("the job was ended by another process (sftctl down)")
         self.reporter.event(JobStatus.PROVISIONING.value)
-
-    def _adopt(self) -> int | None:
-        """Reconcile a job that an earlier controller left under way, from state and the provider.
-
-        - PENDING (or ended): nothing to adopt; returns None and :attr:`adopted` stays False.
-        - PROVISIONING: the nodes the dead controller recorded are removed (terminated at the
-          provider, recorded TERMINATED) and provisioning starts over; None, not adopted.
-        - RUNNING with an open attempt and every node still running (or done) at the provider:
-          the nodes are kept as they are and watched on; returns that attempt.
-        - Otherwise (LAUNCHING, RECOVERING, or RUNNING with a node that ended while no
-          controller watched: a local node's guard stops it with its controller; a crash then
-          cannot be told from that): the open attempt is ended ABANDONED (``controller_died``),
-          the live nodes' scripts are stopped, the nodes gone at the provider (LOST, TERMINATED,
-          never provisioned) are replaced per ``recovery:`` (``min_nodes``: elastic), and the
-          job relaunches from its last checkpoint (-> RECOVERING -> LAUNCHING). No restart is
-          counted: the job did not fail under a controller; what fails after is counted as ever.
-
-        One slot per rank is kept: the newest recorded node not TERMINATED/REPLACED/FAILED; an
-        older live record of the same rank is terminated, so the provider never runs two nodes
-        for one rank. The job's rendezvous port is taken over from the dead controller's claim.
-        """
-        job = self.store.get_job(self.job_id)
-        if job.status not in UNDER_WAY:
-            return None
-        records = [r for r in self.store.nodes(self.job_id) if r.status not in GONE]
-        if job.status == JobStatus.PROVISIONING:
-            if records:
-                self._remove_records(records, "left by a controller that died while provisioning")
-            self.store.end_open_attempts(self.job_id, AttemptStatus.ABANDONED, "its controller died",
-                                         FailureCode.CONTROLLER_DIED.value)  # one a recovery left open
-            return None
-        self.adopted = True
-        newest: dict[int, object] = {}
-        for r in records:  # by rank, then creation: the newest of a rank wins
-            if r.rank in newest:
-                self._remove_records([newest[r.rank]], f"a second node of rank {r.rank}")
-            newest[r.rank] = r
-        replaced = [r for r in self.store.nodes(self.job_id) if r.status == NodeState.REPLACED]
-        self.nodes = [NodeSlot(r.id, r.rank, r.node_handle, generation=sum(x.rank == r.rank for x in replaced))
-                      for r in (newest[k] for k in sorted(newest))]
-        self.rdzv_port = reclaim_rendezvous_port(self.job_id)
-        self.workdir_key = next((e.data["workdir_key"] for e in reversed(self.store.events(self.job_id))
-                                 if e.kind == "storage" and (e.data or {}).get("workdir_key")), None)
-        open_ = [a.number for a in self.store.attempts(self.job_id) if a.status == AttemptStatus.RUNNING]
-        message = (f"adopted by a new controller (pid {os.getpid()}): the job was {job.status.value} with "
-                   f"{len(self.nodes)} node(s) recorded, its controller gone")
-        self.store.add_event(self.job_id, "adopt", message, {"status": job.status.value, "nodes": [n.id for n in self.nodes],
-                                                             "attempt": open_[-1] if open_ else None})
-        self.reporter.event(message)
-        states = {n.rank: self.provider.status(n.handle).state if n.handle is not None else None for n in self.nodes}
-        if (job.status == JobStatus.RUNNING and open_ and self.nodes
-                and all(st in (NodeState.RUNNING, NodeState.SUCCEEDED) for st in states.values())):
-            self.attempt = open_[-1]
-            if self.monitor is not None:
-                self.monitor.reset_training()
-            return self.attempt
-        dead = [rank for rank, st in states.items() if st in (None, NodeState.LOST, NodeState.TERMINATED)]
-        why = f"its controller died while the job was {job.status.value}"
-        ended = [f"node {rank} {st.value.lower()}" for rank, st in states.items()
-                 if st not in (NodeState.RUNNING, NodeState.SUCCEEDED, NodeState.READY)]
-        if ended:  # ended unwatched: a crash cannot be told from the local guard's stop, so no restart is counted
-            why += f" ({', '.join(str(e) for e in ended)} meanwhile)"
-        self.store.end_open_attempts(self.job_id, AttemptStatus.ABANDONED, why, FailureCode.CONTROLLER_DIED.value)
-        for n in self.nodes:
-            if n.handle is not None and n.rank not in dead:
-                self.provider.stop_attempt(n.handle)
-        if job.status != JobStatus.RECOVERING:
-            self._move(JobStatus.RECOVERING, f"{why}; relaunching {self._resume_point()}")
-        for rank in dead:
-            self._replace(rank)
-        return None
-
-    def _remove_records(self, records: list, why: str) -> None:
-        """Terminate recorded nodes that are no part of the adopted job and record them TERMINATED."""
-        handles = [r.node_handle for r in records if r.node_handle is not None]
-        if handles:
-            terminate_all(self.provider, handles)
-        for r in records:
-            self.store.update_node(r.id, status=NodeState.TERMINATED, handle={**(r.handle or {}), "terminated": True})
-        message = f"removed {len(records)} node(s) {why}: {', '.join(r.id for r in records)}"
-        self.store.add_event(self.job_id, "adopt", message)
-        self.reporter.event(message)
 
     def _move(self, status: JobStatus, reason: str | None = None, code: str | None = None) -> None:
         if not self.store.transition(self.job_id, status, reason, code=code):
@@ -410,7 +266,7 @@ class Controller:
                 self.store.add_event(self.job_id, "capacity", message)
                 self.reporter.event(message)
                 self.offering = nxt
-                self.provider = job_provider(self.store.get_job(self.job_id), nxt.provider)
+                self.provider = self._job_provider(nxt.provider)
                 self.plan = self.plan.with_offering(nxt)
                 self.store.update_job(self.job_id, provider=nxt.provider, offering_json=self.plan.to_dict())
         self.store.add_event(self.job_id, "provision", f"{len(self.nodes)} node(s) ready on {self.provider.name}")
@@ -419,13 +275,16 @@ class Controller:
     def _provision_on(self, offering: Offering) -> None:
         """Record the nodes, then create them all in parallel; all or nothing."""
         self.spot.seed(self.provider)  # zones that took spot nodes back are avoided for a while
+        keep_out(self.store, self.provider, self.job_id, self.reporter)  # machines a verdict marked bad (41.3)
         self.nodes = []
         for rank in range(self.spec.resources.nodes):
             node_id = self.store.add_node(self.job_id, rank, self.provider.name)
             self.nodes.append(NodeSlot(node_id, rank))
+        request = self._request()  # every node's bootstrap, as run --dry-run shows it
         try:
-            handles = provision_all(self.provider, self.job_id, [(n.id, n.rank) for n in self.nodes],
-                                    offering, bootstrap_for=self._bootstrap, **self._provision_options())
+            handles = provision_all(self.provider, self.job_id, [(n.id, n.rank) for n in self.nodes], offering,
+                                    bootstrap_for=lambda node_id, rank: self._bootstrap(node_id, rank, request),
+                                    **self._provision_options())
         except BaseException:
             for n in self.nodes:  # provision_all removed what came up; the records say so
                 self.store.update_node(n.id, status=NodeState.TERMINATED.value, handle={"terminated": True})
@@ -438,16 +297,21 @@ class Controller:
     def _provision_options(self) -> dict:
         return {"spot": self.spot.spot, "image": self.spec.resources.image}
 
-    def _bootstrap(self, node_id: str, rank: int) -> str:
-        """The first-boot script of a cloud node: install sftctl, run the node daemon."""
-        if not capabilities(self.provider.name).boots_script:
-            return ""
+    def _request(self, ranks: tuple[int, ...] | None = None, attempt: int = 1, port: int | str = 0) -> LaunchRequest:
+        """The launch request of the job's nodes as they stand (:func:`sftctl.controller.launch.admit`),
+        rendered with this controller's provider: what it provisions and launches."""
+        ref = ""
+        if isinstance(self.provider, SecretStore):  # AWS stores the job's secret values here, once
+            ref = self.provider.secrets_ref(self.job_id)
+        return admit(self.spec, self.plan, Where.of(self.job_id, self.nodes, attempt=attempt, port=port,
+                                                    workdir_key=self.workdir_key, ranks=ranks,
+                                                    provider=self.provider, secrets_ref=ref, documents=False))
 
-        return render("bootstrap.sh.j2", job_id=self.job_id, node_id=node_id, rank=rank,
-                      storage_url=job_storage_url(self.spec, self.job_id) or "",
-                      secrets_ref=getattr(self.provider, "secrets_ref", lambda job: "")(self.job_id),
-                      controller_grace_s=settings.get("SFTCTL_CLOUD_CONTROLLER_GRACE_S"),
-                      install=settings.get("SFTCTL_NODE_INSTALL") or default_install())
+    def _bootstrap(self, node_id: str, rank: int, request: LaunchRequest | None = None) -> str:
+        """The first-boot script of node ``rank`` (install sftctl, run the node daemon; "" where
+        the provider boots none): its launch request's (``request``, else one for that rank)."""
+        request = request or self._request((rank,))
+        return request.node(rank).bootstrap or ""
 
     def _next_offering(self) -> Offering | None:
         """The best feasible candidate of the plan after the current one that no block rules out."""
@@ -460,9 +324,11 @@ class Controller:
             return o
         return None
 
-    def node_env(self, rank: int, attempt: int, master_port: int) -> dict[str, str]:
-        """The environment node ``rank`` gets for ``attempt`` (:func:`sftctl.controller.submit.node_env`)."""
-        return node_env(self.spec, self.job_id, self.plan, self.nodes, rank, attempt, master_port, self.workdir_key)
+    def _job_provider(self, name: str):
+        """The job's provider ``name`` (:func:`sftctl.controller.submit.job_provider`), its secret
+        values from :func:`sftctl.vault.job_environ`, read now."""
+        job = self.store.get_job(self.job_id)
+        return job_provider(job, name, vault.job_environ(self.store, job))
 
     def _launch(self, attempt: int) -> None:
         if self.storage is not None and self.workdir_key is None:
@@ -473,26 +339,15 @@ class Controller:
             self.store.add_event(self.job_id, "storage", f"workdir {packed.key} ({packed.size_bytes / 2**20:.1f} MiB"
                                  f"{', already there' if not packed.uploaded else ''}) in {self.spec.storage.url}",
                                  {"workdir_key": packed.key, "uploaded": packed.uploaded})  # for `down --purge`
-        if attempt == 1:
-            claim_checkpoint_dir(self.spec, self.job_id)
         if self.rdzv_port is None:  # one port for the whole job: relaunches reuse it
             self.rdzv_port = claim_rendezvous_port(self.job_id)
-        port = self.rdzv_port
+        request = self._request(attempt=attempt, port=self.rdzv_port)  # what run --dry-run shows, executed
+        if attempt == 1:
+            claim_checkpoint_dir(request.checkpoint_claim, self.job_id)
+        environ = vault.job_environ(self.store, self.store.get_job(self.job_id))  # read once per launch
         for node in self.nodes:
-            script = render(
-                "node.sh.j2",
-                job_id=self.job_id,
-                node_id=node.id,
-                rank=node.rank,
-                attempt=attempt,
-                workdir=self.spec.workdir,
-                setup=self.spec.setup,
-                run=self.spec.run,
-                health=self.spec.health.enabled,
-                secrets=required_secrets(self.spec),
-            )
-            env = self.node_env(node.rank, attempt, port)
-            node.handle = self.provider.launch(node.handle, script, env, attempt)
+            env = request.environment(node.rank, environ)  # the secret values, filled only now
+            node.handle = self.provider.launch(node.handle, request.node(node.rank).script, env, attempt)
             self.store.update_node(node.id, status=NodeState.RUNNING.value, handle=node.handle.to_dict())
         self.attempt = attempt
         if self.monitor is not None:
@@ -509,8 +364,10 @@ class Controller:
         deadline_s = self.spec.resources.deadline_s
         outage_since: float | None = None  # when the job's storage stopped answering
         # a provider whose nodes outlive a dead controller (Slurm) is told that this one watches
-        keepalive = getattr(self.provider, "keepalive", None)
+        keepalive = self.provider.keepalive if isinstance(self.provider, KeepsAlive) else None
+        finished: set[int] = set()  # ranks of nodes that failed in teardown only (_trained_to_the_end)
         while True:
+            self._keep_job_dir()
             try:
                 if keepalive is not None:
                     keepalive(self.job_id)
@@ -532,11 +389,19 @@ class Controller:
                 self.store.add_event(self.job_id, "storage", "job storage answers again")
             self._record_details(statuses)
             for node, st in statuses:
-                if st.state == NodeState.FAILED:
+                if st.state == NodeState.FAILED and node.rank not in finished:
                     self._drain()
                     why = self._exit_reason(node, st.exit_code)
+                    end = self._trained_to_the_end() if why.code in (FailureCode.EXIT, FailureCode.SIGNAL) else None
+                    if end is not None:  # torch's teardown after the last step and checkpoint: not a failure
+                        finished.add(self._teardown_exit(node.rank, why, end))
+                        continue
                     # a full disk stays full, a missing secret stays missing: restarting hits them again
                     action = None if why.code in (FailureCode.DISK_FULL, FailureCode.SECRET_MISSING) else RESTART
+                    if why.code in (FailureCode.PREFLIGHT_SLOW, FailureCode.PREFLIGHT_FAILED):  # issue 41: another machine
+                        self.store.add_event(self.job_id, "health", why.message,  # as a verdict's event says it
+                                             {**why.data, "kind": why.data.get("verdict"), "action": REPLACE.value})
+                        return Failure(why, REPLACE, node.rank, st.exit_code, verdict=why.message)
                     return Failure(why, action, node.rank, st.exit_code)
                 if st.state == NodeState.LOST and self.spot.is_preemption(node.handle):
                     why = self.spot.preempted(self.provider, self.offering, node.rank, node.handle, st.detail)
@@ -545,9 +410,12 @@ class Controller:
                 if st.state == NodeState.LOST:
                     return Failure(FailureReason(FailureCode.NODE_LOST, f"node {node.rank}: {st.detail}",
                                                  {"node_rank": node.rank}), REPLACE, node.rank)
-            if all(st.state == NodeState.SUCCEEDED for _, st in statuses):
+            if all(st.state == NodeState.SUCCEEDED or n.rank in finished for n, st in statuses):
                 self._drain()
                 return None
+            move = self._replan()
+            if move is not None:
+                return move
             if self.monitor is not None:
                 verdicts = self.monitor.verdicts(time.time())
                 if verdicts:
@@ -562,6 +430,41 @@ class Controller:
                 return Failure(FailureReason(FailureCode.TOO_SLOW, f"deadline of {self.spec.resources.deadline} passed",
                                              {"deadline_s": deadline_s}), None, None)
             time.sleep(POLL_S if self.storage is None else STORAGE_POLL_S)
+
+    def _keep_job_dir(self) -> None:
+        """Recreate what this controller keeps in the job's directory when it was removed under
+        it (``rm -rf $SFTCTL_HOME/jobs/JOB``): its own record (``controller.json``, which the
+        local nodes' guard reads), a detached controller's ``controller.log`` (its stdout and
+        stderr, reopened there), and its local nodes' directories (their streams read again from
+        the start), and say so in an event. The job's controller lock is not in that directory
+        (:func:`sftctl.paths.controller_lock`): no second controller takes the job meanwhile.
+        One ``stat`` per poll while nothing was removed."""
+        jd = job_dir(self.job_id)
+        log_gone = _LOGS_TO_JOB_DIR and _stdout_unlinked()
+        if not log_gone:
+            if (jd / CONTROLLER_OWNER).exists():
+                self._owner_seen = True
+                return
+            if not self._owner_seen:  # a Controller run without sftctl.queue.claim_job (a test's): none to keep
+                return
+        record_owner(self.job_id, self.provider.name)  # the job dir too
+        if log_gone:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            fd = os.open(jd / "controller.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+        for node in self.nodes:
+            if isinstance(node.handle, LocalHandle) and not os.path.isdir(node.handle.dir):
+                NodeDir(Path(node.handle.dir)).metrics.mkdir(parents=True, exist_ok=True)  # as provision made it
+                node.log_offset = 0
+                node.metric_offsets.clear()
+                node.health_offsets.clear()
+        message = (f"the job's directory {jd} was removed while its controller ran: recreated (this controller "
+                   f"keeps the job: its lock is {controller_lock(self.job_id)})")
+        self.store.add_event(self.job_id, "controller", message)
+        self.reporter.event(f"warning: {message}")
 
     def _record_details(self, statuses: list) -> None:
         """What the provider says of running nodes (a Slurm job's pending reason): one event per
@@ -585,17 +488,63 @@ class Controller:
             self._queued_reason = waiting
             self.store.update_job(self.job_id, pending_reason=waiting)
 
-    def _resume_point(self) -> str:
-        """Where a relaunch resumes: the newest complete checkpoint, if this machine sees it."""
-        url = self.storage.url if self.storage is not None else None  # canonical: file:// for a directory
-        root = url or self.spec.train.checkpoint_dir or str(job_dir(self.job_id) / "checkpoints")
-        # Slurm on a login node shares its filesystem with the nodes; over SSH it does not
-        here = capabilities(self.provider.name).shares_filesystem and not getattr(
-            getattr(self.provider, "runner", None), "remote", False)
-        steps = complete_checkpoint_steps(root) if url or here else None
-        if steps is None:
-            return "from the last checkpoint"
-        return f"from checkpoint step {steps[-1]}" if steps else "from step 0 (no checkpoint yet)"
+    def _replan(self) -> "Failure | None":
+        """``resources.replan`` (:mod:`sftctl.controller.replan`): once per job, after warm-up,
+        a ``replan`` event when another offering of the plan is cheaper by more than moving costs.
+        With ``migrate``, the attempt is stopped (a :data:`MIGRATE` failure) once a checkpoint
+        newer than the verdict's time is complete: the steps since it are all that is lost. A
+        job whose checkpoints this machine cannot see moves at the next step reported as a
+        checkpoint (``sft.report(..., checkpoint=True)``)."""
+        v = self.replanner.check(self.plan)
+        if v is not None:
+            self.reporter.event(v.message(self.replanner.mode))
+            if self.replanner.mode == "migrate":
+                self._migrating = (v, self._newest_checkpoint())
+        if self._migrating is None:
+            return None
+        v, since = self._migrating
+        newest = self._newest_checkpoint()
+        if newest <= since:
+            return None
+        to = v.alternative
+        return Failure(FailureReason(FailureCode.REPLANNED, f"checkpoint step {newest} complete: moving to {to.provider} "
+                                     f"{to.instance_type} in {to.region} (resources.replan: migrate)",
+                                     {"checkpoint_step": newest} | v.to_dict()), MIGRATE, None)
+
+    def _migrate(self, failure: "Failure") -> None:
+        """Move the job to the replan verdict's offering: every node of the current one is
+        terminated (and recorded so) before anything is provisioned there, so two copies of the
+        job never run; then the new nodes are provisioned (capacity errors fail over down the
+        plan as at the start) and the caller's next attempt resumes from the checkpoint."""
+        v, _ = self._migrating
+        self._migrating = None
+        to = v.alternative
+        self._move(JobStatus.RECOVERING, f"replan: moving from {self.offering.provider} {self.offering.instance_type} "
+                                         f"to {to.provider} {to.instance_type} in {to.region}, resuming {self._resume_point()}")
+        old = [n.id for n in self.nodes]
+        terminate_all(self.provider, [n.handle for n in self.nodes if n.handle is not None], progress=self.reporter.event)
+        for node in self.nodes:
+            self.store.update_node(node.id, status=NodeState.TERMINATED.value,
+                                   handle=node.handle.with_(terminated=True).to_dict() if node.handle is not None
+                                   else {"terminated": True})
+        self.provider.terminate_tagged(self.job_id)  # nothing of the job is left on the old offering
+        self.nodes = []
+        frm = self.offering
+        self.offering = to
+        self.provider = self._job_provider(to.provider)
+        self.plan = self.plan.with_offering(to)
+        self.store.update_job(self.job_id, provider=to.provider, offering_json=self.plan.to_dict())
+        self._provision()
+        self._moved_at = time.time()
+        if self.monitor is not None:
+            for n in self.nodes:
+                self.monitor.reset_node(n.rank)
+        message = (f"migrated from {frm.provider} {frm.instance_type} in {frm.region} to {to.provider} "
+                   f"{to.instance_type} in {to.region}: {len(old)} old node(s) terminated, {len(self.nodes)} new")
+        self.store.add_event(self.job_id, "migrate", message, {
+            "from": v.to_dict()["current"], "to": v.to_dict()["alternative"], "terminated": old,
+            "nodes": [n.id for n in self.nodes], "checkpoint_step": failure.reason.data.get("checkpoint_step")})
+        self.reporter.event(message)
 
     def _replace(self, rank: int, quarantine: str | None = None) -> None:
         """Terminate node ``rank`` and provision a new node in its place (a new node id). With
@@ -614,6 +563,7 @@ class Controller:
         self.nodes[i] = new
         while True:
             self.spot.seed(self.provider)
+            keep_out(self.store, self.provider, self.job_id, self.reporter)
             try:
                 new.handle = self.provider.provision(self.job_id, node_id, rank, self.offering,
                                                         bootstrap=self._bootstrap(node_id, rank), **self._provision_options())
@@ -647,22 +597,23 @@ class Controller:
         self.store.add_event(self.job_id, "capacity", message)
         self.reporter.event(message)
         self.offering = nxt
-        self.provider = job_provider(self.store.get_job(self.job_id), nxt.provider)
+        self.provider = self._job_provider(nxt.provider)
         self.plan = self.plan.with_offering(nxt)
         self.store.update_job(self.job_id, provider=nxt.provider, offering_json=self.plan.to_dict())
         return True
 
     def _quarantine(self, node: NodeSlot, verdict: str) -> None:
         """Ask the provider to keep ``node``'s machine out (best effort) and record what it did."""
-        quarantine = getattr(self.provider, "quarantine", None)
-        if quarantine is None:  # a provider outside this package that predates the method
+        name, provider = self.provider.name, self.provider
+        if not isinstance(provider, Quarantines):  # a cloud instance or this machine: nothing to keep out
             return
         try:
-            done = quarantine(node.handle, verdict)
+            done = provider.quarantine(node.handle, verdict)
         except SftctlError as e:
             done = {"machine": None, "actions": [], "message": f"could not keep its machine out: {e.message}"}
         if not done:
             return
+        remember_machine(self.store, self.job_id, name, node.handle, done, verdict)  # issue 41.3
         message = f"node {node.rank}: {done['message']}"
         self.store.add_event(self.job_id, "quarantine", message,
                              {k: v for k, v in done.items() if k != "message"} | {"node_id": node.id})
@@ -728,7 +679,10 @@ class Controller:
                     message = f"node {node.rank}: health agent: {problem}"
                     self.store.add_event(self.job_id, "health", message)
                     self.reporter.event(f"warning: {message}")
+                report_preflight(self.store, self.job_id, self.reporter, node.rank, gpu,
+                                 self.spec.health.thresholds().preflight_min_fraction)  # issue 41: its figures and time
                 self.monitor.add_gpu(node.rank, gpu)
+                self.store.record_gpu_samples(self.job_id, node.rank, gpu)  # the dashboard's GPU curves
         if any(self.rank_nodes.get(r) != n for r, n in placed.items()):  # c10d decides: say which node got which rank
             self.rank_nodes.update(placed)
             pairs = sorted(self.rank_nodes.items())
@@ -760,6 +714,31 @@ class Controller:
         for node in self.nodes:
             self.provider.stop_attempt(node.handle)
 
+    def _record_run(self) -> None:
+        """The job's predicted and measured step time (:func:`sftctl.history.job_run`) into the
+        run history the next plans learn from, with a ``measured`` event saying both. Nothing
+        when its plan predicted no step or too few steps were reported; a failure here is
+        logged, never the job's."""
+        try:
+            # after a migration only the new offering's steps measure it
+            series = self.store.step_series(self.job_id, after=self._moved_at)
+            row, ranks = job_run(self.store.get_job(self.job_id), series), max(1, len({p.rank for p in series}))
+            if row is None:
+                return
+            self.store.add_runs([row])
+            plan = self.store.get_job(self.job_id).plan
+            predicted = plan.planned("calibrated_step_s") or row.predicted_step_s
+            diff = row.measured_step_s / predicted - 1
+            over = f"{round(row.measured_steps / ranks)} steps x {ranks} ranks" if ranks > 1 else f"{row.measured_steps} steps"
+            message = (f"step time: measured {row.measured_step_s * 1e3:.1f} ms (median of {over} after warm-up), "
+                       f"predicted {predicted * 1e3:.1f} ms: {diff:+.0%}")
+            self.store.add_event(self.job_id, "measured", message, {
+                "predicted_s": predicted, "model_s": row.predicted_step_s, "measured_s": row.measured_step_s,
+                "measured_steps": row.measured_steps, "difference": diff})
+            self.reporter.event(message)
+        except Exception as e:  # noqa: BLE001 the history is a by-product: the job's own ending goes on
+            logging.getLogger("sftctl.controller").warning("run history not recorded: %r", e)
+
     def _teardown(self) -> None:
         terminate_all(self.provider, [n.handle for n in self.nodes if n.handle is not None],
                       progress=self.reporter.event)  # all at once: a wide job comes down as fast as one node
@@ -781,35 +760,16 @@ class Controller:
 #: When ``sftctl down`` sent the SIGTERM (it says so in an event first) the reason is DOWN_REASON.
 
 
-def _install_cancel_signals() -> dict:
-    """SIGTERM and SIGHUP raise :class:`Cancelled` (SIGINT raises KeyboardInterrupt already).
-    Returns the previous handlers by signal number, to restore."""
-    if sys.platform == "win32" or not _in_main_thread():
-        return {}
-    previous = {}
-    for name, (why, code) in CANCEL_SIGNALS.items():
-        def handler(signum, frame, why=why, code=code):
-            raise Cancelled(why, code)
-
-        signum = getattr(signal, name)
-        previous[signum] = signal.signal(signum, handler)
-    return previous
-
-
-def _in_main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the detached controller: ``python -m sftctl.controller JOB_ID`` (:func:`adopt`:
     a job whose controller died under way is taken over, not failed).
 
     Exits 0 when the job succeeded, 1 when it ended otherwise, 2 (one ``error:`` line on stderr,
     the job untouched) when the job already has a live controller."""
+    global _LOGS_TO_JOB_DIR
     job_id = (argv or sys.argv[1:])[0]
     os.umask(0o077)  # logs, scripts and checkpoints of the job: owner-only whatever the dir's mode
+    _LOGS_TO_JOB_DIR = _same_file(1, job_dir(job_id) / "controller.log")
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
         status = adopt(Store(), job_id)

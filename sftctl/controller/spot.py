@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 
+from sftctl.providers.base import BlocksZones
 from sftctl.types import FailureCode, FailureReason
 
 
@@ -48,9 +49,9 @@ class SpotGuard:
     def seed(self, provider) -> None:
         """Add the zones still in their cool-down (every job's, from state.db) to ``provider``'s
         ``blocked_zones`` (providers without zones have none: nothing to do)."""
-        blocked = getattr(provider, "blocked_zones", None)
-        if blocked is not None:
-            blocked |= set(self.store.blocked_zones(provider.name))
+        name = provider.name
+        if isinstance(provider, BlocksZones):
+            provider.blocked_zones |= set(self.store.blocked_zones(name))
 
     def preempted(self, provider, offering, node_rank: int, handle, detail: str) -> FailureReason:
         """Record node ``node_rank``'s preemption: block its zone, count it, fall back to on

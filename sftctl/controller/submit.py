@@ -2,8 +2,9 @@
 ``train.checkpoint_dir``, the secrets a node refuses to run without, the environment every node
 gets (:func:`node_env`, :func:`node_env_names`), where the job keeps its storage, and the job's
 provider wired to that storage (:func:`job_provider`), and where the job's controller runs
-(``controller.place``: :func:`check_controller_place`; :func:`place_controller` submits it as a
-Slurm job or a Kubernetes Job, :func:`stop_placed_controller` ends that job).
+(``controller.place``: :func:`check_controller_place`; the arguments that submit it as a Slurm
+job or a Kubernetes Job, which :func:`sftctl.controller.launch.place_controller` submits;
+:func:`stop_placed_controller` ends that job).
 
 The api checks a spec with these before it records the job; the controller, ``down`` and the
 dry-run preview build nodes' environments and providers with the same functions."""
@@ -11,24 +12,25 @@ dry-run preview build nodes' environments and providers with the same functions.
 from __future__ import annotations
 
 import os
-import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from sftctl import __version__, settings
+from sftctl.compiler.layouts.offering import launch_env
+from sftctl.controller.placements import placement_of
+from sftctl.controller.preflight import preflight_env
 from sftctl.controller.slots import NodeSlot
-from sftctl.errors import SftctlError, SpecError
-from sftctl.paths import job_dir, sftctl_home
-from sftctl.procs import module_argv
+from sftctl.errors import SpecError
+from sftctl.paths import job_dir
 from sftctl.protocol import is_secret_name
-from sftctl.providers import get_provider
-from sftctl.providers import kubernetes as k8s_provider
-from sftctl.providers import slurm as slurm_provider
+from sftctl.providers import checked_class
+from sftctl.providers.base import BuiltForJob
 from sftctl.spec import JobSpec, env_references, resolve_env
-from sftctl.state import QUEUED_CONTROLLER_LEASE_S, JobRecord, Store, is_url, placed, queued_holder
+from sftctl.state import JobRecord, Store
 from sftctl.storage import open_storage
 from sftctl.storage.checkpoints import complete_checkpoint_steps
 from sftctl.storage.stream import NodeChannel
-from sftctl.types import FailureCode, JobStatus, NodeHandle, Plan
+from sftctl.types import NodeHandle, Plan
 
 OWNER_FILE = ".sftctl-job"  # in a spec's train.checkpoint_dir: the job whose checkpoints it holds
 
@@ -73,11 +75,12 @@ def check_checkpoint_dir(spec: JobSpec) -> None:
     )
 
 
-def claim_checkpoint_dir(spec: JobSpec, job_id: str) -> None:
-    """Mark the spec's ``train.checkpoint_dir`` as holding this job's checkpoints."""
-    root = checkpoint_dir_path(spec)
+def claim_checkpoint_dir(root: str | os.PathLike | None, job_id: str) -> None:
+    """Mark ``root``, a spec's ``train.checkpoint_dir`` (:func:`checkpoint_dir_path`; the launch
+    request's ``checkpoint_claim``), as holding this job's checkpoints; None: nothing to claim."""
     if root is None:
         return
+    root = Path(root)
     try:
         root.mkdir(parents=True, exist_ok=True)
         (root / OWNER_FILE).write_text(job_id + "\n")
@@ -92,28 +95,33 @@ def job_storage_url(spec: JobSpec, job_id: str) -> str | None:
     return f"{spec.storage.url.rstrip('/')}/{job_id}"
 
 
-def job_provider(job: JobRecord, name: str | None = None):
-    """The provider of ``job`` (``name`` overrides the recorded one), wired to the job's storage."""
+def job_provider(job: JobRecord, name: str | None = None, environ: Mapping[str, str] | None = None):
+    """The provider of ``job`` (``name`` overrides the recorded one), wired to the job's storage.
+    ``environ``: where the secret values a Kubernetes or AWS provider carries come from (the
+    controller passes :func:`sftctl.vault.job_environ`); None: this environment, except for a job
+    submitted through a server, whose provider then carries none (``down``, ``logs``: nothing
+    is launched)."""
     name = name or job.provider or "local"
     spec = JobSpec.model_validate(job.spec)
     url = job_storage_url(spec, job.id)
-    if name == "slurm":  # one allocation of resources.nodes, --time from the deadline
-        return get_provider(name, config=spec.slurm.model_dump() if spec.slurm else None,
-                            num_nodes=spec.resources.nodes, time_limit_s=spec.resources.deadline_s)
-    options = _provider_options(spec, name)
-    if url is None:
-        return get_provider(name, **options)
-
-    kwargs = {}
     secret_env = secret_env_keys(spec)
-    if name in ("kubernetes", "aws"):  # a Kubernetes Secret / AWS Secrets Manager carries the values
+
+    def channel() -> NodeChannel | None:
+        return None if url is None else NodeChannel(open_storage(url), secret_keys=set(spec.secrets) | secret_env)
+
+    def secrets() -> dict[str, str]:  # what a Kubernetes Secret / AWS Secrets Manager carries
+        env = environ
+        if env is None:
+            env = {} if job.secrets_from == "store" else os.environ  # never the server's environment
         refs = {k: v for k, v in spec.env.items() if k in secret_env
-                and all(name in os.environ for name in env_references(v))}  # `down` from another shell
-        kwargs = {"secrets": {**{k: os.environ[k] for k in spec.secrets if k in os.environ}, **resolve_env(refs)}}
-        if name == "kubernetes":  # pods learn the world size
-            kwargs["num_nodes"] = spec.resources.nodes
-    return get_provider(name, channel=NodeChannel(open_storage(url), secret_keys=set(spec.secrets) | secret_env),
-                        **kwargs, **options)
+                and all(n in env for n in env_references(v))}  # `down` from another shell
+        return {**{k: env[k] for k in spec.secrets if k in env}, **resolve_env(refs, env)}
+
+    cls = checked_class(name)
+    if issubclass(cls, BuiltForJob):  # Slurm's spec config, AWS's profile, the secrets they carry
+        return cls.for_job(spec, channel, secrets)
+    ch = channel()
+    return cls() if ch is None else cls(channel=ch)
 
 
 def secret_env_keys(spec: JobSpec) -> set[str]:
@@ -133,34 +141,33 @@ def required_secrets(spec: JobSpec) -> list[str]:
     return sorted(n for n in names if n.isascii() and n.isidentifier())
 
 
-def _provider_options(spec: JobSpec, name: str) -> dict:
-    """Per-cloud settings from the spec, else from this shell's configuration: the IAM instance
-    profile of AWS nodes (``resources.instance_profile``, else ``$SFTCTL_AWS_INSTANCE_PROFILE``)."""
-    if name == "aws":
-        profile = spec.resources.instance_profile or settings.get("SFTCTL_AWS_INSTANCE_PROFILE")
-        if profile:
-            return {"instance_profile": profile}
-    return {}
-
-
 def default_install() -> str:
     """What a cloud node's bootstrap pip-installs: this sftctl's version with the cloud extras."""
     return f"sftctl[aws,gcp]=={__version__}"
 
 
 def node_env(spec: JobSpec, job_id: str, plan: Plan, nodes: list[NodeSlot], rank: int, attempt: int,
-             master_port: int | str, workdir_key: str | None = None) -> dict[str, str]:
+             master_port: int | str, workdir_key: str | None = None,
+             environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment node ``rank`` of ``nodes`` gets for ``attempt`` on the plan's offering:
     the spec's ``env`` and sftctl's own variables (``nodes``: the job's slots in node-rank order,
     their handles' ``ip`` giving the addresses; ``workdir_key``: the workdir pack in job storage).
+    ``environ``: where ``${VAR}`` and ``secrets:`` take their values (the controller passes
+    :func:`sftctl.vault.job_environ`); then a ``secrets:`` name it lacks is set empty, so the
+    node refuses to run rather than inherit a value of that name from the controller's
+    environment. None: this process's environment (a name it lacks is left out).
 
     ``SFTCTL_NODE_IPS`` is comma-separated in node-rank order; ``MASTER_ADDR``/``MASTER_PORT``
     and ``SFTCTL_RDZV_ENDPOINT`` point at node 0 for torchrun's c10d rendezvous.
     """
     offering = plan.offering
     ips = [(n.handle.ip if n.handle is not None else None) or "127.0.0.1" for n in nodes]
-    env = resolve_env(spec.env)  # the spec holds ${VAR} references; values only reach the node
-    env.update({k: os.environ[k] for k in spec.secrets if k in os.environ})  # values never stored
+    if environ is None:
+        env = resolve_env(spec.env)  # the spec holds ${VAR} references; values only reach the node
+        env.update({k: os.environ[k] for k in spec.secrets if k in os.environ})  # values never stored
+    else:
+        env = resolve_env(spec.env, environ)
+        env.update({k: environ[k] if k in environ else "" for k in spec.secrets})
     url = job_storage_url(spec, job_id)
     if url is not None:  # nodes keep checkpoints on their disk and in the job's storage
         env.update(settings.node_env(storage_url=url))
@@ -193,6 +200,7 @@ def node_env(spec: JobSpec, job_id: str, plan: Plan, nodes: list[NodeSlot], rank
         checkpoint_interval=spec.train.checkpoint_interval,
         train_steps=spec.train.steps,
     ))
+    env.update(launch_env(plan.planned("layout")))  # the plan's parallel layout (issue 38): SFTCTL_TP, ...
     env.update(
         MASTER_ADDR=ips[0],
         MASTER_PORT=str(master_port),
@@ -216,14 +224,40 @@ def node_env(spec: JobSpec, job_id: str, plan: Plan, nodes: list[NodeSlot], rank
             dtype=spec.model.dtype,
             matmul_precision=spec.model.matmul_precision,
         ))
+    env.update(preflight_env(spec, plan))  # health.preflight: what the node checks itself against (issue 41)
     return env
+
+class EveryName(Mapping):
+    """An environment in which every variable is set to ``value`` (default empty): :func:`node_env`
+    builds the names a node gets without reading any value (:func:`node_env_names`, the dry run's
+    preview); with another value, the variables whose value comes from the environment show."""
+
+    def __init__(self, value: str = ""):
+        self.value = value
+
+    def __getitem__(self, name: str) -> str:
+        return self.value
+
+    def __contains__(self, name: object) -> bool:
+        return True
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+#: see :class:`EveryName`
+NAMES_ONLY: Mapping[str, str] = EveryName()
+
 
 def node_env_names(spec: JobSpec, plan: Plan) -> set[str]:
     """The names of the environment every node of ``spec`` gets on the plan's offering (the
     spec's ``env`` and ``secrets``, sftctl's own variables): what ``run:`` may expand."""
     nodes = [NodeSlot("<node>", 0, NodeHandle(job_id="<job-id>", node_id="<node>", rank=0, ip="127.0.0.1"))]
     env = node_env(spec, "<job-id>", plan, nodes, 0, 1, 0,
-                   workdir_key="<workdir pack>" if spec.storage is not None else None)
+                   workdir_key="<workdir pack>" if spec.storage is not None else None, environ=NAMES_ONLY)
     return set(env) | set(spec.env) | set(spec.secrets)
 
 
@@ -231,228 +265,31 @@ def node_env_names(spec: JobSpec, plan: Plan) -> set[str]:
 
 
 def check_controller_place(spec: JobSpec, label: str, *, server: bool, provider: str | None = None) -> None:
-    """Refuse a ``controller.place`` that cannot work here, before anything is recorded.
+    """Refuse a ``controller.place`` that cannot work here, before anything is recorded: the
+    placement's own rules (:meth:`sftctl.controller.placements.base.Placement.check`: ``server``
+    needs a configured server, ``slurm`` a login node and a state the cluster reaches,
+    ``kubernetes`` a Postgres state; neither supervises nodes of this machine).
 
     ``server``: a server runs the job's commands (this process is it, or the config names one).
     ``provider``: the planned offering's provider (None: before planning, the other checks only).
-    ``place: slurm`` needs Slurm's commands (a login node: ``slurm.host`` unset) and a state the
-    cluster's nodes reach: Postgres (``state.url``), or this SQLite file on the shared filesystem
-    a login node and its compute nodes see; it cannot supervise local nodes. ``place: kubernetes``
-    needs a Postgres ``state.url`` (a pod never sees this machine's SQLite file) and cannot
-    supervise local nodes either.
 
     Raises:
         SpecError: one line naming ``controller.place`` and the fix (exit 2).
     """
-    place = spec.controller.place
-    if place == "server" and not server:
-        raise SpecError(f"{label}: controller.place: server, but the config names no sftctl server",
-                        hint="add server: {url, token} to the config (sftctl server start makes one), "
-                             "or set controller.place: local")
-    if place == "kubernetes":
-        _check_kubernetes_place(label, provider)
-        return
-    if place != "slurm":
-        return
-    if provider == "local":
-        raise SpecError(f"{label}: controller.place: slurm cannot supervise local nodes (they run on this machine)",
-                        hint="set resources.clouds to where the nodes should run (slurm, aws, gcp, kubernetes), "
-                             "or drop controller.place")
-    cfg = slurm_provider.load_config(spec.slurm.model_dump() if spec.slurm else None)
-    state_url = settings.get("SFTCTL_STATE_URL")
-    if cfg.host and not is_url(state_url):
-        raise SpecError(
-            f"{label}: controller.place: slurm: the job's state is this machine's SQLite file "
-            f"({state_url or sftctl_home() / 'state.db'}), which the cluster's nodes cannot reach over SSH "
-            f"(slurm.host: {cfg.host})",
-            hint="set state.url (SFTCTL_STATE_URL) to a Postgres database the cluster reaches, or run sftctl on "
-                 "the cluster's login node, or drop controller.place")
-    if cfg.host:
-        raise SpecError(f"{label}: controller.place: slurm is not supported over SSH yet (slurm.host: {cfg.host})",
-                        hint="run sftctl on the cluster's login node (slurm.host unset), or drop controller.place")
-    why = slurm_provider.login_node_reason()
-    if why:
-        raise SftctlError(f"{label}: controller.place: slurm: {why}", hint="run sftctl on the cluster's login node")
-
-
-def _check_kubernetes_place(label: str, provider: str | None) -> None:
-    """The rules of ``controller.place: kubernetes`` (see :func:`check_controller_place`)."""
-    if provider == "local":
-        raise SpecError(f"{label}: controller.place: kubernetes cannot supervise local nodes (they run on this machine)",
-                        hint="set resources.clouds to where the nodes should run (kubernetes, slurm, aws, gcp), "
-                             "or drop controller.place")
-    state_url = settings.get("SFTCTL_STATE_URL")
-    if not is_url(state_url):
-        raise SpecError(
-            f"{label}: controller.place: kubernetes: the job's state is this machine's SQLite file "
-            f"({state_url or sftctl_home() / 'state.db'}), which a pod on the cluster cannot reach",
-            hint="set state.url (SFTCTL_STATE_URL) to a Postgres database the cluster reaches, "
-                 "or drop controller.place")
-
-
-def controller_provider(spec: JobSpec):
-    """The provider that runs the controller of a placed job: Slurm's for ``controller.place:
-    slurm`` (the config's ``slurm:`` section overlaid by the spec's, as for Slurm nodes), the
-    Kubernetes provider (the configured context and namespace) for ``place: kubernetes``."""
-    if spec.controller.place == "kubernetes":
-        return get_provider("kubernetes")
-    return get_provider("slurm", config=spec.slurm.model_dump() if spec.slurm else None)
-
-
-def controller_argv(job_id: str, python: str | None = None) -> list[str]:
-    """The argv of a placed controller: ``python -m sftctl.queue JOB`` (which becomes the
-    controller once the job may start), the same for a Slurm job and a Kubernetes Job."""
-    return module_argv("sftctl.queue", job_id, python=python or sys.executable)
-
-
-#: ``sh -c`` program of a controller Job whose image is the default (``python:3.11-slim``, no
-#: sftctl): pip-install ``$0`` unless ``python`` already imports sftctl, then exec the argv
-#: (``$@``). An image that has sftctl skips the install.
-_INSTALL_THEN_EXEC = ('python -c "import sftctl" 2>/dev/null || pip install --quiet --no-cache-dir "$0" '
-                      '|| { echo "sftctl: cannot pip install $0 in the controller pod" >&2; exit 1; }; exec "$@"')
-
-
-def controller_install() -> str:
-    """What a controller Job on the default image pip-installs: ``SFTCTL_NODE_INSTALL`` when
-    set (a lab's own index or wheel, as for cloud nodes), else this sftctl's version with the
-    extras a controller uses (Postgres state, Kubernetes, the clouds)."""
-    return settings.get("SFTCTL_NODE_INSTALL") or f"sftctl[aws,gcp,kubernetes,server]=={__version__}"
-
-
-def controller_container_command(job_id: str, image: str | None) -> list[str]:
-    """The container command of ``job_id``'s controller Job: :func:`controller_argv` with the
-    image's ``python``; on the default image (``image`` None: python:3.11-slim, which has no
-    sftctl) behind ``sh -c`` that first pip-installs :func:`controller_install` when sftctl is
-    missing, as a cloud node's bootstrap does."""
-    argv = controller_argv(job_id, "python")
-    if image is not None:
-        return argv
-    return ["sh", "-c", _INSTALL_THEN_EXEC, controller_install(), *argv]
-
-
-def controller_pod_env(spec: JobSpec, job_name: str, namespace: str) -> tuple[dict[str, str], dict[str, str]]:
-    """``(env, secret_env)`` of a controller's Kubernetes Job: plain values (the Job's name,
-    ``SFTCTL_CONTROLLER_K8S_JOB``, and the namespace its Kubernetes nodes go to) and what the
-    Secret carries (``SFTCTL_STATE_URL``, which holds the database password, and the values of
-    the spec's ``secrets:`` in this shell's environment). Secrets travel by name: the state only
-    ever records the spec."""
-    env = {"SFTCTL_CONTROLLER_K8S_JOB": job_name, "SFTCTL_K8S_NAMESPACE": namespace, "PYTHONUNBUFFERED": "1"}
-    secret_env = {"SFTCTL_STATE_URL": settings.get("SFTCTL_STATE_URL"),
-                  **{k: os.environ[k] for k in spec.secrets if k in os.environ}}
-    return env, secret_env
-
-
-#: seconds a placed controller's Slurm job runs past the spec's deadline (``--time``): the
-#: controller fails the job at its deadline and then tears its nodes down
-CONTROLLER_TEARDOWN_S = 600.0
-
-
-def place_controller(store: Store, job: JobRecord) -> str:
-    """Submit the controller of a ``controller.place: slurm`` job as a Slurm job
-    (``sftctl-ctl-<job>``, 1 CPU, ``controller.partition`` or ``slurm.partition``, ``--time`` the
-    spec's deadline + :data:`CONTROLLER_TEARDOWN_S`, else the partition's default) running
-    ``python -m sftctl.queue JOB`` with the config's ``slurm.python`` (default: this
-    interpreter, on the shared filesystem); its output goes to the job dir's ``controller.log``.
-    Until it starts, the job's lease is held for it (holder ``slurm:<id>``, for
-    :data:`~sftctl.state.QUEUED_CONTROLLER_LEASE_S`), so no second controller starts and reads
-    do not take the job for one without a controller. Returns the Slurm job id.
-
-    Raises:
-        ProviderError: sbatch refused it (exit 4); the job is then FAILED with that line.
-    """
-    spec = JobSpec.model_validate(job.spec)
-    provider = controller_provider(spec)
-    if spec.controller.place == "kubernetes":
-        return _place_on_kubernetes(store, job, spec, provider)
-    job_dir(job.id).mkdir(parents=True, exist_ok=True, mode=0o700)
-    args = controller_job_args(spec, job.id, provider)
-    partition = args["partition"]
-    try:
-        slurm_id = provider.submit_controller(job.id, **args)
-    except SftctlError as e:  # no controller will come: the job fails now, with Slurm's reason
-        store.transition(job.id, JobStatus.FAILED, f"its controller could not be placed on Slurm: {e.message}",
-                         strict=False, code=FailureCode.PROVIDER_ERROR.value)
-        raise
-    store.acquire_lease(job.id, queued_holder("slurm", slurm_id), QUEUED_CONTROLLER_LEASE_S)
-    store.add_event(job.id, "controller",
-                    f"controller: Slurm job {slurm_id} ({slurm_provider.controller_job_name(job.id)}) in "
-                    f"{'partition ' + partition if partition else 'the default partition'}",
-                    {"place": "slurm", "slurm_job_id": slurm_id, "partition": partition})
-    return slurm_id
-
-
-def _place_on_kubernetes(store: Store, job: JobRecord, spec: JobSpec, provider) -> str:
-    """Create the controller of a ``controller.place: kubernetes`` job as a Kubernetes Job
-    (``sftctl-ctl-<job>``, :func:`sftctl.providers.kubernetes.controller_manifests`) running
-    :func:`controller_argv` with the image's ``python``; hold the job's lease for it (holder
-    ``kubernetes:<Job>``) until it starts. Returns the Job's name.
-
-    Raises:
-        ProviderError, CredentialsError: the API server refused it (exit 4); the job is FAILED.
-    """
-    try:
-        ns = provider.namespace
-        name = provider.submit_controller(job.id, **kubernetes_controller_args(spec, job.id, ns))
-    except SftctlError as e:
-        store.transition(job.id, JobStatus.FAILED, f"its controller could not be placed on Kubernetes: {e.message}",
-                         strict=False, code=FailureCode.PROVIDER_ERROR.value)
-        raise
-    store.acquire_lease(job.id, queued_holder("kubernetes", name), QUEUED_CONTROLLER_LEASE_S)
-    store.add_event(job.id, "controller", f"controller: Kubernetes Job {name} in namespace {ns}",
-                    {"place": "kubernetes", "kubernetes_job": name, "namespace": ns})
-    return name
-
-
-def kubernetes_controller_args(spec: JobSpec, job_id: str, namespace: str) -> dict:
-    """The keyword arguments (``argv``, ``env``, ``secret_env``, ``image``) of
-    ``KubernetesProvider.submit_controller`` / ``controller_manifests`` for the controller of
-    ``job_id`` in ``namespace``: what :func:`place_controller` creates and ``run --dry-run``
-    shows (``image`` None: the provider's default)."""
-    env, secret_env = controller_pod_env(spec, k8s_provider.controller_names(job_id)["job"], namespace)
-    return {"argv": controller_container_command(job_id, spec.controller.image), "env": env,
-            "secret_env": secret_env, "image": spec.controller.image}
-
-
-def controller_job_args(spec: JobSpec, job_id: str, provider) -> dict:
-    """The keyword arguments of ``provider.submit_controller``/``controller_script`` for the
-    controller of ``job_id`` (``argv``, ``partition``, ``log``, ``chdir``, ``time_limit_s``):
-    what :func:`place_controller` submits and ``run --dry-run`` shows."""
-    jd = job_dir(job_id)
-    deadline_s = spec.resources.deadline_s
-    return {"argv": controller_argv(job_id, provider.cfg.python),
-            "partition": spec.controller.partition or provider.cfg.partition,
-            "log": str(jd / "controller.log"), "chdir": str(jd),
-            "time_limit_s": None if deadline_s is None else deadline_s + CONTROLLER_TEARDOWN_S}
+    placement_of(spec).check(spec, label, server=server, provider=provider)
 
 
 def forget_lost_queued_controller(store: Store, job: JobRecord) -> str | None:
-    """A placed controller's Slurm job that left the queue without starting (an admin's
-    ``scancel``, a purge) still holds the job's lease as ``slurm:<id>``, so nothing would start
-    another until it expired: when Slurm no longer shows that job, give the lease up and return
-    its holder (None otherwise: not placed, not queued, or still queued). Asks Slurm (``squeue``)."""
-    place = placed(job.spec)
-    held = store.lease(job.id) if place else None
-    if held is None or not held[0].startswith(f"{place}:"):
-        return None
-    ctl_id = held[0].split(":", 1)[1]  # the Slurm job id / the Kubernetes Job's name
-    if any(f["id"] == ctl_id for f in controller_provider(JobSpec.model_validate(job.spec)).controller_jobs(job.id)):
-        return None
-    if not store.release_lease(job.id, held[0]):  # it started meanwhile and took the lease over
-        return None
-    if place == "kubernetes":
-        store.add_event(job.id, "controller", f"controller: Kubernetes Job {ctl_id} is gone without starting",
-                        {"place": "kubernetes", "kubernetes_job": ctl_id})
-    else:
-        store.add_event(job.id, "controller", f"controller: Slurm job {ctl_id} left the queue without starting",
-                        {"place": "slurm", "slurm_job_id": ctl_id})
-    return held[0]
+    """A placed controller's scheduler job that left the queue without starting (an admin's
+    ``scancel``, a purge) still holds the job's lease as ``<place>:<id>``, so nothing would start
+    another until it expired: when the scheduler no longer shows it, give the lease up and return
+    its holder (None otherwise: not placed, not queued, or still queued; :meth:`Placement.orphans`)."""
+    return placement_of(job.spec).orphans(store, job)
 
 
 def stop_placed_controller(job: JobRecord, grace_s: float) -> list[str]:
-    """End the Slurm job(s) or Kubernetes Job(s) running or waiting to run ``job``'s controller
-    (placed jobs only): SIGTERM to a running one, which cancels the job and stops its nodes, then
-    ``scancel`` after ``grace_s`` seconds (Slurm); the Job deleted with ``grace_s`` for its pod
-    and its Secret with it (Kubernetes). Returns the ids found ([] for a job not placed)."""
-    if not placed(job.spec):
-        return []
-    return controller_provider(JobSpec.model_validate(job.spec)).cancel_controller(job.id, grace_s)
+    """End the scheduler's job(s) running or waiting to run ``job``'s placed controller (SIGTERM
+    to a running one, which cancels the job and stops its nodes; :meth:`Placement.cancel`: Slurm's
+    ``scancel`` after ``grace_s`` seconds, the Kubernetes Job deleted with ``grace_s`` for its pod).
+    Returns the ids found ([] for a controller of this machine)."""
+    return placement_of(job.spec).cancel(job, grace_s)

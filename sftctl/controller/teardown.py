@@ -15,14 +15,15 @@ from pathlib import Path
 from typing import Callable
 
 from sftctl import procs
+from sftctl.controller.placements import names as placement_names, placement, placement_of
 from sftctl.controller.submit import checkpoint_dir_path, job_provider, job_storage_url, stop_placed_controller
 from sftctl.errors import SftctlError
 from sftctl.paths import CONTROLLER_OWNER, job_dir, sftctl_home
-from sftctl.providers import PROVIDERS, configured, get_provider
-from sftctl.providers.base import NodeState, terminate_all
+from sftctl.providers import configured, get_provider, names as provider_names
+from sftctl.providers.base import NodeState, PlacesController, terminate_all
 from sftctl.queue import DOWN_REASON
 from sftctl.spec import JobSpec
-from sftctl.state import TERMINAL, JobStatus, Store, controller_died_reason, placed, queued_holder
+from sftctl.state import TERMINAL, JobStatus, Store, controller_died_reason
 from sftctl.storage import LocalStorage, open_storage
 from sftctl.types import AttemptStatus, FailureCode
 
@@ -53,15 +54,16 @@ def down(store: Store, job_id: str, progress: Callable[[str], None] | None = Non
     # an ended job's recorded controller may be a process that went on to other things (a script
     # that ran the job attached, a server): it is never signalled
     controller_was_alive = bool(not job.status.terminal and pid and pid != os.getpid() and procs.alive(pid, ticks))
-    if placed(job.spec):  # its controller is a Slurm job / Kubernetes Job, its pid another machine's
+    where = placement_of(job.spec)
+    if where.elsewhere:  # its controller is a Slurm job / Kubernetes Job, its pid another machine's
         controller_was_alive = False
-        what = PLACED_CONTROLLER_KIND[placed(job.spec)]
+        what = where.what
         if not job.status.terminal:
             store.add_event(job_id, "down", f"sftctl down: SIGTERM to the controller's {what}", {"signal": "SIGTERM"})
             say(f"{job_id}: waiting up to {DOWN_GRACE_S:.0f} s for its controller's {what} to stop its nodes")
         found = stop_placed_controller(job, DOWN_GRACE_S)
         for ctl_id in found:  # one that never started leaves its queued lease behind
-            store.release_lease(job_id, queued_holder(placed(job.spec), ctl_id))
+            store.release_lease(job_id, where.holder(ctl_id))
         controller_was_alive = bool(found) and not job.status.terminal
     elif controller_was_alive:
         # said first, so the controller's reason names sftctl down, not an anonymous SIGTERM
@@ -172,7 +174,7 @@ def purge(store: Store, job_id: str) -> dict:
     own = checkpoint_dir_path(spec)
     if own is not None and own.exists():
         kept.append({"where": str(own), "why": "train.checkpoint_dir is yours: sftctl never deletes it"})
-    remote = {(n.handle or {}).get("root") for n in store.nodes(job_id) if job.provider == "slurm"}
+    remote = {(n.handle or {}).get("root") for n in store.nodes(job_id)}  # a Slurm handle's job directory
     for root in sorted(r for r in remote if r and not Path(r).is_relative_to(local)):  # over ssh
         kept.append({"where": root, "why": "the job's directory on the Slurm cluster: remove it there"})
     doc = {"job_id": job_id, "objects": sum(r["objects"] for r in removed),
@@ -217,7 +219,7 @@ def down_orphans(store: Store | None, checked: list[str] | None = None) -> list[
     Returns one summary line per job swept; ``checked`` (when given) receives the providers asked.
     """
     out = _stop_unknown_controllers(store)
-    for name in PROVIDERS:
+    for name in provider_names():
         if configured(name) is not None:
             continue
         if checked is not None:
@@ -235,7 +237,7 @@ def down_orphans(store: Store | None, checked: list[str] | None = None) -> list[
             n = provider.terminate_tagged(job_id)
             why = "unknown job" if job is None else job.status.value.lower()
             out.append(f"{name}: {job_id} ({why}): removed {n} resource(s)")
-        if name in PLACED_CONTROLLER_KIND:  # controllers placed there (controller.place) of jobs gone or ended
+        if isinstance(provider, PlacesController):  # controllers placed there (controller.place) of jobs gone or ended
             try:
                 out += _stop_orphan_placed_controllers(store, provider, name)
             except SftctlError as e:
@@ -243,8 +245,9 @@ def down_orphans(store: Store | None, checked: list[str] | None = None) -> list[
     return out
 
 
-#: where ``controller.place`` runs a controller -> what the provider calls it
-PLACED_CONTROLLER_KIND = {"slurm": "Slurm job", "kubernetes": "Kubernetes Job"}
+def _what(provider: str) -> str:
+    """What a provider that places controllers calls one ("Slurm job"): its placement's word."""
+    return placement(provider).what if provider in placement_names() else "controller job"
 
 
 def _stop_orphan_placed_controllers(store: Store | None, provider, name: str) -> list[str]:
@@ -259,7 +262,7 @@ def _stop_orphan_placed_controllers(store: Store | None, provider, name: str) ->
             continue
         ids = provider.cancel_controller(job_id, DOWN_GRACE_S)
         why = "unknown job" if job is None else job.status.value.lower()
-        out.append(f"{name}: {job_id} ({why}): stopped its controller's {PLACED_CONTROLLER_KIND[name]} {', '.join(ids)}")
+        out.append(f"{name}: {job_id} ({why}): stopped its controller's {_what(name)} {', '.join(ids)}")
     return out
 
 

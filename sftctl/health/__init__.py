@@ -6,4 +6,11 @@ node's ``health.jsonl``; the controller reads them through the provider, togethe
 training ranks' step reports, and runs :mod:`detectors` over the recent history. A verdict
 names its action (restart in place, replace the node) and carries its evidence; the
 controller's policy acts on it. All I/O sits in the sources and the agent.
+
+Each detector is one module of :mod:`sftctl.health.detectors` that declares itself to
+:mod:`sftctl.health.registry`; importing any part of this package registers them all, so the
+vocabulary derived from the registry (``telemetry.VerdictKind``, ``telemetry.Thresholds``, the
+spec's ``health:`` keys) is whole wherever it is used.
 """
+
+from sftctl.health import detectors  # noqa: F401  (registers the built-in detectors)

@@ -36,10 +36,11 @@ class HealthMonitor:
         self.finished: set[int] = set()
 
     def add_gpu(self, node_rank: int, samples: list[dict]) -> None:
-        """GPU samples from a node's agent (records without a ``gpu`` index are skipped)."""
+        """GPU samples from a node's agent and the node's preflight records (other records
+        without a ``gpu`` index are skipped)."""
         q = self.gpu[node_rank]
         for s in samples:
-            if "gpu" in s:
+            if "gpu" in s or "preflight" in s:
                 q.append(s)
         while q and q[-1].get("ts", 0) - q[0].get("ts", 0) > self.keep_s:
             q.popleft()
@@ -61,7 +62,7 @@ class HealthMonitor:
             if int(s["step"]) >= self.total_steps:
                 self.finished.add(rank)
         window = self.th.straggler_window_steps * (self.th.straggler_windows + 2)
-        for rank, times in self.step_times.items():
+        for times in self.step_times.values():
             if len(times) > window:
                 del times[: len(times) - window]
 

@@ -4,14 +4,22 @@ Dashboards and alerts written for NVIDIA's dcgm-exporter work on these series un
 same metric names, types, units (power in W) and the labels ``gpu``, ``UUID`` and ``Hostname``.
 Only the fields the samples carry are exported (no ``modelName``, ``pci_bus_id``, profiling
 metrics).
+
+The text is written by ``prometheus-client`` (:func:`prometheus_client.generate_latest` over a
+collector of this module's families), not by hand. One difference from dcgm-exporter follows
+from it: the client's text format names a counter's family ``<name>_total``, and dcgm's two
+counters (``DCGM_FI_DEV_ECC_DBE_VOL_TOTAL``, ``DCGM_FI_DEV_PCIE_REPLAY_COUNTER``) do not end in
+``_total``, so they are typed ``untyped`` to keep their names (queries, ``rate()`` and alerts on
+them work the same; only the ``# TYPE`` line differs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 # (metric, type, help, sample key, conversion); help texts as in dcgm-exporter's counters CSV
-_METRICS: tuple[tuple[str, str, str, str, Callable[[object], float]], ...] = (
+_METRICS: tuple[tuple[str, str, str, str, Callable[[Any], float]], ...] = (
     ("DCGM_FI_DEV_SM_CLOCK", "gauge", "SM clock frequency (in MHz).", "clock_sm_mhz", float),
     ("DCGM_FI_DEV_GPU_TEMP", "gauge", "GPU temperature (in C).", "temperature_gpu_c", float),
     ("DCGM_FI_DEV_POWER_USAGE", "gauge", "Power draw (in W).", "power_usage_mw",
@@ -31,14 +39,6 @@ _METRICS: tuple[tuple[str, str, str, str, Callable[[object], float]], ...] = (
     ("DCGM_FI_DEV_ROW_REMAP_FAILURE", "gauge", "Whether remapping of rows has failed.",
      "remapped_rows_failure", lambda b: 1.0 if b else 0.0),
 )
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _fmt(value: float) -> str:
-    return str(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(value)
 
 
 def _latest_per_gpu(samples: Iterable[dict]) -> dict[int, dict]:
@@ -65,7 +65,8 @@ def _latest_per_gpu(samples: Iterable[dict]) -> dict[int, dict]:
 
 
 def render(samples: list[dict], node: str) -> str:
-    """Prometheus text exposition (format 0.0.4) of the latest sample of each GPU.
+    """Prometheus text exposition (format 0.0.4, by ``prometheus-client``) of the latest sample
+    of each GPU.
 
     Args:
         samples: GPU samples (telemetry format), any number per GPU; the latest (by ``ts``)
@@ -77,18 +78,30 @@ def render(samples: list[dict], node: str) -> str:
         ``# HELP``/``# TYPE`` lines and one series per GPU for each metric with data; a metric
         no GPU has a value for is left out. Empty string when there is no GPU sample.
     """
+    from prometheus_client.core import Metric
+
     per_gpu = _latest_per_gpu(samples)
-    lines: list[str] = []
+    families = []
     for name, kind, help_text, key, convert in _METRICS:
-        series = []
+        family = Metric(name, help_text, "unknown" if kind == "counter" else kind)  # see the module's note
         for gpu, rec in per_gpu.items():
-            if rec.get(key) is None:
-                continue
-            labels = (f'gpu="{gpu}",UUID="{_escape(str(rec["uuid"]))}",'
-                      f'Hostname="{_escape(node)}"')
-            series.append(f"{name}{{{labels}}} {_fmt(convert(rec[key]))}")
-        if series:
-            lines.append(f"# HELP {name} {help_text}")
-            lines.append(f"# TYPE {name} {kind}")
-            lines.extend(series)
-    return "\n".join(lines) + "\n" if lines else ""
+            if rec.get(key) is not None:
+                family.add_sample(name, {"gpu": str(gpu), "UUID": str(rec["uuid"]), "Hostname": node},
+                                  convert(rec[key]))
+        if family.samples:
+            families.append(family)
+    return expose(families)
+
+
+def expose(families: list) -> str:
+    """``families`` (:class:`prometheus_client.core.Metric`) as Prometheus text (format 0.0.4),
+    written by ``prometheus-client``; empty string when there are none."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    class _Families:
+        def collect(self):
+            return iter(families)
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families())
+    return generate_latest(registry).decode()

@@ -7,6 +7,7 @@ A source has ``sample() -> list[dict]`` (one dict per GPU, in the format documen
 * :class:`NvmlSource` -- NVML through ``pynvml`` (PyPI ``nvidia-ml-py``), the normal case.
 * :class:`NvidiaSmiSource` -- ``nvidia-smi --query-gpu`` when NVML cannot be loaded from Python.
   It sees no XIDs and no PCIe replays.
+* :class:`sftctl.health.amd_smi.AmdSmiSource` -- ``amd-smi metric --json`` on AMD GPUs (ROCm).
 * :class:`ReplaySource` -- a recorded JSON-lines stream, for tests and fault injection.
 * :class:`NoGpuSource` -- a machine without GPUs.
 
@@ -28,6 +29,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from sftctl.health.amd_smi import AmdSmiSource
+from sftctl.health.cli_source import CliSource
 from sftctl.protocol import METRICS_GLOB
 
 Clock = Callable[[], float]
@@ -75,7 +78,7 @@ class NvmlSource:
 
     def __init__(self, *, nvml: Any = None, clock: Clock = time.time) -> None:
         if nvml is None:
-            import pynvml as nvml  # noqa: PLC0415 (lazy: optional dependency, and no GPU here)
+            import pynvml as nvml  # type: ignore[no-redef]  # noqa: PLC0415 (lazy: optional dependency, and no GPU here)
         self._nvml = nvml
         self._clock = clock
         nvml.nvmlInit()
@@ -167,6 +170,7 @@ class NvmlSource:
         self._get(s, "power_usage_mw", lambda: int(nvml.nvmlDeviceGetPowerUsage(h)))
         self._get(s, "enforced_power_limit_mw", lambda: int(nvml.nvmlDeviceGetEnforcedPowerLimit(h)))
         self._get(s, "utilization_gpu_pct", lambda: int(nvml.nvmlDeviceGetUtilizationRates(h).gpu))
+        self._get(s, "memory_used_mib", lambda: int(nvml.nvmlDeviceGetMemoryInfo(h).used) // 2**20)
         self._get(s, "ecc_uncorrected_volatile", lambda: int(nvml.nvmlDeviceGetTotalEccErrors(
             h, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC)))
         rows: dict = {}
@@ -362,8 +366,9 @@ def parse_nvidia_smi_csv(text: str, fields: Sequence[str]) -> list[dict]:
     return out
 
 
-class NvidiaSmiSource:
-    """Samples GPUs by running ``nvidia-smi --query-gpu=... --format=csv,noheader,nounits``.
+class NvidiaSmiSource(CliSource):
+    """Samples GPUs by running ``nvidia-smi --query-gpu=... --format=csv,noheader,nounits`` (the
+    loop is :class:`sftctl.health.cli_source.CliSource`'s).
 
     At construction it runs nvidia-smi once to settle the field list: a field the driver rejects
     (``Field "x" is not a valid field to query``) is swapped for its older name
@@ -385,6 +390,8 @@ class NvidiaSmiSource:
         OSError: it cannot be started.
     """
 
+    tool = "nvidia-smi"
+
     def __init__(
         self,
         executable: str = "nvidia-smi",
@@ -393,13 +400,8 @@ class NvidiaSmiSource:
         clock: Clock = time.time,
         timeout_s: float = 20.0,
     ) -> None:
-        self._exe = executable
-        self._run = run
-        self._clock = clock
-        self._timeout_s = timeout_s
+        super().__init__(executable, run=run, clock=clock, timeout_s=timeout_s)
         self.fields: list[str] = list(SMI_FIELDS)
-        self.last_error: str | None = None
-        self._known: dict[int, str | None] = {}
         for _ in range(len(SMI_FIELDS) + 1):
             proc = self._query()
             if proc.returncode == 0:
@@ -422,8 +424,7 @@ class NvidiaSmiSource:
         else:
             raise RuntimeError("nvidia-smi rejected every field list tried")
         self.description = f"nvidia-smi ({len(rows)} GPU{'s' if len(rows) != 1 else ''})"
-        for r in rows:
-            self._known[r["gpu"]] = r.get("uuid")
+        self._remember(rows)
 
     def _query(self) -> subprocess.CompletedProcess:
         return self._run(
@@ -431,34 +432,8 @@ class NvidiaSmiSource:
             capture_output=True, text=True, timeout=self._timeout_s, check=False,
         )
 
-    def sample(self) -> list[dict]:
-        now = float(self._clock())
-        try:
-            proc = self._query()
-        except (OSError, subprocess.SubprocessError) as e:
-            self.last_error = f"nvidia-smi: {e}"
-            return []
-        rows = parse_nvidia_smi_csv(proc.stdout, self.fields)
-        if proc.returncode != 0:
-            message = f"{proc.stdout}\n{proc.stderr}".strip()
-            self.last_error = f"nvidia-smi exit {proc.returncode}: {message[:300]}"
-            if "gpu is lost" in message.lower():
-                seen = {r["gpu"] for r in rows}
-                for gpu, uuid in sorted(self._known.items()):
-                    if gpu not in seen:
-                        lost = {"gpu": gpu, "gpu_is_lost": True}
-                        if uuid:
-                            lost["uuid"] = uuid
-                        rows.append(lost)
-        else:
-            self.last_error = None
-        for r in rows:
-            r["ts"] = now
-            self._known.setdefault(r["gpu"], r.get("uuid"))
-        return sorted(rows, key=lambda r: r["gpu"])
-
-    def close(self) -> None:
-        pass
+    def _parse(self, stdout: str) -> list[dict]:
+        return parse_nvidia_smi_csv(stdout, self.fields)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -617,7 +592,8 @@ def open_source(
     metrics_dir: str | os.PathLike | None = None,
 ) -> Source:
     """The best source here: the replay if given; else NVML if ``nvmlInit`` works and sees a GPU;
-    else ``nvidia-smi`` if it is on PATH and works; else :class:`NoGpuSource` (whose
+    else ``nvidia-smi`` if it is on PATH and works; else ``amd-smi`` (AMD GPUs:
+    :class:`sftctl.health.amd_smi.AmdSmiSource`) if it is; else :class:`NoGpuSource` (whose
     ``description`` says why the others were not used).
 
     Never raises on a machine without GPUs or without the NVIDIA driver. A bad replay file
@@ -645,4 +621,12 @@ def open_source(
             return NvidiaSmiSource(exe)
         except Exception as e:  # noqa: BLE001
             why.append(f"nvidia-smi: {e}")
+    amd = shutil.which("amd-smi")
+    if amd is None:
+        why.append("amd-smi not on PATH")
+    else:
+        try:
+            return AmdSmiSource(amd)
+        except Exception as e:  # noqa: BLE001 (a broken ROCm install is a reason, not a crash)
+            why.append(f"amd-smi: {e}")
     return NoGpuSource(reason="; ".join(why))

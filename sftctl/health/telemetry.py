@@ -16,6 +16,7 @@ key                                 NVML source
 ``power_usage_mw``                  ``nvmlDeviceGetPowerUsage``
 ``enforced_power_limit_mw``         ``nvmlDeviceGetEnforcedPowerLimit``
 ``utilization_gpu_pct``             ``nvmlDeviceGetUtilizationRates().gpu``
+``memory_used_mib``                 ``nvmlDeviceGetMemoryInfo().used`` in MiB (NVML source only)
 ``ecc_uncorrected_volatile``        ``nvmlDeviceGetTotalEccErrors(UNCORRECTED, VOLATILE_ECC)``
 ``remapped_rows_pending``           ``nvmlDeviceGetRemappedRows()[2]`` (isPending)
 ``remapped_rows_failure``           ``nvmlDeviceGetRemappedRows()[3]`` (failureOccurred)
@@ -33,7 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import TYPE_CHECKING
 
+from sftctl.health.registry import Detector, get_detector, on_register, thresholds as registered_thresholds
 from sftctl.types import FailureCode
 
 # nvmlClocksEventReason* bits (nvml.h, "Clocks Event Reasons"; formerly ClocksThrottleReasons)
@@ -89,29 +92,34 @@ ACTIONS = tuple(Action)
 
 
 class VerdictKind(_Word):
-    """What a detector found (:mod:`sftctl.health.detectors`); each kind owns the
-    :class:`~sftctl.types.FailureCode` an attempt it ends is recorded with (:attr:`code`)."""
-
-    GPU_LOST = "gpu_lost"
-    XID = "xid"
-    ECC = "ecc"
-    THROTTLE = "throttle"
-    HANG = "hang"
-    STRAGGLER = "straggler"
-    STALL = "stall"
+    """What a detector found: one member per registered detector (:mod:`sftctl.health.registry`),
+    named after its kind (``VerdictKind.STALL == "stall"``); each kind owns the
+    :class:`~sftctl.types.FailureCode` an attempt it ends is recorded with (:attr:`code`). The
+    built-in kinds: ``gpu_lost``, ``xid``, ``ecc``, ``xgmi``, ``throttle``, ``hang``, ``straggler``, ``stall``,
+    ``preflight_failed``, ``preflight_slow``."""
 
     @property
     def code(self) -> FailureCode:
-        """The failure code of an attempt this verdict ends."""
-        return _VERDICT_CODES[self]
+        """The failure code of an attempt this verdict ends (its detector's ``code``)."""
+        return get_detector(self.value).code
 
 
-_VERDICT_CODES = {
-    VerdictKind.GPU_LOST: FailureCode.GPU_FAILED, VerdictKind.XID: FailureCode.GPU_FAILED,
-    VerdictKind.ECC: FailureCode.GPU_FAILED, VerdictKind.THROTTLE: FailureCode.THROTTLED,
-    VerdictKind.HANG: FailureCode.NODE_LOST, VerdictKind.STRAGGLER: FailureCode.STRAGGLER,
-    VerdictKind.STALL: FailureCode.STALLED,
-}
+def _add_kind(detector: Detector) -> None:
+    """Make ``detector.kind`` a member of :class:`VerdictKind` (the enum grows with the registry)."""
+    cls, value, name = VerdictKind, detector.kind, detector.kind.upper()
+    if value in cls._value2member_map_:
+        return
+    member = str.__new__(cls, value)
+    member._name_, member._value_ = name, value
+    member.__objclass__ = cls  # type: ignore[attr-defined]  # what Enum's own members carry
+    member._sort_order_ = len(cls._member_names_)  # type: ignore[attr-defined]
+    type.__setattr__(cls, name, member)  # EnumType.__setattr__ refuses to touch members
+    cls._member_names_.append(name)
+    cls._member_map_[name] = member
+    cls._value2member_map_[value] = member
+
+
+on_register(_add_kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +143,10 @@ class Verdict:
     evidence: str
     ts: float
 
+    if TYPE_CHECKING:  # what the dataclass's __init__ takes: a member or its word
+        def __init__(self, kind: VerdictKind | str, action: Action | str, node_rank: int, gpu: int | None,
+                     evidence: str, ts: float) -> None: ...
+
     def __post_init__(self) -> None:  # words as written ("stall", "restart") become members
         object.__setattr__(self, "kind", VerdictKind(self.kind))
         object.__setattr__(self, "action", Action(self.action))
@@ -143,32 +155,57 @@ class Verdict:
         return dataclasses.asdict(self) | {"kind": self.kind.value, "action": self.action.value}
 
 
-@dataclasses.dataclass(frozen=True)
 class Thresholds:
-    """Detector settings; the job spec's ``health`` section overrides them.
+    """Detector settings: one attribute per registered :class:`~sftctl.health.registry.Threshold`
+    (its ``name``), its ``default`` unless given; the job spec's ``health`` section sets those
+    with a spec key (``sftctl.spec.HealthSpec.thresholds``). Immutable and hashable.
 
-    Attributes:
-        throttle_window_s: how long HW slowdown/thermal/power-brake must persist, seconds.
-        throttle_min_fraction: share of the window's samples that must show it.
-        low_clock_ratio: an SM clock below this fraction of its peers' median, under load
-            (utilization >= ``busy_util_pct``), for the whole window, is throttling too.
-        busy_util_pct: utilization above which a GPU counts as under load.
-        straggler_ratio: a rank whose median step time exceeds the median of the other ranks'
-            medians by this factor in a window of ``straggler_window_steps`` steps is slow in
-            that window (see :func:`sftctl.health.detectors.straggler_verdicts`).
-        straggler_window_steps: steps per straggler window.
-        straggler_windows: consecutive slow windows before a straggler verdict.
-        hang_timeout_s: no step report from a rank for this long (after its first) is a hang.
-        app_xid_repeats: times an application XID (13, 31, 43, 45) must repeat on one GPU
-            before it counts as hardware.
+    The built-in ones (see each detector's module under :mod:`sftctl.health.detectors`):
+    ``throttle_window_s``, ``throttle_min_fraction``, ``low_clock_ratio``, ``busy_util_pct``
+    (throttle), ``straggler_ratio``, ``straggler_window_steps``, ``straggler_windows``
+    (straggler), ``hang_timeout_s`` (hang, stall), ``app_xid_repeats`` (xid).
+
+    Raises:
+        TypeError: a keyword that names no registered threshold.
     """
 
-    throttle_window_s: float = 10.0
-    throttle_min_fraction: float = 0.8
-    low_clock_ratio: float = 0.7
-    busy_util_pct: float = 50.0
-    straggler_ratio: float = 1.3
-    straggler_window_steps: int = 10
-    straggler_windows: int = 3
-    hang_timeout_s: float = 60.0
-    app_xid_repeats: int = 2
+    __slots__ = ("_values",)
+
+    def __init__(self, **values: float) -> None:
+        known = registered_thresholds()
+        for name in values:
+            if name not in known:
+                raise TypeError(f"Thresholds() got an unexpected keyword argument {name!r}")
+        object.__setattr__(self, "_values", {n: values.get(n, t.default) for n, t in known.items()})
+
+    def __getattr__(self, name: str):
+        try:
+            return object.__getattribute__(self, "_values")[name]
+        except KeyError:
+            try:  # registered after this instance was made: its default
+                return registered_thresholds()[name].default
+            except KeyError:
+                raise AttributeError(f"'Thresholds' object has no attribute {name!r}") from None
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}: Thresholds are immutable")
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Thresholds) and self._values == other._values
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._values.items())))
+
+    def __repr__(self) -> str:
+        return f"Thresholds({', '.join(f'{k}={v!r}' for k, v in self._values.items())})"
+
+    def replace(self, **changes: float) -> "Thresholds":
+        """A copy with ``changes`` applied."""
+        return Thresholds(**(self._values | changes))
+
+    def __reduce__(self):  # pickle and copy through the constructor (attributes cannot be set)
+        return (_thresholds, (dict(self._values),))
+
+
+def _thresholds(values: dict) -> Thresholds:
+    return Thresholds(**values)

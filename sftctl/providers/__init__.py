@@ -1,5 +1,12 @@
 """Providers turn offerings into nodes. See :mod:`sftctl.providers.base` for the protocol.
 
+Which providers exist is discovered, never listed: every package under ``sftctl/providers/``
+declares itself as ``PROVIDER`` (a :class:`~sftctl.providers.base.ProviderEntry`: its class, SDK,
+pip extra and how to tell it is configured here), and ``SFTCTL_PROVIDERS`` (``NAME=MODULE``, a
+module anywhere on ``sys.path`` declaring ``PROVIDER``) adds more. The names come from
+:func:`sftctl.settings.provider_names` (a listing of the directory: nothing imported), so the
+spec's ``resources.clouds`` and ``SFTCTL_CLOUDS`` take exactly these.
+
 Cloud SDKs are imported inside their provider module only; importing this package is cheap, and
 so is :func:`usable_providers` (it looks for credentials where the SDKs look, without a network
 call; ``sftctl check`` makes the real calls).
@@ -7,27 +14,87 @@ call; ``sftctl check`` makes the real calls).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
-import os
-from pathlib import Path
+from collections.abc import Mapping
+from typing import Any
 
 from sftctl import settings
 from sftctl.errors import ProviderError
-from sftctl.providers.base import Provider
+from sftctl.providers.base import Provider, ProviderEntry
+from sftctl.types import capabilities
+from sftctl.types.nodes import _FINDERS
 
-PROVIDERS = ("local", "aws", "gcp", "kubernetes", "slurm")
 
-_CLASSES = {
-    "local": ("sftctl.providers.local", "LocalProvider"),
-    "aws": ("sftctl.providers.aws", "AWSProvider"),
-    "gcp": ("sftctl.providers.gcp", "GCPProvider"),
-    "kubernetes": ("sftctl.providers.kubernetes", "KubernetesProvider"),
-    "slurm": ("sftctl.providers.slurm", "SlurmProvider"),
-}
+def names() -> tuple[str, ...]:
+    """Every provider's name: the packages of ``sftctl/providers/`` (``local`` first), then
+    ``SFTCTL_PROVIDERS``'s (:func:`sftctl.settings.provider_names`)."""
+    return settings.provider_names()
 
-_SDKS = {"aws": "boto3", "gcp": "google.cloud.compute_v1", "kubernetes": "kubernetes"}
-_EXTRAS = {"aws": "aws", "gcp": "gcp", "kubernetes": "kubernetes"}
+
+@functools.cache
+def _entry(name: str, module: str) -> ProviderEntry:
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and module.startswith(e.name):  # the plugin's own module, not a module it imports
+            raise ProviderError(f"provider {name!r}: its module {module!r} is not importable",
+                                hint="fix SFTCTL_PROVIDERS (NAME=MODULE) or sys.path") from None
+        raise
+    entry = getattr(mod, "PROVIDER", None)
+    if not isinstance(entry, ProviderEntry) or entry.name != name:
+        raise ProviderError(f"provider {name!r}: {module} declares no PROVIDER = ProviderEntry({name!r}, ...)",
+                            hint="see sftctl/providers/base.py's ProviderEntry")
+    return entry
+
+
+def entry(name: str) -> ProviderEntry:
+    """The declaration of provider ``name`` (its module imported: cheap, SDKs are imported
+    inside the provider's functions).
+
+    Raises:
+        ProviderError: unknown provider, or its plugin module declares none (exit code 4).
+    """
+    if name not in names():
+        raise ProviderError(f"unknown provider {name!r}", hint=f"providers: {', '.join(names())}")
+    module = settings.provider_plugins().get(name) or f"sftctl.providers.{name}"
+    return _entry(name, module)
+
+
+_FINDERS.append(entry)  # types.capabilities / NodeHandle.parse of a plugin not imported yet
+
+
+def provider_class(name: str) -> type[Any]:
+    """The :class:`~sftctl.providers.base.Provider` class of ``name``, for what a class declares
+    (``issubclass(provider_class(n), QueueEstimate)``) without making one."""
+    e = entry(name)
+    module = settings.provider_plugins().get(name) or f"sftctl.providers.{name}"
+    return getattr(importlib.import_module(module), e.cls)
+
+
+def install_hint(extra: str) -> str:
+    """How to install an extra (its SDK), as the README installs sftctl: from its clone."""
+    return f"pip install -e '.[{extra}]' in sftctl's clone"
+
+
+def checked_class(name: str) -> type[Any]:
+    """:func:`provider_class` once its SDK is known to be here.
+
+    Raises:
+        ProviderError: unknown provider, or its SDK is not installed (exit code 4).
+    """
+    e = entry(name)
+    missing = sdk_missing(name)
+    if missing is not None:
+        raise ProviderError(missing, hint=install_hint(e.extra or name))
+    try:
+        return provider_class(name)
+    except ModuleNotFoundError as err:
+        if e.sdk and err.name and e.sdk.startswith(err.name.split(".")[0]):
+            raise ProviderError(f"{name}: its SDK is not installed ({err.name})",
+                                hint=install_hint(e.extra or name)) from None
+        raise
 
 
 def get_provider(name: str, **kwargs) -> Provider:
@@ -36,28 +103,13 @@ def get_provider(name: str, **kwargs) -> Provider:
     Raises:
         ProviderError: unknown provider, or its SDK is not installed (exit code 4).
     """
-    if name not in _CLASSES:
-        raise ProviderError(f"unknown provider {name!r}", hint=f"providers: {', '.join(PROVIDERS)}")
-    module, cls = _CLASSES[name]
-    missing = sdk_missing(name)
-    if missing is not None:
-        raise ProviderError(missing, hint=f"pip install 'sftctl[{_EXTRAS[name]}]'")
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if name in _SDKS and e.name and _SDKS[name].startswith(e.name.split(".")[0]):
-            raise ProviderError(
-                f"{name}: its SDK is not installed ({e.name})",
-                hint=f"pip install 'sftctl[{_EXTRAS[name]}]'",
-            ) from None
-        raise
-    return getattr(mod, cls)(**kwargs)
+    return checked_class(name)(**kwargs)
 
 
 def sdk_missing(name: str) -> str | None:
     """None when ``name``'s SDK can be imported here (or it needs none), else one line saying
-    which is missing (``pip install 'sftctl[<name>]'`` installs it). Looks the module up without importing it."""
-    sdk = _SDKS.get(name)
+    which is missing (:func:`install_hint` says how to install it). Looks the module up without importing it."""
+    sdk = entry(name).sdk
     if sdk is None:
         return None
     try:
@@ -69,53 +121,31 @@ def sdk_missing(name: str) -> str | None:
     return f"{name}: its SDK ({sdk}) is not installed"
 
 
-def configured(name: str, environ: dict | None = None) -> str | None:
+def configured(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     """None when ``name`` has credentials where its SDK looks for them, else why not (one line).
 
     No network call and no SDK import: this is what ``sftctl plan`` and ``run`` use to rule a
-    cloud out quickly. Sources: boto3's credential chain (env, shared files, web identity,
-    container credentials), Google's Application Default Credentials, kubeconfig / in-cluster.
+    cloud out quickly. Each provider's ``PROVIDER.configured`` says how (boto3's credential
+    chain, Google's Application Default Credentials, kubeconfig / in-cluster, a Slurm login node).
     """
-    env = os.environ if environ is None else environ
-    home = Path(env.get("HOME", str(Path.home())))
-    if name == "local":
-        return None
-    if name == "aws":
-        if (env.get("AWS_ACCESS_KEY_ID") or env.get("AWS_PROFILE") or env.get("AWS_WEB_IDENTITY_TOKEN_FILE")
-                or env.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI") or env.get("AWS_CONTAINER_CREDENTIALS_FULL_URI")
-                or Path(env.get("AWS_SHARED_CREDENTIALS_FILE", home / ".aws" / "credentials")).is_file()
-                or Path(env.get("AWS_CONFIG_FILE", home / ".aws" / "config")).is_file()):
-            return None
-        return "aws: no credentials (set AWS_PROFILE or AWS_ACCESS_KEY_ID, or run aws configure)"
-    if name == "gcp":
-        adc = Path(env.get("CLOUDSDK_CONFIG", home / ".config" / "gcloud")) / "application_default_credentials.json"
-
-        if env.get("GOOGLE_APPLICATION_CREDENTIALS") or settings.get("SFTCTL_GCE_ENDPOINT", environ) or adc.is_file():
-            return None
-        return "gcp: no credentials (run gcloud auth application-default login, or set GOOGLE_APPLICATION_CREDENTIALS)"
-    if name == "kubernetes":
-        paths = env.get("KUBECONFIG", str(home / ".kube" / "config")).split(os.pathsep)
-        if env.get("KUBERNETES_SERVICE_HOST") or any(p and Path(p).is_file() for p in paths):
-            return None
-        return "kubernetes: no kubeconfig (set KUBECONFIG or create ~/.kube/config)"
-    if name == "slurm":  # a login node (sinfo and a slurm.conf here) or slurm.host in the config
-        from sftctl.providers.slurm import configured_reason
-
-        return configured_reason(env)
-    return f"unknown provider {name!r}"
+    try:
+        e = entry(name)
+    except ProviderError as err:  # unknown, or a plugin that cannot be imported: a reason
+        return err.message
+    return e.configured(environ)
 
 
 def usable_providers() -> dict[str, str | None]:
     """Each provider name mapped to None if it looks usable here, else the reason it is not."""
     out: dict[str, str | None] = {}
-    for name in PROVIDERS:
+    for name in names():
         why = configured(name)
         if why is None and sdk_missing(name):
-            why = f"{sdk_missing(name)} (pip install 'sftctl[{_EXTRAS[name]}]')"
-        if name == "local":
-            try:
-                get_provider("local").check()
-            except Exception as e:  # a provider that cannot be used is a reason, not a crash
+            why = f"{sdk_missing(name)} ({install_hint(entry(name).extra or name)})"
+        if why is None and capabilities(name).local_admission:
+            try:  # its nodes run on this machine: whether they can is known here, at once
+                get_provider(name).check()
+            except Exception as e:  # noqa: BLE001 a provider that cannot be used is a reason, not a crash
                 why = getattr(e, "message", str(e))
         out[name] = why
     return out

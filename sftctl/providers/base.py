@@ -6,11 +6,17 @@ A provider knows nothing of the compiler or the lifecycle. The controller drives
     handle = provider.launch(handle, script, env, attempt)          # run a bootstrap script
     provider.status(handle)                                         # -> NodeStatus
     provider.read_log(handle, offset)                               # -> (bytes, next offset)
-    provider.quarantine(handle, reason)                             # keep a bad machine out
     provider.read_failure(handle)                                   # -> FailureReason | None
     provider.terminate(handle)                                      # nothing of it is left
     provider.terminate_tagged(job_id)                               # whatever exists, by tag
     provider.list_instances(job_id=None)                            # every labelled resource
+
+What only some providers do is an optional interface below (:class:`KeepsAlive`,
+:class:`Quarantines`, :class:`SecretStore`, :class:`QueueEstimate`, :class:`LiveOfferings`,
+:class:`PlacesController`, :class:`BuiltForJob`, :class:`RendersJobDocuments`, :class:`RendersNodeDocuments`,
+:class:`TerminatesInBatch`, :class:`BlocksZones`, :class:`UsesChannel`,
+:class:`ReachesFilesystem`): a provider implements it, and the planner and controller ask
+``isinstance(provider, Quarantines)``, never the provider's name or ``getattr``.
 
 Cloud providers share :class:`sftctl.providers.cloud.CloudProvider`, which builds this protocol
 from a handful of per-cloud calls (create, describe, delete, list by label).
@@ -28,10 +34,40 @@ Every resource a provider creates carries the job id and node id as tags or labe
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from sftctl.errors import CapacityError
 from sftctl.types import FailureReason, NodeHandle, NodeState, NodeStatus, Offering  # noqa: F401  (re-exported)
+
+
+def _always(environ: Mapping[str, str]) -> str | None:
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ProviderEntry:
+    """How sftctl finds, installs and judges one provider, declared once as ``PROVIDER`` in its
+    package (``sftctl/providers/<name>/__init__.py``, or a module ``SFTCTL_PROVIDERS`` names):
+    :mod:`sftctl.providers` discovers it, and the spec's ``resources.clouds`` and
+    ``SFTCTL_CLOUDS`` take its name.
+
+    Attributes:
+        name: the provider's name (``resources.clouds``, ``Offering.provider``, its handle's).
+        cls: the :class:`Provider` class, an attribute of the declaring module.
+        sdk: the module its SDK is imported as (None: it needs none); looked up, never imported,
+            to say it is missing.
+        extra: the pip extra that installs the SDK.
+        configured: ``configured(environ)``: None when the provider has credentials or a
+            cluster here (no network call, no SDK import), else one line saying why not.
+    """
+
+    name: str
+    cls: str
+    sdk: str | None = None
+    extra: str | None = None
+    configured: Callable[[Mapping[str, str]], str | None] = _always
 
 
 @runtime_checkable
@@ -77,20 +113,6 @@ class Provider(Protocol):
     def stop_attempt(self, handle: NodeHandle) -> None:
         """Stop what the current attempt runs on the node; the node stays for the next attempt."""
 
-    def quarantine(self, handle: NodeHandle, reason: str) -> dict | None:
-        """Keep the machine under ``handle`` out of this job's next nodes, and out of everyone's
-        where the provider may: called before :meth:`terminate` when a health verdict replaces
-        the node (``reason``: the verdict in one line).
-
-        Kubernetes adds node anti-affinity to the job's next pods and cordons the node when RBAC
-        allows; Slurm puts the node on the job's ``--exclude`` list; a cloud instance is deleted
-        and its replacement is another machine, and a local node is this machine: None.
-
-        Returns:
-            ``{"machine", "actions": [...], "message": one line}`` for the job's events, or None
-            when there was nothing to do. API errors are reported in it, never raised.
-        """
-
     def terminate(self, handle: NodeHandle) -> None:
         """Stop and delete the node and everything it started. Idempotent."""
 
@@ -101,6 +123,159 @@ class Provider(Protocol):
         """Live resources labelled with ``job_id`` (every sftctl resource when None), each a dict
         with at least ``id``, ``job_id`` and ``node_id`` (for ``sftctl down --orphans``). A listing,
         not a :class:`NodeHandle`: ids may be label values and the rank unknown."""
+
+
+@runtime_checkable
+class KeepsAlive(Protocol):
+    """A provider whose nodes outlive a dead controller unless told it still watches (Slurm's
+    allocation, a cloud VM's daemon): the controller calls :meth:`keepalive` every poll."""
+
+    def keepalive(self, job_id: str) -> None:
+        """The controller of ``job_id`` still watches (cheap; rate-limited by the provider)."""
+
+
+@runtime_checkable
+class Quarantines(Protocol):
+    """A provider that can keep a machine a health verdict condemned out of a job's next nodes
+    (Slurm's ``--exclude``, Kubernetes' node anti-affinity and cordon)."""
+
+    def quarantine(self, handle: NodeHandle, reason: str) -> dict | None:
+        """Keep the machine under ``handle`` out of this job's next nodes, and out of everyone's
+        where the provider may: called before ``terminate`` when a health verdict replaces the
+        node (``reason``: the verdict in one line).
+
+        Returns:
+            ``{"machine", "actions": [...], "message": one line}`` for the job's events, or None
+            when there was nothing to do. API errors are reported in it, never raised.
+        """
+
+    def keep_out(self, job_id: str, machines: set[str]) -> set[str]:
+        """Add ``machines`` (the state's bad machines of this provider) to the job's keep-out
+        list before its nodes are placed; returns those that were not on it yet."""
+
+
+@runtime_checkable
+class SecretStore(Protocol):
+    """A provider whose nodes read the job's secret values from the cloud's secret store
+    (AWS Secrets Manager, :mod:`sftctl.storage.secrets`)."""
+
+    def secrets_ref(self, job_id: str) -> str:
+        """Store the job's secret values and return where its nodes read them
+        (``SFTCTL_SECRETS_REF``); "" when the job has none."""
+
+    @classmethod
+    def secrets_ref_for(cls, job_id: str) -> str:
+        """Where :meth:`secrets_ref` would store them, storing nothing (``run --dry-run``)."""
+
+
+@runtime_checkable
+class QueueEstimate(Protocol):
+    """A provider whose scheduler estimates when an allocation starts (Slurm's
+    ``sbatch --test-only``): the planner adds the wait to the offering's finish time."""
+
+    def estimate_start(self, offering: Offering, nodes: int) -> tuple[float, str]:
+        """Seconds until ``nodes`` nodes of ``offering`` would start, and the line that says why."""
+
+
+@runtime_checkable
+class LiveOfferings(Protocol):
+    """A provider whose offerings are asked of the live system when a job is planned (a
+    Kubernetes cluster's nodes, a Slurm cluster's partitions), not read from the catalog.
+    :meth:`for_plan` builds the instance the planner asks (a class method)."""
+
+    @classmethod
+    def for_plan(cls, spec) -> "Provider":
+        """The provider the planner asks :meth:`Provider.offerings` of, for the job ``spec``."""
+
+
+@runtime_checkable
+class RendersJobDocuments(Protocol):
+    """A provider that submits one scheduler document per attempt for all the job's nodes
+    (Slurm's sbatch.sh and step.sh): ``admit`` renders them into the launch request, from the
+    instance :meth:`for_plan` builds for the job's spec (or the controller's own)."""
+
+    @classmethod
+    def for_plan(cls, spec) -> "Provider":
+        """The provider a job ``spec`` runs on (its scheduler settings from the spec)."""
+
+    def batch_scripts(self, job_id: str, attempt: int, node_ids: list[str], offering: Offering) -> dict[str, str]:
+        """``{file name: text}`` of the attempt's scheduler documents, as its launch submits them."""
+
+
+@runtime_checkable
+class RendersNodeDocuments(Protocol):
+    """A provider that creates scheduler objects per node (Kubernetes: a ConfigMap, Service,
+    Secret and pod): ``admit`` renders them into each node of the launch request."""
+
+    @classmethod
+    def node_objects(cls, request, *, provider=None, secret_names: Sequence[str] = (),
+                     num_nodes: int | None = None) -> tuple[str, list[dict]]:
+        """``(what they are, objects)`` made for ``request`` (a
+        :class:`sftctl.providers.cloud.InstanceRequest`), secret values ``<secret>``: as the
+        controller's ``provider`` makes them, else as a fresh one would for ``num_nodes`` nodes
+        and ``secret_names``."""
+
+
+@runtime_checkable
+class BuiltForJob(Protocol):
+    """A provider made for one job from more than its storage channel (the controller's
+    ``job_provider``): Slurm from the spec's ``slurm:`` and resources (it never uses job
+    storage), AWS with the job's instance profile and the secret values it stores, Kubernetes
+    with the secret values of the job's Secret and the world size. A provider without it is
+    ``cls(channel=...)``, or ``cls()`` for a job without storage."""
+
+    @classmethod
+    def for_job(cls, spec, channel: Callable[[], Any], secrets: Callable[[], dict[str, str]]) -> "Provider":
+        """The provider for job ``spec``: ``channel()`` its job storage's channel (None without
+        storage), ``secrets()`` the values of its secrets (asked only by a provider that carries
+        them)."""
+
+
+@runtime_checkable
+class PlacesController(Protocol):
+    """A provider that can run a job's controller itself (``controller.place: <its name>``):
+    a Slurm job, a Kubernetes Job. Which of its calls a placement needs:"""
+
+    def controller_jobs(self, job_id: str | None = None) -> list[dict]:
+        """The controllers it runs (of ``job_id``, else every one), each ``{"id", "job_id", ...}``."""
+
+    def cancel_controller(self, job_id: str, grace_s: float = 20.0) -> list[str]:
+        """Stop ``job_id``'s controller (SIGTERM first); the ids stopped."""
+
+
+@runtime_checkable
+class TerminatesInBatch(Protocol):
+    """A provider that ends many nodes faster together than one by one (local: one ``/proc``
+    scan); :func:`terminate_all` uses it."""
+
+    def terminate_all(self, handles: list) -> None:
+        """Terminate every node of ``handles``. Idempotent."""
+
+
+@runtime_checkable
+class BlocksZones(Protocol):
+    """A provider with zones that skips those a spot preemption put in cool-down:
+    ``blocked_zones`` holds ``(instance_type, zone)`` pairs the controller adds to."""
+
+    blocked_zones: set
+
+
+@runtime_checkable
+class UsesChannel(Protocol):
+    """A provider whose nodes talk to the controller through job storage (a
+    :class:`sftctl.storage.stream.NodeChannel`, or None without job storage)."""
+
+    channel: Any
+
+
+@runtime_checkable
+class ReachesFilesystem(Protocol):
+    """A provider that may or may not share the controller's filesystem per instance (Slurm
+    from its login node does, over SSH it does not): ``remote`` says it does not."""
+
+    @property
+    def remote(self) -> bool:
+        """True when the nodes' filesystem is not this machine's."""
 
 
 #: At most this many create calls are in flight per job (cloud APIs throttle bursts; AWS's
@@ -140,7 +315,7 @@ def provision_all(provider: Provider, job_id: str, nodes: list[tuple[str, int]],
         for f in futures:
             try:
                 results.append(f.result())
-            except Exception as e:  # collected: every future must finish before cleanup
+            except Exception as e:  # noqa: BLE001 collected: every future must finish before cleanup
                 results.append(None)
                 errors.append(e)
     if errors:
@@ -165,9 +340,8 @@ def terminate_all(provider: Provider, handles: list[NodeHandle], max_parallel: i
 
     if not handles:
         return
-    batch = getattr(provider, "terminate_all", None)
-    if batch is not None:
-        batch(handles)
+    if isinstance(provider, TerminatesInBatch):
+        provider.terminate_all(handles)
         return
     errors: list[Exception] = []
     with ThreadPoolExecutor(max_workers=max(1, min(max_parallel, len(handles)))) as pool:
@@ -176,7 +350,7 @@ def terminate_all(provider: Provider, handles: list[NodeHandle], max_parallel: i
         for done, f in enumerate(as_completed(futures), 1):
             try:
                 f.result()
-            except Exception as e:  # collected: every node is tried before one error is raised
+            except Exception as e:  # noqa: BLE001 collected: every node is tried before one error is raised
                 errors.append(e)
             if progress is not None and time.monotonic() - said > 5.0:
                 progress(f"terminated {done} of {len(handles)} node(s)")

@@ -35,13 +35,13 @@ import dataclasses
 import enum
 import re
 import time
-from typing import Callable
+from typing import Callable, Generic, TypeVar, cast
 
 from sftctl import settings
 from sftctl.catalog import Offering
 from sftctl.errors import CapacityError, ProviderError
 from sftctl.providers.base import NodeState, NodeStatus
-from sftctl.types import CloudHandle, FailureReason, NodeHandle
+from sftctl.types import CloudHandle, FailureReason, KubernetesHandle, NodeHandle
 
 #: Label / tag keys on every resource sftctl creates. Values obey GCP's label rules
 #: (lowercase letters, digits, ``-`` and ``_``, at most 63 characters), which also satisfy
@@ -123,7 +123,11 @@ def retry_throttled(is_throttle: Callable[[BaseException], bool], attempts: int 
     )
 
 
-class CloudProvider:
+#: the handle type of a CloudProvider subclass (``CloudProvider[AWSHandle]``): the handles it makes and takes
+H = TypeVar("H", bound="CloudHandle | KubernetesHandle")
+
+
+class CloudProvider(Generic[H]):
     """Base class of the cloud providers. See the module docstring for what a subclass implements.
 
     Args:
@@ -156,34 +160,39 @@ class CloudProvider:
     def zones(self, region: str) -> list[str | None]:
         raise NotImplementedError
 
-    def create_instance(self, request: InstanceRequest) -> NodeHandle:
+    def zones_for(self, offering: Offering) -> list[str | None]:
+        """The zones to try for ``offering``: :meth:`zones` of its region (GCP's TPU slices list
+        the TPU API's locations instead)."""
+        return self.zones(offering.region)
+
+    def create_instance(self, request: InstanceRequest) -> H:
         raise NotImplementedError
 
-    def describe(self, handle: NodeHandle) -> InstanceState:
+    def describe(self, handle: H) -> InstanceState:
         raise NotImplementedError
 
-    def delete_instance(self, handle: NodeHandle) -> None:
+    def delete_instance(self, handle: H) -> None:
         raise NotImplementedError
 
-    def private_ip(self, handle: NodeHandle) -> str | None:
+    def private_ip(self, handle: H) -> str | None:
         """The node's address inside the job's network (MASTER_ADDR for rank 0), or None."""
         return None
 
     def list_instances(self, job_id: str | None = None) -> list[dict]:
         raise NotImplementedError
 
-    def listed_handle(self, listed: dict) -> NodeHandle:
+    def listed_handle(self, listed: dict) -> H:
         """A handle for an entry of :meth:`list_instances` (for ``delete_instance``): its ids are
         label values and its rank unknown (-1)."""
         rank = listed.get("rank")
-        return self.handle_type.from_dict({**listed, "job_id": listed.get("job_id") or "",
-                                           "node_id": listed.get("node_id") or "",
-                                           "rank": rank if isinstance(rank, int) else -1})
+        return cast(H, self.handle_type.from_dict({**listed, "job_id": listed.get("job_id") or "",
+                                                   "node_id": listed.get("node_id") or "",
+                                                   "rank": rank if isinstance(rank, int) else -1}))
 
     # ------------------------------------------------------------ the Provider protocol
 
     def provision(self, job_id: str, node_id: str, rank: int, offering: Offering, *,
-                  spot: bool = False, bootstrap: str = "", image: str | None = None) -> NodeHandle:
+                  spot: bool = False, bootstrap: str = "", image: str | None = None) -> H:
         """Create one node in the first zone of ``offering.region`` with capacity; wait until it runs.
         On spot, zones go cheapest first where the offering knows their prices (``spot_zones``);
         ``blocked_zones`` (no capacity for this job, or a spot preemption's cool-down) are skipped.
@@ -194,7 +203,7 @@ class CloudProvider:
             ProviderError: the node did not reach RUNNING within ``ready_timeout_s`` (it is
                 deleted first), or the cloud rejected the request.
         """
-        zones = self.zones(offering.region)
+        zones = self.zones_for(offering)
         if spot and offering.spot_zones:  # the cheapest spot zone first (a refreshed catalog knows each)
             price = dict(offering.spot_zones)
             zones = sorted(zones, key=lambda z: price.get(z or "", float("inf")))
@@ -222,14 +231,14 @@ class CloudProvider:
             instance_type=offering.instance_type, code=last.code if last else "",
         )
 
-    def wait_ready(self, handle: NodeHandle) -> NodeHandle:
+    def wait_ready(self, handle: H) -> H:
         """Poll ``describe`` until RUNNING; delete the node and raise if it dies or times out."""
         end = time.monotonic() + self.ready_timeout_s
         while True:
             state = self.describe(handle)
             if state == InstanceState.RUNNING:
                 ip = self.private_ip(handle)  # the rendezvous address other nodes dial
-                return handle.with_(ip=ip) if ip else handle
+                return cast(H, handle.with_(ip=ip)) if ip else handle  # with_ keeps the class
             if state in (InstanceState.STOPPING, InstanceState.GONE) or time.monotonic() > end:
                 self.delete_instance(handle)
                 why = "stopped while starting" if state != InstanceState.PENDING else (
@@ -238,13 +247,13 @@ class CloudProvider:
                                     hint="sftctl deleted it; rerun, or pick another offering")
             time.sleep(self.poll_s)
 
-    def launch(self, handle: NodeHandle, script: str, env: dict[str, str], attempt: int) -> NodeHandle:
+    def launch(self, handle: H, script: str, env: dict[str, str], attempt: int) -> H:
         """Hand the node its attempt's script through the job's storage."""
         self._need_channel()
         self.channel.send_launch(handle.node_id, attempt, script, env)
-        return handle.with_(attempt=attempt, launched_at=time.time())
+        return cast(H, handle.with_(attempt=attempt, launched_at=time.time()))
 
-    def status(self, handle: NodeHandle) -> NodeStatus:
+    def status(self, handle: H) -> NodeStatus:
         """The node's instance state, refined by the attempt's exit code from the job's storage."""
         if handle.terminated:
             return NodeStatus(NodeState.TERMINATED)
@@ -266,30 +275,26 @@ class CloudProvider:
                     "(the bootstrap failed? see /var/lib/sftctl/<node>/bootstrap.log on the node)"))
         return NodeStatus(NodeState.RUNNING)
 
-    def read_log(self, handle: NodeHandle, offset: int) -> tuple[bytes, int]:
+    def read_log(self, handle: H, offset: int) -> tuple[bytes, int]:
         if self.channel is None:
             return b"", offset
         return self.channel.read_log(handle.node_id, offset)
 
-    def read_metrics(self, handle: NodeHandle, offsets: dict[str, int]) -> list[dict]:
+    def read_metrics(self, handle: H, offsets: dict[str, int]) -> list[dict]:
         return [] if self.channel is None else self.channel.read_metrics(handle.node_id, offsets)
 
-    def read_health(self, handle: NodeHandle, offsets: dict[str, int]) -> list[dict]:
+    def read_health(self, handle: H, offsets: dict[str, int]) -> list[dict]:
         return [] if self.channel is None else self.channel.read_health(handle.node_id, offsets)
 
-    def read_failure(self, handle: NodeHandle) -> FailureReason | None:
+    def read_failure(self, handle: H) -> FailureReason | None:
         if self.channel is None or handle.attempt is None:
             return None
         return self.channel.read_failure(handle.node_id, handle.attempt)
 
-    def stop_attempt(self, handle: NodeHandle) -> None:
+    def stop_attempt(self, handle: H) -> None:
         """Ask the node's daemon to stop the running attempt (the protocol's stop request)."""
         if self.channel is not None and handle.attempt:
             self.channel.request_stop(handle.node_id, handle.attempt)
-
-    def quarantine(self, handle: NodeHandle, reason: str) -> dict | None:
-        """Nothing to do: the instance is deleted, and its replacement is another machine."""
-        return None
 
     def keepalive(self, job_id: str) -> None:
         """The controller watches ``job_id``: rewrite the heartbeat in the job's storage
@@ -306,14 +311,7 @@ class CloudProvider:
         self.channel.beat()
         self._beat_at = now
 
-    def secrets_ref(self, job_id: str) -> str:
-        """Where this job's nodes read its secret values (``SFTCTL_SECRETS_REF`` of their
-        bootstrap, :mod:`sftctl.storage.secrets`), storing them there first; "" when the job has
-        none or the cloud has no secret store sftctl uses (then a node refuses to run without a
-        secret, naming it)."""
-        return ""
-
-    def terminate(self, handle: NodeHandle) -> None:
+    def terminate(self, handle: H) -> None:
         if handle.id:
             self.delete_instance(handle)
 

@@ -124,7 +124,7 @@ def aws_rows(regions: list[str] | None = None, *, workers: int = 16, provider=No
     home = "us-east-1"
     try:
         known = sorted(r["RegionName"] for r in p._call("ec2", home, "describe_regions")["Regions"])
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 the SDK's error, translated (p._fail)
         raise p._fail(e, "list the regions (DescribeRegions)") from None
     regions = known if regions is None else [r for r in regions if r in known]  # another cloud's: not here
 
@@ -168,7 +168,7 @@ def aws_rows(regions: list[str] | None = None, *, workers: int = 16, provider=No
                     seen = spot.setdefault(h["InstanceType"], {}).get(key)
                     if seen is None or when > seen[1]:  # the newest price per zone
                         spot[h["InstanceType"]][key] = (float(h["SpotPrice"]), when)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 the SDK's error, translated (p._fail)
             raise p._fail(e, f"read the GPU instance types of {region}") from None
         prices = _on_demand(p, region, set(names))
         rows = []
@@ -197,7 +197,7 @@ def _on_demand(p, region: str, instance_types: set[str]) -> dict[str, float]:
         ("capacitystatus", "Used"))]
     try:
         pages = p._pages("pricing", "us-east-1", "get_products", ServiceCode="AmazonEC2", Filters=filters)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 the SDK's error, translated (p._fail)
         raise p._fail(e, f"read the on-demand prices of {region} (Price List GetProducts)") from None
     out: dict[str, float] = {}
     for page in pages:
@@ -253,7 +253,7 @@ def gcp_rows(regions: list[str] | None = None, *, workers: int = 16, provider=No
             return p._call(fn)
         except SftctlError:
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 the SDK's error, translated (p._api_error)
             raise p._api_error(e, what) from None
 
     zones = call("list the zones", lambda: [z for z in clients["zones"].list(project=project) if z.status == "UP"])
@@ -337,7 +337,7 @@ def _gce_skus(p, call) -> dict:
         else:
             continue
         for region in sku.service_regions:
-            out[(usage, *key, region)] = usd
+            out[(usage, key[0], key[1], region)] = usd
     return out
 
 

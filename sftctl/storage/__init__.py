@@ -30,11 +30,11 @@ naming the storage URL and what failed, with a hint. Credential values never app
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import os
 import shutil
 import stat
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -241,7 +241,7 @@ class LocalStorage(Storage):
         out.sort(key=lambda kv: kv[0].encode())
         return out
 
-    def children(self, prefix: str) -> list[str]:
+    def children(self, prefix: str) -> builtins.list[str]:
         _check_prefix(prefix)
         top = self.root.joinpath(*prefix.strip("/").split("/")) if prefix.strip("/") else self.root
         try:

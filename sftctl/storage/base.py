@@ -6,6 +6,7 @@ imports none of them.
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import tempfile
@@ -119,7 +120,7 @@ class Storage:
         """
         raise NotImplementedError
 
-    def children(self, prefix: str) -> list[str]:
+    def children(self, prefix: str) -> builtins.list[str]:
         """The names directly below the "directory" ``prefix`` (which should end in ``/``):
         ``children("nodes/n1/metrics/")`` -> ``["rank-0.jsonl", "rank-1.jsonl"]`` whether those
         are objects or prefixes of deeper keys. Sorted, one listing call (a delimiter listing)."""
@@ -240,7 +241,7 @@ class Storage:
     def _delete_bucket(self) -> None:
         raise NotImplementedError
 
-    def _delete_many(self, keys: list[str]) -> None:
+    def _delete_many(self, keys: builtins.list[str]) -> None:
         for key in keys:
             self.delete(key)
 

@@ -143,7 +143,7 @@ def _collect(data: CheckpointData) -> dict[str, bytes | Path]:
         root = Path(data)
         if not root.is_dir():
             raise ValueError(f"checkpoint directory {root} does not exist")
-        items = {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*")) if p.is_file()}
+        items: dict[str, bytes | Path] = {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*")) if p.is_file()}
     else:
         items = {name: (value if isinstance(value, (bytes, bytearray, memoryview)) else Path(value))
                  for name, value in data.items()}
@@ -416,7 +416,7 @@ def read_complete_marker(path: str | os.PathLike) -> int | None:
         return None
 
 
-def complete_local_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+def complete_local_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """Complete checkpoints in the local directory ``root`` as ``(step, path)``, oldest first:
     a ``step-%08d`` directory whose ``COMPLETE`` names its step and that holds ``state.pt`` or a
     DCP ``.metadata``. A missing ``root`` has none."""

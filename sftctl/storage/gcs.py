@@ -8,6 +8,7 @@ that emulator anonymously. The project (needed only to create a bucket) is
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import os
 import threading
@@ -148,7 +149,7 @@ class GCSStorage(Storage):
         out.sort(key=lambda kv: kv[0].encode())
         return out
 
-    def children(self, prefix: str) -> list[str]:
+    def children(self, prefix: str) -> builtins.list[str]:
         _check_prefix(prefix)
         full = (f"{self.prefix}/" if self.prefix else "") + prefix
         with self._errors(f"listing {prefix or '/'}"):

@@ -7,6 +7,7 @@ usual chain (environment, profile, instance role). Retries use botocore's ``stan
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import os
 from pathlib import Path
@@ -137,7 +138,7 @@ class S3Storage(Storage):
         out.sort(key=lambda kv: kv[0].encode())
         return out
 
-    def children(self, prefix: str) -> list[str]:
+    def children(self, prefix: str) -> builtins.list[str]:
         _check_prefix(prefix)
         full = (f"{self.prefix}/" if self.prefix else "") + prefix
         names = set()
@@ -152,7 +153,7 @@ class S3Storage(Storage):
         with self._errors(f"deleting {key}"):
             self.client.delete_object(Bucket=self.bucket, Key=self._k(key))
 
-    def _delete_many(self, keys: list[str]) -> None:
+    def _delete_many(self, keys: builtins.list[str]) -> None:
         for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
             batch = [{"Key": self._k(k)} for k in keys[i:i + 1000]]
             with self._errors("deleting objects"):

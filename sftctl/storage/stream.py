@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from sftctl import protocol, settings
 from sftctl.protocol import node_prefix
@@ -441,7 +441,7 @@ class NodeChannel:
 
     # ------------------------------------------------------------ node side
     def poll_launch(self, node_id: str, after_attempt: int = 0,
-                    environ: dict[str, str] | None = None) -> LaunchRequest | None:
+                    environ: Mapping[str, str] | None = None) -> LaunchRequest | None:
         """The newest launch request of the node with an attempt above ``after_attempt`` (rule 4):
         ``(attempt, script, env)``, or None when there is none yet.
 

@@ -28,6 +28,7 @@ import os
 import stat
 import tarfile
 from pathlib import Path
+from typing import Any
 
 from sftctl.errors import SpecError
 from sftctl.storage import Storage, StorageError
@@ -106,7 +107,7 @@ def _load_spec(directory: Path):
     return pathspec.GitIgnoreSpec.from_lines(lines)
 
 
-def _ignored(specs: list[tuple[str, object]], rel: str, is_dir: bool) -> bool:
+def _ignored(specs: list[tuple[str, Any]], rel: str, is_dir: bool) -> bool:
     """Whether ``rel`` (relative to the workdir) is ignored by the stack of ``(base, spec)``,
     evaluated like git: the deepest ignore file with a matching pattern decides."""
     verdict = False

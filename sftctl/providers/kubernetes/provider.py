@@ -1,55 +1,19 @@
-"""Kubernetes: one pod per node, on the cluster of a kubeconfig context (or the one we run in).
-
-What a job gets on the cluster (every object labelled ``sftctl-managed``, ``sftctl-job`` and, for
-a node's objects, ``sftctl-node``; manifests are Jinja2 templates in ``sftctl/templates/k8s/``):
-
-    Secret     sftctl-<job>-env       once per job: the secret environment (envFrom secretRef)
-    Service    sftctl-<job>           once per job, headless: pod DNS names for the rendezvous
-    ConfigMap  <node>-bootstrap       per node: its bootstrap script, mounted, run as the command
-    Pod        <node>                 per node: restartPolicy Never, GPU limit, node affinity
-
-A pod's hostname is ``rank-<rank>`` and its subdomain the job's Service, so rank 0 is reachable as
-``rank-0.sftctl-<job>`` from every pod of the job; that is ``MASTER_ADDR`` (and the handle's
-``ip``), with ``MASTER_PORT``, ``NODE_RANK``, ``NNODES`` and ``NPROC_PER_NODE`` for torchrun.
-
-The GPU model is chosen by the node labels clusters really carry, OR'ed as nodeSelectorTerms:
-``nvidia.com/gpu.product`` (NVIDIA GPU Feature Discovery: ``NVIDIA-H100-80GB-HBM3``),
-``cloud.google.com/gke-accelerator`` (GKE: ``nvidia-h100-80gb``) and
-``karpenter.k8s.aws/instance-gpu-name`` (Karpenter on EKS: ``h100``); AMD GPUs by the labels of
-AMD's node labeller (``amd.com/gpu.product-name``, ``amd.com/gpu.device-id``); the values that name each
-accelerator are the ``identity.kubernetes_labels`` column of ``sftctl/catalog/accelerators.yaml``
-(:func:`sftctl.catalog.identity.kubernetes_labels`).
-
-A node replaced for a health verdict (:meth:`KubernetesProvider.quarantine`): the job's next pods
-get node anti-affinity to the machine it ran on (``kubernetes.io/hostname NotIn [...]`` added to
-every nodeSelectorTerm; needs no rights on nodes), and the node is cordoned like ``kubectl
-cordon`` with the verdict in its ``sftctl.dev/cordon-reason`` annotation when the user may patch
-nodes; a 403 leaves the anti-affinity alone and says so in the job's events.
-
-Failure mapping: a pod that stays unscheduled (``PodScheduled=False``, e.g. ``Insufficient
-nvidia.com/gpu``) longer than ``pending_timeout_s`` is deleted and raises a
-:class:`CapacityError` of scope ``offering``; a ResourceQuota's ``exceeded quota`` (403) one of
-scope ``region`` (the context); 401 and other 403s a :class:`CredentialsError`; 429 is retried
-with :func:`retry_throttled`; 409 AlreadyExists on create is taken as done (idempotent).
-
-The ``kubernetes`` package is imported inside the functions, never at module import.
-"""
+"""The Kubernetes provider: :class:`KubernetesProvider` (see :mod:`sftctl.providers.kubernetes`),
+the API's errors in one line, and a pod's status."""
 
 from __future__ import annotations
 
 import datetime
-import hashlib
+from collections.abc import Sequence
 import json
 import os
-import re
 import threading
 import time
 
-from sftctl import settings, templates
+from sftctl import settings
 from sftctl.catalog import Offering
-from sftctl.catalog.identity import from_node_labels, kubernetes_labels
-from sftctl.errors import CapacityError, CredentialsError, ProviderError
-from sftctl.types import KubernetesHandle
+from sftctl.errors import CapacityError, CredentialsError, ProviderError, SftctlError
+from sftctl.health.platform import kept_out_note, listed_unhealthy_hosts, node_problem
 from sftctl.providers.cloud import (
     JOB_LABEL,
     MANAGED_LABEL,
@@ -59,267 +23,27 @@ from sftctl.providers.cloud import (
     InstanceRequest,
     InstanceState,
     label_value,
-    labels,
     retry_throttled,
 )
-
-#: How long a pod may stay unscheduled before its offering counts as out of capacity.
-PENDING_TIMEOUT_S = 300.0
-
-#: torchrun's default rendezvous port (``--master-port``), served by rank 0's pod.
-MASTER_PORT = 29500
-
-#: Where the bootstrap ConfigMap is mounted in the container, and its key (the file name).
-BOOTSTRAP_DIR = "/etc/sftctl/bootstrap"
-BOOTSTRAP_KEY = "bootstrap.sh"
-
-#: The container image when neither the spec nor the constructor names one, per GPU vendor.
-#: NGC's monthly PyTorch release (CUDA, NCCL, torch) and ROCm's PyTorch image.
-DEFAULT_IMAGES = {
-    "nvidia": "nvcr.io/nvidia/pytorch:24.08-py3",
-    "amd": "rocm/pytorch:latest",
-    "cpu": "python:3.11-slim",
-}
-
-#: What a pod runs when it is given no bootstrap: nothing, until sftctl deletes it.
-IDLE_BOOTSTRAP = "#!/usr/bin/env bash\n# sftctl: no bootstrap was given; hold the node until sftctl deletes it\nexec sleep infinity\n"
-
-GFD_PRODUCT = "nvidia.com/gpu.product"
-GKE_ACCELERATOR = "cloud.google.com/gke-accelerator"
-KARPENTER_GPU_NAME = "karpenter.k8s.aws/instance-gpu-name"
-KARPENTER_GPU_MEMORY = "karpenter.k8s.aws/instance-gpu-memory"
-AMD_PRODUCT = "amd.com/gpu.product-name"
-AMD_DEVICE_ID = "amd.com/gpu.device-id"
-
-#: The node label the kubelet sets to the node's hostname (Kubernetes documentation, "Well-Known
-#: Labels, Annotations and Taints"): replacement pods avoid a bad machine by it.
-HOSTNAME_LABEL = "kubernetes.io/hostname"
-#: Annotations sftctl writes on a node it cordons: the verdict, who cordoned it, and when (UTC).
-CORDON_REASON = "sftctl.dev/cordon-reason"
-CORDONED_BY = "sftctl.dev/cordoned-by"
-CORDONED_AT = "sftctl.dev/cordoned-at"
-
-GPU_RESOURCES = {"nvidia": "nvidia.com/gpu", "amd": "amd.com/gpu"}
-
-#: Node pool labels, in the order an offering's ``instance_type`` is taken from them.
-POOL_LABELS = ("cloud.google.com/gke-nodepool", "eks.amazonaws.com/nodegroup", "karpenter.sh/nodepool",
-               "kubernetes.azure.com/agentpool")
-
-#: Labels of spot / preemptible nodes (GKE, Karpenter, EKS managed node groups), preferred for spot.
-SPOT_LABELS = (("cloud.google.com/gke-spot", "true"), ("karpenter.sh/capacity-type", "spot"),
-               ("eks.amazonaws.com/capacityType", "SPOT"))
-
-_HINT = "set KUBECONFIG or run `kubectl config use-context CONTEXT` (or SFTCTL_K8S_CONTEXT)"
-
-
-# -------------------------------------------------------------------- names and labels
-
-
-def dns_label(value: str, max_len: int = 63, prefix: str = "") -> str:
-    """``prefix + value`` as an RFC 1123 DNS label (lowercase alphanumerics and ``-``, <= ``max_len``).
-
-    Too long a name is cut and given a short hash of the whole, so two long ids stay distinct.
-    """
-    raw = prefix + value
-    v = re.sub(r"[^a-z0-9-]+", "-", raw.lower()).strip("-") or "x"
-    if len(v) > max_len:
-        v = v[: max_len - 9].rstrip("-") + "-" + hashlib.sha256(raw.encode()).hexdigest()[:8]
-    return v
-
-
-def names(job_id: str, node_id: str, rank: int) -> dict[str, str]:
-    """The object names of one node of a job (see the module docstring)."""
-    service = dns_label(job_id, prefix="sftctl-")  # an RFC 1035 label: the prefix makes it start with a letter
-    pod = dns_label(node_id)
-    return {
-        "service": service,
-        "secret": dns_label(job_id, max_len=253, prefix="sftctl-") + "-env",
-        "pod": pod,
-        "configmap": pod + "-bootstrap",
-        "hostname": f"rank-{rank}",
-    }
-
-
-def node_selector_terms(accelerator: str) -> list[list[tuple[str, list[str]]]]:
-    """The OR'ed nodeSelectorTerms (each an AND of ``(label, values)``) that select ``accelerator``.
-
-    Raises:
-        ProviderError: an accelerator whose node labels sftctl does not know.
-    """
-    entry = _gpu_entry(accelerator)
-    if entry is None:
-        raise ProviderError(f"kubernetes: no node labels known for accelerator {accelerator!r}",
-                            hint=f"known: {', '.join(kubernetes_labels())}, cpu (the identity column of "
-                                 "sftctl/catalog/accelerators.yaml names each GPU's labels)")
-    name, table = entry
-    terms = [[(key, table[key])] for key in (GFD_PRODUCT, GKE_ACCELERATOR, AMD_PRODUCT, AMD_DEVICE_ID) if key in table]
-    if KARPENTER_GPU_NAME in table:
-        term = [(KARPENTER_GPU_NAME, table[KARPENTER_GPU_NAME])]
-        if KARPENTER_GPU_MEMORY in table:
-            term.append((KARPENTER_GPU_MEMORY, table[KARPENTER_GPU_MEMORY]))
-        terms.append(term)
-    return terms
-
-
-def _gpu_entry(accelerator: str) -> tuple[str, dict] | None:
-    for name, table in kubernetes_labels().items():
-        if name.lower() == accelerator.lower():
-            return name, table
-    return None
-
-
-def node_accelerator(node: dict) -> tuple[str, str, int]:
-    """What a node (an API ``Node`` as a dict) offers: ``(accelerator, label value, GPUs)``.
-
-    ``accelerator`` is a catalog name (``H100``), ``"cpu"`` for a node without GPUs, or ``""`` for
-    GPUs sftctl cannot name; ``label value`` the product label it was read from; ``GPUs`` the
-    node's allocatable ``nvidia.com/gpu`` or ``amd.com/gpu``.
-    """
-    node_labels = (node.get("metadata") or {}).get("labels") or {}
-    alloc = (node.get("status") or {}).get("allocatable") or {}
-    gpus = {vendor: int(_quantity(alloc.get(res, "0"))) for vendor, res in GPU_RESOURCES.items()}
-    if not any(gpus.values()):
-        return "cpu", "", 0
-    vendor = "nvidia" if gpus["nvidia"] else "amd"
-    keys = (GFD_PRODUCT, GKE_ACCELERATOR, KARPENTER_GPU_NAME) if vendor == "nvidia" else (AMD_PRODUCT, AMD_DEVICE_ID)
-    found = from_node_labels(node_labels, keys, memory_label=KARPENTER_GPU_MEMORY, name_label=KARPENTER_GPU_NAME)
-    name, value = found if found is not None else ("", "")
-    return name, value, gpus[vendor]
-
-
-_QUANTITY_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-                    "n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
-                    "P": 1e15, "E": 1e18}
-
-
-def _quantity(value) -> float:
-    """A Kubernetes resource quantity (``8``, ``95500m``, ``1056Gi``) as a number; 0 if unreadable."""
-    m = re.fullmatch(r"\s*([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)([A-Za-z]*)\s*", str(value))
-    if not m or m.group(2) not in _QUANTITY_SUFFIX:
-        return 0.0
-    return float(m.group(1)) * _QUANTITY_SUFFIX[m.group(2)]
-
-
-# -------------------------------------------------------------------- templates
-
-
-def render(name: str, **context) -> str:
-    """Render ``sftctl/templates/k8s/<name>`` (YAML text); a missing variable raises an error."""
-    return templates.render(f"k8s/{name}", **context)
-
-
-def manifest(name: str, **context) -> dict:
-    """Render template ``name`` and load it (``yaml.safe_load``): the object to send to the API."""
-    import yaml
-
-    return yaml.safe_load(render(name, **context))
-
-
-def node_manifests(request: InstanceRequest, *, namespace: str, secrets: dict[str, str] | None = None,
-                   image: str | None = None, num_nodes: int | None = None,
-                   avoid_hosts: list[str] | None = None) -> dict[str, dict]:
-    """The objects of one node: ``{"secret": ..., "service": ..., "configmap": ..., "pod": ...}``.
-
-    ``secret`` is None when there are no secrets. ``avoid_hosts``: ``kubernetes.io/hostname``
-    values the pod must not run on (machines a health verdict took out of the job), added as a
-    ``NotIn`` requirement to every nodeSelectorTerm. Pure: renders, calls no API.
-    """
-    n = names(request.job_id, request.node_id, request.rank)
-    accelerator = request.offering.accelerator
-    job_labels = labels(request.job_id)
-    node_labels = request.labels or labels(request.job_id, request.node_id)
-    if accelerator.lower() == "cpu":
-        vendor, gpus, terms = "cpu", 0, []
-    else:
-        entry = _gpu_entry(accelerator)
-        vendor = entry[1]["vendor"] if entry else "nvidia"
-        gpus, terms = request.offering.count, node_selector_terms(accelerator)
-    gpu_resource = GPU_RESOURCES.get(vendor) if gpus else None
-    master = f"rank-0.{n['service']}"  # rank 0's hostname (see names) in the job's Service
-    env = {
-        "SFTCTL_JOB_ID": request.job_id,
-        "SFTCTL_NODE_ID": request.node_id,
-        "SFTCTL_NODE_RANK": str(request.rank),
-        "NODE_RANK": str(request.rank),
-        "MASTER_ADDR": master,
-        "MASTER_PORT": str(MASTER_PORT),
-        "NPROC_PER_NODE": str(max(1, request.offering.count)),
-    }
-    if num_nodes:
-        env.update(NNODES=str(num_nodes), SFTCTL_NUM_NODES=str(num_nodes))
-    common = dict(job_id=request.job_id, node_id=request.node_id, rank=request.rank, namespace=namespace,
-                  master_port=MASTER_PORT, **n)
-    secret = None
-    if secrets:
-        secret = manifest("secret.yaml.j2", labels=job_labels, data=secrets, **common)
-    return {
-        "secret": secret,
-        "service": manifest("service.yaml.j2", labels=job_labels,
-                            selector={MANAGED_LABEL: "true", JOB_LABEL: job_labels[JOB_LABEL]}, **common),
-        "configmap": manifest("configmap.yaml.j2", labels=node_labels, bootstrap_key=BOOTSTRAP_KEY,
-                              bootstrap=request.bootstrap or IDLE_BOOTSTRAP, **common),
-        "pod": manifest(
-            "pod.yaml.j2", labels=node_labels, accelerator=accelerator, env=env,
-            image=request.image or image or DEFAULT_IMAGES[vendor],
-            # a GPU limit is also the request (extended resources); a CPU node asks one core per process
-            limits={gpu_resource: str(gpus)} if gpu_resource else {},
-            requests={} if gpu_resource else {"cpu": str(max(1, request.offering.count))},
-            node_selector_terms=terms, avoid_hosts=sorted(avoid_hosts or []), hostname_label=HOSTNAME_LABEL,
-            tolerations=[gpu_resource] if gpu_resource else [],
-            spot=request.spot, spot_labels=SPOT_LABELS, bootstrap_dir=BOOTSTRAP_DIR, bootstrap_key=BOOTSTRAP_KEY,
-            secret=n["secret"] if secrets else None, **{k: v for k, v in common.items() if k != "secret"},
-        ),
-    }
-
-
-# -------------------------------------------------------------------- API errors
-
-
-#: Labels of a controller's Job, its pod and its Secret (never ``sftctl-managed``/``sftctl-job``:
-#: the job's node sweeps, :meth:`KubernetesProvider.terminate_tagged` and ``list_instances``, must
-#: not take the controller for a node)
-CONTROLLER_ROLE_LABEL = "sftctl-role"
-CONTROLLER_OF_LABEL = "sftctl-controller-of"
-#: where the controller's pod keeps its SFTCTL_HOME (an emptyDir: the job dir, its log)
-CONTROLLER_HOME = "/var/lib/sftctl"
-
-
-def controller_names(job_id: str) -> dict[str, str]:
-    """The names of ``job_id``'s controller Job and its Secret (DNS labels)."""
-    job = dns_label(job_id, prefix="sftctl-ctl-", max_len=52)  # the Job controller's pod suffix fits 63
-    return {"job": job, "secret": f"{job}-env"}
-
-
-def controller_manifests(job_id: str, argv: list[str], *, namespace: str, env: dict[str, str],
-                         secret_env: dict[str, str], image: str) -> dict:
-    """The batch/v1 Job (one pod, ``restartPolicy: Never``, ``backoffLimit: 0``: a controller
-    that dies is the state's to see, never run twice at once) running ``argv`` with ``env`` and
-    the Secret (``secret_env``, base64, read through ``envFrom``; None when empty) of ``job_id``'s
-    controller. Returns ``{"job": dict, "secret": dict | None}``; values never appear in the Job."""
-    import base64
-
-    n = controller_names(job_id)
-    lab = {CONTROLLER_ROLE_LABEL: "controller", CONTROLLER_OF_LABEL: label_value(job_id)}
-    ann = {"sftctl.dev/job-id": job_id}
-    secret = None if not secret_env else {
-        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-        "metadata": {"name": n["secret"], "namespace": namespace, "labels": lab, "annotations": ann},
-        "data": {k: base64.b64encode(v.encode()).decode() for k, v in sorted(secret_env.items())}}
-    container = {
-        "name": "controller", "image": image, "command": list(argv),
-        "env": [{"name": k, "value": v} for k, v in sorted({**env, "SFTCTL_HOME": CONTROLLER_HOME}.items())],
-        "resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
-        "volumeMounts": [{"name": "sftctl-home", "mountPath": CONTROLLER_HOME}]}
-    if secret is not None:
-        container["envFrom"] = [{"secretRef": {"name": n["secret"]}}]
-    job = {
-        "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": {"name": n["job"], "namespace": namespace, "labels": lab, "annotations": ann},
-        "spec": {"backoffLimit": 0, "template": {
-            "metadata": {"labels": lab, "annotations": ann},
-            "spec": {"restartPolicy": "Never", "containers": [container],
-                     "volumes": [{"name": "sftctl-home", "emptyDir": {}}]}}}}
-    return {"job": job, "secret": secret}
+from sftctl.providers.kubernetes.manifests import (
+    _HINT,
+    CONTROLLER_OF_LABEL,
+    CONTROLLER_ROLE_LABEL,
+    CORDON_REASON,
+    CORDONED_AT,
+    CORDONED_BY,
+    DEFAULT_IMAGES,
+    HOSTNAME_LABEL,
+    PENDING_TIMEOUT_S,
+    POOL_LABELS,
+    _quantity,
+    controller_manifests,
+    controller_names,
+    names,
+    node_accelerator,
+    node_manifests,
+)
+from sftctl.types import KubernetesHandle
 
 
 def _status_message(e) -> str:
@@ -345,7 +69,7 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:300] or type(e).__name__
 
 
-class KubernetesProvider(CloudProvider):
+class KubernetesProvider(CloudProvider[KubernetesHandle]):
     """Nodes as pods on a Kubernetes cluster. See the module docstring.
 
     Args:
@@ -368,6 +92,12 @@ class KubernetesProvider(CloudProvider):
 
     name = "kubernetes"
     handle_type = KubernetesHandle
+
+    @classmethod
+    def for_plan(cls, spec=None) -> "KubernetesProvider":
+        """The provider the planner asks for the cluster's offerings
+        (:class:`~sftctl.providers.base.LiveOfferings`): the kubeconfig's, whatever the spec."""
+        return cls()
 
     def __init__(self, channel=None, poll_s: float = 2.0, ready_timeout_s: float = READY_TIMEOUT_S,
                  context: str | None = None, namespace: str | None = None,
@@ -420,7 +150,7 @@ class KubernetesProvider(CloudProvider):
                                         persist_config=False)
             except CredentialsError:
                 raise
-            except Exception as e:  # ConfigException, YAML errors, a file that is not a kubeconfig
+            except Exception as e:  # noqa: BLE001 ConfigException, YAML errors, a file that is not a kubeconfig
                 raise CredentialsError(f"kubernetes: the kubeconfig {path} is not usable: {_one_line(e)}",
                                        hint=_HINT) from None
             self.context = wanted
@@ -432,7 +162,7 @@ class KubernetesProvider(CloudProvider):
             configuration = client.Configuration()
             try:
                 config.load_incluster_config(client_configuration=configuration)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 whatever it raises: the service account is not usable
                 raise CredentialsError(f"kubernetes: the in-cluster service account is not usable: {_one_line(e)}",
                                        hint=_HINT) from None
             self._region = self._region or "cluster"
@@ -531,7 +261,7 @@ class KubernetesProvider(CloudProvider):
         items = (self._json("list nodes", self._core().list_node) or {}).get("items") or []
         best: dict[str, dict] = {}
         for node in items:
-            if (node.get("spec") or {}).get("unschedulable") or not _ready(node):
+            if (node.get("spec") or {}).get("unschedulable") or not _ready(node) or node_problem(node):  # 41.4
                 continue
             name, product, gpus = node_accelerator(node)
             alloc = (node.get("status") or {}).get("allocatable") or {}
@@ -556,7 +286,8 @@ class KubernetesProvider(CloudProvider):
                 region=self.region, usd_per_hour=price, spot_usd_per_hour=price,
                 vcpus=int(info["cpu"]) or None, memory_gib=round(info["memory"] / 2**30, 1) or None,
                 source=f"kubernetes node labels and allocatable resources ({self.region})"
-                       + ("; price from the sftctl price table" if rate else "; no price given: $0/h"),
+                       + ("; price from the sftctl price table" if rate else "; no price given: $0/h")
+                       + kept_out_note(items),  # issue 41.4: what HyperPod / NVSentinel keep out
                 as_of=datetime.date.today().isoformat(),
             ))
         return out
@@ -577,6 +308,7 @@ class KubernetesProvider(CloudProvider):
         num_nodes = getattr(request, "num_nodes", None) or self.num_nodes
         with self._lock:
             avoid = sorted(self.avoid_hosts.get(request.job_id, ()))
+        avoid = sorted({*avoid, *listed_unhealthy_hosts(lambda: self._json("list nodes", self._core().list_node))})
         objs = node_manifests(request, namespace=ns, secrets=secrets, image=self.image, num_nodes=num_nodes,
                               avoid_hosts=avoid)
         core = self._core()
@@ -591,7 +323,7 @@ class KubernetesProvider(CloudProvider):
             try:
                 self._call(f"delete configmap {cm}", core.delete_namespaced_config_map, cm, ns, allow=(404,))
                 self._release_job_objects(ns, request.job_id, pod)
-            except Exception:  # best effort: the create's error is the one to report (terminate_tagged sweeps)
+            except Exception:  # noqa: BLE001 best effort: the create's error is the one to report (terminate_tagged sweeps)
                 pass
             raise
         n = names(request.job_id, request.node_id, request.rank)
@@ -826,6 +558,41 @@ class KubernetesProvider(CloudProvider):
                                                 CORDONED_BY: by or "sftctl", CORDONED_AT: at}}
         return self._json(f"cordon node {node_name}", self._core().patch_node, node_name, body, allow=(404,))
 
+    @classmethod
+    def for_job(cls, spec, channel, secrets) -> "KubernetesProvider":
+        """The job's provider (:class:`~sftctl.providers.base.BuiltForJob`): with job storage,
+        its channel, the values the job's Secret carries and the world size its pods learn."""
+        ch = channel()
+        if ch is None:
+            return cls()
+        return cls(channel=ch, secrets=secrets(), num_nodes=spec.resources.nodes)
+
+    @classmethod
+    def node_objects(cls, request: InstanceRequest, *, provider: "KubernetesProvider | None" = None,
+                     secret_names: Sequence[str] = (), num_nodes: int | None = None) -> tuple[str, list[dict]]:
+        """``("Kubernetes objects", objects)``: what :meth:`create_instance` makes for ``request`` (ConfigMap, Service, Secret
+        with every value ``<secret>``, pod), as ``run --dry-run`` and the launch request show
+        them (:class:`~sftctl.providers.base.RendersNodeDocuments`): with the controller's
+        ``provider``, its namespace, image, world size, Secret's names and machines kept out;
+        else this configuration's namespace (:func:`preview_namespace`), the default image,
+        ``num_nodes`` and ``secret_names``."""
+        if provider is not None:
+            names, avoid = sorted(provider.secrets), sorted(provider.avoid_hosts.get(request.job_id, ()))
+            namespace, image, num_nodes = provider.namespace, provider.image, provider.num_nodes
+        else:
+            names, avoid, namespace, image = list(secret_names), [], preview_namespace(), None
+        objs = node_manifests(request, namespace=namespace, secrets={k: "<secret>" for k in names} or None,
+                              image=image, num_nodes=num_nodes, avoid_hosts=avoid)
+        return "Kubernetes objects", [o for o in objs.values() if o is not None]
+
+    def keep_out(self, job_id: str, machines: set[str]) -> set[str]:
+        """Give ``job_id``'s next pods node anti-affinity to ``machines`` (hostnames the state
+        marks bad); returns those not avoided yet."""
+        avoid = self.avoid_hosts.setdefault(job_id, set())
+        new = set(machines) - avoid
+        avoid |= set(machines)
+        return new
+
     def quarantine(self, handle: KubernetesHandle, reason: str) -> dict | None:
         """Keep the machine ``handle``'s pod ran on away from the job (called before
         :meth:`terminate` when a health verdict replaces the node; ``reason`` is the verdict).
@@ -932,3 +699,13 @@ def _pod_detail(pod: dict | None) -> str:
     if message:
         parts.append(message)
     return ", ".join(parts)
+
+
+def preview_namespace() -> str:
+    """The namespace the Kubernetes provider would use here (``SFTCTL_K8S_NAMESPACE``, else the
+    kubeconfig context's, else ``default``); without a usable kubeconfig, the setting or ``default``
+    (a dry run still shows the objects)."""
+    try:
+        return KubernetesProvider().namespace
+    except (SftctlError, ImportError):  # no kubeconfig, or no SDK, on this machine
+        return settings.get("SFTCTL_K8S_NAMESPACE") or "default"

@@ -1,450 +1,44 @@
-"""Slurm: a job is one ``sbatch`` allocation per attempt on the lab's own cluster.
-
-Two ways to reach the cluster (:class:`SlurmConfig`):
-
-* **login node** (no ``host``): sftctl runs where ``sinfo`` works; ``SLURM_CONF`` is honoured by
-  Slurm's own commands. The job's files live under ``$SFTCTL_HOME/jobs/<job>/slurm/``, which the
-  compute nodes must see (a shared filesystem, as ``$HOME`` is on nearly every cluster).
-* **SSH** (``host`` set): every Slurm command and file read goes through the system ``ssh`` to the
-  login node, with connection reuse (``ControlMaster=auto``, ``ControlPersist``): the first call
-  opens the connection, the others ride on it (a few ms each). The job's files live under
-  ``remote_dir`` on the cluster (``~/.sftctl/jobs`` by default); the spec's workdir is copied
-  there once per job (a tar stream over the same connection).
-
-Layout on the cluster (``<root>`` = the job's directory there)::
-
-    <root>/nodes/<node id>/   the node directory of sftctl.protocol (NodeDir): the attempt's
-                              script and environment (0600), its log, exit code, the Slurm node
-                              it ran on and Slurm's restart count, metrics and GPU samples
-    <root>/attempt-<n>/       sbatch.sh and step.sh (templates/slurm/*.j2), slurm_job_id
-    <root>/slurm-<job id>.out the batch script's own output
-
-The controller calls ``provision`` and ``launch`` once per node. ``provision`` creates nothing on
-the cluster (rank 0 asks ``sbatch --test-only`` whether the allocation could ever run, so an
-impossible request fails at once with exit 3); ``launch`` writes each node's script and
-environment, and the launch of the last node submits the attempt's one allocation: ``--nodes``,
-one task per node, GPUs (``--gpus-per-node`` or a typed ``--gres=gpu:TYPE:N`` when the partition
-types its GPUs), CPUs, memory, partition, account, QOS, ``--time`` from the spec's deadline,
-``--requeue``, ``--signal`` before the time limit, output files, ``--exclude`` of nodes that
-failed this job, and ``--comment`` carrying sftctl's labels. ``srun`` starts one step task per
-node, which runs that node's script with its ``SFTCTL_*`` variables; the rendezvous host is the
-allocation's first node (``scontrol show hostnames``, its ``NodeAddr``).
-
-Status: ``squeue``, then ``scontrol show job`` (both forget a job ``MinJobAge`` after it ends),
-then ``sacct`` where accounting exists, then the node's exit file, which the node script writes
-last. A pending job is RUNNING to the controller with ``detail`` = the pending reason in words.
-A node whose allocation ended without an exit code is LOST (replaced: the next allocation
-excludes its Slurm node); Slurm's own requeue (``--requeue``, after preemption or NODE_FAIL) is
-followed: the job stays RUNNING and resumes from its checkpoint when it starts again.
-
-Teardown: ``scancel``. ``list_instances`` / ``terminate_tagged`` find sftctl's jobs by their
-comment (``sftctl-managed=true,sftctl-job=<job>,sftctl-home=<hash>``), only the user's own and
-only those of this sftctl home.
-"""
+"""The Slurm provider: :class:`SlurmProvider` (see :mod:`sftctl.providers.slurm`)."""
 
 from __future__ import annotations
 
-import base64
-import dataclasses
 import datetime
-import hashlib
-import json
 import os
 import re
 import shlex
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 from sftctl import settings
 from sftctl.catalog import Offering
-from sftctl.catalog.identity import from_slurm_gres
+from sftctl.catalog.accelerators import find_accelerator
 from sftctl.errors import CapacityError, ProviderError
+from sftctl.health.platform import asked_slurm_version, requeue_option
 from sftctl.protocol import CONTROLLER_HEARTBEAT, NodeDir, complete_json_lines, parse_exit_code, parse_failure
 from sftctl.providers.base import NodeState, NodeStatus
+from sftctl.providers.slurm.config import (
+    COMMENT_PREFIX,
+    CONTROLLER_ROLE,
+    ENDED,
+    EXPORT_NONE,
+    SIGNAL_BEFORE_S,
+    STATE_TTL_S,
+    accelerator_of,
+    comment,
+    controller_job_name,
+    duration,
+    home_tag,
+    load_config,
+    login_node_reason,
+    parse_comment,
+    parse_gres,
+    pending_words,
+)
+from sftctl.providers.slurm.runner import LocalRunner, Runner, SSHRunner
 from sftctl.slurm_config import SlurmConfig
 from sftctl.types import FailureReason, SlurmHandle
-
-#: Pending reasons of ``squeue`` (``%r``) in words. Source: Slurm's squeue man page, "JOB REASON
-#: CODES" (22.05 and 24.11 list the same codes for these).
-REASONS = {
-    "Resources": "waiting for resources: the nodes it needs are busy",
-    "Priority": "other jobs of higher priority are ahead in the queue",
-    "None": "just submitted, not yet looked at by the scheduler",
-    "BeginTime": "its earliest start time has not come yet (a requeued job waits a moment)",
-    "Dependency": "waiting for a job it depends on",
-    "QOSMaxGRESPerUser": "your QOS's limit on GPUs per user is reached",
-    "QOSMaxNodePerUserLimit": "your QOS's limit on nodes per user is reached",
-    "QOSMaxJobsPerUserLimit": "your QOS's limit on running jobs per user is reached",
-    "QOSGrpGRES": "the QOS's GPU limit for the whole group is reached",
-    "AssocGrpGRES": "your account's GPU limit is reached",
-    "AssocMaxJobsLimit": "your account's limit on running jobs is reached",
-    "ReqNodeNotAvail": "a node it needs is unavailable (down, drained or reserved)",
-    "PartitionNodeLimit": "it asks for more nodes than the partition allows",
-    "PartitionTimeLimit": "its time limit is above the partition's",
-    "PartitionDown": "the partition is down",
-    "PartitionInactive": "the partition is inactive",
-    "NodeDown": "a node it needs is down",
-    "BadConstraints": "its constraints cannot be satisfied",
-    "JobHeldUser": "held by its user (scontrol release)",
-    "JobHeldAdmin": "held by an administrator",
-    "Reservation": "waiting for its reservation",
-    "launch failed requeued held": "its launch failed and Slurm held it",
-}
-
-
-def pending_words(reason: str) -> str:
-    """A pending job's ``squeue`` reason code in words, keeping the code Slurm's docs use
-    (``Resources: waiting for resources ...``); Slurm's ``None`` (not yet scheduled) is words only."""
-    words = REASONS.get(reason, reason)
-    return words if reason in ("None", words) else f"{reason}: {words}"
-
-#: Slurm job states after which the allocation is gone (squeue's long names).
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
-         "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
-
-#: Seconds before the time limit at which Slurm signals the batch script (``--signal=B:USR1@``).
-SIGNAL_BEFORE_S = 90
-#: How long one squeue answer serves every node of an attempt (one poll reads all nodes).
-STATE_TTL_S = 0.5
-
-COMMENT_PREFIX = "sftctl-managed=true"
-#: the comment label of a job's controller run as a Slurm job (controller.place: slurm); the
-#: node allocations' listing (list_instances, terminate_tagged) leaves such jobs out
-CONTROLLER_ROLE = "sftctl-role=controller"
-
-
-def controller_job_name(job_id: str) -> str:
-    """The Slurm job name of ``job_id``'s controller (``sftctl-ctl-<job>``)."""
-    return f"sftctl-ctl-{job_id}"
-
-
-def load_config(spec_section: dict | None = None) -> SlurmConfig:
-    """The config file's ``slurm:`` section overlaid with the spec's (``spec_section``).
-
-    Raises:
-        SettingError: the file's section has a key :class:`SlurmConfig` lacks (its line, a
-            did-you-mean; exit 2).
-        ProviderError: ``spec_section`` has an unknown field.
-    """
-    from_file = config_file_section()
-    merged = {**from_file, **{k: v for k, v in (spec_section or {}).items() if v is not None}}
-    fields = {f.name for f in dataclasses.fields(SlurmConfig)}
-    for key in sorted(set(from_file) - fields):  # the file's line and a did-you-mean (exit 2)
-        raise settings.unknown_key(f"slurm.{key}", sorted(f"slurm.{f}" for f in fields))
-    unknown = sorted(set(merged) - fields)
-    if unknown:
-        raise ProviderError(f"slurm config: unknown field(s) {', '.join(unknown)}",
-                            hint=f"fields: {', '.join(sorted(fields))}")
-    if "ssh_options" in merged:
-        merged["ssh_options"] = tuple(merged["ssh_options"])
-    return SlurmConfig(**merged)
-
-
-def config_path() -> Path | None:
-    """The config file (:func:`sftctl.settings.config_path`: ``$SFTCTL_CONFIG``, else
-    ``~/.config/sftctl/config.yaml``, else ``$SFTCTL_HOME/config.yaml``), or None."""
-    path = settings.config_path()
-    return None if path is None else Path(path)
-
-
-def config_file_section() -> dict:
-    """The ``slurm:`` mapping of the config file, or {} when there is none.
-
-    Raises:
-        SettingError: the file is malformed or ``slurm`` is not a mapping (exit 2).
-    """
-    return settings.section("slurm")[1]
-
-
-def login_node_reason(environ: dict | None = None) -> str | None:
-    """None when Slurm's client commands work in this shell (cheap: no call), else why not."""
-    env = os.environ if environ is None else environ
-    if shutil.which("sinfo", path=env.get("PATH")) is None:
-        return "slurm: sinfo is not on PATH (not a login node; set slurm.host in the config to use SSH)"
-    conf = env.get("SLURM_CONF")
-    if conf:
-        return None if Path(conf).is_file() else f"slurm: SLURM_CONF={conf} does not exist"
-    if any(Path(p).is_file() for p in ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf",
-                                        "/usr/local/etc/slurm.conf")):
-        return None
-    if Path("/run/slurm/conf/slurm.conf").is_file():  # configless: slurmd caches it here
-        return None
-    return "slurm: no slurm.conf (set SLURM_CONF, or slurm.host in the config to use SSH)"
-
-
-def configured_reason(environ: dict | None = None) -> str | None:
-    """None when Slurm looks usable (an SSH host in the config, or a login node), else why not."""
-    try:
-        if config_file_section().get("host"):
-            return None
-    except (ProviderError, settings.SettingError) as e:
-        return e.message
-    return login_node_reason(environ)
-
-
-def home_tag() -> str:
-    """A short hash of this sftctl home: jobs of another home (another state, a test) are not ours."""
-    from sftctl.paths import sftctl_home
-
-    return hashlib.sha256(str(sftctl_home().resolve()).encode()).hexdigest()[:10]
-
-
-def comment(job_id: str) -> str:
-    return f"{COMMENT_PREFIX},sftctl-job={job_id},sftctl-home={home_tag()}"
-
-
-def parse_comment(text: str) -> dict[str, str]:
-    return dict(p.split("=", 1) for p in text.split(",") if "=" in p)
-
-
-def accelerator_of(gpu_type: str, overrides: dict | None = None) -> str:
-    """The catalog accelerator of a Slurm GPU type (``h100`` -> ``H100``), or ``""`` if unknown:
-    ``slurm.gpu_types`` (``overrides``) first, then the catalog (:func:`sftctl.catalog.identity.from_slurm_gres`:
-    each entry's ``identity.slurm_gres`` names, else its name with case, ``-`` and ``_`` ignored)."""
-    if overrides and gpu_type in overrides:
-        return overrides[gpu_type]
-    return from_slurm_gres(gpu_type)
-
-
-def parse_gres(text: str) -> list[tuple[str, int]]:
-    """GPU entries of a ``sinfo %G`` field: ``gpu:h100:4(S:0-1),shard:8`` -> ``[("h100", 4)]``;
-    an untyped ``gpu:2`` gives ``("", 2)``."""
-    out = []
-    for part in re.split(r",(?![^()]*\))", text or ""):
-        part = re.sub(r"\(.*\)$", "", part.strip())
-        bits = part.split(":")
-        if bits[0] != "gpu" or len(bits) < 2:
-            continue
-        if len(bits) == 2:
-            typ, count = "", bits[1]
-        else:
-            typ, count = bits[1], bits[2]
-        m = re.match(r"\d+", count)
-        if m:
-            out.append((typ if typ != "(null)" else "", int(m.group(0))))
-    return out
-
-
-def duration(seconds: float) -> str:
-    """``--time`` for sbatch: ``D-HH:MM:SS`` (rounded up to a minute, at least one)."""
-    minutes = max(1, int(-(-seconds // 60)))
-    d, rem = divmod(minutes, 1440)
-    h, m = divmod(rem, 60)
-    return f"{d}-{h:02d}:{m:02d}:00"
-
-
-# -------------------------------------------------------------------- where commands run
-
-
-_READ_FILES = r"""
-def read_files(req):
-    import glob
-    files = dict(req.get("files", {}))
-    for pattern in req.get("globs", []):
-        for p in glob.glob(pattern):
-            files.setdefault(p, 0)
-    out = {}
-    for p, off in files.items():
-        try:
-            with open(p, "rb") as f:
-                f.seek(off)
-                out[p] = f.read(16 << 20)
-        except OSError:
-            pass
-    return out
-"""
-
-#: What a remote read does: given {"files": {path: offset}, "globs": [pattern]}, print JSON
-#: {path: base64 bytes from its offset (16 MiB at most)} for each file that exists. Runs with
-#: the remote python3 (SSH mode); login-node mode runs the same ``read_files`` in this process
-#: (:func:`_read_local`): one round trip per node per poll.
-_READ_SCRIPT = _READ_FILES + r"""
-import base64, json, sys
-print(json.dumps({p: base64.b64encode(d).decode() for p, d in read_files(json.loads(sys.argv[1])).items()}))
-"""
-
-
-def _read_local(req: dict) -> dict[str, bytes]:
-    """:data:`_READ_SCRIPT`'s read, in this process: ``{path: bytes from its offset}``."""
-    namespace: dict = {}
-    exec(_READ_FILES, namespace)  # the very code the remote read runs
-    return namespace["read_files"](req)
-
-
-class Runner:
-    """Runs commands and moves files where Slurm is: here (login node) or over SSH."""
-
-    remote = False
-
-    def run(self, argv: list[str], *, input: bytes | None = None, timeout: float = 60,
-            check: bool = True) -> subprocess.CompletedProcess:
-        raise NotImplementedError
-
-    def write_files(self, files: dict[str, tuple[str, int]]) -> None:
-        """Write ``{path: (text, mode)}``, creating directories (0700)."""
-        raise NotImplementedError
-
-    def read(self, req: dict) -> dict[str, bytes]:
-        raise NotImplementedError
-
-    def home(self) -> str:
-        raise NotImplementedError
-
-
-class LocalRunner(Runner):
-    """Slurm commands in this shell (a login node); files on this (shared) filesystem."""
-
-    def run(self, argv, *, input=None, timeout=60, check=True):
-        try:
-            proc = subprocess.run(argv, input=input, capture_output=True, timeout=timeout)
-        except FileNotFoundError:
-            raise ProviderError(f"slurm: {argv[0]} not found", hint="run sftctl on a login node, or set slurm.host") from None
-        except subprocess.TimeoutExpired:
-            raise ProviderError(f"slurm: {' '.join(argv[:2])} did not answer within {timeout:.0f} s",
-                                hint="is slurmctld up? scontrol ping") from None
-        if check and proc.returncode != 0:
-            raise _command_error(argv, proc)
-        return proc
-
-    def write_files(self, files):
-        for path, (text, mode) in files.items():
-            p = Path(path)
-            p.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            tmp = p.with_name(p.name + ".tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.chmod(tmp, mode)
-            tmp.replace(p)
-
-    def read(self, req):
-        return _read_local(req)
-
-    def home(self):
-        return str(Path.home())
-
-
-#: a unix socket's path holds at most 108 bytes (Linux; 104 on macOS), and ssh first binds the
-#: control socket at the path plus a 17-character random suffix
-_SOCKET_PATH_MAX = 104 - 17
-
-
-def _control_dir(home: Path) -> Path:
-    """The directory of this home's ssh ControlMaster sockets: ``<home>/ssh``, or, when a path in
-    it would be too long for a unix socket (a deep ``SFTCTL_HOME``), ``sftctl-ssh-<uid>`` in the
-    temporary directory. Created 0700; raises ProviderError when that directory belongs to another
-    user or others can enter it (someone else could put a socket there)."""
-    d = home / "ssh"
-    if len(str(d / "cm-000000000000")) > _SOCKET_PATH_MAX:
-        d = Path(tempfile.gettempdir()) / f"sftctl-ssh-{os.getuid()}"
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    st = d.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise ProviderError(f"slurm: {d} (ssh control sockets) belongs to uid {st.st_uid} or is open to "
-                            f"others (mode {st.st_mode & 0o777:o})", hint="remove it, or set a shorter SFTCTL_HOME")
-    return d
-
-
-class SSHRunner(Runner):
-    """Every command through the system ``ssh`` to the login node, over one reused connection.
-
-    ``ControlMaster=auto`` with a control socket per (user, host, port) under ``$SFTCTL_HOME``
-    and ``ControlPersist=300``: the first command pays the handshake, later ones reuse it.
-    ``BatchMode=yes``: a missing key is an error, never a password prompt.
-    """
-
-    remote = True
-
-    def __init__(self, cfg: SlurmConfig):
-        from sftctl.paths import sftctl_home
-
-        self.cfg = cfg
-        self.target = f"{cfg.user}@{cfg.host}" if cfg.user else cfg.host
-        home = sftctl_home()
-        digest = hashlib.sha256(f"{home}:{self.target}:{cfg.port}".encode()).hexdigest()[:12]
-        self.control_path = str(_control_dir(home) / f"cm-{digest}")
-        self._home: str | None = None
-
-    def ssh_argv(self) -> list[str]:
-        argv = ["ssh", "-p", str(self.cfg.port), "-o", "BatchMode=yes", "-o", "ControlMaster=auto",
-                "-o", f"ControlPath={self.control_path}", "-o", "ControlPersist=300",
-                "-o", "ConnectTimeout=15", "-o", "ServerAliveInterval=15"]
-        if self.cfg.key:
-            argv += ["-i", str(Path(self.cfg.key).expanduser()), "-o", "IdentitiesOnly=yes"]
-        for opt in self.cfg.ssh_options:
-            argv += ["-o", str(opt)]
-        return argv + [self.target]
-
-    def run(self, argv, *, input=None, timeout=60, check=True):
-        cmd = self.ssh_argv() + ["--", " ".join(shlex.quote(a) for a in argv)]
-        try:
-            proc = subprocess.run(cmd, input=input, capture_output=True, timeout=timeout,
-                                  stdin=None if input is not None else subprocess.DEVNULL)
-        except FileNotFoundError:
-            raise ProviderError("slurm: the ssh client is not installed", hint="apt-get install openssh-client") from None
-        except subprocess.TimeoutExpired:
-            raise ProviderError(f"slurm: ssh {self.target} did not answer within {timeout:.0f} s",
-                                hint=f"check ssh -p {self.cfg.port} {self.target} works") from None
-        if proc.returncode == 255:
-            err = proc.stderr.decode(errors="replace").strip().splitlines()
-            raise ProviderError(f"slurm: ssh {self.target}: {err[-1] if err else 'connection failed'}",
-                                hint="check slurm.host, slurm.user, slurm.key (ssh -i KEY USER@HOST works?)")
-        if check and proc.returncode != 0:
-            raise _command_error(argv, proc)
-        return proc
-
-    def write_files(self, files):
-        # one round trip: a tar stream unpacked under / (paths are absolute)
-        import io
-        import tarfile
-
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            dirs = sorted({str(Path(p).parent) for p in files})
-            for path, (text, mode) in files.items():
-                data = text.encode()
-                info = tarfile.TarInfo(path.lstrip("/"))
-                info.size, info.mode, info.mtime = len(data), mode, int(time.time())
-                tar.addfile(info, io.BytesIO(data))
-        script = f"mkdir -p -m 700 {' '.join(shlex.quote(d) for d in dirs)} && tar -x -C / -f -"
-        self.run(["bash", "-c", script], input=buf.getvalue())
-
-    def read(self, req):
-        proc = self.run(["python3", "-c", _READ_SCRIPT, json.dumps(req)], check=False)
-        if proc.returncode != 0:
-            raise ProviderError(f"slurm: reading job files on {self.target} failed: "
-                                f"{proc.stderr.decode(errors='replace').strip()[-300:]}",
-                                hint="the login node needs python3")
-        return {p: base64.b64decode(d) for p, d in json.loads(proc.stdout or b"{}").items()}
-
-    def home(self):
-        if self._home is None:
-            self._home = self.run(["bash", "-c", "echo $HOME"]).stdout.decode().strip()
-        return self._home
-
-    def upload_dir(self, local: str, remote: str) -> None:
-        """Copy directory ``local`` to ``remote`` (a tar stream; ``.git``, venvs, caches left out)."""
-        tar = subprocess.Popen(["tar", "-C", local, "--exclude=.git", "--exclude=.venv", "--exclude=.ci-venv",
-                                "--exclude=__pycache__", "--exclude=*.pyc", "-cf", "-", "."],
-                               stdout=subprocess.PIPE)
-        data = tar.stdout.read()
-        tar.wait()
-        self.run(["bash", "-c", f"mkdir -p {shlex.quote(remote)} && tar -x -C {shlex.quote(remote)} -f -"],
-                 input=data, timeout=600)
-
-
-def _command_error(argv: list[str], proc: subprocess.CompletedProcess) -> ProviderError:
-    err = (proc.stderr or b"").decode(errors="replace").strip()
-    line = err.splitlines()[-1] if err else f"exit code {proc.returncode}"
-    return ProviderError(f"slurm: {argv[0]} failed: {line}", hint="sftctl check slurm; sinfo shows the cluster")
-
-
-# -------------------------------------------------------------------- the provider
 
 
 class SlurmProvider:
@@ -461,6 +55,24 @@ class SlurmProvider:
     """
 
     name = "slurm"
+
+    @classmethod
+    def for_plan(cls, spec=None) -> "SlurmProvider | None":
+        """The provider a job ``spec`` (a :class:`~sftctl.spec.JobSpec`) runs on: the config's
+        ``slurm:`` overlaid by the spec's, one allocation of ``resources.nodes``, ``--time`` from
+        its deadline. The planner asks it for offerings (sinfo) and start estimates
+        (:class:`~sftctl.providers.base.LiveOfferings`, ``QueueEstimate``); None without a spec
+        (a partition's limits are the spec's to choose)."""
+        if spec is None:
+            return None
+        cfg = spec.slurm.model_dump() if spec.slurm is not None else None
+        return cls(config=cfg, num_nodes=spec.resources.nodes, time_limit_s=spec.resources.deadline_s)
+
+    @classmethod
+    def for_job(cls, spec, channel=None, secrets=None) -> "SlurmProvider | None":
+        """The job's provider (:class:`~sftctl.providers.base.BuiltForJob`): :meth:`for_plan`'s;
+        its nodes read the cluster's filesystem, never job storage, so ``channel`` is not asked."""
+        return cls.for_plan(spec)
 
     def __init__(self, channel=None, config: SlurmConfig | dict | None = None, num_nodes: int | None = None,
                  time_limit_s: float | None = None, runner: Runner | None = None, **_: object):
@@ -480,6 +92,12 @@ class SlurmProvider:
         self.uploaded: dict[str, str] = {}  # job -> remote workdir
         self._cpu_share: dict[tuple[str, str], int | None] = {}
         self._beats: dict[str, float] = {}  # job -> when keepalive last wrote its heartbeat (monotonic)
+
+    @property
+    def remote(self) -> bool:
+        """True when the cluster is reached over SSH: its filesystem is not this machine's
+        (:class:`~sftctl.providers.base.ReachesFilesystem`)."""
+        return self.runner.remote
 
     # ---------------------------------------------------------------- paths
 
@@ -575,7 +193,7 @@ class SlurmProvider:
             CapacityError: Slurm says the allocation can never run (more nodes than the
                 partition has, a GPU type it lacks, a time limit above the partition's).
         """
-        argv = ["sbatch", "--test-only", *self._allocation_args(offering, nodes, exclude=self.excluded),
+        argv = ["sbatch", "--test-only", EXPORT_NONE, *self._allocation_args(offering, nodes, exclude=self.excluded),
                 "--wrap", "true"]
         proc = self.runner.run(argv, check=False, timeout=30)
         text = (proc.stderr or b"").decode(errors="replace").strip()
@@ -670,7 +288,7 @@ class SlurmProvider:
         files[f"{root}/{CONTROLLER_HEARTBEAT}"] = (f"{time.time():.3f}\n", 0o600)
         self._beats[job_id] = time.monotonic()
         self.runner.write_files(files)
-        proc = self.runner.run(["sbatch", "--parsable", f"{adir}/sbatch.sh"], check=False, timeout=60)
+        proc = self.runner.run(["sbatch", EXPORT_NONE, "--parsable", f"{adir}/sbatch.sh"], check=False, timeout=60)
         if proc.returncode != 0:
             err = (proc.stderr or b"").decode(errors="replace").strip()
             line = re.sub(r"^sbatch: error: ", "", err.splitlines()[-1] if err else f"exit code {proc.returncode}")
@@ -699,10 +317,13 @@ class SlurmProvider:
         return {
             "sbatch.sh": render("slurm/sbatch.sh.j2", job_id=job_id, attempt=attempt, root=root, options=opts,
                                 nodes=len(node_ids), signal_s=SIGNAL_BEFORE_S, comment=comment(job_id),
-                                requeue=self.cfg.requeue, grace_s=int(round(grace)),
+                                requeue=requeue_option(self.cfg.requeue, asked_slurm_version(self.runner)),
+                                grace_s=int(round(grace)),
                                 check_s=max(1, min(30, int(grace // 10) or 1))),
+            # an AMD accelerator's step runs with the ROCm environment (step.sh.j2 says why)
             "step.sh": render("slurm/step.sh.j2", job_id=job_id, attempt=attempt, root=root, node_ids=node_ids,
-                              python_dir=str(Path(python).parent) if python else ""),
+                              python_dir=str(Path(python).parent) if python else "",
+                              gpu_vendor=getattr(find_accelerator(offering.accelerator), "vendor", "")),
         }
 
     # ---------------------------------------------------------------- the job's controller
@@ -729,23 +350,35 @@ class SlurmProvider:
         if time_limit_s:
             options.append(f"--time={duration(time_limit_s)}")
         return render("slurm/controller.sh.j2", job_id=job_id, slurm_name=controller_job_name(job_id), options=options,
-                      log=log, chdir=chdir, comment=f"{comment(job_id)},{CONTROLLER_ROLE}", argv=argv)
+                      log=log, chdir=chdir, comment=f"{comment(job_id)},{CONTROLLER_ROLE}", argv=argv,
+                      env_file=self.controller_env_path(job_id))
+
+    def controller_env_path(self, job_id: str) -> str:
+        """The 0600 file that carries the environment of ``job_id``'s controller Slurm job
+        (``<job root>/controller.env``): written by :meth:`submit_controller`, read and deleted by
+        the batch script when it starts."""
+        return f"{self.job_root(job_id)}/controller.env"
 
     def submit_controller(self, job_id: str, argv: list[str], *, partition: str | None, log: str,
-                          chdir: str, time_limit_s: float | None = None) -> str:
-        """Write :meth:`controller_script` to ``<job root>/controller.sbatch.sh`` and ``sbatch`` it;
-        return the Slurm job id. The job is ``--no-requeue`` and inherits the environment of
-        the process that submits it (sbatch's default ``--export=ALL``: ``SFTCTL_HOME``, the
-        state's URL, ``SLURM_CONF``, the secrets' values).
+                          chdir: str, time_limit_s: float | None = None, env: dict[str, str] | None = None) -> str:
+        """Write ``env`` (the controller's environment: the state's URL, the secrets' values...)
+        to :meth:`controller_env_path` (0600) and :meth:`controller_script` to ``<job
+        root>/controller.sbatch.sh``, and ``sbatch --export=NONE`` it; return the Slurm job id.
+        The job is ``--no-requeue``; Slurm keeps none of the submitter's environment (only its
+        ``SLURM_*``, ``SLURM_CONF`` among them): the script reads ``env`` from the file and
+        deletes it.
 
         Raises:
             ProviderError: sbatch refused it (an unknown partition, an account limit), exit 4.
         """
         path = f"{self.job_root(job_id)}/controller.sbatch.sh"
-        self.runner.write_files({path: (self.controller_script(job_id, argv, partition=partition, log=log,
-                                                                chdir=chdir, time_limit_s=time_limit_s), 0o700)})
-        proc = self.runner.run(["sbatch", "--parsable", path], check=False, timeout=60)
+        env_text = "".join(f"export {k}={shlex.quote(str(v))}\n" for k, v in (env or {}).items())
+        self.runner.write_files({self.controller_env_path(job_id): (env_text, 0o600),
+                                 path: (self.controller_script(job_id, argv, partition=partition, log=log,
+                                                               chdir=chdir, time_limit_s=time_limit_s), 0o700)})
+        proc = self.runner.run(["sbatch", EXPORT_NONE, "--parsable", path], check=False, timeout=60)
         if proc.returncode != 0:
+            self.runner.run(["rm", "-f", self.controller_env_path(job_id)], check=False)  # no one will read it
             err = (proc.stderr or b"").decode(errors="replace").strip()
             line = re.sub(r"^sbatch: error: ", "", err.splitlines()[-1] if err else f"exit code {proc.returncode}")
             raise ProviderError(f"slurm: sbatch refused the controller of job {job_id}: {line}",
@@ -772,8 +405,9 @@ class SlurmProvider:
     def cancel_controller(self, job_id: str, grace_s: float = 20.0) -> list[str]:
         """Stop ``job_id``'s controller jobs: a running one gets SIGTERM (``scancel --batch
         --signal=TERM``: the controller cancels the job and stops its nodes itself) and
-        ``grace_s`` seconds to end; what is still in the queue then is cancelled outright. Returns
-        the Slurm job ids it found."""
+        ``grace_s`` seconds to end; what is still in the queue then is cancelled outright; the
+        controller's environment file (:meth:`controller_env_path`) is deleted. Returns the Slurm
+        job ids it found."""
         found = self.controller_jobs(job_id)
         running = [f["id"] for f in found if f["state"] in ("RUNNING", "CONFIGURING")]
         waiting = [f["id"] for f in found if f["id"] not in running]
@@ -788,6 +422,10 @@ class SlurmProvider:
             left = [f["id"] for f in self.controller_jobs(job_id) if f["state"] not in ("COMPLETING",)]
             if left:
                 self.runner.run(["scancel", *left], check=False)
+        # a controller cancelled (or scancelled) before it started never read and deleted it; the
+        # id may come from any Slurm job's comment (down --orphans): a plain name only, no path
+        if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", job_id):
+            self.runner.run(["rm", "-f", self.controller_env_path(job_id)], check=False)
         return [f["id"] for f in found]
 
     def _upload_workdir(self, job_id: str, root: str) -> str:
@@ -1017,6 +655,13 @@ class SlurmProvider:
         self.excluded.add(host)
         return {"machine": host, "actions": ["exclude"],
                 "message": f"slurm: node {host} is left out of this job's next allocations (--exclude): {reason}"}
+
+    def keep_out(self, job_id: str, machines: set[str]) -> set[str]:
+        """Put ``machines`` (Slurm node names the state marks bad) on this job's ``--exclude``
+        list; returns those not on it yet."""
+        new = set(machines) - self.excluded
+        self.excluded |= set(machines)
+        return new
 
     def terminate(self, handle: SlurmHandle) -> None:
         """Cancel the allocation of the node's attempt. The Slurm node it ran on goes on this

@@ -10,7 +10,14 @@ Configuration, first match wins:
 * credentials: the ``credentials`` argument (tests pass ``AnonymousCredentials``), else ADC
   (``gcloud auth application-default login`` or ``GOOGLE_APPLICATION_CREDENTIALS``); anonymous
   when the endpoint is an emulator's (``SFTCTL_GCE_ENDPOINT``) and the project is set.
-* endpoint: the ``api_endpoint`` argument or ``SFTCTL_GCE_ENDPOINT`` (an emulator), else Google's.
+* endpoint: the ``api_endpoint`` argument or ``SFTCTL_GCE_ENDPOINT`` (an emulator), else Google's;
+  the Cloud TPU API's: ``tpu_endpoint`` or ``SFTCTL_TPU_ENDPOINT`` (an emulated GCE without one
+  has no TPU API: its listings skip TPUs).
+
+An offering whose instance type is a Cloud TPU accelerator type (``v5litepod-16``, ``v6e-8``) is
+a TPU VM slice: :mod:`sftctl.providers.gcp_tpu` creates it as a queued resource, one sftctl node
+per slice, every host of it running the node daemon; this class hands it every call about such an
+offering or handle.
 
 A node is one instance named after its node id (:func:`instance_name`), in a zone of the
 offering's region, labelled with :func:`sftctl.providers.cloud.labels`, booting a Deep Learning
@@ -44,11 +51,15 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Mapping
+from pathlib import Path
 
 from sftctl.catalog import Offering, cloud_offerings
 from sftctl.catalog.identity import from_gce_accelerator_type, gce_accelerator_type
 from sftctl.errors import CapacityError, CredentialsError, ProviderError, SftctlError
 from sftctl.types import GCPHandle
+from sftctl.providers import gcp_tpu
+from sftctl.providers.base import NodeState, NodeStatus, ProviderEntry
 from sftctl.providers.cloud import (
     JOB_LABEL, MANAGED_LABEL, NODE_LABEL, READY_TIMEOUT_S, CloudProvider, InstanceRequest, InstanceState,
     label_value, retry_throttled,
@@ -129,7 +140,7 @@ def _google_message(e) -> str:
     """Google's own message of an api_core exception (without the ``METHOD URL:`` prefix)."""
     try:
         message = e.response.json()["error"]["message"]
-    except Exception:  # no response, not JSON: api_core's text is all there is
+    except Exception:  # noqa: BLE001 no response, not JSON: api_core's text is all there is
         message = getattr(e, "message", None) or str(e)
     return " ".join(str(message).split())
 
@@ -146,7 +157,7 @@ def _is_throttle(e: BaseException) -> bool:
     return isinstance(e, gexc.Forbidden) and bool(_reasons(e) & set(THROTTLE_REASONS))
 
 
-class GCPProvider(CloudProvider):
+class GCPProvider(CloudProvider[GCPHandle]):
     """Nodes on Google Compute Engine. See the module docstring.
 
     Args:
@@ -155,19 +166,23 @@ class GCPProvider(CloudProvider):
         project: the GCP project (else from the environment or ADC).
         credentials: ``google.auth`` credentials (else ADC).
         api_endpoint: the Compute API endpoint, e.g. ``http://127.0.0.1:8080`` for an emulator.
+        tpu_endpoint: the Cloud TPU API endpoint (an emulator), else ``SFTCTL_TPU_ENDPOINT``, else Google's.
     """
 
     name = "gcp"
     handle_type = GCPHandle
 
     def __init__(self, channel=None, poll_s: float = 2.0, ready_timeout_s: float = READY_TIMEOUT_S,
-                 project: str | None = None, credentials=None, api_endpoint: str | None = None, **_):
+                 project: str | None = None, credentials=None, api_endpoint: str | None = None,
+                 tpu_endpoint: str | None = None, **_):
         super().__init__(channel, poll_s, ready_timeout_s)
         self._project_arg = project
         self._credentials_arg = credentials
         from sftctl import settings
 
         self.api_endpoint = api_endpoint or settings.get("SFTCTL_GCE_ENDPOINT")
+        self.tpu_endpoint = tpu_endpoint or settings.get("SFTCTL_TPU_ENDPOINT")
+        self._tpu_slices: gcp_tpu.TPUSlices | None = None
         self._lock = threading.Lock()
         self._auth: tuple[object, str] | None = None
         self._clients: dict[str, object] = {}
@@ -328,6 +343,77 @@ class GCPProvider(CloudProvider):
             if time.monotonic() - started < self.poll_s:  # a wait that did not block: do not spin
                 time.sleep(self.poll_s)
 
+    # ------------------------------------------------------------------ Cloud TPU slices
+
+    def _tpu(self) -> gcp_tpu.TPUSlices:
+        """The TPU API half (created once): see :mod:`sftctl.providers.gcp_tpu`."""
+        with self._lock:
+            if self._tpu_slices is None:
+                self._tpu_slices = gcp_tpu.TPUSlices(self._resolve, self.tpu_endpoint, self.poll_s,
+                                                     self.ready_timeout_s, call=self._call)
+            return self._tpu_slices
+
+    def _tpu_workers(self, handle: GCPHandle) -> list[tuple[str, str]]:
+        """``(node id, internal address)`` of every worker of a TPU slice, worker 0 first."""
+        ips = self._tpu().endpoints(handle)
+        if not ips:
+            raise ProviderError(f"gcp: TPU slice {handle.id} has no hosts (gone?)")
+        return list(zip(gcp_tpu.worker_node_ids(handle.node_id, len(ips)), ips))
+
+    def zones_for(self, offering: Offering) -> list[str]:
+        """A TPU slice's zones are the TPU API's locations of the region; else GCE's zones."""
+        if gcp_tpu.is_tpu(offering.instance_type):
+            return self._tpu().zones(offering.region)
+        return self.zones(offering.region)
+
+    def launch(self, handle: GCPHandle, script: str, env: dict[str, str], attempt: int) -> GCPHandle:
+        """Hand the attempt to the node; on a TPU slice to every worker's daemon, each with its
+        ``jax.distributed`` environment (:func:`sftctl.providers.gcp_tpu.worker_env`)."""
+        if not gcp_tpu.is_tpu(handle.instance_type):
+            return super().launch(handle, script, env, attempt)
+        self._need_channel()
+        workers = self._tpu_workers(handle)
+        _family, chips, hosts = gcp_tpu.slice_shape(handle.instance_type)
+        for w, (node_id, _ip) in enumerate(workers):
+            self.channel.send_launch(node_id, attempt, script,
+                                     {**env, **gcp_tpu.worker_env(hosts, w, workers[0][1], chips // hosts)})
+        return handle.with_(attempt=attempt, launched_at=time.time())
+
+    def status(self, handle: GCPHandle) -> NodeStatus:
+        """A TPU slice's attempt ends when every worker's does: the first failed worker's exit
+        code fails it; a worker whose daemon has not taken the attempt after ``launch_timeout_s``
+        makes the slice LOST (replaced); else the slice's state as :meth:`CloudProvider.status`
+        reads worker 0's."""
+        first = super().status(handle)
+        if (not gcp_tpu.is_tpu(handle.instance_type) or handle.attempt is None or self.channel is None
+                or first.state not in (NodeState.RUNNING, NodeState.SUCCEEDED, NodeState.FAILED)):
+            return first
+        _family, _chips, hosts = gcp_tpu.slice_shape(handle.instance_type)
+        codes = [self.channel.exit_code(node_id, handle.attempt)
+                 for node_id in gcp_tpu.worker_node_ids(handle.node_id, hosts)]
+        for w, code in enumerate(codes):
+            if code not in (None, 0):
+                return NodeStatus(NodeState.FAILED, code, f"TPU worker {w} exited with code {code}")
+        late = time.time() - (handle.launched_at or time.time()) > self.launch_timeout_s
+        for w, node_id in enumerate(gcp_tpu.worker_node_ids(handle.node_id, hosts)):
+            if late and codes[w] is None and (node_id, handle.attempt) not in self._acked:
+                if not self.channel.acked(node_id, handle.attempt):
+                    return NodeStatus(NodeState.LOST, None, (
+                        f"TPU worker {w}'s daemon did not take attempt {handle.attempt} within "
+                        f"{self.launch_timeout_s:.0f} s (a lost host? see /var/lib/sftctl/<node>.w{w}/bootstrap.log)"))
+                self._acked.add((node_id, handle.attempt))
+        if all(code == 0 for code in codes):
+            return NodeStatus(NodeState.SUCCEEDED, 0, "exit code 0 on every TPU worker")
+        return NodeStatus(NodeState.RUNNING)
+
+    def stop_attempt(self, handle: GCPHandle) -> None:
+        """Ask the node's daemon (every worker's, on a TPU slice) to stop the running attempt."""
+        if not gcp_tpu.is_tpu(handle.instance_type) or self.channel is None or not handle.attempt:
+            return super().stop_attempt(handle)
+        _family, _chips, hosts = gcp_tpu.slice_shape(handle.instance_type)
+        for node_id in gcp_tpu.worker_node_ids(handle.node_id, hosts):
+            self.channel.request_stop(node_id, handle.attempt)
+
     # ------------------------------------------------------------------ CloudProvider
 
     def check(self) -> None:
@@ -427,6 +513,8 @@ class GCPProvider(CloudProvider):
             CredentialsError: 401 / 403.
             ProviderError: anything else GCE refused, with Google's message.
         """
+        if gcp_tpu.is_tpu(request.offering.instance_type):
+            return self._tpu().create(request, instance_name(request.node_id))
         from google.api_core import exceptions as gexc
         from google.cloud import compute_v1
 
@@ -456,7 +544,10 @@ class GCPProvider(CloudProvider):
 
     def describe(self, handle: GCPHandle) -> InstanceState:
         """The instance's state: PROVISIONING/STAGING -> PENDING, RUNNING, STOPPING/SUSPENDING/
-        TERMINATED (stopped) -> STOPPING, not found -> GONE."""
+        TERMINATED (stopped) -> STOPPING, not found -> GONE. A TPU slice: its queued resource's
+        state (:meth:`sftctl.providers.gcp_tpu.TPUSlices.describe`)."""
+        if gcp_tpu.is_tpu(handle.instance_type):
+            return self._tpu().describe(handle)
         from google.api_core import exceptions as gexc
 
         client = self._client("instances")
@@ -470,7 +561,11 @@ class GCPProvider(CloudProvider):
         return STATUS.get(inst.status, InstanceState.PENDING)
 
     def private_ip(self, handle: GCPHandle) -> str | None:
-        """The instance's internal address (``networkInterfaces[0].networkIP``)."""
+        """The instance's internal address (``networkInterfaces[0].networkIP``); a TPU slice's
+        worker 0's."""
+        if gcp_tpu.is_tpu(handle.instance_type):
+            ips = self._tpu().endpoints(handle)
+            return ips[0] if ips else None
         from google.api_core import exceptions as gexc
 
         try:
@@ -481,7 +576,10 @@ class GCPProvider(CloudProvider):
         return inst.network_interfaces[0].network_i_p if inst.network_interfaces else None
 
     def delete_instance(self, handle: GCPHandle) -> None:
-        """Delete the instance and wait for it to be gone; a missing instance is not an error."""
+        """Delete the instance and wait for it to be gone; a missing instance is not an error.
+        A TPU slice: its queued resource, with its node."""
+        if gcp_tpu.is_tpu(handle.instance_type):
+            return self._tpu().delete(handle.with_(project=handle.project or self.project))
         from google.api_core import exceptions as gexc
         from google.cloud import compute_v1
 
@@ -514,7 +612,9 @@ class GCPProvider(CloudProvider):
                                 hint=f"delete it by hand: gcloud compute instances delete {handle.id} --zone {zone}")
 
     def list_instances(self, job_id: str | None = None) -> list[dict]:
-        """Every instance labelled ``sftctl-managed=true`` (and ``sftctl-job=job_id``), any zone."""
+        """Every instance labelled ``sftctl-managed=true`` (and ``sftctl-job=job_id``), any zone,
+        then every such TPU queued resource (where there is a TPU API: Google's, or an emulator's
+        when GCE's is one)."""
         from google.api_core import exceptions as gexc
         from google.cloud import compute_v1
 
@@ -544,6 +644,31 @@ class GCPProvider(CloudProvider):
             return out
 
         try:
-            return self._call(fetch)
+            found = self._call(fetch)
         except gexc.GoogleAPICallError as e:
             raise self._api_error(e, "listing sftctl's instances") from None
+        if self.tpu_endpoint or not self.api_endpoint:
+            try:
+                found += self._tpu().list(job_id)
+            except CredentialsError as e:  # a project that never enabled the TPU API has no TPUs
+                if "not enabled" not in e.message:
+                    raise
+        return found
+
+
+def configured_reason(environ: Mapping[str, str] | None = None) -> str | None:
+    """None when Google's Application Default Credentials (or a GCE emulator) are set up here,
+    else why not (``environ``: None for this process's, and the config file). No network call
+    and no SDK import."""
+    from sftctl import settings
+
+    env = os.environ if environ is None else environ
+    home = Path(env.get("HOME", str(Path.home())))
+    adc = Path(env.get("CLOUDSDK_CONFIG", home / ".config" / "gcloud")) / "application_default_credentials.json"
+    if env.get("GOOGLE_APPLICATION_CREDENTIALS") or settings.get("SFTCTL_GCE_ENDPOINT", environ) or adc.is_file():
+        return None
+    return "gcp: no credentials (run gcloud auth application-default login, or set GOOGLE_APPLICATION_CREDENTIALS)"
+
+
+PROVIDER = ProviderEntry("gcp", "GCPProvider", sdk="google.cloud.compute_v1", extra="gcp",
+                         configured=configured_reason)

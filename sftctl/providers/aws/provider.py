@@ -1,50 +1,4 @@
-"""The AWS provider: a node is one EC2 instance, created with RunInstances in one Availability Zone.
-
-What a node gets:
-  * the offering's instance type, on-demand or spot (``InstanceMarketOptions``: one-time, terminate
-    on interruption), in the zone :class:`~sftctl.providers.cloud.CloudProvider` picked;
-  * the image of the spec, else the AWS Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04),
-    resolved from its public SSM parameter, else found by name with ``DescribeImages``;
-  * ``UserData`` = the node's bootstrap script (cloud-init runs it at first boot; it holds no secret:
-    nodes reach the job's storage through an instance role, never through keys in user data);
-  * tags: the labels of :func:`sftctl.providers.cloud.labels` and ``Name``, on the instance AND its
-    EBS volumes (one ``TagSpecifications`` per resource type, applied atomically by RunInstances);
-  * the job's security group ``sftctl-<job>`` (one per job and region, tagged like the nodes):
-    inbound only from itself, so the nodes of a job reach each other (NCCL, torchrun's rendezvous)
-    and nothing on the internet reaches them; the controller talks to nodes through storage.
-  * IMDSv2 only (``HttpTokens=required``), and ``InstanceInitiatedShutdownBehavior=terminate``, so a
-    node that powers itself off stops billing instead of lingering as a stopped instance.
-
-Errors (EC2 API Reference, "Error codes for the Amazon EC2 API",
-https://docs.aws.amazon.com/AWSEC2/latest/APIReference/errors-overview.html):
-  * ``InsufficientInstanceCapacity`` / ``InsufficientCapacity`` (server errors, HTTP 500): no
-    capacity for the type in the requested AZ -> :class:`CapacityError` scope ``zone`` (scope
-    ``offering`` when the message speaks of the Region rather than an Availability Zone).
-  * ``Unsupported`` (HTTP 400): e.g. "Your requested instance type (...) is not supported in your
-    requested Availability Zone (...)" -> scope ``zone``.
-  * ``SpotMaxPriceTooLow`` -> scope ``offering`` (the spot price of this type in this Region).
-  * ``MaxSpotInstanceCountExceeded`` and ``VcpuLimitExceeded`` / ``InstanceLimitExceeded``: the
-    account's vCPU quotas, per Region and instance family (EC2 User Guide, "Amazon EC2 service
-    quotas" and "Spot Instance quotas") -> scope ``region``, with the Service Quotas code to raise.
-  * ``RequestLimitExceeded`` (HTTP 503; EC2 User Guide, "Request throttling": token buckets per
-    account and Region, RunInstances refills at 2/s) and ``Throttling`` -> retried with random
-    exponential backoff (:func:`sftctl.providers.cloud.retry_throttled`), as are the transient
-    server errors ``InternalError`` / ``Unavailable`` / ``ServiceUnavailable``. RunInstances carries
-    a ``ClientToken`` so a retried call never creates a second instance (EC2 API Reference,
-    "Ensuring idempotency").
-  * ``AuthFailure``, ``InvalidClientTokenId``, ``ExpiredToken``, ``UnrecognizedClientException``,
-    ``SignatureDoesNotMatch``, ``AccessDenied``, ``UnauthorizedOperation`` and botocore's
-    ``NoCredentialsError`` -> :class:`CredentialsError` (exit code 4) with what to set.
-  * anything else -> :class:`ProviderError` with AWS's own code and message.
-
-botocore's own retries are turned off (``total_max_attempts=1``): botocore retries every HTTP 500,
-which would repeat an ``InsufficientInstanceCapacity`` RunInstances 4 times before the next zone is
-tried, and spend RunInstances tokens doing it. sftctl retries what is worth retrying, itself.
-
-boto3 is imported here only (and only when an :class:`AWSProvider` is built), so ``import sftctl``
-and ``sftctl status`` never pay for it. Credentials and endpoint come from boto3's usual chain
-(``AWS_PROFILE``, ``AWS_ACCESS_KEY_ID``..., ``~/.aws``, SSO, instance roles, ``AWS_ENDPOINT_URL``).
-"""
+"""The AWS provider: :class:`AWSProvider` (see :mod:`sftctl.providers.aws`)."""
 
 from __future__ import annotations
 
@@ -55,9 +9,22 @@ import uuid
 
 from sftctl import settings
 from sftctl.catalog import Offering, cloud_offerings
-from sftctl.errors import CapacityError, CredentialsError, ProviderError
-from sftctl.storage import secrets as store
-from sftctl.types import AWSHandle
+from sftctl.errors import CapacityError, ProviderError
+from sftctl.providers.aws.ec2 import (
+    _LIVE_STATES,
+    _STATES,
+    DLAMI_NAME_PATTERN,
+    DLAMI_PARAMETER,
+    EVENTUAL_CONSISTENCY_S,
+    MAX_USER_DATA_BYTES,
+    _boto3,
+    _credential_failure,
+    _error_code,
+    _error_message,
+    _is_retryable,
+    credentials_error,
+    quota_for,
+)
 from sftctl.providers.cloud import (
     JOB_LABEL,
     MANAGED_LABEL,
@@ -69,140 +36,13 @@ from sftctl.providers.cloud import (
     label_value,
     retry_throttled,
 )
+from sftctl.storage import secrets as store
+from sftctl.types import AWSHandle
 
-log = logging.getLogger(__name__)
-
-#: Public SSM parameter holding the newest x86_64 Deep Learning Base OSS Nvidia Driver GPU AMI
-#: (Ubuntu 22.04) of a Region (AWS Deep Learning AMIs developer guide, "Retrieve the DLAMI ID with SSM").
-DLAMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
-#: The same AMI found with DescribeImages (owner ``amazon``), when the parameter cannot be read.
-DLAMI_NAME_PATTERN = "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04)*"
-
-#: EC2 limits user data to 16 KB in raw form, before base64 (EC2 User Guide, "Run commands when you
-#: launch an EC2 instance with user data input").
-MAX_USER_DATA_BYTES = 16 * 1024
-
-#: How long after RunInstances a "not found" from DescribeInstances still means "just created":
-#: the EC2 API is eventually consistent (EC2 API Reference, "Eventual consistency in the Amazon EC2
-#: API": a DescribeInstances right after RunInstances can return InvalidInstanceID.NotFound).
-EVENTUAL_CONSISTENCY_S = 120.0
-
-#: Error codes that mean the credentials are missing, wrong, expired or not allowed to act.
-CREDENTIAL_CODES = frozenset({
-    "AuthFailure", "InvalidClientTokenId", "ExpiredToken", "ExpiredTokenException",
-    "UnrecognizedClientException", "SignatureDoesNotMatch", "AccessDenied", "AccessDeniedException",
-    "UnauthorizedOperation", "InvalidAccessKeyId",
-})
-#: Error codes retried with backoff: throttling, and EC2's transient server errors.
-RETRY_CODES = frozenset({
-    "RequestLimitExceeded", "Throttling", "ThrottlingException", "TooManyRequestsException",
-    "InternalError", "InternalFailure", "ServiceUnavailable", "Unavailable",
-})
-
-#: EC2 vCPU quotas per instance family (Service Quotas, service code ``ec2``): on-demand and spot.
-#: "Running On-Demand P instances" L-417A185B, "Running On-Demand G and VT instances" L-DB2E81BA,
-#: "Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances" L-1216C47A; "All P Spot
-#: Instance Requests" L-7212CCBC, "All G and VT Spot Instance Requests" L-3819A6DF, "All Standard
-#: (A, C, D, H, I, M, R, T, Z) Spot Instance Requests" L-34B43A08 (Service Quotas console, EC2).
-QUOTA_CODES = {
-    "P": ("Running On-Demand P instances", "L-417A185B", "All P Spot Instance Requests", "L-7212CCBC"),
-    "G": ("Running On-Demand G and VT instances", "L-DB2E81BA", "All G and VT Spot Instance Requests", "L-3819A6DF"),
-    "Standard": ("Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances", "L-1216C47A",
-                 "All Standard (A, C, D, H, I, M, R, T, Z) Spot Instance Requests", "L-34B43A08"),
-}
-
-CREDENTIALS_HINT = ("set AWS_PROFILE (then `aws sso login` for an SSO profile), or AWS_ACCESS_KEY_ID and "
-                    "AWS_SECRET_ACCESS_KEY, or run `aws configure`")
-
-_STATES = {
-    "pending": InstanceState.PENDING,
-    "running": InstanceState.RUNNING,
-    "shutting-down": InstanceState.STOPPING,
-    "stopping": InstanceState.STOPPING,
-    "stopped": InstanceState.STOPPING,
-    "terminated": InstanceState.GONE,
-}
-_LIVE_STATES = ["pending", "running", "shutting-down", "stopping", "stopped"]
+log = logging.getLogger("sftctl.providers.aws")  # the name it had as one module
 
 
-def quota_for(instance_type: str, spot: bool) -> tuple[str, str] | None:
-    """The (name, Service Quotas code) of the vCPU quota ``instance_type`` counts against, or None.
-
-    ``instance_type`` like ``p4d.24xlarge``; the family is its leading letters (``p``, ``g``, ``vt``;
-    A, C, D, H, I, M, R, T and Z are "Standard"). Others (F, Inf, Trn, X, DL ...) give None.
-    """
-    letters = ""
-    for ch in instance_type.split(".")[0]:
-        if not ch.isalpha():
-            break
-        letters += ch
-    family = "P" if letters == "p" else "G" if letters in ("g", "vt") else (
-        "Standard" if len(letters) == 1 and letters in "acdhimrtz" else None)
-    if family is None:
-        return None
-    od_name, od_code, spot_name, spot_code = QUOTA_CODES[family]
-    return (spot_name, spot_code) if spot else (od_name, od_code)
-
-
-def _boto3():
-    try:
-        import boto3
-    except ImportError:  # an optional dependency
-        raise ProviderError("aws: its SDK (boto3) is not installed", hint="pip install 'sftctl[aws]'") from None
-    return boto3
-
-
-def _error_code(e: BaseException) -> str:
-    response = getattr(e, "response", None)
-    return (response or {}).get("Error", {}).get("Code", "") if isinstance(response, dict) else ""
-
-
-def _error_message(e: BaseException) -> str:
-    response = getattr(e, "response", None)
-    if isinstance(response, dict):
-        return " ".join(str(response.get("Error", {}).get("Message", "") or e).split())
-    return " ".join(str(e).split())
-
-
-def _is_retryable(e: BaseException) -> bool:
-    if _error_code(e) in RETRY_CODES:
-        return True
-    try:
-        from botocore.exceptions import ConnectionClosedError
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(e, ConnectionClosedError)
-
-
-def _credential_failure(e: BaseException) -> bool:
-    """Whether ``e`` says the credentials are missing or unusable (before or from AWS)."""
-    if _error_code(e) in CREDENTIAL_CODES:
-        return True
-    import botocore.exceptions as be
-
-    names = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
-             "UnauthorizedSSOTokenError", "SSOTokenLoadError", "TokenRetrievalError")
-    kinds = tuple(getattr(be, n) for n in names if hasattr(be, n))
-    return isinstance(e, kinds)
-
-
-def credentials_error(e: BaseException, what: str) -> CredentialsError:
-    """A one-line :class:`CredentialsError` for ``e`` raised while doing ``what``."""
-    code = _error_code(e)
-    if code in ("UnauthorizedOperation", "AccessDenied", "AccessDeniedException") and what != "check credentials":
-        return CredentialsError(
-            f"aws: the credentials may not {what} ({code})",
-            hint="grant the IAM identity ec2:RunInstances, ec2:DescribeInstances, ec2:TerminateInstances, "
-                 "ec2:CreateTags and the ec2:*SecurityGroup* actions in this region, or use another AWS_PROFILE")
-    if code in ("ExpiredToken", "ExpiredTokenException"):
-        return CredentialsError("aws: the session token has expired",
-                                hint="refresh it: `aws sso login`, or assume the role again; " + CREDENTIALS_HINT)
-    if code:
-        return CredentialsError(f"aws: credentials were rejected ({code}: {_error_message(e)})", hint=CREDENTIALS_HINT)
-    return CredentialsError(f"aws: no usable credentials ({_error_message(e)})", hint=CREDENTIALS_HINT)
-
-
-class AWSProvider(CloudProvider):
+class AWSProvider(CloudProvider[AWSHandle]):
     """EC2 instances as nodes. See the module docstring for what a node gets and how errors map.
 
     Args:
@@ -339,7 +179,7 @@ class AWSProvider(CloudProvider):
             pages = self._pages("ec2", region, "describe_instance_type_offerings",
                                 LocationType="region", Filters=[{"Name": "instance-type", "Values": types}])
             offered = {o["InstanceType"] for page in pages for o in page["InstanceTypeOfferings"]}
-        except Exception as e:  # no credentials, no network: the catalog alone decides
+        except Exception as e:  # noqa: BLE001 no credentials, no network: the catalog alone decides
             log.debug("aws: not filtering offerings in %s: %s", region, e)
             self._offline = True
             offered = None
@@ -566,7 +406,7 @@ class AWSProvider(CloudProvider):
             return handle.ip
         try:
             out = self._call("ec2", handle.region, "describe_instances", InstanceIds=[handle.id])
-        except Exception as e:  # an address we cannot read is not worth a failed node: None
+        except Exception as e:  # noqa: BLE001 an address we cannot read is not worth a failed node: None
             log.debug("aws: no private address for %s: %s", handle.id, e)
             return None
         for res in out.get("Reservations", []):
@@ -702,6 +542,24 @@ class AWSProvider(CloudProvider):
                             "spot": i.get("InstanceLifecycle") == "spot"})
         return out
 
+    @classmethod
+    def for_job(cls, spec, channel, secrets) -> "AWSProvider":
+        """The job's provider (:class:`~sftctl.providers.base.BuiltForJob`): the IAM instance
+        profile of its nodes (``resources.instance_profile``, else ``$SFTCTL_AWS_INSTANCE_PROFILE``)
+        and, with job storage, its channel and the secret values it stores in Secrets Manager."""
+        profile = spec.resources.instance_profile or settings.get("SFTCTL_AWS_INSTANCE_PROFILE")
+        options = {"instance_profile": profile} if profile else {}
+        ch = channel()
+        if ch is None:
+            return cls(**options)
+        return cls(channel=ch, secrets=secrets(), **options)
+
+    @classmethod
+    def secrets_ref_for(cls, job_id: str) -> str:
+        """Where :meth:`secrets_ref` stores ``job_id``'s secret values (the Secrets Manager
+        secret in ``SFTCTL_AWS_SECRETS_REGION``), stored nowhere: what ``run --dry-run`` shows."""
+        return store.aws_ref(settings.get("SFTCTL_AWS_SECRETS_REGION"), job_id)
+
     def secrets_ref(self, job_id: str) -> str:
         """Store the job's secret values in Secrets Manager (once per job; a restarted
         controller overwrites them) and return the reference its nodes' bootstrap carries.
@@ -768,7 +626,7 @@ class AWSProvider(CloudProvider):
                 if _error_code(e) != "InvalidInstanceID.NotFound":
                     raise self._fail(e, f"terminate {len(chunk)} instances in {region}") from e
                 for instance_id in chunk:  # one of them is gone already: the others one by one
-                    self.delete_instance({"id": instance_id, "region": region})
+                    self.delete_instance(self.listed_handle({"id": instance_id, "region": region}))
 
     def _delete_group(self, region: str, group_id: str, end: float, terminated: set[str]) -> set[str]:
         """Wait until no live instance uses ``group_id`` (terminating any not yet asked to, e.g. one

@@ -1,0 +1,139 @@
+"""What the job lifecycle and its recovery share (see :mod:`sftctl.controller.lifecycle`): why
+an attempt ended (:class:`Failure`), :class:`Cancelled`, where a controller tells what happens
+(:class:`Reporter`, :class:`LogReporter`; :class:`_Guarded` keeps a broken one from the job),
+the :class:`~sftctl.types.FailureCode` of an error that ended a job (:func:`_error_code`), and
+the signal and stdout helpers of a controller's process."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from typing import Protocol
+
+from sftctl.errors import ExitCode, InfeasibleError, SftctlError
+from sftctl.queue import CANCEL_SIGNALS
+from sftctl.types import FailureCode, FailureReason
+
+
+def _error_code(e: SftctlError) -> str:
+    """The :class:`FailureCode` value of an error that ended a job: a provider error's own
+    (``no_capacity``, ``not_configured``, ``provider_error``); ``no_capacity`` when no offering
+    of the plan had capacity (:class:`InfeasibleError`); else ``unknown``."""
+    reason = getattr(e, "reason", None)
+    if isinstance(reason, FailureReason):
+        return reason.code.value
+    if isinstance(e, InfeasibleError):
+        return FailureCode.NO_CAPACITY.value
+    return FailureCode.UNKNOWN.value
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """Why an attempt ended: the reason (its ``message`` is the line state keeps), what to do
+    (``restart``, ``replace`` or None: give up), the node it concerns, and the exit code when a
+    script exited."""
+
+    reason: FailureReason
+    action: str | None
+    node_rank: int | None
+    exit_code: int | None = None
+    verdict: str | None = None  # a health verdict's kind and evidence: the replaced machine is quarantined
+
+
+class Cancelled(Exception):
+    """The job was cancelled (Ctrl-C, SIGTERM, SIGHUP, or ``sftctl down`` won a race).
+
+    ``exit_code``: the signal's exit code (128 + its number) when a signal cancelled the job.
+    """
+
+    def __init__(self, why: str = "", exit_code: "ExitCode | None" = None):
+        super().__init__(why)
+        self.exit_code = exit_code
+
+
+class Reporter(Protocol):
+    """Where the controller tells what happens. The CLI's attached view implements it."""
+
+    def event(self, message: str) -> None: ...
+
+    def log(self, rank: int, text: str) -> None: ...
+
+    def metrics(self, samples: list[dict]) -> None: ...
+
+
+class LogReporter:
+    """Events as records of the ``sftctl.controller`` logger (the detached controller's
+    ``main`` sends them to its log, ``controller.log``, one ``HH:MM:SS message`` line each)."""
+
+    def event(self, message: str) -> None:
+        logging.getLogger("sftctl.controller").info(message)
+
+    def log(self, rank: int, text: str) -> None:
+        pass
+
+    def metrics(self, samples: list[dict]) -> None:
+        pass
+
+
+class _Guarded:
+    """A reporter whose failures never reach the job: output that cannot be written (a closed
+    pipe, a terminal that hung up) is dropped; the events are in state anyway."""
+
+    def __init__(self, inner: Reporter):
+        self.inner = inner
+        self.broken = False
+
+    def __getattr__(self, name: str):
+        fn = getattr(self.inner, name)
+
+        def call(*args, **kwargs):
+            if self.broken:
+                return None
+            try:
+                return fn(*args, **kwargs)
+            except (OSError, ValueError):  # EIO, EPIPE, "I/O operation on closed file"
+                self.broken = True
+                return None
+
+        return call
+
+
+def _install_cancel_signals() -> dict:
+    """SIGTERM and SIGHUP raise :class:`Cancelled` (SIGINT raises KeyboardInterrupt already).
+    Returns the previous handlers by signal number, to restore."""
+    if sys.platform == "win32" or not _in_main_thread():
+        return {}
+    previous = {}
+    for name, (why, code) in CANCEL_SIGNALS.items():
+        def handler(signum, frame, why=why, code=code):
+            raise Cancelled(why, code)
+
+        signum = getattr(signal, name)
+        previous[signum] = signal.signal(signum, handler)
+    return previous
+
+
+def _same_file(fd: int, path) -> bool:
+    """``fd`` is open on ``path`` (the detached controller's stdout on its controller.log)."""
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _stdout_unlinked() -> bool:
+    """This process's stdout is a file that was removed (its last name is gone)."""
+    try:
+        return os.fstat(1).st_nlink == 0
+    except OSError:
+        return False
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
