@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             source = open_source(replay_path=_replay_path(args.replay), metrics_dir=args.metrics_dir)
-        except Exception as e:  # a bad replay file: report it, sample nothing, never kill the node
+        except Exception as e:  # noqa: BLE001 a bad replay file: report it, sample nothing, never kill the node
             problem(f"cannot read telemetry: {type(e).__name__}: {e}")
             source = NoGpuSource()
         stop = threading.Event()
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             now = time.time()
             try:
                 samples = source.sample()
-            except Exception as e:  # a broken source is a sample saying so, never a dead agent
+            except Exception as e:  # noqa: BLE001 a broken source is a sample saying so, never a dead agent
                 samples = [{"agent_error": f"{type(e).__name__}: {e}"}]
             for s in samples:
                 s.setdefault("ts", now)

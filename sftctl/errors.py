@@ -37,6 +37,9 @@ class SftctlError(Exception):
     """
 
     exit_code: ExitCode = ExitCode.USAGE
+    #: ``(job id, who supervises it)`` when Ctrl-C left a job going under another supervisor
+    #: (api.run attached to a server's job): the CLI says so plainly instead of as an error
+    detached: tuple[str, str] | None = None
 
     def __init__(self, message: str, hint: str | None = None, exit_code: ExitCode | None = None):
         super().__init__(message)

@@ -206,11 +206,11 @@ def install_excepthook() -> None:
             if not os.path.exists(path) and not issubclass(kind, KeyboardInterrupt):
                 rank = os.environ.get("RANK") or settings.raw("SFTCTL_NODE_RANK")
                 write_error_file(exc.with_traceback(tb), path, int(rank) if rank and rank.isdigit() else None)
-        except Exception:  # diagnosing must never hide the real error
+        except Exception:  # noqa: BLE001 diagnosing must never hide the real error
             pass
         previous(kind, exc, tb)
 
-    hook._sftctl = True
+    hook._sftctl = True  # type: ignore[attr-defined]  # marks our hook: installed once
     sys.excepthook = hook
 
 

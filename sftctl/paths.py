@@ -36,6 +36,14 @@ def sftctl_home() -> Path:
 CONTROLLER_OWNER = "controller.json"
 
 
+def controller_lock(job_id: str) -> Path:
+    """The job's controller lock (an flock that its one live controller holds,
+    :func:`sftctl.queue.claim_job`); beside it, ``<job>.json``, that controller's record as in
+    :data:`CONTROLLER_OWNER`. Both are in ``$SFTCTL_HOME/locks/``, outside the job's directory:
+    removing ``jobs/JOB`` never takes the lock away from a live controller."""
+    return sftctl_home() / "locks" / f"{job_id}.lock"
+
+
 def job_dir(job_id: str) -> Path:
     """Directory holding one job's local files (node dirs, logs, metrics, controller log)."""
     return sftctl_home() / "jobs" / job_id

@@ -19,16 +19,23 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Callable
+import time
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from sftctl.catalog import Offering, accelerator_names, cloud_offerings, refreshed_coverage
+from sftctl.catalog.accelerators import find_accelerator
 from sftctl.compiler.accuracy import accuracy, factor, overlap
+from sftctl.compiler import tpu
 from sftctl.compiler.frontends import EntrypointFileNotFound, EntrypointFunctionNotFound
+from sftctl.compiler.memory import attention_assumed
 from sftctl.errors import InfeasibleError, SftctlError, SpecError, UntraceableModelError
-from sftctl.providers import get_provider, usable_providers
-from sftctl.providers.local import LocalProvider
+from sftctl.health import preflight
+from sftctl.history import calibrate, kernel_mix
+from sftctl.providers import names as provider_names, provider_class, usable_providers
+from sftctl.providers.base import LiveOfferings, QueueEstimate, Quarantines
+from sftctl.providers.local import LocalProvider, local_offering
 from sftctl.spec import JobSpec, unknown_accelerator
-from sftctl.types import FailureCode, FailureReason, Plan, PlanChoice, capabilities
+from sftctl.types import FailureCode, FailureReason, Plan, PlanChoice, RunRecord, capabilities
 
 if TYPE_CHECKING:
     from sftctl.compiler.api import OfferingPrediction
@@ -67,7 +74,14 @@ class Predictor:
         self._targets: dict[str, object] = {}  # accelerator -> its compiler Target, built once
         self.compiled: dict[tuple, object] = {}
         self.notes: dict[str, str] = {}  # accelerator -> a note on its prediction
+        self.features: dict[tuple, dict | None] = {}  # (accelerator, count, nodes) -> the step's kernel-time mix
+        #: (accelerator, count, nodes) -> the attention its peak memory assumes (memory.attention_assumed)
+        self.attention: dict[tuple, str | None] = {}
+        self._attention: dict[tuple, str | None] = {}  # (accelerator, per-rank batch) -> the same, computed once
         self.mode = execution_mode(spec)
+        #: how many accelerators the plan compiles for (plan() sets it): "accelerator 2 of 5"
+        self.total_accelerators: int | None = None
+        self._seen: list[str] = []  # accelerators compiled for so far, in order
 
     def graph(self, per_rank_batch: int | None = None):
         """The traced step for one data-parallel rank's share of the global batch."""
@@ -79,19 +93,20 @@ class Predictor:
             self.progress(f"tracing {m.entrypoint} ({m.framework}, batch {batch} per rank, {m.dtype})")
             try:
                 self._graphs[batch] = compiler.trace(m.framework, m.entrypoint, self.spec.workdir, batch, m.dtype,
-                                                     mask_fraction=m.mask_fraction, expert_capacity=m.expert_capacity)
+                                                     mask_fraction=m.mask_fraction, expert_capacity=m.expert_capacity,
+                                                     attention=m.attention)
             except SpecError:
                 raise
             except Exception as e:  # the user's model code, or an op the frontend cannot lower
                 first = str(e).splitlines()[0] if str(e) else ""
                 hint = "sftctl compile --debug shows the traceback; leave model out to skip prediction"
-                error = SpecError
+                error: type[SftctlError] = SpecError
                 if isinstance(e, (EntrypointFileNotFound, EntrypointFunctionNotFound, SyntaxError)):
                     error = EntrypointError
                     hint = "model.entrypoint is file.py:function, the file relative to workdir: check both names"
                 extra = _EXTRA_OF_MODULE.get((getattr(e, "name", None) or "").split(".")[0])
                 if isinstance(e, ModuleNotFoundError) and extra:
-                    hint = f"install it: pip install 'sftctl[{extra}]' (or leave model out to skip prediction)"
+                    hint = f"install it: pip install -e '.[{extra}]' in sftctl's clone (or leave model out to skip prediction)"
                 elif error is SpecError and not isinstance(e, ImportError):
                     error = UntraceableModelError  # the model traced as far as the tracer could take it
                     hint = ("sftctl compile --debug shows the traceback; write that part with supported ops, "
@@ -123,8 +138,17 @@ class Predictor:
         if (name, batch) not in self.compiled:
             graph = self.graph(batch)
             precision = self.spec.model.matmul_precision
-            self.progress(f"compiling for {name}")
-            compiled = compiler.compile(graph, target, matmul_precision=precision)
+            if name not in self._seen:
+                self._seen.append(name)
+            what = f"compiling for {name} (accelerator {self._seen.index(name) + 1}" + (
+                f" of {max(self.total_accelerators, len(self._seen))})" if self.total_accelerators else ")")
+            self.progress(what)
+            t0 = time.monotonic()
+
+            def searched(done: int, total: int) -> None:
+                self.progress(f"{what}: GEMM schedules {done}/{total}, {time.monotonic() - t0:.0f} s")
+
+            compiled = compiler.compile(graph, target, matmul_precision=precision, progress=searched)
             self.compiled[name, batch] = compiled
             if self.spec.model.dtype == "bfloat16" and lacks_bf16_tensor_cores(target.hw):
                 fp16 = compiler.compile(graph, target, matmul_precision=precision,
@@ -162,16 +186,35 @@ class Predictor:
         per_rank = self.spec.model.batch_size // world
         if per_rank * world != self.spec.model.batch_size:
             raise _Unsplittable(self.spec.model.batch_size, world)
-        compiled = self.compile(offering.accelerator, per_rank)
         t = self.spec.train
-        return compiler.predict(
+        target = self.target(offering.accelerator)
+        if target.hw.vendor == "google":  # a TPU slice: one XLA program, priced by compiler/tpu.py
+            self.features[offering.accelerator, offering.count, nodes] = None
+            return tpu.predict_offering(self.graph(per_rank), target.hw, chips=world,
+                                        ici_bytes_per_s=offering.intra_node_bytes_per_s,
+                                        parallelisms=("ddp", "fsdp") if t.parallelism == "auto" else (t.parallelism,),
+                                        mode=self.mode)
+        compiled = self.compile(offering.accelerator, per_rank)
+        got = compiler.predict(
             compiled, self.target(offering.accelerator), gpus_per_node=offering.count, nodes=nodes,
             intra_node_bytes_per_s=offering.intra_node_bytes_per_s,
             inter_node_bytes_per_s=offering.inter_node_bytes_per_s, mode=self.mode,
             param_dtype_bytes=2 if self.spec.model.dtype in ("bfloat16", "float16") else 4,
             parallelisms=("ddp", "fsdp") if t.parallelism == "auto" else (t.parallelism,),
             checkpointing=(False, True) if t.activation_checkpointing is None else (t.activation_checkpointing,),
-            provider=f"{offering.provider}:{offering.instance_type}")
+            provider=f"{offering.provider}:{offering.instance_type}",
+            graph=self.graph(per_rank), global_batch=self.spec.model.batch_size,  # the layouts (issue 38)
+            model_parallel=t.parallelism == "auto" and t.activation_checkpointing is None,
+            # a launched job applies its layout through sft.prepare(), which cannot run pipeline
+            # stages (the script's own loop must drive the schedule): plan none for it
+            pipeline=False)
+        ch = got.chosen
+        if (offering.accelerator, per_rank) not in self._attention:
+            self._attention[offering.accelerator, per_rank] = attention_assumed(self.graph(per_rank), target.name)
+        self.attention[offering.accelerator, offering.count, nodes] = self._attention[offering.accelerator, per_rank]
+        self.features[offering.accelerator, offering.count, nodes] = kernel_mix(
+            compiled.kernels, ch.comm_time_s / ch.step_time_s if ch.step_time_s > 0 else 0.0)
+        return got
 
 
 def execution_mode(spec: JobSpec) -> str:
@@ -225,13 +268,19 @@ class _Unsplittable(Exception):
         super().__init__(f"model.batch_size {batch} does not split evenly over {world} data-parallel ranks")
 
 
-def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: PredictFn | None = None) -> Plan:
+def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: PredictFn | None = None,
+         history: list[RunRecord] | None = None, avoid: dict[str, set[str]] | None = None) -> Plan:
     """Rank the offerings that match ``spec.resources`` and choose the best usable one.
 
     Args:
         spec: the validated job spec.
         usable: provider name -> None if usable here, else why not. Default: ask the providers.
         predict: step-time predictor; default a :class:`Predictor` when the spec has a model.
+        history: run-history rows (:meth:`sftctl.state.Store.runs`) that correct each predicted
+            row (:func:`sftctl.history.calibrate`): its ``calibrated_step_s`` then sets hours,
+            cost, the interval and the ranking. None or empty: the model's figures as they are.
+        avoid: provider -> machines the state marks bad (:meth:`sftctl.state.Store.bad_machines`):
+            Slurm's start estimate leaves them out (``--exclude``), as the job's allocation will.
 
     Raises:
         SpecError: an accelerator name the catalog does not know (exit 2), with a did-you-mean.
@@ -241,9 +290,14 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
         usable = usable_providers()
     if predict is None and spec.model is not None:
         predict = Predictor(spec)
+    if isinstance(predict, Predictor):  # its progress lines count the accelerators
+        predict.total_accelerators = len({a.name.lower() for a in spec.resources.accelerators})
     res = spec.resources
     known = {n.lower(): n for n in accelerator_names()}  # the catalog's spelling of each name
     candidates: list[PlanChoice] = []
+    runs_of: dict[str, list] = {}  # accelerator (lower case) -> its runs: each row reads only its own
+    for r in history or []:
+        runs_of.setdefault(r.accelerator.lower(), []).append(r)
     asked = {name for name, why in usable.items() if why is None}
     for i, acc in enumerate(res.accelerators):
         error = unknown_accelerator(i, acc.name)  # load_spec says it at its line already
@@ -251,16 +305,22 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
             raise error
         offerings = _offerings(acc.name, acc.count, usable, res.clouds, spec=spec)
         for offering in offerings:
-            c = _judge(offering, spec, usable, predict)
-            if capabilities(offering.provider).queue_estimate and c.rejected is None:
-                c = _queue(c, spec)
+            c = _judge(offering, spec, usable, predict, runs_of.get(offering.accelerator.lower(), []))
+            if c.rejected is None and issubclass(provider_class(offering.provider), QueueEstimate):
+                c = _queue(c, spec, (avoid or {}).get(offering.provider, ()))
             candidates.append(c)
         if not offerings and acc.name.lower() != "cpu":
             candidates.append(_not_sold(known[acc.name.lower()], acc.count, res.nodes))
+        elif not offerings and (res.clouds is None or any(capabilities(c).local_admission for c in res.clouds)):
+            # cpu:N over this machine's cores
+            too_big = LocalProvider().too_large(acc.count)
+            if too_big is not None:
+                candidates.append(PlanChoice(local_offering(acc.count), res.nodes, None, rejected=FailureReason(
+                    FailureCode.NO_CAPACITY, too_big, {"cpus": acc.count, "cores": os.cpu_count() or 1})))
         elif res.regions is not None:
             candidates += _not_offered_in(known.get(acc.name.lower(), acc.name), acc.count, res, offerings)
     ranked = _ranking_notes(sorted(candidates, key=lambda c: (c.rejected is not None, _objective(c, res.objective))),
-                            res.objective)
+                            res.objective, _tokens_per_step(predict, spec))
     feasible = [c for c in ranked if c.rejected is None]
     if not feasible:
         wanted = ", ".join(str(a) for a in res.accelerators)
@@ -272,7 +332,8 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
             + "".join(f"; {usable[name]}" for name in sorted(asked) if usable.get(name) is not None),
             hint=("make model.batch_size a multiple of nodes x accelerators per node"
                   if any(c.rejected.code == FailureCode.UNSUPPORTED for c in ranked) else
-                  f"lower resources.nodes (this machine holds at most {os.cpu_count() or 1} local CPU worker(s)), "
+                  f"lower resources.nodes or the cpu:N count (this machine holds at most {os.cpu_count() or 1} local "
+                  "CPU worker(s)), "
                   "or run on a cluster (resources.clouds: [slurm], [kubernetes], a cloud)"
                   if any(c.rejected.code == FailureCode.NO_CAPACITY and capabilities(c.offering.provider).local_admission
                          for c in ranked) else  # (a placeholder row's provider "-" has no capabilities)
@@ -280,6 +341,9 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
                   "widen it there, or set resources.clouds in the spec"
                   if "resources.clouds" in spec.defaults_from
                   and all(c.rejected.code == FailureCode.EXCLUDED for c in ranked) else
+                  "set the credentials of a cloud (sftctl check says what each one needs), "
+                  "or run on this machine: resources.clouds: [local]"
+                  if ranked and all(c.rejected.code == FailureCode.NOT_CONFIGURED for c in ranked) else
                   "widen resources (accelerators, clouds, regions, max_price_per_hour, deadline, spot); "
                   "sftctl plan shows all"),
         )
@@ -326,10 +390,10 @@ def _not_sold(name: str, count: int, nodes: int) -> PlanChoice:
                + " or ".join(f"{name}:{n}" for n in sold))
     else:
         why = f"no provider sftctl supports sells {name}"
-    why = FailureReason(FailureCode.NOT_SOLD, why, {"accelerator": name, "count": count, "sold_counts": sold})
+    reason = FailureReason(FailureCode.NOT_SOLD, why, {"accelerator": name, "count": count, "sold_counts": sold})
     placeholder = Offering(provider="-", instance_type="(not sold)", accelerator=name, count=count, region="-",
                            usd_per_hour=0.0, source="sftctl catalog: no offering of this count")
-    return PlanChoice(placeholder, nodes, None, rejected=why)
+    return PlanChoice(placeholder, nodes, None, rejected=reason)
 
 
 def _calibration(accelerator: str, step_time_s: float, comm_time_s: float = 0.0) -> dict:
@@ -341,42 +405,114 @@ def _calibration(accelerator: str, step_time_s: float, comm_time_s: float = 0.0)
             "step_time_interval_s": [step_time_s / f, step_time_s * f]}
 
 
-def _ranking_notes(ranked: list[PlanChoice], objective: str) -> list[PlanChoice]:
-    """Each predicted row whose interval (total cost, or step time for ``objective: time``)
-    overlaps the nearest row above it on another accelerator or node shape says so (once per pair
-    of shapes): the model cannot tell those two apart."""
-    def interval(c: PlanChoice, value: float) -> tuple[float, float]:
-        f = c.calibration["error"]
-        return value / f, value * f
+def _ranking_notes(ranked: list[PlanChoice], objective: str,
+                   tokens_per_step: tuple[float, str] | None = None) -> list[PlanChoice]:
+    """The pick (the top row, when feasible and predicted) against the runner-up: the best
+    feasible predicted row on another accelerator or node shape (rows of the same shape share the
+    prediction's error, so price alone orders them).
 
-    out: list[PlanChoice] = []
-    noted: set = set()  # (shape above, shape) pairs already said once
-    for i, c in enumerate(ranked):
-        if c.step_time_s is not None and c.calibration is not None:
-            key = "step_time_s" if objective == "time" else "total_usd"
-            mine = interval(c, getattr(c, key) or 0.0)
-            for j in range(i - 1, -1, -1):
-                above = out[j]
-                if above.step_time_s is None or above.calibration is None or (
-                        (above.offering.accelerator, above.offering.count, above.nodes)
-                        == (c.offering.accelerator, c.offering.count, c.nodes)):
-                    continue
-                pair = ((above.offering.accelerator, above.offering.count, above.nodes),
-                        (c.offering.accelerator, c.offering.count, c.nodes))
-                if pair not in noted and overlap(mine, interval(above, getattr(above, key) or 0.0)):
-                    noted.add(pair)
-                    what = "step-time" if objective == "time" else "cost"
-                    c = dataclasses.replace(c, ranking_note=(
-                        f"{what} interval overlaps #{j + 1} ({above.offering.accelerator}:{above.offering.count}): "
-                        "the ranking between them is within the prediction's error"))
-                break
-        out.append(c)
-    return out
+    ``close_call`` (the top row only, whenever there is a runner-up) has the comparison as data:
+    ``within_error`` (their intervals overlap: the value the ranking compared, total cost or for
+    ``objective: time`` the step, history-corrected where it is, divided and multiplied by each
+    row's error factor), ``pick`` and ``runner_up`` (``H100:8``, ``x 2`` nodes), ``runner_up_rank``,
+    ``margin`` (runner-up / pick - 1), ``metric``, both values and intervals, both rows' USD per
+    step and, where ``tokens_per_step`` (count, unit: a step's tokens or samples over the whole
+    job) says, per million of them (``usd_per_mtok``, or ``usd_per_msample``). When the intervals overlap,
+    ``ranking_note`` says so in one line with both figures: the pick may not be the cheapest. No
+    other row gets either: one line per plan."""
+    if not ranked:
+        return ranked
+    pick = ranked[0]
+
+    def shape(c: PlanChoice) -> tuple:
+        return c.offering.accelerator, c.offering.count, c.nodes
+
+    def predicted(c: PlanChoice) -> bool:
+        return c.rejected is None and c.step_time_s is not None and c.calibration is not None
+
+    if not predicted(pick):
+        return ranked
+    runner = next(((j, c) for j, c in enumerate(ranked[1:], 2) if predicted(c) and shape(c) != shape(pick)), None)
+    if runner is None:
+        return ranked
+    j, other = runner
+
+    def value(c: PlanChoice) -> float:  # what the ranking compared: the step history corrected, or the cost
+        if objective == "time":
+            return getattr(c, "calibrated_step_s", None) or c.step_time_s
+        return c.total_usd or 0.0
+
+    def name(c: PlanChoice) -> str:
+        return f"{c.offering.accelerator}:{c.offering.count}{'' if c.nodes == 1 else f' x {c.nodes}'}"
+
+    def per_step(c: PlanChoice) -> float | None:  # USD of one step on the row's offering (all its nodes)
+        step = getattr(c, "calibrated_step_s", None) or c.step_time_s
+        return None if c.usd_per_hour is None or step is None else c.usd_per_hour * step / 3600
+
+    a, b = value(pick), value(other)
+    fa, fb = pick.calibration["error"], other.calibration["error"]
+    ia, ib = (a / fa, a * fa), (b / fb, b * fb)
+    if a <= 0:
+        return ranked
+    within = overlap(ia, ib)
+    sa, sb = per_step(pick), per_step(other)
+    count, unit = tokens_per_step if tokens_per_step and tokens_per_step[0] > 0 else (0.0, "")
+    key = {"tokens": "usd_per_mtok", "samples": "usd_per_msample"}.get(unit)
+    close = {"within_error": within, "pick": name(pick), "runner_up": name(other), "runner_up_rank": j,
+             "margin": b / a - 1, "metric": "step_time_s" if objective == "time" else "total_usd",
+             "pick_value": a, "runner_up_value": b, "pick_interval": list(ia), "runner_up_interval": list(ib),
+             "pick_usd_per_step": sa, "runner_up_usd_per_step": sb}
+    if key and sa is not None and sb is not None:
+        close |= {f"pick_{key}": sa / count * 1e6, f"runner_up_{key}": sb / count * 1e6}
+    if not within:
+        return [dataclasses.replace(pick, close_call=close)] + ranked[1:]
+    fmt: Callable[[float], str]
+    if objective == "time":
+        fmt, what, worse = _step_figure, "fastest", "slower"
+    else:
+        fmt, what, worse = _usd_figure, "cheapest", "more"
+
+    def span(iv: tuple[float, float]) -> str:  # $0.715-2.42, 8.7 ms-11.5 ms
+        return f"{fmt(iv[0])}-{fmt(iv[1]).lstrip('$')}"
+
+    note = (f"may not be the {what}: #{j} {name(other)} is {b / a - 1:.1%} {worse} ({fmt(b)} vs {fmt(a)}), "
+            f"within the error ({span(ib)} vs {span(ia)})")
+    if key and sa is not None and sb is not None:
+        note += (f"; per 1M {unit}: {name(pick)} {_usd_figure(sa / count * 1e6)}, "
+                 f"{name(other)} {_usd_figure(sb / count * 1e6)}")
+    elif sa is not None and sb is not None:
+        note += f"; per step: {name(pick)} {_usd_figure(sa)}, {name(other)} {_usd_figure(sb)}"
+    return [dataclasses.replace(pick, ranking_note=note, close_call=close)] + ranked[1:]
+
+
+def _tokens_per_step(predict, spec: JobSpec) -> tuple[float, str] | None:
+    """What one step of the whole job consumes, (count, ``tokens`` or ``samples``), from a rank's
+    traced step (:func:`sftctl.compiler.report.tokens_per_step`) scaled to the global batch; None
+    without a traced step (no model, or a predictor that traces none)."""
+    graphs = getattr(predict, "_graphs", None)
+    if not graphs or spec.model is None:
+        return None
+    from sftctl.compiler.report import tokens_per_step
+
+    per_rank, graph = next(iter(graphs.items()))
+    count, unit = tokens_per_step(graph)
+    return count * spec.model.batch_size / max(1, per_rank), unit
+
+
+def _usd_figure(v: float) -> str:
+    """``$0.167``, ``$12.3``, ``$1,234``: three significant figures, whole dollars from 1,000."""
+    return f"${v:,.0f}" if v >= 1000 else f"${v:.3g}"
+
+
+def _step_figure(s: float) -> str:
+    """``10.0 ms`` below a second, else ``1.25 s``."""
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
 def _objective(c: PlanChoice, objective: str) -> tuple:
     price = c.usd_per_hour if c.usd_per_hour is not None else float("inf")
-    step = c.step_time_s if c.step_time_s is not None else float("inf")
+    step = c.calibrated_step_s or c.step_time_s
+    step = step if step is not None else float("inf")
     total = c.total_usd if c.total_usd is not None else price
     wait = c.queue_wait_s or 0.0
     if objective == "time":  # the finish: a Slurm queue's wait counts as much as the run
@@ -385,16 +521,16 @@ def _objective(c: PlanChoice, objective: str) -> tuple:
     return (total, step, wait)
 
 
-def _slurm_provider(spec: JobSpec):
-    cfg = spec.slurm.model_dump() if spec.slurm is not None else None
-    return get_provider("slurm", config=cfg, num_nodes=spec.resources.nodes, time_limit_s=spec.resources.deadline_s)
-
-
-def _queue(c: PlanChoice, spec: JobSpec) -> PlanChoice:
-    """A Slurm candidate with the scheduler's start estimate (``sbatch --test-only``); rejected
-    when Slurm says the allocation can never run, or when wait + run is past the deadline."""
+def _queue(c: PlanChoice, spec: JobSpec, avoid=()) -> PlanChoice:
+    """A candidate of a provider with a :class:`~sftctl.providers.base.QueueEstimate` (Slurm's
+    ``sbatch --test-only``, ``avoid``'s nodes excluded) with the scheduler's start estimate;
+    rejected when the scheduler says the allocation can never run, or when wait + run is past
+    the deadline."""
     try:
-        wait_s, detail = _slurm_provider(spec).estimate_start(c.offering, c.nodes)
+        provider = provider_class(c.offering.provider).for_plan(spec)
+        if isinstance(provider, Quarantines):
+            provider.keep_out("", set(avoid))  # machines a verdict marked bad (issue 41.3)
+        wait_s, detail = provider.estimate_start(c.offering, c.nodes)
     except SftctlError as e:
         return dataclasses.replace(c, rejected=error_reason(e))
     c = dataclasses.replace(c, queue_wait_s=wait_s, queue_detail=detail)
@@ -417,8 +553,11 @@ def _reason(best: PlanChoice, ranked: list[PlanChoice], objective: str) -> str:
     pred = ""
     if best.step_time_s is not None:
         how = f" ({best.mode} mode)" if best.mode else ""
-        pred = (f", predicted {best.step_time_s * 1000:.1f} ms/step{how}, {format_hours(best.hours)}, "
-                f"${best.total_usd:,.2f} in all")
+        runs = (best.learned or {}).get("runs") or 0
+        learned = (f" (model {best.step_time_s * 1000:.1f}, corrected by {runs} past run(s))"
+                   if runs and best.calibrated_step_s else "")
+        pred = (f", predicted {(best.calibrated_step_s or best.step_time_s) * 1000:.1f} ms/step{how}{learned}, "
+                f"{format_hours(best.hours)}, ${best.total_usd:,.2f} in all")
     if best.parallelism is not None:
         pred += f", {best.parallelism_reason}"
     blocked = sorted({c.offering.provider for c in ranked
@@ -473,26 +612,28 @@ def _why_none(ranked: list[PlanChoice], width: int = 160) -> str:
 
 
 def _offerings(accelerator: str, count: int, usable: dict[str, str | None] | None = None,
-               clouds: list[str] | None = None, spec: JobSpec | None = None) -> list[Offering]:
-    """The catalog's offerings of ``count`` x ``accelerator``, plus what a usable Kubernetes
-    cluster offers (read from its nodes' GPU labels: a cluster has no catalog)."""
+               clouds: Sequence[str] | None = None, spec: JobSpec | None = None) -> list[Offering]:
+    """The catalog's offerings of ``count`` x ``accelerator``, plus what each usable provider
+    with :class:`~sftctl.providers.base.LiveOfferings` offers (a Kubernetes cluster from its
+    nodes' GPU labels, a Slurm cluster from sinfo: a cluster has no catalog); cpu offerings of
+    a cluster only when the spec names it."""
     if accelerator.lower() == "cpu":
         out = LocalProvider().offerings(accelerator, count)
     else:
         out = [o for o in cloud_offerings() if o.accelerator.lower() == accelerator.lower() and o.count == count]
-    wanted = "kubernetes" in clouds if clouds is not None else accelerator.lower() != "cpu"
-    if usable is not None and usable.get("kubernetes", "") is None and wanted:
+    for name in provider_names():
+        wanted = name in clouds if clouds is not None else accelerator.lower() != "cpu"
+        if usable is None or usable.get(name, "") is not None or not wanted:
+            continue
+        cls = provider_class(name)
+        if not issubclass(cls, LiveOfferings):
+            continue
         try:
-            out += get_provider("kubernetes").offerings(accelerator, count)
+            provider = cls.for_plan(spec)
+            if provider is not None:
+                out += provider.offerings(accelerator, count)
         except SftctlError as e:  # an unreachable cluster is a reason, shown by sftctl check
-            usable["kubernetes"] = e.message
-    # a Slurm cluster offers what sinfo reports; cpu partitions only when the spec names slurm
-    wanted = "slurm" in clouds if clouds is not None else accelerator.lower() != "cpu"
-    if usable is not None and usable.get("slurm", "") is None and wanted and spec is not None:
-        try:
-            out += _slurm_provider(spec).offerings(accelerator, count)
-        except SftctlError as e:
-            usable["slurm"] = e.message
+            usable[name] = e.message
     return out
 
 
@@ -505,7 +646,8 @@ def _spot_signal(o: Offering) -> str:
     return f"source: {o.source.split(':')[0]}"
 
 
-def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: PredictFn | None) -> PlanChoice:
+def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: PredictFn | None,
+           history: Sequence[RunRecord] = ()) -> PlanChoice:
     res = spec.resources
     unit = o.price(res.spot)
     c = PlanChoice(o, res.nodes, None if unit is None else unit * res.nodes)
@@ -531,27 +673,55 @@ def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: P
         never = LocalProvider().never_fits(o, res.nodes)
         if never is not None:
             return reject(FailureCode.NO_CAPACITY, f"local: {never}", nodes=res.nodes, cores=os.cpu_count() or 1)
+    hw = find_accelerator(o.accelerator)
+    if hw is not None and hw.vendor == "google" and spec.model is not None and spec.model.framework != "jax":
+        return reject(FailureCode.UNSUPPORTED, f"a {spec.model.framework} model on a TPU needs PyTorch/XLA, which "
+                      "sftctl does not launch: write the model in JAX (model.framework: jax) or run it on a GPU",
+                      framework=spec.model.framework)
     if predict is not None:
         try:
             got = predict(o, res.nodes)
         except _Unsplittable as e:
             return reject(FailureCode.UNSUPPORTED, str(e), batch_size=e.batch, ranks=e.world)
         if got is not None:
-            hours = got.step_time_s * spec.train.steps / 3600
+            mode = getattr(predict, "mode", None)
+            features = getattr(predict, "features", {}).get((o.accelerator, o.count, res.nodes))
+            comm = got.chosen.comm_time_s / got.step_time_s if got.step_time_s > 0 else 0.0
+            learned = calibrate(got.step_time_s, o.accelerator, history, provider=o.provider,
+                                instance_type=o.instance_type, mode=mode, features=features, comm_share=comm)
+            step_s = learned["calibrated_step_s"]
+            calib = _calibration(o.accelerator, got.step_time_s, got.chosen.comm_time_s)
+            if learned["runs"]:  # history narrows the range around the corrected step
+                calib = {"calibration": {**calib["calibration"], "error": learned["error"],
+                                         "model_error": calib["calibration"]["error"]},
+                         "step_time_interval_s": learned["interval_s"]}
+            hours = step_s * spec.train.steps / 3600
+            hours += preflight.estimate_s(preflight.level(spec.health.preflight, o.accelerator, spec.health.enabled),
+                                          o.accelerator, hours, spec.health.thresholds().preflight_long_job_h) / 3600  # issue 41
+            attention = getattr(predict, "attention", {}).get((o.accelerator, o.count, res.nodes))
             c = dataclasses.replace(c, step_time_s=got.step_time_s, peak_memory_bytes=got.memory_bytes,
                                     devices_needed=got.devices_needed, hours=hours,
                                     total_usd=hours * c.usd_per_hour, mode=getattr(predict, "mode", None),
                                     note=getattr(predict, "notes", {}).get(o.accelerator),
                                     parallelism=got.chosen.parallelism,
                                     activation_checkpointing=got.chosen.activation_checkpointing,
-                                    parallelism_reason=got.reason,
+                                    # the memory line names the attention its peak assumed
+                                    parallelism_reason=got.reason + (f"; attention: {attention}" if attention else ""),
                                     strategies=[p.to_dict() for p in got.strategies],
-                                    **_calibration(o.accelerator, got.step_time_s, got.chosen.comm_time_s))
+                                    layout=getattr(got, "layout", None),
+                                    features=features, calibrated_step_s=step_s,
+                                    learned={k: learned[k] for k in ("runs", "weight", "correction", "sources",
+                                                                     "error", "prior_error")},
+                                    **calib)
             if res.spot:
-                c = _with_spot_loss(c, spec, got.step_time_s, hours)
+                c = _with_spot_loss(c, spec, step_s, hours)
                 hours = c.hours
             if got.devices_needed != 1:
+                # where the attention keeps S x S scores, the refusal says so: a fused kernel would not
+                s_by_s = attention is not None and attention.startswith(("eager", "SDPA math"))
                 return reject(FailureCode.DOES_NOT_FIT, got.reason + (
+                    f"; {'eager attention' if (attention or '').startswith('eager') else 'SDPA math'} keeps its "
+                    "S x S scores (a fused SDPA or flash kernel keeps none)" if s_by_s else "") + (
                     f"; train.parallelism {spec.train.parallelism} rules out the other strategy"
                     if spec.train.parallelism != "auto" else "; lower model.batch_size"),
                     peak_memory_bytes=got.memory_bytes, memory_bytes=got.chosen.memory_capacity_bytes,

@@ -178,19 +178,21 @@ def _successor(owner: str | None, old_pid: int) -> tuple[int, int | None] | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m sftctl.procs guard PID TICKS NODE_ID [--owner FILE] -- COMMAND...`` (see
-    :func:`guard`; the grace comes from ``SFTCTL_LOCAL_ADOPT_GRACE_S`` in its environment)."""
+    """``python -m sftctl.procs guard PID TICKS NODE_ID [--owner FILE] [--grace S] -- COMMAND...``
+    (see :func:`guard`; without ``--grace`` the grace comes from ``SFTCTL_LOCAL_ADOPT_GRACE_S``
+    in its environment: a sandboxed node's guard has the node's scrubbed environment, so the
+    local provider passes it)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    owner = None
-    if len(args) > 5 and args[4] == "--owner":
-        owner = args[5]
+    options: dict[str, str] = {}
+    while len(args) > 5 and args[4] in ("--owner", "--grace"):
+        options[args[4]] = args[5]
         del args[4:6]
     if len(args) < 6 or args[0] != "guard" or args[4] != "--":
-        sys.stderr.write("usage: python -m sftctl.procs guard PID TICKS NODE_ID [--owner FILE] -- COMMAND...\n")
+        sys.stderr.write("usage: python -m sftctl.procs guard PID TICKS NODE_ID [--owner FILE] [--grace S] -- COMMAND...\n")
         return 2
     ticks = None if args[2] == "-" else int(args[2])
-    return guard(int(args[1]), ticks, args[3], args[5:], owner=owner,
-                 grace_s=settings.get("SFTCTL_LOCAL_ADOPT_GRACE_S") or 0.0)
+    grace = float(options["--grace"]) if "--grace" in options else settings.get("SFTCTL_LOCAL_ADOPT_GRACE_S") or 0.0
+    return guard(int(args[1]), ticks, args[3], args[5:], owner=options.get("--owner"), grace_s=grace)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ Policy (first come, first served, with backfill that never delays the head, as S
   :meth:`sftctl.providers.local.LocalProvider.never_fits`), never queued.
 
 Waiting costs next to nothing: the detached controller starts as ``python -m sftctl.queue JOB``
-(the state store and a file lock, no pydantic, no providers: about 20 MiB), looks at the state
+(the state store and a file lock, no pydantic; of the providers only local.py's
+process tags: about 20 MiB), looks at the state
 with a backoff from 1 s to ``POLL_MAX_S`` while nothing changes, scans processes for a dead
 controller's nodes only every ``ORPHAN_SCAN_S`` (or when about to start), and once admitted
 replaces itself (``exec``) with ``python -m sftctl.controller JOB``. An attached run waits in its
@@ -34,7 +35,7 @@ import time
 
 from sftctl import settings
 from sftctl.errors import ExitCode, SftctlError
-from sftctl.paths import CONTROLLER_OWNER, job_dir
+from sftctl.paths import CONTROLLER_OWNER, controller_lock, job_dir
 from sftctl.state import JobRecord, JobStatus, Store, placed
 from sftctl.types import FailureCode, capabilities
 
@@ -207,24 +208,40 @@ def wait_turn(store: Store, job_id: str, say=lambda line: None) -> bool:
         now_seen = _held_fingerprint(store)
         delay = POLL_S if now_seen != seen else min(POLL_MAX_S, delay * 1.5)
         seen = now_seen
+        store.rest()  # a waiting job holds no Postgres connection while it sleeps
         time.sleep(delay)
 
 
-CONTROLLER_LOCK = "controller.lock"  # in the job dir: held (flock) by the one live controller
-# beside it, CONTROLLER_OWNER (sftctl.paths): that controller's own record outside the state
+# The one live controller holds the flock sftctl.paths.controller_lock(JOB) ($SFTCTL_HOME/locks/,
+# outside the job dir: `rm -rf jobs/JOB` cannot take it away); its own record, CONTROLLER_OWNER
+# (sftctl.paths), is written beside that lock (JOB.json) and in the job dir (for the local nodes'
+# guard and `down --orphans`)
 
 
 class ControllerBusy(SftctlError):
     """The job already has a live controller: a second one must not act on it (exit 2)."""
 
 
-def _busy(job_id: str) -> ControllerBusy:
+def owner_record(job_id: str) -> dict | None:
+    """The job's controller as it recorded itself (:data:`sftctl.paths.CONTROLLER_OWNER`'s
+    fields), from beside its lock, else from the job dir; None when neither is readable."""
     import json
 
+    for path in (controller_lock(job_id).with_suffix(".json"), job_dir(job_id) / CONTROLLER_OWNER):
+        try:
+            owner = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(owner, dict) and owner.get("job_id") == job_id:
+            return owner
+    return None
+
+
+def _busy(job_id: str) -> ControllerBusy:
+    owner = owner_record(job_id)
     try:
-        owner = json.loads((job_dir(job_id) / CONTROLLER_OWNER).read_text())
         who = f"pid {owner['pid']} on {owner['host']}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):
         who = "a process that has not recorded itself yet"
     return ControllerBusy(
         f"job {job_id} already has a live controller ({who}); this one leaves the job alone",
@@ -232,69 +249,110 @@ def _busy(job_id: str) -> ControllerBusy:
     )
 
 
-def claim_job(store: Store, job_id: str):
-    """Become the job's one controller: take ``jobs/JOB/controller.lock`` (an flock, so the
-    kernel releases it when its holder dies, even by SIGKILL: a dead controller never blocks a
-    restart) without waiting, record this process in ``controller.json`` and in state.
+def _lease_decides(store: Store, job: JobRecord | None) -> bool:
+    """The job's lease in the state tells whether it has a live controller: on a shared
+    (Postgres) state, whose controllers may run on other machines, and for a controller placed
+    in a scheduler's job (``controller.place``), whose pid is another machine's."""
+    return store.dialect.shared or job is not None and placed(job.spec) is not None
 
-    On a shared (Postgres) state the controller also takes the job's lease in the database
-    (:class:`sftctl.state.LeaseKeeper`), so two machines never both run the job.
+
+def claim_job(store: Store, job_id: str):
+    """Become the job's one controller: where the lease decides (a shared state, a placed
+    controller), take the job's lease in the database first (:class:`sftctl.state.LeaseKeeper`:
+    two machines never both run the job); then take the job's controller lock
+    (:func:`sftctl.paths.controller_lock`: an flock in ``$SFTCTL_HOME/locks/``, which the kernel
+    releases when its holder dies, even by SIGKILL, so a dead controller never blocks a restart,
+    and which removing the job's directory cannot take away) without waiting; record this
+    process beside the lock, in the job dir's ``controller.json`` and in state.
 
     Returns the held claim; the caller calls its ``release()`` when the job is done (a process
     that exits releases the file lock anyway; an unrenewed lease expires).
 
     Raises:
-        ControllerBusy: another live controller holds the lock; nothing was changed.
+        ControllerBusy: another live controller holds the lease or the lock; nothing was changed.
     """
-    import json
-
     from filelock import FileLock, Timeout
+
+    job = store.get_job(job_id)
+    claim = _Claim(None, None)
+    # the lease first: of two would-be controllers the one the lease refuses never touches the
+    # lock, so it cannot make the lease's holder (published by its spawner) refuse in turn
+    if _lease_decides(store, job):
+        from sftctl.state import LeaseKeeper
+
+        keeper = LeaseKeeper(store, job_id)
+        if not keeper.acquire():
+            held = store.lease(job_id)
+            raise _leased(job_id, held[0] if held else "elsewhere")
+        claim.lease = keeper
+    try:
+        path = controller_lock(job_id)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        claim.lock = FileLock(str(path))
+        try:
+            claim.lock.acquire(timeout=0)
+        except Timeout:
+            raise _busy(job_id) from None
+        pid = os.getpid()
+        record_owner(job_id, job.provider if job is not None else None)  # the job dir too
+        from sftctl import procs
+
+        store.update_job(job_id, controller_pid=pid, controller_start_ticks=procs.start_ticks(pid))
+    except BaseException:  # busy, or the state unreachable: give back what was taken
+        claim.release()
+        raise
+    return claim
+
+
+def record_owner(job_id: str, provider: str | None) -> dict:
+    """Record this process as the job's controller (:data:`sftctl.paths.CONTROLLER_OWNER`'s
+    fields), beside its lock and in the job dir (recreated if it was removed); returns the record."""
+    import json
 
     from sftctl import procs
 
-    jd = job_dir(job_id)
-    jd.mkdir(parents=True, exist_ok=True, mode=0o700)
-    lock = FileLock(str(jd / CONTROLLER_LOCK))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise _busy(job_id) from None
-    claim = _Claim(lock, None)
-    job = store.get_job(job_id)
-    # a controller placed in a scheduler's job (controller.place: slurm) is seen by its lease
-    # everywhere, as on a shared state: its pid is another machine's
-    if store.dialect.shared or job is not None and placed(job.spec):
-        from sftctl.state import LeaseKeeper
-
-        try:
-            claim.lease = LeaseKeeper(store, job_id)
-            acquired = claim.lease.acquire()
-            held = None if acquired else store.lease(job_id)
-        except BaseException:  # the database unreachable: give the file lock back too
-            lock.release()
-            raise
-        if not acquired:
-            lock.release()
-            raise _leased(job_id, held[0] if held else "elsewhere")
     pid = os.getpid()
-    ticks = procs.start_ticks(pid)
-    owner = {"job_id": job_id, "provider": job.provider if job is not None else None, "pid": pid,
-             "host": socket.gethostname(), "start_ticks": ticks, "since": time.time()}
+    owner = {"job_id": job_id, "provider": provider, "pid": pid, "host": socket.gethostname(),
+             "start_ticks": procs.start_ticks(pid), "since": time.time()}
     slurm_job = settings.get("SFTCTL_CONTROLLER_SLURM_JOB_ID")
     if slurm_job:  # controller.place: slurm
         owner["slurm_job_id"] = slurm_job
     k8s_job = settings.get("SFTCTL_CONTROLLER_K8S_JOB")
     if k8s_job:  # controller.place: kubernetes
         owner["kubernetes_job"] = k8s_job
-    tmp = jd / f"{CONTROLLER_OWNER}.{pid}"
-    tmp.write_text(json.dumps(owner))
-    os.replace(tmp, jd / CONTROLLER_OWNER)
-    try:
-        store.update_job(job_id, controller_pid=pid, controller_start_ticks=ticks)
-    except BaseException:
-        claim.release()
-        raise
-    return claim
+    jd = job_dir(job_id)
+    jd.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for path in (controller_lock(job_id).with_suffix(".json"), jd / CONTROLLER_OWNER):
+        tmp = path.with_name(f"{path.name}.{pid}")
+        tmp.write_text(json.dumps(owner))
+        os.replace(tmp, path)
+    return owner
+
+
+def lease_for_child(store: Store, job: JobRecord, pid: int) -> None:
+    """Where the lease decides (see :func:`claim_job`), take the job's lease in the name of
+    ``pid``, a controller just spawned on this host (:meth:`sftctl.state.LeaseKeeper.holder_of`),
+    before its pid is published: a reaper that judges by the lease (every waiting job's, every
+    read's, another server's) must never see the job's new controller without one. The child's
+    own keeper then extends it as its own; a child that dies first leaves a lease that this
+    host's next controller takes over at once and that expires for the others.
+
+    Raises:
+        ControllerBusy: another live controller holds the lease (the caller stops the child,
+            which would refuse anyway).
+    """
+    if not _lease_decides(store, job):
+        return
+    from sftctl.state import LeaseKeeper
+
+    holder = LeaseKeeper.holder_of(pid)
+    ttl_s = settings.get("SFTCTL_STATE_LEASE_S")
+    if store.acquire_lease(job.id, holder, ttl_s):
+        return
+    held = store.lease(job.id)  # a dead holder of this host is taken over at once, as a keeper does
+    if held is not None and LeaseKeeper.dead_here(held[0]) and store.acquire_lease(job.id, holder, ttl_s, replacing=held[0]):
+        return
+    raise _leased(job.id, held[0] if held else "elsewhere")
 
 
 class _Claim:
@@ -305,19 +363,20 @@ class _Claim:
 
     @property
     def is_locked(self) -> bool:
-        return self.lock.is_locked
+        return self.lock is not None and self.lock.is_locked
 
     def release(self, keep_lease: bool = False) -> None:
         try:
             if self.lease is not None:
                 self.lease.release(keep=keep_lease)
         finally:
-            self.lock.release()
+            if self.lock is not None:
+                self.lock.release()
 
 
 def check_no_live_controller(job_id: str, store: Store | None = None) -> None:
     """Raise :class:`ControllerBusy` if a live controller holds the job (see :func:`claim_job`):
-    this home's file lock, or, on a shared (Postgres) state or for a controller placed in a
+    this home's file lock (in ``$SFTCTL_HOME/locks/``), or, on a shared (Postgres) state or for a controller placed in a
     Slurm job (``controller.place: slurm``), the job's unexpired lease in the database (a
     controller on another machine, or one still in Slurm's queue: holder ``slurm:<id>``).
     ``store``: the state to ask (default: the configured one)."""
@@ -335,7 +394,7 @@ def check_no_live_controller(job_id: str, store: Store | None = None) -> None:
     finally:
         if store is None:
             asked.close()
-    path = job_dir(job_id) / CONTROLLER_LOCK
+    path = controller_lock(job_id)
     if not path.exists():
         return
     lock = FileLock(str(path))

@@ -31,7 +31,7 @@ The ``slurm:`` section is the Slurm provider's (:class:`sftctl.slurm_config.Slur
 login node, partition, account, and ``gpu_hour_usd``/``cpu_hour_usd``, the prices the lab pays
 for its own GPUs and CPUs); a job spec's ``slurm:`` overrides it field by field.
 
-``python -m sftctl.settings --markdown`` prints the table README.md carries (a test compares them).
+``python -m sftctl.settings --markdown`` prints the table docs/settings.md carries (a test compares them).
 
 Importing this module is cheap (``os``, ``typing``, :mod:`sftctl.errors`); the config file is read, with the job spec's YAML
 1.2 loader (:mod:`sftctl.yaml12`, no pydantic), the first time a user setting is asked for that the
@@ -40,7 +40,9 @@ environment does not set.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import typing
 
 from sftctl.errors import ExitCode, SftctlError
@@ -80,15 +82,21 @@ class Setting:
         choices: the values a ``choice`` may take.
     """
 
-    __slots__ = ("name", "type", "default", "meaning", "set_by", "scope", "file", "minimum", "choices",
+    __slots__ = ("name", "type", "default", "meaning", "set_by", "scope", "file", "minimum", "_choices",
                  "shown_default")
 
     def __init__(self, name: str, type: str, default: typing.Any, meaning: str, set_by: str, scope: str, *,
-                 file: str | None = None, minimum: float | None = None, choices: tuple = (),
-                 shown_default: str | None = None):
+                 file: str | None = None, minimum: float | None = None,
+                 choices: tuple | typing.Callable[[], tuple] = (), shown_default: str | None = None):
         self.name, self.type, self.default, self.meaning = name, type, default, meaning
         self.set_by, self.scope, self.file = set_by, scope, file
-        self.minimum, self.choices, self.shown_default = minimum, choices, shown_default
+        self.minimum, self._choices, self.shown_default = minimum, choices, shown_default
+
+    @property
+    def choices(self) -> tuple:
+        """The values a ``choice`` or ``list`` item may take (a callable declared is asked each
+        time: :func:`provider_names` for ``SFTCTL_CLOUDS``)."""
+        return self._choices() if callable(self._choices) else self._choices
 
     @property
     def key(self) -> str:
@@ -172,7 +180,7 @@ def _n(name, type, default, meaning, set_by="controller", **kw) -> Setting:
     return Setting(PREFIX + name, type, default, meaning, set_by, NODE, **kw)
 
 
-#: Every variable, user settings first, then the node environment. The README's table is this.
+#: Every variable, user settings first, then the node environment. docs/settings.md's table is this.
 DECLARED: tuple[Setting, ...] = (
     # ---- user / operator settings: read where sftctl runs
     _u("HOME", "path", None, "where sftctl keeps its state (state.db) and job files",
@@ -182,19 +190,34 @@ DECLARED: tuple[Setting, ...] = (
     _u("STATE_BUSY_TIMEOUT_MS", "int", 60_000, "how long a state write waits for another writer's lock (ms)",
        file="state.busy_timeout_ms", minimum=1),
     _u("STATE_URL", "str", None, "the state database: a postgresql:// URL (a lab's shared state; "
-       "pip install 'sftctl[server]') or a SQLite file", file="state.url", shown_default="$SFTCTL_HOME/state.db"),
+       "pip install -e '.[server]' in a clone) or a SQLite file", file="state.url", shown_default="$SFTCTL_HOME/state.db"),
     _u("STATE_RETRY_S", "float", 60.0, "how long a controller retries the state database while it is unreachable "
        "(s; events are held back meanwhile)", set_by="user, tests", file="state.retry_s", minimum=0),
     _u("STATE_LEASE_S", "float", 90.0, "a controller's lease on its job in a shared (Postgres) state lasts this "
        "long unless renewed (s)", set_by="user, tests", file="state.lease_s", minimum=1),
     _u("CLOUDS", "list", None, "the clouds a spec without resources.clouds may use", file="defaults.clouds",
-       choices=("local", "aws", "gcp", "kubernetes", "slurm"), shown_default="every configured cloud"),
+       choices=lambda: provider_names(), shown_default="every configured cloud"),
+    _u("PROVIDERS", "list", None, "more providers, each NAME=MODULE: a module on sys.path declaring "
+       "PROVIDER = sftctl.providers.base.ProviderEntry(NAME, ...)", shown_default="none"),
     _u("REGIONS", "list", None, "the regions a spec without resources.regions may use", file="defaults.regions",
        shown_default="every region"),
     _u("SERVER_URL", "str", None, "the sftctl server the CLI and sftctl.api use instead of this machine's state "
        "(sftctl server start)", file="server.url", shown_default="none: this machine"),
     _u("SERVER_TOKEN", "str", None, "your token on that server (sftctl server user add prints it)",
        file="server.token", shown_default="none"),
+    _u("SECRETS_KEY", "str", None, "the key users' secrets are encrypted with in the state (32 bytes, URL-safe "
+       "base64: python -m sftctl.vault --new-key); every server on one Postgres state sets the same one",
+       set_by="server admin", shown_default="$SFTCTL_HOME/secrets.key (0600, made on first use)"),
+    _u("SERVER_MAX_BODY_BYTES", "int", 4 << 20, "the server refuses a request body larger than this (bytes; 413), "
+       "before reading it", file="server.max_body_bytes", minimum=1024),
+    _u("SERVER_MAX_OVERRIDES", "int", 200, "the server refuses a submit with more --set overrides than this",
+       file="server.max_overrides", minimum=0),
+    _u("SERVER_MAX_OVERRIDE_CHARS", "int", 16384, "the server refuses a submit with a --set override longer than "
+       "this (characters)", file="server.max_override_chars", minimum=1),
+    _u("SERVER_WRITES_PER_MINUTE", "int", 300, "the server's limit on each user's writes (submit, start, down) per "
+       "minute, in bursts of as many (429 past it; 0: no limit)", file="server.writes_per_minute", minimum=0),
+    _u("SERVER_TOKEN_DAYS", "int", 90, "a token from sftctl server user add or token rotate expires after this "
+       "many days unless --expires says otherwise", file="server.token_days", minimum=1),
     _u("CATALOG_OVERRIDES", "path", None, "a CSV of negotiated prices that win over the catalog's "
        "(provider,instance_type,region,usd_per_hour,spot_usd_per_hour,note)", file="catalog.overrides",
        shown_default="$XDG_CONFIG_HOME/sftctl/prices.csv"),
@@ -205,6 +228,10 @@ DECLARED: tuple[Setting, ...] = (
     _u("LOCAL_ADOPT_GRACE_S", "float", 0.0, "a local node outlives its killed controller by this many seconds, "
        "so a new controller of the job (python -m sftctl.controller JOB) adopts it still running (0: it stops "
        "within seconds)", set_by="user, tests", file="local.adopt_grace_s", minimum=0),
+    _u("NODE_SANDBOX", "choice", None, "bwrap: each local node runs in a bubblewrap sandbox that cannot act as "
+       "this sftctl (its home, state, config, credentials: docs/server.md); off: as sftctl itself "
+       "(on a server unsafe: every user's job then runs as the server)", set_by="user, server",
+       file="server.node_sandbox", choices=("bwrap", "off"), shown_default="bwrap under sftctl server, else off"),
     _u("SLURM_CONTROLLER_GRACE_S", "float", 300.0, "a Slurm allocation cancels itself when its controller's "
        "heartbeat has not changed for this many seconds (a controller killed -9; 0: never)",
        set_by="user, tests", minimum=0),
@@ -223,6 +250,8 @@ DECLARED: tuple[Setting, ...] = (
        "values to its AWS nodes (one region whatever region the nodes run in)", file="aws.secrets_region"),
     _u("GCE_ENDPOINT", "str", None, "the Compute Engine API endpoint (an emulator); also counts as credentials",
        set_by="user, tests", file="gcp.endpoint", shown_default="Google's"),
+    _u("TPU_ENDPOINT", "str", None, "the Cloud TPU API endpoint (an emulator); with SFTCTL_GCE_ENDPOINT set and "
+       "this unset, GCP listings skip TPUs", set_by="user, tests", file="gcp.tpu_endpoint", shown_default="Google's"),
     _u("K8S_CONTEXT", "str", None, "the kubeconfig context", file="kubernetes.context",
        shown_default="the current context"),
     _u("K8S_NAMESPACE", "str", None, "the Kubernetes namespace", file="kubernetes.namespace",
@@ -238,6 +267,8 @@ DECLARED: tuple[Setting, ...] = (
        set_by="user, tests"),
     _u("SFTENSOR_NO_CACHE", "bool", False, "sftensor backend: no disk cache of schedule searches"),
     _u("SFTENSOR_ANALYZE", "bool", True, "sftensor backend: build the IR report of every graph"),
+    _u("BAD_MACHINE_DECAY_H", "float", 72.0, "hours a machine a health verdict condemned stays out of every job "
+       "(sftctl nodes)", file="health.bad_machine_decay_h", minimum=0),
     # ---- the node environment: exported by the controller for the node and its training
     _n("JOB_ID", "str", None, "the job's id"),
     _n("NODE_RANK", "int", 0, "this node's rank", minimum=0),
@@ -259,6 +290,17 @@ DECLARED: tuple[Setting, ...] = (
     _n("GRAD_ACCUM", "int", 1, "micro-batches per optimizer step (elastic resume on fewer nodes)", minimum=1),
     _n("PARALLELISM", "choice", "ddp", "the planned data-parallel strategy", choices=("ddp", "fsdp")),
     _n("ACTIVATION_CHECKPOINTING", "bool", False, "the plan recomputes activations in backward"),
+    # the planned parallel layout (sftctl.compiler.layouts; the plan's LAYOUT): degrees per dimension
+    _n("TP", "int", 1, "the planned layout's tensor-parallel degree (inside a node)", minimum=1),
+    _n("PP", "int", 1, "the planned layout's pipeline-parallel degree (stages)", minimum=1),
+    _n("CP", "int", 1, "the planned layout's context-parallel degree (sequence split)", minimum=1),
+    _n("EP", "int", 1, "the planned layout's expert-parallel degree", minimum=1),
+    _n("DP", "int", 1, "the planned layout's data-parallel degree", minimum=1),
+    _n("DP_SHARDING", "choice", "ddp", "the data dimension: ddp, zero1 (optimizer sharded) or fsdp (ZeRO-3)",
+       choices=("ddp", "zero1", "fsdp")),
+    _n("MICRO_BATCHES", "int", 1, "the planned layout's micro-batches per step per data-parallel rank", minimum=1),
+    _n("PP_SCHEDULE", "choice", "1f1b", "the pipeline schedule: 1f1b or interleaved", choices=("1f1b", "interleaved")),
+    _n("PP_INTERLEAVE", "int", 1, "model chunks per pipeline stage (interleaved schedule)", minimum=1),
     _n("COMPILE", "str", "none", "train.compile: the torch.compile backend (none: eager)"),
     _n("MODEL_ENTRYPOINT", "str", None, "model.entrypoint (file.py:function)"),
     _n("STORAGE_URL", "str", None, "the job's storage (checkpoints and logs are uploaded there)"),
@@ -273,8 +315,26 @@ DECLARED: tuple[Setting, ...] = (
     _n("WORKDIR_STORAGE", "str", None, "the storage holding the packed workdir, when not the job's"),
     _n("HEALTH_INTERVAL_S", "float", 2.0, "health.interval_s: seconds between GPU samples", minimum=0),
     _n("AGENT_ADDRESS", "str", "127.0.0.1", "health.metrics_address: where the agent's /metrics binds"),
+    _n("PREFLIGHT", "choice", "off", "health.preflight: the node's check before training (sftctl.preflight)",
+       choices=("off", "quick", "full")),
+    _n("PREFLIGHT_GEMM_S", "float", None, "the predicted seconds of the preflight's matmul on this node's device",
+       minimum=0, shown_default="not judged"),
+    _n("PREFLIGHT_REFERENCE", "choice", "compiler", "where SFTCTL_PREFLIGHT_GEMM_S comes from: the compiler's GEMM "
+       "time, or the CPU matmul measured on the controller's machine", choices=("compiler", "cpu")),
+    _n("PREFLIGHT_BUS_GBPS", "float", None, "the predicted all-reduce bus bandwidth across the job's nodes (GB/s)",
+       minimum=0, shown_default="not predicted"),
+    _n("PREFLIGHT_MIN_FRACTION", "float", 0.6, "health.preflight_min_fraction", minimum=0),
+    _n("PREFLIGHT_DCGM_LEVEL", "int", 1, "the preflight's dcgmi diag -r level (2 for long jobs)", minimum=1),
+    _n("PREFLIGHT_PERIODIC", "bool", False, "a matmul check at every checkpoint (a job predicted longer than "
+       "health.preflight_long_job_h)"),
     # ---- the node environment: set on the node by the provider or node daemon
     _n("NODE_ID", "str", None, "the node's id", set_by="provider"),
+    _n("TPU_WORKER", "int", None, "this host's worker number in its Cloud TPU slice (0 is the node itself; the TPU "
+       "VM metadata's agent-worker-number when unset)", set_by="provider", shown_default="the metadata's"),
+    _n("TPU_HOSTS", "int", None, "the hosts of this node's Cloud TPU slice", set_by="provider",
+       shown_default="not a TPU"),
+    _n("TPU_CHIPS_PER_HOST", "int", None, "the TPU chips this host drives", set_by="provider",
+       shown_default="not a TPU"),
     _n("NODE_DIR", "path", ".", "the node's directory (logs, exit files, health.jsonl)", set_by="provider"),
     _n("METRICS_DIR", "path", None, "where sftctl.train.report appends step records", set_by="provider",
        shown_default="off"),
@@ -297,6 +357,15 @@ DECLARED: tuple[Setting, ...] = (
        minimum=0, shown_default="every rank"),
     _n("FAIL_AT_STEP", "int", 0, "examples/gpt: rank 0 raises at this step unless resumed (0: never)",
        set_by="tests", minimum=0),
+    _n("PREFLIGHT_SLOW_RANK", "int", None, "this node rank's first node runs its preflight matmuls slower",
+       set_by="tests", minimum=0, shown_default="none"),
+    _n("PREFLIGHT_SLOW_FACTOR", "float", 8.0, "... by this factor (it runs that many times the matmuls it times)",
+       set_by="tests", minimum=1),
+    _n("PREFLIGHT_SLOW_NET_RANK", "int", None, "this node rank's first node sends its preflight all-reduce's "
+       "bytes at SFTCTL_PREFLIGHT_SLOW_NET_GBPS at most (a throttled NIC)", set_by="tests", minimum=0,
+       shown_default="none"),
+    _n("PREFLIGHT_SLOW_NET_GBPS", "float", 0.05, "... GB/s (it waits the bytes' time at that rate before each send)",
+       set_by="tests", minimum=0),
     _n("SLOW_NODE", "int", None, "examples/gpt: this node rank's first node runs slower", set_by="tests",
        minimum=0, shown_default="none"),
     _n("SLOW_FACTOR", "float", 1.0, "... by this factor", set_by="tests", minimum=1),
@@ -304,6 +373,45 @@ DECLARED: tuple[Setting, ...] = (
 )
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in DECLARED}
+
+_PROVIDER_NAME = re.compile(r"[a-z][a-z0-9_-]*")
+_MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+@functools.cache
+def builtin_providers() -> tuple[str, ...]:
+    """The providers sftctl ships: one package each under ``sftctl/providers/`` (found by
+    listing the directory; nothing is imported), this machine's (``local``) first, then by name."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "providers")
+    found = [e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith(("_", "."))
+             and os.path.isfile(os.path.join(e.path, "__init__.py"))]
+    return tuple(sorted(found, key=lambda n: (n != "local", n)))
+
+
+def provider_plugins(environ: typing.Mapping[str, str] | None = None) -> dict[str, str]:
+    """The providers ``SFTCTL_PROVIDERS`` adds: name -> the module that declares it.
+
+    Raises:
+        SettingError: an entry is not ``NAME=MODULE``, or NAME is a built-in provider's (exit 2).
+    """
+    out: dict[str, str] = {}
+    for item in get("SFTCTL_PROVIDERS", environ) or ():
+        name, sep, module = (part.strip() for part in item.partition("="))
+        if not sep or not _PROVIDER_NAME.fullmatch(name) or not _MODULE_NAME.fullmatch(module):
+            raise SettingError(f"SFTCTL_PROVIDERS: expected NAME=MODULE (e.g. mycloud=mypkg.provider), got {item!r}",
+                               hint=declared("SFTCTL_PROVIDERS")._hint())
+        if name in builtin_providers():
+            raise SettingError(f"SFTCTL_PROVIDERS: {name!r} is a built-in provider's name; give yours another",
+                               hint=declared("SFTCTL_PROVIDERS")._hint())
+        out[name] = module
+    return out
+
+
+def provider_names(environ: typing.Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """Every provider's name: :func:`builtin_providers`, then :func:`provider_plugins`'s. The
+    spec's ``resources.clouds`` and ``SFTCTL_CLOUDS`` take these (:mod:`sftctl.providers` finds
+    each one's declaration)."""
+    return builtin_providers() + tuple(provider_plugins(environ))
 _BY_KEY: dict[str, Setting] = {s.key: s for s in DECLARED}
 
 
@@ -489,7 +597,7 @@ def _load(path: str) -> tuple[dict, dict]:
                            hint="fix the YAML on that line (see `python -m sftctl.settings --markdown`)") from None
     if not isinstance(doc, dict):
         raise SettingError(f"{path}:1: the config file must be a mapping (state:, aws:, slurm:, ...)",
-                           hint="see the Settings section of README.md")
+                           hint="see docs/settings.md")
     lines = {".".join(map(str, p)): n for p, n in loc.lines.items() if p}
     known = {s.file for s in DECLARED if s.file}
     sections = {k.split(".")[0] for k in known} | set(OTHER_SECTIONS)
@@ -525,7 +633,7 @@ def _check_slurm(path: str, value: typing.Any, lines: dict) -> None:
     """
     if not isinstance(value, dict):
         raise SettingError(f"{path}:{lines.get('slurm', 1)}: slurm: expected a mapping (host, partition, ...)",
-                           hint="write it as `slurm: {key: value}` (see Slurm in README.md)")
+                           hint="write it as `slurm: {key: value}` (see docs/slurm.md)")
     for key, v in value.items():
         dotted = f"slurm.{key}"
         if key not in FIELD_KINDS:
@@ -533,7 +641,7 @@ def _check_slurm(path: str, value: typing.Any, lines: dict) -> None:
         expected = value_problem(key, v)
         if expected is not None:
             raise SettingError(f"{path}:{lines.get(dotted, 1)}: {dotted}: expected {expected}, got {v!r}",
-                               hint=f"write {dotted} as {expected} (see Slurm in README.md)")
+                               hint=f"write {dotted} as {expected} (see docs/slurm.md)")
 
 
 def _unknown(path: str, lines: dict, dotted: str, options: list[str]) -> None:
@@ -596,7 +704,7 @@ def section(name: str) -> tuple[str | None, dict, int]:
 
 
 # --------------------------------------------------------------------------------------------
-# the README table
+# docs/settings.md's table
 # --------------------------------------------------------------------------------------------
 
 

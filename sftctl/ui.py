@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 
 from rich.console import Console
@@ -57,18 +58,24 @@ class Col:
 
     ``drop``: columns with a number are hidden at narrow widths, the lowest number first (None:
     always shown). ``wrap``: long text folded over several lines (takes the width left over);
-    every other column is shown whole, never cut, so a number is always exact.
+    ``cut``: long text kept on its row's one line, cut with "…" at the width left over (a table
+    whose rows must stay one line each: ``status``); every other column is shown whole, never
+    cut, so a number is always exact.
     """
 
     name: str
     justify: str = "left"
-    drop: int | None = None
+    drop: float | None = None
     wrap: bool = False
     min_wrap: int = 16
+    fold_last: bool = False  # kept whole while a droppable column of a lower drop can still be hidden
+    cut: bool = False  # a cut column, as a wrap one, takes the width left over down to min_wrap
 
 
 def _cells(value) -> int:
     return value.cell_len if isinstance(value, Text) else Text(str(value)).cell_len
+
+_line = lambda value: " ".join(str(value).split())  # noqa: E731  a cut column's cell on one line
 
 
 class FitTable:
@@ -79,28 +86,44 @@ class FitTable:
     fold. ``notes`` are printed under the table, folded at word boundaries.
     """
 
-    GAP = 2  # cells between columns (padding 1 on each side, none at the edges)
+    GAP = 2  # cells between columns (padding 1 on each side, none at the edges); 1 when it must
 
     def __init__(self, cols: list[Col], rows: list[list], title: str | None = None,
-                 notes: list | None = None):
+                 notes: list | None = None, cut_hint: str = "--json shows them whole"):
         self.cols, self.rows, self.title, self.notes = cols, rows, title, notes or []
+        self.cut_hint = cut_hint  # the line under the table when a ``cut`` column's cell was cut
 
     def layout(self, width: int) -> tuple[list[int], dict[int, int]]:
-        """The indices of the columns shown at ``width`` cells and each one's width."""
+        """The indices of the columns shown at ``width`` cells and each one's width (``self.gap``:
+        the cells between columns, :attr:`GAP` or 1 when the columns never hidden need it)."""
+        self.gap = self.GAP
         natural = [max([_cells(c.name)] + [_cells(r[i]) for r in self.rows]) for i, c in enumerate(self.cols)]
-        least = [min(n, max(c.min_wrap, _cells(c.name))) if c.wrap else n for c, n in zip(self.cols, natural)]
+        least = [min(n, max(c.min_wrap, _cells(c.name))) if c.wrap or c.cut else n for c, n in zip(self.cols, natural)]
         shown = list(range(len(self.cols)))
         droppable = sorted((c.drop, i) for i, c in enumerate(self.cols) if c.drop is not None)
 
         def need(idx):
-            return sum(least[i] for i in idx) + self.GAP * (len(idx) - 1)
+            return sum(least[i] for i in idx) + self.gap * (len(idx) - 1)
 
+        whole = [i for i, c in enumerate(self.cols) if (c.wrap or c.cut) and c.fold_last]
+        folded = list(least)
+        for i in whole:  # kept whole while lesser columns (a lower drop than its own) can make room
+            least[i] = natural[i]
         while need(shown) > width and droppable:
+            giving = [i for i in whole if least[i] > folded[i] and (self.cols[i].drop if self.cols[i].drop is not None else 1e9) <= droppable[0][0]]
+            if giving:  # the next column to hide outranks this one's whole width: fold it first
+                least[giving[0]] = folded[giving[0]]
+                continue
             shown.remove(droppable.pop(0)[1])
+        if need(shown) > width and len(shown) > 1:  # still too wide: one cell between columns
+            self.gap = 1
+        for i in whole:
+            if need(shown) > width:
+                least[i] = folded[i]
         widths = {i: least[i] for i in shown}
         spare = width - need(shown)
         # text columns share what is left in equal parts, each up to its natural width
-        wanting = [i for i in shown if self.cols[i].wrap and natural[i] > widths[i]]
+        wanting = [i for i in shown if (self.cols[i].wrap or self.cols[i].cut) and natural[i] > widths[i]]
         while spare > 0 and wanting:
             share = max(1, spare // len(wanting))
             for i in list(wanting):
@@ -113,18 +136,24 @@ class FitTable:
 
     def __rich_console__(self, console, options):
         shown, widths = self.layout(options.max_width)
-        t = Table(box=None, header_style="bold", pad_edge=False, title=self.title, title_justify="left")
+        t = Table(box=None, header_style="bold", pad_edge=False, title=self.title, title_justify="left",
+                  padding=(0, 1) if self.gap == 2 else (0, 0, 0, 1))
         for i in shown:
             c = self.cols[i]
             t.add_column(c.name, justify=c.justify, width=widths[i], no_wrap=not c.wrap,
-                         overflow="fold" if c.wrap else "crop")
-        for r in self.rows:  # plain strings are user data: shown as they are, never as markup
-            t.add_row(*[r[i] if isinstance(r[i], Text) else Text(str(r[i])) for i in shown])
+                         overflow="fold" if c.wrap else "ellipsis" if c.cut else "crop")
+        for r in self.rows:  # plain strings are user data: shown as they are, never as markup; a cut cell: one line
+            t.add_row(*[Text(_line(r[i])) if self.cols[i].cut else r[i] if isinstance(r[i], Text) else Text(str(r[i]))
+                        for i in shown])
         yield t
         hidden = [c.name for i, c in enumerate(self.cols) if i not in shown]
         if hidden:
             yield Text(f"{len(hidden)} column(s) hidden at {options.max_width} columns: {', '.join(hidden)}"
                        " (a wider terminal or --json shows them)", style="dim")
+        cut = [c.name for i, c in enumerate(self.cols)
+               if i in shown and c.cut and any(_cells(_line(r[i])) > widths[i] for r in self.rows)]
+        if cut and self.cut_hint:
+            yield Text(f"{', '.join(cut)} cut at {options.max_width} columns: {self.cut_hint}", style="dim")
         for note in self.notes:
             yield note if isinstance(note, Text) else Text(str(note))
 
@@ -179,19 +208,49 @@ def _num(v: float | None, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def jobs_table(jobs: list[dict]) -> FitTable:
-    """One row per job: id, status, where it runs, progress, loss, throughput, age, reason.
+def jobs_table(jobs: list[dict], owners: bool = False) -> FitTable:
+    """One row per job: id, status, where it runs, progress, loss, throughput, age, reason;
+    ``owners`` (``status --all-users``): an OWNER column after JOB.
 
     Ids, statuses and numbers are never cut: on a narrow terminal the optional columns go first
-    (COST, DURATION, AGE, TOK/S, LOSS, RESOURCES) and the note folds."""
-    cols = [Col("JOB"), Col("STATUS"), Col("RESOURCES", drop=5), Col("STEP", "right"), Col("LOSS", "right", drop=4),
+    (COST, PRED, ACTUAL, DURATION, AGE, TOK/S, LABELS, RESOURCES, LOSS), and every row stays one
+    line: a long NOTE or LABELS is cut with "…" (``status JOB`` and ``--json`` have it whole)."""
+    cols = [Col("JOB"), Col("STATUS"), Col("RESOURCES", drop=4), Col("STEP", "right"), Col("LOSS", "right", drop=5),
             Col("TOK/S", "right", drop=3), Col("AGE", "right", drop=2), Col("DURATION", "right", drop=1),
-            Col("COST", "right", drop=0), Col("NOTE", wrap=True, min_wrap=20)]
+            Col("COST", "right", drop=0), Col("NOTE", cut=True, min_wrap=16)]
     rows = [[j["id"], Text(j["status"], style=STATUS_STYLE.get(j["status"], "")), j["resources"], _steps(j),
              _num(j["loss"], ".4f"), _num(j["tokens_per_s"], ",.0f"), _age(j["created_at"]), _duration(j), _usd(j.get("cost")),
              tty_safe(j["failure_reason"] or j.get("pending_reason") or (f"{j['restarts']} restart(s)" if j["restarts"] else ""))]
             for j in jobs]
-    return FitTable(cols, rows)
+    if any(j.get("step_time") for j in jobs):  # predicted vs measured step time, after STEP
+        cols[4:4] = [Col("PRED", "right", drop=0.5), Col("ACTUAL", "right", drop=0.6)]
+        for j, row in zip(jobs, rows):
+            row[4:4] = step_time_cells(j.get("step_time"))
+    if owners:
+        cols[1:1] = [Col("OWNER")]
+        for j, row in zip(jobs, rows):
+            row[1:1] = [tty_safe(j.get("owner") or "-")]
+    if any(j.get("labels") for j in jobs):  # a sweep's jobs told apart: before NOTE
+        cols[-1:-1] = [Col("LABELS", cut=True, min_wrap=12, drop=3.5, fold_last=True)]
+        for j, row in zip(jobs, rows):
+            row[-1:-1] = [tty_safe(labels_text(j.get("labels")) or "-")]
+    return FitTable(cols, rows, cut_hint="sftctl status JOB or --json shows them whole")
+
+
+def labels_text(labels: dict | None) -> str:
+    """A job's labels as ``k=v k=v`` (status's LABELS column and detail)."""
+    return " ".join(f"{k}={v}" for k, v in (labels or {}).items())
+
+
+def step_time_cells(st: dict | None) -> list[str]:
+    """PRED and ACTUAL of a job's ``step_time`` (``status --json``): the planned step time and the
+    measured one (median after warm-up) with its difference, ``31.2 ms +8%``; ``-`` unknown."""
+    if not st:
+        return ["-", "-"]
+    actual = _seconds(st.get("measured_s"))
+    if st.get("difference") is not None:
+        actual += f" {st['difference']:+.0%}"
+    return [_seconds(st.get("predicted_s")), actual]
 
 
 def _usd(cost: dict | None) -> str:
@@ -219,8 +278,18 @@ def job_detail(job: dict) -> list:
         out.append(Text(f"reason: {tty_safe(job['failure_reason'])}", style="red"))
     if job.get("pending_reason"):
         out.append(Text(f"pending: {tty_safe(job['pending_reason'])}", style="yellow"))
+    if job.get("labels"):
+        out.append(Text(f"labels: {tty_safe(labels_text(job['labels']))}"))
+    if job.get("overrides"):
+        out.append(Text("submitted with: " + tty_safe(" ".join(f"--set {a}" for a in job["overrides"]))))
     if job["plan"]:
         out.append(Text(f"plan: {job['plan']}", style="dim"))
+    if job.get("step_time"):
+        pred, actual = step_time_cells(job["step_time"])
+        n, world = job["step_time"].get("measured_steps"), max(1, len(job.get("ranks") or ()))
+        over = f"{round(n / world)} steps x {world} ranks" if n and world > 1 else f"{n} steps"  # n: reports
+        out.append(Text(f"step time: predicted {pred}, measured {actual}" + (f" (median of {over} after warm-up)"
+                                                                             if n else "")))
     for h in job.get("health", []):
         out.append(Text(f"health {time.strftime('%H:%M:%S', time.localtime(h['ts']))}: {h['message']} -> {h.get('action')}",
                         style="yellow"))
@@ -251,6 +320,19 @@ def job_detail(job: dict) -> list:
     return out
 
 
+def calibration_table(summary: list[dict], runs: int) -> FitTable:
+    """``sftctl calibrate show``: per accelerator, offering and source (``run``: this lab's jobs;
+    ``imported``), the runs and their measured / predicted step (median, min-max)."""
+    cols = [Col("ACCEL"), Col("PROVIDER"), Col("INSTANCE", drop=1), Col("SOURCE"), Col("RUNS", "right"),
+            Col("MEASURED/PREDICTED", "right"), Col("RANGE", "right", drop=2), Col("LABELS", wrap=True, drop=0)]
+    rows = [[g["accelerator"], g["provider"], g["instance_type"], g["source"], str(g["runs"]),
+             f"{g['median_measured_over_predicted']:.2f}", f"{g['min']:.2f}-{g['max']:.2f}",
+             tty_safe(", ".join(g["labels"]))] for g in summary]
+    return FitTable(cols, rows, title=f"run history: {runs} run(s)",
+                    notes=[] if runs else [Text("no runs yet: jobs add theirs when they end; sftctl calibrate import "
+                                                "adds measured runs from a file", style="dim")])
+
+
 def events_table(events: list[dict]) -> FitTable:
     """``sftctl events``: time and kind whole, the message folded."""
     rows = [[time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e["ts"])), e["kind"], tty_safe(e["message"])] for e in events]
@@ -266,13 +348,15 @@ class RunView:
         console: where to draw (stderr when ``--json`` owns stdout).
         steps: total training steps, for the bar.
         show_logs: stream node logs (prefixed with their node rank).
+        raw: every log line, torch's noise too (``sftctl --debug run``; else :class:`TorchNoise`).
     """
 
-    def __init__(self, console: Console, steps: int, show_logs: bool = True):
+    def __init__(self, console: Console, steps: int, show_logs: bool = True, raw: bool = False):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.console = console
         self.show_logs = show_logs
+        self.raw = raw
         self.progress = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
@@ -315,7 +399,7 @@ class RunView:
         self._partial[rank] = lines.pop()
         noise = self._noise.setdefault(rank, TorchNoise())
         for line in lines:
-            if noise.keep(line):
+            if noise.keep(line) or self.raw:
                 self._print_log(rank, line)
 
     def _print_log(self, rank: int, line: str) -> None:
@@ -348,19 +432,39 @@ class RunView:
 
 class TorchNoise:
     """Which lines of one node's log the attached view shows: known torch noise is left out
-    (``sftctl logs`` and the node logs keep every line). Known noise: torchrun's warning that
-    ``node_rank is only used for static rdzv_backend`` (sftctl launches with c10d and passes the
-    node rank for the logs), and torchrun's ``Error waiting on exit barrier`` with the traceback
-    frames that follow it (pytorch#69520: the exit barrier times out after the job finished)."""
+    (``sftctl logs``, the node logs and ``sftctl --debug run`` keep every line). Known noise:
+    torchrun's warning that ``node_rank is only used for static rdzv_backend`` (sftctl launches
+    with c10d and passes the node rank for the logs), and torchrun's ``Error waiting on exit
+    barrier`` with the traceback frames that follow it (pytorch#69520: the exit barrier times out
+    after the job finished); torch.distributed's warning and info log lines (``W1206 17:37:18.04
+    11577 torch/distributed/...``: a node failing to shut the rendezvous down once the others
+    left), c10d's C++ warnings (``[W1206 ... TCPStore.cpp:115] [c10d] recvVector failed``) with
+    the C++ stack trace after them (``Exception raised from``, ``frame #N:``), and ``[c10d]``
+    lines: at the clean end of a multi-node run the node whose store went away first prints them
+    (issue 37.5). Error lines (``E1206 ...``) are shown: they say why a run failed."""
 
     LINES = ("node_rank is only used for static rdzv_backend",)
     BLOCKS = ("Error waiting on exit barrier",)
     CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+    # torch's Python log format (W/I only) for torch.distributed, and glog-style C++ warnings/info
+    TORCH_LOG = re.compile(r"^[WI]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ torch/distributed/")
+    CXX_LOG = re.compile(r"^\[[WI]\d{4} \d\d:\d\d:\d\d\.\d+ ")
+    CXX_TRACE = re.compile(r"^(Exception raised from |frame #\d+: |<omitting python frames>)")
 
     def __init__(self) -> None:
         self.state = "show"  # show | block (after a block's first line) | frames | after (its exception line)
+        self.cxx = False  # after a hidden C++ warning: its stack trace follows
 
     def keep(self, line: str) -> bool:
+        if self.TORCH_LOG.match(line) or line.startswith("[c10d]"):
+            return False
+        if self.CXX_LOG.match(line):
+            self.cxx = True
+            return False
+        if self.cxx:
+            if self.CXX_TRACE.match(line) or not line.strip():
+                return False
+            self.cxx = False
         if any(s in line for s in self.LINES):
             return False
         if any(s in line for s in self.BLOCKS):
@@ -392,31 +496,123 @@ def _seconds(s: float | None) -> str:
     return f"{s:.2f} s"
 
 
-def plan_table(candidates: list, steps: int) -> FitTable:
-    """``sftctl plan``: one row per candidate offering, best first.
+def _region_free(c) -> str:
+    """A rejection's line with the candidate's own region taken out, so one reason given for many
+    regions ("region X is not in resources.regions") groups as one."""
+    msg = str(c.rejected)
+    region = c.offering.region
+    return msg.replace(region, "{region}") if region and region in msg else msg
+
+
+def _rejection_notes(rows: list) -> tuple[list[str], list[Text]]:
+    """Each row's ``[k]`` and one note per distinct reason (regions folded: "region a, b, c
+    (+4) is not in ..."), with how many rows share it."""
+    keys: dict[str, list] = {}
+    refs = []
+    for c in rows:
+        if c.rejected is None:
+            refs.append("")
+            continue
+        keys.setdefault(_region_free(c), []).append(c)
+        refs.append(f"[{list(keys).index(_region_free(c)) + 1}]")
+    notes = []
+    for k, (line, group) in enumerate(keys.items(), 1):
+        if "{region}" in line:
+            regions = list(dict.fromkeys(c.offering.region for c in group))
+            named = ", ".join(regions[:3]) + (f" (+{len(regions) - 3})" if len(regions) > 3 else "")
+            line = line.replace("{region}", named)
+        notes.append(Text.assemble((f"[{k}] ", "bold"), (f"{len(group)} x " if len(group) > 1 else ""), line, style="dim"))
+    return refs, notes
+
+
+def _offering_key(c) -> tuple:
+    o = c.offering
+    return (o.provider, o.instance_type, o.accelerator, o.count, c.nodes)
+
+
+def plan_rows(candidates: list, top: int | None = None) -> tuple[list, dict[int, list], str | None]:
+    """What ``sftctl plan`` shows by default: one row per offering (provider, instance type,
+    accelerator, nodes) at its best-ranked region, the feasible ones first, at most ``top`` of
+    them (only when none is feasible: the best-ranked rejected ones); ``top`` None: every candidate,
+    each its own row. Returns the rows, for each shown row's index the candidates it stands for
+    (itself first), and one line saying what was left out and why (None when nothing was)."""
+    if top is None:
+        return list(candidates), {i: [c] for i, c in enumerate(candidates)}, None
+    groups: dict[tuple, list] = {}
+    for c in candidates:  # ranked best first: a group's first is its best region
+        groups.setdefault(_offering_key(c), []).append(c)
+    firsts = [g[0] for g in groups.values()]
+    feasible = [c for c in firsts if c.rejected is None]
+    shown = (feasible or firsts)[:top]
+    members = {i: groups[_offering_key(c)] for i, c in enumerate(shown)}
+    covered = sum(len(m) for m in members.values())
+    if covered == len(candidates):
+        return shown, members, None
+    left = [c for c in candidates if not any(c is m for ms in members.values() for m in ms)]
+    parts = []
+    more = sum(c.rejected is None for c in left)
+    if more:
+        parts.append(f"{more} feasible ranked lower")
+    codes: dict[str, int] = {}
+    for c in left:
+        if c.rejected is not None:
+            codes[c.rejected.code.value] = codes.get(c.rejected.code.value, 0) + 1
+    parts += [f"{n} {code.replace('_', ' ')}" for code, n in sorted(codes.items(), key=lambda kv: -kv[1])]
+    other_regions = covered - len(shown)
+    line = (f"showing {len(shown)} of {len(candidates)} candidates"
+            + (f" (+{other_regions} in other regions, counted in REGION)" if other_regions else "")
+            + (f"; left out: {', '.join(parts)}" if parts else "")
+            + "; --all shows every row, --json every candidate")
+    return shown, members, line
+
+
+def plan_table(candidates: list, steps: int, top: int | None = None, script_steps: bool = False) -> FitTable:
+    """``sftctl plan``: one row per candidate offering, best first; with ``top`` (the CLI's
+    default, 10): one row per offering at its best region (``+N`` in REGION: the other regions
+    it is sold in, up to which $/H), at most ``top`` rows, and one line of what was left out
+    (:func:`plan_rows`).
 
     A rejected row says ``no [k]``; reason ``k`` is printed once under the table, with how many
-    rows share it. With a model, STRATEGY says ``ddp`` or ``fsdp`` (``+ckpt``: activation
-    checkpointing) for each offering. Numbers are never cut: narrow terminals hide $/STEP, NODES,
-    REGION, MEMORY, TIME, INSTANCE, STRATEGY and STEP RANGE, in that order. STEP RANGE is the
-    step time divided and multiplied by the accelerator's error factor (:mod:`sftctl.compiler.accuracy`);
-    `*` marks an uncalibrated accelerator, and a note says when two rows' intervals overlap."""
+    rows share it (one reason given for many regions is one line naming them). CLOUD is the
+    provider, as ``resources.clouds`` names it. With a model, STRATEGY says ``ddp`` or ``fsdp`` (``+ckpt``: activation checkpointing) for each offering;
+    LAYOUT instead where a row's layout is model-parallel (``tp8 pp4 dp2 fsdp+ckpt``, every row's
+    layout: :mod:`sftctl.compiler.layouts`).
+    Numbers are never cut, and the columns that say what would launch and where (PROVIDER,
+    INSTANCE, ACCEL, NODES, REGION, $/H, STEP, TOTAL $) are never hidden: narrow terminals hide
+    #, $/STEP, TIME, MEMORY, STRATEGY and STEP RANGE, in that order, then NODES when every row has
+    the same count (the title says it) and VERDICT when every row is feasible, then put one cell
+    between columns and fold REGION. STEP RANGE
+    is the step time divided and multiplied by the accelerator's error factor
+    (:mod:`sftctl.compiler.accuracy`); `*` marks an uncalibrated accelerator, and one note says
+    when the pick's interval overlaps the runner-up's (:func:`sftctl.planner._ranking_notes`)."""
     from sftctl.planner import format_hours
 
-    refs, notes = _grouped([None if c.rejected is None else str(c.rejected) for c in candidates])
-    cols = [Col("#", "right"), Col("PROVIDER"), Col("INSTANCE", drop=6), Col("ACCEL"), Col("NODES", "right", drop=2),
-            Col("REGION", drop=3), Col("$/H", "right"), Col("STEP", "right"), Col("MEMORY", "right", drop=4),
-            Col("$/STEP", "right", drop=1), Col("TIME", "right", drop=5), Col("TOTAL $", "right"), Col("VERDICT")]
+    shown, members, left_out = plan_rows(candidates, top)
+    candidates = shown
+    refs, notes = _rejection_notes(candidates)
+    one_count = len({c.nodes for c in candidates}) == 1  # NODES tells no row from another: the title says it
+    all_ok = all(c.rejected is None for c in candidates)  # VERDICT: "chosen" then "ok" (the line below names the pick)
+    cols = [Col("#", "right", drop=0), Col("CLOUD"), Col("INSTANCE"), Col("ACCEL"),
+            Col("NODES", "right", drop=7 if one_count else None),
+            Col("REGION", wrap=True, min_wrap=9, fold_last=True), Col("$/H", "right"), Col("STEP", "right"),
+            Col("MEMORY", "right", drop=3), Col("$/STEP", "right", drop=1), Col("TIME", "right", drop=2),
+            Col("TOTAL $", "right"), Col("VERDICT", drop=8 if all_ok else None)]
     ranged = any(getattr(c, "step_time_interval_s", None) for c in candidates)
     if ranged:  # the step's interval from the accelerator's calibration error, after STEP
-        cols.insert(8, Col("STEP RANGE", "right", drop=8))
+        cols.insert(8, Col("STEP RANGE", "right", drop=5))
     queued = any(getattr(c, "queue_wait_s", None) is not None for c in candidates)
     if queued:  # a Slurm cluster: its queue wait and the finish (wait + run), before VERDICT
         cols[-1:-1] = [Col("QUEUE", "right"), Col("FINISH", "right")]
     strategies = any(getattr(c, "parallelism", None) for c in candidates)
-    if strategies:  # a model: the data-parallel strategy the memory and step are predicted for
+    # issue 38: a model-parallel layout on some row: LAYOUT (tp8 pp4 dp2 fsdp) instead of STRATEGY
+    layouts = any((getattr(c, "layout", None) or {}).get("source") == "search" for c in candidates)
+    if strategies:  # a model: the data-parallel strategy (or the layout) the memory and step are predicted for
         cols.insert(10 if any(getattr(c, "step_time_interval_s", None) for c in candidates) else 9,
-                    Col("STRATEGY", drop=7))
+                    Col("LAYOUT" if layouts else "STRATEGY", drop=4))
+    from sftctl.catalog import older_prices
+
+    older = older_prices()  # rows priced from an older catalog row than their type's newest: "!"
+    dated = len({c.offering.as_of for c in candidates}) > 1  # PRICED: each row's price date, where they differ
     rows = []
     for i, (c, ref) in enumerate(zip(candidates, refs), 1):
         o = c.offering
@@ -426,8 +622,10 @@ def plan_table(candidates: list, steps: int) -> FitTable:
             verdict = Text("chosen", style="bold green")
         owned = o.provider == "slurm" and c.usd_per_hour == 0  # the lab's own cluster, no price set
         row = [
-            str(i), o.provider, o.instance_type, f"{o.accelerator}:{o.count}", str(c.nodes), o.region,
-            "owned" if owned else _num(c.usd_per_hour, ",.2f"), _seconds(c.step_time_s),
+            str(i), o.provider, o.instance_type, f"{o.accelerator}:{o.count}", str(c.nodes),
+            o.region + (f" +{len(members[i - 1]) - 1}" if len(members[i - 1]) > 1 else ""),
+            "owned" if owned else _num(c.usd_per_hour, ",.2f"),
+            _seconds(c.calibrated_step_s if (getattr(c, "learned", None) or {}).get("runs") else c.step_time_s),
             "-" if c.peak_memory_bytes is None else f"{c.peak_memory_bytes / 2**30:.1f} GiB",
             "-" if per_step is None else f"{per_step:.5f}", format_hours(c.hours), _num(c.total_usd, ",.2f"), verdict,
         ]
@@ -439,27 +637,64 @@ def plan_table(candidates: list, steps: int) -> FitTable:
             row.insert(8, "-" if not iv else f"{_seconds(iv[0])}-{_seconds(iv[1])}")
         if strategies:
             par = getattr(c, "parallelism", None)
+            lay = (getattr(c, "layout", None) or {}).get("label") if layouts else None
             row.insert(10 if ranged else 9,
-                       "-" if par is None else par + ("+ckpt" if getattr(c, "activation_checkpointing", False) else ""))
+                       "-" if par is None else (lay or par) + ("+ckpt" if getattr(c, "activation_checkpointing", False) else ""))
         if queued:
             wait = getattr(c, "queue_wait_s", None)
             finish = getattr(c, "finish_s", None)
             row[-1:-1] = ["-" if wait is None else format_hours(wait / 3600),
                           "-" if finish is None else format_hours(finish / 3600)]
+        if (o.provider, o.instance_type, o.region) in older:
+            row[6] += " !"  # noted under the table
+        if dated:
+            row.insert(7, o.as_of or "-")
         rows.append(row)
+    if dated:
+        cols.insert(7, Col("PRICED", drop=6))
+    flagged = {}
+    for c in candidates:
+        newest = older.get((c.offering.provider, c.offering.instance_type, c.offering.region))
+        if newest is not None:
+            flagged.setdefault(c.offering.instance_type, (c, newest))
+    if flagged:
+        notes.append(Text("! an older price than its type's newest: " + ", ".join(
+            f"{t} {c.offering.as_of or '?'} (newest {n.as_of}: ${n.usd_per_hour:,.2f}/h in {n.region})"
+            for t, (c, n) in flagged.items()) + "; sftctl catalog refresh reads current prices", style="dim"))
     uncal = sorted({c.offering.accelerator for c in candidates
                     if getattr(c, "calibration", None) and not c.calibration.get("calibrated")})
     if uncal:
         notes.append(Text(f"* uncalibrated: no measured kernels or steps on {', '.join(uncal)}; the range is the "
-                          "error of the published-steps check (issue 20)", style="dim"))
+                          "error of the published-steps check", style="dim"))
+    learned = sorted({(c.offering.accelerator, c.learned["runs"]) for c in candidates
+                      if (getattr(c, "learned", None) or {}).get("runs")})
+    if learned:
+        notes.append(Text("STEP and STEP RANGE learned from past runs (" + ", ".join(f"{a}: {n}" for a, n in learned)
+                          + "; sftctl calibrate show); --json has the model's step_time_s beside calibrated_step_s",
+                          style="dim"))
     for i, c in enumerate(candidates, 1):
         if getattr(c, "ranking_note", None):
             notes.append(Text(f"#{i}: {c.ranking_note}", style="dim"))
-    return FitTable(cols, rows, title=f"offerings for {steps:,} steps", notes=notes)
+    dearer = []  # offerings whose other regions cost much more: one line
+    for i, c in enumerate(candidates, 1):
+        prices = [m.usd_per_hour for m in members[i - 1] if m.usd_per_hour]
+        if len(prices) > 1 and max(prices) >= 1.5 * min(prices):
+            stale = sum((m.offering.provider, m.offering.instance_type, m.offering.region) in older for m in members[i - 1])
+            dearer.append(f"{c.offering.instance_type} ${min(prices):,.2f}-{max(prices):,.2f}"
+                          + (f" ({stale} of them older prices, !)" if stale else ""))
+    if dearer:
+        notes.append(Text(f"$/H by region (--all lists each): {', '.join(dearer)}", style="dim"))
+    if left_out:
+        notes.append(Text(left_out, style="dim"))
+    nodes = f" on {candidates[0].nodes} node(s)" if candidates and one_count else ""
+    # script_steps: the spec sets no train.steps, so its script decides; TOTAL $ is for the default
+    what = f"steps: set by your script (TOTAL $ for {steps:,})" if script_steps else f"for {steps:,} steps"
+    return FitTable(cols, rows, title=f"offerings {what}{nodes}", notes=notes)
 
 
 def catalog_table(offerings: list, zones: bool = False):
-    """``sftctl catalog``: the offerings with prices; each price's source a numbered footnote
+    """``sftctl catalog``: the offerings with prices (``!``: an older price than the newest of its
+    instance type, :func:`sftctl.catalog.older_prices`); each price's source a numbered footnote
     under the table (a source is a long URL or sentence: in a column it wrapped to many lines).
     ``zones``: one row per zone with a spot price (``Offering.spot_zones``), that zone's spot."""
     from rich.console import Group
@@ -471,9 +706,13 @@ def catalog_table(offerings: list, zones: bool = False):
             Col("AS OF", drop=1), Col("SRC", "right", drop=5)]
     if zones:
         cols.insert(4, Col("ZONE", drop=4))
+    from sftctl.catalog import older_prices
+
+    older = older_prices()  # "!": an older price than its type's newest (the note under the table)
     rows = []
     for o in offerings:
-        row = [o.provider, o.instance_type, f"{o.accelerator}:{o.count}", o.region, f"{o.usd_per_hour:.3f}",
+        row = [o.provider, o.instance_type, f"{o.accelerator}:{o.count}", o.region,
+               f"{o.usd_per_hour:.3f}" + (" !" if (o.provider, o.instance_type, o.region) in older else ""),
                _num(o.spot_usd_per_hour, ".3f"), _num(o.vcpus, "d"), _num(o.memory_gib, ".0f"),
                getattr(o, "as_of", "") or "", f"[{notes.index(o.source) + 1}]" if o.source else "-"]
         if not zones:
@@ -482,7 +721,10 @@ def catalog_table(offerings: list, zones: bool = False):
         per_zone = list(getattr(o, "spot_zones", ()) or ()) or [(o.zone or "-", o.spot_usd_per_hour)]
         for zone, spot in per_zone:
             rows.append(row[:4] + [zone] + row[4:5] + [_num(spot, ".3f")] + row[6:])
-    return Group(FitTable(cols, rows), *(Text(f"[{i}] {n}") for i, n in enumerate(notes, 1)))
+    flagged = {o.instance_type for o in offerings if (o.provider, o.instance_type, o.region) in older}
+    mark = [Text(f"! an older price (AS OF) than the newest of its type ({', '.join(sorted(flagged))}); "
+                 "sftctl catalog refresh reads current prices", style="dim")] if flagged else []
+    return Group(FitTable(cols, rows), *mark, *(Text(f"[{i}] {n}") for i, n in enumerate(notes, 1)))
 
 
 def kernels_table(kernels: list, top: int) -> FitTable:
@@ -511,3 +753,46 @@ def tty_safe(text: str) -> str:
     event messages of ``status``/``events`` tables, which quote node output) cannot drive it.
     ``--json`` and output to a file or pipe keep the bytes as the node wrote them."""
     return text.translate(_CONTROL)
+
+
+#: the colours ``series_plot`` draws ranks in, in turn
+PLOT_STYLES = ("cyan", "magenta", "green", "yellow", "blue", "red")
+
+
+def series_plot(series: dict[int, list[tuple[float, float]]], width: int = 72, height: int = 16,
+                title: str = "") -> Text:
+    """A line per rank as a terminal plot (``sftctl metrics --plot``): ``series`` maps a rank to
+    its (step, value) points; each point is one ``•`` cell in the rank's colour (the last rank
+    drawn wins a shared cell), with the y range on the left and the step range below. Points
+    whose value is None are skipped; no points: one line saying so."""
+    pts = [(x, y) for s in series.values() for x, y in s if y is not None]
+    if not pts:
+        return Text(f"{title}: no values reported" if title else "no values reported")
+    x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
+    y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
+    grid: list[list[tuple[str, str]]] = [[(" ", "")] * width for _ in range(height)]
+    for i, (_rank, points) in enumerate(sorted(series.items())):
+        style = PLOT_STYLES[i % len(PLOT_STYLES)]
+        for x, y in points:
+            if y is None:
+                continue
+            col = 0 if x1 == x0 else round((x - x0) / (x1 - x0) * (width - 1))
+            row = 0 if y1 == y0 else round((y1 - y) / (y1 - y0) * (height - 1))
+            grid[row][col] = ("•", style)
+    label = max(len(f"{y0:.4g}"), len(f"{y1:.4g}"))
+    out = Text()
+    if title:
+        out.append(title + "  ")
+        for i, rank in enumerate(sorted(series)):
+            out.append(f"rank {rank} ", style=PLOT_STYLES[i % len(PLOT_STYLES)])
+        out.append("\n")
+    for r, cells in enumerate(grid):
+        tick = f"{y1:.4g}" if r == 0 else f"{y0:.4g}" if r == height - 1 else ""
+        out.append(f"{tick:>{label}} │")
+        for ch, style in cells:
+            out.append(ch, style=style or None)
+        out.append("\n")
+    out.append(" " * label + " └" + "─" * width + "\n")
+    left, right = f"step {x0:g}", f"{x1:g}"
+    out.append(" " * (label + 2) + left + " " * max(1, width - len(left) - len(right)) + right)
+    return out

@@ -102,8 +102,8 @@ _Loader.add_constructor(_TAG + "float", _construct_float)
 
 
 def _as_written(node: yaml.Node, path: Path_) -> bool:
-    """Whether ``node`` is an env value to keep as its text: ``UMASK: 0022`` is "0022", not 18."""
-    return (len(path) == 2 and path[0] == "env" and isinstance(node, yaml.ScalarNode)
+    """Whether ``node`` is an env or labels value to keep as its text: ``UMASK: 0022`` is "0022", not 18."""
+    return (len(path) == 2 and path[0] in ("env", "labels") and isinstance(node, yaml.ScalarNode)
             and node.style is None and node.tag != _TAG + "null")
 
 
@@ -180,7 +180,7 @@ def _build(root: yaml.Node, loc: _Located, base: Path_ = ()) -> Any:
             return node.value
         try:
             return constructor.construct_object(node, deep=True)
-        except Exception as e:  # bad timestamps, unknown tags, ...: all the user's input
+        except Exception as e:  # noqa: BLE001 bad timestamps, unknown tags, ...: all the user's input
             raise SpecError(
                 f"{loc.filename}:{line}: {_dotted(path) or 'value'}: cannot read {shown(node.value)}: "
                 f"{shown(str(e).splitlines()[0] if str(e) else type(e).__name__)}",

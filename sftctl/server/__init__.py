@@ -12,14 +12,18 @@ killed leaves them running. On its start, and every :data:`RECONCILE_S` after, i
 state: every job that is not finished and has no live controller gets one
 (:class:`Supervisor`), which takes the job over where it stands.
 
-Its state is this machine's (``$SFTCTL_HOME``): the same state.db a local ``sftctl`` uses.
-``fastapi`` and ``uvicorn`` are the ``server`` extra (``pip install 'sftctl[server]'``);
+Its state is this machine's (``$SFTCTL_HOME``): the same state.db a local ``sftctl`` uses. A
+user's job on this machine's local nodes never acts as the server: each node runs in a
+bubblewrap sandbox (:meth:`Supervisor.sandbox_nodes` sets ``SFTCTL_NODE_SANDBOX=bwrap`` for the
+controllers; :mod:`sftctl.providers.sandbox`).
+``fastapi`` and ``uvicorn`` are the ``server`` extra (``pip install -e '.[server]'`` in sftctl's clone);
 nothing below :mod:`sftctl.cli` imports this package.
 """
 
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
 import time
 
@@ -28,8 +32,8 @@ from sftctl.errors import SftctlError
 #: seconds between two reconciliations of the state with the live controllers
 RECONCILE_S = 10.0
 #: seconds an unfinished job on a shared (Postgres) state is seen without a controller's lease
-#: before a reconcile gives it one (a controller just started by another server takes it soon):
-#: in effect two reconciliations in a row, RECONCILE_S apart
+#: before a reconcile gives it one (another server or `sftctl start` may be starting one right
+#: now; its lease comes before its pid): in effect two reconciliations in a row, RECONCILE_S apart
 CLAIM_GRACE_S = 5.0
 #: a job whose controller this server restarted this many times and that died again fails
 #: (FAILED_CONTROLLER) instead of a fourth restart: a controller that crashes at once would loop
@@ -46,12 +50,38 @@ class Supervisor:
     The server's reads never mark a job FAILED_CONTROLLER themselves (:func:`sftctl.api._reap`)."""
 
     def __init__(self):
-        self._procs: dict[str, object] = {}  # job id -> subprocess.Popen
+        self._procs: dict[str, subprocess.Popen] = {}  # job id -> its controller
         self._restarts: dict[str, int] = {}  # job id -> controllers reconcile started for it
         self.rounds = 0  # reconciliations done (GET /v1/health says it)
         self._leaseless: dict[str, float] = {}  # shared state: job id -> when first seen without a lease
         self._lock = threading.Lock()
         self._stop = threading.Event()
+
+    @staticmethod
+    def sandbox_nodes() -> str:
+        """Set ``SFTCTL_NODE_SANDBOX`` in this process's environment, which the controllers it
+        starts inherit: ``bwrap`` unless an admin set ``off`` (its environment or the config's
+        ``server.node_sandbox``), so a user's job on this machine's local nodes runs in a
+        sandbox that cannot act as the server (:mod:`sftctl.providers.sandbox`). Logs a warning
+        when it is off, or when bubblewrap cannot start (local-node jobs are then refused at
+        submit). Returns the mode.
+
+        Raises:
+            SettingError: ``SFTCTL_NODE_SANDBOX`` is neither bwrap nor off (exit 2).
+        """
+        import os
+
+        from sftctl import settings
+        from sftctl.providers import sandbox
+
+        mode = settings.get("SFTCTL_NODE_SANDBOX") or "bwrap"
+        os.environ["SFTCTL_NODE_SANDBOX"] = mode
+        if mode == "off":
+            log.warning("SFTCTL_NODE_SANDBOX=off: every user's job on this machine's local nodes runs as this "
+                        "server (its home, state, credentials and admin rights in reach)")
+        elif (why := sandbox.unavailable()) is not None:
+            log.warning("local nodes run sandboxed, but %s: local-node jobs are refused (install bubblewrap)", why)
+        return mode
 
     def start(self, job_id: str) -> None:
         """Start the controller of a recorded job as this process's child.
@@ -85,8 +115,10 @@ class Supervisor:
         start), or it is gone: on this machine's state, its process (pid and start time;
         :func:`sftctl.procs.alive`) and its file lock; on a shared (Postgres) state, whose
         controllers may run on other servers' machines, its lease in the database (a controller
-        just started, maybe by another server, may not hold it yet: a job counts once it was
-        seen without a lease for :data:`CLAIM_GRACE_S` seconds)."""
+        started by a server or ``sftctl start`` holds it before its pid is recorded,
+        :func:`sftctl.api.spawn_controller`; a job counts once it was seen without a lease for
+        :data:`CLAIM_GRACE_S` seconds, which spares a restart another server is just making a
+        start that the lease would refuse)."""
         from sftctl import procs
         from sftctl.controller.submit import forget_lost_queued_controller
         from sftctl.queue import check_no_live_controller
@@ -158,12 +190,22 @@ class Supervisor:
         """Reap and reconcile every :data:`RECONCILE_S` seconds until :meth:`stop`."""
 
         def loop():
+            outage = None  # the state database's error while it lasts: said once, not every round
             while not self._stop.wait(RECONCILE_S):
                 try:
                     self.reap()
                     self.reconcile()
-                except Exception:  # noqa: BLE001 (a busy state: the next round retries)
+                except SftctlError as e:  # the state unreachable: one line per outage
+                    if outage is None:
+                        log.warning("reconcile paused: %s (retrying every %g s)", e.message, RECONCILE_S)
+                    outage = e.message
+                    continue
+                except Exception:  # a busy state: the next round retries (logged)
                     log.exception("reconcile failed")
+                    continue
+                if outage is not None:
+                    log.warning("reconcile resumed: the state database answers again")
+                    outage = None
 
         t = threading.Thread(target=loop, name="sftctl-reconcile", daemon=True)
         t.start()
@@ -186,7 +228,7 @@ def serve(host: str = "127.0.0.1", port: int = 8470) -> None:
     try:
         import uvicorn
     except ImportError:
-        raise SftctlError("sftctl server needs fastapi and uvicorn", hint="pip install 'sftctl[server]'") from None
+        raise SftctlError("sftctl server needs fastapi and uvicorn", hint="pip install -e '.[server]' in sftctl's clone") from None
     try:  # said in one line now, not in uvicorn's log after the reconcile
         with socket.create_server((host, port)):
             pass
@@ -198,6 +240,7 @@ def serve(host: str = "127.0.0.1", port: int = 8470) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
     api.SERVING = True
+    Supervisor.sandbox_nodes()
     supervisor = Supervisor()
     adopted = supervisor.reconcile()
     log.info("reconciled: %d job(s) given a controller%s", len(adopted), f" ({', '.join(adopted)})" if adopted else "")

@@ -15,20 +15,48 @@ Routes (JSON; every one but ``/v1/health`` needs ``Authorization: Bearer <token>
                             submit, start or down through this server
 ``GET  /v1/jobs/{job}``     one job's view in detail
 ``GET  /v1/jobs/{job}/events``  ``{"events": [Event.to_dict(), ...]}``
+``GET  /v1/jobs/{job}/metrics``  ``?rank``: ``{"steps": [StepRecord.to_dict(), ...]}`` (api.metrics)
 ``GET  /v1/jobs/{job}/logs``    ``?follow&node&rank``: JSON lines ``{"text", "rank", "prefix",
                             "notice"}``, streamed as the nodes write them
+``GET  /v1/machines``       ``?provider&include_decayed`` -> ``{"machines": [BadMachine.to_dict()]}``:
+                            the machines verdicts marked bad (``sftctl nodes``): a user's own jobs' only
 ``GET  /v1/costs``          ``?by=user|lab&since&until`` -> ``{"costs": [CostTotal.to_dict()]}``: a
                             user's own row; ``lab`` and every user's rows for admins
 ``POST /v1/down``           ``{"job" | "all", "purge"}`` -> ``{"down": [DownResult.to_dict()]}``
 ``POST /v1/orphans``        admins: ``down --orphans`` here -> ``{"swept": [line], "checked": [provider]}``
+``GET  /v1/users``          admins: ``{"users": [User.to_dict(), ...]}`` (name, admin, created_at,
+                            expires_at; never a token)
+``POST /v1/users``          admins: ``{"name", "admin", "expires": days | "never" | null}`` ->
+                            ``{"user", "token"}`` (the token shown this once)
+``DELETE /v1/users/{name}``  admins: ``{"removed": name}``; its token fails the next request
+``POST /v1/users/{name}/token``  admins: ``{"expires"}`` -> ``{"user", "token"}``: a new token,
+                            the old one fails the next request
+``GET  /v1/audit``          admins: ``?limit`` -> ``{"audit": [AuditEvent.to_dict(), ...]}``, oldest
+                            first: users added/removed, tokens rotated, downs of another user's
+                            job, orphans sweeps
+``PUT  /v1/secrets/{name}``  ``{"value", "lab"}``: the requester's secret (``lab``: the lab's,
+                            admins only; :mod:`sftctl.vault`) -> ``{"secret": Secret.to_dict()}``
+``GET  /v1/secrets``        ``{"secrets": [Secret.to_dict(), ...]}``: the requester's and the
+                            lab's, names and dates only, never a value
+``DELETE /v1/secrets/{name}``  ``?lab=true``: the lab's (admins) -> ``{"removed", "scope"}``
+``GET  /v1/calibrate``      ``{"runs": [run-history row]}``: what plans here learn from
+``POST /v1/calibrate/runs`` ``{"runs": [row]}`` (predicted by the client's ``calibrate import``) ->
+                            ``{"imported": n}``, all or none
+``POST /v1/calibrate/forget``  admins: ``{"imported": bool, "source": label}`` -> ``{"forgotten": n}``
+``GET  /``, ``/ui/...``     the dashboard's HTML pages (:mod:`sftctl.server.web`: a session cookie
+                            checked by :func:`authenticate`, the same per-user rules)
 ==========================  ==============================================================
 
 A view is :meth:`sftctl.api.JobView.to_wire` (records whole), so a client's ``to_dict()`` is
 the document ``status --json`` prints here. ``{job}`` is an id or a unique prefix among the jobs
 the user may see: another user's job is "no job" (404), never a hint that it exists. An error is
-``{"error", "hint", "exit_code", "kind"}`` with 401 (no or unknown token; exit 4), 403 (not an
-admin; exit 2), 404 (no such job of yours; exit 2), 400 (any other
-:class:`~sftctl.errors.SftctlError`, its own exit code) or 500 (a bug; exit 1).
+``{"error", "hint", "exit_code", "kind"}`` with 401 (no, unknown or expired token; exit 4), 403
+(not an admin; exit 2), 404 (no such job of yours; exit 2), 413 (a body over
+``SFTCTL_SERVER_MAX_BODY_BYTES``; exit 2), 429 (a user's writes over
+``SFTCTL_SERVER_WRITES_PER_MINUTE``, with ``Retry-After``; exit 4), 400 (any other
+:class:`~sftctl.errors.SftctlError`, its own exit code) or 500 (a bug; exit 1). The token, the
+body's size and the rate are checked by :class:`~sftctl.server.guard.Guard` before a route runs,
+the token before any byte of the body is read.
 """
 
 from __future__ import annotations
@@ -36,14 +64,16 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import warnings
 
 from fastapi import Body, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sftctl import __version__, api
-from sftctl.errors import ExitCode, NotFoundError, ProviderError, SftctlError, SftctlWarning
+from sftctl.errors import ExitCode, NotFoundError, ProviderError, SftctlError
+import sftctl.server.guard as guard
+import sftctl.server.users as users
 from sftctl.server.users import User, job_ids, user_for_token
 
 
@@ -55,7 +85,31 @@ class Forbidden(SftctlError):
     """The user may not do this (HTTP 403; exit 2)."""
 
 
-_STATUS = ((Unauthorized, 401), (Forbidden, 403), (NotFoundError, 404))
+_STATUS = ((Unauthorized, 401), (Forbidden, 403), (NotFoundError, 404), (guard.TooLarge, 413),
+           (guard.RateLimited, 429))
+
+
+def authenticate(authorization: str) -> User:
+    """The user an ``Authorization: Bearer <token>`` header names.
+
+    Raises:
+        Unauthorized: no token, one no user has, or an expired one (exit 4).
+    """
+    import time
+
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthorized("no token: every request needs Authorization: Bearer <token>",
+                           hint="set server.token in the config file (or SFTCTL_SERVER_TOKEN)")
+    user = user_for_token(token.strip())
+    if user is None:
+        raise Unauthorized("the server knows no user with this token",
+                           hint="ask the server's admin for a token (sftctl server user add NAME)")
+    if user.expired():
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(user.expires_at))
+        raise Unauthorized(f"the token of {user.name} expired on {when}",
+                           hint=f"ask the server's admin for a new one (sftctl server user token rotate {user.name})")
+    return user
 
 
 #: seconds a jobs list answers every user's poll of it: ten clients polling `status --json` at
@@ -97,12 +151,23 @@ def _json(doc) -> Response:
 def create_app(supervisor):
     """The FastAPI application; ``supervisor`` (:class:`sftctl.server.Supervisor`) starts the
     controllers of the jobs submitted to it."""
+    from sftctl import settings
+
     app = FastAPI(title="sftctl server", version=__version__)
-    submitting = threading.Lock()  # one plan at a time (CPU-bound; keeps each request's warnings its own)
     lists = _Recent(LIST_CACHE_S)
+    max_overrides = settings.get("SFTCTL_SERVER_MAX_OVERRIDES")
+    max_override_chars = settings.get("SFTCTL_SERVER_MAX_OVERRIDE_CHARS")
 
     def error_doc(e: SftctlError) -> dict:
         return {"error": e.message, "hint": e.hint, "exit_code": int(e.exit_code), "kind": type(e).__name__}
+
+    def render(e: SftctlError) -> tuple[int, dict]:
+        return next((c for cls, c in _STATUS if isinstance(e, cls)), 400), error_doc(e)
+
+    # the token before any byte of the body, a bounded body, each user's writes rate limited
+    app.add_middleware(guard.Guard, authenticate=authenticate, render=render,
+                       max_body_bytes=settings.get("SFTCTL_SERVER_MAX_BODY_BYTES"),
+                       writes_per_minute=settings.get("SFTCTL_SERVER_WRITES_PER_MINUTE"))
 
     @app.exception_handler(SftctlError)
     async def sftctl_error(request, e: SftctlError):
@@ -116,6 +181,21 @@ def create_app(supervisor):
                              "server are different sftctl versions?", "exit_code": int(ExitCode.USAGE),
                              "kind": "SftctlError"}, status_code=400)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def no_such_route(request, e: StarletteHTTPException):
+        """The API's routing errors (an unknown path, a method it does not take) in the API's
+        error document, as every other error of ``/v1``; the dashboard's pages keep FastAPI's."""
+        if not request.url.path.startswith("/v1/") or e.status_code not in (404, 405):
+            from fastapi.exception_handlers import http_exception_handler
+
+            return await http_exception_handler(request, e)
+        what = "no such route" if e.status_code == 404 else "method not allowed on"
+        return JSONResponse({"error": f"{what}: {request.method} {request.url.path}",
+                             "hint": "sftctl and the server may be different versions (sftctl --version; "
+                                     "GET /v1/health gives the server's)",
+                             "exit_code": int(ExitCode.USAGE), "kind": "SftctlError"},
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
+
     @app.exception_handler(Exception)
     async def internal_error(request, e: Exception):
         logging.getLogger("sftctl.server").error("%s %s", request.method, request.url.path, exc_info=e)
@@ -124,33 +204,14 @@ def create_app(supervisor):
                              "exit_code": int(ExitCode.JOB_FAILED), "kind": "SftctlError"}, status_code=500)
 
     def current_user(request: Request) -> User:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise Unauthorized("no token: every request needs Authorization: Bearer <token>",
-                               hint="set server.token in the config file (or SFTCTL_SERVER_TOKEN)")
-        user = user_for_token(token.strip())
-        if user is None:
-            raise Unauthorized("the server knows no user with this token",
-                               hint="ask the server's admin for a token (sftctl server user add NAME)")
-        return user
+        """The request's user, as :class:`~sftctl.server.guard.Guard` authenticated it."""
+        return request.scope.get(guard.USER_KEY) or authenticate(request.headers.get("authorization", ""))
 
     def mine(user: User) -> set[str] | None:
         """The ids of the jobs ``user`` may see (None: every job, an admin's)."""
         return None if user.admin else job_ids(user)
 
-    def owned(user: User, job: str) -> str:
-        """The full id of ``job`` (an id or a unique prefix) among the user's jobs."""
-        if user.admin:
-            return api.job(job).id
-        ids = mine(user)
-        if job in ids:
-            return job
-        matches = sorted(i for i in ids if job.strip() and i.startswith(job))
-        if len(matches) == 1:
-            return matches[0]
-        if matches:
-            raise NotFoundError(f"{job!r} matches {len(matches)} of your jobs", hint=f"give more of the id: {', '.join(matches[:5])}")
-        raise NotFoundError(f"no job {job!r} of yours ({user.name}) on this server", hint="sftctl status lists your jobs")
+    owned = users.owned_job  # (user, job) -> the full id of one the user may act on, else 404
 
     @app.get("/v1/health")
     def health():
@@ -163,15 +224,24 @@ def create_app(supervisor):
     @app.post("/v1/jobs")
     def submit(body: dict = Body(...), user: User = Depends(current_user)):
         text, label, overrides = body.get("spec_text"), body.get("spec_path"), body.get("overrides") or []
-        if not isinstance(text, str) or not isinstance(label, str) or not all(isinstance(o, str) for o in overrides):
+        if not isinstance(text, str) or not isinstance(label, str) or not isinstance(overrides, list) \
+                or not all(isinstance(o, str) for o in overrides):
             raise SftctlError("submit needs spec_text, spec_path (strings) and overrides (a list of strings)",
                               hint="sftctl run SPEC with server.url set sends them")
-        with submitting, warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", SftctlWarning)
+        if len(overrides) > max_overrides:
+            raise SftctlError(f"--set: {len(overrides):,} overrides; this server takes at most {max_overrides:,}",
+                              hint="put the values in the spec file (the server's admin sets SFTCTL_SERVER_MAX_OVERRIDES)")
+        long = next((o for o in overrides if len(o) > max_override_chars), None)
+        if long is not None:
+            key = " ".join(long.partition("=")[0][:60].split())
+            raise SftctlError(f"--set {key}=...: {len(long):,} characters; this server takes at most "
+                              f"{max_override_chars:,} per override",
+                              hint="put the value in the spec file (the server's admin sets "
+                                   "SFTCTL_SERVER_MAX_OVERRIDE_CHARS)")
+        with guard.collected_warnings() as caught:  # this request's own, while others plan beside it
             submitted = api.submit(text, overrides, origin=label, owner=user.name)
-            lists.clear()
-        return _json({"job": api.job(submitted.job_id).to_dict(),
-                      "warnings": [str(w.message) for w in caught if issubclass(w.category, SftctlWarning)]})
+        lists.clear()
+        return _json({"job": api.job(submitted.job_id).to_dict(), "warnings": caught})
 
     @app.post("/v1/jobs/{job}/start")
     def start(job: str, user: User = Depends(current_user)):
@@ -205,6 +275,10 @@ def create_app(supervisor):
     def events(job: str, user: User = Depends(current_user)):
         return _json({"events": [e.to_dict() for e in api.events(owned(user, job))]})
 
+    @app.get("/v1/jobs/{job}/metrics")
+    def metrics(job: str, rank: int | None = None, user: User = Depends(current_user)):
+        return _json({"steps": [s.to_dict() for s in api.metrics(owned(user, job), rank=rank)]})
+
     @app.get("/v1/jobs/{job}/logs")
     def logs(job: str, follow: bool = False, node: int | None = None, rank: int | None = None,
              user: User = Depends(current_user)):
@@ -216,6 +290,11 @@ def create_app(supervisor):
                                   "notice": line.notice}) + "\n"
 
         return StreamingResponse(stream(), media_type="application/x-ndjson")
+
+    @app.get("/v1/machines")
+    def machines(provider: str | None = None, include_decayed: bool = False, user: User = Depends(current_user)):
+        rows, ids = api.machines(provider, include_decayed), mine(user)  # issue 41: a user sees their jobs' only
+        return _json({"machines": [m.to_dict() for m in rows if ids is None or m.job_id in ids]})
 
     @app.get("/v1/costs")
     def costs(by: str = "user", since: float | None = None, until: float | None = None,
@@ -239,7 +318,13 @@ def create_app(supervisor):
                     or any(n.status != NodeState.TERMINATED for n in api.status(v.id).nodes)]
         else:
             todo = [owned(user, str(body.get("job") or ""))]
-        results = [r.to_dict() for j in todo for r in api.down(j, purge=purge)]
+        results = []
+        for j in todo:
+            owner = api.job(j).owner if user.admin else user.name
+            done = [r.to_dict() for r in api.down(j, purge=purge)]
+            results += done
+            if owner != user.name:  # an admin took down another user's job
+                users.record(user.name, "down", j, f"owner {owner}" + (", purge" if purge else ""))
         lists.clear()
         return _json({"down": results})
 
@@ -252,7 +337,122 @@ def create_app(supervisor):
                             hint="sftctl down JOB takes down one of your jobs")
         checked: list[str] = []
         swept = api.down_orphans(checked)
+        users.record(user.name, "orphans", None, f"{len(swept)} swept; checked {', '.join(checked) or 'nothing'}")
         lists.clear()
         return _json({"swept": swept, "checked": checked})
 
+    # ------------------------------------------------------------ calibration: the lab's run history
+
+    @app.get("/v1/calibrate")
+    def calibrate_runs(user: User = Depends(current_user)):
+        """The run history every plan here learns from; another user's job id is left out."""
+        ids = mine(user)
+        runs = [r.to_dict() | ({} if ids is None or r.job_id in ids else {"job_id": None}) for r in api.calibration_runs()]
+        return _json({"runs": runs})
+
+    @app.post("/v1/calibrate/runs")
+    def calibrate_add(body: dict = Body(...), user: User = Depends(current_user)):
+        """Imported runs, predicted by the client (its specs are its files), stored all at once."""
+        n = api.calibrate_store(body.get("runs"))
+        return _json({"imported": n})
+
+    @app.post("/v1/calibrate/forget")
+    def calibrate_forget(body: dict = Body(...), user: User = Depends(current_user)):
+        """Admins: delete imported runs, or one source's (the history is the lab's)."""
+        if not user.admin:
+            raise Forbidden(f"calibrate forget: {user.name} is not an admin of this server",
+                            hint="ask the server's admin; sftctl calibrate show lists the sources")
+        n = api.calibrate_forget(imported=bool(body.get("imported")), source=body.get("source") or None)
+        return _json({"forgotten": n})
+
+    # ------------------------------------------------------------ secrets (per user; sftctl.vault)
+
+    @app.put("/v1/secrets/{name}")
+    def secret_put(name: str, body: dict = Body(...), user: User = Depends(current_user)):
+        """Store the requester's secret (``lab``: the lab's, admins only); the value is never
+        logged, echoed or put in an error."""
+        lab, value = bool(body.get("lab")), body.get("value")
+        if lab and not user.admin:
+            raise Forbidden(f"secret set --lab: {user.name} is not an admin of this server",
+                            hint=f"sftctl secret set {name} stores it as yours")
+        if not isinstance(value, str):
+            raise SftctlError(f"secret {name}: the request carries no value (a string)",
+                              hint="sftctl secret set NAME sends it")
+        secret = api.secret_set(name, value, lab=lab, owner=user.name)
+        if lab:
+            users.record(user.name, "secret.set", name, "lab secret")
+        return _json({"secret": secret.to_dict()})
+
+    @app.get("/v1/secrets")
+    def secret_get(user: User = Depends(current_user)):
+        return _json({"secrets": [s.to_dict() for s in api.secret_list(owner=user.name)]})
+
+    @app.delete("/v1/secrets/{name}")
+    def secret_delete(name: str, lab: bool = False, user: User = Depends(current_user)):
+        if lab and not user.admin:
+            raise Forbidden(f"secret rm --lab: {user.name} is not an admin of this server",
+                            hint=f"sftctl secret rm {name} removes yours")
+        api.secret_remove(name, lab=lab, owner=user.name)
+        if lab:
+            users.record(user.name, "secret.remove", name, "lab secret")
+        return _json({"removed": name, "scope": "lab" if lab else "user"})
+
+    # ------------------------------------------------------------ users and audit (admins)
+
+    def admin_only(user: User, what: str) -> None:
+        if not user.admin:
+            raise Forbidden(f"{what}: {user.name} is not an admin of this server",
+                            hint="ask the server's admin")
+
+    def user_doc(name: str) -> dict:
+        found = users.get_user(name)
+        if found is None:
+            raise NotFoundError(f"no user {name!r} on this server", hint="sftctl server user list shows them")
+        return found.to_dict()
+
+    @app.get("/v1/users")
+    def users_list(user: User = Depends(current_user)):
+        admin_only(user, "server user list")
+        return _json({"users": [u.to_dict() for u in users.list_users()]})
+
+    @app.post("/v1/users")
+    def users_add(body: dict = Body(...), user: User = Depends(current_user)):
+        admin_only(user, "server user add")
+        name, expires = body.get("name"), body.get("expires")
+        if not isinstance(name, str) or not isinstance(expires, (str, int, type(None))):
+            raise SftctlError("user add needs name (a string) and expires (days, 'never' or null)",
+                              hint="sftctl server user add NAME sends them")
+        token = users.add_user(name, bool(body.get("admin")), expires, actor=user.name)
+        return _json({"user": user_doc(name), "token": token})
+
+    @app.delete("/v1/users/{name}")
+    def users_remove(name: str, user: User = Depends(current_user)):
+        admin_only(user, "server user remove")
+        if name == user.name:
+            raise SftctlError(f"{name} cannot remove themselves", hint="another admin can (or sftctl server user "
+                              "remove --local on the server's machine)")
+        user_doc(name)  # no such user: 404
+        users.remove_user(name, actor=user.name)
+        return _json({"removed": name})
+
+    @app.post("/v1/users/{name}/token")
+    def users_rotate(name: str, body: dict | None = Body(None), user: User = Depends(current_user)):
+        admin_only(user, "server user token rotate")
+        expires = (body or {}).get("expires")
+        if not isinstance(expires, (str, int, type(None))):
+            raise SftctlError("token rotate takes expires: days, 'never' or null", hint="sftctl server user token "
+                              "rotate NAME --expires 30")
+        user_doc(name)  # no such user: 404
+        token = users.rotate_token(name, expires, actor=user.name)
+        return _json({"user": user_doc(name), "token": token})
+
+    @app.get("/v1/audit")
+    def audit(limit: int | None = None, user: User = Depends(current_user)):
+        admin_only(user, "server audit")
+        return _json({"audit": [e.to_dict() for e in users.audit_events(limit)]})
+
+    import sftctl.server.web as web  # the dashboard's pages: /, /ui/ (sftctl.server.web)
+    web.mount(app, supervisor, authenticate, render, lists.clear)
+    import sftctl.server.metrics as prometheus  # GET /metrics: jobs, queue, cost (Prometheus)
+    prometheus.mount(app, authenticate, Forbidden)
     return app

@@ -1,0 +1,326 @@
+"""``sftctl run``, ``plan``, ``catalog`` (+ ``catalog refresh``) and ``compile``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from sftctl.cli.common import (
+    _DEBUG,
+    _complete_accelerators,
+    _complete_specs,
+    _console,
+    _escape,
+    _labels,
+    _planning,
+    _print_json,
+    app,
+)
+
+
+@app.command()
+def run(
+    spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec YAML file.", autocompletion=_complete_specs),
+    set_: list[str] = typer.Option([], "--set", metavar="KEY.PATH=VALUE", help="Override a spec field; repeatable."),
+    label: list[str] = typer.Option([], "--label", metavar="KEY=VALUE", help="Add a label (the spec's labels:, "
+                                    "shown and filtered by sftctl status); repeatable."),
+    detach: bool = typer.Option(False, "--detach", "-d", help="Start a background controller and print the job id."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+    quiet_logs: bool = typer.Option(False, "--no-logs", help="Attached: do not stream node logs."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan, what would be provisioned and each node's "
+                                 "rendered scripts and environment; create and start nothing."),
+) -> None:
+    """Plan, provision, launch and watch a job (attached unless --detach)."""
+    from sftctl import api
+
+    # everything the job writes (state, logs, node scripts, checkpoints, local storage) is
+    # owner-only, whatever the mode of an existing $SFTCTL_HOME or storage directory
+    os.umask(0o077)
+    set_ = [*set_, *(f"labels.{k}={v}" for k, v in _labels(label).items())]
+    with _planning(stderr=True) as progress:
+        if dry_run:
+            doc = api.dry_run(spec_path, set_, progress=progress)
+        else:
+            job = api.submit(spec_path, set_, progress=progress)
+    if dry_run:
+        _render_dry_run(doc, as_json)
+        return
+    if detach:
+        api.start(job.job_id)
+        if as_json:
+            _print_json({"job_id": job.job_id})
+        else:
+            print(job.job_id)
+            _console(stderr=True).print(
+                f"[dim]{job.plan.reason}\nwatch: sftctl status {job.job_id} --watch    logs: sftctl logs {job.job_id} --follow[/]"
+            )
+        return
+
+    from rich.text import Text
+
+    from sftctl.types import JobStatus
+    from sftctl.ui import RunView, tty_safe
+
+    console = _console(stderr=as_json)
+    console.print(f"[bold]{job.job_id}[/]: {job.plan.reason}")
+    from sftctl.errors import SftctlError
+
+    try:
+        with RunView(console, job.spec.train.steps, show_logs=not quiet_logs, raw=_DEBUG[0]) as view:
+            ended = api.attach(job.job_id, view)
+    except SftctlError as e:
+        if as_json or not getattr(e, "detached", None):
+            raise
+        jid, by = e.detached  # Ctrl-C while following a job supervised elsewhere: it goes on
+        _console(stderr=True).print(Text(f"{jid} goes on, supervised {by}: sftctl logs -f {jid} watches it again; "
+                                         f"sftctl down {jid} stops it"), soft_wrap=True)
+        raise typer.Exit(int(e.exit_code)) from None
+    final = ended.job
+    if as_json:
+        with contextlib.suppress(OSError):  # stdout closed (| head, SIGHUP): the job is over anyway
+            _print_json({**final.to_dict(), "wall_s": round(ended.wall_s, 2)})
+    else:
+        losses = (
+            f", loss {view.first_loss:.4f} -> {view.last_loss:.4f} (mean over ranks)" if view.first_loss is not None else ""
+        )
+        style = "green" if final.status == JobStatus.SUCCEEDED else "red"
+        console.print(Text.assemble((f"{job.job_id} {final.status.value}", style), f" in {ended.wall_s:.1f} s{losses}"))
+        if final.failure_reason and final.status != JobStatus.SUCCEEDED:
+            console.print(Text.assemble(("reason:", "red"), " ", tty_safe(final.failure_reason)), soft_wrap=True)
+    raise typer.Exit(ended.exit_code)
+
+
+def _render_dry_run(doc: dict, as_json: bool) -> None:
+    """``run --dry-run``: the plan, what would be provisioned, node 0's scripts in full and one
+    line for the other nodes (what differs), so the output stays small for any node count;
+    nothing done."""
+    if as_json:
+        _print_json(doc)
+        return
+    from rich.rule import Rule
+    from rich.text import Text
+
+    o = doc["offering"]
+    others = doc.get("other_nodes")
+    total = len(doc["nodes"]) + (others["count"] if others else 0)
+    console = _console()
+    console.print(Text(f"dry run: nothing was created or started\nplan: {doc['plan']}\n"
+                       f"would provision: {total} node(s) of {o['provider']} {o['instance_type']} "
+                       f"({o['accelerator']}:{o['count']}) in {o['region']}"), soft_wrap=True)
+    for n in doc["nodes"]:
+        if n["bootstrap"]:
+            console.print(Rule(f"node {n['rank']}: first-boot script (bootstrap.sh)", align="left"))
+            console.print(Text(n["bootstrap"].rstrip()), soft_wrap=True)
+        console.print(Rule(f"node {n['rank']}: environment", align="left"))
+        console.print(Text("\n".join(f"{k}={v}" for k, v in sorted(n["env"].items()))), soft_wrap=True)
+        console.print(Rule(f"node {n['rank']}: attempt script (node.sh)", align="left"))
+        console.print(Text(n["script"].rstrip()), soft_wrap=True)
+    if others:
+        first, last = others["ranks"]
+        ranks = f"node {first}" if first == last else f"nodes {first}-{last}"
+        console.print(Rule(f"{ranks}: as node 0, except", align="left"))
+        console.print(Text(f"environment: {', '.join(others['env_differs']) or 'nothing'}; attempt script: "
+                           f"{others['script_lines_differ']} line(s)"
+                           + (f"; first-boot script: {others['bootstrap_lines_differ']} line(s)"
+                              if doc["nodes"][0]["bootstrap"] else "")), soft_wrap=True)
+    for sub in doc.get("submits", []):  # what the scheduler would be handed: sbatch.sh, manifests
+        console.print(Rule(f"{sub['name']} (would be submitted)", align="left"))
+        console.print(Text(sub["text"].rstrip()), soft_wrap=True)
+    from sftctl import api
+
+    console.print(_catalog_line(api.catalog_info()))  # wrapped at the width
+
+
+@app.command()
+def plan(
+    spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec YAML file.", autocompletion=_complete_specs),
+    set_: list[str] = typer.Option([], "--set", metavar="KEY.PATH=VALUE", help="Override a spec field; repeatable."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+    top: int = typer.Option(10, "--top", metavar="N", min=1,
+                            help="Show the N best offerings, each at its cheapest region (--json has every candidate)."),
+    all_rows: bool = typer.Option(False, "--all", help="Show every candidate: each region its own row."),
+) -> None:
+    """Rank the offerings for a job by predicted cost: step time, memory, $/step, total (offline)."""
+    from sftctl import api
+    from sftctl.errors import InfeasibleError
+    from sftctl.ui import plan_rows, plan_table
+
+    spec = api.load(spec_path, set_)
+    try:
+        with _planning(stderr=as_json) as progress:
+            chosen = api.plan(spec, strict=True, progress=progress)
+    except InfeasibleError as e:
+        if as_json:  # the plan (scripts want the candidates and why) and the error keys of --json
+            _print_json({**api.plan_doc(spec, None, e.message, e.candidates),
+                         "error": e.message, "hint": e.hint, "exit_code": int(e.exit_code)})
+        elif e.candidates:
+            _console().print(plan_table(e.candidates, spec.train.steps, top=None if all_rows else top,
+                                        script_steps="steps" not in spec.train.model_fields_set))
+            shown = plan_rows(e.candidates, None if all_rows else top)[0]
+            for note in dict.fromkeys(c.note for c in shown if getattr(c, "note", None)):
+                _console().print(f"note: {_escape(note)}", soft_wrap=True)
+            _console().print(_catalog_line(api.catalog_info()))  # wrapped at the width
+        raise
+    if as_json:
+        _print_json(api.plan_doc(spec, chosen, chosen.reason, chosen.candidates))
+        return
+    console = _console()
+    console.print(plan_table(chosen.candidates, spec.train.steps, top=None if all_rows else top,
+                             script_steps="steps" not in spec.train.model_fields_set))
+    for note in dict.fromkeys(c.note for c in plan_rows(chosen.candidates, None if all_rows else top)[0] if c.note):
+        console.print(f"note: {_escape(note)}", soft_wrap=True)
+    console.print(f"[bold]{_escape(chosen.reason)}[/]", soft_wrap=True)
+    if chosen.offering.source.startswith("override "):
+        console.print(f"price: negotiated, {_escape(chosen.offering.source)}", soft_wrap=True)
+    console.print(_catalog_line(api.catalog_info()))  # wrapped at the width
+
+
+def _catalog_line(info: dict) -> str:
+    """One line: the catalog's price date and age (when older than
+    ``info['stale_after_days']``, in yellow with ``sftctl catalog refresh`` as the fix), and
+    the override file in force. Printed once per ``plan``, ``run --dry-run`` and ``catalog``."""
+    line = f"catalog: prices as of {info['as_of']} ({info['age_days']} days old)"
+    if info["stale"]:
+        line = (f"[yellow]{line[:-1]}, older than {info['stale_after_days']} days: "
+                f"`sftctl catalog refresh` rebuilds them)[/]")
+    return line + (f"; overrides from {_escape(info['overrides'])}" if info["overrides"] else "")
+
+
+catalog_app = typer.Typer(help="List the offerings sftctl knows; `catalog refresh` rebuilds prices from the clouds' APIs.")
+app.add_typer(catalog_app, name="catalog")
+
+
+@catalog_app.callback(invoke_without_command=True)
+def catalog(
+    ctx: typer.Context,
+    accelerator: Optional[str] = typer.Option(None, "--accelerator", "-a", help="Only this accelerator (e.g. H100), "
+                                               "one row per zone with a spot price.",
+                                               autocompletion=_complete_accelerators),
+    region: list[str] = typer.Option([], "--region", "-r", metavar="REGION", help="Only this region; repeatable."),
+    max_price: Optional[float] = typer.Option(None, "--max-price", metavar="USD", min=0,
+                                              help="Only offerings at most this many USD per node-hour (on-demand)."),
+    sort: Optional[str] = typer.Option(None, "--sort", metavar="price|region|instance",
+                                       help="Sort the rows (default: the catalog's order)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+) -> None:
+    """List the offerings sftctl knows: provider, instance, accelerators, region, prices, source."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from sftctl import api
+
+    with _planning(stderr=True, label="reading the catalog"):
+        offerings = api.catalog(accelerator, regions=region or None, max_usd_per_hour=max_price, sort=sort)
+    if as_json:
+        _print_json({"offerings": [o.to_dict() for o in offerings], "catalog": api.catalog_info()})
+        return
+    if accelerator and not offerings:
+        print(f"no provider sftctl supports sells {api.accelerator_name(accelerator)} yet")
+        return
+    from sftctl.ui import catalog_table
+
+    _console().print(catalog_table(offerings, zones=bool(accelerator)))
+    _console().print(_catalog_line(api.catalog_info()))  # wrapped at the width
+
+
+@catalog_app.command("refresh")
+def catalog_refresh(
+    clouds: Optional[list[str]] = typer.Argument(None, metavar="[aws] [gcp]", help="The clouds to refresh (default both)."),
+    regions: Optional[str] = typer.Option(None, "--regions", metavar="R1,R2", help="Only these regions (comma-separated)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+) -> None:
+    """Rebuild prices, spot prices per zone and availability from the clouds' APIs with your
+    credentials, into the catalog in sftctl's data dir (all or nothing: a failed refresh keeps
+    the previous catalog)."""
+    from sftctl import api
+
+    wanted = [r.strip() for r in regions.split(",") if r.strip()] if regions else None
+    with _planning(stderr=True, label="refreshing the catalog") as progress:
+        result = api.catalog_refresh(clouds or None, wanted, progress=progress)
+    if as_json:
+        _print_json(result)
+        return
+    for cloud, n in result["clouds"].items():
+        _console().print(f"{cloud}: {n['offerings']} offerings in {n['regions']} regions", soft_wrap=True)
+    _console().print(f"catalog: {_escape(result['file'])} ({result['seconds']:.1f} s)", soft_wrap=True)
+
+
+@app.command(name="compile")
+def compile_(
+    spec_path: Path = typer.Argument(..., metavar="SPEC", help="Job spec YAML file (its model is compiled).",
+                                     autocompletion=_complete_specs),
+    target: str = typer.Option(..., "--target", "-t", metavar="ACCELERATOR", help="Accelerator, e.g. h100, a100-80gb, mi300x, cpu.",
+                                autocompletion=_complete_accelerators),
+    set_: list[str] = typer.Option([], "--set", metavar="KEY.PATH=VALUE", help="Override a spec field; repeatable."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Directory for plan.json and report.md (default: ./sftctl-compile/<job>-<target>)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the compiled plan as JSON on stdout."),
+    top: int = typer.Option(15, "--top", help="Kernels shown in the table, slowest first."),
+) -> None:
+    """Compile a job's whole training step for one accelerator: kernels, schedules, predicted times."""
+    from sftctl import api
+
+    console = _console(stderr=as_json)
+    with _planning(stderr=True, label="compiling") as progress:
+        result = api.compile(spec_path, target, set_, out=out, progress=progress)
+    doc = result.doc
+    if as_json:
+        _print_json(doc)
+        return
+    from sftctl.ui import kernels_table
+
+    compiled, spec = result.compiled, result.spec
+    console.print(kernels_table(compiled.kernels, top))
+    console.print(_modes_table(doc))
+    times = ", ".join(f"{m} {doc['modes'][m] * 1000:.2f} ms" for m in doc["modes"])
+    peak = doc["peak_memory"]["peak_bytes"]
+    console.print(
+        f"[bold]{spec.name} on {result.accelerator}[/]: {result.ops} ops -> {len(compiled.kernels)} kernels (sftensor); "
+        f"predicted {doc['step_time_s'] * 1000:.2f} ms/step in {result.mode} mode (train.compile: {spec.train.compile}; "
+        f"{times}), peak memory {peak / 2**30:.2f} GiB; "
+        f"{compiled.candidates:,} schedule candidates ({compiled.scored:,} scored after pruning) in {compiled.search_s:.1f} s",
+        soft_wrap=True,
+    )
+    learned = doc.get("learned") or {}
+    if learned.get("runs"):
+        console.print(f"learned from {learned['runs']} past run(s) on {result.accelerator}: "
+                      f"{doc['calibrated_step_s'] * 1000:.2f} ms/step (x{learned['correction']:.3f}; "
+                      f"sftctl calibrate show)", soft_wrap=True)
+    if not doc["fits"]:
+        console.print(f"[bold red]does not fit:[/] {_escape(doc['fit_note'])}", soft_wrap=True)
+    for note in doc["notes"]:
+        console.print(f"note: {_escape(note)}", soft_wrap=True)
+    out_dir = result.out
+    console.print(f"wrote {out_dir / 'plan.json'}, {out_dir / 'report.md'} and {out_dir / 'roofline.svg'}", soft_wrap=True)
+
+
+def _modes_table(doc: dict):
+    """``sftctl compile``: the step per execution mode, by kernel kind, phase and top modules."""
+    from rich.table import Table
+
+    det = doc["mode_details"]
+    modes = [m for m in ("eager", "default", "sftensor") if m in det]
+    t = Table(box=None, header_style="bold", pad_edge=False, title="predicted step per execution mode "
+              f"(spec: {doc['mode']})", title_justify="left")
+    t.add_column("")
+    for m in modes:
+        t.add_column(m.upper() + (" *" if m == doc["mode"] else ""), justify="right")
+
+    def ms(x: float) -> str:
+        return f"{x * 1e3:.2f} ms"
+
+    t.add_row("step", *[ms(det[m]["compute_time_s"]) for m in modes])
+    t.add_row("kernels", *[str(det[m].get("kernels", "-")) for m in modes])
+    t.add_row("peak memory", *[f"{det[m]['peak_bytes'] / 2**30:.2f} GiB" for m in modes])
+    t.add_row("MFU", *[f"{100 * det[m].get('mfu', 0):.1f}%" for m in modes])
+    unit = doc["per_step"]["unit"]
+    t.add_row(f"{unit}/s", *[f"{det[m]['throughput']['per_s']:,.0f}" for m in modes])
+    for key, label in (("by_phase", "phase"), ("by_kind", "kind")):
+        for k in dict.fromkeys(k for m in modes for k in det[m].get(key, {})):
+            t.add_row(f"{label}: {k}", *[ms(det[m].get(key, {}).get(k, 0.0)) for m in modes])
+    top = list(det[doc["mode"]].get("by_module", {}))[:6]
+    for k in top:
+        t.add_row(f"module: {k}", *[ms(det[m].get("by_module", {}).get(k, 0.0)) for m in modes])
+    return t

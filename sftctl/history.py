@@ -1,0 +1,606 @@
+"""Predictions that learn from every run: a job's measured step time, and the correction the run
+history gives each new prediction (issue 35, items 1 and 2).
+
+**Measured step time** (:func:`measured_step_s`): the median of the reported ``step_time_s``
+(seconds) over every rank, leaving out each rank's first :data:`WARMUP_STEPS` reports after
+every (re)start (a report whose step is not above the rank's previous one starts again: a
+resume) and every report marked ``checkpoint``. Fewer than :data:`MIN_MEASURED_STEPS` left: not
+measured (None).
+
+**Kernel-time mix** (:func:`kernel_mix`): the shares of a predicted step's time spent in
+``attention``, ``gemm``, ``pointwise`` (pointwise, reduction and data-movement kernels) and
+``collectives`` (the exposed communication), summing to 1. Two steps are alike by
+:func:`similarity` = (1 - half the L1 distance of their mixes) ** :data:`SIMILARITY_POWER`, in
+[0, 1]; where either mix is unknown, :data:`UNKNOWN_SIMILARITY`.
+
+**Calibration** (:func:`calibrate`): a log-normal shrinkage toward the model, in two levels. For
+a step the model predicts at ``p`` seconds on accelerator A, the true step is ``p * exp(c)``, with
+prior ``c ~ N(0, s0**2)``, ``s0 = ln f`` and ``f`` A's cross-validated error factor
+(:func:`sftctl.compiler.accuracy.factor`: the measured step lies within ``[p / f, p * f]``, read
+as one standard deviation). ``c = a + e``: ``a`` is A's own bias, shared by every step on it
+(clocks and power limit, driver and library versions, the host: the same H100 runs ~50 % slower
+on one cloud than another, issue 35), with variance ``beta * s0**2``
+(``beta`` = :data:`ACCELERATOR_SHARE`); ``e`` is this step's residual (how well the model prices
+its kernel mix), ``(1 - beta) * s0**2``, and the residuals of two steps correlate by
+:func:`similarity` of their kernel-time mixes. Each past run ``i`` on A gives ``r_i =
+ln(measured_i / predicted_i) = a + e_i + noise``, the noise ``N(0, s_run**2 / v_i)``: ``s_run =
+NOISE_RATIO * s0`` (what one measured figure says of its own step's truth) and ``v_i`` in
+(0, 1] is :data:`OTHER_OFFERING_WEIGHT` when it ran on another offering (provider x instance
+type) of A, times :data:`OTHER_MODE_WEIGHT` in another execution mode. In units of ``s0**2``::
+
+    K_ij = beta + (1 - beta) sim(i, j) + [i == j] NOISE_RATIO**2 / v_i     the runs' covariance
+    k_i  = beta + (1 - beta) sim(new, i)                                   each run's with c
+    c_post  = k' K^-1 r                 calibrated step = p * exp(c_post)
+    sd_post = s0 * sqrt(1 - k' K^-1 k)  STEP RANGE = calibrated /x exp(sd_post)
+
+so ``n`` runs alike in every way (sim 1, this offering and mode) move the prediction ``n / (k +
+n)`` of the way (in log, ``k = NOISE_RATIO**2 = 4``) to what they measured: one 20 %, twenty 83 %,
+and the range narrows from ``f`` to ``f ** sqrt(4 / (4 + n))``. Runs of unlike steps (sim 0) still
+speak for A's bias: one run each of twenty models unlike this one and each other moves it ``20 beta
+/ (4 + 20 beta)`` = 71 % of the way to their mean; twenty runs of one unlike model are one model's
+evidence, ``beta * 20 / (4 + 20)`` = 42 %. With no run on A nothing changes (``correction`` 1, the
+model's interval).
+
+**Import** (:func:`read_import`): JSON Lines of measured runs from elsewhere; checked whole
+before anything is predicted or stored (:class:`ImportError_` names file:line; exit 2).
+
+Only ``json``, ``math``, ``statistics`` and light sftctl modules are imported at module level:
+the controller imports this module and ``sftctl plan`` reads it for every offering.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from sftctl.compiler.accuracy import factor as error_factor
+from sftctl.errors import SpecError
+from sftctl.types import RunRecord, StepRecord
+
+#: reports of each rank left out after every (re)start: compilation, allocator and cache warm-up
+WARMUP_STEPS = 3
+#: a job with fewer reported steps than this after warm-up is not measured
+MIN_MEASURED_STEPS = 3
+#: s_run / s0: how many prior widths one run of another step scatters around this step's truth.
+#: 2 gives k = 4: one run moves a prediction 20 % of the way, twenty move it 83 %
+NOISE_RATIO = 2.0
+#: sharpens the kernel-mix similarity: mixes 10 % apart (L1/2) weigh 0.66, 35 % apart 0.18
+SIMILARITY_POWER = 4
+#: the similarity taken when a run or the new step has no kernel-time mix
+UNKNOWN_SIMILARITY = 0.5
+#: the weight of a run on another offering (provider x instance type) of the same accelerator:
+#: the same chip can run ~50 % slower on one cloud than another (issue 35), so a run on this
+#: offering says more
+OTHER_OFFERING_WEIGHT = 0.5
+#: the weight of a run in another execution mode (eager / default / sftensor)
+OTHER_MODE_WEIGHT = 0.5
+#: the share of the prior variance s0**2 that is the accelerator's own (clocks, power limit, driver and
+#: library versions, the offering's host: shared by every step on it) rather than the step's
+#: (how well the model prices this kernel mix). 1/2: neither level assumed the smaller; a run of
+#: another model then still corrects a new model's step through the shared half
+ACCELERATOR_SHARE = 0.5
+#: at most this many runs (the most alike, on this offering and mode, newest first) enter one
+#: calibration: the posterior solves a dense system of that size
+MAX_RUNS = 400
+#: the kernel-mix keys, in this order
+MIX_KEYS = ("attention", "gemm", "pointwise", "collectives")
+#: where a run comes from: the lab's own jobs, or an import
+SOURCES = ("run", "imported")
+
+
+# ------------------------------------------------------------------------------ measuring
+
+
+def measured_step_s(samples: Iterable[StepRecord | dict]) -> tuple[float | None, int]:
+    """``(median step seconds after warm-up, how many reports it is the median of)`` of a job's
+    reported steps (:class:`~sftctl.types.StepRecord` each, or dicts with its keys; oldest first
+    per rank, as :meth:`sftctl.state.Store.step_series` returns them). ``(None, n)`` with fewer
+    than :data:`MIN_MEASURED_STEPS` reports left."""
+    kept: list[float] = []
+    seen: dict[int, tuple[int, int]] = {}  # rank -> (last step, reports since its (re)start)
+    for s in samples:
+        s = s.to_dict() if isinstance(s, StepRecord) else s
+        rank, step = int(s.get("rank") or 0), int(s["step"])
+        last, since = seen.get(rank, (None, 0))
+        since = 1 if last is None or step <= last else since + 1
+        seen[rank] = (step, since)
+        t = s.get("step_time_s")
+        if since <= WARMUP_STEPS or s.get("checkpoint") or t is None or not t > 0:
+            continue
+        kept.append(float(t))
+    if len(kept) < MIN_MEASURED_STEPS:
+        return None, len(kept)
+    return statistics.median(kept), len(kept)
+
+
+def kernel_mix(kernels: Iterable[Any], comm_share: float = 0.0) -> dict[str, float] | None:
+    """The kernel-time mix of a compiled step: ``kernels`` have ``kind`` and ``time_s`` (the
+    compiler's KernelPlan, or dicts); ``comm_share`` (0..1) the exposed communication's share of
+    the step. Shares of MIX_KEYS summing to 1 (rounded to 4 places); None without kernel time."""
+    by: dict[str, float] = dict.fromkeys(MIX_KEYS[:3], 0.0)
+    for k in kernels:
+        kind = k["kind"] if isinstance(k, dict) else k.kind
+        t = k["time_s"] if isinstance(k, dict) else k.time_s
+        by["attention" if kind == "attention" else "gemm" if kind == "gemm" else "pointwise"] += max(0.0, t)
+    total = sum(by.values())
+    if total <= 0:
+        return None
+    comm = min(1.0, max(0.0, comm_share))
+    mix = {k: v / total * (1 - comm) for k, v in by.items()} | {"collectives": comm}
+    return {k: round(v, 4) for k, v in mix.items()}
+
+
+def similarity(a: dict | None, b: dict | None) -> float:
+    """How alike two kernel-time mixes are, in [0, 1] (module docstring)."""
+    if not a or not b:
+        return UNKNOWN_SIMILARITY
+    l1 = sum(abs(float(a.get(k, 0.0)) - float(b.get(k, 0.0))) for k in MIX_KEYS)
+    return max(0.0, 1.0 - l1 / 2) ** SIMILARITY_POWER
+
+
+# ------------------------------------------------------------------------------ calibrating
+
+
+def calibrate(predicted_s: float, accelerator: str, runs: Iterable[RunRecord], *, provider: str | None = None,
+              instance_type: str | None = None, mode: str | None = None, features: dict | None = None,
+              comm_share: float = 0.0) -> dict:
+    """The model's ``predicted_s`` (seconds per step on ``accelerator``) corrected by ``runs``
+    (:class:`~sftctl.types.RunRecord` each), as the module docstring states: the Gaussian
+    posterior of ``c`` given the runs' ``r_i``, over at most :data:`MAX_RUNS` runs (the weightiest).
+
+    Returns ``{"calibrated_step_s", "interval_s": [low, high], "error": posterior factor,
+    "prior_error": f, "runs": runs on this accelerator that weigh, "weight": W (the sum of the
+    runs' similarity x offering x mode weights), "correction": calibrated / predicted,
+    "sources": {"run": n, "imported": n, "labels": [...]}}``.
+    """
+    s0 = math.log(max(1.0001, error_factor(accelerator, comm_share)))
+    picked: list[tuple[float, float, float, dict | None, RunRecord]] = []  # (cov with c / s0^2, v, r, mix, run)
+    for r in runs:
+        if r.accelerator.lower() != accelerator.lower():
+            continue
+        p, m = r.predicted_step_s, r.measured_step_s
+        if not p or not m or p <= 0 or m <= 0:
+            continue
+        v = 1.0
+        if provider is not None and (r.provider, r.instance_type) != (provider, instance_type):
+            v *= OTHER_OFFERING_WEIGHT
+        if mode is not None and r.mode and r.mode != mode:
+            v *= OTHER_MODE_WEIGHT
+        if v <= 0:
+            continue
+        sim = similarity(features, r.features)
+        picked.append((sim, v, math.log(m / p), r.features, r))
+    if len(picked) > MAX_RUNS:  # the runs that speak loudest for this step: most alike, this offering and mode
+        picked = sorted(picked, key=lambda t: (-t[0] * t[1], -(t[4].ts or 0.0)))[:MAX_RUNS]
+    c, var = _posterior(picked)
+    counts = dict.fromkeys(SOURCES, 0)
+    for *_, r in picked:
+        counts[r.source if r.source in SOURCES else "imported"] += 1
+    labels = sorted({str(r.source_label) for *_, r in picked if r.source_label})
+    weight = sum(sim * v for sim, v, *_ in picked)
+    cal = predicted_s * math.exp(c)
+    f = math.exp(s0 * math.sqrt(var))
+    return {"calibrated_step_s": cal, "interval_s": [cal / f, cal * f], "error": f, "prior_error": math.exp(s0),
+            "runs": len(picked), "weight": round(weight, 4), "correction": math.exp(c),
+            "sources": {**counts, "labels": labels}}
+
+
+def _posterior(picked: list) -> tuple[float, float]:
+    """``(c_post, sd_post**2 / s0**2)`` of the module docstring's Gaussian model for the runs
+    ``picked`` (each ``(similarity to the new step, v, r, kernel mix, run)``); ``(0, 1)`` without
+    runs. Covariances are in units of ``s0**2``; the means in ln."""
+    if not picked:
+        return 0.0, 1.0
+    import numpy as np
+
+    b = ACCELERATOR_SHARE
+    mix = np.array([[float((t[3] or {}).get(key, 0.0)) for key in MIX_KEYS] for t in picked])
+    known = np.array([bool(t[3]) for t in picked])
+    l1 = np.abs(mix[:, None, :] - mix[None, :, :]).sum(axis=2)  # similarity() for every pair, at once
+    sims = np.where(known[:, None] & known[None, :], np.clip(1 - l1 / 2, 0.0, 1.0) ** SIMILARITY_POWER,
+                    UNKNOWN_SIMILARITY)
+    np.fill_diagonal(sims, 1.0)  # a run is its own step
+    cov = b + (1 - b) * sims + np.diag([NOISE_RATIO ** 2 / t[1] for t in picked])
+    k = np.array([b + (1 - b) * t[0] for t in picked])
+    r = np.array([t[2] for t in picked])
+    # the scale of r is ln, of cov s0^2: c_post = k' K^-1 r holds for any common scale of k and K
+    solved = np.linalg.solve(cov, np.stack([r, k], axis=1))
+    c = float(k @ solved[:, 0])
+    var = max(0.0, 1.0 - float(k @ solved[:, 1]))
+    return c, var
+
+
+# ------------------------------------------------------------------------------ a job's row
+
+
+def job_run(job: Any, samples: list[StepRecord], now: float | None = None) -> RunRecord | None:
+    """The run-history row of ``job`` (a :class:`sftctl.types.JobRecord`) from its reported
+    steps (``source`` ``run``, labelled with the job's owner), or None when it has no prediction
+    (no model, or not planned) or is not measured."""
+    plan = getattr(job, "plan", None)
+    if plan is None or job.offering is None:
+        return None
+    predicted = plan.planned("step_time_s")
+    if not predicted:
+        return None
+    measured, n = measured_step_s(samples)
+    if measured is None:
+        return None
+    o = job.offering
+    nodes = int((job.spec.get("resources") or {}).get("nodes") or plan.chosen.nodes or 1)
+    par, ckpt = plan.planned("parallelism"), plan.planned("activation_checkpointing")
+    interval = plan.planned("step_time_interval_s") or [None, None]
+    return RunRecord(
+        job_id=job.id, accelerator=o.accelerator, count=o.count * nodes, gpus_per_node=o.count, nodes=nodes,
+        provider=o.provider, instance_type=o.instance_type, region=o.region, mode=plan.planned("mode"),
+        strategy=None if par is None else par + ("+ckpt" if ckpt else ""), predicted_step_s=float(predicted),
+        interval_low_s=interval[0], interval_high_s=interval[1], measured_step_s=measured, measured_steps=n,
+        features=plan.planned("features"), name=job.name, source="run", source_label=job.owner or "lab",
+        ts=now or time.time())
+
+
+def step_time_view(predicted: float | None, measured: float | None, n: int = 0,
+                   interval: list | None = None) -> dict | None:
+    """``status``'s ``step_time``: ``{"predicted_s", "interval_s", "measured_s", "measured_steps",
+    "difference"}`` (difference: measured / predicted - 1, e.g. 0.12 = 12 % slower than
+    predicted); None when neither is known."""
+    if predicted is None and measured is None:
+        return None
+    diff = measured / predicted - 1 if predicted and measured else None
+    return {"predicted_s": predicted, "interval_s": interval, "measured_s": measured, "measured_steps": n,
+            "difference": diff}
+
+
+# ------------------------------------------------------------------------------ importing
+
+_NATIVE = {"spec", "accelerator", "gpus_per_node", "nodes", "measured_step_s", "mode", "provider", "instance_type",
+           "region", "source"}
+_PUBLISHED_NEEDS = ("entrypoint", "gpu", "batch_per_gpu", "dtype", "gpus_per_node", "nodes")
+
+
+class ImportError_(SpecError):  # noqa: N801 - not the builtin
+    """A line of an import file is not a measured run (exit 2); nothing of the file is imported."""
+
+
+def _line_error(path: Path, no: int):
+    """A maker of ``path:no: what`` import errors (exit 2; nothing of the file is imported)."""
+    def bad(what: str) -> ImportError_:
+        return ImportError_(f"{path}:{no}: {what}", hint="nothing of the file was imported; fix the line and import again")
+    return bad
+
+
+def _json_object(text: str, bad) -> dict:
+    """One line of an import or export file as a JSON object.
+
+    Raises:
+        ImportError_: (``bad``'s) the line is not JSON, or not an object.
+    """
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad(f"not JSON ({e.msg})") from None
+    if not isinstance(d, dict):
+        raise bad("not a JSON object")
+    return d
+
+
+def read_import(path: str | os.PathLike[str]) -> list[dict]:
+    """Read and check ``path`` (JSON Lines, one measured run per line; blank lines and lines
+    starting with ``#`` skipped) without predicting anything. Each record comes back normalised:
+    ``{"line", "kind": "spec" | "published", "accelerator", "gpus_per_node", "nodes",
+    "measured_step_s", "mode", "provider", "instance_type", "region", "source", ...}`` with
+    ``spec`` / ``entrypoint`` resolved against the file's directory.
+
+    Two formats: ``{"spec": "job.yaml", "accelerator", "gpus_per_node", "nodes",
+    "measured_step_s", optional "mode", "provider", "instance_type", "region", "source"}``; or
+    ``benchmarks/published_steps.py``'s record (``entrypoint``, ``gpu``, ``batch_per_gpu``,
+    ``dtype``, ``mode``, ``gpus_per_node``, ``nodes``, ``parallelism``, ``checkpointing``,
+    ``measured_step_s`` or ``seq_len`` with ``tokens_per_s_per_gpu``, optional ``mma_dtype_map``,
+    ``name``; its ``source`` is a citation, kept as ``citation``).
+
+    Raises:
+        ImportError_: the file is missing or empty, or a line is not such a record
+            (``FILE:LINE: what``; exit 2).
+    """
+    from sftctl.catalog import accelerator_names
+
+    p = Path(path)
+    if not p.is_file():
+        raise ImportError_(f"{p}: no such file", hint="sftctl calibrate import FILE.jsonl")
+    known = {n.lower(): n for n in accelerator_names()}
+    out: list[dict] = []
+    for no, raw in enumerate(p.read_text().splitlines(), 1):
+        text = raw.strip()
+        if not text or text.startswith("#"):
+            continue
+
+        bad = _line_error(p, no)
+        d = _json_object(text, bad)
+        published = "spec" not in d
+        if published:
+            missing = [k for k in _PUBLISHED_NEEDS if k not in d]
+            if missing:
+                raise bad("missing " + ", ".join(missing) + " (a record needs spec, accelerator, gpus_per_node, nodes, "
+                          "measured_step_s; or published_steps.py's entrypoint, gpu, batch_per_gpu, ...)")
+        else:
+            missing = [k for k in ("accelerator", "gpus_per_node", "nodes", "measured_step_s") if k not in d]
+            if missing:
+                raise bad("missing " + ", ".join(missing))
+            unknown = sorted(set(d) - _NATIVE)
+            if unknown:
+                raise bad(f"unknown field {unknown[0]!r} (fields: {', '.join(sorted(_NATIVE))})")
+        acc = d.get("accelerator") if not published else d.get("gpu")
+        if not isinstance(acc, str) or acc.lower() not in known:
+            raise bad(f"{'gpu' if published else 'accelerator'} {acc!r} is not in the catalog (sftctl catalog lists them)")
+        for key in ("gpus_per_node", "nodes") + (("batch_per_gpu",) if published else ()):
+            v = d.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise bad(f"{key} must be a positive integer, not {v!r}")
+        if "measured_step_s" in d:
+            m = d["measured_step_s"]
+        elif published and "tokens_per_s_per_gpu" in d and "seq_len" in d:
+            try:
+                m = d["batch_per_gpu"] * d["seq_len"] / d["tokens_per_s_per_gpu"]
+            except (TypeError, ZeroDivisionError):
+                m = None
+        else:
+            raise bad("missing measured_step_s (or seq_len and tokens_per_s_per_gpu)")
+        if not isinstance(m, (int, float)) or isinstance(m, bool) or not m > 0 or not math.isfinite(m):
+            raise bad(f"measured_step_s must be a positive number of seconds, not {m!r}")
+        mode = d.get("mode")
+        if mode is not None and mode not in ("eager", "default", "sftensor"):
+            raise bad(f"mode {mode!r} is not one of eager, default, sftensor")
+        for key in ("provider", "instance_type", "region", "source"):
+            if key in d and not published and not isinstance(d[key], str):
+                raise bad(f"{key} must be a string")
+        rec = {"line": no, "kind": "published" if published else "spec", "accelerator": known[acc.lower()],
+               "gpus_per_node": d["gpus_per_node"], "nodes": d["nodes"], "measured_step_s": float(m), "mode": mode,
+               "provider": d.get("provider"), "instance_type": d.get("instance_type"), "region": d.get("region")}
+        if published:
+            entry = d["entrypoint"]
+            if not isinstance(entry, str) or ":" not in entry:
+                raise bad(f"entrypoint must be file.py:function, not {entry!r}")
+            f = (p.parent / entry.split(":")[0])
+            if not f.is_file():
+                raise bad(f"entrypoint {entry}: no file {f} (paths are relative to the import file)")
+            if d["dtype"] not in ("float32", "bfloat16", "float16"):
+                raise bad(f"dtype {d['dtype']!r} is not one of float32, bfloat16, float16")
+            ckpt = d.get("checkpointing", False)
+            if not isinstance(ckpt, (bool, int, float)) or not 0 <= float(ckpt) <= 1:
+                raise bad(f"checkpointing must be true, false or the fraction of blocks checkpointed, not {ckpt!r}")
+            inter = d.get("inter_node_bytes_per_s")
+            if inter is not None and (not isinstance(inter, (int, float)) or isinstance(inter, bool) or not inter > 0):
+                raise bad(f"inter_node_bytes_per_s must be a positive number, not {inter!r}")
+            rec |= {"entrypoint": entry, "workdir": str(p.parent), "batch_per_gpu": d["batch_per_gpu"],
+                    "dtype": d["dtype"], "parallelism": d.get("parallelism", "ddp"), "checkpointing": float(ckpt),
+                    "mma_dtype_map": d.get("mma_dtype_map"), "attention": d.get("attention", "auto"),
+                    "torch": d.get("torch"), "inter_node_bytes_per_s": inter,
+                    "name": d.get("name") or entry, "source": p.stem, "citation": d.get("source")}
+            if rec["parallelism"] not in ("ddp", "fsdp"):
+                raise bad(f"parallelism {rec['parallelism']!r} is not ddp or fsdp")
+            from sftctl.compiler.attention import IMPLEMENTATIONS
+
+            if rec["attention"] not in IMPLEMENTATIONS:
+                raise bad(f"attention {rec['attention']!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+            if rec["torch"] is not None and not (isinstance(rec["torch"], str)
+                                                 and rec["torch"].count(".") == 1
+                                                 and all(x.isdigit() for x in rec["torch"].split("."))):
+                raise bad(f"torch must be a major.minor version such as \"2.4\", not {rec['torch']!r}")
+        else:
+            spec = d["spec"]
+            if not isinstance(spec, str) or not (p.parent / spec).is_file():
+                raise bad(f"spec {spec!r}: no such file (paths are relative to the import file)")
+            rec |= {"spec": str(p.parent / spec), "source": d.get("source") or p.stem}
+        out.append(rec)
+    if not out:
+        raise ImportError_(f"{p}: no records (one JSON object per line)", hint="sftctl calibrate import FILE.jsonl")
+    return out
+
+
+_EXPORTED_COLUMNS = ("accelerator", "count", "gpus_per_node", "nodes", "provider", "instance_type", "region", "mode",
+                     "strategy", "predicted_step_s", "interval_low_s", "interval_high_s", "measured_step_s",
+                     "measured_steps", "features", "name", "source_label", "ts")
+
+
+def read_exported(path: str | os.PathLike[str]) -> list[RunRecord] | None:
+    """The rows of a ``calibrate export`` file (its first record has ``predicted_step_s``), ready
+    to store as they are (``source`` ``imported``, ``job_id`` None: an import is never a job of
+    this lab); None when ``path`` is not such a file (then :func:`read_import` reads it).
+
+    Raises:
+        ImportError_: a line of an export file is not an exported run (``FILE:LINE``; exit 2).
+    """
+    p = Path(path)
+    if not p.is_file():
+        return None
+    lines = [(no, t.strip()) for no, t in enumerate(p.read_text().splitlines(), 1)
+             if t.strip() and not t.strip().startswith("#")]
+    try:
+        first = json.loads(lines[0][1]) if lines else None
+    except ValueError:
+        return None
+    if not isinstance(first, dict) or "predicted_step_s" not in first:
+        return None
+    rows = []
+    for no, text in lines:
+        bad = _line_error(p, no)
+        d = _json_object(text, bad)
+        for key in ("predicted_step_s", "measured_step_s"):
+            v = d.get(key)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or not math.isfinite(v):
+                raise bad(f"{key} must be a positive number of seconds, not {v!r}")
+        if not isinstance(d.get("accelerator"), str) or not d["accelerator"]:
+            raise bad("accelerator missing")
+        for key in ("gpus_per_node", "nodes"):
+            if not isinstance(d.get(key), int) or isinstance(d.get(key), bool) or d[key] < 1:
+                raise bad(f"{key} must be a positive integer, not {d.get(key)!r}")
+        row = {k: d.get(k) for k in _EXPORTED_COLUMNS}
+        row["count"] = row["count"] or d["gpus_per_node"] * d["nodes"]
+        if row["features"] is not None and not isinstance(row["features"], dict):
+            raise bad("features must be an object")
+        rows.append(RunRecord.from_dict(row | {"job_id": None, "source": "imported",
+                                               "source_label": d.get("source_label") or p.stem,
+                                               "ts": d.get("ts") or time.time()}))
+    return rows
+
+
+def check_rows(rows: Any) -> list[RunRecord]:
+    """Imported rows as a server receives them (``POST /v1/calibrate/runs``): each a dict with
+    accelerator, gpus_per_node, nodes, predicted_step_s and measured_step_s; stored as
+    ``imported`` with no job id, whatever they say.
+
+    Raises:
+        SpecError: not a list of such rows (``runs[i]: what``; exit 2).
+    """
+    if not isinstance(rows, list) or not rows:
+        raise SpecError("runs must be a non-empty list of run-history rows", hint="sftctl calibrate import FILE sends them")
+    out = []
+    for i, d in enumerate(rows):
+        if not isinstance(d, dict):
+            raise SpecError(f"runs[{i}]: not an object")
+        for key in ("predicted_step_s", "measured_step_s"):
+            v = d.get(key)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or not math.isfinite(v):
+                raise SpecError(f"runs[{i}]: {key} must be a positive number of seconds, not {v!r}")
+        for key in ("gpus_per_node", "nodes"):
+            if not isinstance(d.get(key), int) or isinstance(d.get(key), bool) or d[key] < 1:
+                raise SpecError(f"runs[{i}]: {key} must be a positive integer, not {d.get(key)!r}")
+        if not isinstance(d.get("accelerator"), str) or not d["accelerator"]:
+            raise SpecError(f"runs[{i}]: accelerator missing")
+        if d.get("features") is not None and not isinstance(d["features"], dict):
+            raise SpecError(f"runs[{i}]: features must be an object")
+        row = {k: d.get(k) for k in _EXPORTED_COLUMNS}
+        out.append(RunRecord.from_dict(row | {"count": row["count"] or d["gpus_per_node"] * d["nodes"], "job_id": None,
+                                              "source": "imported",
+                                              "source_label": str(d.get("source_label") or "imported"),
+                                              "ts": d.get("ts") or time.time()}))
+    return out
+
+
+def predict_record(rec: dict, cache: dict | None = None) -> RunRecord:
+    """The run-history row of one :func:`read_import` record: the model's prediction for it (the
+    compiler, heavy: torch), its interval and kernel-time mix, with the measurement, ``source``
+    ``imported`` and ``source_label`` the record's ``source``.
+
+    Raises:
+        SftctlError: the spec or entrypoint cannot be loaded, traced or compiled (the caller
+            adds the file:line).
+    """
+    import sftctl.compiler.api as compiler
+    from sftctl.catalog import cloud_offerings
+    from sftctl.compiler.modes import COMPILE_TO_MODE
+
+    cache = {} if cache is None else cache
+    acc, gpn, nodes = rec["accelerator"], rec["gpus_per_node"], rec["nodes"]
+    world = gpn * nodes
+    if rec["kind"] == "spec":
+        from sftctl.spec import load_spec
+
+        spec = load_spec(rec["spec"])
+        if spec.model is None:
+            raise SpecError(f"{rec['spec']}: the spec has no model to predict")
+        m = spec.model
+        if m.batch_size % world:
+            raise SpecError(f"model.batch_size {m.batch_size} does not split over {world} GPUs")
+        framework, entry, dtype, batch = m.framework, m.entrypoint, m.dtype, m.batch_size // world
+        workdir = spec.workdir  # absolute after load_spec
+        mode = rec["mode"] or ("default" if framework == "jax" else COMPILE_TO_MODE[spec.train.compile])
+        t = spec.train
+        parallelisms = ("ddp", "fsdp") if t.parallelism == "auto" else (t.parallelism,)
+        checkpointing = (False, True) if t.activation_checkpointing is None else (t.activation_checkpointing,)
+        precision, mma, name = m.matmul_precision, None, spec.name
+        extra: dict[str, Any] = {"mask_fraction": m.mask_fraction, "expert_capacity": m.expert_capacity}
+    else:
+        framework, entry, dtype, batch, workdir = "torch", rec["entrypoint"], rec["dtype"], rec["batch_per_gpu"], rec["workdir"]
+        mode = rec["mode"] or "eager"
+        parallelisms, checkpointing = (rec["parallelism"],), (rec["checkpointing"] >= 1,)
+        precision, mma, name, extra = "highest", rec["mma_dtype_map"], rec["name"], {}
+    key = (framework, entry, workdir, batch, dtype, rec.get("attention"), rec.get("torch"))
+    if key not in cache:
+        from sftctl.compiler.attention import with_implementation
+
+        graph = compiler.trace(framework, entry, workdir, batch, dtype, **extra)
+        cache[key] = with_implementation(graph, rec.get("attention") or "auto", rec.get("torch"))
+    target = compiler.load_target(acc)
+    compiled = compiler.compile(cache[key], target, matmul_precision=precision, mma_dtype_map=mma)
+    offering = next((o for o in cloud_offerings() if o.accelerator == acc and o.count == gpn
+                     and (rec["provider"] is None or o.provider == rec["provider"])
+                     and (rec["instance_type"] is None or o.instance_type == rec["instance_type"])), None)
+    intra = offering.intra_node_bytes_per_s if offering else None
+    inter = rec.get("inter_node_bytes_per_s") or (offering.inter_node_bytes_per_s if offering else None)
+
+    def chosen(ckpt: tuple[bool, ...]):
+        return compiler.predict(compiled, target, gpus_per_node=gpn, nodes=nodes, intra_node_bytes_per_s=intra,
+                                inter_node_bytes_per_s=inter, mode=mode,
+                                param_dtype_bytes=2 if dtype in ("bfloat16", "float16") else 4,
+                                parallelisms=parallelisms, checkpointing=ckpt,
+                                provider=f"{rec['provider']}:{rec['instance_type']}" if rec["provider"]
+                                else rec["provider"]).chosen
+
+    ac = rec.get("checkpointing", 0.0) if rec["kind"] == "published" else 0.0
+    if 0 < ac < 1:  # a fraction of the blocks checkpointed (published records): the mix of none and all
+        parts = [(1 - ac, chosen((False,))), (ac, chosen((True,)))]
+        ch = parts[1][1]
+        step = sum(w * c.step_time_s for w, c in parts)
+        comm_s = sum(w * c.comm_time_s for w, c in parts)
+        strategy = f"{ch.parallelism}+ckpt{ac:g}"
+    else:
+        ch = chosen(checkpointing)
+        step, comm_s = ch.step_time_s, ch.comm_time_s
+        strategy = ch.parallelism + ("+ckpt" if ch.activation_checkpointing else "")
+    comm = comm_s / step if step > 0 else 0.0
+    f = error_factor(acc, comm)
+    return RunRecord(
+        job_id=None, accelerator=acc, count=world, gpus_per_node=gpn, nodes=nodes, provider=rec["provider"],
+        instance_type=rec["instance_type"], region=rec["region"], mode=mode,
+        strategy=strategy, predicted_step_s=step,
+        interval_low_s=step / f, interval_high_s=step * f, measured_step_s=rec["measured_step_s"],
+        features=kernel_mix(compiled.kernels, comm), name=name, source="imported", source_label=rec["source"],
+        ts=time.time())
+
+
+def import_file(path: str | os.PathLike[str], progress=None) -> list[RunRecord]:
+    """Read, check and predict every record of ``path``: the rows to store, or an error naming
+    the file:line (nothing is stored by this function; the caller stores all rows at once).
+
+    Raises:
+        ImportError_: a bad line, or a record whose model cannot be predicted (exit 2).
+    """
+    from sftctl.errors import SftctlError
+
+    recs = read_import(path)
+    cache: dict = {}
+    rows = []
+    for rec in recs:
+        if progress:
+            progress(f"predicting {path}:{rec['line']} ({rec['accelerator']}:{rec['gpus_per_node']} x{rec['nodes']})")
+        try:
+            rows.append(predict_record(rec, cache))
+        except SftctlError as e:
+            raise ImportError_(f"{path}:{rec['line']}: {e.message}",
+                               hint="nothing of the file was imported; fix the line and import again") from None
+        except (NotImplementedError, ValueError, KeyError) as e:
+            raise ImportError_(f"{path}:{rec['line']}: cannot predict it: {type(e).__name__}: {e}",
+                               hint="nothing of the file was imported; fix the line and import again") from None
+    return rows
+
+
+def summary(runs: list[RunRecord]) -> list[dict]:
+    """``calibrate show``'s rows: per accelerator, offering (provider x instance type) and source,
+    the runs, the median measured / predicted and its range."""
+    groups: dict[tuple, list[RunRecord]] = {}
+    for r in runs:
+        groups.setdefault((r.accelerator, r.provider or "-", r.instance_type or "-", r.source), []).append(r)
+    out = []
+    for (acc, prov, inst, src), rs in sorted(groups.items()):
+        ratios = [r.measured_step_s / r.predicted_step_s for r in rs]
+        out.append({"accelerator": acc, "provider": prov, "instance_type": inst, "source": src, "runs": len(rs),
+                    "labels": sorted({r.source_label or "-" for r in rs}),
+                    "median_measured_over_predicted": statistics.median(ratios),
+                    "min": min(ratios), "max": max(ratios)})
+    return out

@@ -1,0 +1,136 @@
+"""Ranks and metrics: :func:`global_rank`, :func:`report` (one JSON line per step per rank) and
+the heartbeat thread it starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+from sftctl import settings
+from sftctl.protocol import metrics_name
+from sftctl.train.config import _parse_int
+
+
+def global_rank() -> int:
+    """Return this process's global rank: ``$RANK``, else ``$SFTCTL_NODE_RANK``, else 0.
+
+    Raises:
+        ValueError: the variable that is used is set but is not a non-negative integer.
+    """
+    raw = os.environ.get("RANK", "").strip()
+    if raw:
+        return _parse_int("RANK", raw, minimum=0)
+    return settings.get("SFTCTL_NODE_RANK")
+
+
+def report(
+    step: int,
+    loss: float,
+    *,
+    step_time_s: float | None = None,
+    tokens_per_s: float | None = None,
+    compute_time_s: float | None = None,
+    lr: float | None = None,
+    checkpoint: bool | None = None,
+) -> None:
+    """Append one metrics record for ``step`` to ``$SFTCTL_METRICS_DIR/rank-<global rank>.jsonl``.
+
+    The record is one JSON object on one line::
+
+        {"ts": <unix time, s>, "rank": <global rank>, "step": ..., "loss": ...,
+         "step_time_s": ..., "tokens_per_s": ...}
+
+    The line is written with a single ``write`` on a file opened in append mode, so a reader
+    tailing the file sees whole lines (the last one may be missing if the process is killed), and
+    each call is visible to readers when it returns. The directory is created if missing.
+
+    Does nothing when ``SFTCTL_METRICS_DIR`` is unset or empty, so a script also runs outside
+    sftctl.
+
+    Args:
+        step: the training step just finished.
+        loss: this rank's loss at that step. NaN/inf are written as ``null`` (JSON has no NaN).
+        step_time_s: wall time of the step in seconds, if measured.
+        tokens_per_s: this rank's throughput in tokens per second, if measured.
+        compute_time_s: seconds of the step's work that waits on no other rank (e.g. the
+            forward pass), if measured: under synchronous data parallelism every rank's whole
+            step takes as long as the slowest's, so only this shows which rank is the straggler.
+        lr: the learning rate at that step, if wanted in the job's step history.
+        checkpoint: True when this step's time includes writing a checkpoint: the measured
+            step time (``sftctl status``'s ACTUAL, the run history) leaves it out.
+
+    Raises:
+        ValueError: ``RANK``/``SFTCTL_NODE_RANK`` is malformed.
+        OSError: the metrics directory or file cannot be created or written.
+    """
+    metrics_dir = settings.get("SFTCTL_METRICS_DIR")
+    if not metrics_dir:
+        return
+    rank = global_rank()
+    record = {
+        "ts": time.time(),
+        "rank": rank,
+        "step": int(step),
+        "loss": _finite_or_none(loss),
+        "step_time_s": _finite_or_none(step_time_s),
+        "tokens_per_s": _finite_or_none(tokens_per_s),
+    }
+    if compute_time_s is not None:
+        record["compute_time_s"] = _finite_or_none(compute_time_s)
+    if lr is not None:
+        record["lr"] = _finite_or_none(lr)
+    if checkpoint is not None:
+        record["checkpoint"] = bool(checkpoint)
+    _append_line(Path(metrics_dir), rank, record)
+    _start_heartbeat(Path(metrics_dir), rank)
+
+
+def _append_line(path: Path, rank: int, record: dict) -> None:
+    line = (json.dumps(record, allow_nan=False) + "\n").encode("utf-8")
+    path.mkdir(parents=True, exist_ok=True)
+
+    fd = os.open(path / metrics_name(rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        written = os.write(fd, line)
+        while written < len(line):  # only on odd filesystems; regular files write it all at once
+            written += os.write(fd, line[written:])
+    finally:
+        os.close(fd)
+
+
+_heartbeat_started = False
+
+
+def _start_heartbeat(path: Path, rank: int) -> None:
+    """From the first report on, a daemon thread appends ``{"ts", "rank", "heartbeat": true}``
+    every ``$SFTCTL_HEARTBEAT_S`` seconds (default 2) to the same file.
+
+    The heartbeat says the process lives even while a step waits on a slow peer (collectives
+    release the GIL); a frozen or killed process stops beating, which is how the controller
+    tells the hung rank from the ranks waiting for it (:mod:`sftctl.health.detectors`).
+    """
+    global _heartbeat_started
+    if _heartbeat_started:
+        return
+    _heartbeat_started = True
+    interval_s = settings.get("SFTCTL_HEARTBEAT_S")
+
+    def beat() -> None:
+        while True:
+            time.sleep(interval_s)
+            try:
+                _append_line(path, rank, {"ts": time.time(), "rank": rank, "heartbeat": True})
+            except OSError:
+                return
+
+    threading.Thread(target=beat, name="sftctl-heartbeat", daemon=True).start()
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return value if value == value and value not in (float("inf"), float("-inf")) else None
