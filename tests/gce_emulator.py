@@ -69,12 +69,14 @@ import random
 import re
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 from google.cloud import billing_v1, compute_v1
 from google.protobuf import json_format
 from google.protobuf.descriptor import FieldDescriptor
+
+from emulator_http import Operations, server_url, start_server, stop_server
 
 GOOGLEAPIS = "https://www.googleapis.com/compute/v1"
 
@@ -236,24 +238,12 @@ class GCEEmulator:
     # ------------------------------------------------------------------ lifecycle and control
 
     def start(self) -> "GCEEmulator":
-        emulator = self
-
-        class Handler(_Handler):
-            pass
-
-        Handler.emulator = emulator
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="gce-emulator", daemon=True)
-        self._thread.start()
+        self._server, self._thread = start_server(self, "gce-emulator")
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._thread.join(5)
+        if self._server is not None and self._thread is not None:
+            stop_server(self._server, self._thread)
             self._server = None
 
     def __enter__(self) -> "GCEEmulator":
@@ -265,15 +255,15 @@ class GCEEmulator:
     @property
     def url(self) -> str:
         """The endpoint to give the client (``client_options={"api_endpoint": url}``)."""
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        assert self._server is not None
+        return server_url(self._server)
 
     def reset(self) -> None:
         """Forget every instance, operation, fault and logged request."""
         with self.lock:
             self.instances: dict[tuple[str, str], dict] = {}  # (zone, name) -> Instance JSON
-            self.operations: dict[tuple[str, str], dict] = {}  # (zone, name) -> Operation JSON
-            self._op_effects: dict[tuple[str, str], tuple] = {}
+            self.lro = Operations()  # (zone, name) -> Operation JSON, and the effect of its DONE
+            self.operations: dict = self.lro.ops
             self._request_ids: dict[str, tuple[str, str]] = {}
             self._deleting: dict[tuple[str, str], str] = {}  # (zone, name) -> its delete operation
             self.faults: list[Fault] = []
@@ -596,10 +586,10 @@ class GCEEmulator:
         target = f"{GOOGLEAPIS}/projects/{self.project}/zones/{zone}/instances/{name}"
         op = self._new_operation(zone, "insert", target)
         if fault is not None:
-            self._op_effects[(zone, op["name"])] = ("error", *self._fault_operation_error(fault, zone, machine_type))
+            self.lro.set_effect((zone, op["name"]), ("error", *self._fault_operation_error(fault, zone, machine_type)))
         else:
             self.instances[(zone, name)] = self._materialize(zone, inst, op["targetId"])
-            self._op_effects[(zone, op["name"])] = ("ok",)
+            self.lro.set_effect((zone, op["name"]), ("ok",))
         if q.get("requestId"):
             self._request_ids[q["requestId"]] = (zone, op["name"])
         return self._checked(op, compute_v1.Operation)
@@ -758,7 +748,7 @@ class GCEEmulator:
         inst["status"] = "STOPPING"
         op = self._new_operation(params["zone"], "delete", inst["selfLink"], inst["id"])
         self._deleting[(params["zone"], params["instance"])] = op["name"]
-        self._op_effects[(params["zone"], op["name"])] = ("delete", params["zone"], params["instance"])
+        self.lro.set_effect((params["zone"], op["name"]), ("delete", params["zone"], params["instance"]))
         if q.get("requestId"):
             self._request_ids[q["requestId"]] = (params["zone"], op["name"])
         return self._checked(op, compute_v1.Operation)
@@ -796,26 +786,33 @@ class GCEEmulator:
             "user": "sftctl-test@sftctl-test.iam.gserviceaccount.com", "progress": 0, "insertTime": rfc3339(),
             "selfLink": f"{GOOGLEAPIS}/projects/{self.project}/zones/{zone}/operations/{name}",
         }
-        self.operations[(zone, name)] = op
-        return op
+        return self.lro.add((zone, name), op)
 
     def _advance(self, zone: str, name: str) -> dict:
-        op = self.operations.get((zone, name))
+        op = self.lro.advance((zone, name), self._step, self._done)
         if op is None:
             raise ApiError(404, error_body(
                 404, f"The resource 'projects/{self.project}/zones/{zone}/operations/{name}' was not found",
                 "notFound"))
+        return self._checked(dict(op), compute_v1.Operation)
+
+    @staticmethod
+    def _step(op: dict) -> bool:
+        """GCE's operation stages, one per read: PENDING -> RUNNING -> DONE (True when DONE)."""
         if op["status"] == "PENDING":
             op.update(status="RUNNING", startTime=rfc3339())
         elif op["status"] == "RUNNING":
             op.update(status="DONE", progress=100, endTime=rfc3339())
-            effect = self._op_effects.pop((zone, name), ("ok",))
-            if effect[0] == "error":
-                op.update(error=effect[1], httpErrorStatusCode=effect[2], httpErrorMessage=effect[3])
-            elif effect[0] == "delete":
-                self.instances.pop((effect[1], effect[2]), None)
-                self._deleting.pop((effect[1], effect[2]), None)
-        return self._checked(dict(op), compute_v1.Operation)
+            return True
+        return False
+
+    def _done(self, op: dict, effect: tuple | None) -> None:
+        effect = effect or ("ok",)
+        if effect[0] == "error":
+            op.update(error=effect[1], httpErrorStatusCode=effect[2], httpErrorMessage=effect[3])
+        elif effect[0] == "delete":
+            self.instances.pop((effect[1], effect[2]), None)
+            self._deleting.pop((effect[1], effect[2]), None)
 
     def _get_operation(self, params, q, body):
         return self._advance(params["zone"], params["operation"])
@@ -885,31 +882,3 @@ def _parse_error_message(text: str) -> str:
         at = f"instance_resource.{where}" if where else "instance_resource"
         return f"Invalid JSON payload received. Unknown name \"{m.group(1)}\" at '{at}': Cannot find field."
     return "Invalid JSON payload received. " + " ".join(text.split())
-
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    emulator: GCEEmulator
-
-    def _serve(self, method: str) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length).decode() if length else ""
-        status, payload = self.emulator.handle(method, self.path, body)
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json; charset=UTF-8")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self):  # noqa: N802 (http.server's naming)
-        self._serve("GET")
-
-    def do_POST(self):  # noqa: N802
-        self._serve("POST")
-
-    def do_DELETE(self):  # noqa: N802
-        self._serve("DELETE")
-
-    def log_message(self, *args) -> None:  # quiet
-        pass

@@ -756,7 +756,7 @@ class _Handler(BaseHTTPRequestHandler):
             code, payload, headers = self.cluster.handle(method, url.path, parse_qs(url.query), self.headers, body)
         except ApiError as e:
             code, payload, headers = e.code, e.body, e.headers
-        except Exception as e:  # a bug in the emulator: answer like an API server would, never hang
+        except Exception as e:  # noqa: BLE001 a bug in the emulator: answer like an API server would, never hang
             code, payload, headers = 500, status_body(500, "InternalError", f"emulator: {type(e).__name__}: {e}"), {}
         data = json.dumps(payload).encode()
         self.send_response(code)

@@ -85,12 +85,14 @@ class SlurmCluster(_Managed):
         root: directory for everything the cluster writes (created).
         nodes: slurmd daemons (``node1..nodeN``), one partition ``gpu`` holding them all.
         gpus_per_node: typed GPUs (``h100``) each node declares; 0 for none.
+        gpu_type: their GRES type (``mi300``: a node of AMD GPUs, as a lab's gres.conf names them).
     """
 
-    def __init__(self, root: Path, nodes: int = 2, gpus_per_node: int = GPUS_PER_NODE):
+    def __init__(self, root: Path, nodes: int = 2, gpus_per_node: int = GPUS_PER_NODE, gpu_type: str = GPU_TYPE):
         self.root = Path(root)
         self.n = nodes
         self.gpus = gpus_per_node
+        self.gpu_type = gpu_type
         self.names = [f"node{i + 1}" for i in range(nodes)]
         self.procs: dict[str, subprocess.Popen] = {}
         self.conf = self.root / "etc" / "slurm.conf"
@@ -110,7 +112,7 @@ class SlurmCluster(_Managed):
         ctld_port, *node_ports = free_ports(1 + self.n)
         self.ctld_port = ctld_port
         self.node_ports = dict(zip(self.names, node_ports))
-        gres = f" Gres=gpu:{GPU_TYPE}:{self.gpus}" if self.gpus else ""
+        gres = f" Gres=gpu:{self.gpu_type}:{self.gpus}" if self.gpus else ""
         node_lines = "\n".join(
             f"NodeName={name} NodeHostname={self.hostname} NodeAddr=127.0.0.1 Port={port} "
             f"CPUs={CPUS_PER_NODE} RealMemory={MEMORY_MB}{gres} State=UNKNOWN"
@@ -173,7 +175,7 @@ PartitionName=gpu Nodes={','.join(self.names)} Default=YES MaxTime=INFINITE Stat
                         path.touch()
             files = f"{dev}/gpu[0-{self.gpus - 1}]" if self.gpus > 1 else f"{dev}/gpu0"
             (self.root / "etc" / "gres.conf").write_text(
-                f"AutoDetect=off\nNodeName={','.join(self.names)} Name=gpu Type={GPU_TYPE} File={files}\n")
+                f"AutoDetect=off\nNodeName={','.join(self.names)} Name=gpu Type={self.gpu_type} File={files}\n")
         else:
             (self.root / "etc" / "gres.conf").write_text("AutoDetect=off\n")
         key = self.root / "munge" / "munge.key"
@@ -249,7 +251,7 @@ PartitionName=gpu Nodes={','.join(self.names)} Default=YES MaxTime=INFINITE Stat
             proc = self.procs[name]
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for name, proc in self.procs.items():
+        for proc in self.procs.values():
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:

@@ -30,15 +30,15 @@ def interpreted_loss_and_grads(model, batch, loss_fn, *, seed: int = 0, fake: bo
     graph, meta = torch_frontend.trace_step(model, batch, loss_fn, fake=fake, betas=(0.5, 0.999),
                                             weight_decay=0.0, **trace_kw)
     params = dict(model.named_parameters())
-    feed = {meta["params"][n]: params[n].detach().numpy() for n in meta["param_names"]}
-    for name, i in meta["opt_state"].items():
+    feed = {meta["params"][n]: _real_view(params[n]).numpy() for n in meta["param_names"]}
+    for i in meta["opt_state"].values():
         feed[i] = np.zeros(graph.nodes[i].type.shape)
     feed[meta["step"]] = np.float64(1.0)
     buffers = dict(model.named_buffers())
     for n, i in meta["buffers"].items():
         feed[i] = (buffers[n] if n in buffers else dict(model.named_parameters(remove_duplicate=False))[n]).detach().numpy()
     for i, x in zip(meta["batch"], [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]):
-        feed[i] = x.numpy()
+        feed[i] = x.detach().numpy()
     out = interpreter.run(graph, feed, dtype=interp_dtype, seed=seed)
     by_role = dict(zip(graph.output_roles, out))
     grads = {n: 2.0 * by_role[f"opt_state:{n}.exp_avg"] for n in meta["param_names"]}
@@ -51,8 +51,15 @@ def torch_loss_and_grads(model, batch, loss_fn):
     batch = _double(batch)
     loss = loss_fn(model, batch)
     loss.backward()
-    return float(loss.detach()), {n: (p.grad.numpy() if p.grad is not None else np.zeros(tuple(p.shape)))
-                         for n, p in model.named_parameters()}
+    return float(loss.detach()), {n: (_real_view(p.grad).numpy() if p.grad is not None
+                                      else np.zeros(tuple(_real_view(p).shape)))
+                                  for n, p in model.named_parameters()}
+
+
+def _real_view(t):
+    """A tensor as the IR holds it: a complex one (a Fourier layer's weights) as ``[..., 2]``."""
+    t = t.detach()
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def assert_step_matches(model, batch, loss_fn, *, rtol=1e-7, atol_rel=1e-10, **trace_kw):

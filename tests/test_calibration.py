@@ -98,7 +98,11 @@ def test_peer_efficiency_cublas_and_eager_rows():
     h100 = calibrated.peer_efficiency("H100")
     assert h100.cublas_bf16_fraction_of_peak == p.cublas_bf16_fraction_of_peak
     assert h100.copy_bytes_per_s == pytest.approx(p.copy_bytes_per_s * 3.35 / 4.8, rel=1e-3)
-    assert calibrated.peer_efficiency("A100-80GB") is None
+    # no calibration of its own; its entry's peers are the H200's, as fractions of its own peaks
+    a100 = calibrated.peer_efficiency("A100-80GB")
+    assert calibrated.calibration_for("A100-80GB") is None and a100.measured_on == "H200"
+    assert a100.cublas_bf16_fraction_of_peak == p.cublas_bf16_fraction_of_peak
+    assert a100.copy_bytes_per_s == pytest.approx(p.copy_bytes_per_s * 2.039 / 4.8, rel=1e-2)
 
 
 def test_fit_recovers_known_coefficients_from_synthetic_records():

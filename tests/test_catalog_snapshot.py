@@ -224,3 +224,22 @@ def test_a_region_whose_zones_do_not_offer_the_type_is_named_with_the_signal(hom
              fixed_predictor({"H100": 1.0}))
     (c,) = [c for c in e.value.candidates if (c.offering.instance_type, c.offering.region) == ("p5.48xlarge", "us-east-1")]
     assert f"no zone of us-east-1 reported one (EC2 DescribeSpotPriceHistory per zone, as of {today})" in str(c.rejected)
+
+
+def test_the_small_one_gpu_sizes_are_in_every_region_that_sells_the_family():
+    """Issue 37: outside us-east-1 the only T4:1 was a g4dn.16xlarge (~$4.35-6.70/h) and G5/G6 had
+    no xlarge. Every region with a bigger 1-GPU size of the family has its xlarge (4 vCPUs,
+    16 GiB), cheaper there, from the same source and date as its neighbours."""
+    offers = catalog.cloud_offerings()
+    for small, big, gpu, regions in (("g4dn.xlarge", "g4dn.16xlarge", "T4", 20),
+                                     ("g5.xlarge", "g5.2xlarge", "A10G", 14),
+                                     ("g6.xlarge", "g6.2xlarge", "L4", 12)):
+        smalls = {o.region: o for o in offers if o.instance_type == small}
+        bigs = {o.region: o for o in offers if o.instance_type == big}
+        assert set(smalls) == set(bigs) and len(smalls) == regions, small
+        for region, o in smalls.items():
+            assert (o.accelerator, o.count, o.vcpus, o.memory_gib) == (gpu, 1, 4, 16.0), (small, region)
+            assert o.usd_per_hour < bigs[region].usd_per_hour, (small, region)
+            assert o.as_of == "2025-05" and o.source.startswith("SkyPilot catalog skypilot-org/skypilot-catalog@001367d22a00")
+    tokyo = next(o for o in offers if (o.instance_type, o.region) == ("g4dn.xlarge", "ap-northeast-1"))
+    assert (tokyo.usd_per_hour, tokyo.spot_usd_per_hour, tokyo.zone) == (0.71, 0.2264, "apne1-az4")

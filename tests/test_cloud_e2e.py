@@ -22,7 +22,7 @@ name: cloud-e2e
 workdir: {repo}
 model: {{framework: torch, entrypoint: examples/gpt/model.py:build, batch_size: 8}}
 train: {{steps: 12, checkpoint_interval: 6}}
-resources: {{accelerators: ["L4:1"], nodes: 2, clouds: [aws], image: {ami}}}
+resources: {{accelerators: ["L4:1"], nodes: 2, clouds: [aws], regions: [us-east-1, us-west-2], image: {ami}}}
 storage: s3://cloud-e2e/runs
 health: {{enabled: false}}
 env: {{OMP_NUM_THREADS: 1}}

@@ -28,7 +28,7 @@ from sftctl.compiler.codegen import gemm as gemm_mod  # noqa: E402
 from sftctl.compiler.codegen import reduction as R  # noqa: E402
 from sftctl.compiler.codegen.elementwise import Chain, collapse_dims, elementwise, generate_source  # noqa: E402
 from sftctl.compiler.codegen.gemm import gemm  # noqa: E402
-from sftctl.compiler.target import calibrated_coefficients as _coeffs
+from sftctl.compiler.target import calibrated_coefficients as _coeffs  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

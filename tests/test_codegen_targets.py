@@ -10,11 +10,11 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from sftctl.compiler.codegen import targets as T  # noqa: E402
-from sftctl.compiler.codegen.elementwise import Chain  # noqa: E402
-from sftctl.compiler.costmodel import GemmProblem  # noqa: E402
-from sftctl.compiler.hardware import get_accelerator  # noqa: E402
-from sftctl.compiler.search.gemm import evaluate_configs, search_gemm  # noqa: E402
+from sftctl.compiler.codegen import targets as T
+from sftctl.compiler.codegen.elementwise import Chain
+from sftctl.compiler.costmodel import GemmProblem
+from sftctl.compiler.hardware import get_accelerator
+from sftctl.compiler.search.gemm import evaluate_configs, search_gemm
 from sftctl.compiler.target import calibrated_coefficients as _coeffs
 
 GEMM_CONFIGS = [

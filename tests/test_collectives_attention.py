@@ -29,7 +29,7 @@ def test_bus_factors_follow_nccl_tests():
         collectives.bus_factor("broadcast", 2)
 
 
-@pytest.mark.parametrize("arch", sorted(collectives.MEASURED_LINKS))
+@pytest.mark.parametrize("arch", sorted(collectives.measured_links()))
 def test_fits_hold_on_held_out_sizes_and_ops(arch):
     """Cross-validated on the shipped measurements: every size bucket's median predicted /
     measured within 0.8-1.25, for held-out sizes and for held-out ops."""
@@ -38,6 +38,16 @@ def test_fits_hold_on_held_out_sizes_and_ops(arch):
         assert set(cv[kind]) == {"<1MiB", "1-64MiB", ">=64MiB"}
         for bucket, s in cv[kind].items():
             assert 0.8 <= s["median"] <= 1.25, (arch, kind, bucket, s)
+
+
+def test_measured_links_come_from_the_catalog():
+    """Each measured die's link is its accelerators' collective_link (accelerators.yaml)."""
+    assert collectives.measured_links() == {"gfx950": "xgmi-mi355x", "sm_100_B200": "nvswitch-b200",
+                                            "sm_90": "nvswitch-h100"}
+    assert collectives.host_link("H200").name == "nvswitch-h100" and collectives.host_link("MI300X").name == "xgmi-mi355x"
+    assert collectives.host_link("T4", intra_node_bytes_per_s=16e9).name == "pcie-gen3"
+    with pytest.raises(KeyError, match="unknown accelerator 'Z9'"):
+        collectives.host_link("Z9")
 
 
 def test_shipped_links_name_their_sources_and_errors():

@@ -97,7 +97,10 @@ def test_a_queued_controller_holds_the_job_and_down_cancels_it(cluster, tmp_path
         job = json.loads(sftctl("run", str(_placed_spec(tmp_path)), "--detach", "--json", check=True).stdout)["job_id"]
         queued = [r for r in _squeue(cluster) if r["name"] == f"sftctl-ctl-{job}"]
         assert [r["state"] for r in queued] == ["PENDING"]
-        monkeypatch.setattr(state, "CONTROLLER_START_GRACE_S", 0.0)  # a plain job would be reaped now
+        env_file = home / "jobs" / job / "slurm" / "controller.env"  # its environment, until it starts
+        assert env_file.stat().st_mode & 0o777 == 0o600 and f"export SFTCTL_HOME={home}\n" in env_file.read_text()
+        monkeypatch.setattr(state, "CONTROLLER_START_GRACE_S", 0.0)  # a plain job would be reaped now (the
+        monkeypatch.setattr(state.jobs, "CONTROLLER_START_GRACE_S", 0.0)  # server reads it here, the Store there)
         assert api.status(job).status.value == "PENDING"
         from sftctl.queue import ControllerBusy
 
@@ -123,6 +126,7 @@ def test_a_queued_controller_holds_the_job_and_down_cancels_it(cluster, tmp_path
         assert "cancelled" in summary, summary
         wait_for(lambda: cluster.jobs() == [blocker], timeout_s=30, what="the queued controller to be cancelled")
         assert status_json(job)["status"] == "CANCELLED"
+        assert not env_file.exists()  # never read by a controller: down deleted it
     finally:
         subprocess.run(["scancel", blocker], check=True)
 
@@ -151,6 +155,9 @@ def test_a_placed_controller_is_refused_where_it_cannot_work(cluster, tmp_path, 
     # failed at once with Slurm's reason, not left PENDING for the reaper's "never started"
     assert failed["status"] == "FAILED" and failed["failure_code"] == "provider_error", failed
     assert failed["failure_reason"].startswith("its controller could not be placed on Slurm: slurm: sbatch refused")
+    # no controller will read its environment (the state's URL, secrets): the file went with the refusal
+    assert (home / "jobs" / failed["id"] / "slurm" / "controller.sbatch.sh").is_file()
+    assert not (home / "jobs" / failed["id"] / "slurm" / "controller.env").exists()
     proc = sftctl("run", str(_placed_spec(tmp_path, controller="{place: mars}")), "--detach")
     assert proc.returncode == 2 and "controller.place" in proc.stderr and "'slurm'" in proc.stderr, proc.stderr
     assert cluster.jobs() == []
@@ -235,6 +242,50 @@ def test_dry_run_shows_the_controllers_sbatch_script(cluster, tmp_path, home):
     assert cluster.jobs() == []
 
 
+def test_a_controller_placed_on_slurm_leaves_its_state_url_and_secrets_out_of_slurm(cluster, postgres, tmp_path,
+                                                                                      home, monkeypatch):
+    """Issue 40.6: the placed controller's sbatch is --export=NONE; its environment (the state's
+    Postgres URL with its password, the spec's secret, this shell's own variables) travels in a
+    0600 file the batch script reads and deletes. While the job runs and after it ends, no file
+    of slurmctld's StateSaveLocation holds the password, the secret or this shell's marked
+    variable; the controller still has them and the job SUCCEEDS with the secret on its nodes."""
+    from urllib.parse import urlsplit
+
+    from test_provider_slurm import (CONTROLLER_MARK, PLAIN_VALUE, SECRET_VALUE, assert_nodes_got_their_environment,
+                                     assert_slurm_keeps_nothing, held_secret_run, secret_spec)
+
+    password = "pg-pass-40-6-placed"
+    url = postgres.create_database().replace("postgres@", f"postgres:{password}@", 1)
+    assert urlsplit(url).password == password  # trust auth: Postgres never asks for it, sftctl still carries it
+    monkeypatch.setenv("SFTCTL_STATE_URL", url)
+    monkeypatch.setenv("LAB_SECRET_40", SECRET_VALUE)
+    monkeypatch.setenv("SFTCTL_TEST_MARK_40", CONTROLLER_MARK)
+    monkeypatch.setenv("SBATCH_EXPORT", "ALL")  # reaches the controller too: its sbatch's --export=NONE wins
+    release = tmp_path / "release"
+    spec = secret_spec(tmp_path, _placed_spec(tmp_path, extra=held_secret_run(release)).read_text())
+    job = json.loads(sftctl("run", str(spec), "--detach", "--json", check=True).stdout)["job_id"]
+    try:
+        wait_for(lambda: sftctl("logs", job).stdout.count("secret_sha=") == 2, timeout_s=120, what="the nodes to start")
+        forbidden = [password, SECRET_VALUE, PLAIN_VALUE, CONTROLLER_MARK, "SFTCTL_TEST_MARK_40", "LAB_SECRET_40"]
+        envs = assert_slurm_keeps_nothing(cluster, forbidden, jobs=2)  # the controller's and the allocation's
+        names = sorted(e["SLURM_JOB_NAME"] for e in envs.values())
+        assert names == sorted([f"sftctl-{job}", f"sftctl-ctl-{job}"]), names
+        pid = status_json(job)["controller_pid"]
+        environ = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+        assert (environ["SFTCTL_STATE_URL"], environ["LAB_SECRET_40"]) == (url, SECRET_VALUE)
+        assert environ["SFTCTL_HOME"] == str(home) and environ["SFTCTL_TEST_MARK_40"] == CONTROLLER_MARK
+        env_file = home / "jobs" / job / "slurm" / "controller.env"
+        assert not env_file.exists()  # read once by the batch script, then deleted
+        release.touch()
+        wait_for(lambda: status_json(job)["status"] in ("SUCCEEDED", "FAILED", "FAILED_CONTROLLER", "CANCELLED"),
+                 timeout_s=120, what="the job to end")
+        assert status_json(job)["status"] == "SUCCEEDED", status_json(job)
+        assert_nodes_got_their_environment(job)
+        assert_slurm_keeps_nothing(cluster, forbidden, jobs=0)
+    finally:
+        sftctl("down", job)
+
+
 # ------------------------------------------------------------------ controller.place: kubernetes
 
 
@@ -288,7 +339,7 @@ def test_a_controller_placed_on_kubernetes_runs_the_job_to_success(cluster, pg_u
     nothing; the Job's container, run as the kubelet would, drives the job to SUCCEEDED on Slurm
     nodes with no client attached; `down` deletes the Job and its Secret."""
     from sftctl import api
-    from sftctl.controller.submit import controller_install
+    from sftctl.controller.placements.kubernetes import controller_install
     from sftctl.queue import ControllerBusy
 
     job = json.loads(sftctl("run", str(_placed_spec(tmp_path, extra="sleep 2", controller="{place: kubernetes}")),
@@ -403,7 +454,7 @@ def test_the_default_controller_image_gets_sftctl_installed_first(tmp_path):
     sftctl.queue` there and died at its import. Its command now pip-installs sftctl when
     `python` cannot import it, then execs the controller; an image that has it skips the install;
     a failed install is one line and exit 1. Run here with stub `python` and `pip` on PATH."""
-    from sftctl.controller.submit import controller_container_command, controller_install
+    from sftctl.controller.placements.kubernetes import controller_container_command, controller_install
 
     assert controller_container_command("j1", "ghcr.io/lab/sftctl:1")[0] == "python"  # an image of the user's: as is
     cmd = controller_container_command("j1", None)
@@ -441,7 +492,7 @@ def test_dry_run_shows_the_kubernetes_controllers_job(cluster, pg_url, k8s, tmp_
     created. Before, the dry run showed no controller at all."""
     import yaml
 
-    from sftctl.controller.submit import controller_install
+    from sftctl.controller.placements.kubernetes import controller_install
     from sftctl.providers.kubernetes import controller_names
 
     spec = _placed_spec(tmp_path, controller="{place: kubernetes}")

@@ -22,13 +22,13 @@ H = 3600.0
 
 
 def _job(store: Store, name: str, owner: str, spans: list[tuple[float, float | None]], *, spot: bool = False,
-         status: JobStatus = JobStatus.SUCCEEDED, offering: dict = OFFERING) -> str:
+         status: JobStatus = JobStatus.SUCCEEDED, offering: dict = OFFERING, provider: str = "aws") -> str:
     """A job with a plan and nodes billing over ``spans`` (Unix seconds; None: not ended)."""
     job = store.create_job(name, {"name": name, "resources": {"nodes": len(spans), "spot": spot}, "run": "true"},
                            owner=owner)
-    store.update_job(job, provider="aws", offering_json={"offering": offering})
+    store.update_job(job, provider=provider, offering_json={"offering": offering})
     for rank, (start, end) in enumerate(spans):
-        node = store.add_node(job, rank, "aws")
+        node = store.add_node(job, rank, provider)
         if end is not None:
             store.update_node(node, status=NodeState.TERMINATED)
         store._conn.execute("UPDATE nodes SET created_at = ?, ended_at = ? WHERE id = ?", (start, end, node))
@@ -68,6 +68,19 @@ def test_a_live_job_bills_until_now(state_backend):
     assert api.status(job).cost.node_hours >= before  # still counting
 
 
+def test_a_dead_controllers_nodes_bill_until_down_but_local_ones_stop_with_it(state_backend):
+    """A cloud node may outlive its dead controller (billing until sftctl down); a local one is
+    stopped by its guard within seconds, so its hours end with the job."""
+    store = Store()
+    started = time.time() - 0.5 * H
+    cloud = _job(store, "cloud", "alice", [(started, None)], status=JobStatus.FAILED_CONTROLLER)
+    local = _job(store, "local", "alice", [(started, None)], status=JobStatus.FAILED_CONTROLLER, provider="local")
+    for job in (cloud, local):
+        store._conn.execute("UPDATE jobs SET ended_at = ? WHERE id = ?", (started + 0.25 * H, job))
+    assert api.status(local).cost.node_hours == pytest.approx(0.25)
+    assert api.status(cloud).cost.node_hours >= 0.5
+
+
 def test_costs_per_user_and_per_lab_over_a_period(state_backend):
     store = Store()
     _job(store, "a1", "alice", [(T0, T0 + 2 * H)])
@@ -87,8 +100,9 @@ def test_costs_per_user_and_per_lab_over_a_period(state_backend):
     assert api.costs(by="lab", since=T0 + 20 * H) == []
     with pytest.raises(SftctlError, match="by must be 'user' or 'lab'"):
         api.costs(by="team")
-    with pytest.raises(SftctlError, match="is after until"):
+    with pytest.raises(SftctlError, match=r"since \(\d{4}-\d\d-\d\d \d\d:\d\d\) is after until") as e:
         api.costs(since=T0 + H, until=T0)
+    assert "swap them" in e.value.hint
     with pytest.raises(TypeError, match="since must be Unix seconds"):
         api.costs(since="yesterday")
 
@@ -106,3 +120,27 @@ def test_status_json_and_table_show_the_cost(state_backend):
     assert wide[0].split()[-2:] == ["COST", "NOTE"] and "$196.64" in next(x for x in wide if x.startswith(job))
     narrow = sftctl("status", env={**os.environ, "COLUMNS": "60"}, check=True).stdout
     assert "COST" not in narrow.splitlines()[0] and job in narrow  # the first column to go when it does not fit
+
+
+def test_sftctl_costs_prints_per_user_and_lab_and_refuses_bad_periods(state_backend):
+    store = Store()
+    _job(store, "a1", "alice", [(T0, T0 + 2 * H)])
+    _job(store, "b1", "bob", [(T0 + H, T0 + 4 * H), (T0 + H, T0 + 2 * H)])
+    doc = json.loads(sftctl("costs", "--json", check=True).stdout)
+    assert [(c["group"], c["jobs"], c["node_hours"]) for c in doc["costs"]] == \
+        [(c.group, c.jobs, c.node_hours) for c in api.costs()] == [("alice", 1, 2.0), ("bob", 1, 4.0)]
+    lab = json.loads(sftctl("costs", "--by", "lab", "--json", check=True).stdout)["costs"]
+    assert [(c["group"], c["node_hours"]) for c in lab] == [("lab", 6.0)] and lab[0]["usd"] == pytest.approx(6 * 98.32)
+    # 2023-11-15 00:00 UTC is T0 + 6,400 s: the last 800 s of alice's job and of bob's 2nd node
+    since = json.loads(sftctl("costs", "--since", "2023-11-15", "--json", check=True).stdout)["costs"]
+    assert [(c["group"], c["since"]) for c in since] == [("alice", 1_700_006_400.0), ("bob", 1_700_006_400.0)]
+    assert since[0]["node_hours"] == pytest.approx(800 / H)
+    assert since[1]["node_hours"] == pytest.approx((T0 + 4 * H - 1_700_006_400.0 + 800) / H)
+    assert json.loads(sftctl("costs", "--since", "1d", "--json", check=True).stdout) == {"costs": []}
+    table = sftctl("costs", env={**os.environ, "COLUMNS": "120"}, check=True).stdout.splitlines()
+    assert table[0].split() == ["USER", "JOBS", "NODE-HOURS", "USD", "UNPRICED", "JOBS"]
+    assert table[1].split() == ["alice", "1", "2.00", "$196.64"]
+    for args, line in ((["--since", "yesterday"], "error: --since 'yesterday': expected a duration ago (7d, 12h, 30m) "
+                        "or a date (2026-01-31)"), (["--by", "team"], "error: --by 'team': expected user or lab")):
+        proc = sftctl("costs", *args)
+        assert proc.returncode == 2 and proc.stderr.splitlines()[0] == line, proc.stderr

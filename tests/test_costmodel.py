@@ -181,7 +181,7 @@ def test_infeasible_configs_get_inf():
     # 7 stages x (256+256) x 256 x 2 B = 1.8 MB of smem; 256x256 fp32 accumulators over 128
     # threads = 512 registers/thread; 32 warps = 1024 threads is allowed but 32*32 > 1024 is not
     # threads = 512 registers/thread: that spills (slow, finite; H200 runs such configs 5-15x
-    # slower than the best, /work/shared/h200 measurements), it is not infeasible
+    # slower than the best, calibrations/data/h200 measurements), it is not infeasible
     assert np.isinf(t[0]) and np.isfinite(t[2])
     assert np.isfinite(t[1]) and np.isfinite(t[4])
     b = gemm_breakdown(p, H100, {k: int(v[1]) for k, v in cands.items()}, _coeffs(H100))

@@ -120,7 +120,9 @@ def test_search_cached_times_the_models_top_k_only_with_a_timer():
 def test_device_timer_times_the_top_k_on_the_gpu():
     import torch
 
-    t = load_target(be.accelerator_for_device(torch.device("cuda")))
+    from sftctl.compiler.target import Target
+
+    t = Target.for_device(torch.device("cuda"))
     p = GemmProblem(1, 2048, 2048, 2048, "bfloat16")
     timer = be.device_gemm_timer(p, torch.device("cuda"))
     secs = [timer(c.config) for c in top_k_gemm(p, t.hw, t.coeffs, k=3)]

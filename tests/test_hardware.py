@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from sftctl.catalog import Offering, accelerator_names, cloud_offerings, local_offering
-from sftctl.catalog.accelerators import ACCELERATORS_YAML, _number
+from sftctl.catalog.accelerators import ACCELERATORS_YAML, TABLE_FIELDS, _number
 from sftctl.compiler.hardware import (
     Accelerator,
     find_accelerator,
@@ -18,9 +18,9 @@ from sftctl.compiler.hardware import (
     load_accelerators,
 )
 
-REQUIRED = {"H100", "H200", "B200", "A100-40GB", "A100-80GB", "L4", "A10G", "T4", "V100", "MI300X", "cpu"}
+REQUIRED = {"H100", "H200", "B200", "A100-40GB", "A100-80GB", "L4", "A10G", "T4", "V100", "MI300X", "MI355X", "cpu"}
 NUMERIC = [f.name for f in dataclasses.fields(Accelerator)
-           if f.name not in ("name", "vendor", "triton_backend", "triton_arch", "sources")]
+           if f.name not in ("name", "vendor", "triton_backend", "triton_arch", "sources") + TABLE_FIELDS]
 
 
 def raw_entries() -> dict[str, dict]:
@@ -76,6 +76,7 @@ DENSE_16BIT_TFLOPS = {
     "H100": ("bfloat16", 989.4), "H200": ("bfloat16", 989.4), "B200": ("bfloat16", 2250.0), "A100-40GB": ("bfloat16", 312.0),
     "A100-80GB": ("bfloat16", 312.0), "L4": ("bfloat16", 121.0), "A10G": ("bfloat16", 70.0),
     "T4": ("float16", 65.0), "V100": ("float16", 125.0), "MI300X": ("bfloat16", 1307.4),
+    "MI355X": ("bfloat16", 2500.0),
 }
 
 
@@ -207,3 +208,47 @@ def test_one_owner_of_the_facts_and_no_cycle():
             "bad = sorted(m for m in sys.modules if m in ('numpy', 'torch')); assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("name", sorted(REQUIRED))
+def test_every_entry_names_its_measured_tables_and_they_exist(name):
+    """The record names the data that price it (issue 39): each named table exists in its data
+    file, and each one set has a source."""
+    from sftctl.compiler import collectives, gemm_table
+    from sftctl.compiler.accuracy import ACCURACY_DIR
+    from sftctl.compiler.calibrated import CALIBRATION_DIR
+
+    acc = load_accelerators()[name]
+    raw = raw_entries()[name]
+    assert set(TABLE_FIELDS) <= set(raw), f"{name}: every entry writes {TABLE_FIELDS}"
+    for f in TABLE_FIELDS:
+        if raw[f] is not None:
+            assert acc.sources.get(f, "").strip(), f"{name}.{f} has no source"
+    for f in ("gemm_table", "gemm_model"):
+        assert getattr(acc, f) is None or (getattr(acc, f) in gemm_table.tables() and acc.gemm_tiles), (name, f)
+    assert (acc.gemm_model is None) == (name == "cpu")
+    for f in ("collective_link", "pcie_link"):
+        collectives.link(getattr(acc, f))  # KeyError when the link is not in collectives.json
+    for f in ("calibration", "peers"):
+        assert getattr(acc, f) is None or (CALIBRATION_DIR / getattr(acc, f)).exists()
+    assert acc.accuracy and (ACCURACY_DIR / acc.accuracy).exists()
+
+
+def test_an_entry_without_a_table_field_or_its_source_is_refused(tmp_path, monkeypatch):
+    from sftctl.catalog import accelerators
+
+    text = ACCELERATORS_YAML.read_text()
+    for broken, match in ((text.replace("    gemm_tiles: hipblaslt\n", "", 1), r"missing keys \['gemm_tiles'\]"),
+                          (text.replace("    gemm_tiles: hipblaslt\n", "    gemm_tiles: rocblas\n", 1),
+                           "unknown tile set 'rocblas'"),
+                          (text.replace('      die: "ROCm', '      nodie: "ROCm', 1), "MI300X.die: no source")):
+        path = tmp_path / "accelerators.yaml"
+        path.write_text(broken)
+        monkeypatch.setattr(accelerators, "ACCELERATORS_YAML", path)
+        accelerators._document.cache_clear()
+        accelerators.load_accelerators.cache_clear()
+        with pytest.raises(ValueError, match=match):
+            accelerators.load_accelerators()
+    monkeypatch.undo()
+    accelerators._document.cache_clear()
+    accelerators.load_accelerators.cache_clear()

@@ -433,6 +433,7 @@ def fake_nvml(n_gpus=2):
     m.nvmlDeviceGetPowerUsage = lambda h: guard(h) or 650000
     m.nvmlDeviceGetEnforcedPowerLimit = lambda h: guard(h) or 700000
     m.nvmlDeviceGetUtilizationRates = lambda h: guard(h) or types.SimpleNamespace(gpu=99, memory=40)
+    m.nvmlDeviceGetMemoryInfo = lambda h: guard(h) or types.SimpleNamespace(used=70_000 * 2**20 + 5, total=143_771 * 2**20)
 
     def ecc(h, kind, counter):
         guard(h)
@@ -466,8 +467,9 @@ def test_nvml_source_reads_every_gpu():
     s0, s1 = src.sample()
     assert s0 == {"ts": 7.0, "gpu": 0, "uuid": "GPU-0", "clocks_event_reasons": SW_POWER_CAP, "clock_sm_mhz": 1980,
                   "max_clock_sm_mhz": 1980, "temperature_gpu_c": 65, "power_usage_mw": 650000,
-                  "enforced_power_limit_mw": 700000, "utilization_gpu_pct": 99, "ecc_uncorrected_volatile": 0,
-                  "remapped_rows_pending": True, "remapped_rows_failure": False, "xids": [13]}
+                  "enforced_power_limit_mw": 700000, "utilization_gpu_pct": 99, "memory_used_mib": 70_000,
+                  "ecc_uncorrected_volatile": 0, "remapped_rows_pending": True, "remapped_rows_failure": False,
+                  "xids": [13]}
     assert "ecc_uncorrected_volatile" not in s1 and "pcie_replay_counter" not in s1 and s1["xids"] == [79]
     nvml.lost.add(1)
     s0, s1 = src.sample()
@@ -597,6 +599,10 @@ def test_prometheus_render_parses_with_dcgm_names():
             "DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "DCGM_FI_DEV_ROW_REMAP_PENDING",
             "DCGM_FI_DEV_ROW_REMAP_FAILURE"} <= families.keys()
     assert "# HELP DCGM_FI_DEV_SM_CLOCK " in text and "# TYPE DCGM_FI_DEV_SM_CLOCK gauge" in text
+    # written by prometheus-client, whose text names a counter family <name>_total: dcgm's two
+    # counters keep their names, typed untyped (no DCGM_FI_DEV_PCIE_REPLAY_COUNTER_total)
+    assert "# TYPE DCGM_FI_DEV_PCIE_REPLAY_COUNTER untyped" in text and "_total" not in text
+    assert families["DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"].type == "unknown"
 
     def value(name, gpu):
         (s,) = [s for s in families[name].samples if s.labels["gpu"] == str(gpu)]

@@ -152,7 +152,7 @@ def test_primitives_of_representative_programs_are_lowered():
     """Coverage: the primitives a flax.linen CNN (conv, pooling, batch norm, dropout off), a flax
     LSTM over ``nn.RNN`` (a scan) and an optax AdamW step emit, forward and backward; each one has
     a lowering (or is inlined: calls, scan, cond; key-making ones carry no value)."""
-    flax = pytest.importorskip("flax")
+    pytest.importorskip("flax")
     optax = pytest.importorskip("optax", reason="optax is flax's optimizer library")
     from flax import linen as nn
 

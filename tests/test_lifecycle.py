@@ -92,7 +92,7 @@ def test_sigterm_exits_143_and_says_who_sent_it(tmp_path, home):
         try:
             job = wait_for(lambda: (j := [j for j in status_json()["jobs"] if j["id"] not in reasons])
                            and j[0]["status"] == "RUNNING" and j[0]["id"], what="RUNNING")
-            wait_for(lambda: job_processes(job), what="node processes")
+            wait_for(lambda job=job: job_processes(job), what="node processes")
             if how == "kill":
                 proc.send_signal(signal.SIGTERM)
             else:

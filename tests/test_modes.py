@@ -69,7 +69,7 @@ def test_eager_is_one_kernel_per_aten_call(gpt):
         calls = {g.nodes[i].attrs.get("call") for i in k.nodes}
         assert len(calls) == 1  # a kernel never spans two dispatched ops
         per_call.setdefault(calls.pop(), []).append(k)
-    for call, ks in per_call.items():  # one kernel per op, except the norm backwards' CUDA kernels
+    for ks in per_call.values():  # one kernel per op, except the norm backwards' CUDA kernels
         if len(ks) > 1:
             assert g.nodes[ks[0].anchor].attrs["aten"] in modes._MULTI_KERNEL_OPS
     lns = [k for k in eager if g.nodes[k.anchor].attrs["aten"] == "native_layer_norm"]

@@ -20,13 +20,13 @@ import pytest
 
 pytest.importorskip("expecttest", reason="torch's OpInfo database needs expecttest (the test extra)")
 
-import opinfo_harness as harness  # noqa: E402
+import opinfo_harness as harness
 
 #: torch's own OpInfo samples warn about deprecated forms they exercise on purpose
 pytestmark = pytest.mark.filterwarnings("ignore")
 
-#: the Core ATen share the lowering must cover (issue 22's done-when)
-MIN_CORE_PERCENT = 95.0
+#: the Core ATen share the lowering must cover (issue 22's done-when was 95 %, issue 43's 99 %)
+MIN_CORE_PERCENT = 99.0
 
 
 def test_core_aten_coverage_is_at_least_95_percent():

@@ -9,7 +9,7 @@ import pytest
 
 from sftctl.catalog import accelerator_names
 from sftctl.compiler import accuracy
-from sftctl.types import Offering, PlanChoice
+from sftctl.types import FailureCode, FailureReason, Offering, PlanChoice
 
 
 def test_every_catalog_accelerator_has_a_calibration_file():
@@ -45,23 +45,53 @@ def _choice(acc: str, count: int, step: float, usd_h: float) -> PlanChoice:
                                **_calibration(acc, step))
 
 
-def test_ranking_says_when_intervals_overlap():
+def test_the_pick_says_when_its_cost_interval_overlaps_the_runner_up():
+    """One line, on the top row only: the pick against the best row of another accelerator or
+    node shape (issue 35 item 6; issue 37: one note, not one per overlapping pair)."""
     from sftctl.planner import _ranking_notes
 
-    h200 = _choice("H200", 8, 10e-3, 60.0)      # cost 0.167, interval x/1.15
-    h100 = _choice("H100", 8, 11e-3, 56.0)      # cost 0.171: within H200's error
+    h200 = _choice("H200", 8, 10e-3, 60.0)      # cost 0.1667, interval x/1.15
+    h100 = _choice("H100", 8, 11e-3, 56.0)      # cost 0.1711: within H200's error
+    h200_r2 = dataclasses.replace(h200, offering=dataclasses.replace(h200.offering, region="r2"), usd_per_hour=61.0,
+                                  total_usd=h200.total_usd * 61 / 60)  # the same shape: not the runner-up
     l4 = _choice("L4", 1, 2.0, 0.8)             # cost 0.444: 2.7x more, outside both
-    ranked = _ranking_notes([h200, h100, dataclasses.replace(h100, offering=dataclasses.replace(
-        h100.offering, region="r2")), l4], "cost")
-    assert ranked[0].ranking_note is None
-    assert "overlaps #1 (H200:8)" in ranked[1].ranking_note
-    assert ranked[2].ranking_note is None  # the same pair is said once
-    assert ranked[3].ranking_note is None or "L4" not in ranked[3].ranking_note
-    d = ranked[1].to_dict()
-    f = accuracy.accuracy("H100")["error"]
-    assert d["calibration"]["calibrated"] and d["calibration"]["error"] == pytest.approx(f)
-    assert d["step_time_interval_s"] == pytest.approx([11e-3 / f, 11e-3 * f])
-    assert PlanChoice.from_dict(d).ranking_note == ranked[1].ranking_note
+    ranked = _ranking_notes([h200, h200_r2, h100, l4], "cost")
+    note = ranked[0].ranking_note
+    fh200, fh100 = accuracy.accuracy("H200")["error"], accuracy.accuracy("H100")["error"]
+    c1, c3 = h200.total_usd, h100.total_usd
+    assert note == (f"may not be the cheapest: #3 H100:8 is {c3 / c1 - 1:.1%} more (${c3:.3g} vs ${c1:.3g}), "
+                    f"within the error (${c3 / fh100:.3g}-{c3 * fh100:.3g} vs ${c1 / fh200:.3g}-{c1 * fh200:.3g}); "
+                    f"per step: H200:8 ${60 * 10e-3 / 3600:.3g}, H100:8 ${56 * 11e-3 / 3600:.3g}")
+    assert note.startswith("may not be the cheapest: #3 H100:8 is 2.7% more ($0.171 vs $0.167), within the error ($0.1")
+    assert [c.ranking_note for c in ranked[1:]] == [None, None, None]  # one line per plan
+    d = ranked[0].to_dict()
+    assert d["ranking_note"] == note and PlanChoice.from_dict(d).ranking_note == note
+    assert d["calibration"]["calibrated"] and d["calibration"]["error"] == pytest.approx(fh200)
+    assert d["step_time_interval_s"] == pytest.approx([10e-3 / fh200, 10e-3 * fh200])
+    # apart: no note
+    assert [c.ranking_note for c in _ranking_notes([h200, l4], "cost")] == [None, None]
+    # objective time: the step-time intervals
+    note = _ranking_notes([h200, h100], "time")[0].ranking_note
+    assert note == (f"may not be the fastest: #2 H100:8 is 10.0% slower (11.0 ms vs 10.0 ms), within the error "
+                    f"({11 / fh100:.1f} ms-{11 * fh100:.1f} ms vs {10 / fh200:.1f} ms-{10 * fh200:.1f} ms); "
+                    f"per step: H200:8 ${60 * 10e-3 / 3600:.3g}, H100:8 ${56 * 11e-3 / 3600:.3g}")
+    # an infeasible top row picks nothing: no note
+    rejected = dataclasses.replace(h200, rejected=FailureReason(FailureCode.NO_CAPACITY, "full"))
+    assert _ranking_notes([rejected, h100], "cost")[0].ranking_note is None
+
+
+def test_plan_table_has_one_footnote_for_the_pick():
+    from rich.console import Console
+
+    from sftctl.planner import _ranking_notes
+    from sftctl.ui import plan_table
+
+    h200, h100 = _choice("H200", 8, 10e-3, 60.0), _choice("H100", 8, 11e-3, 56.0)
+    a100 = _choice("A100-80GB", 8, 22e-3, 29.0)  # overlaps H100, which is not the pick: no line
+    console = Console(width=250, record=True)
+    console.print(plan_table(_ranking_notes([h200, h100, a100], "cost"), 1000))
+    lines = [ln.strip() for ln in console.export_text().splitlines() if "may not be" in ln or "overlap" in ln]
+    assert len(lines) == 1 and lines[0].startswith("#1: may not be the cheapest: #2 H100:8 is 2.7% more")
 
 
 def test_plan_table_marks_uncalibrated_and_shows_the_range():

@@ -276,6 +276,16 @@ def test_delete_is_idempotent(aws, job, ami):
     p.terminate_tagged(job)
 
 
+def test_a_batch_with_an_instance_already_gone_terminates_the_rest(aws, job, ami):
+    """TerminateInstances refuses a whole batch when one id is gone; the instances are then
+    terminated one by one (the fallback once handed delete_instance a dict: AttributeError)."""
+    p = provider()
+    h = p.provision(job, "n0", 0, offering("g6.xlarge"), image=ami)
+    p._terminate_ids(REGION, [h.id, "i-0123456789abcdef0"])
+    assert provider().describe(h) == InstanceState.GONE
+    p.terminate_tagged(job)
+
+
 def test_describe_calls_are_coalesced(proxy, job, ami):
     """Nodes polled together share DescribeInstances calls (EC2 throttles Describe* per account)."""
     p = provider(poll_s=1.0)

@@ -15,13 +15,13 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gce_emulator import GCEEmulator  # noqa: E402
+from gce_emulator import GCEEmulator
 
-from sftctl.catalog import Offering  # noqa: E402
-from sftctl.errors import CapacityError, CredentialsError, ExitCode, ProviderError  # noqa: E402
-from sftctl.providers.base import NodeState, provision_all  # noqa: E402
-from sftctl.providers.cloud import InstanceRequest, InstanceState, labels  # noqa: E402
-from sftctl.providers.gcp import GCPProvider, instance_name, split_instance_type  # noqa: E402
+from sftctl.catalog import Offering
+from sftctl.errors import CapacityError, CredentialsError, ExitCode, ProviderError
+from sftctl.providers.base import NodeState, provision_all
+from sftctl.providers.cloud import InstanceRequest, InstanceState, labels
+from sftctl.providers.gcp import GCPProvider, instance_name, split_instance_type
 
 ZONES = ["us-central1-a", "us-central1-b", "us-central1-c", "us-central1-f"]  # us-central1-d is DOWN
 

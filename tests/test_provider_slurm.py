@@ -602,6 +602,108 @@ def test_a_killed_controllers_allocation_ends_by_itself_and_forgets_its_secrets(
         assert ended_after >= grace - 1, ended_after
         assert [p for p in envs if p.exists()] == []
         out = "".join(p.read_text() for p in (home / "jobs" / job / "slurm").glob("slurm-*.out"))
-        assert f"it is gone; Slurm job " in out and "cancels itself" in out, out
+        assert "it is gone; Slurm job " in out and "cancels itself" in out, out
+    finally:
+        sftctl("down", job)
+
+
+# -------------------------------------------------------------------- Slurm keeps no environment (issue 40.6)
+
+SECRET_VALUE = "s3cr3t-40-6-never-in-slurm"
+PLAIN_VALUE = "plain-distinct-40-6-value"
+CONTROLLER_MARK = "controller-env-mark-40-6"
+
+
+def slurm_saved_files(cluster: SlurmCluster) -> dict[Path, bytes]:
+    """Every file under the cluster's StateSaveLocation as it is now: slurmctld's saved state,
+    each job's ``hash.N/job.M/environment`` (sbatch's environment) and ``script`` among them."""
+    out = {}
+    for p in sorted((cluster.root / "state").rglob("*")):
+        try:
+            if p.is_file():
+                out[p] = p.read_bytes()
+        except OSError:  # slurmctld removed it between the listing and the read
+            pass
+    return out
+
+
+def saved_environment(data: bytes) -> dict[str, str]:
+    """A ``hash.N/job.M/environment`` file (a count, then that many NUL-ended ``NAME=value``)."""
+    count = int.from_bytes(data[:4], sys.byteorder)
+    entries = data[4:].split(b"\0")[:count]
+    assert len(entries) == count and all(b"=" in e for e in entries), data[:200]
+    return dict(e.decode(errors="replace").split("=", 1) for e in entries)
+
+
+def assert_slurm_keeps_nothing(cluster: SlurmCluster, secrets: list[str], jobs: int = 1) -> dict[Path, dict]:
+    """Nothing under StateSaveLocation holds any of ``secrets`` (nor the controller's marked
+    environment); each saved job environment (``jobs`` of them at least, when asked) holds
+    only Slurm's own variables. Returns {path: saved environment}."""
+    files = slurm_saved_files(cluster)
+    for path, data in files.items():
+        for s in secrets:
+            assert s.encode() not in data, f"{s!r} is in slurmctld's {path.relative_to(cluster.root)}"
+    envs = {p: saved_environment(d) for p, d in files.items() if p.name == "environment"}
+    assert len(envs) >= jobs, sorted(str(p) for p in files)
+    for path, env in envs.items():  # SLURM_*, and SLURMD_NODENAME from a controller that runs in Slurm
+        assert [k for k in env if not k.startswith(("SLURM_", "SLURMD_"))] == [], (path, sorted(env))
+        assert env.get("SLURM_EXPORT_ENV") == "NONE", (path, env)
+    return envs
+
+
+SECRET_RUN = ('echo "secret_sha=$(printf %s "$TOKEN" | sha256sum | cut -c1-16) '
+              'lab_sha=$(printf %s "$LAB_SECRET_40" | sha256sum | cut -c1-16) plain=$PLAIN path_ok=$(command -v bash)"; sleep 6')
+
+
+def held_secret_run(release: Path) -> str:
+    """:data:`SECRET_RUN` whose nodes hold their allocation until ``release`` exists (at most
+    2 minutes), so a test can read Slurm's saved state while the job runs: a fixed sleep ended
+    first on a loaded machine, where `sftctl logs` over ssh took longer than the nodes' 6 s."""
+    return SECRET_RUN.replace("sleep 6", f"for i in $(seq 480); do [ -e {release} ] && break; sleep 0.25; done")
+
+
+def secret_spec(tmp_path: Path, text: str) -> Path:
+    """``text`` (a shell spec) with a secret (``secrets:`` and an ``env:`` value referring to it)
+    and a distinctive plain ``env:`` value."""
+    return write_spec(tmp_path / "secret.yaml", text.replace(
+        "health:", f'secrets: [LAB_SECRET_40]\nenv: {{TOKEN: "${{LAB_SECRET_40}}", PLAIN: {PLAIN_VALUE}}}\nhealth:'))
+
+
+def assert_nodes_got_their_environment(job: str) -> None:
+    import hashlib
+
+    sha = hashlib.sha256(SECRET_VALUE.encode()).hexdigest()[:16]
+    lines = [line for line in sftctl("logs", job, check=True).stdout.splitlines() if "secret_sha=" in line]
+    assert len(lines) == 2, lines
+    assert all(f"secret_sha={sha} lab_sha={sha} plain={PLAIN_VALUE} path_ok=/" in line for line in lines), lines
+
+
+@pytest.mark.parametrize("via", ["login node", "ssh"])
+def test_slurm_saves_no_secret_and_not_the_controllers_environment(cluster, tmp_path, home, monkeypatch, request, via):
+    """Issue 40.6: every sbatch is --export=NONE; the job's variables reach the nodes through
+    the 0600 env file only. While the job runs and after it ends, no file of slurmctld's
+    StateSaveLocation holds the secret, the spec's plain env value or the controller's own
+    environment, and each saved job environment has Slurm's variables only; the job SUCCEEDS
+    with the secret, the plain value and a PATH on every node."""
+    if via == "ssh":
+        request.getfixturevalue("login_node")
+    monkeypatch.setenv("LAB_SECRET_40", SECRET_VALUE)
+    monkeypatch.setenv("SFTCTL_TEST_MARK_40", CONTROLLER_MARK)  # in the controller's environment only
+    monkeypatch.setenv("SBATCH_EXPORT", "ALL")  # sbatch's own variable would beat an #SBATCH line, not the flag
+    release = tmp_path / "release"
+    spec = secret_spec(tmp_path, shell_spec(tmp_path, extra=held_secret_run(release)).read_text())
+    job = json.loads(sftctl("run", str(spec), "--detach", "--json", check=True).stdout)["job_id"]
+    try:
+        wait_for(lambda: sftctl("logs", job).stdout.count("secret_sha=") == 2, timeout_s=90, what="the nodes to start")
+        assert len(cluster.jobs()) == 1
+        forbidden = [SECRET_VALUE, PLAIN_VALUE, CONTROLLER_MARK, "SFTCTL_TEST_MARK_40", "LAB_SECRET_40"]
+        [env] = assert_slurm_keeps_nothing(cluster, forbidden).values()  # the running allocation's
+        assert env["SLURM_JOB_NAME"] == f"sftctl-{job}"
+        release.touch()
+        wait_for(lambda: status_json(job)["status"] in ("SUCCEEDED", "FAILED", "FAILED_CONTROLLER", "CANCELLED"),
+                 timeout_s=120, what="the job to end")
+        assert status_json(job)["status"] == "SUCCEEDED", status_json(job)
+        assert_nodes_got_their_environment(job)
+        assert_slurm_keeps_nothing(cluster, forbidden, jobs=0)
     finally:
         sftctl("down", job)

@@ -37,6 +37,18 @@ def test_quickstart_attached(home):
     doc = json.loads(proc.stdout)
     assert_trained(doc, home)
     assert "first loss" in proc.stderr and "(node 0)" in proc.stderr and "(node 1)" in proc.stderr
+    assert_clean_end(proc.stderr)
+
+
+def assert_clean_end(terminal: str) -> None:
+    """Issue 37.5: the end of a 2-node run shows no C++ stack trace of c10d's store (``frame #``)
+    and no torchrun warnings (``[W``, ``[c10d]``) on the terminal; the node logs keep them."""
+    import re
+
+    lines = [re.sub(r"^\(node \d+\) ", "", ln) for ln in terminal.splitlines()]
+    noise = [ln for ln in lines if ln.startswith(("frame #", "[W", "[c10d]")) or "RendezvousConnectionError" in ln
+             or "recvVector failed" in ln]
+    assert noise == [], "\n".join(noise[:20])
 
 
 def test_quickstart_detached(home):

@@ -26,7 +26,7 @@ def test_a_job_larger_than_this_machine_is_refused_at_submit(tmp_path, home):
     assert took < 2 * deadline(1.0), took
     cores = os.cpu_count() or 1
     assert e.value.exit_code == 3
-    assert f"local: 10000 node(s) x 1 CPU need 10000 CPUs; this machine has {cores} cores" in e.value.message
+    assert f"local: 10000 node(s) x 1 CPU need 10000 CPUs; this machine has {cores} CPU cores, " in e.value.message
     assert "lower resources.nodes" in e.value.hint
     assert api.status() == [] and not (home / "jobs").exists()
 

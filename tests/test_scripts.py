@@ -229,7 +229,8 @@ def test_output_catalog_footnotes_no_padding_no_tok_s_and_orphans_scope(home, tm
         assert all(len(line) <= int(width) for line in lines)
         if width == "80":  # the longest GCP region names leave no room for SRC: REGION and price stay
             assert table[0].split()[-2:] == ["REGION", "$/H"], lines
-            assert all(re.search(r" \d+\.\d{3}$", line) for line in table[1:]), lines
+            # a price much older than its instance type's newest carries the catalog's "!" mark
+            assert all(re.search(r" \d+\.\d{3}( !)?$", line) for line in table[1:]), lines
             continue
         assert table[0].split()[-1] == "SRC" and all(re.search(r" \[\d+\]$", line) for line in table[1:]), lines
         assert any(line.startswith("[1] ") for line in lines[n + 1:]) and table[1].endswith("[1]")
@@ -327,3 +328,42 @@ def test_plans_error_line_stays_short(tmp_path, home):
     (line,) = [line for line in sftctl("plan", str(spec)).stderr.splitlines() if line.startswith("error:")]
     # grouped by cause with counts (the counts follow the catalog snapshot)
     assert re.search(r"\(\d+ x (aws|gcp) is not in resources\.clouds; \d+ x (gcp|aws) is not in resources\.clouds\)$", line), line
+
+
+C10D_END = """\
+W1206 17:36:49.021000 11577 torch/distributed/run.py:865] node_rank is only used for static rdzv_backend.
+step 30/30 loss 2.0
+[W1206 17:37:18.598372821 TCPStore.cpp:115] [c10d] recvVector failed on SocketImpl(fd=4): Failed to recv, got 0 bytes.
+Exception raised from recvBytes at /__w/pytorch/pytorch/torch/csrc/distributed/c10d/Utils.hpp:787 (most recent call first):
+frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x9d (0x7f5e1ff79b8d in libc10.so)
+frame #7: <unknown function> + 0x3d2825 (0x7f5e203d2825 in libtorch_python.so)
+<omitting python frames>
+frame #27: _start + 0x21 (0x558f8c2d4081 in python3)
+
+W1206 17:37:18.040000 11577 torch/distributed/elastic/rendezvous/dynamic_rendezvous.py:1298] The node failed to shutdown the rendezvous due to an error of type RendezvousConnectionError.
+[c10d] The client socket has failed to connect
+E1206 17:37:19.000000 11577 torch/distributed/elastic/multiprocessing/api.py:869] failed (exitcode: 1)
+done
+"""
+
+
+def test_attached_view_leaves_out_c10d_stack_traces_at_the_end(home):
+    """Issue 37.5: c10d's C++ warning and stack trace and torch.distributed's warning lines at a
+    multi-node run's clean end stay in the node log; error lines and the script's own are shown;
+    ``raw`` (sftctl --debug run) shows every line."""
+    import io
+
+    from rich.console import Console
+
+    from sftctl.ui import RunView
+
+    def shown(raw: bool) -> list[str]:
+        buf = io.StringIO()
+        with RunView(Console(file=buf, width=400, force_terminal=False), 30, raw=raw) as view:
+            view.log(1, C10D_END[:333])
+            view.log(1, C10D_END[333:])
+        return [ln.removeprefix("(node 1) ") for ln in buf.getvalue().splitlines() if ln.startswith("(node 1)")]
+
+    assert shown(False) == ["step 30/30 loss 2.0", "E1206 17:37:19.000000 11577 torch/distributed/elastic/"
+                            "multiprocessing/api.py:869] failed (exitcode: 1)", "done"]
+    assert shown(True) == C10D_END.splitlines()

@@ -355,9 +355,45 @@ def test_ctrl_c_of_an_attached_run_leaves_the_job_to_the_server(server, tmp_path
     # the message carries the client's stderr and the server log's tail now
     seen = f"client stderr:\n{err}\nserver log:\n{server.log.read_text()[-3000:]}"
     assert client.returncode == 130 and "Traceback" not in err, seen
-    assert f"error: interrupted: job {job} goes on, supervised by the server" in err, seen
+    # the good outcome said plainly, not as an error (issue 37)
+    assert f"{job} goes on, supervised by the server: sftctl logs -f {job} watches it again" in err, seen
+    assert "error:" not in err, seen
     assert api.status(job).status.value == "RUNNING"
     assert api.down(job)[0].status == "CANCELLED"
+
+
+STEPPER = """\
+import time
+from sftctl.train import report
+for step in range(1, 13):
+    report(step=step, loss=1.0 / step)
+    time.sleep(0.4)
+print("stepper done", flush=True)
+"""
+
+
+def test_an_attached_run_through_the_server_shows_status_steps_and_loss(server, tmp_path, monkeypatch):
+    """``sftctl run`` attached through a server reports as a local attached run: the status
+    lines, the bar at the last step with its loss, and the loss summary (issue 37: the bar stayed
+    at ``pending 0/12 loss -`` after SUCCEEDED; only log lines came through)."""
+    t = tokens("alice")
+    as_user(monkeypatch, server, t["alice"])
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "stepper.py").write_text(STEPPER)
+    spec = tmp_path / "work" / "stepper.yaml"
+    spec.write_text("name: stepper\nresources: {nodes: 1}\ntrain: {steps: 12}\nrun: python stepper.py\n")
+    proc = sftctl("run", str(spec), env={**os.environ, "COLUMNS": "120"})
+    seen = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}\nserver log:\n{server.log.read_text()[-3000:]}"
+    assert proc.returncode == 0 and no_traceback(proc), seen
+    out = proc.stdout.splitlines()
+    assert "(node 0) stepper done" in out, seen
+    events = [ln[2:] for ln in out if ln.startswith("▸ ")]
+    assert "PROVISIONING" in events and "RUNNING" in events and "SUCCEEDED" in events, seen
+    assert events.index("PROVISIONING") < events.index("RUNNING") < events.index("SUCCEEDED"), seen
+    [bar] = [ln for ln in out if "12/12" in ln]
+    assert bar.split()[0] == "succeeded" and "loss 0.0833" in bar, seen
+    [summary] = [ln for ln in out if ln.endswith("(mean over ranks)")]
+    assert " SUCCEEDED in " in summary and summary.endswith(", loss 1.0000 -> 0.0833 (mean over ranks)"), seen
 
 
 def test_a_port_in_use_is_one_line(server):
@@ -366,28 +402,33 @@ def test_a_port_in_use_is_one_line(server):
     assert proc.stderr.startswith(f"error: sftctl server: cannot listen on 127.0.0.1:{server.port}: ")
 
 
-def test_secrets_travel_by_name_the_server_holds_their_values(home, tmp_path, monkeypatch):
-    """A spec's ``secrets:`` name a variable; the node gets the server's value of it, never the
-    client's (which the request does not carry); one the server lacks is refused, exit 2."""
+def test_secrets_travel_by_name_the_owners_store_holds_their_values(home, tmp_path, monkeypatch):
+    """A spec's ``secrets:`` name a variable; the node gets its owner's stored value of it
+    (``sftctl secret set``), never the server's environment's nor the client's (which the request
+    does not carry); one the owner has not set is refused, exit 2 (issue 40: was the server's
+    environment for every user)."""
     server = Server(home, tmp_path / "server.log", env={"LAB_TOKEN": "the-servers-value"}).start()
     try:
+        from sftctl import api
+
         t = tokens("alice")
         as_user(monkeypatch, server, t["alice"])
-        monkeypatch.setenv("LAB_TOKEN", "alices-own-value")
-        spec = tmp_path / "secret.yaml"
+        monkeypatch.setenv("LAB_TOKEN", "alices-shell-value")
+        api.secret_set("LAB_TOKEN", "alices-stored-value")
+        (tmp_path / "work").mkdir()
+        spec = tmp_path / "work" / "secret.yaml"
         spec.write_text('name: secret\nsecrets: [LAB_TOKEN]\nresources: {nodes: 1}\n'
                         'run: \'echo "token=$LAB_TOKEN"\'\n')
         proc = sftctl("run", str(spec), "--json")
         assert proc.returncode == 0, proc.stderr
-        from sftctl import api
-
         job = json.loads(proc.stdout)["id"]
-        assert [line.text for line in api.logs(job) if line.text.startswith("token=")] == ["token=the-servers-value"]
+        assert [line.text for line in api.logs(job) if line.text.startswith("token=")] == ["token=alices-stored-value"]
         spec.write_text(spec.read_text().replace("LAB_TOKEN]", "LAB_TOKEN, NOT_ON_THE_SERVER]"))
         monkeypatch.setenv("NOT_ON_THE_SERVER", "x")
         proc = sftctl("run", str(spec), "--detach")
         assert proc.returncode == 2 and no_traceback(proc)
-        assert f"error: {spec}: secrets: NOT_ON_THE_SERVER not set in the server's environment" in proc.stderr
+        assert (f"error: {spec}: secrets: NOT_ON_THE_SERVER is not one of alice's secrets on this server "
+                "(nor the lab's)") in proc.stderr
     finally:
         server.stop()
 
@@ -475,3 +516,57 @@ def test_two_servers_on_one_postgres_one_controller_per_job(postgres, pg_url, ho
     finally:
         b.stop()
         a.stop()
+
+
+def test_labels_and_overrides_travel_through_the_server(server, tmp_path, monkeypatch):
+    """A sweep through a server (issue 37.7): --label and --set reach the server in the spec's
+    request; status filters by label and shows the overrides of one job."""
+    t = tokens("alice")
+    as_user(monkeypatch, server, t["alice"])
+    spec = tmp_path / "echo.yaml"
+    spec.write_text("name: echo\nresources: {nodes: 1}\nlabels: {team: nlp}\nrun: echo hi\n")
+    ids = [json.loads(sftctl("run", str(spec), "--detach", "--json", "--set", f"name=lr-{lr}", "--label", f"lr={lr}",
+                             check=True).stdout)["job_id"] for lr in ("0.1", "0.2")]
+    sftctl("wait", *ids, check=True)
+    only = json.loads(sftctl("status", "--label", "lr=0.2", "--json", check=True).stdout)["jobs"]
+    assert [(j["id"], j["labels"]) for j in only] == [(ids[1], {"team": "nlp", "lr": "0.2"})]
+    one = json.loads(sftctl("status", ids[0], "--json", check=True).stdout)
+    assert one["overrides"] == ["name=lr-0.1", "labels.lr=0.1"] and one["labels"] == {"team": "nlp", "lr": "0.1"}
+
+
+def test_the_api_answers_an_unknown_route_in_its_own_error_document(server):
+    """A client of another version calling a route this server lacks gets the API's error
+    document (one line and a hint, as every /v1 error), not FastAPI's ``{"detail": "Not Found"}``."""
+    import httpx
+
+    token = tokens("alice")["alice"]
+    headers = {"Authorization": f"Bearer {token}"}
+    r = httpx.get(f"{server.url}/v1/jobs-of-the-future", headers=headers, timeout=30)
+    assert r.status_code == 404
+    assert r.json() == {"error": "no such route: GET /v1/jobs-of-the-future",
+                        "hint": "sftctl and the server may be different versions (sftctl --version; "
+                                "GET /v1/health gives the server's)", "exit_code": 2, "kind": "SftctlError"}
+    r = httpx.delete(f"{server.url}/v1/health", headers=headers, timeout=30)
+    assert r.status_code == 405 and r.json()["error"] == "method not allowed on: DELETE /v1/health"
+    assert httpx.get(f"{server.url}/v1/nope", timeout=30).status_code == 401  # the token still first
+
+
+def test_a_postgres_outage_is_one_line_in_the_servers_log_not_a_traceback_per_round(postgres, pg_url, home,
+                                                                                   tmp_path):
+    """Postgres stopped under a running server for two reconcile rounds (10 s each): the log
+    says so once and once that it is back; before, every round logged a traceback."""
+    log = tmp_path / "server.log"
+    server = Server(home, log).start()
+    try:
+        postgres.stop()
+        try:
+            time.sleep(25)
+        finally:
+            postgres.start()
+        wait_for(lambda: "reconcile resumed" in log.read_text(), timeout_s=90, what="the server to reconcile again")
+    finally:
+        server.stop()
+    text = log.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    assert text.count("reconcile paused: ") == 1 and "cannot connect to the state database" in text, text[-3000:]
+    assert text.count("reconcile resumed: the state database answers again") == 1

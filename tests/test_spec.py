@@ -176,8 +176,8 @@ def test_random_documents_never_crash(tmp_path_factory, doc):
     path.write_text(yaml.safe_dump(doc))
     try:
         load_spec(path, environ={"HOME": "/h"})
-    except SftctlError as e:
-        assert e.message and "\n" not in e.message
+    except SftctlError as e:  # one line per problem (issue 37.9: every problem at once), each at its place
+        assert e.message and all(line.startswith((str(path), "--set ", "... and ")) for line in e.message.splitlines())
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -187,8 +187,8 @@ def test_random_text_never_crashes(tmp_path_factory, text):
     path.write_text(text)
     try:
         load_spec(path, environ={})
-    except SftctlError as e:
-        assert e.message and "\n" not in e.message
+    except SftctlError as e:  # one line per problem (issue 37.9: every problem at once), each at its place
+        assert e.message and all(line.startswith((str(path), "--set ", "... and ")) for line in e.message.splitlines())
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -203,8 +203,8 @@ def test_random_overrides_never_crash(tmp_path_factory, key, value):
     path.write_text("name: demo\nrun: echo\nresources:\n  accelerators: [cpu]\n")
     try:
         load_spec(path, [f"{key}={value}"], environ={})
-    except SftctlError as e:
-        assert e.message and "\n" not in e.message
+    except SftctlError as e:  # one line per problem (issue 37.9: every problem at once), each at its place
+        assert e.message and all(line.startswith((str(path), "--set ", "... and ")) for line in e.message.splitlines())
 
 
 @pytest.mark.parametrize("override", ["²=1", "resources.accelerators.²=cpu", "resources.accelerators=[cpu:²]"])
@@ -276,6 +276,17 @@ def test_numbers_elsewhere_follow_yaml_1_2(tmp_path, text, expected):
         assert "train.steps" in err(tmp_path, "name: demo\nrun: echo\n", [f"train.steps={text}"])
 
 
+def test_an_env_value_longer_than_linux_allows_is_refused_naming_it(tmp_path):
+    """One NAME=value over 128 KiB makes the node's exec fail (E2BIG): said at load, naming it."""
+    from sftctl.spec import ENV_ENTRY_MAX_BYTES
+
+    fits = "x" * (ENV_ENTRY_MAX_BYTES - len("BIG="))
+    path = write_spec(tmp_path / "job.yaml", "name: demo\nrun: echo\n")
+    assert load_spec(path, [f"env.BIG={fits}"], environ={}).env["BIG"] == fits
+    message = err(tmp_path, "name: demo\nrun: echo\n", [f"env.BIG={fits}y"])
+    assert "BIG: 131,068 bytes is more than one environment variable holds" in message and "file" in message
+
+
 def test_env_references_are_checked_after_set(tmp_path):
     """A `${VAR}` given by --set env.X is checked like the file's: unset, one line naming it."""
     msg = err(tmp_path, "name: demo\nrun: echo\n", ["env.T=${SFTCTL_T_NOPE}"])
@@ -299,3 +310,32 @@ def test_counts_have_upper_bounds_named_at_their_line(tmp_path, field, text, lim
     assert msg.startswith(f"job.yaml:{line}: {field}: Input should be less than or equal to {limit} (got "), msg
     at_limit = text.replace(text.split(": ")[-1].strip().strip("[]").split(":")[-1], str(limit))
     assert load_spec(write_spec(tmp_path / "ok.yaml", f"name: demo\nworkdir: {REPO}\n{at_limit}run: echo\n"))
+
+
+def test_every_problem_of_a_spec_at_once_each_at_its_line(tmp_path):
+    """Issue 37.9: a spec with several problems says all of them, each with its line, not the
+    first and "(and 2 more problems)"; a top-level ``steps:`` points at ``train.steps``."""
+    spec = write_spec(tmp_path / "bad.yaml", "name: bad\nsteps: 3\nresources:\n  nodes: x\n  acelerators: [cpu:1]\nrun: echo\n")
+    with pytest.raises(SpecError) as e:
+        load_spec(spec)
+    lines = e.value.message.splitlines()
+    assert lines == [f"{spec}:2: steps: unknown field; did you mean 'train.steps'?",
+                     f"{spec}:4: resources.nodes: Input should be a valid integer (got 'x')",
+                     f"{spec}:5: resources.acelerators: unknown field; did you mean 'accelerators'?"], lines
+    many = write_spec(tmp_path / "many.yaml", "name: m\nrun: echo\n" + "".join(f"x{i}: 1\n" for i in range(40)))
+    with pytest.raises(SpecError) as e:
+        load_spec(many)
+    lines = e.value.message.splitlines()
+    assert len(lines) == 20 and lines[-1] == "... and 21 more problems", lines
+    assert lines[0] == f"{many}:3: x0: unknown field"
+
+
+def test_a_local_request_larger_than_the_machine_names_its_size(tmp_path, home):
+    import os
+
+    cores = os.cpu_count()
+    spec = write_spec(tmp_path / "big.yaml", f"name: big\nresources: {{accelerators: ['cpu:{cores + 1}'], clouds: [local]}}\nrun: echo\n")
+    proc = sftctl("plan", str(spec))
+    assert proc.returncode == 3 and no_traceback(proc), proc.stderr
+    assert f"cpu:{cores + 1} is more than this machine has: {cores} CPU cores, " in proc.stderr, proc.stderr
+    assert " GiB memory" in proc.stderr and "no provider offers it" not in proc.stderr, proc.stderr

@@ -13,8 +13,10 @@ from test_planner import ALL_USABLE, fixed_predictor
 
 
 def _spec(tmp_path, resources: str, steps: int = 36000, interval: int = 600):
+    # no preflight: its stated minutes would move the hours these figures are made of
     return load_spec(write_spec(tmp_path / "job.yaml", f"name: job\ntrain: {{steps: {steps}, checkpoint_interval: "
-                                                       f"{interval}}}\nresources: {resources}\nrun: echo\n"))
+                                                       f"{interval}}}\nresources: {resources}\n"
+                                                       "health: {preflight: 'off'}\nrun: echo\n"))
 
 
 def test_spot_cost_includes_the_expected_loss_per_preemption(tmp_path):

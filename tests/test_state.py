@@ -257,8 +257,9 @@ def test_a_state_db_of_the_previous_sftctl_migrates_forward(home):
     shutil.copy(os.path.join(FIXTURES, "state-v3.db"), home / "state.db")
     assert sqlite3.connect(home / "state.db").execute("PRAGMA user_version").fetchone()[0] == 3
     store = Store()
-    assert store.schema_version == SCHEMA_VERSION == 8
-    assert sqlite3.connect(home / "state.db").execute("SELECT version FROM schema_version").fetchall() == [(8,)]
+    assert store.schema_version == SCHEMA_VERSION  # every migration appended since, whatever their number
+    assert sqlite3.connect(home / "state.db").execute("SELECT version FROM schema_version").fetchall() == [
+        (SCHEMA_VERSION,)]
     (job,) = store.list_jobs()
     assert (job.id, job.status, job.failure_code, job.owner) == ("old-0e0435", "FAILED", "exit", os_user())
     assert job.offering.instance_type == "p5.48xlarge"
@@ -353,6 +354,56 @@ def test_users_tokens_are_stored_hashed(state_backend):
     assert all(alice not in str(v) and root not in str(v) for r in rows for v in dict(r).values())
 
 
+def test_tokens_expire_rotate_and_users_are_removed_with_an_audit(state_backend):
+    """A token's expiry is kept and read back; rotation replaces the hash (the old token finds
+    nobody); removal forgets the user; each admin action is an audit row, in order."""
+    store = Store()
+    soon = time.time() + 3600
+    alice = store.create_user("alice", expires_at=soon, actor="root")
+    forever = store.create_user("root", admin=True)  # no actor: the first admin, not audited
+    got = store.user_for_token(alice)
+    assert got.expires_at == pytest.approx(soon) and not got.expired() and got.expired(now=soon + 1)
+    assert store.user_for_token(forever).expires_at is None and not store.user_for_token(forever).expired()
+    new = store.rotate_token("alice", None, actor="root")
+    assert new.startswith("sft_") and new != alice
+    assert store.user_for_token(alice) is None and store.user_for_token(new).expires_at is None
+    assert store.rotate_token("nobody", None, actor="root") is None
+    assert store.remove_user("alice", actor="root") is True
+    assert store.user_for_token(new) is None and store.get_user("alice") is None
+    assert store.remove_user("alice", actor="root") is False
+    store.add_audit("root", "orphans", None, "2 swept")
+    events = store.audit()
+    assert [(e.actor, e.action, e.target) for e in events] == [
+        ("root", "user.add", "alice"), ("root", "token.rotate", "alice"), ("root", "user.remove", "alice"),
+        ("root", "orphans", None)]
+    assert events[0].detail.startswith("expires 20") and events[1].detail == "expires never"
+    assert events[3].detail == "2 swept" and events[0].ts <= events[3].ts
+    assert [e.action for e in store.audit(limit=2)] == ["user.remove", "orphans"]
+    store.close()
+
+
+def test_users_of_the_schema_before_expiry_never_expire(state_backend, monkeypatch):
+    """The migration that adds expiry and the audit, on both dialects: a user recorded before it
+    keeps their token, which never expires; the audit starts empty."""
+    import sftctl.state as state
+
+    mine = next(i for i, m in enumerate(state.MIGRATIONS) if "CREATE TABLE audit" in m)
+    with monkeypatch.context() as m:
+        m.setattr(state.connection, "SCHEMA_VERSION", mine)  # a state written by the sftctl before it
+        old = Store()
+        assert old.schema_version == mine
+        with old.write() as db:
+            db.execute("INSERT INTO users (name, admin, token_hash, created_at) VALUES (?, ?, ?, ?)",
+                       ("olduser", 1, state._token_hash("sft_old"), 1.0))
+        old.close()
+    store = Store()
+    assert store.schema_version == SCHEMA_VERSION
+    user = store.user_for_token("sft_old")
+    assert (user.name, user.admin, user.expires_at, user.expired()) == ("olduser", True, None, False)
+    assert store.audit() == []
+    store.close()
+
+
 def test_jobs_have_owners(state_backend):
     from sftctl.state import os_user
 
@@ -424,6 +475,39 @@ def test_racing_controllers_one_wins_the_lease(state_backend):
     winners = [f"racer-{i}" for i, (out, _) in enumerate(results) if out.strip() == "won"]
     assert len(winners) == 1 and [o.strip() for o, _ in results].count("lost") == 7
     assert store.lease(job)[0] == winners[0]
+
+
+def test_a_waiting_store_and_a_lease_keeper_hold_no_postgres_connection(pg_url):
+    """Postgres allows 100 connections by default: a queued job (its store and its lease's
+    renewals) must not hold any while it sleeps, or fifty waiting jobs refuse every other
+    client ("sorry, too many clients already"). The lease is still renewed, on a connection
+    opened per beat."""
+    import psycopg
+
+    from sftctl.state import LeaseKeeper
+
+    def connections() -> int:
+        with psycopg.connect(pg_url, autocommit=True) as admin:
+            return admin.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                                 " AND pid <> pg_backend_pid()").fetchone()[0]
+
+    store = Store()
+    job = store.create_job("waits", {})
+    keeper = LeaseKeeper(store, job, ttl_s=3.0)  # renewed every 0.5 s
+    assert keeper.acquire()
+    try:
+        assert connections() >= 1
+        store.rest()
+        wait_for(lambda: connections() == 0, timeout_s=deadline(30), interval_s=0.05,
+                 what="the store and the keeper to hold no connection between beats")
+        time.sleep(2.0)  # four beats: each connected, renewed and let go
+        holder, left_s = store.lease(job)  # the store connects again by itself
+        assert holder == keeper.holder and left_s > 1.5, left_s
+        assert store.get_job(job).status == JobStatus.PENDING
+    finally:
+        keeper.release()
+    assert store.lease(job) is None
+    store.close()
 
 
 # ---------------------------------------------------------------- Postgres unreachable

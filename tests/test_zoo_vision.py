@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from conftest import REPO
 from sftctl.compiler import interpreter

@@ -1,0 +1,110 @@
+"""The two-level calibration of :mod:`sftctl.history` (issue 35, item 2): an accelerator's bias
+that every step on it shares, and a step residual that only alike kernel mixes share. Checked
+against a float64 reference of the Gaussian posterior, written independently of the module (the
+joint covariance of ``c`` and the runs, conditioned with a Schur complement)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from sftctl import history
+from sftctl.types import RunRecord
+
+GEMM = {"attention": 0.0, "gemm": 1.0, "pointwise": 0.0, "collectives": 0.0}
+POINTWISE = {"attention": 0.0, "gemm": 0.0, "pointwise": 1.0, "collectives": 0.0}
+
+
+def _run(measured: float, features: dict | None, predicted: float = 1.0, mode: str = "eager",
+         provider: str | None = None) -> RunRecord:
+    return RunRecord(job_id=None, accelerator="H100", count=8, gpus_per_node=8, nodes=1, provider=provider,
+                     instance_type="p5" if provider else None, region=None, mode=mode, strategy="ddp",
+                     predicted_step_s=predicted, measured_step_s=measured, measured_steps=10, features=features,
+                     name="m", source="imported", source_label="pub", ts=1.0)
+
+
+def _reference(new: dict | None, runs: list[RunRecord], mode: str | None, provider: str | None) -> tuple[float, float]:
+    """(c_post, sd_post / s0) by conditioning the joint Gaussian of (c, r_1..r_n) (float64)."""
+    beta, k = history.ACCELERATOR_SHARE, history.NOISE_RATIO ** 2
+    steps = [new] + [r.features for r in runs]
+    n = len(steps)
+    joint = np.zeros((n, n))
+    for i in range(n):
+        for j in range(n):
+            joint[i, j] = beta + (1 - beta) * (1.0 if i == j else history.similarity(steps[i], steps[j]))
+    for i, r in enumerate(runs, 1):
+        v = 1.0
+        if provider is not None and (r.provider, r.instance_type) != (provider, "p5"):
+            v *= history.OTHER_OFFERING_WEIGHT
+        if mode is not None and r.mode != mode:
+            v *= history.OTHER_MODE_WEIGHT
+        joint[i, i] += k / v
+    rr = np.array([math.log(r.measured_step_s / r.predicted_step_s) for r in runs])
+    s_cr, s_rr = joint[0, 1:], joint[1:, 1:]
+    mean = s_cr @ np.linalg.inv(s_rr) @ rr
+    var = joint[0, 0] - s_cr @ np.linalg.inv(s_rr) @ s_cr
+    return float(mean), math.sqrt(var)
+
+
+def test_the_posterior_matches_a_float64_reference_on_random_histories():
+    rng = random.Random(35)
+    for _ in range(40):
+        def mix():
+            if rng.random() < 0.15:
+                return None  # a run (or step) without a kernel-time mix
+            w = [rng.random() for _ in history.MIX_KEYS]
+            return {key: x / sum(w) for key, x in zip(history.MIX_KEYS, w)}
+        runs = [_run(math.exp(rng.gauss(0, 0.4)), mix(), predicted=rng.uniform(0.01, 5),
+                     mode=rng.choice(["eager", "default"]), provider=rng.choice([None, "aws"]))
+                for _ in range(rng.randint(1, 25))]
+        new, mode, provider = mix(), rng.choice([None, "eager"]), rng.choice([None, "aws"])
+        got = history.calibrate(2.0, "H100", runs, provider=provider, instance_type="p5" if provider else None,
+                                mode=mode, features=new)
+        c, sd = _reference(new, runs, mode, provider)
+        s0 = math.log(history.error_factor("H100"))
+        # tolerance: float64 solve against an explicit inverse of a matrix with condition number < 100
+        assert math.log(got["correction"]) == pytest.approx(c, abs=1e-9)
+        assert got["calibrated_step_s"] == pytest.approx(2.0 * math.exp(c), rel=1e-9)
+        assert math.log(got["error"]) == pytest.approx(s0 * sd, rel=1e-9)
+
+
+def test_another_models_runs_correct_the_accelerators_bias():
+    """Twenty runs of a step unlike this one (similarity 0) say the accelerator runs 2x slower
+    than the model thinks: half the prior variance is the accelerator's, so they move this step
+    beta * 20 / (4 + 20) of the way in log (twenty runs of one model are one model's evidence)."""
+    assert history.similarity(GEMM, POINTWISE) == 0.0
+    unlike = history.calibrate(1.0, "H100", [_run(2.0, POINTWISE)] * 20, features=GEMM)
+    alike = history.calibrate(1.0, "H100", [_run(2.0, GEMM)] * 20, features=GEMM)
+    beta = history.ACCELERATOR_SHARE
+    assert math.log2(unlike["correction"]) == pytest.approx(beta * 20 / 24, rel=1e-9)
+    assert math.log2(alike["correction"]) == pytest.approx(20 / 24, rel=1e-9)
+    assert 1.3 < unlike["correction"] < alike["correction"] < 2.0
+    none = history.calibrate(1.0, "H100", [], features=GEMM)
+    # the range narrows with either, the alike runs' more: sd^2 = 1 - beta^2 * 20/24 against 4/24
+    assert none["error"] > unlike["error"] > alike["error"]
+    s0 = math.log(none["error"])
+    assert math.log(unlike["error"]) == pytest.approx(s0 * math.sqrt(1 - beta ** 2 * 20 / 24), rel=1e-9)
+    # and runs on another accelerator still say nothing
+    assert history.calibrate(1.0, "A100-80GB", [_run(2.0, GEMM)] * 20, features=GEMM)["runs"] == 0
+
+
+def test_two_models_agreeing_say_more_than_one_model_run_twice():
+    """Evidence from independent models adds up for the shared bias; repeating one model does
+    not add a second model's worth."""
+    other = {"attention": 0.5, "gemm": 0.0, "pointwise": 0.0, "collectives": 0.5}
+    assert history.similarity(other, POINTWISE) == history.similarity(other, GEMM) == 0.0
+    one_model = history.calibrate(1.0, "H100", [_run(2.0, POINTWISE)] * 2, features=GEMM)
+    two_models = history.calibrate(1.0, "H100", [_run(2.0, POINTWISE), _run(2.0, other)], features=GEMM)
+    assert two_models["correction"] > one_model["correction"] > 1.0
+
+
+def test_many_runs_keep_the_weightiest_and_stay_quick():
+    rng = random.Random(1)
+    runs = [_run(math.exp(rng.gauss(0.3, 0.2)), {"attention": rng.random(), "gemm": 1.0, "pointwise": 0.1,
+                                                 "collectives": 0.0}) for _ in range(history.MAX_RUNS + 50)]
+    got = history.calibrate(1.0, "H100", runs, features=GEMM)
+    assert got["runs"] == history.MAX_RUNS
+    assert 1.0 < got["correction"] < math.exp(0.5)
