@@ -71,12 +71,12 @@ def worker(args) -> None:
             step = r * 10 + list(times).index(way) + 1
             if way == "single-file (ddp)":
                 if rank == 0:
-                    path = sft.save_checkpoint({"model": ddp_model.state_dict(), "optimizer": ddp_opt.state_dict(),
-                                                "step": step}, step, keep=1)
+                    sft.save_checkpoint({"model": ddp_model.state_dict(), "optimizer": ddp_opt.state_dict(),
+                                         "step": step}, step, keep=1)
             elif way == "dcp (ddp)":
-                path = sft.save_sharded_checkpoint(ddp_model, ddp_opt, step, keep=1)
+                sft.save_sharded_checkpoint(ddp_model, ddp_opt, step, keep=1)
             else:
-                path = sft.save_sharded_checkpoint(fsdp_model, fsdp_opt, step, keep=1)
+                sft.save_sharded_checkpoint(fsdp_model, fsdp_opt, step, keep=1)
             dist.barrier()
             times[way].append(time.perf_counter() - t0)
             if rank == 0:

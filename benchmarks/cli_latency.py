@@ -8,7 +8,14 @@ Peers measured in the same run: a bare `python -c pass` (the interpreter's own f
 SkyPilot is installed (`--sky PATH/TO/sky`, or `sky` on PATH), `sky status` on an empty state.
 Prints a table and writes benchmarks/results/cli_latency.json.
 
+``--history STEPS`` (issue 36) measures instead whether the run history slows ``status``: the
+same 1,000 finished jobs twice, once as above and once each with STEPS reported steps per rank
+(``metric_steps``) and STEPS GPU samples per node (``gpu_samples``, one per GPU, 8 GPUs a node), timing
+``sftctl status --json`` on the two states in turns; prints the ratio (history / none) and
+writes benchmarks/results/status_history.json.
+
     python benchmarks/cli_latency.py [--jobs 1000] [--repeat 15] [--sky /path/to/sky]
+    python benchmarks/cli_latency.py --history 300 [--jobs 1000] [--repeat 15]
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ def populate(home: Path, n_jobs: int) -> None:
             "train": {"steps": 300}, "run": "true"}
     offering = {"offering": {"provider": "local", "accelerator": "cpu", "count": 1, "instance_type": "local",
                              "region": "local", "usd_per_hour": 0.0}, "reason": "bench"}
-    for i in range(n_jobs):
+    for _ in range(n_jobs):
         job = store.create_job("bench", spec)
         store.update_job(job, provider="local", offering_json=offering)
         for s in (JobStatus.PROVISIONING, JobStatus.LAUNCHING, JobStatus.RUNNING, JobStatus.SUCCEEDED):
@@ -47,6 +54,73 @@ def populate(home: Path, n_jobs: int) -> None:
             store.add_node(job, rank, "local", status="TERMINATED")
         store.record_metrics(job, [{"rank": r, "step": 300, "loss": 2.2, "step_time_s": 0.2,
                                     "tokens_per_s": 10000.0} for r in range(2)])
+
+
+def populate_history(home: Path, steps: int, gpus: int = 8) -> tuple[int, int]:
+    """Give every job of the state at ``home`` ``steps`` reported steps per rank (2 ranks) and
+    ``steps`` GPU samples per node (2 nodes, ``gpus`` each), one a second, ending an hour ago;
+    written in bulk (as reports would leave them, already inside the caps). Returns the rows
+    written (steps, GPU samples)."""
+    os.environ["SFTCTL_HOME"] = str(home)
+    from sftctl.state import Store
+
+    store = Store()
+    t0 = time.time() - 3600.0 - steps
+    n_steps = n_gpu = 0
+    for job in store.list_jobs():
+        step_rows = [(job.id, r, i + 1, 2.2 + 1.0 / (i + 1), 0.2, 10000.0, 3e-4, None, t0 + i)
+                     for r in range(2) for i in range(steps)]
+        gpu_rows = [(job.id, n, g, t0 + i, 0.0, 1, 90.0, 95.0, 60000.0, 61000.0, 70.0, 72.0, 1980.0, 1980.0,
+                     650.0, 690.0, 0, 0) for n in range(2) for g in range(gpus) for i in range(steps)]
+        with store.write() as db:
+            db.executemany("INSERT INTO metric_steps (job_id, rank, step, loss, step_time_s, tokens_per_s, lr,"
+                           " checkpoint, ts) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", step_rows)
+            db.executemany("INSERT INTO gpu_samples (job_id, node_rank, gpu, ts, span_s, n, util_pct_min,"
+                           " util_pct_max, memory_mib_min, memory_mib_max, temp_c_min, temp_c_max,"
+                           " sm_clock_mhz_min, sm_clock_mhz_max, power_w_min, power_w_max, xids, ecc)"
+                           " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", gpu_rows)
+        n_steps, n_gpu = n_steps + len(step_rows), n_gpu + len(gpu_rows)
+    store.close()
+    return n_steps, n_gpu
+
+
+def history_main(args) -> None:
+    """``--history``: ``status --json`` with and without run history, timed in turns."""
+    results = RESULTS.parent / "status_history.json"
+    plain, full = (Path(tempfile.mkdtemp(prefix=f"sftctl-bench-{k}-")) for k in ("plain", "history"))
+    t0 = time.perf_counter()
+    populate(plain, args.jobs)
+    populate(full, args.jobs)
+    rows = populate_history(full, args.history)
+    populate_s = time.perf_counter() - t0
+    sftctl = [sys.executable, "-m", "sftctl.cli", "status", "--json"]
+    envs = {"none": {**os.environ, "SFTCTL_HOME": str(plain)}, "history": {**os.environ, "SFTCTL_HOME": str(full)}}
+    for env in envs.values():  # warm the page cache; both list every job
+        assert len(json.loads(subprocess.run(sftctl, capture_output=True, env=env, check=True).stdout)["jobs"]) == args.jobs
+    times: dict[str, list[float]] = {k: [] for k in envs}
+    for _ in range(args.repeat):  # in turns: a busy machine's load falls on both alike
+        for k, env in envs.items():
+            times[k] += timed(sftctl, 1, env)
+    sizes = {k: sum(f.stat().st_size for f in (plain if k == "none" else full).glob("state.db*")) for k in envs}
+    for home in (plain, full):
+        shutil.rmtree(home, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = med["history"] / med["none"]
+    print(f"\nsftctl status --json, {args.jobs} finished jobs, median of {args.repeat} runs in turns "
+          f"({os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}); states populated in {populate_s:.1f} s")
+    print(f"{'state':48s} {'median s':>9s} {'min s':>7s} {'state.db MB':>12s}")
+    print(f"{'no history':48s} {med['none']:9.3f} {min(times['none']):7.3f} {sizes['none'] / 1e6:12.1f}")
+    label = f"{rows[0]:,} steps + {rows[1]:,} GPU samples"
+    print(f"{label:48s} {med['history']:9.3f} {min(times['history']):7.3f} {sizes['history'] / 1e6:12.1f}")
+    print(f"ratio (history / none): {ratio:.2f}x")
+    results.write_text(json.dumps({
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "jobs": args.jobs, "steps_per_rank": args.history, "step_rows": rows[0], "gpu_rows": rows[1],
+        "repeat": args.repeat, "median_s": med, "min_s": {k: min(v) for k, v in times.items()},
+        "ratio_history_over_none": ratio, "state_db_bytes": sizes, "load_average": os.getloadavg(),
+    }, indent=2) + "\n")
+    print(f"wrote {results}")
 
 
 def timed(cmd: list[str], repeat: int, env: dict) -> list[float]:
@@ -65,7 +139,11 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1000)
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--sky", default=shutil.which("sky"))
+    ap.add_argument("--history", type=int, default=0, metavar="STEPS",
+                    help="compare status with STEPS steps per rank and GPU samples per node of history (issue 36)")
     args = ap.parse_args()
+    if args.history:
+        return history_main(args)
 
     home = Path(tempfile.mkdtemp(prefix="sftctl-bench-"))
     t0 = time.perf_counter()

@@ -26,7 +26,6 @@ RESULTS = REPO / "benchmarks" / "results" / "compile_time.json"
 
 def main() -> None:
     os.environ.setdefault("SFTCTL_HOME", tempfile.mkdtemp(prefix="sftctl-bench-"))
-    from sftctl.compiler import costmodel
     from sftctl.compiler.driver import trace_model
     from sftctl.compiler.fusion import fuse
     from sftctl.compiler.hardware import get_accelerator, load_accelerators

@@ -775,7 +775,7 @@ def part_c(device: str, dry: bool, deadline: float, hw) -> dict:
         a, b = make_inputs("gemm", p, device)
         try:
             ours = bench(launcher("gemm", p, cfg, device), dry)
-            ref = bench(lambda: torch.mm(a, b), dry)
+            ref = bench(lambda a=a, b=b: torch.mm(a, b), dry)
             flops = 2.0 * s ** 3
             rows.append({"size": s, "config": cfg, "sftensor_ms": ours, "cublas_ms": ref,
                          "sftensor_tflops": flops / (ours * 1e-3) / 1e12, "cublas_tflops": flops / (ref * 1e-3) / 1e12,
@@ -1077,14 +1077,14 @@ def main(argv=None) -> int:
     budget = args.budget_s or (300.0 if dry else 470.0)
     clock = Clock(budget)
     device = "cpu" if dry else "cuda"
-    from sftctl.compiler.backend import accelerator_for_device
     from sftctl.compiler.hardware import get_accelerator
+    from sftctl.compiler.target import Target
 
     if dry:
         hw = get_accelerator("H200")
         gpu = "none (dry run)"
     else:
-        hw = accelerator_for_device(torch.device("cuda"))
+        hw = Target.for_device(torch.device("cuda")).hw
         gpu = torch.cuda.get_device_name(0)
     date = _dt.date.today().isoformat()
     if args.out:

@@ -109,8 +109,9 @@ def main() -> None:
         coeffs = load_target(hw).coeffs
         for name, p in shapes:
             search_gemm(p, hw, coeffs, use_cache=False)  # warm-up (numpy dispatch, caches)
-            s, s_t = timed(lambda: search_gemm(p, hw, coeffs, use_cache=False), args.repeat)
-            e, e_t = timed(lambda: exhaustive_gemm(p, hw, coeffs, use_cache=False), args.exhaustive_repeat)
+            s, s_t = timed(lambda p=p, hw=hw, coeffs=coeffs: search_gemm(p, hw, coeffs, use_cache=False), args.repeat)
+            e, e_t = timed(lambda p=p, hw=hw, coeffs=coeffs: exhaustive_gemm(p, hw, coeffs, use_cache=False),
+                           args.exhaustive_repeat)
             ind_cfgs = inductor_scaled_configs(p, raw_inductor)
             ind_t = evaluate_configs(p, hw, ind_cfgs, coeffs)
             j = int(np.argmin(ind_t))

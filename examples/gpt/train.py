@@ -45,9 +45,9 @@ try:
 except ImportError:  # running from a checkout where sftctl is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from sftctl import train as sft
-from sftctl import settings  # noqa: E402  (every SFTCTL_* variable, typed)
+from sftctl import settings  # every SFTCTL_* variable, typed
 
-from model import GPT, GPT2_SMALL, GPTConfig, get_batch, load_corpus, next_byte_loss  # noqa: E402  (script dir)
+from model import GPT, GPT2_SMALL, GPTConfig, get_batch, load_corpus, next_byte_loss  # script dir
 
 SEED = 1337
 MAX_LR = float(os.environ.get("LR") or 3e-3)  # peak learning rate; the README's Python sweep sets LR
@@ -128,11 +128,12 @@ def main() -> None:
             # while the process group is alive, not during teardown or interpreter exit, where
             # gloo's worker threads abort the process (pytorch/pytorch#179291 describes the exit case)
             gc.collect()
-            # every rank reaches here before any tears gloo down: destroying the group while a
-            # peer still talks to it aborts the process ("terminate called without an active
-            # exception", SIGABRT) and turns a finished run into a failed attempt
-            dist.barrier()
-    finally:
+        # every rank: barrier (destroying the group while a peer still talks to it aborts the
+        # process), destroy the process group, exit 0 without the interpreter's finalization,
+        # which gloo's worker threads can race into "terminate called without an active
+        # exception" (SIGABRT) and a finished run into a failed attempt (sftctl.train.finish)
+        sft.finish()
+    finally:  # an exception: the group goes, the exception reaches torchelastic's error file
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -171,8 +172,14 @@ def train(rank: int, world_size: int, device: torch.device, distributed: bool) -
     start_step = 0
     # Rank 0 reads the checkpoint and hands it to the others, so all ranks resume from the same
     # step even when each node has its own checkpoint directory.
-    # Sharded: every rank loads its own shards (DCP reshards onto this world size).
-    if sharded:
+    # Sharded, or the newest checkpoint is a sharded one (an FSDP run resumed elastically on fewer
+    # ranks, unsharded now): every rank loads through DCP, which reshards onto this world size.
+    dcp_found = is_main and (sft.latest_checkpoint() or Path("/nonexistent")).joinpath(sft.DCP_METADATA).is_file()
+    if distributed and not sharded:
+        box = [dcp_found]
+        dist.broadcast_object_list(box, src=0)
+        dcp_found = box[0]
+    if sharded or dcp_found:
         resumed = sft.load_sharded_checkpoint(model, optimizer)
     else:
         resumed = sft.load_latest_checkpoint(map_location="cpu") if is_main else None
@@ -182,7 +189,7 @@ def train(rank: int, world_size: int, device: torch.device, distributed: bool) -
             resumed = box[0]
     if resumed is not None:
         start_step, state = resumed
-        if not sharded:
+        if not (sharded or dcp_found):
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
         if is_main:
@@ -235,7 +242,7 @@ def train(rank: int, world_size: int, device: torch.device, distributed: bool) -
         optimizer.step()
         step_time_s = time.perf_counter() - t0
         sft.report(step, loss_f, step_time_s=step_time_s, tokens_per_s=tokens_per_step / step_time_s,
-                   compute_time_s=compute_time_s)
+                   compute_time_s=compute_time_s, lr=optimizer.param_groups[0]["lr"])
         if first_loss is None:
             first_loss = loss_f
         last_loss = loss_f

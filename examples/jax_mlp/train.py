@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model import CONTEXT, get_batch, init_params, loss_fn  # noqa: E402
+from model import CONTEXT, get_batch, init_params, loss_fn
 
 try:
     from sftctl import train as sft

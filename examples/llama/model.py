@@ -26,6 +26,8 @@ LLAMA_34B = dict(hidden_size=8192, num_hidden_layers=48, num_attention_heads=64,
                  intermediate_size=22016, vocab_size=32000, max_position_embeddings=4096)
 LLAMA2_70B = dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                   intermediate_size=28672, vocab_size=32000, max_position_embeddings=4096)
+LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                 intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=256, max_position_embeddings=128)
 
@@ -86,6 +88,13 @@ def build_llama2_70b(batch_size: int = 1, dtype: str = "bfloat16"):
     32000, 4096 tokens; the HF config ``meta-llama/Llama-2-70b-hf``), random weights, for planning
     only (meta device)."""
     return _build(LLAMA2_70B, batch_size, dtype)
+
+
+def build_llama3_8b(batch_size: int = 1, dtype: str = "bfloat16"):
+    """Llama-3-8B-shaped (32 layers, hidden 4096, MLP 14336, 32 query / 8 key-value heads, vocab
+    128256, 8192 tokens; the HF config ``meta-llama/Meta-Llama-3-8B``), random weights, for
+    planning only (meta device)."""
+    return _build(LLAMA3_8B, batch_size, dtype)
 
 
 def build(batch_size: int = 4, dtype: str = "float32"):

@@ -27,9 +27,9 @@ try:
 except ImportError:  # running from a checkout where sftctl is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from sftctl import train as sft
-from sftctl import settings  # noqa: E402  (every SFTCTL_* variable, typed)
+from sftctl import settings  # every SFTCTL_* variable, typed
 
-import model as llama  # noqa: E402  (script dir)
+import model as llama  # script dir
 
 
 def main() -> None:
@@ -72,9 +72,9 @@ def main() -> None:
             path = sft.save_sharded_checkpoint(model, optimizer, step)
             if rank == 0:
                 print(f"saved checkpoint {path}", flush=True)
-    if distributed:
-        dist.barrier()
-        dist.destroy_process_group()
+    # every rank: barrier, destroy the process group, exit 0 without the interpreter's
+    # finalization, which gloo's worker threads can race into an abort (sftctl.train.finish)
+    sft.finish()
 
 
 if __name__ == "__main__":
