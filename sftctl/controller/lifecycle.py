@@ -129,7 +129,7 @@ class Controller(Recovery):
         self.workdir_key: str | None = None
         self.rdzv_port: int | None = None  # claimed at the first launch, released at teardown
         self.adopted = False  # True once run() took the job over from a controller that died
-        self._owner_seen = False  # this controller's controller.json was seen in the job dir (_keep_job_dir)
+        self._owner_seen, self._run_recorded = False, False  # controller.json seen (_keep_job_dir); _record_run ran
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -156,6 +156,7 @@ class Controller(Recovery):
                 failure = self._monitor()
                 if failure is None:
                     self.store.end_attempt(self.job_id, attempt, AttemptStatus.SUCCEEDED, 0, None)
+                    self._record_run()
                     self._move(JobStatus.SUCCEEDED)
                     break
                 code = failure.reason.code.value
@@ -167,6 +168,7 @@ class Controller(Recovery):
                 self.store.end_attempt(self.job_id, attempt, AttemptStatus.FAILED, failure.exit_code, failure.reason.message, code)
                 self._stop_nodes()
                 if failure.action is None or self.restarts >= self.spec.recovery.max_restarts:
+                    self._record_run()
                     self._move(JobStatus.FAILED, failure.reason.message, code)
                     break
                 self.restarts += 1
@@ -718,7 +720,10 @@ class Controller(Recovery):
         """The job's predicted and measured step time (:func:`sftctl.history.job_run`) into the
         run history the next plans learn from, with a ``measured`` event saying both. Nothing
         when its plan predicted no step or too few steps were reported; a failure here is
-        logged, never the job's."""
+        logged, never the job's. Once: before SUCCEEDED/FAILED (a status read then shows ACTUAL)."""
+        if self._run_recorded:
+            return
+        self._run_recorded = True
         try:
             # after a migration only the new offering's steps measure it
             series = self.store.step_series(self.job_id, after=self._moved_at)
