@@ -482,7 +482,10 @@ def test_node_failure_without_slurm_requeue_replaces_and_excludes_the_node(clust
     assert doc["status"] == "SUCCEEDED", doc["failure_reason"]
     assert doc["restarts"] == 1 and [a["status"] for a in doc["attempts"]] == ["FAILED", "SUCCEEDED"]
     reason = doc["attempts"][0]["reason"]
-    assert "NODE_FAIL" in reason and f"Slurm node {victim} is down" in reason, reason
+    # Slurm ends the allocation NODE_FAIL once SlurmdTimeout passes; on a loaded machine the batch
+    # step's srun may see the dead node's step vanish first and the job ends FAILED: either way
+    # sftctl's own check finds the node down
+    assert re.search(r"ended (NODE_FAIL|FAILED) on", reason) and f"Slurm node {victim} is down" in reason, reason
     assert f"an admin should look at it (scontrol show node {victim})" in reason
     sbatch = (home / "jobs" / job / "slurm" / "attempt-2" / "sbatch.sh").read_text()
     assert f"#SBATCH --exclude={victim}" in sbatch and "--no-requeue" in sbatch
