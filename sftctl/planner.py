@@ -205,9 +205,9 @@ class Predictor:
             provider=f"{offering.provider}:{offering.instance_type}",
             graph=self.graph(per_rank), global_batch=self.spec.model.batch_size,  # the layouts (issue 38)
             model_parallel=t.parallelism == "auto" and t.activation_checkpointing is None,
-            # a launched job applies its layout through sft.prepare(), which cannot run pipeline
-            # stages (the script's own loop must drive the schedule): plan none for it
-            pipeline=False)
+            # pipeline stages only where the script drives their schedule (train.pipeline: it
+            # calls sft.prepare(model, loss_fn=...) and steps the Pipeline it returns)
+            pipeline=t.pipeline)
         ch = got.chosen
         if (offering.accelerator, per_rank) not in self._attention:
             self._attention[offering.accelerator, per_rank] = attention_assumed(self.graph(per_rank), target.name)
@@ -414,12 +414,14 @@ def _ranking_notes(ranked: list[PlanChoice], objective: str,
     ``close_call`` (the top row only, whenever there is a runner-up) has the comparison as data:
     ``within_error`` (their intervals overlap: the value the ranking compared, total cost or for
     ``objective: time`` the step, history-corrected where it is, divided and multiplied by each
-    row's error factor), ``pick`` and ``runner_up`` (``H100:8``, ``x 2`` nodes), ``runner_up_rank``,
+    row's error factor), ``pick`` and ``runner_up`` (``H100:8``, ``x 2`` nodes), ``runner_up_rank``
+    (its place among the candidates, 1-based), ``runner_up_offering`` (provider, instance_type, region),
     ``margin`` (runner-up / pick - 1), ``metric``, both values and intervals, both rows' USD per
     step and, where ``tokens_per_step`` (count, unit: a step's tokens or samples over the whole
     job) says, per million of them (``usd_per_mtok``, or ``usd_per_msample``). When the intervals overlap,
-    ``ranking_note`` says so in one line with both figures: the pick may not be the cheapest. No
-    other row gets either: one line per plan."""
+    ``ranking_note`` says so in one line with both figures (:func:`close_call_note`: it names the
+    runner-up's offering, never its rank, which a grouped table does not show): the pick may not
+    be the cheapest. No other row gets either: one line per plan."""
     if not ranked:
         return ranked
     pick = ranked[0]
@@ -458,7 +460,9 @@ def _ranking_notes(ranked: list[PlanChoice], objective: str,
     sa, sb = per_step(pick), per_step(other)
     count, unit = tokens_per_step if tokens_per_step and tokens_per_step[0] > 0 else (0.0, "")
     key = {"tokens": "usd_per_mtok", "samples": "usd_per_msample"}.get(unit)
+    o = other.offering
     close = {"within_error": within, "pick": name(pick), "runner_up": name(other), "runner_up_rank": j,
+             "runner_up_offering": {"provider": o.provider, "instance_type": o.instance_type, "region": o.region},
              "margin": b / a - 1, "metric": "step_time_s" if objective == "time" else "total_usd",
              "pick_value": a, "runner_up_value": b, "pick_interval": list(ia), "runner_up_interval": list(ib),
              "pick_usd_per_step": sa, "runner_up_usd_per_step": sb}
@@ -466,24 +470,46 @@ def _ranking_notes(ranked: list[PlanChoice], objective: str,
         close |= {f"pick_{key}": sa / count * 1e6, f"runner_up_{key}": sb / count * 1e6}
     if not within:
         return [dataclasses.replace(pick, close_call=close)] + ranked[1:]
+    note = close_call_note(close)
+    return [dataclasses.replace(pick, ranking_note=note, close_call=close)] + ranked[1:]
+
+
+
+def close_call_note(close: dict, row: int | None = None, shown: bool = True) -> str | None:
+    """The one line a close call prints (None when the intervals do not overlap), from
+    :func:`_ranking_notes`' ``close_call``. The runner-up is named by its offering
+    (``H100:8 (aws p5.48xlarge, us-east-1)``), after ``#row`` when a table shows it as that row
+    (the row the reader sees, not its rank among the candidates: ``sftctl plan`` groups regions),
+    or with "not among the rows shown" when ``shown`` is false."""
+    if not close.get("within_error"):
+        return None
     fmt: Callable[[float], str]
-    if objective == "time":
+    if close.get("metric") == "step_time_s":
         fmt, what, worse = _step_figure, "fastest", "slower"
     else:
         fmt, what, worse = _usd_figure, "cheapest", "more"
 
-    def span(iv: tuple[float, float]) -> str:  # $0.715-2.42, 8.7 ms-11.5 ms
+    def span(iv: list) -> str:  # $0.715-2.42, 8.7 ms-11.5 ms
         return f"{fmt(iv[0])}-{fmt(iv[1]).lstrip('$')}"
 
-    note = (f"may not be the {what}: #{j} {name(other)} is {b / a - 1:.1%} {worse} ({fmt(b)} vs {fmt(a)}), "
-            f"within the error ({span(ib)} vs {span(ia)})")
-    if key and sa is not None and sb is not None:
-        note += (f"; per 1M {unit}: {name(pick)} {_usd_figure(sa / count * 1e6)}, "
-                 f"{name(other)} {_usd_figure(sb / count * 1e6)}")
+    pick, other = close["pick"], close["runner_up"]
+    where = close.get("runner_up_offering") or {}
+    place = ", ".join(x for x in (f"{where.get('provider', '')} {where.get('instance_type', '')}".strip(),
+                                  where.get("region", "")) if x)
+    if not shown:
+        place += "; not among the rows shown, --all lists it"
+    named = (f"#{row} " if row is not None and shown else "") + other + (f" ({place})" if place else "")
+    a, b = close["pick_value"], close["runner_up_value"]
+    note = (f"may not be the {what}: {named} is {b / a - 1:.1%} {worse} ({fmt(b)} vs {fmt(a)}), "
+            f"within the error ({span(close['runner_up_interval'])} vs {span(close['pick_interval'])})")
+    sa, sb = close.get("pick_usd_per_step"), close.get("runner_up_usd_per_step")
+    per = next(((u, close[f"pick_{k}"], close[f"runner_up_{k}"]) for k, u in
+                (("usd_per_mtok", "tokens"), ("usd_per_msample", "samples")) if f"pick_{k}" in close), None)
+    if per is not None:
+        note += f"; per 1M {per[0]}: {pick} {_usd_figure(per[1])}, {other} {_usd_figure(per[2])}"
     elif sa is not None and sb is not None:
-        note += f"; per step: {name(pick)} {_usd_figure(sa)}, {name(other)} {_usd_figure(sb)}"
-    return [dataclasses.replace(pick, ranking_note=note, close_call=close)] + ranked[1:]
-
+        note += f"; per step: {pick} {_usd_figure(sa)}, {other} {_usd_figure(sb)}"
+    return note
 
 def _tokens_per_step(predict, spec: JobSpec) -> tuple[float, str] | None:
     """What one step of the whole job consumes, (count, ``tokens`` or ``samples``), from a rank's

@@ -566,6 +566,21 @@ def plan_rows(candidates: list, top: int | None = None) -> tuple[list, dict[int,
     return shown, members, line
 
 
+def _close_call_line(pick, ranked: list, shown: list, members: dict[int, list]) -> str:
+    """The pick's close-call note naming the runner-up by the row this table shows it as (``#3``;
+    regions grouped, so not its rank among the candidates), or as not shown; the note as the plan
+    keeps it (the offering named, no number) when the runner-up cannot be found in ``ranked``."""
+    from sftctl.planner import close_call_note
+
+    close = getattr(pick, "close_call", None) or {}
+    rank = close.get("runner_up_rank")
+    other = ranked[rank - 1] if isinstance(rank, int) and 0 < rank <= len(ranked) else None
+    if other is None:
+        return pick.ranking_note
+    row = next((k for k in range(len(shown)) if any(m is other for m in members[k])), None)
+    return close_call_note(close, None if row is None else row + 1, shown=row is not None) or pick.ranking_note
+
+
 def plan_table(candidates: list, steps: int, top: int | None = None, script_steps: bool = False) -> FitTable:
     """``sftctl plan``: one row per candidate offering, best first; with ``top`` (the CLI's
     default, 10): one row per offering at its best region (``+N`` in REGION: the other regions
@@ -588,7 +603,7 @@ def plan_table(candidates: list, steps: int, top: int | None = None, script_step
     from sftctl.planner import format_hours
 
     shown, members, left_out = plan_rows(candidates, top)
-    candidates = shown
+    ranked, candidates = candidates, shown
     refs, notes = _rejection_notes(candidates)
     one_count = len({c.nodes for c in candidates}) == 1  # NODES tells no row from another: the title says it
     all_ok = all(c.rejected is None for c in candidates)  # VERDICT: "chosen" then "ok" (the line below names the pick)
@@ -674,7 +689,7 @@ def plan_table(candidates: list, steps: int, top: int | None = None, script_step
                           style="dim"))
     for i, c in enumerate(candidates, 1):
         if getattr(c, "ranking_note", None):
-            notes.append(Text(f"#{i}: {c.ranking_note}", style="dim"))
+            notes.append(Text(f"#{i}: {_close_call_line(c, ranked, shown, members)}", style="dim"))
     dearer = []  # offerings whose other regions cost much more: one line
     for i, c in enumerate(candidates, 1):
         prices = [m.usd_per_hour for m in members[i - 1] if m.usd_per_hour]

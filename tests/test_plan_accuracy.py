@@ -59,10 +59,10 @@ def test_the_pick_says_when_its_cost_interval_overlaps_the_runner_up():
     note = ranked[0].ranking_note
     fh200, fh100 = accuracy.accuracy("H200")["error"], accuracy.accuracy("H100")["error"]
     c1, c3 = h200.total_usd, h100.total_usd
-    assert note == (f"may not be the cheapest: #3 H100:8 is {c3 / c1 - 1:.1%} more (${c3:.3g} vs ${c1:.3g}), "
+    assert note == (f"may not be the cheapest: H100:8 (aws H100-box, r) is {c3 / c1 - 1:.1%} more (${c3:.3g} vs ${c1:.3g}), "
                     f"within the error (${c3 / fh100:.3g}-{c3 * fh100:.3g} vs ${c1 / fh200:.3g}-{c1 * fh200:.3g}); "
                     f"per step: H200:8 ${60 * 10e-3 / 3600:.3g}, H100:8 ${56 * 11e-3 / 3600:.3g}")
-    assert note.startswith("may not be the cheapest: #3 H100:8 is 2.7% more ($0.171 vs $0.167), within the error ($0.1")
+    assert note.startswith("may not be the cheapest: H100:8 (aws H100-box, r) is 2.7% more ($0.171 vs $0.167), within the error ($0.1")
     assert [c.ranking_note for c in ranked[1:]] == [None, None, None]  # one line per plan
     d = ranked[0].to_dict()
     assert d["ranking_note"] == note and PlanChoice.from_dict(d).ranking_note == note
@@ -72,7 +72,7 @@ def test_the_pick_says_when_its_cost_interval_overlaps_the_runner_up():
     assert [c.ranking_note for c in _ranking_notes([h200, l4], "cost")] == [None, None]
     # objective time: the step-time intervals
     note = _ranking_notes([h200, h100], "time")[0].ranking_note
-    assert note == (f"may not be the fastest: #2 H100:8 is 10.0% slower (11.0 ms vs 10.0 ms), within the error "
+    assert note == (f"may not be the fastest: H100:8 (aws H100-box, r) is 10.0% slower (11.0 ms vs 10.0 ms), within the error "
                     f"({11 / fh100:.1f} ms-{11 * fh100:.1f} ms vs {10 / fh200:.1f} ms-{10 * fh200:.1f} ms); "
                     f"per step: H200:8 ${60 * 10e-3 / 3600:.3g}, H100:8 ${56 * 11e-3 / 3600:.3g}")
     # an infeasible top row picks nothing: no note
@@ -91,7 +91,7 @@ def test_plan_table_has_one_footnote_for_the_pick():
     console = Console(width=250, record=True)
     console.print(plan_table(_ranking_notes([h200, h100, a100], "cost"), 1000))
     lines = [ln.strip() for ln in console.export_text().splitlines() if "may not be" in ln or "overlap" in ln]
-    assert len(lines) == 1 and lines[0].startswith("#1: may not be the cheapest: #2 H100:8 is 2.7% more")
+    assert len(lines) == 1 and lines[0].startswith("#1: may not be the cheapest: #2 H100:8 (aws H100-box, r) is 2.7% more")
 
 
 def test_plan_table_marks_uncalibrated_and_shows_the_range():

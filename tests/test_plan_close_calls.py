@@ -33,7 +33,7 @@ def test_a_close_call_names_both_rows_with_usd_per_million_tokens():
     per_mtok = {"H200": 60 * 10e-3 / 3600 / 8192 * 1e6, "H100": 56 * 11e-3 / 3600 / 8192 * 1e6}
     assert pick.ranking_note.endswith(
         f"; per 1M tokens: H200:8 ${per_mtok['H200']:.3g}, H100:8 ${per_mtok['H100']:.3g}")
-    assert pick.ranking_note.startswith("may not be the cheapest: #2 H100:8 is 2.7% more")
+    assert pick.ranking_note.startswith("may not be the cheapest: H100:8 (aws H100-box, r) is 2.7% more")
     cc = pick.close_call
     assert cc["within_error"] is True and cc["pick"] == "H200:8" and cc["runner_up"] == "H100:8"
     assert cc["runner_up_rank"] == 2 and cc["metric"] == "total_usd"
@@ -191,3 +191,45 @@ def test_a_refusal_for_memory_names_eager_attention(tmp_path, monkeypatch):
     assert "nothing fits: ddp needs" in messages["eager"]
     assert "; eager attention keeps its S x S scores (a fused SDPA or flash kernel keeps none)" in messages["eager"]
     assert "S x S" not in messages["sdpa"] and "nothing fits: ddp needs" in messages["sdpa"]
+
+
+def _rendered(table) -> str:
+    import io
+
+    from rich.console import Console
+
+    buf = io.StringIO()
+    Console(file=buf, width=250, color_system=None).print(table)
+    return buf.getvalue()
+
+
+def test_the_note_names_the_row_the_grouped_table_shows_not_the_candidate_rank():
+    """``plan`` groups an offering's regions into one row: the runner-up ranked 3rd among the
+    candidates is the table's row #2, and the note must say #2 (it said #3, a row showing
+    something else). Left out of the rows shown, the note names the offering and says so."""
+    from sftctl.planner import _ranking_notes
+    from sftctl.ui import plan_table
+
+    h200 = _choice("H200", 8, 10e-3, 60.0)
+    h200_r2 = dataclasses.replace(h200, offering=dataclasses.replace(h200.offering, region="r2"), usd_per_hour=61.0,
+                                  total_usd=h200.total_usd * 61 / 60)
+    h100 = _choice("H100", 8, 11e-3, 56.0)
+    ranked = _ranking_notes([h200, h200_r2, h100], "cost", (8192.0, "tokens"))
+    assert ranked[0].close_call["runner_up_rank"] == 3
+    # the plan's own note (plan --json) names the offering, no rank number
+    assert ranked[0].ranking_note.startswith("may not be the cheapest: H100:8 (aws H100-box, r) is 2.7% more")
+    assert "#" not in ranked[0].ranking_note
+    assert ranked[0].close_call["runner_up_offering"] == {"provider": "aws", "instance_type": "H100-box",
+                                                          "region": "r"}
+    out = _rendered(plan_table(ranked, 1000, top=10))
+    rows = {line.split()[0]: line.split()[1:4] for line in out.splitlines() if line.strip()[:1].isdigit()}
+    assert rows["2"] == ["aws", "H100-box", "H100:8"]  # the runner-up's row as the reader sees it
+    note = next(line for line in out.splitlines() if "may not be" in line)
+    assert "#1: may not be the cheapest: #2 H100:8 (aws H100-box, r) is 2.7% more" in note
+    # --all: every candidate its own row: the runner-up is row #3
+    out = _rendered(plan_table(ranked, 1000, top=None))
+    assert "#1: may not be the cheapest: #3 H100:8 (aws H100-box, r) is" in out
+    # top 1: the runner-up is not shown; the note names it and says so
+    out = _rendered(plan_table(ranked, 1000, top=1))
+    assert ("may not be the cheapest: H100:8 (aws H100-box, r; not among the rows shown, --all lists it) is"
+            in " ".join(out.split()))
