@@ -25,6 +25,9 @@ from conftest import REPO, job_processes, no_traceback, sftctl, wait_for
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
+from sftctl.api import WAIT_TEARDOWN_S
+from sftctl.server import RECONCILE_S
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -247,8 +250,12 @@ def test_the_laptop_closes_and_the_server_recovers_the_job(server_on, state_back
     killed_at = time.time()
     (tmp_path / "work" / "go").touch()  # training goes on past step 3: the fault comes at step 5
 
-    view = wait_for(lambda: (v := api.status(job)).status.terminal and v, timeout_s=240, what="the job to end")
+    # the controller records the end, then brings the nodes down: the view `wait` returns is the
+    # one with every node down (comparing with a view read at the recorded end raced the teardown)
+    view = wait_for(lambda: (v := api.status(job)).status.terminal and _nodes_down(v) and v, timeout_s=240 + WAIT_TEARDOWN_S,
+                    what="the job to end and its nodes to come down", report=lambda: _node_rows(job))
     assert view.status.value == "SUCCEEDED", view.failure_reason
+    assert [n.status.value for n in view.nodes] == ["TERMINATED", "REPLACED", "TERMINATED"], _node_rows(job)
     evs = api.events(job)
     health = [e for e in evs if e.kind == "health"]
     assert health and health[0].data["node_rank"] == 1 and health[0].data["action"] == "replace", health
@@ -293,6 +300,19 @@ def test_the_server_killed_mid_job_restarts_and_the_job_succeeds_once(server, tm
     assert view.record.controller_pid == controller and view.record.restarts == 0
     assert sorted(n.rank for n in view.nodes) == [0, 1]  # the provider's nodes: two, never replaced
     assert node_ids == {n.id for n in view.nodes}
+
+
+def _nodes_down(view) -> bool:
+    """Whether every node of the job is down: TERMINATED, or REPLACED (terminated when replaced;
+    a replaced node's record never becomes TERMINATED), as ``sftctl wait`` judges it."""
+    return all(n.status.value in ("TERMINATED", "REPLACED") for n in view.nodes)
+
+
+def _node_rows(job: str) -> str:
+    from sftctl import api
+
+    return "\n".join(f"node {n.rank} {n.id}: {n.status.value}" for n in api.status(job).nodes) + "\n" + "\n".join(
+        f"{e.kind}: {e.message}" for e in api.events(job))
 
 
 def _nodes(job: str):
@@ -560,7 +580,11 @@ def test_a_postgres_outage_is_one_line_in_the_servers_log_not_a_traceback_per_ro
     try:
         postgres.stop()
         try:
-            time.sleep(25)
+            # the first round that finds it down (a busy machine's round may come well after 10 s,
+            # and a fixed 25 s then saw none), then time for another round that must stay quiet
+            wait_for(lambda: "reconcile paused: " in log.read_text(), timeout_s=90,
+                     what="a reconcile round to find the state database down", report=lambda: log.read_text()[-3000:])
+            time.sleep(RECONCILE_S + 2)
         finally:
             postgres.start()
         wait_for(lambda: "reconcile resumed" in log.read_text(), timeout_s=90, what="the server to reconcile again")
