@@ -187,6 +187,25 @@ def test_concurrent_run_detach_on_bare_postgres_one_controller_each(pg_url, home
     assert peak <= SUBMITS + 2, peak
 
 
+def _removed_events(store, job: str) -> list:
+    return [e for e in store.events(job) if e.kind == "controller" and "was removed" in e.message]
+
+
+def _remove_under(controller_pid: int, path) -> None:
+    """``rm -rf path`` as the controller sees it: all at once. The controller is stopped
+    (SIGSTOP) while the tree goes, then continued. Unpaused, a busy machine's rmtree (an entry at
+    a time) let the controller see its dir half removed: it recreated controller.json before
+    rmtree's last rmdir (rmtree then failed, 'Directory not empty'), or it saw controller.json
+    gone and, a poll later, its log, and said so twice. A file a node writes into the tree
+    meanwhile (its agent's samples) is removed on the next pass."""
+    os.kill(controller_pid, signal.SIGSTOP)
+    try:
+        while path.exists():
+            shutil.rmtree(path, ignore_errors=True)
+    finally:
+        os.kill(controller_pid, signal.SIGCONT)
+
+
 def test_a_removed_job_dir_leaves_one_controller_and_the_job_recovers(tmp_path, home):
     """``rm -rf $SFTCTL_HOME/jobs/JOB`` mid-run: a second controller (``python -m
     sftctl.controller JOB``, ``api.start``, ``api.attach``) still refuses, naming the live one; the live
@@ -217,7 +236,7 @@ run: |
         wait_for(lambda: any(line.text == "started" for line in api.logs(job)), what="the node to run")
         store = Store()
         first = store.get_job(job)
-        shutil.rmtree(job_dir(job))
+        _remove_under(first.controller_pid, job_dir(job))
         busy = (f"error: job {job} already has a live controller (pid {first.controller_pid} on "
                 f"{socket.gethostname()}); this one leaves the job alone")
         second = subprocess.Popen([sys.executable, "-m", "sftctl.controller", job], cwd=REPO,
@@ -228,11 +247,12 @@ run: |
             with pytest.raises(ControllerBusy) as refused:
                 call(job)
             assert f"error: {refused.value.message}" == busy
-        wait_for(lambda: (job_dir(job) / "controller.json").exists(), timeout_s=60,
-                 what="the live controller to recreate its job dir")
+        # its event is the last thing the controller does on recreating the dir (controller.json
+        # is the first: waiting for that file and then reading the events raced the event)
+        wait_for(lambda: _removed_events(store, job), timeout_s=60, what="the live controller to recreate its job dir",
+                 report=lambda: "\n".join(f"{e.kind}: {e.message}" for e in store.events(job)))
         assert json.loads((job_dir(job) / "controller.json").read_text())["pid"] == first.controller_pid
-        recreated = [e for e in store.events(job) if e.kind == "controller" and "was removed" in e.message]
-        assert len(recreated) == 1, [e.message for e in store.events(job)]
+        assert len(_removed_events(store, job)) == 1, [e.message for e in store.events(job)]
 
         nodes = store.nodes(job)
         assert len(nodes) == 1, "\n".join(f"{e.kind}: {e.message}" for e in store.events(job))
