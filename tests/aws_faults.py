@@ -51,6 +51,9 @@ class FaultProxy:
         run_error: ``(code, status, message)`` every RunInstances gets, or None.
         auth_failure: every call is refused: STS with InvalidClientTokenId (403), EC2 with AuthFailure (401).
         run_delay_s: RunInstances is held this long before it is forwarded.
+        hold_run_instances_after: RunInstances after the first this-many wait (``held`` counts
+            them) until ``release`` is set; None: none wait. A test holds a client mid-provisioning
+            this way, whatever the machine's speed.
         delay_s: other actions held before they are forwarded, ``{action: seconds}``.
         actions: ``(action, params)`` of every request seen, in order.
     """
@@ -63,6 +66,9 @@ class FaultProxy:
         self.auth_failure = False
         self.run_delay_s = 0.0
         self.delay_s: dict[str, float] = {}
+        self.hold_run_instances_after: int | None = None
+        self.release = threading.Event()
+        self.held = 0  # RunInstances waiting for `release` now
         self.actions: list[tuple[str, dict]] = []
         self.inflight = 0  # requests being answered now
         self.lock = threading.Lock()
@@ -78,6 +84,7 @@ class FaultProxy:
 
     def fault(self, service: str, action: str, params: dict) -> tuple[int, bytes] | None:
         """The (status, body) to answer instead of moto, or None to forward."""
+        hold = False
         with self.lock:
             self.actions.append((action, params))
             if self.auth_failure:
@@ -97,8 +104,18 @@ class FaultProxy:
                 if (itype, zone) in self.blocked:
                     return 500, ec2_error("InsufficientInstanceCapacity", ICE_MESSAGE.format(itype=itype, zone=zone))
                 delay = self.run_delay_s
+                seen = sum(a == "RunInstances" for a, _ in self.actions)
+                hold = self.hold_run_instances_after is not None and seen > self.hold_run_instances_after
+                if hold:
+                    self.held += 1
         if delay:
             time.sleep(delay)
+        if action == "RunInstances" and hold:
+            try:
+                self.release.wait()
+            finally:
+                with self.lock:
+                    self.held -= 1
         return None
 
 
@@ -177,5 +194,6 @@ def fault_proxy(upstream: str):
     try:
         yield proxy
     finally:
+        proxy.release.set()  # nothing stays held past the test
         server.shutdown()
         server.server_close()

@@ -24,7 +24,7 @@ from sftctl.providers.cloud import InstanceRequest, InstanceState, label_value
 from sftctl.types import AWSHandle
 
 from aws_faults import VCPU_MESSAGE, fault_proxy
-from conftest import REPO, wait_for
+from conftest import REPO, deadline, wait_for
 
 REGION = "us-east-1"
 P4D_ZONES = ["us-east-1a", "us-east-1b", "us-east-1c", "us-east-1d"]  # moto's instance type offerings
@@ -330,21 +330,27 @@ print("finished", flush=True)
 
 
 def test_kill_9_mid_provisioning_then_terminate_tagged_leaves_nothing(proxy, job, ami):
-    proxy.run_delay_s = 0.5  # each RunInstances takes a while, as AWS's do
+    # the first two RunInstances land, the next ones are held at the proxy: the child is killed
+    # mid-provisioning however fast or slow the machine (before, it was killed once its first
+    # instance showed, and a busy machine's watcher could see that only after all 8 had landed)
+    proxy.hold_run_instances_after = 2
     child = subprocess.Popen([sys.executable, "-c", CHILD, job, ami], cwd=REPO, env=dict(os.environ),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     watcher = provider()
-    wait_for(lambda: watcher.list_instances(job) or child.poll() is not None, timeout_s=60,
-             what="the first instance of the child")
+    # both of the child's workers (max_parallel=2) wait on a held RunInstances: it sends no other
+    wait_for(lambda: proxy.held == 2 or child.poll() is not None, timeout_s=120,
+             what="the child's RunInstances to be held", report=lambda: f"held {proxy.held}, child rc {child.poll()}")
+    assert len(watcher.list_instances(job)) == 2
     child.send_signal(signal.SIGKILL)
-    out, err = child.communicate(timeout=30)
+    out, err = child.communicate(timeout=deadline(30))
     assert child.returncode == -signal.SIGKILL and "finished" not in out, err
-    created = len(watcher.list_instances(job))
-    assert 1 <= created < 8
-    # a RunInstances the child had in flight still lands at EC2 after the kill; let it
+    # the RunInstances the child had in flight still land at EC2 after the kill
+    proxy.release.set()
     wait_for(lambda: proxy.inflight == 0, timeout_s=30, what="in-flight requests")
+    created = len(watcher.list_instances(job))
+    assert created == len(proxy.run_instances()) == 4  # two landed before the kill, two after
 
-    assert AWSProvider(poll_s=0.05).terminate_tagged(job) >= created
+    assert AWSProvider(poll_s=0.05).terminate_tagged(job) == created
     assert watcher.list_instances(job) == []
     assert job_groups(job) == []
 
