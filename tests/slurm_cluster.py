@@ -224,7 +224,10 @@ PartitionName=gpu Nodes={','.join(self.names)} Default=YES MaxTime=INFINITE Stat
 
     def _run(self, argv: list[str]) -> subprocess.CompletedProcess:
         argv = [_which(argv[0]) or argv[0], *argv[1:]]  # absolute: a test may have narrowed PATH
-        return subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **self.env()}, timeout=30)
+        from conftest import deadline
+
+        return subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **self.env()},
+                              timeout=deadline(30))
 
     def scontrol(self, *args: str) -> str:
         return self._run(["scontrol", *args]).stdout
@@ -318,8 +321,12 @@ def _kill_stepds(root: Path) -> None:
 
 
 def _wait(pred, timeout_s: float, what: str, cluster: SlurmCluster) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
+    """Poll ``pred`` until true; ``timeout_s`` is a quiet machine's budget, scaled by the load
+    (:func:`conftest.deadline`, read on every poll): the daemons start slower on a busy machine."""
+    from conftest import deadline
+
+    start = time.monotonic()
+    while time.monotonic() - start < deadline(timeout_s):
         try:
             if pred():
                 return
