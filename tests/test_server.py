@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, job_processes, no_traceback, sftctl, wait_for
+from conftest import REPO, deadline, job_processes, no_traceback, sftctl, wait_for
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
@@ -365,12 +365,19 @@ def test_ctrl_c_of_an_attached_run_leaves_the_job_to_the_server(server, tmp_path
     as_user(monkeypatch, server, t["alice"])
     spec = tmp_path / "sleeper.yaml"
     spec.write_text(SLEEPER)
-    client = subprocess.Popen([sys.executable, "-m", "sftctl.cli", "run", str(spec)], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out_path, err_path = tmp_path / "client.out", tmp_path / "client.err"
+    with open(out_path, "w") as out, open(err_path, "w") as errf:
+        client = subprocess.Popen([sys.executable, "-m", "sftctl.cli", "run", str(spec)], cwd=REPO,
+                                  stdout=out, stderr=errf, text=True)
     job = wait_for(lambda: next((v.id for v in api.status() if v.status.value == "RUNNING"), None), timeout_s=90,
                    what="the job to run")
+    # the client follows the job once it shows the node's first line: a Ctrl-C before that came
+    # while it still asked the server to start the job (RUNNING there, the answer on its way)
+    wait_for(lambda: "started" in out_path.read_text() + err_path.read_text() or client.poll() is not None,
+             timeout_s=90, what="the client to follow the job's logs")
     client.send_signal(signal.SIGINT)
-    _, err = client.communicate(timeout=60)
+    client.wait(timeout=deadline(60))
+    err = err_path.read_text()
     # once (a fresh clone's .ci/run beside another suite) this exited 4 with its stderr unseen:
     # the message carries the client's stderr and the server log's tail now
     seen = f"client stderr:\n{err}\nserver log:\n{server.log.read_text()[-3000:]}"
