@@ -135,6 +135,26 @@ def with_call_implementations(graph, impls: dict[int, tuple[str, bool]]):
     return dataclasses.replace(graph, nodes=nodes)
 
 
+#: the note when a boolean SDPA mask's values are unknown at trace time (:func:`with_padding`)
+PADDING_UNKNOWN = ("attention mask: its values are unknown at trace time (the batch built on meta, the model too "
+                   "large to build for real), so a padded batch cannot be told from an unpadded one: priced "
+                   "unpadded (transformers drops the mask; causal, flash); a padded batch gives SDPA the mask, "
+                   "whose memory-efficient kernel computes every tile")
+
+
+def with_padding(graph, padding: dict[int, str]):
+    """``graph`` with the attention nodes of the SDPA calls in ``padding`` (call number, the
+    nodes' ``rng`` attribute -> ``"none"`` | ``"padded"`` | ``"unknown"``:
+    :func:`sftctl.compiler.frontends.torch.attention.mask_padding`) stamped ``padding``. A
+    ``padded`` call is priced as SDPA runs a call given a mask: the memory-efficient kernel over
+    every tile (:func:`sftctl.compiler.fusion.attention_shape`: not causal, ``bias``). A copy."""
+    import dataclasses
+
+    nodes = [dataclasses.replace(n, attrs={**n.attrs, "padding": padding[n.attrs["rng"]]})
+             if n.op in ATTENTION_OPS and n.attrs.get("rng") in padding else n for n in graph.nodes]
+    return dataclasses.replace(graph, nodes=nodes)
+
+
 def _torch_tuple(version: str) -> tuple[int, int]:
     """``"2.3"`` / ``"2.3.1+cu121"`` -> (2, 3); ValueError naming the value otherwise."""
     try:
@@ -182,7 +202,8 @@ def resolve(implementation: str | None, accelerator: str, *, dtype: str = "bfloa
     above 256 or an additive float ``bias`` (ALiBi's or a relative-position bias through SDPA's
     ``attn_mask``) rule out flash and cuDNN, so the memory-efficient kernel (a boolean mask does
     not: HF drops an all-ones padding mask before SDPA, so an unpadded batch runs flash; a padded
-    one would not, which the trace cannot see); on sm90+ cuDNN from torch 2.11 (``torch_version``, (major, minor);
+    one reaches SDPA, which :func:`with_padding` marks as a ``bias`` where the traced batch pads,
+    and the plan says so where its values are unknown); on sm90+ cuDNN from torch 2.11 (``torch_version``, (major, minor);
     None: the installed torch's; see ``accelerators`` in the data file), FlashAttention-2 before
     it and on sm80-89. A named kernel the GPU cannot run falls back as a user of it
     would: FlashAttention-3 and cuDNN off Hopper to FlashAttention-2, anything flash-like below

@@ -445,7 +445,9 @@ def attention_shape(graph: Graph, node: Node) -> dict:
 
     Returns ``{"direction": "forward"|"backward", "batch", "q_heads", "kv_heads", "q_len",
     "kv_len", "head_dim", "v_head_dim", "dtype", "causal", "masked", "dropout_p",
-    "kept_fraction", "implementation", "torch", "bias", "alibi"}`` (``alibi``: FlashAttention's
+    "kept_fraction", "implementation", "torch", "bias", "alibi", "padding"}`` (``padding``: a
+    boolean SDPA mask's verdict on the traced batch, :func:`sftctl.compiler.attention.with_padding`,
+    None without one; ``padded`` prices the call as not causal with a ``bias``; ``alibi``: FlashAttention's
     ``alibi_slopes`` given; ``implementation`` and ``torch``: the
     node's ``impl`` and ``torch`` attributes, :func:`sftctl.compiler.attention.with_implementation`,
     ``auto`` and None without them; ``bias``: the mask is an additive float bias, not boolean; lengths in tokens; ``kept_fraction`` is the causal fraction, 1.0 otherwise:
@@ -458,9 +460,11 @@ def attention_shape(graph: Graph, node: Node) -> dict:
     backward = node.op == "attention_grad"
     masked = len(node.inputs) > (6 if backward else 3)
     mask = graph.nodes[node.inputs[-1]] if masked else None
-    # a boolean causal mask (transformers' on traced tensors) is the causal kernel's work
+    # a boolean causal mask (transformers' on traced tensors) is the causal kernel's work, unless
+    # the batch pads (sftctl.compiler.attention.with_padding): SDPA gets the mask, every tile runs
+    padded = node.attrs.get("padding") == "padded"
     causal = bool(node.attrs.get("causal")) or (
-        mask is not None and mask.type.dtype == "bool" and causal_mask(graph, node.inputs[-1]))
+        not padded and mask is not None and mask.type.dtype == "bool" and causal_mask(graph, node.inputs[-1]))
     return {
         "direction": "backward" if backward else "forward", "batch": B, "q_heads": Hq, "kv_heads": Hkv,
         "q_len": L, "kv_len": S, "head_dim": D, "v_head_dim": v.shape[-1], "dtype": q.dtype,
@@ -468,8 +472,8 @@ def attention_shape(graph: Graph, node: Node) -> dict:
         "dropout_p": float(node.attrs.get("dropout_p", 0.0)),
         "kept_fraction": causal_fraction(L, S) if causal else 1.0,
         "implementation": node.attrs.get("impl", "auto"), "torch": node.attrs.get("torch"),
-        "bias": mask is not None and mask.type.dtype != "bool",
-        "alibi": bool(node.attrs.get("alibi", False)),
+        "bias": mask is not None and (mask.type.dtype != "bool" or padded),
+        "alibi": bool(node.attrs.get("alibi", False)), "padding": node.attrs.get("padding"),
     }
 
 

@@ -218,9 +218,12 @@ def attention_assumed(graph: Graph, accelerator: str) -> str | None:
         impl = resolve(a["implementation"], accelerator, dtype=a["dtype"], head_dim=a["head_dim"],
                        bias=a["bias"], torch_version=version)
         what = _ATTENTION_NAMES.get(impl, impl)
+        # the batch's attention_mask (sftctl.compiler.attention.with_padding): pads, or unknown
+        pads = {"padded": "; the batch pads: SDPA gets the mask and computes every tile",
+                "unknown": "; the mask's values are unknown at trace time: priced unpadded"}.get(a.get("padding") or "", "")
         if impl == "math":
-            return f"{what} ({a['q_len']} x {a['kv_len']} probabilities kept for backward)"
-        return f"{what} (no {a['q_len']} x {a['kv_len']} scores kept)"
+            return f"{what} ({a['q_len']} x {a['kv_len']} probabilities kept for backward{pads})"
+        return f"{what} (no {a['q_len']} x {a['kv_len']} scores kept{pads})"
     for n in graph.nodes:
         if "_softmax" in str(n.attrs.get("aten", "")) and len(n.type.shape) == 4 and n.type.shape[-1] > 1:
             s = n.type.shape

@@ -194,6 +194,39 @@ def _dropout(input, p=0.5, training=True, inplace=False):
     return torch.ops.aten.native_dropout(input, float(p), True)[0]
 
 
+def mask_padding(mask: torch.Tensor, rep=None, is_causal: bool = False) -> str:
+    """What a boolean SDPA ``attn_mask`` (``[..., L, S]``, True: attend) is on the traced batch:
+    ``"none"`` when it removes no key beyond the causal ones (all True, or exactly the causal
+    triangle, top-left aligned as SDPA's ``is_causal``: transformers drops such a mask on real
+    tensors and calls SDPA with ``is_causal``, so FlashAttention runs and skips the masked
+    tiles), ``"padded"`` when it removes more (the batch's ``attention_mask`` pads, or a sliding
+    window: SDPA then gets the mask, which rules out flash and cuDNN, and its memory-efficient
+    kernel computes every tile: torch ``sdp_utils``' ``check_for_attn_mask``), ``"unknown"`` when
+    the trace has no value for it (a batch built on ``meta`` and a model over
+    ``REAL_REBUILD_MAX_BYTES``, or an op that cannot run eagerly). ``rep``: the trace's
+    :class:`.branches.Representative`, which evaluates a traced mask on the real batch."""
+    from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    value = None
+    try:
+        if rep is not None and rep.node_of(mask) is not None:
+            value = rep.value(mask)
+        elif not is_fake(mask) and mask.device.type != "meta":
+            value = mask
+    except Exception:  # noqa: BLE001 - a value the trace cannot compute: unknown
+        value = None
+    if value is None or not isinstance(value, torch.Tensor) or value.dim() < 2:
+        return "unknown"
+    with disable_proxy_modes_tracing(), unset_fake_temporarily(), torch.no_grad():
+        v = value.detach().to(torch.bool)
+        L, S = v.shape[-2:]
+        keep = torch.ones(L, S, dtype=torch.bool).tril()  # SDPA's is_causal: top-left aligned
+        if bool(v.all()) or bool((v == keep).all()) or (is_causal and bool((v | ~keep).all())):
+            return "none"
+    return "padded"
+
+
 _F_SDPA = torch.nn.functional.scaled_dot_product_attention
 _F_DROPOUT = torch.nn.functional.dropout
 
@@ -218,10 +251,13 @@ class _DecomposeSDPA(torch.overrides.TorchFunctionMode):
     same way; ``impls`` maps such a call's number (the attention nodes' ``rng``) to
     ``(implementation, alibi)``."""
 
-    def __init__(self) -> None:
+    def __init__(self, rep=None) -> None:
         super().__init__()
         self.calls = 0
         self.impls: dict[int, tuple[str, bool]] = {}
+        #: call number -> :func:`mask_padding`'s verdict, for SDPA calls given a boolean mask
+        self.padding: dict[int, str] = {}
+        self.rep = rep  # a .branches.Representative: the mask's value on the traced batch
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -235,6 +271,10 @@ class _DecomposeSDPA(torch.overrides.TorchFunctionMode):
         self.calls += 1
         if impl is not None:
             self.impls[self.calls] = (impl, alibi)
+        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+        causal = bool(args[5] if len(args) > 5 else kwargs.get("is_causal", False))
+        if impl is None and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+            self.padding[self.calls] = mask_padding(mask, self.rep, causal)
         return _sdpa_to_op(*args, **kwargs, rng=self.calls)
 
     def flash_attn_func(self, impl: str):

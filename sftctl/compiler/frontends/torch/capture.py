@@ -662,7 +662,7 @@ def trace_step(
         # swap would end with the forward), so activation checkpointing's recomputation in
         # backward (torch.utils.checkpoint, transformers' gradient_checkpointing) runs on them too.
         # Phases for the execution-mode predictions (sftctl.compiler.modes), as node.meta["custom"].
-        route = _DecomposeSDPA()
+        route = _DecomposeSDPA(rep)
         routes.append(route)
         with _reparametrized(wrapper, state), route.patched():
             with torch.enable_grad(), ctx, route, fx_traceback.annotate({"phase": "forward"}):
@@ -724,6 +724,12 @@ def trace_step(
         from sftctl.compiler.attention import with_call_implementations
 
         graph = with_call_implementations(graph, routes[-1].impls)
+    if routes and routes[-1].padding:  # SDPA calls given a boolean mask: does the batch pad?
+        from sftctl.compiler.attention import PADDING_UNKNOWN, with_padding
+
+        graph = with_padding(graph, routes[-1].padding)
+        if "unknown" in routes[-1].padding.values():
+            assumptions.append(PADDING_UNKNOWN)
     t2 = time.perf_counter()
     ids = dict(zip(range(len(roles)), input_ids))
     if assumptions:  # carried by the graph (traces are cached as graphs): sftctl compile's notes
