@@ -85,13 +85,27 @@ def tag_values(key: str) -> dict[int, str]:
 def kill_all(pids: list[int], grace_s: float = 10.0) -> list[int]:
     """SIGTERM ``pids``, wait up to ``grace_s`` seconds, then SIGKILL the survivors.
 
+    All of them are stopped (SIGSTOP) before the first SIGTERM and continued after the last:
+    none acts on another's death meanwhile. Signalled one by one, a node's script (bash) saw its
+    preflight or run child killed before its own SIGTERM came, and went on to its next command
+    (node.sh runs the training after a preflight that did not complete) in a child no one
+    signalled: a stopped attempt wrote its training's output after all. This process is never
+    stopped, if listed.
+
     Returns the pids that were still alive when SIGKILL was sent.
     """
     ticks = {pid: start_ticks(pid) for pid in pids}
     live = [p for p in pids if ticks[p] is not None]
-    for pid in live:
-        _signal(pid, signal.SIGTERM)
-        _signal(pid, signal.SIGCONT)  # a stopped (frozen) process handles SIGTERM only once continued
+    me = os.getpid()
+    try:
+        for pid in live:
+            if pid != me:
+                _signal(pid, signal.SIGSTOP)
+        for pid in live:
+            _signal(pid, signal.SIGTERM)
+    finally:  # never left stopped, even by a Ctrl-C here
+        for pid in live:
+            _signal(pid, signal.SIGCONT)  # a stopped process handles SIGTERM only once continued
     deadline = time.monotonic() + grace_s
     while live and time.monotonic() < deadline:
         time.sleep(0.05)
