@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, deadline, job_processes, sftctl, write_spec
+from conftest import REPO, deadline, write_spec
+from test_preflight_nodes import _replaced_once, _run, two_node_spec
 
 from sftctl.health import detectors
 from sftctl.health.detectors.preflight import judge
@@ -90,29 +91,10 @@ def test_a_failed_dcgmi_diag_fails_the_node_before_training(tmp_path):
     assert record["matmul"][0]["predicted_s"] == 1.0  # a 0.1 GFLOP matmul never takes 1 s: not slow
 
 
-SPEC = """
-name: preflight
-resources: {accelerators: ["cpu:1"], nodes: 2}
-recovery: {max_restarts: 1}
-health: {preflight: quick}
-env: {OMP_NUM_THREADS: 1, SFTCTL_PREFLIGHT_SLOW_RANK: 1}
-run: echo trained on node $SFTCTL_NODE_RANK
-"""
-
-
 def test_a_slow_node_is_replaced_before_the_first_step_and_the_job_succeeds(tmp_path, home):
-    spec = write_spec(tmp_path / "job.yaml", SPEC)
-    proc = sftctl("run", str(spec), "--json", timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(proc.stdout)
-    assert doc["status"] == "SUCCEEDED" and doc["restarts"] == 1
-    assert [n["rank"] for n in doc["nodes"]] == [0, 1, 1]  # node 1 was replaced by a new node
-    events = json.loads(sftctl("events", doc["id"], "--json", check=True).stdout)["events"]
-    health = [e for e in events if e["kind"] == "health"]
-    assert len(health) == 1 and health[0]["data"]["kind"] == "preflight_slow"  # from the node's exit or its record
-    assert health[0]["data"]["node_rank"] == 1 and health[0]["data"]["action"] == "replace"
-    assert "CPU matmul 384x384x384 float32 at" in health[0]["message"] and "of this machine's" in health[0]["message"]
-    pre = [e for e in events if e["kind"] == "preflight"]
+    doc, events = _run(tmp_path, two_node_spec("preflight", SFTCTL_PREFLIGHT_SLOW_RANK=1))
+    verdict, pre = _replaced_once(doc, events, "preflight_slow")  # from the node's exit or its record
+    assert "CPU matmul 384x384x384 float32 at" in verdict["message"] and "of this machine's" in verdict["message"]
     failed = [e["data"] for e in pre if not e["data"]["passed"]]
     assert [d["node_rank"] for d in failed] == [1]
     mm = failed[0]["matmul"][0]
@@ -125,9 +107,6 @@ def test_a_slow_node_is_replaced_before_the_first_step_and_the_job_succeeds(tmp_
     attempts = doc.get("attempts") or []
     if attempts:
         assert attempts[0]["reason_code"] == "preflight_slow"
-    logs = sftctl("logs", doc["id"], check=True).stdout
-    assert logs.count("trained on node") == 2  # the run ran once per node: after the replacement only
-    assert job_processes(doc["id"]) == []
 
 
 def test_a_long_jobs_checkpoint_checks_the_device_and_a_slow_one_is_a_verdict(tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ import os
 
 import pytest
 
-from conftest import deadline, job_processes, sftctl, write_spec
+from conftest import job_processes, sftctl, write_spec
 
 from sftctl.health.detectors.preflight import STANDS_OUT, blame, judge, slow_allreduce
 
@@ -81,14 +81,17 @@ def _replaced_once(doc: dict, events: list[dict], kind: str) -> tuple[dict, list
     return health[0], [e for e in events if e["kind"] == "preflight"]
 
 
-SLOW_NET = """
-name: slow-net
-resources: {accelerators: ["cpu:1"], nodes: 2}
-recovery: {max_restarts: 1}
-health: {preflight: quick}
-env: {OMP_NUM_THREADS: 1, SFTCTL_PREFLIGHT_SLOW_NET_RANK: 1}
-run: echo trained on node $SFTCTL_NODE_RANK
-"""
+def two_node_spec(name: str, max_restarts: int = 1, **env: int) -> str:
+    """A two-node local CPU job with the quick preflight, whose run says which node trained;
+    ``env``: the nodes' extra variables (a fault to inject). The one spec of the preflight tests
+    (here and in test_preflight.py)."""
+    extra = "".join(f", {k}: {v}" for k, v in env.items())
+    return (f"name: {name}\nresources: {{accelerators: [\"cpu:1\"], nodes: 2}}\n"
+            f"recovery: {{max_restarts: {max_restarts}}}\nhealth: {{preflight: quick}}\n"
+            f"env: {{OMP_NUM_THREADS: 1{extra}}}\nrun: echo trained on node $SFTCTL_NODE_RANK\n")
+
+
+SLOW_NET = two_node_spec("slow-net", SFTCTL_PREFLIGHT_SLOW_NET_RANK=1)
 
 
 def test_a_node_that_slows_the_allreduce_is_replaced_before_the_first_step(tmp_path, home):
@@ -143,14 +146,7 @@ def _fake_dcgmi(bin_dir, fail_rank: int) -> None:
     script.chmod(0o755)
 
 
-DCGM = """
-name: dcgm
-resources: {accelerators: ["cpu:1"], nodes: 2}
-recovery: {max_restarts: 1}
-health: {preflight: quick}
-env: {OMP_NUM_THREADS: 1}
-run: echo trained on node $SFTCTL_NODE_RANK
-"""
+DCGM = two_node_spec("dcgm")
 
 
 def test_a_node_whose_dcgmi_diag_fails_is_replaced_before_the_first_step(tmp_path, home):
@@ -172,14 +168,7 @@ def test_a_node_whose_dcgmi_diag_fails_is_replaced_before_the_first_step(tmp_pat
     assert all(d["dcgm"] == {"level": 1, "rc": 0, "failed": []} for d in passed) and len(passed) >= 2
 
 
-HEALTHY = """
-name: healthy
-resources: {accelerators: ["cpu:1"], nodes: 2}
-recovery: {max_restarts: 0}
-health: {preflight: quick}
-env: {OMP_NUM_THREADS: 1}
-run: echo trained on node $SFTCTL_NODE_RANK
-"""
+HEALTHY = two_node_spec("healthy", max_restarts=0)
 
 
 def test_repeated_healthy_local_runs_give_no_verdict(tmp_path, home):
@@ -198,7 +187,9 @@ def test_repeated_healthy_local_runs_give_no_verdict(tmp_path, home):
             assert d["matmul"][0]["predicted_s"] > 0 and d["allreduce"]["predicted_bus_gbps"] > 0  # judged
             assert d["allreduce"]["slow_node"] is None
             elapsed.append(d["elapsed_s"])
-    assert len(elapsed) == 6 and all(0 < s < deadline(60) for s in elapsed)
+    # timed, not held to a time: the all-reduce waits for the other node's start, which a busy
+    # machine makes as slow as it likes (a check that hung has no all-reduce figures above)
+    assert len(elapsed) == 6 and all(s > 0 for s in elapsed)
 
 
 def test_the_predicted_bus_bandwidth_of_a_gpu_offering_follows_its_network():
