@@ -205,9 +205,9 @@ class Predictor:
             provider=f"{offering.provider}:{offering.instance_type}",
             graph=self.graph(per_rank), global_batch=self.spec.model.batch_size,  # the layouts (issue 38)
             model_parallel=t.parallelism == "auto" and t.activation_checkpointing is None,
-            # a launched job applies its layout through sft.prepare(), which cannot run pipeline
-            # stages (the script's own loop must drive the schedule): plan none for it
-            pipeline=False)
+            # pipeline stages only where the script drives their schedule (train.pipeline: it
+            # calls sft.prepare(model, loss_fn=...) and steps the Pipeline it returns)
+            pipeline=t.pipeline)
         ch = got.chosen
         if (offering.accelerator, per_rank) not in self._attention:
             self._attention[offering.accelerator, per_rank] = attention_assumed(self.graph(per_rank), target.name)

@@ -1,8 +1,8 @@
 """One rank of a multi-process CPU (gloo) training run for tests/test_parallel_train.py: the tiny
 Llama (or tiny MoE) of sftctl.train.tiny trained in float64 with AdamW under the layout the
 SFTCTL_TP / PP / CP / EP / DP / MICRO_BATCHES environment gives, as a job's script does:
-sftctl.train.prepare (which applies sftctl.train.parallel; DDP for data alone), or
-sftctl.train.pipeline.build_pipeline for pipeline stages, and context_parallel around the forward. Every rank builds the same initial model
+sftctl.train.prepare (which applies sftctl.train.parallel; DDP for data alone; for pipeline
+stages, given the loss, sftctl.train.pipeline.build_pipeline), and context_parallel around the forward. Every rank builds the same initial model
 (seed 0) and draws the same global batches (seed 1); each trains on its data rank's rows (and,
 under context parallelism, its slice of the sequence). Rank 0 writes OUT (JSON): the step losses
 (the mean over the global batch), and, from a single-process unsplit run of the same model on the
@@ -108,10 +108,8 @@ def main() -> None:
     mesh = layout_mesh(lay)
     model = make_model(args.moe)
     pipe = None
-    if lay.pp > 1:
-        from sftctl.train.pipeline import build_pipeline
-
-        pipe = build_pipeline(model, lay, mesh, loss_fn)
+    if lay.pp > 1:  # what a script with train.pipeline: true does: prepare() builds the stages
+        pipe = prepare(model, loss_fn=loss_fn)
         model = pipe.module
     else:  # what a job's script does: the plan's layout from SFTCTL_*, or DDP/FSDP for data alone
         model = prepare(model)

@@ -57,7 +57,7 @@ def test_priced_bubble_is_the_formula_times_the_slot(h100):
 
 def test_memory_per_rank_matches_a_hand_computation():
     shape = TransformerShape(layers=4, hidden=1024, ffn=4096, heads=8, kv_heads=8, vocab=32000, seq_len=2048)
-    lay = Layout(tp=2, pp=2, dp=2, sharding="zero1", micro_batch=2, micro_batches=4, sequence_parallel=False)
+    lay = Layout(tp=2, pp=2, dp=2, dp_sharding="zero1", micro_batch=2, micro_batches=4, sequence_parallel=False)
     got = memory_per_rank(shape, lay, attention="gemm", precision=MEGATRON)
     h, f, s, v = 1024, 4096, 2048, 32000
     layer = 4 * h * h + 2 * h * f + 2 * h  # qkv + out, two MLP matrices, two norms
@@ -83,7 +83,7 @@ def test_memory_per_rank_matches_a_hand_computation():
     assert small["activations"] == int(2 * per_block * 2) and small["logits"] == 0
     # checkpointing keeps each block's input (2 bytes x s b h) per micro-batch in flight + one block's activations
     ck = memory_per_rank(dataclasses.replace(shape, vocab=100),
-                         Layout(tp=2, pp=2, dp=2, sharding="zero1", micro_batch=2, micro_batches=4,
+                         Layout(tp=2, pp=2, dp=2, dp_sharding="zero1", micro_batch=2, micro_batches=4,
                                 checkpointing=True, sequence_parallel=False), attention="gemm", precision=MEGATRON)
     assert ck["activations"] == int(2 * (2 * s * b * h) * 2 + per_block)
 
@@ -125,7 +125,7 @@ def test_a_125m_model_on_one_node_is_data_parallel_only(h100):
 def test_a_70b_model_on_8x80gb_nodes_is_not_plain_ddp(h100):
     links = Links("H100", 8, 8, None, 400e9, "aws")
     results = search(LLAMA_70B, h100, links, 128)
-    plain = [r for r in results if r.layout.tp == r.layout.pp == r.layout.cp == 1 and r.layout.sharding == "ddp"]
+    plain = [r for r in results if r.layout.tp == r.layout.pp == r.layout.cp == 1 and r.layout.dp_sharding == "ddp"]
     assert plain and not any(r.fits for r in plain)  # 70B x 18 bytes per parameter on every rank
     best, why = choose(results)
     assert best.fits, why
@@ -141,12 +141,12 @@ def test_a_70b_model_on_one_node_does_not_fit_and_says_so(h100):
 
 def test_bad_layouts_are_refused(h100):
     with pytest.raises(ValueError, match="sharding"):
-        Layout(sharding="zero3")
+        Layout(dp_sharding="zero3")
     with pytest.raises(ValueError, match="ranks"):
         price(GPT_125M, Layout(dp=4), h100, Links("H100", 8, 1))
     with pytest.raises(ValueError, match="does not divide"):
         price(GPT_125M, Layout(tp=8), h100, Links("H100", 8, 1))
-    assert Layout(tp=8, pp=4, dp=2, sharding="fsdp").label == "tp8 pp4 dp2 fsdp"
+    assert Layout(tp=8, pp=4, dp=2, dp_sharding="fsdp").label == "tp8 pp4 dp2 fsdp"
     assert Fraction(bubble_fraction(4, 4)).limit_denominator(100) == Fraction(3, 7)
 
 
@@ -172,13 +172,13 @@ def test_a_70b_plan_replaces_fsdp_that_does_not_fit_by_a_tensor_parallel_layout(
     env = launch_env(doc)
     assert env["SFTCTL_TP"] == str(doc["tp"]) and env["SFTCTL_PP"] == str(doc["pp"])
     assert env["SFTCTL_DP"] == str(doc["dp"]) and env["SFTCTL_PP_SCHEDULE"] == doc["schedule"]
-    assert env["SFTCTL_DP_SHARDING"] == doc["sharding"]
+    assert env["SFTCTL_DP_SHARDING"] == doc["dp_sharding"]
     # a strategy that fits (by the layout memory model too: checkpointed, one sequence per rank) is
     # compared with the search on the layout model's own price of its dp64 layout: the tensor/pipeline
     # layout wins by more than the margin there, and its seconds are scaled by compiled / own price
     doc, replaced, _ = plan_layout(None, h100, _strategy("fsdp", 1e-3, cap // 2, cap, ckpt=True), links, 64,
                                    shape=LLAMA_70B)
-    own = price(LLAMA_70B, Layout(dp=64, sharding="fsdp", micro_batch=1, checkpointing=True), h100, links)
+    own = price(LLAMA_70B, Layout(dp=64, dp_sharding="fsdp", micro_batch=1, checkpointing=True), h100, links)
     assert replaced is not None and doc["tp"] > 1
     assert doc["layout_model_step_time_s"] < own.step_time_s * 0.95
     assert replaced.step_time_s == pytest.approx(doc["layout_model_step_time_s"] * 1e-3 / own.step_time_s)
@@ -238,10 +238,10 @@ def test_expert_parallelism_divides_the_experts_memory_and_routes_tokens(h100):
     assert memory_per_rank(shape, Layout(dp=8))["weights"] == int((dense + expert) * 4)
     assert memory_per_rank(shape, Layout(dp=8, ep=8))["weights"] == int((dense + expert / 8) * 4)
     # ZeRO-1: dense optimizer state over the 8 data ranks, each expert's over the 8 / ep ranks holding it
-    z = memory_per_rank(shape, Layout(dp=8, ep=4, sharding="zero1"))
+    z = memory_per_rank(shape, Layout(dp=8, ep=4, dp_sharding="zero1"))
     assert z["optimizer"] == int(dense * 8 / 8 + expert / 4 * 8 / 2)
     # FSDP gathers one block's dense weights and its local experts, not every expert
-    f = memory_per_rank(shape, Layout(dp=8, ep=8, sharding="fsdp"))
+    f = memory_per_rank(shape, Layout(dp=8, ep=8, dp_sharding="fsdp"))
     unit = 4 * 512 * 512 + 2 * 512 + 2 * 512 * 1024 * 8 / 8
     assert f["gather"] == int(unit * (2 * 2 + 4))
     links = Links("H100", 8, 1)
@@ -347,3 +347,28 @@ def test_shape_from_graph_reads_grouped_query_heads():
     assert (got.layers, got.hidden, got.ffn, got.heads, got.kv_heads, got.vocab, got.seq_len) == (
         3, 64, 160, 4, 2, 500, 128)
     assert got.gated_mlp and not got.tied_embeddings and not got.dropout
+
+
+def test_train_pipeline_is_the_specs_switch_for_pipeline_layouts(tmp_path, h100):
+    """``train.pipeline`` (default false) says the script steps the Pipeline sft.prepare(model,
+    loss_fn=...) returns; the planner passes it to plan_layout as ``pipeline``, which leaves out
+    every layout with pipeline stages when it is false. A wrong value is one line naming the field."""
+    from conftest import write_spec
+    from sftctl.compiler.layouts.offering import plan_layout
+    from sftctl.errors import SpecError
+    from sftctl.spec import load_spec
+
+    base = "name: j\nresources: {accelerators: [cpu:1]}\nrun: echo\n"
+    assert load_spec(write_spec(tmp_path / "a.yaml", base)).train.pipeline is False
+    assert load_spec(write_spec(tmp_path / "b.yaml", base + "train: {pipeline: true}\n")).train.pipeline is True
+    with pytest.raises(SpecError) as e:
+        load_spec(write_spec(tmp_path / "c.yaml", base + "train: {pipeline: maybe}\n"))
+    assert "train.pipeline" in e.value.message and "\n" not in e.value.message
+    # Llama-3-70B on 8 nodes of H100:8, 512 sequences per step: the search's pick has pipeline
+    # stages when they are allowed, and none when the spec does not allow them
+    links = Links("H100", 8, 8, None, 400e9, "aws")
+    cap = int(h100.hw.memory_bytes)
+    chosen = _strategy("fsdp", 9.0, 3 * cap, cap)
+    with_pp, _, _ = plan_layout(None, h100, chosen, links, 512, shape=LLAMA_70B, pipeline=True)
+    without, _, _ = plan_layout(None, h100, chosen, links, 512, shape=LLAMA_70B, pipeline=False)
+    assert with_pp["pp"] > 1 and without["pp"] == 1, (with_pp["label"], without["label"])

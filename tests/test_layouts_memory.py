@@ -67,10 +67,10 @@ def test_memory_per_rank_is_within_10_percent_of_the_cpu_run(label, tmp_path):
                                  kv_heads=d["n_heads"], vocab=d["vocab"], seq_len=d["max_seq"], gated_mlp=True,
                                  experts=d["n_experts"], top_k=d["top_k"], dropout=False, dtype="float32")
     lay = {"tp2": Layout(tp=2, micro_batch=batch, sequence_parallel=False),
-           "dp2 fsdp": Layout(dp=2, sharding="fsdp", micro_batch=batch),
+           "dp2 fsdp": Layout(dp=2, dp_sharding="fsdp", micro_batch=batch),
            "dp2": Layout(dp=2, micro_batch=batch),
            "pp2": Layout(pp=2, micro_batch=batch // pp_m, micro_batches=pp_m),
-           "ep2": Layout(dp=2, ep=2, sharding="fsdp", micro_batch=batch)}[label]
+           "ep2": Layout(dp=2, ep=2, dp_sharding="fsdp", micro_batch=batch)}[label]
     predicted = memory_per_rank(shape, lay, precision=TORCH_AMP)
     predicted.pop("reserve")  # the CUDA context and cuBLAS workspaces: none on a CPU
     ranks = _measure(label, tmp_path)
@@ -110,5 +110,5 @@ def test_the_planner_and_the_layout_search_shard_the_state_in_one_place(monkeypa
     from sftctl.compiler.layouts import Layout, TransformerShape, memory_per_rank
 
     memory_per_rank(TransformerShape(layers=2, hidden=64, ffn=128, heads=4, kv_heads=4, vocab=100, seq_len=32),
-                    Layout(dp=4, sharding="zero1"))
+                    Layout(dp=4, dp_sharding="zero1"))
     assert calls and calls[0][3:5] == ("zero1", 4)

@@ -2,7 +2,8 @@
 PP2 x DP2 (1F1B, 2 micro-batches; and interleaved 1F1B, 2 chunks per rank), TP2 x PP2 and CP2 x DP2 (ring attention), and a tiny MoE with
 EP2 (x DP4, and x TP2 x DP2), over 4 processes, reaches at every step the loss of the same model trained unsplit in one process
 on the whole batch (tests/parallel_train_worker.py computes both). A DCP checkpoint written under
-TP2 x DP2 after 10 steps resumes under DP4 (and one written under PP2 x DP2 under TP2 x DP2), and the
+TP2 x DP2 after 10 steps resumes under DP4 (and one written under PP2 x DP2 under TP2 x DP2, and under
+PP2 x DP1 on the 2 ranks an elastic resume has left after a pipeline stage's node was lost), and the
 next 10 steps match the reference's steps 11-20.
 
 Tolerance: relative 1e-9 on every step's loss. Everything is float64; the split runs differ from the
@@ -92,7 +93,7 @@ def test_layout_trains_as_the_float64_reference(tmp_path, name, layout, args, sh
 
 @pytest.mark.parametrize("before,after,label", [
     # prepare() wraps the DP4 run in DDP: full tensors read from 2-D (tp, dp) DTensor shards
-    ({"tp": 2, "dp": 2}, {"dp": 4}, "dp4 ddp"),
+    ({"tp": 2, "dp": 2}, {"dp": 4}, "dp4"),
     # pipeline stages' shards (each stage saved its own layers) into tensor-parallel FSDP
     ({"pp": 2, "dp": 2, "micro_batches": 2}, {"tp": 2, "dp": 2, "dp_sharding": "fsdp"}, "tp2 dp2 fsdp"),
 ])
@@ -104,6 +105,57 @@ def test_checkpoint_resumes_on_another_layout(tmp_path, before, after, label):
     assert second["layout"] == label
     assert_matches({"losses": first["losses"] + second["losses"], "layout": f"{first['layout']} -> {label}",
                     "ref_losses": first["ref_losses"] + second["ref_losses"]})
+
+
+def test_pipeline_stage_lost_resumes_on_fewer_ranks(tmp_path):
+    """Issue 38 item 4: a PP2 x DP2 job loses a node holding a pipeline stage's ranks and no
+    replacement comes: the elastic resume relaunches on the 2 ranks left with the plan's layout
+    still exported (SFTCTL_PP=2, SFTCTL_DP=2: the controller's launch_env) and torchrun's
+    WORLD_SIZE=2; sftctl.train.mesh.layout() resizes it to PP2 x DP1 (each stage on one rank, the
+    whole batch per step), loads the last DCP checkpoint and the next 10 steps are the float64
+    reference's steps 11-20."""
+    ckpt = tmp_path / "ckpt"
+    planned = {"pp": 2, "dp": 2, "micro_batches": 2}
+    first = launch(tmp_path / "a.json", planned, "--steps", "10", "--save", str(ckpt))
+    assert first["layout"] == "pp2 dp2"
+    second = launch(tmp_path / "b.json", planned, "--first", "10", "--steps", "10", "--load", str(ckpt), nproc=2)
+    assert second["layout"] == "pp2 dp1" and second["schedule"] == "Schedule1F1B"
+    # each of the 2 ranks now holds a whole stage: half the model
+    assert [held["params"] / second["model_bytes"] for held in second["rank_bytes"]] == \
+        pytest.approx([0.5, 0.5], abs=2e-3)
+    assert_matches({"losses": first["losses"] + second["losses"], "layout": "pp2 dp2 -> pp2 dp1",
+                    "ref_losses": first["ref_losses"] + second["ref_losses"]})
+
+
+def test_layout_resizes_to_the_ranks_left():
+    """The layout an elastic resume runs (sftctl.types.layout.Layout.resized) and exports
+    (launch_env with the ranks left): the data degree absorbs the loss, then the pipeline degree;
+    the global batch stays; a tensor degree the ranks cannot hold is one clear error."""
+    from sftctl.compiler.layouts.offering import launch_env, layout_doc
+    from sftctl.errors import SpecError
+    from sftctl.train.mesh import layout
+    from sftctl.types import Layout
+
+    lay = Layout(pp=2, dp=2, micro_batch=2, micro_batches=4, dp_sharding="fsdp")
+    small = lay.resized(2)
+    assert (small.pp, small.dp, small.micro_batch, small.global_batch, small.label) == (2, 1, 4, 16, "pp2 dp1")
+    assert lay.resized(4) is lay
+    assert Layout(tp=2, pp=4, dp=2, micro_batches=4).resized(8).label == "tp2 pp4 dp1"
+    # 6 ranks: tp2 x pp4 no longer divides them; the stages merge to pp1, dp 3
+    assert Layout(tp=2, pp=4, dp=2, micro_batches=4).resized(6).label == "tp2 dp3"
+    assert Layout(ep=4, dp=4).resized(2).ep == 2  # ep borrows data ranks: at most dp
+    with pytest.raises(SpecError, match="cannot hold its tensor degree tp4"):
+        Layout(tp=4, dp=2).resized(2)
+    env = launch_env(layout_doc(lay, "search"), world=2)
+    assert (env["SFTCTL_PP"], env["SFTCTL_DP"], env["SFTCTL_MICRO_BATCHES"]) == ("2", "1", "4")
+    assert launch_env(layout_doc(lay, "search"))["SFTCTL_DP"] == "2"
+    # torchrun's WORLD_SIZE below the exported layout's ranks: training resizes it the same way
+    got = layout({"SFTCTL_PP": "2", "SFTCTL_DP": "2", "SFTCTL_MICRO_BATCHES": "2", "WORLD_SIZE": "2"})
+    assert (got.pp, got.dp, got.label) == (2, 1, "pp2 dp1")
+    # the plan's document reads back as the record (an older document's key names too)
+    assert Layout.from_dict(layout_doc(lay, "search")) == lay
+    assert Layout.from_dict({"dp": 4, "sharding": "fsdp", "activation_checkpointing": True}) == \
+        Layout(dp=4, dp_sharding="fsdp", checkpointing=True)
 
 
 def test_layouts_a_model_cannot_take_are_one_clear_error():
@@ -128,8 +180,51 @@ def test_layouts_a_model_cannot_take_are_one_clear_error():
     assert [list(stage_layers(5, s, 2)) for s in range(2)] == [[0, 1, 2], [3, 4]]
     lay = layout({"SFTCTL_TP": "2", "SFTCTL_PP": "2", "SFTCTL_DP": "2", "SFTCTL_DP_SHARDING": "fsdp"})
     assert (lay.tp, lay.pp, lay.dp, lay.world, lay.label) == (2, 2, 2, 8, "tp2 pp2 dp2 fsdp")
-    with pytest.raises(SpecError, match="pipeline stages are not applied by prepare") as exc:
+    with pytest.raises(SpecError, match="without loss_fn") as exc:
         prepare_layout(tiny_llama(), Layout(pp=2, micro_batches=2))
-    assert "build_pipeline" in exc.value.hint
+    assert "sft.prepare(model, loss_fn=loss_fn)" in exc.value.hint and "train.pipeline" in exc.value.hint
     model = stage_module(tiny_llama(n_layers=4), 1, 2)
     assert list(model.layers.keys()) == ["2", "3"] and model.tok_embeddings is None and model.output is not None
+
+
+def test_sharded_checkpoint_keys_optimizer_state_by_name_and_reads_the_old_form(tmp_path, monkeypatch):
+    """save_sharded_checkpoint keys AdamW's state and param groups by parameter name (so pipeline
+    stages' groups reshard onto other stages, as the lost-stage resume above needs); a checkpoint
+    of the list-indexed form written before still loads, every tensor as it was saved. One process."""
+    torch = pytest.importorskip("torch")
+    import json as _json
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from sftctl.train import load_sharded_checkpoint, save_sharded_checkpoint
+    from sftctl.train.tiny import tiny_llama
+
+    monkeypatch.setenv("SFTCTL_CHECKPOINT_DIR", str(tmp_path))
+    monkeypatch.delenv("SFTCTL_STORAGE_URL", raising=False)
+    model = tiny_llama(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    model(tokens).sum().backward()
+    opt.step()
+    save_sharded_checkpoint(model, opt, 5)
+    keys = dcp.FileSystemReader(str(tmp_path / "step-00000005")).read_metadata().state_dict_metadata
+    assert "optim.state.tok_embeddings.weight.exp_avg" in keys and "optim.param_groups.tok_embeddings.weight.lr" in keys
+    # the old form: list-indexed groups ("optim.param_groups.0.lr"), written as sftctl did before
+    old = tmp_path / "step-00000007"
+    shutil.copytree(tmp_path / "step-00000005", old)
+    for f in old.glob("*.distcp"):
+        f.unlink()
+    (old / ".metadata").unlink()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(old))
+    (old / "COMPLETE").write_text(_json.dumps({"step": 7, "format": "dcp", "world_size": 1}))
+    assert "optim.param_groups.0.lr" in dcp.FileSystemReader(str(old)).read_metadata().state_dict_metadata
+    fresh = tiny_llama(seed=3)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    got = load_sharded_checkpoint(fresh, fresh_opt)
+    assert got is not None and got[0] == 7
+    for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(a, b), name
+        assert torch.equal(opt.state[a]["exp_avg_sq"], fresh_opt.state[b]["exp_avg_sq"]), name

@@ -162,6 +162,11 @@ class TrainSpec(_Strict):
     activation_checkpointing: StrictBool | None = Field(
         None, description="recompute each block's activations in backward (SFTCTL_ACTIVATION_CHECKPOINTING); "
         "unset: the planner turns it on only where nothing fits without it or it is faster")
+    pipeline: StrictBool = Field(
+        False, description="the training script runs pipeline stages: it calls sft.prepare(model, loss_fn=...) "
+        "and steps the Pipeline it returns (pipe.step(inputs, targets)) when SFTCTL_PP > 1, as torchtitan's "
+        "train loop drives its pipeline schedule; true lets the planner choose layouts with pipeline "
+        "parallelism (pp > 1, 1F1B or interleaved); false (default): pp = 1")
 
 
 class Accelerator(_Strict):

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from sftctl.errors import SpecError
-from sftctl.train.mesh import Layout
+from sftctl.types.layout import Layout
 
 
 def moe_layers(model: Any) -> list:

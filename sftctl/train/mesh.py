@@ -13,65 +13,36 @@ kept so every dimension can be sliced by name). Expert parallelism borrows ranks
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from sftctl import settings
-from sftctl.errors import SpecError
+from sftctl.types.layout import Layout
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Degrees of each parallel dimension (1: not split that way), the data dimension's sharding,
-    micro-batches per step per data-parallel rank, the pipeline schedule (``1f1b`` or
-    ``interleaved``) and its model chunks per pipeline rank (``interleave``)."""
-
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    dp: int = 1
-    dp_sharding: str = "fsdp"
-    micro_batches: int = 1
-    schedule: str = "1f1b"
-    interleave: int = 1
-
-    @property
-    def world(self) -> int:
-        """Ranks the layout needs: ``pp * dp * cp * tp`` (ep reuses data/context ranks)."""
-        return self.pp * self.dp * self.cp * self.tp
-
-    @property
-    def label(self) -> str:
-        """As the plan's LAYOUT column writes it, e.g. ``tp2 pp2 dp2 fsdp``."""
-        parts = [f"{k}{getattr(self, k)}" for k in ("tp", "pp", "cp", "ep", "dp") if getattr(self, k) > 1]
-        return " ".join(parts + [self.dp_sharding]) if parts else f"dp1 {self.dp_sharding}"
-
-    def check(self, world: int) -> None:
-        """Raises SpecError when the layout does not fill ``world`` ranks exactly, or ``ep`` does
-        not divide ``dp * cp``; each message names the setting and a fix."""
-        if self.world != world:
-            raise SpecError(f"layout {self.label}: SFTCTL_PP*SFTCTL_DP*SFTCTL_CP*SFTCTL_TP = {self.world}, "
-                            f"but the process group has {world} ranks",
-                            hint="launch pp*dp*cp*tp processes (torchrun --nproc-per-node x nodes), or re-plan")
-        if (self.dp * self.cp) % self.ep:
-            raise SpecError(f"layout {self.label}: SFTCTL_EP={self.ep} does not divide dp*cp={self.dp * self.cp} "
-                            "(expert parallelism borrows data/context ranks)", hint="choose ep dividing dp*cp")
-
-
 def layout(environ: Mapping[str, str] | None = None) -> Layout:
-    """The planned :class:`Layout` from ``SFTCTL_*`` (all 1 / defaults when unset).
+    """The planned :class:`~sftctl.types.layout.Layout` from ``SFTCTL_*`` (all 1 / defaults when
+    unset). When ``WORLD_SIZE`` (torchrun's) names fewer or more ranks than the planned layout
+    has, the layout is :meth:`~sftctl.types.layout.Layout.resized` to them: an elastic resume on
+    the nodes left after a lost one could not be replaced (issue 38 item 4) runs the plan's
+    layout with a smaller data (or pipeline) degree, from the last DCP checkpoint.
 
     Raises:
         SettingError: a malformed value (the message names the variable).
+        SpecError: ``WORLD_SIZE`` ranks cannot hold the layout's tensor degree.
     """
+    import os
+
     g = lambda name: settings.get(name, environ)  # noqa: E731
-    return Layout(tp=int(g("SFTCTL_TP")), pp=int(g("SFTCTL_PP")), cp=int(g("SFTCTL_CP")), ep=int(g("SFTCTL_EP")),
-                  dp=int(g("SFTCTL_DP")), dp_sharding=str(g("SFTCTL_DP_SHARDING")),
-                  micro_batches=int(g("SFTCTL_MICRO_BATCHES")), schedule=str(g("SFTCTL_PP_SCHEDULE")),
-                  interleave=int(g("SFTCTL_PP_INTERLEAVE")))
+    lay = Layout(tp=int(g("SFTCTL_TP")), pp=int(g("SFTCTL_PP")), cp=int(g("SFTCTL_CP")), ep=int(g("SFTCTL_EP")),
+                 dp=int(g("SFTCTL_DP")), dp_sharding=str(g("SFTCTL_DP_SHARDING")),
+                 micro_batches=int(g("SFTCTL_MICRO_BATCHES")), schedule=str(g("SFTCTL_PP_SCHEDULE")),
+                 interleave=int(g("SFTCTL_PP_INTERLEAVE")))
+    world = (os.environ if environ is None else environ).get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) > 0 and int(world) != lay.world:
+        lay = lay.resized(int(world))
+    return lay
 
 
 def device_type() -> str:
@@ -85,7 +56,7 @@ def build_mesh(lay: Layout, device: str | None = None) -> Any:
     """The ``DeviceMesh`` ``(pp, dp, cp, tp)`` over the default process group (initialized).
 
     Raises:
-        SpecError: see :meth:`Layout.check`.
+        SpecError: see :meth:`sftctl.types.layout.Layout.check`.
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -104,4 +75,4 @@ def data_mesh(mesh: Any) -> Any:
     return mesh["dp", "cp"]._flatten("dp_cp")
 
 
-__all__ = ["Layout", "MESH_DIMS", "build_mesh", "data_mesh", "device_type", "layout"]
+__all__ = ["MESH_DIMS", "build_mesh", "data_mesh", "device_type", "layout"]

@@ -34,7 +34,8 @@ from __future__ import annotations
 from typing import Any
 
 from sftctl.errors import SpecError
-from sftctl.train.mesh import Layout, data_mesh
+from sftctl.train.mesh import data_mesh
+from sftctl.types.layout import Layout
 
 
 def model_blocks(model: Any) -> list:
@@ -118,23 +119,33 @@ def layout_mesh(lay: Layout | None = None) -> Any:
     return _MESH[lay]
 
 
-def prepare_layout(model: Any, lay: Layout) -> Any:
+def prepare_layout(model: Any, lay: Layout, loss_fn: Any = None) -> Any:
     """What :func:`sftctl.train.prepare` does when the plan's layout splits more than the data
     dimension: check the model can take ``lay`` (:func:`check_splittable`), then
     :func:`parallelize` it on :func:`layout_mesh`. Under context parallelism the script runs its
     forward inside ``context_parallel(model, layout_mesh()["cp"], seq_len=...)`` on its
     ``shard_sequence`` of the batch (:mod:`sftctl.train.context_parallel`).
 
+    With pipeline stages (``SFTCTL_PP`` > 1) the schedule runs the forward and backward, so it
+    needs the script's ``loss_fn(output, target)`` (the mean over a micro-batch): the result is
+    then a :class:`sftctl.train.pipeline.Pipeline` (:func:`~sftctl.train.pipeline.build_pipeline`
+    on :func:`layout_mesh`): build the optimizer on its ``module``, call ``pipe.step(inputs,
+    targets)`` each step. A spec with ``train.pipeline: true`` promises the script does this.
+
     Raises:
-        SpecError: pipeline stages (``SFTCTL_PP`` > 1) need the script's loop to run the schedule:
-            the message names :func:`sftctl.train.pipeline.build_pipeline`; see also
-            :func:`check_splittable`.
+        SpecError: ``SFTCTL_PP`` > 1 without ``loss_fn`` (the message names it and the spec
+            field); see also :func:`check_splittable` and ``build_pipeline``.
     """
     if lay.pp > 1:
-        raise SpecError(f"layout {lay.label}: pipeline stages are not applied by prepare(): the training loop "
-                        "must run the 1F1B schedule",
-                        hint="pipe = sftctl.train.pipeline.build_pipeline(model, lay, mesh, loss_fn); "
-                             "loss = pipe.step(inputs, targets); or plan pp=1")
+        if loss_fn is None:
+            raise SpecError(f"layout {lay.label}: pipeline stages need the loss inside the schedule, and "
+                            "prepare() was called without loss_fn",
+                            hint="pipe = sft.prepare(model, loss_fn=loss_fn); loss = pipe.step(inputs, targets); "
+                                 "or set train.pipeline: false so the planner plans pp=1")
+        from sftctl.train.pipeline import build_pipeline
+
+        check_splittable(model, lay)
+        return build_pipeline(model, lay, layout_mesh(lay), loss_fn)
     check_splittable(model, lay)
     return parallelize(model, lay, layout_mesh(lay))
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from sftctl.errors import SpecError
-from sftctl.train.mesh import Layout
+from sftctl.types.layout import Layout
 
 #: the attributes a model must have to be cut into stages without a hook
 STAGE_ATTRS = ("tok_embeddings", "layers", "norm", "output")

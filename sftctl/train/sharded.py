@@ -73,7 +73,7 @@ def _log(msg: str) -> None:
 
 
 def prepare(model: Any, *, parallelism: str | None = None, activation_checkpointing: bool | None = None,
-            dtype: str | None = None) -> Any:
+            dtype: str | None = None, loss_fn: Any = None) -> Any:
     """Wrap ``model`` (on its device already) the way the plan says; call it once, before
     building the optimizer, and train the module it returns.
 
@@ -87,18 +87,26 @@ def prepare(model: Any, *, parallelism: str | None = None, activation_checkpoint
       without the collectives it needs), it logs one line saying why and falls back to DDP.
     * a layout with tensor, context or expert parallelism (``SFTCTL_TP`` / ``SFTCTL_CP`` /
       ``SFTCTL_EP`` > 1): :func:`sftctl.train.parallel.prepare_layout` (DTensor tensor
-      parallelism, all-to-all experts, FSDP2 over ``dp`` x ``cp``); pipeline stages raise a
-      SpecError naming :func:`sftctl.train.pipeline.build_pipeline`.
+      parallelism, all-to-all experts, FSDP2 over ``dp`` x ``cp``).
+    * pipeline stages (``SFTCTL_PP`` > 1, planned only for a spec with ``train.pipeline: true``):
+      given ``loss_fn(output, target)``, a :class:`sftctl.train.pipeline.Pipeline` (this rank's
+      stage as ``.module``, ``.step(inputs, targets)`` runs the 1F1B or interleaved schedule and
+      returns the step's mean loss); without ``loss_fn``, a SpecError naming it.
     * activation checkpointing: each block is wrapped with ``checkpoint_wrapper`` (non-reentrant
       ``torch.utils.checkpoint``; its state-dict keys stay the block's own).
 
     Args:
         parallelism / activation_checkpointing: default :func:`strategy` (the environment).
         dtype: default ``config().dtype`` (``SFTCTL_DTYPE``).
+        loss_fn: the loss of one micro-batch, ``loss_fn(output, target) -> scalar mean``; used
+            (and needed) only under pipeline stages.
     Returns:
-        the module to call in the training loop (the same object, sharded in place, for FSDP).
+        the module to call in the training loop (the same object, sharded in place, for FSDP),
+        or under pipeline stages the :class:`~sftctl.train.pipeline.Pipeline`.
     Raises:
         ValueError: an unknown parallelism (or a bad environment variable).
+        SpecError: a layout the model cannot take, or pipeline stages without ``loss_fn``
+            (:func:`sftctl.train.parallel.prepare_layout`).
     """
     import torch
     import torch.distributed as dist
@@ -106,7 +114,7 @@ def prepare(model: Any, *, parallelism: str | None = None, activation_checkpoint
     lay = layout()
     if max(lay.tp, lay.pp, lay.cp, lay.ep) > 1:  # the plan splits more than the data dimension
         _log(f"layout {lay.label}")
-        return prepare_layout(model, lay)
+        return prepare_layout(model, lay, loss_fn)
     env_par, env_ckpt = strategy()
     par = parallelism or env_par
     if par not in PARALLELISMS:
@@ -206,7 +214,7 @@ def save_sharded_checkpoint(model: Any, optimizer: Any, step: int, *, extra: dic
     """
     keep = _checkpoint_args(step, keep)
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     dist = _dist()
     rank = dist.get_rank() if dist else 0
@@ -225,7 +233,10 @@ def save_sharded_checkpoint(model: Any, optimizer: Any, step: int, *, extra: dic
     own_disk = rank != 0 and not tmp.exists()
     if own_disk:  # another node's disk: our files go to our own copy of the directory
         tmp.mkdir(parents=True, exist_ok=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    # optimizer state and param groups keyed by parameter name (torchtitan does the same): each
+    # pipeline stage holds other parameters in its one param group, so list-indexed groups of two
+    # stages collide in the checkpoint and do not reshard onto another set of stages
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         if rank == 0:
@@ -303,7 +314,7 @@ def load_sharded_checkpoint(model: Any, optimizer: Any) -> tuple[int, dict] | No
         FileNotFoundError: a rank cannot see the checkpoint and there is no job storage.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     dist = _dist()
     rank = dist.get_rank() if dist else 0
@@ -326,18 +337,22 @@ def load_sharded_checkpoint(model: Any, optimizer: Any) -> tuple[int, dict] | No
         path = checkpoint_dir() / found_path.name
     if dist:
         dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
     if (path / DCP_METADATA).is_file():
         import torch
 
+        # a checkpoint written before optimizer state was keyed by parameter name keeps its
+        # list-indexed param groups ("optim.param_groups.0.lr"): read it as it was written
+        keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        options = StateDictOptions(flatten_optimizer_state_dict="optim.param_groups.0.params" not in keys)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=options)
         extra = torch.load(path / EXTRA_FILE, map_location="cpu", weights_only=True)
         extra.pop("step", None)
     else:  # a single-file checkpoint: full state dicts, every rank takes its part
         import torch
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         full = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
         set_state_dict(model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optimizer"],

@@ -15,12 +15,14 @@ does not know (a newer sftctl's state stays readable).
 - :class:`JobStatus`, :class:`JobRecord`, :class:`NodeRecord`, :class:`Attempt`,
   :class:`Event`: what ``state.db`` keeps.
 - :class:`MetricsRecord`: one training metrics sample (``sftctl.train`` writes them).
+- :class:`Layout`: a parallel layout (tp, pp, cp, ep, dp degrees, the data dimension's sharding,
+  micro-batches, pipeline schedule): the planner prices it, the plan carries it, training runs it.
 - :class:`FailureReason`: why something failed or was ruled out, as a code a program switches
   on plus one human line; code never parses the line back.
 
 The package, split by job (ARCHITECTURE.md, "Layout"); every name is importable from
 ``sftctl.types``: :mod:`~sftctl.types.record` (:class:`Record`), :mod:`~sftctl.types.plans`
-(reasons, offerings, plans), :mod:`~sftctl.types.nodes` (node states, handles, capabilities),
+(reasons, offerings, plans), :mod:`~sftctl.types.layout` (:class:`Layout`), :mod:`~sftctl.types.nodes` (node states, handles, capabilities),
 :mod:`~sftctl.types.jobs` (what the state keeps).
 """
 
@@ -57,11 +59,12 @@ from sftctl.types.nodes import (
     SlurmHandle,
     capabilities,
 )
+from sftctl.types.layout import Layout
 from sftctl.types.plans import FailureCode, FailureReason, Offering, Plan, PlanChoice
 from sftctl.types.record import Record, T, _plain
 
 __all__ = [
-    "Record", "T", "_plain", "FailureCode", "FailureReason", "Offering", "Plan", "PlanChoice", "AWSHandle",
+    "Record", "T", "_plain", "Layout", "FailureCode", "FailureReason", "Offering", "Plan", "PlanChoice", "AWSHandle",
     "AttemptStatus", "CloudHandle", "GCPHandle", "KubernetesHandle", "LocalHandle", "NodeHandle", "NodeState",
     "NodeStatus", "ProviderCapabilities", "SlurmHandle", "_HANDLES", "capabilities", "Attempt", "AuditEvent",
     "Cost", "CostTotal", "Event", "GPU_MEASURES", "GpuPoint", "JobRecord", "JobStatus", "MetricsRecord",

@@ -26,8 +26,8 @@ from __future__ import annotations
 import dataclasses
 
 from sftctl.compiler.layouts.shape import TransformerShape
+from sftctl.types.layout import DP_SHARDINGS as SHARDINGS
 
-SHARDINGS = ("ddp", "zero1", "fsdp")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
@@ -112,7 +112,7 @@ def activation_bytes_per_layer(shape: TransformerShape, lay, attention: str = "f
     instead of Megatron's fused kernels): the attention's output is kept twice (the kernel's
     ``[b, heads, s, d]`` output for its backward and the ``[b, s, h]`` copy the output projection
     reads: + h), and a gated MLP four times f (gate, up, ``silu(gate)`` and the product the down
-    projection reads). ``lay`` is a :class:`~sftctl.compiler.layouts.price.Layout`."""
+    projection reads). ``lay`` is a :class:`~sftctl.types.layout.Layout`."""
     t = lay.tp
     e = DTYPE_BYTES.get(shape.dtype, 2)
     tokens = lay.micro_batch * shape.seq_len / lay.cp
@@ -158,11 +158,11 @@ def memory_per_rank(shape: TransformerShape, lay, attention: str = "flash",
     expert_layer = shape.mlp_params if shape.experts else 0
     unit = (shape.layer_params - expert_layer) / lay.tp + expert_layer / (lay.ep if lay.ep > 1 else lay.tp)
     kw = dict(gather_bytes=pr.gather_bytes, reduce_bytes=pr.reduce_bytes)
-    mem = sharded_state(dense * pr.weight_bytes, dense * pr.grad_bytes, dense * pr.optimizer_bytes, lay.sharding,
+    mem = sharded_state(dense * pr.weight_bytes, dense * pr.grad_bytes, dense * pr.optimizer_bytes, lay.dp_sharding,
                         shard, unit_params=unit, **kw)
     if expert:
         ex = sharded_state(expert * pr.weight_bytes, expert * pr.grad_bytes, expert * pr.optimizer_bytes,
-                           lay.sharding, expert_shard, **kw)
+                           lay.dp_sharding, expert_shard, **kw)
         mem = {k: mem[k] + ex[k] for k in mem}
     layer_act = activation_bytes_per_layer(shape, lay, attention, pr.eager_kernels)
     per_stage = shape.layers / lay.pp

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from sftctl.compiler.layouts.price import Layout, LayoutPrediction, Links, _Prices, price
+from sftctl.compiler.layouts.price import LayoutPrediction, Links, _Prices, price
 from sftctl.compiler.layouts.search import choose, search
 from sftctl.compiler.layouts.shape import TransformerShape, shape_from_graph
+from sftctl.types.layout import Layout
 
 _SEARCHES: dict[tuple, list[LayoutPrediction]] = {}  # one search per (target, shape, links, batch)
 _PRICES: dict[tuple, _Prices] = {}
@@ -22,14 +23,16 @@ _PRICES: dict[tuple, _Prices] = {}
 
 def strategy_layout(parallelism: str, activation_checkpointing: bool, world: int) -> Layout:
     """The layout of a data-parallel strategy on ``world`` ranks."""
-    return Layout(dp=world, sharding="fsdp" if parallelism == "fsdp" and world > 1 else "ddp",
+    return Layout(dp=world, dp_sharding="fsdp" if parallelism == "fsdp" and world > 1 else "ddp",
                   checkpointing=bool(activation_checkpointing))
 
 
 def layout_doc(lay: Layout, source: str, **extra) -> dict:
-    """The plan's ``layout`` document: the label, each degree and where it comes from
-    (``strategy``: the compiled step's DDP/FSDP; ``search``: the layout search)."""
-    return {"label": lay.label, **lay.degrees(), "source": source, **extra}
+    """The plan's ``layout`` document: the label, the :class:`~sftctl.types.layout.Layout`
+    record's fields (:meth:`~sftctl.types.layout.Layout.to_dict`; ``Layout.from_dict`` reads the
+    document back) and where it comes from (``strategy``: the compiled step's DDP/FSDP;
+    ``search``: the layout search), with ``extra`` (the search's step time, interval, memory)."""
+    return {"label": lay.label, **lay.to_dict(), "source": source, **extra}
 
 
 def plan_layout(graph, target, chosen, links: Links, global_batch: int, *, model_parallel: bool = True,
@@ -64,7 +67,7 @@ def plan_layout(graph, target, chosen, links: Links, global_batch: int, *, model
     # hold by both (the compiled step's liveness peak can fall where the gradients are and hide the
     # activations' peak), and the search's layouts are compared with it on one model; the compiled
     # step's time over the layout model's calibrates the layout's seconds to this model's kernels
-    own = price(shape, Layout(dp=world, sharding="fsdp" if chosen.parallelism == "fsdp" else "ddp",
+    own = price(shape, Layout(dp=world, dp_sharding="fsdp" if chosen.parallelism == "fsdp" else "ddp",
                               micro_batch=max(1, int(global_batch) // world),
                               checkpointing=bool(chosen.activation_checkpointing)),
                 target, links, prices=prices)
@@ -79,7 +82,7 @@ def plan_layout(graph, target, chosen, links: Links, global_batch: int, *, model
         return layout_doc(lay, "search", fits=False, memory_bytes=best.memory_bytes), None, None
     step = best.step_time_s * scale
     replaced = StrategyPrediction(
-        parallelism="fsdp" if lay.sharding != "ddp" else "ddp", activation_checkpointing=lay.checkpointing,
+        parallelism="fsdp" if lay.dp_sharding != "ddp" else "ddp", activation_checkpointing=lay.checkpointing,
         world_size=world, compute_time_s=(best.compute_time_s + best.bubble_time_s) * scale,
         comm_time_s=best.comm_time_s * scale, step_time_s=step, memory_bytes=best.memory_bytes,
         memory_capacity_bytes=best.memory_capacity_bytes, breakdown=dict(best.memory))
@@ -93,21 +96,28 @@ def plan_layout(graph, target, chosen, links: Links, global_batch: int, *, model
         replaced, why
 
 
-def launch_env(layout: dict | None) -> dict[str, str]:
-    """The node environment that realises a plan's ``layout`` document; {} without one:
-    ``SFTCTL_TP``, ``SFTCTL_PP``, ``SFTCTL_CP``, ``SFTCTL_EP``, ``SFTCTL_DP`` (degrees),
-    ``SFTCTL_DP_SHARDING`` (ddp, zero1, fsdp), ``SFTCTL_MICRO_BATCHES``, ``SFTCTL_PP_SCHEDULE``
-    (1f1b, interleaved), ``SFTCTL_PP_INTERLEAVE`` (:mod:`sftctl.settings` declares them; the
-    controller exports them to every node, ``run --dry-run`` shows them in node 0's env)."""
+def launch_env(layout: dict | Layout | None, world: int | None = None) -> dict[str, str]:
+    """The node environment that realises a plan's ``layout`` (its document or the record); {}
+    without one: ``SFTCTL_TP``, ``SFTCTL_PP``, ``SFTCTL_CP``, ``SFTCTL_EP``, ``SFTCTL_DP``
+    (degrees), ``SFTCTL_DP_SHARDING`` (ddp, zero1, fsdp), ``SFTCTL_MICRO_BATCHES``,
+    ``SFTCTL_PP_SCHEDULE`` (1f1b, interleaved), ``SFTCTL_PP_INTERLEAVE`` (:mod:`sftctl.settings`
+    declares them; the controller exports them to every node, ``run --dry-run`` shows them in
+    node 0's env). ``world``: the ranks the job runs on now; fewer than the layout's (an elastic
+    resume after a lost node could not be replaced) export :meth:`~sftctl.types.layout.Layout.
+    resized` to them.
+
+    Raises:
+        SpecError: ``world`` cannot hold the layout's tensor degree (see ``Layout.resized``).
+    """
     from sftctl import settings
 
     if not layout:
         return {}
-    return settings.node_env(tp=layout.get("tp", 1), pp=layout.get("pp", 1), cp=layout.get("cp", 1),
-                             ep=layout.get("ep", 1), dp=layout.get("dp", 1),
-                             dp_sharding=layout.get("sharding", "ddp"),
-                             micro_batches=layout.get("micro_batches", 1),
-                             pp_schedule=layout.get("schedule", "1f1b"), pp_interleave=layout.get("interleave", 1))
+    lay = layout if isinstance(layout, Layout) else Layout.from_dict(layout)
+    if world is not None and world != lay.world:
+        lay = lay.resized(world)
+    return settings.node_env(tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, dp=lay.dp, dp_sharding=lay.dp_sharding,
+                             micro_batches=lay.micro_batches, pp_schedule=lay.schedule, pp_interleave=lay.interleave)
 
 
 __all__ = ["launch_env", "layout_doc", "plan_layout", "strategy_layout"]

@@ -58,8 +58,10 @@ import dataclasses
 import math
 from fractions import Fraction
 
-from sftctl.compiler.layouts.memory import (SHARDINGS, TORCH_AMP, Precision, memory_per_rank, stage_params)
+from sftctl.compiler.layouts.memory import (TORCH_AMP, Precision, memory_per_rank, stage_params)
 from sftctl.compiler.layouts.shape import TransformerShape
+from sftctl.types.layout import Layout
+
 #: AdamW's update reads and writes the float32 master, both moments and the gradient and writes
 #: the bf16 weight: (4 + 4 + 4) x 2 + 4 + 2 bytes per parameter (a fused, memory-bound pass)
 ADAM_BYTES_PER_PARAM = 30
@@ -72,71 +74,6 @@ ELEMENTWISE_KERNELS = {"forward": 8, "backward": 16}
 #: Megatron-LM 2021's fused scale-mask-softmax and dropout: bytes per attention score forward
 #: (read 2, write 2, dropout read 2, write 2, mask 1) and backward (the same plus the incoming gradient)
 SOFTMAX_BYTES_PER_SCORE = {"forward": 9, "backward": 11}
-SCHEDULES = ("1f1b", "interleaved")
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Degrees (``tp * pp * cp * dp`` = world size; ``ep`` divides ``dp * cp``), the data
-    dimension's sharding (``ddp``, ``zero1``, ``fsdp``), ``micro_batch`` sequences per micro-batch
-    and ``micro_batches`` per step per data-parallel rank, activation checkpointing, the pipeline
-    schedule and ``interleave`` (model chunks per stage, interleaved only), sequence parallelism
-    with tensor parallelism."""
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1
-    ep: int = 1
-    sharding: str = "ddp"
-    micro_batch: int = 1
-    micro_batches: int = 1
-    checkpointing: bool = False
-    schedule: str = "1f1b"
-    interleave: int = 1
-    sequence_parallel: bool = True
-
-    def __post_init__(self) -> None:
-        for f in ("tp", "pp", "dp", "cp", "ep", "micro_batch", "micro_batches", "interleave"):
-            if int(getattr(self, f)) < 1:
-                raise ValueError(f"Layout.{f} must be >= 1, got {getattr(self, f)}")
-        if self.sharding not in SHARDINGS:
-            raise ValueError(f"Layout.sharding must be one of {', '.join(SHARDINGS)}, got {self.sharding!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"Layout.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
-
-    @property
-    def chunks(self) -> int:
-        """Model chunks per pipeline stage (``v``)."""
-        return self.interleave if self.schedule == "interleaved" and self.pp > 1 else 1
-
-    @property
-    def global_batch(self) -> int:
-        """Sequences per step."""
-        return self.dp * self.micro_batch * self.micro_batches
-
-    @property
-    def label(self) -> str:
-        """``tp8 pp4 dp2 fsdp`` (degrees above 1, dp always; ``pp4v2``: interleaved, 2 chunks)."""
-        parts = [f"tp{self.tp}"] if self.tp > 1 else []
-        if self.pp > 1:
-            parts.append(f"pp{self.pp}" + (f"v{self.chunks}" if self.chunks > 1 else ""))
-        parts += [f"cp{self.cp}"] if self.cp > 1 else []
-        parts += [f"ep{self.ep}"] if self.ep > 1 else []
-        parts.append(f"dp{self.dp}")
-        if self.sharding != "ddp":
-            parts.append(self.sharding)
-        return " ".join(parts)
-
-    def degrees(self) -> dict:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep,
-                "sharding": self.sharding, "micro_batch": self.micro_batch, "micro_batches": self.micro_batches,
-                "activation_checkpointing": self.checkpointing, "schedule": self.schedule,
-                "interleave": self.chunks, "sequence_parallel": self.sequence_parallel and self.tp > 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +148,7 @@ class LayoutPrediction:
         return self.bubble_time_s / self.step_time_s if self.step_time_s else 0.0
 
     def to_dict(self) -> dict:
-        return {"layout": self.layout.label, **self.layout.degrees(), "step_time_s": self.step_time_s,
+        return {"layout": self.layout.label, **self.layout.to_dict(), "step_time_s": self.step_time_s,
                 "compute_time_s": self.compute_time_s, "bubble_time_s": self.bubble_time_s,
                 "comm_time_s": self.comm_time_s, "comm": dict(self.comm), "memory_bytes": self.memory_bytes,
                 "memory_capacity_bytes": self.memory_capacity_bytes, "memory": dict(self.memory), "fits": self.fits,
@@ -440,9 +377,9 @@ def price(shape: TransformerShape, lay: Layout, target, links: Links, *, attenti
             return (links.collective_s(op, nbytes_dense, group, t)
                     + (links.collective_s(op, nbytes_expert, egroup, t * lay.ep) if nbytes_expert else 0.0))
         hidden_behind = stage_b if overlap_grad_reduce else 0.0
-        if lay.sharding == "ddp":
+        if lay.dp_sharding == "ddp":
             dp_s = max(0.0, reduce("all-reduce", dense * rb, expert * rb) - hidden_behind)
-        elif lay.sharding == "zero1":
+        elif lay.dp_sharding == "zero1":
             dp_s = (max(0.0, reduce("reduce-scatter", dense * rb, expert * rb) - hidden_behind)
                     + reduce("all-gather", dense * gbytes, expert * gbytes))
             optimizer_params = dense / group + expert / egroup

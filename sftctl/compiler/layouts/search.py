@@ -65,7 +65,7 @@ def layouts(shape: TransformerShape, links: Links, global_batch: int) -> Iterato
                         for sched, v in schedules:
                             for sh in shardings:
                                 for ck in (False, True):
-                                    yield Layout(tp=t, pp=p, dp=d, cp=c, ep=e, sharding=sh, micro_batch=mb,
+                                    yield Layout(tp=t, pp=p, dp=d, cp=c, ep=e, dp_sharding=sh, micro_batch=mb,
                                                  micro_batches=m, checkpointing=ck, schedule=sched, interleave=v)
 
 
@@ -93,7 +93,7 @@ def search(shape: TransformerShape, target, links: Links, global_batch: int, *, 
 
 def _dims(lay: Layout) -> int:
     """How many parallel dimensions and features a layout uses (fewer is simpler)."""
-    return (sum(1 for x in (lay.tp, lay.pp, lay.cp, lay.ep) if x > 1) + (lay.sharding != "ddp")
+    return (sum(1 for x in (lay.tp, lay.pp, lay.cp, lay.ep) if x > 1) + (lay.dp_sharding != "ddp")
             + lay.checkpointing + (lay.chunks > 1))
 
 
