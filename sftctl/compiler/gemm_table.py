@@ -39,7 +39,7 @@ from sftctl.compiler.matmul_interpolator import (  # the public names callers us
     peer_rows,
     tables,
 )
-from sftctl.compiler.matmul_model import NBYTES, PARAMS, facts, predict  # re-exported
+from sftctl.compiler.matmul_model import NBYTES, PARAMS, facts, mamf_time_s, predict, transfer  # re-exported
 from sftctl.compiler.matmul_model import fit as fit_on
 from sftctl.compiler.matmul_model import time_s as model_time_on
 
@@ -99,8 +99,11 @@ def gemm_gpu_time_s(b: int, m: int, n: int, k: int, hw, dtype: str) -> float | N
     meaning TF32 / matrix-core fp32, ``float8``; anything else is priced as ``bfloat16``). Where
     ``hw``'s measured ``gemm_table`` covers the dtype and ``hw`` is the catalog's: the model
     corrected by the table; else the model on ``hw``'s own peaks with the coefficients of its
-    ``gemm_model`` table (float8 uses the bf16 coefficients at the fp8 peak). None when ``hw``
-    names neither (the CPU).
+    ``gemm_model`` table (float8 uses the bf16 coefficients at the fp8 peak), its efficiency
+    carried over by the two accelerators' measured MAMF ratio
+    (:func:`sftctl.compiler.matmul_model.transfer`). Either way never faster than ``hw``'s
+    published maximum achievable matmul FLOPS (:func:`sftctl.compiler.matmul_model.mamf_time_s`).
+    None when ``hw`` names neither (the CPU).
 
     Raises:
         ValueError: a non-positive size.
@@ -110,14 +113,15 @@ def gemm_gpu_time_s(b: int, m: int, n: int, k: int, hw, dtype: str) -> float | N
     if min(b, m, n, k) <= 0:
         raise ValueError(f"GEMM sizes must be positive, got b={b} m={m} n={n} k={k}")
     found = table_for(hw.name, dtype)
+    d = dtype if dtype in ("float32", "tfloat32", "float16", "float8") else "bfloat16"
     if found is not None and find_accelerator(hw.name) == hw:
-        return float(_interp(hw.name, *found)([[b, m, n, k]])[0])
+        return max(float(_interp(hw.name, *found)([[b, m, n, k]])[0]), mamf_time_s(b, m, n, k, hw, d))
     arch = hw.gemm_model
     if arch is None or arch not in tables():
         return None
     tdtype = "f32xf32->f32" if dtype in ("float32", "tfloat32") else "bf16xbf16->bf16"
-    d = dtype if dtype in ("float32", "tfloat32", "float16", "float8") else "bfloat16"
-    return model_time_on(b, m, n, k, hw, d, tables()[arch][tdtype]["params"])
+    params = transfer(tables()[arch][tdtype]["params"], hw, measured_on(arch), d)
+    return max(model_time_on(b, m, n, k, hw, d, params), mamf_time_s(b, m, n, k, hw, d))
 
 
 def predict_record(rec: dict, hw) -> float:

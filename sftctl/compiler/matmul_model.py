@@ -6,6 +6,12 @@ the library's best of tile shapes x split-K factors::
     waves = ceil(b ceil(m/BM) ceil(n/BN) s / SMs); eff(BM, BN) = eff / (1 + tile_penalty (128/BM + 128/BN - 2))
     reduce(s) = (s > 1) * (s + 1) * 4 b m n / (hbm_frac * HBM)   (fp32 partials written, read)
 
+Two published ceilings bound it (:func:`mamf_fraction`): no GEMM runs faster than the
+accelerator's measured maximum achievable matmul FLOPS (``t >= 2 b m n k / (mamf * peak)``,
+:func:`mamf_time_s`), and coefficients fitted on one accelerator's table carry to another (the
+A100 priced with the H100's ``sm_90`` fit) with ``eff`` scaled by the two accelerators' MAMF
+ratio (:func:`transfer`): the A100 reaches 86.9 % of its bf16 peak where the H100 reaches 80.3 %.
+
 ``floor`` is the fixed GPU time of one kernel (about 5 us on H100 and B200 for the smallest
 GEMMs), ``wave_s`` the per-wave prologue/epilogue. The five coefficients (:data:`PARAMS`) are
 fitted per measured table (:func:`fit`: least squares on log time) and shipped with it
@@ -30,6 +36,25 @@ NBYTES = {"bf16xbf16->bf16": 2, "f16xf16->f16": 2, "f32xf32->f32": 4,
 #: the catalog's peak key of each table dtype
 PEAK_KEY = {"bf16xbf16->bf16": "bfloat16", "f16xf16->f16": "float16", "f32xf32->f32": "float32"}
 
+#: Maximum achievable matmul FLOPS (MAMF) as a fraction of the dense matrix peak, per catalog
+#: accelerator and input dtype: Stas Bekman, "Machine Learning Engineering", compute/accelerator/
+#: README.md, "Maximum Achievable Matmul FLOPS comparison table"
+#: (https://github.com/stas00/ml-engineering/tree/master/compute/accelerator#maximum-achievable-matmul-flops-comparison-table):
+#: torch.matmul, mean of 100 iterations after 50 warm-up ones at the best of a brute-force shape
+#: search (mamf-finder.py). BF16: A100 SXM 271.2 of 312 TFLOPS (86.9 %, torch 2.6.0+cu126),
+#: H100 SXM 794.5 of 989 (80.3 %, torch 2.7.0+cu126; "H200 is the same"), B200 SXM 1745.0 of 2250
+#: (77.6 %), MI355X 1565 of 2300 (68.0 %). FP8
+#: (float8_e4m3fn): H100 SXM 1402.6 of 1979 (70.9 %), H200 SXM 1453.4 of 1979 (73.4 %), B200 SXM
+#: 3432.5 of 4500 (76.3 %). float16 runs at bf16's rate. The catalog's A100-40GB and A100-80GB are
+#: SXM4 parts (the A100 SXM row). The MI300X row (668.4 of 1300, 51.4 %, with TunableOp) is left
+#: out: the MI355X (gfx950) fit carried to the MI300X already prices its GEMMs under it, and its
+#: ratio to the MI355X's would slow them further.
+MAMF = {
+    "A100-40GB": {"bfloat16": 0.869}, "A100-80GB": {"bfloat16": 0.869},
+    "H100": {"bfloat16": 0.803, "float8": 0.709}, "H200": {"bfloat16": 0.803, "float8": 0.734},
+    "B200": {"bfloat16": 0.776, "float8": 0.763}, "MI355X": {"bfloat16": 0.680},
+}
+
 
 def facts(hw, dtype: str) -> tuple[int, float, float]:
     """(SMs, dense peak FLOP/s, HBM bytes/s) of accelerator ``hw`` for ``dtype`` (a table's
@@ -42,6 +67,36 @@ def facts(hw, dtype: str) -> tuple[int, float, float]:
     else:
         peak = hw.matrix_flops_per_s.get(key) or hw.matrix_peak(key)
     return hw.sm_count, peak, hw.hbm_bytes_per_s
+
+
+def mamf_fraction(hw, dtype: str) -> float | None:
+    """The measured maximum achievable fraction of ``hw``'s dense matrix peak for ``dtype`` GEMMs
+    (:data:`MAMF`; ``dtype`` a compiler dtype or a table combination such as ``bf16xbf16->bf16``;
+    float16 as bfloat16), or None where none is published (fp32/TF32, accelerators not listed)."""
+    key = PEAK_KEY.get(dtype, dtype)
+    key = "bfloat16" if key == "float16" else key
+    return MAMF.get(getattr(hw, "name", ""), {}).get(key)
+
+
+def mamf_time_s(b: int, m: int, n: int, k: int, hw, dtype: str) -> float:
+    """The least GPU seconds of ``lhs[b,m,k] @ rhs[b,k,n]`` on ``hw``: its ``2 b m n k`` FLOPs at
+    the measured maximum achievable matmul rate (:func:`mamf_fraction` x the dense peak of
+    :func:`facts`); 0.0 where no MAMF is published for ``hw`` and ``dtype``."""
+    frac = mamf_fraction(hw, dtype)
+    if frac is None:
+        return 0.0
+    return 2.0 * b * m * n * k / (frac * facts(hw, dtype)[1])
+
+
+def transfer(params, hw, reference, dtype: str) -> list[float]:
+    """Coefficients fitted on ``reference``'s measured table, carried to accelerator ``hw``: the
+    efficiency ``eff`` scaled by ``mamf(hw) / mamf(reference)`` (:func:`mamf_fraction`), the
+    other coefficients as fitted; unchanged where either lacks a MAMF figure for ``dtype``."""
+    out = [float(v) for v in params]
+    mine, ref = mamf_fraction(hw, dtype), mamf_fraction(reference, dtype)
+    if mine is not None and ref is not None and getattr(hw, "name", None) != getattr(reference, "name", None):
+        out[0] = min(1.0, out[0] * mine / ref)
+    return out
 
 
 def predict(shapes, params, sms: int, peak: float, hbm: float, nbytes: int, tiles):
