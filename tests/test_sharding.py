@@ -85,11 +85,28 @@ def test_fsdp_memory_is_the_sharded_state_plus_gathered_units(gpt):
     assert ag == pytest.approx(len(units) * fit.alpha_s + 3 / 4 * 2 * n_params / fit.bus_bytes_per_s)
     n = len(units)
     f = ddp.compute_time_s / 3
+    # plus the contention: while the collectives overlap compute, NCCL's 24 SMs are lost to it
+    # (the step's GEMMs run in waves over the SMs left, as DDP's overlapped all-reduce pays it)
+    slow = step.overlap_slowdown(compiled.kernels, hw.sm_count)
+    assert slow > 1.0
+    contention = (min(ag * (1 - 1 / n), f) + min(ag + rs * (1 - 1 / n), 2 * f)) * (slow - 1)
+    assert contention > 0
     assert fsdp.comm_time_s == pytest.approx(ag / n + max(0, ag * (1 - 1 / n) - f) + rs / n
-                                             + max(0, ag + rs * (1 - 1 / n) - 2 * f))
+                                             + max(0, ag + rs * (1 - 1 / n) - 2 * f) + contention)
     # one device: no communication at all
     solo = sharding.predict_strategies(compiled, load_target(hw), 1, 1, None, None, mode="eager", param_dtype_bytes=2)
     assert all(p.comm_time_s == 0 for p in solo)
+
+
+def test_fsdp_contention_is_the_overlapped_collectives_times_the_lost_share():
+    # 10 units: forward overlaps 9/10 of the all-gathers (0.9 s of 1 s, under 2 s of forward);
+    # backward the all-gathers and 9/10 of the reduce-scatters (1 + 1.8 = 2.8 s, capped at 2.5 s)
+    assert sharding.fsdp_contention_s(1.0, 2.0, 10, 2.0, 2.5, 1.2) == pytest.approx((0.9 + 2.5) * 0.2)
+    # short compute caps both: forward 0.5 s, backward 1 s
+    assert sharding.fsdp_contention_s(1.0, 2.0, 10, 0.5, 1.0, 1.5) == pytest.approx(1.5 * 0.5)
+    # nothing lost when the collectives take no SMs, or there are none
+    assert sharding.fsdp_contention_s(1.0, 2.0, 10, 2.0, 2.5, 1.0) == 0.0
+    assert sharding.fsdp_contention_s(0.0, 0.0, 10, 2.0, 2.5, 1.3) == 0.0
 
 
 def test_choose_takes_fsdp_when_only_it_fits(gpt):

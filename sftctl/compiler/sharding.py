@@ -51,20 +51,45 @@ the next unit, backward prefetch of the previous unit's all-gather before the cu
 reduce-scatter: Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel",
 VLDB 2023, sections 3.3 and 6.2; FSDP2's ``fully_shard`` docs: implicit forward prefetch, explicit
 backward prefetch of one unit by default), so only the first unit's all-gather and the last unit's
-reduce-scatter are exposed, plus whatever communication exceeds the compute it hides behind.
+reduce-scatter are exposed, plus whatever communication exceeds the compute it hides behind,
+plus the contention of the overlapped part (:func:`fsdp_contention_s`: NCCL's SMs lost to the
+compute kernels while the collectives run, as DDP's overlapped all-reduce pays it)::
+
+    fsdp contention    = (min(AG (1 - 1/L'), F) + min(AG + RS (1 - 1/L'), B')) x (slowdown - 1)
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from sftctl.compiler.step import DEFAULT_INTER_NODE_BYTES_PER_S, predict
+from sftctl.compiler.step import DEFAULT_INTER_NODE_BYTES_PER_S, overlap_slowdown, predict
 from sftctl.compiler.target import Target
 
 PARALLELISMS = ("ddp", "fsdp")
 REDUCE_DTYPE_BYTES = 4  # gradients reduce-scattered in float32 (prepare's MixedPrecisionPolicy)
 FORWARD_SHARE = 1 / 3
 
+
+
+def fsdp_contention_s(ag: float, rs: float, units: int, forward_s: float, backward_s: float,
+                      slowdown: float) -> float:
+    """Seconds FSDP's overlapped collectives take from the compute they run beside.
+
+    The prefetched all-gathers (``ag`` seconds in all, one per unit and direction) run beside
+    forward, all but the first unit's (``ag (1 - 1/units)``, at most ``forward_s``); in backward
+    the all-gathers and all the reduce-scatters but the last unit's (``ag + rs (1 - 1/units)``, at
+    most ``backward_s``). While they run, NCCL's :data:`sftctl.compiler.step.NCCL_OVERLAP_SMS` SMs
+    are lost to the compute kernels, which run ``slowdown`` (>= 1,
+    :func:`sftctl.compiler.step.overlap_slowdown`: a GEMM's waves over the remaining SMs) times
+    longer: the same contention DDP's overlapped all-reduce pays
+    (:func:`sftctl.compiler.step.ddp_allreduce_exposed_s`), here over most of the step. Zhao et
+    al., "PyTorch FSDP", VLDB 2023, section 6.2 (the all-gathers and reduce-scatters overlap compute
+    on their own streams, sharing the SMs). 0 without collectives. Seconds in, seconds out."""
+    if units < 1 or slowdown <= 1.0 or (ag <= 0 and rs <= 0):
+        return 0.0
+    overlapped = (min(ag * (1 - 1 / units), max(0.0, forward_s))
+                  + min(ag + rs * (1 - 1 / units), max(0.0, backward_s)))
+    return overlapped * (slowdown - 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +164,7 @@ def predict_strategies(compiled, target: Target, gpus_per_node: int, nodes: int,
     # FSDP's collectives, one per unit and direction, each paying its latency
     ag = sum(coll("all-gather", u * param_dtype_bytes) for u in units.values()) if world > 1 else 0.0
     rs = sum(coll("reduce-scatter", u * REDUCE_DTYPE_BYTES) for u in units.values()) if world > 1 else 0.0
+    slowdown = overlap_slowdown(compiled.kernels, target.hw.sm_count) if world > 1 and "fsdp" in parallelisms else 1.0
     out = []
     for par in parallelisms:
         for ckpt in checkpointing:
@@ -157,6 +183,7 @@ def predict_strategies(compiled, target: Target, gpus_per_node: int, nodes: int,
                 bwd = compute - fwd + recompute
                 comm = (ag / n_units + max(0.0, ag * (1 - 1 / n_units) - fwd)
                         + rs / n_units + max(0.0, ag + rs * (1 - 1 / n_units) - bwd)) if world > 1 else 0.0
+                comm += fsdp_contention_s(ag, rs, n_units, fwd, bwd, slowdown)
             # the optimizer's step peaks with its temporaries where they outweigh the activations
             opt_temp = foreach / (world if par == "fsdp" else 1)
             mem |= {"optimizer_temporaries": int(max(0.0, opt_temp - a)), "batch": batch, "reserve": reserve}
