@@ -27,6 +27,13 @@ batch, precision, mode and cluster free, compared per token).
     python benchmarks/published_steps.py --report   # the report again from the results' rows, no tracing
     python benchmarks/published_steps.py --only "Llama 3.1"   # a trial of the records so named; writes nothing
     python benchmarks/published_steps.py --shard 0/3 & ... --shard 2/3; python benchmarks/published_steps.py --merge 3
+    python benchmarks/published_steps.py --graphs DIR   # keep / reuse the traced steps in DIR (pickles)
+
+``--graphs DIR``: the traced step of each (entrypoint, batch, dtype, attention, torch) is pickled in
+DIR and read back by later runs, so a change to the cost model re-prices without re-tracing (the
+compiler's own trace cache is keyed by every compiler source and retraces after any change). A
+pickle's name hashes the key and the sources a trace depends on (:func:`graph_sources`: the
+entrypoint's directory, the torch frontend, the IR, attention), so a change to those retraces.
 """
 
 from __future__ import annotations
@@ -189,6 +196,46 @@ def measured_s(r: dict) -> float:
 
 
 _GRAPHS: dict[tuple, Any] = {}  # (entrypoint, batch, dtype) -> traced step: traced once per record
+GRAPH_DIR: Path | None = None  # --graphs DIR: traced steps pickled there and reused across runs
+
+
+def graph_sources(entrypoint: str) -> str:
+    """SHA-256 (16 hex digits) of the sources a traced step depends on: the ``.py`` files of the
+    entrypoint's directory, of ``sftctl/compiler/frontends``, ``ir.py`` and ``attention.py``."""
+    import hashlib
+
+    h = hashlib.sha256()
+    comp = ROOT / "sftctl" / "compiler"
+    files = [*sorted((ROOT / entrypoint.split(":")[0]).parent.glob("*.py")),
+             *sorted((comp / "frontends").rglob("*.py")), comp / "ir.py", comp / "attention.py"]
+    for f in files:
+        h.update(str(f.relative_to(ROOT)).encode() + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _traced(key: tuple, r: dict):
+    """Record ``r``'s traced step (``key``: its graph key), from :data:`GRAPH_DIR` when a pickle of
+    the same key and sources is there, else traced (and pickled there when :data:`GRAPH_DIR` is set)."""
+    import hashlib
+    import pickle
+
+    from sftctl.compiler import api
+    from sftctl.compiler.attention import with_implementation
+
+    path = None
+    if GRAPH_DIR is not None:
+        name = hashlib.sha256(repr((key, graph_sources(r["entrypoint"]))).encode()).hexdigest()[:24]
+        path = GRAPH_DIR / f"{name}.pkl"
+        if path.exists():
+            return pickle.loads(path.read_bytes())
+    graph = with_implementation(api.trace("torch", r["entrypoint"], str(ROOT), r["batch_per_gpu"], r["dtype"]),
+                                r.get("attention", "auto"), r.get("torch"))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{id(graph)}")
+        tmp.write_bytes(pickle.dumps(graph))
+        tmp.replace(path)
+    return graph
 
 
 def predict(r: dict, gpu: str | None = None) -> dict:
@@ -199,10 +246,7 @@ def predict(r: dict, gpu: str | None = None) -> dict:
     gpu = gpu or r["gpu"]
     key = (r["entrypoint"], r["batch_per_gpu"], r["dtype"], r.get("attention", "auto"), r.get("torch"))
     if key not in _GRAPHS:
-        from sftctl.compiler.attention import with_implementation
-
-        _GRAPHS[key] = with_implementation(api.trace("torch", r["entrypoint"], str(ROOT), r["batch_per_gpu"], r["dtype"]),
-                                           r.get("attention", "auto"), r.get("torch"))
+        _GRAPHS[key] = _traced(key, r)
     target = api.load_target(gpu)
     compiled = api.compile(_GRAPHS[key], target, matmul_precision="highest", mma_dtype_map=r.get("mma_dtype_map"))
     link = {1: None}.get(r["gpus_per_node"], 450e9 if gpu.startswith("H") else 300e9)
@@ -434,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(doc, indent=1) + "\n")
         return 0
     only = argv[argv.index("--only") + 1] if "--only" in argv else None  # a trial: these records, nothing written
+    if "--graphs" in argv:
+        global GRAPH_DIR
+        GRAPH_DIR = Path(argv[argv.index("--graphs") + 1])
     if "--merge" in argv:  # the shards' rows (below), in RECORDS order, into the results
         n = int(argv[argv.index("--merge") + 1])
         shards = [out.with_name(f"published_steps.shard{i}of{n}.json") for i in range(n)]

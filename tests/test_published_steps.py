@@ -145,3 +145,21 @@ def test_the_fms_pairs_are_strictly_matched_a100_and_h100_groups():
     assert tok[("Llama 2 7B", "A100-80GB")] == 3700 and tok[("Llama 2 7B", "H100")] == 7500
     assert tok[("Llama 2 70B", "A100-80GB")] == 370 and tok[("Llama 2 70B", "H100")] == 800
     assert {r["inter_node_bytes_per_s"] for r in pairs} == {50e9, 100e9}
+
+
+def test_graphs_dir_reuses_a_traced_step_of_the_same_key_and_sources(tmp_path):
+    """--graphs DIR: a pickle named by the record's graph key and its sources' hash is read back
+    instead of tracing; the sources' hash differs between example directories."""
+    import hashlib
+    import pickle
+
+    mod = _bench()
+    r = next(r for r in mod.RECORDS if r["entrypoint"].endswith("build_llama2_7b"))
+    key = (r["entrypoint"], r["batch_per_gpu"], r["dtype"], r.get("attention", "auto"), r.get("torch"))
+    src = mod.graph_sources(r["entrypoint"])
+    assert len(src) == 16 and src == mod.graph_sources(r["entrypoint"])
+    assert src != mod.graph_sources("examples/gpt/model.py:build_gpt2_small")  # another directory's sources
+    name = hashlib.sha256(repr((key, src)).encode()).hexdigest()[:24]
+    (tmp_path / f"{name}.pkl").write_bytes(pickle.dumps({"stand-in": "graph"}))
+    mod.GRAPH_DIR = tmp_path
+    assert mod._traced(key, r) == {"stand-in": "graph"}
