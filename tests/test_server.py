@@ -498,7 +498,11 @@ def test_the_server_and_its_controller_killed_restart_adopts_the_job(state_backe
         wait_for(lambda: f"controller of {job} started" in server.log.read_text(), timeout_s=60,
                  what="the restarted server to give the job a controller")
         (tmp_path / "work" / "go").touch()
-        view = wait_for(lambda: (v := api.status(job)).status.terminal and v, timeout_s=180, what="the job to end")
+        # ended and torn down: a node's processes may outlive the end it recorded by a moment
+        # (its guard's exit); the controller's teardown ends whatever is left
+        view = wait_for(lambda: (v := api.status(job)).status.terminal and _nodes_down(v) and v,
+                        timeout_s=180 + WAIT_TEARDOWN_S, what="the job to end and its nodes to come down",
+                        report=lambda: _node_rows(job))
         assert view.status.value == "SUCCEEDED", view.failure_reason
         assert view.record.controller_pid != controller.controller_pid
         assert [e for e in api.events(job) if e.kind == "adopt"], [e.kind for e in api.events(job)]
