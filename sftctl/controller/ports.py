@@ -1,6 +1,9 @@
-"""The rendezvous-port allocator: one TCP port per job for torchrun's c10d store on node 0,
-claimed machine-wide (every sftctl home of this user) below the kernel's ephemeral range and
-released when the job's nodes are gone."""
+"""The rendezvous-port allocator: two adjacent TCP ports per job, claimed machine-wide (every
+sftctl home of this user) below the kernel's ephemeral range and released when the job's nodes
+are gone: ``MASTER_PORT`` (the claimed port: plain scripts' ``env://`` rendezvous, the preflight)
+and the next one (``SFTCTL_RDZV_ENDPOINT``, submit.store_port: torchrun's c10d store, hosted by
+node 0's wrapper, sftctl/train/rendezvous.py). Two ports, because node 0's wrapper holds the
+store for the whole run while a plain script's rank 0 binds ``MASTER_PORT``."""
 
 from __future__ import annotations
 
@@ -30,15 +33,17 @@ def _ports_dir() -> str:
 
 
 def claim_rendezvous_port(job_id: str) -> int:
-    """A TCP port for the job's rendezvous (torchrun's c10d store on node 0), held until
-    :func:`release_rendezvous_port`.
+    """A pair of TCP ports for the job's rendezvous, held until :func:`release_rendezvous_port`:
+    the returned port (``MASTER_PORT``) and the next one (torchrun's c10d store).
 
     Binding port 0 and releasing it raced: the kernel may hand the same ephemeral port to any
     other process before torchrun binds it (a run failed with EADDRINUSE). Instead the port
     comes from the ``RDZV_PORTS`` ports just below the kernel's ephemeral range, which the
     kernel never hands out by itself, and is claimed machine-wide (every sftctl home of this
     user) by a file ``<tmp>/sftctl-rdzv-ports-<uid>/<port>`` naming the claiming controller; a
-    claim whose controller is gone is taken over. A port something already listens on is skipped.
+    claim whose controller is gone is taken over. Pairs start at an even offset from the range's
+    first port, so two claims never overlap; a pair of which something already listens on
+    either port is skipped.
 
     Raises:
         SftctlError: every port of the range is claimed or in use.
@@ -47,14 +52,14 @@ def claim_rendezvous_port(job_id: str) -> int:
 
     lo, _ = _ephemeral_range()
     first = max(1024, lo - RDZV_PORTS)
-    span = lo - first
+    pairs = (lo - first) // 2
     d = _ports_dir()
     os.makedirs(d, mode=0o700, exist_ok=True)
     me = f"{os.getpid()} {procs.start_ticks(os.getpid())} {job_id}"
-    start = int.from_bytes(job_id.encode()[-4:].rjust(4, b"\0"), "big") % span
+    start = int.from_bytes(job_id.encode()[-4:].rjust(4, b"\0"), "big") % pairs
     with FileLock(os.path.join(d, ".lock")):
-        for i in range(span):
-            port = first + (start + i) % span
+        for i in range(pairs):
+            port = first + 2 * ((start + i) % pairs)
             path = os.path.join(d, str(port))
             try:
                 pid, ticks, _job = open(path).read().split(" ", 2)
@@ -62,12 +67,12 @@ def claim_rendezvous_port(job_id: str) -> int:
                     continue  # held by a live controller
             except (OSError, ValueError):
                 pass
-            if not _bindable(port):
+            if not (_bindable(port) and _bindable(port + 1)):
                 continue
             with open(path, "w") as f:
                 f.write(me)
             return port
-    raise SftctlError(f"no free rendezvous port in {first}-{lo - 1}", hint="end finished jobs' controllers, or retry")
+    raise SftctlError(f"no free pair of rendezvous ports in {first}-{lo - 1}", hint="end finished jobs' controllers, or retry")
 
 
 def reclaim_rendezvous_port(job_id: str) -> int | None:

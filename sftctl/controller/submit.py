@@ -146,6 +146,14 @@ def default_install() -> str:
     return f"sftctl[aws,gcp]=={__version__}"
 
 
+def store_port(port: int | str) -> int | str:
+    """The port of the job's c10d rendezvous store (``SFTCTL_RDZV_ENDPOINT``, hosted by node 0's
+    wrapper: sftctl/train/rendezvous.py) for the job's claimed ``port`` (``MASTER_PORT``): the
+    next one, which the claim covers too (ports.claim_rendezvous_port). A placeholder (the dry
+    run's ``<rendezvous port>``) gives ``<rendezvous port>+1``."""
+    return port + 1 if isinstance(port, int) else f"{port}+1"
+
+
 def node_env(spec: JobSpec, job_id: str, plan: Plan, nodes: list[NodeSlot], rank: int, attempt: int,
              master_port: int | str, workdir_key: str | None = None,
              environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -158,7 +166,8 @@ def node_env(spec: JobSpec, job_id: str, plan: Plan, nodes: list[NodeSlot], rank
     environment. None: this process's environment (a name it lacks is left out).
 
     ``SFTCTL_NODE_IPS`` is comma-separated in node-rank order; ``MASTER_ADDR``/``MASTER_PORT``
-    and ``SFTCTL_RDZV_ENDPOINT`` point at node 0 for torchrun's c10d rendezvous.
+    (``master_port``) and ``SFTCTL_RDZV_ENDPOINT`` (``master_port`` + 1: torchrun's c10d store,
+    which node 0's wrapper hosts, sftctl/train/rendezvous.py) point at node 0.
     """
     offering = plan.offering
     ips = [(n.handle.ip if n.handle is not None else None) or "127.0.0.1" for n in nodes]
@@ -204,14 +213,15 @@ def node_env(spec: JobSpec, job_id: str, plan: Plan, nodes: list[NodeSlot], rank
     env.update(
         MASTER_ADDR=ips[0],
         MASTER_PORT=str(master_port),
-        **settings.node_env(rdzv_endpoint=f"{ips[0]}:{master_port}", rdzv_is_host=rank == 0),
+        # torchrun's c10d store: the claim's second port, hosted by node 0's wrapper
+        **settings.node_env(rdzv_endpoint=f"{ips[0]}:{store_port(master_port)}", rdzv_is_host=rank == 0),
         # torchrun reads PET_<OPTION> for each option it is not given, so `run: torchrun
         # train.py` joins the job's rendezvous without spelling out --nnodes --rdzv-*
         PET_NNODES=str(len(nodes)),
         PET_NPROC_PER_NODE=str(offering.count),
         PET_NODE_RANK=str(rank),
         PET_RDZV_BACKEND="c10d",
-        PET_RDZV_ENDPOINT=f"{ips[0]}:{master_port}",
+        PET_RDZV_ENDPOINT=f"{ips[0]}:{store_port(master_port)}",
         PET_RDZV_ID=job_id,
         PET_RDZV_CONF=f"is_host={1 if rank == 0 else 0}",
         PET_MAX_RESTARTS="0",  # sftctl restarts the job itself, from its last checkpoint
