@@ -70,6 +70,9 @@ _LOGS_TO_JOB_DIR = False
 #: often there; S3 charges per request and a node ships its files every second anyway.
 STORAGE_POLL_S = 2.0
 STORAGE_OUTAGE_S = 300.0  # how long the job's storage may be unreachable before the job fails
+#: a node's exit after every rank's last step and the final checkpoint is torch's teardown (an
+#: abort at exit, or a gloo/NCCL destroy error raised: `exception`), not a failure (_monitor)
+TEARDOWN_CODES = (FailureCode.EXIT, FailureCode.SIGNAL, FailureCode.EXCEPTION)
 
 
 # wait before a relaunch: 1 s, 2 s, 4 s, ... up to 30 s (restarts that fail fast do not spin)
@@ -394,7 +397,7 @@ class Controller(Recovery):
                 if st.state == NodeState.FAILED and node.rank not in finished:
                     self._drain()
                     why = self._exit_reason(node, st.exit_code)
-                    end = self._trained_to_the_end() if why.code in (FailureCode.EXIT, FailureCode.SIGNAL) else None
+                    end = self._trained_to_the_end() if why.code in TEARDOWN_CODES else None
                     if end is not None:  # torch's teardown after the last step and checkpoint: not a failure
                         finished.add(self._teardown_exit(node.rank, why, end))
                         continue

@@ -20,6 +20,14 @@ So the process must not finalize while gloo's threads may still release work: :f
 runs the ``atexit`` handlers (logging, thread pools) and flushes ``stdout``/``stderr`` while
 the interpreter is whole, then ends the process with ``os._exit`` (no finalization, nothing
 left for a worker thread to race).
+
+The teardown itself may fail after the work is done: a peer that already left makes the barrier
+raise (gloo: "Connection closed by peer"), NCCL's destroy can raise. Raised out of
+:func:`finish`, that was a traceback and an interpreter finalizing with gloo's threads alive
+(the abort above); now it is one line on stderr (``sftctl.train.finish: ...``) and the exit
+code :data:`TEARDOWN_FAILED` (the script's own ``exit_code`` if that is non-zero). The
+controller counts a node that exits non-zero after every rank's last step and the final
+checkpoint as finished, with a ``teardown_exit`` warning event (sftctl/controller/lifecycle.py).
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ import atexit
 import os
 import sys
 
+#: the exit code of a process whose process-group teardown (barrier, destroy) raised
+TEARDOWN_FAILED = 1
+
 
 def finish(exit_code: int = 0) -> None:
     """End a training process cleanly; call it on every rank once training and the last
@@ -35,10 +46,13 @@ def finish(exit_code: int = 0) -> None:
     return.
 
     1. With a process group: ``dist.barrier()`` (every rank got here) and
-       ``dist.destroy_process_group()``.
+       ``dist.destroy_process_group()``. When either raises (a peer gone, a backend's destroy
+       error), one line ``sftctl.train.finish: process group teardown failed after training:
+       <error>`` goes to stderr and the exit code becomes :data:`TEARDOWN_FAILED` (unless
+       ``exit_code`` is non-zero already); steps 2 and 3 still run.
     2. Python's ``atexit`` handlers run (logging flushed, executors joined), ``sys.stdout`` and
        ``sys.stderr`` are flushed.
-    3. ``os._exit(exit_code)``: the process ends without interpreter finalization, which torch's
+    3. ``os._exit`` with that code: the process ends without interpreter finalization, which torch's
        gloo worker threads can race into an abort (see the module docstring).
 
     Outside ``torchrun`` (no process group) steps 2 and 3 only. Files a script opened and did not
@@ -51,10 +65,17 @@ def finish(exit_code: int = 0) -> None:
     """
     if not 0 <= int(exit_code) <= 255:
         raise ValueError(f"finish: exit_code must be 0..255, got {exit_code!r}")
+    code = int(exit_code)
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    except (RuntimeError, OSError) as e:  # torch.distributed.DistError is a RuntimeError: one line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"sftctl.train.finish: process group teardown failed after training: {type(e).__name__}"
+              + (f": {first}" if first else ""), file=sys.stderr, flush=True)
+        code = code or TEARDOWN_FAILED
     try:
         atexit._run_exitfuncs()
     finally:
@@ -64,4 +85,4 @@ def finish(exit_code: int = 0) -> None:
                     stream.flush()
             except (OSError, ValueError):  # a closed pipe or file: nothing left to flush
                 pass
-        os._exit(int(exit_code))
+        os._exit(code)
