@@ -228,3 +228,41 @@ def test_sharded_checkpoint_keys_optimizer_state_by_name_and_reads_the_old_form(
     for (name, a), b in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(a, b), name
         assert torch.equal(opt.state[a]["exp_avg_sq"], fresh_opt.state[b]["exp_avg_sq"]), name
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_splits_causal_work_evenly_and_matches_whole_attention(tmp_path, cp):
+    """Context parallelism's default split is the zigzag one (rank i holds chunks i and 2cp-1-i of
+    2cp): each rank's forward attention FLOPs (torch's FlopCounterMode, measured) are equal, and
+    its outputs and q/k/v gradients equal whole-sequence float64 SDPA's (1e-12: only the order of
+    sums differs). The contiguous split, kept as an option, gives the last rank (2cp-1)/cp times
+    the mean's score blocks (cp 2: 2 blocks against 1; cp 4: 7 against 1), which the layout price
+    charges a contiguous run (sftctl.compiler.layouts.price's ``cp_load_balance``)."""
+    from sftctl.train.context_parallel import attention_work
+
+    out = tmp_path / "ring.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SFTCTL_")}
+    env.update({"WORLD_SIZE": str(cp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
+    proc = subprocess.run([sys.executable, str(HERE / "ring_attention_worker.py"), str(out)], env=env,
+                          capture_output=True, text=True, timeout=deadline(240))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    ranks = json.loads(out.read_text())
+    for r in ranks:
+        for split in ("default", "contiguous"):
+            assert max(r[split]["errors"]) < 1e-12, (split, r)
+    balanced = [r["default"]["flops"] for r in ranks]
+    assert len(set(balanced)) == 1 and balanced[0] > 0, balanced
+    contiguous = [r["contiguous"]["flops"] for r in ranks]
+    # each computed block is c x c scores (c = 32 / cp): QK^T and PV, 2 c^2 d flops each per head
+    # (d = 8, 2 heads); rank r computes r + 1 blocks
+    block = 2 * 2 * 2 * (32 // cp) ** 2 * 8
+    assert contiguous == [(r + 1) * block for r in range(cp)]
+    # zigzag: 2cp chunks of c' = 32 / 2cp; a rank's 2 chunks see 2cp + 1 blocks of c' x c' between them
+    assert balanced[0] == (2 * cp + 1) * 2 * 2 * 2 * (32 // (2 * cp)) ** 2 * 8
+    assert max(contiguous) > balanced[0]
+    # the count of unmasked pairs: equal per rank zigzagged; contiguous the last (2cp-1)/cp x the mean
+    work = attention_work(32, cp)
+    assert len(set(work)) == 1 and sum(work) == 32 * 33 // 2
+    slow = attention_work(32, cp, load_balance=False)
+    assert max(slow) / (sum(slow) / cp) == pytest.approx((2 * cp - 1) / cp, rel=0.1)
