@@ -18,15 +18,24 @@ is ``__main__.py``). Importing the package registers every command on :data:`app
 ``--help`` lists them (the order of the imports below); every name is importable from here.
 """
 
-# the order registers the commands as --help lists them: keep it
-from sftctl.cli.common import (app, _console, _print_json, _complete_jobs, _complete_accelerators, _complete_specs,
-    _planning, _labels, _JSON_PRINTED, _DEBUG, _HELP, _escape)
-from sftctl.cli.launch import run, plan, catalog_app, catalog, catalog_refresh, compile_
-from sftctl.cli.jobs import TABLE_ROWS, check, status, metrics, costs, logs, wait, down, events, nodes, schema
-from sftctl.cli.admin import (calibrate_app, calibrate_import, calibrate_show, calibrate_export, calibrate_forget,
-    secret_app, secret_set, secret_list, secret_rm, server_app, user_app, server_start, server_user_add,
-    server_user_list, server_user_remove, token_app, server_user_token_rotate, server_audit, server_manifest)
-from sftctl.cli.entry import main, _plain_status
+import sys as _sys
+
+from sftctl.cli._interrupt import caused_by_interrupt as _caused_by_interrupt, say_interrupted as _say_interrupted
+
+try:  # a Ctrl-C while typer, rich, pydantic load: one line and exit 130, not a traceback
+    # the order registers the commands as --help lists them: keep it
+    from sftctl.cli.common import (app, _console, _print_json, _complete_jobs, _complete_accelerators, _complete_specs,
+        _planning, _labels, _JSON_PRINTED, _DEBUG, _HELP, _escape)
+    from sftctl.cli.launch import run, plan, catalog_app, catalog, catalog_refresh, compile_
+    from sftctl.cli.jobs import TABLE_ROWS, check, status, metrics, costs, logs, wait, down, events, nodes, schema
+    from sftctl.cli.admin import (calibrate_app, calibrate_import, calibrate_show, calibrate_export, calibrate_forget,
+        secret_app, secret_set, secret_list, secret_rm, server_app, user_app, server_start, server_user_add,
+        server_user_list, server_user_remove, token_app, server_user_token_rotate, server_audit, server_manifest)
+    from sftctl.cli.entry import main, _plain_status
+except BaseException as _e:
+    if not _caused_by_interrupt(_e):
+        raise
+    _sys.exit(_say_interrupted())
 
 __all__ = [
     "app", "_console", "_print_json", "_complete_jobs", "_complete_accelerators", "_complete_specs",

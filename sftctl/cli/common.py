@@ -122,26 +122,35 @@ def _root(
 @contextlib.contextmanager
 def _planning(stderr: bool, label: str = "planning"):
     """A ``progress`` callback for :mod:`sftctl.api` that drives a spinner on a terminal; the
-    api's :class:`~sftctl.errors.SftctlWarning`\\ s are printed as ``warning:`` lines after."""
+    api's :class:`~sftctl.errors.SftctlWarning`\\ s are printed as ``warning:`` lines after. A
+    Ctrl-C inside raises :class:`~sftctl.cli._interrupt.Interrupted` ("interrupted while planning:
+    nothing was started"): the api records a job only once its plan is made."""
     import warnings
 
+    from sftctl.cli._interrupt import Interrupted, caused_by_interrupt
     from sftctl.errors import SftctlWarning
 
     # the status line is on stderr whatever ``stderr`` says: stdout may be a --json document or a table
     console = _console(stderr=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", SftctlWarning)
-        if not console.is_terminal:
-            yield lambda msg: None
-        else:
-            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+        try:
+            if not console.is_terminal:
+                yield lambda msg: None
+            else:
+                from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-            # what it is doing (tracing, compiling for H100 (accelerator 2 of 5): GEMM schedules
-            # 12/40), with the time since it started: a cold plan takes minutes
-            with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                          transient=True) as bar:
-                task = bar.add_task(label, total=None)
-                yield lambda msg: bar.update(task, description=_escape(msg))
+                # what it is doing (tracing, compiling for H100 (accelerator 2 of 5): GEMM schedules
+                # 12/40), with the time since it started: a cold plan takes minutes
+                with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                              transient=True) as bar:
+                    task = bar.add_task(label, total=None)
+                    yield lambda msg: bar.update(task, description=_escape(msg))
+        except BaseException as e:  # Ctrl-C, or pydantic-core's SchemaError wrapping one (cli._interrupt)
+            if isinstance(e, Interrupted) or not caused_by_interrupt(e):
+                raise
+            nothing = ": nothing was started" if label == "planning" else ""
+            raise Interrupted(f"interrupted while {label}{nothing}") from e
     for w in caught:
         if issubclass(w.category, SftctlWarning):
             _console(stderr=True).print(f"[yellow]warning:[/] {_escape(str(w.message))}", soft_wrap=True)

@@ -9,6 +9,7 @@ import sys
 
 import typer
 
+from sftctl.cli._interrupt import Interrupted, caused_by_interrupt, guard_commands
 from sftctl.cli.common import _DEBUG, _HELP, _JSON_PRINTED, _console, _print_json, app
 from sftctl.cli.jobs import status
 from sftctl.errors import ExitCode, SftctlError
@@ -20,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     Every error prints ``error:`` and ``hint:`` lines on stderr; with ``--json`` it also prints
     one JSON object on stdout, ``{"error", "hint", "exit_code"}``, unless the command already
     printed its document (``plan --json`` of an infeasible job prints the plan with those keys).
+
+    Ctrl-C (a KeyboardInterrupt, or an error caused by one: pydantic-core wraps it in a
+    SchemaError when it lands while a model is built) prints one line, ``interrupted`` or what
+    was interrupted (``interrupted while planning: nothing was started``), and exits 130.
     """
     from typer._click.exceptions import ClickException
 
@@ -47,6 +52,18 @@ def main(argv: list[str] | None = None) -> int:
                 _print_json({"error": message, "hint": hint, "exit_code": int(code)})
         return int(code)
 
+    def interrupted(message: str = "interrupted") -> int:
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        _console(stderr=True).print(message, markup=False, highlight=False, soft_wrap=True)
+        if as_json and not _JSON_PRINTED[0]:
+            with contextlib.suppress(OSError):
+                _print_json({"error": message, "hint": None, "exit_code": int(ExitCode.INTERRUPTED)})
+        return int(ExitCode.INTERRUPTED)
+
+    guard_commands(app)  # typer answers a bare KeyboardInterrupt with a silent exit 130
     try:
         plain = _plain_status(args)
         if plain is not None:  # the command scripts poll: no typer parsing (its adapters import pydantic)
@@ -59,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(rv or 0)
     except typer.Exit as e:
         return e.exit_code
+    except Interrupted as e:
+        return interrupted(e.message)
     except (typer.Abort, KeyboardInterrupt):
-        return fail("interrupted", None, ExitCode.INTERRUPTED)
+        return interrupted()
     except ClickException as e:  # usage: unknown option, missing argument, bad value
         code = getattr(e, "exit_code", ExitCode.USAGE) or ExitCode.USAGE
         ctx = getattr(e, "ctx", None)
@@ -79,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"move it aside (mv {path} {path}.bad) and sftctl starts a new one; "
                     "sftctl down --orphans removes cloud resources of jobs it no longer knows", ExitCode.USAGE)
     except Exception as e:  # noqa: BLE001 - a bug or damaged data: one line, the traceback with --debug
+        if caused_by_interrupt(e):
+            return interrupted()
         return fail(f"internal error: {type(e).__name__}: {e}",
                     "sftctl --debug ... shows the traceback; please report it. If the state database may be "
                     "damaged: sqlite3 state.db 'PRAGMA integrity_check' in $SFTCTL_HOME", ExitCode.JOB_FAILED)
