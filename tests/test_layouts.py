@@ -245,7 +245,8 @@ def test_expert_parallelism_divides_the_experts_memory_and_routes_tokens(h100):
     unit = 4 * 512 * 512 + 2 * 512 + 2 * 512 * 1024 * 8 / 8
     assert f["gather"] == int(unit * (2 * 2 + 4))
     links = Links("H100", 8, 1)
-    got = price(shape, Layout(dp=8, ep=8, micro_batch=2), h100, links)
+    # capacity factor 1.0: exactly the uniform top-k load on every rank
+    got = price(shape, Layout(dp=8, ep=8, micro_batch=2), h100, links, capacity_factor=1.0)
     a2a = collective_s("all-to-all", 2 * 512 * 2 * 512 * 2, "H100", 8, 1)  # tokens x top_k x hidden x bf16
     assert got.comm["ep"] == pytest.approx(2 * 4 * a2a, rel=1e-12)  # 2 blocks x dispatch+combine each way
     with pytest.raises(ValueError, match="ep must divide"):
@@ -372,3 +373,85 @@ def test_train_pipeline_is_the_specs_switch_for_pipeline_layouts(tmp_path, h100)
     with_pp, _, _ = plan_layout(None, h100, chosen, links, 512, shape=LLAMA_70B, pipeline=True)
     without, _, _ = plan_layout(None, h100, chosen, links, 512, shape=LLAMA_70B, pipeline=False)
     assert with_pp["pp"] > 1 and without["pp"] == 1, (with_pp["label"], without["label"])
+
+
+# ---- context parallelism's load balance, expert parallelism's router load (H8)
+
+
+def test_context_parallel_attention_is_priced_as_the_split_training_runs(h100):
+    """sftctl.train's ring attention cuts the sequence zigzag by default (every rank the mean
+    causal share, tests/test_parallel_train.py measures its FLOPs): the price's attention per rank
+    is the whole sequence's / cp. The contiguous split (``cp_load_balance=False``) is priced at its
+    last rank, (2cp-1)/cp times the mean, and the step is the slowest rank's: its compute grows
+    by exactly the extra attention."""
+    from sftctl.compiler.fusion import causal_fraction
+    from sftctl.compiler.layouts.price import _attention_s, cp_kept_fraction
+    from sftctl.train.context_parallel import LOAD_BALANCE, attention_work
+
+    assert LOAD_BALANCE is True  # what the default price assumes
+    for cp in (2, 4, 8):
+        s = 4096
+        n = s // cp
+        # the kept share of the slowest rank's n x s rectangle is the pairs training computes there
+        assert cp_kept_fraction(s, cp, False) * n * s == pytest.approx(max(attention_work(s, cp, False)), rel=1e-12)
+        assert cp_kept_fraction(s, cp, True) * n * s == pytest.approx(max(attention_work(s, cp, True)), rel=1e-12)
+        assert cp_kept_fraction(s, cp, True) == causal_fraction(s, s)
+    prices = _Prices(h100, "bfloat16")
+    whole = _attention_s(LLAMA_70B_32K, Layout(tp=8), prices, "flash")
+    for cp in (2, 4, 8):
+        lay = Layout(tp=8, cp=cp)
+        bal = _attention_s(LLAMA_70B_32K, lay, prices, "flash")
+        slow = _attention_s(LLAMA_70B_32K, lay, prices, "flash", cp_load_balance=False)
+        for w, b, u in zip(whole, bal, slow):
+            assert b * cp == pytest.approx(w, rel=0.02)  # the balanced share: 1/cp of the whole
+            assert u / b == pytest.approx((2 * cp - 1) / cp, rel=0.01)
+    links = Links("H100", 8, 1)
+    lay = Layout(tp=2, cp=4, micro_batches=4)
+    even = price(LLAMA_70B_32K, lay, h100, links)
+    uneven = price(LLAMA_70B_32K, lay, h100, links, cp_load_balance=False)
+    assert even == price(LLAMA_70B_32K, lay, h100, links, cp_load_balance=True)  # the default
+    b, u = _attention_s(LLAMA_70B_32K, lay, prices, "flash"), \
+        _attention_s(LLAMA_70B_32K, lay, prices, "flash", cp_load_balance=False)
+    extra = 4 * 80 * ((u[0] - b[0]) + (u[1] - b[1]))  # micro-batches x blocks x (forward + backward)
+    assert uneven.compute_time_s - even.compute_time_s == pytest.approx(extra, rel=1e-9)
+    assert uneven.step_time_s > 1.2 * even.step_time_s
+
+
+def test_expert_load_is_the_busiest_ranks_expected_share_or_the_capacity(h100):
+    """Dropless routing (sftctl.train's: no token dropped) puts the step on the expert-parallel
+    rank that receives the most tokens; its expected load over the uniform share, for a router
+    balanced in expectation, agrees with a Monte Carlo of top-k routing (uniform draws of k
+    distinct experts per token, 400 batches) within 10 % of the excess. A capacity factor
+    (GShard / Switch buffers) is that factor exactly. The price carries it into the all-to-all."""
+    from sftctl.compiler.layouts.memory import CAPACITY_FACTOR, expert_load
+
+    rng = np.random.default_rng(0)
+    for experts, k, ep, seq in ((8, 2, 4, 512), (8, 2, 8, 512), (64, 6, 8, 256)):
+        shape = TransformerShape(layers=2, hidden=512, ffn=1024, heads=8, kv_heads=8, vocab=1000, seq_len=seq,
+                                 experts=experts, top_k=k)
+        lay = Layout(dp=ep, ep=ep)
+        n = ep * seq  # the tokens the ep ranks route together
+        peaks = []
+        for _ in range(400):
+            idx = rng.random((n, experts)).argsort(-1)[:, :k]
+            counts = np.bincount((idx // (experts // ep)).ravel(), minlength=ep)
+            peaks.append(counts.max() / (n * k / ep))
+        got = expert_load(shape, lay)
+        assert got - 1 == pytest.approx(np.mean(peaks) - 1, rel=0.1), (experts, k, ep, got, np.mean(peaks))
+        assert expert_load(shape, lay, CAPACITY_FACTOR) == 1.25
+        assert expert_load(shape, Layout(dp=ep)) == 1.0  # one rank holds every expert: its total is fixed
+    with pytest.raises(ValueError, match="capacity_factor"):
+        expert_load(shape, lay, 0.0)
+    shape = TransformerShape(layers=2, hidden=512, ffn=1024, heads=8, kv_heads=8, vocab=1000, seq_len=512,
+                             experts=8, top_k=2)
+    links, lay = Links("H100", 8, 1), Layout(dp=8, ep=8, micro_batch=2)
+    dropless = price(shape, lay, h100, links)
+    load = expert_load(shape, lay)
+    a2a = collective_s("all-to-all", 2 * 512 * 2 * load * 512 * 2, "H100", 8, 1)
+    assert dropless.comm["ep"] == pytest.approx(2 * 4 * a2a, rel=1e-12)
+    capped = price(shape, lay, h100, links, capacity_factor=CAPACITY_FACTOR)
+    a2a = collective_s("all-to-all", 2 * 512 * 2 * 1.25 * 512 * 2, "H100", 8, 1)
+    assert capped.comm["ep"] == pytest.approx(2 * 4 * a2a, rel=1e-12)
+    uniform = price(shape, lay, h100, links, capacity_factor=1.0)
+    assert uniform.step_time_s < dropless.step_time_s < capped.step_time_s
+    assert uniform.memory["activations"] < dropless.memory["activations"] < capped.memory["activations"]

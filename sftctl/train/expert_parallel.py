@@ -16,8 +16,13 @@ float64 (``_fsdp_collectives.foreach_reduce``: pre-divide, then the whole factor
 A MoE layer is any module with ``route(x) -> (weights [T, k], expert index [T, k])``,
 ``dispatch(x, idx) -> [T, k, dim]`` and an ``experts`` ``nn.ModuleDict`` keyed by global expert
 index (:class:`sftctl.train.tiny.MoE`); :func:`apply_expert_parallel` drops the other ranks'
-experts and replaces ``dispatch``. The router is replicated (a dense parameter). No capacity
-factor: no token is dropped, so the result equals the unsplit layer's.
+experts and replaces ``dispatch``. The router is replicated (a dense parameter).
+
+Dropless: there is no capacity factor and no token is dropped or padded (the all-to-all carries
+each rank's actual counts), so the result equals the unsplit layer's, and a step waits for the
+rank whose experts receive the most tokens. The planner prices that rank
+(:func:`sftctl.compiler.layouts.memory.expert_load`: the expected busiest rank's load with
+``capacity_factor=None``, the default).
 """
 
 from __future__ import annotations

@@ -29,6 +29,61 @@ from sftctl.compiler.layouts.shape import TransformerShape
 from sftctl.types.layout import DP_SHARDINGS as SHARDINGS
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+#: the capacity factor a run that drops tokens is priced at unless told: 1.25, a value Switch
+#: Transformer trains with (Fedus et al. 2021, "Switch Transformers", section 2.2 and Table 1,
+#: which compares capacity factors 1.0 and 1.25 with 2.0 for top-2 MoE); GShard (Lepikhin et al.
+#: 2020, section 2.2) sizes each expert's buffer the same way, ``capacity_factor x tokens x k / E``
+CAPACITY_FACTOR = 1.25
+
+
+def _expected_max_normal(n: int) -> float:
+    """E[max of ``n`` independent standard normals] by Blom's approximation
+    ``Phi^-1((n - 0.375) / (n + 0.25))`` (within 1 % for n = 2..64; 0 for n = 1)."""
+    from statistics import NormalDist
+
+    return 0.0 if n <= 1 else NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+def expert_load(shape: TransformerShape, lay, capacity_factor: float | None = None) -> float:
+    """Tokens the busiest expert-parallel rank's experts process, as a multiple of the uniform
+    top-k share (``tokens x top_k / ep`` per rank): what its expert GEMMs, its all-to-all and its
+    routed activations carry, and so the MoE step's time (the slowest rank's).
+
+    ``capacity_factor`` set (a run that drops tokens, GShard / Switch, :data:`CAPACITY_FACTOR` the
+    usual value): every expert's buffer is ``capacity_factor`` times the uniform share, filled or
+    padded, so every rank carries exactly that. ``None`` (dropless: what ``sftctl.train`` runs,
+    and Megatron-Core's and torchtitan's default): no token is dropped, so the busiest rank
+    carries the largest of the ``ep`` ranks' routed loads. Its expectation for a router balanced
+    in expectation (each token's ``k`` experts a uniform draw without replacement, what the
+    auxiliary balance loss aims at): the count of (token, slot) pairs a rank of ``g = E / ep``
+    experts receives from ``N = ep x tokens`` tokens is a sum of ``N`` hypergeometric draws
+    (mean ``k g / E``, variance ``k (g/E)(1 - g/E)(E - k)/(E - 1)`` each), about normal; the ``ep``
+    counts sum to ``N k``, so they are equicorrelated (``-1 / (ep - 1)``), i.e. iid normals of
+    variance ``sd^2 / (1 - 1/ep)`` less their mean, and the largest is the mean plus
+    ``E[max of ep standard normals] x sd / sqrt(1 - 1/ep)`` (:func:`_expected_max_normal`; a
+    Monte Carlo of the routing agrees: tests/test_layouts.py). Times ``shape.expert_capacity`` (the spec's
+    ``model.expert_capacity``: the router's skew over uniform a user states; 1.0 by default).
+    This is a floor: a trained router's own skew (a popular expert) is only what that setting says.
+    ``tokens``: the micro-batch's ``micro_batch x seq_len / cp``, each rank routing its ``1 / tp``.
+    1.0 (x ``expert_capacity``) without experts or without expert parallelism (one rank holds
+    every expert: its total is fixed).
+
+    Raises:
+        ValueError: a capacity factor not above 0.
+    """
+    if capacity_factor is not None:
+        if capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+        return float(capacity_factor)
+    if not shape.experts or lay.ep <= 1:
+        return float(shape.expert_capacity)
+    e, k, ep = shape.experts, max(1, shape.top_k), lay.ep
+    tokens = lay.micro_batch * shape.seq_len / lay.cp / lay.tp
+    frac = (e // ep) / e
+    var1 = k * frac * (1 - frac) * ((e - k) / (e - 1) if e > 1 else 0.0)
+    mean = tokens * ep * k * frac
+    sd = (tokens * ep * var1) ** 0.5
+    return float(shape.expert_capacity) * (1.0 + _expected_max_normal(ep) * sd / (1 - 1 / ep) ** 0.5 / mean)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,14 +153,16 @@ def in_flight_micro_batches(pp: int, micro_batches: int, interleave: int = 1) ->
     return float(min(m, p)) if v == 1 else min(float(m), p * (1 + (p - 1) / (p * v)))
 
 
-def activation_bytes_per_layer(shape: TransformerShape, lay, attention: str = "flash", eager: bool = False) -> float:
+def activation_bytes_per_layer(shape: TransformerShape, lay, attention: str = "flash", eager: bool = False,
+                               capacity_factor: float | None = None) -> float:
     """Bytes one block saves for backward per micro-batch on one rank (Korthikanti et al. 2022,
     Table 2, ``sbh (10 + 24/t + 5 a s / (h t))`` for a GPT block in 16-bit, generalised), in
     elements of the compute dtype (``e`` bytes) per token: kept whole under tensor parallelism
     without sequence parallelism: two norms' inputs, the attention and MLP inputs (4h), and with
     dropout two 1-byte masks (2h bytes); divided by ``tp``: query/key/value (``qkv_width``), the
     output projection's input (h), the MLP's inner activations (2f: the up projection's output
-    and the activation's; gated 3f: gate, up, their product; MoE: ``top_k x capacity`` of them);
+    and the activation's; gated 3f: gate, up, their product; MoE: ``top_k x`` :func:`expert_load`
+    of them, the busiest expert-parallel rank's, ``capacity_factor`` as there);
     unfused attention (``attention="gemm"``) adds the scores and the softmax (``2 a s`` elements)
     and with dropout its 1-byte mask (``a s``), flash attention none. Sequence parallelism divides
     everything by ``tp``; context parallelism the tokens by ``cp``. ``eager`` (torch's eager ops
@@ -117,7 +174,7 @@ def activation_bytes_per_layer(shape: TransformerShape, lay, attention: str = "f
     e = DTYPE_BYTES.get(shape.dtype, 2)
     tokens = lay.micro_batch * shape.seq_len / lay.cp
     whole = 4 * shape.hidden * e + (2 * shape.hidden if shape.dropout else 0)
-    routed = shape.top_k * shape.expert_capacity if shape.experts else 1
+    routed = shape.top_k * expert_load(shape, lay, capacity_factor) if shape.experts else 1
     mlp = (4 if eager else 3) if shape.gated_mlp else 2
     split = float(e * (shape.qkv_width + (2 if eager else 1) * shape.hidden + mlp * shape.ffn * routed))
     if attention == "gemm":
@@ -139,7 +196,7 @@ def stage_params(shape: TransformerShape, lay) -> tuple[float, float]:
 
 
 def memory_per_rank(shape: TransformerShape, lay, attention: str = "flash",
-                    precision: Precision = TORCH_AMP) -> dict:
+                    precision: Precision = TORCH_AMP, capacity_factor: float | None = None) -> dict:
     """Bytes per rank by kind on the heaviest pipeline stage: the first (the embedding,
     :func:`in_flight_micro_batches` micro-batches in flight) or the last (the LM head, one
     micro-batch under 1F1B, and its logits), whichever needs more: ``weights``, ``grads``,
@@ -148,7 +205,8 @@ def memory_per_rank(shape: TransformerShape, lay, attention: str = "flash",
     stage's blocks x micro-batches in flight), ``logits``
     (the LM head's output, its float32 log-softmax and gradient: ``e + 4 + 4`` bytes per logit,
     ``+ 4`` for the logits' gradient under torch's eager cross-entropy without tensor parallelism),
-    ``reserve`` (:data:`sftctl.compiler.memory.RUNTIME_RESERVE_BYTES`)."""
+    ``reserve`` (:data:`sftctl.compiler.memory.RUNTIME_RESERVE_BYTES`). ``capacity_factor``: the MoE
+    routing (:func:`expert_load`; None: dropless)."""
     from sftctl.compiler.memory import RUNTIME_RESERVE_BYTES
 
     pr = precision
@@ -164,7 +222,7 @@ def memory_per_rank(shape: TransformerShape, lay, attention: str = "flash",
         ex = sharded_state(expert * pr.weight_bytes, expert * pr.grad_bytes, expert * pr.optimizer_bytes,
                            lay.dp_sharding, expert_shard, **kw)
         mem = {k: mem[k] + ex[k] for k in mem}
-    layer_act = activation_bytes_per_layer(shape, lay, attention, pr.eager_kernels)
+    layer_act = activation_bytes_per_layer(shape, lay, attention, pr.eager_kernels, capacity_factor)
     per_stage = shape.layers / lay.pp
     e = DTYPE_BYTES.get(shape.dtype, 2)
 
@@ -193,5 +251,5 @@ def memory_per_rank(shape: TransformerShape, lay, attention: str = "flash",
     return {k: int(v_) for k, v_ in mem.items()}
 
 
-__all__ = ["MEGATRON", "PRECISIONS", "TORCH_AMP", "Precision", "activation_bytes_per_layer",
-           "in_flight_micro_batches", "memory_per_rank", "sharded_state", "stage_params"]
+__all__ = ["CAPACITY_FACTOR", "MEGATRON", "PRECISIONS", "TORCH_AMP", "Precision", "activation_bytes_per_layer",
+           "expert_load", "in_flight_micro_batches", "memory_per_rank", "sharded_state", "stage_params"]

@@ -8,13 +8,17 @@ carved out of the data x context ranks (Megatron-Core's expert-data parallelism)
 **Compute** (seconds per micro-batch per stage): every GEMM of a block on the sharded shape it runs
 on one rank (query/key/value and MLP-up ``n / tp``, attention-output and MLP-down ``k / tp``, tokens
 ``micro_batch * seq_len / cp``; MoE: ``experts / ep`` grouped GEMMs of the routed tokens at the
-router's uniform load, whole experts under expert parallelism (expert tensor degree 1, each rank
+busiest expert-parallel rank's load (:func:`sftctl.compiler.layouts.memory.expert_load`: dropless,
+as ``sftctl.train`` runs, the expected largest of the ``ep`` ranks' loads; or a GShard / Switch
+capacity factor; the MoE step is the slowest rank's), whole experts under expert parallelism (expert tensor degree 1, each rank
 routing its ``1 / tp`` of the tokens), ``/ tp`` without it), forward
 and its two backward GEMMs (input gradient, weight gradient), each priced by
 :func:`sftctl.compiler.gemm_table.gemm_gpu_time_s` (the compiler's library-GEMM price: the
 accelerator's measured table or its fitted GEMM model), never a division of a whole step's time.
 Attention: ``attention="flash"`` is the compiler's flash-attention kernel price
-(:func:`sftctl.compiler.attention.attention_time_s`, ``heads / tp`` heads, ``seq / cp`` queries);
+(:func:`sftctl.compiler.attention.attention_time_s`, ``heads / tp`` heads, ``seq / cp`` queries, the
+causal share of the slowest context-parallel rank: :func:`cp_kept_fraction`, the mean under the
+zigzag split ``sftctl.train`` runs);
 ``attention="gemm"`` is Megatron-LM 2021's unfused form (two batched GEMMs and a fused
 scale-mask-softmax + dropout moving :data:`SOFTMAX_BYTES_PER_SCORE` bytes per score). The rest
 (norms, residual adds, activation, dropout) is memory-bound: :data:`ELEMENTWISE_BYTES_PER_TOKEN`
@@ -35,7 +39,7 @@ per micro-batch per stage boundary (Megatron's scatter/gather split), ``v`` time
 the interleaved schedule, exposed; context parallel: the ring passes key/value chunks ``cp - 1``
 times forward and twice as much backward, each hop under one of the ``cp`` attention steps
 (only the excess over ``(cp-1)/cp`` of the attention is exposed); expert parallel: an all-to-all
-dispatch and combine of the routed tokens (``x expert_capacity``) each way, exposed, on the link
+dispatch and combine of the busiest rank's routed tokens (:func:`~.memory.expert_load`) each way, exposed, on the link
 the expert group crosses (stride ``tp``: inside a node while ``tp x ep`` fits one); data parallel (over ``dp * cp`` ranks): DDP all-reduces float32 gradients once per
 step (hidden behind the last micro-batch's backward when ``overlap_grad_reduce``), ZeRO-1
 reduce-scatters them and all-gathers the bf16 parameters after the optimizer, FSDP (ZeRO-3)
@@ -58,7 +62,7 @@ import dataclasses
 import math
 from fractions import Fraction
 
-from sftctl.compiler.layouts.memory import (TORCH_AMP, Precision, memory_per_rank, stage_params)
+from sftctl.compiler.layouts.memory import (TORCH_AMP, Precision, expert_load, memory_per_rank, stage_params)
 from sftctl.compiler.layouts.shape import TransformerShape
 from sftctl.types.layout import Layout
 
@@ -208,8 +212,25 @@ class _Prices:
         return float(memory_bound_time_s(nbytes, self.target.hw, self.target.coeffs, kernels))
 
 
-def _attention_s(shape: TransformerShape, lay: Layout, prices: _Prices, attention: str) -> tuple[float, float]:
-    """(forward, backward) seconds of one block's attention core on one rank for one micro-batch."""
+def cp_kept_fraction(seq_len: int, cp: int, load_balance: bool = True) -> float:
+    """The share of a context-parallel rank's ``seq_len / cp`` x ``seq_len`` score rectangle its
+    causal attention computes, on the rank that computes the most: load-balanced (the zigzag split
+    :mod:`sftctl.train.context_parallel` runs by default) every rank the mean,
+    ``causal_fraction(seq_len, seq_len)``; contiguous the last rank, which sees ``cp - 1`` chunks
+    whole and its own causally: ``((cp - 1) n^2 + n (n + 1) / 2) / (n seq_len)``, ``n = seq_len /
+    cp`` (``(2 cp - 1) / cp`` times the mean for long sequences)."""
+    from sftctl.compiler.fusion import causal_fraction
+
+    if cp <= 1 or load_balance:
+        return causal_fraction(seq_len, seq_len)
+    n = seq_len // cp
+    return ((cp - 1) * n * n + n * (n + 1) / 2) / (n * seq_len)
+
+
+def _attention_s(shape: TransformerShape, lay: Layout, prices: _Prices, attention: str,
+                 cp_load_balance: bool = True) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's attention core on one rank for one micro-batch
+    (under context parallelism the slowest rank's: :func:`cp_kept_fraction`)."""
     heads = max(1, shape.heads // lay.tp)
     q_len = shape.seq_len // lay.cp
     b = lay.micro_batch
@@ -223,23 +244,23 @@ def _attention_s(shape: TransformerShape, lay: Layout, prices: _Prices, attentio
         return (f + prices.memory(scores * SOFTMAX_BYTES_PER_SCORE["forward"], 1),
                 bw + prices.memory(scores * SOFTMAX_BYTES_PER_SCORE["backward"], 1))
     from sftctl.compiler.attention import attention_time_s
-    from sftctl.compiler.fusion import causal_fraction
 
     kv = max(1, shape.kv_heads // lay.tp)
     base = {"batch": b, "q_heads": heads, "kv_heads": kv, "q_len": q_len, "kv_len": shape.seq_len,
             "head_dim": shape.head_dim, "v_head_dim": shape.head_dim, "dtype": shape.dtype, "causal": True,
-            "kept_fraction": causal_fraction(shape.seq_len, shape.seq_len), "implementation": "auto"}
+            "kept_fraction": cp_kept_fraction(shape.seq_len, lay.cp, cp_load_balance), "implementation": "auto"}
     return (attention_time_s(base | {"direction": "forward"}, prices.target),
             attention_time_s(base | {"direction": "backward"}, prices.target))
 
 
-def _block_compute_s(shape: TransformerShape, lay: Layout, prices: _Prices,
-                     attention: str) -> tuple[float, float, float, float]:
+def _block_compute_s(shape: TransformerShape, lay: Layout, prices: _Prices, attention: str,
+                     cp_load_balance: bool = True, load: float = 1.0) -> tuple[float, float, float, float]:
     """(forward, backward, forward GEMMs, backward GEMMs) seconds of one block on one rank for one
     micro-batch, backward without recomputation. The GEMM terms are those a tensor-parallel
     all-gather / reduce-scatter can run under (all four of a dense block; the attention's two of
     an MoE block: the router needs the whole gathered input before any expert GEMM starts, so
-    the MoE half's collectives cannot be split into the GEMMs they feed)."""
+    the MoE half's collectives cannot be split into the GEMMs they feed). ``load``: the busiest
+    expert-parallel rank's routed tokens over the uniform share (:func:`~.memory.expert_load`)."""
     t = lay.tp
     tokens = lay.micro_batch * shape.seq_len // lay.cp
     h, f = shape.hidden, shape.ffn
@@ -249,10 +270,10 @@ def _block_compute_s(shape: TransformerShape, lay: Layout, prices: _Prices,
     if shape.experts:
         local = max(1, shape.experts // lay.ep)
         if lay.ep > 1:  # expert parallel: whole experts (expert tensor degree 1), each rank's 1/tp of the tokens
-            per_expert = math.ceil(tokens / t * shape.top_k * lay.ep / shape.experts * shape.expert_capacity)
+            per_expert = math.ceil(tokens / t * shape.top_k * lay.ep / shape.experts * load)
             gemms += [(local, per_expert, up, h), (local, per_expert, h, f)]
         else:
-            per_expert = math.ceil(tokens * shape.top_k / shape.experts * shape.expert_capacity)
+            per_expert = math.ceil(tokens * shape.top_k / shape.experts * load)
             gemms += [(local, per_expert, math.ceil(up / t), h), (local, per_expert, h, math.ceil(f / t))]
         gemms.append((1, tokens, shape.experts, h))  # the router
     else:
@@ -264,11 +285,11 @@ def _block_compute_s(shape: TransformerShape, lay: Layout, prices: _Prices,
         fwd, bwd = fwd + a, bwd + b_
         if i < 2 or not shape.experts:  # the GEMMs a tensor-parallel collective can run under
             gemm_f, gemm_b = gemm_f + a, gemm_b + b_
-    af, ab = _attention_s(shape, lay, prices, attention)
+    af, ab = _attention_s(shape, lay, prices, attention, cp_load_balance)
     sp = t if (lay.sequence_parallel and t > 1) else 1
     per_token = (ELEMENTWISE_BYTES_PER_TOKEN["h"] * h / sp
                  + ELEMENTWISE_BYTES_PER_TOKEN["f_gated" if shape.gated_mlp else "f"] * f / t
-                 * (shape.top_k if shape.experts else 1))
+                 * (shape.top_k * load if shape.experts else 1))
     ew = prices.memory(tokens * per_token, ELEMENTWISE_KERNELS["forward"])
     ewb = prices.memory(2 * tokens * per_token, ELEMENTWISE_KERNELS["backward"])
     return fwd + af + ew, bwd + ab + ewb, gemm_f, gemm_b
@@ -291,7 +312,8 @@ def _head_compute_s(shape: TransformerShape, lay: Layout, prices: _Prices) -> tu
 
 def price(shape: TransformerShape, lay: Layout, target, links: Links, *, attention: str = "flash",
           overlap_grad_reduce: bool = True, tp_comm_overlap: bool = True, prices: _Prices | None = None,
-          precision: Precision = TORCH_AMP) -> LayoutPrediction:
+          precision: Precision = TORCH_AMP, cp_load_balance: bool = True,
+          capacity_factor: float | None = None) -> LayoutPrediction:
     """``lay`` of ``shape`` on ``links.world`` ranks of ``target`` (a compiler
     :class:`~sftctl.compiler.target.Target`): seconds per step of ``lay.global_batch`` sequences
     and bytes per rank (module docstring). ``attention``: ``flash`` (the compiler's kernel) or
@@ -302,6 +324,12 @@ def price(shape: TransformerShape, lay: Layout, target, links: Links, *, attenti
     overlap), only the excess over the block's GEMM time is exposed; False (Megatron-LM 2021): all exposed.
     ``precision``: the bytes per parameter the run keeps (:mod:`.memory`: sftctl.train's torch
     mixed precision, or Megatron-LM's) and the dtypes FSDP / ZeRO gather and reduce in.
+    ``cp_load_balance``: context parallelism's zigzag split (``sftctl.train``'s default,
+    :data:`sftctl.train.context_parallel.LOAD_BALANCE`): every rank's attention the mean share;
+    False: the contiguous split, priced at its last (slowest) rank's (:func:`cp_kept_fraction`).
+    ``capacity_factor``: MoE routing (:func:`~sftctl.compiler.layouts.memory.expert_load`): None
+    dropless (``sftctl.train``'s), the busiest expert-parallel rank's expected load; a factor
+    (:data:`~sftctl.compiler.layouts.memory.CAPACITY_FACTOR`, 1.25) GShard / Switch buffers of that size.
 
     Raises:
         ValueError: the layout's world size is not the offering's, or a degree does not divide
@@ -317,7 +345,8 @@ def price(shape: TransformerShape, lay: Layout, target, links: Links, *, attenti
     t, p, c, d, v, m = lay.tp, lay.pp, lay.cp, lay.dp, lay.chunks, lay.micro_batches
     tokens = lay.micro_batch * shape.seq_len // c
     per_stage = shape.layers // p
-    bf, bb, gf, gb = _block_compute_s(shape, lay, prices, attention)
+    load = expert_load(shape, lay, capacity_factor)
+    bf, bb, gf, gb = _block_compute_s(shape, lay, prices, attention, cp_load_balance, load)
 
     # tensor parallel: 2 all-reduces of the block's [tokens, hidden] activation each way (sequence
     # parallel: all-gather + reduce-scatter, the same bytes), overlapped with the GEMMs they feed
@@ -337,14 +366,15 @@ def price(shape: TransformerShape, lay: Layout, target, links: Links, *, attenti
     if c > 1:
         kv_bytes = 2 * tokens * max(1, shape.kv_heads // t) * shape.head_dim * 2
         hop = links.collective_s("collective-permute", kv_bytes, 2, t)
-        af, ab = _attention_s(shape, lay, prices, attention)
+        af, ab = _attention_s(shape, lay, prices, attention, cp_load_balance)
         # c attention steps per direction, the c - 1 hops each under one step: (c-1)/c of it hides them
         cp_f = max(0.0, (c - 1) * hop - af * (c - 1) / c)
         cp_b = max(0.0, 2 * (c - 1) * hop - ab * (c - 1) / c)
-    # expert parallel: dispatch + combine of the routed tokens, each way
+    # expert parallel: dispatch + combine of the routed tokens, each way, at the busiest rank's
+    # load (the all-to-all ends when its largest receiver has its tokens)
     ep_f = ep_b = 0.0
     if shape.experts and lay.ep > 1:
-        routed = tokens / t * shape.top_k * shape.expert_capacity * shape.hidden * 2
+        routed = tokens / t * shape.top_k * load * shape.hidden * 2
         a2a = links.collective_s("all-to-all", routed, lay.ep, t)
         ep_f, ep_b = 2 * a2a, 2 * a2a
     recompute = lay.checkpointing
@@ -401,7 +431,7 @@ def price(shape: TransformerShape, lay: Layout, target, links: Links, *, attenti
             "pp": pp_s, "dp": dp_s}
     comm_total = sum(comm.values())
     step = compute + bubble + comm_total
-    mem = memory_per_rank(shape, lay, attention, precision)
+    mem = memory_per_rank(shape, lay, attention, precision, capacity_factor)
     return LayoutPrediction(layout=lay, step_time_s=step, compute_time_s=compute, bubble_time_s=bubble,
                             comm_time_s=comm_total, comm=comm, memory_bytes=int(sum(mem.values())),
                             memory_capacity_bytes=int(target.hw.memory_bytes), memory=mem, accelerator=target.name)
