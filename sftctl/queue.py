@@ -36,7 +36,7 @@ import time
 from sftctl import settings
 from sftctl.errors import ExitCode, SftctlError
 from sftctl.paths import CONTROLLER_OWNER, controller_lock, job_dir
-from sftctl.state import JobRecord, JobStatus, Store, placed
+from sftctl.state import JobRecord, JobStatus, Liveness, Store, placed
 from sftctl.types import FailureCode, capabilities
 
 #: the memory one worker process is expected to take. 0.8 GiB: the quickstart's two torch nodes
@@ -237,11 +237,13 @@ def owner_record(job_id: str) -> dict | None:
     return None
 
 
-def _busy(job_id: str) -> ControllerBusy:
+def _busy(job_id: str, pid: int | None = None) -> ControllerBusy:
     owner = owner_record(job_id)
-    try:
-        who = f"pid {owner['pid']} on {owner['host']}"
-    except (KeyError, TypeError):
+    if owner is not None and "host" in owner and (pid is None or owner.get("pid") == pid):
+        who = f"pid {owner.get('pid')} on {owner['host']}"
+    elif pid is not None:  # a process that has not recorded itself beside its lock yet
+        who = f"pid {pid} on {socket.gethostname()}"
+    else:
         who = "a process that has not recorded itself yet"
     return ControllerBusy(
         f"job {job_id} already has a live controller ({who}); this one leaves the job alone",
@@ -375,34 +377,28 @@ class _Claim:
 
 
 def check_no_live_controller(job_id: str, store: Store | None = None) -> None:
-    """Raise :class:`ControllerBusy` if a live controller holds the job (see :func:`claim_job`):
-    this home's file lock (in ``$SFTCTL_HOME/locks/``), or, on a shared (Postgres) state or for a controller placed in a
-    Slurm job (``controller.place: slurm``), the job's unexpired lease in the database (a
-    controller on another machine, or one still in Slurm's queue: holder ``slurm:<id>``).
-    ``store``: the state to ask (default: the configured one)."""
-    from filelock import FileLock, Timeout
-
-    from sftctl.state import LeaseKeeper, is_url
-
-    shared = store is not None and store.dialect.shared or store is None and is_url(settings.get("SFTCTL_STATE_URL"))
+    """Raise :class:`ControllerBusy` if the state's verdict on the job's controller
+    (:meth:`sftctl.state.Store.controller_liveness`: its lease where the lease decides, its pid
+    here, this home's controller lock) is alive; this light stage never asks a scheduler
+    (:func:`sftctl.controller.placements.controller_alive` does). ``store``: the state to ask
+    (default: the configured one)."""
     asked = store or Store()
     try:
-        if shared or placed(getattr(asked.get_job(job_id), "spec", None)):  # a lease tells (see claim_job)
-            held = asked.lease(job_id)
-            if held is not None and not LeaseKeeper.dead_here(held[0]):  # a dead one's is taken over at once
-                raise _leased(job_id, held[0])
+        job = asked.get_job(job_id)
+        verdict = asked.controller_liveness(job) if job is not None else None
     finally:
         if store is None:
             asked.close()
-    path = controller_lock(job_id)
-    if not path.exists():
-        return
-    lock = FileLock(str(path))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise _busy(job_id) from None
-    lock.release()
+    if verdict is not None and verdict.alive:
+        raise busy(job_id, verdict)
+
+
+def busy(job_id: str, verdict: Liveness) -> ControllerBusy:
+    """The refusal for a job whose controller ``verdict`` says is alive (exit 2): named by its
+    lease holder when the lease told, else by its pid and host (the record beside its lock)."""
+    if verdict.holder is not None:
+        return _leased(job_id, verdict.holder)
+    return _busy(job_id, verdict.pid)
 
 
 def _leased(job_id: str, holder: str) -> ControllerBusy:

@@ -192,8 +192,11 @@ def spawn_controller(job_id: str):
     (:func:`sftctl.queue.lease_for_child`), so no reaper ever sees the new controller's pid
     without its lease. Returns the :class:`subprocess.Popen` (the server keeps it, to reap it when it ends).
 
-    A job whose spec says ``controller.place: slurm`` gets its controller as a Slurm job instead
-    (:func:`sftctl.controller.launch.place_controller`); then None is returned.
+    This is the one spawn path: every controller start (``run --detach``, :func:`start`, the
+    server's Supervisor) comes here, and the job's placement decides (:func:`sftctl.state.placed`,
+    its ``elsewhere``; no controller import on this path): this machine's (``local``, ``server``) get
+    the detached process above; one placed ``elsewhere`` (``slurm``, ``kubernetes``) is submitted
+    to its scheduler instead (:func:`sftctl.controller.launch.place_controller`); then None is returned.
 
     Raises:
         ProviderError: sbatch refused the controller's Slurm job (exit 4).
@@ -207,7 +210,7 @@ def spawn_controller(job_id: str):
 
     store = _store()
     record = store.get_job(job_id)
-    if record is not None and placed(record.spec):
+    if record is not None and placed(record.spec):  # Placement.elsewhere (state.HERE: a test holds them equal)
         from sftctl.controller.launch import place_controller
 
         with _owner_only():
@@ -254,11 +257,10 @@ def start(job: str) -> JobView:
 
     With a server configured, the server starts it, as its own child process.
     """
-    from sftctl.queue import check_no_live_controller
-
     remote = _remote()
     if remote is not None:
         return JobView.from_wire(remote.request("POST", remote.job_path(job, "/start")))
+    from sftctl.queue import busy
     from sftctl.state import placed
 
     store = _store()
@@ -266,11 +268,14 @@ def start(job: str) -> JobView:
     if record.status.terminal:
         raise SftctlError(f"job {record.id} already ended ({record.status.value}): there is nothing to start",
                           hint="sftctl run SPEC starts a new job; sftctl events " + record.id + " shows how it ended")
-    if placed(record.spec):
-        from sftctl.controller.submit import forget_lost_queued_controller
+    if placed(record.spec):  # its scheduler may have dropped it queued: the placement's verdict asks
+        from sftctl.controller.placements import controller_alive
 
-        forget_lost_queued_controller(store, record)  # its Slurm job was cancelled before it ran
-    check_no_live_controller(record.id, store)
+        verdict = controller_alive(record, store)
+    else:  # this machine's placements' verdict is the state's (Placement.alive): no controller import
+        verdict = store.controller_liveness(record)  # between submit and the pid, where reapers wait
+    if verdict.alive:
+        raise busy(record.id, verdict)
     spawn_controller(record.id)
     return _view(store, store.get_job(record.id), detail=True)
 

@@ -50,11 +50,14 @@ def down(store: Store, job_id: str, progress: Callable[[str], None] | None = Non
     job = store.get_job(job_id)
     if job is None:
         raise KeyError(job_id)
-    pid, ticks = job.controller_pid, job.controller_start_ticks
-    # an ended job's recorded controller may be a process that went on to other things (a script
-    # that ran the job attached, a server): it is never signalled
-    controller_was_alive = bool(not job.status.terminal and pid and pid != os.getpid() and procs.alive(pid, ticks))
     where = placement_of(job.spec)
+    # the controller to signal: a process of this machine (its pid, or its lease's holder on a
+    # shared state) that the one verdict finds alive; an ended job's recorded controller may be a
+    # process that went on to other things (a script that ran the job attached, a server): it is
+    # never signalled, nor is this process
+    verdict = where.alive(store, job, scheduler=False)
+    pid, ticks = (verdict.pid, verdict.ticks) if verdict.alive else (None, None)
+    controller_was_alive = bool(not job.status.terminal and pid and pid != os.getpid())
     if where.elsewhere:  # its controller is a Slurm job / Kubernetes Job, its pid another machine's
         controller_was_alive = False
         what = where.what
@@ -139,7 +142,7 @@ def purge(store: Store, job_id: str) -> dict:
     job = store.get_job(job_id)
     if job is None:
         raise KeyError(job_id)
-    alive = bool(job.controller_pid and procs.alive(job.controller_pid, job.controller_start_ticks))
+    alive = placement_of(job.spec).alive(store, job, scheduler=False).alive is True
     up = [n for n in store.nodes(job_id) if n.status not in (NodeState.TERMINATED, NodeState.REPLACED, NodeState.FAILED)]
     if job.status not in TERMINAL or alive or up:
         why = f"{len(up)} node(s) may still run" if up and job.status in TERMINAL else job.status.value

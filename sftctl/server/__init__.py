@@ -90,10 +90,19 @@ class Supervisor:
             ControllerBusy: the job already has a live controller (exit 2).
         """
         from sftctl import api
-        from sftctl.queue import check_no_live_controller
+        from sftctl.controller.placements import controller_alive
+        from sftctl.queue import busy
+        from sftctl.state import Store
 
         with self._lock:
-            check_no_live_controller(job_id)
+            store = Store()
+            try:
+                job = store.get_job(job_id)
+                verdict = controller_alive(job, store, scheduler=False) if job is not None else None
+            finally:
+                store.close()
+            if verdict is not None and verdict.alive:
+                raise busy(job_id, verdict)
             proc = api.spawn_controller(job_id)
             if proc is None:  # controller.place: slurm: a Slurm job, not a child of this process
                 log.info("controller of %s submitted to Slurm", job_id)
@@ -110,19 +119,19 @@ class Supervisor:
                     del self._procs[job_id]
 
     def orphans(self) -> list[str]:
-        """Unfinished jobs in state whose controller is not alive: none recorded (past
-        ``CONTROLLER_START_GRACE_S`` after submission: a client that died between submit and
-        start), or it is gone: on this machine's state, its process (pid and start time;
-        :func:`sftctl.procs.alive`) and its file lock; on a shared (Postgres) state, whose
-        controllers may run on other servers' machines, its lease in the database (a controller
-        started by a server or ``sftctl start`` holds it before its pid is recorded,
-        :func:`sftctl.api.spawn_controller`; a job counts once it was seen without a lease for
-        :data:`CLAIM_GRACE_S` seconds, which spares a restart another server is just making a
-        start that the lease would refuse)."""
-        from sftctl import procs
-        from sftctl.controller.submit import forget_lost_queued_controller
-        from sftctl.queue import check_no_live_controller
-        from sftctl.state import CONTROLLER_START_GRACE_S, Store, placed
+        """Unfinished jobs in state whose controller is not alive by the one verdict
+        (:func:`sftctl.controller.placements.controller_alive`): none recorded past
+        ``CONTROLLER_START_GRACE_S`` after submission (a client that died between submit and
+        start), or it is gone: on this machine's state, its process (pid and start time) and its
+        file lock; on a shared (Postgres) state, whose controllers may run on other servers'
+        machines, its lease in the database (a controller started by a server or ``sftctl start``
+        holds it before its pid is recorded, :func:`sftctl.api.spawn_controller`); a controller
+        queued at its scheduler whose Slurm job / Kubernetes Job is gone (its lease given up; a
+        scheduler that cannot be asked leaves the lease to decide). On a shared state a job counts
+        once it was seen without a lease for :data:`CLAIM_GRACE_S` seconds, which spares a restart
+        another server is just making a start that the lease would refuse."""
+        from sftctl.controller.placements import controller_alive
+        from sftctl.state import Store
         from sftctl.types import JobStatus
 
         store = Store()
@@ -133,18 +142,14 @@ class Supervisor:
             self._leaseless = {k: v for k, v in self._leaseless.items() if k in {j.id for j in live}}
             for j in live:
                 now = time.time()
-                if j.controller_pid is None and now - j.created_at < CONTROLLER_START_GRACE_S:
+                try:  # a placed controller's Slurm job / Kubernetes Job cancelled while queued is dead
+                    verdict = controller_alive(j, store)
+                except SftctlError as e:  # its scheduler unreachable: the lease decides, as it stands
+                    log.info("%s: %s", j.id, e.message)
+                    verdict = controller_alive(j, store, scheduler=False)
+                if verdict.alive is None:
                     continue  # just submitted: its client starts it
-                if not shared and j.controller_pid and procs.alive(j.controller_pid, j.controller_start_ticks):
-                    continue
-                if placed(j.spec):
-                    try:  # a controller's Slurm job cancelled while queued holds the lease no more
-                        forget_lost_queued_controller(store, j)
-                    except SftctlError as e:  # Slurm unreachable: the lease decides, as it stands
-                        log.info("%s: %s", j.id, e.message)
-                try:
-                    check_no_live_controller(j.id, store)  # no file lock held here, no lease held anywhere
-                except SftctlError:
+                if verdict.alive:
                     self._leaseless.pop(j.id, None)
                     continue
                 if shared and now - self._leaseless.setdefault(j.id, now) < CLAIM_GRACE_S:

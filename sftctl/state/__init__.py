@@ -40,6 +40,7 @@ re-exported from its modules:
 - :mod:`~sftctl.state.series`: metrics, step series, GPU series, run history;
 - :mod:`~sftctl.state.users`: users, the audit, secrets;
 - :mod:`~sftctl.state.leases`: controller leases;
+- :mod:`~sftctl.state.liveness`: the verdict on a job's controller (:class:`Liveness`) and its evidence;
 - :mod:`~sftctl.state.store`: :class:`Store` (the parts above in one class) and :class:`LeaseKeeper`.
 
 A constant is read by the module that defines it (``STEP_SERIES_CAP`` in series.py,
@@ -52,6 +53,7 @@ from sftctl.state.connection import (BUSY_TIMEOUT_MS, HELD_RECONNECT_S, LOCKED_R
 from sftctl.state.dialect import SQLITE, _Dialect, _PgConn, _postgres, is_url, os_user, redact
 from sftctl.state.jobs import (CONTROLLER_START_GRACE_S, HERE, QUEUED_CONTROLLER_LEASE_S, TRANSITIONS,
                                IllegalTransition, controller_died_reason, placed, queued_holder)
+from sftctl.state.liveness import Liveness
 from sftctl.state.machines import BadMachine
 from sftctl.state.migrations import MIGRATIONS, SCHEMA_VERSION
 from sftctl.state.series import GPU_COMPACT_EVERY_S, GPU_TIERS, STEP_SERIES_CAP
@@ -64,7 +66,7 @@ __all__ = [
     "BUSY_TIMEOUT_MS", "HELD_RECONNECT_S", "LOCKED_RETRY_S", "SQLITE", "is_url", "os_user", "redact",
     "CONTROLLER_START_GRACE_S", "HERE", "QUEUED_CONTROLLER_LEASE_S", "TRANSITIONS", "IllegalTransition",
     "controller_died_reason", "placed", "queued_holder", "MIGRATIONS", "SCHEMA_VERSION", "GPU_COMPACT_EVERY_S",
-    "GPU_TIERS", "STEP_SERIES_CAP", "LeaseKeeper", "Store", "BadMachine",
+    "GPU_TIERS", "STEP_SERIES_CAP", "LeaseKeeper", "Liveness", "Store", "BadMachine",
     # the vocabulary the Store's records are made of (from sftctl.types)
     "TERMINAL", "Attempt", "AttemptStatus", "AuditEvent", "Event", "GpuPoint", "JobRecord", "JobStatus",
     "MetricsRecord", "NodeRecord", "NodeState", "RunRecord", "StepRecord", "User", "capabilities",

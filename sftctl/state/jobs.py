@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from sftctl import procs
 from sftctl.state.connection import _Connection, _retrying
 from sftctl.state.dialect import os_user
+from sftctl.state.liveness import Liveness, dead_here, lock_held, process_here
 from sftctl.types import (TERMINAL, Attempt, AttemptStatus, Event, JobRecord, JobStatus, NodeRecord, NodeState,
                           capabilities)
 
@@ -163,47 +165,75 @@ class _Jobs(_Connection):
             self._event(db, job_id, "status", message, {"code": code} if code else None)
         return True
 
-    def reap_dead_controllers(self) -> list[str]:
-        """Mark live jobs whose controller process is gone as FAILED_CONTROLLER; return their ids.
+    _UNSET: Any = object()
 
-        Liveness compares the recorded pid *and* its start time, so a reused pid is not mistaken
-        for the controller; on a shared (Postgres) state it is the job's unexpired lease (the
-        controller may run on another machine). A spawned controller's lease is taken in its
-        name before its pid is recorded (:func:`sftctl.queue.lease_for_child`), so a job whose
-        pid is recorded and that holds no lease has no controller starting either; a job with
-        no pid yet has ``CONTROLLER_START_GRACE_S`` from its submission. A cloud or Slurm job's nodes may still run: ``sftctl down`` removes
-        them; local nodes stop by themselves (:func:`sftctl.procs.guard`).
-        """
-        from sftctl import procs
+    if TYPE_CHECKING:  # the Store's leases part (:class:`sftctl.state.leases._Leases`) has it
+        def lease(self, job_id: str) -> tuple[str, float] | None: ...
 
-        live = [s.value for s in JobStatus if not s.terminal]
-        rows = self._conn.execute(
-            f"SELECT id, controller_pid, controller_start_ticks, created_at, provider, spec_json FROM jobs"
-            f" WHERE status IN ({','.join('?' * len(live))})",
-            live,
-        ).fetchall()
-        # a controller placed in a scheduler's job runs on another machine: judged by the lease
-        elsewhere = {r["id"] for r in rows if '"place"' in (r["spec_json"] or "")
-                     and placed(json.loads(r["spec_json"]))}
-        leased = None
-        # controllers run on other machines (a shared state, or a controller placed in a Slurm
-        # job): a live one holds an unexpired lease, or its scheduler's queue holds it for it
+    def controller_liveness(self, job: JobRecord, *, elsewhere: bool | None = None,
+                            lease: Any = _UNSET, lock: bool = True, now: float | None = None) -> Liveness:
+        """The verdict on ``job``'s controller from the state and this machine (one judgement for
+        every caller: :meth:`reap_dead_controllers`, :func:`sftctl.queue.check_no_live_controller`,
+        and through :meth:`sftctl.controller.placements.base.Placement.alive` the server, ``start``
+        and ``down``), in this order:
+
+        1. Where the lease decides (a shared (Postgres) state, whose controllers may run on other
+           machines, or ``elsewhere``: a controller placed in a scheduler's job, default
+           :func:`placed` of the job's spec): an unexpired lease is alive (its holder named), unless
+           the holder is a process of this host that is gone (:func:`sftctl.state.liveness.dead_here`).
+           Elsewhere, the recorded pid (alive, same start time: never a reused pid) is alive.
+        2. The job's controller lock of this ``$SFTCTL_HOME`` held by a process (unless ``lock``
+           is false: the reaper, which polls every few seconds in every waiting job, never
+           takes the lock even for an instant, so a controller's claim never meets it).
+        3. No pid recorded within :data:`CONTROLLER_START_GRACE_S` of its submission: unknown
+           (``alive`` None; its client is starting it: a spawner records the pid, or takes the
+           lease in the child's name, first).
+        4. Else dead (never started, exited, killed, or its lease gone).
+
+        ``lease``: the job's lease as :meth:`lease` returns it, when the caller read every job's
+        at once; ``now``: Unix time (default: the clock). Never asks a scheduler."""
+        now = time.time() if now is None else now
+        pid, ticks = job.controller_pid, job.controller_start_ticks
+        if elsewhere is None:
+            elsewhere = placed(job.spec) is not None
+        gone = ""
         if self._d.shared or elsewhere:
-            leased = {r["job_id"] for r in self._conn.execute(
-                f"SELECT job_id FROM leases WHERE expires_at > {self._d.now}").fetchall()}
+            held = self.lease(job.id) if lease is self._UNSET else lease
+            if held is not None and not dead_here(held[0]):
+                here = process_here(held[0])
+                return Liveness(True, f"holds the job's lease as {held[0]} ({held[1]:.0f} s left)", "lease", held[0],
+                                *(here or (None, None)))
+            gone = (f"its lease holder {held[0]} was a process of this host that is gone" if held is not None
+                    else "no lease is held")
+        elif pid is not None and procs.alive(pid, ticks):
+            return Liveness(True, f"pid {pid} runs on this machine", "pid", None, pid, ticks)
+        else:
+            gone = "no pid is recorded" if pid is None else f"pid {pid} is gone"
+        if lock and lock_held(job.id):
+            return Liveness(True, "a process holds its controller lock on this machine", "lock")
+        if pid is None and now - job.created_at < CONTROLLER_START_GRACE_S:
+            return Liveness(None, f"no pid recorded yet, {now - job.created_at:.0f} s after submission "
+                                  f"(its client starts it within {CONTROLLER_START_GRACE_S:.0f} s)", "grace")
+        return Liveness(False, gone)
+
+    def reap_dead_controllers(self) -> list[str]:
+        """Mark live jobs whose controller is gone (:meth:`controller_liveness` says dead) as
+        FAILED_CONTROLLER; return their ids. A job still within its start grace is left alone. A
+        cloud or Slurm job's nodes may still run: ``sftctl down`` removes them; local nodes stop by
+        themselves (:func:`sftctl.procs.guard`)."""
+        jobs = self.list_jobs({s for s in JobStatus if not s.terminal})
+        leases: dict[str, tuple[str, float]] = {}
+        if self._d.shared or any(placed(j.spec) for j in jobs):  # every lease in one read
+            leases = {r["job_id"]: (r["holder"], r["left_s"]) for r in self._conn.execute(
+                f"SELECT job_id, holder, expires_at - {self._d.now} AS left_s FROM leases"
+                f" WHERE expires_at > {self._d.now}").fetchall()}
         reaped = []
-        for r in rows:
-            pid = r["controller_pid"]
-            if pid is None and time.time() - r["created_at"] < CONTROLLER_START_GRACE_S:
+        for job in jobs:
+            if self.controller_liveness(job, lease=leases.get(job.id), lock=False).alive is not False:
                 continue
-            by_lease = self._d.shared or r["id"] in elsewhere
-            if by_lease and r["id"] in leased:
-                continue
-            if not by_lease and pid is not None and procs.alive(pid, r["controller_start_ticks"]):
-                continue
-            reason = controller_died_reason(r["id"], pid, local=capabilities(r["provider"]).local_admission)
-            if self.transition(r["id"], JobStatus.FAILED_CONTROLLER, reason, strict=False, code="controller_died"):
-                reaped.append(r["id"])
+            reason = controller_died_reason(job.id, job.controller_pid, local=capabilities(job.provider).local_admission)
+            if self.transition(job.id, JobStatus.FAILED_CONTROLLER, reason, strict=False, code="controller_died"):
+                reaped.append(job.id)
         return reaped
 
     # ---------------------------------------------------------------- nodes

@@ -10,6 +10,7 @@ from sftctl import settings
 from sftctl.state.connection import _quietly
 from sftctl.state.jobs import _Jobs, queued_holder
 from sftctl.state.leases import _Leases
+from sftctl.state.liveness import dead_here as _dead_here
 from sftctl.state.machines import _Machines
 from sftctl.state.series import _Series
 from sftctl.state.users import _Users
@@ -95,17 +96,8 @@ class LeaseKeeper:
     @staticmethod
     def dead_here(holder: str) -> bool:
         """``holder`` names a process of this host that is gone (killed -9: its lease has not
-        expired yet, but nobody renews it). A holder of another host is never judged from here."""
-        import socket
-
-        from sftctl import procs
-
-        host, pid_text, ticks_text = (holder.rsplit(":", 2) + ["", ""])[:3]
-        try:
-            pid, ticks = int(pid_text), int(ticks_text)
-        except ValueError:
-            return False
-        return host == socket.gethostname() and not procs.alive(pid, ticks)
+        expired yet, but nobody renews it); :func:`sftctl.state.liveness.dead_here`."""
+        return _dead_here(holder)
 
     def _renew(self) -> None:
         store = Store(self.store.url or self.store.path)

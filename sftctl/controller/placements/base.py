@@ -7,8 +7,9 @@ A placement answers, for one job: whether its controller runs elsewhere (another
 process, judged by the job's lease in the state), what ``run --dry-run`` shows of it
 (:meth:`Placement.render`), whether a spec may use it (:meth:`Placement.check`), how it is submitted
 (:meth:`Placement.place`), the lease holder while it waits in a scheduler's queue
-(:meth:`Placement.holder`), how it is stopped (:meth:`Placement.cancel`), and how a queued one that
-vanished is given up (:meth:`Placement.orphans`).
+(:meth:`Placement.holder`), how it is stopped (:meth:`Placement.cancel`), how a queued one that
+vanished is given up (:meth:`Placement.orphans`), and whether it is alive (:meth:`Placement.alive`,
+which :func:`sftctl.controller.placements.controller_alive` dispatches to).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sftctl.procs import module_argv
-from sftctl.state import JobRecord, Store, queued_holder
+from sftctl.state import JobRecord, Liveness, Store, queued_holder
 
 
 #: what stands for a secret's value in what ``run --dry-run`` shows (and the launch fills)
@@ -81,7 +82,9 @@ class Placement:
 
     def place(self, store: Store, job: JobRecord, spec, render: Render) -> str:
         """Submit ``job``'s controller as ``render()`` says and hold its lease for it (``holder``);
-        return the scheduler's id of it. Only for placements ``elsewhere``."""
+        return the scheduler's id of it. Only for placements ``elsewhere``: this machine's
+        (``local``, ``server``) are started by :func:`sftctl.api.spawn_controller`, the one spawn
+        path (a detached ``python -m sftctl.queue JOB``), which calls this for the others."""
         raise NotImplementedError(f"controller.place: {self.name} is started on this machine, not submitted")
 
     def holder(self, controller_id: str) -> str:
@@ -96,6 +99,32 @@ class Placement:
         """Give up the lease of ``job``'s queued controller that left the scheduler's queue
         without starting; return the holder given up, else None."""
         return None
+
+    def alive(self, store: Store, job: JobRecord, *, scheduler: bool = True) -> Liveness:
+        """The verdict on ``job``'s controller: the state's (:meth:`Store.controller_liveness`:
+        by the job's lease for a placement ``elsewhere`` or on a shared state, else by its pid;
+        then this home's controller lock; a job just submitted is unknown) and, for a controller
+        still queued at its scheduler (its lease ``<name>:<id>``) when ``scheduler`` is true, the
+        scheduler's (:meth:`orphans`: one that left the queue without starting is dead, its lease
+        given up). ``scheduler`` false: the state alone (no ``squeue``, no API call).
+
+        Raises:
+            ProviderError, CredentialsError: the scheduler could not be asked (exit 4).
+        """
+        verdict = store.controller_liveness(job, elsewhere=self.elsewhere)
+        if not (scheduler and self.elsewhere and verdict.alive and verdict.by == "lease"
+                and (verdict.holder or "").startswith(f"{self.name}:")):
+            return verdict
+        gone = self.orphans(store, job)
+        if gone is None:
+            return Liveness(True, f"queued as {self.what} {_scheduler_id(verdict.holder)}, which its scheduler still shows",
+                            "scheduler", verdict.holder)
+        return Liveness(False, f"its {self.what} {_scheduler_id(gone)} left the queue without starting", "scheduler", gone)
+
+
+def _scheduler_id(holder: str | None) -> str:
+    """The scheduler's id in a queued holder (``slurm:17`` -> ``17``)."""
+    return (holder or "").split(":", 1)[-1]
 
 
 def forget_queued(store: Store, job: JobRecord, placement: Placement, provider, line: str, key: str) -> str | None:
