@@ -47,6 +47,7 @@ import typing
 
 from sftctl.errors import ExitCode, SftctlError
 from sftctl.slurm_config import FIELD_KINDS, value_problem
+from sftctl.types.nodes import _FINDERS
 
 PREFIX = "SFTCTL_"
 USER, NODE = "user", "node"
@@ -734,6 +735,21 @@ def markdown() -> str:
         if s.scope == NODE:
             out.append(f"| `{s.name}` | {cell(s.expected())} | {default(s)} | {s.set_by} | {cell(s.meaning)} |")
     return "\n".join(out) + "\n"
+
+
+def _import_provider_plugin(name: str) -> None:
+    """How :func:`sftctl.types.capabilities` and ``NodeHandle.parse`` find a plugin provider's
+    handle class before anything imported it: import the module ``SFTCTL_PROVIDERS`` names for
+    ``name`` (which defines the class); here, not in :mod:`sftctl.providers`, so a light caller
+    (the state's reaper, the queue's waiting stage, ``sftctl status``) needs no provider package."""
+    import importlib
+
+    module = provider_plugins().get(name)
+    if module is not None:
+        importlib.import_module(module)
+
+
+_FINDERS.append(_import_provider_plugin)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,6 +59,22 @@ def test_a_plugin_is_registered_by_its_name_and_module(plugin):
     assert (offering.provider, offering.usd_per_hour) == ("fixture", 0.25)
 
 
+def test_a_plugins_handle_is_found_without_importing_the_providers_first(home, plugin):
+    """The state's reaper and the queue's waiting stage read a plugin job's capabilities and
+    handles with only the state imported (no sftctl.providers): the module SFTCTL_PROVIDERS
+    names is imported for its handle class (``unknown provider 'fixture'`` before)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from sftctl.state import Store; from sftctl.types import NodeHandle, capabilities; "
+            "assert 'sftctl.providers' not in sys.modules; c = capabilities('fixture'); "
+            "h = NodeHandle.parse('fixture', {'job_id': 'j', 'node_id': 'n0', 'rank': 0}); "
+            "print(c.local_admission, c.regional, type(h).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=plugin, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False", "FixtureHandle"]
+
+
 def test_a_plugin_that_is_not_there_or_misnamed_is_one_line(monkeypatch):
     monkeypatch.setenv("SFTCTL_PROVIDERS", "ghost=no_such_module_here")
     assert providers.configured("ghost") == "provider 'ghost': its module 'no_such_module_here' is not importable"

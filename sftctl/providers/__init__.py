@@ -24,7 +24,6 @@ from sftctl import settings
 from sftctl.errors import ProviderError
 from sftctl.providers.base import Provider, ProviderEntry
 from sftctl.types import capabilities
-from sftctl.types.nodes import _FINDERS
 
 
 def names() -> tuple[str, ...]:
@@ -60,9 +59,6 @@ def entry(name: str) -> ProviderEntry:
         raise ProviderError(f"unknown provider {name!r}", hint=f"providers: {', '.join(names())}")
     module = settings.provider_plugins().get(name) or f"sftctl.providers.{name}"
     return _entry(name, module)
-
-
-_FINDERS.append(entry)  # types.capabilities / NodeHandle.parse of a plugin not imported yet
 
 
 def provider_class(name: str) -> type[Any]:
