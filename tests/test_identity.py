@@ -200,7 +200,11 @@ def test_provider_capabilities_are_declared_not_compared_by_name():
     local, slurm, aws, k8s = (capabilities(p) for p in ("local", "slurm", "aws", "kubernetes"))
     assert local.local_admission and local.shares_filesystem and not local.needs_job_storage
     assert not local.regional and not slurm.regional and aws.regional and k8s.regional
-    assert slurm.queue_estimate and not aws.queue_estimate
+    from sftctl.providers import provider_class  # what a provider does is an interface, not a flag
+    from sftctl.providers.base import QueueEstimate
+
+    assert issubclass(provider_class("slurm"), QueueEstimate) and not issubclass(provider_class("aws"), QueueEstimate)
+    assert "queue_estimate" not in {f.name for f in dataclasses.fields(slurm)}
     assert aws.boots_script and k8s.boots_script and not local.boots_script and not slurm.boots_script
     assert capabilities(None) == local  # a job recorded before it had a provider
     with pytest.raises(ValueError):

@@ -13,8 +13,8 @@ from sftctl.types.record import Record, T
 
 #: provider name -> its handle class, filled as each class is defined (``NodeHandle.__init_subclass__``)
 _HANDLES: dict[str, type["NodeHandle"]] = {}
-#: how a name with no handle class yet is looked up: :mod:`sftctl.providers` adds its registry's
-#: import of a provider's module (a plugin named by ``SFTCTL_PROVIDERS``), which defines it
+#: how a name with no handle class yet is looked up: :mod:`sftctl.settings` adds the import of the
+#: module ``SFTCTL_PROVIDERS`` names for a plugin provider, which defines it
 _FINDERS: list[Callable[[str], object]] = []
 
 
@@ -71,13 +71,14 @@ class NodeStatus:
 @dataclasses.dataclass(frozen=True)
 class ProviderCapabilities:
     """What a provider offers that the rest of sftctl decides by, declared once per provider on
-    its handle class (:func:`capabilities`), instead of comparing provider names.
+    its handle class (:func:`capabilities`), instead of comparing provider names. What a
+    provider *does* (estimate a queue's start, keep a controller alive, ...) is an interface its
+    class implements instead (:mod:`sftctl.providers.base`: ``QueueEstimate``, ``KeepsAlive``, ...).
 
     Attributes:
         local_admission: its nodes run on this machine: a job waits for its CPUs and memory
             (:mod:`sftctl.queue`), and a dead controller's nodes stop by themselves.
         regional: its offerings live in regions that ``resources.regions`` filters.
-        queue_estimate: its scheduler estimates when an allocation starts (the planner asks).
         boots_script: its nodes boot sftctl's bootstrap script (a cloud VM, a pod).
         shares_filesystem: the controller's filesystem is the nodes' (this machine; a Slurm
             cluster driven from its login node, not over SSH).
@@ -86,7 +87,6 @@ class ProviderCapabilities:
 
     local_admission: bool = False
     regional: bool = True
-    queue_estimate: bool = False
     boots_script: bool = True
     shares_filesystem: bool = False
     needs_job_storage: bool = True
@@ -219,7 +219,7 @@ class SlurmHandle(NodeHandle):
 
     provider: ClassVar[str] = "slurm"
     capabilities: ClassVar[ProviderCapabilities] = ProviderCapabilities(
-        regional=False, queue_estimate=True, boots_script=False, shares_filesystem=True, needs_job_storage=False)
+        regional=False, boots_script=False, shares_filesystem=True, needs_job_storage=False)
     root: str = ""
     dir: str = ""
     offering: dict[str, Any] | None = None
