@@ -590,6 +590,30 @@ def import_file(path: str | os.PathLike[str], progress=None) -> list[RunRecord]:
     return rows
 
 
+def _natural_key(r: RunRecord, with_ts: bool) -> tuple:
+    """What makes a run-history row the same measurement whatever its source or row id: the
+    offering and shape, the measured step (seconds) and, for an exported row, its ``ts`` (Unix
+    seconds, kept by ``calibrate export``); for a record of a measurement file (no ``ts``: it is
+    stamped when imported), its ``source_label`` and ``name`` instead."""
+    where = (r.accelerator.lower(), r.gpus_per_node, r.nodes, r.mode, r.provider, r.instance_type, r.region,
+             round(r.measured_step_s, 9))
+    return (*where, round(r.ts, 3)) if with_ts else (*where, r.source_label, r.name)
+
+
+def not_present(rows: list[RunRecord], existing: list[RunRecord], exported: bool) -> list[RunRecord]:
+    """The ``rows`` of an import (:func:`import_file` or :func:`read_exported`: ``exported``) that
+    are not already in the run history ``existing``, nor earlier in ``rows``: importing a file
+    twice, or the export of this lab's own jobs, adds nothing (see :func:`_natural_key`)."""
+    seen = {_natural_key(r, exported) for r in existing}
+    out = []
+    for r in rows:
+        key = _natural_key(r, exported)
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
+
+
 def summary(runs: list[RunRecord]) -> list[dict]:
     """``calibrate show``'s rows: per accelerator, offering (provider x instance type) and source,
     the runs, the median measured / predicted and its range."""

@@ -245,7 +245,7 @@ def test_import_show_export_forget_round_trip(home, tmp_path):
     pub = tmp_path / "published.jsonl"
     pub.write_text(_published_line() + "\n")
     out = json.loads(sftctl("calibrate", "import", str(runs), "--json", check=True).stdout)
-    assert out == {"imported": 2, "labels": ["lab-past"]}
+    assert out == {"imported": 2, "skipped": 0, "labels": ["lab-past"]}
     assert json.loads(sftctl("calibrate", "import", str(pub), "--json", check=True).stdout)["imported"] == 1
     shown = json.loads(sftctl("calibrate", "show", "--json", check=True).stdout)
     assert len(shown["runs"]) == 3 and {r["source"] for r in shown["runs"]} == {"imported"}
@@ -276,6 +276,27 @@ def test_import_show_export_forget_round_trip(home, tmp_path):
     assert doc["learned"]["runs"] == 3 and doc["learned"]["sources"]["imported"] == 3
     assert doc["calibrated_step_s"] == pytest.approx(doc["step_time_s"] * doc["learned"]["correction"])
     assert doc["calibrated_step_s"] != pytest.approx(doc["step_time_s"], rel=1e-3)
+
+
+def test_importing_an_export_twice_adds_nothing(home, tmp_path):
+    """`calibrate export > h.jsonl; calibrate import h.jsonl` (twice): this lab's job's run is the
+    same measurement as its exported line, so neither import adds a row (a user found it counted 3 times)."""
+    store = Store()
+    store.add_runs([_run(0.5, job_id="job-1", source="run", label=None), _run(0.7, label="lab-a")])
+    exported = tmp_path / "h.jsonl"
+    exported.write_text(sftctl("calibrate", "export", check=True).stdout)
+    for _ in range(2):
+        proc = sftctl("calibrate", "import", str(exported), check=True)
+        assert "imported 0 run(s)" in proc.stdout and "2 already present, skipped" in proc.stdout, proc.stdout
+    runs = json.loads(sftctl("calibrate", "show", "--json", check=True).stdout)["runs"]
+    assert sorted((r["source"], r["measured_step_s"]) for r in runs) == [("imported", 0.7), ("run", 0.5)]
+    # a new measurement in the same file is imported, the known ones still skipped
+    lines = exported.read_text().splitlines()
+    lines.append(json.dumps(json.loads(lines[0]) | {"measured_step_s": 0.9, "ts": 2.0}))
+    exported.write_text("\n".join(lines) + "\n")
+    doc = json.loads(sftctl("calibrate", "import", str(exported), "--json", check=True).stdout)
+    assert (doc["imported"], doc["skipped"]) == (1, 2)
+    assert len(json.loads(sftctl("calibrate", "show", "--json", check=True).stdout)["runs"]) == 3
 
 
 @pytest.mark.parametrize("lines, line_no, says", [

@@ -263,22 +263,32 @@ def calibrate_import(file: str | os.PathLike, *, progress: Progress | None = Non
     """Import measured runs from ``file`` (JSON Lines; :func:`sftctl.history.read_import` gives
     the formats; also :func:`calibrate_export`'s lines): each record's model prediction is
     computed here (the specs are files on this machine), then every row is stored at once, on
-    the configured server if there is one. Returns ``{"imported": n, "labels": [...]}``.
+    the configured server if there is one. Records already in the run history (the same
+    measurement: :func:`sftctl.history.not_present`) are skipped, so importing a file twice adds
+    nothing. Returns ``{"imported": n, "skipped": k, "labels": [...]}``.
 
     Raises:
         SpecError: a bad line (``FILE:LINE: what``; exit 2): nothing of the file is imported.
     """
-    from sftctl.history import import_file, read_exported
+    from sftctl.history import import_file, not_present, read_exported
+    from sftctl.types import RunRecord
 
     rows = read_exported(file)
+    exported = rows is not None
     if rows is None:
         rows = import_file(file, progress=progress)
     remote = _remote()
     if remote is not None:
-        n = remote.request("POST", "/v1/calibrate/runs", read_s=None, json={"runs": [r.to_dict() for r in rows]})["imported"]
+        existing = [RunRecord.from_dict(r) for r in remote.request("GET", "/v1/calibrate")["runs"]]
     else:
-        n = _store().add_runs(rows)
-    return {"imported": n, "labels": sorted({r.source_label or "-" for r in rows})}
+        existing = _store().runs()
+    new = not_present(rows, existing, exported)
+    n = 0
+    if new and remote is not None:
+        n = remote.request("POST", "/v1/calibrate/runs", read_s=None, json={"runs": [r.to_dict() for r in new]})["imported"]
+    elif new:
+        n = _store().add_runs(new)
+    return {"imported": n, "skipped": len(rows) - len(new), "labels": sorted({r.source_label or "-" for r in rows})}
 
 
 def calibrate_store(rows: Any) -> int:

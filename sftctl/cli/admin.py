@@ -34,8 +34,10 @@ def calibrate_import(
     if as_json:
         _print_json(doc)
     else:
+        skipped = f", {doc['skipped']} already present, skipped" if doc.get("skipped") else ""
         console.print(f"imported {doc['imported']} run(s) from {_escape(str(path))} "
-                      f"(source {_escape(', '.join(doc['labels']))}); sftctl calibrate show lists them", soft_wrap=True)
+                      f"(source {_escape(', '.join(doc['labels']))}){skipped}; sftctl calibrate show lists them",
+                      soft_wrap=True)
 
 
 @calibrate_app.command("show")
