@@ -68,7 +68,7 @@ def main() -> int:
         shape = TransformerShape(layers=layers, hidden=hidden, ffn=4 * hidden, heads=heads, kv_heads=heads,
                                  vocab=VOCAB, seq_len=SEQ, tied_embeddings=True, dtype="float16")
         links = Links("A100-80GB", 8, gpus // 8, None, SELENE_NETWORK_BYTES_PER_S, "slurm")
-        got = search(shape, target, links, batch, only={"tp": t, "pp": p, "cp": 1, "sharding": "ddp",
+        got = search(shape, target, links, batch, only={"tp": t, "pp": p, "cp": 1, "dp_sharding": "ddp",
                                                          "checkpointing": True}, precision=MEGATRON,
                      **MEGATRON_2021)
         fitting = [r for r in got if r.fits] or got
