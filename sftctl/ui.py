@@ -346,12 +346,12 @@ class RunView:
 
     Args:
         console: where to draw (stderr when ``--json`` owns stdout).
-        steps: total training steps, for the bar.
+        steps: total training steps, for the bar; None: no total (a plain script's own steps).
         show_logs: stream node logs (prefixed with their node rank).
         raw: every log line, torch's noise too (``sftctl --debug run``; else :class:`TorchNoise`).
     """
 
-    def __init__(self, console: Console, steps: int, show_logs: bool = True, raw: bool = False):
+    def __init__(self, console: Console, steps: int | None, show_logs: bool = True, raw: bool = False):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.console = console

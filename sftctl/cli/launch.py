@@ -69,8 +69,11 @@ def run(
     console.print(f"[bold]{job.job_id}[/]: {job.plan.reason}")
     from sftctl.errors import SftctlError
 
+    # a plain script's steps are its own business: no total unless the spec says one (or trains a
+    # model, which runs train.steps), as sftctl status shows "-"
+    total = job.spec.train.steps if job.spec.model is not None or "steps" in job.spec.train.model_fields_set else None
     try:
-        with RunView(console, job.spec.train.steps, show_logs=not quiet_logs, raw=_DEBUG[0]) as view:
+        with RunView(console, total, show_logs=not quiet_logs, raw=_DEBUG[0]) as view:
             ended = api.attach(job.job_id, view)
     except SftctlError as e:
         if as_json or not getattr(e, "detached", None):
