@@ -91,6 +91,8 @@ NETWORK: dict[str, tuple[str, str, str]] = {
     "g6.48xlarge": _multi(8, 2.5e10, _PCIE4, 100, f"{_AWS}, G6"),
     "p3.8xlarge": _multi(4, 1.5e11, "V100 SXM2 on NVLink 2: 300 GB/s bidirectional per GPU = 150 GB/s each way "
                          "(NVIDIA V100 datasheet)", 10, f"{_AWS}, P3"),
+    "p3dn.24xlarge": _multi(8, 1.5e11, "V100 SXM2 32GB in NVLink 2 hybrid cube-mesh: 300 GB/s bidirectional per GPU "
+                            "= 150 GB/s each way (NVIDIA V100 datasheet)", 100, f"{_AWS}, P3dn"),
     # GCP A2: 24/32/50/100 Gbps for 1/2/4/8+ GPUs
     "a2-highgpu-2g": _multi(2, 3.0e11, _NVL3, 32, f"{_GCP}, A2"),
     "a2-highgpu-4g": _multi(4, 3.0e11, _NVL3, 50, f"{_GCP}, A2"),

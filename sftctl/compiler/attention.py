@@ -42,11 +42,20 @@ def _doc() -> dict:
     return json.loads(DATA.read_text())
 
 
+def _accelerator_entry(accelerator: str) -> dict:
+    """The data file's entry for ``accelerator``, or for its name without a memory suffix (a
+    ``V100-32GB`` is a ``V100`` with more HBM2: the same die, the same kernels); {} without."""
+    import re
+
+    acc = _doc()["accelerators"]
+    return acc.get(accelerator) or acc.get(re.sub(r"-\d+GB$", "", accelerator)) or {}
+
+
 def table_for(accelerator: str) -> tuple[str, dict]:
     """(table name, table) of ``accelerator``; the FlashAttention-2 A100 table when the catalog
     names a GPU the data file does not."""
     d = _doc()
-    name = d["accelerators"].get(accelerator, {}).get("table", "fa2-a100")
+    name = _accelerator_entry(accelerator).get("table", "fa2-a100")
     return name, d["tables"][name]
 
 
@@ -307,7 +316,7 @@ def source(accelerator: str, implementation: str | None = None, **shape) -> dict
     elif name is None:
         name = f"{spec.get('tables', {}).get('hopper')} / {_FAMILY_BASE.get(fam)} transferred"
     table = d["tables"].get(name) or d["tables"].get(spec.get("tables", {}).get("hopper"), {})
-    why = d["accelerators"].get(accelerator, {}).get("why", "not in attention.json: FlashAttention-2 (A100) assumed")
+    why = _accelerator_entry(accelerator).get("why", "not in attention.json: FlashAttention-2 (A100) assumed")
     return {"implementation": impl, "table": name, "backend": table.get("backend", spec.get("name", impl)),
             "source": table.get("source", spec.get("why", "")), "why": why}
 
