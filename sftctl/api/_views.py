@@ -417,7 +417,8 @@ def logs(job: str, *, follow: bool = False, node: int | None = None, rank: int |
 
     Raises:
         NotFoundError: no such job (exit 2); the job's logs were purged (``down(purge=True)``;
-            exit 1, as ``kubectl logs`` of a deleted pod).
+            exit 1, as ``kubectl logs`` of a deleted pod); the job's directory
+            (``$SFTCTL_HOME/jobs/JOB``) was deleted after it started (exit 1).
         SftctlError: ``node`` is not a rank of the job, or no node reported ``rank`` (exit 2).
         TypeError: ``job`` or ``node`` of the wrong type (as every function here).
 
@@ -440,6 +441,22 @@ def logs(job: str, *, follow: bool = False, node: int | None = None, rank: int |
         raise NotFoundError(f"logs of {record.id} were purged (sftctl down --purge at {when})",
                             hint=f"sftctl events {record.id} shows its history; sftctl status {record.id} its record",
                             exit_code=ExitCode.JOB_FAILED)
+    from pathlib import Path
+
+    from sftctl.paths import job_dir
+    from sftctl.protocol import NodeDir
+
+    gone = job_dir(record.id)
+    # nodes on this machine (a handle with a dir: local, a server's) that ran: each wrote its node log
+    # there; the agents recreate an empty tree after an `rm -rf`, so the logs are what to look for
+    here = [Path(n.node_handle.dir) for n in store.nodes(record.id)
+            if n.node_handle is not None and getattr(n.node_handle, "dir", None) and n.node_handle.attempt]
+    # (a node just launched has its attempt's script there before its log)
+    if here and not any(NodeDir(d).log.exists() or any(d.glob("node-*.sh")) for d in here):  # deleted by hand
+        raise NotFoundError(f"{gone}: the directory of job {record.id} is gone (deleted while the job was "
+                            f"{record.status.value}): its node logs went with it",
+                            hint=f"sftctl down {record.id} stops what is left of it; sftctl events {record.id} "
+                                 "shows its history", exit_code=ExitCode.JOB_FAILED)
     if rank is not None:
         placed = _job_rank_nodes(record, store.events(record.id))
         if rank not in placed:
