@@ -245,6 +245,20 @@ def test_default_name_from_any_file_name_is_valid(tmp_path, stem, name):
     assert load_spec(path).name == name
 
 
+@pytest.mark.parametrize("given, fix", [("训练-ünï", "uni"), ("My Job", "my-job"), ("训练", "job"),
+                                        ("2024 run", "job-2024-run"), ("a" * 50, "a" * 40)])
+def test_a_bad_name_says_the_rule_in_words_with_a_fix(tmp_path, given, fix):
+    """A user saw "String should match pattern '^[a-z][a-z0-9.-]{0,39}$'" for `name: 训练-ünï`."""
+    msg = err(tmp_path, yaml.safe_dump({"name": given, "run": "echo"}, allow_unicode=True))
+    assert msg == (f"job.yaml:1: name: a job name is lowercase letters, digits, '.' and '-', starting with a letter, "
+                   f"at most 40 characters (got {given!r})")
+    with pytest.raises(SpecError) as e:
+        load_spec(write_spec(tmp_path / "job.yaml", f"name: {given!r}\nrun: echo\n"), environ={})
+    assert e.value.hint == f"e.g. name: {fix}"
+    assert load_spec(write_spec(tmp_path / "fixed.yaml", f"name: {fix}\nrun: echo\n"), environ={}).name == fix
+    assert "should match pattern" not in err(tmp_path, "name: demo\nrun: echo\n", overrides=[f"name={fix.upper()}"])
+
+
 def test_env_values_reach_the_node_as_written(tmp_path):
     """YAML 1.1 read `010` as 8, `1:30` as 90 and `0022` as 18; env values are the text written."""
     path = write_spec(

@@ -160,6 +160,9 @@ def _explain(err: typing.Mapping[str, Any], loc: _Located) -> SpecError:
         field, where, msg = named.group(1), loc.where(path), named.group(2)
     msg = msg.replace("a valid dictionary", "a mapping (key: value lines)")
     got = err.get("input")
+    if kind == "string_pattern_mismatch" and path == ("name",) and isinstance(got, str):
+        return SpecError(f"{where}: name: {NAME_RULE} (got {shown(repr(got))})",
+                         hint=f"e.g. name: {name_slug(got)}")
     got_text = "" if isinstance(got, (dict, list)) or kind == "value_error" else f" (got {shown(repr(got))})"
     hint = "docs/spec.md lists every field's type"
     if kind == "less_than_equal":  # the bounds (MAX_STEPS, ...) are far beyond any real job
@@ -167,6 +170,25 @@ def _explain(err: typing.Mapping[str, Any], loc: _Located) -> SpecError:
     if kind == "string_type":  # YAML read an unquoted value as a number, bool or null
         hint = "quote values meant as strings; " + hint
     return SpecError(f"{where}: {field}: {msg}{got_text}", hint=hint)
+
+
+#: :class:`~sftctl.spec.model.JobSpec`'s ``name`` pattern in words
+NAME_RULE = ("a job name is lowercase letters, digits, '.' and '-', starting with a letter, "
+             "at most 40 characters")
+
+
+def name_slug(name: str) -> str:
+    """A job name that fits :data:`NAME_RULE`, made from ``name`` as a default name is made from
+    the file's stem: accents dropped (``ü`` -> ``u``), lowercased, runs of other characters one
+    ``-``, ``job-`` in front when it does not start with a letter, at most 40 characters
+    (``训练-ünï`` -> ``uni``; ``训练`` -> ``job``)."""
+    import unicodedata
+
+    ascii_ = unicodedata.normalize("NFKD", name).encode("ascii", "ignore").decode().lower()
+    slug = re.sub(r"[^a-z0-9.-]+", "-", ascii_).strip("-.")
+    if not slug[:1].isalpha():
+        slug = f"job-{slug}".rstrip("-")
+    return slug[:40].rstrip("-.")
 
 
 #: the most lines a spec's problems take (a screen's worth), the last "... and N more problems"
