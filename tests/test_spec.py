@@ -353,3 +353,20 @@ def test_a_local_request_larger_than_the_machine_names_its_size(tmp_path, home):
     assert proc.returncode == 3 and no_traceback(proc), proc.stderr
     assert f"cpu:{cores + 1} is more than this machine has: {cores} CPU cores, " in proc.stderr, proc.stderr
     assert " GiB memory" in proc.stderr and "no provider offers it" not in proc.stderr, proc.stderr
+
+
+def test_api_overrides_are_named_as_the_caller_wrote_them(home):
+    """api.dry_run(..., overrides={"train.steps": "x"}) said `--set train.steps=x: ...`: CLI words."""
+    from sftctl import api
+
+    quickstart = str(REPO / "examples" / "quickstart.yaml")
+    with pytest.raises(SpecError) as e:
+        api.dry_run(quickstart, overrides={"train.steps": "x"})
+    assert e.value.message == "overrides[\"train.steps\"]: train.steps: Input should be a valid integer (got 'x')"
+    assert str(e.value).startswith('overrides["train.steps"]')
+    with pytest.raises(SpecError) as e:
+        api.load(quickstart, overrides={"train.steps": 5, "a..b": 1})
+    assert e.value.message == "overrides[\"a..b\"]: empty segment in 'a..b'"
+    with pytest.raises(SpecError) as e:  # what the CLI passes: its --set options, named as typed
+        api.load(quickstart, overrides=["train.steps=x"])
+    assert e.value.message.startswith("--set train.steps=x: train.steps:")

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 from sftctl.api._base import Overrides, Progress, SpecLike, _remote, _serving, _store, _typed
-from sftctl.errors import SftctlError, SftctlWarning
+from sftctl.errors import SftctlError, SftctlWarning, SpecError
 from sftctl.types import RunRecord
 
 if TYPE_CHECKING:
@@ -47,6 +47,13 @@ def _load(spec: SpecLike, overrides: Overrides = (), origin: str | None = None,
     settings.validate_all()
 
     sets = _override_strings(overrides)
+    if isinstance(overrides, Mapping) and sets:
+        try:
+            return _load(spec, sets, origin, environ)
+        except SpecError as e:  # the caller wrote overrides={"train.steps": ...}, not --set train.steps=...
+            e.message = _api_override_names(e.message, list(overrides), sets)
+            e.args = (e.message, *e.args[1:])
+            raise
     if isinstance(spec, JobSpec):
         if not sets:
             workdir = str(Path(spec.workdir).resolve())
@@ -59,6 +66,18 @@ def _load(spec: SpecLike, overrides: Overrides = (), origin: str | None = None,
         return load_spec(Path("<spec>"), sets, environ, text=spec), "<spec>", None
     path = Path(spec)
     return load_spec(path, sets, environ), str(path), path
+
+
+def _api_override_names(message: str, keys: list, sets: list[str]) -> str:
+    """``message`` (a :class:`SpecError`'s, in ``--set KEY=VALUE`` words) with each override named
+    as the api's caller wrote it: ``overrides["train.steps"]``."""
+    import json
+
+    from sftctl.yaml12 import shown
+
+    for key, assignment in sorted(zip(keys, sets), key=lambda ks: -len(shown(ks[1]))):  # longest first
+        message = message.replace(f"--set {shown(assignment)}", f"overrides[{json.dumps(str(key))}]")
+    return message
 
 
 def _override_strings(overrides: Overrides) -> list[str]:
