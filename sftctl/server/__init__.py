@@ -220,6 +220,18 @@ class Supervisor:
         self._stop.set()
 
 
+def _next_steps(host: str, port: int) -> str:
+    """What ``sftctl server start`` says once it listens: its URL (this machine's name when it
+    listens on every interface) and the next steps, as ``jupyter`` and ``mlflow ui`` say theirs."""
+    import socket
+
+    shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+    url = f"http://{f'[{shown}]' if ':' in shown else shown}:{port}"
+    return (f"listening on {url} (Ctrl-C stops it). Next: sftctl server user add NAME [--admin] --local (here) prints "
+            f"a user's token; a client then sets server: {{url: {url}, token: TOKEN}} in its config file "
+            f"(or SFTCTL_SERVER_URL={url} SFTCTL_SERVER_TOKEN=TOKEN) and runs sftctl as usual")
+
+
 def serve(host: str = "127.0.0.1", port: int = 8470) -> None:
     """Run the server in this process until it is stopped (SIGINT/SIGTERM): reconcile first,
     then answer requests on ``host:port``.
@@ -249,6 +261,7 @@ def serve(host: str = "127.0.0.1", port: int = 8470) -> None:
     supervisor = Supervisor()
     adopted = supervisor.reconcile()
     log.info("reconciled: %d job(s) given a controller%s", len(adopted), f" ({', '.join(adopted)})" if adopted else "")
+    log.info("%s", _next_steps(host, port))
     supervisor.run_in_background()
     try:
         uvicorn.run(create_app(supervisor), host=host, port=port, log_level="warning")
