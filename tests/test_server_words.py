@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from conftest import wait_for
-from test_server import Server
+from test_server import Server, server  # noqa: F401 - the fixture
 
 
 def test_server_start_says_its_url_and_the_next_step(home, tmp_path):
@@ -18,3 +18,20 @@ def test_server_start_says_its_url_and_the_next_step(home, tmp_path):
         assert f"server: {{url: {server.url}, token: TOKEN}}" in said and f"SFTCTL_SERVER_URL={server.url}" in said
     finally:
         server.stop()
+
+
+def test_an_attached_plain_script_through_the_server_shows_no_step_total(server, tmp_path, monkeypatch):
+    """The server returns the job's spec with every default filled in: the bar's total must come
+    from what the user wrote (no train.steps: no total), as a local run's does."""
+    import os
+
+    from conftest import sftctl
+    from test_server import as_user, tokens
+
+    as_user(monkeypatch, server, tokens("alice")["alice"])
+    spec = tmp_path / "plain.yaml"
+    spec.write_text("name: plain\nrun: echo hello\n")
+    proc = sftctl("run", str(spec), env={**os.environ, "COLUMNS": "120"})
+    assert proc.returncode == 0, proc.stderr
+    [bar] = [ln for ln in proc.stdout.splitlines() if ln.startswith("succeeded")]
+    assert "0/?" in bar and "/100" not in bar, proc.stdout

@@ -71,7 +71,7 @@ def run(
 
     # a plain script's steps are its own business: no total unless the spec says one (or trains a
     # model, which runs train.steps), as sftctl status shows "-"
-    total = job.spec.train.steps if job.spec.model is not None or "steps" in job.spec.train.model_fields_set else None
+    total = job.spec.train.steps if job.spec.model is not None or _sets_steps(spec_path, set_) else None
     try:
         with RunView(console, total, show_logs=not quiet_logs, raw=_DEBUG[0]) as view:
             ended = api.attach(job.job_id, view)
@@ -95,6 +95,21 @@ def run(
         if final.failure_reason and final.status != JobStatus.SUCCEEDED:
             console.print(Text.assemble(("reason:", "red"), " ", tty_safe(final.failure_reason)), soft_wrap=True)
     raise typer.Exit(ended.exit_code)
+
+
+def _sets_steps(spec_path: Path, sets: list[str]) -> bool:
+    """Whether the spec file or a ``--set`` gives ``train.steps``: read here, not from the job's
+    spec, which a server returns with every default filled in."""
+    import yaml
+
+    if any(a.split("=", 1)[0].strip() in ("train.steps", "train") for a in sets):
+        return True
+    try:
+        data = yaml.safe_load(spec_path.read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    train = data.get("train") if isinstance(data, dict) else None
+    return isinstance(train, dict) and "steps" in train
 
 
 def _render_dry_run(doc: dict, as_json: bool) -> None:
