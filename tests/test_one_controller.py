@@ -32,7 +32,7 @@ import time
 
 import pytest
 
-from conftest import REPO, deadline, job_processes, sftctl, status_json, wait_for, write_spec
+from conftest import REPO, deadline, job_processes, process_report, sftctl, status_json, wait_for, write_spec
 
 SUBMITS = int(os.environ.get("SFTCTL_TEST_SUBMITS", "50"))
 LIFECYCLE = ["job submitted (PENDING)", "PENDING -> PROVISIONING", "PROVISIONING -> LAUNCHING", "LAUNCHING -> RUNNING", "RUNNING -> SUCCEEDED"]
@@ -280,4 +280,6 @@ run: |
             second.kill()
             second.wait()
         sftctl("down", job)
-    assert job_processes(job) == []
+    # the controller records the end, then tears the nodes down: give it the time
+    wait_for(lambda: job_processes(job) == [], timeout_s=60, what="the job's processes to end",
+             report=lambda: process_report(job))
