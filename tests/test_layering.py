@@ -402,12 +402,13 @@ def test_every_exit_code_is_documented():
 
 
 def test_settings_imports_what_architecture_says():
-    """"Settings": the module imports `functools`, `os`, `re`, `typing`, `sftctl.errors` and
-    `sftctl.slurm_config` at its top; `sftctl.yaml12` only when it reads the file (and no other
-    sftctl module: the providers' names come from a listing of sftctl/providers/)."""
+    """"Settings": the module imports `functools`, `os`, `re`, `typing`, `sftctl.errors`,
+    `sftctl.slurm_config` and `sftctl.types.nodes` (a plugin handle's finder) at its top;
+    `sftctl.yaml12` only when it reads the file (and no other sftctl module: the providers' names
+    come from a listing of sftctl/providers/)."""
     assert _module_level_imports("sftctl.settings") == {"__future__", "functools", "os", "re", "typing",
-                                                        "sftctl.errors", "sftctl.slurm_config"}
-    assert GRAPH["sftctl.settings"] == {"sftctl.errors", "sftctl.slurm_config", "sftctl.yaml12"}
+                                                        "sftctl.errors", "sftctl.slurm_config", "sftctl.types.nodes"}
+    assert GRAPH["sftctl.settings"] == {"sftctl.errors", "sftctl.slurm_config", "sftctl.types.nodes", "sftctl.yaml12"}
 
 
 def test_the_leaves_the_layout_names():
