@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 
-from sftctl.types import FailureReason
+from sftctl.types.plans import FailureReason  # the module, not the package: types.layout raises SpecError
 
 
 class ExitCode(enum.IntEnum):

@@ -177,13 +177,13 @@ def main(layout: str, out: str) -> None:
         import os
 
         from sftctl.train import mesh as M
-        from sftctl.train.parallel import layout_mesh
+        from sftctl.train.parallel import layout_mesh, parallelize
         from sftctl.train.pipeline import build_pipeline
 
         os.environ.update({"SFTCTL_PP": "2", "SFTCTL_MICRO_BATCHES": str(PP_MICRO_BATCHES)})
         lay = M.layout()
         pipe = build_pipeline(model, lay, layout_mesh(lay),
-                              lambda out, tgt: F.cross_entropy(out.flatten(0, 1), tgt.flatten()))
+                              lambda out, tgt: F.cross_entropy(out.flatten(0, 1), tgt.flatten()), apply=parallelize)
         model = pipe.module
     else:
         raise SystemExit(f"unknown layout {layout!r}")

@@ -145,7 +145,7 @@ def prepare_layout(model: Any, lay: Layout, loss_fn: Any = None) -> Any:
         from sftctl.train.pipeline import build_pipeline
 
         check_splittable(model, lay)
-        return build_pipeline(model, lay, layout_mesh(lay), loss_fn)
+        return build_pipeline(model, lay, layout_mesh(lay), loss_fn, apply=parallelize)
     check_splittable(model, lay)
     return parallelize(model, lay, layout_mesh(lay))
 

@@ -6,7 +6,7 @@ micro-batches, or ``ScheduleInterleaved1F1B`` over ``SFTCTL_PP_INTERLEAVE`` chun
 parallelize` (FSDP2 over ``dp`` x ``cp``, as torchtitan composes them)::
 
     lay, mesh = M.layout(), M.build_mesh(M.layout())
-    pipe = build_pipeline(model, lay, mesh, loss_fn)    # loss_fn(output, target) -> mean loss
+    pipe = build_pipeline(model, lay, mesh, loss_fn, apply=parallelize)  # loss_fn(out, target): mean loss
     opt = torch.optim.AdamW(pipe.module.parameters())
     loss = pipe.step(tokens, targets)                   # every rank; the step's mean loss on all
 
@@ -124,14 +124,16 @@ class Pipeline:
 
 
 def build_pipeline(model: Any, lay: Layout, mesh: Any, loss_fn: Callable[[Any, Any], Any], *,
-                   tp_plan: dict[str, Any] | None = None) -> Pipeline:
+                   apply: Callable[..., Any], tp_plan: dict[str, Any] | None = None) -> Pipeline:
     """Cut ``model`` to this rank's stage (``mesh["pp"]``'s coordinate), apply ``lay``'s tensor/
     data dimensions to it and wrap it in a ``PipelineStage`` and the 1F1B schedule over
     ``lay.micro_batches`` micro-batches; with ``lay.schedule == "interleaved"`` and
     ``lay.interleave`` = v > 1, the model is cut into ``pp * v`` stages, rank r holding stages
     r, r + pp, ... (ScheduleInterleaved1F1B). ``loss_fn(output, target)`` must average over its
     micro-batch (the schedule then divides the gradients by the micro-batch count, so a step's
-    gradient is that of the mean over the batch).
+    gradient is that of the mean over the batch). ``apply(stage, lay, mesh, tp_plan=)`` applies the
+    tensor/data dimensions to a stage: :func:`sftctl.train.parallel.parallelize`, passed in because
+    that module's ``prepare`` calls this one.
 
     Raises:
         SpecError: see :func:`stage_module`; fewer micro-batches than stages (1F1B needs
@@ -139,8 +141,6 @@ def build_pipeline(model: Any, lay: Layout, mesh: Any, loss_fn: Callable[[Any, A
     """
     import torch
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    from sftctl.train.parallel import parallelize
 
     if lay.micro_batches < lay.pp:
         raise SpecError(f"layout {lay.label}: SFTCTL_MICRO_BATCHES={lay.micro_batches} is fewer than the "
@@ -163,7 +163,7 @@ def build_pipeline(model: Any, lay: Layout, mesh: Any, loss_fn: Callable[[Any, A
                   for j in range(lay.interleave)]
         stages = []
         for j, chunk in enumerate(chunks):
-            parallelize(chunk, lay, mesh, tp_plan=tp_plan)
+            apply(chunk, lay, mesh, tp_plan=tp_plan)
             stages.append(PipelineStage(chunk, rank + j * lay.pp, n, device, group=group))
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=lay.micro_batches, loss_fn=loss_fn)
         return Pipeline(nn.ModuleList(chunks), stages, schedule, rank == 0, rank == lay.pp - 1, group)
@@ -172,7 +172,7 @@ def build_pipeline(model: Any, lay: Layout, mesh: Any, loss_fn: Callable[[Any, A
                         f"{lay.interleave}: an interleaved schedule needs 2 or more chunks per rank",
                         hint="set SFTCTL_PP_INTERLEAVE>=2, or SFTCTL_PP_SCHEDULE=1f1b")
     module = stage_module(model, rank, lay.pp)
-    parallelize(module, lay, mesh, tp_plan=tp_plan)
+    apply(module, lay, mesh, tp_plan=tp_plan)
     stage = PipelineStage(module, rank, lay.pp, device, group=group)
     schedule = Schedule1F1B(stage, n_microbatches=lay.micro_batches, loss_fn=loss_fn)
     return Pipeline(module, stage, schedule, rank == 0, rank == lay.pp - 1, group)
