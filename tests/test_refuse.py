@@ -119,7 +119,7 @@ def test_down_of_a_200_node_local_job_returns_quickly_and_leaves_nothing(tmp_pat
         [result] = api.down(job, progress=seen.append)
         took = time.monotonic() - started
         assert job_processes(job) == []
-        assert all(p.wait(timeout=10) is not None for p in children)  # reaped: they really ended
+        assert all(p.wait(timeout=deadline(10)) is not None for p in children)  # reaped: they really ended
         assert took < min(30.0, deadline(4.0)), took  # 17.8 s before (2 cores, busy), 1.7 s after
         assert result.status == "CANCELLED" and "stopped 200 running node(s)" in result.summary
         assert seen and "200 node(s)" in seen[0]
