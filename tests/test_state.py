@@ -712,16 +712,18 @@ def test_a_job_on_postgres_rides_out_an_outage_and_succeeds(postgres, pg_url, tm
     job = api.run(str(spec), detach=True).id
     wait_for(lambda: Store().get_job(job).status == "RUNNING", timeout_s=deadline(120), what="RUNNING")
     assert Store().lease(job) is not None
+    log = tmp_path / "home" / "jobs" / job / "controller.log"
     postgres.stop()
-    try:
+    try:  # down 5 s at least, and until the controller ran into it (a busy machine's may take longer)
         time.sleep(5)
+        wait_for(lambda: log.exists() and "the state database is unreachable" in log.read_text(),
+                 timeout_s=60, what="the controller to notice the outage")
     finally:
         postgres.start()
     view = api.wait(job, timeout_s=deadline(180))
     assert view.status == "SUCCEEDED", view.failure_reason
     messages = [e.message for e in api.events(job) if e.kind == "status"]
     assert [m.split(" -> ")[-1].split(":")[0] for m in messages[1:]] == ["PROVISIONING", "LAUNCHING", "RUNNING", "SUCCEEDED"]
-    log = (tmp_path / "home" / "jobs" / job / "controller.log").read_text()
-    assert "the state database is unreachable" in log  # it noticed, and waited
+    assert "the state database is unreachable" in log.read_text()  # it noticed, and waited
     wait_for(lambda: Store().lease(job) is None, timeout_s=deadline(30), what="the lease given back")
     assert view.cost.node_hours > 0 and view.cost.price_per_hour is not None
