@@ -11,7 +11,7 @@ from pathlib import Path
 
 import boto3
 
-from conftest import job_processes, sftctl, status_json, wait_for
+from conftest import job_processes, process_report, sftctl, status_json, wait_for
 from sftctl import procs
 
 QUICKSTART = "examples/quickstart.yaml"
@@ -80,7 +80,9 @@ def test_quickstart_on_s3_replaces_a_lost_node_and_resumes_from_the_bucket(home,
             continue
         assert secret.encode() not in s3.get_object(Bucket="sftctl-e2e", Key=key)["Body"].read(), key
     assert secret not in (home / "state.db").read_bytes().decode("latin-1")
-    assert job_processes(job) == []
+    # the controller records the end, then tears the nodes down: give it the time
+    wait_for(lambda: job_processes(job) == [], timeout_s=60, what="the job's processes to end",
+             report=lambda: process_report(job))
 
 
 def test_run_checks_the_bucket_first_and_creates_it_only_when_asked(home, aws, tmp_path):
