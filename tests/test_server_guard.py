@@ -174,16 +174,25 @@ def test_one_users_slow_submit_does_not_hold_anothers(serve, tmp_path, monkeypat
     spec = tmp_path / "quick.yaml"
     spec.write_text(SPEC)
     slow: dict = {}
+    body = json.dumps({"spec_text": SPEC, "spec_path": str(spec),
+                       "overrides": [f"name=a{i}" for i in range(300_000)]}).encode()
+    sent = threading.Event()
+
+    def chunks():
+        for at in range(0, len(body), MiB):
+            yield body[at:at + MiB]
+        sent.set()  # the last byte is with the server (or the socket's buffer on its way there)
 
     def alice():
-        slow["response"] = httpx.post(f"{server.url}/v1/jobs", headers={"Authorization": f"Bearer {t['alice']}"},
-                                      json={"spec_text": SPEC, "spec_path": str(spec),
-                                            "overrides": [f"name=a{i}" for i in range(300_000)]}, timeout=900)
+        slow["response"] = httpx.post(f"{server.url}/v1/jobs", content=chunks(), timeout=900,
+                                      headers={"Authorization": f"Bearer {t['alice']}",
+                                               "Content-Type": "application/json",
+                                               "Content-Length": str(len(body))})
         slow["done"] = time.monotonic()
 
     thread = threading.Thread(target=alice)
     thread.start()
-    time.sleep(3)  # alice's 3 MB body is in and being validated
+    wait_for(sent.is_set, timeout_s=60, what="alice's 3 MB body to be sent")  # then it is validated
     as_user(monkeypatch, server, t["bob"])
     job = api.submit(str(spec)).job_id
     bob_done = time.monotonic()
