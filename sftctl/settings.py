@@ -279,7 +279,7 @@ DECLARED: tuple[Setting, ...] = (
     _n("ATTEMPT", "int", 1, "the attempt number (1, then +1 per relaunch)", minimum=1),
     _n("NODE_GENERATION", "int", 0, "0 for a rank's first node, +1 per replacement", minimum=0),
     _n("RDZV_ENDPOINT", "str", None, "host:port of node 0 for torchrun's c10d rendezvous"),
-    _n("RDZV_IS_HOST", "bool", False, "1 on node 0 (it hosts the rendezvous)"),
+    _n("RDZV_IS_HOST", "bool", False, "1 on node 0, whose torchrun hosts the c10d store; 0 once node 0's wrapper hosts it"),
     _n("TRAIN_STEPS", "int", None, "train.steps", minimum=1, shown_default="the script's"),
     _n("BATCH_SIZE", "int", None, "sequences per step per rank", minimum=1, shown_default="the script's"),
     _n("CHECKPOINT_INTERVAL", "int", None, "train.checkpoint_interval (steps)", minimum=1,

@@ -26,7 +26,7 @@ from sftctl.protocol import is_secret_name
 from sftctl.providers import checked_class
 from sftctl.providers.base import BuiltForJob
 from sftctl.spec import JobSpec, env_references, resolve_env
-from sftctl.state import JobRecord, Store
+from sftctl.state import JobRecord
 from sftctl.storage import open_storage
 from sftctl.storage.checkpoints import complete_checkpoint_steps
 from sftctl.storage.stream import NodeChannel
@@ -287,14 +287,6 @@ def check_controller_place(spec: JobSpec, label: str, *, server: bool, provider:
         SpecError: one line naming ``controller.place`` and the fix (exit 2).
     """
     placement_of(spec).check(spec, label, server=server, provider=provider)
-
-
-def forget_lost_queued_controller(store: Store, job: JobRecord) -> str | None:
-    """A placed controller's scheduler job that left the queue without starting (an admin's
-    ``scancel``, a purge) still holds the job's lease as ``<place>:<id>``, so nothing would start
-    another until it expired: when the scheduler no longer shows it, give the lease up and return
-    its holder (None otherwise: not placed, not queued, or still queued; :meth:`Placement.orphans`)."""
-    return placement_of(job.spec).orphans(store, job)
 
 
 def stop_placed_controller(job: JobRecord, grace_s: float) -> list[str]:

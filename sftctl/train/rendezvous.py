@@ -128,7 +128,9 @@ def _bind(port: int):
 
 def main() -> int:
     """Host the store (see the module docstring); the exit status: 0 served, 1 not hosted."""
-    endpoint = os.environ.get("SFTCTL_RDZV_ENDPOINT", "")
+    from sftctl import settings
+
+    endpoint = settings.raw("SFTCTL_RDZV_ENDPOINT") or ""
     port = endpoint_port(endpoint)
     if port is None:
         _say(f"SFTCTL_RDZV_ENDPOINT={endpoint!r} names no port; torchrun on node 0 hosts it")
