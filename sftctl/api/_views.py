@@ -418,7 +418,7 @@ def logs(job: str, *, follow: bool = False, node: int | None = None, rank: int |
     Raises:
         NotFoundError: no such job (exit 2); the job's logs were purged (``down(purge=True)``;
             exit 1, as ``kubectl logs`` of a deleted pod); the job's directory
-            (``$SFTCTL_HOME/jobs/JOB``) was deleted after it started (exit 1).
+            (``$SFTCTL_HOME/jobs/JOB``) of a job without storage was deleted (exit 1).
         SftctlError: ``node`` is not a rank of the job, or no node reported ``rank`` (exit 2).
         TypeError: ``job`` or ``node`` of the wrong type (as every function here).
 
@@ -452,7 +452,9 @@ def logs(job: str, *, follow: bool = False, node: int | None = None, rank: int |
     here = [Path(n.node_handle.dir) for n in store.nodes(record.id)
             if n.node_handle is not None and getattr(n.node_handle, "dir", None) and n.node_handle.attempt]
     # (a node just launched has its attempt's script there before its log)
-    if here and not any(NodeDir(d).log.exists() or any(d.glob("node-*.sh")) for d in here):  # deleted by hand
+    # a job with storage reads its nodes' logs from there (a replaced node's dir is fresh)
+    if not (record.spec or {}).get("storage") and here and not any(
+            NodeDir(d).log.exists() or any(d.glob("node-*.sh")) for d in here):  # deleted by hand
         raise NotFoundError(f"{gone}: the directory of job {record.id} is gone (deleted while the job was "
                             f"{record.status.value}): its node logs went with it",
                             hint=f"sftctl down {record.id} stops what is left of it; sftctl events {record.id} "
