@@ -341,8 +341,9 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
                   "widen it there, or set resources.clouds in the spec"
                   if "resources.clouds" in spec.defaults_from
                   and all(c.rejected.code == FailureCode.EXCLUDED for c in ranked) else
-                  "set the credentials of a cloud (sftctl check says what each one needs), "
-                  "or run on this machine: resources.clouds: [local]"
+                  # (not "[local]": this machine runs CPU workers, and a job asking for them there
+                  # has local rows that are not NOT_CONFIGURED, so it never ends here)
+                  "set the credentials of a cloud (sftctl check says what each one needs)"
                   if ranked and all(c.rejected.code == FailureCode.NOT_CONFIGURED for c in ranked) else
                   "widen resources (accelerators, clouds, regions, max_price_per_hour, deadline, spot); "
                   "sftctl plan shows all"),

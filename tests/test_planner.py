@@ -199,3 +199,14 @@ def test_ssh_control_sockets_fit_a_unix_socket_path_under_a_deep_home(tmp_path, 
         fits = len(str(home / "ssh" / "cm-000000000000")) <= _SOCKET_PATH_MAX
         assert Path(path).parent == (home / "ssh" if fits else Path(tempfile.gettempdir()) / f"sftctl-ssh-{os.getuid()}")
         assert Path(path).parent.stat().st_mode & 0o777 == 0o700
+
+
+def test_no_credentials_hint_does_not_send_a_gpu_job_to_this_machine(tmp_path):
+    """No cloud configured for a GPU job: the hint is the credentials, not `resources.clouds:
+    [local]` (a new user followed that for examples/gpt2-small.yaml and was refused again)."""
+    none = {"local": None, "aws": "aws credentials not found", "gcp": "gcp credentials not found",
+            "kubernetes": "no kubeconfig"}
+    gpu = spec(tmp_path, "{accelerators: [H100:8, T4:1], clouds: [aws, gcp]}")
+    with pytest.raises(InfeasibleError) as e:
+        plan(gpu, none, fixed_predictor({"H100": 0.1, "T4": 1.0}))
+    assert e.value.hint == "set the credentials of a cloud (sftctl check says what each one needs)", e.value.hint
