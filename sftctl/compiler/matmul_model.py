@@ -26,6 +26,9 @@ the functions.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 PARAMS = ("eff", "floor_s", "wave_s", "tile_penalty", "hbm_frac")
 _START = (0.8, 4.5e-6, 1.5e-6, 0.1, 0.7)
 SPLITS = (1, 2, 4, 8, 16)
@@ -37,23 +40,12 @@ NBYTES = {"bf16xbf16->bf16": 2, "f16xf16->f16": 2, "f32xf32->f32": 4,
 PEAK_KEY = {"bf16xbf16->bf16": "bfloat16", "f16xf16->f16": "float16", "f32xf32->f32": "float32"}
 
 #: Maximum achievable matmul FLOPS (MAMF) as a fraction of the dense matrix peak, per catalog
-#: accelerator and input dtype: Stas Bekman, "Machine Learning Engineering", compute/accelerator/
-#: README.md, "Maximum Achievable Matmul FLOPS comparison table"
-#: (https://github.com/stas00/ml-engineering/tree/master/compute/accelerator#maximum-achievable-matmul-flops-comparison-table):
-#: torch.matmul, mean of 100 iterations after 50 warm-up ones at the best of a brute-force shape
-#: search (mamf-finder.py). BF16: A100 SXM 271.2 of 312 TFLOPS (86.9 %, torch 2.6.0+cu126),
-#: H100 SXM 794.5 of 989 (80.3 %, torch 2.7.0+cu126; "H200 is the same"), B200 SXM 1745.0 of 2250
-#: (77.6 %), MI355X 1565 of 2300 (68.0 %). FP8
-#: (float8_e4m3fn): H100 SXM 1402.6 of 1979 (70.9 %), H200 SXM 1453.4 of 1979 (73.4 %), B200 SXM
-#: 3432.5 of 4500 (76.3 %). float16 runs at bf16's rate. The catalog's A100-40GB and A100-80GB are
-#: SXM4 parts (the A100 SXM row). The MI300X row (668.4 of 1300, 51.4 %, with TunableOp) is left
-#: out: the MI355X (gfx950) fit carried to the MI300X already prices its GEMMs under it, and its
-#: ratio to the MI355X's would slow them further.
-MAMF = {
-    "A100-40GB": {"bfloat16": 0.869}, "A100-80GB": {"bfloat16": 0.869},
-    "H100": {"bfloat16": 0.803, "float8": 0.709}, "H200": {"bfloat16": 0.803, "float8": 0.734},
-    "B200": {"bfloat16": 0.776, "float8": 0.763}, "MI355X": {"bfloat16": 0.680},
-}
+#: accelerator and input dtype, from calibrations/mamf.json (its "source": Stas Bekman's "Maximum
+#: Achievable Matmul FLOPS comparison table", torch.matmul at the best of a brute-force shape search;
+#: e.g. A100 SXM 86.9 % and H100 SXM 80.3 % of the bf16 peak). A data file, as every table keyed by
+#: accelerator is: no compiler module names one.
+MAMF: dict[str, dict[str, float]] = json.loads(
+    (Path(__file__).resolve().parent / "calibrations" / "mamf.json").read_text())["fraction_of_dense_peak"]
 
 
 def facts(hw, dtype: str) -> tuple[int, float, float]:
