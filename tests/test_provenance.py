@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO
 
 PROVENANCE = REPO / "data" / "provenance"
@@ -44,12 +46,19 @@ def test_the_provenance_files_are_here_small_and_licensed():
 
 def test_the_shipped_gemm_tables_are_built_from_the_provenance_file():
     """``python -m sftctl.compiler.gemm_table data/provenance/xla/matmul.jsonl`` gives the shipped
-    rows and fitted coefficients exactly."""
+    rows exactly and the fitted coefficients to 1e-6 relative or 1e-12 absolute: a coefficient the
+    fit drives to ~0 lands on the CPU's rounding (sm_90 fp32's wave_s: 7.0e-20 shipped, 8.3e-20
+    refitted on an AVX2-only AMD EPYC), not on a figure of the tables."""
     from sftctl.compiler.gemm_table import build_tables
 
     built = build_tables(PROVENANCE / "xla" / "matmul.jsonl")
     shipped = json.loads((CALIBRATIONS / "data" / "xla" / "matmul.json").read_text())
-    assert built["tables"] == shipped["tables"]
+    assert {a: {d: t["rows"] for d, t in by.items()} for a, by in built["tables"].items()} == \
+        {a: {d: t["rows"] for d, t in by.items()} for a, by in shipped["tables"].items()}
+    for arch, by in shipped["tables"].items():
+        for dtype, table in by.items():
+            assert built["tables"][arch][dtype]["params"] == pytest.approx(table["params"], rel=1e-6, abs=1e-12), \
+                (arch, dtype)
     assert built["source"] == shipped["source"] and "data/provenance/xla/matmul.jsonl" in shipped["source"]
 
 
