@@ -7,12 +7,14 @@ server) with exact counts."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import boto3
 import pytest
 
 from conftest import SLEEPER, job_processes, no_traceback, sftctl, status_json, wait_for
+from sftctl import procs
 from sftctl.errors import ExitCode, SftctlError
 
 
@@ -89,6 +91,9 @@ def test_down_purge_on_s3_removes_exactly_what_sftctl_wrote(home, aws, tmp_path)
                                    "workdir": str(tmp_path)}).model_dump(mode="json")
     store = Store()
     job, live = _ended_job(store, spec), store.create_job("live", spec)
+    # live: its controller is this process (a job with none recorded past the start grace, which a
+    # loaded machine's moto puts can outlast, is reaped as dead, and its pack is no longer in use)
+    store.update_job(live, controller_pid=os.getpid(), controller_start_ticks=procs.start_ticks(os.getpid()))
     open_storage("s3://purge-me/runs").ensure()  # what `sftctl run` does: the marker under the root
     sftctl_wrote = {
         f"runs/{job}/checkpoints/step-00000010/MANIFEST.json": b"{}",
