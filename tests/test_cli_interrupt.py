@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO, deadline, status_json, wait_for
 
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
@@ -54,6 +56,7 @@ def test_ctrl_c_while_the_cli_is_still_importing(home):
     assert ended.stderr.strip().splitlines()[-1].startswith("interrupted"), ended.stderr
 
 
+@pytest.mark.cold_cache  # with the session's warm trace cache the CLI never loads torch: it plans and runs
 def test_ctrl_c_while_planning_says_nothing_was_started(home):
     """torch is loaded only to trace the model, i.e. while planning: nothing is recorded yet."""
     ended = _interrupt_run(lambda pid: "libtorch_cpu" in _maps(pid))
