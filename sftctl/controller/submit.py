@@ -210,18 +210,21 @@ def node_env(spec: JobSpec, job_id: str, plan: Plan, nodes: list[NodeSlot], rank
         train_steps=spec.train.steps,
     ))
     env.update(launch_env(plan.planned("layout")))  # the plan's parallel layout (issue 38): SFTCTL_TP, ...
+    # torchrun's c10d store: on this machine's nodes the claim's second port, hosted by node 0's
+    # wrapper; elsewhere (a cloud's firewall opens the one port) MASTER_PORT, where the wrapper
+    # stands aside and node 0's torchrun hosts it (sftctl/train/rendezvous.py)
+    rdzv_port = store_port(master_port) if offering.provider == "local" else master_port
     env.update(
         MASTER_ADDR=ips[0],
         MASTER_PORT=str(master_port),
-        # torchrun's c10d store: the claim's second port, hosted by node 0's wrapper
-        **settings.node_env(rdzv_endpoint=f"{ips[0]}:{store_port(master_port)}", rdzv_is_host=rank == 0),
+        **settings.node_env(rdzv_endpoint=f"{ips[0]}:{rdzv_port}", rdzv_is_host=rank == 0),
         # torchrun reads PET_<OPTION> for each option it is not given, so `run: torchrun
         # train.py` joins the job's rendezvous without spelling out --nnodes --rdzv-*
         PET_NNODES=str(len(nodes)),
         PET_NPROC_PER_NODE=str(offering.count),
         PET_NODE_RANK=str(rank),
         PET_RDZV_BACKEND="c10d",
-        PET_RDZV_ENDPOINT=f"{ips[0]}:{store_port(master_port)}",
+        PET_RDZV_ENDPOINT=f"{ips[0]}:{rdzv_port}",
         PET_RDZV_ID=job_id,
         PET_RDZV_CONF=f"is_host={1 if rank == 0 else 0}",
         PET_MAX_RESTARTS="0",  # sftctl restarts the job itself, from its last checkpoint
