@@ -244,6 +244,28 @@ def job_run(job: Any, samples: list[StepRecord], now: float | None = None) -> Ru
         ts=now or time.time())
 
 
+
+def record_run(store: Any, job_id: str, after: float | None = None) -> str | None:
+    """Record job ``job_id``'s predicted and measured step time (:func:`job_run` over its reported
+    steps, only those after ``after``, a migration's time, when given) in ``store``'s run history,
+    with a ``measured`` event saying both, and return that event's message; None (nothing
+    recorded) when its plan predicted no step or too few steps were reported."""
+    series = store.step_series(job_id, after=after)
+    job = store.get_job(job_id)
+    row, ranks = job_run(job, series), max(1, len({p.rank for p in series}))
+    if row is None:
+        return None
+    store.add_runs([row])
+    predicted = job.plan.planned("calibrated_step_s") or row.predicted_step_s
+    diff = row.measured_step_s / predicted - 1
+    over = f"{round(row.measured_steps / ranks)} steps x {ranks} ranks" if ranks > 1 else f"{row.measured_steps} steps"
+    message = (f"step time: measured {row.measured_step_s * 1e3:.1f} ms (median of {over} after warm-up), "
+               f"predicted {predicted * 1e3:.1f} ms: {diff:+.0%}")
+    store.add_event(job_id, "measured", message, {
+        "predicted_s": predicted, "model_s": row.predicted_step_s, "measured_s": row.measured_step_s,
+        "measured_steps": row.measured_steps, "difference": diff})
+    return message
+
 def step_time_view(predicted: float | None, measured: float | None, n: int = 0,
                    interval: list | None = None) -> dict | None:
     """``status``'s ``step_time``: ``{"predicted_s", "interval_s", "measured_s", "measured_steps",

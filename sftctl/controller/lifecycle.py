@@ -54,7 +54,7 @@ from sftctl.providers.base import (
     KeepsAlive, NodeState, Quarantines, SecretStore, UsesChannel, provision_all, terminate_all,
 )
 from sftctl.health.monitor import HealthMonitor
-from sftctl.history import job_run
+from sftctl.history import record_run
 from sftctl.queue import DOWN_REASON, ControllerBusy, claim_job, record_owner, wait_turn  # shared with the waiting stage
 from sftctl.protocol import NodeDir
 from sftctl.spec import JobSpec
@@ -720,30 +720,16 @@ class Controller(Recovery):
             self.provider.stop_attempt(node.handle)
 
     def _record_run(self) -> None:
-        """The job's predicted and measured step time (:func:`sftctl.history.job_run`) into the
-        run history the next plans learn from, with a ``measured`` event saying both. Nothing
-        when its plan predicted no step or too few steps were reported; a failure here is
-        logged, never the job's. Once: before SUCCEEDED/FAILED (a status read then shows ACTUAL)."""
+        """The job's predicted and measured step time into the run history the next plans learn
+        from (:func:`sftctl.history.record_run`); a failure here is logged, never the job's. Once: before SUCCEEDED/FAILED (a status read then shows ACTUAL)."""
         if self._run_recorded:
             return
         self._run_recorded = True
         try:
             # after a migration only the new offering's steps measure it
-            series = self.store.step_series(self.job_id, after=self._moved_at)
-            row, ranks = job_run(self.store.get_job(self.job_id), series), max(1, len({p.rank for p in series}))
-            if row is None:
-                return
-            self.store.add_runs([row])
-            plan = self.store.get_job(self.job_id).plan
-            predicted = plan.planned("calibrated_step_s") or row.predicted_step_s
-            diff = row.measured_step_s / predicted - 1
-            over = f"{round(row.measured_steps / ranks)} steps x {ranks} ranks" if ranks > 1 else f"{row.measured_steps} steps"
-            message = (f"step time: measured {row.measured_step_s * 1e3:.1f} ms (median of {over} after warm-up), "
-                       f"predicted {predicted * 1e3:.1f} ms: {diff:+.0%}")
-            self.store.add_event(self.job_id, "measured", message, {
-                "predicted_s": predicted, "model_s": row.predicted_step_s, "measured_s": row.measured_step_s,
-                "measured_steps": row.measured_steps, "difference": diff})
-            self.reporter.event(message)
+            message = record_run(self.store, self.job_id, after=self._moved_at)
+            if message is not None:
+                self.reporter.event(message)
         except Exception as e:  # noqa: BLE001 the history is a by-product: the job's own ending goes on
             logging.getLogger("sftctl.controller").warning("run history not recorded: %r", e)
 
