@@ -20,7 +20,8 @@ is ``__main__.py``). Importing the package registers every command on :data:`app
 
 import sys as _sys
 
-from sftctl.cli._interrupt import caused_by_interrupt as _caused_by_interrupt, say_interrupted as _say_interrupted
+from sftctl.cli._interrupt import (caused_by_interrupt as _caused_by_interrupt, exit_interrupted as _exit_interrupted,
+    say_interrupted as _say_interrupted)
 
 try:  # a Ctrl-C while typer, rich, pydantic load: one line and exit 130, not a traceback
     # the order registers the commands as --help lists them: keep it
@@ -35,7 +36,10 @@ try:  # a Ctrl-C while typer, rich, pydantic load: one line and exit 130, not a 
 except BaseException as _e:
     if not _caused_by_interrupt(_e):
         raise
-    _sys.exit(_say_interrupted())
+    _code = _say_interrupted()
+    if _sys.argv[:1] == ["-m"] or _sys.argv[0].endswith("sftctl"):  # the CLI process, not an importer
+        _exit_interrupted()
+    _sys.exit(_code)
 
 __all__ = [
     "app", "_console", "_print_json", "_complete_jobs", "_complete_accelerators", "_complete_specs",

@@ -14,9 +14,11 @@ Three shapes reach the CLI:
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 #: 128 + SIGINT, as :class:`sftctl.errors.ExitCode.INTERRUPTED` (not imported here: this module stays light)
 INTERRUPTED_EXIT = 130
@@ -44,6 +46,27 @@ def caused_by_interrupt(exc: BaseException | None) -> bool:
             return True
         exc = exc.__cause__ or exc.__context__
     return False
+
+
+def exit_interrupted() -> NoReturn:
+    """End this process with status 130 now: run its ``atexit`` handlers (``weakref.finalize``
+    and tempfile clean-ups among them), flush stdout and stderr, then ``os._exit(130)``.
+
+    A plain ``sys.exit(130)`` can end in death by SIGINT (status -2) after the one line is
+    printed: CPython marks a KeyboardInterrupt "unhandled" whenever one leaves a nested
+    ``PyRun_*`` evaluation (a C extension's ``exec`` while it loads, as torch's does), keeps that
+    mark after Python code catches the interrupt, and at exit re-raises SIGINT on itself. Blocking
+    SIGINT does not help: torch's threads have it unblocked and take the re-raise. Call this only
+    where the process, not a caller of :func:`sftctl.cli.main`, is what ends."""
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(INTERRUPTED_EXIT)
 
 
 def say_interrupted(message: str = "interrupted") -> int:

@@ -9,7 +9,7 @@ import sys
 
 import typer
 
-from sftctl.cli._interrupt import Interrupted, caused_by_interrupt, guard_commands
+from sftctl.cli._interrupt import Interrupted, caused_by_interrupt, exit_interrupted, guard_commands
 from sftctl.cli.common import _DEBUG, _HELP, _JSON_PRINTED, _console, _print_json, app
 from sftctl.cli.jobs import status
 from sftctl.errors import ExitCode, SftctlError
@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         if as_json and not _JSON_PRINTED[0]:
             with contextlib.suppress(OSError):
                 _print_json({"error": message, "hint": None, "exit_code": int(ExitCode.INTERRUPTED)})
+        if argv is None:  # the process's own command line: exit 130 here, never by SIGINT
+            exit_interrupted()
         return int(ExitCode.INTERRUPTED)
 
     guard_commands(app)  # typer answers a bare KeyboardInterrupt with a silent exit 130
