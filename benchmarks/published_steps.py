@@ -138,6 +138,48 @@ _NEMO_A100 = ("NVIDIA/NeMo-Megatron-Launcher (now NeMo-Framework-Launcher) READM
               "kernels")
 
 
+_LAMBDA = ("lambdal/deeplearning-benchmark (Lambda's GPU benchmarks), pytorch/results/<GPU>/PyTorch_resnet50_AMP/*.txt "
+           "at commit aa5addb (https://github.com/lambdal/deeplearning-benchmark/tree/"
+           "aa5addb6a53675a649a80036dad548f1c27cbcc4/pytorch/results): NVIDIA DeepLearningExamples' ResNet-50 v1.5 on "
+           "one GPU, the same configuration on both (GLOBAL_BATCH 1280 in benchmark.para; the log's PARAMETER line: "
+           "data_backend synthetic, batch_size 1280, amp True, static_loss_scale 256, optimizer sgd, momentum 0.9, "
+           "memory_format nchw, jit no, world_size 1); measured = batch / the log's Summary train.total_ips "
+           "(images per second). Priced as examples/vision build_resnet50 (224 x 224, 1000 classes; Lambda's fused "
+           "SE flag is a no-op for ResNet-50) at dtype float16, our mixed precision as torch.cuda.amp runs it "
+           "(float32 master weights, float16 convolutions and matmuls), eager dispatch; seq_len 1: a 'token' is one "
+           "image. The step is SGD with momentum, not the AdamW we price (25.6 M parameters: a few ms against a "
+           "step of 0.5-0.8 s)")
+
+
+def _lambda_rn50(gpu: str, log: str, ips: float, quote: str) -> dict:
+    """Lambda's ResNet-50 AMP step on one ``gpu`` (:data:`_LAMBDA`): a strictly matched group."""
+    return {"name": "ResNet-50, AMP, bs 1280 (Lambda A100/H100)", "gpu": gpu,
+            "entrypoint": "examples/vision/model.py:build_resnet50", "batch_per_gpu": 1280, "seq_len": 1,
+            "dtype": "float16", "mode": "eager", "gpus_per_node": 1, "nodes": 1, "parallelism": "ddp",
+            "checkpointing": False, "tokens_per_s_per_gpu": ips, "source": _LAMBDA + f"; log: {log}",
+            "quote": quote}
+
+
+_LAMBDA_BERT = ("lambdal/deeplearning-benchmark, pytorch/results/<GPU>/PyTorch_bert_large_squad_FP16/*.txt at commit "
+                "aa5addb (https://github.com/lambdal/deeplearning-benchmark/tree/aa5addb6a53675a649a80036dad548f1c27cbcc4/"
+                "pytorch/results): NVIDIA DeepLearningExamples' BERT-large (uncased) SQuAD v1.1 fine-tuning on one GPU, "
+                "the same command on both (run_squad.py --train_batch_size=112 --max_seq_length=384 --fp16 "
+                "--max_steps=100; GLOBAL_BATCH 112 in benchmark.para; n_gpu 1); measured = 112 sequences / the log's "
+                "training_sequences_per_second, 384 tokens each. Priced as examples/bert build_bert_large_squad (the "
+                "scores materialised as DeepLearningExamples' modeling.py computes them) at dtype float16, our mixed "
+                "precision (float32 master weights, float16 matmuls) as its --fp16 AMP runs, eager dispatch; its "
+                "fused bias-GELU (TorchScript) and apex LayerNorm / Adam kernels are priced as torch's eager ones")
+
+
+def _lambda_bert(gpu: str, log: str, seq_s: float, quote: str) -> dict:
+    """Lambda's BERT-large SQuAD FP16 step on one ``gpu`` (:data:`_LAMBDA_BERT`): a strictly matched group."""
+    return {"name": "BERT-large SQuAD, FP16, bs 112 (Lambda A100/H100)", "gpu": gpu,
+            "entrypoint": "examples/bert/model.py:build_bert_large_squad", "batch_per_gpu": 112, "seq_len": 384,
+            "dtype": "float16", "mode": "eager", "gpus_per_node": 1, "nodes": 1, "parallelism": "ddp",
+            "checkpointing": False, "tokens_per_s_per_gpu": seq_s * 384, "source": _LAMBDA_BERT + f"; log: {log}",
+            "quote": quote}
+
+
 RECORDS = [
     {
         "name": "GPT-2 124M, eager", "gpu": "H200", "entrypoint": "examples/gpt/model.py:build_gpt2_small",
@@ -186,6 +228,16 @@ RECORDS = [
     *_fms_x("2 13B", "build_llama2_13b", "FSDP", 0.5, 1800, 3800),
     *_fms_x("34B", "build_llama_34b", "FSDP", 1.0, 700, 1550),
     *_fms_x("2 70B", "build_llama2_70b", "FSDP", 1.0, 370, 800),
+    _lambda_rn50("A100-80GB", "A100_80GB_SXM4_v1/PyTorch_resnet50_AMP/19-11-2022_18-30-46.txt", 1582.19,
+                 "Summary: train.loss : 4.01066 None train.compute_ips : 1582.44 images/s train.total_ips : "
+                 "1582.19 images/s"),
+    _lambda_rn50("H100", "H100_80GB_SXM5_v1/PyTorch_resnet50_AMP/14-02-2023_05-07-45.txt", 2615.52,
+                 "Summary: train.loss : 3.91063 None train.compute_ips : 2616.25 images/s train.total_ips : "
+                 "2615.52 images/s"),
+    _lambda_bert("A100-80GB", "A100_80GB_SXM4_v1/PyTorch_bert_large_squad_FP16/19-11-2022_18-45-37.txt", 152.8532966587673,
+                 "e2e_train_time : 73.27287173271179  training_sequences_per_second : 152.8532966587673"),
+    _lambda_bert("H100", "H100_80GB_SXM5_v1/PyTorch_bert_large_squad_FP16/14-02-2023_05-22-57.txt", 301.1002359507717,
+                 "e2e_train_time : 37.1969153881073  training_sequences_per_second : 301.1002359507717"),
 ]
 
 

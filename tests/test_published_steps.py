@@ -147,6 +147,42 @@ def test_the_fms_pairs_are_strictly_matched_a100_and_h100_groups():
     assert {r["inter_node_bytes_per_s"] for r in pairs} == {50e9, 100e9}
 
 
+def test_the_lambda_pairs_are_strictly_matched_a100_and_h100_groups():
+    """Lambda's one-GPU ResNet-50 AMP and BERT-large SQuAD FP16 runs on A100 80GB SXM4 and H100 SXM5
+    (the same batch and command on both): two strict groups, with the logged throughputs."""
+    mod = _bench()
+    pairs = [r for r in mod.RECORDS if "(Lambda A100/H100)" in r["name"]]
+    assert len(pairs) == 4
+    rows = [dict(r, measured_step_s=mod.measured_s(r), predicted_step_s=1.0) for r in pairs]
+    groups = mod.matched_groups(rows, mod.STRICT)
+    assert [sorted(g["rows"]) for g in groups] == [["A100-80GB", "H100"]] * 2
+    step = {(r["name"].split(",")[0], r["gpu"]): mod.measured_s(r) for r in pairs}
+    assert step[("ResNet-50", "A100-80GB")] == pytest.approx(1280 / 1582.19)  # images per second
+    assert step[("ResNet-50", "H100")] == pytest.approx(1280 / 2615.52)
+    assert step[("BERT-large SQuAD", "H100")] == pytest.approx(112 / 301.1002359507717)  # sequences per second
+
+
+def test_bert_large_squad_has_bert_larges_parameters():
+    """examples/bert: BERT-large's 24 post-LN layers of 1024 (16 heads, 4096), 30522 + 512 + 2
+    embeddings, and the 2-logit span head; at initialisation the loss is near ln(sequence)."""
+    import torch
+
+    from examples.bert.model import BertConfig, build, build_bert_large_squad
+
+    with torch.device("meta"):
+        model, batch, _ = build_bert_large_squad(2, "float16")
+    h, f, layers = 1024, 4096, 24
+    per_layer = (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h) + 4 * h
+    expected = (30522 + 512 + 2) * h + 2 * h + layers * per_layer + 2 * h + 2
+    assert sum(p.numel() for p in model.parameters()) == expected == 334_094_338
+    assert [t.shape for t in batch[:3]] == [(2, 384)] * 3 and batch[3].shape == (2,)
+    cfg = BertConfig(vocab_size=50, hidden=32, layers=2, heads=4, ffn=64, seq_len=16)
+    model, batch, loss_fn = build(3, "float32", cfg)
+    model.eval()
+    loss = loss_fn(model, batch)
+    assert abs(loss.item() - torch.log(torch.tensor(16.0)).item()) < 1.0
+
+
 def test_graphs_dir_reuses_a_traced_step_of_the_same_key_and_sources(tmp_path):
     """--graphs DIR: a pickle named by the record's graph key and its sources' hash is read back
     instead of tracing; the sources' hash differs between example directories."""
