@@ -218,17 +218,9 @@ def node_env(spec: JobSpec, job_id: str, plan: Plan, nodes: list[NodeSlot], rank
         MASTER_ADDR=ips[0],
         MASTER_PORT=str(master_port),
         **settings.node_env(rdzv_endpoint=f"{ips[0]}:{rdzv_port}", rdzv_is_host=rank == 0),
-        # torchrun reads PET_<OPTION> for each option it is not given, so `run: torchrun
-        # train.py` joins the job's rendezvous without spelling out --nnodes --rdzv-*
-        PET_NNODES=str(len(nodes)),
-        PET_NPROC_PER_NODE=str(offering.count),
-        PET_NODE_RANK=str(rank),
-        PET_RDZV_BACKEND="c10d",
-        PET_RDZV_ENDPOINT=f"{ips[0]}:{rdzv_port}",
-        PET_RDZV_ID=job_id,
-        PET_RDZV_CONF=f"is_host={1 if rank == 0 else 0}",
-        PET_MAX_RESTARTS="0",  # sftctl restarts the job itself, from its last checkpoint
     )
+    env.update(torchrun_env(num_nodes=len(nodes), nproc_per_node=offering.count, rank=rank,
+                            endpoint=f"{ips[0]}:{rdzv_port}", job_id=job_id, is_host=rank == 0))
     if spec.model is not None:
         env.update(settings.node_env(
             model_entrypoint=spec.model.entrypoint,
@@ -239,6 +231,31 @@ def node_env(spec: JobSpec, job_id: str, plan: Plan, nodes: list[NodeSlot], rank
         ))
     env.update(preflight_env(spec, plan))  # health.preflight: what the node checks itself against (issue 41)
     return env
+
+def torchrun_env(num_nodes: int, nproc_per_node: int, rank: int, endpoint: str, job_id: str,
+                 is_host: bool, backend: str = "c10d") -> dict[str, str]:
+    """torchrun's options for node ``rank`` as its ``PET_<OPTION>`` variables: torchrun reads one
+    for each option it is not given, so ``run: torchrun train.py`` joins the job's rendezvous
+    (``endpoint``, ``host:port``; id ``job_id``) without spelling out ``--nnodes --rdzv-*``.
+
+    ``PET_NODE_RANK`` only with ``backend="static"``: a c10d rendezvous assigns node ranks
+    itself, ignores ``--node-rank`` and warns on every node but 0 that it does (torch's
+    ``torch/distributed/run.py``: ``node_rank is only used for static rdzv_backend``); the rank
+    stays in ``SFTCTL_NODE_RANK``. ``PET_MAX_RESTARTS=0``: sftctl restarts the job itself, from
+    its last checkpoint."""
+    env = {
+        "PET_NNODES": str(num_nodes),
+        "PET_NPROC_PER_NODE": str(nproc_per_node),
+        "PET_RDZV_BACKEND": backend,
+        "PET_RDZV_ENDPOINT": endpoint,
+        "PET_RDZV_ID": job_id,
+        "PET_RDZV_CONF": f"is_host={1 if is_host else 0}",
+        "PET_MAX_RESTARTS": "0",
+    }
+    if backend == "static":
+        env["PET_NODE_RANK"] = str(rank)
+    return env
+
 
 class EveryName(Mapping):
     """An environment in which every variable is set to ``value`` (default empty): :func:`node_env`
