@@ -1,6 +1,8 @@
 """Why a node's run failed, found out on the node itself.
 
-The node bootstrap (``templates/node.sh.j2``) runs ``python -m sftctl.failure --oom-kills``
+The node bootstrap (``templates/node.sh.j2``) runs ``python -m sftctl.failure --setup RC RECORD
+STDERR_TAIL`` after the spec's ``setup`` failed (:func:`setup_failure`: ``setup failed: <its last
+stderr line>``), ``python -m sftctl.failure --oom-kills``
 before the spec's ``run`` and ``python -m sftctl.failure RC ERROR_FILE OOM_BEFORE RECORD`` after
 a non-zero exit. That writes the answer as a :class:`sftctl.types.FailureReason` record (JSON:
 ``{"code": "oom" | "exception" | "signal", "message": <one line>, "data": {...}}``) to
@@ -144,10 +146,10 @@ def diagnose(rc: int, error_file: str | None = None, oom_before: int | None = No
 STDERR_TAIL_WAIT_S = 2.0
 
 
-def last_stderr_line(path: str | os.PathLike, wait_s: float = STDERR_TAIL_WAIT_S) -> str | None:
-    """The last non-empty line of the run's stderr tail file (``node.sh`` writes it whole, by
-    rename, once the run's stderr closes: waited for up to ``wait_s`` seconds), cut to 300
-    characters; None when there is none."""
+def last_stderr_line(path: str | os.PathLike, wait_s: float = STDERR_TAIL_WAIT_S, limit: int = 300) -> str | None:
+    """The last non-empty line of the run's (or setup's) stderr tail file (``node.sh`` writes it
+    whole, by rename, once that stderr closes: waited for up to ``wait_s`` seconds), cut to
+    ``limit`` characters (the last 3 of them ``...``); None when there is none."""
     deadline = time.monotonic() + wait_s
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -159,7 +161,28 @@ def last_stderr_line(path: str | os.PathLike, wait_s: float = STDERR_TAIL_WAIT_S
     if not lines:
         return None
     last = lines[-1]
-    return last if len(last) <= 300 else last[:297] + "..."
+    return last if len(last) <= limit else last[:limit - 3] + "..."
+
+
+#: the longest stderr line a failed setup's reason quotes, in characters (one status row's worth)
+SETUP_LINE_CHARS = 200
+
+
+def setup_failure(rc: int, stderr_tail: str | os.PathLike | None = None) -> FailureReason:
+    """Why the spec's ``setup`` exited with ``rc`` (non-zero): ``setup failed: `` and the signal
+    that killed it (``rc`` above 128: code ``signal``), else setup's last non-empty stderr line
+    (:func:`last_stderr_line`, at most :data:`SETUP_LINE_CHARS` characters; code ``exit``), else
+    ``setup failed`` alone. ``data``: ``exit_code``, ``phase`` = ``"setup"``, and ``signal`` or
+    ``stderr`` where known."""
+    data: dict = {"exit_code": rc, "phase": "setup"}
+    if rc > 128:
+        killed = diagnose(rc)
+        if killed is not None:
+            return FailureReason(killed.code, f"setup failed: {killed.message}", {**killed.data, **data})
+    last = last_stderr_line(stderr_tail, limit=SETUP_LINE_CHARS) if stderr_tail else None
+    if last is None:
+        return FailureReason(FailureCode.EXIT, "setup failed", data)
+    return FailureReason(FailureCode.EXIT, f"setup failed: {last}", {**data, "stderr": last})
 
 
 def describe(rc: int, error_file: str | None = None, oom_before: int | None = None) -> str | None:
@@ -215,7 +238,8 @@ def install_excepthook() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``--oom-kills``: print the counter. ``RC [ERROR_FILE [OOM_BEFORE [RECORD [STDERR_TAIL]]]]``:
+    """``--oom-kills``: print the counter. ``--setup RC RECORD STDERR_TAIL``: the record of a
+    failed setup (:func:`setup_failure`), its line printed. ``RC [ERROR_FILE [OOM_BEFORE [RECORD [STDERR_TAIL]]]]``:
     print the reason's line, and write its record to ``RECORD`` when given. A failure nothing
     else explains (a plain script, no torchrun, no :mod:`sftctl.train`) is ``exit`` with the
     last line the run wrote to stderr (``STDERR_TAIL``: ``python: can't open file ...``, the
@@ -224,6 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     if args[:1] == ["--oom-kills"]:
         n = oom_kills()
         print("" if n is None else n)
+        return 0
+    if args[:1] == ["--setup"]:  # --setup RC RECORD STDERR_TAIL: the spec's setup failed
+        why = setup_failure(int(args[1]), args[3] if len(args) > 3 and args[3] else None)
+        if len(args) > 2 and args[2]:
+            write_record(why, args[2])
+        print(why.message)
         return 0
     rc = int(args[0])
     error_file = args[1] if len(args) > 1 and args[1] else None

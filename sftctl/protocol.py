@@ -196,7 +196,7 @@ def failure_name(attempt: Attempt) -> str:
 
 
 def stderr_tail_name(attempt: Attempt) -> str:
-    """``stderr-tail-<attempt>``: the last 20 lines the attempt's run wrote to stderr (written
+    """``stderr-tail-<attempt>``: the last 20 lines the attempt's run (or its failed setup) wrote to stderr (written
     whole, by rename, when its stderr closes; the node's own, read only by ``sftctl.failure``
     for the reason of a plain script's failure)."""
     return f"stderr-tail-{attempt}"
