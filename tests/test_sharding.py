@@ -98,6 +98,44 @@ def test_fsdp_memory_is_the_sharded_state_plus_gathered_units(gpt):
     assert all(p.comm_time_s == 0 for p in solo)
 
 
+def test_bf16_reduce_dtype_halves_the_reduce_scatter_bytes(gpt):
+    """A job reducing gradients in bf16 (torch's MixedPrecision reduce_dtype=bfloat16, as
+    fms-fsdp's bfSixteen policy runs) reduce-scatters half the bytes of a float32 one: its
+    collectives, their time and the unit's gradient buffer before the reduce-scatter halve."""
+    m, compiled, units = gpt
+    ag4, rs4 = sharding.fsdp_collective_bytes(units, 2, 4)
+    ag2, rs2 = sharding.fsdp_collective_bytes(units, 2, 2)
+    assert ag2 == ag4 == [2 * u for u in units.values()]
+    assert rs4 == [4 * u for u in units.values()]
+    assert rs2 == [2 * u for u in units.values()] == [b // 2 for b in rs4]
+    with pytest.raises(ValueError, match="reduce_dtype_bytes"):
+        sharding.fsdp_collective_bytes(units, 2, 3)
+    # priced: 8 x A100 over 2 nodes, so the reduce-scatters are long; the default is float32
+    target = load_target("A100-80GB")
+    args = (compiled, target, 8, 2, 300e9, 50e9)
+    kw = dict(mode="eager", param_dtype_bytes=2, parallelisms=("fsdp",), checkpointing=(False,))
+    f32 = sharding.predict_strategies(*args, **kw)[0]
+    assert sharding.predict_strategies(*args, **kw, reduce_dtype_bytes=4)[0] == f32
+    b16 = sharding.predict_strategies(*args, **kw, reduce_dtype_bytes=2)[0]
+    largest = max(units.values())
+    assert f32.breakdown["gather"] - b16.breakdown["gather"] == 2 * largest
+    rs = [collectives.time_s("reduce-scatter", b, "A100-80GB", 8, 2, 300e9, 50e9) for b in rs4]
+    rs_half = [collectives.time_s("reduce-scatter", b, "A100-80GB", 8, 2, 300e9, 50e9) for b in rs2]
+    assert sum(rs_half) < sum(rs)
+    ag = sum(collectives.time_s("all-gather", b, "A100-80GB", 8, 2, 300e9, 50e9) for b in ag2)
+    fwd = step.predict(compiled, target, 8, 2, 300e9, 50e9, mode="eager").compute_time_s / 3
+    slow = step.overlap_slowdown(compiled.kernels, target.hw.sm_count)
+    n = len(units)
+
+    def comm(rs_s: float) -> float:
+        return (ag / n + max(0, ag * (1 - 1 / n) - fwd) + rs_s / n + max(0, ag + rs_s * (1 - 1 / n) - 2 * fwd)
+                + sharding.fsdp_contention_s(ag, rs_s, n, fwd, 2 * fwd, slow))
+    assert f32.comm_time_s == pytest.approx(comm(sum(rs)))
+    assert b16.comm_time_s == pytest.approx(comm(sum(rs_half)))
+    assert b16.comm_time_s < f32.comm_time_s
+    assert b16.compute_time_s == f32.compute_time_s
+
+
 def test_fsdp_contention_is_the_overlapped_collectives_times_the_lost_share():
     # 10 units: forward overlaps 9/10 of the all-gathers (0.9 s of 1 s, under 2 s of forward);
     # backward the all-gathers and 9/10 of the reduce-scatters (1 + 1.8 = 2.8 s, capped at 2.5 s)

@@ -22,7 +22,7 @@ from typing import Callable, cast
 
 from sftctl.compiler.driver import compile_for, trace_model
 from sftctl.compiler.ir import Graph
-from sftctl.compiler.sharding import PARALLELISMS, StrategyPrediction, choose, predict_strategies
+from sftctl.compiler.sharding import PARALLELISMS, REDUCE_DTYPE_BYTES, StrategyPrediction, choose, predict_strategies
 from sftctl.compiler.step import CompiledStep, StepPrediction, predict as predict_step
 from sftctl.compiler.target import Target, load_target
 
@@ -108,7 +108,8 @@ def predict(compiled: CompiledStep, target: Target, *, gpus_per_node: int, nodes
             param_dtype_bytes: int, parallelisms: tuple[str, ...] = PARALLELISMS,
             checkpointing: tuple[bool, ...] = (False, True), provider: str | None = None,
             graph: Graph | None = None, global_batch: int | None = None,
-            model_parallel: bool = True, pipeline: bool = True) -> OfferingPrediction:
+            model_parallel: bool = True, pipeline: bool = True,
+            reduce_dtype_bytes: int = REDUCE_DTYPE_BYTES) -> OfferingPrediction:
     """``compiled`` (one rank's share of the batch) on ``nodes`` x ``gpus_per_node`` devices of
     ``target``, in execution ``mode`` (``eager``, ``default``, ``sftensor``), under each of
     ``parallelisms`` x ``checkpointing``.
@@ -118,6 +119,9 @@ def predict(compiled: CompiledStep, target: Target, *, gpus_per_node: int, nodes
             :mod:`sftctl.compiler.step`'s defaults); inter-node is per node.
         param_dtype_bytes: bytes of the dtype FSDP gathers parameters in (2 under bf16/fp16
             mixed precision, 4 in float32).
+        reduce_dtype_bytes: bytes of the dtype FSDP reduce-scatters gradients in (torch's
+            ``MixedPrecisionPolicy.reduce_dtype``: 4, float32, as ``sftctl.train.prepare`` runs; 2
+            for a job reducing in bf16).
         provider: the offering's provider, or ``provider:instance_type``: which network joins
             its nodes (EFA on ``aws``, GPUDirect-TCPX on ``gcp:a3-highgpu-8g``, else RDMA /
             InfiniBand; :func:`sftctl.compiler.collectives.network_link`).
@@ -130,7 +134,8 @@ def predict(compiled: CompiledStep, target: Target, *, gpus_per_node: int, nodes
                         mode=mode, provider=provider)
     strategies = predict_strategies(compiled, target, gpus_per_node, nodes, intra_node_bytes_per_s,
                                     inter_node_bytes_per_s, mode=mode, param_dtype_bytes=param_dtype_bytes,
-                                    parallelisms=parallelisms, checkpointing=checkpointing, provider=provider)
+                                    parallelisms=parallelisms, checkpointing=checkpointing, provider=provider,
+                                    reduce_dtype_bytes=reduce_dtype_bytes)
     chosen, reason = choose(strategies)
     layout = None
     if global_batch:

@@ -10,7 +10,9 @@ Strategies (what :func:`sftctl.train.prepare` runs):
   semantics: parameters, gradients and optimizer state are divided over the ``world`` devices of
   the shard group; each block's parameters are all-gathered (in the compute dtype under mixed
   precision) before its forward and again before its backward, and its gradients are
-  reduce-scattered (in float32) after its backward.
+  reduce-scattered after its backward in the job's reduce dtype (torch's
+  ``MixedPrecisionPolicy.reduce_dtype``: float32 in :func:`sftctl.train.prepare`, 4 bytes; bf16 in
+  a job that asks for it, e.g. fms-fsdp's ``bfSixteen`` policy, 2 bytes: ``reduce_dtype_bytes``).
 * activation checkpointing (either strategy): each block keeps only its input during forward and
   recomputes its activations in backward.
 
@@ -23,7 +25,7 @@ search (:mod:`sftctl.compiler.layouts`) divides them too::
                       prepare() sets gradient_as_bucket_view, so DDP's buckets hold the gradients)
     fsdp            = (params + grads + opt_state) / world + batch + A + reserve
                       + 2 * U * param_dtype_bytes      # the gathered unit and the prefetched next one
-                      + U * 4                          # a unit's float32 gradients before reduce-scatter
+                      + U * reduce_dtype_bytes         # a unit's gradients before reduce-scatter
     checkpointing   : A -> A * min(1, 2 / L)           # one block's activations being recomputed,
                                                        # plus the saved block inputs (at most as much)
 
@@ -35,7 +37,7 @@ Time per step (seconds), ``c`` the step's compute in the execution mode, forward
 backward ``B = 2c / 3`` (backward ~ 2x forward FLOPs; the same split as ``step.BACKWARD_SHARE``)::
 
     AG = sum over units u of all-gather(u * param_dtype_bytes)    # each unit's own collective,
-    RS = sum over units u of reduce-scatter(u * 4)                 # paying its latency
+    RS = sum over units u of reduce-scatter(u * reduce_dtype_bytes)  # paying its latency
                          (sftctl.compiler.collectives.time_s: measured alpha + bytes / beta of the
                           in-host link, hierarchical over the network across nodes)
     optimizer          : ddp pays the whole AdamW step o (every device updates every parameter);
@@ -68,6 +70,22 @@ from sftctl.compiler.target import Target
 PARALLELISMS = ("ddp", "fsdp")
 REDUCE_DTYPE_BYTES = 4  # gradients reduce-scattered in float32 (prepare's MixedPrecisionPolicy)
 FORWARD_SHARE = 1 / 3
+
+
+def fsdp_collective_bytes(units: dict[str, int], param_dtype_bytes: int,
+                          reduce_dtype_bytes: int = REDUCE_DTYPE_BYTES) -> tuple[list[int], list[int]]:
+    """The buffers of FSDP's collectives, one per unit and direction: ``(all-gather bytes,
+    reduce-scatter bytes)`` per device, each a list in ``units``' order (``units``: unit name ->
+    parameters). A unit's all-gather moves its parameters in the gather dtype
+    (``param_dtype_bytes``: 2 under bf16/fp16 mixed precision, 4 in float32), its reduce-scatter
+    its gradients in the reduce dtype (``reduce_dtype_bytes``: torch's
+    ``MixedPrecisionPolicy.reduce_dtype`` / FSDP1's ``MixedPrecision.reduce_dtype``, 4 for float32,
+    2 for bf16). Raises ValueError for a dtype size other than 1, 2, 4 or 8 bytes."""
+    for name, b in (("param_dtype_bytes", param_dtype_bytes), ("reduce_dtype_bytes", reduce_dtype_bytes)):
+        if b not in (1, 2, 4, 8):
+            raise ValueError(f"{name} must be 1, 2, 4 or 8 (bytes of the dtype), not {b!r}")
+    return ([int(u) * param_dtype_bytes for u in units.values()],
+            [int(u) * reduce_dtype_bytes for u in units.values()])
 
 
 
@@ -122,7 +140,8 @@ def predict_strategies(compiled, target: Target, gpus_per_node: int, nodes: int,
                        inter_node_bytes_per_s: float | None, mode: str = "sftensor", param_dtype_bytes: int = 4,
                        parallelisms: tuple[str, ...] = PARALLELISMS,
                        checkpointing: tuple[bool, ...] = (False, True),
-                       provider: str | None = None) -> list[StrategyPrediction]:
+                       provider: str | None = None,
+                       reduce_dtype_bytes: int = REDUCE_DTYPE_BYTES) -> list[StrategyPrediction]:
     """Every (parallelism, activation checkpointing) pair of ``compiled`` (a
     :class:`sftctl.compiler.step.CompiledStep` for one rank's share of the batch) on the offering.
 
@@ -132,6 +151,10 @@ def predict_strategies(compiled, target: Target, gpus_per_node: int, nodes: int,
             of :mod:`sftctl.compiler.step`); inter-node is per node and divided over its GPUs.
         param_dtype_bytes: bytes of the dtype parameters are gathered in (2 under bf16/fp16 mixed
             precision, 4 in float32).
+        reduce_dtype_bytes: bytes of the dtype FSDP reduce-scatters gradients in (the job's
+            ``reduce_dtype``: 4 for float32, as :func:`sftctl.train.prepare` runs; 2 for bf16).
+    Raises:
+        ValueError: a dtype size other than 1, 2, 4 or 8.
     Returns:
         predictions in the order asked (ddp first), see the module docstring for the arithmetic.
     """
@@ -162,8 +185,9 @@ def predict_strategies(compiled, target: Target, gpus_per_node: int, nodes: int,
     # the optimizer step: DDP updates every parameter on every device, FSDP each device its shard
     optimizer = float((compiled.modes.get(mode) or {}).get("by_phase", {}).get("optimizer", 0.0))
     # FSDP's collectives, one per unit and direction, each paying its latency
-    ag = sum(coll("all-gather", u * param_dtype_bytes) for u in units.values()) if world > 1 else 0.0
-    rs = sum(coll("reduce-scatter", u * REDUCE_DTYPE_BYTES) for u in units.values()) if world > 1 else 0.0
+    ag_bytes, rs_bytes = fsdp_collective_bytes(units, param_dtype_bytes, reduce_dtype_bytes)
+    ag = sum(coll("all-gather", b) for b in ag_bytes) if world > 1 else 0.0
+    rs = sum(coll("reduce-scatter", b) for b in rs_bytes) if world > 1 else 0.0
     slowdown = overlap_slowdown(compiled.kernels, target.hw.sm_count) if world > 1 and "fsdp" in parallelisms else 1.0
     out = []
     for par in parallelisms:
@@ -172,7 +196,7 @@ def predict_strategies(compiled, target: Target, gpus_per_node: int, nodes: int,
             recompute = fwd if ckpt else 0.0
             base = compute
             st = sharded_state(params, grads, opt, par, world, unit_params=largest_unit,
-                               gather_bytes=param_dtype_bytes, reduce_bytes=REDUCE_DTYPE_BYTES)
+                               gather_bytes=param_dtype_bytes, reduce_bytes=reduce_dtype_bytes)
             mem = {"params": int(st["weights"]), "grads": int(st["grads"]), "opt_state": int(st["optimizer"]),
                    "activations": a, "gather": int(st["gather"])}
             if par == "ddp":
