@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 _FA = ("Dao-AILab/flash-attention, training/README.md 'Training speed' (8 x A100 80GB SXM4 400W with NVLink, one node, bf16, sequence length 2048; https://github.com/Dao-AILab/flash-attention/blob/main/training/README.md); per-GPU micro-batch from training/configs/experiment/pile/<model>-flash.yaml at 80 GB; DDP, ZeRO-1 from 760M (src.utils.ddp_zero1: each GPU updates its optimizer shard, priced as our FSDP); FlashAttention, fused bias+GELU GEMMs, fused dropout+add+LayerNorm, apex cross-entropy and AdamW: priced as our torch.compile ('default') mode, the nearest of ours")
-_FMS = ("foundation-model-stack/fms-fsdp README.md (IBM, https://github.com/foundation-model-stack/fms-fsdp), 128 A100 (80 GB, IBM's cluster as in the PyTorch blog 'Maximizing training throughput using PyTorch FSDP'), bf16, 4096 tokens (the repo's seq_length), SDPA flash attention, no torch.compile; HSDP shards within each 8-GPU node (priced as FSDP over one node's 8 GPUs; the cross-node gradient all-reduce is left out), FSDP over all 128")
+_FMS = ("foundation-model-stack/fms-fsdp README.md (IBM, https://github.com/foundation-model-stack/fms-fsdp), 128 A100 (80 GB, IBM's cluster as in the PyTorch blog 'Maximizing training throughput using PyTorch FSDP'), bf16, 4096 tokens (the repo's seq_length), SDPA flash attention, no torch.compile; HSDP shards within each 8-GPU node (priced as FSDP over one node's 8 GPUs; the cross-node gradient all-reduce is left out), FSDP over all 128; gradients reduce-scattered in bf16 (fms_fsdp/policies/mixed_precision.py: bfSixteen = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, ...), the policy get_policies picks where bf16 is supported)")
 _H200 = ("issue 11's brief: our measurement on one H200 (GPT-2 small, batch 8 x 1024, bf16 autocast, torch 2.11.0+cu130); "
          "the brief says 'fused AdamW', PyTorch's default AdamW on CUDA is foreach and is what is priced")
 
@@ -66,7 +66,8 @@ def _fms(size: str, fn: str, batch: int, strategy: str, ac: bool, tok_s: float, 
     return {"name": f"Llama {size}, {strategy}", "gpu": "A100-80GB", "entrypoint": f"examples/llama/model.py:{fn}",
             "batch_per_gpu": batch, "seq_len": 4096, "dtype": "bfloat16", "mode": "eager", "gpus_per_node": 8,
             "nodes": 1 if strategy == "HSDP" else 16, "parallelism": "fsdp", "checkpointing": ac,
-            "tokens_per_s_per_gpu": tok_s, "attention": "flash2", "source": _FMS, "quote": quote}
+            "reduce_dtype": "bfloat16", "tokens_per_s_per_gpu": tok_s, "attention": "flash2", "source": _FMS,
+            "quote": quote}
 
 
 _FMS_X = ("foundation-model-stack/fms-fsdp README.md 'Training throughput benchmarks' at commit 5a1ed66 (2024-03-17; "
@@ -76,7 +77,10 @@ _FMS_X = ("foundation-model-stack/fms-fsdp README.md 'Training throughput benchm
           "(eager). HSDP is priced as FSDP over one node's 8 GPUs (the cross-node gradient all-reduce left out), "
           "FSDP over all the GPUs at the node's link rate. 13B's 'Selective AC' recomputes about half the blocks "
           "(its HFU / MFU is 0.59 / 0.51 on A100 and 0.40 / 0.35 on H100, against 4/3 for full AC): priced as "
-          "half the blocks checkpointed (the mean of the step without and with full checkpointing)")
+          "half the blocks checkpointed (the mean of the step without and with full checkpointing). Gradients are "
+          "reduce-scattered in bf16: fms_fsdp/policies/mixed_precision.py at that commit, 'bfSixteen = "
+          "MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)', "
+          "the policy fms_fsdp/utils/train_utils.py get_policies picks when bf16 is supported")
 
 
 def _fms_x(size: str, fn: str, strategy: str, ac: float, a100: float, h100: float) -> list[dict]:
@@ -88,7 +92,7 @@ def _fms_x(size: str, fn: str, strategy: str, ac: float, a100: float, h100: floa
                     "entrypoint": f"examples/llama/model.py:{fn}", "batch_per_gpu": 2, "seq_len": 4096,
                     "dtype": "bfloat16", "mode": "eager", "gpus_per_node": 8,
                     "nodes": 1 if strategy == "HSDP" else gpus // 8, "parallelism": "fsdp", "checkpointing": ac,
-                    "inter_node_bytes_per_s": gbit * 1e9 / 8, "tokens_per_s_per_gpu": tok_s, "attention": "flash2",
+                    "reduce_dtype": "bfloat16", "inter_node_bytes_per_s": gbit * 1e9 / 8, "tokens_per_s_per_gpu": tok_s, "attention": "flash2",
                     "source": _FMS_X, "quote": f"| {size.split()[-1].lower()} | {strategy} | {ac_name} | 2 | {a100:.0f} "
                                                f"| {h100:.0f} |"})
     return out
@@ -290,6 +294,11 @@ def _traced(key: tuple, r: dict):
     return graph
 
 
+#: bytes of a record's ``reduce_dtype`` (torch's FSDP ``MixedPrecision.reduce_dtype``: the dtype its
+#: gradients are reduce-scattered in; float32 where a record does not say, as sftctl's prepare runs)
+REDUCE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 def predict(r: dict, gpu: str | None = None) -> dict:
     """``sftctl.compiler.api``'s prediction of record ``r``'s step (seconds) on its GPU, or on
     ``gpu`` (the same job, cluster shape and strategy on another GPU: the close calls)."""
@@ -309,6 +318,7 @@ def predict(r: dict, gpu: str | None = None) -> dict:
         p = api.predict(compiled, target, gpus_per_node=r["gpus_per_node"], nodes=r["nodes"],
                         intra_node_bytes_per_s=link, inter_node_bytes_per_s=inter, mode=r["mode"],
                         param_dtype_bytes=2 if r["dtype"] in ("bfloat16", "float16") else 4,
+                        reduce_dtype_bytes=REDUCE_DTYPE_BYTES[r.get("reduce_dtype", "float32")],
                         parallelisms=(r["parallelism"],), checkpointing=(checkpointing,), provider="slurm")
         return p.chosen
 
