@@ -26,6 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _ranks import forked as fork_ranks  # tests/_ranks.py: this script's folder is on sys.path
 
 from sftctl.train import mesh as M
 from sftctl.train import prepare
@@ -165,44 +166,14 @@ def main() -> None:
 
 
 def forked(world: int) -> int:
-    """Fork ``world`` ranks from this process, which has imported torch and sftctl once (the
-    children share them copy-on-write: on a busy 2-core machine 4 separate imports of torch cost
-    more than the training); each child runs :func:`main` with its RANK. Returns the first
-    non-zero child status (the other children are then killed), else 0."""
-    import signal
-    import traceback
-
+    """Fork ``world`` ranks running :func:`main` (tests/_ranks.py), torch's distributed modules
+    imported once, before the fork. Returns the first non-zero child status, else 0."""
     import torch.distributed.checkpoint  # imported once, before the fork
     import torch.distributed.fsdp
     import torch.distributed.pipelining
     import torch.distributed.tensor.parallel  # noqa: F401
 
-    pids = []
-    for rank in range(world):
-        pid = os.fork()
-        if pid == 0:
-            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
-            code = 0
-            try:
-                main()
-            except BaseException:  # noqa: BLE001 - the child reports and exits non-zero
-                traceback.print_exc()
-                code = 1
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        pids.append(pid)
-    status, left = 0, set(pids)
-    while left:
-        pid, st = os.wait()
-        left.discard(pid)
-        code = os.waitstatus_to_exitcode(st)
-        if code and not status:
-            status = code
-            for other in left:
-                os.kill(other, signal.SIGKILL)
-    return status
+    return fork_ranks(world, main)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _ranks import forked  # tests/_ranks.py: this script's folder is on sys.path
 
 
 def main(out: str) -> None:
@@ -50,39 +51,5 @@ def main(out: str) -> None:
     dist.destroy_process_group()
 
 
-def forked(world: int, out: str) -> int:
-    """Fork ``world`` ranks (torch imported once); the first non-zero child status, else 0."""
-    import traceback
-
-    pids = []
-    for rank in range(world):
-        pid = os.fork()
-        if pid == 0:
-            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
-            code = 0
-            try:
-                main(out)
-            except BaseException:  # noqa: BLE001 - the child reports and exits non-zero
-                traceback.print_exc()
-                code = 1
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        pids.append(pid)
-    import signal
-
-    status, left = 0, set(pids)
-    while left:
-        pid, st = os.wait()
-        left.discard(pid)
-        code = os.waitstatus_to_exitcode(st)
-        if code and not status:  # a failed rank: the others would wait on it
-            status = code
-            for other in left:
-                os.kill(other, signal.SIGKILL)
-    return status
-
-
 if __name__ == "__main__":
-    sys.exit(forked(int(os.environ["WORLD_SIZE"]), sys.argv[1]))
+    sys.exit(forked(int(os.environ["WORLD_SIZE"]), lambda: main(sys.argv[1])))

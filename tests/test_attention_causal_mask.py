@@ -8,6 +8,7 @@ matrix doubled the attention FLOPs of every HF Llama record (benchmarks/publishe
 from __future__ import annotations
 
 import pytest
+from _sdpa_layer import trace_masked_layer
 
 from sftctl.compiler.fusion import attention_flops, attention_shape
 
@@ -15,38 +16,8 @@ T = 256
 
 
 def _trace(mask_kind: str | None):
-    """One traced SDPA layer (8 heads of 64, bf16, meta) whose mask is ``mask_kind``: ``causal``
-    (HF's: key <= query AND a padding mask from the batch), ``anticausal`` (key >= query),
-    ``padding`` (the batch's mask only), ``is_causal`` (no mask, ``is_causal=True``) or None."""
-    torch = pytest.importorskip("torch")
-    import torch.nn.functional as F
-
-    from sftctl.compiler.frontends import torch as torch_frontend
-
-    class Layer(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.qkv = torch.nn.Linear(512, 3 * 512)
-
-        def forward(self, x, attention_mask):
-            B, L, _ = x.shape
-            q, k, v = self.qkv(x).view(B, L, 3, 8, 64).permute(2, 0, 3, 1, 4)
-            pos = torch.arange(L, device=x.device) + 0  # HF adds the cache position offset
-            pad = attention_mask.bool()[:, None, None, :]
-            masks = {"causal": (pos[None, None, None, :] <= pos[None, None, :, None]) & pad,
-                     "anticausal": (pos[None, None, None, :] >= pos[None, None, :, None]) & pad,
-                     "padding": pad.expand(B, 1, L, L)}
-            if mask_kind == "is_causal":
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=masks.get(mask_kind))
-
-    with torch.device("meta"):
-        model = Layer()
-    batch = {"x": torch.empty(2, T, 512, device="meta"),
-             "attention_mask": torch.ones(2, T, dtype=torch.int64, device="meta")}
-    graph, _ = torch_frontend.trace_step(model, batch, lambda m, b: (m(b["x"], b["attention_mask"]) ** 2).mean(),
-                                         autocast_dtype="bfloat16")
-    return graph
+    """One traced SDPA layer whose mask is ``mask_kind`` (tests/_sdpa_layer.py)."""
+    return trace_masked_layer(mask_kind, T)[0]
 
 
 def _shapes(graph) -> dict[str, dict]:

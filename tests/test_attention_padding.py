@@ -10,6 +10,7 @@ tells them apart, and where the trace has none the plan says it priced the batch
 from __future__ import annotations
 
 import pytest
+from _sdpa_layer import trace_masked_layer
 
 from sftctl.compiler.fusion import attention_flops, attention_shape
 
@@ -123,31 +124,10 @@ def test_an_entrypoint_built_on_meta_reads_its_mask_from_the_real_build(tmp_path
 def test_a_mask_with_no_value_is_priced_unpadded_and_said_so():
     """A batch on meta and no real build: the two cannot be told apart at trace time; priced
     unpadded (causal), and the trace's assumptions and the plan's attention line say so."""
-    torch = pytest.importorskip("torch")
-    import torch.nn.functional as F
-
     from sftctl.compiler.attention import PADDING_UNKNOWN
-    from sftctl.compiler.frontends.torch import trace_step
     from sftctl.compiler.memory import attention_assumed
 
-    class Layer(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.qkv = torch.nn.Linear(512, 3 * 512)
-
-        def forward(self, x, attention_mask):
-            B, L, _ = x.shape
-            q, k, v = self.qkv(x).view(B, L, 3, 8, 64).permute(2, 0, 3, 1, 4)
-            pos = torch.arange(L, device=x.device)
-            mask = (pos[None, None, None, :] <= pos[None, None, :, None]) & attention_mask.bool()[:, None, None, :]
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-    with torch.device("meta"):
-        model = Layer()
-    batch = {"x": torch.empty(2, T, 512, device="meta"),
-             "attention_mask": torch.ones(2, T, dtype=torch.int64, device="meta")}
-    graph, meta = trace_step(model, batch, lambda m, b: (m(b["x"], b["attention_mask"]) ** 2).mean(),
-                             autocast_dtype="bfloat16")
+    graph, meta = trace_masked_layer("causal", T)  # HF's causal AND padding mask, on meta
     a = next(attention_shape(graph, n) for n in graph.nodes if n.op == "attention")
     assert a["padding"] == "unknown" and a["causal"] and not a["bias"]
     assert PADDING_UNKNOWN in meta["assumptions"]
