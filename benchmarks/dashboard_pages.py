@@ -17,9 +17,7 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,22 +55,10 @@ def main() -> None:
                                    for s in range(start, min(args.steps, start + 1000)) for r in range(args.ranks)])
     points = len(store.step_series(big))
     token = add_user(os_user())
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "sftctl.cli", "server", "start", "--port", str(port)],
-                              env={**os.environ, "SFTCTL_HOME": str(home)}, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)
+    from _server import sftctl_server
     import httpx
 
-    try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"{url}/v1/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    with sftctl_server({**os.environ, "SFTCTL_HOME": str(home)}) as url:
         client = httpx.Client(base_url=url, timeout=120, cookies={"sftctl_session": token})
         server_s: dict[str, list[float]] = {"jobs": [], "job": []}
         for _ in range(args.repeat):
@@ -103,9 +89,6 @@ def main() -> None:
                 page.wait_for_selector("#chart-loss canvas", timeout=120_000)
                 browser_s["job"].append(time.perf_counter() - t)
             browser.close()
-    finally:
-        server.terminate()
-        server.wait(30)
     doc = {"jobs": args.jobs + 1, "job_points": points, "repeat": args.repeat,
            "browser_s": {k: {"median": statistics.median(v), "max": max(v)} for k, v in browser_s.items()},
            "server_s": {k: {"median": statistics.median(v), "max": max(v)} for k, v in server_s.items()},

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -92,23 +91,9 @@ def main() -> None:
     token = add_user(os_user())  # populate's jobs are this machine's user's
     print(f"state: {args.jobs} jobs in {time.perf_counter() - t0:.1f} s")
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "sftctl.cli", "server", "start", "--port", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        import httpx
+    from _server import sftctl_server
 
-        for _ in range(300):
-            try:
-                if httpx.get(f"{url}/v1/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        else:
-            raise SystemExit("the server did not answer")
+    with sftctl_server() as url:
         served = {**os.environ, "SFTCTL_SERVER_URL": url, "SFTCTL_SERVER_TOKEN": token}
         local = dict(os.environ)
         cmd = [sys.executable, "-m", "sftctl.cli", "status", "--json"]
@@ -139,9 +124,6 @@ def main() -> None:
         for k in ("SFTCTL_SERVER_URL", "SFTCTL_SERVER_TOKEN"):
             os.environ.pop(k)
         rows[("api", "sqlite")] = poll(args.threads, args.polls, in_process(False))
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
     results = []
     print(f"{'MODE':5} {'PATH':7} {'N':>4} {'P50 s':>8} {'P99 s':>8} {'MEAN s':>8}")
