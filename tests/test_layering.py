@@ -28,7 +28,7 @@ LAYERS = [
     {"sftctl.planner", "sftctl.controller", "sftctl.queue", "sftctl.history"},
     # 4: the one entry to the core (and the client it sends job commands through when a server is configured)
     {"sftctl.api", "sftctl.remote"},
-    # 5: presentation, and the server that runs the api for its clients
+    # 5: presentation, and the server that runs the api for its clients (ui/ a package: views, plan)
     {"sftctl.ui", "sftctl.cli", "sftctl.server", "sftctl.schema"},
 ]
 
@@ -183,6 +183,13 @@ def test_cli_imports_only_the_api_and_presentation():
     outside = {t for t in used if t != "sftctl.cli" and not t.startswith("sftctl.cli.")}
     assert outside <= {"sftctl", "sftctl.api", "sftctl.ui", "sftctl.errors", "sftctl.types", "sftctl.paths",
                        "sftctl.schema", "sftctl.server", "sftctl.server.manifest", "sftctl.server.users"}
+
+
+def test_ui_views_know_nothing_of_the_plan_table():
+    """ui/: plan.py builds on views.py (FitTable, Col), never the other way; __init__.py re-exports both."""
+    assert {t for t in GRAPH["sftctl.ui.views"] if t.startswith("sftctl.ui")} == set()
+    assert {t for t in GRAPH["sftctl.ui.plan"] if t.startswith("sftctl.ui")} == {"sftctl.ui.views"}
+    assert GRAPH["sftctl.ui"] == {"sftctl.ui.views", "sftctl.ui.plan"}
 
 
 def test_architecture_names_every_module():
