@@ -434,8 +434,8 @@ class RunView:
 class TorchNoise:
     """Which lines of one node's log the attached view shows: known torch noise is left out
     (``sftctl logs``, the node logs and ``sftctl --debug run`` keep every line). Known noise:
-    torchrun's warning that ``node_rank is only used for static rdzv_backend`` (sftctl launches
-    with c10d and passes the node rank for the logs), and torchrun's ``Error waiting on exit
+    torchrun's warning that ``node_rank is only used for static rdzv_backend`` (sftctl sets no node
+    rank with c10d, but a run: that calls torchrun with ``--node_rank`` itself prints it), and torchrun's ``Error waiting on exit
     barrier`` with the traceback frames that follow it (pytorch#69520: the exit barrier times out
     after the job finished); torch.distributed's warning and info log lines (``W1206 17:37:18.04
     11577 torch/distributed/...``: a node failing to shut the rendezvous down once the others
