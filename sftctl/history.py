@@ -323,7 +323,9 @@ def read_import(path: str | os.PathLike[str]) -> list[dict]:
     ``benchmarks/published_steps.py``'s record (``entrypoint``, ``gpu``, ``batch_per_gpu``,
     ``dtype``, ``mode``, ``gpus_per_node``, ``nodes``, ``parallelism``, ``checkpointing``,
     ``measured_step_s`` or ``seq_len`` with ``tokens_per_s_per_gpu``, optional ``mma_dtype_map``,
-    ``name``; its ``source`` is a citation, kept as ``citation``).
+    ``reduce_dtype`` (the dtype FSDP reduce-scatters gradients in, torch's MixedPrecision
+    ``reduce_dtype``: ``float32`` by default, ``bfloat16``, ``float16``), ``name``; its ``source``
+    is a citation, kept as ``citation``).
 
     Raises:
         ImportError_: the file is missing or empty, or a line is not such a record
@@ -395,6 +397,8 @@ def read_import(path: str | os.PathLike[str]) -> list[dict]:
             ckpt = d.get("checkpointing", False)
             if not isinstance(ckpt, (bool, int, float)) or not 0 <= float(ckpt) <= 1:
                 raise bad(f"checkpointing must be true, false or the fraction of blocks checkpointed, not {ckpt!r}")
+            if d.get("reduce_dtype", "float32") not in ("float32", "bfloat16", "float16"):
+                raise bad(f"reduce_dtype {d['reduce_dtype']!r} is not one of float32, bfloat16, float16")
             inter = d.get("inter_node_bytes_per_s")
             if inter is not None and (not isinstance(inter, (int, float)) or isinstance(inter, bool) or not inter > 0):
                 raise bad(f"inter_node_bytes_per_s must be a positive number, not {inter!r}")
@@ -402,6 +406,7 @@ def read_import(path: str | os.PathLike[str]) -> list[dict]:
                     "dtype": d["dtype"], "parallelism": d.get("parallelism", "ddp"), "checkpointing": float(ckpt),
                     "mma_dtype_map": d.get("mma_dtype_map"), "attention": d.get("attention", "auto"),
                     "torch": d.get("torch"), "inter_node_bytes_per_s": inter,
+                    "reduce_dtype": d.get("reduce_dtype", "float32"),
                     "name": d.get("name") or entry, "source": p.stem, "citation": d.get("source")}
             if rec["parallelism"] not in ("ddp", "fsdp"):
                 raise bad(f"parallelism {rec['parallelism']!r} is not ddp or fsdp")
@@ -560,6 +565,8 @@ def predict_record(rec: dict, cache: dict | None = None) -> RunRecord:
         return compiler.predict(compiled, target, gpus_per_node=gpn, nodes=nodes, intra_node_bytes_per_s=intra,
                                 inter_node_bytes_per_s=inter, mode=mode,
                                 param_dtype_bytes=2 if dtype in ("bfloat16", "float16") else 4,
+                                # a spec's job runs sftctl.train.prepare, which reduces in float32
+                                reduce_dtype_bytes=2 if rec.get("reduce_dtype") in ("bfloat16", "float16") else 4,
                                 parallelisms=parallelisms, checkpointing=ckpt,
                                 provider=f"{rec['provider']}:{rec['instance_type']}" if rec["provider"]
                                 else rec["provider"]).chosen

@@ -316,6 +316,7 @@ def test_importing_an_export_twice_adds_nothing(home, tmp_path):
     ([_published_line(checkpointing=1.5)], 1, "checkpointing must be true, false or the fraction"),
     ([_published_line(torch="two")], 1, "torch must be a major.minor version"),
     ([_published_line(inter_node_bytes_per_s=0)], 1, "inter_node_bytes_per_s must be a positive number"),
+    ([_published_line(reduce_dtype="int8")], 1, "reduce_dtype 'int8' is not one of"),
 ])
 def test_a_bad_import_file_is_refused_whole_with_its_line(home, tmp_path, lines, line_no, says):
     (tmp_path / "examples").symlink_to(Path(REPO) / "examples")
@@ -327,6 +328,23 @@ def test_a_bad_import_file_is_refused_whole_with_its_line(home, tmp_path, lines,
     assert f"{f}:{line_no}: " in first and says in first, first
     assert "Traceback" not in proc.stderr and "nothing of the file was imported" in proc.stderr
     assert Store().runs() == []
+
+
+def test_an_imported_record_reducing_in_bf16_is_priced_so(tmp_path):
+    """fms-fsdp reduce-scatters its gradients in bf16: an imported FSDP record saying
+    ``reduce_dtype: bfloat16`` is priced with half the reduce-scatter bytes of the float32 default,
+    as benchmarks/published_steps.py prices it, so its step is shorter (two H100 nodes: the
+    reduce-scatter crosses the network)."""
+    (tmp_path / "examples").symlink_to(Path(REPO) / "examples")
+    f = tmp_path / "runs.jsonl"
+    fsdp = {"parallelism": "fsdp", "gpus_per_node": 8, "nodes": 2, "dtype": "bfloat16"}
+    f.write_text(_published_line(**fsdp) + "\n" + _published_line(**fsdp, reduce_dtype="bfloat16") + "\n")
+    fp32, bf16 = history.read_import(f)
+    assert (fp32["reduce_dtype"], bf16["reduce_dtype"]) == ("float32", "bfloat16")
+    cache: dict = {}
+    slow, fast = history.predict_record(fp32, cache), history.predict_record(bf16, cache)
+    assert slow.strategy == fast.strategy == "fsdp"
+    assert 0 < fast.predicted_step_s < slow.predicted_step_s
 
 
 def test_forget_needs_what_to_forget(home):
