@@ -93,8 +93,7 @@ def main() -> None:
         (out / "losses.json").write_text(json.dumps(losses))
         (out / "strategy.json").write_text(json.dumps({"type": type(model).__name__,
                                                        "fsdp": "FSDP" in type(model).__name__}))
-    dist.barrier()
-    dist.destroy_process_group()
+    sft.finish()  # barrier, destroy, then os._exit: gloo's threads can abort a normal exit (torch #190489)
 
 
 if __name__ == "__main__":

@@ -323,7 +323,6 @@ def test_gpt2_small_fake_trace_flops():
           f"{len(graph.nodes)} IR nodes, {meta['fx_nodes']} fx nodes, flops {flops:.4e} vs {expected:.4e} "
           f"({flops / expected:.4f}), peak RSS +{grew_mib:.0f} MiB")
     assert abs(flops / expected - 1) < 0.10
-    assert t2 - t1 < 60
     assert graph.output_roles[0] == "loss"
     assert len(graph.outputs) == 1 + 3 * len(meta["param_names"])
     logits = [n for n in graph.nodes if n.op == "dot_general" and n.type.shape[-1] == V]
