@@ -155,13 +155,21 @@ _LAMBDA = ("lambdal/deeplearning-benchmark (Lambda's GPU benchmarks), pytorch/re
            "step of 0.5-0.8 s)")
 
 
+def _lambda(job: str, entrypoint: str, batch: int, seq_len: int, source: str, gpu: str, log: str,
+            tok_s: float, quote: str) -> dict:
+    """One of Lambda's one-GPU steps (:data:`_LAMBDA`, :data:`_LAMBDA_BERT`) on ``gpu``: float16 AMP,
+    eager, the same command on A100 and H100, so each ``job`` is a strictly matched group;
+    ``tok_s``: tokens (images for ResNet-50) per second."""
+    return {"name": f"{job} (Lambda A100/H100)", "gpu": gpu, "entrypoint": entrypoint, "batch_per_gpu": batch,
+            "seq_len": seq_len, "dtype": "float16", "mode": "eager", "gpus_per_node": 1, "nodes": 1,
+            "parallelism": "ddp", "checkpointing": False, "tokens_per_s_per_gpu": tok_s,
+            "source": source + f"; log: {log}", "quote": quote}
+
+
 def _lambda_rn50(gpu: str, log: str, ips: float, quote: str) -> dict:
-    """Lambda's ResNet-50 AMP step on one ``gpu`` (:data:`_LAMBDA`): a strictly matched group."""
-    return {"name": "ResNet-50, AMP, bs 1280 (Lambda A100/H100)", "gpu": gpu,
-            "entrypoint": "examples/vision/model.py:build_resnet50", "batch_per_gpu": 1280, "seq_len": 1,
-            "dtype": "float16", "mode": "eager", "gpus_per_node": 1, "nodes": 1, "parallelism": "ddp",
-            "checkpointing": False, "tokens_per_s_per_gpu": ips, "source": _LAMBDA + f"; log: {log}",
-            "quote": quote}
+    """Lambda's ResNet-50 AMP step on one ``gpu`` (:data:`_LAMBDA`)."""
+    return _lambda("ResNet-50, AMP, bs 1280", "examples/vision/model.py:build_resnet50", 1280, 1, _LAMBDA,
+                   gpu, log, ips, quote)
 
 
 _LAMBDA_BERT = ("lambdal/deeplearning-benchmark, pytorch/results/<GPU>/PyTorch_bert_large_squad_FP16/*.txt at commit "
@@ -176,12 +184,9 @@ _LAMBDA_BERT = ("lambdal/deeplearning-benchmark, pytorch/results/<GPU>/PyTorch_b
 
 
 def _lambda_bert(gpu: str, log: str, seq_s: float, quote: str) -> dict:
-    """Lambda's BERT-large SQuAD FP16 step on one ``gpu`` (:data:`_LAMBDA_BERT`): a strictly matched group."""
-    return {"name": "BERT-large SQuAD, FP16, bs 112 (Lambda A100/H100)", "gpu": gpu,
-            "entrypoint": "examples/bert/model.py:build_bert_large_squad", "batch_per_gpu": 112, "seq_len": 384,
-            "dtype": "float16", "mode": "eager", "gpus_per_node": 1, "nodes": 1, "parallelism": "ddp",
-            "checkpointing": False, "tokens_per_s_per_gpu": seq_s * 384, "source": _LAMBDA_BERT + f"; log: {log}",
-            "quote": quote}
+    """Lambda's BERT-large SQuAD FP16 step on one ``gpu`` (:data:`_LAMBDA_BERT`); ``seq_s``: sequences per second."""
+    return _lambda("BERT-large SQuAD, FP16, bs 112", "examples/bert/model.py:build_bert_large_squad", 112, 384,
+                   _LAMBDA_BERT, gpu, log, seq_s * 384, quote)
 
 
 RECORDS = [
