@@ -232,6 +232,7 @@ def node_env(spec: JobSpec, job_id: str, plan: Plan, nodes: list[NodeSlot], rank
     env.update(preflight_env(spec, plan))  # health.preflight: what the node checks itself against (issue 41)
     return env
 
+
 def torchrun_env(num_nodes: int, nproc_per_node: int, rank: int, endpoint: str, job_id: str,
                  is_host: bool, backend: str = "c10d") -> dict[str, str]:
     """torchrun's options for node ``rank`` as its ``PET_<OPTION>`` variables: torchrun reads one
