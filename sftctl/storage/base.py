@@ -7,11 +7,13 @@ imports none of them.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import json
 import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 from sftctl.errors import CredentialsError, ProviderError
 
@@ -249,6 +251,34 @@ class Storage:
         return f"{type(self).__name__}({self.url!r})"
 
 
+class BucketStorage(Storage):
+    """What the cloud backends (:mod:`~sftctl.storage.s3`, :mod:`~sftctl.storage.gcs`) share: the
+    URL ``<scheme>://<bucket>/<prefix>`` and the object names of keys, ``<prefix>/<key>`` in the
+    bucket (``<key>`` when the prefix is empty).
+
+    Args:
+        scheme: ``"s3"`` or ``"gs"``.
+        bucket: the bucket's name (the subclass keeps it under its own attribute).
+        prefix: the key prefix, without leading or trailing ``/`` (``""``: the bucket's root).
+        bucket_hint: how to create the bucket, for the error a missing one raises.
+    """
+
+    def __init__(self, scheme: str, bucket: str, prefix: str, bucket_hint: str):
+        self.prefix = prefix
+        self.url = f"{scheme}://{bucket}/{prefix}".rstrip("/")
+        self._bucket_word = f"bucket {bucket}"
+        self._bucket_hint = bucket_hint
+
+    def _k(self, key: str) -> str:
+        """The object name of ``key``. Raises ValueError for a malformed key (:func:`_check_key`)."""
+        _check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _rel(self, full: str) -> str:
+        """The key of object name ``full`` (one under the prefix): the inverse of :meth:`_k`."""
+        return full[len(self.prefix) + 1:] if self.prefix else full
+
+
 #: Temporary files written next to their target (never listed as keys).
 _TMP_MARK = ".sftctl-tmp-"
 
@@ -257,3 +287,19 @@ def atomic_tempfile(dest: Path) -> tuple[int, str]:
     """A temporary file next to ``dest`` (for downloads renamed into place): ``(fd, path)``."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     return tempfile.mkstemp(prefix=f"{_TMP_MARK}{dest.name}.", dir=dest.parent)
+
+
+@contextlib.contextmanager
+def atomic_download(dest: Path) -> Iterator[tuple[int, str]]:
+    """Write a download in place whole: yields ``(fd, path)`` of an open temporary file next to
+    ``dest`` (:func:`atomic_tempfile`; the caller closes ``fd``), renamed to ``dest`` when the
+    block ends; on any exception the temporary file is removed and the exception goes on, so
+    ``dest`` never holds a partial object."""
+    fd, tmp = atomic_tempfile(dest)
+    try:
+        yield fd, tmp
+        os.replace(tmp, dest)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -23,28 +23,24 @@ from sftctl.storage.base import (
     MULTIPART_CHUNK_BYTES,
     MULTIPART_THRESHOLD_BYTES,
     BucketNotFoundError,
-    Storage,
+    BucketStorage,
     StorageAccessDenied,
     StorageError,
     StorageNotFound,
-    _check_key,
     _check_prefix,
-    atomic_tempfile,
+    atomic_download,
 )
 
 _CRED_HINT = ("run `gcloud auth application-default login` or set GOOGLE_APPLICATION_CREDENTIALS, "
               "and grant roles/storage.objectAdmin on the bucket")
 
 
-class GCSStorage(Storage):
+class GCSStorage(BucketStorage):
     """``gs://bucket/prefix`` through one google-cloud-storage client, created on first use."""
 
     def __init__(self, bucket: str, prefix: str = ""):
+        super().__init__("gs", bucket, prefix, f"gcloud storage buckets create gs://{bucket}, or check the name")
         self.bucket_name = bucket
-        self.prefix = prefix
-        self.url = f"gs://{bucket}/{prefix}".rstrip("/")
-        self._bucket_word = f"bucket {bucket}"
-        self._bucket_hint = f"gcloud storage buckets create gs://{bucket}, or check the name"
         self._client: gcs.Client | None = None
         self._lock = threading.Lock()
 
@@ -66,13 +62,6 @@ class GCSStorage(Storage):
     @property
     def bucket(self) -> gcs.Bucket:
         return self.client.bucket(self.bucket_name)
-
-    def _k(self, key: str) -> str:
-        _check_key(key)
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def _rel(self, full: str) -> str:
-        return full[len(self.prefix) + 1:] if self.prefix else full
 
     def _blob(self, key: str, big: bool = False) -> gcs.Blob:
         blob = self.bucket.blob(self._k(key))
@@ -171,19 +160,12 @@ class GCSStorage(Storage):
             self._blob(key, big).upload_from_filename(os.fspath(path), content_type="application/octet-stream")
 
     def download_file(self, key: str, path: str | os.PathLike) -> None:
-        dest = Path(path)
         size = self.size(key)
         if size is None:
             raise StorageNotFound(f"storage {self.url}: no object {key}", url=self.url, key=key)
-        fd, tmp = atomic_tempfile(dest)
-        try:
-            with os.fdopen(fd, "wb") as fh, self._errors(f"downloading {key}", key):
-                self._blob(key, size >= MULTIPART_THRESHOLD_BYTES).download_to_file(fh)
-            os.replace(tmp, dest)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        with atomic_download(Path(path)) as (fd, _), os.fdopen(fd, "wb") as fh, \
+                self._errors(f"downloading {key}", key):
+            self._blob(key, size >= MULTIPART_THRESHOLD_BYTES).download_to_file(fh)
 
     # ------------------------------------------------------------ the bucket
     def _bucket_exists(self) -> bool:

@@ -23,13 +23,12 @@ from sftctl.storage.base import (
     MULTIPART_THRESHOLD_BYTES,
     TRANSFER_CONCURRENCY,
     BucketNotFoundError,
-    Storage,
+    BucketStorage,
     StorageAccessDenied,
     StorageError,
     StorageNotFound,
-    _check_key,
     _check_prefix,
-    atomic_tempfile,
+    atomic_download,
 )
 
 _DENIED = {"AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch",
@@ -39,15 +38,12 @@ _CRED_HINT = ("set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, and a
               "s3:GetObject, s3:PutObject, s3:ListBucket, s3:DeleteObject on the bucket")
 
 
-class S3Storage(Storage):
+class S3Storage(BucketStorage):
     """``s3://bucket/prefix`` through one boto3 client (thread-safe; shared by transfers)."""
 
     def __init__(self, bucket: str, prefix: str = ""):
+        super().__init__("s3", bucket, prefix, f"aws s3 mb s3://{bucket}, or check the name and region")
         self.bucket = bucket
-        self.prefix = prefix
-        self.url = f"s3://{bucket}/{prefix}".rstrip("/")
-        self._bucket_word = f"bucket {bucket}"
-        self._bucket_hint = f"aws s3 mb s3://{bucket}, or check the name and region"
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
         config = botocore.config.Config(
             retries={"max_attempts": 6, "mode": "standard"},
@@ -58,13 +54,6 @@ class S3Storage(Storage):
         self.transfer = TransferConfig(multipart_threshold=MULTIPART_THRESHOLD_BYTES,
                                        multipart_chunksize=MULTIPART_CHUNK_BYTES,
                                        max_concurrency=TRANSFER_CONCURRENCY, use_threads=True)
-
-    def _k(self, key: str) -> str:
-        _check_key(key)
-        return f"{self.prefix}/{key}" if self.prefix else key
-
-    def _rel(self, full: str) -> str:
-        return full[len(self.prefix) + 1:] if self.prefix else full
 
     @contextlib.contextmanager
     def _errors(self, what: str, key: str = "") -> Iterator[None]:
@@ -168,17 +157,10 @@ class S3Storage(Storage):
             self.client.upload_file(os.fspath(path), self.bucket, self._k(key), Config=self.transfer)
 
     def download_file(self, key: str, path: str | os.PathLike) -> None:
-        dest = Path(path)
-        fd, tmp = atomic_tempfile(dest)
-        os.close(fd)
-        try:
+        with atomic_download(Path(path)) as (fd, tmp):
+            os.close(fd)
             with self._errors(f"downloading {key}", key):
                 self.client.download_file(self.bucket, self._k(key), tmp, Config=self.transfer)
-            os.replace(tmp, dest)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
 
     # ------------------------------------------------------------ the bucket
     def _bucket_exists(self) -> bool:
