@@ -56,33 +56,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from sftctl.providers.base import ProviderEntry
-from sftctl.providers.aws.ec2 import (
-    _LIVE_STATES,
-    _STATES,
-    CREDENTIAL_CODES,
-    CREDENTIALS_HINT,
-    DLAMI_NAME_PATTERN,
-    DLAMI_PARAMETER,
-    EVENTUAL_CONSISTENCY_S,
-    MAX_USER_DATA_BYTES,
-    QUOTA_CODES,
-    RETRY_CODES,
-    _boto3,
-    _credential_failure,
-    _error_code,
-    _error_message,
-    _is_retryable,
-    credentials_error,
-    quota_for,
-)
+from sftctl.providers.aws import ec2
+from sftctl.providers.aws.ec2 import *  # noqa: F403 - ec2.__all__: every name importable from the package
 from sftctl.providers.aws.provider import AWSProvider, log
 
-__all__ = [
-    "CREDENTIALS_HINT", "CREDENTIAL_CODES", "DLAMI_NAME_PATTERN", "DLAMI_PARAMETER", "EVENTUAL_CONSISTENCY_S",
-    "MAX_USER_DATA_BYTES", "QUOTA_CODES", "RETRY_CODES", "_LIVE_STATES", "_STATES", "_boto3",
-    "_credential_failure", "_error_code", "_error_message", "_is_retryable", "credentials_error", "quota_for",
-    "AWSProvider", "log",
-]
+__all__ = ["AWSProvider", "log"]
+__all__ += ec2.__all__
 
 
 def configured_reason(environ: Mapping[str, str] | None = None) -> str | None:

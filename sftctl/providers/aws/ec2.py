@@ -8,6 +8,14 @@ from sftctl.providers.cloud import (
     InstanceState,
 )
 
+#: What the package re-exports (``from sftctl.providers.aws import quota_for`` works as it did when
+#: the provider was one module): the names, private ones too, that :mod:`sftctl.providers.aws` lists.
+__all__ = [
+    "CREDENTIALS_HINT", "CREDENTIAL_CODES", "DLAMI_NAME_PATTERN", "DLAMI_PARAMETER", "EVENTUAL_CONSISTENCY_S",
+    "MAX_USER_DATA_BYTES", "QUOTA_CODES", "RETRY_CODES", "_LIVE_STATES", "_STATES", "_boto3",
+    "_credential_failure", "_error_code", "_error_message", "_is_retryable", "credentials_error", "quota_for",
+]
+
 #: Public SSM parameter holding the newest x86_64 Deep Learning Base OSS Nvidia Driver GPU AMI
 #: (Ubuntu 22.04) of a Region (AWS Deep Learning AMIs developer guide, "Retrieve the DLAMI ID with SSM").
 DLAMI_PARAMETER = "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id"
