@@ -269,10 +269,13 @@ class BucketStorage(Storage):
         self._bucket_word = f"bucket {bucket}"
         self._bucket_hint = bucket_hint
 
+    def _full(self, name: str) -> str:
+        """The object name of ``name``, a key or a list prefix, unchecked: ``<prefix>/<name>``."""
+        return f"{self.prefix}/{name}" if self.prefix else name
+
     def _k(self, key: str) -> str:
         """The object name of ``key``. Raises ValueError for a malformed key (:func:`_check_key`)."""
-        _check_key(key)
-        return f"{self.prefix}/{key}" if self.prefix else key
+        return self._full(_check_key(key))
 
     def _rel(self, full: str) -> str:
         """The key of object name ``full`` (one under the prefix): the inverse of :meth:`_k`."""

@@ -125,12 +125,10 @@ class GCSStorage(BucketStorage):
         return None if blob is None else int(blob.size)
 
     def list(self, prefix: str = "", *, start_after: str | None = None) -> list[tuple[str, int]]:
-        _check_prefix(prefix)
-        base = f"{self.prefix}/" if self.prefix else ""
-        kw = {"prefix": base + prefix}
+        kw = {"prefix": self._full(_check_prefix(prefix))}
         if start_after is not None:
             # start_offset is inclusive; the emulator ignores it, so filter here too
-            kw["start_offset"] = base + start_after + "\x00"
+            kw["start_offset"] = self._full(start_after) + "\x00"
         with self._errors(f"listing {prefix or '/'}"):
             out = [(self._rel(b.name), int(b.size)) for b in self.client.list_blobs(self.bucket_name, **kw)]
         if start_after is not None:
@@ -139,8 +137,7 @@ class GCSStorage(BucketStorage):
         return out
 
     def children(self, prefix: str) -> builtins.list[str]:
-        _check_prefix(prefix)
-        full = (f"{self.prefix}/" if self.prefix else "") + prefix
+        full = self._full(_check_prefix(prefix))
         with self._errors(f"listing {prefix or '/'}"):
             it = self.client.list_blobs(self.bucket_name, prefix=full, delimiter="/")
             names = {b.name[len(full):] for b in it}

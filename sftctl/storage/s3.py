@@ -116,10 +116,9 @@ class S3Storage(BucketStorage):
             return None
 
     def list(self, prefix: str = "", *, start_after: str | None = None) -> list[tuple[str, int]]:
-        _check_prefix(prefix)
-        kw = {"Bucket": self.bucket, "Prefix": (f"{self.prefix}/" if self.prefix else "") + prefix}
+        kw = {"Bucket": self.bucket, "Prefix": self._full(_check_prefix(prefix))}
         if start_after is not None:
-            kw["StartAfter"] = (f"{self.prefix}/" if self.prefix else "") + start_after
+            kw["StartAfter"] = self._full(start_after)
         out = []
         with self._errors(f"listing {prefix or '/'}"):
             for page in self.client.get_paginator("list_objects_v2").paginate(**kw):
@@ -128,8 +127,7 @@ class S3Storage(BucketStorage):
         return out
 
     def children(self, prefix: str) -> builtins.list[str]:
-        _check_prefix(prefix)
-        full = (f"{self.prefix}/" if self.prefix else "") + prefix
+        full = self._full(_check_prefix(prefix))
         names = set()
         with self._errors(f"listing {prefix or '/'}"):
             for page in self.client.get_paginator("list_objects_v2").paginate(
