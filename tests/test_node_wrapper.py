@@ -137,3 +137,29 @@ def test_torchrun_gets_a_node_rank_only_with_the_static_backend(tmp_path, home, 
     assert static["PET_NODE_RANK"] == "1" and static["PET_RDZV_BACKEND"] == "static"
     assert torchrun_env(num_nodes=2, nproc_per_node=1, rank=1, endpoint="127.0.0.1:29501", job_id="j",
                         is_host=False) == {k: v for k, v in env.items() if k.startswith("PET_")}
+
+
+def test_an_elastic_resume_on_fewer_nodes_exports_the_layout_resized_to_them(tmp_path, home):
+    """The plan's layout (pp2 x dp2 on two 2-rank nodes) is exported as planned while both nodes
+    run; resumed on one node, the controller exports it resized to the 2 ranks left (the data
+    degree absorbs the loss: pp2 dp1, each micro-batch twice as large), as each rank resizes it
+    (sftctl.train.mesh), so `run --dry-run` and the node's env say what runs."""
+    import dataclasses
+
+    from sftctl import api
+    from sftctl.compiler.layouts.offering import layout_doc
+    from sftctl.controller.slots import NodeSlot
+    from sftctl.controller.submit import node_env
+    from sftctl.spec import load_spec
+    from sftctl.types import NodeHandle
+    from sftctl.types.layout import Layout
+
+    spec = load_spec(write_spec(tmp_path / "t.yaml", "name: t\nresources: {nodes: 2}\nrun: torchrun train.py\n"))
+    plan = api.plan(spec)
+    doc = layout_doc(Layout(pp=2, dp=2, micro_batches=2), "search")
+    plan = dataclasses.replace(plan, candidates=[], chosen=dataclasses.replace(plan.chosen, layout=doc))
+    nodes = [NodeSlot(f"n{r}", r, NodeHandle(job_id="j", node_id=f"n{r}", rank=r, ip="127.0.0.1")) for r in (0, 1)]
+    both = node_env(spec, "j", plan, nodes, 0, 1, 29500)
+    assert (both["SFTCTL_PP"], both["SFTCTL_DP"], both["SFTCTL_MICRO_BATCHES"]) == ("2", "2", "2")
+    one = node_env(spec, "j", plan, nodes[:1], 0, 2, 29500)
+    assert (one["SFTCTL_PP"], one["SFTCTL_DP"], one["SFTCTL_MICRO_BATCHES"]) == ("2", "1", "2")

@@ -31,6 +31,7 @@ from sftctl.storage import open_storage
 from sftctl.storage.checkpoints import complete_checkpoint_steps
 from sftctl.storage.stream import NodeChannel
 from sftctl.types import NodeHandle, Plan
+from sftctl.types.layout import Layout
 
 OWNER_FILE = ".sftctl-job"  # in a spec's train.checkpoint_dir: the job whose checkpoints it holds
 
@@ -209,7 +210,14 @@ def node_env(spec: JobSpec, job_id: str, plan: Plan, nodes: list[NodeSlot], rank
         checkpoint_interval=spec.train.checkpoint_interval,
         train_steps=spec.train.steps,
     ))
-    env.update(launch_env(plan.planned("layout")))  # the plan's parallel layout (issue 38): SFTCTL_TP, ...
+    # the plan's parallel layout (issue 38): SFTCTL_TP, ...; after an elastic resume on fewer nodes,
+    # resized to the ranks left, as each rank resizes it (sftctl.train.mesh), so that what
+    # `run --dry-run` and `logs` show is what the ranks run
+    layout = plan.planned("layout")
+    world = None
+    if layout and len(nodes) < spec.resources.nodes:
+        world = Layout.from_dict(layout).world * len(nodes) // spec.resources.nodes
+    env.update(launch_env(layout, world=world))
     # torchrun's c10d store: on this machine's nodes the claim's second port, hosted by node 0's
     # wrapper; elsewhere (a cloud's firewall opens the one port) MASTER_PORT, where the wrapper
     # stands aside and node 0's torchrun hosts it (sftctl/train/rendezvous.py)
