@@ -1,11 +1,15 @@
 """Where sftctl keeps its files.
 
 ``$SFTCTL_HOME`` wins; otherwise the per-user data directory that platformdirs gives
-(``~/.local/share/sftctl`` on Linux). The directory is created owner-only (0700).
+(``~/.local/share/sftctl`` on Linux). The directory is created owner-only (0700). A relative
+``$SFTCTL_HOME`` is taken from the directory of the process that reads it first, once: that
+process writes the absolute path back to its environment, so the controller and the nodes it
+starts (in other directories) use the same home.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from sftctl import settings
@@ -13,10 +17,19 @@ from sftctl.errors import SftctlError
 
 
 def sftctl_home() -> Path:
-    """Return the sftctl home directory, creating it with mode 0700 if it is missing."""
+    """Return the sftctl home directory (absolute), creating it with mode 0700 if it is missing.
+    A relative ``$SFTCTL_HOME`` is made absolute against the current directory and written back
+    to ``os.environ`` (every child process inherits the absolute one).
+
+    Raises:
+        SftctlError: the directory cannot be created (exit 1).
+    """
     env = settings.get("SFTCTL_HOME")
     if env:
         home = Path(env).expanduser()
+        if not home.is_absolute():
+            home = home.absolute()
+            os.environ["SFTCTL_HOME"] = str(home)
     else:
         import platformdirs
 

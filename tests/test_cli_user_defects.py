@@ -43,3 +43,22 @@ def test_logs_of_a_job_whose_directory_was_deleted_says_so(tmp_path, home):
         assert "Traceback" not in proc.stderr
     finally:
         sftctl("down", job)
+
+
+SHORT = """\
+name: short
+run: echo go
+"""
+
+
+def test_a_relative_home_is_taken_from_the_directory_sftctl_started_in(tmp_path, home, monkeypatch):
+    """SFTCTL_HOME=relhome: the controller and the nodes (started in other directories) use the
+    same home as the CLI, <cwd>/relhome, and the job succeeds (it failed: node-1.sh not found)."""
+    write_spec(tmp_path / "short.yaml", SHORT)
+    monkeypatch.setenv("SFTCTL_HOME", "relhome")
+    proc = sftctl("run", "short.yaml", cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    jobs = list((tmp_path / "relhome" / "jobs").iterdir())
+    assert len(jobs) == 1 and jobs[0].name.startswith("short-"), jobs
+    listed = sftctl("status", "--json", cwd=tmp_path, check=True).stdout
+    assert '"SUCCEEDED"' in listed, listed
