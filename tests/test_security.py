@@ -291,3 +291,22 @@ def test_a_checkpoint_on_a_full_disk_names_the_cause(tmp_path, monkeypatch):
         assert sorted(p.name for p in (disk / "ck").iterdir()) == [first.name]
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_log_line_on_a_terminal_keeps_colour_and_the_last_redraw_only():
+    """The one function ``logs`` and an attached ``run`` print node lines through: on a terminal,
+    SGR colours stay (closed by a reset), a tqdm line shows its last redraw, every other control
+    is visible text; off a terminal the line is unchanged."""
+    from sftctl.ui import log_line
+
+    raw = "\x1b]0;PWNED\x07\x1b[2J\x1b[31mred\x1b[0m ok\tx\x08\x7f\x9b2J"
+    assert log_line(raw, terminal=False) == raw
+    assert log_line(raw, terminal=True) == (
+        "\\x1b]0;PWNED\\x07\\x1b[2J\x1b[31mred\x1b[0m ok\tx\\x08\\x7f\\x9b2J\x1b[0m")
+    # tqdm: every redraw on one line, \r before each; the terminal would show the last one
+    assert log_line("\r 10%|#   |\r 50%|##  |\r100%|####|", terminal=True) == "100%|####|"
+    assert log_line("crlf ending\r", terminal=True) == "crlf ending"
+    # no SGR, no reset added; an escape that only looks like SGR (a private mode) is shown
+    assert log_line("plain", terminal=True) == "plain"
+    assert log_line("\x1b[?25l hidden cursor", terminal=True) == "\\x1b[?25l hidden cursor"
+    assert log_line("a\x1b[1mb\nc", terminal=True) == "a\x1b[1mb\x1b[0m\nc"

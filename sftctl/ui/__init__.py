@@ -3,7 +3,7 @@
 Rendering only; no state is changed here. ``--json`` documents are built in :mod:`sftctl.api`; these
 tables render the same documents. A package split along its seams; this module re-exports every
 public name (``from sftctl.ui import plan_table`` is the one way in): views.py (FitTable, the
-job/event/catalog/kernel tables, RunView and TorchNoise, tty_safe, series_plot), plan.py
+job/event/catalog/kernel tables, RunView and TorchNoise, tty_safe, log_line, series_plot), plan.py
 (``sftctl plan``'s table: plan_rows, plan_table).
 """
 
@@ -23,6 +23,7 @@ from sftctl.ui.views import (
     jobs_table,
     kernels_table,
     labels_text,
+    log_line,
     series_plot,
     step_time_cells,
     tty_safe,
@@ -30,6 +31,6 @@ from sftctl.ui.views import (
 
 __all__ = [
     "PLOT_STYLES", "STATUS_STYLE", "Col", "FitTable", "RunView", "SafeConsole", "TorchNoise", "calibration_table",
-    "catalog_table", "events_table", "job_detail", "jobs_table", "kernels_table", "labels_text", "plan_rows",
+    "catalog_table", "events_table", "job_detail", "jobs_table", "kernels_table", "labels_text", "log_line", "plan_rows",
     "plan_table", "series_plot", "step_time_cells", "tty_safe",
 ]

@@ -561,6 +561,46 @@ def tty_safe(text: str) -> str:
     return text.translate(_CONTROL)
 
 
+#: ``ESC [ params m``: a colour or style (SGR) sequence, the one escape a node's log line keeps
+#: on a terminal (training progress bars colour their output); params are digits, ``;`` and ``:``
+_SGR = re.compile(r"\x1b\[[0-9;:]{0,64}m")
+_RESET = "\x1b[0m"
+
+
+def log_line(text: str, terminal: bool) -> str:
+    """One line of a node's log (str, without its newline) as written to the user's stdout:
+    the one place ``sftctl logs`` and an attached ``run`` make node output safe to show.
+
+    ``terminal`` False (a pipe, a file; ``--json`` never comes here): ``text`` unchanged, byte
+    for byte, so ``sftctl logs JOB > f`` and ``| grep`` see what the job wrote.
+
+    ``terminal`` True: what a terminal would obey is shown instead (the kubectl CVE-2021-25743
+    class: a job on a shared server setting an admin's window title or clearing the screen):
+
+    - SGR colour sequences ``ESC [ ... m`` are kept, and a line that has one ends with a reset
+      ``ESC [0m`` so its colour cannot leak into the next line or the shell prompt;
+    - ``\\r``: a trailing one (CRLF endings) is dropped, and of a line with several
+      ``\\r``-separated parts only the last is kept. That is what a terminal leaves visible of a
+      tqdm bar (tqdm redraws with ``\\r`` and writes its ``\\n`` only at the end, so one log line
+      holds every redraw) and keeps the bar readable, while the job never gets the cursor back to
+      column 0 to overwrite the ``(node N)`` prefix or sftctl's own progress line;
+    - every other C0/C1 control character but tab (ESC of any other sequence, BEL, backspace,
+      DEL, U+0080..U+009F) is shown as ``\\xNN`` (as :func:`tty_safe` does).
+
+    A ``text`` with newlines is treated line by line. Pure; raises nothing.
+    """
+    if not terminal:
+        return text
+    out = []
+    for line in text.split("\n"):
+        line = line.rstrip("\r").rpartition("\r")[2]
+        parts = _SGR.split(line)
+        kept = _SGR.findall(line)
+        safe = parts[0].translate(_CONTROL) + "".join(k + p.translate(_CONTROL) for k, p in zip(kept, parts[1:]))
+        out.append(safe + _RESET if kept else safe)
+    return "\n".join(out)
+
+
 #: the colours ``series_plot`` draws ranks in, in turn
 PLOT_STYLES = ("cyan", "magenta", "green", "yellow", "blue", "red")
 
