@@ -98,7 +98,7 @@ def test_readme_team_setup_runs_as_written(postgres, tmp_path):
     pid = int((clone / "server.pid").read_text()) if (clone / "server.pid").exists() else None
     try:
         assert proc.returncode == 0, proc.stderr
-        assert (clone / "pip-calls").read_text() == "pip install -e .[server]\n"
+        assert (clone / "pip-calls").read_text() == "pip install -e .[server] --config-settings editable_mode=compat\n"
         token = (clone / "token").read_text()
         assert re.fullmatch(r"[A-Za-z0-9_-]{20,}", token), token  # stdout is the token alone
         import httpx
