@@ -81,17 +81,21 @@ class Setting:
         file: the dotted key in the config file, or None (environment only).
         minimum: the smallest value an ``int``/``float`` may take.
         choices: the values a ``choice`` may take.
+        check: for a ``str``: called with the text; ``(problem, hint)`` when it is malformed
+            (``SFTCTL_STATE_URL``: a ``scheme://`` that is not Postgres's), else None.
     """
 
     __slots__ = ("name", "type", "default", "meaning", "set_by", "scope", "file", "minimum", "_choices",
-                 "shown_default")
+                 "shown_default", "check")
 
     def __init__(self, name: str, type: str, default: typing.Any, meaning: str, set_by: str, scope: str, *,
                  file: str | None = None, minimum: float | None = None,
-                 choices: tuple | typing.Callable[[], tuple] = (), shown_default: str | None = None):
+                 choices: tuple | typing.Callable[[], tuple] = (), shown_default: str | None = None,
+                 check: typing.Callable[[str], tuple[str, str] | None] | None = None):
         self.name, self.type, self.default, self.meaning = name, type, default, meaning
         self.set_by, self.scope, self.file = set_by, scope, file
         self.minimum, self._choices, self.shown_default = minimum, choices, shown_default
+        self.check = check
 
     @property
     def choices(self) -> tuple:
@@ -159,6 +163,9 @@ class Setting:
             return items
         if self.type == "path":
             return os.path.expanduser(text)
+        bad = self.check(text) if self.check is not None else None
+        if bad is not None:
+            raise SettingError(f"{where}: {bad[0]}", hint=bad[1])
         return text
 
     def format(self, value: typing.Any) -> str:
@@ -171,6 +178,18 @@ class Setting:
 
     def _hint(self) -> str:
         return f"set {self.name} to {self.expected()} ({self.meaning}), or unset it"
+
+
+def _state_url_problem(text: str) -> tuple[str, str] | None:
+    """``SFTCTL_STATE_URL``: a ``scheme://`` other than ``postgresql://``/``postgres://`` is an
+    error (it was a SQLite file named ``mysql:/x``); no ``://`` is a SQLite file path."""
+    scheme, sep, _ = text.partition("://")
+    if not sep or scheme in ("postgresql", "postgres"):
+        return None
+    return (f"{scheme}:// is not a state database sftctl supports: use a postgresql:// (or postgres://) URL "
+            "or a SQLite file path",
+            "set SFTCTL_STATE_URL (config state.url) to postgresql://USER@HOST/DB (pip install 'sftctl[server]') "
+            "or to a SQLite file, or unset it for $SFTCTL_HOME/state.db")
 
 
 def _u(name, type, default, meaning, set_by="user", **kw) -> Setting:
@@ -191,7 +210,8 @@ DECLARED: tuple[Setting, ...] = (
     _u("STATE_BUSY_TIMEOUT_MS", "int", 60_000, "how long a state write waits for another writer's lock (ms)",
        file="state.busy_timeout_ms", minimum=1),
     _u("STATE_URL", "str", None, "the state database: a postgresql:// URL (a lab's shared state; "
-       "pip install -e '.[server]' in a clone) or a SQLite file", file="state.url", shown_default="$SFTCTL_HOME/state.db"),
+       "pip install -e '.[server]' in a clone) or a SQLite file", file="state.url", shown_default="$SFTCTL_HOME/state.db",
+       check=_state_url_problem),
     _u("STATE_RETRY_S", "float", 60.0, "how long a controller retries the state database while it is unreachable "
        "(s; events are held back meanwhile)", set_by="user, tests", file="state.retry_s", minimum=0),
     _u("STATE_LEASE_S", "float", 90.0, "a controller's lease on its job in a shared (Postgres) state lasts this "

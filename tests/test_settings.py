@@ -178,6 +178,21 @@ def test_the_cli_exits_2_with_one_line_for_a_bad_config_or_variable(home, tmp_pa
     assert sftctl("status").returncode == 0
 
 
+@pytest.mark.parametrize("url", ["mysql://x", "sqlite:///tmp/state.db", "POSTGRESQLX://h/db"])
+def test_a_state_url_of_another_scheme_is_an_error_not_a_file(home, tmp_path, monkeypatch, url):
+    """SFTCTL_STATE_URL=mysql://x was a SQLite file ./mysql:/x and status said "no jobs yet"."""
+    monkeypatch.setenv("SFTCTL_STATE_URL", url)
+    proc = sftctl("status", cwd=tmp_path)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    scheme = url.split("://")[0]
+    assert proc.stderr.splitlines()[0] == (f"error: SFTCTL_STATE_URL: {scheme}:// is not a state database sftctl "
+                                           "supports: use a postgresql:// (or postgres://) URL or a SQLite file path")
+    assert "state.url" in proc.stderr.splitlines()[1] and "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == [] and proc.stdout == ""
+    for ok in ("postgresql://u@h/db", "postgres://u@h/db", str(tmp_path / "state.db"), "rel/state.db"):
+        assert settings.get("SFTCTL_STATE_URL", {"SFTCTL_STATE_URL": ok}) == ok
+
+
 def test_markdown_cli_prints_the_table():
     import subprocess
     import sys
