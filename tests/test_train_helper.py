@@ -120,11 +120,47 @@ def test_report_rank_falls_back_to_node_rank_then_zero(monkeypatch, tmp_path):
 
 
 def test_report_nonfinite_loss_is_valid_json_null(monkeypatch, tmp_path):
+    """A diverged loss (NaN, inf) is a fact worth reporting: it is written as null (the state
+    and JSON have no NaN), and the step is kept."""
     monkeypatch.setenv("SFTCTL_METRICS_DIR", str(tmp_path))
-    sft.report(1, float("nan"), step_time_s=float("inf"))
-    (rec,) = read_jsonl(tmp_path / "rank-0.jsonl")  # json.loads would accept NaN; check text too
-    assert rec["loss"] is None and rec["step_time_s"] is None
+    sft.report(1, float("nan"), step_time_s=0.5)
+    sft.report(2, float("-inf"))
+    recs = read_jsonl(tmp_path / "rank-0.jsonl")  # json.loads would accept NaN; check text too
+    assert [(r["step"], r["loss"], r["step_time_s"]) for r in recs] == [(1, None, 0.5), (2, None, None)]
     assert "NaN" not in (tmp_path / "rank-0.jsonl").read_text()
+
+
+@pytest.mark.parametrize("args, kw, message", [
+    ((2**63, 1.0), {}, r"step: 9223372036854775808 is not an integer in \[0, 2\*\*63\)"),
+    ((-5, 1.0), {}, r"step: -5 is not an integer in \[0, 2\*\*63\)"),
+    ((1.5, 1.0), {}, r"step: 1.5 is not an integer"),
+    ((True, 1.0), {}, r"step: True is not an integer"),
+    (("7", 1.0), {}, r"step: '7' is not an integer"),
+    ((1, "low"), {}, r"loss: 'low' is not a number"),
+    ((1, 1.0), {"step_time_s": -1}, r"step_time_s: -1 is not a finite number >= 0"),
+    ((1, 1.0), {"step_time_s": float("nan")}, r"step_time_s: nan is not a finite number >= 0"),
+    ((1, 1.0), {"step_time_s": float("inf")}, r"step_time_s: inf is not a finite number >= 0"),
+    ((1, 1.0), {"tokens_per_s": -3.0}, r"tokens_per_s: -3.0 is not a finite number >= 0"),
+    ((1, 1.0), {"compute_time_s": float("inf")}, r"compute_time_s: inf is not a finite number >= 0"),
+    ((1, 1.0), {"lr": float("nan")}, r"lr: nan is not a finite number"),
+])
+def test_report_refuses_a_bad_step_or_number_naming_the_argument(monkeypatch, tmp_path, args, kw, message):
+    """Nothing is written for a refused report: the controller would have dropped it."""
+    monkeypatch.setenv("SFTCTL_METRICS_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match=message):
+        sft.report(*args, **kw)
+    assert not (tmp_path / "rank-0.jsonl").exists()
+
+
+def test_report_takes_numpy_and_tensor_scalars(monkeypatch, tmp_path):
+    import numpy as np
+
+    monkeypatch.setenv("SFTCTL_METRICS_DIR", str(tmp_path))
+    sft.report(np.int64(3), torch.tensor(0.5), step_time_s=np.float32(0.25), tokens_per_s=0)
+    sft.report(torch.tensor(4), np.float64(0.75))
+    recs = read_jsonl(tmp_path / "rank-0.jsonl")
+    assert [(r["step"], r["loss"], r["step_time_s"], r["tokens_per_s"]) for r in recs] == [
+        (3, 0.5, 0.25, 0.0), (4, 0.75, None, None)]
 
 
 def test_report_is_noop_without_metrics_dir(tmp_path):
