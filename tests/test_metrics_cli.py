@@ -39,3 +39,68 @@ def test_metrics_shows_each_ranks_steps_as_table_plot_and_json(state_backend):
     assert proc.stderr.splitlines()[0] == f"error: job {job} has no rank 7: its ranks reported are 0-1"
     proc = sftctl("metrics", "no-such-job")
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and no_traceback(proc)
+
+
+#: a job that reports through sftctl.train (whose report refuses bad values) and then writes bad
+#: records itself, the way report writes its lines, as a job with its own writer may
+BAD_METRICS_JOB = r'''
+import json, os, pathlib, time
+import sftctl.train as T
+
+T.report(1, 0.5, step_time_s=0.1)
+for args, kw, field in [((2**63, 0.5), {}, "step"), ((-5, 0.5), {}, "step"), (("3", 0.5), {}, "step"),
+                        ((3, 0.5), {"step_time_s": -1.0}, "step_time_s"),
+                        ((3, 0.5), {"step_time_s": float("nan")}, "step_time_s")]:
+    try:
+        T.report(*args, **kw)
+    except ValueError as e:
+        assert field in str(e), (field, str(e))
+    else:
+        raise SystemExit(f"report took {args} {kw}")
+path = pathlib.Path(os.environ["SFTCTL_METRICS_DIR"]) / "rank-0.jsonl"
+bad = [{"rank": 0, "step": 2**63, "loss": 0.5}, {"rank": 0, "step": -5, "loss": 0.5},
+       {"rank": 0, "step": 3, "loss": 0.5, "step_time_s": -1.0}, {"rank": "zero", "step": 4, "loss": 0.5},
+       {"rank": 0, "step": 5, "loss": "low"}, {"rank": 2**70, "heartbeat": True}, [1, 2],
+       {"rank": 0, "step": 6, "loss": float("nan"), "tokens_per_s": 10**400}]
+with open(path, "a") as f:
+    for rec in bad:
+        f.write(json.dumps(rec) + "\n")
+    f.write(json.dumps({"ts": time.time(), "rank": 0, "step": 7, "loss": float("nan")}) + "\n")  # NaN: diverged
+T.report(8, 0.25, step_time_s=0.1)
+'''
+
+
+def test_a_jobs_bad_metrics_are_dropped_with_a_warning_and_the_job_succeeds(home, tmp_path):
+    """A job's own metrics records can never break its controller or the state: each invalid
+    record is dropped with one warning event naming the field; the valid ones are kept and the
+    job that exited 0 SUCCEEDS (it was FAILED: OverflowError writing step 2**63 to SQLite)."""
+    from conftest import write_spec
+    from sftctl.types import JobStatus
+
+    (tmp_path / "w.py").write_text(BAD_METRICS_JOB)
+    spec = write_spec(tmp_path / "w.yaml", f"name: w\nworkdir: {tmp_path}\nrun: python3 w.py\n")
+    proc = sftctl("run", str(spec))
+    [listed] = api.status()
+    job = api.status(listed.id)
+    assert job.status is JobStatus.SUCCEEDED, (job.failure_reason, proc.stdout, proc.stderr)
+    assert proc.returncode == 0 and no_traceback(proc), proc.stderr
+    steps = api.metrics(job.id)
+    assert [(s.rank, s.step, s.loss) for s in steps] == [(0, 1, 0.5), (0, 7, None), (0, 8, 0.25)]
+    warned = [e.message for e in api.events(job.id) if e.kind == "metrics"]
+    assert len(warned) == 8, warned
+    for field, text in zip(["step", "step", "step_time_s", "rank", "loss", "rank", "record", "tokens_per_s"], warned):
+        assert text.startswith(f"node 0: a metrics record was dropped: {field}: "), (field, text)
+    assert "step: 9223372036854775808 is not an integer in [0, 2**63)" in warned[0]
+    assert "step_time_s: -1.0 is not a finite number >= 0" in warned[2]
+
+
+def test_check_metrics_record_cleans_a_valid_record_and_names_a_bad_field():
+    from sftctl.health.records import check_metrics_record
+
+    assert check_metrics_record({"rank": None, "ts": None, "step": 3, "loss": 2**70, "lr": 1, "x": "kept"}) == (
+        {"step": 3, "loss": float(2**70), "lr": 1.0, "x": "kept"}, None)
+    assert check_metrics_record({"rank": 1, "heartbeat": True}) == ({"rank": 1, "heartbeat": True}, None)
+    assert check_metrics_record({"step": 1, "loss": 10**400}) == (None, f"loss: {10**400!r:.57}... is not a number")
+    assert check_metrics_record({"step": 1, "checkpoint": 1}) == (None, "checkpoint: 1 is not true or false")
+    assert check_metrics_record({"step": 1, "ts": "now"}) == (None, "ts: 'now' is not a finite number")
+    assert check_metrics_record({"step": True}) == (None, "step: True is not an integer in [0, 2**63)")

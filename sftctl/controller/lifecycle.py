@@ -54,6 +54,7 @@ from sftctl.providers.base import (
     KeepsAlive, NodeState, Quarantines, SecretStore, UsesChannel, provision_all, terminate_all,
 )
 from sftctl.health.monitor import HealthMonitor
+from sftctl.health.records import MAX_WARNINGS, check_metrics_record
 from sftctl.history import record_run
 from sftctl.queue import DOWN_REASON, ControllerBusy, claim_job, record_owner, wait_turn  # shared with the waiting stage
 from sftctl.protocol import NodeDir
@@ -124,6 +125,7 @@ class Controller(Recovery):
             self.monitor = HealthMonitor(self.spec.health.thresholds(), self.spec.train.steps)
         self.attempt = 0
         self._reported_attempt = 0  # the attempt whose first step report has been seen
+        self._dropped_records = 0  # invalid metrics records of the job's nodes (health.records)
         self.rank_nodes: dict[int, int] = {}  # training (global) rank -> node rank, as the nodes report
         self.restarts = job.restarts
         self.error: SftctlError | None = None  # what ended the job, when sftctl itself did (exit code)
@@ -669,7 +671,7 @@ class Controller(Recovery):
             if data:
                 text = data.decode("utf-8", "replace")
                 self.reporter.log(node.rank, text)
-            records = self.provider.read_metrics(node.handle, node.metric_offsets)
+            records = self._valid_records(node.rank, self.provider.read_metrics(node.handle, node.metric_offsets))
             samples = [s for s in records if "step" in s]  # the rest are heartbeats
             for r in {int(s["rank"]) for s in records if s.get("rank") is not None}:
                 placed[r] = node.rank
@@ -699,6 +701,27 @@ class Controller(Recovery):
                 self._reported_attempt = self.attempt
                 first = min(int(s["step"]) for s in batch)
                 self.store.add_event(self.job_id, "progress", f"attempt {self.attempt}: first step reported is {first}")
+
+    def _valid_records(self, node_rank: int, records: list) -> list[dict]:
+        """The node's metrics records that :func:`check_metrics_record` passes, cleaned; each
+        other one is dropped with a warning event naming its field (the job wrote the file, so
+        it never raises here), the first :data:`MAX_WARNINGS` of them, then one saying so."""
+        out = []
+        for record in records:
+            clean, problem = check_metrics_record(record)
+            if clean is not None:
+                out.append(clean)
+                continue
+            self._dropped_records += 1
+            if self._dropped_records > MAX_WARNINGS + 1:
+                continue
+            message = (f"node {node_rank}: a metrics record was dropped: {problem}"
+                       if self._dropped_records <= MAX_WARNINGS else
+                       f"node {node_rank}: more than {MAX_WARNINGS} invalid metrics records: "
+                       "further ones are dropped without a warning")
+            self.store.add_event(self.job_id, "metrics", message)
+            self.reporter.event(f"warning: {message}")
+        return out
 
     def _exit_reason(self, node: NodeSlot, code: int | None) -> FailureReason:
         """Node ``node`` exited with ``code``: the node's own failure record says why (OOM, an

@@ -1,0 +1,90 @@
+"""The controller's check of a node's metrics records (``metrics/rank-<N>.jsonl``, see
+:mod:`sftctl.protocol`) before anything reads them. No I/O.
+
+The files are written by the job, which may not use :func:`sftctl.train.report` (and which
+``report``'s own checks therefore do not protect): a record the state cannot hold (a step of
+2**63 overflows SQLite's INTEGER) or the monitor cannot read (a rank ``"zero"``) must never reach
+them. :func:`check_metrics_record` says which field of a record is bad, so the controller drops
+that record with a warning and keeps the job and its valid records going.
+"""
+
+from __future__ import annotations
+
+import math
+
+#: one past the largest step or rank the state holds (64-bit signed INTEGER / BIGINT)
+INT_LIMIT = 2**63
+#: warning events a controller writes about dropped records; past it one more says the rest go unsaid
+#: (a job writing bad records in a loop must not flood the state's events)
+MAX_WARNINGS = 10
+#: times and rates: a finite number >= 0, or null
+MEASURES = ("step_time_s", "tokens_per_s", "compute_time_s")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < INT_LIMIT
+
+
+def _as_float(v: object) -> float | None:
+    """A JSON number as a float; None for anything else (a bool, a string, an int float() overflows on)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        return float(v)
+    except OverflowError:
+        return None
+
+
+def check_metrics_record(record: object) -> tuple[dict | None, str | None]:
+    """One parsed JSON line of a metrics file: ``(clean record, None)`` when it is valid,
+    ``(None, "FIELD: why")`` when it is not. Never raises.
+
+    Valid: a JSON object whose ``rank`` is absent/null or an int in ``[0, 2**63)``; whose ``ts``
+    is absent/null or a finite number (Unix seconds). A step report (it has ``step``; else it is
+    a heartbeat) also has: ``step`` an int in ``[0, 2**63)``; ``loss`` null or a number (NaN/inf,
+    which Python's json reads, become null, as ``report`` writes them); ``step_time_s``,
+    ``tokens_per_s``, ``compute_time_s`` null or a finite number >= 0; ``lr`` null or a finite
+    number; ``checkpoint`` null or a bool. The clean record has the numbers as floats (an int
+    loss of 2**70 would overflow the state too) and no null ``rank``/``ts`` (the reader's
+    defaults, the node's rank and the arrival time, apply); other keys pass through.
+    """
+    if not isinstance(record, dict):
+        return None, f"record: {_short(record)} is not a JSON object"
+    out = {k: v for k, v in record.items() if not (k in ("rank", "ts") and v is None)}  # null: the default
+    rank = record.get("rank")
+    if rank is not None and not _is_int(rank):
+        return None, f"rank: {_short(rank)} is not an integer in [0, 2**63)"
+    if record.get("ts") is not None:
+        ts = _as_float(record["ts"])
+        if ts is None or not math.isfinite(ts):
+            return None, f"ts: {_short(record['ts'])} is not a finite number"
+        out["ts"] = ts
+    if "step" not in record:
+        return out, None  # a heartbeat
+    if not _is_int(record["step"]):
+        return None, f"step: {_short(record['step'])} is not an integer in [0, 2**63)"
+    if record.get("loss") is not None:
+        loss = _as_float(record["loss"])
+        if loss is None:
+            return None, f"loss: {_short(record['loss'])} is not a number"
+        out["loss"] = loss if math.isfinite(loss) else None
+    for name in MEASURES:
+        if record.get(name) is not None:
+            v = _as_float(record[name])
+            if v is None or not (math.isfinite(v) and v >= 0):
+                return None, f"{name}: {_short(record[name])} is not a finite number >= 0"
+            out[name] = v
+    if record.get("lr") is not None:
+        lr = _as_float(record["lr"])
+        if lr is None or not math.isfinite(lr):
+            return None, f"lr: {_short(record['lr'])} is not a finite number"
+        out["lr"] = lr
+    if record.get("checkpoint") is not None and not isinstance(record["checkpoint"], bool):
+        return None, f"checkpoint: {_short(record['checkpoint'])} is not true or false"
+    return out, None
+
+
+def _short(value: object) -> str:
+    """``repr(value)``, cut to 60 characters (a job's value goes into an event message)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
