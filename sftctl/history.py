@@ -334,11 +334,10 @@ def read_import(path: str | os.PathLike[str]) -> list[dict]:
     from sftctl.catalog import accelerator_names
 
     p = Path(path)
-    if not p.is_file():
-        raise ImportError_(f"{p}: no such file", hint="sftctl calibrate import FILE.jsonl")
+    lines = _import_lines(p)
     known = {n.lower(): n for n in accelerator_names()}
     out: list[dict] = []
-    for no, raw in enumerate(p.read_text().splitlines(), 1):
+    for no, raw in enumerate(lines, 1):
         text = raw.strip()
         if not text or text.startswith("#"):
             continue
@@ -434,6 +433,24 @@ _EXPORTED_COLUMNS = ("accelerator", "count", "gpus_per_node", "nodes", "provider
                      "measured_steps", "features", "name", "source_label", "ts")
 
 
+def _import_lines(p: Path) -> list[str]:
+    """The lines of import file ``p`` (UTF-8).
+
+    Raises:
+        ImportError_: ``p`` is a directory, missing, unreadable or not UTF-8 (exit 2).
+    """
+    hint = "sftctl calibrate import FILE.jsonl: a UTF-8 file of one JSON object per line"
+    if p.is_dir():
+        raise ImportError_(f"{p}: is a directory, not a JSON-lines file", hint=hint)
+    if not p.is_file():
+        raise ImportError_(f"{p}: no such file", hint=hint)
+    try:
+        return p.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ImportError_(f"{p}: cannot be read: {why}", hint=hint) from None
+
+
 def read_exported(path: str | os.PathLike[str]) -> list[RunRecord] | None:
     """The rows of a ``calibrate export`` file (its first record has ``predicted_step_s``), ready
     to store as they are (``source`` ``imported``, ``job_id`` None: an import is never a job of
@@ -445,8 +462,7 @@ def read_exported(path: str | os.PathLike[str]) -> list[RunRecord] | None:
     p = Path(path)
     if not p.is_file():
         return None
-    lines = [(no, t.strip()) for no, t in enumerate(p.read_text().splitlines(), 1)
-             if t.strip() and not t.strip().startswith("#")]
+    lines = [(no, t.strip()) for no, t in enumerate(_import_lines(p), 1) if t.strip() and not t.strip().startswith("#")]
     try:
         first = json.loads(lines[0][1]) if lines else None
     except ValueError:

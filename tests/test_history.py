@@ -330,6 +330,21 @@ def test_a_bad_import_file_is_refused_whole_with_its_line(home, tmp_path, lines,
     assert Store().runs() == []
 
 
+def test_a_directory_or_unreadable_import_file_is_one_clear_line(home, tmp_path):
+    """A directory, a file that is not UTF-8 and a missing one: each one line naming the path and
+    what is wrong with it, exit 2, nothing imported."""
+    latin = tmp_path / "latin1.jsonl"
+    latin.write_bytes(b'{"name": "caf\xe9"}\n')
+    for path, says in ((tmp_path, "is a directory, not a JSON-lines file"), (latin, "cannot be read: 'utf-8' codec"),
+                       (tmp_path / "gone.jsonl", "no such file")):
+        proc = sftctl("calibrate", "import", str(path))
+        assert proc.returncode == 2, proc.stderr
+        first = proc.stderr.strip().splitlines()[0]
+        assert first.startswith("error: ") and f"{path}: {says}" in first, first
+        assert "Traceback" not in proc.stderr
+    assert Store().runs() == []
+
+
 def test_an_imported_record_reducing_in_bf16_is_priced_so(tmp_path):
     """fms-fsdp reduce-scatters its gradients in bf16: an imported FSDP record saying
     ``reduce_dtype: bfloat16`` is priced with half the reduce-scatter bytes of the float32 default,
