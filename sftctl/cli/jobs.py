@@ -250,10 +250,10 @@ def logs(
 ) -> None:
     """Print a job's node logs (each line prefixed with its node when there are several)."""
     from sftctl import api
-    from sftctl.ui import tty_safe
+    from sftctl.ui import log_line
 
     follow = follow or exit_code
-    on_tty = sys.stdout.isatty()  # a terminal obeys escapes in node output: show them instead
+    on_tty = sys.stdout.isatty()  # a terminal obeys escapes in node output: log_line shows them instead
     if node is not None and rank is not None:
         raise SftctlError("--node and --rank both pick a node: give one", hint=f"sftctl logs {job_id} --rank {rank}")
     for line in api.logs(job_id, follow=follow, node=node, rank=rank):
@@ -261,7 +261,7 @@ def logs(
             sys.stdout.flush()
             _console(stderr=True).print(f"[yellow]warning:[/] {_escape(line.text)}", soft_wrap=True)
             continue
-        sys.stdout.write(f"{tty_safe(str(line)) if on_tty else line}\n")
+        sys.stdout.write(log_line(str(line), on_tty) + "\n")  # a pipe or file: the bytes as written
         if follow:
             sys.stdout.flush()
     sys.stdout.flush()
