@@ -165,10 +165,15 @@ def test_the_ranking_uses_the_calibrated_figure():
 
     from sftctl.ui import plan_table
 
+    import dataclasses
+
+    # both accelerators without measured kernels: only the A100, which no run corrects, is "uncalibrated"
+    uncal = {"calibrated": False, "sources": [], "error": 1.84}
     console = Console(width=250, record=True)
-    console.print(plan_table(learned.candidates, 1000))
+    console.print(plan_table([dataclasses.replace(c, calibration=uncal) for c in learned.candidates], 1000))
     text = console.export_text()
     assert "STEP and STEP RANGE learned from past runs (H100: 20;" in text
+    assert "* uncalibrated: no measured kernels or steps on A100-80GB;" in text
     assert f"{row.calibrated_step_s * 1e3:.1f} ms" in text  # the H100 row's STEP is the corrected figure
     assert "corrected by 20 past run(s)" not in learned.reason  # the pick is the A100, which no run corrected
 

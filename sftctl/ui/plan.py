@@ -192,13 +192,14 @@ def plan_table(candidates: list, steps: int, top: int | None = None, script_step
         notes.append(Text("! an older price than its type's newest: " + ", ".join(
             f"{t} {c.offering.as_of or '?'} (newest {n.as_of}: ${n.usd_per_hour:,.2f}/h in {n.region})"
             for t, (c, n) in flagged.items()) + "; sftctl catalog refresh reads current prices", style="dim"))
+    learned = sorted({(c.offering.accelerator, c.learned["runs"]) for c in candidates
+                      if (getattr(c, "learned", None) or {}).get("runs")})
+    # an accelerator past runs correct is calibrated by them, whatever its kernels' table says
     uncal = sorted({c.offering.accelerator for c in candidates
-                    if getattr(c, "calibration", None) and not c.calibration.get("calibrated")})
+                    if getattr(c, "calibration", None) and not c.calibration.get("calibrated")} - {a for a, _ in learned})
     if uncal:
         notes.append(Text(f"* uncalibrated: no measured kernels or steps on {', '.join(uncal)}; the range is the "
                           "error of the published-steps check", style="dim"))
-    learned = sorted({(c.offering.accelerator, c.learned["runs"]) for c in candidates
-                      if (getattr(c, "learned", None) or {}).get("runs")})
     if learned:
         notes.append(Text("STEP and STEP RANGE learned from past runs (" + ", ".join(f"{a}: {n}" for a, n in learned)
                           + "; sftctl calibrate show); --json has the model's step_time_s beside calibrated_step_s",
