@@ -35,3 +35,23 @@ def test_an_attached_plain_script_through_the_server_shows_no_step_total(server,
     assert proc.returncode == 0, proc.stderr
     [bar] = [ln for ln in proc.stdout.splitlines() if ln.startswith("succeeded")]
     assert "0/?" in bar and "/100" not in bar, proc.stdout
+
+
+def test_a_port_out_of_range_is_a_usage_error_and_a_foreign_host_is_named(home):
+    """--port 99999 was "internal error: OverflowError" (exit 1, "state database may be damaged");
+    --host 999.1.1.1 was "another server runs there?"."""
+    from conftest import no_traceback, sftctl
+
+    for args in (("server", "start", "--port", "99999"), ("server", "start", "--port", "-1"),
+                 ("server", "manifest", "--systemd", "--port", "70000")):
+        proc = sftctl(*args)
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert "'--port'" in proc.stderr and ("65535" in proc.stderr or "equal to 1" in proc.stderr), proc.stderr
+        assert "internal error" not in proc.stderr and no_traceback(proc)
+    for host in ("999.1.1.1", "192.0.2.1"):  # no such address; TEST-NET-1, on no machine
+        proc = sftctl("server", "start", "--host", host, "--port", "8470")
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.splitlines()
+        assert lines[0].startswith(f"error: sftctl server: cannot listen on {host}:8470: ")
+        assert lines[0].endswith(f"{host} is not an address of this machine"), proc.stderr
+        assert "another server" not in proc.stderr and "--host" in lines[1], proc.stderr

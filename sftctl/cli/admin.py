@@ -172,7 +172,7 @@ server_app.add_typer(user_app, name="user")
 @server_app.command("start")
 def server_start(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (0.0.0.0: every interface)."),
-    port: int = typer.Option(8470, "--port", help="Port to listen on."),
+    port: int = typer.Option(8470, "--port", min=1, max=65535, help="Port to listen on."),
 ) -> None:
     """Serve the API here until stopped; run the controllers of the jobs submitted to it and,
     first, give every unfinished job without a live controller one."""
@@ -299,7 +299,7 @@ def server_audit(
 def server_manifest(
     kubernetes: bool = typer.Option(False, "--kubernetes", help="A Deployment, a Service and a Secret (YAML)."),
     systemd: bool = typer.Option(False, "--systemd", help="A systemd unit for a lab's login node."),
-    port: int = typer.Option(8470, "--port", help="The port the server listens on."),
+    port: int = typer.Option(8470, "--port", min=1, max=65535, help="The port the server listens on."),
     image: str = typer.Option("sftctl:latest", "--image", help="Kubernetes: the image with sftctl[server] installed."),
     namespace: Optional[str] = typer.Option(None, "--namespace", help="Kubernetes: the namespace (default: the context's)."),
 ) -> None:

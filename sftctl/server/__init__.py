@@ -250,8 +250,19 @@ def serve(host: str = "127.0.0.1", port: int = 8470) -> None:
         with socket.create_server((host, port)):
             pass
     except OSError as e:
-        raise SftctlError(f"sftctl server: cannot listen on {host}:{port}: {e.strerror or e}",
-                          hint="another server runs there? pick another --port (or --host)") from None
+        import errno
+
+        # a name that resolves to nothing (create_server re-raises getaddrinfo's error as an OSError
+        # with its EAI_* errno), or an address of another machine
+        not_ours = {errno.EADDRNOTAVAIL, socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME),
+                    getattr(socket, "EAI_ADDRFAMILY", socket.EAI_NONAME)}
+        if isinstance(e, socket.gaierror) or e.errno in not_ours:
+            raise SftctlError(f"sftctl server: cannot listen on {host}:{port}: {host} is not an address of this machine",
+                              hint="give --host an address of this machine (127.0.0.1: only here; 0.0.0.0: every "
+                                   "interface)") from None
+        hint = ("another server runs there? pick another --port (or --host)" if e.errno == errno.EADDRINUSE
+                else "pick another --port (ports below 1024 need root) or --host")
+        raise SftctlError(f"sftctl server: cannot listen on {host}:{port}: {e.strerror or e}", hint=hint) from None
     from sftctl import api
     from sftctl.server.app import create_app
 
