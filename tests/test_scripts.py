@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import sftctl, wait_for, write_spec
 
 
@@ -367,3 +369,11 @@ def test_attached_view_leaves_out_c10d_stack_traces_at_the_end(home):
     assert shown(False) == ["step 30/30 loss 2.0", "E1206 17:37:19.000000 11577 torch/distributed/elastic/"
                             "multiprocessing/api.py:869] failed (exitcode: 1)", "done"]
     assert shown(True) == C10D_END.splitlines()
+
+
+@pytest.mark.parametrize("timeout", ["-1", "nan", "-inf"])
+def test_wait_timeout_must_be_a_number_of_seconds(home, timeout):
+    """`wait J --timeout -1` (or nan) timed out at once (exit 124): a usage error instead."""
+    proc = sftctl("wait", "no-such-job", "--timeout", timeout)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "--timeout" in proc.stderr and "Traceback" not in proc.stderr

@@ -271,11 +271,20 @@ def logs(
         raise typer.Exit(0 if api.status(job_id).status == JobStatus.SUCCEEDED else int(ExitCode.JOB_FAILED))
 
 
+def _not_nan(value: Optional[float]) -> Optional[float]:
+    """A float option's callback: ``nan`` passes click's ``min=`` (it compares false) but is no
+    number of seconds: a usage error (exit 2)."""
+    if value is not None and value != value:
+        raise typer.BadParameter("expected a number of seconds, got nan")
+    return value
+
+
 @app.command()
 def wait(
     job_ids: list[str] = typer.Argument(..., metavar="JOB...", help="Job ids (or unique prefixes).",
                                    autocompletion=_complete_jobs),
-    timeout: Optional[float] = typer.Option(None, "--timeout", metavar="SECONDS", help="Give up after this long: "
+    timeout: Optional[float] = typer.Option(None, "--timeout", metavar="SECONDS", min=0, callback=_not_nan,
+                                            help="Give up after this long (>= 0): "
                                             f"exit {int(ExitCode.TIMEOUT)}, the jobs go on."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout: {\"jobs\": [status of each]}."),
 ) -> None:
