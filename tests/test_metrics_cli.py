@@ -61,7 +61,7 @@ path = pathlib.Path(os.environ["SFTCTL_METRICS_DIR"]) / "rank-0.jsonl"
 bad = [{"rank": 0, "step": 2**63, "loss": 0.5}, {"rank": 0, "step": -5, "loss": 0.5},
        {"rank": 0, "step": 3, "loss": 0.5, "step_time_s": -1.0}, {"rank": "zero", "step": 4, "loss": 0.5},
        {"rank": 0, "step": 5, "loss": "low"}, {"rank": 2**70, "heartbeat": True}, [1, 2],
-       {"rank": 0, "step": 6, "loss": float("nan"), "tokens_per_s": 10**400}]
+       {"rank": 0, "step": 6, "loss": float("nan"), "tokens_per_s": 10**400}] + [{"rank": 0, "step": -1}] * 4
 with open(path, "a") as f:
     for rec in bad:
         f.write(json.dumps(rec) + "\n")
@@ -87,9 +87,11 @@ def test_a_jobs_bad_metrics_are_dropped_with_a_warning_and_the_job_succeeds(home
     steps = api.metrics(job.id)
     assert [(s.rank, s.step, s.loss) for s in steps] == [(0, 1, 0.5), (0, 7, None), (0, 8, 0.25)]
     warned = [e.message for e in api.events(job.id) if e.kind == "metrics"]
-    assert len(warned) == 8, warned
-    for field, text in zip(["step", "step", "step_time_s", "rank", "loss", "rank", "record", "tokens_per_s"], warned):
+    assert len(warned) == 11, warned  # 12 bad records: the first 10 named, then one line for the rest
+    fields = ["step", "step", "step_time_s", "rank", "loss", "rank", "record", "tokens_per_s", "step", "step"]
+    for field, text in zip(fields, warned):
         assert text.startswith(f"node 0: a metrics record was dropped: {field}: "), (field, text)
+    assert warned[10] == "node 0: more than 10 invalid metrics records: further ones are dropped without a warning"
     assert "step: 9223372036854775808 is not an integer in [0, 2**63)" in warned[0]
     assert "step_time_s: -1.0 is not a finite number >= 0" in warned[2]
 
