@@ -13,8 +13,9 @@ subclass's name); :func:`Client.request` raises it again here as that class with
 code. A server that cannot be reached is a :class:`~sftctl.errors.ProviderError` (exit 4)
 naming the URL.
 
-httpx is imported on the first request (``import sftctl.api`` and a server-less ``sftctl
-status`` never import it).
+httpx is imported when a :class:`Client` is made, i.e. only when a server is configured
+(``import sftctl.api`` and a server-less ``sftctl status`` never import it); without it (a
+``.[torch]`` install) that is one :class:`~sftctl.errors.SftctlError` naming the extra (exit 2).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def configured() -> "Client | None":
 
     Raises:
         SettingError: a malformed setting or config file (exit 2).
-        SftctlError: a server URL without a token (exit 2).
+        SftctlError: a server URL without a token, or httpx is not installed (exit 2).
     """
     from sftctl import settings
 
@@ -51,9 +52,19 @@ def configured() -> "Client | None":
 
 
 class Client:
-    """One server: ``url`` (``http://host:port``) and this user's ``token``."""
+    """One server: ``url`` (``http://host:port``) and this user's ``token``.
+
+    Raises:
+        SftctlError: httpx is not installed (exit 2), as a Postgres state without psycopg.
+    """
 
     def __init__(self, url: str, token: str):
+        try:
+            import httpx  # noqa: F401 - every request needs it: say so before the first
+        except ImportError:
+            raise SftctlError(f"server.url is {url}, but httpx is not installed",
+                              hint="pip install 'sftctl[server]' (httpx), or unset server.url (SFTCTL_SERVER_URL) "
+                                   "to use this machine's state") from None
         self.url = url.rstrip("/")
         self.token = token
 

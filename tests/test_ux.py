@@ -65,6 +65,21 @@ def test_check_and_down_orphans_without_cloud_sdks_name_the_extra(tmp_path, home
                                                      ("kubernetes", "kubernetes"))]
 
 
+def test_a_server_configured_without_httpx_names_the_extra(tmp_path, home):
+    """A `.[torch]` install pointed at a server: `status` was "internal error: ModuleNotFoundError:
+    No module named 'httpx'"; now one line naming the extra, exit 2, as a Postgres state without psycopg."""
+    no_httpx = NO_SDKS.replace('("kubernetes", "google", "boto3", "botocore")', '("httpx",)')
+    env = {**os.environ, "SFTCTL_SERVER_URL": "http://127.0.0.1:1", "SFTCTL_SERVER_TOKEN": "x"}
+    for args in (("status",), ("logs", "some-job"), ("run", "examples/quickstart.yaml", "--detach")):
+        proc = subprocess.run([sys.executable, "-c", no_httpx, *args], capture_output=True, text=True,
+                              env=env, cwd=REPO, timeout=deadline(120))
+        assert proc.returncode == 2 and no_traceback(proc), (args, proc.stderr)
+        lines = proc.stderr.splitlines()
+        assert lines[0] == "error: server.url is http://127.0.0.1:1, but httpx is not installed", proc.stderr
+        assert lines[1] == ("hint: pip install 'sftctl[server]' (httpx), or unset server.url "
+                            "(SFTCTL_SERVER_URL) to use this machine's state"), proc.stderr
+
+
 def test_every_read_path_sees_a_dead_controller(tmp_path, home):
     """Item 2: `logs --follow` returns, and `events` shows FAILED_CONTROLLER, once the controller died."""
     spec = write_spec(tmp_path / "sleeper.yaml", SLEEPER)
