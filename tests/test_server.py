@@ -99,6 +99,25 @@ def tokens(*names: str, admin: str | None = None) -> dict[str, str]:
 SLEEPER = "name: sleeper\nresources: {nodes: 1}\nrun: |\n  echo started\n  sleep 300\n"
 
 
+def test_a_long_log_comes_through_the_server_whole_and_in_order(server, tmp_path, monkeypatch):
+    """5,000 lines (more than two of log_chunks' chunks of 2,048): through the server the same
+    lines, in order, as this machine's state has them; each chunk at most 2,048 lines."""
+    from sftctl import api
+    from sftctl.api._views import LOG_CHUNK_LINES, log_chunks
+
+    spec = tmp_path / "many.yaml"
+    spec.write_text("name: many\nresources: {nodes: 1}\nrun: |\n  python3 -c \"[print('line', i) for i in range(5000)]\"\n")
+    as_user(monkeypatch, server, tokens("alice")["alice"])
+    job = api.run(str(spec), detach=True).id
+    assert api.wait(job, timeout_s=deadline(300)).status.value == "SUCCEEDED"
+    remote = [line.text for line in api.logs(job)]
+    assert [t for t in remote if t.startswith("line ")] == [f"line {i}" for i in range(5000)]
+    monkeypatch.delenv("SFTCTL_SERVER_URL")
+    chunks = list(log_chunks(job))
+    assert len(chunks) >= 3 and all(0 < len(c) <= LOG_CHUNK_LINES for c in chunks)
+    assert [line.text for c in chunks for line in c] == remote == [line.text for line in api.logs(job)]
+
+
 def test_a_user_cannot_see_read_or_stop_another_users_job(server, tmp_path, monkeypatch):
     from sftctl import api
     from sftctl.errors import NotFoundError, SftctlError

@@ -431,6 +431,44 @@ def logs(job: str, *, follow: bool = False, node: int | None = None, rank: int |
                   **({"rank": rank} if rank is not None else {})}
         return (LogLine(d["text"], d.get("rank"), d.get("prefix", ""), d.get("notice", False))
                 for d in remote.stream_lines(remote.job_path(job, "/logs"), params))
+    return (line for line in _local_logs(job, follow, node, rank, poll_s, idle=False) if line is not None)
+
+
+#: the most lines :func:`log_chunks` puts in one chunk
+LOG_CHUNK_LINES = 2048
+
+
+def log_chunks(job: str, *, follow: bool = False, node: int | None = None, rank: int | None = None,
+               poll_s: float = 0.5) -> Iterator[list[LogLine]]:
+    """:func:`logs` of this machine's state (never through a server: the server's own ``GET
+    /v1/jobs/{job}/logs`` reads it) in chunks: the lines read so far, at most
+    :data:`LOG_CHUNK_LINES` each, a chunk ending whenever following waits for more, so that a
+    follower gets each line as soon as it is read. One HTTP chunk per line (a thread hop each)
+    took the server 89.5 s for a 200,002-line log that this machine reads in 0.5 s; in chunks,
+    1.9 s (2-core machine, benchmark in the commit that made this).
+
+    Raises:
+        As :func:`logs`, now (before the first chunk).
+    """
+    lines = _local_logs(job, follow, node, rank, poll_s, idle=True)
+
+    def chunks() -> Iterator[list[LogLine]]:
+        batch: list[LogLine] = []
+        for line in lines:
+            if line is not None:
+                batch.append(line)
+            if batch and (line is None or len(batch) >= LOG_CHUNK_LINES):
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    return chunks()
+
+
+def _local_logs(job: str, follow: bool, node: int | None, rank: int | None, poll_s: float,
+                idle: bool) -> Iterator[LogLine | None]:
+    """:func:`logs` from this machine's state; ``idle``: None before each wait for more."""
     from sftctl.controller.submit import job_provider
 
     store = _store()
@@ -472,10 +510,10 @@ def logs(job: str, *, follow: bool = False, node: int | None = None, rank: int |
         which = "node 0" if ranks == 1 else f"nodes 0-{ranks - 1}"
         raise SftctlError(f"--node {node}: job {record.id} has {ranks} node(s): {which}",
                           hint=f"sftctl logs {record.id} --node 0 (or no --node: every node)")
-    return _log_lines(store, record, job_provider(record), follow, node, poll_s, NodeState)
+    return _log_lines(store, record, job_provider(record), follow, node, poll_s, NodeState, idle)
 
 
-def _log_lines(store, record, provider, follow, node, poll_s, NodeState) -> Iterator[LogLine]:
+def _log_lines(store, record, provider, follow, node, poll_s, NodeState, idle=False) -> Iterator[LogLine | None]:
     offsets: dict[str, int] = {}
     partial: dict[str, tuple[str, int, str]] = {}  # node id -> (text after the last newline, rank, prefix)
     while True:
@@ -506,6 +544,8 @@ def _log_lines(store, record, provider, follow, node, poll_s, NodeState) -> Iter
             if handles[n.id] is not None and handles[n.id].attempt
         ):
             break  # the job ended and no node process writes any more (a dead controller's may)
+        if idle:
+            yield None
         time.sleep(poll_s)
     for rest, rank, _prefix in partial.values():
         if rest:

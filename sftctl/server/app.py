@@ -282,12 +282,14 @@ def create_app(supervisor):
     @app.get("/v1/jobs/{job}/logs")
     def logs(job: str, follow: bool = False, node: int | None = None, rank: int | None = None,
              user: User = Depends(current_user)):
-        lines = api.logs(owned(user, job), follow=follow, node=node, rank=rank)  # a bad --node raises here
+        from sftctl.api._views import log_chunks
 
-        def stream():
-            for line in lines:
-                yield json.dumps({"text": line.text, "rank": line.rank, "prefix": line.prefix,
-                                  "notice": line.notice}) + "\n"
+        chunks = log_chunks(owned(user, job), follow=follow, node=node, rank=rank)  # a bad --node raises here
+
+        def stream():  # one HTTP chunk per read of the nodes' logs, not per line
+            for chunk in chunks:
+                yield "".join(json.dumps({"text": line.text, "rank": line.rank, "prefix": line.prefix,
+                                          "notice": line.notice}) + "\n" for line in chunk)
 
         return StreamingResponse(stream(), media_type="application/x-ndjson")
 
