@@ -311,7 +311,9 @@ def attach(job: str, reporter=None) -> Attached:
     Args:
         reporter: receives events, node log text and metrics as they happen
             (:class:`sftctl.controller.lifecycle.Reporter`; the CLI's is :class:`sftctl.ui.RunView`).
-            None: events go to the ``sftctl.controller`` logger.
+            None: events go to the ``sftctl.controller`` logger. Its calls come from the
+            controller's loop: one that waits on its output would hold the job's end, its
+            recorded duration and its teardown up (RunView only queues; its thread prints).
 
     Raises:
         ControllerBusy: the job already has a live controller, named by pid and host (exit 2);

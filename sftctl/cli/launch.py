@@ -72,16 +72,21 @@ def run(
     # a plain script's steps are its own business: no total unless the spec says one (or trains a
     # model, which runs train.steps), as sftctl status shows "-"
     total = job.spec.train.steps if job.spec.model is not None or _sets_steps(spec_path, set_) else None
+    view = RunView(console, total, show_logs=not quiet_logs, raw=_DEBUG[0]).start()
     try:
-        with RunView(console, total, show_logs=not quiet_logs, raw=_DEBUG[0]) as view:
-            ended = api.attach(job.job_id, view)
+        ended = api.attach(job.job_id, view)
     except SftctlError as e:
+        view.finish()
         if as_json or not getattr(e, "detached", None):
             raise
         jid, by = e.detached  # Ctrl-C while following a job supervised elsewhere: it goes on
         _console(stderr=True).print(Text(f"{jid} goes on, supervised {by}: sftctl logs -f {jid} watches it again; "
                                          f"sftctl down {jid} stops it"), soft_wrap=True)
         raise typer.Exit(int(e.exit_code)) from None
+    except BaseException:
+        view.finish()
+        raise
+    _finish_printing(view, ended)
     final = ended.job
     if as_json:
         with contextlib.suppress(OSError):  # stdout closed (| head, SIGHUP): the job is over anyway
@@ -95,6 +100,64 @@ def run(
         if final.failure_reason and final.status != JobStatus.SUCCEEDED:
             console.print(Text.assemble(("reason:", "red"), " ", tty_safe(final.failure_reason)), soft_wrap=True)
     raise typer.Exit(ended.exit_code)
+
+
+def _finish_printing(view, ended) -> None:
+    """Print the rest of an ended job's output (``view``: :class:`sftctl.ui.RunView`; ``ended``:
+    :class:`sftctl.api.Attached`). The job is over: its outcome is recorded and its nodes are
+    down, so Ctrl-C, SIGTERM or SIGHUP now only stop the printing: the rest is dropped (``sftctl
+    logs`` has it), one line on stderr says so, and ``sftctl run`` exits with the job's own code
+    at once (0 for SUCCEEDED), never turning the job into CANCELLED."""
+    import signal
+    import threading
+
+    class _Stop(Exception):
+        pass
+
+    stopping = []
+
+    def stop(signum, frame):
+        if not stopping:  # the first one: a second must not cut the exit short
+            stopping.append(signum)
+            raise _Stop
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(signum) is not signal.SIG_IGN:  # a run started in the background keeps it so
+                previous[signum] = signal.signal(signum, stop)
+    try:
+        view.finish()
+    except (KeyboardInterrupt, _Stop):
+        view.abandon()
+        job = ended.job
+        _exit_now(ended.exit_code, f"{job.id} {job.status.value}; its output was cut short: sftctl logs {job.id} "
+                                   "shows all of it\n", view.progress.stop)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _exit_now(code: int, note: str, first) -> None:
+    """End this process with ``code`` now, after ``note`` on stderr, ``first()`` (the bar's end: a
+    terminal gets its cursor back) and the exit handlers, all given two seconds (the printer
+    thread may be stuck writing to a pipe nobody reads, holding stdout's lock: a normal exit,
+    which flushes stdout, would wait on it forever)."""
+    import atexit
+    import sys
+    import threading
+
+    def last_words() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            os.write(sys.stderr.fileno(), note.encode("utf-8", "replace"))
+        with contextlib.suppress(Exception):  # best effort (it may wait on the same full pipe): the exit comes anyway
+            first()
+        atexit._run_exitfuncs()
+
+    helper = threading.Thread(target=last_words, daemon=True)
+    helper.start()
+    helper.join(2.0)
+    os._exit(code)
 
 
 def _sets_steps(spec_path: Path, sets: list[str]) -> bool:

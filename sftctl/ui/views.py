@@ -343,7 +343,12 @@ def events_table(events: list[dict]) -> FitTable:
 class RunView:
     """The attached ``sftctl run`` view: events and node logs scroll, a progress bar stays.
 
-    Implements the controller's Reporter protocol. Use as a context manager.
+    Implements the controller's Reporter protocol without ever waiting on the output:
+    :meth:`event` and :meth:`log` only queue; a printer thread of its own writes what is queued
+    in large chunks (node output as text, each line with a ``(node N) `` prefix, long lines as
+    they are: the terminal wraps them). So a job's outcome, end time and teardown never wait for
+    a slow terminal or a pipe nobody reads; the rest of the output follows in :meth:`finish`.
+    Use as a context manager (leaving it: :meth:`finish`), or :meth:`start` and :meth:`finish`.
 
     Args:
         console: where to draw (stderr when ``--json`` owns stdout).
@@ -352,7 +357,13 @@ class RunView:
         raw: every log line, torch's noise too (``sftctl --debug run``; else :class:`TorchNoise`).
     """
 
+    #: characters of one line held back waiting for its end (its prefix and the noise filter
+    #: need its start); past that the line is printed as it comes, its rest following it
+    LONG_LINE = 65536
+
     def __init__(self, console: Console, steps: int | None, show_logs: bool = True, raw: bool = False):
+        import threading
+
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.console = console
@@ -371,43 +382,71 @@ class RunView:
         self.task = self.progress.add_task("pending", total=steps, loss="-", tps="")
         self.first_loss: float | None = None
         self.last_loss: float | None = None
-        self._partial: dict[int, str] = {}
         self._tps: dict[int, float] = {}
-        self._noise: dict[int, "TorchNoise"] = {}  # per node: known torch noise left out of this view
         self._first: dict[int, float] = {}  # per rank: first and latest loss
         self._last: dict[int, float] = {}
+        # the queue between the reporter's callers and the printer thread
+        self._cv = threading.Condition()
+        self._queue: list[tuple[int, str] | Text] = []  # (rank, node text) or an event's line
+        self._closing = False  # finish(): print what is queued, then end
+        self._dropped = False  # abandon() or a closed output: the rest is not printed
+        self._thread: threading.Thread | None = None
+        # the printer thread's own: each rank's line in progress, and whose line the output ends in
+        self._lines: dict[int, _NodeLines] = {}
+        self._mid: int | None = None
+        self._tags: dict[int, object] = {}  # each rank's prefix
+        self._tty = console.is_terminal
 
     def __enter__(self) -> "RunView":
-        self.progress.start()
-        return self
+        return self.start()
 
     def __exit__(self, *exc) -> None:
-        for rank, rest in self._partial.items():
-            if rest:
-                self._print_log(rank, rest)
+        self.finish()
+
+    def start(self) -> "RunView":
+        """Show the bar and start the printer thread."""
+        import threading
+
+        self.progress.start()
+        self._thread = threading.Thread(target=self._print_loop, name="sftctl-run-printer", daemon=True)
+        self._thread.start()
+        return self
+
+    def finish(self) -> None:
+        """Print everything queued (each node's unfinished last line too), then stop the bar.
+        Blocks until it is written; a signal (Ctrl-C) interrupts the wait, and :meth:`abandon`
+        then drops the rest."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        if self._thread is not None:
+            while self._thread.is_alive():
+                self._thread.join(0.2)  # short waits: a signal's handler runs in between
         self.progress.stop()
+
+    def abandon(self) -> None:
+        """Print nothing more: what is queued is dropped, and so is whatever is reported later.
+        The printer thread may still be inside one write to an output nobody reads."""
+        with self._cv:
+            self._dropped = self._closing = True
+            self._queue.clear()
+            self._cv.notify()
 
     def event(self, message: str) -> None:
         status = message.split(":", 1)[0]
         if status in STATUS_STYLE:
             self.progress.update(self.task, description=status.lower())
-        self.progress.console.print(Text.assemble(("▸ ", "bold blue"), tty_safe(message)))
+        self._put(Text.assemble(("▸ ", "bold blue"), tty_safe(message)))
 
     def log(self, rank: int, text: str) -> None:
-        if not self.show_logs:
-            return
-        lines = (self._partial.get(rank, "") + text).split("\n")
-        self._partial[rank] = lines.pop()
-        noise = self._noise.setdefault(rank, TorchNoise())
-        for line in lines:
-            if noise.keep(line) or self.raw:
-                self._print_log(rank, line)
+        if self.show_logs and text:
+            self._put((rank, text))
 
-    def _print_log(self, rank: int, line: str) -> None:
-        text = line.rstrip("\r")
-        if self.progress.console.is_terminal:
-            text = tty_safe(text)
-        self.progress.console.print(Text.assemble((f"(node {rank}) ", "dim"), text))
+    def _put(self, item: tuple[int, str] | Text) -> None:
+        with self._cv:
+            if not self._dropped:
+                self._queue.append(item)
+                self._cv.notify()
 
     def metrics(self, samples: list[dict]) -> None:
         """Progress from step reports. The loss shown is the mean over the ranks of each one's
@@ -429,6 +468,153 @@ class RunView:
             loss=f"{self.last_loss:.4f}" if self.last_loss is not None else "-",
             tps=f"{sum(self._tps.values()):,.0f} tok/s" if self._tps else "",
         )
+
+    # ------------------------------------------------------------------ the printer thread
+
+    def _print_loop(self) -> None:
+        """Take everything queued at once, render it to one chunk of text per run of node
+        output, write it; at :meth:`finish`, the nodes' unfinished lines and end."""
+        while True:
+            with self._cv:
+                while not self._queue and not self._closing:
+                    self._cv.wait()
+                items, self._queue = self._queue, []
+                closing, dropped = self._closing, self._dropped
+            if dropped:
+                return
+            out: list = []
+            for item in items:
+                if isinstance(item, Text):
+                    self._end_mid(out)
+                    out.append(item)
+                else:
+                    self._node_text(item[0], item[1], out)
+            if closing and not items:
+                for rank, lines in self._lines.items():
+                    if lines.held:
+                        self._line_start(rank, lines.held + "\n", out)
+                        lines.held = ""
+                self._end_mid(out)
+            self._write(out)
+            if closing and not items:
+                return
+
+    def _node_text(self, rank: int, text: str, out: list) -> None:
+        """Append node ``rank``'s ``text`` to ``out`` as whole lines, each after its prefix;
+        the start of an unfinished line is held back until its end or :data:`LONG_LINE`."""
+        lines = self._lines.setdefault(rank, _NodeLines(TorchNoise()))
+        pieces = text.split("\n")
+        for i, piece in enumerate(pieces):
+            ends = i < len(pieces) - 1
+            if lines.open:  # the rest of a long line, shown or not as its start was
+                if lines.shown and (piece or ends):
+                    self._line_rest(rank, (piece.rstrip("\r") + "\n") if ends else piece, out)
+                lines.open = not ends
+            elif ends:
+                line, lines.held = lines.held + piece, ""
+                if self.raw or lines.noise.keep(line):
+                    self._line_start(rank, line.rstrip("\r") + "\n", out)
+            else:
+                lines.held += piece
+                if len(lines.held) > self.LONG_LINE:
+                    lines.shown = self.raw or lines.noise.keep(lines.held)
+                    if lines.shown:
+                        self._line_start(rank, lines.held, out)
+                    lines.open, lines.held = True, ""
+
+    def _line_start(self, rank: int, text: str, out: list) -> None:
+        self._end_mid(out)
+        out += [self._prefix(rank), self._safe(text)]
+        self._mid = None if text.endswith("\n") else rank
+
+    def _line_rest(self, rank: int, text: str, out: list) -> None:
+        if self._mid != rank:  # another node's output came between: the rest on a line of its own
+            self._end_mid(out)
+            out.append(self._prefix(rank))
+        out.append(self._safe(text))
+        self._mid = None if text.endswith("\n") else rank
+
+    def _end_mid(self, out: list) -> None:
+        if self._mid is not None:
+            out.append("\n")
+            self._mid = None
+
+    def _prefix(self, rank: int):
+        """``(node RANK) ``: dim on a terminal (a Segment), else plain text."""
+        tag = self._tags.get(rank)
+        if tag is None:
+            from rich.segment import Segment
+            from rich.style import Style
+
+            text = f"(node {rank}) "
+            tag = self._tags[rank] = Segment(text, Style(dim=True)) if self._tty else text
+        return tag
+
+    def _safe(self, text: str) -> str:
+        """Node output as it goes out (whole lines, or a part of a line longer than
+        :data:`LONG_LINE`): on a terminal through :func:`log_line` (the one sanitiser of node
+        output: colour kept, other escapes shown as ``\\xNN``); to a file or pipe, as the node
+        wrote it."""
+        return log_line(text, True) if self._tty else text
+
+    def _write(self, out: list) -> None:
+        """Write ``out``: each run of node text (str and prefix Segments) as one chunk, event
+        lines through rich. A terminal gets the chunk through the console, which keeps the bar
+        below it (no wrapping: soft_wrap); a file or pipe gets the text as it is, in one write.
+        An output that fails (closed pipe, a terminal gone) drops the rest."""
+        from rich.segment import Segment
+
+        run: list = []
+        for part in [*out, None]:
+            if isinstance(part, (str, Segment)):
+                run.append(part)
+                continue
+            try:
+                if run:
+                    if self._tty:
+                        self.console.print(_Segments([p if isinstance(p, Segment) else Segment(p) for p in run]),
+                                           soft_wrap=True, end="")
+                    elif not self.console.quiet:
+                        _write_text(self.console.file, "".join(p.text if isinstance(p, Segment) else p for p in run))
+                if part is not None:
+                    self.console.print(part)
+            except (OSError, ValueError):  # EPIPE, EIO, a closed file: the job goes on without its view
+                on_broken = getattr(self.console, "on_broken_pipe", None)
+                if on_broken is not None:
+                    on_broken()
+                self.abandon()
+                return
+            run = []
+
+
+@dataclasses.dataclass
+class _NodeLines:
+    """One node's output in the attached view, between two chunks of it."""
+
+    noise: "TorchNoise"
+    held: str = ""  # the start of a line not printed yet
+    open: bool = False  # a long line printed in part: its rest is printed as it comes
+    shown: bool = True  # whether that open line is shown (the noise filter saw its start)
+
+
+class _Segments:
+    """Segments printed as they are: no wrapping, no cropping, no markup."""
+
+    def __init__(self, segments: list) -> None:
+        self.segments = segments
+
+    def __rich_console__(self, console, options):
+        return self.segments
+
+
+def _write_text(file, text: str) -> None:
+    """``text`` to ``file`` in one write and flushed; characters its encoding lacks are escaped."""
+    try:
+        file.write(text)
+    except UnicodeEncodeError:
+        encoding = getattr(file, "encoding", None) or "utf-8"
+        file.write(text.encode(encoding, "backslashreplace").decode(encoding))
+    file.flush()
 
 
 class TorchNoise:
