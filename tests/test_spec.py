@@ -122,6 +122,40 @@ def test_set_a_storage_field_over_a_storage_string(tmp_path):
     assert spec.storage.url == "/tmp/x" and spec.storage.max_workdir_mb == 5
 
 
+
+def test_a_relative_storage_directory_is_the_spec_files_or_the_shells(tmp_path, monkeypatch):
+    """`storage: relstore` was handed to the nodes as written: the controller wrote the workdir
+    under <cwd>/relstore, the node looked in its own directory's relstore, and the job hung. In
+    the file it is relative to the file's directory (as workdir is); from SFTCTL_STORAGE or
+    --set, to the current directory."""
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "shell").mkdir()
+    monkeypatch.chdir(tmp_path / "shell")
+    monkeypatch.delenv("SFTCTL_STORAGE", raising=False)
+    for text in ("storage: relstore\n", "storage: {url: ./relstore}\n"):
+        path = write_spec(tmp_path / "specs" / "st.yaml", "name: st\nrun: echo\n" + text)
+        assert load_spec(path, environ={}).storage.url == str(tmp_path / "specs" / "relstore")
+        assert load_spec(path, ["storage.create_bucket=true"], environ={}).storage.url == \
+            str(tmp_path / "specs" / "relstore")
+        for override in ("storage=other", "storage.url=other"):
+            assert load_spec(path, [override], environ={}).storage.url == str(tmp_path / "shell" / "other")
+    bare = write_spec(tmp_path / "specs" / "bare.yaml", "name: bare\nrun: echo\n")
+    monkeypatch.setenv("SFTCTL_STORAGE", "relstore")
+    assert load_spec(bare, environ={}).storage.url == str(tmp_path / "shell" / "relstore")
+    for url in ("s3://b/p", "/abs/store", "file:///abs/store"):  # as written
+        assert load_spec(bare, [f"storage={url}"], environ={}).storage.url == url
+
+
+def test_a_job_with_a_relative_storage_directory_succeeds(tmp_path, home, monkeypatch):
+    """The user's repro: `sftctl run st.yaml` with `storage: relstore` stayed RUNNING for ever."""
+    monkeypatch.delenv("SFTCTL_STORAGE", raising=False)
+    write_spec(tmp_path / "st.yaml", "name: st\nrun: echo hi from the node\nstorage: relstore\n")
+    proc = sftctl("run", "st.yaml", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert "hi from the node" in proc.stdout
+    assert [p.name for p in (tmp_path / "relstore").iterdir()][0].startswith("st-")
+
+
 @pytest.mark.parametrize(
     "override, expected",
     [

@@ -277,6 +277,19 @@ def _read_spec_file(path: Path) -> str:
                         hint="give the path to a job spec YAML file") from None
 
 
+def _storage_url(value: typing.Any) -> str | None:
+    """The URL of a spec's ``storage:`` as written (a string, or ``{url: ...}``), else None."""
+    if isinstance(value, dict):
+        value = value.get("url")
+    return value if isinstance(value, str) else None
+
+
+def _is_relative_directory(url: str) -> bool:
+    """Whether a storage URL is a local directory given relative (``relstore``, ``./out``):
+    no ``scheme://``, not absolute once ``~`` is expanded."""
+    return "://" not in url and not os.path.isabs(os.path.expanduser(url))
+
+
 def _user_defaults(data: dict) -> dict[str, str]:
     """Fill ``resources.clouds``, ``resources.regions`` and ``storage`` that the spec leaves out
     from the user's settings (``SFTCTL_CLOUDS``/``defaults.clouds`` of the config file, ...:
@@ -317,7 +330,10 @@ def load_spec(
 
     Returns:
         The validated :class:`JobSpec`, with ``workdir`` made absolute (relative paths are taken
-        from the spec file's directory) and ``name`` defaulted to the file's stem.
+        from the spec file's directory) and ``name`` defaulted to the file's stem. A ``storage``
+        directory given relative is made absolute too: against the spec file's directory when
+        the file names it, against the current directory when ``SFTCTL_STORAGE`` (or the config
+        file's ``defaults.storage``) or ``--set`` does.
 
     Raises:
         SpecError: for every problem with the file or an override (exit code 2), naming the
@@ -336,6 +352,7 @@ def load_spec(
             hint="see examples/quickstart.yaml",
         )
     data = _interpolate(data, (), loc, os.environ if environ is None else environ)
+    written = _storage_url(data.get("storage"))  # as the file has it, before --set
     for assignment in overrides:
         _apply_override(data, assignment, loc)
     _check_env_references(data, loc, os.environ if environ is None else environ)
@@ -346,6 +363,12 @@ def load_spec(
     except ValidationError as e:
         raise _all_problems(e.errors(include_url=False), loc) from None
     spec._defaults_from.update(filled)
+    if spec.storage is not None and _is_relative_directory(spec.storage.url):
+        # the file's own storage: relative to its directory (as workdir); SFTCTL_STORAGE's or
+        # --set's: to the current directory. Nodes get it absolute (they run elsewhere).
+        in_file = "storage" not in filled and spec.storage.url == written
+        url = str(((path.parent if in_file else Path.cwd()) / os.path.expanduser(spec.storage.url)).resolve())
+        spec = spec.model_copy(update={"storage": spec.storage.model_copy(update={"url": url})})
     workdir = (path.parent / spec.workdir).resolve()
     if not workdir.is_dir():
         raise SpecError(
