@@ -171,6 +171,25 @@ run: printf 'before\\033]0;pwned-title\\007\\033[2Jafter\\n\\033[31mred\\033[0m\
     assert b"before\x1b]0;pwned-title\x07\x1b[2Jafter\n\x1b[31mred\x1b[0m\nbar\r 10%\r100%\n" in piped
 
 
+def test_an_attached_run_on_a_terminal_shows_node_escapes_as_text(home, tmp_path):
+    """``sftctl run`` (attached) prints node lines through the same :func:`sftctl.ui.log_line` as
+    ``logs``: the window title and clear-screen escapes arrive as visible text, colour stays."""
+    import sys
+
+    spec = write_spec(tmp_path / "job.yaml", f"""\
+name: escapes-run
+workdir: {tmp_path}
+health: {{enabled: false}}
+run: printf 'before\\033]0;pwned-title\\007\\033[2Jafter\\n\\033[31mred\\033[0m\\nbar\\r 10%%\\r100%%\\n'
+""")
+    shown = _on_a_pty([sys.executable, "-m", "sftctl.cli", "run", str(spec)], timeout_s=300)
+    assert b"SUCCEEDED" in shown, shown
+    assert b"\\x1b]0;pwned-title\\x07\\x1b[2Jafter" in shown, shown
+    assert b"\x1b]0;pwned" not in shown and b"\x07" not in shown and b"\x1b[2J" not in shown, shown
+    assert b"\x1b[31mred\x1b[0m" in shown and b"100%" in shown, shown
+    assert b"bar" not in shown and b" 10%" not in shown, shown
+
+
 def test_a_checkpoint_past_the_file_size_limit_names_the_cause_and_does_not_restart(home, tmp_path):
     """Issue 28 item 7: a checkpoint that hits the file-size limit (``ulimit -f``: RLIMIT_FSIZE,
     as a full disk would) ends the job once, with the cause, step and path; no futile restart.
