@@ -23,6 +23,7 @@ requests' secret names are taken from; :mod:`sftctl.storage.secrets`).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -33,15 +34,22 @@ from pathlib import Path
 
 from sftctl import settings
 from sftctl.protocol import NodeDir, write_exit_file
-from sftctl.storage import StorageError, open_storage
+from sftctl.storage import StorageError, StorageNotFound, open_storage
 from sftctl.storage.secrets import SecretStoreError
 from sftctl.storage.secrets import fetch as fetch_secrets
 from sftctl.storage.stream import NodeChannel, Shipper
 from sftctl.storage.workdir import fetch_workdir
+from sftctl.types import FailureCode, FailureReason
 
 
 #: how long the daemon retries reading the job's secrets before attempts start without them (s)
 SECRETS_WAIT_S = 120.0
+#: how long the daemon looks for an attempt's workdir bundle in job storage before it fails the
+#: attempt (exit 97, a ``workdir_missing`` failure record): the controller uploads it before the
+#: first launch, so one still missing after this is not coming (s)
+WORKDIR_WAIT_S = 120.0
+#: the exit code of an attempt whose workdir never came (node.sh's when it cannot enter its workdir)
+WORKDIR_MISSING_EXIT = 97
 
 
 class NodeDaemon:
@@ -78,6 +86,7 @@ class NodeDaemon:
         self.channel = NodeChannel(storage)
         self.shipper = Shipper(storage, node_id, self.node_dir)
         self.attempt = 0
+        self._workdir_missing: tuple[int, float] | None = None  # (attempt, monotonic s of its first miss)
         self.proc: subprocess.Popen | None = None
         self.stopping = threading.Event()
 
@@ -153,16 +162,30 @@ class NodeDaemon:
         self.stopping.set()
 
     def _start(self, attempt: int, script: str, env: dict[str, str]) -> None:
+        """Stop the running attempt, fetch the new one's workdir, start its script and ack it.
+
+        The attempt is taken (``self.attempt``) only once its workdir is here, so a storage error
+        (raised: :meth:`tick` says it and polls again) is retried; a bundle still missing after
+        :data:`WORKDIR_WAIT_S` fails the attempt (:meth:`_fail_without_workdir`)."""
         self._end_attempt()
-        self.attempt = attempt
         env = dict(env)
         key = settings.raw("SFTCTL_WORKDIR_KEY", env)
         if key:
             dest = self.node_dir / "workdir" / Path(key).name.split(".")[0]
             if not dest.is_dir():
                 root = settings.raw("SFTCTL_WORKDIR_STORAGE", env)
-                fetch_workdir(open_storage(root) if root else self.storage, key, dest)
+                source = open_storage(root) if root else self.storage
+                try:
+                    fetch_workdir(source, key, dest)
+                except StorageNotFound:
+                    if self._workdir_missing is None or self._workdir_missing[0] != attempt:
+                        self._workdir_missing = (attempt, time.monotonic())
+                    if time.monotonic() - self._workdir_missing[1] < WORKDIR_WAIT_S:
+                        raise
+                    self._fail_without_workdir(attempt, key, source.url)
+                    return
             env.update(settings.node_env(workdir=str(dest)))
+        self.attempt = attempt
         path = self.files.script(attempt)
         path.write_text(script)
         full_env = {**os.environ, **env, **settings.node_env(node_id=self.node_id, node_dir=self.node_dir,
@@ -175,6 +198,24 @@ class NodeDaemon:
                                          start_new_session=True)
         # the controller gives a node launch_timeout_s to take an attempt; this says it did
         self.channel.ack(self.node_id, attempt, self.proc.pid)
+
+    def _fail_without_workdir(self, attempt: int, key: str, url: str) -> None:
+        """End ``attempt`` without running it: its workdir bundle ``key`` never appeared in the
+        storage at ``url``. Writes the reason to the node log and as the attempt's failure record
+        (``workdir_missing``), then exit code :data:`WORKDIR_MISSING_EXIT` (protocol rules 1, 2a)."""
+        self.attempt = attempt
+        message = (f"node {self.node_id}: the workdir bundle {key} is not in the job's storage {url} "
+                   f"after {WORKDIR_WAIT_S:g} s (SFTCTL_WORKDIR_STORAGE, else SFTCTL_STORAGE_URL: does this node "
+                   "see the storage the controller wrote?)")
+        print(f"[sftctl node] {message}", file=sys.stderr, flush=True)
+        with open(self.files.log, "a") as log:
+            log.write(f"[sftctl node] {message}\n")
+        record = FailureReason(FailureCode.WORKDIR_MISSING, message, {"key": key, "storage": url})
+        failure = self.files.failure(attempt)
+        tmp = failure.with_name(failure.name + ".tmp")
+        tmp.write_text(json.dumps(record.to_dict()) + "\n")
+        tmp.rename(failure)
+        write_exit_file(self.files.exit(attempt), WORKDIR_MISSING_EXIT)
 
     def _end_attempt(self) -> None:
         """Stop the running attempt's whole process group (SIGTERM, then SIGKILL after 10 s)."""

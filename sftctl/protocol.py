@@ -34,9 +34,10 @@ The node directory (``$SFTCTL_NODE_DIR``)
         health.jsonl            sftctl.agent                JSON lines, one GPU sample each
         metrics/rank-<N>.jsonl  sftctl.train.report         JSON lines, one record per step, per global rank N
         error-<a>.json          torchelastic                its error file (sftctl.failure reads it)
-        failure-<a>.json        sftctl.failure (node.sh)    after a non-zero exit, before exit-<a>, when the node
-                                                            knows why: a FailureReason as JSON {"code": "oom" |
-                                                            "exception" | "signal", "message": one line, "data": {...}}
+        failure-<a>.json        sftctl.failure (node.sh),   after a non-zero exit, before exit-<a>, when the node
+                                else the daemon             knows why: a FailureReason as JSON {"code": "oom" |
+                                                            "exception" | "signal" | "workdir_missing" (the daemon's:
+                                                            no workdir bundle, exit 97), "message": one line, "data": {...}}
         setup-done              node.sh                     the spec's setup ran on this node (once)
         exit-<a>                node.sh, else the daemon    LAST; see the ordering rules
 

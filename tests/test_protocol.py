@@ -239,6 +239,32 @@ def test_daemon_writes_the_code_of_a_script_that_wrote_none(store, tmp_path, mon
     assert ch.exit_code("n1", 1) == 5
 
 
+def test_daemon_fails_an_attempt_whose_workdir_bundle_never_appears(store, tmp_path, monkeypatch):
+    """A node that could not find the workdir bundle said "(retrying)" once, then idled: its
+    attempt counter had moved on, so it never fetched again, never acked and never exited, and a
+    local job stayed RUNNING for ever. Now it retries for WORKDIR_WAIT_S, then ends the attempt
+    with exit 97 and a failure record naming the bundle (the controller does not restart it)."""
+    import sftctl.node
+    from sftctl.types import FailureCode
+
+    ch = NodeChannel(store)
+    daemon = _daemon(store, tmp_path, monkeypatch)
+    files = NodeDir(daemon.node_dir)
+    key = "workdir/0123abcd.tar.gz"
+    ch.send_launch("n1", 1, "echo ran", {"SFTCTL_WORKDIR_KEY": key})
+    daemon.tick()
+    assert not files.exit(1).exists() and daemon.proc is None  # waiting for the bundle
+    monkeypatch.setattr(sftctl.node, "WORKDIR_WAIT_S", 0.0)
+    daemon.tick()
+    assert protocol.read_exit_file(files.exit(1)) == 97
+    why = protocol.parse_failure(files.failure(1).read_bytes())
+    assert why.code == FailureCode.WORKDIR_MISSING, why
+    assert why.message.startswith(f"node n1: the workdir bundle {key} is not in the job's storage {store.url} "), why
+    assert b"ran" not in (files.log.read_bytes() if files.log.exists() else b"")
+    daemon.shipper.ship_once(final=True)
+    assert ch.exit_code("n1", 1) == 97 and protocol.parse_failure(store.get_bytes("nodes/n1/failure-1.json")) == why
+
+
 def test_node_script_writes_the_protocols_exit_file(tmp_path):
     """templates/node.sh.j2, rendered and run: the exit code lands in NodeDir.exit(attempt)."""
     from sftctl.templates import render

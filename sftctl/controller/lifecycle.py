@@ -403,8 +403,9 @@ class Controller(Recovery):
                     if end is not None:  # torch's teardown after the last step and checkpoint: not a failure
                         finished.add(self._teardown_exit(node.rank, why, end))
                         continue
-                    # a full disk stays full, a missing secret stays missing: restarting hits them again
-                    action = None if why.code in (FailureCode.DISK_FULL, FailureCode.SECRET_MISSING) else RESTART
+                    # a full disk stays full, a missing secret or workdir stays missing: restarting hits them again
+                    action = None if why.code in (FailureCode.DISK_FULL, FailureCode.SECRET_MISSING,
+                                                  FailureCode.WORKDIR_MISSING) else RESTART
                     if why.code in (FailureCode.PREFLIGHT_SLOW, FailureCode.PREFLIGHT_FAILED):  # issue 41: another machine
                         self.store.add_event(self.job_id, "health", why.message,  # as a verdict's event says it
                                              {**why.data, "kind": why.data.get("verdict"), "action": REPLACE.value})

@@ -18,6 +18,7 @@ class FailureCode(str, enum.Enum):
     SIGNAL = "signal"  # killed by a signal (signal number in data)
     OOM = "oom"  # the kernel's OOM killer, or CUDA out of memory
     SECRET_MISSING = "secret_missing"  # a secret the job needs is empty or not set on the node
+    WORKDIR_MISSING = "workdir_missing"  # the node never found the job's workdir bundle in job storage
     DISK_FULL = "disk_full"  # a checkpoint hit no space left / the file-size limit: restarting hits it again
     EXCEPTION = "exception"  # an uncaught exception (torchelastic's error file)
     NODE_LOST = "node_lost"  # the node or its process vanished without an exit code
