@@ -163,9 +163,9 @@ class Setting:
             return items
         if self.type == "path":
             return os.path.expanduser(text)
-        bad = self.check(text) if self.check is not None else None
-        if bad is not None:
-            raise SettingError(f"{where}: {bad[0]}", hint=bad[1])
+        problem = self.check(text) if self.check is not None else None
+        if problem is not None:
+            raise SettingError(f"{where}: {problem[0]}", hint=problem[1])
         return text
 
     def format(self, value: typing.Any) -> str:
