@@ -333,7 +333,9 @@ class StorageSpec(_Strict):
     """The job's storage: code, checkpoints, logs and GPU telemetry that outlive every node.
 
     ``url``: ``s3://BUCKET/PREFIX``, ``gs://BUCKET/PREFIX``, ``pvc://CLAIM/PREFIX`` (a Kubernetes
-    PersistentVolumeClaim) or a local directory. The job writes under ``<url>/<job id>/``.
+    PersistentVolumeClaim) or a local directory (a relative one is taken from the spec file's
+    directory, or from the current directory when SFTCTL_STORAGE or --set gives it). The job
+    writes under ``<url>/<job id>/``.
     """
 
     url: str = Field(min_length=1)
