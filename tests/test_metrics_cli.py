@@ -96,6 +96,41 @@ def test_a_jobs_bad_metrics_are_dropped_with_a_warning_and_the_job_succeeds(home
     assert "step_time_s: -1.0 is not a finite number >= 0" in warned[2]
 
 
+BAD_HEALTH_JOB = '''
+import json, os, pathlib, time
+# the node's health.jsonl, beside its metrics dir: the job can write it as the agent does
+path = pathlib.Path(os.environ["SFTCTL_METRICS_DIR"]).parent / "health.jsonl"
+now = time.time()
+bad = [{"ts": now, "gpu": "zero"}, {"ts": now, "gpu": 0, "clock_sm_mhz": "fast"}, {"ts": now, "gpu": 2**70},
+       {"ts": now, "gpu": 0, "xids": 5}, "text", {"ts": now, "preflight": "passed"}, {"ts": "now", "gpu": 0}]
+with open(path, "a") as f:
+    for rec in bad:
+        f.write(json.dumps(rec) + "\\n")
+time.sleep(4)  # the controller reads the file while the job runs (and once more after it)
+print("wrote them")
+'''
+
+
+def test_a_jobs_bad_health_records_are_dropped_with_a_warning_and_the_job_succeeds(home, tmp_path):
+    """The node's health.jsonl is in a directory the job can write to: a record the detectors or
+    the state cannot read (a GPU index "zero" was int()-ed by the state's GPU series) is dropped
+    with a warning event naming its field, and the job that exited 0 SUCCEEDS."""
+    from conftest import write_spec
+    from sftctl.types import JobStatus
+
+    (tmp_path / "h.py").write_text(BAD_HEALTH_JOB)
+    spec = write_spec(tmp_path / "h.yaml", f"name: h\nworkdir: {tmp_path}\nrun: python3 h.py\n")
+    proc = sftctl("run", str(spec))
+    [listed] = api.status()
+    job = api.status(listed.id)
+    assert job.status is JobStatus.SUCCEEDED, (job.failure_reason, proc.stdout, proc.stderr)
+    assert proc.returncode == 0 and no_traceback(proc), proc.stderr
+    warned = [e.message for e in api.events(job.id) if e.kind == "health" and "was dropped" in e.message]
+    fields = ["gpu", "clock_sm_mhz", "gpu", "xids", "record", "preflight", "ts"]
+    assert [w.split(": ")[2] for w in warned] == fields, warned
+    assert warned[0] == "node 0: a health record was dropped: gpu: 'zero' is not an integer in [0, 2**63)"
+
+
 def test_check_metrics_record_cleans_a_valid_record_and_names_a_bad_field():
     from sftctl.health.records import check_metrics_record
 

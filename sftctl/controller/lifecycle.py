@@ -54,7 +54,7 @@ from sftctl.providers.base import (
     KeepsAlive, NodeState, Quarantines, SecretStore, UsesChannel, provision_all, terminate_all,
 )
 from sftctl.health.monitor import HealthMonitor
-from sftctl.health.records import MAX_WARNINGS, check_metrics_record
+from sftctl.health.records import MAX_WARNINGS, check_gpu_sample, check_metrics_record
 from sftctl.history import record_run
 from sftctl.queue import DOWN_REASON, ControllerBusy, claim_job, record_owner, wait_turn  # shared with the waiting stage
 from sftctl.protocol import NodeDir
@@ -672,7 +672,8 @@ class Controller(Recovery):
             if data:
                 text = data.decode("utf-8", "replace")
                 self.reporter.log(node.rank, text)
-            records = self._valid_records(node.rank, self.provider.read_metrics(node.handle, node.metric_offsets))
+            records = self._valid_records(node.rank, self.provider.read_metrics(node.handle, node.metric_offsets),
+                                          check_metrics_record, "metrics")
             samples = [s for s in records if "step" in s]  # the rest are heartbeats
             for r in {int(s["rank"]) for s in records if s.get("rank") is not None}:
                 placed[r] = node.rank
@@ -681,7 +682,8 @@ class Controller(Recovery):
                 batch += [{**s, "rank": s.get("rank", node.rank)} for s in samples]
             if self.monitor is not None:
                 self.monitor.add_metrics(node.rank, records, time.time())
-                gpu = self.provider.read_health(node.handle, node.health_offsets)
+                gpu = self._valid_records(node.rank, self.provider.read_health(node.handle, node.health_offsets),
+                                          check_gpu_sample, "health")
                 for problem in {s["agent_error"] for s in gpu if "agent_error" in s}:
                     # the agent keeps going without that part, so the job does too, but says so
                     message = f"node {node.rank}: health agent: {problem}"
@@ -703,24 +705,25 @@ class Controller(Recovery):
                 first = min(int(s["step"]) for s in batch)
                 self.store.add_event(self.job_id, "progress", f"attempt {self.attempt}: first step reported is {first}")
 
-    def _valid_records(self, node_rank: int, records: list) -> list[dict]:
-        """The node's metrics records that :func:`check_metrics_record` passes, cleaned; each
-        other one is dropped with a warning event naming its field (the job wrote the file, so
-        it never raises here), the first :data:`MAX_WARNINGS` of them, then one saying so."""
+    def _valid_records(self, node_rank: int, records: list, check, what: str) -> list[dict]:
+        """The node's records that ``check`` (:func:`check_metrics_record` for ``what``
+        "metrics", :func:`check_gpu_sample` for "health") passes, cleaned; each other one is
+        dropped with a warning event naming its field (the job can write the files, so it never
+        raises here), the first :data:`MAX_WARNINGS` of them, then one saying so."""
         out = []
         for record in records:
-            clean, problem = check_metrics_record(record)
+            clean, problem = check(record)
             if clean is not None:
                 out.append(clean)
                 continue
             self._dropped_records += 1
             if self._dropped_records > MAX_WARNINGS + 1:
                 continue
-            message = (f"node {node_rank}: a metrics record was dropped: {problem}"
+            message = (f"node {node_rank}: a {what} record was dropped: {problem}"
                        if self._dropped_records <= MAX_WARNINGS else
-                       f"node {node_rank}: more than {MAX_WARNINGS} invalid metrics records: "
+                       f"node {node_rank}: more than {MAX_WARNINGS} invalid {what} records: "
                        "further ones are dropped without a warning")
-            self.store.add_event(self.job_id, "metrics", message)
+            self.store.add_event(self.job_id, what, message)
             self.reporter.event(f"warning: {message}")
         return out
 

@@ -84,6 +84,43 @@ def check_metrics_record(record: object) -> tuple[dict | None, str | None]:
     return out, None
 
 
+#: a GPU sample's keys that are counts, bitmasks or indices: an int in [0, 2**63) when present
+GPU_INTS = ("gpu", "clocks_event_reasons", "ecc_uncorrected_volatile", "pcie_replay_counter")
+#: a GPU sample's measured values (sftctl.health.telemetry's table): a finite number when present
+GPU_NUMBERS = ("ts", "clock_sm_mhz", "max_clock_sm_mhz", "temperature_gpu_c", "power_usage_mw",
+               "enforced_power_limit_mw", "utilization_gpu_pct", "memory_used_mib")
+
+
+def check_gpu_sample(record: object) -> tuple[dict | None, str | None]:
+    """One parsed JSON line of a node's ``health.jsonl`` (:mod:`sftctl.health.telemetry`'s GPU
+    samples, the agent's ``agent_error`` and ``preflight`` records): ``(record, None)`` when the
+    detectors, the state and the dashboard can read it, ``(None, "FIELD: why")`` when not. Never
+    raises. The file is in the node's directory, which the job can write to as the agent does.
+
+    Valid: a JSON object whose :data:`GPU_INTS` are absent/null or ints in ``[0, 2**63)``, whose
+    :data:`GPU_NUMBERS` are absent/null or finite numbers, whose ``xids`` is absent/null or a list
+    of such ints, ``agent_error`` absent or a string, ``preflight`` absent or an object.
+    """
+    if not isinstance(record, dict):
+        return None, f"record: {_short(record)} is not a JSON object"
+    for name in GPU_INTS:
+        if record.get(name) is not None and not _is_int(record[name]):
+            return None, f"{name}: {_short(record[name])} is not an integer in [0, 2**63)"
+    for name in GPU_NUMBERS:
+        if record.get(name) is not None:
+            v = _as_float(record[name])
+            if v is None or not math.isfinite(v):
+                return None, f"{name}: {_short(record[name])} is not a finite number"
+    xids = record.get("xids")
+    if xids is not None and not (isinstance(xids, list) and all(_is_int(x) for x in xids)):
+        return None, f"xids: {_short(xids)} is not a list of integers"
+    if "agent_error" in record and not isinstance(record["agent_error"], str):
+        return None, f"agent_error: {_short(record['agent_error'])} is not a string"
+    if "preflight" in record and not isinstance(record["preflight"], dict):
+        return None, f"preflight: {_short(record['preflight'])} is not a JSON object"
+    return record, None
+
+
 def _short(value: object) -> str:
     """``repr(value)``, cut to 60 characters (a job's value goes into an event message)."""
     text = repr(value)
