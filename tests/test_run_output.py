@@ -131,3 +131,29 @@ def test_attached_view_on_a_terminal_sanitises_node_output_with_log_line():
     assert "\x1b]0;" not in out
     assert "(node 1) other node\n" in out
     assert f"(node 0) {long}\n" in out
+
+
+def test_node_output_past_the_backlog_is_skipped_and_said_once(monkeypatch):
+    """The printer's queue holds at most RunView.BACKLOG characters of node output: what comes
+    while it is full is skipped (not kept in memory), until the printer takes the queue; then one
+    line says how much was skipped, and output goes on."""
+    import io
+
+    from rich.console import Console
+
+    from sftctl.ui import RunView
+
+    monkeypatch.setattr(RunView, "BACKLOG", 100)
+    buf = io.StringIO()
+    view = RunView(Console(file=buf, width=200, color_system=None), None)  # not started: nothing printed yet
+    view.log(0, "a" * 59 + "\n")
+    view.log(0, "b" * 39 + "\n")  # 100 queued: the limit
+    view.log(0, "c" * 9 + "\n")  # past it: skipped
+    view.log(0, "d" * 9 + "\n")  # skipped too, though it would fit: output resumes only after the note
+    view.event("RUNNING: an event is always kept")
+    view.start().finish()
+    lines = buf.getvalue().splitlines()[:-1]  # the last: the bar
+    assert lines == ["(node 0) " + "a" * 59, "(node 0) " + "b" * 39, "▸ RUNNING: an event is always kept",
+                     "▸ 20 characters of node output skipped here: the output fell behind the job "
+                     "(sftctl logs has all of it)"], lines
+    assert view._queued == 0 and view._skipped == 0

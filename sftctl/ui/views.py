@@ -360,6 +360,10 @@ class RunView:
     #: characters of one line held back waiting for its end (its prefix and the noise filter
     #: need its start); past that the line is printed as it comes, its rest following it
     LONG_LINE = 65536
+    #: characters of node output queued for the printer at most: past that (a terminal or pipe far
+    #: slower than the job) node output is skipped until the printer catches up, and one line
+    #: then says how much (``sftctl logs`` has all of it), so the backlog never grows without bound
+    BACKLOG = 64 << 20
 
     def __init__(self, console: Console, steps: int | None, show_logs: bool = True, raw: bool = False):
         import threading
@@ -388,6 +392,8 @@ class RunView:
         # the queue between the reporter's callers and the printer thread
         self._cv = threading.Condition()
         self._queue: list[tuple[int, str] | Text] = []  # (rank, node text) or an event's line
+        self._queued = 0  # characters of node text in the queue
+        self._skipped = 0  # characters of node text not queued since the printer last took it (BACKLOG)
         self._closing = False  # finish(): print what is queued, then end
         self._dropped = False  # abandon() or a closed output: the rest is not printed
         self._thread: threading.Thread | None = None
@@ -444,9 +450,15 @@ class RunView:
 
     def _put(self, item: tuple[int, str] | Text) -> None:
         with self._cv:
-            if not self._dropped:
-                self._queue.append(item)
-                self._cv.notify()
+            if self._dropped:
+                return
+            if isinstance(item, tuple):
+                if self._skipped or self._queued + len(item[1]) > self.BACKLOG:
+                    self._skipped += len(item[1])
+                    return
+                self._queued += len(item[1])
+            self._queue.append(item)
+            self._cv.notify()
 
     def metrics(self, samples: list[dict]) -> None:
         """Progress from step reports. The loss shown is the mean over the ranks of each one's
@@ -478,8 +490,12 @@ class RunView:
             with self._cv:
                 while not self._queue and not self._closing:
                     self._cv.wait()
-                items, self._queue = self._queue, []
+                items, self._queue, self._queued = self._queue, [], 0
                 closing, dropped = self._closing, self._dropped
+                if self._skipped:  # said after what was queued before it, the queue empty again
+                    items.append(Text(f"▸ {self._skipped:,} characters of node output skipped here: the "
+                                      "output fell behind the job (sftctl logs has all of it)", style="yellow"))
+                    self._skipped = 0
             if dropped:
                 return
             out: list = []
