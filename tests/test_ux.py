@@ -766,6 +766,23 @@ def test_logs_of_a_node_that_does_not_exist_names_the_nodes(tmp_path, home):
         assert proc.stderr.splitlines()[0] == f"error: --node 5: job {job} has 2 node(s): nodes 0-1"
 
 
+def test_logs_of_a_job_no_node_has_started_says_why_it_is_empty(tmp_path, home):
+    """`logs` of a submitted job whose nodes have not started printed nothing and exited 0: it
+    still exits 0 with nothing on stdout, and one line on stderr says the job's status; and
+    `status --watch --json` without one JOB (it would wait for nothing) is a usage error."""
+    from sftctl import api
+
+    spec = write_spec(tmp_path / "one.yaml", "name: one\nrun: echo hi\n")
+    job = api.submit(str(spec)).job_id  # submitted, never started: PENDING
+    proc = sftctl("logs", job)
+    assert proc.returncode == 0 and proc.stdout == "" and no_traceback(proc)
+    assert proc.stderr.strip() == f"{job} is PENDING: no node has written output yet; sftctl logs -f {job} waits for it"
+    proc = sftctl("status", "--watch", "--json")
+    assert proc.returncode == 2 and no_traceback(proc)
+    assert proc.stderr.splitlines()[0] == ("error: --watch --json waits for one job to end, then prints its document: "
+                                           "give one JOB")
+
+
 def test_secrets_interpolated_into_env_are_stored_as_references(tmp_path, home):
     """Issue 14 item 9: a secret interpolated into env: (or named in secrets:) reaches the node,
     but its value is in no byte of state.db (jobs, events), the logs, node scripts or storage

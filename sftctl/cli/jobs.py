@@ -80,6 +80,9 @@ def status(
     ids = list(job_ids or [])
     job_id = ids[0] if len(ids) == 1 and not label else None  # one job: in detail
     wanted = _labels(label)
+    if watch and as_json and job_id is None:
+        raise SftctlError("--watch --json waits for one job to end, then prints its document: give one JOB",
+                          hint="sftctl status JOB --watch --json; sftctl wait --json JOB... for several")
 
     def collect():
         if job_id is not None:
@@ -256,7 +259,9 @@ def logs(
     on_tty = sys.stdout.isatty()  # a terminal obeys escapes in node output: log_line shows them instead
     if node is not None and rank is not None:
         raise SftctlError("--node and --rank both pick a node: give one", hint=f"sftctl logs {job_id} --rank {rank}")
+    printed = False
     for line in api.logs(job_id, follow=follow, node=node, rank=rank):
+        printed = True
         if line.notice:  # the controller died: following the nodes could last forever
             sys.stdout.flush()
             _console(stderr=True).print(f"[yellow]warning:[/] {_escape(line.text)}", soft_wrap=True)
@@ -265,6 +270,11 @@ def logs(
         if follow:
             sys.stdout.flush()
     sys.stdout.flush()
+    if not printed and not follow:  # say why there is nothing (a waiting job's nodes have not started)
+        job = api.status(job_id)
+        why = f" ({job.record.pending_reason})" if job.status.value == "PENDING" and job.record.pending_reason else ""
+        _console(stderr=True).print(f"[dim]{_escape(job.id)} is {job.status.value}{_escape(why)}: no node has written "
+                                    f"output yet; sftctl logs -f {_escape(job.id)} waits for it[/]", soft_wrap=True)
     if exit_code:
         from sftctl.types import JobStatus
 
