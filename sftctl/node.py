@@ -76,6 +76,7 @@ class NodeDaemon:
         self.secrets_ref = secrets_ref
         self.secrets: dict[str, str] | None = None if secrets_ref else {}
         self._secrets_deadline = time.monotonic() + SECRETS_WAIT_S
+        self._said: str | None = None  # the storage error last said (said once until it changes)
         self.controller_grace_s = controller_grace_s
         self._beat: bytes | None = None
         self._beat_changed = self._beat_checked = time.monotonic()
@@ -115,8 +116,11 @@ class NodeDaemon:
                 self._start(*request)
             elif self.proc is not None and self.channel.stop_requested(self.node_id, self.attempt):
                 self._end_attempt()
+            self._said = None
         except StorageError as e:  # the storage is unreachable for now: try again next tick
-            print(f"[sftctl node] {e.message} (retrying)", file=sys.stderr, flush=True)
+            if e.message != self._said:  # once, not once per poll (a missing bundle: 120 s of them)
+                print(f"[sftctl node] {e.message} (retrying)", file=sys.stderr, flush=True)
+                self._said = e.message
         self._record_exit()
 
     def _controller_is_gone(self) -> bool:

@@ -239,7 +239,7 @@ def test_daemon_writes_the_code_of_a_script_that_wrote_none(store, tmp_path, mon
     assert ch.exit_code("n1", 1) == 5
 
 
-def test_daemon_fails_an_attempt_whose_workdir_bundle_never_appears(store, tmp_path, monkeypatch):
+def test_daemon_fails_an_attempt_whose_workdir_bundle_never_appears(store, tmp_path, monkeypatch, capfd):
     """A node that could not find the workdir bundle said "(retrying)" once, then idled: its
     attempt counter had moved on, so it never fetched again, never acked and never exited, and a
     local job stayed RUNNING for ever. Now it retries for WORKDIR_WAIT_S, then ends the attempt
@@ -252,8 +252,11 @@ def test_daemon_fails_an_attempt_whose_workdir_bundle_never_appears(store, tmp_p
     files = NodeDir(daemon.node_dir)
     key = "workdir/0123abcd.tar.gz"
     ch.send_launch("n1", 1, "echo ran", {"SFTCTL_WORKDIR_KEY": key})
-    daemon.tick()
+    for _ in range(3):
+        daemon.tick()
     assert not files.exit(1).exists() and daemon.proc is None  # waiting for the bundle
+    said = [line for line in capfd.readouterr().err.splitlines() if line.endswith("(retrying)")]
+    assert len(said) == 1 and key in said[0], said  # once while it waits, not once per poll
     monkeypatch.setattr(sftctl.node, "WORKDIR_WAIT_S", 0.0)
     daemon.tick()
     assert protocol.read_exit_file(files.exit(1)) == 97
