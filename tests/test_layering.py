@@ -186,10 +186,12 @@ def test_cli_imports_only_the_api_and_presentation():
 
 
 def test_ui_views_know_nothing_of_the_plan_table():
-    """ui/: plan.py builds on views.py (FitTable, Col), never the other way; __init__.py re-exports both."""
+    """ui/: plan.py and run.py build on views.py (FitTable, Col, tty_safe), never the other way;
+    __init__.py re-exports all three."""
     assert {t for t in GRAPH["sftctl.ui.views"] if t.startswith("sftctl.ui")} == set()
     assert {t for t in GRAPH["sftctl.ui.plan"] if t.startswith("sftctl.ui")} == {"sftctl.ui.views"}
-    assert GRAPH["sftctl.ui"] == {"sftctl.ui.views", "sftctl.ui.plan"}
+    assert {t for t in GRAPH["sftctl.ui.run"] if t.startswith("sftctl.ui")} == {"sftctl.ui.views"}
+    assert GRAPH["sftctl.ui"] == {"sftctl.ui.views", "sftctl.ui.plan", "sftctl.ui.run"}
 
 
 def test_architecture_names_every_module():

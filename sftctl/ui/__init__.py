@@ -3,19 +3,18 @@
 Rendering only; no state is changed here. ``--json`` documents are built in :mod:`sftctl.api`; these
 tables render the same documents. A package split along its seams; this module re-exports every
 public name (``from sftctl.ui import plan_table`` is the one way in): views.py (FitTable, the
-job/event/catalog/kernel tables, RunView and TorchNoise, tty_safe, log_line, series_plot), plan.py
-(``sftctl plan``'s table: plan_rows, plan_table).
+job/event/catalog/kernel tables, tty_safe, series_plot), run.py (the attached run's RunView,
+TorchNoise, log_line), plan.py (``sftctl plan``'s table: plan_rows, plan_table).
 """
 
 from sftctl.ui.plan import plan_rows, plan_table
+from sftctl.ui.run import RunView, TorchNoise, log_line
 from sftctl.ui.views import (
     PLOT_STYLES,
     STATUS_STYLE,
     Col,
     FitTable,
-    RunView,
     SafeConsole,
-    TorchNoise,
     calibration_table,
     catalog_table,
     events_table,
@@ -23,7 +22,6 @@ from sftctl.ui.views import (
     jobs_table,
     kernels_table,
     labels_text,
-    log_line,
     series_plot,
     step_time_cells,
     tty_safe,
