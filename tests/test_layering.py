@@ -211,7 +211,7 @@ def test_architecture_names_every_module():
 
 
 def test_the_controller_is_split_by_job():
-    """controller/ (ARCHITECTURE.md's "Layers"): lifecycle > recovery, common; lifecycle >
+    """controller/ (ARCHITECTURE.md's "Layers"): lifecycle > recovery, drain, common; lifecycle >
     teardown, preview > launch > submit > placements > slots, and ports. Teardown and preview never import the lifecycle (they work without a Controller);
     slots and ports import no controller module; each placement module imports only the
     placements' base (the package finds them by listing itself); only the package's front door
@@ -223,7 +223,9 @@ def test_the_controller_is_split_by_job():
         "sftctl.controller.common": [],
         "sftctl.controller.launch": ["sftctl.controller.placements", "sftctl.controller.slots",
                                      "sftctl.controller.submit"],
-        "sftctl.controller.lifecycle": ["sftctl.controller.common", "sftctl.controller.launch",
+        "sftctl.controller.drain": ["sftctl.controller.preflight", "sftctl.controller.slots"],
+        "sftctl.controller.lifecycle": ["sftctl.controller.common", "sftctl.controller.drain",
+                                        "sftctl.controller.launch",
                                         "sftctl.controller.ports", "sftctl.controller.preflight",
                                         "sftctl.controller.recovery",
                                         "sftctl.controller.replan", "sftctl.controller.slots",

@@ -40,9 +40,10 @@ from sftctl.controller.common import (
     _stdout_unlinked,
 )
 from sftctl.controller.launch import LaunchRequest, Where, admit
-from sftctl.controller.preflight import keep_out, remember_machine, report as report_preflight
+from sftctl.controller.preflight import keep_out, remember_machine
 from sftctl.controller.slots import NodeSlot
 from sftctl.controller.ports import claim_rendezvous_port, release_rendezvous_port
+from sftctl.controller.drain import Draining
 from sftctl.controller.recovery import Recovery
 from sftctl.controller.replan import Replanner, Verdict
 from sftctl.controller.spot import SpotGuard
@@ -54,7 +55,6 @@ from sftctl.providers.base import (
     KeepsAlive, NodeState, Quarantines, SecretStore, UsesChannel, provision_all, terminate_all,
 )
 from sftctl.health.monitor import HealthMonitor
-from sftctl.health.records import MAX_WARNINGS, check_gpu_sample, check_metrics_record
 from sftctl.history import record_run
 from sftctl.queue import DOWN_REASON, ControllerBusy, claim_job, record_owner, wait_turn  # shared with the waiting stage
 from sftctl.protocol import NodeDir
@@ -84,7 +84,7 @@ BACKOFF_MAX_S = 30.0
 MIGRATE = "migrate"
 
 
-class Controller(Recovery):
+class Controller(Recovery, Draining):
     """Runs one job from PENDING to a terminal status.
 
     Args:
@@ -662,70 +662,6 @@ class Controller(Recovery):
                                                               "grad_accum": planned // left})
         self.reporter.event(message)
         return True
-
-    def _drain(self) -> None:
-        """Pass new log text and metrics of every node to the reporter; record metrics."""
-        batch: list[dict] = []
-        placed: dict[int, int] = {}
-        for node in self.nodes:
-            data, node.log_offset = self.provider.read_log(node.handle, node.log_offset)
-            if data:
-                text = data.decode("utf-8", "replace")
-                self.reporter.log(node.rank, text)
-            records = self._valid_records(node.rank, self.provider.read_metrics(node.handle, node.metric_offsets),
-                                          check_metrics_record, "metrics")
-            samples = [s for s in records if "step" in s]  # the rest are heartbeats
-            for r in {int(s["rank"]) for s in records if s.get("rank") is not None}:
-                placed[r] = node.rank
-            if samples:
-                self.reporter.metrics(samples)
-                batch += [{**s, "rank": s.get("rank", node.rank)} for s in samples]
-            if self.monitor is not None:
-                self.monitor.add_metrics(node.rank, records, time.time())
-                gpu = self._valid_records(node.rank, self.provider.read_health(node.handle, node.health_offsets),
-                                          check_gpu_sample, "health")
-                for problem in {s["agent_error"] for s in gpu if "agent_error" in s}:
-                    # the agent keeps going without that part, so the job does too, but says so
-                    message = f"node {node.rank}: health agent: {problem}"
-                    self.store.add_event(self.job_id, "health", message)
-                    self.reporter.event(f"warning: {message}")
-                report_preflight(self.store, self.job_id, self.reporter, node.rank, gpu,
-                                 self.spec.health.thresholds().preflight_min_fraction)  # issue 41: its figures and time
-                self.monitor.add_gpu(node.rank, gpu)
-                self.store.record_gpu_samples(self.job_id, node.rank, gpu)  # the dashboard's GPU curves
-        if any(self.rank_nodes.get(r) != n for r, n in placed.items()):  # c10d decides: say which node got which rank
-            self.rank_nodes.update(placed)
-            pairs = sorted(self.rank_nodes.items())
-            self.store.add_event(self.job_id, "ranks", "rank -> node: " + ", ".join(f"{r} -> {n}" for r, n in pairs),
-                                 {"ranks": {str(r): n for r, n in pairs}})
-        if batch:
-            self.store.record_metrics(self.job_id, batch)
-            if self._reported_attempt != self.attempt:
-                self._reported_attempt = self.attempt
-                first = min(int(s["step"]) for s in batch)
-                self.store.add_event(self.job_id, "progress", f"attempt {self.attempt}: first step reported is {first}")
-
-    def _valid_records(self, node_rank: int, records: list, check, what: str) -> list[dict]:
-        """The node's records that ``check`` (:func:`check_metrics_record` for ``what``
-        "metrics", :func:`check_gpu_sample` for "health") passes, cleaned; each other one is
-        dropped with a warning event naming its field (the job can write the files, so it never
-        raises here), the first :data:`MAX_WARNINGS` of them, then one saying so."""
-        out = []
-        for record in records:
-            clean, problem = check(record)
-            if clean is not None:
-                out.append(clean)
-                continue
-            self._dropped_records += 1
-            if self._dropped_records > MAX_WARNINGS + 1:
-                continue
-            message = (f"node {node_rank}: a {what} record was dropped: {problem}"
-                       if self._dropped_records <= MAX_WARNINGS else
-                       f"node {node_rank}: more than {MAX_WARNINGS} invalid {what} records: "
-                       "further ones are dropped without a warning")
-            self.store.add_event(self.job_id, what, message)
-            self.reporter.event(f"warning: {message}")
-        return out
 
     def _exit_reason(self, node: NodeSlot, code: int | None) -> FailureReason:
         """Node ``node`` exited with ``code``: the node's own failure record says why (OOM, an
