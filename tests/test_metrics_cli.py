@@ -70,20 +70,27 @@ T.report(8, 0.25, step_time_s=0.1)
 '''
 
 
-def test_a_jobs_bad_metrics_are_dropped_with_a_warning_and_the_job_succeeds(home, tmp_path):
-    """A job's own metrics records can never break its controller or the state: each invalid
-    record is dropped with one warning event naming the field; the valid ones are kept and the
-    job that exited 0 SUCCEEDS (it was FAILED: OverflowError writing step 2**63 to SQLite)."""
+def _run_succeeds(tmp_path, name: str, script: str):
+    """``sftctl run`` (attached) of a one-node job running ``script`` as ``NAME.py``: asserts the
+    job SUCCEEDED and the CLI exited 0 without a traceback; the job's view."""
     from conftest import write_spec
     from sftctl.types import JobStatus
 
-    (tmp_path / "w.py").write_text(BAD_METRICS_JOB)
-    spec = write_spec(tmp_path / "w.yaml", f"name: w\nworkdir: {tmp_path}\nrun: python3 w.py\n")
+    (tmp_path / f"{name}.py").write_text(script)
+    spec = write_spec(tmp_path / f"{name}.yaml", f"name: {name}\nworkdir: {tmp_path}\nrun: python3 {name}.py\n")
     proc = sftctl("run", str(spec))
     [listed] = api.status()
     job = api.status(listed.id)
     assert job.status is JobStatus.SUCCEEDED, (job.failure_reason, proc.stdout, proc.stderr)
     assert proc.returncode == 0 and no_traceback(proc), proc.stderr
+    return job
+
+
+def test_a_jobs_bad_metrics_are_dropped_with_a_warning_and_the_job_succeeds(home, tmp_path):
+    """A job's own metrics records can never break its controller or the state: each invalid
+    record is dropped with one warning event naming the field; the valid ones are kept and the
+    job that exited 0 SUCCEEDS (it was FAILED: OverflowError writing step 2**63 to SQLite)."""
+    job = _run_succeeds(tmp_path, "w", BAD_METRICS_JOB)
     steps = api.metrics(job.id)
     assert [(s.rank, s.step, s.loss) for s in steps] == [(0, 1, 0.5), (0, 7, None), (0, 8, 0.25)]
     warned = [e.message for e in api.events(job.id) if e.kind == "metrics"]
@@ -115,16 +122,7 @@ def test_a_jobs_bad_health_records_are_dropped_with_a_warning_and_the_job_succee
     """The node's health.jsonl is in a directory the job can write to: a record the detectors or
     the state cannot read (a GPU index "zero" was int()-ed by the state's GPU series) is dropped
     with a warning event naming its field, and the job that exited 0 SUCCEEDS."""
-    from conftest import write_spec
-    from sftctl.types import JobStatus
-
-    (tmp_path / "h.py").write_text(BAD_HEALTH_JOB)
-    spec = write_spec(tmp_path / "h.yaml", f"name: h\nworkdir: {tmp_path}\nrun: python3 h.py\n")
-    proc = sftctl("run", str(spec))
-    [listed] = api.status()
-    job = api.status(listed.id)
-    assert job.status is JobStatus.SUCCEEDED, (job.failure_reason, proc.stdout, proc.stderr)
-    assert proc.returncode == 0 and no_traceback(proc), proc.stderr
+    job = _run_succeeds(tmp_path, "h", BAD_HEALTH_JOB)
     warned = [e.message for e in api.events(job.id) if e.kind == "health" and "was dropped" in e.message]
     fields = ["gpu", "clock_sm_mhz", "gpu", "xids", "record", "preflight", "ts"]
     assert [w.split(": ")[2] for w in warned] == fields, warned
