@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from sftctl import settings
@@ -119,6 +120,27 @@ def kill_all(pids: list[int], grace_s: float = 10.0) -> list[int]:
     return live
 
 
+def stop_tagged(key: str, values: set[str], also: Iterable[int] = (), grace_s: float = 10.0,
+                rounds: int = 20) -> int:
+    """Stop every process whose environment has ``key`` set to one of ``values`` (and the pids
+    ``also``) with :func:`kill_all`, then scan ``/proc`` again and stop what is still tagged,
+    until a scan finds none (at most ``rounds`` sweeps; later sweeps wait at most 1 s).
+
+    One sweep is not enough: a process forked after the scan and before its parent's SIGSTOP
+    is in no list and never signalled (a node's script starting the job's command as its guard
+    stopped it: the command ran on with nobody watching). Returns how many pids were signalled.
+    """
+    pids = {pid for pid, v in tag_values(key).items() if v in values} | set(also)
+    done = 0
+    for sweep in range(rounds):
+        if not pids:
+            break
+        kill_all(sorted(pids), grace_s=grace_s if sweep == 0 else min(grace_s, 1.0))
+        done += len(pids)
+        pids = {pid for pid, v in tag_values(key).items() if v in values}
+    return done
+
+
 def _signal(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
@@ -165,7 +187,7 @@ def guard(controller_pid: int, controller_ticks: int | None, node_id: str, argv:
                 if time.monotonic() - gone_since < grace_s:
                     continue
                 sys.stderr.write(f"sftctl guard: controller {controller_pid} is gone; stopping node {node_id}\n")
-                kill_all(sorted(set(tagged("SFTCTL_NODE_ID", node_id)) | {child.pid}), grace_s=5.0)
+                stop_tagged("SFTCTL_NODE_ID", {node_id}, also=[child.pid], grace_s=5.0)
                 code = child.wait()
             except Exception as exc:  # noqa: BLE001 - a guard that dies leaves its node unwatched: retry
                 sys.stderr.write(f"sftctl guard: {type(exc).__name__}: {exc}; trying again\n")

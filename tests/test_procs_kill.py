@@ -50,3 +50,26 @@ def test_a_script_whose_child_is_killed_first_never_goes_on(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_tagged_process_forked_during_the_stop_is_stopped_too(tmp_path):
+    """CI (stop 45): a node's guard stopped the node while its script was starting the job's
+    command, and the command (forked after the guard's scan of /proc, so never signalled) ran on
+    for ever with nobody watching. A process that forks all the time stands in for that race:
+    whatever it forked between the scan and its SIGSTOP must be stopped too."""
+    import os
+
+    tag = f"forker-{os.getpid()}-{tmp_path.name}"
+    forker = subprocess.Popen(["bash", "-c", "while :; do sleep 300 & sleep 0.002; done"],
+                              env={**os.environ, "SFTCTL_NODE_ID": tag}, start_new_session=True)
+    try:
+        wait_for(lambda: len(procs.tagged("SFTCTL_NODE_ID", tag)) > 20, timeout_s=30, what="the forks")
+        procs.stop_tagged("SFTCTL_NODE_ID", {tag}, grace_s=2.0)
+        assert forker.wait(timeout=30) == -signal.SIGTERM
+        assert procs.tagged("SFTCTL_NODE_ID", tag) == []
+    finally:
+        for pid in procs.tagged("SFTCTL_NODE_ID", tag):
+            procs._signal(pid, signal.SIGKILL)
+        if forker.poll() is None:
+            forker.kill()
+            forker.wait()

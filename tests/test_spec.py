@@ -153,7 +153,12 @@ def test_a_job_with_a_relative_storage_directory_succeeds(tmp_path, home, monkey
     proc = sftctl("run", "st.yaml", cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     assert "hi from the node" in proc.stdout
-    assert [p.name for p in (tmp_path / "relstore").iterdir()][0].startswith("st-")
+    # the storage's marker, the job's checkpoint folder (st-<id>) and the workdir bundles the
+    # nodes fetched, in the directory the spec named (iterdir's order is the filesystem's: CI
+    # listed workdir first)
+    names = sorted(p.name for p in (tmp_path / "relstore").iterdir())
+    assert len(names) == 3 and names[1].startswith("st-"), names
+    assert [names[0], names[2]] == [".sftctl-storage.json", "workdir"], names
 
 
 @pytest.mark.parametrize(

@@ -312,13 +312,12 @@ class LocalProvider:
         self.terminate_all([handle])
 
     def terminate_all(self, handles: list[LocalHandle]) -> None:
-        """Stop every process of ``handles``' nodes in one sweep: one scan of ``/proc`` for the
+        """Stop every process of ``handles``' nodes together: one scan of ``/proc`` for the
         nodes' tags and one :func:`sftctl.procs.kill_all` (SIGTERM to all, one grace period,
-        SIGKILL to the survivors), so 200 nodes take about as long as one."""
-        ids = {h.node_id for h in handles}
-        pids = {pid for pid, node in procs.tag_values("SFTCTL_NODE_ID").items() if node in ids}
-        pids |= {h.pid for h in handles if h.pid and procs.alive(h.pid, h.start_ticks)}
-        procs.kill_all(sorted(pids))
+        SIGKILL to the survivors), so 200 nodes take about as long as one; then a new scan for
+        what forked meanwhile (:func:`sftctl.procs.stop_tagged`)."""
+        procs.stop_tagged("SFTCTL_NODE_ID", {h.node_id for h in handles},
+                          also=[h.pid for h in handles if h.pid and procs.alive(h.pid, h.start_ticks)])
 
     def list_instances(self, job_id: str | None = None) -> list[dict]:
         """One entry per live node process group tagged ``SFTCTL_JOB_ID`` (of ``job_id``) that
@@ -336,9 +335,17 @@ class LocalProvider:
         return list(out.values())
 
     def terminate_tagged(self, job_id: str) -> int:
-        pids = [pid for r in self.list_instances(job_id) for pid in r["pids"]]
-        procs.kill_all(pids)
-        return len(pids)
+        """Stop every process of ``job_id`` this home started, sweeping until a scan finds none
+        (a process forked during a sweep is in no list: see :func:`sftctl.procs.stop_tagged`).
+        Returns how many pids were signalled."""
+        done = 0
+        for sweep in range(20):
+            pids = [pid for r in self.list_instances(job_id) for pid in r["pids"]]
+            if not pids:
+                break
+            procs.kill_all(pids, grace_s=10.0 if sweep == 0 else 1.0)
+            done += len(pids)
+        return done
 
 
 def _guarded(job_id: str, node_id: str, argv: list[str]) -> list[str]:
