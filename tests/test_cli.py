@@ -23,7 +23,7 @@ def test_attached_run_succeeds_and_reports(tmp_path, home):
     proc = sftctl("run", str(spec), "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)  # --json: one document on stdout, nothing else
-    assert doc["status"] == "SUCCEEDED"
+    assert doc["status"] == "SUCCEEDED" and doc["exit_code"] == 0
     assert [n["status"] for n in doc["nodes"]] == ["TERMINATED", "TERMINATED"]
     assert "(node 1) hello from node 1 of 2 ips=127.0.0.1,127.0.0.1" in proc.stderr
     assert doc["plan"].startswith("chose local localhost (cpu:1) x 2 node(s)")
@@ -43,7 +43,9 @@ def test_failed_job_restarts_then_fails_with_exit_1(tmp_path, home):
     proc = sftctl("run", str(spec), "--json")
     assert proc.returncode == 1
     doc = json.loads(proc.stdout)
-    assert doc["status"] == "FAILED" and doc["restarts"] == 1
+    assert doc["status"] == "FAILED" and doc["restarts"] == 1 and doc["exit_code"] == 1  # sftctl's own, as wait's
+    waited = sftctl("wait", doc["id"], "--json")
+    assert waited.returncode == 1 and json.loads(waited.stdout)["exit_code"] == 1
     assert doc["failure_reason"] == "node 0 exited with code 3" and doc["failure_code"] == "exit"
     assert [(a["number"], a["status"], a["exit_code"]) for a in doc["attempts"]] == [(1, "FAILED", 3), (2, "FAILED", 3)]
     assert [a["reason_code"] for a in doc["attempts"]] == ["exit", "exit"]

@@ -296,7 +296,7 @@ def wait(
     timeout: Optional[float] = typer.Option(None, "--timeout", metavar="SECONDS", min=0, callback=_not_nan,
                                             help="Give up after this long (>= 0): "
                                             f"exit {int(ExitCode.TIMEOUT)}, the jobs go on."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout: {\"jobs\": [status of each]}."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout: {\"jobs\": [status of each], \"exit_code\"}."),
 ) -> None:
     """Wait until every job ends and its nodes are down: exit 0 if all SUCCEEDED, 1 if one did
     not, 124 on --timeout.
@@ -323,10 +323,11 @@ def wait(
             v = views[-1]
             print(f"{v.id} {v.status.value}" + (f": {v.failure_reason}" if v.failure_reason and v.status != JobStatus.SUCCEEDED else ""),
                   flush=True)
+    code = ExitCode.JOB_FAILED if any(v.status != JobStatus.SUCCEEDED for v in views) else ExitCode.OK
     if as_json:
-        _print_json({"jobs": [v.to_dict() for v in views]})
-    if any(v.status != JobStatus.SUCCEEDED for v in views):
-        raise typer.Exit(int(ExitCode.JOB_FAILED))
+        _print_json({"jobs": [v.to_dict() for v in views], "exit_code": int(code)})
+    if code:
+        raise typer.Exit(int(code))
 
 
 # ------------------------------------------------------------------------------------ down

@@ -90,7 +90,7 @@ def run(
     final = ended.job
     if as_json:
         with contextlib.suppress(OSError):  # stdout closed (| head, SIGHUP): the job is over anyway
-            _print_json({**final.to_dict(), "wall_s": round(ended.wall_s, 2)})
+            _print_json({**final.to_dict(), "wall_s": round(ended.wall_s, 2), "exit_code": int(ended.exit_code)})
     else:
         losses = (
             f", loss {view.first_loss:.4f} -> {view.last_loss:.4f} (mean over ranks)" if view.first_loss is not None else ""
