@@ -242,7 +242,8 @@ DECLARED: tuple[Setting, ...] = (
     _u("CATALOG_OVERRIDES", "path", None, "a CSV of negotiated prices that win over the catalog's "
        "(provider,instance_type,region,usd_per_hour,spot_usd_per_hour,note)", file="catalog.overrides",
        shown_default="$XDG_CONFIG_HOME/sftctl/prices.csv"),
-    _u("STORAGE", "str", None, "the job storage URL of a spec without storage: (s3://, gs://, pvc://, a directory)",
+    _u("STORAGE", "str", None, "the job storage URL of a spec without storage: (s3://, gs://, pvc://, a directory: "
+       "relative to the config file's directory, or from the environment to the current one)",
        file="defaults.storage", shown_default="none"),
     _u("LOCAL_MAX_NODES", "int", None, "the local provider refuses nodes beyond this many (capacity drills)",
        set_by="user, tests", file="local.max_nodes", minimum=0, shown_default="no limit"),

@@ -146,6 +146,23 @@ def test_a_relative_storage_directory_is_the_spec_files_or_the_shells(tmp_path, 
         assert load_spec(bare, [f"storage={url}"], environ={}).storage.url == url
 
 
+def test_a_relative_defaults_storage_is_the_config_files(tmp_path, monkeypatch):
+    """The config file's `defaults: {storage: ckpts}` was taken from the current directory: each
+    directory a user ran from got its own ckpts/ (and a job's checkpoints were not where the last
+    one's were). It is relative to the config file's directory, as kubeconfig's paths are."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "shell").mkdir()
+    conf = tmp_path / "conf" / "config.yaml"
+    conf.write_text("defaults: {storage: ckpts}\n")
+    monkeypatch.setenv("SFTCTL_CONFIG", str(conf))
+    monkeypatch.delenv("SFTCTL_STORAGE", raising=False)
+    monkeypatch.chdir(tmp_path / "shell")
+    bare = write_spec(tmp_path / "bare.yaml", "name: bare\nrun: echo\n")
+    assert load_spec(bare, environ={}).storage.url == str(tmp_path / "conf" / "ckpts")
+    monkeypatch.setenv("SFTCTL_STORAGE", "envstore")  # the environment's: the shell's directory
+    assert load_spec(bare, environ={}).storage.url == str(tmp_path / "shell" / "envstore")
+
+
 def test_a_job_with_a_relative_storage_directory_succeeds(tmp_path, home, monkeypatch):
     """The user's repro: `sftctl run st.yaml` with `storage: relstore` stayed RUNNING for ever."""
     monkeypatch.delenv("SFTCTL_STORAGE", raising=False)

@@ -290,6 +290,18 @@ def _is_relative_directory(url: str) -> bool:
     return "://" not in url and not os.path.isabs(os.path.expanduser(url))
 
 
+def _config_dir() -> Path:
+    """The directory a relative ``defaults.storage`` is taken from: the config file's, when the
+    setting comes from it (not from ``$SFTCTL_STORAGE``), else the current directory."""
+    from sftctl import settings
+
+    if settings.raw("SFTCTL_STORAGE") is None:
+        config = settings.config_document()[0]
+        if config is not None:
+            return Path(config).parent
+    return Path.cwd()
+
+
 def _user_defaults(data: dict) -> dict[str, str]:
     """Fill ``resources.clouds``, ``resources.regions`` and ``storage`` that the spec leaves out
     from the user's settings (``SFTCTL_CLOUDS``/``defaults.clouds`` of the config file, ...:
@@ -332,8 +344,8 @@ def load_spec(
         The validated :class:`JobSpec`, with ``workdir`` made absolute (relative paths are taken
         from the spec file's directory) and ``name`` defaulted to the file's stem. A ``storage``
         directory given relative is made absolute too: against the spec file's directory when
-        the file names it, against the current directory when ``SFTCTL_STORAGE`` (or the config
-        file's ``defaults.storage``) or ``--set`` does.
+        the file names it, the config file's when its ``defaults.storage`` does, the current
+        directory when ``SFTCTL_STORAGE`` or ``--set`` does.
 
     Raises:
         SpecError: for every problem with the file or an override (exit code 2), naming the
@@ -364,10 +376,12 @@ def load_spec(
         raise _all_problems(e.errors(include_url=False), loc) from None
     spec._defaults_from.update(filled)
     if spec.storage is not None and _is_relative_directory(spec.storage.url):
-        # the file's own storage: relative to its directory (as workdir); SFTCTL_STORAGE's or
-        # --set's: to the current directory. Nodes get it absolute (they run elsewhere).
+        # the file's own storage: relative to its directory (as workdir); the config file's
+        # defaults.storage: to the config file's; SFTCTL_STORAGE's or --set's: to the current
+        # directory. Nodes get it absolute (they run elsewhere).
         in_file = "storage" not in filled and spec.storage.url == written
-        url = str(((path.parent if in_file else Path.cwd()) / os.path.expanduser(spec.storage.url)).resolve())
+        base = path.parent if in_file else _config_dir() if "storage" in filled else Path.cwd()
+        url = str((base / os.path.expanduser(spec.storage.url)).resolve())
         spec = spec.model_copy(update={"storage": spec.storage.model_copy(update={"url": url})})
     workdir = (path.parent / spec.workdir).resolve()
     if not workdir.is_dir():
