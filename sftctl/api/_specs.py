@@ -116,7 +116,14 @@ def plan(spec: SpecLike, overrides: Overrides = (), *, strict: bool = True,
 
     s = load(spec, overrides)
     avoid = _bad_machines()  # a Slurm estimate leaves out the nodes a verdict marked bad (issue 41.3)
-    if s.model is None:
+    if s.model is not None and _serving():
+        # importing model.entrypoint runs the user's module in the server's process, with its state
+        # (every user's token hash, the secrets key) and environment: a user would act as the server
+        chosen = plan_(s, predict=lambda offering, nodes: None, avoid=avoid)  # as a model it cannot trace
+        warnings.warn(SftctlWarning(
+            "model.entrypoint: the server runs no user's model code, so it ranks offerings by price only "
+            "(sftctl plan SPEC without a server configured predicts step times on your machine)"), stacklevel=2)
+    elif s.model is None:
         chosen = plan_(s, avoid=avoid)
     else:
         predictor = Predictor(s, progress=progress, strict=strict)
