@@ -109,7 +109,11 @@ import json, os, pathlib, time
 path = pathlib.Path(os.environ["SFTCTL_METRICS_DIR"]).parent / "health.jsonl"
 now = time.time()
 bad = [{"ts": now, "gpu": "zero"}, {"ts": now, "gpu": 0, "clock_sm_mhz": "fast"}, {"ts": now, "gpu": 2**70},
-       {"ts": now, "gpu": 0, "xids": 5}, "text", {"ts": now, "preflight": "passed"}, {"ts": "now", "gpu": 0}]
+       {"ts": now, "gpu": 0, "xids": 5}, "text", {"ts": now, "preflight": "passed"}, {"ts": "now", "gpu": 0},
+       # the controller's preflight line divided by these, and formatted a string as a number
+       {"ts": now, "preflight": {"matmul": [{"gpu": None, "flops": 1e9, "measured_s": 0}]}},
+       {"ts": now, "preflight": {"allreduce": {"nodes": 2, "bus_gbps": "fast"}}},
+       {"ts": now, "preflight": {"matmul": "all of them"}}]
 with open(path, "a") as f:
     for rec in bad:
         f.write(json.dumps(rec) + "\\n")
@@ -124,7 +128,8 @@ def test_a_jobs_bad_health_records_are_dropped_with_a_warning_and_the_job_succee
     with a warning event naming its field, and the job that exited 0 SUCCEEDS."""
     job = _run_succeeds(tmp_path, "h", BAD_HEALTH_JOB)
     warned = [e.message for e in api.events(job.id) if e.kind == "health" and "was dropped" in e.message]
-    fields = ["gpu", "clock_sm_mhz", "gpu", "xids", "record", "preflight", "ts"]
+    fields = ["gpu", "clock_sm_mhz", "gpu", "xids", "record", "preflight", "ts", "preflight.matmul[0].measured_s",
+              "preflight.allreduce.bus_gbps", "preflight.matmul"]
     assert [w.split(": ")[2] for w in warned] == fields, warned
     assert warned[0] == "node 0: a health record was dropped: gpu: 'zero' is not an integer in [0, 2**63)"
 

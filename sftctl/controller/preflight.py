@@ -187,8 +187,9 @@ def report(store, job_id: str, reporter, node_rank: int, samples: list[dict], mi
             continue
         verdicts = judge(s, node_rank, min_fraction)
         message = summary(node_rank, s, not verdicts)
-        store.add_event(job_id, "preflight", message, {"node_rank": node_rank, "passed": not verdicts,
-                                                        **s["preflight"]})
+        # the node's own rank and verdict win over the record's keys (the job can write the file)
+        store.add_event(job_id, "preflight", message, {**s["preflight"], "node_rank": node_rank,
+                                                        "passed": not verdicts})
         reporter.event(message)
 
 

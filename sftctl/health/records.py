@@ -99,7 +99,8 @@ def check_gpu_sample(record: object) -> tuple[dict | None, str | None]:
 
     Valid: a JSON object whose :data:`GPU_INTS` are absent/null or ints in ``[0, 2**63)``, whose
     :data:`GPU_NUMBERS` are absent/null or finite numbers, whose ``xids`` is absent/null or a list
-    of such ints, ``agent_error`` absent or a string, ``preflight`` absent or an object.
+    of such ints, ``agent_error`` absent or a string, ``preflight`` absent or an object whose
+    figures the controller can divide and format (:func:`_check_preflight`).
     """
     if not isinstance(record, dict):
         return None, f"record: {_short(record)} is not a JSON object"
@@ -116,9 +117,68 @@ def check_gpu_sample(record: object) -> tuple[dict | None, str | None]:
         return None, f"xids: {_short(xids)} is not a list of integers"
     if "agent_error" in record and not isinstance(record["agent_error"], str):
         return None, f"agent_error: {_short(record['agent_error'])} is not a string"
-    if "preflight" in record and not isinstance(record["preflight"], dict):
-        return None, f"preflight: {_short(record['preflight'])} is not a JSON object"
+    if "preflight" in record:
+        if not isinstance(record["preflight"], dict):
+            return None, f"preflight: {_short(record['preflight'])} is not a JSON object"
+        bad = _check_preflight(record["preflight"])
+        if bad is not None:
+            return None, bad
     return record, None
+
+
+def _number(v: object, at_least: float = 0.0, above: bool = False) -> bool:
+    """Whether ``v`` is a finite JSON number ``>= at_least`` (``> at_least`` with ``above``)."""
+    f = _as_float(v)
+    return f is not None and math.isfinite(f) and (f > at_least if above else f >= at_least)
+
+
+def _check_fields(obj: dict, where: str, required: dict, optional: dict) -> str | None:
+    """The first of ``obj``'s fields (``name -> check``) that fails its check, as ``"where.name:
+    value is not ..."``; a ``required`` field must be present and not null, an ``optional`` one
+    may be absent or null."""
+    for fields, needed in ((required, True), (optional, False)):
+        for name, (ok, what) in fields.items():
+            v = obj.get(name)
+            if (v is None and needed) or (v is not None and not ok(v)):
+                return f"{where}.{name}: {_short(v)} is not {what}"
+    return None
+
+
+_INT = (_is_int, "an integer in [0, 2**63)")
+_STR = (lambda v: isinstance(v, str), "a string")
+_LIST = (lambda v: isinstance(v, list), "a list")
+_DICT = (lambda v: isinstance(v, dict), "a JSON object")
+_SECONDS = (_number, "a finite number >= 0")
+_POSITIVE = (lambda v: _number(v, above=True), "a finite number > 0")
+#: a preflight record's fields (sftctl.preflight writes them; the controller's line, its
+#: detector and the dashboard read them): required, optional
+_PREFLIGHT = ({}, {"level": _STR, "when": _STR, "elapsed_s": _SECONDS, "matmul": _LIST, "allreduce": _DICT,
+                   "dcgm": _DICT, "nvml": _DICT, "errors": _LIST})
+_MATMUL = ({"flops": _SECONDS, "measured_s": _POSITIVE},
+           {"gpu": _INT, "predicted_s": _SECONDS, "dtype": _STR, "reference": _STR,
+            "shape": (lambda v: isinstance(v, list) and all(_is_int(x) for x in v), "a list of integers")})
+_ALLREDUCE = ({"nodes": _INT, "bus_gbps": _SECONDS},
+              {"predicted_bus_gbps": _SECONDS, "slow_node": _INT, "reference": _STR,
+               "send_gbps": (lambda v: isinstance(v, list) and all(_number(x) for x in v),
+                             "a list of finite numbers >= 0")})
+
+
+def _check_preflight(pre: dict) -> str | None:
+    """The first bad field of a ``preflight`` record (``"preflight.matmul[0].measured_s: 0 is not
+    a finite number > 0"``), or None: the controller divides by the matmul's seconds and formats
+    the all-reduce's figures as numbers."""
+    bad = _check_fields(pre, "preflight", *_PREFLIGHT)
+    if bad is not None:
+        return bad
+    for i, mm in enumerate(pre.get("matmul") or ()):
+        if not isinstance(mm, dict):
+            return f"preflight.matmul[{i}]: {_short(mm)} is not a JSON object"
+        bad = _check_fields(mm, f"preflight.matmul[{i}]", *_MATMUL)
+        if bad is not None:
+            return bad
+    if pre.get("allreduce"):
+        return _check_fields(pre["allreduce"], "preflight.allreduce", *_ALLREDUCE)
+    return None
 
 
 def _short(value: object) -> str:
