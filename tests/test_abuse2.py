@@ -62,3 +62,66 @@ def test_the_server_never_imports_a_users_model_code(server, tmp_path, monkeypat
     finally:
         api.down(job)
         api.wait(job, timeout_s=deadline(120))
+
+
+def _python_of_its_own(tmp_path):
+    """A venv of this test's own (``--without-pip``) that imports sftctl and its dependencies
+    from this one's site-packages: a server started with its python runs from a prefix that a
+    job may try to write in, and nobody else's python is touched."""
+    import site
+    import subprocess
+    import sys
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    purelib = next((venv / "lib").glob("python3*")) / "site-packages"
+    ours = "".join(f"import site; site.addsitedir({p!r})\n" for p in site.getsitepackages())
+    (purelib / "zz_sftctl_test.pth").write_text(ours)
+    return venv / "bin" / "python", purelib
+
+
+def test_a_job_cannot_write_in_the_python_the_server_runs_from(home, tmp_path, monkeypatch):
+    """alice's workdir is the server's site-packages: a ``.pth`` her job writes there would run
+    in the server's next controller (every process of that python), as the server. The job is
+    refused at launch, naming the workdir, and nothing is written there."""
+    import os
+    import subprocess
+
+    import httpx
+
+    from sftctl import api
+
+    python, purelib = _python_of_its_own(tmp_path)
+    marker = tmp_path / "ran-as-server.txt"
+    planted = purelib / "alice.pth"
+    s = Server(home, tmp_path / "server.log")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SFTCTL_SERVER_")}
+    with open(s.log, "ab") as out:
+        s.proc = subprocess.Popen([str(python), "-m", "sftctl.cli", "server", "start", "--port", str(s.port)],
+                                  env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        from conftest import wait_for
+
+        wait_for(lambda: _answers(httpx, s), timeout_s=deadline(60), what="the server to answer")
+        spec = tmp_path / "plant.yaml"
+        spec.write_text(f"name: plant\nworkdir: {purelib}\nresources: {{nodes: 1}}\nrun: |\n"
+                        f"  echo \"import pathlib; pathlib.Path({str(marker)!r}).write_text('pwned')\" > {planted}\n")
+        as_user(monkeypatch, s, tokens("alice")["alice"])
+        job = api.run(str(spec), detach=True).id
+        view = api.wait(job, timeout_s=deadline(180))
+        assert not planted.exists(), "alice's job wrote in the server's site-packages"
+        assert view.status.value == "FAILED", view.status
+        assert "workdir" in (view.failure_reason or "") and str(purelib) in (view.failure_reason or ""), \
+            view.failure_reason
+    finally:
+        planted.unlink(missing_ok=True)
+        s.stop()
+    assert not marker.exists()
+
+
+def _answers(httpx, s) -> bool:
+    assert s.proc.poll() is None, s.log.read_text()
+    try:
+        return httpx.get(f"{s.url}/v1/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

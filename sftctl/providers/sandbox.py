@@ -220,6 +220,37 @@ def check_bind(path: Path, job_id: str, what: str) -> Path:
     return real
 
 
+#: system directories no node may write in, even as root (the loader's /etc/ld.so.preload, the
+#: binaries and libraries every process of the server runs); a :data:`SCRATCH` one inside is fine
+SYSTEM_READ_ONLY = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/boot", "/var",
+                    "/proc", "/sys", "/dev")
+
+
+def check_writable(real: Path, job_id: str, what: str) -> None:
+    """Refuse a read-write bind ``real`` (resolved) that lies inside the Python that runs sftctl
+    (its prefixes, its interpreter's directory, sftctl's package: a ``.pth`` or module planted
+    there runs in the server's next controller, as the server) or inside a
+    :data:`SYSTEM_READ_ONLY` directory (outside :data:`SCRATCH`), but the job's own node and
+    checkpoint directories (a server's home may be in /var/lib).
+
+    Raises:
+        ProviderError: one line naming ``what`` and the path (exit 4).
+    """
+    import sftctl
+
+    if any(_within(real, _real(job_dir(job_id)) / d) for d in ("nodes", "checkpoints")):
+        return
+    runtimes = {_real(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(sys.executable),
+                                   os.path.dirname(os.path.realpath(sys.executable)), os.path.dirname(sftctl.__file__))}
+    inside = next((r for r in sorted(runtimes) if _within(real, r)), None)
+    if inside is None and not any(_within(real, _real(p)) for p in SCRATCH):
+        inside = next((_real(d) for d in SYSTEM_READ_ONLY if os.path.isdir(d) and _within(real, _real(d))), None)
+    if inside is not None:
+        raise ProviderError(f"local node sandbox: {what} {real} lies inside {inside}, which a job's nodes may "
+                            f"only read (the server runs from there); a job cannot be given it to write",
+                            hint=f"choose a {what} of the job's own outside the system's and sftctl's directories")
+
+
 class Binds:
     """What one node's sandbox gets back: ``rw`` and ``ro`` paths (resolved, existing)."""
 
@@ -231,6 +262,8 @@ class Binds:
             create: bool = False) -> None:
         """Give the node ``path`` (checked by :func:`check_bind`; made when ``create``)."""
         real = check_bind(Path(path), job_id, what)
+        if writable:
+            check_writable(real, job_id, what)
         if create:
             try:
                 real.mkdir(parents=True, exist_ok=True)
