@@ -125,3 +125,39 @@ def _answers(httpx, s) -> bool:
         return httpx.get(f"{s.url}/v1/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_a_node_log_of_any_size_is_read_in_bounded_parts(home, tmp_path):
+    """A job grows its node.log to 48 MiB of one line (a sparse ``truncate -s``: no disk, any
+    size; 1 GiB OOM-killed the server serving its logs) and its health.jsonl to 40 MiB of no
+    newline: the controller reads each in bounded parts and the job SUCCEEDS; ``logs`` gives
+    every byte back, in lines and chunks of bounded size, the line after it too."""
+    from sftctl import api
+    from sftctl.api._views import LOG_CHUNK_CHARS, LOG_LINE_MAX_CHARS, log_chunks
+    from sftctl.providers.local import READ_MAX_BYTES, LocalProvider
+    from sftctl.state import Store
+
+    hole = 48 << 20
+    spec = tmp_path / "hole.yaml"
+    spec.write_text("name: hole\nresources: {nodes: 1}\nrun: |\n"
+                    f"  truncate -s {hole} $SFTCTL_NODE_DIR/node.log\n"
+                    "  echo after-the-hole\n"
+                    "  truncate -s 40M $SFTCTL_NODE_DIR/health.jsonl\n"
+                    "  sleep 5\n")
+    job = api.run(str(spec), detach=True).id
+    view = api.wait(job, timeout_s=deadline(300))
+    assert view.status.value == "SUCCEEDED", view.failure_reason
+
+    store = Store()
+    handle = store.nodes(job)[0].node_handle
+    store.close()
+    data, offset = LocalProvider().read_log(handle, 0)
+    assert len(data) == offset == READ_MAX_BYTES
+
+    chunks = list(log_chunks(job))
+    lines = [line.text for c in chunks for line in c]
+    assert max(len(t) for t in lines) <= LOG_LINE_MAX_CHARS
+    assert max(sum(len(line.text) for line in c) for c in chunks) <= LOG_CHUNK_CHARS + LOG_LINE_MAX_CHARS
+    text = "".join(lines)
+    assert hole - 4096 < text.count("\0") <= hole  # the hole, after what the node wrote before it
+    assert any("after-the-hole" in t for t in lines[-3:]), lines[-3:]

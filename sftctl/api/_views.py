@@ -436,6 +436,12 @@ def logs(job: str, *, follow: bool = False, node: int | None = None, rank: int |
 
 #: the most lines :func:`log_chunks` puts in one chunk
 LOG_CHUNK_LINES = 2048
+#: the most characters of text :func:`log_chunks` puts in one chunk (one line may pass it)
+LOG_CHUNK_CHARS = 1 << 20
+#: a node's log line longer than this many characters comes as several lines of at most this
+#: many: a node writes its log, and one line of gigabytes (a sparse ``truncate -s``) held whole
+#: took the server's memory (OOM-killed serving a 1 GiB one)
+LOG_LINE_MAX_CHARS = 64 << 10
 
 
 def log_chunks(job: str, *, follow: bool = False, node: int | None = None, rank: int | None = None,
@@ -454,12 +460,14 @@ def log_chunks(job: str, *, follow: bool = False, node: int | None = None, rank:
 
     def chunks() -> Iterator[list[LogLine]]:
         batch: list[LogLine] = []
+        size = 0
         for line in lines:
             if line is not None:
                 batch.append(line)
-            if batch and (line is None or len(batch) >= LOG_CHUNK_LINES):
+                size += len(line.text)
+            if batch and (line is None or len(batch) >= LOG_CHUNK_LINES or size >= LOG_CHUNK_CHARS):
                 yield batch
-                batch = []
+                batch, size = [], 0
         if batch:
             yield batch
 
@@ -514,6 +522,8 @@ def _local_logs(job: str, follow: bool, node: int | None, rank: int | None, poll
 
 
 def _log_lines(store, record, provider, follow, node, poll_s, NodeState, idle=False) -> Iterator[LogLine | None]:
+    from sftctl.providers.local import READ_MAX_BYTES
+
     offsets: dict[str, int] = {}
     partial: dict[str, tuple[str, int, str]] = {}  # node id -> (text after the last newline, rank, prefix)
     while True:
@@ -522,15 +532,23 @@ def _log_lines(store, record, provider, follow, node, poll_s, NodeState, idle=Fa
         got = False
         for n in nodes:
             h = handles[n.id]
-            data, offsets[n.id] = provider.read_log(h, offsets.get(n.id, 0)) if h is not None else (b"", 0)
-            if not data:
-                continue
-            got = True
-            prefix = f"(node {n.rank}) " if node is None and len(nodes) > 1 else ""
-            lines = (partial.get(n.id, ("",))[0] + data.decode("utf-8", "replace")).split("\n")
-            partial[n.id] = (lines.pop(), n.rank, prefix)
-            for line in lines:
-                yield LogLine(line, n.rank, prefix)
+            while True:  # a provider reads a bounded part of a log at a time (local: READ_MAX_BYTES)
+                data, offsets[n.id] = provider.read_log(h, offsets.get(n.id, 0)) if h is not None else (b"", 0)
+                if not data:
+                    break
+                got = True
+                prefix = f"(node {n.rank}) " if node is None and len(nodes) > 1 else ""
+                lines = (partial.get(n.id, ("",))[0] + data.decode("utf-8", "replace")).split("\n")
+                rest = lines.pop()
+                while len(rest) > LOG_LINE_MAX_CHARS:  # an unterminated line of any length: held in pieces
+                    lines.append(rest[:LOG_LINE_MAX_CHARS])
+                    rest = rest[LOG_LINE_MAX_CHARS:]
+                partial[n.id] = (rest, n.rank, prefix)
+                for line in lines:
+                    for at in range(0, max(len(line), 1), LOG_LINE_MAX_CHARS):
+                        yield LogLine(line[at:at + LOG_LINE_MAX_CHARS], n.rank, prefix)
+                if len(data) < READ_MAX_BYTES:
+                    break
         if not follow:
             break
         _reap(store)

@@ -265,7 +265,8 @@ class LocalProvider:
         if self.channel is not None:
             code = self.channel.exit_code(handle.node_id, handle.attempt)
         else:
-            code = parse_exit_code(_read_in(Path(handle.dir), Path(handle.exit_file).name)) if handle.exit_file else None
+            code = parse_exit_code(_read_in(Path(handle.dir), Path(handle.exit_file).name, limit=RECORD_MAX_BYTES)) \
+                if handle.exit_file else None
         if code is not None:
             state = NodeState.SUCCEEDED if code == 0 else NodeState.FAILED
             return NodeStatus(state, code, f"exit code {code}")
@@ -277,7 +278,7 @@ class LocalProvider:
     def read_log(self, handle: LocalHandle, offset: int) -> tuple[bytes, int]:
         if self.channel is not None:
             return self.channel.read_log(handle.node_id, offset)
-        data = _read_in(Path(handle.dir), NodeDir(Path(handle.dir)).log.name, offset)
+        data = _read_in(Path(handle.dir), NodeDir(Path(handle.dir)).log.name, offset, READ_MAX_BYTES)
         if data is None:
             return b"", offset
         return data, offset + len(data)
@@ -301,7 +302,7 @@ class LocalProvider:
             return None
         if self.channel is not None:
             return self.channel.read_failure(handle.node_id, handle.attempt)
-        raw = _read_in(Path(handle.dir), NodeDir(Path(handle.dir)).failure(handle.attempt).name)
+        raw = _read_in(Path(handle.dir), NodeDir(Path(handle.dir)).failure(handle.attempt).name, limit=RECORD_MAX_BYTES)
         return None if raw is None else parse_failure(raw)
 
     def stop_attempt(self, handle: LocalHandle) -> None:
@@ -372,9 +373,13 @@ def _home_tag() -> str:
 
 
 def _read_json_lines(node_dir: Path, name: str, offsets: dict[str, int]) -> list[dict]:
-    """Complete JSON lines of ``node_dir/name`` after ``offsets[that path]`` (advanced past them)."""
+    """Complete JSON lines of ``node_dir/name`` after ``offsets[that path]`` (advanced past them),
+    at most :data:`READ_MAX_BYTES` of them per call; a line longer than that is skipped."""
     key = str(node_dir / name)
-    data = _read_in(node_dir, name, offsets.get(key, 0))
+    data = _read_in(node_dir, name, offsets.get(key, 0), READ_MAX_BYTES)
+    if data is not None and len(data) == READ_MAX_BYTES and b"\n" not in data:
+        offsets[key] = offsets.get(key, 0) + len(data)  # no record is this long: past it, not read again
+        return []
     return [] if data is None else complete_json_lines(key, data, offsets)
 
 
@@ -432,16 +437,25 @@ def _open_in(node_dir: Path, name: str, flags: int):
         raise ProviderError(f"local: cannot open {node_dir / name}: {e.strerror or e}") from None
 
 
-def _read_in(node_dir: Path, name: str, offset: int = 0) -> bytes | None:
-    """The bytes of ``node_dir/name`` from ``offset``; None when it is missing, a symlink or not
-    a regular file (see :func:`_fd_in`)."""
+#: the most bytes the controller (or the server, reading logs) takes from one node file per read:
+#: a node writes these files, and one grown to gigabytes (a sparse ``truncate -s 20G node.log``
+#: costs the node no disk) read whole took the controller's and the server's memory (the server
+#: was OOM-killed serving the logs of a 1 GiB one); the rest is read by the next reads
+READ_MAX_BYTES = 16 << 20
+#: the most bytes of a node's exit code or failure record read (both a few hundred bytes)
+RECORD_MAX_BYTES = 1 << 20
+
+
+def _read_in(node_dir: Path, name: str, offset: int = 0, limit: int | None = None) -> bytes | None:
+    """The bytes of ``node_dir/name`` from ``offset`` (at most ``limit``); None when it is
+    missing, a symlink or not a regular file (see :func:`_fd_in`)."""
     try:
         fd = _fd_in(node_dir, name, os.O_RDONLY)
     except OSError:
         return None
     with os.fdopen(fd, "rb") as f:
         f.seek(offset)
-        return f.read()
+        return f.read() if limit is None else f.read(limit)
 
 
 def _list_in(node_dir: Path, sub: str, pattern: str) -> list[str]:
