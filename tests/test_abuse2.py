@@ -161,3 +161,34 @@ def test_a_node_log_of_any_size_is_read_in_bounded_parts(home, tmp_path):
     text = "".join(lines)
     assert hole - 4096 < text.count("\0") <= hole  # the hole, after what the node wrote before it
     assert any("after-the-hole" in t for t in lines[-3:]), lines[-3:]
+
+
+def test_a_checkpoint_dirs_owner_file_is_never_followed(home, tmp_path):
+    """A job's ``train.checkpoint_dir`` is the node's to write: its owner file
+    (``.sftctl-job``) made a symlink to the server's secrets key was read through at the next
+    submit (the key came back in the error, as "checkpoints of job <key>") and written through
+    at the next claim. Neither follows it: the submit says the checkpoints' owner is unknown
+    and the claim replaces the link, leaving its target as it was."""
+    from sftctl.controller.submit import OWNER_FILE, check_checkpoint_dir, claim_checkpoint_dir
+    from sftctl.errors import SpecError
+    from sftctl.spec import load_spec
+
+    secret = tmp_path / "secrets.key"
+    secret.write_text("the-servers-own-key\n")
+    root = tmp_path / "ck"
+    (root / "step-00000001").mkdir(parents=True)
+    (root / "step-00000001" / "COMPLETE").write_text('{"step": 1}')
+    (root / "step-00000001" / "state.pt").write_bytes(b"")
+    (root / OWNER_FILE).symlink_to(secret)
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(f"name: ck\ntrain: {{checkpoint_dir: {root}}}\nresources: {{nodes: 1}}\nrun: 'true'\n")
+    spec = load_spec(str(spec_file))
+
+    with pytest.raises(SpecError) as caught:
+        check_checkpoint_dir(spec)
+    assert "the-servers-own-key" not in caught.value.message + (caught.value.hint or "")
+    assert "a run sftctl did not start" in caught.value.message
+
+    claim_checkpoint_dir(root, "ck-123456")
+    assert secret.read_text() == "the-servers-own-key\n"
+    assert not (root / OWNER_FILE).is_symlink() and (root / OWNER_FILE).read_text() == "ck-123456\n"

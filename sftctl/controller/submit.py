@@ -57,10 +57,7 @@ def check_checkpoint_dir(spec: JobSpec) -> None:
     steps = complete_checkpoint_steps(root)
     if not steps:
         return
-    try:
-        owner = (root / OWNER_FILE).read_text().strip() or None
-    except OSError:
-        owner = None
+    owner = _read_owner(root)
     wanted = spec.train.resume_from
     if wanted == "any" or (wanted is not None and wanted == owner):
         return
@@ -84,9 +81,33 @@ def claim_checkpoint_dir(root: str | os.PathLike | None, job_id: str) -> None:
     root = Path(root)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        (root / OWNER_FILE).write_text(job_id + "\n")
+        (root / OWNER_FILE).unlink(missing_ok=True)  # a link a node left there: the name, never its target
+        fd = os.open(root / OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(job_id + "\n")
     except OSError:  # a read-only dir: the training script's own save says so, with its error
         pass
+
+
+#: the most bytes of an owner file read (a job id is a few dozen)
+OWNER_MAX_BYTES = 256
+
+
+def _read_owner(root: Path) -> str | None:
+    """The job id in ``root``'s :data:`OWNER_FILE`, or None: missing, unreadable, not a regular
+    file, a symlink (the job's nodes write in ``root``: a link to the server's secrets key was
+    read through and shown in an error) or not a job id's text."""
+    import stat
+
+    try:
+        fd = os.open(root / OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        text = f.read(OWNER_MAX_BYTES).decode("utf-8", "replace").strip()
+    return text if text and text.isprintable() and len(text) < OWNER_MAX_BYTES else None
 
 
 def job_storage_url(spec: JobSpec, job_id: str) -> str | None:
