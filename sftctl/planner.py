@@ -22,13 +22,14 @@ import os
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from sftctl import sandboxed_trace
 from sftctl.catalog import Offering, accelerator_names, cloud_offerings, refreshed_coverage
 from sftctl.catalog.accelerators import find_accelerator
 from sftctl.compiler.accuracy import accuracy, factor, overlap
 from sftctl.compiler import tpu
 from sftctl.compiler.frontends import EntrypointFileNotFound, EntrypointFunctionNotFound
 from sftctl.compiler.memory import attention_assumed
-from sftctl.errors import InfeasibleError, SftctlError, SpecError, UntraceableModelError
+from sftctl.errors import InfeasibleError, ProviderError, SftctlError, SpecError, UntraceableModelError
 from sftctl.health import preflight
 from sftctl.history import calibrate, kernel_mix
 from sftctl.providers import names as provider_names, provider_class, usable_providers
@@ -63,10 +64,16 @@ class Predictor:
     Args:
         spec: a job spec with a ``model``.
         progress: called with a one-line message before each slow stage (trace, compile).
+        isolated: run the model's code (its trace) in a sandboxed child process, not in this
+            one (:func:`sftctl.sandboxed_trace.trace`): what a server does.
     """
 
-    def __init__(self, spec: JobSpec, progress: Callable[[str], None] | None = None, strict: bool = True):
+    def __init__(self, spec: JobSpec, progress: Callable[[str], None] | None = None, strict: bool = True,
+                 isolated: bool = False):
         self.spec = spec
+        #: trace in a child process, sandboxed as the server's local nodes are (a server's plan:
+        #: :mod:`sftctl.sandboxed_trace`), never in this one
+        self.isolated = isolated
         self.progress = progress or (lambda msg: None)
         self.strict = strict
         self.error: str | None = None  # why predictions failed, when not strict
@@ -90,12 +97,13 @@ class Predictor:
         if batch not in self._graphs:
             import sftctl.compiler.api as compiler
 
+            trace = sandboxed_trace.trace if self.isolated else compiler.trace
             self.progress(f"tracing {m.entrypoint} ({m.framework}, batch {batch} per rank, {m.dtype})")
             try:
-                self._graphs[batch] = compiler.trace(m.framework, m.entrypoint, self.spec.workdir, batch, m.dtype,
+                self._graphs[batch] = trace(m.framework, m.entrypoint, self.spec.workdir, batch, m.dtype,
                                                      mask_fraction=m.mask_fraction, expert_capacity=m.expert_capacity,
                                                      attention=m.attention)
-            except SpecError:
+            except (SpecError, ProviderError):  # ProviderError: a server's sandbox refused the workdir
                 raise
             except Exception as e:  # the user's model code, or an op the frontend cannot lower
                 first = str(e).splitlines()[0] if str(e) else ""
@@ -111,7 +119,7 @@ class Predictor:
                     error = UntraceableModelError  # the model traced as far as the tracer could take it
                     hint = ("sftctl compile --debug shows the traceback; write that part with supported ops, "
                             "or leave model out to skip prediction (sftctl run ranks by price)")
-                what = f"cannot trace {m.entrypoint}: {type(e).__name__}: {first}"
+                what = f"cannot trace {m.entrypoint}: {getattr(e, 'remote_type', type(e).__name__)}: {first}"
                 if isinstance(e, (EntrypointFileNotFound, EntrypointFunctionNotFound)):
                     what = first  # "examples/gpt/model.py has no function 'nofunc'"
                 raise error(

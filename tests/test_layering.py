@@ -25,7 +25,7 @@ LAYERS = [
     # 2: where jobs run, and what runs on a node
     {"sftctl.providers", "sftctl.train", "sftctl.node", "sftctl.agent", "sftctl.preflight"},
     # 3: deciding and driving a job
-    {"sftctl.planner", "sftctl.controller", "sftctl.queue", "sftctl.history"},
+    {"sftctl.planner", "sftctl.controller", "sftctl.queue", "sftctl.history", "sftctl.sandboxed_trace"},
     # 4: the one entry to the core (and the client it sends job commands through when a server is configured)
     {"sftctl.api", "sftctl.remote"},
     # 5: presentation, and the server that runs the api for its clients (ui/ a package: views, plan)

@@ -116,22 +116,33 @@ def plan(spec: SpecLike, overrides: Overrides = (), *, strict: bool = True,
 
     s = load(spec, overrides)
     avoid = _bad_machines()  # a Slurm estimate leaves out the nodes a verdict marked bad (issue 41.3)
-    if s.model is not None and _serving():
-        # importing model.entrypoint runs the user's module in the server's process, with its state
-        # (every user's token hash, the secrets key) and environment: a user would act as the server
+    # importing model.entrypoint runs the user's module: in the server's process it would run with
+    # its state (every user's token hash, the secrets key) and environment, so a server traces in a
+    # sandboxed child (sftctl.sandboxed_trace), or, where the sandbox cannot start, not at all
+    why_not = _no_sandbox() if s.model is not None and _serving() else None
+    if why_not is not None:
         chosen = plan_(s, predict=lambda offering, nodes: None, avoid=avoid)  # as a model it cannot trace
         warnings.warn(SftctlWarning(
-            "model.entrypoint: the server runs no user's model code, so it ranks offerings by price only "
-            "(sftctl plan SPEC without a server configured predicts step times on your machine)"), stacklevel=2)
+            f"model.entrypoint: the server traces a user's model only in a sandbox, and {why_not}: it ranks "
+            "offerings by price only (sftctl plan SPEC without a server configured predicts step times on "
+            "your machine)"), stacklevel=2)
     elif s.model is None:
         chosen = plan_(s, avoid=avoid)
     else:
-        predictor = Predictor(s, progress=progress, strict=strict)
+        predictor = Predictor(s, progress=progress, strict=strict, isolated=_serving())
         chosen = plan_(s, predict=predictor, history=calibration_runs(), avoid=avoid)
         if predictor.error:
             warnings.warn(SftctlWarning(f"{predictor.error}; ranking by price only"), stacklevel=2)
     _warn_unset_references(s, chosen)
     return chosen
+
+
+def _no_sandbox() -> str | None:
+    """Why this server cannot trace a user's model in the local nodes' sandbox, else None
+    (``SFTCTL_NODE_SANDBOX=off``: an admin's choice, the trace runs in a plain child process)."""
+    from sftctl.providers import sandbox
+
+    return sandbox.unavailable() if sandbox.requested() else None
 
 
 def _bad_machines() -> dict[str, set[str]]:

@@ -333,3 +333,83 @@ class GraphBuilder:
         zeros = scan(self.cast(self.add("eq", [x, c(0.0)], shape, "bool"), dtype))
         seen = self.add("gt", [zeros, c(0.0)], shape, "bool")
         return self.add("where", [seen, c(0.0), self.add("mul", [sign, mag], shape, dtype)], shape, dtype)
+
+
+#: the format name a serialized graph carries (:func:`to_json`)
+JSON_FORMAT = "sftctl-ir/1"
+#: how deep an attribute's lists may nest in a serialized graph (``padding``: a tuple of pairs)
+MAX_ATTR_DEPTH = 4
+
+
+def to_json(graph: Graph) -> str:
+    """``graph`` as one JSON document: ``{"format", "nodes": [[op, inputs, shape, dtype, attrs]],
+    "outputs", "output_roles"}`` (tuples as lists; floats as Python's json writes them, ``inf``
+    as ``Infinity``). :func:`from_json` reads it back. A trace made in another process (a
+    server's sandboxed trace of a user's model) travels this way: unlike pickle, reading it runs
+    no code."""
+    import json
+
+    return json.dumps({"format": JSON_FORMAT,
+                       "nodes": [[n.op, list(n.inputs), list(n.type.shape), n.type.dtype, n.attrs] for n in graph.nodes],
+                       "outputs": list(graph.outputs), "output_roles": list(graph.output_roles)},
+                      separators=(",", ":"))
+
+
+def _attr(value: Any, where: str, depth: int = 0) -> Any:
+    """An attribute value read back: a bool, int, float or string, or a list of them (nested at
+    most :data:`MAX_ATTR_DEPTH` deep) as a tuple. Raises ValueError naming ``where``."""
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, list) and depth < MAX_ATTR_DEPTH:
+        return tuple(_attr(v, where, depth + 1) for v in value)
+    raise ValueError(f"{where}: {type(value).__name__} is not an attribute value (a number, a string, or a list of them)")
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def from_json(text: str | bytes) -> Graph:
+    """The :class:`Graph` that :func:`to_json` wrote, checked as it is built: every op and dtype
+    known, operands earlier nodes, shapes non-negative ints, attributes plain values (lists
+    become tuples), outputs existing nodes with one role each.
+
+    Raises:
+        ValueError: the text is not such a document; the message names the first bad part
+            (``node 12: unknown IR op 'foo'``).
+    """
+    import json
+
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"not a serialized graph: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != JSON_FORMAT:
+        raise ValueError(f"not a serialized graph: format is not {JSON_FORMAT!r}")
+    nodes, outputs, roles = doc.get("nodes"), doc.get("outputs"), doc.get("output_roles")
+    if not isinstance(nodes, list) or not isinstance(outputs, list) or not isinstance(roles, list):
+        raise ValueError("not a serialized graph: nodes, outputs and output_roles must be lists")
+    graph = Graph()
+    for i, node in enumerate(nodes):
+        if not (isinstance(node, list) and len(node) == 5):
+            raise ValueError(f"node {i}: not [op, inputs, shape, dtype, attrs]")
+        op, inputs, shape, dtype, attrs = node
+        if not isinstance(op, str) or not isinstance(dtype, str):
+            raise ValueError(f"node {i}: op and dtype must be strings")
+        if not (isinstance(inputs, list) and all(_int(x) for x in inputs)):
+            raise ValueError(f"node {i} ({op}): inputs must be a list of node ids")
+        if not (isinstance(shape, list) and all(_int(x) and x >= 0 for x in shape)):
+            raise ValueError(f"node {i} ({op}): shape must be a list of non-negative integers")
+        if not (isinstance(attrs, dict) and all(isinstance(k, str) for k in attrs)):
+            raise ValueError(f"node {i} ({op}): attrs must be an object")
+        values = {k: _attr(v, f"node {i} ({op}) attribute {k}") for k, v in attrs.items()}
+        try:
+            graph.add(op, inputs, shape, dtype, **values)
+        except ValueError as e:
+            raise ValueError(f"node {i}: {e}") from None
+    if not all(_int(x) and 0 <= x < len(graph.nodes) for x in outputs):
+        raise ValueError("outputs must be ids of the graph's nodes")
+    if len(roles) != len(outputs) or not all(isinstance(r, str) for r in roles):
+        raise ValueError("output_roles must be one string per output")
+    graph.outputs, graph.output_roles = list(outputs), list(roles)
+    return graph

@@ -733,7 +733,7 @@ def trace_step(
     t2 = time.perf_counter()
     ids = dict(zip(range(len(roles)), input_ids))
     if assumptions:  # carried by the graph (traces are cached as graphs): sftctl compile's notes
-        graph.nodes[ids[3 * n + len(bnames)]].attrs["trace_assumptions"] = list(dict.fromkeys(assumptions))
+        graph.nodes[ids[3 * n + len(bnames)]].attrs["trace_assumptions"] = tuple(dict.fromkeys(assumptions))
     meta: dict[str, Any] = {
         "params": {nm: ids[i] for i, nm in enumerate(pnames)},
         "opt_state": {**{nm + ".exp_avg": ids[n + i] for i, nm in enumerate(pnames)},
