@@ -192,3 +192,30 @@ def test_a_checkpoint_dirs_owner_file_is_never_followed(home, tmp_path):
     claim_checkpoint_dir(root, "ck-123456")
     assert secret.read_text() == "the-servers-own-key\n"
     assert not (root / OWNER_FILE).is_symlink() and (root / OWNER_FILE).read_text() == "ck-123456\n"
+
+
+def test_a_fifo_in_a_checkpoint_dir_never_hangs_a_submit(home, tmp_path):
+    """A job may leave a FIFO at a checkpoint's ``COMPLETE`` in its ``train.checkpoint_dir``:
+    the server's next submit naming that directory opened it for reading and waited for a
+    writer forever (a worker thread each; 40 submits: every thread of the server). It is
+    not a complete checkpoint: the check returns at once."""
+    import os
+    import threading
+
+    from sftctl.storage.checkpoints import complete_checkpoint_steps
+
+    root = tmp_path / "ck"
+    step = root / "step-00000001"
+    step.mkdir(parents=True)
+    (step / "state.pt").write_bytes(b"")
+    os.mkfifo(step / "COMPLETE")
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(complete_checkpoint_steps(root)), daemon=True)
+    reader.start()
+    reader.join(timeout=deadline(60))
+    hung = reader.is_alive()
+    if hung:  # let the reader go: a writer that opens and closes gives it end of file
+        os.close(os.open(step / "COMPLETE", os.O_WRONLY | os.O_NONBLOCK))
+        reader.join()
+    assert not hung, "reading a checkpoint's COMPLETE waited on a FIFO"
+    assert got == [[]]

@@ -407,10 +407,25 @@ def download_checkpoint(storage: Storage, step: int, dest: str | os.PathLike, *,
 # --------------------------------------------------------------------------------------------
 
 
+#: the most bytes of a ``COMPLETE`` marker read (it is a line of JSON)
+COMPLETE_MAX_BYTES = 64 << 10
+
+
 def read_complete_marker(path: str | os.PathLike) -> int | None:
-    """The step in ``path/COMPLETE``, or None if it is missing or unreadable."""
+    """The step in ``path/COMPLETE``, or None if it is missing, unreadable, not a regular file
+    (a job's nodes write its checkpoint directory, which the server reads at submit: a FIFO
+    there made the read wait forever) or longer than :data:`COMPLETE_MAX_BYTES`."""
+    import stat
+
     try:
-        data = json.loads((Path(path) / COMPLETE_FILE).read_text(encoding="utf-8"))
+        fd = os.open(Path(path) / COMPLETE_FILE, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            raw = f.read(COMPLETE_MAX_BYTES + 1)
+        if len(raw) > COMPLETE_MAX_BYTES:
+            return None
+        data = json.loads(raw.decode("utf-8"))
         return int(data["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
