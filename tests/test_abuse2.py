@@ -219,3 +219,31 @@ def test_a_fifo_in_a_checkpoint_dir_never_hangs_a_submit(home, tmp_path):
         reader.join()
     assert not hung, "reading a checkpoint's COMPLETE waited on a FIFO"
     assert got == [[]]
+
+
+def _peak_rss_kib(pid: int) -> int:
+    """The process's peak resident memory (``VmHWM``, KiB)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def test_the_dashboards_log_view_keeps_only_the_lines_it_shows(server, tmp_path, monkeypatch):
+    """A job's node.log grown to 256 MiB (sparse: no disk): the dashboard's log view (its last
+    200 lines, refreshed every 3 s while followed) held every line of it at once; the server's
+    peak memory grows by less than half the log for it."""
+    from sftctl import api
+    from test_web import signed_in
+
+    t = tokens("alice")
+    size = 256 << 20
+    spec = tmp_path / "hole.yaml"
+    spec.write_text(f"name: hole\nresources: {{nodes: 1}}\nrun: |\n  truncate -s {size} $SFTCTL_NODE_DIR/node.log\n"
+                    "  echo after-the-hole\n")
+    as_user(monkeypatch, server, t["alice"])
+    job = api.run(str(spec), detach=True).id
+    assert api.wait(job, timeout_s=deadline(300)).status.value == "SUCCEEDED"
+    before = _peak_rss_kib(server.proc.pid)
+    page = signed_in(server, t["alice"]).get(f"/ui/jobs/{job}/logs", timeout=deadline(120))
+    assert page.status_code == 200 and "after-the-hole" in page.text
+    grew = _peak_rss_kib(server.proc.pid) - before
+    assert grew < size // 2 // 1024, f"the server's peak memory grew {grew:,} KiB for a {size >> 20} MiB log"
