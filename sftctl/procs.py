@@ -28,14 +28,16 @@ SAFE_MODULE_CODE = ('import sys, runpy; sys.path[:1] = [] if sys.path[:1] == [""
                     'runpy.run_module("{module}", run_name="__main__", alter_sys=True)')
 
 
-def module_argv(module: str, *args: str, python: str | None = None) -> list[str]:
+def module_argv(module: str, *args: str, python: str | None = None, isolated: bool = False) -> list[str]:
     """The argv that runs sftctl's own ``module`` (``sftctl.controller``) with ``args`` under
     ``python`` (default: this interpreter), never importing code from the working directory
     (see :data:`SAFE_MODULE_CODE`). Every place sftctl starts one of its modules uses it (node
-    scripts through the templates' ``py_module`` global)."""
+    scripts through the templates' ``py_module`` global). ``isolated``: ``python -I``, which
+    reads no ``PYTHON*`` variable and no user site-packages (a sandboxed node's guard: its
+    environment and ``HOME`` are the job's)."""
     if not module.replace(".", "").replace("_", "").isalnum():
         raise ValueError(f"not a module name: {module!r}")
-    return [python or sys.executable, "-c", SAFE_MODULE_CODE.format(module=module), *args]
+    return [python or sys.executable, *(["-I"] if isolated else []), "-c", SAFE_MODULE_CODE.format(module=module), *args]
 
 
 def start_ticks(pid: int) -> int | None:

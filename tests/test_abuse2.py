@@ -247,3 +247,41 @@ def test_the_dashboards_log_view_keeps_only_the_lines_it_shows(server, tmp_path,
     assert page.status_code == 200 and "after-the-hole" in page.text
     grew = _peak_rss_kib(server.proc.pid) - before
     assert grew < size // 2 // 1024, f"the server's peak memory grew {grew:,} KiB for a {size >> 20} MiB log"
+
+
+def test_a_jobs_env_never_runs_code_in_the_nodes_guard(server, tmp_path, monkeypatch):
+    """A node's guard and bwrap run outside the sandbox, as the server: alice's ``env:``
+    reached them, so ``PYTHONPATH`` (a ``sitecustomize.py`` of her workdir) and
+    ``LD_PRELOAD`` (a library of her workdir) ran her code there, which read the server's
+    secrets key. Nothing of hers runs outside the sandbox now; inside, her job gets both."""
+    import shutil
+    import subprocess
+
+    from sftctl import api
+
+    out = tmp_path / "outside"  # the sandbox hides /tmp: only a process outside can write here
+    out.mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "sitecustomize.py").write_text(
+        f"import os\ntry:\n    open(os.path.join({str(out)!r}, 'py-%d' % os.getpid()), 'w').close()\n"
+        "except OSError:\n    pass\n")
+    env = {"PYTHONPATH": str(work)}
+    if shutil.which("gcc"):
+        (work / "evil.c").write_text(
+            "#include <stdio.h>\n#include <unistd.h>\n"
+            "__attribute__((constructor)) static void evil(void) {\n"
+            f"  char p[4096]; snprintf(p, sizeof p, \"{out}/ld-%d\", (int)getpid());\n"
+            "  FILE *f = fopen(p, \"w\"); if (f) fclose(f);\n}\n")
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(work / "evil.so"), str(work / "evil.c")], check=True)
+        env["LD_PRELOAD"] = str(work / "evil.so")
+    spec = tmp_path / "env.yaml"
+    spec.write_text(f"name: envjob\nworkdir: {work}\nenv: {env!r}\nresources: {{nodes: 1}}\n"
+                    "run: |\n  echo \"inside PYTHONPATH=$PYTHONPATH LD_PRELOAD=$LD_PRELOAD\"\n")
+    as_user(monkeypatch, server, tokens("alice")["alice"])
+    job = api.run(str(spec), detach=True).id
+    view = api.wait(job, timeout_s=deadline(300))
+    log = "\n".join(line.text for line in api.logs(job))
+    assert sorted(p.name for p in out.iterdir()) == [], "alice's code ran outside the sandbox"
+    assert view.status.value == "SUCCEEDED", (view.failure_reason, log)
+    assert f"inside PYTHONPATH={work} LD_PRELOAD={env.get('LD_PRELOAD', '')}" in log, log

@@ -337,6 +337,24 @@ def wrap(argv: list[str], binds: Binds, *, tags: dict[str, str], chdir: str | os
     return [*out, "--chdir", str(chdir), "--", *argv]
 
 
+#: variables that make the dynamic loader (glibc's list of those it ignores in a setuid
+#: program, and its tunables) or Python run code of the job's: never in the environment of the
+#: guard and bwrap, which run outside the sandbox as the server
+LOADER_ENV = ("GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH", "MALLOC_TRACE",
+              "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TMPDIR", "TZDIR")
+
+
+def outside_environ(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """``env`` (a sandboxed node's) split into what the guard and bwrap, outside the sandbox,
+    may have and what only the sandbox's processes get (bwrap's ``--setenv``: on its command
+    line, so paths, not secrets): ``LD_*``, ``PYTHON*`` and :data:`LOADER_ENV`. Outside, such a
+    variable keeps the server's own value, if it has one."""
+    moved = {k: v for k, v in env.items() if k.startswith(("LD_", "PYTHON")) or k in LOADER_ENV}
+    outside = {k: v for k, v in env.items() if k not in moved}
+    outside.update({k: os.environ[k] for k in moved if k in os.environ})
+    return outside, moved
+
+
 def loopback_identity(rank: int) -> dict[str, str]:
     """``PET_LOCAL_ADDR``, a loopback address of node ``rank``'s own (``127.1.x.y``): torchrun's
     c10d rendezvous tells nodes apart by (address, pid), and sandboxed nodes on one machine share

@@ -149,13 +149,17 @@ class LocalProvider:
         else:
             full_env = sandbox.node_environ({**sandbox.loopback_identity(handle.rank), **node},
                                             home=_subdir(node_dir, "home"))
-            argv = sandbox.wrap(argv, binds, tags=tags, chdir=node_dir)
         # local nodes use sftctl's own Python environment: its python and torchrun come first
         full_env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), full_env.get("PATH", "")])
+        if binds is not None:
+            # the guard and bwrap run outside the sandbox, as the server: the job's variables that
+            # make the loader or Python run code (LD_PRELOAD, PYTHONPATH...) are set inside only
+            full_env, inside = sandbox.outside_environ(full_env)
+            argv = sandbox.wrap(argv, binds, tags={**inside, **tags}, chdir=node_dir)
         with _open_in(node_dir, files.log.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT) as log:
             try:
                 proc = subprocess.Popen(
-                    _guarded(handle.job_id, handle.node_id, argv),
+                    _guarded(handle.job_id, handle.node_id, argv, isolated=binds is not None),
                     cwd=node_dir,
                     env=full_env,
                     stdin=subprocess.DEVNULL,
@@ -349,18 +353,19 @@ class LocalProvider:
         return done
 
 
-def _guarded(job_id: str, node_id: str, argv: list[str]) -> list[str]:
+def _guarded(job_id: str, node_id: str, argv: list[str], isolated: bool = False) -> list[str]:
     """``argv`` under :func:`sftctl.procs.guard`, watching this process: the controller (the
     attached ``sftctl run`` or a detached ``python -m sftctl.controller``) that launches the node,
     then whichever controller adopts the job (its ``controller.json``). A controller killed even
     with SIGKILL thus takes its local nodes with it within seconds, or after
-    ``SFTCTL_LOCAL_ADOPT_GRACE_S`` when no new controller took the job over by then."""
+    ``SFTCTL_LOCAL_ADOPT_GRACE_S`` when no new controller took the job over by then.
+    ``isolated``: ``python -I`` (a sandboxed node's: its environment and ``HOME`` are the job's)."""
     me = os.getpid()
     ticks = procs.start_ticks(me)
     grace = settings.get("SFTCTL_LOCAL_ADOPT_GRACE_S") or 0.0
     return procs.module_argv("sftctl.procs", "guard", str(me), "-" if ticks is None else str(ticks),
                              node_id, "--owner", str(job_dir(job_id) / CONTROLLER_OWNER), "--grace", f"{grace:g}",
-                             "--", *argv)
+                             "--", *argv, isolated=isolated)
 
 
 #: Every local node process carries the sftctl home that started it, so ``sftctl down
