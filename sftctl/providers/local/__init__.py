@@ -199,9 +199,11 @@ class LocalProvider:
         else:
             full_env = sandbox.node_environ(node, home=_subdir(node_dir, "home"))
             full_env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), full_env.get("PATH", "")])
-            argv = sandbox.wrap(argv, binds, tags=tags, chdir=daemon_dir)
+            full_env, inside = sandbox.outside_environ(full_env)  # as launch: the guard runs outside
+            argv = sandbox.wrap(argv, binds, tags={**inside, **tags}, chdir=daemon_dir)
         with _open_in(node_dir, "daemon.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT) as log:
-            proc = subprocess.Popen(_guarded(handle.job_id, handle.node_id, argv), cwd=daemon_dir, env=full_env,
+            proc = subprocess.Popen(_guarded(handle.job_id, handle.node_id, argv, isolated=binds is not None),
+                                    cwd=daemon_dir, env=full_env,
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         return handle.with_(pid=proc.pid, start_ticks=procs.start_ticks(proc.pid), attempt=attempt)
