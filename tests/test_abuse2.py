@@ -285,3 +285,31 @@ def test_a_jobs_env_never_runs_code_in_the_nodes_guard(server, tmp_path, monkeyp
     assert sorted(p.name for p in out.iterdir()) == [], "alice's code ran outside the sandbox"
     assert view.status.value == "SUCCEEDED", (view.failure_reason, log)
     assert f"inside PYTHONPATH={work} LD_PRELOAD={env.get('LD_PRELOAD', '')}" in log, log
+
+
+def test_a_user_cannot_resume_from_another_users_checkpoint_dir(server, tmp_path, monkeypatch):
+    """bob's ``train.checkpoint_dir`` holds his job's checkpoints; alice names it with
+    ``resume_from: any``: her nodes would get it read-write (his weights; a ``state.pt`` of hers
+    that his next resume loads). The server refuses her submit in one line naming the field."""
+    from sftctl import api
+    from sftctl.errors import SpecError
+
+    t = tokens("alice", "bob")
+    ck = tmp_path / "bobs-checkpoints"
+    bob = tmp_path / "bob.yaml"
+    bob.write_text(f"name: bobs\ntrain: {{checkpoint_dir: {ck}}}\nresources: {{nodes: 1}}\nrun: |\n"
+                   "  mkdir -p $SFTCTL_CHECKPOINT_DIR/step-00000001 && cd $SFTCTL_CHECKPOINT_DIR/step-00000001\n"
+                   "  touch state.pt && echo '{\"step\": 1}' > COMPLETE\n")
+    as_user(monkeypatch, server, t["bob"])
+    job = api.run(str(bob), detach=True).id
+    assert api.wait(job, timeout_s=deadline(300)).status.value == "SUCCEEDED"
+    assert (ck / "step-00000001" / "COMPLETE").exists()
+
+    alice = tmp_path / "alice.yaml"
+    alice.write_text(f"name: alices\ntrain: {{checkpoint_dir: {ck}, resume_from: any}}\nresources: {{nodes: 1}}\n"
+                     "run: 'true'\n")
+    as_user(monkeypatch, server, t["alice"])
+    with pytest.raises(SpecError) as refused:
+        api.submit(str(alice))
+    assert "train.checkpoint_dir" in refused.value.message and "another user" in refused.value.message
+    assert (ck / ".sftctl-job").read_text().strip() == job  # still bob's

@@ -40,6 +40,7 @@ from sftctl.controller.submit import (
     NAMES_ONLY,
     EveryName,
     check_checkpoint_dir,
+    check_checkpoint_owner,
     check_controller_place,
     checkpoint_dir_path,
     default_install,
@@ -320,6 +321,8 @@ def check_spec(spec: JobSpec, checks: Checks) -> None:
                         hint="export it before sftctl run (or sftctl secret set NAME), or drop it from secrets")
     refuse_empty_secrets(spec, checks)
     check_checkpoint_dir(spec)  # another run's checkpoints would be resumed silently
+    if checks.serving:  # another user's, even when asked for: their nodes would share it
+        check_checkpoint_owner(spec, checks.owner)
     if spec.storage is not None:  # the nodes get the workdir as a pack: too big is said now, not at LAUNCHING
         check_workdir_size(spec.workdir, max_bytes=int(spec.storage.max_workdir_mb * 2**20))
     clouds = spec.resources.clouds

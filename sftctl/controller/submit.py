@@ -26,7 +26,7 @@ from sftctl.protocol import is_secret_name
 from sftctl.providers import checked_class
 from sftctl.providers.base import BuiltForJob
 from sftctl.spec import JobSpec, env_references, resolve_env
-from sftctl.state import JobRecord
+from sftctl.state import JobRecord, Store
 from sftctl.storage import open_storage
 from sftctl.storage.checkpoints import complete_checkpoint_steps
 from sftctl.storage.stream import NodeChannel
@@ -71,6 +71,30 @@ def check_checkpoint_dir(spec: JobSpec) -> None:
         hint=f"to continue that run set train.resume_from: {owner or 'any'}; for a fresh start use another "
              "checkpoint_dir (or none: each job gets its own)",
     )
+
+
+def check_checkpoint_owner(spec: JobSpec, user: str | None) -> None:
+    """In a server, refuse a ``train.checkpoint_dir`` that holds the checkpoints of another
+    user's job (its owner file names a job of the state whose owner is not ``user``), even
+    with ``resume_from: any``: the nodes get it read-write (that user's weights, and a
+    checkpoint the other user's next resume would load).
+
+    Raises:
+        SpecError: one line naming the field and the fix (exit 2).
+    """
+    root = checkpoint_dir_path(spec)
+    owner = _read_owner(root) if root is not None and root.is_dir() else None
+    if owner is None:
+        return
+    store = Store()
+    try:
+        job = store.get_job(owner)
+    finally:
+        store.close()
+    if job is not None and job.owner != user:
+        raise SpecError(f"train.checkpoint_dir: {root} holds the checkpoints of another user's job; "
+                        f"a job may use only its owner's",
+                        hint="give a checkpoint_dir of your own (or none: each job gets its own)")
 
 
 def claim_checkpoint_dir(root: str | os.PathLike | None, job_id: str) -> None:
