@@ -313,3 +313,25 @@ def test_a_user_cannot_resume_from_another_users_checkpoint_dir(server, tmp_path
         api.submit(str(alice))
     assert "train.checkpoint_dir" in refused.value.message and "another user" in refused.value.message
     assert (ck / ".sftctl-job").read_text().strip() == job  # still bob's
+
+
+def test_a_flood_of_agent_errors_is_a_bounded_number_of_events(home, tmp_path):
+    """A job writes 300 distinct ``agent_error`` records of 5,000 characters to its
+    health.jsonl: each became an event of the state (20,000 of them: 40 MB of the server's
+    state in seconds, every one on the job's dashboard page). At most MAX_WARNINGS of them
+    are recorded, each cut to a line, then one saying the rest go unsaid."""
+    from sftctl import api
+    from sftctl.health.records import MAX_WARNINGS
+
+    spec = tmp_path / "flood.yaml"
+    spec.write_text("name: flood\nresources: {nodes: 1}\nrun: |\n  python3 -c \"\n"
+                    "  import json, os\n"
+                    "  with open(os.environ['SFTCTL_NODE_DIR'] + '/health.jsonl', 'a') as f:\n"
+                    "      for i in range(300):\n"
+                    "          f.write(json.dumps({'ts': 1.0, 'agent_error': 'e%d ' % i + 'x' * 5000}) + '\\n')\n"
+                    "  \"\n  sleep 4\n")
+    job = api.run(str(spec), detach=True).id
+    assert api.wait(job, timeout_s=deadline(300)).status.value == "SUCCEEDED"
+    agent = [e for e in api.events(job) if "health agent" in e.message]
+    assert 1 <= len(agent) <= MAX_WARNINGS + 1, len(agent)
+    assert max(len(e.message) for e in agent) <= 500

@@ -32,6 +32,7 @@ class Draining:
     rank_nodes: dict[int, int]
     _reported_attempt: int
     _dropped_records: int
+    _agent_errors: int
 
     def _drain(self) -> None:
         """Pass new log text and metrics of every node to the reporter; record metrics."""
@@ -55,8 +56,16 @@ class Draining:
                 gpu = self._valid_records(node.rank, self.provider.read_health(node.handle, node.health_offsets),
                                           check_gpu_sample, "health")
                 for problem in {s["agent_error"] for s in gpu if "agent_error" in s}:
-                    # the agent keeps going without that part, so the job does too, but says so
-                    message = f"node {node.rank}: health agent: {problem}"
+                    # the agent keeps going without that part, so the job does too, but says so; the
+                    # job writes these lines: MAX_WARNINGS events, each a line, then one saying so
+                    self._agent_errors += 1
+                    if self._agent_errors > MAX_WARNINGS + 1:
+                        continue
+                    line = " ".join(problem.split())
+                    message = (f"node {node.rank}: health agent: {line[:300]}{'...' if len(line) > 300 else ''}"
+                               if self._agent_errors <= MAX_WARNINGS else
+                               f"node {node.rank}: health agent: more than {MAX_WARNINGS} errors; further ones "
+                               "are not recorded")
                     self.store.add_event(self.job_id, "health", message)
                     self.reporter.event(f"warning: {message}")
                 report_preflight(self.store, self.job_id, self.reporter, node.rank, gpu,

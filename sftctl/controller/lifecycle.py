@@ -126,6 +126,7 @@ class Controller(Recovery, Draining):
         self.attempt = 0
         self._reported_attempt = 0  # the attempt whose first step report has been seen
         self._dropped_records = 0  # invalid metrics records of the job's nodes (health.records)
+        self._agent_errors = 0  # health agent errors the nodes reported (drain.py: bounded events)
         self.rank_nodes: dict[int, int] = {}  # training (global) rank -> node rank, as the nodes report
         self.restarts = job.restarts
         self.error: SftctlError | None = None  # what ended the job, when sftctl itself did (exit code)
