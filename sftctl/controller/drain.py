@@ -33,6 +33,7 @@ class Draining:
     _reported_attempt: int
     _dropped_records: int
     _agent_errors: int
+    offering: Any
 
     def _drain(self) -> None:
         """Pass new log text and metrics of every node to the reporter; record metrics."""
@@ -44,7 +45,7 @@ class Draining:
                 text = data.decode("utf-8", "replace")
                 self.reporter.log(node.rank, text)
             records = self._valid_records(node.rank, self.provider.read_metrics(node.handle, node.metric_offsets),
-                                          check_metrics_record, "metrics")
+                                          self._check_metrics, "metrics")
             samples = [s for s in records if "step" in s]  # the rest are heartbeats
             for r in {int(s["rank"]) for s in records if s.get("rank") is not None}:
                 placed[r] = node.rank
@@ -83,6 +84,17 @@ class Draining:
                 self._reported_attempt = self.attempt
                 first = min(int(s["step"]) for s in batch)
                 self.store.add_event(self.job_id, "progress", f"attempt {self.attempt}: first step reported is {first}")
+
+    def _check_metrics(self, record: object) -> tuple[dict | None, str | None]:
+        """:func:`check_metrics_record`, and a ``rank`` below the job's world size (nodes x the
+        offering's processes per node): the job writes these records, and each rank it names
+        is rows of the state that every user's jobs list reads."""
+        clean, problem = check_metrics_record(record)
+        world = self.spec.resources.nodes * max(1, int(self.offering.count))
+        if clean is not None and clean.get("rank") is not None and clean["rank"] >= world:
+            return None, (f"rank: {clean['rank']} is not one of the job's {world} ranks "
+                          f"({self.spec.resources.nodes} node(s) x {self.offering.count})")
+        return clean, problem
 
     def _valid_records(self, node_rank: int, records: list, check, what: str) -> list[dict]:
         """The node's records that ``check`` (:func:`check_metrics_record` for ``what``
