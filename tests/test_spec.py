@@ -426,3 +426,31 @@ def test_api_overrides_are_named_as_the_caller_wrote_them(home):
     with pytest.raises(SpecError) as e:  # what the CLI passes: its --set options, named as typed
         api.load(quickstart, overrides=["train.steps=x"])
     assert e.value.message.startswith("--set train.steps=x: train.steps:")
+
+
+def test_a_relative_set_storage_through_a_server_is_the_users_directory(tmp_path, home, monkeypatch):
+    """`sftctl run --set storage=relstore` through a server took relstore from the server's current
+    directory: the job's checkpoints went below the server's. The client makes it absolute
+    against its own directory, as a run without a server does; storage given otherwise (a URL,
+    an absolute path, other keys) goes as written."""
+    pytest.importorskip("fastapi")
+    from sftctl import api
+    from sftctl.spec import absolute_storage_overrides
+    from test_server import Server, as_user, tokens
+
+    (tmp_path / "shell").mkdir()
+    monkeypatch.chdir(tmp_path / "shell")
+    shell = tmp_path / "shell"
+    assert absolute_storage_overrides(["storage=rel", "storage.url=./o", "storage=s3://b/p", "storage=/abs",
+                                       "train.steps=3", "storage.max_workdir_mb=5", "storage={url: x}"]) == \
+        [f"storage={shell / 'rel'}", f"storage.url={shell / 'o'}", "storage=s3://b/p", "storage=/abs",
+         "train.steps=3", "storage.max_workdir_mb=5", "storage={url: x}"]
+    spec = write_spec(tmp_path / "st.yaml", "name: st\nrun: echo hi\n")
+    server = Server(home, tmp_path / "server.log").start()
+    try:
+        as_user(monkeypatch, server, tokens("alice")["alice"])
+        sub = api.submit(str(spec), ["storage=relstore"])
+        api.down(sub.job_id)
+        assert sub.spec.storage.url == str(shell / "relstore")
+    finally:
+        server.stop()

@@ -160,10 +160,11 @@ def submit(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | No
 
 def _submit_remote(remote, spec: SpecLike, overrides: Overrides) -> Submitted:
     """:func:`submit` through the server: the spec's text and where it came from (relative paths
-    are taken from its directory, as here) and the overrides go there; the server validates,
+    are taken from its directory, as here) and the overrides go there (a relative ``--set
+    storage=`` made absolute here, against this directory); the server validates,
     plans and records the job as its requester's. Secrets travel by name: the server's
     environment holds their values. The server's warnings are issued here."""
-    from sftctl.spec import JobSpec
+    from sftctl.spec import JobSpec, absolute_storage_overrides
 
     if isinstance(spec, JobSpec):
         import json
@@ -177,7 +178,8 @@ def _submit_remote(remote, spec: SpecLike, overrides: Overrides) -> Submitted:
 
         text, label = _read_spec_file(path), str(path)
     doc = remote.request("POST", "/v1/jobs", read_s=None,
-                         json={"spec_text": text, "spec_path": label, "overrides": _override_strings(overrides)})
+                         json={"spec_text": text, "spec_path": label,
+                               "overrides": absolute_storage_overrides(_override_strings(overrides))})
     for line in doc.get("warnings", []):
         warnings.warn(SftctlWarning(line), stacklevel=3)
     record = JobRecord.from_dict(doc["job"])

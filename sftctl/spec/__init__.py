@@ -42,7 +42,8 @@ from sftctl.spec.env import (  # noqa: F401 (re-exported)
 )
 from sftctl.spec.load import (  # noqa: F401 (re-exported)
     MAX_PROBLEM_LINES, _all_problems, _apply_override, _check_entrypoint_function, _explain, _field_model_at,
-    _read_spec_file, _unwrap, _user_defaults, default_name, load_spec, unknown_accelerator,
+    _read_spec_file, _unwrap, _user_defaults, absolute_storage_overrides, default_name, load_spec,
+    unknown_accelerator,
 )
 from sftctl.errors import SpecError  # noqa: F401 (importable from here, as before)
 from sftctl.health.registry import Threshold as HealthThreshold, spec_thresholds  # noqa: F401

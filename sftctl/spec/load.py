@@ -290,6 +290,21 @@ def _is_relative_directory(url: str) -> bool:
     return "://" not in url and not os.path.isabs(os.path.expanduser(url))
 
 
+def absolute_storage_overrides(sets: typing.Sequence[str], cwd: Path | None = None) -> list[str]:
+    """``--set`` strings with a relative storage directory (``storage=relstore``,
+    ``storage.url=./out``) made absolute against ``cwd`` (default: the current directory), as
+    :func:`load_spec` would take it here. A client sends these to a server, whose current
+    directory is not the user's (the job's checkpoints went below the server's)."""
+    out = []
+    for s in sets:
+        key, sep, value = s.partition("=")
+        if sep and key.strip() in ("storage", "storage.url") and value.strip() \
+                and value.strip()[:1] not in "[{'\"" and _is_relative_directory(value.strip()):
+            value = str(((cwd or Path.cwd()) / os.path.expanduser(value.strip())).resolve())
+        out.append(f"{key}{sep}{value}")
+    return out
+
+
 def _config_dir() -> Path:
     """The directory a relative ``defaults.storage`` is taken from: the config file's, when the
     setting comes from it (not from ``$SFTCTL_STORAGE``), else the current directory."""
