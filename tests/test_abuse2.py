@@ -360,3 +360,43 @@ def test_metrics_of_ranks_a_job_does_not_have_are_dropped(home, tmp_path):
     assert sorted({s.rank for s in api.metrics(job)}) == list(range(world))
     warned = [e for e in api.events(job) if e.kind == "metrics"]
     assert 1 <= len(warned) <= MAX_WARNINGS + 1 and "rank" in warned[0].message, warned[:2]
+
+
+def test_log_followers_never_hold_the_servers_threads(server, tmp_path, monkeypatch):
+    """40 ``logs --follow`` of alice's quiet job (closed again, as a client that went away):
+    each held one of the server's 40 worker threads while it waited for lines, so the server
+    answered no request of anyone's until the job ended (it never does here). bob is answered
+    now."""
+    import asyncio
+
+    import httpx
+
+    from sftctl import api
+
+    t = tokens("alice", "bob")
+    spec = tmp_path / "quiet.yaml"
+    spec.write_text("name: quiet\nresources: {nodes: 1}\nrun: |\n  echo started\n  sleep 100000\n")
+    as_user(monkeypatch, server, t["alice"])
+    job = api.run(str(spec), detach=True).id
+    try:
+        from conftest import wait_for
+
+        wait_for(lambda: any("started" in line.text for line in api.logs(job)), timeout_s=deadline(120),
+                 what="the job to start")
+
+        async def follow_then_leave() -> None:
+            headers = {"Authorization": f"Bearer {t['alice']}"}
+            async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=deadline(60)) as c:
+                streams = [c.stream("GET", f"/v1/jobs/{job}/logs", params={"follow": "true"}) for _ in range(40)]
+                opened = await asyncio.gather(*(s.__aenter__() for s in streams))
+                assert all(r.status_code == 200 for r in opened)
+                await asyncio.sleep(2)
+                for s in streams:
+                    await s.__aexit__(None, None, None)
+
+        asyncio.run(follow_then_leave())
+        answer = httpx.get(f"{server.url}/v1/whoami", headers={"Authorization": f"Bearer {t['bob']}"},
+                           timeout=deadline(60))
+        assert answer.json()["name"] == "bob"
+    finally:
+        api.down(job)
