@@ -50,7 +50,8 @@ def test_numpy_tolist_and_branches_take_the_traced_batchs_values():
     assert any(f".tolist() at {__file__}:{line + 4} (forward)" in a for a in said), said
     assert any(f"data-dependent branch at {__file__}:{line + 8} (forward): taken as True" in a for a in said), said
     step = next(n for n in graph.nodes if n.op == "input" and n.attrs.get("role") == "step")
-    assert step.attrs["trace_assumptions"] == said  # what sftctl compile lists in its notes
+    # what sftctl compile lists in its notes; a tuple, as every IR attribute (it survives to_json)
+    assert step.attrs["trace_assumptions"] == tuple(said)
 
 
 def test_a_value_with_no_real_input_is_refused_naming_the_line():
