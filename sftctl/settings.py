@@ -71,7 +71,8 @@ class Setting:
         name: the environment variable, ``SFTCTL_...``.
         type: ``str``, ``path``, ``int``, ``float``, ``bool`` (1/0, true/false, yes/no, on/off),
             ``choice`` (one of ``choices``) or ``list`` (comma-separated in the environment, a
-            YAML list in the file; each one of ``choices`` when given).
+            YAML list in the file; each one of ``choices`` when given) or ``paths`` (a list of
+            paths, ``os.pathsep``-separated in the environment, a YAML list in the file).
         default: the value when unset (None: unset is a state of its own); ``shown_default``
             is how the table shows a default computed at run time.
         meaning: one line for the table.
@@ -122,6 +123,8 @@ class Setting:
             return f"a comma-separated list of {one}" if self.type == "list" else one
         if self.type == "list":
             return "a comma-separated list"
+        if self.type == "paths":
+            return f"paths separated by {os.pathsep!r}"
         return "a path" if self.type == "path" else "text"
 
     def parse(self, raw: str, where: str | None = None) -> typing.Any:
@@ -163,6 +166,11 @@ class Setting:
             return items
         if self.type == "path":
             return os.path.expanduser(text)
+        if self.type == "paths":
+            paths = [os.path.expanduser(p.strip()) for p in text.split(os.pathsep) if p.strip()]
+            if not paths:
+                raise SettingError(f"{where}: expected {self.expected()}, got {raw!r}", hint=self._hint())
+            return paths
         problem = self.check(text) if self.check is not None else None
         if problem is not None:
             raise SettingError(f"{where}: {problem[0]}", hint=problem[1])
@@ -173,7 +181,7 @@ class Setting:
         if isinstance(value, bool):
             return "1" if value else "0"
         if isinstance(value, (list, tuple)):
-            return ",".join(map(str, value))
+            return (os.pathsep if self.type == "paths" else ",").join(map(str, value))
         return str(value)
 
     def _hint(self) -> str:
@@ -237,6 +245,12 @@ DECLARED: tuple[Setting, ...] = (
        "this (characters)", file="server.max_override_chars", minimum=1),
     _u("SERVER_WRITES_PER_MINUTE", "int", 300, "the server's limit on each user's writes (submit, start, down) per "
        "minute, in bursts of as many (429 past it; 0: no limit)", file="server.writes_per_minute", minimum=0),
+    _u("SERVER_WORKDIR_ROOTS", "paths", None, "a server refuses a job whose workdir (symlinks followed) lies "
+       "outside these directories; {user} in one is the job's owner (set it on a shared machine)",
+       set_by="server admin", file="server.workdir_roots", shown_default="none: any workdir"),
+    _u("SERVER_METRICS_TOKEN", "str", None, "the token Prometheus scrapes the server's /metrics with (a secret for "
+       "/metrics only; an admin's token works too)", set_by="server admin", file="server.metrics_token",
+       shown_default="$SFTCTL_HOME/metrics.token (0600, made on first use)"),
     _u("SERVER_TOKEN_DAYS", "int", 90, "a token from sftctl server user add or token rotate expires after this "
        "many days unless --expires says otherwise", file="server.token_days", minimum=1),
     _u("CATALOG_OVERRIDES", "path", None, "a CSV of negotiated prices that win over the catalog's "
@@ -700,8 +714,8 @@ def _value_in(s: Setting, path: str | None, doc: dict, lines: dict) -> typing.An
     if node is None:
         return _MISSING
     where = f"{path}:{lines.get(s.file, 1)}: {s.file}"
-    if isinstance(node, list) and s.type == "list" and all(isinstance(x, (str, int, float)) for x in node):
-        node = ",".join(str(x) for x in node)
+    if isinstance(node, list) and s.type in ("list", "paths") and all(isinstance(x, (str, int, float)) for x in node):
+        node = (os.pathsep if s.type == "paths" else ",").join(str(x) for x in node)
     if isinstance(node, bool) and s.type != "bool" or isinstance(node, (dict, list)):
         raise SettingError(f"{where}: expected {s.expected()}, got {node!r}",
                            hint=f"write {s.file} as {s.expected()} ({s.meaning}), or set {s.name}")
