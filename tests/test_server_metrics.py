@@ -1,13 +1,17 @@
 """The server's /metrics (issue 36): a real `sftctl server` with priced jobs in its state; the
-exposition parsed with prometheus_client's own parser; who may read it (loopback, an admin's
-token; a proxied request is never loopback)."""
+exposition parsed with prometheus_client's own parser; who may read it: the server's scrape token
+or an admin's, from anywhere, the server's own machine (loopback) included: a local job's
+sandboxed nodes share that network."""
 
 from __future__ import annotations
 
+import os
+import stat
 import time
 
 import pytest
 
+from conftest import sftctl
 from test_cost import H, OFFERING, T0, _job
 from test_server import Server, tokens
 
@@ -22,7 +26,7 @@ def server(home, tmp_path):
     s.stop()
 
 
-def test_metrics_export_jobs_queue_and_cost_to_loopback_and_admins(server):
+def test_metrics_export_jobs_queue_and_cost_to_the_scrape_token_and_admins(server, home):
     from sftctl.state import JobStatus, Store
 
     t = tokens("alice", admin="admin1")
@@ -35,7 +39,13 @@ def test_metrics_export_jobs_queue_and_cost_to_loopback_and_admins(server):
     store._conn.execute("UPDATE jobs SET created_at = ? WHERE id = ?", (time.time() - 600, waiting))
     store.close()
 
-    r = httpx.get(f"{server.url}/metrics", timeout=30)  # from this machine: no token needed
+    scrape = sftctl("server", "metrics-token", check=True)
+    token = scrape.stdout.strip()
+    assert len(token) == 43 and scrape.stdout == token + "\n"  # 256 bits, URL-safe base64; the note on stderr
+    assert "credentials_file" in scrape.stderr and str(home / "metrics.token") in scrape.stderr
+    assert (home / "metrics.token").read_text().strip() == token
+    assert stat.S_IMODE(os.stat(home / "metrics.token").st_mode) == 0o600
+    r = httpx.get(f"{server.url}/metrics", headers={"authorization": f"Bearer {token}"}, timeout=30)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
     families = {f.name: f for f in parser.text_string_to_metric_families(r.text)}
 
@@ -52,14 +62,43 @@ def test_metrics_export_jobs_queue_and_cost_to_loopback_and_admins(server):
     assert values("sftctl_cost_unpriced_jobs", "user") == {"alice": 1, "bob": 0}
     assert values("sftctl_spend_usd_per_hour") == {None: 0}
 
-    # through a proxy the peer is never loopback: an admin's token, else 401 / 403
+    # an admin's token reads it too; through a proxy as directly
     proxied = {"x-forwarded-for": "203.0.113.7"}
-    r = httpx.get(f"{server.url}/metrics", headers=proxied, timeout=30)
-    assert r.status_code == 401 and "no token" in r.json()["error"]
-    r = httpx.get(f"{server.url}/metrics", headers={**proxied, "authorization": f"Bearer {t['alice']}"}, timeout=30)
-    assert r.status_code == 403 and r.json()["error"] == "/metrics: alice is not an admin of this server"
     r = httpx.get(f"{server.url}/metrics", headers={**proxied, "authorization": f"Bearer {t['admin1']}"}, timeout=30)
     assert r.status_code == 200 and "sftctl_cost_usd{user=\"alice\"} 196.64" in r.text
+
+
+def test_metrics_needs_a_token_even_from_the_servers_own_machine(server):
+    """A loopback GET /metrics without a token is 401 (a sandboxed job's node shares the server's
+    network: it must not read every user's names and costs); a bad token 401; a user who is not
+    an admin 403; the scrape token 200."""
+    t = tokens("alice")
+    r = httpx.get(f"{server.url}/metrics", timeout=30)  # 127.0.0.1 -> 127.0.0.1, no proxy header
+    assert r.status_code == 401 and "sftctl_" not in r.text
+    doc = r.json()
+    assert doc["error"] == "/metrics: no token: every request needs Authorization: Bearer <token>"
+    assert "credentials_file" in doc["hint"] and "sftctl server metrics-token" in doc["hint"]
+    r = httpx.get(f"{server.url}/metrics", headers={"authorization": "Bearer not-the-scrape-token"}, timeout=30)
+    assert r.status_code == 401 and r.json()["error"] == "/metrics: the server knows no user with this token"
+    r = httpx.get(f"{server.url}/metrics", headers={"authorization": f"Bearer {t['alice']}"}, timeout=30)
+    assert r.status_code == 403 and r.json()["error"] == "/metrics: alice is not an admin of this server"
+    token = sftctl("server", "metrics-token", check=True).stdout.strip()
+    r = httpx.get(f"{server.url}/metrics", headers={"authorization": f"Bearer {token}"}, timeout=30)
+    assert r.status_code == 200 and "sftctl_queue_jobs 0.0" in r.text
+    r = httpx.get(f"{server.url}/metrics", headers={"authorization": f"Bearer {token}x"}, timeout=30)
+    assert r.status_code == 401
+
+
+def test_the_scrape_token_from_the_environment_replaces_the_file(home, tmp_path):
+    """SFTCTL_SERVER_METRICS_TOKEN set for the server: that value, and no file is made."""
+    server = Server(home, tmp_path / "server.log", env={"SFTCTL_SERVER_METRICS_TOKEN": "lab-scrape-secret"}).start()
+    try:
+        ok = httpx.get(f"{server.url}/metrics", headers={"authorization": "Bearer lab-scrape-secret"}, timeout=30)
+        assert ok.status_code == 200 and "sftctl_jobs" in ok.text
+        assert httpx.get(f"{server.url}/metrics", timeout=30).status_code == 401
+        assert not (home / "metrics.token").exists()
+    finally:
+        server.stop()
 
 
 def test_the_node_agents_metrics_endpoint_serves_prometheus_clients_text():

@@ -38,7 +38,7 @@ OPEN_PATHS = frozenset({"/v1/health"})
 #: the dashboard's pages (``/`` and under ``/ui/``): :mod:`sftctl.server.web` authenticates them
 #: by their session cookie, through the same ``authenticate``, and limits their actions itself
 OPEN_PREFIXES = ("/ui/",)
-#: ``/metrics`` (:mod:`sftctl.server.metrics`) authenticates itself too: loopback needs no token
+#: ``/metrics`` (:mod:`sftctl.server.metrics`) authenticates itself too: the scrape token or an admin's
 WEB_PATHS = frozenset({"/", "/metrics"})
 #: the writes a user's rate limit counts: (method, path pattern)
 WRITES = ((b"POST", re.compile(r"/v1/jobs/?")), (b"POST", re.compile(r"/v1/jobs/[^/]+/start/?")),

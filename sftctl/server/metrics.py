@@ -13,18 +13,22 @@ cost, written by ``prometheus-client`` (:func:`sftctl.health.prometheus.expose`)
 ``sftctl_spend_usd_per_hour``          what the live jobs' nodes cost per hour now (price x nodes)
 =====================================  ==========================================================
 
-Who may read it: an admin's token (``Authorization: Bearer``), or any request from the server's
-own machine (a loopback peer address: a Prometheus beside the server needs no token). A request
-that came through a proxy (``X-Forwarded-For`` or ``Forwarded``) is never taken as loopback,
-whatever its peer address. Anyone else: 401 (no or a bad token) or 403 (not an admin).
+Who may read it: a request with ``Authorization: Bearer TOKEN`` where TOKEN is the server's
+scrape token (:func:`scrape_token`: a secret for ``/metrics`` only, so a Prometheus holds no
+user's token) or an admin's. No token or an unknown one: 401; a user who is not an admin: 403.
+Every caller needs a token, the server's own machine included: a local job's sandboxed nodes
+share the machine's network (loopback), and the exposition names every user and their cost.
 :class:`~sftctl.server.guard.Guard` lets ``/metrics`` through (``WEB_PATHS``): this module
 authenticates it.
 """
 
 from __future__ import annotations
 
-import ipaddress
+import hmac
+import os
+import secrets
 import time
+from pathlib import Path
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -37,15 +41,74 @@ from sftctl.types import User
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def loopback(request: Request) -> bool:
-    """Whether the request came from this machine, not through a proxy."""
-    if request.headers.get("x-forwarded-for") or request.headers.get("forwarded"):
-        return False
-    host = request.client.host if request.client else ""
+#: the scrape token's file in the server's ``$SFTCTL_HOME`` when SFTCTL_SERVER_METRICS_TOKEN is unset
+TOKEN_FILE = "metrics.token"
+#: how Prometheus sends it: its scrape config's ``authorization`` (Bearer is its default type)
+SCRAPE_HINT = ("Prometheus sends the server's scrape token with authorization: {credentials_file: FILE} "
+               "(sftctl server metrics-token on the server's machine prints it), or use an admin's token")
+
+
+def token_file() -> Path:
+    """``$SFTCTL_HOME/metrics.token``: where :func:`scrape_token` keeps the token it made."""
+    from sftctl.paths import sftctl_home
+
+    return sftctl_home() / TOKEN_FILE
+
+
+def scrape_token() -> str:
+    """The server's scrape token for ``/metrics``: ``SFTCTL_SERVER_METRICS_TOKEN`` (config
+    ``server.metrics_token``), else the text of ``$SFTCTL_HOME/metrics.token``, made now when
+    missing (256 random bits as URL-safe base64, 43 characters; mode 0600, written whole to a
+    temporary file and linked into place, so two processes starting at once agree on one).
+
+    Raises:
+        SettingError: a malformed config file (exit 2).
+        SftctlError: the file is readable by others, empty, or cannot be read or written (exit 2).
+    """
+    from sftctl import settings
+
+    text = settings.get("SFTCTL_SERVER_METRICS_TOKEN")
+    if text:
+        return text
+    path = token_file()
+    if not path.exists():
+        tmp = path.with_name(f".{TOKEN_FILE}.{os.getpid()}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(32) + "\n")
+            try:
+                os.link(tmp, path)  # atomic; the first process's token wins
+            except FileExistsError:
+                pass
+        except OSError as e:
+            raise SftctlError(f"{path}: cannot create the metrics scrape token: {e.strerror}",
+                              hint="SFTCTL_HOME must be writable by the user the server runs as, or set "
+                                   "SFTCTL_SERVER_METRICS_TOKEN") from None
+        finally:
+            tmp.unlink(missing_ok=True)
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
+        mode = path.stat().st_mode & 0o777
+        text = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SftctlError(f"{path}: cannot read the metrics scrape token: {getattr(e, 'strerror', None) or e}",
+                          hint="it belongs to the user the server runs as (mode 0600)") from None
+    if mode & 0o077:
+        raise SftctlError(f"{path}: the metrics scrape token is readable by others (mode {mode:o})",
+                          hint=f"chmod 600 {path}")
+    if not text:
+        raise SftctlError(f"{path}: the metrics scrape token is empty",
+                          hint=f"remove {path}: the server makes a new one (sftctl server metrics-token prints it)")
+    return text
+
+
+def is_scrape_token(authorization: str) -> bool:
+    """Whether an ``Authorization`` header carries the server's scrape token (``Bearer TOKEN``),
+    compared in constant time (:func:`hmac.compare_digest`)."""
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
         return False
+    return hmac.compare_digest(token.strip().encode(), scrape_token().encode())
 
 
 def render(now: float | None = None) -> str:
@@ -91,13 +154,22 @@ def render(now: float | None = None) -> str:
 
 def mount(app: FastAPI, authenticate: Callable[[str], User], forbidden: type[SftctlError]) -> None:
     """Add ``GET /metrics`` to ``app``. ``authenticate(authorization_header) -> User`` is the JSON
-    API's (a 401's :class:`SftctlError` for a bad token); ``forbidden``: the API's 403 error."""
+    API's (a 401's :class:`SftctlError` for a bad token); ``forbidden``: the API's 403 error.
+    The scrape token is made (or checked) now, so a problem with it stops the server's start.
+
+    Raises:
+        SftctlError: the scrape token's file cannot be made or read, or is readable by others.
+    """
+    scrape_token()
 
     @app.get("/metrics", include_in_schema=False)
     def metrics(request: Request):
-        if not loopback(request):
-            user = authenticate(request.headers.get("authorization", ""))
+        header = request.headers.get("authorization", "")
+        if not is_scrape_token(header):
+            try:
+                user = authenticate(header)
+            except SftctlError as e:  # the JSON API's hint names server.token: say what a scraper sends
+                raise type(e)(f"/metrics: {e.message}", hint=SCRAPE_HINT) from None
             if not user.admin:
-                raise forbidden(f"/metrics: {user.name} is not an admin of this server",
-                                hint="an admin's token, or scrape from the server's own machine")
+                raise forbidden(f"/metrics: {user.name} is not an admin of this server", hint=SCRAPE_HINT)
         return Response(render(), media_type=CONTENT_TYPE)
