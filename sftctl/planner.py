@@ -27,7 +27,6 @@ from sftctl.catalog import Offering, accelerator_names, cloud_offerings, refresh
 from sftctl.catalog.accelerators import find_accelerator
 from sftctl.compiler.accuracy import accuracy, factor, overlap
 from sftctl.compiler import tpu
-from sftctl.compiler.frontends import EntrypointFileNotFound, EntrypointFunctionNotFound
 from sftctl.compiler.memory import attention_assumed
 from sftctl.errors import InfeasibleError, ProviderError, SftctlError, SpecError, UntraceableModelError
 from sftctl.health import preflight
@@ -36,6 +35,7 @@ from sftctl.providers import names as provider_names, provider_class, usable_pro
 from sftctl.providers.base import LiveOfferings, QueueEstimate, Quarantines
 from sftctl.providers.local import LocalProvider, local_offering
 from sftctl.spec import JobSpec, unknown_accelerator
+from sftctl.trace_errors import EntrypointError, trace_error
 from sftctl.types import FailureCode, FailureReason, Plan, PlanChoice, RunRecord, capabilities
 
 if TYPE_CHECKING:
@@ -45,17 +45,6 @@ if TYPE_CHECKING:
 # Predicts the job on an offering at a node count (sftctl.compiler.api.OfferingPrediction), or
 # None when it cannot (the predictor says why in its ``error``).
 PredictFn = Callable[[Offering, int], "OfferingPrediction | None"]
-
-
-#: The pip extra that installs a framework the tracer imports (pyproject.toml's optional deps).
-_EXTRA_OF_MODULE = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "flax": "jax", "transformers": "hf"}
-
-
-class EntrypointError(SpecError):
-    """``model.entrypoint`` names a file or function that is not there, or a file Python cannot
-    parse: the user's mistake. It stops ``run`` as it stops ``plan`` (exit 2); ranking by price
-    only (``strict=False``) is for a framework that is not installed or a model sftctl cannot
-    trace or compile."""
 
 
 class Predictor:
@@ -91,7 +80,13 @@ class Predictor:
         self._seen: list[str] = []  # accelerators compiled for so far, in order
 
     def graph(self, per_rank_batch: int | None = None):
-        """The traced step for one data-parallel rank's share of the global batch."""
+        """The traced step for one data-parallel rank's share of the global batch.
+
+        Raises:
+            SpecError, EntrypointError (exit 2), UntraceableModelError (exit 5): the trace
+                failed, worded by :func:`sftctl.trace_errors.trace_error`.
+            ProviderError: a server's sandbox refused the workdir (exit 4).
+        """
         m = self.spec.model
         batch = per_rank_batch or m.batch_size
         if batch not in self._graphs:
@@ -106,25 +101,7 @@ class Predictor:
             except (SpecError, ProviderError):  # ProviderError: a server's sandbox refused the workdir
                 raise
             except Exception as e:  # the user's model code, or an op the frontend cannot lower
-                first = str(e).splitlines()[0] if str(e) else ""
-                hint = "sftctl compile --debug shows the traceback; leave model out to skip prediction"
-                error: type[SftctlError] = SpecError
-                if isinstance(e, (EntrypointFileNotFound, EntrypointFunctionNotFound, SyntaxError)):
-                    error = EntrypointError
-                    hint = "model.entrypoint is file.py:function, the file relative to workdir: check both names"
-                extra = _EXTRA_OF_MODULE.get((getattr(e, "name", None) or "").split(".")[0])
-                if isinstance(e, ModuleNotFoundError) and extra:
-                    hint = f"install it: pip install -e '.[{extra}]' in sftctl's clone (or leave model out to skip prediction)"
-                elif error is SpecError and not isinstance(e, ImportError):
-                    error = UntraceableModelError  # the model traced as far as the tracer could take it
-                    hint = ("sftctl compile --debug shows the traceback; write that part with supported ops, "
-                            "or leave model out to skip prediction (sftctl run ranks by price)")
-                what = f"cannot trace {m.entrypoint}: {getattr(e, 'remote_type', type(e).__name__)}: {first}"
-                if isinstance(e, (EntrypointFileNotFound, EntrypointFunctionNotFound)):
-                    what = first  # "examples/gpt/model.py has no function 'nofunc'"
-                raise error(
-                    f"model.entrypoint: {what}", hint=hint,
-                ) from e
+                raise trace_error(e, m.entrypoint) from e
         return self._graphs[batch]
 
     def target(self, accelerator: str):
