@@ -156,7 +156,7 @@ GUARD_POLL_S = 1.0
 
 
 def guard(controller_pid: int, controller_ticks: int | None, node_id: str, argv: list[str],
-          owner: str | None = None, grace_s: float = 0.0) -> int:
+          owner: str | None = None, grace_s: float = 0.0, pass_fds: tuple[int, ...] = ()) -> int:
     """Run ``argv`` and stop it, with every process tagged ``SFTCTL_NODE_ID=node_id``, once the
     controller ``controller_pid`` (started at ``controller_ticks``) is gone.
 
@@ -167,11 +167,17 @@ def guard(controller_pid: int, controller_ticks: int | None, node_id: str, argv:
     a live controller recorded there on this host (one that adopted the job after its first
     died) is watched from then on. ``grace_s``: how long the node outlives its controller
     waiting for such a successor (``SFTCTL_LOCAL_ADOPT_GRACE_S``; 0: stopped within seconds).
+    ``pass_fds``: descriptors this process inherited for ``argv`` (bwrap's options,
+    :class:`sftctl.providers.sandbox.Command`): passed on, then closed here.
     Returns ``argv``'s exit code (128 + N when signal N ended it).
     """
     import subprocess
 
-    child = subprocess.Popen(argv)
+    try:
+        child = subprocess.Popen(argv, pass_fds=pass_fds)
+    finally:
+        for fd in pass_fds:
+            os.close(fd)
     gone_since: float | None = None
     while True:
         try:
@@ -216,21 +222,24 @@ def _successor(owner: str | None, old_pid: int) -> tuple[int, int | None] | None
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m sftctl.procs guard PID TICKS NODE_ID [--owner FILE] [--grace S] -- COMMAND...``
-    (see :func:`guard`; without ``--grace`` the grace comes from ``SFTCTL_LOCAL_ADOPT_GRACE_S``
-    in its environment: a sandboxed node's guard has the node's scrubbed environment, so the
-    local provider passes it)."""
+    """``python -m sftctl.procs guard PID TICKS NODE_ID [--owner FILE] [--grace S] [--pass-fd FD]
+    -- COMMAND...`` (see :func:`guard`; without ``--grace`` the grace comes from
+    ``SFTCTL_LOCAL_ADOPT_GRACE_S`` in its environment: a sandboxed node's guard has the node's
+    scrubbed environment, so the local provider passes it; ``--pass-fd``: an inherited
+    descriptor COMMAND needs)."""
     args = list(sys.argv[1:] if argv is None else argv)
     options: dict[str, str] = {}
-    while len(args) > 5 and args[4] in ("--owner", "--grace"):
+    while len(args) > 5 and args[4] in ("--owner", "--grace", "--pass-fd"):
         options[args[4]] = args[5]
         del args[4:6]
     if len(args) < 6 or args[0] != "guard" or args[4] != "--":
-        sys.stderr.write("usage: python -m sftctl.procs guard PID TICKS NODE_ID [--owner FILE] [--grace S] -- COMMAND...\n")
+        sys.stderr.write("usage: python -m sftctl.procs guard PID TICKS NODE_ID [--owner FILE] [--grace S] "
+                         "[--pass-fd FD] -- COMMAND...\n")
         return 2
     ticks = None if args[2] == "-" else int(args[2])
     grace = float(options["--grace"]) if "--grace" in options else settings.get("SFTCTL_LOCAL_ADOPT_GRACE_S") or 0.0
-    return guard(int(args[1]), ticks, args[3], args[5:], owner=options.get("--owner"), grace_s=grace)
+    fds = (int(options["--pass-fd"]),) if "--pass-fd" in options else ()
+    return guard(int(args[1]), ticks, args[3], args[5:], owner=options.get("--owner"), grace_s=grace, pass_fds=fds)
 
 
 if __name__ == "__main__":

@@ -153,14 +153,15 @@ def trace(framework: str, entrypoint: str, workdir: str, batch_size: int, dtype:
             sandbox.check()
             binds = sandbox.Binds()
             binds.ro.append(sandbox.check_bind(Path(workdir), "-", "workdir"))
-            argv = sandbox.wrap(argv, binds, tags={}, chdir=workdir)
+            command = sandbox.wrap(argv, binds, tags={}, chdir=workdir)  # its options on a descriptor
             home = "/tmp"  # the sandbox's own empty /tmp
         else:
+            command = sandbox.Command(argv)
             home = tmp
         env = sandbox.node_environ({}, home)
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd=workdir,
-                                    start_new_session=True)
+        with command, open(out_path, "wb") as out, open(err_path, "wb") as err:
+            proc = subprocess.Popen(command.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env,
+                                    cwd=workdir, start_new_session=True, pass_fds=command.pass_fds)
             try:
                 code = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:

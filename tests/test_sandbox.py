@@ -309,10 +309,12 @@ def test_the_node_environment_and_binds_keep_nothing_of_the_servers(home, tmp_pa
     binds = sandbox.Binds()
     binds.add(tmp_path, "j-1", "workdir")
     binds.add(job_dir("j-1") / "nodes" / "n0", "j-1", "node directory", create=True)
-    argv = sandbox.wrap(["true"], binds, tags={}, chdir=tmp_path)
+    opts = sandbox.options(binds, tags={}, chdir=tmp_path)
     h, w, n = str(home.resolve()), str(tmp_path.resolve()), str((job_dir("j-1") / "nodes" / "n0").resolve())
-    at = {a: argv.index(a) for a in (h, w, n)}
-    assert argv[at[w] - 1] == "--bind" and argv[at[h] - 1] == "--tmpfs" and argv[at[n] - 1] == "--bind"
-    assert at[w] < at[h] < at[n], argv  # workdir, then the home hidden in it, then the node's own dir back
-    assert subprocess.run(argv[:-1] + ["sh", "-c", f"ls -A {h}; test ! -e {h}/state.db"], capture_output=True,
-                          text=True).stdout.split() == ["jobs"]
+    at = {a: opts.index(a) for a in (h, w, n)}
+    assert opts[at[w] - 1] == "--bind" and opts[at[h] - 1] == "--tmpfs" and opts[at[n] - 1] == "--bind"
+    assert at[w] < at[h] < at[n], opts  # workdir, then the home hidden in it, then the node's own dir back
+    with sandbox.wrap(["sh", "-c", f"ls -A {h}; test ! -e {h}/state.db"], binds, tags={}, chdir=tmp_path) as cmd:
+        assert not {h, w, n} & set(cmd.argv), cmd.argv  # the options travel on a descriptor, not the command line
+        proc = subprocess.run(cmd.argv, capture_output=True, text=True, pass_fds=cmd.pass_fds)
+    assert proc.stdout.split() == ["jobs"], proc.stderr

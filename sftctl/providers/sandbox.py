@@ -32,11 +32,14 @@ node's guard (:func:`sftctl.procs.guard`, which stays outside and still reads th
   ``SFTCTL_HOME``, ``SFTCTL_CONFIG``, ``SFTCTL_SERVER_URL``, ``SFTCTL_SERVER_TOKEN``, cloud
   credentials or anything else of the server's; only ``PATH``, the locale, the GPU selection variables, the node settings
   declared in :mod:`sftctl.settings`, what the controller built for the node (the job's ``env``
-  and secrets) and ``HOME`` in the node's own directory. Values travel in the environment, never
-  on bwrap's command line (``ps`` shows that); only the node's tags (job, node, home: no
-  secrets) go there, so that the sandbox's processes carry them while bwrap and the guard do not
-  (a SIGTERM to the tagged processes lets them stop gracefully); each node's own loopback
-  address (:func:`loopback_identity`) keeps torchrun's rendezvous working across pid namespaces.
+  and secrets) and ``HOME`` in the node's own directory. Values travel in the environment or in
+  bwrap's options, never on a command line (any user of the machine reads those: ``ps aux``,
+  ``/proc/PID/cmdline``): bwrap reads all its options from an anonymous memory file
+  (``--args FD``, :class:`Command`), the node's tags (job, node, home) and the job's ``LD_*`` and
+  ``PYTHON*`` variables (:func:`outside_environ`) among them as ``--setenv``, so that the
+  sandbox's processes carry them while bwrap and the guard do not (a SIGTERM to the tagged
+  processes lets them stop gracefully); each node's own loopback address
+  (:func:`loopback_identity`) keeps torchrun's rendezvous working across pid namespaces.
 
 No ``--die-with-parent``: like an unsandboxed node, the sandbox's processes carry the node's
 tags, so the guard, ``sftctl down`` and ``down --orphans`` find and stop them; a SIGTERM to the
@@ -288,13 +291,65 @@ def _runtime_dirs(covered: list[Path]) -> list[Path]:
     return [p for p in out if not any(q != p and _within(p, q) for q in out)]  # one inside another: the outer
 
 
-def wrap(argv: list[str], binds: Binds, *, tags: dict[str, str], chdir: str | os.PathLike) -> list[str]:
-    """``argv`` under bwrap as the module docstring says: ``binds`` given back, ``tags`` (no
-    secrets: they are on the command line) set inside, started in ``chdir``."""
+class Command:
+    """A command to start: ``argv`` and ``pass_fds``, the file descriptors it needs (give both to
+    :class:`subprocess.Popen`, and through :func:`sftctl.procs.guard` when it starts it), then
+    :meth:`close` them once it started (a ``with`` block does). ``Command(argv)``: a plain one,
+    no descriptor."""
+
+    def __init__(self, argv: list[str], pass_fds: tuple[int, ...] = ()):
+        self.argv = argv
+        self.pass_fds = pass_fds
+
+    def close(self) -> None:
+        """Close this process's copy of each descriptor (idempotent)."""
+        fds, self.pass_fds = self.pass_fds, ()
+        for fd in fds:
+            os.close(fd)
+
+    def __enter__(self) -> Command:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def wrap(argv: list[str], binds: Binds, *, tags: dict[str, str], chdir: str | os.PathLike) -> Command:
+    """``argv`` under bwrap as the module docstring says: ``binds`` given back, ``tags`` set
+    inside, started in ``chdir``. The command line is ``bwrap --args FD -- ARGV...``: bwrap reads
+    its options (:func:`options`), NUL-separated, from ``FD``, an anonymous memory file
+    (``memfd_create``, close-on-exec but in the process given ``pass_fds``) that only this
+    process and the ones it starts hold; bwrap closes it after reading. No value of ``tags``
+    (nor a path) is on a command line.
+
+    Raises:
+        ProviderError: bwrap is not installed, or a tag holds a NUL byte (exit 4).
+    """
     bwrap = bwrap_path()
     if bwrap is None:
         raise ProviderError("local node sandbox: bubblewrap (bwrap) is not installed",
                             hint="apt-get install bubblewrap, or have an admin set SFTCTL_NODE_SANDBOX=off (unsafe)")
+    bad = next((k for k, v in tags.items() if "\0" in k or "\0" in v), None)
+    if bad is not None:
+        raise ProviderError(f"local node sandbox: the variable {bad!r} holds a NUL byte, which no environment "
+                            f"can carry", hint=f"remove the NUL byte from {bad!r} in the job's env:")
+    data = b"".join(os.fsencode(a) + b"\0" for a in options(binds, tags=tags, chdir=chdir))
+    fd = os.memfd_create("sftctl-bwrap-args", os.MFD_CLOEXEC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except OSError as e:
+        os.close(fd)
+        raise ProviderError(f"local node sandbox: cannot write bwrap's options: {e.strerror or e}") from None
+    return Command([bwrap, "--args", str(fd), "--", *argv], (fd,))
+
+
+def options(binds: Binds, *, tags: dict[str, str], chdir: str | os.PathLike) -> list[str]:
+    """bwrap's options for :func:`wrap` (not its path, not the command): the mounts and
+    namespaces of the module docstring, ``binds`` given back, ``--setenv`` of each of ``tags``,
+    ``--chdir`` ``chdir``. They hold values of the node's environment: never on a command line."""
     system = _outermost([_real(p) for p in SYSTEM_HIDDEN if os.path.isdir(p) and not os.path.islink(p)])
     sensitive = sensitive_paths()
     secret_dirs = [p for p in _outermost([p for p in sensitive if p.is_dir()]) if p not in system]
@@ -311,7 +366,7 @@ def wrap(argv: list[str], binds: Binds, *, tags: dict[str, str], chdir: str | os
     def in_secret(p: Path) -> bool:
         return any(_within(p, s) for s in secret_dirs)
 
-    out = [bwrap, "--ro-bind", "/", "/", "--dev-bind", "/dev", "/dev", "--tmpfs", "/dev/shm", "--proc", "/proc",
+    out = ["--ro-bind", "/", "/", "--dev-bind", "/dev", "/dev", "--tmpfs", "/dev/shm", "--proc", "/proc",
            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--new-session", "--cap-drop", "ALL"]
     for h in system:
         out += ["--tmpfs", str(h)]
@@ -334,7 +389,7 @@ def wrap(argv: list[str], binds: Binds, *, tags: dict[str, str], chdir: str | os
             out += ["--remount-ro", str(h)]
     for k, v in tags.items():
         out += ["--setenv", k, v]
-    return [*out, "--chdir", str(chdir), "--", *argv]
+    return [*out, "--chdir", str(chdir)]
 
 
 #: variables that make the dynamic loader (glibc's list of those it ignores in a setuid
@@ -346,8 +401,8 @@ LOADER_ENV = ("GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LOC
 
 def outside_environ(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     """``env`` (a sandboxed node's) split into what the guard and bwrap, outside the sandbox,
-    may have and what only the sandbox's processes get (bwrap's ``--setenv``: on its command
-    line, so paths, not secrets): ``LD_*``, ``PYTHON*`` and :data:`LOADER_ENV`. Outside, such a
+    may have and what only the sandbox's processes get (bwrap's ``--setenv``, in the options
+    :func:`wrap` passes on a file descriptor): ``LD_*``, ``PYTHON*`` and :data:`LOADER_ENV`. Outside, such a
     variable keeps the server's own value, if it has one."""
     moved = {k: v for k, v in env.items() if k.startswith(("LD_", "PYTHON")) or k in LOADER_ENV}
     outside = {k: v for k, v in env.items() if k not in moved}

@@ -144,6 +144,7 @@ class LocalProvider:
             "SFTCTL_PYTHON": sys.executable,
         }
         argv = ["bash", str(path)]
+        command = sandbox.Command(argv)
         if binds is None:
             full_env = {**os.environ, **node, **tags}
         else:
@@ -155,11 +156,13 @@ class LocalProvider:
             # the guard and bwrap run outside the sandbox, as the server: the job's variables that
             # make the loader or Python run code (LD_PRELOAD, PYTHONPATH...) are set inside only
             full_env, inside = sandbox.outside_environ(full_env)
-            argv = sandbox.wrap(argv, binds, tags={**inside, **tags}, chdir=node_dir)
-        with _open_in(node_dir, files.log.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT) as log:
+            command = sandbox.wrap(argv, binds, tags={**inside, **tags}, chdir=node_dir)
+        with command, _open_in(node_dir, files.log.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT) as log:
             try:
                 proc = subprocess.Popen(
-                    _guarded(handle.job_id, handle.node_id, argv, isolated=binds is not None),
+                    _guarded(handle.job_id, handle.node_id, command.argv, isolated=binds is not None,
+                             pass_fds=command.pass_fds),
+                    pass_fds=command.pass_fds,
                     cwd=node_dir,
                     env=full_env,
                     stdin=subprocess.DEVNULL,
@@ -193,17 +196,18 @@ class LocalProvider:
             # them in its own environment, as a cloud node has them from its instance
             **{k: v for k, v in env.items() if k in self.channel.secret_keys or is_secret_name(k)},
         }
-        argv = procs.module_argv("sftctl.node")
+        command = sandbox.Command(procs.module_argv("sftctl.node"))
         if binds is None:
             full_env = {**os.environ, **node, **tags}
         else:
             full_env = sandbox.node_environ(node, home=_subdir(node_dir, "home"))
             full_env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), full_env.get("PATH", "")])
             full_env, inside = sandbox.outside_environ(full_env)  # as launch: the guard runs outside
-            argv = sandbox.wrap(argv, binds, tags={**inside, **tags}, chdir=daemon_dir)
-        with _open_in(node_dir, "daemon.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT) as log:
-            proc = subprocess.Popen(_guarded(handle.job_id, handle.node_id, argv, isolated=binds is not None),
-                                    cwd=daemon_dir, env=full_env,
+            command = sandbox.wrap(command.argv, binds, tags={**inside, **tags}, chdir=daemon_dir)
+        with command, _open_in(node_dir, "daemon.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT) as log:
+            proc = subprocess.Popen(_guarded(handle.job_id, handle.node_id, command.argv, isolated=binds is not None,
+                                             pass_fds=command.pass_fds),
+                                    pass_fds=command.pass_fds, cwd=daemon_dir, env=full_env,
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         return handle.with_(pid=proc.pid, start_ticks=procs.start_ticks(proc.pid), attempt=attempt)
@@ -355,19 +359,22 @@ class LocalProvider:
         return done
 
 
-def _guarded(job_id: str, node_id: str, argv: list[str], isolated: bool = False) -> list[str]:
+def _guarded(job_id: str, node_id: str, argv: list[str], isolated: bool = False,
+             pass_fds: tuple[int, ...] = ()) -> list[str]:
     """``argv`` under :func:`sftctl.procs.guard`, watching this process: the controller (the
     attached ``sftctl run`` or a detached ``python -m sftctl.controller``) that launches the node,
     then whichever controller adopts the job (its ``controller.json``). A controller killed even
     with SIGKILL thus takes its local nodes with it within seconds, or after
     ``SFTCTL_LOCAL_ADOPT_GRACE_S`` when no new controller took the job over by then.
-    ``isolated``: ``python -I`` (a sandboxed node's: its environment and ``HOME`` are the job's)."""
+    ``isolated``: ``python -I`` (a sandboxed node's: its environment and ``HOME`` are the job's).
+    ``pass_fds``: the descriptors ``argv`` needs (at most one: bwrap's options), which the guard
+    inherits and passes on."""
     me = os.getpid()
     ticks = procs.start_ticks(me)
     grace = settings.get("SFTCTL_LOCAL_ADOPT_GRACE_S") or 0.0
     return procs.module_argv("sftctl.procs", "guard", str(me), "-" if ticks is None else str(ticks),
                              node_id, "--owner", str(job_dir(job_id) / CONTROLLER_OWNER), "--grace", f"{grace:g}",
-                             "--", *argv, isolated=isolated)
+                             *(a for fd in pass_fds for a in ("--pass-fd", str(fd))), "--", *argv, isolated=isolated)
 
 
 #: Every local node process carries the sftctl home that started it, so ``sftctl down
