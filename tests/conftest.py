@@ -153,6 +153,18 @@ def wait_for(predicate, timeout_s: float = 120, interval_s: float = 0.3, what: s
 
 
 @pytest.fixture
+def server(home, tmp_path):
+    """A real ``sftctl server`` (tests/test_server.py's ``Server``) on a free port, in this test's
+    ``home``, its log in ``tmp_path/server.log``; stopped after the test. A module that needs
+    another (an environment of its own, another state) defines a ``server`` fixture of its own."""
+    from test_server import Server
+
+    s = Server(home, tmp_path / "server.log").start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
 def x64():
     """JAX with 64-bit types for the test (float64 references), put back after it."""
     jax = pytest.importorskip("jax")

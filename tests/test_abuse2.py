@@ -18,13 +18,6 @@ pytest.importorskip("httpx")
 from test_server import Server, as_user, tokens
 
 
-@pytest.fixture
-def server(home, tmp_path):
-    s = Server(home, tmp_path / "server.log").start()
-    yield s
-    s.stop()
-
-
 def _model_that_reports(tmp_path):
     """A workdir whose ``evil.py`` writes ``ran.txt`` (the importing process's pid) when
     imported, and a spec naming it as ``model:``. Returns (spec path, marker path)."""

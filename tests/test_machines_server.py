@@ -10,17 +10,10 @@ import json
 import pytest
 
 from conftest import sftctl, wait_for
-from test_server import Server, as_user, tokens
+from test_server import as_user, tokens
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
-
-
-@pytest.fixture
-def server(home, tmp_path):
-    s = Server(home, tmp_path / "server.log").start()
-    yield s
-    s.stop()
 
 
 def test_nodes_through_the_server_shows_an_admin_every_mark_and_a_user_their_jobs(server, tmp_path, monkeypatch):
