@@ -268,15 +268,20 @@ def calibrate_import(file: str | os.PathLike, *, progress: Progress | None = Non
     nothing. Returns ``{"imported": n, "skipped": k, "labels": [...]}``.
 
     Raises:
-        SpecError: a bad line (``FILE:LINE: what``; exit 2): nothing of the file is imported.
+        SpecError: a bad line (``FILE:LINE: what``; exit 2), a measured step beyond
+            :data:`IMPORT_MAX_FACTOR` of its prediction among them: nothing of the file is imported.
     """
     from sftctl.history import import_file, not_present, read_exported
     from sftctl.types import RunRecord
 
-    rows = read_exported(file)
-    exported = rows is not None
-    if rows is None:
-        rows = import_file(file, progress=progress)
+    try:
+        rows = read_exported(file)
+        exported = rows is not None
+        if rows is None:
+            rows = import_file(file, progress=progress)
+    except OverflowError:  # an integer beyond a float's range (1e400 written out)
+        raise _overflowing_line(Path(file)) from None
+    _check_factors(Path(file), rows)
     remote = _remote()
     if remote is not None:
         existing = [RunRecord.from_dict(r) for r in remote.request("GET", "/v1/calibrate")["runs"]]
@@ -289,6 +294,64 @@ def calibrate_import(file: str | os.PathLike, *, progress: Progress | None = Non
     elif new:
         n = _store().add_runs(new)
     return {"imported": n, "skipped": len(rows) - len(new), "labels": sorted({r.source_label or "-" for r in rows})}
+
+
+#: How far (a factor either way) an imported run's measured step may lie from the model's
+#: prediction of it. Further is a unit slip (milliseconds given as seconds) or the wrong spec, not
+#: a measurement: its log ratio enters every later correction on the accelerator unbounded (1e308 s
+#: made every H100 plan NaN, 1e-300 s made it 0 us). Published steps lie within 0.67-1.5x
+#: (docs/predictions.md); 1000x leaves the uncalibrated accelerators' error (up to 1.84x) far inside.
+IMPORT_MAX_FACTOR = 1000.0
+
+_IMPORT_HINT = "nothing of the file was imported; fix the line and import again"
+
+
+def _record_lines(p: Path) -> list[int]:
+    """The line numbers (1-based) of the records of import file ``p``, in order: the lines that
+    are neither blank nor ``#`` comments, as :func:`sftctl.history.read_import` and
+    :func:`~sftctl.history.read_exported` number them (one row each)."""
+    text = p.read_text(encoding="utf-8").splitlines()
+    return [no for no, t in enumerate(text, 1) if t.strip() and not t.strip().startswith("#")]
+
+
+def _check_factors(p: Path, rows: list) -> None:
+    """Refuse the import when a row's measured / predicted step lies beyond
+    :data:`IMPORT_MAX_FACTOR` either way.
+
+    Raises:
+        SpecError: ``FILE:LINE: measured_step_s M s is R x the model's P ...`` (exit 2).
+    """
+    from sftctl.errors import SpecError
+
+    for no, r in zip(_record_lines(p), rows):
+        m, pred = r.measured_step_s, r.predicted_step_s
+        ratio = m / pred if pred > 0 else float("inf")
+        if 1 / IMPORT_MAX_FACTOR <= ratio <= IMPORT_MAX_FACTOR:
+            continue
+        shape = f"{r.accelerator}:{r.gpus_per_node}" + (f" x {r.nodes}" if r.nodes != 1 else "")
+        times = f"{ratio:.3g} x" if ratio < float("inf") else "beyond a float's range of"
+        raise SpecError(f"{p}:{no}: measured_step_s {m:g} s is {times} the model's {pred * 1000:.3g} ms for "
+                        f"this step on {shape}; more than {IMPORT_MAX_FACTOR:g}x either way is a unit slip "
+                        "(milliseconds for seconds?) or another spec, not a measurement", hint=_IMPORT_HINT)
+
+
+def _overflowing_line(p: Path) -> Exception:
+    """The error for import file ``p`` holding an integer too large for a float: ``FILE:LINE:
+    FIELD is too large a number`` (exit 2), the first such line and field."""
+    import json
+
+    from sftctl.errors import SpecError
+
+    for no, text in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            d = json.loads(text)
+        except ValueError:
+            continue
+        for key, v in (d.items() if isinstance(d, dict) else ()):
+            if isinstance(v, int) and abs(v) > 1e300:
+                return SpecError(f"{p}:{no}: {key} is too large a number ({len(str(abs(v)))} digits); seconds are "
+                                 "a number such as 0.52", hint=_IMPORT_HINT)
+    return SpecError(f"{p}: a number too large for a float", hint=_IMPORT_HINT)
 
 
 def calibrate_store(rows: Any) -> int:

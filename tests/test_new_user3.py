@@ -1,0 +1,76 @@
+"""What a researcher new to sftctl broke in the prediction features (`calibrate import` of
+absurd figures), each through the real CLI in a fresh SFTCTL_HOME."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, sftctl
+from sftctl.state import Store
+
+QUICKSTART = Path(REPO) / "examples" / "quickstart.yaml"
+
+
+def _exported(**kw) -> str:
+    """One line of `calibrate export` (imported as it is, without predicting)."""
+    row = {"accelerator": "H100", "count": 8, "gpus_per_node": 8, "nodes": 1, "mode": "eager",
+           "predicted_step_s": 0.05, "measured_step_s": 0.06, "source": "imported", "source_label": "lab", "ts": 1.0}
+    return json.dumps(row | kw)
+
+
+def _spec_line(measured) -> str:
+    return ('{"spec": "job.yaml", "accelerator": "H100", "gpus_per_node": 8, "nodes": 1, '
+            f'"measured_step_s": {measured}}}')
+
+
+def _refused(f: Path, line_no: int, *says: str) -> str:
+    proc = sftctl("calibrate", "import", str(f))
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    first = proc.stderr.strip().splitlines()[0]
+    assert first.startswith(f"error: {f}:{line_no}: "), first
+    for s in says:
+        assert s in first, first
+    assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr
+    assert "nothing of the file was imported" in proc.stderr
+    assert Store().runs() == []
+    return first
+
+
+@pytest.mark.parametrize("measured", [1e308, 1e-300, 5000.0, 1e-6])
+def test_an_exported_run_far_from_its_prediction_is_refused(home, tmp_path, measured):
+    """A step measured 1e308 s made every later plan on H100 NaN (STEP `nan s`, `NaN` in `plan
+    --json`), 1e-300 s made it 0.0 us: a measured / predicted beyond 1000x either way is refused,
+    naming the line, and nothing of the file is stored."""
+    f = tmp_path / "h.jsonl"
+    f.write_text(_exported() + "\n# a comment\n\n" + _exported(measured_step_s=measured) + "\n")
+    first = _refused(f, 4, "measured_step_s", "the model's 50 ms", "1000x")
+    assert f"{measured:g}" in first
+
+
+def test_a_spec_record_far_from_its_prediction_is_refused_and_a_near_one_kept(home, tmp_path):
+    (tmp_path / "job.yaml").write_text(QUICKSTART.read_text().replace("workdir: ..", f"workdir: {REPO}"))
+    f = tmp_path / "runs.jsonl"
+    f.write_text(_spec_line(1e308) + "\n")
+    _refused(f, 1, "measured_step_s 1e+308 s", "H100:8")
+    f.write_text(_spec_line(0.5) + "\n" + _spec_line(1e-300) + "\n")
+    _refused(f, 2, "measured_step_s 1e-300 s")
+    # a measurement of the model's order of magnitude is taken
+    f.write_text(_spec_line(0.002) + "\n")
+    doc = json.loads(sftctl("calibrate", "import", str(f), "--json", check=True).stdout)
+    assert doc == {"imported": 1, "skipped": 0, "labels": ["runs"]}
+    predicted = Store().runs()[0].predicted_step_s
+    assert 0.002 / 1000 < predicted < 0.002 * 1000
+
+
+@pytest.mark.parametrize("line", [_spec_line("1" + "0" * 400), _exported(measured_step_s=10 ** 400)])
+def test_an_integer_too_large_for_a_float_is_one_line(home, tmp_path, line):
+    """A measured step written as a 401-digit integer was `internal error: OverflowError: int too
+    large to convert to float` (exit 1)."""
+    (tmp_path / "job.yaml").write_text(QUICKSTART.read_text().replace("workdir: ..", f"workdir: {REPO}"))
+    f = tmp_path / "runs.jsonl"
+    first = _exported() if '"predicted_step_s"' in line else _spec_line(0.002)
+    f.write_text(first + "\n" + line + "\n")
+    _refused(f, 2, "measured_step_s", "too large")
