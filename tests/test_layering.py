@@ -183,7 +183,8 @@ def test_cli_imports_only_the_api_and_presentation():
     used = set().union(*(ts for m, ts in GRAPH.items() if m == "sftctl.cli" or m.startswith("sftctl.cli.")))
     outside = {t for t in used if t != "sftctl.cli" and not t.startswith("sftctl.cli.")}
     assert outside <= {"sftctl", "sftctl.api", "sftctl.ui", "sftctl.errors", "sftctl.types", "sftctl.paths",
-                       "sftctl.schema", "sftctl.server", "sftctl.server.manifest", "sftctl.server.users"}
+                       "sftctl.schema", "sftctl.server", "sftctl.server.manifest", "sftctl.server.metrics",
+                       "sftctl.server.users"}
 
 
 def test_ui_views_know_nothing_of_the_plan_table():

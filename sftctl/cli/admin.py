@@ -300,16 +300,10 @@ def server_metrics_token() -> None:
     """Print the token Prometheus scrapes this machine's server's /metrics with (made on first use):
     SFTCTL_SERVER_METRICS_TOKEN, else $SFTCTL_HOME/metrics.token. Run it on the server's machine,
     as the server's user."""
-    from sftctl import settings
-    from sftctl.server.metrics import scrape_token, token_file
+    from sftctl.server.metrics import scrape_token, token_source
 
-    token = scrape_token()
-    print(token)
-    if settings.get("SFTCTL_SERVER_METRICS_TOKEN"):
-        source = f"from {settings.origin('SFTCTL_SERVER_METRICS_TOKEN')}; the server must have the same"
-    else:
-        source = f"kept in {token_file()}, the server's when its SFTCTL_HOME is this one"
-    _console(stderr=True).print(f"[dim]the /metrics scrape token ({_escape(source)}). Prometheus: put it in a "
+    print(scrape_token())
+    _console(stderr=True).print(f"[dim]the /metrics scrape token ({_escape(token_source())}). Prometheus: put it in a "
                                 "file only Prometheus reads and name it in the scrape config: authorization: "
                                 "{credentials_file: FILE} (docs/server.md)[/]", soft_wrap=True)
 

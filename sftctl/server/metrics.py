@@ -102,6 +102,16 @@ def scrape_token() -> str:
     return text
 
 
+def token_source() -> str:
+    """Where :func:`scrape_token` takes the token from, for a note: ``$SFTCTL_SERVER_METRICS_TOKEN``
+    or the config file's line, else the token file's path."""
+    from sftctl import settings
+
+    if settings.get("SFTCTL_SERVER_METRICS_TOKEN"):
+        return f"from {settings.origin('SFTCTL_SERVER_METRICS_TOKEN')}; the server must have the same"
+    return f"kept in {token_file()}, the server's when its SFTCTL_HOME is this one"
+
+
 def is_scrape_token(authorization: str) -> bool:
     """Whether an ``Authorization`` header carries the server's scrape token (``Bearer TOKEN``),
     compared in constant time (:func:`hmac.compare_digest`)."""
