@@ -60,7 +60,7 @@ def test_every_variable_in_the_package_and_examples_is_declared():
 def test_declarations_are_whole():
     for s in settings.DECLARED:
         assert s.name.startswith("SFTCTL_") and s.meaning and s.set_by, s.name
-        assert s.type in ("str", "path", "int", "float", "bool", "choice", "list"), s.name
+        assert s.type in ("str", "path", "int", "float", "bool", "choice", "list", "paths"), s.name
         assert s.scope in (settings.USER, settings.NODE), s.name
         assert s.file is None or s.scope == settings.USER, s.name  # the file configures the user side
         if s.default is not None and s.type != "path":  # a default parses back to itself

@@ -7,7 +7,8 @@ Routes (JSON; every one but ``/v1/health`` needs ``Authorization: Bearer <token>
                             probes; reconciliations of state with live controllers so far)
 ``GET  /v1/whoami``         ``{"name", "admin"}``
 ``POST /v1/jobs``           submit: ``{"spec_text", "spec_path", "overrides"}`` ->
-                            ``{"job": JobRecord.to_dict(), "warnings": [line, ...]}``
+                            ``{"job": JobRecord.to_dict(), "warnings": [line, ...]}``; 403 for a
+                            workdir outside the user's ``server.workdir_roots``
 ``POST /v1/jobs/{job}/start``  the server starts the job's controller -> the job's view
 ``GET  /v1/jobs``           ``{"jobs": [view, ...]}``, newest first; ``?all_users=true``: an
                             admin's view of every user's jobs. At most :data:`LIST_CACHE_S` old
@@ -51,7 +52,7 @@ A view is :meth:`sftctl.api.JobView.to_wire` (records whole), so a client's ``to
 the document ``status --json`` prints here. ``{job}`` is an id or a unique prefix among the jobs
 the user may see: another user's job is "no job" (404), never a hint that it exists. An error is
 ``{"error", "hint", "exit_code", "kind"}`` with 401 (no, unknown or expired token; exit 4), 403
-(not an admin; exit 2), 404 (no such job of yours; exit 2), 413 (a body over
+(not an admin, a workdir outside the user's roots; exit 2), 404 (no such job of yours; exit 2), 413 (a body over
 ``SFTCTL_SERVER_MAX_BODY_BYTES``; exit 2), 429 (a user's writes over
 ``SFTCTL_SERVER_WRITES_PER_MINUTE``, with ``Retry-After``; exit 4), 400 (any other
 :class:`~sftctl.errors.SftctlError`, its own exit code) or 500 (a bug; exit 1). The token, the
@@ -216,6 +217,23 @@ def create_app(supervisor):
 
     owned = users.owned_job  # (user, job) -> the full id of one the user may act on, else 404
 
+    def check_workdir(text: str, overrides: list[str], label: str, user: User) -> None:
+        """With ``server.workdir_roots`` set: the spec's workdir (resolved, as submit records it)
+        must lie in one of ``user``'s roots (:mod:`sftctl.providers.workdir_roots`), else
+        :class:`Forbidden` (403, exit 2) before anything is recorded. The local provider checks
+        again where it binds the workdir into a node's sandbox."""
+        from sftctl.providers import workdir_roots
+
+        if workdir_roots.roots(user.name) is None:
+            return
+        from sftctl.api._run import _secret_environ
+        from sftctl.api._specs import _load
+
+        spec, _, _ = _load(text, overrides, label, _secret_environ(user.name))  # as api.submit loads it
+        problem = workdir_roots.refusal(spec.workdir, user.name)
+        if problem is not None:
+            raise Forbidden(problem, hint=workdir_roots.HINT)
+
     @app.get("/v1/health")
     def health():
         return {"ok": True, "version": __version__, "reconciles": supervisor.rounds}
@@ -242,6 +260,7 @@ def create_app(supervisor):
                               hint="put the value in the spec file (the server's admin sets "
                                    "SFTCTL_SERVER_MAX_OVERRIDE_CHARS)")
         with guard.collected_warnings() as caught:  # this request's own, while others plan beside it
+            check_workdir(text, overrides, label, user)
             submitted = api.submit(text, overrides, origin=label, owner=user.name)
         lists.clear()
         return _json({"job": api.job(submitted.job_id).to_dict(), "warnings": caught})

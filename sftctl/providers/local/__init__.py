@@ -31,7 +31,7 @@ from sftctl.errors import CapacityError, ProviderError
 from sftctl.paths import CONTROLLER_OWNER, job_dir, sftctl_home
 from sftctl.protocol import (METRICS_DIR, METRICS_GLOB, NodeDir, complete_json_lines, is_secret_name, parse_exit_code,
                              parse_failure)
-from sftctl.providers import sandbox
+from sftctl.providers import sandbox, workdir_roots
 from sftctl.providers.base import NodeState, NodeStatus, ProviderEntry
 from sftctl.state import Store
 from sftctl.storage import open_storage
@@ -63,6 +63,7 @@ class LocalProvider:
     def __init__(self, channel=None, **_: object):
         self.channel = channel
         self._workdirs: dict[str, str | None] = {}  # job id -> its workdir (sandboxed nodes get it back)
+        self._owners: dict[str, str | None] = {}  # job id -> its owner when a server's user submitted it
 
     def check(self) -> None:
         if not sys.platform.startswith("linux") or not Path("/proc/self/environ").exists():
@@ -219,8 +220,10 @@ class LocalProvider:
         here.
 
         Raises:
-            ProviderError: bwrap cannot start, a path is the server's own, or the job's storage
-                is a directory of this machine (exit 4).
+            ProviderError: bwrap cannot start, a path is the server's own, a server's job's
+                workdir (resolved now) lies outside its owner's ``server.workdir_roots``
+                (:mod:`sftctl.providers.workdir_roots`), or the job's storage is a directory of
+                this machine (exit 4).
         """
         if not sandbox.requested():
             return None
@@ -240,6 +243,11 @@ class LocalProvider:
             binds.add(replay, job, "telemetry replay file", writable=False)
         if self.channel is None:
             workdir = self._workdir(job)
+            owner = self._owners.get(job)
+            # server.workdir_roots again at launch: a path of the record may have become a link since submit
+            problem = workdir_roots.refusal(workdir, owner) if workdir and owner else None
+            if problem is not None:
+                raise ProviderError(f"local node sandbox: {problem}", hint=workdir_roots.HINT)
             if workdir:
                 binds.add(workdir, job, "workdir")
             return binds
@@ -257,7 +265,8 @@ class LocalProvider:
         return binds
 
     def _workdir(self, job_id: str) -> str | None:
-        """The job's workdir as its record in state says (absolute; None if no record)."""
+        """The job's workdir as its record in state says (absolute; None if no record); its owner
+        goes to ``_owners`` when a server's user submitted it (``secrets_from`` ``store``)."""
         if job_id not in self._workdirs:
             store = Store()
             try:
@@ -265,6 +274,7 @@ class LocalProvider:
             finally:
                 store.close()
             self._workdirs[job_id] = (job.spec.get("workdir") if job is not None else None)
+            self._owners[job_id] = job.owner if job is not None and job.secrets_from == "store" else None
         return self._workdirs[job_id]
 
     def status(self, handle: LocalHandle) -> NodeStatus:
