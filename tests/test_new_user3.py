@@ -74,3 +74,18 @@ def test_an_integer_too_large_for_a_float_is_one_line(home, tmp_path, line):
     first = _exported() if '"predicted_step_s"' in line else _spec_line(0.002)
     f.write_text(first + "\n" + line + "\n")
     _refused(f, 2, "measured_step_s", "too large")
+
+
+def test_a_servers_store_refuses_rows_far_from_their_prediction(home):
+    """The server's end of `calibrate import` (POST /v1/calibrate/runs: api.calibrate_store)
+    checks the same bound, for a client that did not (an older sftctl, a script)."""
+    from sftctl import api
+    from sftctl.errors import SpecError
+
+    good = json.loads(_exported())
+    with pytest.raises(SpecError, match=r"^runs\[1\]: measured_step_s 60 s is 1.2e\+03 x the model's 50 ms"):
+        api.calibrate_store([good, good | {"measured_step_s": 60.0}])
+    with pytest.raises(SpecError, match=r"^runs: a number too large for a float"):
+        api.calibrate_store([good | {"measured_step_s": 10 ** 400}])
+    assert Store().runs() == []
+    assert api.calibrate_store([good]) == 1 and Store().runs()[0].measured_step_s == 0.06

@@ -281,7 +281,7 @@ def calibrate_import(file: str | os.PathLike, *, progress: Progress | None = Non
             rows = import_file(file, progress=progress)
     except OverflowError:  # an integer beyond a float's range (1e400 written out)
         raise _overflowing_line(Path(file)) from None
-    _check_factors(Path(file), rows)
+    _check_factors(rows, [f"{file}:{no}" for no in _record_lines(Path(file))])
     remote = _remote()
     if remote is not None:
         existing = [RunRecord.from_dict(r) for r in remote.request("GET", "/v1/calibrate")["runs"]]
@@ -314,23 +314,24 @@ def _record_lines(p: Path) -> list[int]:
     return [no for no, t in enumerate(text, 1) if t.strip() and not t.strip().startswith("#")]
 
 
-def _check_factors(p: Path, rows: list) -> None:
-    """Refuse the import when a row's measured / predicted step lies beyond
-    :data:`IMPORT_MAX_FACTOR` either way.
+def _check_factors(rows: list, where: list[str]) -> None:
+    """Refuse the import when a row of ``rows`` (:class:`~sftctl.types.RunRecord` each) has a
+    measured / predicted step beyond :data:`IMPORT_MAX_FACTOR` either way; ``where`` names each
+    row in the message (``FILE:LINE``, ``runs[i]``).
 
     Raises:
-        SpecError: ``FILE:LINE: measured_step_s M s is R x the model's P ...`` (exit 2).
+        SpecError: ``WHERE: measured_step_s M s is R x the model's P ...`` (exit 2).
     """
     from sftctl.errors import SpecError
 
-    for no, r in zip(_record_lines(p), rows):
+    for at, r in zip(where, rows):
         m, pred = r.measured_step_s, r.predicted_step_s
         ratio = m / pred if pred > 0 else float("inf")
         if 1 / IMPORT_MAX_FACTOR <= ratio <= IMPORT_MAX_FACTOR:
             continue
         shape = f"{r.accelerator}:{r.gpus_per_node}" + (f" x {r.nodes}" if r.nodes != 1 else "")
         times = f"{ratio:.3g} x" if ratio < float("inf") else "beyond a float's range of"
-        raise SpecError(f"{p}:{no}: measured_step_s {m:g} s is {times} the model's {pred * 1000:.3g} ms for "
+        raise SpecError(f"{at}: measured_step_s {m:g} s is {times} the model's {pred * 1000:.3g} ms for "
                         f"this step on {shape}; more than {IMPORT_MAX_FACTOR:g}x either way is a unit slip "
                         "(milliseconds for seconds?) or another spec, not a measurement", hint=_IMPORT_HINT)
 
@@ -359,11 +360,18 @@ def calibrate_store(rows: Any) -> int:
     in this machine's state: the server's end of ``calibrate import``. Returns the count.
 
     Raises:
-        SpecError: a row is not a measured run (exit 2); nothing is stored.
+        SpecError: a row is not a measured run, or one measured beyond :data:`IMPORT_MAX_FACTOR`
+            of its prediction (``runs[i]: what``; exit 2); nothing is stored.
     """
+    from sftctl.errors import SpecError
     from sftctl.history import check_rows
 
-    return _store().add_runs(check_rows(rows))
+    try:
+        checked = check_rows(rows)
+    except OverflowError:  # an integer beyond a float's range
+        raise SpecError("runs: a number too large for a float", hint=_IMPORT_HINT) from None
+    _check_factors(checked, [f"runs[{i}]" for i in range(len(checked))])
+    return _store().add_runs(checked)
 
 
 def calibrate_show() -> dict:
