@@ -45,10 +45,52 @@ def test_shipped_factors_are_what_the_cross_validation_computes():
     for name in ("h100", "h200", "b200", "mi355x"):
         e = json.loads((accuracy.ACCURACY_DIR / f"{name}.json").read_text())["error"]
         p = e["parts"]
-        assert e["factor"] == pytest.approx(accuracy_cv.combine([p["gemm"]["factor"], p["step_composition"]["factor"]]),
-                                            abs=1e-3), name
+        kernels = accuracy_cv.combine([p["gemm"]["factor"], p["step_composition"]["factor"]])
+        assert e["factor"] == pytest.approx(max(kernels, p["published_steps"]["factor"]), abs=1e-3), name
+        assert p["published_steps"] == accuracy_cv.published_part(doc_name(name)), name
         assert e["collectives_factor"] == p["collectives"]["factor"] and "shape buckets" in p["gemm"]["method"]
         assert accuracy.accuracy(name)["error"] == e["factor"]
+
+
+def doc_name(file_stem: str) -> str:
+    return json.loads((accuracy.ACCURACY_DIR / f"{file_stem}.json").read_text())["accelerator"]
+
+
+def test_published_part_is_the_own_records_quantile_or_the_pooled_one():
+    """An accelerator with MIN_OWN_RECORDS published steps takes the 90 % quantile of its own
+    |ln(pred/meas)|; one with fewer takes its die's (A100-40GB: A100-80GB's, H200: H100's), else
+    every record's."""
+    own = [1.0] * 7 + [1.1, 1 / 1.3, 1.5]  # 10 records: 90 % quantile of |ln r| between ln 1.3 and ln 1.5
+    ratios = {"H100": own, "H200": [2.0, 2.0], "A100-80GB": [1.05] * 8}
+    h100 = accuracy_cv.published_part("H100", ratios)
+    assert (h100["n"], h100["own"]) == (10, 10) and h100["factor"] == pytest.approx(accuracy_cv.factor(own), abs=1e-4)
+    assert math.log(1.3) < math.log(h100["factor"]) < math.log(1.5)
+    # leaving each out: the two widest (1 / 1.3 and 1.5) fall outside the others' factor, the rest inside
+    assert h100["covered_leave_one_out"] == pytest.approx(0.8)
+    b200 = accuracy_cv.published_part("B200", ratios)  # none of its own, no other B200 die
+    assert (b200["n"], b200["own"]) == (20, 0) and "pooled" in b200["method"]
+    assert b200["factor"] == pytest.approx(accuracy_cv.factor(own + [2.0, 2.0] + [1.05] * 8), abs=1e-4)
+    h200 = accuracy_cv.published_part("H200", ratios)  # two of its own: H100's, the same die
+    assert (h200["n"], h200["own"], h200["factor"]) == (10, 10, h100["factor"])
+    a40 = accuracy_cv.published_part("A100-40GB", ratios)
+    assert (a40["n"], a40["own"], a40["factor"]) == (8, 8, pytest.approx(1.05, abs=1e-4))
+    assert "carried over to A100-40GB" in a40["method"]
+    # no tables and no steps of its own: no factor from this tool
+    with pytest.raises(KeyError):
+        accuracy_cv.accelerator_error("L4", ratios=ratios)
+    a80 = accuracy_cv.accelerator_error("A100-80GB", ratios=ratios)
+    assert a80["factor"] == pytest.approx(1.05, abs=1e-3) and "collectives_factor" not in a80
+
+
+def test_the_published_steps_factor_covers_what_the_records_say():
+    """The shipped A100-80GB and H100 factors hold at least 80 % of their own published steps
+    (benchmarks/results/published_steps.json) within [predicted / f, predicted x f]."""
+    ratios = accuracy_cv.published_ratios()
+    for name in ("A100-80GB", "H100"):
+        f = accuracy.factor(name)
+        inside = [1 / f <= r <= f for r in ratios[name]]
+        assert len(inside) >= accuracy_cv.MIN_OWN_RECORDS and sum(inside) / len(inside) >= 0.8, (name, f)
+        assert accuracy.accuracy(name)["calibrated"], name
 
 
 def test_tool_refuses_an_accelerator_without_tables(capsys):

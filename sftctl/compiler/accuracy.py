@@ -4,9 +4,10 @@ One file per catalog accelerator names the sources its prediction rests on (meas
 collectives, attention tables, end-to-end steps) and its error as a factor ``f``: the measured
 step is expected within ``[predicted / f, predicted * f]``; which file is an accelerator's is its
 catalog entry's ``accuracy`` field. Where measured tables exist (H100, H200, B200, MI355X) the factor is cross-validated
-(:mod:`sftctl.compiler.accuracy_cv`: GEMMs k-fold over shape buckets, the H200 step) and the
-collectives' own factor is kept apart, weighed by a plan's communication share. An accelerator
-with no measured data says so (``calibrated: false``) and carries the error of the
+(:mod:`sftctl.compiler.accuracy_cv`: GEMMs k-fold over shape buckets, the H200 step, and whole
+published steps, the larger) and the collectives' own factor is kept apart, weighed by a plan's
+communication share; A100-80GB's (and its die's A100-40GB) comes from its 16 published steps. An
+accelerator with no measured data says so (``calibrated: false``) and carries the error of the
 published-steps check of issue 20.
 Only ``json``, ``math``, ``pathlib`` and the catalog's light loader are imported: the planner reads
 this for every offering.

@@ -23,11 +23,19 @@ is built from errors measured on data the model never saw, never stated:
   end-to-end step measured here, GPT-2 small on one H200 in eager and ``torch.compile``
   (:data:`H200_STEPS`), predicted without fitting to it. It applies to every accelerator and is
   the only term measured on H200 itself; elsewhere it is carried over and the file says so.
+* **whole published steps** (:func:`published_part`): predicted / measured of every record of
+  ``benchmarks/published_steps.py`` (``benchmarks/results/published_steps.json``: public
+  per-GPU training steps of other models, sizes and parallel layouts, none of them fitted to),
+  the accelerator's own when it has at least :data:`MIN_OWN_RECORDS` (or its die's,
+  :func:`same_die`), else all records pooled (carried over, and the file says so). GEMMs plus one GPT-2 step understate how far a step of
+  another model errs: 3 of 10 published H100 steps lay outside the 1.156 those two gave.
 
 Each part's factor is ``exp(q)`` with ``q`` the :data:`COVERAGE` quantile of ``|ln(predicted /
 measured)|`` over its held-out points (a 90 % interval for one kernel). The file's ``factor`` is
-the compute step's: GEMMs and composition, independent log errors in quadrature
-(``exp(sqrt(sum ln(f_i)^2))``); ``collectives_factor`` is kept apart, because a collective's
+the compute step's: the larger of GEMMs and composition, independent log errors in quadrature
+(``exp(sqrt(sum ln(f_i)^2))``), and the whole published steps' factor (an accelerator with no
+measured tables but enough published steps of its own or its die's takes the latter alone:
+:func:`same_die`); ``collectives_factor`` is kept apart, because a collective's
 error reaches a step only in proportion to the step's exposed communication
 (:func:`sftctl.compiler.accuracy.interval` weighs it by that share). numpy and the compiler are imported here
 only; ``sftctl.compiler.accuracy`` (read by the planner) stays json + pathlib.
@@ -53,6 +61,10 @@ COLLECTIVE_MEDIAN_BAND = (0.8, 1.25)
 TRITON_SPEARMAN_MIN = 0.9
 TRITON_PICK_MAX = 1.10
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "accuracy_cv.json"
+#: the published steps' predicted / measured, written by ``python benchmarks/published_steps.py``
+PUBLISHED = RESULTS.parent / "published_steps.json"
+#: an accelerator with fewer published steps than this takes the factor of all records pooled
+MIN_OWN_RECORDS = 8
 GEMM_DTYPE = "bf16xbf16->bf16"
 
 
@@ -137,23 +149,96 @@ def step_part() -> dict:
             "factor": round(max(max(r, 1 / r) for r in ratios.values()), 4)}
 
 
-def accelerator_error(name: str, step: dict | None = None) -> dict:
-    """``{"factor", "basis", "method", "parts"}`` of accelerator ``name`` (a key of :func:`dies`)."""
+def published_ratios(path: Path = PUBLISHED) -> dict[str, list[float]]:
+    """Accelerator -> predicted / measured of each of its published steps (``path``: the
+    ``rows`` of ``benchmarks/results/published_steps.json``, each with ``gpu`` and ``ratio``).
+    Raises FileNotFoundError when the benchmark has not been run."""
+    out: dict[str, list[float]] = {}
+    for row in json.loads(path.read_text())["rows"]:
+        out.setdefault(row["gpu"], []).append(float(row["ratio"]))
+    return out
+
+
+def same_die(name: str, ratios: dict[str, list[float]]) -> str:
+    """``name`` when it has :data:`MIN_OWN_RECORDS` published steps, else the accelerator of the
+    same die (the catalog's ``die``: the same SMs and kernels; A100-40GB and A100-80GB differ only in
+    their HBM, which the model prices from the datasheet) with the most of them, else ``name``."""
+    from sftctl.compiler.hardware import load_accelerators
+
+    accs = load_accelerators()
+    if len(ratios.get(name, [])) >= MIN_OWN_RECORDS or name not in accs or not accs[name].die:
+        return name
+    kin = [n for n, a in accs.items() if a.die == accs[name].die and len(ratios.get(n, [])) >= MIN_OWN_RECORDS]
+    return max(kin, key=lambda n: len(ratios[n]), default=name)
+
+
+def published_part(name: str, ratios: dict[str, list[float]] | None = None) -> dict:
+    """The whole published steps' error for accelerator ``name``: its own records (or those of
+    the accelerator of its die with the most, :func:`same_die`) when at least
+    :data:`MIN_OWN_RECORDS`, else every record pooled.
+    ``covered_leave_one_out``: the share of records within the factor computed without them."""
+    import statistics
+
+    ratios = published_ratios() if ratios is None else ratios
+    own_name = same_die(name, ratios)
+    own = ratios.get(own_name, [])
+    pooled = [r for v in ratios.values() for r in v]
+    rs, whose = ((own, f"{own_name}'s own" + (f", carried over to {name} (same die)" if own_name != name else ""))
+                 if len(own) >= MIN_OWN_RECORDS else (pooled, "every accelerator's, pooled (too few of its own)"))
+    loo = [abs(math.log(r)) <= math.log(factor(rs[:i] + rs[i + 1:])) for i, r in enumerate(rs)]
+    return {"method": f"predicted / measured of {len(rs)} published per-GPU training steps ({whose}; "
+                      f"benchmarks/published_steps.py, none fitted to)",
+            "whose": whose, "n": len(rs), "own": len(own), "median": round(statistics.median(rs), 4), "factor": round(factor(rs), 4),
+            "covered_leave_one_out": round(sum(loo) / len(loo), 4)}
+
+
+def accelerator_error(name: str, step: dict | None = None, ratios: dict[str, list[float]] | None = None) -> dict:
+    """``{"factor", "basis", "method", "parts"}`` of accelerator ``name``: a key of :func:`dies`
+    (GEMM, collective, step-composition and published-step parts), or one with enough published
+    steps of its own or its die's (:func:`same_die`; the published-step part alone, no
+    ``collectives_factor``)."""
+    published = published_part(name, ratios)
+    if name not in dies():
+        if published["own"] < MIN_OWN_RECORDS:
+            raise KeyError(f"{name}: no measured tables and fewer than {MIN_OWN_RECORDS} published steps")
+        basis = (f"whole published steps: {published['factor']:.3f}, the {int(COVERAGE * 100)} % quantile of "
+                 f"|ln(pred/meas)| over {published['n']} published steps ({published['whose']}; "
+                 f"{published['covered_leave_one_out']:.0%} covered leaving each out); no measured kernel tables")
+        return {"factor": round(published["factor"], 3), "basis": basis,
+                "method": f"exp of the {COVERAGE:.0%} quantile of |ln(predicted/measured)| over published steps; "
+                          "python -m sftctl.compiler.accuracy_cv --write",
+                "parts": {"published_steps": published}}
     arch, _ = dies()[name]
     step = step or step_part()
-    parts = {"gemm": gemm_part(arch), "collectives": collectives_part(arch), "step_composition": step}
-    f = combine((parts["gemm"]["factor"], step["factor"]))
+    parts = {"gemm": gemm_part(arch), "collectives": collectives_part(arch), "step_composition": step,
+             "published_steps": published}
+    kernels = combine((parts["gemm"]["factor"], step["factor"]))
+    f = max(kernels, published["factor"])
     where = (f"measured on this {name}" if name == STEP_ACCELERATOR
              else f"measured on {STEP_ACCELERATOR}, carried over (no step measured here)")
-    basis = (f"cross-validated: GEMMs {parts['gemm']['factor']:.3f} ({parts['gemm']['n']} held-out GEMMs) and "
-             f"step composition {step['factor']:.3f} ({where}) in quadrature; collectives "
+    basis = (f"cross-validated: the larger of GEMMs {parts['gemm']['factor']:.3f} ({parts['gemm']['n']} held-out "
+             f"GEMMs) and step composition {step['factor']:.3f} ({where}) in quadrature ({kernels:.3f}), and whole "
+             f"published steps {published['factor']:.3f} ({published['n']} steps, "
+             f"{'its own' if published['own'] >= MIN_OWN_RECORDS else 'pooled'}); collectives "
              f"{parts['collectives']['factor']:.3f} ({parts['collectives']['n']} held-out), weighted by the step's "
              f"communication share; each part the {int(COVERAGE * 100)} % quantile of held-out |ln(pred/meas)|")
     return {"factor": round(f, 3), "collectives_factor": parts["collectives"]["factor"], "basis": basis,
             "method": f"each part: exp of the {COVERAGE:.0%} quantile of |ln(predicted/measured)| on held-out data; "
-                      "factor = exp(sqrt(ln(gemm)^2 + ln(step)^2)); a plan with communication share c adds "
-                      "(c ln(collectives))^2 under the root; python -m sftctl.compiler.accuracy_cv --write",
+                      "factor = max(exp(sqrt(ln(gemm)^2 + ln(step)^2)), published steps); a plan with "
+                      "communication share c adds (c ln(collectives))^2 under the root; "
+                      "python -m sftctl.compiler.accuracy_cv --write",
             "parts": parts}
+
+
+def known() -> list[str]:
+    """The accelerators this tool gives a factor: :func:`dies`, then those with enough published
+    steps of their own (or their die's), in catalog order."""
+    from sftctl.compiler.hardware import load_accelerators
+
+    ratios = published_ratios()
+    extra = [n for n in load_accelerators() if n not in dies()
+             and len(ratios.get(same_die(n, ratios), [])) >= MIN_OWN_RECORDS]
+    return list(dies()) + extra
 
 
 def _in(v: float, band: tuple[float, float]) -> bool:
@@ -239,9 +324,14 @@ def write(name: str, error: dict) -> Path:
     from sftctl.compiler.hardware import get_accelerator
 
     path = ACCURACY_DIR / (get_accelerator(name).accuracy or f"{name.lower()}.json")
-    doc = json.loads(path.read_text()) if path.exists() else {
+    doc: dict = json.loads(path.read_text()) if path.exists() else {
         "kind": "sftctl prediction accuracy", "schema": 1, "accelerator": name, "calibrated": False,
         "sources": [f"XLA's measured {dies()[name][0]} GEMM and collective tables only"]}
+    published = error["parts"]["published_steps"]
+    line = f"published steps: {published['method']}"
+    doc["sources"] = [s for s in doc["sources"] if not s.startswith("published steps: ")] + [line]
+    if name not in dies():  # measured steps, though no measured kernels
+        doc["calibrated"] = True
     doc["error"] = dict(error, meaning="the measured step time is expected within [predicted / factor, "
                                        "predicted x factor]")
     path.write_text(json.dumps(doc, indent=1) + "\n")
@@ -253,12 +343,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", action="store_true", help="write the factors into calibrations/accuracy/ and the "
                                                         "held-out report to benchmarks/results/accuracy_cv.json")
     p.add_argument("--results", default=str(RESULTS), help="where --write puts the held-out report")
-    known = dies()
-    p.add_argument("names", nargs="*", default=list(known), help=f"accelerators (default: {', '.join(known)})")
+    names = known()
+    p.add_argument("names", nargs="*", default=names, help=f"accelerators (default: {', '.join(names)})")
     args = p.parse_args(argv)
-    unknown = [n for n in args.names if n not in known]
+    unknown = [n for n in args.names if n not in names]
     if unknown:
-        print(f"error: no measured tables for {', '.join(unknown)}; known: {', '.join(known)}", file=sys.stderr)
+        print(f"error: no measured tables or published steps for {', '.join(unknown)}; known: {', '.join(names)}",
+              file=sys.stderr)
         return 2
     rep = held_out_report()
     for line in format_report(rep):
@@ -267,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     factors = {}
     for name in args.names:
         err = accelerator_error(name, step)
-        factors[name] = {"factor": err["factor"], "collectives_factor": err["collectives_factor"]}
+        factors[name] = {k: err[k] for k in ("factor", "collectives_factor") if k in err}
         print(f"{name}: factor {err['factor']}  ({err['basis']})")
         if args.write:
             print(f"  wrote {write(name, err)}")
