@@ -89,3 +89,26 @@ def test_a_servers_store_refuses_rows_far_from_their_prediction(home):
         api.calibrate_store([good | {"measured_step_s": 10 ** 400}])
     assert Store().runs() == []
     assert api.calibrate_store([good]) == 1 and Store().runs()[0].measured_step_s == 0.06
+
+
+def test_plan_json_stays_json_when_the_history_overflows(home, tmp_path):
+    """A history row measured at 1.7e308 s (a state written before imports were bounded, or a
+    script reporting absurd step times) made `plan --json` print `NaN` 245 times: not JSON (RFC
+    8259), and `jq` refuses it. Every `--json` document gives null for a figure that is not finite."""
+    from sftctl.types import RunRecord
+
+    Store().add_runs([RunRecord(accelerator="H100", gpus_per_node=8, nodes=1, count=8, predicted_step_s=1e-3,
+                                measured_step_s=1.7e308, source="run", ts=1.0, job_id="old-1")])
+    spec = tmp_path / "job.yaml"
+    spec.write_text(QUICKSTART.read_text().replace("workdir: ..", f"workdir: {REPO}")
+                    .replace('accelerators: ["cpu:1"]', 'accelerators: ["H100:8"]').replace("nodes: 2", "nodes: 1"))
+    proc = sftctl("plan", str(spec), "--json")
+    assert proc.returncode == 3, proc.stderr  # no cloud credentials: ranked, nothing it may start
+
+    def no_constant(name):
+        raise AssertionError(f"not JSON: {name} in plan --json")
+
+    doc = json.loads(proc.stdout, parse_constant=no_constant)
+    row = doc["candidates"][0]
+    assert row["offering"]["accelerator"] == "H100" and row["step_time_s"] > 0
+    assert row["calibrated_step_s"] is None and row["learned"]["runs"] == 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 
@@ -35,9 +36,22 @@ def _console(stderr: bool = False):
     return SafeConsole(stderr=stderr, highlight=False, width=width)
 
 
+def _finite(x):
+    """``x`` (a JSON-able tree: dicts, lists, tuples, scalars) with every float that is NaN or
+    infinite replaced by None: JSON (RFC 8259) has no NaN or Infinity, and ``jq`` refuses them."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
 def _print_json(doc) -> None:
+    """Print ``doc`` as one JSON document on stdout (a figure that is not finite: null)."""
     _JSON_PRINTED[0] = True
-    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+    sys.stdout.write(json.dumps(_finite(doc), indent=2, default=str, allow_nan=False) + "\n")
     sys.stdout.flush()
 
 
