@@ -4,12 +4,14 @@ absurd figures), each through the real CLI in a fresh SFTCTL_HOME."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO, sftctl
 from sftctl.state import Store
+from sftctl.types import RunRecord
 
 QUICKSTART = Path(REPO) / "examples" / "quickstart.yaml"
 
@@ -95,8 +97,6 @@ def test_plan_json_stays_json_when_the_history_overflows(home, tmp_path):
     """A history row measured at 1.7e308 s (a state written before imports were bounded, or a
     script reporting absurd step times) made `plan --json` print `NaN` 245 times: not JSON (RFC
     8259), and `jq` refuses it. Every `--json` document gives null for a figure that is not finite."""
-    from sftctl.types import RunRecord
-
     Store().add_runs([RunRecord(accelerator="H100", gpus_per_node=8, nodes=1, count=8, predicted_step_s=1e-3,
                                 measured_step_s=1.7e308, source="run", ts=1.0, job_id="old-1")])
     spec = tmp_path / "job.yaml"
@@ -112,3 +112,31 @@ def test_plan_json_stays_json_when_the_history_overflows(home, tmp_path):
     row = doc["candidates"][0]
     assert row["offering"]["accelerator"] == "H100" and row["step_time_s"] > 0
     assert row["calibrated_step_s"] is None and row["learned"]["runs"] == 1
+
+
+def test_export_to_a_path_it_cannot_write_is_one_line(home, tmp_path):
+    """`calibrate export /no/such/dir/h.jsonl` was `internal error: FileNotFoundError` (exit 1)."""
+    Store().add_runs([RunRecord.from_dict(json.loads(_exported()) | {"source": "imported"})])
+    for path, says in ((tmp_path / "no" / "dir" / "h.jsonl", "No such file or directory"),
+                       (tmp_path, "Is a directory")):
+        proc = sftctl("calibrate", "export", str(path))
+        assert proc.returncode == 2, (proc.returncode, proc.stderr)
+        first = proc.stderr.strip().splitlines()[0]
+        assert first == f"error: calibrate export {path}: cannot write it: {says}", first
+        assert "internal error" not in proc.stderr and "give a file in a folder that exists" in proc.stderr
+    out = tmp_path / "h.jsonl"
+    sftctl("calibrate", "export", str(out), check=True)
+    assert [json.loads(x)["measured_step_s"] for x in out.read_text().splitlines()] == [0.06]
+
+
+def test_forgetting_a_label_no_run_has_names_the_labels(home):
+    """`calibrate forget --source lab-pats` (a typo for lab-past) said only `forgot 0 run(s)`."""
+    Store().add_runs([RunRecord.from_dict(json.loads(_exported(source_label=s)) | {"source": "imported"})
+                      for s in ("lab-past", "published")])
+    proc = sftctl("calibrate", "forget", "--source", "lab-pats", env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ("forgot 0 run(s): no run has source label 'lab-pats' "
+                                   "(labels: lab-past, published)"), proc.stdout
+    assert json.loads(sftctl("calibrate", "forget", "--source", "lab-pats", "--json", check=True).stdout) == {"forgotten": 0}
+    assert sftctl("calibrate", "forget", "--source", "published", check=True).stdout.strip() == "forgot 1 run(s)"
+    assert len(Store().runs()) == 1

@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from sftctl.cli.common import _console, _escape, _print_json, app
-from sftctl.errors import SftctlError
+from sftctl.errors import ExitCode, SftctlError
 
 calibrate_app = typer.Typer(help="The run history predictions learn from: import, show, export, forget measured runs.",
                             no_args_is_help=True)
@@ -65,7 +65,12 @@ def calibrate_export(
     if path is None:
         sys.stdout.write(lines)
     else:
-        path.write_text(lines)
+        try:
+            path.write_text(lines)
+        except OSError as e:  # a folder that does not exist, a directory, no permission, a full disk
+            raise SftctlError(f"calibrate export {path}: cannot write it: {e.strerror or e}",
+                              hint="give a file in a folder that exists and you may write, or no FILE for stdout",
+                              exit_code=ExitCode.USAGE) from None
         _console(stderr=True).print(f"wrote {lines.count(chr(10))} run(s) to {_escape(str(path))}", soft_wrap=True)
 
 
@@ -81,8 +86,12 @@ def calibrate_forget(
     n = api.calibrate_forget(imported=imported, source=source)
     if as_json:
         _print_json({"forgotten": n})
-    else:
-        _console().print(f"forgot {n} run(s)")
+        return
+    why = ""
+    if n == 0 and source:  # most likely a typo: name the labels there are
+        labels = sorted({str(r.get("source_label")) for r in api.calibrate_show()["runs"] if r.get("source_label")})
+        why = f": no run has source label {source!r} (labels: {', '.join(labels) or 'none'})"
+    _console().print(f"forgot {n} run(s){_escape(why)}", soft_wrap=True)
 
 
 # ------------------------------------------------------------------------------------ secret
