@@ -33,7 +33,29 @@ type) of A, times :data:`OTHER_MODE_WEIGHT` in another execution mode. In units 
     c_post  = k' K^-1 r                 calibrated step = p * exp(c_post)
     sd_post = s0 * sqrt(1 - k' K^-1 k)  STEP RANGE = calibrated /x exp(sd_post)
 
-so ``n`` runs alike in every way (sim 1, this offering and mode) move the prediction ``n / (k +
+**Runs on other accelerators.** How well the model prices a step is partly the step's, whatever
+it runs on: of 6 published steps measured on both an A100-80GB and an H100 (the same scripts,
+``benchmarks/results/published_steps.json``), the residuals ``ln(measured / predicted)`` less
+each GPU's mean correlate 0.90. So ``e`` on accelerator A is ``g + u_A``: ``g`` the step's own
+residual, shared by every accelerator (variance ``G = (1 - beta) * rho * s_min**2``, ``rho`` =
+:data:`CROSS_ACCELERATOR_SHARE`, ``s_min`` the narrowest prior width among the accelerators in
+play, so that no accelerator's residual is smaller than its shared part), correlated between
+steps by their similarity, and ``u_A`` the rest, A's alone. A run on accelerator B (no offering
+weight: its offering is another by definition; the mode weight applies) then covaries with the new
+step through ``G * sim`` only, and with runs on B through B's bias too. In units of ``s0**2``,
+``q_i = s_i / s0`` and ``gamma = G / s0**2``::
+
+    K_ij = [B_i == B_j] (beta q_i**2 + ((1 - beta) q_i**2 - gamma) sim(i, j)) + gamma sim(i, j)
+           + [i == j] NOISE_RATIO**2 q_i**2 / v_i
+    k_i  = [B_i == A] (beta + (1 - beta - gamma) sim(new, i)) + gamma sim(new, i)
+
+which is the formula above when every run is on A. Twenty runs of this very step on another
+accelerator of the same width move it ``20 gamma / (4 + 20)`` = 31 % of the way (``rho`` 0.75):
+where a lab's runs show a model mispriced on one GPU, its other GPUs' predictions move with it, so
+the pick does not shift toward the GPUs nobody ran it on. ``runs`` counts the runs on A;
+``other_accelerator_runs`` those on others.
+
+So ``n`` runs alike in every way (sim 1, this offering and mode) move the prediction ``n / (k +
 n)`` of the way (in log, ``k = NOISE_RATIO**2 = 4``) to what they measured: one 20 %, twenty 83 %,
 and the range narrows from ``f`` to ``f ** sqrt(4 / (4 + n))``. Runs of unlike steps (sim 0) still
 speak for A's bias: one run each of twenty models unlike this one and each other moves it ``20 beta
@@ -84,9 +106,16 @@ OTHER_MODE_WEIGHT = 0.5
 #: (how well the model prices this kernel mix). 1/2: neither level assumed the smaller; a run of
 #: another model then still corrects a new model's step through the shared half
 ACCELERATOR_SHARE = 0.5
+#: ``rho``: the share of a step's own residual variance that every accelerator shares (module
+#: docstring). The 6 published steps run on both A100-80GB and H100 correlate 0.90 once each GPU's
+#: mean is taken out (benchmarks/results/published_steps.json); taken below that, for so few pairs
+CROSS_ACCELERATOR_SHARE = 0.75
 #: at most this many runs (the most alike, on this offering and mode, newest first) enter one
 #: calibration: the posterior solves a dense system of that size
 MAX_RUNS = 400
+#: of those, at most this many runs on other accelerators (the most alike): each plan calibrates
+#: every offering, and they speak only through a step's shared residual
+MAX_OTHER_RUNS = 100
 #: the kernel-mix keys, in this order
 MIX_KEYS = ("attention", "gemm", "pointwise", "collectives")
 #: where a run comes from: the lab's own jobs, or an import
@@ -159,41 +188,59 @@ def calibrate(predicted_s: float, accelerator: str, runs: Iterable[RunRecord], *
     "sources": {"run": n, "imported": n, "labels": [...]}}``.
     """
     s0 = math.log(max(1.0001, error_factor(accelerator, comm_share)))
-    picked: list[tuple[float, float, float, dict | None, RunRecord]] = []  # (cov with c / s0^2, v, r, mix, run)
+    widths = {accelerator.lower(): s0}  # accelerator -> its prior width s_i
+    picked: list[tuple] = []  # (similarity to the new step, v, r, mix, run, accelerator, q_i = s_i / s0)
     for r in runs:
-        if r.accelerator.lower() != accelerator.lower():
-            continue
         p, m = r.predicted_step_s, r.measured_step_s
         if not p or not m or p <= 0 or m <= 0:
             continue
+        acc = r.accelerator.lower()
         v = 1.0
-        if provider is not None and (r.provider, r.instance_type) != (provider, instance_type):
+        if acc == accelerator.lower() and provider is not None and (r.provider, r.instance_type) != (provider,
+                                                                                                    instance_type):
             v *= OTHER_OFFERING_WEIGHT
         if mode is not None and r.mode and r.mode != mode:
             v *= OTHER_MODE_WEIGHT
         if v <= 0:
             continue
+        if acc not in widths:  # one the catalog does not know: the uncalibrated width
+            widths[acc] = math.log(max(1.0001, error_factor(r.accelerator)))
         sim = similarity(features, r.features)
-        picked.append((sim, v, math.log(m / p), r.features, r))
+        picked.append((sim, v, math.log(m / p), r.features, r, acc, widths[acc] / s0))
+    gamma = (1 - ACCELERATOR_SHARE) * CROSS_ACCELERATOR_SHARE * (min(widths.values()) / s0) ** 2
+    same = accelerator.lower()
+    loudest = lambda t: (-_cov_with_new(t, same, gamma) * t[1], -(t[4].ts or 0.0))  # noqa: E731
+    own, other = [t for t in picked if t[5] == same], [t for t in picked if t[5] != same]
+    if len(other) > MAX_OTHER_RUNS:  # they speak only through the shared residual: the most alike do
+        other = sorted(other, key=loudest)[:MAX_OTHER_RUNS]
+    picked = own + other
     if len(picked) > MAX_RUNS:  # the runs that speak loudest for this step: most alike, this offering and mode
-        picked = sorted(picked, key=lambda t: (-t[0] * t[1], -(t[4].ts or 0.0)))[:MAX_RUNS]
-    c, var = _posterior(picked)
+        picked = sorted(picked, key=loudest)[:MAX_RUNS]
+    c, var = _posterior(picked, same, gamma)
     counts = dict.fromkeys(SOURCES, 0)
-    for *_, r in picked:
-        counts[r.source if r.source in SOURCES else "imported"] += 1
-    labels = sorted({str(r.source_label) for *_, r in picked if r.source_label})
-    weight = sum(sim * v for sim, v, *_ in picked)
+    for t in picked:
+        counts[t[4].source if t[4].source in SOURCES else "imported"] += 1
+    labels = sorted({str(t[4].source_label) for t in picked if t[4].source_label})
+    weight = sum(t[0] * t[1] for t in picked if t[5] == same)
     cal = predicted_s * math.exp(c)
     f = math.exp(s0 * math.sqrt(var))
     return {"calibrated_step_s": cal, "interval_s": [cal / f, cal * f], "error": f, "prior_error": math.exp(s0),
-            "runs": len(picked), "weight": round(weight, 4), "correction": math.exp(c),
-            "sources": {**counts, "labels": labels}}
+            "runs": sum(t[5] == same for t in picked), "other_accelerator_runs": sum(t[5] != same for t in picked),
+            "weight": round(weight, 4), "correction": math.exp(c), "sources": {**counts, "labels": labels}}
 
 
-def _posterior(picked: list) -> tuple[float, float]:
+def _cov_with_new(t: tuple, accelerator: str, gamma: float) -> float:
+    """``k_i`` of the module docstring: run ``t``'s covariance with the new step, in ``s0**2``."""
+    sim = t[0]
+    return (ACCELERATOR_SHARE + (1 - ACCELERATOR_SHARE - gamma) * sim if t[5] == accelerator else 0.0) + gamma * sim
+
+
+def _posterior(picked: list, accelerator: str = "", gamma: float = 0.0) -> tuple[float, float]:
     """``(c_post, sd_post**2 / s0**2)`` of the module docstring's Gaussian model for the runs
-    ``picked`` (each ``(similarity to the new step, v, r, kernel mix, run)``); ``(0, 1)`` without
-    runs. Covariances are in units of ``s0**2``; the means in ln."""
+    ``picked`` (each ``(similarity to the new step, v, r, kernel mix, run, accelerator, q)``: the
+    run's accelerator, lower case, and its prior width over the new step's) of a step on
+    ``accelerator`` (lower case), ``gamma`` the shared step residual's variance over ``s0**2``;
+    ``(0, 1)`` without runs. Covariances are in units of ``s0**2``; the means in ln."""
     if not picked:
         return 0.0, 1.0
     import numpy as np
@@ -205,8 +252,13 @@ def _posterior(picked: list) -> tuple[float, float]:
     sims = np.where(known[:, None] & known[None, :], np.clip(1 - l1 / 2, 0.0, 1.0) ** SIMILARITY_POWER,
                     UNKNOWN_SIMILARITY)
     np.fill_diagonal(sims, 1.0)  # a run is its own step
-    cov = b + (1 - b) * sims + np.diag([NOISE_RATIO ** 2 / t[1] for t in picked])
-    k = np.array([b + (1 - b) * t[0] for t in picked])
+    codes = {a: i for i, a in enumerate(dict.fromkeys(t[5] for t in picked))}
+    acc = np.array([codes[t[5]] for t in picked])
+    same = (acc[:, None] == acc[None, :]).astype(float)  # [B_i == B_j]
+    q2 = np.array([t[6] ** 2 for t in picked])
+    cov = (same * (b * q2[:, None] + ((1 - b) * q2[:, None] - gamma) * sims) + gamma * sims
+           + np.diag([NOISE_RATIO ** 2 * q2[i] / t[1] for i, t in enumerate(picked)]))
+    k = np.array([_cov_with_new(t, accelerator, gamma) for t in picked])
     r = np.array([t[2] for t in picked])
     # the scale of r is ln, of cov s0^2: c_post = k' K^-1 r holds for any common scale of k and K
     solved = np.linalg.solve(cov, np.stack([r, k], axis=1))
@@ -283,6 +335,17 @@ def step_time_view(predicted: float | None, measured: float | None, n: int = 0,
 _NATIVE = {"spec", "accelerator", "gpus_per_node", "nodes", "measured_step_s", "mode", "provider", "instance_type",
            "region", "source"}
 _PUBLISHED_NEEDS = ("entrypoint", "gpu", "batch_per_gpu", "dtype", "gpus_per_node", "nodes")
+
+
+def _seconds_ok(v: Any) -> bool:
+    """Whether ``v`` is a positive, finite number of seconds (a JSON number; an integer too large
+    for a float, 1e400 written out, is not)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return 0 < float(v) < math.inf
+    except OverflowError:
+        return False
 
 
 class ImportError_(SpecError):  # noqa: N801 - not the builtin
@@ -373,7 +436,7 @@ def read_import(path: str | os.PathLike[str]) -> list[dict]:
                 m = None
         else:
             raise bad("missing measured_step_s (or seq_len and tokens_per_s_per_gpu)")
-        if not isinstance(m, (int, float)) or isinstance(m, bool) or not m > 0 or not math.isfinite(m):
+        if not _seconds_ok(m):
             raise bad(f"measured_step_s must be a positive number of seconds, not {m!r}")
         mode = d.get("mode")
         if mode is not None and mode not in ("eager", "default", "sftensor"):
@@ -445,7 +508,7 @@ def _import_lines(p: Path) -> list[str]:
     if not p.is_file():
         raise ImportError_(f"{p}: no such file", hint=hint)
     try:
-        return p.read_text(encoding="utf-8").splitlines()
+        return p.read_text(encoding="utf-8-sig").splitlines()  # a BOM (Windows editors) is no error
     except (OSError, UnicodeDecodeError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise ImportError_(f"{p}: cannot be read: {why}", hint=hint) from None
@@ -475,7 +538,7 @@ def read_exported(path: str | os.PathLike[str]) -> list[RunRecord] | None:
         d = _json_object(text, bad)
         for key in ("predicted_step_s", "measured_step_s"):
             v = d.get(key)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or not math.isfinite(v):
+            if not _seconds_ok(v):
                 raise bad(f"{key} must be a positive number of seconds, not {v!r}")
         if not isinstance(d.get("accelerator"), str) or not d["accelerator"]:
             raise bad("accelerator missing")
@@ -508,7 +571,7 @@ def check_rows(rows: Any) -> list[RunRecord]:
             raise SpecError(f"runs[{i}]: not an object")
         for key in ("predicted_step_s", "measured_step_s"):
             v = d.get(key)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0 or not math.isfinite(v):
+            if not _seconds_ok(v):
                 raise SpecError(f"runs[{i}]: {key} must be a positive number of seconds, not {v!r}")
         for key in ("gpus_per_node", "nodes"):
             if not isinstance(d.get(key), int) or isinstance(d.get(key), bool) or d[key] < 1:

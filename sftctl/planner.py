@@ -280,9 +280,8 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
     res = spec.resources
     known = {n.lower(): n for n in accelerator_names()}  # the catalog's spelling of each name
     candidates: list[PlanChoice] = []
-    runs_of: dict[str, list] = {}  # accelerator (lower case) -> its runs: each row reads only its own
-    for r in history or []:
-        runs_of.setdefault(r.accelerator.lower(), []).append(r)
+    runs = list(history or [])  # every row reads them all: another accelerator's runs of a step speak for it too
+    memo: dict = {}  # offerings in several regions calibrate the same way once
     asked = {name for name, why in usable.items() if why is None}
     for i, acc in enumerate(res.accelerators):
         error = unknown_accelerator(i, acc.name)  # load_spec says it at its line already
@@ -290,7 +289,7 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
             raise error
         offerings = _offerings(acc.name, acc.count, usable, res.clouds, spec=spec)
         for offering in offerings:
-            c = _judge(offering, spec, usable, predict, runs_of.get(offering.accelerator.lower(), []))
+            c = _judge(offering, spec, usable, predict, runs, memo)
             if c.rejected is None and issubclass(provider_class(offering.provider), QueueEstimate):
                 c = _queue(c, spec, (avoid or {}).get(offering.provider, ()))
             candidates.append(c)
@@ -566,8 +565,10 @@ def _reason(best: PlanChoice, ranked: list[PlanChoice], objective: str) -> str:
     if best.step_time_s is not None:
         how = f" ({best.mode} mode)" if best.mode else ""
         runs = (best.learned or {}).get("runs") or 0
-        learned = (f" (model {best.step_time_s * 1000:.1f}, corrected by {runs} past run(s))"
-                   if runs and best.calibrated_step_s else "")
+        other = (best.learned or {}).get("other_accelerator_runs") or 0
+        by = " and ".join([f"{runs} past run(s)"] * bool(runs) + [f"{other} on other accelerators"] * bool(other))
+        learned = (f" (model {best.step_time_s * 1000:.1f}, corrected by {by})"
+                   if by and best.calibrated_step_s else "")
         pred = (f", predicted {(best.calibrated_step_s or best.step_time_s) * 1000:.1f} ms/step{how}{learned}, "
                 f"{format_hours(best.hours)}, ${best.total_usd:,.2f} in all")
     if best.parallelism is not None:
@@ -659,7 +660,7 @@ def _spot_signal(o: Offering) -> str:
 
 
 def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: PredictFn | None,
-           history: Sequence[RunRecord] = ()) -> PlanChoice:
+           history: Sequence[RunRecord] = (), memo: dict | None = None) -> PlanChoice:
     res = spec.resources
     unit = o.price(res.spot)
     c = PlanChoice(o, res.nodes, None if unit is None else unit * res.nodes)
@@ -699,11 +700,15 @@ def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: P
             mode = getattr(predict, "mode", None)
             features = getattr(predict, "features", {}).get((o.accelerator, o.count, res.nodes))
             comm = got.chosen.comm_time_s / got.step_time_s if got.step_time_s > 0 else 0.0
-            learned = calibrate(got.step_time_s, o.accelerator, history, provider=o.provider,
-                                instance_type=o.instance_type, mode=mode, features=features, comm_share=comm)
+            key = (got.step_time_s, o.accelerator, o.provider, o.instance_type, mode, repr(features), comm)
+            memo = {} if memo is None else memo
+            if key not in memo:
+                memo[key] = calibrate(got.step_time_s, o.accelerator, history, provider=o.provider,
+                                      instance_type=o.instance_type, mode=mode, features=features, comm_share=comm)
+            learned = memo[key]
             step_s = learned["calibrated_step_s"]
             calib = _calibration(o.accelerator, got.step_time_s, got.chosen.comm_time_s)
-            if learned["runs"]:  # history narrows the range around the corrected step
+            if learned["runs"] or learned["other_accelerator_runs"]:  # history narrows the range around it
                 calib = {"calibration": {**calib["calibration"], "error": learned["error"],
                                          "model_error": calib["calibration"]["error"]},
                          "step_time_interval_s": learned["interval_s"]}
@@ -722,8 +727,8 @@ def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: P
                                     strategies=[p.to_dict() for p in got.strategies],
                                     layout=getattr(got, "layout", None),
                                     features=features, calibrated_step_s=step_s,
-                                    learned={k: learned[k] for k in ("runs", "weight", "correction", "sources",
-                                                                     "error", "prior_error")},
+                                    learned={k: learned[k] for k in ("runs", "other_accelerator_runs", "weight",
+                                                                     "correction", "sources", "error", "prior_error")},
                                     **calib)
             if res.spot:
                 c = _with_spot_loss(c, spec, step_s, hours)

@@ -13,6 +13,7 @@ import pytest
 
 from conftest import REPO, sftctl, status_json, wait_for
 from sftctl import history
+from sftctl.errors import SpecError
 from sftctl.state import STEP_SERIES_CAP, Store
 from sftctl.types import RunRecord
 
@@ -113,8 +114,10 @@ def test_a_dissimilar_steps_runs_move_it_less():
     other = history.calibrate(1.0, "H100", [_run(2.0, features=resnet_like)] * 5, features=MIX)
     assert history.similarity(MIX, llama_like) > 0.8 > 0.3 > history.similarity(MIX, resnet_like)
     assert same["correction"] > other["correction"] > 1.0
-    # another accelerator's runs say nothing; another offering's and another mode's say less
-    assert history.calibrate(1.0, "A100-80GB", [_run(2.0)] * 5, features=MIX)["runs"] == 0
+    # another accelerator's runs say less (only the step's shared residual); another offering's and
+    # another mode's say less than this one's
+    a100 = history.calibrate(1.0, "A100-80GB", [_run(2.0)] * 5, features=MIX)
+    assert (a100["runs"], a100["other_accelerator_runs"]) == (0, 5) and 1.0 < a100["correction"] < same["correction"]
     here = history.calibrate(1.0, "H100", [_run(2.0)] * 5, provider="aws", instance_type="p5.48xlarge", features=MIX)
     there = history.calibrate(1.0, "H100", [_run(2.0)] * 5, provider="gcp", instance_type="a3-highgpu-8g",
                               features=MIX)
@@ -161,6 +164,15 @@ def test_the_ranking_uses_the_calibrated_figure():
     assert lo < row.calibrated_step_s < hi and hi / lo < 1.84 ** 2  # narrower than the model's own
     doc = row.to_dict()
     assert doc["step_time_s"] == pytest.approx(0.10) and doc["calibrated_step_s"] == row.calibrated_step_s
+    # the A100's prediction moves through the step's shared residual only: gamma = (1 - b) rho (the A100's
+    # prior is the narrower) over s0^2, each run's covariance with it gamma x 0.5, and the runs' own
+    # matrix q^2 (0.75 J + 4.25 I), q = s_H100 / s_A100: c = 0.5 gamma 20 / (q^2 19.25) ln 3
+    a100 = next(c for c in learned.candidates if c.offering.accelerator == "A100-80GB")
+    q = math.log(history.error_factor("H100")) / math.log(history.error_factor("A100-80GB"))
+    gamma = (1 - history.ACCELERATOR_SHARE) * history.CROSS_ACCELERATOR_SHARE
+    assert (a100.learned["runs"], a100.learned["other_accelerator_runs"]) == (0, 20)
+    assert a100.calibrated_step_s == pytest.approx(0.25 * 3 ** (0.5 * gamma * 20 / (q * q * 19.25)))
+    assert 1.05 < a100.calibrated_step_s / 0.25 < row.calibrated_step_s / 0.10
     from rich.console import Console
 
     from sftctl.ui import plan_table
@@ -172,10 +184,15 @@ def test_the_ranking_uses_the_calibrated_figure():
     console = Console(width=250, record=True)
     console.print(plan_table([dataclasses.replace(c, calibration=uncal) for c in learned.candidates], 1000))
     text = console.export_text()
-    assert "STEP and STEP RANGE learned from past runs (H100: 20;" in text
+    assert "STEP and STEP RANGE learned from past runs (A100-80GB: 20 on other GPUs, H100: 20;" in text
     assert "* uncalibrated: no measured kernels or steps on A100-80GB;" in text
     assert f"{row.calibrated_step_s * 1e3:.1f} ms" in text  # the H100 row's STEP is the corrected figure
-    assert "corrected by 20 past run(s)" not in learned.reason  # the pick is the A100, which no run corrected
+    assert f"{a100.calibrated_step_s * 1e3:.1f} ms" in text  # and the A100's
+    # only the A100, which no run of its own corrects, keeps its `*`; $/STEP is the corrected STEP's
+    assert f"{row.calibrated_step_s * 1e3:.1f} ms *" not in text and f"{a100.calibrated_step_s * 1e3:.1f} ms *" in text
+    assert f"{row.usd_per_hour * row.calibrated_step_s / 3600:.5f}" in text
+    # the pick is the A100, which only the H100's runs corrected
+    assert "corrected by 20 on other accelerators)" in learned.reason and "20 past run(s)" not in learned.reason
 
 
 # ------------------------------------------------------------------------------ a local job, end to end
@@ -302,6 +319,21 @@ def test_importing_an_export_twice_adds_nothing(home, tmp_path):
     doc = json.loads(sftctl("calibrate", "import", str(exported), "--json", check=True).stdout)
     assert (doc["imported"], doc["skipped"]) == (1, 2)
     assert len(json.loads(sftctl("calibrate", "show", "--json", check=True).stdout)["runs"]) == 3
+
+
+def test_an_export_with_a_bom_reads_and_a_huge_integer_is_its_lines_error(tmp_path):
+    """A file saved with a UTF-8 BOM (Windows editors) reads as its rows; a step written as a
+    400-digit integer (no float holds it) is that line's error, not an OverflowError."""
+    row = {k: v for k, v in _run(0.5).to_dict().items() if k != "id"}
+    f = tmp_path / "h.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + (json.dumps(row) + "\n").encode())
+    got = history.read_exported(f)
+    assert got is not None and [r.measured_step_s for r in got] == [0.5]
+    f.write_text(json.dumps(row) + "\n" + json.dumps(row)[:-1] + ', "measured_step_s": ' + "9" * 400 + "}\n")
+    with pytest.raises(history.ImportError_, match=f"{f}:2: measured_step_s must be a positive number"):
+        history.read_exported(f)
+    with pytest.raises(SpecError, match=r"runs\[0\]: .*predicted_step_s"):
+        history.check_rows([row | {"predicted_step_s": 10 ** 400}])
 
 
 @pytest.mark.parametrize("lines, line_no, says", [

@@ -87,8 +87,80 @@ def test_another_models_runs_correct_the_accelerators_bias():
     assert none["error"] > unlike["error"] > alike["error"]
     s0 = math.log(none["error"])
     assert math.log(unlike["error"]) == pytest.approx(s0 * math.sqrt(1 - beta ** 2 * 20 / 24), rel=1e-9)
-    # and runs on another accelerator still say nothing
-    assert history.calibrate(1.0, "A100-80GB", [_run(2.0, GEMM)] * 20, features=GEMM)["runs"] == 0
+    # and runs of an unlike step on another accelerator say nothing: no bias nor residual shared
+    other = history.calibrate(1.0, "A100-80GB", [_run(2.0, POINTWISE)] * 20, features=GEMM)
+    assert (other["runs"], other["other_accelerator_runs"], other["correction"]) == (0, 20, 1.0)
+
+
+def _reference_across(target: str, new: dict | None, runs: list[RunRecord]) -> tuple[float, float]:
+    """(c_post, sd_post) in ln, from the generative model in absolute units: ``c = a_B + g + u_B``
+    (the accelerator's bias, the step's residual every accelerator shares, B's own rest), the
+    joint covariance of (c_new, r_1..r_n) summed from those three parts, conditioned (float64)."""
+    beta, rho, k = history.ACCELERATOR_SHARE, history.CROSS_ACCELERATOR_SHARE, history.NOISE_RATIO ** 2
+    accs = [target] + [r.accelerator for r in runs]
+    s = [math.log(history.error_factor(a)) for a in accs]
+    shared = (1 - beta) * rho * min(s) ** 2
+    steps = [new] + [r.features for r in runs]
+    n = len(steps)
+    joint = np.zeros((n, n))
+    for i in range(n):
+        for j in range(n):
+            sim = 1.0 if i == j else history.similarity(steps[i], steps[j])
+            joint[i, j] = shared * sim
+            if accs[i] == accs[j]:
+                joint[i, j] += beta * s[i] ** 2 + ((1 - beta) * s[i] ** 2 - shared) * sim
+        if i:
+            joint[i, i] += k * s[i] ** 2
+    rr = np.array([math.log(r.measured_step_s / r.predicted_step_s) for r in runs])
+    s_cr, s_rr = joint[0, 1:], joint[1:, 1:]
+    mean = s_cr @ np.linalg.inv(s_rr) @ rr
+    return float(mean), math.sqrt(joint[0, 0] - s_cr @ np.linalg.inv(s_rr) @ s_cr)
+
+
+def _on(acc: str, run: RunRecord) -> RunRecord:
+    return RunRecord(**{**run.to_dict(), "accelerator": acc})
+
+
+def test_runs_on_other_accelerators_match_a_float64_reference():
+    """Histories mixing H100, A100-80GB and L4 runs (three prior widths: 1.23, 1.22, 1.84),
+    random steps and mixes, against the generative reference."""
+    rng = random.Random(36)
+    for _ in range(30):
+        def mix():
+            w = [rng.random() for _ in history.MIX_KEYS]
+            return {key: x / sum(w) for key, x in zip(history.MIX_KEYS, w)}
+        runs = [_on(rng.choice(["H100", "A100-80GB", "L4"]), _run(math.exp(rng.gauss(0, 0.3)), mix(),
+                                                                      predicted=rng.uniform(0.01, 5)))
+                for _ in range(rng.randint(1, 20))]
+        target, new = rng.choice(["H100", "A100-80GB", "L4"]), mix()
+        got = history.calibrate(2.0, target, runs, features=new)
+        c, sd = _reference_across(target, new, runs)
+        assert math.log(got["correction"]) == pytest.approx(c, abs=1e-9)
+        assert math.log(got["error"]) == pytest.approx(sd, rel=1e-9)
+        assert got["runs"] + got["other_accelerator_runs"] == len(runs)
+        assert got["runs"] == sum(r.accelerator == target for r in runs)
+
+
+def test_a_step_mispriced_on_one_gpu_moves_its_prediction_on_the_others():
+    """Twenty runs of this very step on an A100 measured 2x the model: the H100's prediction of
+    it moves too (20 gamma / (4 + 20) of the way, gamma = (1 - beta) rho (s_min / s0)^2), less
+    than the A100's own (83 %), and a wide-prior L4 moves no further than the shared part allows:
+    a 2x on the A100 never says more than 2x elsewhere."""
+    runs = [_on("A100-80GB", _run(2.0, GEMM))] * 20
+    a100 = history.calibrate(1.0, "A100-80GB", runs, features=GEMM)
+    h100 = history.calibrate(1.0, "H100", runs, features=GEMM)
+    l4 = history.calibrate(1.0, "L4", runs, features=GEMM)
+    beta, rho = history.ACCELERATOR_SHARE, history.CROSS_ACCELERATOR_SHARE
+    s = {a: math.log(history.error_factor(a)) for a in ("A100-80GB", "H100", "L4")}
+    gamma = (1 - beta) * rho * (min(s["A100-80GB"], s["H100"]) / s["H100"]) ** 2
+    assert math.log2(a100["correction"]) == pytest.approx(20 / 24, rel=1e-9)
+    assert math.log2(h100["correction"]) == pytest.approx(20 * gamma / (4 * (s["A100-80GB"] / s["H100"]) ** 2
+                                                                        + 20 * (s["A100-80GB"] / s["H100"]) ** 2),
+                                                          rel=1e-9)
+    assert 1.15 < h100["correction"] < a100["correction"] and (h100["runs"], h100["other_accelerator_runs"]) == (0, 20)
+    assert 1.0 < l4["correction"] < 2 ** 0.5
+    # the H100's range narrows a little: its own residual and bias are still unknown
+    assert history.calibrate(1.0, "H100", [], features=GEMM)["error"] > h100["error"] > a100["error"]
 
 
 def test_two_models_agreeing_say_more_than_one_model_run_twice():
@@ -107,4 +179,6 @@ def test_many_runs_keep_the_weightiest_and_stay_quick():
                                                  "collectives": 0.0}) for _ in range(history.MAX_RUNS + 50)]
     got = history.calibrate(1.0, "H100", runs, features=GEMM)
     assert got["runs"] == history.MAX_RUNS
+    elsewhere = history.calibrate(1.0, "A100-80GB", runs, features=GEMM)  # the most alike of another GPU's
+    assert (elsewhere["runs"], elsewhere["other_accelerator_runs"]) == (0, history.MAX_OTHER_RUNS)
     assert 1.0 < got["correction"] < math.exp(0.5)

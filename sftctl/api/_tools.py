@@ -249,13 +249,14 @@ def compile(spec: SpecLike, target: str, overrides: Overrides = (), *, out: str 
 def _calibrated_doc(step_time_s: float, accelerator: str, mode: str, compiled: Any) -> dict:
     """``compile --json``'s learned figures: ``calibrated_step_s`` (the model's ``step_time_s``
     corrected by the run history on ``accelerator``, :func:`sftctl.history.calibrate`),
-    ``calibrated_interval_s`` and the evidence ``{"runs", "weight", "correction", "sources",
-    "error", "prior_error"}`` under ``learned``."""
+    ``calibrated_interval_s`` and the evidence ``{"runs", "other_accelerator_runs", "weight",
+    "correction", "sources", "error", "prior_error"}`` under ``learned``."""
     from sftctl.history import calibrate, kernel_mix
 
     got = calibrate(step_time_s, accelerator, calibration_runs(), mode=mode, features=kernel_mix(compiled.kernels))
     return {"calibrated_step_s": got["calibrated_step_s"], "calibrated_interval_s": got["interval_s"],
-            "learned": {k: got[k] for k in ("runs", "weight", "correction", "sources", "error", "prior_error")}}
+            "learned": {k: got[k] for k in ("runs", "other_accelerator_runs", "weight", "correction", "sources", "error",
+                                            "prior_error")}}
 
 
 @_typed

@@ -365,8 +365,10 @@ def compile_(
         soft_wrap=True,
     )
     learned = doc.get("learned") or {}
-    if learned.get("runs"):
-        console.print(f"learned from {learned['runs']} past run(s) on {result.accelerator}: "
+    if learned.get("runs") or learned.get("other_accelerator_runs"):
+        others = f" and {learned['other_accelerator_runs']} on other accelerators" if learned.get(
+            "other_accelerator_runs") else ""
+        console.print(f"learned from {learned.get('runs') or 0} past run(s) on {result.accelerator}{others}: "
                       f"{doc['calibrated_step_s'] * 1000:.2f} ms/step (x{learned['correction']:.3f}; "
                       f"sftctl calibrate show)", soft_wrap=True)
     if not doc["fits"]:

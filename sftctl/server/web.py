@@ -426,7 +426,8 @@ def plan_view(candidates: list, reason: str | None) -> dict:
     rows = []
     for i, c in enumerate(shown):
         o = c.offering
-        learned = (getattr(c, "learned", None) or {}).get("runs")
+        learned = (getattr(c, "learned", None) or {})
+        learned = learned.get("runs") or learned.get("other_accelerator_runs")
         verdict = ("chosen" if i == 0 and reason else "ok") if c.rejected is None else c.rejected.message
         rows.append({"rank": i + 1, "provider": o.provider, "instance": o.instance_type,
                      "accelerator": f"{o.accelerator}:{o.count}", "nodes": c.nodes, "region": o.region,

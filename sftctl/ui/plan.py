@@ -97,6 +97,12 @@ def _close_call_line(pick, ranked: list, shown: list, members: dict[int, list]) 
     return close_call_note(close, None if row is None else row + 1, shown=row is not None) or pick.ranking_note
 
 
+def _learned_runs(c) -> int:
+    """How many past runs corrected candidate ``c``'s step: on its accelerator and on others."""
+    learned = getattr(c, "learned", None) or {}
+    return int(learned.get("runs") or 0) + int(learned.get("other_accelerator_runs") or 0)
+
+
 def plan_table(candidates: list, steps: int, top: int | None = None, script_steps: bool = False) -> FitTable:
     """``sftctl plan``: one row per candidate offering, best first; with ``top`` (the CLI's
     default, 10): one row per offering at its best region (``+N`` in REGION: the other regions
@@ -147,7 +153,8 @@ def plan_table(candidates: list, steps: int, top: int | None = None, script_step
     rows = []
     for i, (c, ref) in enumerate(zip(candidates, refs), 1):
         o = c.offering
-        per_step = c.usd_per_hour * c.step_time_s / 3600 if c.usd_per_hour is not None and c.step_time_s else None
+        step = _learned_runs(c) and c.calibrated_step_s or c.step_time_s  # STEP, $/STEP and TOTAL agree
+        per_step = c.usd_per_hour * step / 3600 if c.usd_per_hour is not None and step else None
         verdict = Text("ok", style="green") if c.rejected is None else Text(f"no {ref}", style="dim")
         if i == 1 and c.rejected is None:
             verdict = Text("chosen", style="bold green")
@@ -156,13 +163,13 @@ def plan_table(candidates: list, steps: int, top: int | None = None, script_step
             str(i), o.provider, o.instance_type, f"{o.accelerator}:{o.count}", str(c.nodes),
             o.region + (f" +{len(members[i - 1]) - 1}" if len(members[i - 1]) > 1 else ""),
             "owned" if owned else _num(c.usd_per_hour, ",.2f"),
-            _seconds(c.calibrated_step_s if (getattr(c, "learned", None) or {}).get("runs") else c.step_time_s),
+            _seconds(step),
             "-" if c.peak_memory_bytes is None else f"{c.peak_memory_bytes / 2**30:.1f} GiB",
             "-" if per_step is None else f"{per_step:.5f}", format_hours(c.hours), _num(c.total_usd, ",.2f"), verdict,
         ]
         cal = getattr(c, "calibration", None)
-        if cal is not None and not cal.get("calibrated"):
-            row[7] += " *"  # uncalibrated: noted under the table
+        if cal is not None and not cal.get("calibrated") and not (getattr(c, "learned", None) or {}).get("runs"):
+            row[7] += " *"  # uncalibrated, and no run of its own corrects it: noted under the table
         if ranged:
             iv = getattr(c, "step_time_interval_s", None)
             row.insert(8, "-" if not iv else f"{_seconds(iv[0])}-{_seconds(iv[1])}")
@@ -192,16 +199,19 @@ def plan_table(candidates: list, steps: int, top: int | None = None, script_step
         notes.append(Text("! an older price than its type's newest: " + ", ".join(
             f"{t} {c.offering.as_of or '?'} (newest {n.as_of}: ${n.usd_per_hour:,.2f}/h in {n.region})"
             for t, (c, n) in flagged.items()) + "; sftctl catalog refresh reads current prices", style="dim"))
-    learned = sorted({(c.offering.accelerator, c.learned["runs"]) for c in candidates
-                      if (getattr(c, "learned", None) or {}).get("runs")})
-    # an accelerator past runs correct is calibrated by them, whatever its kernels' table says
+    learned = sorted({(c.offering.accelerator, c.learned.get("runs") or 0, c.learned.get("other_accelerator_runs") or 0)
+                      for c in candidates if _learned_runs(c)})
+    # an accelerator its own past runs correct is calibrated by them, whatever its kernels' table says
     uncal = sorted({c.offering.accelerator for c in candidates
-                    if getattr(c, "calibration", None) and not c.calibration.get("calibrated")} - {a for a, _ in learned})
+                    if getattr(c, "calibration", None) and not c.calibration.get("calibrated")}
+                   - {a for a, own, _ in learned if own})
     if uncal:
         notes.append(Text(f"* uncalibrated: no measured kernels or steps on {', '.join(uncal)}; the range is the "
                           "error of the published-steps check", style="dim"))
     if learned:
-        notes.append(Text("STEP and STEP RANGE learned from past runs (" + ", ".join(f"{a}: {n}" for a, n in learned)
+        notes.append(Text("STEP and STEP RANGE learned from past runs (" + ", ".join(
+            f"{a}: " + " + ".join([f"{own}"] * bool(own) + [f"{other} on other GPUs"] * bool(other))
+            for a, own, other in learned)
                           + "; sftctl calibrate show); --json has the model's step_time_s beside calibrated_step_s",
                           style="dim"))
     for i, c in enumerate(candidates, 1):
