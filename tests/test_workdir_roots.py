@@ -82,7 +82,9 @@ def test_alices_job_in_her_root_runs_and_bobs_root_is_refused_in_one_line(server
 
 def test_a_workdir_that_became_a_link_into_bobs_root_is_refused_at_launch(server, lab, tmp_path, monkeypatch):
     """Submitted while alice/proj2 was her own directory, started after it became a link into
-    bob's: the local provider resolves it again where it binds it, and refuses (ProviderError)."""
+    bob's: the controller resolves it again before it packs or launches anything (for every
+    provider: a storage-fed job's workdir would be uploaded to alice's bucket), and refuses
+    (ProviderError); the local provider would refuse it again where it binds it."""
     from sftctl import api
 
     as_user(monkeypatch, server, tokens("alice")["alice"])
@@ -94,8 +96,9 @@ def test_a_workdir_that_became_a_link_into_bobs_root_is_refused_at_launch(server
     api.start(job)
     view = _ended(api, job)
     assert view.status.value == "FAILED", view
-    assert (f"local node sandbox: workdir: {lab}/bob/proj ({mine}, links followed) is outside alice's workdir "
+    assert (f"workdir: {lab}/bob/proj ({mine}, links followed) is outside alice's workdir "
             f"roots on this server ({lab}/alice)") in view.failure_reason, view.failure_reason
+    assert "local node sandbox" not in view.failure_reason  # the controller's check, before any provider's
     assert sorted(p.name for p in (lab / "bob" / "proj").iterdir()) == ["notes.txt"]  # nothing ran there
     wait_for(lambda: job_processes(job) == [], timeout_s=60, what="the job's processes to end")
 

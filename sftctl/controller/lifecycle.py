@@ -48,7 +48,7 @@ from sftctl.controller.recovery import Recovery
 from sftctl.controller.replan import Replanner, Verdict
 from sftctl.controller.spot import SpotGuard
 from sftctl.controller.submit import claim_checkpoint_dir, job_provider
-from sftctl.errors import CapacityError, ExitCode, InfeasibleError, SftctlError
+from sftctl.errors import CapacityError, ExitCode, InfeasibleError, ProviderError, SftctlError
 from sftctl.health.telemetry import REPLACE, RESTART
 from sftctl.paths import CONTROLLER_OWNER, controller_lock, job_dir
 from sftctl.providers.base import (
@@ -338,7 +338,25 @@ class Controller(Recovery, Draining):
         job = self.store.get_job(self.job_id)
         return job_provider(job, name, vault.job_environ(self.store, job))
 
+    def _check_workdir_roots(self) -> None:
+        """A server's job whose workdir (resolved now: it may have become a link since submit) lies
+        outside its owner's ``server.workdir_roots`` is not packed or sent anywhere
+        (:mod:`sftctl.providers.workdir_roots`). The local provider checks again where it binds it.
+
+        Raises:
+            ProviderError: the one line naming the workdir and the owner's roots (exit 4).
+        """
+        from sftctl.providers import workdir_roots
+
+        job = self.store.get_job(self.job_id)
+        if job is None or job.secrets_from != "store" or not job.owner or not self.spec.workdir:
+            return
+        problem = workdir_roots.refusal(self.spec.workdir, job.owner)
+        if problem is not None:
+            raise ProviderError(problem, hint=workdir_roots.HINT)
+
     def _launch(self, attempt: int) -> None:
+        self._check_workdir_roots()
         if self.storage is not None and self.workdir_key is None:
             # under the storage's root, not the job's prefix: an unchanged workdir is uploaded once
             packed = upload_workdir(open_storage(self.spec.storage.url), self.spec.workdir,
