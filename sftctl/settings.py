@@ -33,9 +33,10 @@ for its own GPUs and CPUs); a job spec's ``slurm:`` overrides it field by field.
 
 ``python -m sftctl.settings --markdown`` prints the table docs/settings.md carries (a test compares them).
 
-Importing this module is cheap (``os``, ``typing``, :mod:`sftctl.errors`); the config file is read, with the job spec's YAML
-1.2 loader (:mod:`sftctl.yaml12`, no pydantic), the first time a user setting is asked for that the
-environment does not set.
+Importing this module is cheap (``os``, ``typing``, :mod:`sftctl.errors`); the config file is read
+(:mod:`sftctl.config_file`), with the job spec's YAML 1.2 loader (:mod:`sftctl.yaml12`, no
+pydantic), the first time a user setting is asked for that the environment does not set.
+:class:`SettingError` is :class:`sftctl.config_file.SettingError`.
 """
 
 from __future__ import annotations
@@ -45,23 +46,14 @@ import os
 import re
 import typing
 
-from sftctl.errors import ExitCode, SftctlError
-from sftctl.slurm_config import FIELD_KINDS, value_problem
+import sftctl.config_file as config_file
+from sftctl.config_file import SettingError
 from sftctl.types.nodes import _FINDERS
 
 PREFIX = "SFTCTL_"
 USER, NODE = "user", "node"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
-
-
-class SettingError(SftctlError, ValueError):
-    """A setting's value (from the environment or the config file) is malformed, or the config
-    file is. The message names the variable (or the file, line and key). Exit code 2.
-
-    A ``ValueError`` too: :mod:`sftctl.train` documents ``ValueError`` for bad variables."""
-
-    exit_code = ExitCode.USAGE
 
 
 class Setting:
@@ -496,7 +488,7 @@ def origin(name: str) -> str | None:
         return f"${name}"
     if s.file is not None:
         path, doc, lines = config_document()
-        if _value_in(s, path, doc, lines) is not _MISSING:
+        if config_file.value_in(s, path, doc, lines) is not _MISSING:
             return f"{path}:{lines.get(s.file, 1)}: {s.file}"
     return None
 
@@ -532,58 +524,24 @@ def node_env(**values: typing.Any) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------------------------
-# the config file
+# the config file (read and checked by sftctl.config_file, given these declarations)
 # --------------------------------------------------------------------------------------------
 
-_MISSING = object()
-_cache: dict = {}  # (path, mtime_ns, size) -> (document, lines)
+_MISSING = config_file.MISSING
 #: top-level sections of the config file that belong to others (validated where they are used)
-OTHER_SECTIONS = ("slurm",)
-
-
-def _not_a_file(path: str) -> str:
-    """What ``path``, which is not a regular file, is instead: "does not exist", "is a directory,
-    not a file", "is a FIFO (named pipe), not a file", ..."""
-    import stat
-
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return "does not exist"
-    except OSError as e:
-        return f"cannot be read ({e.strerror})"
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
-    return f"is {kind}, not a file" if kind != "not a regular file" else "is not a regular file"
+OTHER_SECTIONS = config_file.OTHER_SECTIONS
 
 
 def config_path() -> str | None:
     """The config file to read: ``$SFTCTL_CONFIG``; else ``config.yaml`` in the user config
     directory when it exists; else ``$SFTCTL_HOME/config.yaml`` when it exists (the old
-    location); else None.
+    location); else None (:func:`sftctl.config_file.locate`).
 
     Raises:
         SettingError: ``$SFTCTL_CONFIG`` names a file that does not exist, or a directory, FIFO,
             device or socket (exit 2).
     """
-    explicit = raw("SFTCTL_CONFIG")
-    if explicit:  # named by the user: it must be there (the default location may be absent)
-        path = os.path.expanduser(explicit)
-        if not os.path.isfile(path):
-            what = _not_a_file(path)
-            raise SettingError(f"SFTCTL_CONFIG: {path} {what}",
-                               hint="point SFTCTL_CONFIG at your config file, or unset it "
-                                    "(then ~/.config/sftctl/config.yaml is read when it exists)")
-        return path
-    import platformdirs
-
-    xdg = os.path.join(platformdirs.user_config_dir("sftctl", appauthor=False), "config.yaml")
-    if os.path.isfile(xdg):
-        return xdg
-    home = get("SFTCTL_HOME") or platformdirs.user_data_dir("sftctl", appauthor=False)  # as sftctl.paths, not created
-    old = os.path.join(home, "config.yaml")
-    return old if os.path.isfile(old) else None
+    return config_file.locate(raw("SFTCTL_CONFIG"), lambda: get("SFTCTL_HOME"))
 
 
 def config_document() -> tuple[str | None, dict, dict]:
@@ -592,100 +550,15 @@ def config_document() -> tuple[str | None, dict, dict]:
 
     The whole file is validated when it is read (whichever setting asked): every key is
     declared (did-you-mean hint), every value has its setting's type, and the ``slurm:``
-    section has :class:`sftctl.slurm_config.SlurmConfig`'s fields and types.
+    section has :class:`sftctl.slurm_config.SlurmConfig`'s fields and types
+    (:func:`sftctl.config_file.document`).
 
     Raises:
         SettingError: ``$SFTCTL_CONFIG`` names no file; the file cannot be read, is not YAML, is
             not a mapping, has a key no setting declares, or a value of the wrong type (the
             message names the file, line and key; exit 2).
     """
-    path = config_path()
-    if path is None or not os.path.isfile(path):
-        return path, {}, {}
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        raise SettingError(f"{path}: cannot read the config file: {e.strerror or e}") from None
-    key = (path, st.st_mtime_ns, st.st_size)
-    if key not in _cache:
-        _cache.clear()
-        _cache[key] = _load(path)
-    doc, lines = _cache[key]
-    return path, doc, lines
-
-
-def _load(path: str) -> tuple[dict, dict]:
-    from sftctl.errors import SpecError
-    from sftctl.yaml12 import _compose, _Located  # the job spec's YAML 1.2 loader (line numbers)
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read(1 << 20)
-    except (OSError, UnicodeDecodeError) as e:
-        raise SettingError(f"{path}: cannot read the config file: {getattr(e, 'strerror', None) or e}") from None
-    if not text.strip():
-        return {}, {}
-    loc = _Located(path)
-    try:
-        doc = _compose(text, loc)
-    except SpecError as e:
-        raise SettingError(e.message.replace("the spec is empty", "empty"),
-                           hint="fix the YAML on that line (see `python -m sftctl.settings --markdown`)") from None
-    if not isinstance(doc, dict):
-        raise SettingError(f"{path}:1: the config file must be a mapping (state:, aws:, slurm:, ...)",
-                           hint="see docs/settings.md")
-    lines = {".".join(map(str, p)): n for p, n in loc.lines.items() if p}
-    known = {s.file for s in DECLARED if s.file}
-    sections = {k.split(".")[0] for k in known} | set(OTHER_SECTIONS)
-    for top, value in doc.items():
-        if top in OTHER_SECTIONS:
-            continue
-        if top not in sections:
-            _unknown(path, lines, top, sorted(sections))
-        if not isinstance(value, dict):
-            raise SettingError(f"{path}:{lines.get(top, 1)}: {top}: expected a mapping "
-                               f"({', '.join(sorted(k.split('.', 1)[1] for k in known if k.startswith(top + '.')))})",
-                               hint=f"write it as `{top}: {{key: value}}`")
-        for sub in value:
-            dotted = f"{top}.{sub}"
-            if dotted not in known:
-                _unknown(path, lines, dotted, sorted(k for k in known if k.startswith(top + ".")))
-    for s in DECLARED:  # every value has its type, whichever setting is asked for first
-        if s.file is not None:
-            _value_in(s, path, doc, lines)
-    if doc.get("slurm") is not None:
-        _check_slurm(path, doc["slurm"], lines)
-    return doc, lines
-
-
-def _check_slurm(path: str, value: typing.Any, lines: dict) -> None:
-    """The ``slurm:`` section against :class:`sftctl.slurm_config.SlurmConfig`, the one
-    declaration of its fields: known keys (did-you-mean) and each value of its field's type
-    (:func:`sftctl.slurm_config.value_problem`: counts and ports >= 1, prices >= 0, as in a job
-    spec's ``slurm:``).
-
-    Raises:
-        SettingError: naming the file, line and key (exit 2).
-    """
-    if not isinstance(value, dict):
-        raise SettingError(f"{path}:{lines.get('slurm', 1)}: slurm: expected a mapping (host, partition, ...)",
-                           hint="write it as `slurm: {key: value}` (see docs/slurm.md)")
-    for key, v in value.items():
-        dotted = f"slurm.{key}"
-        if key not in FIELD_KINDS:
-            _unknown(path, lines, dotted, sorted(f"slurm.{f}" for f in FIELD_KINDS))
-        expected = value_problem(key, v)
-        if expected is not None:
-            raise SettingError(f"{path}:{lines.get(dotted, 1)}: {dotted}: expected {expected}, got {v!r}",
-                               hint=f"write {dotted} as {expected} (see docs/slurm.md)")
-
-
-def _unknown(path: str, lines: dict, dotted: str, options: list[str]) -> None:
-    import difflib
-
-    close = difflib.get_close_matches(dotted, options, n=1)
-    hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(options)}"
-    raise SettingError(f"{path}:{lines.get(dotted, 1)}: {dotted}: unknown setting", hint=hint)
+    return config_file.document(config_path(), DECLARED)
 
 
 def unknown_key(dotted: str, options: list[str]) -> SettingError:
@@ -693,34 +566,14 @@ def unknown_key(dotted: str, options: list[str]) -> SettingError:
     (``slurm.partion``), naming the config file and line, with a did-you-mean hint."""
     path, _, lines = config_document()
     try:
-        _unknown(path or "config file", lines, dotted, options)
+        config_file.unknown(path or "config file", lines, dotted, options)
     except SettingError as e:
         return e
-    raise AssertionError("unreachable")
 
 
 def _from_file(s: Setting) -> typing.Any:
     path, doc, lines = config_document()
-    return _value_in(s, path, doc, lines)
-
-
-def _value_in(s: Setting, path: str | None, doc: dict, lines: dict) -> typing.Any:
-    """The typed value of ``s``'s key in the config ``doc``, or ``_MISSING``."""
-    node: typing.Any = doc
-    for part in s.file.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return _MISSING
-        node = node[part]
-    if node is None:
-        return _MISSING
-    where = f"{path}:{lines.get(s.file, 1)}: {s.file}"
-    if isinstance(node, list) and s.type in ("list", "paths") and all(isinstance(x, (str, int, float)) for x in node):
-        node = (os.pathsep if s.type == "paths" else ",").join(str(x) for x in node)
-    if isinstance(node, bool) and s.type != "bool" or isinstance(node, (dict, list)):
-        raise SettingError(f"{where}: expected {s.expected()}, got {node!r}",
-                           hint=f"write {s.file} as {s.expected()} ({s.meaning}), or set {s.name}")
-    value = s.parse(("1" if node else "0") if isinstance(node, bool) else str(node), where)
-    return value
+    return config_file.value_in(s, path, doc, lines)
 
 
 def section(name: str) -> tuple[str | None, dict, int]:

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
     # 0: the vocabulary and the leaves every layer reads
     {"sftctl", "sftctl.types", "sftctl.errors", "sftctl.yaml12", "sftctl.slurm_config", "sftctl.settings",
-     "sftctl.paths", "sftctl.procs", "sftctl.catalog", "sftctl.protocol"},
+     "sftctl.config_file", "sftctl.paths", "sftctl.procs", "sftctl.catalog", "sftctl.protocol"},
     # 1: what the core is made of
     {"sftctl.compiler", "sftctl.storage", "sftctl.health", "sftctl.templates", "sftctl.failure", "sftctl.state",
      "sftctl.spec", "sftctl.vault"},
@@ -416,13 +416,16 @@ def test_every_exit_code_is_documented():
 
 
 def test_settings_imports_what_architecture_says():
-    """"Settings": the module imports `functools`, `os`, `re`, `typing`, `sftctl.errors`,
-    `sftctl.slurm_config` and `sftctl.types.nodes` (a plugin handle's finder) at its top;
-    `sftctl.yaml12` only when it reads the file (and no other sftctl module: the providers' names
-    come from a listing of sftctl/providers/)."""
+    """"Settings": the module imports `functools`, `os`, `re`, `typing`, `sftctl.config_file` and
+    `sftctl.types.nodes` (a plugin handle's finder) at its top (and no other sftctl module: the
+    providers' names come from a listing of sftctl/providers/); `sftctl.config_file` imports
+    `sftctl.errors` and `sftctl.slurm_config` at its top, `sftctl.yaml12` only when it reads the file."""
     assert _module_level_imports("sftctl.settings") == {"__future__", "functools", "os", "re", "typing",
-                                                        "sftctl.errors", "sftctl.slurm_config", "sftctl.types.nodes"}
-    assert GRAPH["sftctl.settings"] == {"sftctl.errors", "sftctl.slurm_config", "sftctl.types.nodes", "sftctl.yaml12"}
+                                                        "sftctl.config_file", "sftctl.types.nodes"}
+    assert GRAPH["sftctl.settings"] == {"sftctl.config_file", "sftctl.types.nodes"}
+    assert {i for i in _module_level_imports("sftctl.config_file") if i.startswith("sftctl")} == {
+        "sftctl.errors", "sftctl.slurm_config"}
+    assert GRAPH["sftctl.config_file"] == {"sftctl.errors", "sftctl.slurm_config", "sftctl.yaml12"}
 
 
 def test_the_leaves_the_layout_names():
