@@ -19,13 +19,6 @@ httpx = pytest.importorskip("httpx")
 parser = pytest.importorskip("prometheus_client.parser")
 
 
-@pytest.fixture
-def server(home, tmp_path):
-    s = Server(home, tmp_path / "server.log").start()
-    yield s
-    s.stop()
-
-
 def test_metrics_export_jobs_queue_and_cost_to_the_scrape_token_and_admins(server, home):
     from sftctl.state import JobStatus, Store
 
