@@ -187,35 +187,35 @@ def calibrate(predicted_s: float, accelerator: str, runs: Iterable[RunRecord], *
     runs' similarity x offering x mode weights), "correction": calibrated / predicted,
     "sources": {"run": n, "imported": n, "labels": [...]}}``.
     """
+    import numpy as np
+
     s0 = math.log(max(1.0001, error_factor(accelerator, comm_share)))
-    widths = {accelerator.lower(): s0}  # accelerator -> its prior width s_i
-    picked: list[tuple] = []  # (similarity to the new step, v, r, mix, run, accelerator, q_i = s_i / s0)
-    for r in runs:
-        p, m = r.predicted_step_s, r.measured_step_s
-        if not p or not m or p <= 0 or m <= 0:
-            continue
-        acc = r.accelerator.lower()
-        v = 1.0
-        if acc == accelerator.lower() and provider is not None and (r.provider, r.instance_type) != (provider,
-                                                                                                    instance_type):
-            v *= OTHER_OFFERING_WEIGHT
-        if mode is not None and r.mode and r.mode != mode:
-            v *= OTHER_MODE_WEIGHT
-        if v <= 0:
-            continue
-        if acc not in widths:  # one the catalog does not know: the uncalibrated width
-            widths[acc] = math.log(max(1.0001, error_factor(r.accelerator)))
-        sim = similarity(features, r.features)
-        picked.append((sim, v, math.log(m / p), r.features, r, acc, widths[acc] / s0))
-    gamma = (1 - ACCELERATOR_SHARE) * CROSS_ACCELERATOR_SHARE * (min(widths.values()) / s0) ** 2
     same = accelerator.lower()
-    loudest = lambda t: (-_cov_with_new(t, same, gamma) * t[1], -(t[4].ts or 0.0))  # noqa: E731
-    own, other = [t for t in picked if t[5] == same], [t for t in picked if t[5] != same]
-    if len(other) > MAX_OTHER_RUNS:  # they speak only through the shared residual: the most alike do
-        other = sorted(other, key=loudest)[:MAX_OTHER_RUNS]
-    picked = own + other
-    if len(picked) > MAX_RUNS:  # the runs that speak loudest for this step: most alike, this offering and mode
-        picked = sorted(picked, key=loudest)[:MAX_RUNS]
+    h = _prepared(runs)
+    v = np.ones(h.n)
+    if provider is not None:  # another offering of this accelerator says less
+        v[(h.acc == same) & (h.offering != repr((provider, instance_type)))] *= OTHER_OFFERING_WEIGHT
+    if mode is not None:
+        v[(h.mode != "") & (h.mode != mode)] *= OTHER_MODE_WEIGHT
+    if features:
+        f = np.array([float(features.get(key, 0.0)) for key in MIX_KEYS])
+        sim = np.where(h.known, np.clip(1 - np.abs(h.mix - f).sum(axis=1) / 2, 0.0, 1.0) ** SIMILARITY_POWER,
+                       UNKNOWN_SIMILARITY)
+    else:
+        sim = np.full(h.n, UNKNOWN_SIMILARITY)
+    widths = {same: s0} | {a: _width(a) for a in set(h.acc.tolist()) - {same}}  # accelerator -> prior width s_i
+    gamma = (1 - ACCELERATOR_SHARE) * CROSS_ACCELERATOR_SHARE * (min(widths.values()) / s0) ** 2
+    own = h.acc == same
+    k = np.where(own, ACCELERATOR_SHARE + (1 - ACCELERATOR_SHARE - gamma) * sim, 0.0) + gamma * sim
+    order = lambda idx: idx[np.lexsort((-h.ts[idx], -(k * v)[idx]))]  # noqa: E731  loudest first, then newest
+    other = np.flatnonzero(~own)
+    if other.size > MAX_OTHER_RUNS:  # they speak only through the shared residual: the most alike do
+        other = np.sort(order(other)[:MAX_OTHER_RUNS])
+    chosen = np.concatenate([np.flatnonzero(own), other])
+    if chosen.size > MAX_RUNS:  # the runs that speak loudest for this step: most alike, this offering and mode
+        chosen = order(chosen)[:MAX_RUNS]
+    picked = [(float(sim[i]), float(v[i]), float(h.logr[i]), h.runs[i].features, h.runs[i], h.acc[i],
+               widths[h.acc[i]] / s0) for i in chosen.tolist()]
     c, var = _posterior(picked, same, gamma)
     counts = dict.fromkeys(SOURCES, 0)
     for t in picked:
@@ -233,6 +233,51 @@ def _cov_with_new(t: tuple, accelerator: str, gamma: float) -> float:
     """``k_i`` of the module docstring: run ``t``'s covariance with the new step, in ``s0**2``."""
     sim = t[0]
     return (ACCELERATOR_SHARE + (1 - ACCELERATOR_SHARE - gamma) * sim if t[5] == accelerator else 0.0) + gamma * sim
+
+
+def _width(accelerator: str) -> float:
+    """``s_i``: the prior width (ln of the error factor) of a run's accelerator; one the catalog
+    does not know has the uncalibrated width."""
+    return math.log(max(1.0001, error_factor(accelerator)))
+
+
+class _Runs:
+    """The runs a calibration reads, as arrays (built once per history: the planner calibrates
+    every offering against the same list). Runs without a positive predicted and measured step
+    are left out."""
+
+    def __init__(self, runs: Iterable[RunRecord]):
+        import numpy as np
+
+        given = list(runs)
+        self.given = len(given)
+        self.runs = [r for r in given if r.predicted_step_s and r.measured_step_s
+                     and r.predicted_step_s > 0 and r.measured_step_s > 0]
+        self.n = len(self.runs)
+        self.acc = np.array([r.accelerator.lower() for r in self.runs], dtype=object)
+        self.offering = np.array([repr((r.provider, r.instance_type)) for r in self.runs], dtype=object)
+        self.mode = np.array([r.mode or "" for r in self.runs], dtype=object)
+        self.logr = np.array([math.log(r.measured_step_s / r.predicted_step_s) for r in self.runs], dtype=float)
+        self.ts = np.array([r.ts or 0.0 for r in self.runs], dtype=float)
+        self.known = np.array([bool(r.features) for r in self.runs], dtype=bool)
+        self.mix = np.array([[float((r.features or {}).get(key, 0.0)) for key in MIX_KEYS] for r in self.runs],
+                            dtype=float).reshape(self.n, len(MIX_KEYS))
+
+
+#: the last list :func:`_prepared` read, and its arrays
+_LAST: tuple[list, _Runs] | None = None
+
+
+def _prepared(runs: Iterable[RunRecord]) -> _Runs:
+    """``runs`` as :class:`_Runs`; the same list object (of the same length) as the last call's
+    is read once."""
+    global _LAST
+    if isinstance(runs, list) and _LAST is not None and _LAST[0] is runs and _LAST[1].given == len(runs):
+        return _LAST[1]
+    got = _Runs(runs)
+    if isinstance(runs, list):
+        _LAST = (runs, got)
+    return got
 
 
 def _posterior(picked: list, accelerator: str = "", gamma: float = 0.0) -> tuple[float, float]:
