@@ -51,6 +51,7 @@ from sftctl.controller.submit import claim_checkpoint_dir, job_provider
 from sftctl.errors import CapacityError, ExitCode, InfeasibleError, ProviderError, SftctlError
 from sftctl.health.telemetry import REPLACE, RESTART
 from sftctl.paths import CONTROLLER_OWNER, controller_lock, job_dir
+from sftctl.providers import workdir_roots
 from sftctl.providers.base import (
     KeepsAlive, NodeState, Quarantines, SecretStore, UsesChannel, provision_all, terminate_all,
 )
@@ -346,8 +347,6 @@ class Controller(Recovery, Draining):
         Raises:
             ProviderError: the one line naming the workdir and the owner's roots (exit 4).
         """
-        from sftctl.providers import workdir_roots
-
         job = self.store.get_job(self.job_id)
         if job is None or job.secrets_from != "store" or not job.owner or not self.spec.workdir:
             return
