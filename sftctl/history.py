@@ -382,15 +382,15 @@ _NATIVE = {"spec", "accelerator", "gpus_per_node", "nodes", "measured_step_s", "
 _PUBLISHED_NEEDS = ("entrypoint", "gpu", "batch_per_gpu", "dtype", "gpus_per_node", "nodes")
 
 
-def _seconds_ok(v: Any) -> bool:
-    """Whether ``v`` is a positive, finite number of seconds (a JSON number; an integer too large
-    for a float, 1e400 written out, is not)."""
-    if not isinstance(v, (int, float)) or isinstance(v, bool):
-        return False
-    try:
-        return 0 < float(v) < math.inf
-    except OverflowError:
-        return False
+def _seconds_problem(key: str, v: Any) -> str | None:
+    """What is wrong with ``v`` as field ``key``'s positive, finite number of seconds (a JSON
+    number), in words for an error line; None when nothing is. An integer too large for a float
+    (1e400 written out) is named by its digits, not printed whole."""
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) > 1e300:
+        return f"{key} is too large a number ({len(str(abs(v)))} digits); seconds are a number such as 0.52"
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < float(v) < math.inf:
+        return f"{key} must be a positive number of seconds, not {v!r}"
+    return None
 
 
 class ImportError_(SpecError):  # noqa: N801 - not the builtin
@@ -481,8 +481,9 @@ def read_import(path: str | os.PathLike[str]) -> list[dict]:
                 m = None
         else:
             raise bad("missing measured_step_s (or seq_len and tokens_per_s_per_gpu)")
-        if not _seconds_ok(m):
-            raise bad(f"measured_step_s must be a positive number of seconds, not {m!r}")
+        problem = _seconds_problem("measured_step_s", m)
+        if problem is not None:
+            raise bad(problem)
         mode = d.get("mode")
         if mode is not None and mode not in ("eager", "default", "sftensor"):
             raise bad(f"mode {mode!r} is not one of eager, default, sftensor")
@@ -582,9 +583,9 @@ def read_exported(path: str | os.PathLike[str]) -> list[RunRecord] | None:
         bad = _line_error(p, no)
         d = _json_object(text, bad)
         for key in ("predicted_step_s", "measured_step_s"):
-            v = d.get(key)
-            if not _seconds_ok(v):
-                raise bad(f"{key} must be a positive number of seconds, not {v!r}")
+            problem = _seconds_problem(key, d.get(key))
+            if problem is not None:
+                raise bad(problem)
         if not isinstance(d.get("accelerator"), str) or not d["accelerator"]:
             raise bad("accelerator missing")
         for key in ("gpus_per_node", "nodes"):
@@ -615,9 +616,9 @@ def check_rows(rows: Any) -> list[RunRecord]:
         if not isinstance(d, dict):
             raise SpecError(f"runs[{i}]: not an object")
         for key in ("predicted_step_s", "measured_step_s"):
-            v = d.get(key)
-            if not _seconds_ok(v):
-                raise SpecError(f"runs[{i}]: {key} must be a positive number of seconds, not {v!r}")
+            problem = _seconds_problem(key, d.get(key))
+            if problem is not None:
+                raise SpecError(f"runs[{i}]: {problem}")
         for key in ("gpus_per_node", "nodes"):
             if not isinstance(d.get(key), int) or isinstance(d.get(key), bool) or d[key] < 1:
                 raise SpecError(f"runs[{i}]: {key} must be a positive integer, not {d.get(key)!r}")

@@ -179,7 +179,8 @@ def test_the_cli_reaches_the_core_only_through_the_api():
     used = {u for u in used if u != "sftctl.cli" and not u.startswith("sftctl.cli.")}
     # sftctl.server is presentation too: the api over HTTP, which `sftctl server ...` starts
     assert used <= {"sftctl.api", "sftctl.ui", "sftctl.errors", "sftctl.types", "sftctl.paths", "sftctl.__version__",
-                    "sftctl.schema", "sftctl.server", "sftctl.server.manifest", "sftctl.server.users"}, used
+                    "sftctl.schema", "sftctl.server", "sftctl.server.manifest", "sftctl.server.metrics",
+                    "sftctl.server.users"}, used
 
 
 def test_check_takes_one_name_or_a_list(home):
