@@ -16,6 +16,33 @@ from sftctl import settings
 from sftctl.errors import SftctlError
 
 
+def create_private_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` once, mode 0600, whole: to a temporary file beside it, synced,
+    then linked into place (atomic), so two processes starting at once agree on the first one's
+    text; an existing ``path`` is kept as it is. For secrets (the secrets key, the metrics
+    scrape token).
+
+    Raises:
+        OSError: the directory is not writable (the caller names what it was making).
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+    finally:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+
+
 def sftctl_home() -> Path:
     """Return the sftctl home directory (absolute), creating it with mode 0700 if it is missing.
     A relative ``$SFTCTL_HOME`` is made absolute against the current directory and written back

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from sftctl import settings
 from sftctl.errors import NotFoundError, SftctlError
-from sftctl.paths import sftctl_home
+from sftctl.paths import create_private_file, sftctl_home
 from sftctl.state import Store, os_user
 from sftctl.types import JobRecord, Secret
 
@@ -140,25 +140,11 @@ def _decode_key(text: str) -> bytes | None:
 
 def _create_key_file(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{KEY_FILE}.{os.getpid()}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(new_key() + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)  # atomic; the first process's key wins
-        except FileExistsError:
-            pass
+        create_private_file(path, new_key() + "\n")  # the first process's key wins
     except OSError as e:
         raise SftctlError(f"{path}: cannot create the secrets key: {e.strerror}",
                           hint="SFTCTL_HOME must be writable by the user sftctl runs as, or set SFTCTL_SECRETS_KEY") from None
-    finally:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
 
 
 def _aesgcm():

@@ -25,7 +25,6 @@ authenticates it.
 from __future__ import annotations
 
 import hmac
-import os
 import secrets
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from sftctl.errors import SftctlError
+from sftctl.paths import create_private_file, sftctl_home
 from sftctl.types import User
 
 #: the exposition's media type (Prometheus text format 0.0.4)
@@ -50,8 +50,6 @@ SCRAPE_HINT = ("Prometheus sends the server's scrape token with authorization: {
 
 def token_file() -> Path:
     """``$SFTCTL_HOME/metrics.token``: where :func:`scrape_token` keeps the token it made."""
-    from sftctl.paths import sftctl_home
-
     return sftctl_home() / TOKEN_FILE
 
 
@@ -72,21 +70,12 @@ def scrape_token() -> str:
         return text
     path = token_file()
     if not path.exists():
-        tmp = path.with_name(f".{TOKEN_FILE}.{os.getpid()}.tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_urlsafe(32) + "\n")
-            try:
-                os.link(tmp, path)  # atomic; the first process's token wins
-            except FileExistsError:
-                pass
+            create_private_file(path, secrets.token_urlsafe(32) + "\n")  # the first process's token wins
         except OSError as e:
             raise SftctlError(f"{path}: cannot create the metrics scrape token: {e.strerror}",
                               hint="SFTCTL_HOME must be writable by the user the server runs as, or set "
                                    "SFTCTL_SERVER_METRICS_TOKEN") from None
-        finally:
-            tmp.unlink(missing_ok=True)
     try:
         mode = path.stat().st_mode & 0o777
         text = path.read_text().strip()
