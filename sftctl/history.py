@@ -215,8 +215,8 @@ def calibrate(predicted_s: float, accelerator: str, runs: Iterable[RunRecord], *
     if chosen.size > MAX_RUNS:  # the runs that speak loudest for this step: most alike, this offering and mode
         chosen = order(chosen)[:MAX_RUNS]
     picked = [(float(sim[i]), float(v[i]), float(h.logr[i]), h.runs[i].features, h.runs[i], h.acc[i],
-               widths[h.acc[i]] / s0) for i in chosen.tolist()]
-    c, var = _posterior(picked, same, gamma)
+               widths[h.acc[i]] / s0, float(k[i])) for i in chosen.tolist()]
+    c, var = _posterior(picked, gamma)
     counts = dict.fromkeys(SOURCES, 0)
     for t in picked:
         counts[t[4].source if t[4].source in SOURCES else "imported"] += 1
@@ -227,12 +227,6 @@ def calibrate(predicted_s: float, accelerator: str, runs: Iterable[RunRecord], *
     return {"calibrated_step_s": cal, "interval_s": [cal / f, cal * f], "error": f, "prior_error": math.exp(s0),
             "runs": sum(t[5] == same for t in picked), "other_accelerator_runs": sum(t[5] != same for t in picked),
             "weight": round(weight, 4), "correction": math.exp(c), "sources": {**counts, "labels": labels}}
-
-
-def _cov_with_new(t: tuple, accelerator: str, gamma: float) -> float:
-    """``k_i`` of the module docstring: run ``t``'s covariance with the new step, in ``s0**2``."""
-    sim = t[0]
-    return (ACCELERATOR_SHARE + (1 - ACCELERATOR_SHARE - gamma) * sim if t[5] == accelerator else 0.0) + gamma * sim
 
 
 def _width(accelerator: str) -> float:
@@ -280,11 +274,11 @@ def _prepared(runs: Iterable[RunRecord]) -> _Runs:
     return got
 
 
-def _posterior(picked: list, accelerator: str = "", gamma: float = 0.0) -> tuple[float, float]:
+def _posterior(picked: list, gamma: float = 0.0) -> tuple[float, float]:
     """``(c_post, sd_post**2 / s0**2)`` of the module docstring's Gaussian model for the runs
-    ``picked`` (each ``(similarity to the new step, v, r, kernel mix, run, accelerator, q)``: the
-    run's accelerator, lower case, and its prior width over the new step's) of a step on
-    ``accelerator`` (lower case), ``gamma`` the shared step residual's variance over ``s0**2``;
+    ``picked`` (each ``(similarity to the new step, v, r, kernel mix, run, accelerator, q, k)``:
+    the run's accelerator, lower case, its prior width over the new step's and its covariance
+    with the new step ``k_i``), ``gamma`` the shared step residual's variance over ``s0**2``;
     ``(0, 1)`` without runs. Covariances are in units of ``s0**2``; the means in ln."""
     if not picked:
         return 0.0, 1.0
@@ -303,7 +297,7 @@ def _posterior(picked: list, accelerator: str = "", gamma: float = 0.0) -> tuple
     q2 = np.array([t[6] ** 2 for t in picked])
     cov = (same * (b * q2[:, None] + ((1 - b) * q2[:, None] - gamma) * sims) + gamma * sims
            + np.diag([NOISE_RATIO ** 2 * q2[i] / t[1] for i, t in enumerate(picked)]))
-    k = np.array([_cov_with_new(t, accelerator, gamma) for t in picked])
+    k = np.array([t[7] for t in picked])
     r = np.array([t[2] for t in picked])
     # the scale of r is ln, of cov s0^2: c_post = k' K^-1 r holds for any common scale of k and K
     solved = np.linalg.solve(cov, np.stack([r, k], axis=1))
