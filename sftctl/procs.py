@@ -226,11 +226,15 @@ def main(argv: list[str] | None = None) -> int:
     -- COMMAND...`` (see :func:`guard`; without ``--grace`` the grace comes from
     ``SFTCTL_LOCAL_ADOPT_GRACE_S`` in its environment: a sandboxed node's guard has the node's
     scrubbed environment, so the local provider passes it; ``--pass-fd``: an inherited
-    descriptor COMMAND needs)."""
+    descriptor COMMAND needs, repeated for each)."""
     args = list(sys.argv[1:] if argv is None else argv)
     options: dict[str, str] = {}
+    fds: list[int] = []  # --pass-fd may repeat: bwrap's options and each bind's descriptor
     while len(args) > 5 and args[4] in ("--owner", "--grace", "--pass-fd"):
-        options[args[4]] = args[5]
+        if args[4] == "--pass-fd":
+            fds.append(int(args[5]))
+        else:
+            options[args[4]] = args[5]
         del args[4:6]
     if len(args) < 6 or args[0] != "guard" or args[4] != "--":
         sys.stderr.write("usage: python -m sftctl.procs guard PID TICKS NODE_ID [--owner FILE] [--grace S] "
@@ -238,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ticks = None if args[2] == "-" else int(args[2])
     grace = float(options["--grace"]) if "--grace" in options else settings.get("SFTCTL_LOCAL_ADOPT_GRACE_S") or 0.0
-    fds = (int(options["--pass-fd"]),) if "--pass-fd" in options else ()
-    return guard(int(args[1]), ticks, args[3], args[5:], owner=options.get("--owner"), grace_s=grace, pass_fds=fds)
+    return guard(int(args[1]), ticks, args[3], args[5:], owner=options.get("--owner"), grace_s=grace,
+                 pass_fds=tuple(fds))
 
 
 if __name__ == "__main__":

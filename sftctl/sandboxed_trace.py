@@ -152,7 +152,7 @@ def trace(framework: str, entrypoint: str, workdir: str, batch_size: int, dtype:
         if sandbox.requested():
             sandbox.check()
             binds = sandbox.Binds()
-            binds.ro.append(sandbox.check_bind(Path(workdir), "-", "workdir"))
+            binds.add(workdir, "-", "workdir", writable=False)  # pinned: bwrap binds the directory checked
             command = sandbox.wrap(argv, binds, tags={}, chdir=workdir)  # its options on a descriptor
             home = "/tmp"  # the sandbox's own empty /tmp
         else:

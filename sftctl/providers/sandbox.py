@@ -25,7 +25,9 @@ node's guard (:func:`sftctl.procs.guard`, which stays outside and still reads th
   read-only), ``/etc/resolv.conf``'s target under ``/run``; read-write: what the job writes
   (:class:`Binds`: its node directory, its workdir, its checkpoint directory), each refused
   when it is or lies inside the server's home, config or state (:func:`check_bind`); one that
-  holds the server's home has it hidden again inside. A job whose ``storage:`` is a directory
+  holds the server's home has it hidden again inside. Each is opened once checked
+  (:func:`pin`) and bwrap binds that descriptor (``/proc/self/fd/N``), never the path again: a
+  link swapped into the path between the check and the mount leads nowhere else. A job whose ``storage:`` is a directory
   of this machine is refused at launch (the local provider): the controller reads and writes
   there through :class:`sftctl.storage.LocalStorage`, which follows links a node could plant;
 - an environment built from nothing (:func:`node_environ`): no ``SFTCTL_STATE_URL``,
@@ -58,6 +60,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -255,15 +258,29 @@ def check_writable(real: Path, job_id: str, what: str) -> None:
 
 
 class Binds:
-    """What one node's sandbox gets back: ``rw`` and ``ro`` paths (resolved, existing)."""
+    """What one node's sandbox gets back: ``rw`` and ``ro`` paths (resolved, existing), each
+    pinned by a descriptor (``fds``: path -> an ``O_PATH`` descriptor of the directory or file
+    that was checked, :func:`pin`). bwrap binds ``/proc/self/fd/N``, never the path again: a
+    link swapped into the path after the check is not followed. :func:`wrap` hands the
+    descriptors to the :class:`Command` it returns (:meth:`release`); one not handed on is
+    closed by :meth:`close` (or when the object is collected)."""
 
     def __init__(self):
         self.rw: list[Path] = []
         self.ro: list[Path] = []
+        self.fds: dict[Path, int] = {}
+        self.released = False
 
     def add(self, path: str | os.PathLike, job_id: str, what: str, *, writable: bool = True,
-            create: bool = False) -> None:
-        """Give the node ``path`` (checked by :func:`check_bind`; made when ``create``)."""
+            create: bool = False) -> Path:
+        """Give the node ``path`` (checked by :func:`check_bind`; made when ``create``; pinned
+        by :func:`pin`). Returns the path checked (resolved), also when it does not exist (then
+        nothing is given).
+
+        Raises:
+            ProviderError: the path is refused, cannot be made or opened, or changed while it
+                was checked (exit 4).
+        """
         real = check_bind(Path(path), job_id, what)
         if writable:
             check_writable(real, job_id, what)
@@ -272,8 +289,67 @@ class Binds:
                 real.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise ProviderError(f"local node sandbox: cannot make the {what} {real}: {e.strerror or e}") from None
-        if real.exists():
+        if real in self.fds:
+            return real
+        fd = pin(real, what)
+        if fd is not None:
+            self.fds[real] = fd
             (self.rw if writable else self.ro).append(real)
+        return real
+
+    def release(self) -> tuple[int, ...]:
+        """The descriptors, now the caller's to close (:func:`wrap`: its :class:`Command`'s);
+        these binds cannot be given to another sandbox after."""
+        fds = tuple(self.fds.values())
+        self.fds = {}
+        self.released = True
+        return fds
+
+    def close(self) -> None:
+        """Close the descriptors not released (idempotent)."""
+        fds, self.fds = self.fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def pin(real: Path, what: str) -> int | None:
+    """An ``O_PATH`` descriptor (close-on-exec) of ``real``, a path :func:`check_bind` resolved
+    and checked, that is the object at that very path now: the descriptor's
+    ``/proc/self/fd/N`` names ``real`` and it is not a symlink. A link put in place of one of
+    ``real``'s directories after the check (``realpath``) would lead the open elsewhere: that
+    is refused, and bwrap gets the descriptor, not the path. None when ``real`` does not exist.
+
+    Raises:
+        ProviderError: ``real`` cannot be opened, or is not the object checked (exit 4).
+    """
+    try:
+        fd = os.open(real, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ProviderError(f"local node sandbox: cannot open the {what} {real}: {e.strerror or e}") from None
+    try:
+        link = stat.S_ISLNK(os.fstat(fd).st_mode)
+        where = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError as e:
+        os.close(fd)
+        raise ProviderError(f"local node sandbox: cannot open the {what} {real}: {e.strerror or e}") from None
+    if link or where != str(real):
+        os.close(fd)
+        if link:
+            try:
+                where = f"is a link now, to {os.readlink(real)}"
+            except OSError:
+                where = "is a link now"
+        else:
+            where = f"now leads to {where}"
+        raise ProviderError(f"local node sandbox: the {what} {real} changed while it was checked (it {where}); "
+                            f"a job cannot be given it",
+                            hint=f"leave the {what}'s path as it is while the job starts, then launch it again")
+    return fd
 
 
 def _runtime_dirs(covered: list[Path]) -> list[Path]:
@@ -320,10 +396,12 @@ def wrap(argv: list[str], binds: Binds, *, tags: dict[str, str], chdir: str | os
     its options (:func:`options`), NUL-separated, from ``FD``, an anonymous memory file
     (``memfd_create``, close-on-exec but in the process given ``pass_fds``) that only this
     process and the ones it starts hold; bwrap closes it after reading. No value of ``tags``
-    (nor a path) is on a command line.
+    (nor a path) is on a command line. The binds' descriptors (:meth:`Binds.release`) follow it
+    in ``pass_fds``: bwrap binds each as ``/proc/self/fd/N``, the directory checked.
 
     Raises:
-        ProviderError: bwrap is not installed, or a tag holds a NUL byte (exit 4).
+        ProviderError: bwrap is not installed, a tag holds a NUL byte, or ``binds`` went to a
+            sandbox already (exit 4).
     """
     bwrap = bwrap_path()
     if bwrap is None:
@@ -343,13 +421,15 @@ def wrap(argv: list[str], binds: Binds, *, tags: dict[str, str], chdir: str | os
     except OSError as e:
         os.close(fd)
         raise ProviderError(f"local node sandbox: cannot write bwrap's options: {e.strerror or e}") from None
-    return Command([bwrap, "--args", str(fd), "--", *argv], (fd,))
+    return Command([bwrap, "--args", str(fd), "--", *argv], (fd, *binds.release()))
 
 
 def options(binds: Binds, *, tags: dict[str, str], chdir: str | os.PathLike) -> list[str]:
     """bwrap's options for :func:`wrap` (not its path, not the command): the mounts and
     namespaces of the module docstring, ``binds`` given back, ``--setenv`` of each of ``tags``,
     ``--chdir`` ``chdir``. They hold values of the node's environment: never on a command line."""
+    if binds.released:
+        raise ProviderError("local node sandbox: these binds were given to a sandbox already; check them again")
     system = _outermost([_real(p) for p in SYSTEM_HIDDEN if os.path.isdir(p) and not os.path.islink(p)])
     sensitive = sensitive_paths()
     secret_dirs = [p for p in _outermost([p for p in sensitive if p.is_dir()]) if p not in system]
@@ -361,7 +441,9 @@ def options(binds: Binds, *, tags: dict[str, str], chdir: str | os.PathLike) -> 
                     key=lambda m: (len(m[0].parts), m[1]))  # outer first: an inner bind stays visible
 
     def bind(path: Path, writable: bool) -> list[str]:
-        return ["--bind" if writable else "--ro-bind", str(path), str(path)]
+        # a bind of the job's: the descriptor pinned when it was checked, never its path again
+        source = f"/proc/self/fd/{binds.fds[path]}" if path in binds.fds else str(path)
+        return ["--bind" if writable else "--ro-bind", source, str(path)]
 
     def in_secret(p: Path) -> bool:
         return any(_within(p, s) for s in secret_dirs)

@@ -10,7 +10,9 @@ before (docs/server.md says to set it on a shared machine).
 Both the workdir and the roots are compared resolved (:func:`os.path.realpath`: symlinks followed,
 ``..`` removed), so a link inside alice's root that points into bob's is outside hers. The server
 checks at submit (:mod:`sftctl.server.app`: HTTP 403, exit 2) and the local provider again where
-it binds the workdir (a path may have become a link since: :class:`~sftctl.errors.ProviderError`).
+it binds the workdir (a path may have become a link since: :class:`~sftctl.errors.ProviderError`),
+once more on the directory it opened for the bind (:func:`sftctl.providers.sandbox.pin`): bwrap
+binds that descriptor, so a link swapped in after this last check is not followed.
 This module lives in ``providers/`` (layer 2) so that the local provider and the server both
 import it without pulling in the spec package (pydantic) on the provider's light path.
 """
@@ -55,11 +57,13 @@ def roots(owner: str) -> list[str] | None:
     return out
 
 
-def refusal(workdir: str, owner: str) -> str | None:
+def refusal(workdir: str, owner: str, resolved: str | None = None) -> str | None:
     """None when ``owner`` may use ``workdir`` (the setting unset, or the workdir, resolved, is
     one of the owner's :func:`roots` or lies inside one); else the one line that says why: it
     names ``workdir``, the resolved path (and the path as given when they differ), the allowed
-    roots and the fix (:data:`HINT` says who sets the roots).
+    roots and the fix (:data:`HINT` says who sets the roots). ``resolved``: the path to judge
+    instead of resolving ``workdir`` again (the local provider's: the directory it pinned for
+    the bind, :func:`sftctl.providers.sandbox.pin`, whatever the path leads to now).
 
     Raises:
         SettingError: the setting or the config file is malformed (exit 2).
@@ -67,7 +71,7 @@ def refusal(workdir: str, owner: str) -> str | None:
     allowed = roots(owner)
     if allowed is None:
         return None
-    resolved = os.path.realpath(workdir)
+    resolved = os.path.realpath(workdir) if resolved is None else resolved
     if any(os.path.commonpath([resolved, root]) == root for root in allowed):
         return None
     given = "" if resolved == os.path.normpath(workdir) else f" ({workdir}, links followed)"

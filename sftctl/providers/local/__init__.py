@@ -249,7 +249,11 @@ class LocalProvider:
             if problem is not None:
                 raise ProviderError(f"local node sandbox: {problem}", hint=workdir_roots.HINT)
             if workdir:
-                binds.add(workdir, job, "workdir")
+                real = binds.add(workdir, job, "workdir")
+                # and on the directory pinned for the bind: a link swapped in since the check above
+                problem = workdir_roots.refusal(workdir, owner, resolved=str(real)) if owner else None
+                if problem is not None:
+                    raise ProviderError(f"local node sandbox: {problem}", hint=workdir_roots.HINT)
             return binds
         # A directory (or pvc://) job storage would be written by the node and read and written by
         # the controller (sftctl.storage.LocalStorage), which follows a symlink a node planted there
@@ -377,8 +381,8 @@ def _guarded(job_id: str, node_id: str, argv: list[str], isolated: bool = False,
     with SIGKILL thus takes its local nodes with it within seconds, or after
     ``SFTCTL_LOCAL_ADOPT_GRACE_S`` when no new controller took the job over by then.
     ``isolated``: ``python -I`` (a sandboxed node's: its environment and ``HOME`` are the job's).
-    ``pass_fds``: the descriptors ``argv`` needs (at most one: bwrap's options), which the guard
-    inherits and passes on."""
+    ``pass_fds``: the descriptors ``argv`` needs (bwrap's options and its binds'), which the
+    guard inherits and passes on."""
     me = os.getpid()
     ticks = procs.start_ticks(me)
     grace = settings.get("SFTCTL_LOCAL_ADOPT_GRACE_S") or 0.0
