@@ -305,12 +305,23 @@ def server_audit(
 
 
 @server_app.command("metrics-token")
-def server_metrics_token() -> None:
+def server_metrics_token(local: bool = typer.Option(False, "--local", help=_LOCAL_HELP)) -> None:
     """Print the token Prometheus scrapes this machine's server's /metrics with (made on first use):
     SFTCTL_SERVER_METRICS_TOKEN, else $SFTCTL_HOME/metrics.token. Run it on the server's machine,
-    as the server's user."""
-    from sftctl.server.metrics import scrape_token, token_source
+    as the server's user.
 
+    Raises:
+        SftctlError: the config names a server and ``--local`` is not given (exit 2): the token
+            would be this machine's own, one that server refuses (401).
+    """
+    from sftctl.server.metrics import configured_server_url, scrape_token, token_source
+
+    url = configured_server_url()
+    if url and not local:
+        raise SftctlError(f"server metrics-token: your config names the server {url}, whose scrape token "
+                          "is kept on its machine, not here",
+                          hint="run sftctl server metrics-token on the server's machine, as the server's user "
+                               "(--local there if its config names a server too); an admin's token scrapes too")
     print(scrape_token())
     _console(stderr=True).print(f"[dim]the /metrics scrape token ({_escape(token_source())}). Prometheus: put it in a "
                                 "file only Prometheus reads and name it in the scrape config: authorization: "

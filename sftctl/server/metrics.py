@@ -53,6 +53,19 @@ def token_file() -> Path:
     return sftctl_home() / TOKEN_FILE
 
 
+def configured_server_url() -> str | None:
+    """The server URL this machine's config names (``server.url``, ``SFTCTL_SERVER_URL``), or
+    None. Where one is named this machine is that server's client, and a scrape token made here
+    is not the server's (``sftctl server metrics-token`` refuses without ``--local``).
+
+    Raises:
+        SettingError: a malformed config file (exit 2).
+    """
+    from sftctl import settings
+
+    return settings.get("SFTCTL_SERVER_URL") or None
+
+
 def scrape_token() -> str:
     """The server's scrape token for ``/metrics``: ``SFTCTL_SERVER_METRICS_TOKEN`` (config
     ``server.metrics_token``), else the text of ``$SFTCTL_HOME/metrics.token``, made now when
