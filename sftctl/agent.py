@@ -13,8 +13,14 @@ Settings come from flags or the node's environment:
   to the first node of that rank (``$SFTCTL_NODE_GENERATION`` 0): a replacement node is healthy.
 * ``--metrics-dir`` / ``$SFTCTL_METRICS_DIR``: the training's step reports, for ``at_step``
 * ``--port`` / ``$SFTCTL_AGENT_PORT``: serve ``/metrics`` (off when unset)
-* ``--address`` / ``$SFTCTL_AGENT_ADDRESS``: the address it binds (default 127.0.0.1: it has no
-  authentication; the spec's ``health.metrics_address`` opens it to Prometheus)
+* ``--address`` / ``$SFTCTL_AGENT_ADDRESS``: the address it binds (default 127.0.0.1; the spec's
+  ``health.metrics_address`` opens it to a Prometheus elsewhere)
+
+``/metrics`` asks for ``Authorization: Bearer TOKEN`` (:func:`metrics_token`): the local
+provider's nodes share the server's network, so without it any job could read another job's
+agent. TOKEN is ``$SFTCTL_AGENT_METRICS_TOKEN`` (the job's ``secrets:``), else the text of
+:data:`TOKEN_FILE` beside ``--out`` (the node's directory), made 0600 on first use. No header:
+401; another token: 403 (compared with :func:`hmac.compare_digest`).
 
 It never fails a node: an unreadable GPU is a sample saying so, a machine without GPUs writes
 one ``no_gpu`` record. SIGTERM ends it.
@@ -23,8 +29,11 @@ one ``no_gpu`` record. SIGTERM ends it.
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import os
+import secrets
+import stat
 import signal
 import socket
 import sys
@@ -34,6 +43,7 @@ from pathlib import Path
 
 from sftctl import settings
 from sftctl.health.prometheus import render
+from sftctl.paths import create_private_file
 from sftctl.health.sources import NoGpuSource, open_source
 from sftctl.protocol import NodeDir
 
@@ -52,20 +62,75 @@ def _replay_path(explicit: str | None) -> str | None:
     return path
 
 
-def _serve(port: int, latest: list, lock: threading.Lock, address: str = "127.0.0.1") -> None:
-    """Serve ``/metrics`` on ``address:port``: loopback unless the spec's
-    ``health.metrics_address`` opens it (the endpoint has no authentication)."""
+#: the agent's /metrics token when ``$SFTCTL_AGENT_METRICS_TOKEN`` is unset: this file, 0600,
+#: in the node's directory (beside ``--out``), made on first use
+TOKEN_FILE = "agent-metrics.token"
+
+
+def metrics_token(directory: Path) -> str:
+    """The bearer token ``/metrics`` asks for: ``$SFTCTL_AGENT_METRICS_TOKEN`` when set, else
+    the text of ``directory/``:data:`TOKEN_FILE` (32 random bytes, URL-safe; made now, mode
+    0600, when missing; an existing one is kept, so a restarted agent keeps its token).
+
+    Raises:
+        OSError: the file cannot be made or read, is a link (``ELOOP``), or is readable by
+            others or empty (``EPERM``, naming why).
+    """
+    configured = settings.get("SFTCTL_AGENT_METRICS_TOKEN")
+    if configured:
+        return configured
+    path = directory / TOKEN_FILE
+    create_private_file(path, secrets.token_urlsafe(32) + "\n")
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd) as f:
+        mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)
+        token = f.read().strip()
+    if mode & 0o077:
+        raise PermissionError(f"{path} is readable by others (mode {mode:o}); remove it and a new one is made")
+    if not token:
+        raise PermissionError(f"{path} is empty; remove it and a new one is made")
+    return token
+
+
+def _serve(port: int, latest: list, lock: threading.Lock, address: str = "127.0.0.1", *, token: str) -> None:
+    """Serve ``/metrics`` on ``address:port`` (loopback unless the spec's
+    ``health.metrics_address`` opens it) to a request with ``Authorization: Bearer token``:
+    no such header, 401 (``WWW-Authenticate: Bearer``); another token, 403; another path, 404.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    expected = token.encode()
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's name)
             if self.path.rstrip("/") != "/metrics":
                 self.send_error(404)
                 return
+            scheme, _, given = (self.headers.get("Authorization") or "").partition(" ")
+            if scheme.lower() != "bearer" or not given.strip():
+                self._refuse(401, "send Authorization: Bearer TOKEN: the node's $SFTCTL_AGENT_METRICS_TOKEN, "
+                                  f"else its {TOKEN_FILE}")
+                return
+            if not hmac.compare_digest(given.strip().encode(), expected):
+                self._refuse(403, "that is not this agent's metrics token")
+                return
             with lock:
                 body = render(list(latest), socket.gethostname()).encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _refuse(self, code: int, why: str) -> None:
+            body = f"{why}\n".encode()
+            self.send_response(code)
+            if code == 401:
+                self.send_header("WWW-Authenticate", "Bearer")
+            self.send_header("Content-Type", "text/plain")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -118,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         lock = threading.Lock()
         if args.port:
             try:
-                _serve(args.port, latest, lock, args.address)
+                _serve(args.port, latest, lock, args.address, token=metrics_token(out.parent))
             except OSError as e:
                 problem(f"cannot serve /metrics on port {args.port}: {e.strerror or e}; sampling goes on")
         ticks = 0

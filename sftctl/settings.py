@@ -379,6 +379,8 @@ DECLARED: tuple[Setting, ...] = (
        minimum=0),
     _n("HEARTBEAT_S", "float", 2.0, "seconds between sftctl.train's heartbeats", set_by="user, tests", minimum=0),
     _n("AGENT_PORT", "int", 0, "the node agent serves /metrics on this port (0: off)", set_by="user", minimum=0),
+    _n("AGENT_METRICS_TOKEN", "str", None, "the bearer token the node agent's /metrics asks for (a secret: set it in "
+       "secrets:)", set_by="user", shown_default="agent-metrics.token in the node's directory (0600, made on first use)"),
     _n("TELEMETRY_REPLAY", "path", None, "the node agent replays this recorded telemetry instead of NVML",
        set_by="tests"),
     _n("TELEMETRY_REPLAY_RANK", "int", None, "... on this node rank only (its first node)", set_by="tests",

@@ -106,8 +106,8 @@ def test_the_node_agents_metrics_endpoint_serves_prometheus_clients_text():
         port = s.getsockname()[1]
     latest = [{"ts": 1.0, "gpu": 0, "uuid": "GPU-0", "clock_sm_mhz": 1980, "power_usage_mw": 650_500,
                "pcie_replay_counter": 4, "xids": [79]}]
-    _serve(port, latest, threading.Lock())
-    r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30)
+    _serve(port, latest, threading.Lock(), token="agent-token")  # the token: tests/test_agent_metrics_token.py
+    r = httpx.get(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": "Bearer agent-token"}, timeout=30)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
     got = {f.name: (f.type, f.samples[0].value, f.samples[0].labels) for f in parser.text_string_to_metric_families(r.text)}
     assert got["DCGM_FI_DEV_SM_CLOCK"][:2] == ("gauge", 1980)

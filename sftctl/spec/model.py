@@ -309,8 +309,9 @@ class HealthSpec(_HealthThresholds):
     :mod:`sftctl.health.detectors`, default and bounds there), then ``metrics_address``."""
 
     metrics_address: str = Field(
-        "127.0.0.1", description="the address the node agent's /metrics binds (SFTCTL_AGENT_ADDRESS); it "
-                                 "has no authentication, so loopback unless Prometheus scrapes from elsewhere")
+        "127.0.0.1", description="the address the node agent's /metrics binds (SFTCTL_AGENT_ADDRESS): loopback "
+                                 "unless Prometheus scrapes from elsewhere; it asks for a bearer token "
+                                 "(SFTCTL_AGENT_METRICS_TOKEN, docs/health.md)")
 
     @field_validator("metrics_address")
     @classmethod
