@@ -120,3 +120,42 @@ def test_the_roots_setting_takes_a_path_list_from_the_environment_or_a_yaml_list
     config.parent.mkdir(parents=True)
     config.write_text("server:\n  workdir_roots:\n    - /srv/{user}\n    - ~/shared\n")
     assert workdir_roots.roots("bob") == ["/srv/bob", os.path.realpath(os.path.expanduser("~/shared"))]
+
+
+def test_the_submit_route_loads_the_spec_once_to_check_and_record_it(home, lab, tmp_path, monkeypatch):
+    """With the roots set, the server's submit loads the spec for the check and hands that load
+    to api.submit (it loaded it twice: parse, validation and ``${VAR}`` again). The real
+    application in this process (FastAPI's TestClient), alice's token, a real plan and record."""
+    from fastapi.testclient import TestClient
+
+    import sftctl.spec
+    from sftctl import api
+    from sftctl.server import Supervisor
+    from sftctl.server.app import create_app
+
+    monkeypatch.setenv("SFTCTL_SERVER_WORKDIR_ROOTS", f"{lab}/{{user}}")
+    loads: list[str] = []
+    load_spec = sftctl.spec.load_spec
+
+    def counted(path, *args, **kw):
+        loads.append(str(path))
+        return load_spec(path, *args, **kw)
+
+    monkeypatch.setattr(sftctl.spec, "load_spec", counted)
+    token = tokens("alice")["alice"]
+    spec = _spec(lab / "alice" / "proj" / "once.yaml", lab / "alice" / "proj")
+    with TestClient(create_app(Supervisor())) as client:
+        r = client.post("/v1/jobs", headers={"Authorization": f"Bearer {token}"},
+                        json={"spec_text": spec.read_text(), "spec_path": str(spec), "overrides": ["name=once2"]})
+        assert r.status_code == 200, r.text
+        assert loads == [str(spec)]
+        job = r.json()["job"]
+        assert (job["name"], job["owner"]) == ("once2", "alice")
+        assert api.job(job["id"]).spec["workdir"] == str(lab / "alice" / "proj")
+
+        loads.clear()  # bob's root: refused after the one load, nothing recorded
+        bad = _spec(lab / "alice" / "proj" / "bobs.yaml", lab / "bob" / "proj")
+        r = client.post("/v1/jobs", headers={"Authorization": f"Bearer {token}"},
+                        json={"spec_text": bad.read_text(), "spec_path": str(bad), "overrides": []})
+        assert r.status_code == 403 and loads == [str(bad)], r.text
+        assert [v.record.name for v in api.status()] == ["once2"]

@@ -42,18 +42,20 @@ JOB_ARGS[Submitted] = "job_id"  # a job argument may be a Submitted
 
 def _prepare(spec: SpecLike, overrides: Overrides, progress: Progress | None,
              origin: str | None = None, owner: str | None = None,
-             ranks: tuple[int, ...] = ()) -> tuple[JobSpec, Path | None, Plan, Any]:
+             ranks: tuple[int, ...] = (), loaded: tuple[JobSpec, str, Path | None] | None = None,
+             ) -> tuple[JobSpec, Path | None, Plan, Any]:
     """Validate a spec for running, plan it, and admit it (:func:`sftctl.controller.launch.admit`):
     secrets set, checkpoint dir free, storage present where the nodes need it, a
     ``controller.place`` that works on the planned provider. Returns the spec, its file, the plan
     and the :class:`~sftctl.controller.launch.LaunchRequest` (``ranks``: the nodes it renders in
     full). In the server (``owner``: the requester), ``${VAR}`` and ``secrets:`` resolve from the
     owner's secrets and the lab's only (:mod:`sftctl.vault`), never the server's environment;
-    here from this user's stored secrets, then this environment."""
+    here from this user's stored secrets, then this environment. ``loaded``: :func:`_load`'s
+    answer for these arguments, when the caller has it (not loaded again)."""
     from sftctl.controller.launch import Checks, Where, admit, check_spec
 
     environ = _secret_environ(owner)
-    s, label, path = _load(spec, overrides, origin, environ)
+    s, label, path = loaded if loaded is not None else _load(spec, overrides, origin, environ)
     checks = Checks(label, server=_serving() or _remote() is not None, serving=_serving(), environ=environ,
                     owner=owner)
     check_spec(s, checks)  # the rules that need no plan: before planning
@@ -119,14 +121,16 @@ def dry_run(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | N
 
 @_typed
 def submit(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | None = None,
-           origin: str | None = None, owner: str | None = None) -> Submitted:
+           origin: str | None = None, owner: str | None = None,
+           loaded: tuple[JobSpec, str, Path | None] | None = None) -> Submitted:
     """Validate and plan a job, check its storage, and record it in state (PENDING). Starts
     nothing: :func:`start` (detached) or :func:`attach` (in this process) runs it.
 
     ``origin``: with ``spec`` the YAML text of a file read elsewhere, that file's path (messages
     name it, relative paths are taken from its directory; a server passes its client's).
     ``owner``: the user the job belongs to (a server passes its requester's name; default: this
-    machine's user).
+    machine's user). ``loaded``: the spec as ``_load`` already made it from these arguments (a
+    server's submit that checked its workdir), used as it is instead of loading it again.
 
     Raises:
         SpecError: invalid spec, a secret not set in this environment, or a checkpoint dir
@@ -141,7 +145,7 @@ def submit(spec: SpecLike, overrides: Overrides = (), *, progress: Progress | No
     from sftctl.state import Store
 
     with _owner_only():
-        s, path, chosen, _ = _prepare(spec, overrides, progress, origin, owner)
+        s, path, chosen, _ = _prepare(spec, overrides, progress, origin, owner, loaded=loaded)
         if s.storage is not None:
             _check_storage(s.storage)
         store = Store()

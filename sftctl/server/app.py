@@ -217,22 +217,25 @@ def create_app(supervisor):
 
     owned = users.owned_job  # (user, job) -> the full id of one the user may act on, else 404
 
-    def check_workdir(text: str, overrides: list[str], label: str, user: User) -> None:
+    def check_workdir(text: str, overrides: list[str], label: str, user: User) -> tuple | None:
         """With ``server.workdir_roots`` set: the spec's workdir (resolved, as submit records it)
         must lie in one of ``user``'s roots (:mod:`sftctl.providers.workdir_roots`), else
-        :class:`Forbidden` (403, exit 2) before anything is recorded. The local provider checks
-        again where it binds the workdir into a node's sandbox."""
+        :class:`Forbidden` (403, exit 2) before anything is recorded. Returns the spec loaded
+        for the check (``_load``'s ``(spec, label, path)``), which submit then uses, not loading
+        it again; None when the setting is unset. The local provider checks again where it
+        binds the workdir into a node's sandbox."""
         from sftctl.providers import workdir_roots
 
         if workdir_roots.roots(user.name) is None:
-            return
+            return None
         from sftctl.api._run import _secret_environ
         from sftctl.api._specs import _load
 
-        spec, _, _ = _load(text, overrides, label, _secret_environ(user.name))  # as api.submit loads it
-        problem = workdir_roots.refusal(spec.workdir, user.name)
+        loaded = _load(text, overrides, label, _secret_environ(user.name))  # as api.submit loads it
+        problem = workdir_roots.refusal(loaded[0].workdir, user.name)
         if problem is not None:
             raise Forbidden(problem, hint=workdir_roots.HINT)
+        return loaded
 
     @app.get("/v1/health")
     def health():
@@ -260,8 +263,8 @@ def create_app(supervisor):
                               hint="put the value in the spec file (the server's admin sets "
                                    "SFTCTL_SERVER_MAX_OVERRIDE_CHARS)")
         with guard.collected_warnings() as caught:  # this request's own, while others plan beside it
-            check_workdir(text, overrides, label, user)
-            submitted = api.submit(text, overrides, origin=label, owner=user.name)
+            loaded = check_workdir(text, overrides, label, user)
+            submitted = api.submit(text, overrides, origin=label, owner=user.name, loaded=loaded)
         lists.clear()
         return _json({"job": api.job(submitted.job_id).to_dict(), "warnings": caught})
 
