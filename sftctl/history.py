@@ -63,6 +63,15 @@ speak for A's bias: one run each of twenty models unlike this one and each other
 evidence, ``beta * 20 / (4 + 20)`` = 42 %. With no run on A nothing changes (``correction`` 1, the
 model's interval).
 
+**The runs' own scatter.** The Gaussian model reads runs that disagree as measurement noise, so
+twenty runs of unlike models, each mispriced its own way, would narrow the range as if they had
+pinned this step. The range is therefore never narrower than what the runs on A show themselves
+(:func:`_scatter`): 1.645 x the weighted standard deviation of their ``r_i`` (weights: similarity to
+the new step x offering x mode) x ``sqrt(1 + 1 / n)``, once they count :data:`MIN_SCATTER_RUNS`
+effective runs. Runs that agree leave the Gaussian range; runs that scatter widen it, even past
+``f``: on the 28 published steps' random halves, the learned range held 75 % (A100-80GB) and 70 %
+(H100) of the other half without this, 81 % and 80 % with it (``benchmarks/learning.py``).
+
 **Import** (:func:`read_import`): JSON Lines of measured runs from elsewhere; checked whole
 before anything is predicted or stored (:class:`ImportError_` names file:line; exit 2).
 
@@ -116,6 +125,9 @@ MAX_RUNS = 400
 #: of those, at most this many runs on other accelerators (the most alike): each plan calibrates
 #: every offering, and they speak only through a step's shared residual
 MAX_OTHER_RUNS = 100
+#: below this many effective runs (the square of the weights' sum over the sum of their squares) on
+#: the accelerator, the range rests on the Gaussian model alone
+MIN_SCATTER_RUNS = 3
 #: the kernel-mix keys, in this order
 MIX_KEYS = ("attention", "gemm", "pointwise", "collectives")
 #: where a run comes from: the lab's own jobs, or an import
@@ -223,10 +235,28 @@ def calibrate(predicted_s: float, accelerator: str, runs: Iterable[RunRecord], *
     labels = sorted({str(t[4].source_label) for t in picked if t[4].source_label})
     weight = sum(t[0] * t[1] for t in picked if t[5] == same)
     cal = predicted_s * math.exp(c)
-    f = math.exp(s0 * math.sqrt(var))
+    f = math.exp(max(s0 * math.sqrt(var), _scatter(picked, same)))
     return {"calibrated_step_s": cal, "interval_s": [cal / f, cal * f], "error": f, "prior_error": math.exp(s0),
             "runs": sum(t[5] == same for t in picked), "other_accelerator_runs": sum(t[5] != same for t in picked),
             "weight": round(weight, 4), "correction": math.exp(c), "sources": {**counts, "labels": labels}}
+
+
+def _scatter(picked: list, accelerator: str) -> float:
+    """The 90 % half-width (ln) that the runs on ``accelerator`` among ``picked`` (as
+    :func:`_posterior` takes them) show themselves: 1.645 x the
+    root-mean-square deviation of their ``r_i`` from their mean, each weighted by its similarity
+    to the new step x its offering and mode weight, widened by ``sqrt(1 + 1 / n)`` for the mean's
+    own error (``n`` the effective number of runs, ``(sum w)**2 / sum w**2``, 0 below
+    :data:`MIN_SCATTER_RUNS`). Runs that scatter more than the Gaussian model expects (the steps
+    of a lab's models each mispriced their own way) keep the STEP RANGE from narrowing below what
+    they show."""
+    w = [(t[0] * t[1], t[2]) for t in picked if t[5] == accelerator]
+    total = sum(x for x, _ in w)
+    n = total ** 2 / sum(x * x for x, _ in w) if total > 0 else 0.0
+    if n < MIN_SCATTER_RUNS:
+        return 0.0
+    mean = sum(x * r for x, r in w) / total
+    return 1.645 * math.sqrt(sum(x * (r - mean) ** 2 for x, r in w) / total * (1 + 1 / n))
 
 
 def _width(accelerator: str) -> float:

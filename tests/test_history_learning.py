@@ -49,6 +49,26 @@ def _reference(new: dict | None, runs: list[RunRecord], mode: str | None, provid
     return float(mean), math.sqrt(var)
 
 
+def _scatter_reference(new: dict | None, runs: list[RunRecord], target: str, mode: str | None = None,
+                       provider: str | None = None) -> float:
+    """The runs' own 90 % half-width (ln) on ``target``: 1.645 x their weighted standard deviation
+    around their weighted mean x sqrt(1 + 1/n_eff), weights similarity x offering x mode; 0 below
+    three effective runs. Written from the module docstring, in float64 numpy."""
+    own = [r for r in runs if r.accelerator == target]
+    if not own:
+        return 0.0
+    w = np.array([history.similarity(new, r.features)
+                  * (history.OTHER_OFFERING_WEIGHT if provider is not None and (r.provider, r.instance_type)
+                     != (provider, "p5") else 1.0)
+                  * (history.OTHER_MODE_WEIGHT if mode is not None and r.mode != mode else 1.0) for r in own])
+    x = np.log([r.measured_step_s / r.predicted_step_s for r in own])
+    n = w.sum() ** 2 / (w ** 2).sum() if w.sum() > 0 else 0.0
+    if n < history.MIN_SCATTER_RUNS:
+        return 0.0
+    mean = np.average(x, weights=w)
+    return float(1.645 * np.sqrt(np.average((x - mean) ** 2, weights=w) * (1 + 1 / n)))
+
+
 def test_the_posterior_matches_a_float64_reference_on_random_histories():
     rng = random.Random(35)
     for _ in range(40):
@@ -68,7 +88,27 @@ def test_the_posterior_matches_a_float64_reference_on_random_histories():
         # tolerance: float64 solve against an explicit inverse of a matrix with condition number < 100
         assert math.log(got["correction"]) == pytest.approx(c, abs=1e-9)
         assert got["calibrated_step_s"] == pytest.approx(2.0 * math.exp(c), rel=1e-9)
-        assert math.log(got["error"]) == pytest.approx(s0 * sd, rel=1e-9)
+        # the range: the Gaussian posterior's, or the runs' own scatter where that is wider
+        assert math.log(got["error"]) == pytest.approx(max(s0 * sd, _scatter_reference(new, runs, "H100", mode,
+                                                                                       provider)), rel=1e-9)
+
+
+def test_runs_that_scatter_keep_the_step_range_as_wide_as_they_show():
+    """Twenty runs of this very step, half measured 1.4x and half 1/1.4x the model: the Gaussian
+    model alone, which reads their scatter as measurement noise, narrows the range to
+    ``f ** sqrt(4 / 24)`` = 1.09x, while 90 % of such steps lie within 1.4x. The range follows
+    the runs: 1.645 x ln 1.4 x sqrt(1 + 1/20) in ln. Twenty runs that agree (all 1.3x) narrow it."""
+    f = history.error_factor("H100")
+    scatter = [_run(1.4 if i % 2 else 1 / 1.4, GEMM) for i in range(20)]
+    got = history.calibrate(1.0, "H100", scatter, features=GEMM)
+    assert got["correction"] == pytest.approx(1.0, abs=1e-9)  # they average to the model
+    assert math.log(got["error"]) == pytest.approx(1.645 * math.log(1.4) * math.sqrt(1 + 1 / 20), rel=1e-9)
+    assert got["error"] > 1.7 > f
+    agree = history.calibrate(1.0, "H100", [_run(1.3, GEMM)] * 20, features=GEMM)
+    assert agree["error"] == pytest.approx(f ** math.sqrt(4 / 24), rel=1e-9) and agree["error"] < 1.1
+    # two runs are too few to say how they scatter: the Gaussian range alone
+    two = history.calibrate(1.0, "H100", scatter[:2], features=GEMM)
+    assert two["error"] == pytest.approx(f ** math.sqrt(1 - 2 / 6), rel=1e-9)
 
 
 def test_another_models_runs_correct_the_accelerators_bias():
@@ -136,7 +176,7 @@ def test_runs_on_other_accelerators_match_a_float64_reference():
         got = history.calibrate(2.0, target, runs, features=new)
         c, sd = _reference_across(target, new, runs)
         assert math.log(got["correction"]) == pytest.approx(c, abs=1e-9)
-        assert math.log(got["error"]) == pytest.approx(sd, rel=1e-9)
+        assert math.log(got["error"]) == pytest.approx(max(sd, _scatter_reference(new, runs, target)), rel=1e-9)
         assert got["runs"] + got["other_accelerator_runs"] == len(runs)
         assert got["runs"] == sum(r.accelerator == target for r in runs)
 
@@ -182,3 +222,4 @@ def test_many_runs_keep_the_weightiest_and_stay_quick():
     elsewhere = history.calibrate(1.0, "A100-80GB", runs, features=GEMM)  # the most alike of another GPU's
     assert (elsewhere["runs"], elsewhere["other_accelerator_runs"]) == (0, history.MAX_OTHER_RUNS)
     assert 1.0 < got["correction"] < math.exp(0.5)
+
