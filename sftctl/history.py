@@ -128,6 +128,8 @@ MAX_OTHER_RUNS = 100
 #: below this many effective runs (the square of the weights' sum over the sum of their squares) on
 #: the accelerator, the range rests on the Gaussian model alone
 MIN_SCATTER_RUNS = 3
+#: solves of this many runs or more run BLAS on one thread (:func:`_one_blas_thread`)
+BLAS_SINGLE_THREAD_FROM = 64
 #: the kernel-mix keys, in this order
 MIX_KEYS = ("attention", "gemm", "pointwise", "collectives")
 #: where a run comes from: the lab's own jobs, or an import
@@ -330,10 +332,32 @@ def _posterior(picked: list, gamma: float = 0.0) -> tuple[float, float]:
     k = np.array([t[7] for t in picked])
     r = np.array([t[2] for t in picked])
     # the scale of r is ln, of cov s0^2: c_post = k' K^-1 r holds for any common scale of k and K
-    solved = np.linalg.solve(cov, np.stack([r, k], axis=1))
+    with _one_blas_thread(len(picked)):
+        solved = np.linalg.solve(cov, np.stack([r, k], axis=1))
     c = float(k @ solved[:, 0])
     var = max(0.0, 1.0 - float(k @ solved[:, 1]))
     return c, var
+
+
+#: the threadpoolctl controller :func:`_one_blas_thread` limits BLAS with (made once: ~30 ms)
+_BLAS: Any = None
+
+
+def _one_blas_thread(n: int):
+    """A context in which BLAS runs on one thread, for a solve of ``n`` runs of
+    :data:`BLAS_SINGLE_THREAD_FROM` or more (below that, nothing). A dense solve of a few hundred
+    runs takes ~2 ms on one core; OpenBLAS' threads, on a machine whose cores are busy (a plan beside
+    a compile or a training), made the same solve 15-230 ms here."""
+    global _BLAS
+    import contextlib
+
+    if n < BLAS_SINGLE_THREAD_FROM:
+        return contextlib.nullcontext()
+    if _BLAS is None:
+        from threadpoolctl import ThreadpoolController
+
+        _BLAS = ThreadpoolController()
+    return _BLAS.limit(limits=1, user_api="blas")
 
 
 # ------------------------------------------------------------------------------ a job's row

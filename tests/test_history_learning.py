@@ -223,3 +223,20 @@ def test_many_runs_keep_the_weightiest_and_stay_quick():
     assert (elsewhere["runs"], elsewhere["other_accelerator_runs"]) == (0, history.MAX_OTHER_RUNS)
     assert 1.0 < got["correction"] < math.exp(0.5)
 
+
+def test_large_solves_run_blas_on_one_thread_and_small_ones_leave_it_alone():
+    """OpenBLAS' threads on busy cores made a 400-run solve 15-230 ms instead of ~2 ms
+    (benchmarks/calibrate_speed.py): solves of BLAS_SINGLE_THREAD_FROM runs or more run on one."""
+    import numpy  # noqa: F401  (loads OpenBLAS, so threadpoolctl sees it)
+    from threadpoolctl import threadpool_info
+
+    def blas_threads() -> list[int]:
+        return [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
+
+    before = blas_threads()
+    assert before, "numpy's BLAS is not visible to threadpoolctl"
+    with history._one_blas_thread(history.BLAS_SINGLE_THREAD_FROM):
+        assert blas_threads() == [1] * len(before)
+    assert blas_threads() == before
+    with history._one_blas_thread(history.BLAS_SINGLE_THREAD_FROM - 1):
+        assert blas_threads() == before
