@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO, deadline, status_json, wait_for, write_spec
 
 LINES = 50_000
@@ -105,6 +107,35 @@ def test_sigterm_while_printing_an_ended_job_keeps_its_outcome(tmp_path, home):
     job = status_json()["jobs"][0]
     assert job["status"] == "SUCCEEDED", said[-2000:]
     assert rc == 0, said[-2000:]
+    assert "output was cut short: sftctl logs" in said, said[-2000:]
+    assert "Traceback" not in said
+
+
+@pytest.mark.parametrize("sig", ["TERM", "INT"])
+def test_a_signal_right_after_the_controller_returns_stops_the_printing_only(tmp_path, home, sig):
+    """The window between the controller giving its signal handlers back (its teardown done) and
+    ``sftctl run`` printing the rest of the output, hit every time: tests/_signal_at_end.py sends
+    the signal there, while 4 MB of output wait on a pipe nobody reads. The client says the
+    output was cut short and exits with the job's code, 0; the job stays SUCCEEDED. Before, the
+    controller put back SIG_DFL and Python's Ctrl-C handler: SIGTERM killed the client (exit
+    -15); Ctrl-C raised KeyboardInterrupt inside ``api.attach``, whose handler then waited for
+    the printing to finish on the pipe nobody reads, for ever."""
+    spec = write_spec(tmp_path / "big.yaml", 'name: big\nrun: |\n  python3 -c "print((\'y\' * 99 + \'\\\\n\') * 40000)"\n')
+    err = open(tmp_path / "stderr", "w")
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "_signal_at_end.py"), sig, "run", str(spec)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=err)
+    try:
+        rc = proc.wait(timeout=deadline(300))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        err.close()
+    said = (tmp_path / "stderr").read_text()
+    assert f"sent SIG{sig} after the controller returned" in said, said[-2000:]
+    assert status_json()["jobs"][0]["status"] == "SUCCEEDED", said[-2000:]
+    assert rc == 0, f"exit {rc}: " + said[-2000:]
     assert "output was cut short: sftctl logs" in said, said[-2000:]
     assert "Traceback" not in said
 

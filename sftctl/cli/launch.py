@@ -73,20 +73,24 @@ def run(
     # model, which runs train.steps), as sftctl status shows "-"
     total = job.spec.train.steps if job.spec.model is not None or _sets_steps(spec_path, set_) else None
     view = RunView(console, total, show_logs=not quiet_logs, raw=_DEBUG[0]).start()
+    signals = _RunSignals().install()  # before attach: the controller gives these back, not SIG_DFL
     try:
-        ended = api.attach(job.job_id, view)
-    except SftctlError as e:
-        view.finish()
-        if as_json or not getattr(e, "detached", None):
+        try:
+            ended = api.attach(job.job_id, _Reporting(view, signals))
+        except SftctlError as e:
+            view.finish()
+            if as_json or not getattr(e, "detached", None):
+                raise
+            jid, by = e.detached  # Ctrl-C while following a job supervised elsewhere: it goes on
+            _console(stderr=True).print(Text(f"{jid} goes on, supervised {by}: sftctl logs -f {jid} watches it again; "
+                                             f"sftctl down {jid} stops it"), soft_wrap=True)
+            raise typer.Exit(int(e.exit_code)) from None
+        except BaseException:
+            view.finish()
             raise
-        jid, by = e.detached  # Ctrl-C while following a job supervised elsewhere: it goes on
-        _console(stderr=True).print(Text(f"{jid} goes on, supervised {by}: sftctl logs -f {jid} watches it again; "
-                                         f"sftctl down {jid} stops it"), soft_wrap=True)
-        raise typer.Exit(int(e.exit_code)) from None
-    except BaseException:
-        view.finish()
-        raise
-    _finish_printing(view, ended)
+        _finish_printing(view, ended, signals)
+    finally:
+        signals.uninstall()
     final = ended.job
     if as_json:
         with contextlib.suppress(OSError):  # stdout closed (| head, SIGHUP): the job is over anyway
@@ -102,31 +106,104 @@ def run(
     raise typer.Exit(ended.exit_code)
 
 
-def _finish_printing(view, ended) -> None:
+class _Stop(Exception):
+    """A signal stopped the printing of an ended job's output (:func:`_finish_printing`)."""
+
+
+class _RunSignals:
+    """SIGINT, SIGTERM and SIGHUP of an attached ``sftctl run`` (each one not ignored: a run
+    started in the background keeps SIG_IGN), installed before :func:`sftctl.api.attach`, so
+    that when the job's controller gives the handlers back after its teardown it gives back
+    these, never SIG_DFL: no moment is left where a signal kills a client whose job is over.
+
+    While the job runs the controller's handlers are in force (SIGTERM, SIGHUP cancel it); this
+    one is called only before the controller takes them, while following a job supervised
+    elsewhere, or after. Its phases:
+
+    - ``job`` (until the controller's reporter call ``ended()``): what the signal did before
+      ``sftctl run`` took it (the previous handler: Ctrl-C raises KeyboardInterrupt, which
+      cancels the job or stops the following; SIGTERM, SIGHUP: the default, death by the signal);
+    - ``ended``: the job's outcome is recorded, its nodes down: the first signal is only kept,
+      for :func:`_finish_printing` to stop the printing with at once;
+    - ``printing``: the first signal raises :class:`_Stop` (a second must not cut the exit short).
+    """
+
+    def __init__(self) -> None:
+        self.phase = "job"
+        self.first: int | None = None  # the first signal after the job ended (a signal number)
+        self.previous: dict = {}
+
+    def install(self) -> "_RunSignals":
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # signals are the main thread's
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    self.previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        import signal
+
+        for signum, handler in self.previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        self.previous = {}
+
+    def ended(self) -> None:
+        """The controller's word that the job is over (its reporter's ``ended()``)."""
+        self.phase = "ended"
+
+    def _handle(self, signum, frame) -> None:
+        import signal
+
+        if self.phase == "job":
+            handler = self.previous.get(signum)
+            if callable(handler):
+                handler(signum, frame)
+                return
+            signal.signal(signum, signal.SIG_DFL)  # the default: die by the signal, as before
+            os.kill(os.getpid(), signum)
+            return
+        if self.first is None:
+            self.first = signum
+            if self.phase == "printing":
+                raise _Stop
+
+
+class _Reporting:
+    """The reporter ``sftctl run`` attaches with: the view's (:class:`sftctl.ui.RunView`) events,
+    logs and metrics, and ``ended()`` for the signals (:class:`_RunSignals`)."""
+
+    def __init__(self, view, signals: _RunSignals) -> None:
+        self.view, self.signals = view, signals
+
+    def event(self, message: str) -> None:
+        self.view.event(message)
+
+    def log(self, rank: int, text: str) -> None:
+        self.view.log(rank, text)
+
+    def metrics(self, samples: list[dict]) -> None:
+        self.view.metrics(samples)
+
+    def ended(self) -> None:
+        self.signals.ended()
+
+
+def _finish_printing(view, ended, signals: _RunSignals) -> None:
     """Print the rest of an ended job's output (``view``: :class:`sftctl.ui.RunView`; ``ended``:
     :class:`sftctl.api.Attached`). The job is over: its outcome is recorded and its nodes are
     down, so Ctrl-C, SIGTERM or SIGHUP now only stop the printing: the rest is dropped (``sftctl
     logs`` has it), one line on stderr says so, and ``sftctl run`` exits with the job's own code
-    at once (0 for SUCCEEDED), never turning the job into CANCELLED."""
-    import signal
-    import threading
-
-    class _Stop(Exception):
-        pass
-
-    stopping = []
-
-    def stop(signum, frame):
-        if not stopping:  # the first one: a second must not cut the exit short
-            stopping.append(signum)
-            raise _Stop
-
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(signum) is not signal.SIG_IGN:  # a run started in the background keeps it so
-                previous[signum] = signal.signal(signum, stop)
+    at once (0 for SUCCEEDED), never turning the job into CANCELLED. A signal that came after
+    the job ended, before this began (``signals.first``), stops it the same way, before it starts.
+    ``signals``' handlers are in force from the job's end (:class:`_RunSignals`); the ones
+    ``sftctl run`` began with are back once the printing is done."""
+    signals.phase = "printing"
     try:
+        if signals.first is not None:
+            raise _Stop
         view.finish()
     except (KeyboardInterrupt, _Stop):
         view.abandon()
@@ -134,8 +211,7 @@ def _finish_printing(view, ended) -> None:
         _exit_now(ended.exit_code, f"{job.id} {job.status.value}; its output was cut short: sftctl logs {job.id} "
                                    "shows all of it\n", view.progress.stop)
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        signals.uninstall()  # the summary line after it: the handlers sftctl run began with
 
 
 def _exit_now(code: int, note: str, first) -> None:

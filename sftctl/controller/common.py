@@ -55,7 +55,14 @@ class Cancelled(Exception):
 
 
 class Reporter(Protocol):
-    """Where the controller tells what happens. The CLI's attached view implements it."""
+    """Where the controller tells what happens. The CLI's attached view implements it.
+
+    A reporter may also have ``ended()`` (no arguments): :meth:`Controller.run
+    <sftctl.controller.lifecycle.Controller.run>` calls it once the job's outcome is recorded
+    and its nodes are torn down, just before it gives the caller's signal handlers back (the
+    SIGINT, SIGTERM and SIGHUP handlers in force when ``run`` began, which it replaced for the
+    job): a caller's handler then tells a signal after the job's end from one before it
+    (``sftctl run`` stops printing and exits with the job's code, :mod:`sftctl.cli.launch`)."""
 
     def event(self, message: str) -> None: ...
 

@@ -145,7 +145,13 @@ class Controller(Recovery, Draining):
 
         A job some earlier controller left under way (it died, even by SIGKILL: LAUNCHING,
         RUNNING or RECOVERING) is adopted, not started over: see :meth:`_adopt`. The caller
-        holds the job (:func:`sftctl.queue.claim_job`), so no other controller is alive."""
+        holds the job (:func:`sftctl.queue.claim_job`), so no other controller is alive.
+
+        In the main thread, SIGTERM and SIGHUP (and Ctrl-C, through the caller's handler) cancel
+        the job while it runs; all three are ignored while its nodes are torn down; then the
+        reporter's ``ended()`` (when it has one) and the caller's handlers are back, as they were."""
+        main = _in_main_thread()  # signals are the main thread's (a thread of a server has none)
+        ctrl_c = signal.getsignal(signal.SIGINT) if main else None  # the caller's, given back at the end
         previous = _install_cancel_signals()
         try:
             resume = self._adopt()
@@ -208,7 +214,6 @@ class Controller(Recovery, Draining):
             self.store.end_open_attempts(self.job_id, AttemptStatus.FAILED, f"controller error: {e!r}", FailureCode.UNKNOWN.value)
             raise
         finally:
-            main = _in_main_thread()  # signals are the main thread's (a thread of a server has none)
             if main:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut teardown
             for signum in previous:  # nor a SIGHUP or SIGTERM that follows the first one
@@ -217,10 +222,14 @@ class Controller(Recovery, Draining):
             try:
                 self._teardown()
             finally:
-                if main:
-                    signal.signal(signal.SIGINT, signal.default_int_handler)
-                for signum, handler in previous.items():
-                    signal.signal(signum, handler)
+                try:  # before the handlers go back: a caller's handler then knows the job is over
+                    if callable(getattr(self.reporter.inner, "ended", None)):
+                        self.reporter.ended()
+                finally:  # the caller's own handlers, as they were (never SIG_DFL in their place)
+                    if main:
+                        signal.signal(signal.SIGINT, signal.default_int_handler if ctrl_c is None else ctrl_c)
+                    for signum, handler in previous.items():
+                        signal.signal(signum, handler)
         return self.store.get_job(self.job_id).status
 
     def _admit(self) -> None:
