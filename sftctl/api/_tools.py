@@ -270,7 +270,8 @@ def calibrate_import(file: str | os.PathLike, *, progress: Progress | None = Non
 
     Raises:
         SpecError: a bad line (``FILE:LINE: what``; exit 2), a measured step beyond
-            :data:`IMPORT_MAX_FACTOR` of its prediction among them: nothing of the file is imported.
+            :data:`~sftctl.controller.common.MEASURED_MAX_FACTOR` of its prediction among them:
+            nothing of the file is imported.
     """
     from sftctl.history import import_file, not_present, read_exported
     from sftctl.types import RunRecord
@@ -297,13 +298,6 @@ def calibrate_import(file: str | os.PathLike, *, progress: Progress | None = Non
     return {"imported": n, "skipped": len(rows) - len(new), "labels": sorted({r.source_label or "-" for r in rows})}
 
 
-#: How far (a factor either way) an imported run's measured step may lie from the model's
-#: prediction of it. Further is a unit slip (milliseconds given as seconds) or the wrong spec, not
-#: a measurement: its log ratio enters every later correction on the accelerator unbounded (1e308 s
-#: made every H100 plan NaN, 1e-300 s made it 0 us). Published steps lie within 0.67-1.5x
-#: (docs/predictions.md); 1000x leaves the uncalibrated accelerators' error (up to 1.84x) far inside.
-IMPORT_MAX_FACTOR = 1000.0
-
 _IMPORT_HINT = "nothing of the file was imported; fix the line and import again"
 
 
@@ -317,23 +311,24 @@ def _record_lines(p: Path) -> list[int]:
 
 def _check_factors(rows: list, where: list[str]) -> None:
     """Refuse the import when a row of ``rows`` (:class:`~sftctl.types.RunRecord` each) has a
-    measured / predicted step beyond :data:`IMPORT_MAX_FACTOR` either way; ``where`` names each
-    row in the message (``FILE:LINE``, ``runs[i]``).
+    measured / predicted step beyond :data:`sftctl.controller.common.MEASURED_MAX_FACTOR`
+    either way (:func:`~sftctl.controller.common.off_prediction`, the bound a job's own
+    measurement meets too); ``where`` names each row in the message (``FILE:LINE``, ``runs[i]``).
 
     Raises:
         SpecError: ``WHERE: measured_step_s M s is R x the model's P ...`` (exit 2).
     """
+    from sftctl.controller.common import MEASURED_MAX_FACTOR, off_prediction, ratio_words
     from sftctl.errors import SpecError
 
     for at, r in zip(where, rows):
         m, pred = r.measured_step_s, r.predicted_step_s
-        ratio = m / pred if pred > 0 else float("inf")
-        if 1 / IMPORT_MAX_FACTOR <= ratio <= IMPORT_MAX_FACTOR:
+        ratio = off_prediction(m, pred)
+        if ratio is None:
             continue
         shape = f"{r.accelerator}:{r.gpus_per_node}" + (f" x {r.nodes}" if r.nodes != 1 else "")
-        times = f"{ratio:.3g} x" if ratio < float("inf") else "beyond a float's range of"
-        raise SpecError(f"{at}: measured_step_s {m:g} s is {times} the model's {pred * 1000:.3g} ms for "
-                        f"this step on {shape}; more than {IMPORT_MAX_FACTOR:g}x either way is a unit slip "
+        raise SpecError(f"{at}: measured_step_s {m:g} s is {ratio_words(ratio)} the model's {pred * 1000:.3g} ms for "
+                        f"this step on {shape}; more than {MEASURED_MAX_FACTOR:g}x either way is a unit slip "
                         "(milliseconds for seconds?) or another spec, not a measurement", hint=_IMPORT_HINT)
 
 
@@ -361,8 +356,9 @@ def calibrate_store(rows: Any) -> int:
     in this machine's state: the server's end of ``calibrate import``. Returns the count.
 
     Raises:
-        SpecError: a row is not a measured run, or one measured beyond :data:`IMPORT_MAX_FACTOR`
-            of its prediction (``runs[i]: what``; exit 2); nothing is stored.
+        SpecError: a row is not a measured run, or one measured beyond
+            :data:`~sftctl.controller.common.MEASURED_MAX_FACTOR` of its prediction
+            (``runs[i]: what``; exit 2); nothing is stored.
     """
     from sftctl.errors import SpecError
     from sftctl.history import check_rows

@@ -1,13 +1,17 @@
 """What the job lifecycle and its recovery share (see :mod:`sftctl.controller.lifecycle`): why
 an attempt ended (:class:`Failure`), :class:`Cancelled`, where a controller tells what happens
 (:class:`Reporter`, :class:`LogReporter`; :class:`_Guarded` keeps a broken one from the job),
-the :class:`~sftctl.types.FailureCode` of an error that ended a job (:func:`_error_code`), and
-the signal and stdout helpers of a controller's process."""
+the :class:`~sftctl.types.FailureCode` of an error that ended a job (:func:`_error_code`), the
+signal and stdout helpers of a controller's process, and the one bound on a measured step the
+run history keeps (:func:`off_prediction`), which a job's own measurement at its end
+(``Controller._record_run``), ``calibrate import`` and the server's POST /v1/calibrate/runs
+(:mod:`sftctl.api._tools`) all meet."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import signal
 import sys
@@ -16,6 +20,33 @@ from typing import Protocol
 from sftctl.errors import ExitCode, InfeasibleError, SftctlError
 from sftctl.queue import CANCEL_SIGNALS
 from sftctl.types import FailureCode, FailureReason
+
+
+#: How far (a factor either way) a measured step may lie from the model's prediction of the same
+#: step and still enter the run history. Further is a unit slip (milliseconds given as seconds),
+#: the wrong spec or a clock glitch, not a measurement: its log ratio enters every later
+#: correction on the accelerator unbounded (1e308 s made every H100 plan NaN, 1e-300 s made it
+#: 0 us). Published steps lie within 0.67-1.5x (docs/predictions.md); a small model on a loaded
+#: CPU measured 119.5 ms against 0.7 ms predicted (170x); 1000x leaves the uncalibrated
+#: accelerators' error (up to 1.84x) far inside.
+MEASURED_MAX_FACTOR = 1000.0
+
+
+def off_prediction(measured_s: float, predicted_s: float) -> float | None:
+    """``measured_s / predicted_s`` (both seconds per step) when it lies beyond
+    :data:`MEASURED_MAX_FACTOR` either way, else None (the run history may keep it). The ratio
+    is ``inf`` when the division overflows (1e308 s over 0.7 ms) or ``predicted_s`` is not
+    positive, ``nan`` when either is NaN: both beyond. Never raises."""
+    ratio = measured_s / predicted_s if predicted_s > 0 else math.inf
+    if 1 / MEASURED_MAX_FACTOR <= ratio <= MEASURED_MAX_FACTOR:
+        return None
+    return ratio
+
+
+def ratio_words(ratio: float) -> str:
+    """``ratio`` (from :func:`off_prediction`) before "the model's ...": ``"1.43e+05 x"``, or
+    ``"beyond a float's range of"`` when it is not finite."""
+    return f"{ratio:.3g} x" if math.isfinite(ratio) else "beyond a float's range of"
 
 
 def _error_code(e: SftctlError) -> str:
