@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from sftctl.health.detectors.common import _by_gpu, _ts
-from sftctl.health.registry import Detector, History, register
+from sftctl.health.detectors.common import _by_gpu, _ts, per_node
+from sftctl.health.registry import Detector, register
 from sftctl.health.telemetry import REPLACE, Thresholds, Verdict
 from sftctl.types import FailureCode
 
@@ -45,13 +45,8 @@ def ecc_verdicts(samples: Iterable[dict], node_rank: int, th: Thresholds) -> lis
     return out
 
 
-def _run(h: History, th: Thresholds) -> list[Verdict]:
-    return [v for node in sorted(h.gpu_samples_by_node)
-            for v in ecc_verdicts(list(h.gpu_samples_by_node[node]), node, th)]
-
-
 DETECTOR = register(Detector(
-    kind="ecc", code=FailureCode.GPU_FAILED, order=30, run=_run,
+    kind="ecc", code=FailureCode.GPU_FAILED, order=30, run=per_node(ecc_verdicts),
     summary="volatile uncorrected ECC errors (at first sight or growing) or a row-remapping failure: "
             "replace the node",
 ))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from sftctl.health.detectors.common import ACTION_RANK as _ACTION_RANK, _by_gpu, _ts
-from sftctl.health.registry import Detector, History, Threshold, register
+from sftctl.health.detectors.common import ACTION_RANK as _ACTION_RANK, _by_gpu, _ts, per_node
+from sftctl.health.registry import Detector, Threshold, register
 from sftctl.health.telemetry import REPLACE, RESTART, Action, Thresholds, Verdict
 from sftctl.types import FailureCode
 
@@ -94,13 +94,8 @@ def xid_verdicts(samples: Iterable[dict], node_rank: int, th: Thresholds) -> lis
     return out
 
 
-def _run(h: History, th: Thresholds) -> list[Verdict]:
-    return [v for node in sorted(h.gpu_samples_by_node)
-            for v in xid_verdicts(list(h.gpu_samples_by_node[node]), node, th)]
-
-
 DETECTOR = register(Detector(
-    kind="xid", code=FailureCode.GPU_FAILED, order=20, run=_run,
+    kind="xid", code=FailureCode.GPU_FAILED, order=20, run=per_node(xid_verdicts),
     summary="a GPU reported an XID: restart in place or replace the node, by NVIDIA's catalogue",
     thresholds=(Threshold("app_xid_repeats", 2, "times", "times an application XID (13, 31, 43, 45) must "
                           "repeat on one GPU before it counts as hardware"),),
