@@ -4,6 +4,7 @@ new to it does it: the mistakes found doing so, each against a real `sftctl serv
 from __future__ import annotations
 
 import os
+from urllib.parse import urlencode
 
 import pytest
 
@@ -37,3 +38,82 @@ def test_metrics_token_on_a_laptop_whose_config_names_the_server_is_refused(serv
     # --local: this machine's token even where the config names a server
     local = sftctl("server", "metrics-token", "--local", env=env, check=True).stdout.strip()
     assert (laptop / "metrics.token").read_text().strip() == local and local != token
+
+
+SKEWED = """\
+import os, pathlib, time
+from sftctl.train import report
+
+# this node's clock runs an hour behind the other's: its reports carry that clock's times
+skew = -3600.0 if os.environ.get("SFTCTL_NODE_RANK") == "1" else 0.0
+real = time.time
+for step in range(1, 7):
+    while step == 4 and not pathlib.Path("more").exists():
+        time.sleep(0.2)
+    time.time = lambda: real() + skew
+    try:
+        report(step=step, loss=1.0 / step, tokens_per_s=1000.0, step_time_s=0.1)
+    finally:
+        time.time = real
+print("reported six steps", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_job_page_draws_every_rank_live_when_a_nodes_clock_is_behind(server, tmp_path, monkeypatch):
+    """Each node stamps its steps with its own clock. The page's live updates asked for the
+    points after the newest one it had drawn, over all ranks: a rank whose node's clock is
+    behind got none of its new points (a 2-node job with a 3 s skew drew 92 of 300 steps of
+    that rank while the state held all 300). Each rank (and each node's GPUs) now has its own
+    cursor."""
+    from conftest import job_processes, wait_for
+    from test_server import as_user, tokens
+    from test_web_browser import CHROMIUM, sync_api  # skips without chromium or playwright
+
+    from sftctl import api
+    from sftctl.state import Store
+
+    t = tokens("alice")
+    as_user(monkeypatch, server, t["alice"])
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "skewed.py").write_text(SKEWED)
+    spec = tmp_path / "skewed.yaml"
+    spec.write_text(f"name: skewed\nworkdir: {work}\ntrain: {{steps: 6}}\nresources: {{nodes: 2}}\n"
+                    "env: {SFTCTL_HEARTBEAT_S: '0'}\nrun: python skewed.py\n")
+    job = api.run(str(spec), detach=True).id
+
+    def steps(rank: int) -> list[int]:
+        return [s.step for s in Store().step_series(job, rank=rank)]
+
+    try:
+        wait_for(lambda: steps(0) == steps(1) == [1, 2, 3], timeout_s=180, what="both ranks' first 3 steps")
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+                "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--disable-background-networking", "--no-first-run", "--disable-extensions"])
+            try:
+                page = browser.new_page()
+                page.goto(f"{server.url}/ui/login")
+                page.fill("#token", t["alice"])
+                page.click("#signin")
+                page.wait_for_url("**/ui/jobs")
+                page.goto(f"{server.url}/ui/jobs/{job}")
+                page.wait_for_selector("#chart-loss canvas", timeout=60_000)
+                drawn = "r => window.sftctlCurves.steps[r] ? window.sftctlCurves.steps[r].step : []"
+                assert page.evaluate(drawn, "0") == page.evaluate(drawn, "1") == [1, 2, 3]
+                page.wait_for_timeout(2500)  # the stream is open, past its first poll
+                (work / "more").write_text("")
+                wait_for(lambda: steps(0) == steps(1) == [1, 2, 3, 4, 5, 6], timeout_s=120,
+                         what="both ranks' 6 steps in the state")
+                page.wait_for_function("() => ['0', '1'].every(r => (window.sftctlCurves.steps[r] || {step: []})"
+                                       ".step.length >= 6)", timeout=60_000)
+                assert page.evaluate(drawn, "0") == page.evaluate(drawn, "1") == [1, 2, 3, 4, 5, 6]
+                for bad in ("nope", '{"ranks": {"0": "NaN"}}', '{"ranks": {"x": 1}}'):
+                    r = page.goto(f"{server.url}/ui/jobs/{job}/stream?" + urlencode({"cursors": bad}))
+                    assert r is not None and r.status == 400 and "cursors: expected" in page.inner_text("body")
+            finally:
+                browser.close()
+    finally:
+        api.down(job)
+        wait_for(lambda: job_processes(job) == [], timeout_s=60, what="the job's processes to end")

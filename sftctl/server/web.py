@@ -46,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import time
 import urllib.parse
 from pathlib import Path
@@ -306,23 +307,22 @@ def mount(app: FastAPI, supervisor, authenticate, render, on_write) -> None:
 
     @app.get("/ui/jobs/{job}/stream", include_in_schema=False)
     @guarded
-    def job_stream(request, user, token, job: str, after: float = 0.0, gpu_after: float = 0.0):
+    def job_stream(request, user, token, job: str, after: float = 0.0, gpu_after: float = 0.0, cursors: str = ""):
         job_id = owned(user, job)
+        ranks, nodes = _cursors(cursors)
 
         async def events():  # on the event loop: an open page holds no worker thread
             import anyio
 
-            step_ts, gpu_ts, end = after, gpu_after, time.monotonic() + STREAM_LIFE_S
+            end = time.monotonic() + STREAM_LIFE_S
             status = None
             yield "retry: 2000\n\n"
             while time.monotonic() < end:
-                doc = await _thread(_series, job_id, step_ts, gpu_ts)
+                doc = await _thread(_new_points, job_id, ranks, nodes, after, gpu_after)
                 rec = await _thread(api.job, job_id)
                 if doc["ranks"] or doc["gpus"] or rec.status.value != status:
                     status = rec.status.value
                     doc["status"] = status
-                    step_ts = max([step_ts] + [max(r["ts"]) for r in doc["ranks"].values() if r["ts"]])
-                    gpu_ts = max([gpu_ts] + [max(g["ts"]) for n in doc["gpus"].values() for g in n.values() if g["ts"]])
                     yield f"event: points\ndata: {json.dumps(doc)}\n\n"
                 else:
                     yield ": idle\n\n"
@@ -452,6 +452,61 @@ async def _thread(fn, *args):
     return await anyio.to_thread.run_sync(fn, *args)
 
 
+def _cursors(text: str) -> tuple[dict[int, float], dict[int, float]]:
+    """A job page's ``cursors`` (JSON ``{"ranks": {RANK: TS}, "nodes": {NODE: TS}}``: each rank's
+    newest step and each node's newest GPU sample the page has drawn, Unix seconds) as two dicts.
+
+    Raises:
+        _PageError: 400, the text is not that shape or a time is not a finite number.
+    """
+    if not text:
+        return {}, {}
+    try:
+        doc = json.loads(text)
+        out = tuple({int(k): float(v) for k, v in (doc.get(key) or {}).items()} for key in ("ranks", "nodes"))
+    except (ValueError, TypeError, AttributeError):
+        out = None
+    if out is None or not all(math.isfinite(v) for d in out for v in d.values()):
+        raise _PageError(400, 'cursors: expected {"ranks": {RANK: TS}, "nodes": {NODE: TS}}, finite Unix seconds: '
+                              "reload the job's page")
+    return out[0], out[1]
+
+
+def _new_points(job_id: str, ranks: dict[int, float], nodes: dict[int, float], after: float,
+                gpu_after: float) -> dict:
+    """The points of a job's curves that its page has not drawn, in :func:`_series`' shape: each
+    rank's steps reported after that rank's cursor (``ranks``: rank -> the ``ts`` of its newest
+    drawn step), each node's GPU samples after that node's (``nodes``); a rank or node with no
+    cursor yet: those after ``after`` / ``gpu_after`` (0: all). Moves the cursors past what it
+    returns. Each node stamps its points with its own clock, so one cursor over all of them missed
+    every new point of a node whose clock is behind the others' (issue: the curve stops growing).
+    Reads the ranks that reported (one row each) and the job's node count, then only new rows."""
+    from sftctl.state import Store
+
+    store = Store()
+    try:
+        reporting = {m.rank for m in store.metrics(job_id)}
+        steps = [s for s in store.step_series(job_id, after=min(ranks.values())) if s.ts > ranks.get(s.rank, math.inf)] \
+            if ranks else []
+        for rank in sorted(reporting - ranks.keys()):
+            steps += store.step_series(job_id, rank=rank, after=after or None)
+        gpus = [p for p in store.gpu_series(job_id, since=min(nodes.values())) if p.ts > nodes.get(p.node_rank, math.inf)] \
+            if nodes else []
+        rec = store.get_job(job_id)
+        count = int(((rec.spec if rec else {}).get("resources") or {}).get("nodes") or 1)
+        for node in range(count):
+            if node not in nodes:
+                gpus += [p for p in store.gpu_series(job_id, node_rank=node, since=gpu_after or None)
+                         if p.ts > gpu_after]
+    finally:
+        store.close()
+    for s in steps:
+        ranks[s.rank] = max(ranks.get(s.rank, s.ts), s.ts)
+    for p in gpus:
+        nodes[p.node_rank] = max(nodes.get(p.node_rank, p.ts), p.ts)
+    return _curves(steps, gpus)
+
+
 def _series(job_id: str, after_ts: float | None, gpu_after: float | None) -> dict:
     """A job's curves as the page draws them: ``{"ranks": {rank: {"step", "ts", "loss",
     "tokens_per_s", "step_time_s"}}, "gpus": {node: {gpu: {"ts", "util", "temp", "power",
@@ -465,6 +520,11 @@ def _series(job_id: str, after_ts: float | None, gpu_after: float | None) -> dic
         gpus = store.gpu_series(job_id, since=gpu_after + 1e-6 if gpu_after else None)
     finally:
         store.close()
+    return _curves(steps, gpus)
+
+
+def _curves(steps: list, gpus: list) -> dict:
+    """:func:`_series`' document from step records and GPU points."""
     ranks: dict = {}
     for s in steps:
         r = ranks.setdefault(s.rank, {"step": [], "ts": [], "loss": [], "tokens_per_s": [], "step_time_s": []})
