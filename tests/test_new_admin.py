@@ -117,3 +117,38 @@ def test_a_job_page_draws_every_rank_live_when_a_nodes_clock_is_behind(server, t
     finally:
         api.down(job)
         wait_for(lambda: job_processes(job) == [], timeout_s=60, what="the job's processes to end")
+
+
+def test_the_forecast_of_a_job_without_a_model_uses_its_reported_step_time(home):
+    """docs/server.md: the forecast is the cost so far + the remaining steps at the measured
+    step time (the predicted one before any is measured). A job without `model:` has no
+    prediction, and status measures its step only against one, so its forecast was "–" on the
+    jobs table and its page however many steps it had reported: now the ranks' latest reported
+    step time (their mean) prices its remaining steps. Two nodes at $98.32/h, 1 node-hour each
+    so far, 100 of 1000 steps done at 1.8 s/step: 196.64 + 900 x 1.8 s x 2 nodes x 98.32 $/h."""
+    import time
+
+    from test_cost import OFFERING
+
+    from sftctl import api
+    from sftctl.server.web import forecast_usd
+    from sftctl.state import JobStatus, NodeState, Store
+
+    store = Store()
+    job = store.create_job("nomodel", {"name": "nomodel", "train": {"steps": 1000}, "resources": {"nodes": 2},
+                                       "run": "python train.py"}, owner="alice")
+    store.update_job(job, provider="aws", offering_json={"offering": OFFERING})
+    now = time.time()
+    for rank in range(2):
+        node = store.add_node(job, rank, "aws")
+        store._conn.execute("UPDATE nodes SET created_at = ?, ended_at = ? WHERE id = ?", (now - 7200, now - 3600, node))
+        store.update_node(node, status=NodeState.TERMINATED)
+    for s in (JobStatus.PROVISIONING, JobStatus.LAUNCHING, JobStatus.RUNNING):
+        store.transition(job, s)
+    assert forecast_usd(api.status(job)) is None  # no step reported: nothing to price the rest at
+    store.record_metrics(job, [{"rank": r, "step": step, "loss": 2.0, "step_time_s": st, "ts": now - 3600 + step}
+                               for step in (99, 100) for r, st in ((0, 1.7), (1, 1.9))])
+    view = api.status(job)
+    assert view.step_time is None and view.step == 100 and view.cost.usd == pytest.approx(196.64)
+    assert forecast_usd(view) == pytest.approx(196.64 + 900 * 1.8 / 3600 * 2 * 98.32)
+    store.close()

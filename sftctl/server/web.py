@@ -100,7 +100,9 @@ def _fmt_s(x) -> str:
 
 def forecast_usd(view) -> float | None:
     """The job's cost when it finishes: its cost so far plus its remaining steps at the measured
-    step time (the predicted one before any is measured) at its price (USD; None: unknown)."""
+    step time (the predicted one before any is measured; a job without a prediction, which
+    status does not measure against one: the mean of its ranks' latest reported step times) at
+    its price (USD; None: unknown)."""
     cost, st, rec = view.cost, view.step_time or {}, view.record
     if cost is None or cost.usd is None:
         return None
@@ -108,6 +110,9 @@ def forecast_usd(view) -> float | None:
         return cost.usd
     steps = (rec.spec.get("train") or {}).get("steps")
     step_s = st.get("measured_s") or st.get("predicted_s")
+    if not step_s:
+        reported = [r.step_time_s for r in view.ranks if r.step_time_s]
+        step_s = sum(reported) / len(reported) if reported else None
     if not steps or not step_s or cost.price_per_hour is None:
         return None
     left = max(0, int(steps) - int(view.step or 0))
