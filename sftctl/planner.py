@@ -168,9 +168,7 @@ class Predictor:
         import sftctl.compiler.api as compiler
 
         world = offering.count * nodes
-        per_rank = self.spec.model.batch_size // world
-        if per_rank * world != self.spec.model.batch_size:
-            raise _Unsplittable(self.spec.model.batch_size, world)
+        per_rank = per_rank_batch(self.spec.model.batch_size, offering.count, nodes)
         t = self.spec.train
         target = self.target(offering.accelerator)
         if target.hw.vendor == "google":  # a TPU slice: one XLA program, priced by compiler/tpu.py
@@ -243,6 +241,21 @@ def lacks_bf16_tensor_cores(hw) -> bool:
     except KeyError:
         return False
     return bf16 <= hw.vector_peak("float32") * 1.01 and fp16 > 2 * bf16
+
+
+def per_rank_batch(batch_size: int, per_node: int, nodes: int) -> int:
+    """One data-parallel rank's share of ``model.batch_size`` (sequences or samples per step)
+    on ``nodes`` nodes of ``per_node`` accelerators (worker processes) each: what the launcher
+    hands each rank as ``SFTCTL_BATCH_SIZE`` (:func:`sftctl.controller.submit.node_env`), so
+    what ``plan`` prices per offering and ``compile`` per target.
+
+    Raises:
+        _Unsplittable: ``batch_size`` is not a multiple of ``per_node x nodes``.
+    """
+    world = per_node * nodes
+    if batch_size % world:
+        raise _Unsplittable(batch_size, world)
+    return batch_size // world
 
 
 class _Unsplittable(Exception):

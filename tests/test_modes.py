@@ -267,8 +267,10 @@ def test_cli_compile_modes_report_and_fit(tmp_path, home):
     assert doc["mode"] == "eager" and doc["step_time_s"] == doc["modes"]["eager"]
     assert doc["peak_memory"]["peak_bytes"] == doc["mode_details"]["eager"]["peak_bytes"]
     assert 0 < doc["mode_details"]["eager"]["mfu"] < 1 and doc["fits"]
-    assert doc["per_step"] == {"count": 8 * 1024, "unit": "tokens"}
-    assert doc["model_flops"] >= 6 * 124e6 * 8 * 1024 * 0.95  # 6 N T at least
+    # one rank's step: H200:8 splits model.batch_size 8 into 1 sequence of 1024 per GPU
+    assert (doc["batch_size"], doc["per_rank_batch"], doc["ranks"]) == (8, 1, 8)
+    assert doc["per_step"] == {"count": 1 * 1024, "unit": "tokens"}
+    assert doc["model_flops"] >= 6 * 124e6 * 1 * 1024 * 0.95  # 6 N T at least
     report = (out / "report.md").read_text()
     for heading in ("## Per execution mode", "## By kernel kind", "## By phase", "## By model module",
                     "## Memory at the peak", "Largest tensors live at the peak", "## What this prediction does not cover",

@@ -206,9 +206,15 @@ def compile(spec: SpecLike, target: str, overrides: Overrides = (), *, out: str 
     memory; write ``plan.json``, ``report.md`` and ``roofline.svg`` under ``out`` (default
     ``./sftctl-compile/<job>-<accelerator>``).
 
+    The step is one data-parallel rank's, as the launcher runs it and ``plan`` prices it:
+    ``model.batch_size`` split over ``resources.nodes`` x the spec's count of ``target`` per node
+    (:func:`sftctl.planner.per_rank_batch`; a target the spec does not name: its first entry's
+    count); the gradient all-reduce is ``plan``'s, per offering.
+
     Raises:
         SpecError: invalid spec (exit 2).
-        SftctlError: no ``target``, no ``model`` in the spec, or an unknown accelerator (exit 2).
+        SftctlError: no ``target``, no ``model`` in the spec, an unknown accelerator, or a
+            ``model.batch_size`` that does not split over the ranks (exit 2).
     """
     import json
 
@@ -219,7 +225,7 @@ def compile(spec: SpecLike, target: str, overrides: Overrides = (), *, out: str 
         raise SftctlError(f"{label}: the spec has no model to compile", hint="add model: {framework, entrypoint, batch_size, dtype}")
     from sftctl.compiler.report import compile_doc, write_report
     from sftctl.compiler.target import load_target
-    from sftctl.planner import Predictor
+    from sftctl.planner import Predictor, _Unsplittable, per_rank_batch
 
     try:
         loaded = load_target(target)
@@ -228,10 +234,24 @@ def compile(spec: SpecLike, target: str, overrides: Overrides = (), *, out: str 
     hw = loaded.hw
     say = progress or (lambda msg: None)
     predictor = Predictor(s, progress=say)
-    graph = predictor.graph()
-    compiled = predictor.compile(hw.name)
-    doc = compile_doc(compiled, graph, s, hw, predictor.mode)
+    per_node, named = _accelerators_per_node(s, hw.name)
+    nodes = s.resources.nodes
+    try:  # one rank's share, as plan prices each offering and the launcher runs it
+        per_rank = per_rank_batch(s.model.batch_size, per_node, nodes)
+    except _Unsplittable as e:
+        raise SftctlError(f"{label}: {e} ({nodes} node(s) x {per_node} {hw.name} each)",
+                          hint="make model.batch_size a multiple of nodes x accelerators per node") from None
+    graph = predictor.graph(per_rank)
+    compiled = predictor.compile(hw.name, per_rank)
+    doc = compile_doc(compiled, graph, s, hw, predictor.mode, ranks=per_node * nodes)
     doc["notes"] = [predictor.notes[hw.name]] if hw.name in predictor.notes else []
+    if per_node * nodes > 1 or not named:
+        doc["notes"].insert(0, (
+            f"one data-parallel rank of {per_node * nodes}: batch {per_rank} of model.batch_size {s.model.batch_size}, "
+            f"{nodes} node(s) x {per_node} {hw.name} "
+            + ("as resources says" if named else f"(resources names no {hw.name}: {per_node} per node as its first entry, "
+               f"{s.resources.accelerators[0]})")
+            + "; sftctl plan adds the gradient all-reduce"))
     # data-dependent sizes (boolean-mask selects, MoE dispatch) were priced at a bound: say which
     doc["notes"] += ["assumed " + n.attrs["assumption"] + " (set model.mask_fraction / model.expert_capacity)"
                      for n in graph.nodes if "assumption" in n.attrs]
@@ -244,6 +264,17 @@ def compile(spec: SpecLike, target: str, overrides: Overrides = (), *, out: str 
     (where / "plan.json").write_text(json.dumps(doc, indent=1) + "\n")
     write_report(doc, hw, where)
     return CompileResult(doc, where, compiled, len(graph.nodes), hw.name, predictor.mode, s)
+
+
+def _accelerators_per_node(spec: Any, accelerator: str) -> tuple[int, bool]:
+    """How many ``accelerator`` devices (worker processes for ``cpu``) each node of ``spec``'s
+    job runs, and whether ``resources.accelerators`` names it: its first entry of that
+    accelerator (any case), else the count of the list's first entry (the spec's shape on
+    another accelerator)."""
+    for acc in spec.resources.accelerators:
+        if acc.name.lower() == accelerator.lower():
+            return acc.count, True
+    return spec.resources.accelerators[0].count, False
 
 
 def _calibrated_doc(step_time_s: float, accelerator: str, mode: str, compiled: Any) -> dict:

@@ -99,15 +99,18 @@ def not_covered(graph: Graph, compiled: CompiledStep) -> list[str]:
     return out
 
 
-def compile_doc(compiled: CompiledStep, graph: Graph, spec, hw: Accelerator, mode: str) -> dict:
-    """The JSON document of ``sftctl compile`` (plan.json and ``--json``).
+def compile_doc(compiled: CompiledStep, graph: Graph, spec, hw: Accelerator, mode: str, ranks: int = 1) -> dict:
+    """The JSON document of ``sftctl compile`` (plan.json and ``--json``). ``compiled`` and
+    ``graph`` are one data-parallel rank's step, of ``ranks`` (the spec's nodes x accelerators
+    per node): ``spec.model.batch_size // ranks`` sequences or samples.
 
-    Keys besides the compiled step's (``kernels`` are sftensor's): ``mode`` (the one the spec's
+    Keys besides the compiled step's (``kernels`` are sftensor's): ``batch_size`` (the spec's
+    global batch), ``per_rank_batch`` and ``ranks``, ``mode`` (the one the spec's
     ``train.compile`` runs), ``modes`` (mode -> predicted seconds per step), ``step_time_s``
     (``modes[mode]``), ``peak_memory`` (the mode's PeakMemory fields plus ``peak_bytes``),
     ``mode_details`` (per mode: kernels, by_kind/by_phase/by_module seconds, peak memory, live
-    tensors at the peak, MFU, tokens/s, largest batch that fits), ``model_flops``, ``fits``,
-    ``fit_note``, ``not_covered``.
+    tensors at the peak, MFU, tokens/s of the rank, largest per-rank batch that fits),
+    ``model_flops``, ``fits``, ``fit_note``, ``not_covered``.
     """
     doc = compiled.to_dict()
     details = doc.pop("modes") or {}
@@ -116,7 +119,7 @@ def compile_doc(compiled: CompiledStep, graph: Graph, spec, hw: Accelerator, mod
                                "peak_bytes": compiled.peak_memory_bytes}
     flops = model_flops(graph)
     tokens, unit = tokens_per_step(graph)
-    batch = spec.model.batch_size
+    batch = spec.model.batch_size // ranks  # the rank's share, as traced
     peak_rate = _peak_rate(hw, spec.model.dtype, compiled.matmul_precision)
     for d in details.values():
         t = d["compute_time_s"]
@@ -131,13 +134,16 @@ def compile_doc(compiled: CompiledStep, graph: Graph, spec, hw: Accelerator, mod
     lb = chosen["largest_batch"]
     fit_note = (
         f"needs {peak / 2**30:.1f} GiB in {mode} mode, {hw.name} has {hw.memory_bytes / 2**30:.0f} GiB; "
-        + (f"the largest batch that fits is {lb} (model.batch_size is {batch})" if lb >= 1 else
+        + (f"the largest batch that fits is {lb} per rank (model.batch_size {spec.model.batch_size} is {batch} "
+           f"on each of {ranks} rank(s))" if lb >= 1 else
            "not even a batch of 1 fits: parameters and optimizer state alone need sharding")
-    ) if not fits else f"fits: {peak / 2**30:.1f} GiB of {hw.memory_bytes / 2**30:.0f} GiB; largest batch that fits: {lb}"
+    ) if not fits else f"fits: {peak / 2**30:.1f} GiB of {hw.memory_bytes / 2**30:.0f} GiB; largest batch per rank that fits: {lb}"
     doc.update({
         "job": spec.name,
         "graph_nodes": len(graph.nodes),
-        "batch_size": batch,
+        "batch_size": spec.model.batch_size,
+        "per_rank_batch": batch,
+        "ranks": ranks,
         "dtype": spec.model.dtype,
         "mode": mode,
         "train_compile": spec.train.compile,
@@ -174,7 +180,8 @@ def render_markdown(doc: dict, hw: Accelerator) -> str:
     unit = doc["per_step"]["unit"]
     L = [f"# {doc['job']} on {hw.name}", ""]
     L.append(f"Predicted **{_s(doc['step_time_s'])} per step in `{mode}` mode** (the spec's `train.compile: "
-             f"{doc['train_compile']}`), one device, batch {doc['batch_size']} ({doc['per_step']['count']:,} {unit}), "
+             f"{doc['train_compile']}`), one device, batch {doc.get('per_rank_batch', doc['batch_size'])} "
+             f"({doc['per_step']['count']:,} {unit}; one of {doc.get('ranks', 1)} data-parallel rank(s)), "
              f"{doc['dtype']}, float32 matmul precision `{doc['matmul_precision']}`. "
              f"Model FLOPs per step: {doc['model_flops'] / 1e12:.2f} TFLOP (matrix work: GEMMs and attention).")
     L.append("")
