@@ -599,6 +599,16 @@ def _reason(best: PlanChoice, ranked: list[PlanChoice], objective: str) -> str:
     )
 
 
+def no_step_time(spec: JobSpec, candidates: Sequence[PlanChoice]) -> str | None:
+    """Why no row of ``candidates`` has a step time, in one line with the fix (``plan``'s line
+    under its table and ``plan --json``'s ``no_step_time``), or None when a row has one or the
+    spec has a model (a model that could not be predicted has its own warning)."""
+    if spec.model is not None or any(c.step_time_s is not None for c in candidates):
+        return None
+    return ("no step time: the spec has no `model:` to trace, so no TIME or TOTAL $ (ranked by $/H); add "
+            "model: {framework, entrypoint, batch_size, dtype} (docs/spec.md) to predict them")
+
+
 def format_hours(h: float | None) -> str:
     """A duration given in hours, in the unit a person reads best (s, min or h)."""
     if h is None:

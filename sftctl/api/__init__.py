@@ -53,7 +53,8 @@ from sftctl.api._base import (  # noqa: F401 (re-exported)
 )
 from sftctl.api._machines import machines  # noqa: F401 (re-exported)
 from sftctl.api._specs import (  # noqa: F401 (re-exported)
-    _load, _override_strings, _warn_unset_references, calibration_runs, catalog_info, load, plan, plan_doc,
+    _load, _override_strings, _warn_unset_references, calibration_runs, catalog_info, load, no_step_time, plan,
+    plan_doc,
 )
 from sftctl.api._views import (  # noqa: F401 (re-exported)
     STATUS_SERIES_ROWS, WAIT_TEARDOWN_S, DownResult, JobView, LogLine, _cost, _job_rank_nodes, _labelled,

@@ -213,14 +213,26 @@ def plan_doc(spec: JobSpec, chosen: Plan | None, reason: str, candidates: list) 
     """``sftctl plan --json``: ``{"job", "objective", "steps", "chosen", "reason", "candidates"}``,
     the same shape whether or not an offering was chosen. ``chosen`` is the plan as state keeps
     it (:meth:`~sftctl.types.Plan.to_dict`) less its ``reason`` and ``candidates``, which sit at
-    the top; each candidate is :meth:`~sftctl.types.PlanChoice.to_dict`."""
+    the top; each candidate is :meth:`~sftctl.types.PlanChoice.to_dict`. A spec without a
+    model (no row has a step time) adds ``no_step_time``: why, and the field to add
+    (:func:`sftctl.planner.no_step_time`)."""
     doc = chosen.to_dict() if chosen is not None else None
     if doc is not None:
         doc.pop("candidates")
         doc.pop("reason")
+    why = no_step_time(spec, candidates)
     return {"job": spec.name, "objective": spec.resources.objective, "steps": spec.train.steps,
             "chosen": doc, "reason": reason, "candidates": [c.to_dict() for c in candidates],
-            "catalog": catalog_info()}
+            "catalog": catalog_info(), **({"no_step_time": why} if why else {})}
+
+
+def no_step_time(spec: JobSpec, candidates: list) -> str | None:
+    """Why no candidate (:class:`~sftctl.types.PlanChoice`) of a plan of ``spec`` has a step
+    time, in one line naming the field to add, or None (:func:`sftctl.planner.no_step_time`):
+    ``plan``'s line under its table and ``plan --json``'s ``no_step_time``."""
+    from sftctl.planner import no_step_time as why
+
+    return why(spec, candidates)
 
 
 # ------------------------------------------------------------------------------ calibration: the run history

@@ -316,7 +316,8 @@ def plan(
                          "error": e.message, "hint": e.hint, "exit_code": int(e.exit_code)})
         elif e.candidates:
             _console().print(plan_table(e.candidates, spec.train.steps, top=None if all_rows else top,
-                                        script_steps="steps" not in spec.train.model_fields_set))
+                                        script_steps="steps" not in spec.train.model_fields_set,
+                                        no_step=api.no_step_time(spec, e.candidates)))
             shown = plan_rows(e.candidates, None if all_rows else top)[0]
             for note in dict.fromkeys(c.note for c in shown if getattr(c, "note", None)):
                 _console().print(f"note: {_escape(note)}", soft_wrap=True)
@@ -327,7 +328,8 @@ def plan(
         return
     console = _console()
     console.print(plan_table(chosen.candidates, spec.train.steps, top=None if all_rows else top,
-                             script_steps="steps" not in spec.train.model_fields_set))
+                             script_steps="steps" not in spec.train.model_fields_set,
+                             no_step=api.no_step_time(spec, chosen.candidates)))
     for note in dict.fromkeys(c.note for c in plan_rows(chosen.candidates, None if all_rows else top)[0] if c.note):
         console.print(f"note: {_escape(note)}", soft_wrap=True)
     console.print(f"[bold]{_escape(chosen.reason)}[/]", soft_wrap=True)

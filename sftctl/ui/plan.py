@@ -103,7 +103,8 @@ def _learned_runs(c) -> int:
     return int(learned.get("runs") or 0) + int(learned.get("other_accelerator_runs") or 0)
 
 
-def plan_table(candidates: list, steps: int, top: int | None = None, script_steps: bool = False) -> FitTable:
+def plan_table(candidates: list, steps: int, top: int | None = None, script_steps: bool = False,
+               no_step: str | None = None) -> FitTable:
     """``sftctl plan``: one row per candidate offering, best first; with ``top`` (the CLI's
     default, 10): one row per offering at its best region (``+N`` in REGION: the other regions
     it is sold in, up to which $/H), at most ``top`` rows, and one line of what was left out
@@ -121,7 +122,11 @@ def plan_table(candidates: list, steps: int, top: int | None = None, script_step
     between columns and fold REGION. STEP RANGE
     is the step time divided and multiplied by the accelerator's error factor
     (:mod:`sftctl.compiler.accuracy`); `*` marks an uncalibrated accelerator, and one note says
-    when the pick's interval overlaps the runner-up's (:func:`sftctl.planner._ranking_notes`)."""
+    when the pick's interval overlaps the runner-up's (:func:`sftctl.planner._ranking_notes`).
+
+    When no row shown has a step time the title promises no total (``by $/H: no step time``)
+    and ``no_step`` (:func:`sftctl.planner.no_step_time`: why, and the field to add) is the
+    first line under the table."""
     from sftctl.planner import format_hours
 
     shown, members, left_out = plan_rows(candidates, top)
@@ -231,4 +236,9 @@ def plan_table(candidates: list, steps: int, top: int | None = None, script_step
     nodes = f" on {candidates[0].nodes} node(s)" if candidates and one_count else ""
     # script_steps: the spec sets no train.steps, so its script decides; TOTAL $ is for the default
     what = f"steps: set by your script (TOTAL $ for {steps:,})" if script_steps else f"for {steps:,} steps"
+    if candidates and all(c.step_time_s is None for c in candidates):  # no TIME, no TOTAL $ to promise
+        if no_step:
+            notes.insert(0, Text(no_step))
+        what = "steps: set by your script" if script_steps else what
+        return FitTable(cols, rows, title=f"offerings {what}{nodes}, by $/H: no step time", notes=notes)
     return FitTable(cols, rows, title=f"offerings {what}{nodes}", notes=notes)
