@@ -3,6 +3,7 @@ new to it does it: the mistakes found doing so, each against a real `sftctl serv
 
 from __future__ import annotations
 
+import html
 import os
 from urllib.parse import urlencode
 
@@ -152,3 +153,22 @@ def test_the_forecast_of_a_job_without_a_model_uses_its_reported_step_time(home)
     assert view.step_time is None and view.step == 100 and view.cost.usd == pytest.approx(196.64)
     assert forecast_usd(view) == pytest.approx(196.64 + 900 * 1.8 / 3600 * 2 * 98.32)
     store.close()
+
+
+def test_the_costs_page_refuses_a_period_that_is_not_a_number_of_days(server):
+    """The costs page's "over the last N days" field: "abc" answered the browser with the JSON
+    API's document ("the client and the server are different sftctl versions?"), -1 showed "no
+    cost yet" (a period that starts tomorrow) and 0 every job's cost of all time. Each is now
+    the page again, 400, with one line naming the field and what it takes."""
+    from test_server import tokens
+    from test_web import signed_in
+
+    alice = signed_in(server, tokens("alice")["alice"])
+    for bad in ("abc", "-1", "0", "nan", "inf", "1e400"):
+        r = alice.get("/ui/costs", params={"days": bad})
+        assert r.status_code == 400 and r.headers["content-type"].startswith("text/html"), (bad, r.text[:300])
+        assert f"days: {bad!r} is not a number of days above 0" in html.unescape(r.text)
+        assert "no cost yet" not in r.text
+    for good in ("", "7", "0.5"):
+        r = alice.get("/ui/costs", params={"days": good})
+        assert r.status_code == 200 and "no cost yet" in r.text and 'class="error"' not in r.text

@@ -381,13 +381,21 @@ def mount(app: FastAPI, supervisor, authenticate, render, on_write) -> None:
 
     @app.get("/ui/costs", include_in_schema=False)
     @guarded
-    def costs_page(request, user, token, days: float | None = None):
-        since = time.time() - days * 86400 if days else None
+    def costs_page(request, user, token, days: str = ""):
+        text = days.strip()
+        try:
+            n = float(text) if text else None
+        except ValueError:
+            n = math.nan
+        if n is not None and not 0 < n < math.inf:
+            return page("costs.html", 400, user=user, csrf=csrf_token(token), rows=[], lab=[], days=text,
+                        error=f"days: {text!r} is not a number of days above 0: e.g. 7, or empty for all time")
+        since = time.time() - n * 86400 if n else None
         rows = api.costs("user", since)
         if not user.admin:
             rows = [r for r in rows if r.group == user.name]
         lab = api.costs("lab", since) if user.admin else []
-        return page("costs.html", user=user, csrf=csrf_token(token), rows=rows, lab=lab, days=days or "")
+        return page("costs.html", user=user, csrf=csrf_token(token), rows=rows, lab=lab, days=text)
 
     @app.get("/ui/plan", include_in_schema=False)
     @guarded
