@@ -51,6 +51,7 @@ from sftctl.compiler.calibrated import (CALIBRATION_DIR, DATA_DIR, _load_json, c
                                         carries_over)
 from sftctl.compiler.costmodel import Coefficients, GemmProblem, gemm_breakdown
 from sftctl.compiler.hardware import get_accelerator
+from sftctl.compiler.minimize import nelder_mead
 from sftctl.compiler.records import RecordError, normalize, predict_records, resources_for
 from sftctl.compiler.target import load_target
 
@@ -258,40 +259,18 @@ def _from_unit(z, lo, hi):
     return lo + u * (hi - lo)
 
 
-def nelder_mead(f, x0, step: float = 0.6, iters: int = 200, restarts: int = 2):
-    """Minimize ``f`` from ``x0`` (numpy, deterministic); restarts from the best point."""
+def nelder_mead_restarts(f, x0, step: float = 0.6, iters: int = 200, restarts: int = 2):
+    """Minimize ``f`` from ``x0`` (:func:`sftctl.compiler.minimize.nelder_mead`, ``iters`` steps),
+    then ``restarts`` more times from the best point so far, each with half the step before.
+    Returns ``(x, f(x))``; ``x0`` itself when no search beats it."""
     import numpy as np
 
-    x0 = np.asarray(x0, dtype=float)
-    n = len(x0)
-    best_x, best_f = x0, f(x0)
+    best_x = np.asarray(x0, dtype=float)
+    best_f = f(best_x)
     for _ in range(restarts + 1):
-        simplex = [best_x] + [best_x + step * np.eye(n)[i] for i in range(n)]
-        fs = [f(x) for x in simplex]
-        for _it in range(iters):
-            order = np.argsort(fs)
-            simplex = [simplex[i] for i in order]
-            fs = [fs[i] for i in order]
-            c = np.mean(simplex[:-1], axis=0)
-            xr = c + (c - simplex[-1])
-            fr = f(xr)
-            if fr < fs[0]:
-                xe = c + 2.0 * (c - simplex[-1])
-                fe = f(xe)
-                simplex[-1], fs[-1] = (xe, fe) if fe < fr else (xr, fr)
-            elif fr < fs[-2]:
-                simplex[-1], fs[-1] = xr, fr
-            else:
-                xc = c + 0.5 * (simplex[-1] - c)
-                fc = f(xc)
-                if fc < fs[-1]:
-                    simplex[-1], fs[-1] = xc, fc
-                else:
-                    simplex = [simplex[0]] + [simplex[0] + 0.5 * (x - simplex[0]) for x in simplex[1:]]
-                    fs = [fs[0]] + [f(x) for x in simplex[1:]]
-        i = int(np.argmin(fs))
-        if fs[i] < best_f:
-            best_x, best_f = simplex[i], fs[i]
+        x, fx = nelder_mead(f, best_x, step=step, iters=iters)
+        if fx < best_f:
+            best_x, best_f = x, fx
         step *= 0.5
     return best_x, best_f
 
@@ -314,9 +293,9 @@ def fit_params(groups: list[Group], hw, base, params: dict, iters: int = 200, re
     starts = [z0]
     for j in range(STARTS):
         starts.append([1.6 * math.sin(2.3 * (j + 1) * (i + 1) + 0.7 * j) for i in range(len(names))])
-    short = [nelder_mead(loss, z, iters=max(iters // 4, 20), restarts=0) for z in starts]
+    short = [nelder_mead_restarts(loss, z, iters=max(iters // 4, 20), restarts=0) for z in starts]
     z, _ = min(short, key=lambda zf: zf[1])
-    z, _ = nelder_mead(loss, z, iters=iters, restarts=restarts)
+    z, _ = nelder_mead_restarts(loss, z, iters=iters, restarts=restarts)
     return coeffs_of(z)
 
 

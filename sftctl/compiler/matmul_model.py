@@ -29,6 +29,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from sftctl.compiler.minimize import nelder_mead
+
 PARAMS = ("eff", "floor_s", "wave_s", "tile_penalty", "hbm_frac")
 _START = (0.8, 4.5e-6, 1.5e-6, 0.1, 0.7)
 SPLITS = (1, 2, 4, 8, 16)
@@ -138,35 +140,5 @@ def fit(rows, hw, dtype: str) -> list[float]:
             return 1e9
         return float(np.mean((np.log(predict(shapes, p, sms, peak, hbm, NBYTES[dtype], hw.gemm_tiles)) - logt) ** 2))
 
-    x = nelder_mead(loss, np.log(np.array(_START)))
+    x, _ = nelder_mead(loss, np.log(np.array(_START)), step=0.3, iters=600)
     return [float(v) for v in np.exp(x)]
-
-
-def nelder_mead(f, x0, iters: int = 600, step: float = 0.3):
-    """The minimizer of ``f`` from ``x0`` (a numpy vector) by Nelder-Mead, ``iters`` steps."""
-    import numpy as np
-
-    n = len(x0)
-    pts = [x0] + [x0 + step * np.eye(n)[i] for i in range(n)]
-    vals = [f(p) for p in pts]
-    for _ in range(iters):
-        order = np.argsort(vals)
-        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
-        c = np.mean(pts[:-1], axis=0)
-        xr = c + (c - pts[-1])
-        fr = f(xr)
-        if fr < vals[0]:
-            xe = c + 2 * (c - pts[-1])
-            fe = f(xe)
-            pts[-1], vals[-1] = (xe, fe) if fe < fr else (xr, fr)
-        elif fr < vals[-2]:
-            pts[-1], vals[-1] = xr, fr
-        else:
-            xc = c + 0.5 * (pts[-1] - c)
-            fc = f(xc)
-            if fc < vals[-1]:
-                pts[-1], vals[-1] = xc, fc
-            else:
-                pts = [pts[0]] + [pts[0] + 0.5 * (p - pts[0]) for p in pts[1:]]
-                vals = [vals[0]] + [f(p) for p in pts[1:]]
-    return pts[int(np.argmin(vals))]
