@@ -172,3 +172,32 @@ def test_the_costs_page_refuses_a_period_that_is_not_a_number_of_days(server):
     for good in ("", "7", "0.5"):
         r = alice.get("/ui/costs", params={"days": good})
         assert r.status_code == 200 and "no cost yet" in r.text and 'class="error"' not in r.text
+
+
+def test_a_state_outage_is_not_a_sign_in_error_on_the_dashboard(pg_url, postgres, home, tmp_path):
+    """With the server's Postgres down, a signed-in page sent its user back to the sign-in form
+    (its error line the database's), and signing in again answered 401 as a bad token does: a
+    person takes it for their token's fault. Now the page says the state is unreachable, with the
+    API's status and hint, and keeps the session; once Postgres is back the same cookie works."""
+    from test_server import Server, tokens
+    from test_web import signed_in
+
+    server = Server(home, tmp_path / "server.log").start()  # inherits SFTCTL_STATE_URL: Postgres
+    try:
+        token = tokens("alice")["alice"]
+        alice = signed_in(server, token)
+        assert alice.get("/ui/jobs").status_code == 200
+        postgres.stop()
+        try:
+            r = alice.get("/ui/jobs")
+            assert r.status_code not in (200, 303) and "state database" in r.text, (r.status_code, r.text[:300])
+            assert "Sign in" not in r.text
+            r = alice.post("/ui/login", content=f"token={token}",
+                           headers={"content-type": "application/x-www-form-urlencoded"})
+            assert r.status_code not in (303, 401) and "state database" in r.text, (r.status_code, r.text[:300])
+        finally:
+            postgres.start()
+        r = alice.get("/ui/jobs")  # the same session, the database back
+        assert r.status_code == 200 and "Jobs" in r.text
+    finally:
+        server.stop()

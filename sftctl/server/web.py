@@ -140,13 +140,16 @@ def mount(app: FastAPI, supervisor, authenticate, render, on_write) -> None:
 
     def session(request: Request) -> tuple[User, str]:
         """The request's user and token, from the session cookie, checked as the API checks a
-        bearer token (unknown, removed or expired: back to sign-in)."""
+        bearer token (unknown, removed or expired: back to sign-in; any other error, the state
+        unreachable among them, is the page's error and the session stays)."""
         token = request.cookies.get(COOKIE, "")
         if not token:
             raise _Redirect("/ui/login")
         try:
             return authenticate(f"Bearer {token}"), token
         except SftctlError as e:
+            if render(e)[0] != 401:
+                raise
             raise _Redirect("/ui/login?" + urllib.parse.urlencode({"error": e.message})) from None
 
     async def checked_write(request: Request, user: User, token: str) -> None:
@@ -224,6 +227,9 @@ def mount(app: FastAPI, supervisor, authenticate, render, on_write) -> None:
         try:
             user = await _thread(authenticate, f"Bearer {token}")
         except SftctlError as e:
+            code, _ = render(e)
+            if code != 401:  # not the token's fault (the state unreachable): say so, not "sign in"
+                return page("error.html", code, message=e.message, hint=e.hint, user=None)
             return page("login.html", 401, error=e.message, user=None)
         max_age = SESSION_S if user.expires_at is None else max(1, min(SESSION_S, int(user.expires_at - time.time())))
         out = RedirectResponse("/ui/jobs", status_code=303)
