@@ -390,12 +390,13 @@ def job_run(job: Any, samples: list[StepRecord], now: float | None = None) -> Ru
 
 
 
-def record_run(store: Any, job_id: str, after: float | None = None) -> str | None:
+def record_run(store: Any, job_id: str, after: float | None = None, series: list[StepRecord] | None = None) -> str | None:
     """Record job ``job_id``'s predicted and measured step time (:func:`job_run` over its reported
-    steps, only those after ``after``, a migration's time, when given) in ``store``'s run history,
-    with a ``measured`` event saying both, and return that event's message; None (nothing
-    recorded) when its plan predicted no step or too few steps were reported."""
-    series = store.step_series(job_id, after=after)
+    steps, only those after ``after``, a migration's time, when given; ``series``: those steps,
+    when the caller has read them already) in ``store``'s run history, with a ``measured`` event
+    saying both, and return that event's message; None (nothing recorded) when its plan
+    predicted no step or too few steps were reported."""
+    series = store.step_series(job_id, after=after) if series is None else series
     job = store.get_job(job_id)
     row, ranks = job_run(job, series), max(1, len({p.rank for p in series}))
     if row is None:

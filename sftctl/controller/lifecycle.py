@@ -727,19 +727,21 @@ class Controller(Recovery, Draining):
         self._run_recorded = True
         try:
             # after a migration only the new offering's steps measure it
-            if self._glitched_measurement():
+            series = self.store.step_series(self.job_id, after=self._moved_at)
+            if self._glitched_measurement(series):
                 return
-            message = record_run(self.store, self.job_id, after=self._moved_at)
+            message = record_run(self.store, self.job_id, series=series)
             if message is not None:
                 self.reporter.event(message)
         except Exception as e:  # noqa: BLE001 the history is a by-product: the job's own ending goes on
             logging.getLogger("sftctl.controller").warning("run history not recorded: %r", e)
 
-    def _glitched_measurement(self) -> bool:
+    def _glitched_measurement(self, series: list) -> bool:
         """True, after a ``measured`` event saying why it is not kept, when the job's measured
-        step (:func:`sftctl.history.job_run`, as :func:`~sftctl.history.record_run` takes it)
-        lies beyond :data:`~sftctl.controller.common.MEASURED_MAX_FACTOR` of the model's."""
-        row = job_run(self.store.get_job(self.job_id), self.store.step_series(self.job_id, after=self._moved_at))
+        step over its reported steps ``series`` (:func:`sftctl.history.job_run`, as
+        :func:`~sftctl.history.record_run` takes it) lies beyond
+        :data:`~sftctl.controller.common.MEASURED_MAX_FACTOR` of the model's."""
+        row = job_run(self.store.get_job(self.job_id), series)
         ratio = None if row is None else off_prediction(row.measured_step_s, row.predicted_step_s)
         if row is None or ratio is None:
             return False
