@@ -160,6 +160,17 @@ def norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,
 
 
 @triton.jit
+def _norm_bwd_x_g(dy_ptr, x_ptr, w_ptr, row, c, mask, stride_dyr, stride_xr, HAS_W: tl.constexpr):
+    """Columns ``c`` of row ``row``: ``(x, g)`` in fp32, ``g = w * dy`` (``dy`` without weight);
+    0 where ``mask`` is false. Both passes of :func:`norm_bwd_dx_kernel` read them."""
+    x = tl.load(x_ptr + row * stride_xr + c, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(dy_ptr + row * stride_dyr + c, mask=mask, other=0.0).to(tl.float32)
+    if HAS_W:
+        g = g * tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    return x, g
+
+
+@triton.jit
 def norm_bwd_dx_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr,
                        n_cols, stride_dyr, stride_xr, stride_dxr,
                        IS_RMS: tl.constexpr, HAS_W: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -177,10 +188,7 @@ def norm_bwd_dx_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr,
     for start in range(0, n_cols, BLOCK_N):
         c = start + cols
         mask = c < n_cols
-        x = tl.load(x_ptr + row * stride_xr + c, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(dy_ptr + row * stride_dyr + c, mask=mask, other=0.0).to(tl.float32)
-        if HAS_W:
-            g = g * tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+        x, g = _norm_bwd_x_g(dy_ptr, x_ptr, w_ptr, row, c, mask, stride_dyr, stride_xr, HAS_W)
         xhat = tl.where(mask, (x - mean) * rstd, 0.0)
         acc_g += g
         acc_gx += g * xhat
@@ -191,10 +199,7 @@ def norm_bwd_dx_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr,
     for start in range(0, n_cols, BLOCK_N):
         c = start + cols
         mask = c < n_cols
-        x = tl.load(x_ptr + row * stride_xr + c, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(dy_ptr + row * stride_dyr + c, mask=mask, other=0.0).to(tl.float32)
-        if HAS_W:
-            g = g * tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
+        x, g = _norm_bwd_x_g(dy_ptr, x_ptr, w_ptr, row, c, mask, stride_dyr, stride_xr, HAS_W)
         xhat = (x - mean) * rstd
         dx = rstd * (g - c_g - xhat * c_gx)
         tl.store(dx_ptr + row * stride_dxr + c, dx.to(dx_ptr.dtype.element_ty), mask=mask)
