@@ -73,13 +73,6 @@ class Server:
                 self.kill()
 
 
-@pytest.fixture
-def server(home, tmp_path):
-    s = Server(home, tmp_path / "server.log").start()
-    yield s
-    s.stop()
-
-
 def as_user(monkeypatch, server: Server, token: str) -> None:
     """This process's sftctl.api (and the CLI processes it starts) talk to ``server`` as the
     token's user."""
@@ -245,11 +238,10 @@ def xid79_at_step(path: Path, step: int) -> Path:
 
 
 @pytest.fixture
-def server_on(state_backend, home, tmp_path):
-    """A server on each state backend: SQLite in $SFTCTL_HOME, then a real Postgres."""
-    s = Server(home, tmp_path / "server.log").start()
-    yield s
-    s.stop()
+def server_on(state_backend, server):
+    """conftest's ``server`` on each state backend: SQLite in $SFTCTL_HOME, then a real Postgres
+    (``state_backend`` is named first, so its SFTCTL_STATE_URL is set before the server starts)."""
+    return server
 
 
 def test_the_laptop_closes_and_the_server_recovers_the_job(server_on, state_backend, tmp_path, monkeypatch):

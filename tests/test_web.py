@@ -40,13 +40,6 @@ def reporter_spec(tmp_path: Path, name: str, env: dict | None = None) -> Path:
     return spec
 
 
-@pytest.fixture
-def server(home, tmp_path):
-    s = Server(home, tmp_path / "server.log").start()
-    yield s
-    s.stop()
-
-
 def signed_in(server: Server, token: str) -> "httpx.Client":
     client = httpx.Client(base_url=server.url, timeout=30)
     r = client.post("/ui/login", content=f"token={token}", headers={"content-type": "application/x-www-form-urlencoded"})
