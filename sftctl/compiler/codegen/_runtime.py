@@ -166,6 +166,22 @@ def is_power_of_2(n: int) -> bool:
     return isinstance(n, int) and n > 0 and n & (n - 1) == 0
 
 
+def with_overrides(defaults: dict, config: dict | None, what: str) -> dict:
+    """A schedule: a copy of ``defaults`` with the keys of ``config`` (None: none) replaced.
+
+    Raises:
+        ValueError: ``config`` has a key ``defaults`` lacks: ``<what>: unknown keys [...]; known:
+            [...]`` (the one rule of the GEMM, row and column-sum configs).
+    """
+    cfg = dict(defaults)
+    if config:
+        unknown = set(config) - set(cfg)
+        if unknown:
+            raise ValueError(f"{what}: unknown keys {sorted(unknown)}; known: {sorted(cfg)}")
+        cfg.update(config)
+    return cfg
+
+
 def check_device(*tensors) -> None:
     """All tensors on one device.
 

@@ -62,12 +62,7 @@ def normalize_config(config: dict | None) -> dict:
         ValueError: a block size that is not a power of two >= 16, a non-positive count, an
             unknown layout or an unknown key.
     """
-    cfg: dict = dict(DEFAULT_CONFIG)
-    if config:
-        unknown = set(config) - set(DEFAULT_CONFIG)
-        if unknown:
-            raise ValueError(f"gemm config: unknown keys {sorted(unknown)}; known: {sorted(DEFAULT_CONFIG)}")
-        cfg.update(config)
+    cfg = rt.with_overrides(DEFAULT_CONFIG, config, "gemm config")
     for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
         v = cfg[key]
         if not (isinstance(v, int) and rt.is_power_of_2(v) and v >= 16):

@@ -42,7 +42,8 @@ def row_config(n: int, config: dict | None = None, *, rows: int | None = None, k
     elements, else 8. BLOCK_N is the row rounded up to a power of two, within [16, 4096].
 
     Raises:
-        ValueError: BLOCK_N not a power of two, or num_warps not a positive power of two.
+        ValueError: BLOCK_N not a power of two, num_warps not a positive power of two, or a key
+            of ``config`` the schedule lacks (:func:`_runtime.with_overrides`).
     """
     block = min(rt.next_power_of_2(max(n, 1)), 4096)
     cfg = {"BLOCK_N": max(block, 16), "num_warps": 4 if block <= 1024 else 8}
@@ -55,11 +56,7 @@ def row_config(n: int, config: dict | None = None, *, rows: int | None = None, k
         best, _ = stream.search_row_config(kind, rows, n, target.hw, target.coeffs, dtype=dtype if dtype in
                                            ("float32", "float16", "bfloat16") else "float32")
         cfg["num_warps"] = best["num_warps"]
-    if config:
-        unknown = set(config) - set(cfg)
-        if unknown:
-            raise ValueError(f"row config: unknown keys {sorted(unknown)}")
-        cfg.update(config)
+    cfg = rt.with_overrides(cfg, config, "row config")
     if not rt.is_power_of_2(cfg["BLOCK_N"]):
         raise ValueError(f"row config: BLOCK_N must be a power of two, got {cfg['BLOCK_N']!r}")
     if not rt.is_power_of_2(cfg["num_warps"]):
@@ -316,12 +313,8 @@ def colsum_config(rows: int, n: int, config: dict | None = None) -> dict:
     block_n = min(max(rt.next_power_of_2(n), 16), 64)
     tiles_n = math.ceil(n / block_n)
     split = max(1, min(math.ceil(rows / 64), math.ceil(128 / tiles_n), 256))
-    cfg = {"BLOCK_M": 32, "BLOCK_N": block_n, "split": split, "num_warps": 4}
-    if config:
-        unknown = set(config) - set(cfg)
-        if unknown:
-            raise ValueError(f"column-sum config: unknown keys {sorted(unknown)}")
-        cfg.update(config)
+    cfg = rt.with_overrides({"BLOCK_M": 32, "BLOCK_N": block_n, "split": split, "num_warps": 4}, config,
+                            "column-sum config")
     for key in ("BLOCK_M", "BLOCK_N", "num_warps"):
         if not rt.is_power_of_2(cfg[key]):
             raise ValueError(f"column-sum config: {key} must be a power of two, got {cfg[key]!r}")
