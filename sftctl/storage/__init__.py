@@ -206,7 +206,7 @@ class LocalStorage(Storage):
                         fh.seek(start)
                     return fh.read()
             except (FileNotFoundError, IsADirectoryError):
-                raise StorageNotFound(f"storage {self.url}: no object {key}", url=self.url, key=key) from None
+                raise self._no_object(key) from None
 
     def size(self, key: str) -> int | None:
         try:
@@ -277,7 +277,7 @@ class LocalStorage(Storage):
             try:
                 src = open(src_path, "rb")
             except (FileNotFoundError, IsADirectoryError):
-                raise StorageNotFound(f"storage {self.url}: no object {key}", url=self.url, key=key) from None
+                raise self._no_object(key) from None
             with src:
                 self._write_atomic(dest, lambda fh: shutil.copyfileobj(src, fh, 8 * 1024 * 1024))
 

@@ -247,6 +247,11 @@ class Storage:
         for key in keys:
             self.delete(key)
 
+    def _no_object(self, key: str) -> StorageNotFound:
+        """The error every backend raises for a missing object ``key``: ``storage <url>: no
+        object <key>``."""
+        return StorageNotFound(f"storage {self.url}: no object {key}", url=self.url, key=key)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
 
@@ -268,6 +273,12 @@ class BucketStorage(Storage):
         self.url = f"{scheme}://{bucket}/{prefix}".rstrip("/")
         self._bucket_word = f"bucket {bucket}"
         self._bucket_hint = bucket_hint
+
+    def _no_bucket(self, what: str) -> BucketNotFoundError:
+        """The error of a request (``what``: ``"reading ckpt/x"``) that found no bucket:
+        ``storage <url>: bucket <name> does not exist (<what>)``, with the hint to create it."""
+        return BucketNotFoundError(f"storage {self.url}: {self._bucket_word} does not exist ({what})",
+                                   hint=self._bucket_hint, url=self.url)
 
     def _full(self, name: str) -> str:
         """The object name of ``name``, a key or a list prefix, unchecked: ``<prefix>/<name>``."""

@@ -22,7 +22,6 @@ from google.cloud import storage as gcs
 from sftctl.storage.base import (
     MULTIPART_CHUNK_BYTES,
     MULTIPART_THRESHOLD_BYTES,
-    BucketNotFoundError,
     BucketStorage,
     StorageAccessDenied,
     StorageError,
@@ -76,9 +75,8 @@ class GCSStorage(BucketStorage):
             yield
         except gexc.NotFound:
             if key:
-                raise StorageNotFound(f"storage {self.url}: no object {key}", url=self.url, key=key) from None
-            raise BucketNotFoundError(f"storage {self.url}: bucket {self.bucket_name} does not exist ({what})",
-                                      hint=self._bucket_hint, url=self.url) from None
+                raise self._no_object(key) from None
+            raise self._no_bucket(what) from None
         except (gexc.Forbidden, gexc.Unauthorized) as e:
             raise StorageAccessDenied(f"storage {self.url}: access denied {what} ({e.code})",
                                       hint=_CRED_HINT, url=self.url) from None
@@ -114,7 +112,7 @@ class GCSStorage(BucketStorage):
                 return blob.download_as_bytes()
             size = self.size(key)
             if size is None:
-                raise StorageNotFound(f"storage {self.url}: no object {key}", url=self.url, key=key)
+                raise self._no_object(key)
             if start >= size:
                 return b""
             return blob.download_as_bytes(start=start)
@@ -159,7 +157,7 @@ class GCSStorage(BucketStorage):
     def download_file(self, key: str, path: str | os.PathLike) -> None:
         size = self.size(key)
         if size is None:
-            raise StorageNotFound(f"storage {self.url}: no object {key}", url=self.url, key=key)
+            raise self._no_object(key)
         with atomic_download(Path(path)) as (fd, _), os.fdopen(fd, "wb") as fh, \
                 self._errors(f"downloading {key}", key):
             self._blob(key, size >= MULTIPART_THRESHOLD_BYTES).download_to_file(fh)

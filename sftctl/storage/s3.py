@@ -64,10 +64,9 @@ class S3Storage(BucketStorage):
             err = e.response.get("Error", {})
             code = str(err.get("Code", ""))
             if code in _NO_KEY and key:
-                raise StorageNotFound(f"storage {self.url}: no object {key}", url=self.url, key=key) from None
+                raise self._no_object(key) from None
             if code == "NoSuchBucket" or (code in _NO_KEY and not key):
-                raise BucketNotFoundError(f"storage {self.url}: bucket {self.bucket} does not exist ({what})",
-                                          hint=self._bucket_hint, url=self.url) from None
+                raise self._no_bucket(what) from None
             if code == "InvalidBucketName":
                 raise StorageError(f"storage {self.url}: invalid bucket name {self.bucket!r}",
                                    hint="S3 bucket names are 3-63 lowercase letters, digits, '.' and '-'",
