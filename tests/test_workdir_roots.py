@@ -159,3 +159,32 @@ def test_the_submit_route_loads_the_spec_once_to_check_and_record_it(home, lab, 
                         json={"spec_text": bad.read_text(), "spec_path": str(bad), "overrides": []})
         assert r.status_code == 403 and loads == [str(bad)], r.text
         assert [v.record.name for v in api.status()] == ["once2"]
+
+
+def test_the_plan_page_refuses_a_workdir_outside_the_users_roots(server, lab):
+    """The dashboard's plan page traces a pasted spec's model from its workdir: bob's root named
+    there is refused in one line (403) before anything is traced, as submit refuses it; alice's
+    own root plans."""
+    import re
+    from urllib.parse import urlencode
+
+    import httpx
+
+    t = tokens("alice")
+    alice = httpx.Client(base_url=server.url, timeout=120)
+    r = alice.post("/ui/login", content=f"token={t['alice']}", headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 303, r.text
+    csrf = re.search(r'name="csrf" value="([0-9a-f]+)"', alice.get("/ui/plan").text).group(1)
+    post = {"content-type": "application/x-www-form-urlencoded"}
+    model = ("model: {framework: torch, entrypoint: 'model.py:build', batch_size: 2}\n"
+             "resources: {nodes: 1}\nrun: python model.py\n")
+    (lab / "bob" / "proj" / "model.py").write_text("def build(**kw):\n    raise ValueError('bob-secret-line')\n")
+    bobs = alice.post("/ui/plan", headers=post, content=urlencode(
+        {"spec": f"name: p\nworkdir: {lab / 'bob' / 'proj'}\n{model}", "csrf": csrf}))
+    assert bobs.status_code == 403, bobs.text
+    assert f"workdir: {lab / 'bob' / 'proj'} is outside alice&#39;s workdir roots" in bobs.text
+    assert "bob-secret-line" not in bobs.text
+    mine = alice.post("/ui/plan", headers=post, content=urlencode(
+        {"spec": f"name: p\nworkdir: {lab / 'alice' / 'proj'}\nresources: {{nodes: 1}}\nrun: echo hi\n", "csrf": csrf}))
+    assert mine.status_code == 200, mine.text
+    assert "outside" not in mine.text

@@ -424,6 +424,7 @@ def mount(app: FastAPI, supervisor, authenticate, render, on_write) -> None:
                 # the text is always the spec, never a path on the server (a trailing newline says so);
                 # ${VAR} resolves from the user's secrets, as the server's submit does
                 spec = api._load(text.rstrip("\n") + "\n", (), None, api._secret_environ(user.name))[0]
+                _check_workdir(spec.workdir, user.name)
                 chosen = api.plan(spec)
         except SftctlError as e:
             code, _ = render(e)
@@ -431,6 +432,22 @@ def mount(app: FastAPI, supervisor, authenticate, render, on_write) -> None:
             return page("plan.html", code, **context, error=e.message, hint=e.hint,
                         plan=plan_view(candidates, None) if candidates else None)
         return page("plan.html", **context, plan=plan_view(chosen.candidates, chosen.reason), warnings=caught)
+
+
+def _check_workdir(workdir: str, owner: str) -> None:
+    """The plan page traces the pasted spec's model from its workdir (in a sandbox, the files
+    read-only): with ``server.workdir_roots`` set, a workdir outside ``owner``'s roots is refused
+    as the submit route refuses it, so no user has another's code run and its errors shown.
+
+    Raises:
+        Forbidden: the workdir lies outside the owner's roots (403).
+    """
+    from sftctl.providers import workdir_roots
+    from sftctl.server.app import Forbidden
+
+    problem = workdir_roots.refusal(workdir, owner)
+    if problem is not None:
+        raise Forbidden(problem, hint=workdir_roots.HINT)
 
 
 def plan_view(candidates: list, reason: str | None) -> dict:
