@@ -63,6 +63,9 @@ def test_sign_in_watch_a_job_end_and_take_one_down_in_chromium(server, tmp_path,
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             page.on("dialog", lambda d: d.accept())
+            errors: list[str] = []  # the console's errors and uncaught exceptions, each with its URL
+            page.on("console", lambda m: m.type == "error" and errors.append(f"{m.text} ({m.location.get('url')})"))
+            page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(f"{server.url}/")
             assert page.url.endswith("/ui/login")
             page.fill("#token", t["alice"])
@@ -97,6 +100,7 @@ def test_sign_in_watch_a_job_end_and_take_one_down_in_chromium(server, tmp_path,
             assert series["ranks"]["0"]["step"] == [1, 2, 3, 4, 5]
             shot = os.environ.get("SFTCTL_WEB_SCREENSHOT")
             page.screenshot(path=shot or str(tmp_path / "job.png"), full_page=True)
+            assert errors == []  # no failed load (a favicon answered 401 on every page), no script error
             assert page.goto(f"{server.url}/ui/jobs/{bobs}").status == 404
             print(f"jobs page after sign-in {jobs_load_s:.2f} s; job page {job_load_s:.2f} s")
         finally:
