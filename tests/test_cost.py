@@ -120,6 +120,13 @@ def test_status_json_and_table_show_the_cost(state_backend):
     assert wide[0].split()[-2:] == ["COST", "NOTE"] and "$196.64" in next(x for x in wide if x.startswith(job))
     narrow = sftctl("status", env={**os.environ, "COLUMNS": "60"}, check=True).stdout
     assert "COST" not in narrow.splitlines()[0] and job in narrow  # the first column to go when it does not fit
+    # one job in detail: the cost, its node-hours, price and the price's source (the README says so)
+    detail = sftctl("status", job, env={**os.environ, "COLUMNS": "200"}, check=True).stdout.splitlines()
+    assert ("cost: $196.64 (2.00 node-hours at $98.32/h, on-demand price of aws p5.48xlarge in us-east-1: "
+            "AWS price list API (2026-11))") in detail
+    unpriced = _job(store, "unpriced", "alice", [(T0, T0 + H)], spot=True, offering={**OFFERING, "spot_usd_per_hour": None})
+    assert ("cost: - (1.00 node-hours; no price: no spot price for aws p5.48xlarge in us-east-1 in the catalog)"
+            in sftctl("status", unpriced, env={**os.environ, "COLUMNS": "200"}, check=True).stdout.splitlines())
 
 
 def test_sftctl_costs_prints_per_user_and_lab_and_refuses_bad_periods(state_backend):

@@ -260,6 +260,15 @@ def _usd(cost: dict | None) -> str:
     return f"${cost['usd']:,.2f}"
 
 
+def cost_line(cost: dict) -> str:
+    """``sftctl status JOB``'s cost: ``cost: $1.23 (0.50 node-hours at $2.46/h, SOURCE)``; the
+    price unknown: ``cost: - (0.50 node-hours; no price: SOURCE)``."""
+    hours = f"{cost['node_hours']:,.2f} node-hours"
+    if cost.get("usd") is None or cost.get("price_per_hour") is None:
+        return f"cost: - ({hours}; no price: {tty_safe(str(cost.get('source') or 'unknown'))})"
+    return f"cost: ${cost['usd']:,.2f} ({hours} at ${cost['price_per_hour']:,.2f}/h, {tty_safe(str(cost['source']))})"
+
+
 def _steps(job: dict) -> str:
     if job["steps"] is None:
         return "-"
@@ -284,6 +293,8 @@ def job_detail(job: dict) -> list:
         out.append(Text("submitted with: " + tty_safe(" ".join(f"--set {a}" for a in job["overrides"]))))
     if job["plan"]:
         out.append(Text(f"plan: {job['plan']}", style="dim"))
+    if job.get("cost"):
+        out.append(Text(cost_line(job["cost"])))
     if job.get("step_time"):
         pred, actual = step_time_cells(job["step_time"])
         n, world = job["step_time"].get("measured_steps"), max(1, len(job.get("ranks") or ()))
