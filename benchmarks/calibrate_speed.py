@@ -46,15 +46,16 @@ def main(argv: list[str] | None = None) -> int:
                       measured_step_s=math.exp(rng.gauss(0, 0.2)), source="imported", ts=float(i), features=mix(),
                       mode="eager") for i in range(args.runs)]
     steps = [mix() for _ in range(20)]
+    prepared = history.Prepared(runs)  # as the planner does, once per plan
 
     def per_call_ms() -> float:
         t0 = time.perf_counter()
         for f in steps:
-            history.calibrate(1.0, "H100", runs, features=f, mode="eager")
+            history.calibrate(1.0, "H100", prepared, features=f, mode="eager")
         return (time.perf_counter() - t0) / len(steps) * 1e3
 
     default = history.BLAS_SINGLE_THREAD_FROM
-    per_call_ms()  # warm: the history's arrays, the controller, numpy's first solve
+    per_call_ms()  # warm: the controller, numpy's first solve
     times: dict[str, list[float]] = {"one_thread": [], "blas_threads": []}
     try:
         for _ in range(args.turns):

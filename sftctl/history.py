@@ -189,12 +189,15 @@ def similarity(a: dict | None, b: dict | None) -> float:
 # ------------------------------------------------------------------------------ calibrating
 
 
-def calibrate(predicted_s: float, accelerator: str, runs: Iterable[RunRecord], *, provider: str | None = None,
+def calibrate(predicted_s: float, accelerator: str, runs: Iterable[RunRecord] | Prepared, *,
+              provider: str | None = None,
               instance_type: str | None = None, mode: str | None = None, features: dict | None = None,
               comm_share: float = 0.0) -> dict:
     """The model's ``predicted_s`` (seconds per step on ``accelerator``) corrected by ``runs``
-    (:class:`~sftctl.types.RunRecord` each), as the module docstring states: the Gaussian
-    posterior of ``c`` given the runs' ``r_i``, over at most :data:`MAX_RUNS` runs (the weightiest).
+    (:class:`~sftctl.types.RunRecord` each, or :class:`Prepared` arrays of them: a caller that
+    calibrates many predictions against one history prepares it once), as the module docstring
+    states: the Gaussian posterior of ``c`` given the runs' ``r_i``, over at most
+    :data:`MAX_RUNS` runs (the weightiest).
 
     Returns ``{"calibrated_step_s", "interval_s": [low, high], "error": posterior factor,
     "prior_error": f, "runs": runs on this accelerator that weigh, "weight": W (the sum of the
@@ -205,7 +208,7 @@ def calibrate(predicted_s: float, accelerator: str, runs: Iterable[RunRecord], *
 
     s0 = math.log(max(1.0001, error_factor(accelerator, comm_share)))
     same = accelerator.lower()
-    h = _prepared(runs)
+    h = runs if isinstance(runs, Prepared) else Prepared(runs)
     v = np.ones(h.n)
     if provider is not None:  # another offering of this accelerator says less
         v[(h.acc == same) & (h.offering != repr((provider, instance_type)))] *= OTHER_OFFERING_WEIGHT
@@ -267,17 +270,15 @@ def _width(accelerator: str) -> float:
     return math.log(max(1.0001, error_factor(accelerator)))
 
 
-class _Runs:
-    """The runs a calibration reads, as arrays (built once per history: the planner calibrates
-    every offering against the same list). Runs without a positive predicted and measured step
+class Prepared:
+    """The runs a calibration reads, as arrays: the planner builds them once per plan and
+    calibrates every offering against them. Runs without a positive predicted and measured step
     are left out."""
 
     def __init__(self, runs: Iterable[RunRecord]):
         import numpy as np
 
-        given = list(runs)
-        self.given = len(given)
-        self.runs = [r for r in given if r.predicted_step_s and r.measured_step_s
+        self.runs = [r for r in runs if r.predicted_step_s and r.measured_step_s
                      and r.predicted_step_s > 0 and r.measured_step_s > 0]
         self.n = len(self.runs)
         self.acc = np.array([r.accelerator.lower() for r in self.runs], dtype=object)
@@ -288,22 +289,6 @@ class _Runs:
         self.known = np.array([bool(r.features) for r in self.runs], dtype=bool)
         self.mix = np.array([[float((r.features or {}).get(key, 0.0)) for key in MIX_KEYS] for r in self.runs],
                             dtype=float).reshape(self.n, len(MIX_KEYS))
-
-
-#: the last list :func:`_prepared` read, and its arrays
-_LAST: tuple[list, _Runs] | None = None
-
-
-def _prepared(runs: Iterable[RunRecord]) -> _Runs:
-    """``runs`` as :class:`_Runs`; the same list object (of the same length) as the last call's
-    is read once."""
-    global _LAST
-    if isinstance(runs, list) and _LAST is not None and _LAST[0] is runs and _LAST[1].given == len(runs):
-        return _LAST[1]
-    got = _Runs(runs)
-    if isinstance(runs, list):
-        _LAST = (runs, got)
-    return got
 
 
 def _posterior(picked: list, gamma: float = 0.0) -> tuple[float, float]:

@@ -30,7 +30,7 @@ from sftctl.compiler import tpu
 from sftctl.compiler.memory import attention_assumed
 from sftctl.errors import InfeasibleError, ProviderError, SftctlError, SpecError, UntraceableModelError
 from sftctl.health import preflight
-from sftctl.history import calibrate, kernel_mix
+from sftctl.history import Prepared, calibrate, kernel_mix
 from sftctl.providers import names as provider_names, provider_class, usable_providers
 from sftctl.providers.base import LiveOfferings, QueueEstimate, Quarantines
 from sftctl.providers.local import LocalProvider, local_offering
@@ -293,7 +293,8 @@ def plan(spec: JobSpec, usable: dict[str, str | None] | None = None, predict: Pr
     res = spec.resources
     known = {n.lower(): n for n in accelerator_names()}  # the catalog's spelling of each name
     candidates: list[PlanChoice] = []
-    runs = list(history or [])  # every row reads them all: another accelerator's runs of a step speak for it too
+    # every row reads them all (another accelerator's runs of a step speak for it too), as arrays made once
+    runs: Prepared | tuple = Prepared(history) if history else ()
     memo: dict = {}  # offerings in several regions calibrate the same way once
     asked = {name for name, why in usable.items() if why is None}
     for i, acc in enumerate(res.accelerators):
@@ -683,7 +684,7 @@ def _spot_signal(o: Offering) -> str:
 
 
 def _judge(o: Offering, spec: JobSpec, usable: dict[str, str | None], predict: PredictFn | None,
-           history: Sequence[RunRecord] = (), memo: dict | None = None) -> PlanChoice:
+           history: Prepared | Sequence[RunRecord] = (), memo: dict | None = None) -> PlanChoice:
     res = spec.resources
     unit = o.price(res.spot)
     c = PlanChoice(o, res.nodes, None if unit is None else unit * res.nodes)
