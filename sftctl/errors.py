@@ -21,6 +21,7 @@ class ExitCode(enum.IntEnum):
     INFEASIBLE = 3
     PROVIDER = 4
     UNTRACEABLE = 5  # the model's step cannot be traced or lowered (an op, a data-dependent shape)
+    SERVER_LOST = 75  # a follower (wait, logs -f, run) lost the server for server.retry_s; the job goes on (EX_TEMPFAIL)
     TIMEOUT = 124  # `sftctl wait --timeout` ran out with a job still going (as timeout(1) exits)
     HANGUP = 129  # 128 + SIGHUP: the terminal closed; the job was cancelled
     INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C

@@ -226,6 +226,9 @@ DECLARED: tuple[Setting, ...] = (
        "(sftctl server start)", file="server.url", shown_default="none: this machine"),
     _u("SERVER_TOKEN", "str", None, "your token on that server (sftctl server user add prints it)",
        file="server.token", shown_default="none"),
+    _u("SERVER_RETRY_S", "float", 180.0, "how long a client following a job on that server (run, wait, logs -f) "
+       "retries while the server cannot be reached, then exits 75 (s; the job goes on)", set_by="user, tests",
+       file="server.retry_s", minimum=0),
     _u("SECRETS_KEY", "str", None, "the key users' secrets are encrypted with in the state (32 bytes, URL-safe "
        "base64: python -m sftctl.vault --new-key); every server on one Postgres state sets the same one",
        set_by="server admin", shown_default="$SFTCTL_HOME/secrets.key (0600, made on first use)"),

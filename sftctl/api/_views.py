@@ -369,12 +369,17 @@ def wait(job: str, *, timeout_s: float | None = None, poll_s: float = 1.0) -> Jo
     Raises:
         NotFoundError: no such job (exit 2).
         TimeoutError: still running after ``timeout_s`` seconds (an ended job never raises).
+        sftctl.remote.ServerLost: through a server, the server could not be reached for
+            ``server.retry_s`` seconds (exit 75; the job goes on there). Shorter outages (a
+            restart) are retried (:meth:`sftctl.remote.Client.riding_out`).
     """
     now = time.monotonic()
     end = None if timeout_s is None else now + timeout_s
     teardown_end = None
+    remote = _remote()
+    told = [False]
     while True:
-        view = status(job)
+        view = status(job) if remote is None else remote.riding_out(job, lambda: status(job), told)
         now = time.monotonic()
         if view.status.terminal:
             teardown_end = teardown_end or now + WAIT_TEARDOWN_S
@@ -423,14 +428,17 @@ def logs(job: str, *, follow: bool = False, node: int | None = None, rank: int |
         TypeError: ``job`` or ``node`` of the wrong type (as every function here).
 
     With a server configured, the server reads the nodes and streams the lines (``follow``: as
-    they come).
+    they come, riding out a server restart without a line twice or lost:
+    :meth:`sftctl.remote.Client.follow_lines`; one unreachable for ``server.retry_s`` raises
+    :class:`sftctl.remote.ServerLost`, exit 75, as the lines are read).
     """
     remote = _remote()
     if remote is not None:
         params = {"follow": follow, **({"node": node} if node is not None else {}),
                   **({"rank": rank} if rank is not None else {})}
-        return (LogLine(d["text"], d.get("rank"), d.get("prefix", ""), d.get("notice", False))
-                for d in remote.stream_lines(remote.job_path(job, "/logs"), params))
+        path = remote.job_path(job, "/logs")
+        docs = remote.follow_lines(job, path, params) if follow else remote.stream_lines(path, params)
+        return (LogLine(d["text"], d.get("rank"), d.get("prefix", ""), d.get("notice", False)) for d in docs)
     return (line for line in _local_logs(job, follow, node, rank, poll_s, idle=False) if line is not None)
 
 

@@ -299,7 +299,7 @@ def wait(
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout: {\"jobs\": [status of each], \"exit_code\"}."),
 ) -> None:
     """Wait until every job ends and its nodes are down: exit 0 if all SUCCEEDED, 1 if one did
-    not, 124 on --timeout.
+    not, 124 on --timeout, 75 when the server stayed unreachable for server.retry_s (the jobs go on).
 
     Prints one line per job (id, status, reason) as the jobs end, in the order given.
     """
@@ -318,6 +318,16 @@ def wait(
             if as_json:  # every job's status, with the error: the document scripts read
                 _print_json({"jobs": [api.status(i).to_dict() for i in ids], "error": err.message, "hint": err.hint,
                              "exit_code": int(ExitCode.TIMEOUT)})
+            raise err from None
+        except SftctlError as lost:  # the server stayed away for server.retry_s (75): the jobs go on there
+            if lost.exit_code != ExitCode.SERVER_LOST:
+                raise
+            rest = " ".join(ids[len(views):])  # this job and those not waited for yet
+            err = SftctlError(lost.message, hint=f"sftctl wait {rest} or sftctl logs -f {j} follows it again once "
+                              "the server is back", exit_code=ExitCode.SERVER_LOST)
+            if as_json:  # the jobs that ended, those that go on, the error: one document still
+                _print_json({"jobs": [v.to_dict() for v in views], "running": ids[len(views):], "error": err.message,
+                             "hint": err.hint, "exit_code": int(ExitCode.SERVER_LOST)})
             raise err from None
         if not as_json:
             v = views[-1]

@@ -1,0 +1,107 @@
+"""A client following a job (``sftctl wait``, ``logs -f``, an attached ``run``) rides out a server
+restart; after ``server.retry_s`` it exits 75 saying the job goes on. A state database outage
+reaches a user as 503 and one line (never the database's URL), and ``/v1/health`` reports it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import REPO, deadline, wait_for
+from test_server import as_user, tokens
+
+#: waits at its first line until ``go`` appears in its workdir, then prints "done"
+GATED = "name: gated\nworkdir: {work}\nresources: {{nodes: 1}}\nrun: |\n  echo started\n" \
+        "  while [ ! -f go ]; do sleep 0.2; done\n  echo done\n"
+
+RETRYING = "server unreachable, retrying; the job goes on on the server"
+
+
+def _gated_job(tmp_path, monkeypatch, server) -> str:
+    from sftctl import api
+
+    work = tmp_path / "work"
+    work.mkdir()
+    spec = tmp_path / "gated.yaml"
+    spec.write_text(GATED.format(work=work))
+    as_user(monkeypatch, server, tokens("alice")["alice"])
+    job = api.run(str(spec), detach=True).id
+    wait_for(lambda: any("started" in line.text for line in api.logs(job)), timeout_s=120, what="the job to start")
+    return job
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.Popen:
+    import os
+
+    return subprocess.Popen([sys.executable, "-m", "sftctl.cli", *args], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
+
+
+def test_wait_and_logs_follow_ride_out_a_server_restart(server, tmp_path, monkeypatch):
+    job = _gated_job(tmp_path, monkeypatch, server)
+    waiter = _cli("wait", job)
+    follower = _cli("logs", "-f", job)
+    wait_for(lambda: (tmp_path / "server.log").exists(), what="the server's log")
+    import time
+
+    time.sleep(deadline(3))  # both are following (not a timed assertion: only an overlap with the outage)
+    server.kill()
+    time.sleep(deadline(3))  # the server is down for a few of wait's polls
+    (tmp_path / "work" / "go").touch()  # the job ends while the server is down (its controller lives on)
+    server.start()
+    out, err = waiter.communicate(timeout=deadline(180))
+    assert waiter.returncode == 0, (out, err)
+    assert out.split() == [job, "SUCCEEDED"], out
+    assert err.count(RETRYING) == 1 and "cannot be reached" not in err, err
+    out, err = follower.communicate(timeout=deadline(180))
+    assert follower.returncode == 0, (out, err)
+    assert out.splitlines() == ["[sftctl] node 0: run (attempt 1)", "started", "done",  # resumed where it was:
+                                "[sftctl] node 0: run exited with code 0"], out  # no line twice, none lost
+    assert err.count(RETRYING) == 1, err
+
+
+def test_an_attached_run_rides_out_a_server_restart_and_exits_with_the_jobs_code(server, tmp_path, monkeypatch):
+    from sftctl import api
+
+    work = tmp_path / "work"
+    work.mkdir()
+    spec = tmp_path / "gated.yaml"
+    spec.write_text(GATED.format(work=work).replace("echo done", "echo done; exit 3"))
+    as_user(monkeypatch, server, tokens("alice")["alice"])
+    run = _cli("run", str(spec))
+    job = wait_for(lambda: next((v.id for v in api.status() if any("started" in x.text for x in api.logs(v.id))), None),
+                   timeout_s=120, what="the attached job to start")
+    server.kill()
+    import time
+
+    time.sleep(deadline(3))  # down for a few of the follower's reads
+    (work / "go").touch()
+    server.start()
+    out, err = run.communicate(timeout=deadline(180))
+    assert run.returncode == 1 and api.status(job).status.value == "FAILED", (out, err)  # the job's own outcome
+    assert err.count(RETRYING) == 1 and "cannot be reached" not in err, err
+    assert (out + err).count("done") == 1, (out, err)  # its log, resumed: no line twice
+
+
+def test_past_the_retry_window_wait_exits_75_saying_the_job_goes_on(server, tmp_path, monkeypatch):
+    from sftctl import api
+
+    job = _gated_job(tmp_path, monkeypatch, server)
+    ended = api.run(str(tmp_path / "gated.yaml"), ["run=echo quick"], detach=True).id
+    api.wait(ended)
+    waiter = _cli("wait", ended, job, env={"SFTCTL_SERVER_RETRY_S": "2"})
+    assert waiter.stdout.readline().split() == [ended, "SUCCEEDED"]  # both resolved: now it waits for `job`
+    server.kill()
+    out, err = waiter.communicate(timeout=deadline(120))
+    assert waiter.returncode == 75, (out, err)
+    assert err.count(RETRYING) == 1 and f"job {job} goes on" in err, err
+    assert f"hint: sftctl wait {job} or sftctl logs -f {job} follows it again" in err, err
+    follower = _cli("logs", "-f", job, env={"SFTCTL_SERVER_RETRY_S": "2"})  # down from its start: 75 too
+    out, err = follower.communicate(timeout=deadline(120))
+    assert follower.returncode == 75 and err.count(RETRYING) == 1 and f"job {job} goes on" in err, (out, err)
+    server.start()
+    (tmp_path / "work" / "go").touch()
+    waiter = _cli("wait", "--json", job)
+    out, err = waiter.communicate(timeout=deadline(180))
+    assert waiter.returncode == 0 and json.loads(out)["jobs"][0]["status"] == "SUCCEEDED", (out, err)
