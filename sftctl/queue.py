@@ -49,6 +49,12 @@ ORPHAN_SCAN_S = 15.0  # how often a waiter scans /proc for a dead controller's n
 #: a job with a deadline is failed once it passes; its teardown takes seconds more
 TEARDOWN_S = 60.0
 LIVE_ADMITTED = frozenset({JobStatus.PROVISIONING, JobStatus.LAUNCHING, JobStatus.RUNNING, JobStatus.RECOVERING})
+#: how long a controller (and a waiting job's first stage) rides out an unreachable state database
+#: (Postgres) at the least: every state call reconnects and retries meanwhile, the job goes on,
+#: its events and metrics are held in memory. 30 min: a database restart, a failover or a
+#: maintenance window fits; past it the controller says so in one line and the job fails once
+#: the database takes that write. ``state.retry_s`` (SFTCTL_STATE_RETRY_S) may only lengthen it.
+STATE_OUTAGE_S = 1800.0
 
 #: how a signal cancels a job (the controller's handlers and the waiter's share these lines)
 CANCEL_SIGNALS = {
@@ -166,10 +172,42 @@ def _held_fingerprint(store: Store) -> tuple:
     return tuple(sorted((j.id, j.status.value) for j in store.list_jobs(set(LIVE_ADMITTED) | {JobStatus.PENDING})))
 
 
-def wait_turn(store: Store, job_id: str, say=lambda line: None) -> bool:
+class StateOutage:
+    """Makes ``store`` ride out an unreachable state database (:data:`STATE_OUTAGE_S`, or
+    ``state.retry_s`` when longer) and says so through ``say``: one line when an outage begins
+    (however many calls retry through it) and one when the database answers again
+    (:meth:`back`, which the caller calls after a call went through)."""
+
+    def __init__(self, store: Store, say) -> None:
+        self.window_s = max(STATE_OUTAGE_S, settings.get("SFTCTL_STATE_RETRY_S"))
+        self.say = say
+        self.since: float | None = None  # time.monotonic() when the current outage was first seen
+        store.retry_window_s = self.window_s
+        store.on_unreachable = self._unreachable
+
+    def _unreachable(self, error: BaseException) -> None:
+        if self.since is not None:  # the same outage, another call: said already
+            return
+        self.since = time.monotonic()
+        self.say(f"warning: the state database is unreachable ({' '.join(str(error).split())}); the job goes on, "
+                 f"retrying for up to {self.window_s / 60:g} min")
+
+    def back(self) -> None:
+        """Say that the database answers again, once per outage (nothing when there was none)."""
+        if self.since is not None:
+            self.say(f"the state database answers again after {time.monotonic() - self.since:.0f} s")
+            self.since = None
+
+
+def wait_turn(store: Store, job_id: str, say=lambda line: None, answered=lambda: None) -> bool:
     """Wait until the local job may start, then move it PENDING -> PROVISIONING (under the
     admission lock, so two waiters never take the same CPUs) and return True; return False when
-    the job ended meanwhile (``sftctl down``). ``say`` gets ``PENDING: <why>`` once per wait."""
+    the job ended meanwhile (``sftctl down``). ``say`` gets ``PENDING: <why>`` once per wait.
+    A state database outage is ridden out when the caller made ``store`` do so
+    (:class:`StateOutage`), each of its polls then waiting for the database.
+
+    Raises:
+        SftctlError: the state database is unreachable, past the store's retry window."""
     from filelock import FileLock
 
     from sftctl.paths import sftctl_home
@@ -183,6 +221,7 @@ def wait_turn(store: Store, job_id: str, say=lambda line: None) -> bool:
     while True:
         store.reap_dead_controllers()
         job = store.get_job(job_id)
+        answered()  # the state answered this poll (StateOutage.back: says so after an outage)
         if job is None or job.status.terminal:
             return False
         if orphans is None or orphans or time.monotonic() - scanned >= ORPHAN_SCAN_S:
@@ -418,12 +457,21 @@ def main(argv: list[str] | None = None) -> int:
     waits here for its turn (see the module's docstring), then, as every other job at once, this
     process becomes ``python -m sftctl.controller JOB`` (same pid; :func:`sftctl.procs.module_argv`)."""
     job_id = (argv or sys.argv[1:])[0]
-    store = Store()
     try:
+        store = Store()
+        outage = StateOutage(store, lambda line: print(time.strftime("%H:%M:%S"), line, flush=True))
         lock = claim_job(store, job_id)  # held while waiting too: a second controller refuses
-    except ControllerBusy as e:
-        print(f"error: {e.message}\nhint: {e.hint}", file=sys.stderr)
+    except SftctlError as e:  # busy, or the state database unreachable past the window: one line
+        print(f"error: {e.message}" + (f"\nhint: {e.hint}" if e.hint else ""), file=sys.stderr)
         return int(e.exit_code)
+    try:
+        return _wait_then_exec(store, outage, lock, job_id)
+    except SftctlError as e:  # the state database unreachable for longer than the window: one line
+        print(time.strftime("%H:%M:%S"), f"error: {e.message}" + (f"\nhint: {e.hint}" if e.hint else ""), flush=True)
+        return int(e.exit_code)
+
+
+def _wait_then_exec(store: Store, outage: StateOutage, lock, job_id: str) -> int:
     job = store.get_job(job_id)
     if job is not None and job.status == JobStatus.PENDING and _local(job):
 
@@ -433,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in CANCEL_SIGNALS:
             signal.signal(getattr(signal, name), cancel)
         try:
-            admitted = wait_turn(store, job_id, lambda line: print(time.strftime("%H:%M:%S"), line, flush=True))
+            admitted = wait_turn(store, job_id, lambda line: print(time.strftime("%H:%M:%S"), line, flush=True),
+                                 outage.back)
         except _Signalled as s:
             for name in CANCEL_SIGNALS:
                 signal.signal(getattr(signal, name), signal.SIG_IGN)

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from sftctl import settings, vault
+from sftctl import vault
 from sftctl.catalog import Offering
 from sftctl.controller.common import (
     MEASURED_MAX_FACTOR,
@@ -61,7 +61,7 @@ from sftctl.providers.base import (
 )
 from sftctl.health.monitor import HealthMonitor
 from sftctl.history import job_run, record_run
-from sftctl.queue import DOWN_REASON, ControllerBusy, claim_job, record_owner, wait_turn  # shared with the waiting stage
+from sftctl.queue import DOWN_REASON, ControllerBusy, StateOutage, claim_job, record_owner, wait_turn  # shared with the waiting stage
 from sftctl.protocol import NodeDir
 from sftctl.spec import JobSpec
 from sftctl.state import JobStatus, Store
@@ -106,9 +106,9 @@ class Controller(Recovery, Draining):
         # a reader or another sftctl holding state.db must not fail a healthy job: wait it out
         store.on_locked = lambda e: self.reporter.event(
             f"warning: the state database is locked by another process ({e}); waiting for it")
-        store.retry_window_s = settings.get("SFTCTL_STATE_RETRY_S")  # Postgres unreachable: hold events, retry
-        store.on_unreachable = lambda e: self.reporter.event(
-            f"warning: the state database is unreachable ({e}); retrying for up to {store.retry_window_s:g} s")
+        # Postgres unreachable: the job goes on, events and metrics are held, every other call
+        # waits for it (up to STATE_OUTAGE_S); one line when an outage begins, one when it ends
+        self.state_outage = StateOutage(store, self.reporter.event)
         job = store.get_job(job_id)
         if job is None:
             raise KeyError(job_id)
@@ -258,6 +258,7 @@ class Controller(Recovery, Draining):
     def _move(self, status: JobStatus, reason: str | None = None, code: str | None = None) -> None:
         if not self.store.transition(self.job_id, status, reason, code=code):
             raise Cancelled("the job was ended by another process (sftctl down)")
+        self.state_outage.back()  # that write went through: an outage (if any) is over
         self.reporter.event(f"{status.value}" + (f": {reason}" if reason else ""))
 
     # ---------------------------------------------------------------- steps
@@ -426,6 +427,8 @@ class Controller(Recovery, Draining):
                 outage_since = None
                 self.store.add_event(self.job_id, "storage", "job storage answers again")
             self._record_details(statuses)
+            if self.state_outage.since is not None and self.store.held == 0:  # held writes went through
+                self.state_outage.back()
             for node, st in statuses:
                 if st.state == NodeState.FAILED and node.rank not in finished:
                     self._drain()

@@ -216,6 +216,7 @@ class _Jobs(_Connection):
                                   f"(its client starts it within {CONTROLLER_START_GRACE_S:.0f} s)", "grace")
         return Liveness(False, gone)
 
+    @_retrying  # its read of every lease too: a lost connection is retried, never a raw driver error
     def reap_dead_controllers(self) -> list[str]:
         """Mark live jobs whose controller is gone (:meth:`controller_liveness` says dead) as
         FAILED_CONTROLLER; return their ids. A job still within its start grace is left alone. A
