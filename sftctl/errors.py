@@ -71,6 +71,12 @@ class UntraceableModelError(SftctlError):
     exit_code = ExitCode.UNTRACEABLE
 
 
+class StateUnavailable(SftctlError):
+    """The state database (Postgres) cannot be reached: refused, down, a lost connection. Exit
+    code 2 here, as before; a server answers it as 503 with one line for the user (the message,
+    which names the database, goes to the server's log only)."""
+
+
 class NotFoundError(SftctlError):
     """A job id that the state does not know. Exit code 2."""
 

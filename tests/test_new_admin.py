@@ -190,11 +190,11 @@ def test_a_state_outage_is_not_a_sign_in_error_on_the_dashboard(pg_url, postgres
         postgres.stop()
         try:
             r = alice.get("/ui/jobs")
-            assert r.status_code not in (200, 303) and "state database" in r.text, (r.status_code, r.text[:300])
+            assert r.status_code not in (200, 303) and "database is unavailable" in r.text, (r.status_code, r.text[:300])
             assert "Sign in" not in r.text
             r = alice.post("/ui/login", content=f"token={token}",
                            headers={"content-type": "application/x-www-form-urlencoded"})
-            assert r.status_code not in (303, 401) and "state database" in r.text, (r.status_code, r.text[:300])
+            assert r.status_code not in (303, 401) and "database is unavailable" in r.text, (r.status_code, r.text[:300])
         finally:
             postgres.start()
         r = alice.get("/ui/jobs")  # the same session, the database back

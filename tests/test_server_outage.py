@@ -105,3 +105,38 @@ def test_past_the_retry_window_wait_exits_75_saying_the_job_goes_on(server, tmp_
     waiter = _cli("wait", "--json", job)
     out, err = waiter.communicate(timeout=deadline(180))
     assert waiter.returncode == 0 and json.loads(out)["jobs"][0]["status"] == "SUCCEEDED", (out, err)
+
+
+UNAVAILABLE = "the server's database is unavailable; try again shortly"
+
+
+def test_a_database_outage_is_503_one_line_without_its_url_and_health_says_so(postgres, pg_url, server,
+                                                                              tmp_path, monkeypatch):
+    import httpx
+
+    from conftest import sftctl
+
+    token = tokens("alice")["alice"]
+    as_user(monkeypatch, server, token)
+    auth = {"Authorization": f"Bearer {token}"}
+    assert httpx.get(f"{server.url}/v1/health", timeout=30).json()["database"] == "up"
+    postgres.stop()
+    try:
+        r = httpx.get(f"{server.url}/v1/jobs", headers=auth, timeout=60)
+        assert r.status_code == 503 and int(r.headers["retry-after"]) > 0, (r.status_code, r.text)
+        assert r.json()["error"] == UNAVAILABLE and r.json()["hint"] is None, r.text
+        assert "postgres" not in r.text and "sftctl-pg" not in r.text, r.text  # no URL, no socket path
+        proc = sftctl("status", "--json")
+        assert proc.returncode == 4 and proc.stderr.splitlines() == [f"error: {UNAVAILABLE}"], proc.stderr
+        assert json.loads(proc.stdout)["error"] == UNAVAILABLE  # --json: still one document
+        health = httpx.get(f"{server.url}/v1/health", timeout=60)
+        assert health.status_code == 503 and health.json()["ok"] is False, health.text
+        assert health.json()["database"] == "down" and "postgresql" not in health.text, health.text
+        live = httpx.get(f"{server.url}/v1/health", params={"live": "true"}, timeout=60)  # a liveness probe's
+        assert live.status_code == 200 and live.json()["ok"] is True, live.text
+    finally:
+        postgres.start()
+    log = (tmp_path / "server.log").read_text()
+    assert "state database" in log and "Traceback" not in log, log[-3000:]  # the details: in the server's log
+    health = httpx.get(f"{server.url}/v1/health", timeout=60)
+    assert health.status_code == 200 and health.json()["ok"] is True and health.json()["database"] == "up"

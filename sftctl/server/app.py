@@ -3,8 +3,12 @@
 Routes (JSON; every one but ``/v1/health`` needs ``Authorization: Bearer <token>``):
 
 ==========================  ==============================================================
-``GET  /v1/health``         ``{"ok": true, "version", "reconciles"}`` (liveness and readiness
-                            probes; reconciliations of state with live controllers so far)
+``GET  /v1/health``         ``{"ok": true, "version", "reconciles", "database": "up"}`` (liveness
+                            and readiness probes; reconciliations of state with live controllers
+                            so far); 503 with ``"ok": false, "database": "down"`` while a
+                            Postgres state cannot be reached (a readiness probe takes the server
+                            out of rotation); ``?live=true``: the process only, for a liveness
+                            probe (restarting the server would not bring the database back)
 ``GET  /v1/whoami``         ``{"name", "admin"}``
 ``POST /v1/jobs``           submit: ``{"spec_text", "spec_path", "overrides"}`` ->
                             ``{"job": JobRecord.to_dict(), "warnings": [line, ...]}``; 403 for a
@@ -51,7 +55,9 @@ Routes (JSON; every one but ``/v1/health`` needs ``Authorization: Bearer <token>
 A view is :meth:`sftctl.api.JobView.to_wire` (records whole), so a client's ``to_dict()`` is
 the document ``status --json`` prints here. ``{job}`` is an id or a unique prefix among the jobs
 the user may see: another user's job is "no job" (404), never a hint that it exists. An error is
-``{"error", "hint", "exit_code", "kind"}`` with 401 (no, unknown or expired token; exit 4), 403
+``{"error", "hint", "exit_code", "kind"}`` with 503 (the state database cannot be reached, with
+``Retry-After``: one line, :data:`UNAVAILABLE`, never the database's URL, which goes to the
+server's log; exit 4, and a follower retries), 401 (no, unknown or expired token; exit 4), 403
 (not an admin, a workdir outside the user's roots; exit 2), 404 (no such job of yours; exit 2), 413 (a body over
 ``SFTCTL_SERVER_MAX_BODY_BYTES``; exit 2), 429 (a user's writes over
 ``SFTCTL_SERVER_WRITES_PER_MINUTE``, with ``Retry-After``; exit 4), 400 (any other
@@ -72,7 +78,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sftctl import __version__, api
-from sftctl.errors import ExitCode, NotFoundError, ProviderError, SftctlError
+from sftctl.errors import ExitCode, NotFoundError, ProviderError, SftctlError, StateUnavailable
 import sftctl.server.guard as guard
 import sftctl.server.users as users
 from sftctl.server.users import User, job_ids, user_for_token
@@ -86,8 +92,52 @@ class Forbidden(SftctlError):
     """The user may not do this (HTTP 403; exit 2)."""
 
 
+#: what a user reads while the state database cannot be reached (the details: the server's log)
+UNAVAILABLE = "the server's database is unavailable; try again shortly"
+#: seconds a 503's ``Retry-After`` asks a client to wait
+RETRY_AFTER_S = 5
+#: seconds between the server log's lines about one state database outage (every request hits it)
+DOWN_LOG_S = 60.0
+
+
+class DatabaseDown(ProviderError):
+    """The state database cannot be reached (HTTP 503 with ``Retry-After``; exit 4): one line
+    for the user, :data:`UNAVAILABLE`, no hint."""
+
+    retry_after_s = RETRY_AFTER_S
+
+    def __init__(self) -> None:
+        super().__init__(UNAVAILABLE)
+
+
+_down_logged: dict = {"at": -1e18, "what": ""}
+
+
+def database_down(e: BaseException) -> DatabaseDown:
+    """The user's :class:`DatabaseDown` for ``e`` (a :class:`~sftctl.errors.StateUnavailable`,
+    or psycopg's own error); ``e`` itself (the database's redacted URL, the driver's words) goes
+    to the server's log, once per :data:`DOWN_LOG_S` seconds while it stays the same."""
+    import time
+
+    what = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
+    now = time.monotonic()
+    if what != _down_logged["what"] or now - float(_down_logged["at"]) > DOWN_LOG_S:
+        _down_logged.update(at=now, what=what)
+        logging.getLogger("sftctl.server").warning("state database unavailable (answering 503): %s", what)
+    return DatabaseDown()
+
+
+def _db_error(e: BaseException) -> bool:
+    """Whether ``e`` is psycopg's error of a database it cannot reach (one the Store did not wrap)."""
+    try:
+        import psycopg
+    except ImportError:
+        return False
+    return isinstance(e, psycopg.OperationalError)
+
+
 _STATUS = ((Unauthorized, 401), (Forbidden, 403), (NotFoundError, 404), (guard.TooLarge, 413),
-           (guard.RateLimited, 429))
+           (guard.RateLimited, 429), (DatabaseDown, 503))
 
 
 def authenticate(authorization: str) -> User:
@@ -102,7 +152,10 @@ def authenticate(authorization: str) -> User:
     if scheme.lower() != "bearer" or not token.strip():
         raise Unauthorized("no token: every request needs Authorization: Bearer <token>",
                            hint="set server.token in the config file (or SFTCTL_SERVER_TOKEN)")
-    user = user_for_token(token.strip())
+    try:
+        user = user_for_token(token.strip())
+    except StateUnavailable as e:  # not the user's business: one line for them, the details logged
+        raise database_down(e) from None
     if user is None:
         raise Unauthorized("the server knows no user with this token",
                            hint="ask the server's admin for a token (sftctl server user add NAME)")
@@ -152,6 +205,30 @@ def _json(doc) -> Response:
     return Response(json.dumps(doc, default=str), media_type="application/json")
 
 
+#: seconds a health probe waits for Postgres to accept a connection (psycopg's minimum is 2)
+HEALTH_CONNECT_S = 3
+
+
+def database_up() -> bool:
+    """Whether the state database answers ``SELECT 1`` (a new connection, at most
+    :data:`HEALTH_CONNECT_S` seconds to connect). A SQLite state is a file of this machine: True."""
+    from sftctl import settings
+    from sftctl.state.dialect import is_url
+
+    url = settings.get("SFTCTL_STATE_URL")
+    if not is_url(url):
+        return True
+    import psycopg
+
+    try:
+        with psycopg.connect(url, connect_timeout=HEALTH_CONNECT_S) as conn:
+            conn.execute("SELECT 1")
+    except psycopg.Error as e:
+        database_down(e)  # logged (the details); the probe's answer says down
+        return False
+    return True
+
+
 def create_app(supervisor):
     """The FastAPI application; ``supervisor`` (:class:`sftctl.server.Supervisor`) starts the
     controllers of the jobs submitted to it."""
@@ -168,6 +245,13 @@ def create_app(supervisor):
     def render(e: SftctlError) -> tuple[int, dict]:
         return next((c for cls, c in _STATUS if isinstance(e, cls)), 400), error_doc(e)
 
+    def answer(e: SftctlError) -> JSONResponse:
+        if isinstance(e, StateUnavailable):
+            e = database_down(e)
+        code, doc = render(e)
+        after = getattr(e, "retry_after_s", None)
+        return JSONResponse(doc, status_code=code, headers={"Retry-After": str(after)} if after else None)
+
     # the token before any byte of the body, a bounded body, each user's writes rate limited
     app.add_middleware(guard.Guard, authenticate=authenticate, render=render,
                        max_body_bytes=settings.get("SFTCTL_SERVER_MAX_BODY_BYTES"),
@@ -175,8 +259,7 @@ def create_app(supervisor):
 
     @app.exception_handler(SftctlError)
     async def sftctl_error(request, e: SftctlError):
-        code = next((c for cls, c in _STATUS if isinstance(e, cls)), 400)
-        return JSONResponse(error_doc(e), status_code=code)
+        return answer(e)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request, e: RequestValidationError):
@@ -202,6 +285,8 @@ def create_app(supervisor):
 
     @app.exception_handler(Exception)
     async def internal_error(request, e: Exception):
+        if _db_error(e):  # psycopg's own, not wrapped by the Store: still the database, not a bug
+            return answer(database_down(e))
         logging.getLogger("sftctl.server").error("%s %s", request.method, request.url.path, exc_info=e)
         return JSONResponse({"error": f"internal error on the server: {type(e).__name__}: {e}",
                              "hint": "the server's log has the traceback; please report it",
@@ -238,8 +323,10 @@ def create_app(supervisor):
         return loaded
 
     @app.get("/v1/health")
-    def health():
-        return {"ok": True, "version": __version__, "reconciles": supervisor.rounds}
+    def health(live: bool = False):
+        up = live or database_up()  # ?live=true: a liveness probe's (a restart would not bring Postgres back)
+        doc = {"ok": up, "version": __version__, "reconciles": supervisor.rounds, "database": "up" if up else "down"}
+        return JSONResponse(doc, status_code=200 if up else 503)
 
     @app.get("/v1/whoami")
     def whoami(user: User = Depends(current_user)):

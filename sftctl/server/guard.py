@@ -153,8 +153,9 @@ class Guard:
         body = json.dumps(doc).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    (b"connection", b"close")]
-        if isinstance(e, RateLimited):
-            headers.append((b"retry-after", str(e.retry_after_s).encode()))
+        after = getattr(e, "retry_after_s", None)  # RateLimited (429); the state database down (503)
+        if after:
+            headers.append((b"retry-after", str(after).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 

@@ -86,7 +86,9 @@ class _Connection:
             from sftctl.errors import SftctlError
 
             if self.url:
-                raise SftctlError(f"{self.where}: cannot connect to the state database: {_one_line(e)}",
+                from sftctl.errors import StateUnavailable
+
+                raise StateUnavailable(f"{self.where}: cannot connect to the state database: {_one_line(e)}",
                                   hint="check state.url (SFTCTL_STATE_URL) and that Postgres is up") from None
             raise SftctlError(
                 f"{self.path}: cannot open the state database: {e}",
@@ -294,10 +296,10 @@ class _Connection:
     def _retry(self, fn, error: BaseException, args: tuple, kwargs: dict):
         """``fn`` failed with a lost connection: hold an event or metrics back, or reconnect
         and call ``fn`` again until it works or :attr:`retry_window_s` has passed."""
-        from sftctl.errors import SftctlError
+        from sftctl.errors import StateUnavailable
 
         if not self.retry_window_s:
-            raise SftctlError(f"{self.where}: the state database is unreachable: {_one_line(error)}",
+            raise StateUnavailable(f"{self.where}: the state database is unreachable: {_one_line(error)}",
                               hint="check that Postgres is up, then retry") from None
         if fn.__name__ in _HOLDABLE:
             self._held.append(("_" + fn.__name__, args, {**kwargs, "ts": time.time()}))
@@ -324,7 +326,7 @@ class _Connection:
                     self._flush_held()
                     result = fn(self, *args, **kwargs)
         except self._d.disconnect as e:
-            raise SftctlError(f"{self.where}: the state database was unreachable for {self.retry_window_s:g} s: "
+            raise StateUnavailable(f"{self.where}: the state database was unreachable for {self.retry_window_s:g} s: "
                               f"{_one_line(e)}", hint="check that Postgres is up (state.retry_s sets the window)") from None
         finally:
             self._retrying -= 1
