@@ -49,26 +49,27 @@ def op_amin(self, n, x, dim=(), keepdim=False):
     return _reduce(self, "min", x, dim, keepdim)
 
 
-@lowers
-def op_max(self, n, x, *rest, **kw):
+def _max_or_min(self, n, x, rest, kw, largest: bool):
+    """``torch.max`` (``largest``) or ``torch.min``: with another tensor, elementwise
+    (``maximum``/``minimum``); with ``dim``, ``[values, indices]`` along it; else the whole
+    tensor's extreme."""
     if rest or kw:
         if isinstance(rest[0] if rest else None, fx.Node):
-            return op_maximum(self, n, x, rest[0])
+            return (op_maximum if largest else op_minimum)(self, n, x, rest[0])
         dim = rest[0] if rest else kw["dim"]
         keepdim = rest[1] if len(rest) > 1 else kw.get("keepdim", False)
-        return list(_arg_extreme(self, x, dim, keepdim, largest=True))
-    return _reduce(self, "max", x, None, False)
+        return list(_arg_extreme(self, x, dim, keepdim, largest=largest))
+    return _reduce(self, "max" if largest else "min", x, None, False)
+
+
+@lowers
+def op_max(self, n, x, *rest, **kw):
+    return _max_or_min(self, n, x, rest, kw, largest=True)
 
 
 @lowers
 def op_min(self, n, x, *rest, **kw):
-    if rest or kw:
-        if isinstance(rest[0] if rest else None, fx.Node):
-            return op_minimum(self, n, x, rest[0])
-        dim = rest[0] if rest else kw["dim"]
-        keepdim = rest[1] if len(rest) > 1 else kw.get("keepdim", False)
-        return list(_arg_extreme(self, x, dim, keepdim, largest=False))
-    return _reduce(self, "min", x, None, False)
+    return _max_or_min(self, n, x, rest, kw, largest=False)
 
 
 @lowers
