@@ -80,16 +80,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sftctl import __version__, api
 from sftctl.errors import ExitCode, NotFoundError, ProviderError, SftctlError, StateUnavailable
 import sftctl.server.guard as guard
+from sftctl.server.guard import Forbidden
 import sftctl.server.users as users
 from sftctl.server.users import User, job_ids, user_for_token
 
 
 class Unauthorized(ProviderError):
     """No token, or one no user has (HTTP 401; exit 4 as other credentials errors)."""
-
-
-class Forbidden(SftctlError):
-    """The user may not do this (HTTP 403; exit 2)."""
 
 
 #: what a user reads while the state database cannot be reached (the details: the server's log)

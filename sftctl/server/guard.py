@@ -45,6 +45,10 @@ WRITES = ((b"POST", re.compile(r"/v1/jobs/?")), (b"POST", re.compile(r"/v1/jobs/
           (b"POST", re.compile(r"/v1/down/?")))
 
 
+class Forbidden(SftctlError):
+    """The user may not do this (HTTP 403; exit 2)."""
+
+
 class TooLarge(SftctlError):
     """A request body over the server's limit (HTTP 413; exit 2)."""
 

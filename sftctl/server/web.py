@@ -443,11 +443,10 @@ def _check_workdir(workdir: str, owner: str) -> None:
         Forbidden: the workdir lies outside the owner's roots (403).
     """
     from sftctl.providers import workdir_roots
-    from sftctl.server.app import Forbidden
 
     problem = workdir_roots.refusal(workdir, owner)
     if problem is not None:
-        raise Forbidden(problem, hint=workdir_roots.HINT)
+        raise guard.Forbidden(problem, hint=workdir_roots.HINT)
 
 
 def plan_view(candidates: list, reason: str | None) -> dict:
