@@ -78,6 +78,33 @@ def test_a_lease_held_by_a_killed_process_of_this_host_is_dead_at_once(home):
     assert store.reap_dead_controllers() == [job_id]
 
 
+def test_an_expired_lease_whose_holder_still_runs_here_is_alive(home):
+    """A state outage longer than the lease (90 s) stops the controller's renewals: when the
+    state answers again, its lease has expired though the controller runs on and renews within
+    seconds. A reaper polling in between failed the live job (FAILED_CONTROLLER); a holder that
+    is a live process of this host (same pid and start time) now reads alive, and once it is
+    killed the expired lease reads dead."""
+    store = Store()
+    job_id = store.create_job("outage", {"name": "outage", "run": "true", "controller": {"place": "slurm"}})
+    proc = _process()
+    holder = LeaseKeeper.holder_of(proc.pid)
+    assert store.acquire_lease(job_id, holder, -30.0)  # expired 30 s ago by the database's clock
+    store.update_job(job_id, controller_pid=proc.pid, controller_start_ticks=int(holder.rsplit(":", 1)[1]))
+    assert store.lease(job_id) is None and store.lease_row(job_id)[0] == holder
+    try:
+        live = controller_alive(store.get_job(job_id), store, scheduler=False)
+        assert (live.alive, live.by, live.holder, live.pid) == (True, "lease", holder, proc.pid)
+        assert live.why.startswith("its lease expired ") and "still runs on this host" in live.why
+        assert store.reap_dead_controllers() == []
+        assert store.renew_lease(job_id, holder, 60.0) and store.lease(job_id)[0] == holder  # its keeper renews
+        assert store.acquire_lease(job_id, holder, -30.0)
+    finally:
+        _killed(proc)
+    dead = controller_alive(store.get_job(job_id), store, scheduler=False)
+    assert (dead.alive, dead.why) == (False, f"its lease holder {holder} was a process of this host that is gone")
+    assert store.reap_dead_controllers() == [job_id]
+
+
 # ------------------------------------------------------------------ a scheduler's job
 
 

@@ -170,6 +170,8 @@ class _Jobs(_Connection):
     if TYPE_CHECKING:  # the Store's leases part (:class:`sftctl.state.leases._Leases`) has it
         def lease(self, job_id: str) -> tuple[str, float] | None: ...
 
+        def lease_row(self, job_id: str) -> tuple[str, float] | None: ...
+
     def controller_liveness(self, job: JobRecord, *, elsewhere: bool | None = None,
                             lease: Any = _UNSET, lock: bool = True, now: float | None = None) -> Liveness:
         """The verdict on ``job``'s controller from the state and this machine (one judgement for
@@ -181,7 +183,10 @@ class _Jobs(_Connection):
            machines, or ``elsewhere``: a controller placed in a scheduler's job, default
            :func:`placed` of the job's spec): an unexpired lease is alive (its holder named), unless
            the holder is a process of this host that is gone (:func:`sftctl.state.liveness.dead_here`).
-           Elsewhere, the recorded pid (alive, same start time: never a reused pid) is alive.
+           An expired lease whose holder still runs on this host (same pid and start time) is alive
+           too: a state outage longer than the lease stopped its renewals, and it renews as soon as
+           the state answers (a reaper polling just then must not fail a live job). Elsewhere, the
+           recorded pid (alive, same start time: never a reused pid) is alive.
         2. The job's controller lock of this ``$SFTCTL_HOME`` held by a process (unless ``lock``
            is false: the reaper, which polls every few seconds in every waiting job, never
            takes the lock even for an instant, so a controller's claim never meets it).
@@ -190,21 +195,28 @@ class _Jobs(_Connection):
            lease in the child's name, first).
         4. Else dead (never started, exited, killed, or its lease gone).
 
-        ``lease``: the job's lease as :meth:`lease` returns it, when the caller read every job's
-        at once; ``now``: Unix time (default: the clock). Never asks a scheduler."""
+        ``lease``: the job's lease as :meth:`lease_row` returns it (expired too), when the caller
+        read every job's at once; ``now``: Unix time (default: the clock). Never asks a scheduler."""
         now = time.time() if now is None else now
         pid, ticks = job.controller_pid, job.controller_start_ticks
         if elsewhere is None:
             elsewhere = placed(job.spec) is not None
         gone = ""
         if self._d.shared or elsewhere:
-            held = self.lease(job.id) if lease is self._UNSET else lease
-            if held is not None and not dead_here(held[0]):
+            held = self.lease_row(job.id) if lease is self._UNSET else lease
+            if held is not None and held[1] > 0 and not dead_here(held[0]):
                 here = process_here(held[0])
                 return Liveness(True, f"holds the job's lease as {held[0]} ({held[1]:.0f} s left)", "lease", held[0],
                                 *(here or (None, None)))
-            gone = (f"its lease holder {held[0]} was a process of this host that is gone" if held is not None
-                    else "no lease is held")
+            if held is not None and held[1] <= 0 and (here := process_here(held[0])) is not None:
+                return Liveness(True, f"its lease expired {-held[1]:.0f} s ago, but its holder {held[0]} still runs "
+                                      "on this host (it renews once the state answers)", "lease", held[0], *here)
+            if held is None:
+                gone = "no lease is held"
+            elif held[1] > 0 or dead_here(held[0]):
+                gone = f"its lease holder {held[0]} was a process of this host that is gone"
+            else:
+                gone = f"its lease expired {-held[1]:.0f} s ago ({held[0]})"
         elif pid is not None and procs.alive(pid, ticks):
             return Liveness(True, f"pid {pid} runs on this machine", "pid", None, pid, ticks)
         else:
@@ -226,8 +238,7 @@ class _Jobs(_Connection):
         leases: dict[str, tuple[str, float]] = {}
         if self._d.shared or any(placed(j.spec) for j in jobs):  # every lease in one read
             leases = {r["job_id"]: (r["holder"], r["left_s"]) for r in self._conn.execute(
-                f"SELECT job_id, holder, expires_at - {self._d.now} AS left_s FROM leases"
-                f" WHERE expires_at > {self._d.now}").fetchall()}
+                f"SELECT job_id, holder, expires_at - {self._d.now} AS left_s FROM leases").fetchall()}
         reaped = []
         for job in jobs:
             if self.controller_liveness(job, lease=leases.get(job.id), lock=False).alive is not False:

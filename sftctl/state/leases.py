@@ -51,6 +51,12 @@ class _Leases(_Connection):
     @_retrying
     def lease(self, job_id: str) -> tuple[str, float] | None:
         """The job's live lease as (holder, seconds left), or None when none is held."""
+        row = self.lease_row(job_id)
+        return row if row and row[1] > 0 else None
+
+    def lease_row(self, job_id: str) -> tuple[str, float] | None:
+        """The job's lease as (holder, seconds left: negative once it expired, until another
+        holder takes it or its holder renews it), or None when there is no row."""
         row = self._conn.execute(f"SELECT holder, expires_at - {self._d.now} AS left_s FROM leases WHERE job_id = ?",
                                  (job_id,)).fetchone()
-        return (row["holder"], row["left_s"]) if row and row["left_s"] > 0 else None
+        return (row["holder"], row["left_s"]) if row else None
