@@ -457,21 +457,27 @@ def main(argv: list[str] | None = None) -> int:
     waits here for its turn (see the module's docstring), then, as every other job at once, this
     process becomes ``python -m sftctl.controller JOB`` (same pid; :func:`sftctl.procs.module_argv`)."""
     job_id = (argv or sys.argv[1:])[0]
+
+    def say(line: str) -> None:  # the controller log's lines: time-stamped, flushed at once
+        print(time.strftime("%H:%M:%S"), line, flush=True)
+
     try:
         store = Store()
-        outage = StateOutage(store, lambda line: print(time.strftime("%H:%M:%S"), line, flush=True))
+        outage = StateOutage(store, say)
         lock = claim_job(store, job_id)  # held while waiting too: a second controller refuses
     except SftctlError as e:  # busy, or the state database unreachable past the window: one line
         print(f"error: {e.message}" + (f"\nhint: {e.hint}" if e.hint else ""), file=sys.stderr)
         return int(e.exit_code)
     try:
-        return _wait_then_exec(store, outage, lock, job_id)
+        return _wait_then_exec(store, outage, lock, job_id, say)
     except SftctlError as e:  # the state database unreachable for longer than the window: one line
-        print(time.strftime("%H:%M:%S"), f"error: {e.message}" + (f"\nhint: {e.hint}" if e.hint else ""), flush=True)
+        say(f"error: {e.message}" + (f"\nhint: {e.hint}" if e.hint else ""))
         return int(e.exit_code)
 
 
-def _wait_then_exec(store: Store, outage: StateOutage, lock, job_id: str) -> int:
+def _wait_then_exec(store: Store, outage: StateOutage, lock, job_id: str, say) -> int:
+    """:func:`main`'s wait for a local job's turn, then the exec of the controller; ``say``
+    writes a line of the controller log."""
     job = store.get_job(job_id)
     if job is not None and job.status == JobStatus.PENDING and _local(job):
 
@@ -481,8 +487,7 @@ def _wait_then_exec(store: Store, outage: StateOutage, lock, job_id: str) -> int
         for name in CANCEL_SIGNALS:
             signal.signal(getattr(signal, name), cancel)
         try:
-            admitted = wait_turn(store, job_id, lambda line: print(time.strftime("%H:%M:%S"), line, flush=True),
-                                 outage.back)
+            admitted = wait_turn(store, job_id, say, outage.back)
         except _Signalled as s:
             for name in CANCEL_SIGNALS:
                 signal.signal(getattr(signal, name), signal.SIG_IGN)
@@ -490,7 +495,7 @@ def _wait_then_exec(store: Store, outage: StateOutage, lock, job_id: str) -> int
             if any(e.kind == "down" and (e.data or {}).get("controller_pid") == os.getpid() for e in store.events(job_id)):
                 why = DOWN_REASON
             store.transition(job_id, JobStatus.CANCELLED, why, strict=False, code=FailureCode.CANCELLED.value)
-            print(time.strftime("%H:%M:%S"), f"cancelled: {why}", flush=True)
+            say(f"cancelled: {why}")
             return 128 + s.signum
         if not admitted:
             return 1

@@ -29,7 +29,6 @@ httpx is imported when a :class:`Client` is made, i.e. only when a server is con
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any, Callable, Iterator, TypeVar
 
 from sftctl import errors
@@ -167,8 +166,8 @@ class Client:
     def riding_out(self, job: str, call: Callable[[], T], told: list[bool] | None = None) -> T:
         """``call()`` (one or more requests about ``job``), retried while it raises
         :class:`Unreachable`: exponential backoff from :data:`RETRY_FIRST_S` to :data:`RETRY_MAX_S`
-        seconds, for at most :attr:`retry_s` seconds from this call. :data:`RETRYING` goes to
-        stderr once per outage (``told``: a caller's flag shared by its calls, reset once the
+        seconds, for at most :attr:`retry_s` seconds from this call. :data:`RETRYING` is logged
+        (``sftctl.remote``, WARNING: stderr unless logging is set up) once per outage (``told``: a caller's flag shared by its calls, reset once the
         server answers).
 
         Raises:
@@ -180,9 +179,13 @@ class Client:
         told = [False] if told is None else told
 
         def tell(state) -> None:
+            import logging
+
             if not told[0]:
                 told[0] = True
-                print(RETRYING, file=sys.stderr, flush=True)
+                # a library's notice: with no logging set up (the CLI's case) Python's last-resort
+                # handler writes the bare line to stderr; a program that sets up logging routes it
+                logging.getLogger("sftctl.remote").warning(RETRYING)
 
         try:
             for attempt in tenacity.Retrying(stop=tenacity.stop_after_delay(self.retry_s),
