@@ -212,8 +212,9 @@ DECLARED: tuple[Setting, ...] = (
     _u("STATE_URL", "str", None, "the state database: a postgresql:// URL (a lab's shared state; "
        "pip install -e '.[server]' in a clone) or a SQLite file", file="state.url", shown_default="$SFTCTL_HOME/state.db",
        check=_state_url_problem),
-    _u("STATE_RETRY_S", "float", 60.0, "how long a controller retries the state database while it is unreachable "
-       "(s; events are held back meanwhile)", set_by="user, tests", file="state.retry_s", minimum=0),
+    _u("STATE_RETRY_S", "float", 60.0, "how long the state database is retried while it is unreachable (s; events "
+       "are held back meanwhile); a controller and a queued job ride out 1800 s at least "
+       "(sftctl.queue.STATE_OUTAGE_S), longer when this is", set_by="user, tests", file="state.retry_s", minimum=0),
     _u("STATE_LEASE_S", "float", 90.0, "a controller's lease on its job in a shared (Postgres) state lasts this "
        "long unless renewed (s)", set_by="user, tests", file="state.lease_s", minimum=1),
     _u("CLOUDS", "list", None, "the clouds a spec without resources.clouds may use", file="defaults.clouds",
