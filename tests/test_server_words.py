@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from conftest import wait_for
-from test_server import Server, server  # noqa: F401 - the fixture
+from test_server import Server
 
 
 def test_server_start_says_its_url_and_the_next_step(home, tmp_path):

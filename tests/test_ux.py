@@ -644,7 +644,9 @@ def test_plan_json_of_an_infeasible_job_has_the_plan_and_the_error_keys(tmp_path
     proc = sftctl("plan", str(spec), "--json")
     doc = json.loads(proc.stdout)
     assert proc.returncode == doc["exit_code"] == 3
-    assert {"job", "objective", "steps", "chosen", "reason", "candidates", "catalog", "error", "hint", "exit_code"} == set(doc)
+    # no_step_time: the spec has no model, so the plan says why it has no TIME or TOTAL $ (208dc03's line)
+    assert {"job", "objective", "steps", "chosen", "reason", "candidates", "catalog", "error", "hint", "exit_code",
+            "no_step_time"} == set(doc)
     assert doc["chosen"] is None and doc["candidates"] and all(c["rejected"] for c in doc["candidates"])
     assert doc["error"] == doc["reason"] and proc.stderr.startswith(f"error: {doc['error']}") and doc["hint"]
     ok = write_spec(tmp_path / "ok.yaml", "name: ok\nresources: {clouds: [local]}\nrun: x\n")
