@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -14,6 +15,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# A suite started in the background (`cmd &` in a shell without job control, as a CI runner or
+# `nohup ... &` may start it) inherits SIGINT ignored, and so would every CLI it starts: the tests
+# that send a child Ctrl-C then wait for ever. Each process of the suite (xdist's workers import
+# this too) takes SIGINT back as a terminal's foreground run has it, so its children start with
+# the default disposition and Python's KeyboardInterrupt.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 #: One lock for every copy of this suite on the machine (tests touch nothing else outside their
