@@ -898,3 +898,31 @@ def test_the_measured_step_time_counts_steps_not_ranks_times_steps(home):
     assert "(median of 7 steps x 2 ranks after warm-up)" in measured["message"], measured["message"]
     detail = sftctl("status", doc["id"], check=True).stdout
     assert "(median of 7 steps x 2 ranks after warm-up)" in detail, detail
+
+
+def test_check_imports_the_providers_in_one_thread(tmp_path, home):
+    """`sftctl check` asks every cloud in parallel threads; each importing its provider there could
+    deadlock on sftctl.catalog, whose __init__ imports sftctl.catalog.identity, which the providers
+    import too (seen under load: "internal error: _DeadlockError: deadlock detected by
+    _ModuleLock('sftctl.catalog.identity')"). A fresh interpreter records the thread of every
+    sftctl module's import during api.check: all in the main thread."""
+    probe = textwrap.dedent("""\
+        import json, sys, threading
+        seen = {}
+        class _Where:
+            def find_spec(self, name, path=None, target=None):
+                if name.startswith("sftctl."):
+                    seen.setdefault(name, threading.current_thread() is threading.main_thread())
+                return None
+        sys.meta_path.insert(0, _Where())
+        from sftctl import api
+        before = set(seen)
+        api.check()
+        print(json.dumps({n: main for n, main in seen.items() if n not in before}))
+    """)
+    env = _credentials_everywhere(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    imported = json.loads(proc.stdout.splitlines()[-1])
+    assert "sftctl.providers.kubernetes" in imported or "sftctl.providers.gcp" in imported, imported
+    assert [n for n, main in imported.items() if not main] == []

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -39,7 +40,7 @@ def check(clouds: str | Sequence[str] | None = None) -> list[CloudCheck]:
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from sftctl.providers import configured, get_provider
+    from sftctl.providers import checked_class, configured, get_provider
     from sftctl.providers import names as provider_names
 
     known = provider_names()
@@ -58,6 +59,13 @@ def check(clouds: str | Sequence[str] | None = None) -> list[CloudCheck]:
         except SftctlError as e:
             return CloudCheck(name, False, e.message, e.hint)
 
+    # each configured provider's module is imported here, one at a time: imports in several
+    # threads at once can deadlock (_DeadlockError) where a package imports its own submodule
+    # (sftctl.catalog's __init__ imports sftctl.catalog.identity, which the providers import)
+    for n in names:
+        if configured(n) is None:
+            with contextlib.suppress(SftctlError, ImportError):
+                checked_class(n)
     with ThreadPoolExecutor(max_workers=len(names)) as pool:
         return list(pool.map(one, names))
 
