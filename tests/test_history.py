@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, sftctl, status_json, wait_for
-from sftctl import history
+from sftctl import history, history_import
 from sftctl.errors import SpecError
 from sftctl.state import STEP_SERIES_CAP, Store
 from sftctl.types import RunRecord
@@ -327,13 +327,13 @@ def test_an_export_with_a_bom_reads_and_a_huge_integer_is_its_lines_error(tmp_pa
     row = {k: v for k, v in _run(0.5).to_dict().items() if k != "id"}
     f = tmp_path / "h.jsonl"
     f.write_bytes(b"\xef\xbb\xbf" + (json.dumps(row) + "\n").encode())
-    got = history.read_exported(f)
+    got = history_import.read_exported(f)
     assert got is not None and [r.measured_step_s for r in got] == [0.5]
     f.write_text(json.dumps(row) + "\n" + json.dumps(row)[:-1] + ', "measured_step_s": ' + "9" * 400 + "}\n")
-    with pytest.raises(history.ImportError_, match=f"{f}:2: measured_step_s is too large a number \\(400 digits\\)"):
-        history.read_exported(f)
+    with pytest.raises(history_import.ImportError_, match=f"{f}:2: measured_step_s is too large a number \\(400 digits\\)"):
+        history_import.read_exported(f)
     with pytest.raises(SpecError, match=r"runs\[0\]: .*predicted_step_s"):
-        history.check_rows([row | {"predicted_step_s": 10 ** 400}])
+        history_import.check_rows([row | {"predicted_step_s": 10 ** 400}])
 
 
 @pytest.mark.parametrize("lines, line_no, says", [
@@ -391,10 +391,10 @@ def test_an_imported_record_reducing_in_bf16_is_priced_so(tmp_path):
     f = tmp_path / "runs.jsonl"
     fsdp = {"parallelism": "fsdp", "gpus_per_node": 8, "nodes": 2, "dtype": "bfloat16"}
     f.write_text(_published_line(**fsdp) + "\n" + _published_line(**fsdp, reduce_dtype="bfloat16") + "\n")
-    fp32, bf16 = history.read_import(f)
+    fp32, bf16 = history_import.read_import(f)
     assert (fp32["reduce_dtype"], bf16["reduce_dtype"]) == ("float32", "bfloat16")
     cache: dict = {}
-    slow, fast = history.predict_record(fp32, cache), history.predict_record(bf16, cache)
+    slow, fast = history_import.predict_record(fp32, cache), history_import.predict_record(bf16, cache)
     assert slow.strategy == fast.strategy == "fsdp"
     assert 0 < fast.predicted_step_s < slow.predicted_step_s
 

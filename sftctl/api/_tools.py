@@ -300,11 +300,11 @@ def _calibrated_doc(step_time_s: float, accelerator: str, mode: str, compiled: A
 
 @_typed
 def calibrate_import(file: str | os.PathLike, *, progress: Progress | None = None) -> dict:
-    """Import measured runs from ``file`` (JSON Lines; :func:`sftctl.history.read_import` gives
+    """Import measured runs from ``file`` (JSON Lines; :func:`sftctl.history_import.read_import` gives
     the formats; also :func:`calibrate_export`'s lines): each record's model prediction is
     computed here (the specs are files on this machine), then every row is stored at once, on
     the configured server if there is one. Records already in the run history (the same
-    measurement: :func:`sftctl.history.not_present`) are skipped, so importing a file twice adds
+    measurement: :func:`sftctl.history_import.not_present`) are skipped, so importing a file twice adds
     nothing. Returns ``{"imported": n, "skipped": k, "labels": [...]}``.
 
     Raises:
@@ -312,7 +312,7 @@ def calibrate_import(file: str | os.PathLike, *, progress: Progress | None = Non
             :data:`~sftctl.controller.common.MEASURED_MAX_FACTOR` of its prediction among them:
             nothing of the file is imported.
     """
-    from sftctl.history import import_file, not_present, read_exported
+    from sftctl.history_import import import_file, not_present, read_exported
     from sftctl.types import RunRecord
 
     try:
@@ -342,8 +342,8 @@ _IMPORT_HINT = "nothing of the file was imported; fix the line and import again"
 
 def _record_lines(p: Path) -> list[int]:
     """The line numbers (1-based) of the records of import file ``p``, in order: the lines that
-    are neither blank nor ``#`` comments, as :func:`sftctl.history.read_import` and
-    :func:`~sftctl.history.read_exported` number them (one row each)."""
+    are neither blank nor ``#`` comments, as :func:`sftctl.history_import.read_import` and
+    :func:`~sftctl.history_import.read_exported` number them (one row each)."""
     text = p.read_text(encoding="utf-8").splitlines()
     return [no for no, t in enumerate(text, 1) if t.strip() and not t.strip().startswith("#")]
 
@@ -391,7 +391,7 @@ def _overflowing_line(p: Path) -> Exception:
 
 
 def calibrate_store(rows: Any) -> int:
-    """Store imported run-history rows (checked: :func:`sftctl.history.check_rows`) all at once
+    """Store imported run-history rows (checked: :func:`sftctl.history_import.check_rows`) all at once
     in this machine's state: the server's end of ``calibrate import``. Returns the count.
 
     Raises:
@@ -400,7 +400,7 @@ def calibrate_store(rows: Any) -> int:
             (``runs[i]: what``; exit 2); nothing is stored.
     """
     from sftctl.errors import SpecError
-    from sftctl.history import check_rows
+    from sftctl.history_import import check_rows
 
     try:
         checked = check_rows(rows)
@@ -413,8 +413,8 @@ def calibrate_store(rows: Any) -> int:
 def calibrate_show() -> dict:
     """``calibrate show --json``: ``{"runs": [row, ...], "summary": [group, ...]}``: every run
     (``source`` ``run``: this lab's jobs; ``imported``: from a file) and, per accelerator,
-    offering and source, the median measured / predicted (:func:`sftctl.history.summary`)."""
-    from sftctl.history import summary
+    offering and source, the median measured / predicted (:func:`sftctl.history_import.summary`)."""
+    from sftctl.history_import import summary
 
     runs = calibration_runs()
     return {"runs": [r.to_dict() for r in runs], "summary": summary(runs)}
