@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import dataclasses
 import os
 import time
@@ -41,6 +42,7 @@ def check(clouds: str | Sequence[str] | None = None) -> list[CloudCheck]:
     from concurrent.futures import ThreadPoolExecutor
 
     from sftctl.providers import checked_class, configured, get_provider
+    from sftctl.providers import entry as provider_entry
     from sftctl.providers import names as provider_names
 
     known = provider_names()
@@ -59,13 +61,18 @@ def check(clouds: str | Sequence[str] | None = None) -> list[CloudCheck]:
         except SftctlError as e:
             return CloudCheck(name, False, e.message, e.hint)
 
-    # each configured provider's module is imported here, one at a time: imports in several
-    # threads at once can deadlock (_DeadlockError) where a package imports its own submodule
-    # (sftctl.catalog's __init__ imports sftctl.catalog.identity, which the providers import)
+    # each configured provider's module and its SDK are imported here, one at a time: imports
+    # in several threads at once can deadlock (_DeadlockError) where a package imports its own
+    # submodule (sftctl.catalog's __init__ imports sftctl.catalog.identity, which the providers
+    # import), or see a half-initialised module (google.cloud.compute_v1 and kubernetes both
+    # import requests: "cannot import name 'parse_dict_header' from partially initialized module")
     for n in names:
         if configured(n) is None:
             with contextlib.suppress(SftctlError, ImportError):
                 checked_class(n)
+                sdk = provider_entry(n).sdk
+                if sdk is not None:
+                    importlib.import_module(sdk)
     with ThreadPoolExecutor(max_workers=len(names)) as pool:
         return list(pool.map(one, names))
 
