@@ -213,7 +213,7 @@ def test_architecture_names_every_module():
 
 
 def test_the_controller_is_split_by_job():
-    """controller/ (ARCHITECTURE.md's "Layers"): lifecycle > recovery, drain, common; lifecycle >
+    """controller/ (ARCHITECTURE.md's "Layers"): lifecycle > recovery, drain, run_record > common; lifecycle >
     teardown, preview > launch > submit > placements > slots, and ports. Teardown and preview never import the lifecycle (they work without a Controller);
     slots and ports import no controller module; each placement module imports only the
     placements' base (the package finds them by listing itself); only the package's front door
@@ -230,7 +230,8 @@ def test_the_controller_is_split_by_job():
                                         "sftctl.controller.launch",
                                         "sftctl.controller.ports", "sftctl.controller.preflight",
                                         "sftctl.controller.recovery",
-                                        "sftctl.controller.replan", "sftctl.controller.slots",
+                                        "sftctl.controller.replan", "sftctl.controller.run_record",
+                                        "sftctl.controller.slots",
                                         "sftctl.controller.spot", "sftctl.controller.submit"],
         "sftctl.controller.placements": ["sftctl.controller.placements.base"],
         "sftctl.controller.placements.base": [],
@@ -243,6 +244,7 @@ def test_the_controller_is_split_by_job():
         "sftctl.controller.preview": ["sftctl.controller.launch"],
         "sftctl.controller.recovery": ["sftctl.controller.ports", "sftctl.controller.slots"],
         "sftctl.controller.replan": [],
+        "sftctl.controller.run_record": ["sftctl.controller.common"],
         "sftctl.controller.slots": [],
         "sftctl.controller.spot": [],
         "sftctl.controller.submit": ["sftctl.controller.placements", "sftctl.controller.preflight",
@@ -274,7 +276,7 @@ def _function_level_imports(module: str) -> list[str]:
 NO_FUNCTION_LEVEL_SFTCTL_IMPORTS = [
     "sftctl.controller", "sftctl.controller.lifecycle", "sftctl.controller.submit", "sftctl.controller.teardown",
     "sftctl.controller.preview", "sftctl.controller.launch", "sftctl.controller.ports", "sftctl.controller.slots",
-    "sftctl.controller.common", "sftctl.controller.recovery",
+    "sftctl.controller.common", "sftctl.controller.recovery", "sftctl.controller.run_record",
     "sftctl.controller.preflight", "sftctl.preflight",
     # on the light paths: what they import (settings, errors, types) is there already
     "sftctl.errors", "sftctl.paths", "sftctl.procs", "sftctl.protocol",

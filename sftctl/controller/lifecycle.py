@@ -19,7 +19,6 @@ detached, it runs as ``python -m sftctl.controller JOB_ID`` in a session of its 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import sys
@@ -29,7 +28,6 @@ from pathlib import Path
 from sftctl import vault
 from sftctl.catalog import Offering
 from sftctl.controller.common import (
-    MEASURED_MAX_FACTOR,
     Cancelled,
     Failure,
     LogReporter,
@@ -40,8 +38,6 @@ from sftctl.controller.common import (
     _install_cancel_signals,
     _same_file,
     _stdout_unlinked,
-    off_prediction,
-    ratio_words,
 )
 from sftctl.controller.launch import LaunchRequest, Where, admit
 from sftctl.controller.preflight import keep_out, remember_machine
@@ -49,6 +45,7 @@ from sftctl.controller.slots import NodeSlot
 from sftctl.controller.ports import claim_rendezvous_port, release_rendezvous_port
 from sftctl.controller.drain import Draining
 from sftctl.controller.recovery import Recovery
+from sftctl.controller.run_record import RunRecording
 from sftctl.controller.replan import Replanner, Verdict
 from sftctl.controller.spot import SpotGuard
 from sftctl.controller.submit import claim_checkpoint_dir, job_provider
@@ -60,7 +57,6 @@ from sftctl.providers.base import (
     KeepsAlive, NodeState, Quarantines, SecretStore, UsesChannel, provision_all, terminate_all,
 )
 from sftctl.health.monitor import HealthMonitor
-from sftctl.history import job_run, record_run
 from sftctl.queue import DOWN_REASON, ControllerBusy, StateOutage, claim_job, record_owner, wait_turn  # shared with the waiting stage
 from sftctl.protocol import NodeDir
 from sftctl.spec import JobSpec
@@ -89,7 +85,7 @@ BACKOFF_MAX_S = 30.0
 MIGRATE = "migrate"
 
 
-class Controller(Recovery, Draining):
+class Controller(Recovery, Draining, RunRecording):
     """Runs one job from PENDING to a terminal status.
 
     Args:
@@ -715,48 +711,6 @@ class Controller(Recovery, Draining):
     def _stop_nodes(self) -> None:
         for node in self.nodes:
             self.provider.stop_attempt(node.handle)
-
-    def _record_run(self) -> None:
-        """The job's predicted and measured step time into the run history the next plans learn
-        from (:func:`sftctl.history.record_run`); a failure here is logged, never the job's. Once: before SUCCEEDED/FAILED (a status read then shows ACTUAL).
-
-        A measurement beyond :data:`~sftctl.controller.common.MEASURED_MAX_FACTOR` either way
-        of the model's prediction (a clock glitch's 1e308 s or 1e-9 s; the bound ``calibrate
-        import`` applies, :func:`~sftctl.controller.common.off_prediction`) is not kept: a
-        ``measured`` event says so and why (data: ``kept`` false, ``measured_s``, ``model_s``,
-        ``ratio``, null beyond a float, ``max_factor``, ``measured_steps``)."""
-        if self._run_recorded:
-            return
-        self._run_recorded = True
-        try:
-            # after a migration only the new offering's steps measure it
-            series = self.store.step_series(self.job_id, after=self._moved_at)
-            if self._glitched_measurement(series):
-                return
-            message = record_run(self.store, self.job_id, series=series)
-            if message is not None:
-                self.reporter.event(message)
-        except Exception as e:  # noqa: BLE001 the history is a by-product: the job's own ending goes on
-            logging.getLogger("sftctl.controller").warning("run history not recorded: %r", e)
-
-    def _glitched_measurement(self, series: list) -> bool:
-        """True, after a ``measured`` event saying why it is not kept, when the job's measured
-        step over its reported steps ``series`` (:func:`sftctl.history.job_run`, as
-        :func:`~sftctl.history.record_run` takes it) lies beyond
-        :data:`~sftctl.controller.common.MEASURED_MAX_FACTOR` of the model's."""
-        row = job_run(self.store.get_job(self.job_id), series)
-        ratio = None if row is None else off_prediction(row.measured_step_s, row.predicted_step_s)
-        if row is None or ratio is None:
-            return False
-        message = (f"step time: measured {row.measured_step_s:g} s, not kept in the run history: "
-                   f"{ratio_words(ratio)} the model's {row.predicted_step_s * 1e3:.3g} ms; more than "
-                   f"{MEASURED_MAX_FACTOR:g}x either way is a clock glitch or a bad report, not a measurement")
-        self.store.add_event(self.job_id, "measured", message, {
-            "kept": False, "measured_s": row.measured_step_s, "model_s": row.predicted_step_s,
-            "ratio": ratio if math.isfinite(ratio) else None, "max_factor": MEASURED_MAX_FACTOR,
-            "measured_steps": row.measured_steps})
-        self.reporter.event(message)
-        return True
 
     def _teardown(self) -> None:
         terminate_all(self.provider, [n.handle for n in self.nodes if n.handle is not None],
