@@ -19,7 +19,10 @@ out (:meth:`Client.riding_out`, :meth:`Client.follow_lines`): the server supervi
 it retries with bounded exponential backoff (tenacity) for ``server.retry_s``
 (``SFTCTL_SERVER_RETRY_S``, 180 s), says ``server unreachable, retrying; the job goes on on the
 server`` once on stderr, and goes on following once the server answers; past the window it
-raises :class:`ServerLost` (exit 75) naming the job and how to follow it again.
+raises :class:`ServerLost` (exit 75) naming the job and how to follow it again. A log stream
+that stays silent for :data:`FOLLOW_READ_S` (the server sends a blank keep-alive line every
+``sftctl.server.app.LOG_KEEPALIVE_S`` while a job writes nothing) is a server lost the same way:
+one that accepts the connection and stops answering never hangs a follower.
 
 httpx is imported when a :class:`Client` is made, i.e. only when a server is configured
 (``import sftctl.api`` and a server-less ``sftctl status`` never import it); without it (a
@@ -37,6 +40,9 @@ from sftctl.errors import ExitCode, SftctlError
 #: seconds a request may take to connect, and to answer (submit plans the job: no read limit)
 CONNECT_S = 10.0
 READ_S = 120.0
+#: seconds a followed log stream may stay silent before the follower counts the server lost and
+#: asks again (the server sends a keep-alive line every few seconds of a quiet job)
+FOLLOW_READ_S = 30.0
 
 #: the one line a follower prints (stderr) when it starts retrying an unreachable server
 RETRYING = "server unreachable, retrying; the job goes on on the server"
@@ -57,13 +63,14 @@ class Unreachable(errors.ProviderError):
 
 class ServerLost(SftctlError):
     """A follower could not reach the server for ``server.retry_s``; the job goes on there
-    (exit 75, EX_TEMPFAIL). ``job``: its id."""
+    (exit 75, EX_TEMPFAIL). ``job``: its id; ``cause``: the last :class:`Unreachable`."""
 
     exit_code = ExitCode.SERVER_LOST
 
-    def __init__(self, message: str, hint: str, job: str):
+    def __init__(self, message: str, hint: str, job: str, cause: SftctlError | None = None):
         super().__init__(message, hint)
         self.job = job
+        self.cause = cause
 
 
 def configured() -> "Client | None":
@@ -127,21 +134,32 @@ class Client:
             with self._http(read_s) as http:
                 r = http.request(method, path, **kw)
         except httpx.HTTPError as e:
-            raise self._unreachable(e) from None
+            raise self._unreachable(e, read_s) from None
         return self._decode(r)
 
-    def stream_lines(self, path: str, params: dict) -> Iterator[dict]:
-        """A streamed answer of JSON lines (``logs --follow``), one dict per line, until the
-        server ends it. The request is made now (its error raises now, as :meth:`request`'s);
-        the lines come as the returned iterator is read."""
+    def stream_lines(self, path: str, params: dict, *, read_s: float = READ_S) -> Iterator[dict]:
+        """A streamed answer of JSON lines (``logs``), one dict per line, until the server ends
+        it. The request is made now (its error raises now, as :meth:`request`'s); the lines come
+        as the returned iterator is read. ``read_s``: seconds the answer may stay silent (its
+        headers, then between two lines)."""
+        return (d for d in self._stream(path, params, read_s) if d is not None)
+
+    def _stream(self, path: str, params: dict, read_s: float) -> Iterator[dict | None]:
+        """:meth:`stream_lines`, with None for each blank (keep-alive) line.
+
+        Raises:
+            Unreachable: no connection, no answer within ``read_s`` seconds, or 502/503/504
+                (exit 4), now or as the lines are read.
+            SftctlError: the server's error (its exit code), now.
+        """
         import httpx
 
-        http = self._http(None)
+        http = self._http(read_s)
         try:
             r = http.send(http.build_request("GET", path, params=params), stream=True)
         except httpx.HTTPError as e:
             http.close()
-            raise self._unreachable(e) from None
+            raise self._unreachable(e, read_s) from None
         if r.status_code >= 400:
             try:
                 r.read()
@@ -150,23 +168,24 @@ class Client:
                 http.close()
             self._decode(r)
 
-        def lines() -> Iterator[dict]:
+        def lines() -> Iterator[dict | None]:
             try:
                 for line in r.iter_lines():
-                    if line:
-                        yield json.loads(line)
+                    yield json.loads(line) if line.strip() else None
             except httpx.HTTPError as e:
-                raise self._unreachable(e) from None
+                raise self._unreachable(e, read_s) from None
             finally:
                 r.close()
                 http.close()
 
         return lines()
 
-    def riding_out(self, job: str, call: Callable[[], T], told: list[bool] | None = None) -> T:
+    def riding_out(self, job: str, call: Callable[[], T], told: list[bool] | None = None,
+                   since: float | None = None) -> T:
         """``call()`` (one or more requests about ``job``), retried while it raises
         :class:`Unreachable`: exponential backoff from :data:`RETRY_FIRST_S` to :data:`RETRY_MAX_S`
-        seconds, for at most :attr:`retry_s` seconds from this call. :data:`RETRYING` is logged
+        seconds, for at most :attr:`retry_s` seconds from this call (or from ``since``, a
+        ``time.monotonic()`` when the outage began; ``call`` is tried once at least). :data:`RETRYING` is logged
         (``sftctl.remote``, WARNING: stderr unless logging is set up) once per outage (``told``: a caller's flag shared by its calls, reset once the
         server answers).
 
@@ -174,9 +193,12 @@ class Client:
             ServerLost: still unreachable after :attr:`retry_s` seconds (exit 75).
             SftctlError: any other error of ``call``, at once.
         """
+        import time
+
         import tenacity
 
         told = [False] if told is None else told
+        window_s = self.retry_s if since is None else max(0.0, self.retry_s - (time.monotonic() - since))
 
         def tell(state) -> None:
             import logging
@@ -188,7 +210,7 @@ class Client:
                 logging.getLogger("sftctl.remote").warning(RETRYING)
 
         try:
-            for attempt in tenacity.Retrying(stop=tenacity.stop_after_delay(self.retry_s),
+            for attempt in tenacity.Retrying(stop=tenacity.stop_after_delay(window_s),
                                              wait=tenacity.wait_exponential(multiplier=RETRY_FIRST_S, max=RETRY_MAX_S),
                                              retry=tenacity.retry_if_exception_type(Unreachable),
                                              before_sleep=tell, reraise=True):
@@ -204,28 +226,41 @@ class Client:
         return ServerLost(f"{e.message}; gave up after {self.retry_s:g} s (server.retry_s): job {job} goes on, "
                           "supervised by the server",
                           hint=f"sftctl wait {job} or sftctl logs -f {job} follows it again once the server is back",
-                          job=job)
+                          job=job, cause=e)
 
     def follow_lines(self, job: str, path: str, params: dict) -> Iterator[dict]:
         """:meth:`stream_lines` of a follow (``logs --follow``) that rides out a lost server: the
         stream is asked for again (:meth:`riding_out`) and, since the server sends a job's log
         from its start each time, each rank's lines already passed on are skipped (a rank's
-        lines come in order; notices are never skipped). The open of the first stream raises
+        lines come in order; notices are never skipped). A stream silent for :data:`FOLLOW_READ_S`
+        seconds (not even a keep-alive line) counts as a lost server; the outage runs from the
+        last line received, so a server that answers a request and then nothing gives up after
+        :attr:`retry_s` as one that refuses it. The open of the first stream raises
         at once, as :meth:`stream_lines`'s; the rest raise as the iterator is read.
 
         Raises:
             ServerLost: the server stayed unreachable for :attr:`retry_s` seconds (exit 75).
         """
+        import time
+
         told = [False]
-        first = self.riding_out(job, lambda: self.stream_lines(path, params), told)
+
+        def open_stream() -> Iterator[dict | None]:
+            return self._stream(path, params, FOLLOW_READ_S)
+
+        first = self.riding_out(job, open_stream, told)
 
         def lines() -> Iterator[dict]:
             passed: dict = {}  # rank -> lines passed on
             stream = first
+            outage: float | None = None  # monotonic start of an outage no line has ended yet
             while True:
                 skip = dict(passed)
                 try:
                     for d in stream:
+                        outage = None
+                        if d is None:  # the server's keep-alive
+                            continue
                         rank = None if d.get("notice") else d.get("rank")
                         if not d.get("notice") and skip.get(rank, 0) > 0:
                             skip[rank] -= 1
@@ -235,7 +270,8 @@ class Client:
                         yield d
                     return
                 except Unreachable:
-                    stream = self.riding_out(job, lambda: self.stream_lines(path, params), told)
+                    outage = time.monotonic() if outage is None else outage
+                    stream = self.riding_out(job, open_stream, told, since=outage)
 
         return lines()
 
@@ -246,7 +282,13 @@ class Client:
 
         return f"/v1/jobs/{quote(job, safe='')}{tail}"
 
-    def _unreachable(self, e: Exception) -> SftctlError:
+    def _unreachable(self, e: Exception, read_s: float | None = None) -> SftctlError:
+        import httpx
+
+        if isinstance(e, httpx.ReadTimeout) and read_s is not None:
+            return Unreachable(f"the sftctl server at {self.url} accepted the connection but did not answer "
+                               f"for {read_s:g} s", hint="is it overloaded or stuck? check its log (sftctl server "
+                                                         "start's output); server.url in the config file or SFTCTL_SERVER_URL")
         return Unreachable(f"the sftctl server at {self.url} cannot be reached: {e or type(e).__name__}",
                                     hint="is it running (sftctl server start)? check server.url in the config "
                                          "file or SFTCTL_SERVER_URL")

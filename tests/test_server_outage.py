@@ -140,3 +140,79 @@ def test_a_database_outage_is_503_one_line_without_its_url_and_health_says_so(po
     assert "state database" in log and "Traceback" not in log, log[-3000:]  # the details: in the server's log
     health = httpx.get(f"{server.url}/v1/health", timeout=60)
     assert health.status_code == 200 and health.json()["ok"] is True and health.json()["database"] == "up"
+
+
+def _silent_server() -> tuple[str, list, "threading.Event"]:  # noqa: F821 - a string annotation
+    """A socket server (a daemon thread) that accepts every connection and never answers: its
+    URL, the accepted sockets (kept open) and an event that stops it."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    listener.settimeout(0.2)
+    accepted: list = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        with listener:
+            while not stop.is_set():
+                try:
+                    accepted.append(listener.accept()[0])
+                except TimeoutError:
+                    continue
+            for s in accepted:
+                s.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}", accepted, stop
+
+
+def test_logs_follow_gives_up_on_a_server_that_accepts_and_never_answers(home, monkeypatch, caplog):
+    import threading
+
+    from sftctl import api, remote
+
+    url, accepted, stop = _silent_server()
+    monkeypatch.setenv("SFTCTL_SERVER_URL", url)
+    monkeypatch.setenv("SFTCTL_SERVER_TOKEN", "t")
+    monkeypatch.setenv("SFTCTL_SERVER_RETRY_S", "2")
+    monkeypatch.setattr(remote, "FOLLOW_READ_S", 1.0)
+    raised: list = []
+
+    def follow() -> None:
+        try:
+            list(api.logs("j-1", follow=True))
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            raised.append(e)
+
+    try:
+        follower = threading.Thread(target=follow, daemon=True)
+        follower.start()
+        follower.join(deadline(120))  # a bound on a hang, not a timing: 1 s reads, a 2 s window
+        assert not follower.is_alive(), "logs -f still waits on a server that never answers"
+    finally:
+        stop.set()
+    [e] = raised
+    assert isinstance(e, remote.ServerLost) and e.exit_code == 75 and e.job == "j-1", repr(e)
+    assert e.message == (f"the sftctl server at {url} accepted the connection but did not answer for 1 s; "
+                         "gave up after 2 s (server.retry_s): job j-1 goes on, supervised by the server"), e.message
+    assert len(accepted) >= 2, accepted  # it asked again within the window
+    assert [r.getMessage() for r in caplog.records if r.name == "sftctl.remote"] == [RETRYING]
+
+
+def test_a_follow_of_a_quiet_job_gets_keep_alive_lines(server, tmp_path, monkeypatch):
+    import os
+
+    import httpx
+
+    job = _gated_job(tmp_path, monkeypatch, server)  # writes "started", then nothing until go
+    headers = {"Authorization": f"Bearer {os.environ['SFTCTL_SERVER_TOKEN']}"}  # its owner's
+    with httpx.stream("GET", f"{server.url}/v1/jobs/{job}/logs", params={"follow": True}, headers=headers,
+                      timeout=httpx.Timeout(deadline(60))) as r:
+        lines = r.iter_lines()
+        assert json.loads(next(lines))["text"] == "[sftctl] node 0: run (attempt 1)"
+        assert json.loads(next(lines))["text"] == "started"
+        assert next(lines) == ""  # within the read timeout: the server says it is there
+    (tmp_path / "work" / "go").touch()

@@ -22,7 +22,8 @@ Routes (JSON; every one but ``/v1/health`` needs ``Authorization: Bearer <token>
 ``GET  /v1/jobs/{job}/events``  ``{"events": [Event.to_dict(), ...]}``
 ``GET  /v1/jobs/{job}/metrics``  ``?rank``: ``{"steps": [StepRecord.to_dict(), ...]}`` (api.metrics)
 ``GET  /v1/jobs/{job}/logs``    ``?follow&node&rank``: JSON lines ``{"text", "rank", "prefix",
-                            "notice"}``, streamed as the nodes write them
+                            "notice"}``, streamed as the nodes write them; a follow of a quiet
+                            job sends a blank line every :data:`LOG_KEEPALIVE_S`
 ``GET  /v1/machines``       ``?provider&include_decayed`` -> ``{"machines": [BadMachine.to_dict()]}``:
                             the machines verdicts marked bad (``sftctl nodes``): a user's own jobs' only
 ``GET  /v1/costs``          ``?by=user|lab&since&until`` -> ``{"costs": [CostTotal.to_dict()]}``: a
@@ -165,6 +166,9 @@ def authenticate(authorization: str) -> User:
 
 #: seconds between a log follower's reads of the nodes' logs while they write nothing new
 LOG_POLL_S = 0.5
+#: seconds of a quiet job between the blank keep-alive lines of a log follow: the client takes a
+#: stream silent for ``sftctl.remote.FOLLOW_READ_S`` (30 s) for a lost server
+LOG_KEEPALIVE_S = 5.0
 
 #: seconds a jobs list answers every user's poll of it: ten clients polling `status --json` at
 #: once cost one read of the state, not ten (benchmarks/server_status.py)
@@ -391,6 +395,8 @@ def create_app(supervisor):
     @app.get("/v1/jobs/{job}/logs")
     def logs(job: str, follow: bool = False, node: int | None = None, rank: int | None = None,
              user: User = Depends(current_user)):
+        import time
+
         import anyio
 
         from sftctl.api._views import log_chunks
@@ -401,13 +407,18 @@ def create_app(supervisor):
         chunks = log_chunks(owned(user, job), follow=follow, node=node, rank=rank, poll_s=0)
 
         async def stream():  # one HTTP chunk per read of the nodes' logs, not per line
+            sent = time.monotonic()
             while True:
                 chunk = await anyio.to_thread.run_sync(next, chunks, None)
                 if chunk is None:
                     return
                 if not chunk:
+                    if time.monotonic() - sent >= LOG_KEEPALIVE_S:  # a quiet job: say the server is there
+                        sent = time.monotonic()
+                        yield "\n"
                     await anyio.sleep(LOG_POLL_S)
                     continue
+                sent = time.monotonic()
                 yield "".join(json.dumps({"text": line.text, "rank": line.rank, "prefix": line.prefix,
                                           "notice": line.notice}) + "\n" for line in chunk)
 
