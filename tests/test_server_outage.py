@@ -142,6 +142,39 @@ def test_a_database_outage_is_503_one_line_without_its_url_and_health_says_so(po
     assert health.status_code == 200 and health.json()["ok"] is True and health.json()["database"] == "up"
 
 
+def test_wait_json_against_a_server_that_never_comes_up_exits_75_naming_it(home):
+    import os
+
+    from conftest import sftctl
+    from test_server import _free_port
+
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    env = {**os.environ, "SFTCTL_SERVER_URL": url, "SFTCTL_SERVER_TOKEN": "t", "SFTCTL_SERVER_RETRY_S": "1"}
+    proc = sftctl("wait", "--json", "j-1", "j-2", timeout=120, env=env)
+    assert proc.returncode == 75, (proc.stdout, proc.stderr)
+    doc = json.loads(proc.stdout)  # one document, as a job lost mid-wait gives
+    assert doc["exit_code"] == 75 and doc["jobs"] == [] and doc["running"] == ["j-1", "j-2"], doc
+    assert doc["error"].startswith(f"the sftctl server at {url} cannot be reached: "), doc
+    assert doc["error"].endswith("; gave up after 1 s (server.retry_s)"), doc
+    assert "sftctl server start" in doc["hint"] and "sftctl wait j-1 j-2 again" in doc["hint"], doc
+    assert proc.stderr.splitlines() == [RETRYING, f"error: {doc['error']}", f"hint: {doc['hint']}"], proc.stderr
+
+
+def test_wait_started_while_the_server_is_down_waits_once_it_is_back(server, tmp_path, monkeypatch):
+    from sftctl import api
+
+    job = _gated_job(tmp_path, monkeypatch, server)
+    server.kill()
+    waiter = _cli("wait", job)
+    assert waiter.stderr.readline().rstrip("\n") == RETRYING  # it retries, where it exited 4
+    server.start()
+    (tmp_path / "work" / "go").touch()
+    out, err = waiter.communicate(timeout=deadline(180))
+    assert waiter.returncode == 0, (out, err)
+    assert out.split() == [job, "SUCCEEDED"] and "error" not in err, (out, err)
+    assert api.status(job).status.value == "SUCCEEDED"
+
+
 def _silent_server() -> tuple[str, list, "threading.Event"]:  # noqa: F821 - a string annotation
     """A socket server (a daemon thread) that accepts every connection and never answers: its
     URL, the accepted sockets (kept open) and an event that stops it."""
