@@ -467,7 +467,8 @@ def test_a_running_jobs_actual_is_measured_from_its_newest_steps(state_backend):
                                for s in range(1, 11)])
     view = api._view(store, store.get_job(job))
     assert view.step_time == {"predicted_s": 0.125, "model_s": 0.10, "interval_s": [0.1, 0.15], "measured_s": 0.15,
-                              "measured_steps": 7, "difference": pytest.approx(0.2)}
+                              "measured_steps": 7, "difference": pytest.approx(0.2), "measured_refused": False,
+                              "refused_ratio": None}
     assert view.to_dict()["step_time"] == view.step_time
     assert api.JobView.from_wire(view.to_wire()).step_time == view.step_time  # as a server sends it
     from sftctl.ui import step_time_cells

@@ -7,10 +7,13 @@ Real local jobs; the plan's prediction is injected as tests/test_replan.py does.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import textwrap
 
 import pytest
 
+from conftest import sftctl, status_json
 from sftctl.types import Plan, PlanChoice
 
 #: the model's step the injected plan predicts: 0.7 ms (a small model on a loaded CPU measures ~100x that)
@@ -72,6 +75,51 @@ def test_a_glitched_measurement_is_not_kept_and_an_event_says_why(home, tmp_path
     assert "more than 1000x either way" in event.message
 
 
+@pytest.mark.parametrize("step_s, ratio, why", [
+    (1e308, None, "refused: beyond a float's range of the model's 700.0 us, not learned from"),
+    (1e-9, 1e-9 / PREDICTED_S, "refused: 1.43e-06 x the model's 700.0 us, not learned from")])
+def test_status_shows_a_refused_measurement_as_refused(home, tmp_path, step_s, ratio, why):
+    """The measurement the controller refused is shown with the refusal (status JOB, the table,
+    --json, events' final), not as the job's trusted ACTUAL nor as no measurement at all."""
+    job, _, _ = _run(tmp_path, step_s)
+    st = status_json(job)["step_time"]
+    assert st["measured_refused"] is True and st["measured_s"] == pytest.approx(step_s) and st["measured_steps"] > 0
+    assert st["refused_ratio"] == (None if ratio is None else pytest.approx(ratio))
+    assert st["predicted_s"] == pytest.approx(PREDICTED_S) and st["model_s"] == pytest.approx(PREDICTED_S)
+    (row,) = [j["step_time"] for j in status_json()["jobs"]]
+    assert row == st
+    cli = json.loads(sftctl("status", job, "--json", check=True).stdout)["step_time"]
+    assert cli == st
+    env = {**os.environ, "COLUMNS": "250"}
+    (line,) = [ln for ln in sftctl("status", env=env, check=True).stdout.splitlines() if job in ln]
+    assert f"700.0 us  {step_s:.3g} s refused" in line, line
+    detail = sftctl("status", job, env=env, check=True).stdout
+    assert f"step time: predicted 700.0 us, measured {step_s:.3g} s (median of {st['measured_steps']} steps after " \
+           f"warm-up); {why}" in detail, detail
+    final = json.loads(sftctl("events", job, "--json", check=True).stdout)["events"][-1]["data"]["final"]
+    assert final["step_time"] == st
+
+
+def test_a_running_jobs_measurement_beyond_the_bound_reads_refused(home):
+    """While a job runs, its newest steps' median beyond the bound reads refused too (the
+    controller will not keep it), within it as before."""
+    from sftctl import api
+    from sftctl.state import Store
+    from sftctl.types import Offering
+
+    store = Store()
+    o = Offering("local", "local", "cpu", 1, "local", 0.0)
+    row = PlanChoice(o, 1, 0.0, step_time_s=PREDICTED_S, calibrated_step_s=2 * PREDICTED_S)
+    for step_s, refused in ((1.0, True), (0.1195, False)):
+        job = store.create_job("demo", {"resources": {"nodes": 1}, "train": {"steps": 100}})
+        store.update_job(job, offering_json=Plan(row, "", [row]).to_dict())
+        store.record_metrics(job, [{"rank": 0, "step": s, "step_time_s": step_s, "ts": float(s)} for s in range(1, 11)])
+        st = api._view(store, store.get_job(job)).step_time
+        assert st["measured_s"] == pytest.approx(step_s) and st["measured_refused"] is refused
+        assert st["refused_ratio"] == (pytest.approx(step_s / PREDICTED_S) if refused else None)
+        assert st["difference"] == pytest.approx(step_s / (2 * PREDICTED_S) - 1)
+
+
 def test_a_loaded_cpus_170x_is_kept(home, tmp_path):
     from sftctl.state import JobStatus
 
@@ -81,3 +129,10 @@ def test_a_loaded_cpus_170x_is_kept(home, tmp_path):
     assert row.measured_step_s == pytest.approx(0.1195) and row.predicted_step_s == pytest.approx(PREDICTED_S)
     (event,) = [e for e in store.events(job) if e.kind == "measured"]
     assert event.data["measured_s"] == pytest.approx(0.1195) and "kept" not in event.data
+    st = status_json(job)["step_time"]
+    assert st["measured_refused"] is False and st["refused_ratio"] is None
+    assert st["measured_s"] == pytest.approx(0.1195) and st["difference"] == pytest.approx(0.1195 / PREDICTED_S - 1)
+    env = {**os.environ, "COLUMNS": "250"}
+    detail = sftctl("status", job, env=env, check=True).stdout
+    assert f"step time: predicted 700.0 us, measured 119.5 ms {st['difference']:+.0%} (median of" in detail, detail
+    assert "refused" not in detail and "refused" not in sftctl("status", env=env, check=True).stdout

@@ -96,7 +96,8 @@ class JobView:
             "ended_at": job.ended_at,
             "controller_pid": job.controller_pid,
             "cost": self.cost.to_dict() if self.cost else None,  # {usd, price_per_hour, source, node_hours}
-            # {predicted_s, model_s, interval_s, measured_s, measured_steps, difference}: PRED vs ACTUAL
+            # {predicted_s, model_s, interval_s, measured_s, measured_steps, difference, measured_refused,
+            # refused_ratio}: PRED vs ACTUAL
             "step_time": self.step_time,
         }
         if self.detail:
@@ -154,26 +155,52 @@ def job(job: str) -> JobRecord:
 STATUS_SERIES_ROWS = 2048
 
 
-def _step_time(store: Store, job: JobRecord, run: Any) -> dict | None:
+def _step_time(store: Store, job: JobRecord, run: Any, refused: dict | None = None) -> dict | None:
     """PRED vs ACTUAL of a job: the plan's step time (corrected by history where it was) and the
-    measured one: its run-history row once measured, else (while it runs) its reported steps."""
+    measured one: its run-history row once measured, else (while it runs) its reported steps;
+    ended without a row, the measurement the controller refused (``refused``: the data of its
+    ``measured`` event with ``kept`` false; None: read from ``store`` here). Beyond
+    :data:`~sftctl.controller.common.MEASURED_MAX_FACTOR` of the model's step, ``measured_refused``
+    is true and ``refused_ratio`` the measured over the model's step (None beyond a float): the
+    run history does not keep it (:func:`~sftctl.controller.common.off_prediction`)."""
+    import math
+
+    from sftctl.controller.common import off_prediction
     from sftctl.history import measured_step_s, step_time_view
 
     plan = job.plan
     model = plan.planned("step_time_s") if plan is not None else None
     predicted = (plan.planned("calibrated_step_s") or model) if plan is not None else None
+    ratio: float | None = None
     if run is not None:
         measured, n = run.measured_step_s, run.measured_steps or 0
     elif predicted is not None and not job.status.terminal:
         measured, n = measured_step_s(store.step_series(job.id, last=STATUS_SERIES_ROWS))
+        ratio = None if measured is None or not model else off_prediction(measured, model)
+    elif predicted is not None and (refused := _refused(store, job.id) if refused is None else refused):
+        measured, n = refused.get("measured_s"), refused.get("measured_steps") or 0
+        ratio = refused.get("ratio") or math.inf  # null: beyond a float
     else:
         measured, n = None, 0
     view = step_time_view(predicted, measured, n, plan.planned("step_time_interval_s") if plan is not None else None)
-    return None if view is None else {**view, "model_s": model}
+    if view is None:
+        return None
+    if view["difference"] is not None and not math.isfinite(view["difference"]):
+        view["difference"] = None  # 1e308 s over 0.7 ms: no JSON number
+    return {**view, "model_s": model, "measured_refused": ratio is not None,
+            "refused_ratio": ratio if ratio is not None and math.isfinite(ratio) else None}
+
+
+def _refused(store: Store, job_id: str) -> dict:
+    """The data of the job's ``measured`` event whose measurement the controller did not keep
+    (``kept`` false, ``measured_s``, ``ratio``, ...); ``{}`` when there is none."""
+    return next((e.data for e in reversed(store.events_of_kind("measured", [job_id]))
+                 if e.data and e.data.get("kept") is False), {})
 
 
 def _view(store: Store, job: JobRecord, detail: bool = False, ranks: list[MetricsRecord] | None = None,
-          spans: list[tuple[float, float | None]] | None = None, runs: dict[str, Any] | None = None) -> JobView:
+          spans: list[tuple[float, float | None]] | None = None, runs: dict[str, Any] | None = None,
+          refused: dict[str, dict] | None = None) -> JobView:
     if ranks is None:
         ranks = store.metrics(job.id)
     if spans is None:
@@ -181,7 +208,7 @@ def _view(store: Store, job: JobRecord, detail: bool = False, ranks: list[Metric
     if runs is None:
         runs = {r.job_id: r for r in store.runs(job_ids=[job.id])}
     cost = _cost(job, spans)
-    step_time = _step_time(store, job, runs.get(job.id))
+    step_time = _step_time(store, job, runs.get(job.id), None if refused is None else refused.get(job.id, {}))
     if not detail:
         return JobView(job, ranks, cost=cost, step_time=step_time)
     nodes = [dataclasses.replace(n, status=_node_status(job, n)) for n in store.nodes(job.id)]
@@ -291,8 +318,11 @@ def status(job: str | None = None, *, all_users: bool = False,
         by_job.setdefault(r.job_id, []).append(r)
     spans = store.node_spans()
     runs = {r.job_id: r for r in store.runs(source="run")}
-    return [_view(store, j, ranks=by_job.get(j.id, []), spans=spans.get(j.id, []), runs=runs)
-            for j in store.list_jobs() if _labelled(j, labels)]
+    jobs = [j for j in store.list_jobs() if _labelled(j, labels)]
+    unkept = [j.id for j in jobs if j.status.terminal and j.id not in runs and j.plan is not None]
+    refused = {e.job_id: e.data for e in store.events_of_kind("measured", unkept) if e.data and e.data.get("kept") is False}
+    return [_view(store, j, ranks=by_job.get(j.id, []), spans=spans.get(j.id, []), runs=runs, refused=refused)
+            for j in jobs]
 
 
 def _labelled(job: JobRecord, labels: Mapping[str, str] | None) -> bool:

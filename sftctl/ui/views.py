@@ -244,13 +244,26 @@ def labels_text(labels: dict | None) -> str:
 
 def step_time_cells(st: dict | None) -> list[str]:
     """PRED and ACTUAL of a job's ``step_time`` (``status --json``): the planned step time and the
-    measured one (median after warm-up) with its difference, ``31.2 ms +8%``; ``-`` unknown."""
+    measured one (median after warm-up) with its difference, ``31.2 ms +8%``; a measurement too
+    far off the model's step for the run history (``measured_refused``): ``1e-09 s refused``;
+    ``-`` unknown."""
     if not st:
         return ["-", "-"]
     actual = _seconds(st.get("measured_s"))
-    if st.get("difference") is not None:
+    if st.get("measured_refused"):
+        actual += " refused"
+    elif st.get("difference") is not None:
         actual += f" {st['difference']:+.0%}"
     return [_seconds(st.get("predicted_s")), actual]
+
+
+def refused_words(st: dict) -> str:
+    """Why a job's ``step_time`` with ``measured_refused`` is not learned from: ``refused:
+    1.43e-06 x the model's 700.0 us, not learned from``; ``beyond a float's range of`` for a
+    ratio (``refused_ratio``) past a float."""
+    ratio = st.get("refused_ratio")
+    far = f"{ratio:.3g} x" if ratio is not None else "beyond a float's range of"
+    return f"refused: {far} the model's {_seconds(st.get('model_s'))}, not learned from"
 
 
 def _usd(cost: dict | None) -> str:
@@ -299,8 +312,13 @@ def job_detail(job: dict) -> list:
         pred, actual = step_time_cells(job["step_time"])
         n, world = job["step_time"].get("measured_steps"), max(1, len(job.get("ranks") or ()))
         over = f"{round(n / world)} steps x {world} ranks" if n and world > 1 else f"{n} steps"  # n: reports
+        refused = job["step_time"].get("measured_refused")
+        if refused:
+            actual = _seconds(job["step_time"].get("measured_s"))
         out.append(Text(f"step time: predicted {pred}, measured {actual}" + (f" (median of {over} after warm-up)"
-                                                                             if n else "")))
+                                                                             if n else "")
+                        + (f"; {refused_words(job['step_time'])}" if refused else ""),
+                        style="yellow" if refused else ""))
     for h in job.get("health", []):
         out.append(Text(f"health {time.strftime('%H:%M:%S', time.localtime(h['ts']))}: {h['message']} -> {h.get('action')}",
                         style="yellow"))
@@ -351,8 +369,12 @@ def events_table(events: list[dict]) -> FitTable:
 
 
 def _seconds(s: float | None) -> str:
+    """``s`` seconds as ``31.2 ms``, ``700.0 us``, ``2.50 s``; below 0.1 us or from 1e5 s (a
+    glitching clock's step) ``1e-09 s``, ``1e+308 s``; ``-`` None."""
     if s is None:
         return "-"
+    if not 1e-7 <= s < 1e5:
+        return f"{s:.3g} s"
     if s < 1e-3:
         return f"{s * 1e6:.1f} us"
     if s < 1:
