@@ -226,6 +226,30 @@ def write_spec(path: Path, text: str) -> Path:
     return path
 
 
+def script_job(tmp_path: Path, name: str, script: str, fields: str) -> str:
+    """A job spec running ``script`` (written as ``tmp_path/train.py``) in ``tmp_path``, health
+    checks off: ``tmp_path/job.yaml``, whose path is returned. ``fields``: more top-level YAML
+    lines, each ending in a newline (``env``, ``train``, ``resources``)."""
+    (tmp_path / "train.py").write_text(script)
+    text = f"name: {name}\nworkdir: {tmp_path}\nrun: python train.py\n{fields}health: {{enabled: false}}\n"
+    return str(write_spec(tmp_path / "job.yaml", text))
+
+
+def run_injected(spec: str, plan_for):
+    """Submit ``spec``, store ``plan_for(offering)`` (a :class:`sftctl.types.Plan` for the
+    offering the planner chose: an injected prediction) as its plan, and run its controller in
+    this process to the end. Returns ``(job id, final JobStatus, Store, the injected Plan)``."""
+    from sftctl import api
+    from sftctl.controller.lifecycle import Controller
+    from sftctl.state import Store
+
+    job = api.submit(spec).job_id
+    store = Store()
+    plan = plan_for(store.get_job(job).plan.offering)
+    store.update_job(job, offering_json=plan.to_dict())
+    return job, Controller(store, job).run(), store, plan
+
+
 def no_traceback(proc: subprocess.CompletedProcess) -> bool:
     return "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
 

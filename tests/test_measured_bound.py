@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from conftest import sftctl, status_json
+from conftest import run_injected, script_job, sftctl, status_json
 from sftctl.types import Plan, PlanChoice
 
 #: the model's step the injected plan predicts: 0.7 ms (a small model on a loaded CPU measures ~100x that)
@@ -31,27 +31,14 @@ SCRIPT = textwrap.dedent("""\
 
 
 def _run(tmp_path, step_s: float):
-    from sftctl import api
-    from sftctl.controller.lifecycle import Controller
-    from sftctl.state import Store
+    spec = script_job(tmp_path, "glitch", SCRIPT, f'env: {{STEP_S: "{step_s!r}"}}\ntrain: {{steps: 12}}\n')
 
-    (tmp_path / "train.py").write_text(SCRIPT)
-    spec = tmp_path / "job.yaml"
-    spec.write_text(textwrap.dedent(f"""\
-        name: glitch
-        workdir: {tmp_path}
-        run: python train.py
-        env: {{STEP_S: "{step_s!r}"}}
-        train: {{steps: 12}}
-        health: {{enabled: false}}
-        """))
-    job = api.submit(str(spec)).job_id
-    store = Store()
-    here = store.get_job(job).plan.offering
-    row = PlanChoice(dataclasses.replace(here), 1, here.usd_per_hour, step_time_s=PREDICTED_S,
-                     calibrated_step_s=PREDICTED_S)
-    store.update_job(job, offering_json=Plan(row, "injected", [row]).to_dict())
-    status = Controller(store, job).run()
+    def injected(here):
+        row = PlanChoice(dataclasses.replace(here), 1, here.usd_per_hour, step_time_s=PREDICTED_S,
+                         calibrated_step_s=PREDICTED_S)
+        return Plan(row, "injected", [row])
+
+    job, status, store, _ = run_injected(spec, injected)
     return job, status, store
 
 

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from conftest import job_processes
+from conftest import job_processes, run_injected, script_job
 from sftctl.types import Offering, Plan, PlanChoice, StepRecord
 
 #: the training script: sleeps per step, checkpoints every train.checkpoint_interval steps,
@@ -44,18 +44,8 @@ THERE_STEP_S = 0.1  # the alternative's calibrated prediction: as fast, a thousa
 
 
 def _spec(tmp_path, replan: str, steps: int = 40) -> str:
-    (tmp_path / "train.py").write_text(SCRIPT)
-    path = tmp_path / "job.yaml"
-    path.write_text(textwrap.dedent(f"""\
-        name: replan
-        workdir: {tmp_path}
-        run: python train.py
-        env: {{SPANS: {tmp_path / "spans.log"}}}
-        train: {{steps: {steps}, checkpoint_interval: 10}}
-        resources: {{replan: {replan}}}
-        health: {{enabled: false}}
-        """))
-    return str(path)
+    return script_job(tmp_path, "replan", SCRIPT, f"env: {{SPANS: {tmp_path / 'spans.log'}}}\n"
+                      f"train: {{steps: {steps}, checkpoint_interval: 10}}\nresources: {{replan: {replan}}}\n")
 
 
 def _plan(here: Offering) -> tuple[Plan, Offering]:
@@ -68,16 +58,8 @@ def _plan(here: Offering) -> tuple[Plan, Offering]:
 
 
 def _run(tmp_path, replan: str):
-    from sftctl import api
-    from sftctl.controller.lifecycle import Controller
-    from sftctl.state import Store
-
-    job = api.submit(_spec(tmp_path, replan))
-    store = Store()
-    plan, there = _plan(store.get_job(job.job_id).plan.offering)
-    store.update_job(job.job_id, offering_json=plan.to_dict())
-    status = Controller(store, job.job_id).run()
-    return job.job_id, status, store, plan, there
+    job, status, store, plan = run_injected(_spec(tmp_path, replan), lambda here: _plan(here)[0])
+    return job, status, store, plan, plan.candidates[1].offering
 
 
 def test_a_slow_offering_gets_one_replan_event_with_its_figures(home, tmp_path):
