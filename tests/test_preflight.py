@@ -98,7 +98,7 @@ def test_a_slow_node_is_replaced_before_the_first_step_and_the_job_succeeds(tmp_
     failed = [e["data"] for e in pre if not e["data"]["passed"]]
     assert [d["node_rank"] for d in failed] == [1]
     mm = failed[0]["matmul"][0]
-    assert mm["measured_s"] > mm["predicted_s"] / 0.6  # measured, not written in: 8x slower than its reference
+    assert mm["measured_s"] > mm["predicted_s"] / 0.3  # measured, not written in: 8x slower than its reference
     passed = [e for e in pre if e["data"]["passed"]]
     assert sorted(e["data"]["node_rank"] for e in passed) == [0, 1]  # attempt 2: both nodes, the new node 1
     for e in passed:

@@ -61,7 +61,8 @@ def test_a_slow_allreduce_blames_the_node_whose_sends_are_slow_and_only_it():
 def _run(tmp_path, spec_text: str, env: dict | None = None) -> tuple[dict, list[dict]]:
     spec = write_spec(tmp_path / "job.yaml", spec_text)
     proc = sftctl("run", str(spec), "--json", timeout=400, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    why = [line for line in proc.stderr.splitlines() if "health:" in line or "preflight" in line]
+    assert proc.returncode == 0, "\n".join(why[:20]) + "\n...\n" + proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     events = json.loads(sftctl("events", doc["id"], "--json", check=True, env=env).stdout)["events"]
     return doc, events
@@ -84,10 +85,16 @@ def _replaced_once(doc: dict, events: list[dict], kind: str) -> tuple[dict, list
 def two_node_spec(name: str, max_restarts: int = 1, **env: int) -> str:
     """A two-node local CPU job with the quick preflight, whose run says which node trained;
     ``env``: the nodes' extra variables (a fault to inject). The one spec of the preflight tests
-    (here and in test_preflight.py)."""
+    (here and in test_preflight.py).
+
+    Its ``preflight_min_fraction`` is 0.3, not 0.6: on a 2-vCPU machine whose vCPUs are one
+    core's two hyperthreads, a busy sibling slows a thread's matmul even in CPU time, and CI
+    (stop 48) replaced the healthy node 0 of the slow-NIC job before node 1, so the one restart
+    went to the wrong node. The injected faults stay far below 0.3: the slow matmul is 8x
+    (0.125), the throttled NIC's all-reduce 0.05 GB/s (0.12 of the reference)."""
     extra = "".join(f", {k}: {v}" for k, v in env.items())
     return (f"name: {name}\nresources: {{accelerators: [\"cpu:1\"], nodes: 2}}\n"
-            f"recovery: {{max_restarts: {max_restarts}}}\nhealth: {{preflight: quick}}\n"
+            f"recovery: {{max_restarts: {max_restarts}}}\nhealth: {{preflight: quick, preflight_min_fraction: 0.3}}\n"
             f"env: {{OMP_NUM_THREADS: 1{extra}}}\nrun: echo trained on node $SFTCTL_NODE_RANK\n")
 
 
@@ -98,12 +105,12 @@ def test_a_node_that_slows_the_allreduce_is_replaced_before_the_first_step(tmp_p
     doc, events = _run(tmp_path, SLOW_NET)
     verdict, pre = _replaced_once(doc, events, "preflight_slow")
     assert "all-reduce over 2 nodes at" in verdict["message"] and "of this machine's reference" in verdict["message"]
-    assert "node 1's sends" in verdict["message"]
+    assert "node 1's sends" in verdict["message"] and "(< 0.3)" in verdict["message"]  # the spec's fraction
     first = [e["data"] for e in pre if not e["data"]["passed"]]
     assert [d["node_rank"] for d in first] == [1]
     ar = first[0]["allreduce"]
     # measured, not written in: the throttled node's sends ran at ~0.05 GB/s, the collective with them
-    assert ar["bus_gbps"] < 0.6 * ar["predicted_bus_gbps"] and ar["send_gbps"][1] < 0.1
+    assert ar["bus_gbps"] < 0.3 * ar["predicted_bus_gbps"] and ar["send_gbps"][1] < 0.1
     assert ar["send_gbps"][1] < STANDS_OUT * ar["send_gbps"][0] and ar["slow_node"] == 1
     passed = [e["data"] for e in pre if e["data"]["passed"]]
     # attempt 2: both nodes pass, the new node 1 not throttled
