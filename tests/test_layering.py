@@ -25,8 +25,8 @@ LAYERS = [
     # 2: where jobs run, and what runs on a node
     {"sftctl.providers", "sftctl.train", "sftctl.node", "sftctl.agent", "sftctl.preflight"},
     # 3: deciding and driving a job
-    {"sftctl.planner", "sftctl.controller", "sftctl.queue", "sftctl.history", "sftctl.history_import",
-     "sftctl.sandboxed_trace", "sftctl.trace_errors"},
+    {"sftctl.planner", "sftctl.plan_wording", "sftctl.controller", "sftctl.queue", "sftctl.history",
+     "sftctl.history_import", "sftctl.sandboxed_trace", "sftctl.trace_errors"},
     # 4: the one entry to the core (and the client it sends job commands through when a server is configured)
     {"sftctl.api", "sftctl.remote"},
     # 5: presentation, and the server that runs the api for its clients (ui/ a package: views, plan)
@@ -285,7 +285,7 @@ NO_FUNCTION_LEVEL_SFTCTL_IMPORTS = [
     "sftctl.storage.stream", "sftctl.templates", "sftctl.providers.base", "sftctl.providers.local",
     "sftctl.providers.kubernetes", "sftctl.providers.kubernetes.manifests", "sftctl.providers.kubernetes.provider",
     "sftctl.train", "sftctl.train.checkpoints", "sftctl.train.config", "sftctl.train.report", "sftctl.train.sharded",
-    "sftctl.planner", "sftctl.trace_errors",
+    "sftctl.planner", "sftctl.plan_wording", "sftctl.trace_errors",
     # these keep only the imports named: a backend's SDK (boto3, google-cloud), a provider loaded on demand
     "sftctl.storage", "sftctl.providers",
 ]

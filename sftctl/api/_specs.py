@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Mapping
 
 from sftctl.api._base import Overrides, Progress, SpecLike, _remote, _serving, _store, _typed
 from sftctl.errors import SftctlError, SftctlWarning, SpecError
+from sftctl.plan_wording import no_step_time as _no_step_time
 from sftctl.types import RunRecord
 
 if TYPE_CHECKING:
@@ -215,7 +216,7 @@ def plan_doc(spec: JobSpec, chosen: Plan | None, reason: str, candidates: list) 
     it (:meth:`~sftctl.types.Plan.to_dict`) less its ``reason`` and ``candidates``, which sit at
     the top; each candidate is :meth:`~sftctl.types.PlanChoice.to_dict`. A spec without a
     model (no row has a step time) adds ``no_step_time``: why, and the field to add
-    (:func:`sftctl.planner.no_step_time`)."""
+    (:func:`sftctl.plan_wording.no_step_time`)."""
     doc = chosen.to_dict() if chosen is not None else None
     if doc is not None:
         doc.pop("candidates")
@@ -228,11 +229,9 @@ def plan_doc(spec: JobSpec, chosen: Plan | None, reason: str, candidates: list) 
 
 def no_step_time(spec: JobSpec, candidates: list) -> str | None:
     """Why no candidate (:class:`~sftctl.types.PlanChoice`) of a plan of ``spec`` has a step
-    time, in one line naming the field to add, or None (:func:`sftctl.planner.no_step_time`):
+    time, in one line naming the field to add, or None (:func:`sftctl.plan_wording.no_step_time`):
     ``plan``'s line under its table and ``plan --json``'s ``no_step_time``."""
-    from sftctl.planner import no_step_time as why
-
-    return why(spec, candidates)
+    return _no_step_time(spec, candidates)
 
 
 # ------------------------------------------------------------------------------ calibration: the run history

@@ -56,6 +56,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response, Streamin
 
 from sftctl import api
 from sftctl.errors import SftctlError
+from sftctl.plan_wording import format_hours
 import sftctl.server.guard as guard
 import sftctl.server.users as users
 from sftctl.server.users import User
@@ -454,7 +455,6 @@ def plan_view(candidates: list, reason: str | None) -> dict:
     :data:`PLAN_TOP`, each offering at its best region), each a dict of the CLI's columns
     (``step_s``: the step as ``sftctl plan`` shows it, seconds; ``usd_per_hour``, ``total_usd``:
     USD; ``memory_gib``: peak GiB), the line saying what was left out, and the pick's reason."""
-    from sftctl.planner import format_hours
     from sftctl.ui import plan_rows
 
     shown, members, left_out = plan_rows(candidates, PLAN_TOP)

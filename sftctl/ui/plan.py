@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
+from sftctl.plan_wording import close_call_note, format_hours
 from sftctl.ui.views import Col, FitTable, _num, _seconds
 
 
@@ -86,8 +87,6 @@ def _close_call_line(pick, ranked: list, shown: list, members: dict[int, list]) 
     """The pick's close-call note naming the runner-up by the row this table shows it as (``#3``;
     regions grouped, so not its rank among the candidates), or as not shown; the note as the plan
     keeps it (the offering named, no number) when the runner-up cannot be found in ``ranked``."""
-    from sftctl.planner import close_call_note
-
     close = getattr(pick, "close_call", None) or {}
     rank = close.get("runner_up_rank")
     other = ranked[rank - 1] if isinstance(rank, int) and 0 < rank <= len(ranked) else None
@@ -125,10 +124,8 @@ def plan_table(candidates: list, steps: int, top: int | None = None, script_step
     when the pick's interval overlaps the runner-up's (:func:`sftctl.planner._ranking_notes`).
 
     When no row shown has a step time the title promises no total (``by $/H: no step time``)
-    and ``no_step`` (:func:`sftctl.planner.no_step_time`: why, and the field to add) is the
+    and ``no_step`` (:func:`sftctl.plan_wording.no_step_time`: why, and the field to add) is the
     first line under the table."""
-    from sftctl.planner import format_hours
-
     shown, members, left_out = plan_rows(candidates, top)
     ranked, candidates = candidates, shown
     refs, notes = _rejection_notes(candidates)
