@@ -66,6 +66,28 @@ def test_lifecycle_is_enforced(state_backend):
     assert messages[-1] == "RUNNING -> CANCELLED: cancelled by test"
 
 
+def test_an_ended_job_keeps_no_waiting_note(state_backend):
+    """A job that ended while it waited (its waiter killed: reaped FAILED_CONTROLLER; cancelled)
+    or while a scheduler still queued a node keeps no ``pending_reason``: its record said
+    "waiting for CPUs: ..." after it had ended."""
+    store = Store()
+    note = "waiting for CPUs: 2 of this machine's 2 are taken by 1 local job(s), this job needs 1"
+    ended = {}
+    for end, path in ((JobStatus.CANCELLED, ()), (JobStatus.FAILED_CONTROLLER, ()),
+                      (JobStatus.SUCCEEDED, (JobStatus.PROVISIONING, JobStatus.LAUNCHING, JobStatus.RUNNING))):
+        job = store.create_job("demo", {"run": "true"})
+        for s in path:
+            assert store.transition(job, s)
+        store.update_job(job, pending_reason=note)
+        assert store.get_job(job).pending_reason == note
+        assert store.transition(job, end, "ended by test" if end != JobStatus.SUCCEEDED else None)
+        ended[end] = store.get_job(job).pending_reason
+    assert ended == dict.fromkeys((JobStatus.CANCELLED, JobStatus.FAILED_CONTROLLER, JobStatus.SUCCEEDED))
+    job = store.create_job("demo", {"run": "true"})  # a live move keeps the note its owner writes
+    store.update_job(job, pending_reason=note)
+    assert store.transition(job, JobStatus.PROVISIONING) and store.get_job(job).pending_reason == note
+
+
 def test_a_schema_2_file_keeps_its_jobs_and_gains_failure_codes(home):
     """Schema 3 adds the code of each failure line (jobs.failure_code, attempts.reason_code):
     a version-2 file migrates in place, its rows read back with no code; new endings get one."""

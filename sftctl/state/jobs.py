@@ -137,7 +137,8 @@ class _Jobs(_Connection):
 
         ``reason`` is the human line; ``code`` its :class:`sftctl.types.FailureCode` value. For an
         ending (FAILED, CANCELLED, FAILED_CONTROLLER) they become the job's ``failure_reason`` and
-        ``failure_code``; the status event carries the code in its data.
+        ``failure_code``; the status event carries the code in its data. Any ending, SUCCEEDED
+        too, clears ``pending_reason`` (a waiter killed or cancelled left its last note there).
 
         Returns True if the job moved. A transition out of a terminal status returns False (the
         job already ended, e.g. ``sftctl down`` won the race). Any other forbidden transition
@@ -156,9 +157,10 @@ class _Jobs(_Connection):
                     return False
                 raise IllegalTransition(f"{job_id}: {old.value} -> {new.value}")
             ended = now if new.terminal else None
-            db.execute(
+            db.execute(  # an ended job waits for nothing: its pending_reason goes
                 "UPDATE jobs SET status = ?, updated_at = ?, ended_at = COALESCE(?, ended_at),"
-                " failure_reason = COALESCE(?, failure_reason), failure_code = COALESCE(?, failure_code) WHERE id = ?",
+                " failure_reason = COALESCE(?, failure_reason), failure_code = COALESCE(?, failure_code)"
+                + (", pending_reason = NULL" if new.terminal else "") + " WHERE id = ?",
                 (new.value, now, ended, reason if new in _ENDINGS else None, code if new in _ENDINGS else None, job_id),
             )
             message = f"{old.value} -> {new.value}" + (f": {reason}" if reason else "")

@@ -42,7 +42,7 @@ class JobRecord(Record):
     on once planned and ``plan`` the planner's whole :class:`Plan` (state keeps ``Plan.to_dict()``:
     offering, nodes, predicted step time, ``reason``, ``candidates``; the ``offering_json`` column);
     ``failure_reason`` the line that ended it; ``pending_reason`` why it still waits (local
-    admission control)."""
+    admission control, a scheduler's queue; None once it ended)."""
 
     id: str
     name: str
