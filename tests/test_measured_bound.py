@@ -123,3 +123,35 @@ def test_a_loaded_cpus_170x_is_kept(home, tmp_path):
     detail = sftctl("status", job, env=env, check=True).stdout
     assert f"step time: predicted 700.0 us, measured 119.5 ms {st['difference']:+.0%} (median of" in detail, detail
     assert "refused" not in detail and "refused" not in sftctl("status", env=env, check=True).stdout
+
+
+def test_the_forecast_prices_the_rest_at_the_prediction_when_the_measurement_is_refused(home):
+    """The server's forecast (cost so far + the remaining steps at the measured step) took a
+    running job's 1e308 s median as it was: an infinite forecast. Refused, the prediction prices
+    the rest; a trusted measurement still does. One node at $98.32/h for 1 h, 10 of 1000 steps."""
+    import time
+
+    from test_cost import OFFERING
+
+    from sftctl import api
+    from sftctl.server.web import forecast_usd
+    from sftctl.state import JobStatus, NodeState, Store
+    from sftctl.types import Offering
+
+    store = Store()
+    row = PlanChoice(Offering.from_dict(OFFERING), 1, OFFERING["usd_per_hour"], step_time_s=PREDICTED_S,
+                     calibrated_step_s=PREDICTED_S)
+    now = time.time()
+    for step_s, priced_at in ((1e308, PREDICTED_S), (0.1195, 0.1195)):
+        job = store.create_job("glitch", {"train": {"steps": 1000}, "resources": {"nodes": 1}, "run": "x"})
+        store.update_job(job, provider="aws", offering_json=Plan(row, "", [row]).to_dict())
+        node = store.add_node(job, 0, "aws")
+        store._conn.execute("UPDATE nodes SET created_at = ?, ended_at = ? WHERE id = ?", (now - 7200, now - 3600, node))
+        store.update_node(node, status=NodeState.TERMINATED)
+        for s in (JobStatus.PROVISIONING, JobStatus.LAUNCHING, JobStatus.RUNNING):
+            store.transition(job, s)
+        store.record_metrics(job, [{"rank": 0, "step": s, "step_time_s": step_s, "ts": now - 100 + s} for s in range(1, 11)])
+        view = api.status(job)
+        assert view.step_time["measured_refused"] is (step_s == 1e308) and view.cost.usd == pytest.approx(98.32)
+        assert forecast_usd(view) == pytest.approx(98.32 + 990 * priced_at / 3600 * 98.32)
+    store.close()

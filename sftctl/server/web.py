@@ -101,7 +101,8 @@ def _fmt_s(x) -> str:
 
 def forecast_usd(view) -> float | None:
     """The job's cost when it finishes: its cost so far plus its remaining steps at the measured
-    step time (the predicted one before any is measured; a job without a prediction, which
+    step time (the predicted one before any is measured or when it is refused,
+    ``measured_refused``; a job without a prediction, which
     status does not measure against one: the mean of its ranks' latest reported step times) at
     its price (USD; None: unknown)."""
     cost, st, rec = view.cost, view.step_time or {}, view.record
@@ -110,7 +111,8 @@ def forecast_usd(view) -> float | None:
     if rec.status.terminal:
         return cost.usd
     steps = (rec.spec.get("train") or {}).get("steps")
-    step_s = st.get("measured_s") or st.get("predicted_s")
+    # a measurement beyond the bound the run history keeps (a clock glitch's 1e308 s) prices nothing
+    step_s = (None if st.get("measured_refused") else st.get("measured_s")) or st.get("predicted_s")
     if not step_s:
         reported = [r.step_time_s for r in view.ranks if r.step_time_s]
         step_s = sum(reported) / len(reported) if reported else None
