@@ -291,6 +291,7 @@ def predict_record(rec: dict, cache: dict | None = None) -> RunRecord:
     import sftctl.compiler.api as compiler
     from sftctl.catalog import cloud_offerings
     from sftctl.compiler.modes import COMPILE_TO_MODE
+    from sftctl.planner import _Unsplittable, per_rank_batch
 
     cache = {} if cache is None else cache
     acc, gpn, nodes = rec["accelerator"], rec["gpus_per_node"], rec["nodes"]
@@ -302,9 +303,11 @@ def predict_record(rec: dict, cache: dict | None = None) -> RunRecord:
         if spec.model is None:
             raise SpecError(f"{rec['spec']}: the spec has no model to predict")
         m = spec.model
-        if m.batch_size % world:
-            raise SpecError(f"model.batch_size {m.batch_size} does not split over {world} GPUs")
-        framework, entry, dtype, batch = m.framework, m.entrypoint, m.dtype, m.batch_size // world
+        try:
+            batch = per_rank_batch(m.batch_size, gpn, nodes)
+        except _Unsplittable:
+            raise SpecError(f"model.batch_size {m.batch_size} does not split over {world} GPUs") from None
+        framework, entry, dtype = m.framework, m.entrypoint, m.dtype
         workdir = spec.workdir  # absolute after load_spec
         mode = rec["mode"] or ("default" if framework == "jax" else COMPILE_TO_MODE[spec.train.compile])
         t = spec.train

@@ -244,16 +244,21 @@ def lacks_bf16_tensor_cores(hw) -> bool:
     return bf16 <= hw.vector_peak("float32") * 1.01 and fp16 > 2 * bf16
 
 
-def per_rank_batch(batch_size: int, per_node: int, nodes: int) -> int:
+def per_rank_batch(batch_size: int, per_node: int, nodes: int, exact: bool = True) -> int:
     """One data-parallel rank's share of ``model.batch_size`` (sequences or samples per step)
     on ``nodes`` nodes of ``per_node`` accelerators (worker processes) each: what the launcher
     hands each rank as ``SFTCTL_BATCH_SIZE`` (:func:`sftctl.controller.submit.node_env`), so
-    what ``plan`` prices per offering and ``compile`` per target.
+    what ``plan`` prices per offering, ``compile`` per target and ``calibrate import`` traces.
+
+    With ``exact`` false (the launcher's: a job the planner could not predict had its split
+    never checked) an uneven split is rounded down, and a share below one sequence is 1.
 
     Raises:
-        _Unsplittable: ``batch_size`` is not a multiple of ``per_node x nodes``.
+        _Unsplittable: with ``exact``, ``batch_size`` is not a multiple of ``per_node x nodes``.
     """
     world = per_node * nodes
+    if not exact:
+        return max(1, batch_size // world)
     if batch_size % world:
         raise _Unsplittable(batch_size, world)
     return batch_size // world

@@ -210,3 +210,14 @@ def test_no_credentials_hint_does_not_send_a_gpu_job_to_this_machine(tmp_path):
     with pytest.raises(InfeasibleError) as e:
         plan(gpu, none, fixed_predictor({"H100": 0.1, "T4": 1.0}))
     assert e.value.hint == "set the credentials of a cloud (sftctl check says what each one needs)", e.value.hint
+
+
+def test_one_split_of_the_global_batch_exact_or_as_the_launcher_rounds_it():
+    """per_rank_batch is the one split: plan, compile and calibrate import need it exact; the
+    launcher (controller/submit.py's SFTCTL_BATCH_SIZE) rounds an unchecked one down, never to 0."""
+    from sftctl.planner import _Unsplittable, per_rank_batch
+
+    assert per_rank_batch(32, 8, 2) == 2
+    with pytest.raises(_Unsplittable, match="model.batch_size 33 does not split evenly over 2 data-parallel ranks"):
+        per_rank_batch(33, 2, 1)
+    assert [per_rank_batch(b, 2, 2, exact=False) for b in (8, 9, 3, 1)] == [2, 2, 1, 1]

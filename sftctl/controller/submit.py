@@ -22,6 +22,7 @@ from sftctl.controller.preflight import preflight_env
 from sftctl.controller.slots import NodeSlot
 from sftctl.errors import SpecError
 from sftctl.paths import job_dir
+from sftctl.planner import per_rank_batch
 from sftctl.protocol import is_secret_name
 from sftctl.providers import checked_class
 from sftctl.providers.base import BuiltForJob
@@ -278,7 +279,7 @@ def node_env(spec: JobSpec, job_id: str, plan: Plan, nodes: list[NodeSlot], rank
         env.update(settings.node_env(
             model_entrypoint=spec.model.entrypoint,
             # the planned per-rank share; fewer nodes than planned (elastic) accumulate more of them
-            batch_size=max(1, spec.model.batch_size // (spec.resources.nodes * offering.count)),
+            batch_size=per_rank_batch(spec.model.batch_size, offering.count, spec.resources.nodes, exact=False),
             dtype=spec.model.dtype,
             matmul_precision=spec.model.matmul_precision,
         ))
