@@ -66,6 +66,17 @@ def _node_exited(home: Path) -> bool:
     return any("run exited with code 0" in p.read_text(errors="replace") for p in home.glob("jobs/*/nodes/*/node.log"))
 
 
+def _reap(proc: subprocess.Popen, err) -> str:
+    """Kill the client ``proc`` if it is still there, close its stdout pipe and ``err`` (the file
+    its stderr went to), and return what it wrote there."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    proc.stdout.close()
+    err.close()
+    return Path(err.name).read_text()
+
+
 def test_sigterm_while_printing_an_ended_job_keeps_its_outcome(tmp_path, home):
     """The job prints 4 MB to a client whose stdout is a pipe nobody reads: the printing cannot
     go on past the pipe's 64 KiB, the node ends long before. The job is recorded SUCCEEDED and
@@ -98,12 +109,7 @@ def test_sigterm_while_printing_an_ended_job_keeps_its_outcome(tmp_path, home):
                 pass
         rc = proc.poll()  # None: still there (the status says why)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-        err.close()
-    said = (tmp_path / "stderr").read_text()
+        said = _reap(proc, err)
     job = status_json()["jobs"][0]
     assert job["status"] == "SUCCEEDED", said[-2000:]
     assert rc == 0, said[-2000:]
@@ -127,12 +133,7 @@ def test_a_signal_right_after_the_controller_returns_stops_the_printing_only(tmp
     try:
         rc = proc.wait(timeout=deadline(300))
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-        err.close()
-    said = (tmp_path / "stderr").read_text()
+        said = _reap(proc, err)
     assert f"sent SIG{sig} after the controller returned" in said, said[-2000:]
     assert status_json()["jobs"][0]["status"] == "SUCCEEDED", said[-2000:]
     assert rc == 0, f"exit {rc}: " + said[-2000:]
