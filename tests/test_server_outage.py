@@ -156,7 +156,7 @@ def test_wait_json_against_a_server_that_never_comes_up_exits_75_naming_it(home)
     assert doc["exit_code"] == 75 and doc["jobs"] == [] and doc["running"] == ["j-1", "j-2"], doc
     assert doc["error"].startswith(f"the sftctl server at {url} cannot be reached: "), doc
     assert doc["error"].endswith("; gave up after 1 s (server.retry_s)"), doc
-    assert "sftctl server start" in doc["hint"] and "sftctl wait j-1 j-2 again" in doc["hint"], doc
+    assert "sftctl server start" in doc["hint"] and doc["hint"].endswith("; then sftctl wait j-1 j-2"), doc
     assert proc.stderr.splitlines() == [RETRYING, f"error: {doc['error']}", f"hint: {doc['hint']}"], proc.stderr
 
 

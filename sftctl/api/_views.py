@@ -390,6 +390,36 @@ def _nodes_released(view: JobView) -> bool:
     return all(n.status in (NodeState.TERMINATED, NodeState.REPLACED) for n in view.nodes)
 
 
+def job_ids(jobs: list[str]) -> list[str]:
+    """The full id of each of ``jobs`` (ids or unique prefixes), in order, as :func:`status`
+    resolves them. Through a server that cannot be reached, retried as :func:`wait` retries (one
+    notice, for ``server.retry_s``): a ``wait`` started while the server restarts waits.
+
+    Raises:
+        NotFoundError: no such job, or an ambiguous prefix (exit 2).
+        sftctl.remote.ServerLost: through a server, still unreachable after ``server.retry_s``
+            seconds (exit 75): one line naming the server's URL and what went wrong, the fix
+            in its hint.
+    """
+    remote = _remote()
+    if remote is None:
+        return [status(j).id for j in jobs]
+    from sftctl.remote import ServerLost
+
+    told = [False]
+
+    def full_id(job: str) -> str:
+        return remote.riding_out(job, lambda: status(job).id, told)
+
+    try:
+        return [full_id(j) for j in jobs]
+    except ServerLost as lost:  # no job was reached: the server's trouble, not "the job goes on"
+        cause = lost.cause or lost
+        raise ServerLost(f"{cause.message}; gave up after {remote.retry_s:g} s (server.retry_s)",
+                         hint=(f"{cause.hint}; " if cause.hint else "") + f"then sftctl wait {' '.join(jobs)}",
+                         job=lost.job, cause=cause) from None
+
+
 @_typed
 def wait(job: str, *, timeout_s: float | None = None, poll_s: float = 1.0) -> JobView:
     """Poll :func:`status` until the job ends and its controller has brought its nodes down

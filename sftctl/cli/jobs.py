@@ -306,7 +306,13 @@ def wait(
     from sftctl import api
     from sftctl.types import JobStatus
 
-    ids = _resolve_riding_out(job_ids, as_json)  # an unknown or ambiguous id fails before any wait
+    try:  # an unknown or ambiguous id fails before any wait; a server down now is ridden out
+        ids = api.job_ids(job_ids)
+    except SftctlError as lost:
+        if as_json and lost.exit_code == ExitCode.SERVER_LOST:  # one document, as a server lost mid-wait gives
+            _print_json({"jobs": [], "running": job_ids, "error": lost.message, "hint": lost.hint,
+                         "exit_code": int(ExitCode.SERVER_LOST)})
+        raise
     end = None if timeout is None else time.monotonic() + timeout
     views = []
     for j in ids:
@@ -338,40 +344,6 @@ def wait(
         _print_json({"jobs": [v.to_dict() for v in views], "exit_code": int(code)})
     if code:
         raise typer.Exit(int(code))
-
-
-def _resolve_riding_out(job_ids: list[str], as_json: bool) -> list[str]:
-    """The full ids of ``job_ids`` (ids or unique prefixes). Through a server that cannot be
-    reached, retried as a follow is (``sftctl.remote.Client.riding_out``: one stderr line, for
-    ``server.retry_s``).
-
-    Raises:
-        NotFoundError: no such job, or an ambiguous prefix (exit 2).
-        SftctlError: the server stayed unreachable for ``server.retry_s`` (exit 75), naming its
-            URL and the fix; with ``as_json`` its one document is printed first.
-    """
-    import functools
-
-    from sftctl import api, remote
-
-    def full_id(job: str) -> str:
-        return api.status(job).id
-
-    client = remote.configured()
-    if client is None:
-        return [full_id(j) for j in job_ids]
-    told = [False]
-    try:
-        return [client.riding_out(j, functools.partial(full_id, j), told) for j in job_ids]
-    except remote.ServerLost as lost:
-        cause = lost.cause or lost
-        err = SftctlError(f"{cause.message}; gave up after {client.retry_s:g} s (server.retry_s)",
-                          hint=(f"{cause.hint}; " if cause.hint else "") + f"sftctl wait {' '.join(job_ids)} "
-                          "again once it answers (a job there goes on)", exit_code=ExitCode.SERVER_LOST)
-        if as_json:
-            _print_json({"jobs": [], "running": list(job_ids), "error": err.message, "hint": err.hint,
-                         "exit_code": int(ExitCode.SERVER_LOST)})
-        raise err from None
 
 
 # ------------------------------------------------------------------------------------ down
