@@ -210,6 +210,66 @@ def test_the_costs_page_adds_up_to_the_jobs_costs(server):
     assert "$256.64" in page
 
 
+def _actual(page: str, job: str) -> tuple[str, str]:
+    """The jobs table's ACTUAL cell of ``job``: its text and its whole HTML."""
+    row = re.search(rf'<tr class="job" data-job="{job}".*?</tr>', page, re.S).group(0)
+    cell = re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)[8]
+    return html.unescape(re.sub(r"<[^>]+>", "", cell)).strip(), html.unescape(cell)
+
+
+def test_the_dashboard_shows_a_refused_measurement_as_refused(server):
+    """A measured step the controller refused (more than 1000x off the model's 0.7 ms: a clock
+    glitch's 1e-9 s or 1e308 s, its ``measured`` event with ``kept: false``) reads in the jobs
+    table and on the job's page as ``status`` says it, not as a trusted ACTUAL with its difference;
+    a kept 120 ms against 100 ms predicted reads as before."""
+    from test_cost import OFFERING
+
+    from sftctl.controller.common import MEASURED_MAX_FACTOR
+    from sftctl.state import JobStatus, Store
+    from sftctl.types import Offering, Plan, PlanChoice, RunRecord
+
+    t = tokens("alice")
+    store = Store()
+
+    def ended(name: str, predicted_s: float) -> str:
+        job = store.create_job(name, {"name": name, "resources": {"nodes": 1}, "train": {"steps": 12}, "run": "x"},
+                               owner="alice")
+        row = PlanChoice(Offering.from_dict(OFFERING), 1, OFFERING["usd_per_hour"], step_time_s=predicted_s,
+                         calibrated_step_s=predicted_s)
+        store.update_job(job, provider="aws", offering_json=Plan(row, "", [row]).to_dict())
+        for s in (JobStatus.PROVISIONING, JobStatus.LAUNCHING, JobStatus.RUNNING, JobStatus.SUCCEEDED):
+            store.transition(job, s)
+        return job
+
+    refused = {}
+    for step_s, ratio in ((1e-9, 1e-9 / 0.0007), (1e308, None)):  # as the controller's refusal records them
+        refused[step_s] = job = ended("glitch", 0.0007)
+        store.add_event(job, "measured", f"step time: measured {step_s:g} s, not kept in the run history", {
+            "kept": False, "measured_s": step_s, "model_s": 0.0007, "ratio": ratio,
+            "max_factor": MEASURED_MAX_FACTOR, "measured_steps": 10})
+    kept = ended("kept", 0.1)
+    store.add_runs([RunRecord(accelerator="H100", gpus_per_node=8, nodes=1, count=8, predicted_step_s=0.1,
+                              measured_step_s=0.12, measured_steps=10, source="run", ts=time.time(), job_id=kept)])
+    store.close()
+
+    alice = signed_in(server, t["alice"])
+    why = {1e-9: "refused: 1.43e-06 x the model's 700.0 us, not learned from",
+           1e308: "refused: beyond a float's range of the model's 700.0 us, not learned from"}
+    for page in (alice.get("/ui/jobs").text, alice.get("/ui/jobs/table").text):
+        assert sorted(rows(page)) == sorted([*refused.values(), kept])
+        for step_s, job in refused.items():
+            text, cell = _actual(page, job)
+            assert text == f"{step_s:.3g} s refused" and f'title="{why[step_s]}"' in cell, cell
+            assert "%" not in cell  # no difference from the prediction, as if it were trusted
+        assert _actual(page, kept)[0] == "120 ms (+20%)"
+    for step_s, job in refused.items():
+        detail = html.unescape(alice.get(f"/ui/jobs/{job}").text)
+        assert f'ACTUAL <span class="refused" title="{why[step_s]}">{step_s:.3g} s refused</span>' in detail
+        assert f'<p class="refused" id="refused">{why[step_s]}</p>' in detail
+    detail = alice.get(f"/ui/jobs/{kept}").text
+    assert "ACTUAL 120 ms" in detail and 'class="refused"' not in detail and "not learned from" not in detail
+
+
 PLANNED = "name: planned\nresources: {nodes: 1}\ntrain: {steps: 100}\nrun: python train.py\n"
 
 

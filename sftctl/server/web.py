@@ -9,7 +9,8 @@ Pages (server-rendered with Jinja2 from ``sftctl/web/templates``; htmx and uPlot
 ``GET  /ui/login``             the sign-in form; ``POST`` it with ``token``: the session cookie
 ``POST /ui/logout``            forgets the cookie
 ``GET  /ui/jobs``              the user's jobs (an admin's: everyone's): owner, status, offering,
-                               steps, cost so far, forecast cost to finish, PRED vs ACTUAL step;
+                               steps, cost so far, forecast cost to finish, PRED vs ACTUAL step
+                               (a measurement the controller refused: ``1e-09 s refused``);
                                ``?user&status&label`` filter (label: a substring of the name or id)
 ``GET  /ui/jobs/table``        the table alone (htmx swaps it in)
 ``GET  /ui/stream``            server-sent events: ``jobs`` whenever the table would change
@@ -121,6 +122,18 @@ def forecast_usd(view) -> float | None:
     left = max(0, int(steps) - int(view.step or 0))
     nodes = int((rec.spec.get("resources") or {}).get("nodes") or 1)
     return cost.usd + left * float(step_s) / 3600.0 * nodes * cost.price_per_hour
+
+
+def refused_actual(st: dict | None) -> dict | None:
+    """A job's measured step the controller refused (``step_time``'s ``measured_refused``: beyond
+    :data:`~sftctl.controller.common.MEASURED_MAX_FACTOR` of the model's step) in status's words:
+    ``cell``, ACTUAL as the CLI's table shows it (``1e-09 s refused``), and ``why`` (``refused:
+    1.43e-06 x the model's 700.0 us, not learned from``); None: not refused."""
+    if not st or not st.get("measured_refused"):
+        return None
+    from sftctl.ui import refused_words, step_time_cells
+
+    return {"cell": step_time_cells(st)[1], "why": refused_words(st)}
 
 
 def mount(app: FastAPI, supervisor, authenticate, render, on_write) -> None:
@@ -266,7 +279,8 @@ def mount(app: FastAPI, supervisor, authenticate, render, on_write) -> None:
                          "step": v.step, "steps": (rec.spec.get("train") or {}).get("steps") if v.ranks else None,
                          "cost": v.cost.usd if v.cost else None, "forecast": forecast_usd(v),
                          "pred": st.get("predicted_s"), "actual": st.get("measured_s"),
-                         "difference": st.get("difference"), "created_at": rec.created_at})
+                         "difference": st.get("difference"), "refused": refused_actual(st),
+                         "created_at": rec.created_at})
         return rows
 
     def table_context(request: Request, user: User, token: str) -> dict:
@@ -316,7 +330,8 @@ def mount(app: FastAPI, supervisor, authenticate, render, on_write) -> None:
         data = _series(job_id, None, None)
         events = api.events(job_id)
         return page("job.html", user=user, csrf=csrf_token(token), view=view, job=view.to_dict(),
-                    forecast=forecast_usd(view), events=events, data=json.dumps(data),
+                    forecast=forecast_usd(view), refused=refused_actual(view.step_time), events=events,
+                    data=json.dumps(data),
                     replacements=[e for e in events if e.kind in ("replace", "replaced", "recover", "spot", "elastic")])
 
     @app.get("/ui/jobs/{job}/stream", include_in_schema=False)

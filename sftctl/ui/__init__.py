@@ -22,6 +22,7 @@ from sftctl.ui.views import (
     jobs_table,
     kernels_table,
     labels_text,
+    refused_words,
     series_plot,
     step_time_cells,
     tty_safe,
@@ -30,5 +31,5 @@ from sftctl.ui.views import (
 __all__ = [
     "PLOT_STYLES", "STATUS_STYLE", "Col", "FitTable", "RunView", "SafeConsole", "TorchNoise", "calibration_table",
     "catalog_table", "events_table", "job_detail", "jobs_table", "kernels_table", "labels_text", "log_line", "plan_rows",
-    "plan_table", "series_plot", "step_time_cells", "tty_safe",
+    "plan_table", "refused_words", "series_plot", "step_time_cells", "tty_safe",
 ]
