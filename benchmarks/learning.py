@@ -24,6 +24,7 @@ sorting by hourly price. ``after / before`` ratios are printed beside each.
     python benchmarks/learning.py                      # 5 draws + leave-one-out; results/learning.json
     python benchmarks/learning.py --draws 1 --gpus A100-80GB,H100 --no-loo --out /tmp/x.json
     python benchmarks/learning.py --rows FILE.jsonl    # reuse a ``calibrate export`` of the full import
+    python benchmarks/learning.py --save-rows FILE.jsonl  # ... saved by this run
 
 The import predicts every record once with the compiler (minutes for the 70B models on a busy
 machine; the compiler's disk cache makes a second run fast); the rest takes seconds.
@@ -247,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = [keyed[(r["name"], r["gpu"], published.measured_s(r))] for r in records]
         else:
             rows = import_records(records, work)
+            if opt("--save-rows"):  # the export, for --rows next time (the import is the slow part)
+                Path(opt("--save-rows") or "").write_text("".join(json.dumps(r) + "\n" for r in rows))
         t_import = time.perf_counter() - t0
         print(f"{len(records)} records imported and predicted in {t_import:.0f} s "
               f"({', '.join(f'{g} {n}' for g, n in sorted(_count(records).items()))})")
