@@ -25,6 +25,7 @@ sorting by hourly price. ``after / before`` ratios are printed beside each.
     python benchmarks/learning.py --draws 1 --gpus A100-80GB,H100 --no-loo --out /tmp/x.json
     python benchmarks/learning.py --rows FILE.jsonl    # reuse a ``calibrate export`` of the full import
     python benchmarks/learning.py --save-rows FILE.jsonl  # ... saved by this run
+    python benchmarks/learning.py --rows FILE.jsonl --sweep  # + each coefficient's other values
 
 The import predicts every record once with the compiler (minutes for the 70B models on a busy
 machine; the compiler's disk cache makes a second run fast); the rest takes seconds.
@@ -224,6 +225,67 @@ def report(label: str, ev: dict) -> None:
               f"{r['price']['right']:g}")
 
 
+#: each coefficient of :mod:`sftctl.history`'s calibration and the values ``--sweep`` tries in
+#: place of its own (one at a time, the others kept)
+SWEEP = {"NOISE_RATIO": (1.0, 1.5, 3.0, 4.0), "SIMILARITY_POWER": (1, 2, 8), "ACCELERATOR_SHARE": (0.25, 0.75),
+         "CROSS_ACCELERATOR_SHARE": (0.0, 0.5, 0.9), "MIN_SCATTER_RUNS": (2, 6, 1000)}
+
+
+def sweep(records: list[dict], rows: list[dict], draws: int) -> list[dict]:
+    """How much each calibration coefficient matters: for its own value and each of
+    :data:`SWEEP`'s, the halves (median over ``draws`` draws) and leave-one-out figures after
+    learning, per GPU. In process: the histories are ``rows`` as
+    :class:`~sftctl.types.RunRecord` (what ``calibrate show --json`` gives back: the same figures
+    as the CLI's round trip at the coefficients' own values, which the first row shows)."""
+    from sftctl import history
+    from sftctl.types import RunRecord
+
+    runs = [RunRecord.from_dict(r) for r in rows]
+
+    def halves_here(seed: int) -> list[dict]:
+        rng = random.Random(seed)
+        by: dict[str, list[int]] = {}
+        for i, r in enumerate(records):
+            by.setdefault(r["gpu"], []).append(i)
+        first: set[int] = set()
+        for gpu in sorted(by):
+            idx = by[gpu][:]
+            rng.shuffle(idx)
+            first |= set(idx[: len(idx) // 2])
+        out: dict[int, dict] = {}
+        for known in (first, set(range(len(records))) - first):
+            hist = [runs[i] for i in sorted(known)]
+            out |= {i: _prediction(rows[i], calibrated(rows[i], hist)) for i in range(len(records)) if i not in known}
+        return [out[i] for i in range(len(records))]
+
+    def figures() -> dict:
+        halves_ev = _mean_over([evaluate(records, halves_here(s)) for s in SEEDS[:draws]])
+        loo = evaluate(records, [_prediction(rows[i], calibrated(rows[i], runs[:i] + runs[i + 1:]))
+                                 for i in range(len(records))])
+        return {"per_gpu": {g: {"halves": halves_ev["per_gpu"][g]["after"], "leave_one_out": loo["per_gpu"][g]["after"]}
+                            for g in halves_ev["per_gpu"]},
+                "regret": halves_ev["regret"]["after"]}
+
+    out = [{"constant": None, "value": None, **figures()}]
+    for name, values in SWEEP.items():
+        own = getattr(history, name)
+        try:
+            for v in values:
+                setattr(history, name, v)
+                out.append({"constant": name, "value": v, **figures()})
+        finally:
+            setattr(history, name, own)
+    print("sweep (after learning; halves: median over draws | leave one out):")
+    for row in out:
+        label = "own values" if row["constant"] is None else f"{row['constant']}={row['value']:g}"
+        cells = "  ".join(f"{g} median {f['halves']['median']:.3f} spread {f['halves']['spread']:.2f}x covers "
+                          f"{f['halves']['covered']:.0%} | {f['leave_one_out']['median']:.3f} "
+                          f"{f['leave_one_out']['spread']:.2f}x {f['leave_one_out']['covered']:.0%}"
+                          for g, f in row["per_gpu"].items() if f["halves"] and len(records) > 4)
+        print(f"  {label:28s} {cells}  regret {row['regret']['mean']:.2%}")
+    return out
+
+
 def _log_ratio(after: float, before: float) -> str:
     lb = abs(math.log(before))
     return f"{abs(math.log(after)) / lb:.2f}" if lb > 1e-9 else "-"
@@ -267,11 +329,14 @@ def main(argv: list[str] | None = None) -> int:
         if "--no-loo" not in argv:
             doc["leave_one_out"] = evaluate(records, leave_one_out(records, rows, work))
             report("leave one out", doc["leave_one_out"])
+        if "--sweep" in argv:
+            doc["sweep"] = sweep(records, rows, draws or len(SEEDS))
     from sftctl import history
 
     doc["constants"] = {k: getattr(history, k) for k in ("NOISE_RATIO", "SIMILARITY_POWER", "UNKNOWN_SIMILARITY",
                                                           "OTHER_OFFERING_WEIGHT", "OTHER_MODE_WEIGHT",
-                                                          "ACCELERATOR_SHARE") if hasattr(history, k)}
+                                                          "ACCELERATOR_SHARE", "CROSS_ACCELERATOR_SHARE",
+                                                          "MIN_SCATTER_RUNS") if hasattr(history, k)}
     doc["rows"] = [{"name": r["name"], "gpu": r["gpu"], "measured_step_s": published.measured_s(r),
                     "predicted_step_s": w["predicted_step_s"], "features": w["features"], "mode": w["mode"]}
                    for r, w in zip(records, rows)]
