@@ -181,13 +181,14 @@ class Client:
         return lines()
 
     def riding_out(self, job: str, call: Callable[[], T], told: list[bool] | None = None,
-                   since: float | None = None) -> T:
+                   since: float | None = None, reset: bool = True) -> T:
         """``call()`` (one or more requests about ``job``), retried while it raises
         :class:`Unreachable`: exponential backoff from :data:`RETRY_FIRST_S` to :data:`RETRY_MAX_S`
         seconds, for at most :attr:`retry_s` seconds from this call (or from ``since``, a
         ``time.monotonic()`` when the outage began; ``call`` is tried once at least). :data:`RETRYING` is logged
         (``sftctl.remote``, WARNING: stderr unless logging is set up) once per outage (``told``: a caller's flag shared by its calls, reset once the
-        server answers).
+        server answers; ``reset`` False leaves that to the caller, as a follow whose stream may
+        open and then stay silent resets it at its next line).
 
         Raises:
             ServerLost: still unreachable after :attr:`retry_s` seconds (exit 75).
@@ -218,7 +219,8 @@ class Client:
                     result = call()
         except Unreachable as e:
             raise self.lost(job, e) from None
-        told[0] = False
+        if reset:
+            told[0] = False
         return result
 
     def lost(self, job: str, e: SftctlError) -> ServerLost:
@@ -234,8 +236,9 @@ class Client:
         from its start each time, each rank's lines already passed on are skipped (a rank's
         lines come in order; notices are never skipped). A stream silent for :data:`FOLLOW_READ_S`
         seconds (not even a keep-alive line) counts as a lost server; the outage runs from the
-        last line received, so a server that answers a request and then nothing gives up after
-        :attr:`retry_s` as one that refuses it. The open of the first stream raises
+        last line received (a keep-alive one too), so a server that answers a request and then
+        nothing gives up after :attr:`retry_s` as one that refuses it, with one :data:`RETRYING`
+        notice however often it reopens. The open of the first stream raises
         at once, as :meth:`stream_lines`'s; the rest raise as the iterator is read.
 
         Raises:
@@ -248,7 +251,7 @@ class Client:
         def open_stream() -> Iterator[dict | None]:
             return self._stream(path, params, FOLLOW_READ_S)
 
-        first = self.riding_out(job, open_stream, told)
+        first = self.riding_out(job, open_stream, told, reset=False)  # an outage ends at a line, not an open
 
         def lines() -> Iterator[dict]:
             passed: dict = {}  # rank -> lines passed on
@@ -258,7 +261,7 @@ class Client:
                 skip = dict(passed)
                 try:
                     for d in stream:
-                        outage = None
+                        outage, told[0] = None, False
                         if d is None:  # the server's keep-alive
                             continue
                         rank = None if d.get("notice") else d.get("rank")
@@ -271,7 +274,7 @@ class Client:
                     return
                 except Unreachable:
                     outage = time.monotonic() if outage is None else outage
-                    stream = self.riding_out(job, open_stream, told, since=outage)
+                    stream = self.riding_out(job, open_stream, told, since=outage, reset=False)
 
         return lines()
 

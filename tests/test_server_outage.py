@@ -249,3 +249,30 @@ def test_a_follow_of_a_quiet_job_gets_keep_alive_lines(server, tmp_path, monkeyp
         assert json.loads(next(lines))["text"] == "started"
         assert next(lines) == ""  # within the read timeout: the server says it is there
     (tmp_path / "work" / "go").touch()
+
+
+def test_logs_follow_tells_of_an_outage_once_however_often_the_server_answers_and_goes_silent(home, monkeypatch,
+                                                                                                 caplog):
+    """A server that answers the request and then says nothing, over and over, is one outage (one
+    notice) until a line comes; one after that line is another."""
+    from sftctl import remote
+
+    monkeypatch.setenv("SFTCTL_SERVER_RETRY_S", "600")
+    monkeypatch.setattr(remote, "RETRY_FIRST_S", 0.001)
+    client = remote.Client("http://127.0.0.1:9", "t")
+
+    def silent_after(*lines: dict):
+        yield from lines
+        raise remote.Unreachable("silent", hint=None)
+
+    def down():
+        raise remote.Unreachable("refused", hint=None)
+
+    a, b = {"text": "a", "rank": 0}, {"text": "b", "rank": 0}
+    opens = iter([down, lambda: silent_after(), down, lambda: silent_after(None), down, lambda: silent_after(a),
+                  down, lambda: iter([a, b])])  # a refused open, an open that answers and then nothing ...
+    monkeypatch.setattr(client, "_stream", lambda path, params, read_s: next(opens)())
+    texts = [d["text"] for d in client.follow_lines("j-1", "/v1/jobs/j-1/logs", {"follow": True})]
+    assert texts == ["a", "b"]  # resumed: "a" once
+    told = [r.getMessage() for r in caplog.records if r.name == "sftctl.remote"]
+    assert told == [remote.RETRYING] * 3, told  # the first outage, one after a keep-alive, one after "a"
