@@ -276,3 +276,31 @@ def test_logs_follow_tells_of_an_outage_once_however_often_the_server_answers_an
     assert texts == ["a", "b"]  # resumed: "a" once
     told = [r.getMessage() for r in caplog.records if r.name == "sftctl.remote"]
     assert told == [remote.RETRYING] * 3, told  # the first outage, one after a keep-alive, one after "a"
+
+
+def test_wait_json_timeout_rides_out_a_server_lost_at_the_timeout(home, monkeypatch, capsys, caplog):
+    """At --timeout, wait --json reads every job's status as it waited, riding out the server:
+    one lost then is exit 75 with its document, not one unretried request's exit 4."""
+    from sftctl import api
+    from sftctl.cli import main
+    from test_server import _free_port
+
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there: the server is gone at the timeout
+    monkeypatch.setenv("SFTCTL_SERVER_URL", url)
+    monkeypatch.setenv("SFTCTL_SERVER_TOKEN", "t")
+    monkeypatch.setenv("SFTCTL_SERVER_RETRY_S", "1")
+    monkeypatch.setattr(api, "job_ids", lambda jobs: list(jobs))  # resolved while it answered
+
+    def timed_out(job: str, *, timeout_s: float | None = None):
+        raise TimeoutError(f"job {job} is still RUNNING after {timeout_s:.3g} s")  # as api.wait's, it answering
+
+    monkeypatch.setattr(api, "wait", timed_out)
+    code = main(["wait", "--timeout", "0", "--json", "j-1", "j-2"])
+    out = capsys.readouterr().out
+    assert code == 75, out
+    doc = json.loads(out)  # one document
+    assert doc["exit_code"] == 75 and doc["jobs"] == [] and doc["running"] == ["j-1", "j-2"], doc
+    assert doc["error"].startswith(f"the sftctl server at {url} cannot be reached: "), doc
+    assert doc["error"].endswith("; gave up after 1 s (server.retry_s): job j-1 goes on, supervised by the server"), doc
+    assert doc["hint"] == "sftctl wait j-1 j-2 or sftctl logs -f j-1 follows it again once the server is back", doc
+    assert [r.getMessage() for r in caplog.records if r.name == "sftctl.remote"] == [RETRYING]

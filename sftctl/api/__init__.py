@@ -59,7 +59,7 @@ from sftctl.api._specs import (  # noqa: F401 (re-exported)
 from sftctl.api._views import (  # noqa: F401 (re-exported)
     STATUS_SERIES_ROWS, WAIT_TEARDOWN_S, DownResult, JobView, LogLine, _cost, _job_rank_nodes, _labelled,
     _log_lines, _node_hours, _node_status, _nodes_released, _rank_nodes, _span, _step_time, _view, costs,
-    down, down_orphans, events, events_doc, job, job_ids, logs, metrics, status, wait,
+    down, down_orphans, events, events_doc, job, job_ids, logs, metrics, status, statuses, wait,
 )
 from sftctl.api._secrets import (
     secret_list, secret_remove, secret_set,
@@ -76,7 +76,7 @@ from sftctl.api._tools import (  # noqa: F401 (re-exported)
 )
 
 __all__ = [
-    "job", "job_ids", "load", "plan", "submit", "dry_run", "start", "attach", "run", "status", "wait", "logs", "events",
+    "job", "job_ids", "load", "plan", "submit", "dry_run", "start", "attach", "run", "status", "statuses", "wait", "logs", "events",
     "down", "down_orphans", "check", "catalog", "compile", "validate_config", "costs", "metrics", "JobView", "LogLine",
     "Submitted",
     "secret_set", "secret_list", "secret_remove",

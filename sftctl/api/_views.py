@@ -390,10 +390,22 @@ def _nodes_released(view: JobView) -> bool:
     return all(n.status in (NodeState.TERMINATED, NodeState.REPLACED) for n in view.nodes)
 
 
+def statuses(jobs: list[str]) -> list[JobView]:
+    """:func:`status` of each of ``jobs`` (ids or unique prefixes), in order. Through a server that
+    cannot be reached, retried as :func:`wait` retries (one notice, for ``server.retry_s``).
+
+    Raises:
+        NotFoundError: no such job, or an ambiguous prefix (exit 2).
+        sftctl.remote.ServerLost: through a server, still unreachable after ``server.retry_s``
+            seconds (exit 75; its ``job``: the first not reached).
+    """
+    remote, told = _remote(), [False]
+    return [status(j) if remote is None else remote.riding_out(j, lambda j=j: status(j), told) for j in jobs]
+
+
 def job_ids(jobs: list[str]) -> list[str]:
-    """The full id of each of ``jobs`` (ids or unique prefixes), in order, as :func:`status`
-    resolves them. Through a server that cannot be reached, retried as :func:`wait` retries (one
-    notice, for ``server.retry_s``): a ``wait`` started while the server restarts waits.
+    """The full id of each of ``jobs`` (ids or unique prefixes), in order: :func:`statuses`'
+    (a ``wait`` started while the server restarts waits).
 
     Raises:
         NotFoundError: no such job, or an ambiguous prefix (exit 2).
@@ -403,16 +415,11 @@ def job_ids(jobs: list[str]) -> list[str]:
     """
     remote = _remote()
     if remote is None:
-        return [status(j).id for j in jobs]
+        return [v.id for v in statuses(jobs)]
     from sftctl.remote import ServerLost
 
-    told = [False]
-
-    def full_id(job: str) -> str:
-        return remote.riding_out(job, lambda: status(job).id, told)
-
     try:
-        return [full_id(j) for j in jobs]
+        return [v.id for v in statuses(jobs)]
     except ServerLost as lost:  # no job was reached: the server's trouble, not "the job goes on"
         cause = lost.cause or lost
         raise ServerLost(f"{cause.message}; gave up after {remote.retry_s:g} s (server.retry_s)",

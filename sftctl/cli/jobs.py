@@ -317,14 +317,15 @@ def wait(
     views = []
     for j in ids:
         try:
-            views.append(api.wait(j, timeout_s=None if end is None else max(0.0, end - time.monotonic())))
-        except TimeoutError as e:
-            err = SftctlError(f"{e} (sftctl wait --timeout {timeout:g})", hint=f"the job goes on: sftctl status {j}",
-                              exit_code=ExitCode.TIMEOUT)
-            if as_json:  # every job's status, with the error: the document scripts read
-                _print_json({"jobs": [api.status(i).to_dict() for i in ids], "error": err.message, "hint": err.hint,
-                             "exit_code": int(ExitCode.TIMEOUT)})
-            raise err from None
+            try:
+                views.append(api.wait(j, timeout_s=None if end is None else max(0.0, end - time.monotonic())))
+            except TimeoutError as e:
+                err = SftctlError(f"{e} (sftctl wait --timeout {timeout:g})", hint=f"the job goes on: sftctl status {j}",
+                                  exit_code=ExitCode.TIMEOUT)
+                if as_json:  # every job's status (a server outage ridden out), with the error: the document scripts read
+                    _print_json({"jobs": [v.to_dict() for v in api.statuses(ids)], "error": err.message,
+                                 "hint": err.hint, "exit_code": int(ExitCode.TIMEOUT)})
+                raise err from None
         except SftctlError as lost:  # the server stayed away for server.retry_s (75): the jobs go on there
             if lost.exit_code != ExitCode.SERVER_LOST:
                 raise
