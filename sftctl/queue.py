@@ -66,6 +66,14 @@ CANCEL_SIGNALS = {
 DOWN_REASON = "cancelled by sftctl down"
 
 
+def down_reason(down: dict | None = None) -> str:
+    """The end reason of a job ``sftctl down`` cancelled, from its "down" event's data (``down``):
+    :data:`DOWN_REASON`, or ``taken down by admin NAME`` when ``down["admin"]`` names the
+    server's admin who took down another user's job (the owner sees who)."""
+    admin = (down or {}).get("admin")
+    return f"taken down by admin {admin}" if admin else DOWN_REASON
+
+
 def _local(job: JobRecord) -> bool:
     return capabilities(job.provider).local_admission
 
@@ -492,8 +500,10 @@ def _wait_then_exec(store: Store, outage: StateOutage, lock, job_id: str, say) -
             for name in CANCEL_SIGNALS:
                 signal.signal(getattr(signal, name), signal.SIG_IGN)
             why = next(w for name, (w, _) in CANCEL_SIGNALS.items() if getattr(signal, name) == s.signum)
-            if any(e.kind == "down" and (e.data or {}).get("controller_pid") == os.getpid() for e in store.events(job_id)):
-                why = DOWN_REASON
+            down = next((e.data for e in store.events(job_id)
+                         if e.kind == "down" and (e.data or {}).get("controller_pid") == os.getpid()), None)
+            if down is not None:
+                why = down_reason(down)
             store.transition(job_id, JobStatus.CANCELLED, why, strict=False, code=FailureCode.CANCELLED.value)
             say(f"cancelled: {why}")
             return 128 + s.signum

@@ -169,6 +169,50 @@ def test_a_user_cannot_see_read_or_stop_another_users_job(server, tmp_path, monk
     wait_for(lambda: job_processes(job) == [], timeout_s=30, what="the job's processes to end")
 
 
+def test_an_admins_down_of_a_users_job_names_the_admin_to_its_owner(server, tmp_path, monkeypatch):
+    """alice's job taken down by admin bob: her status, events and job page say "taken down by
+    admin bob" (the audit has it too); her own down of her other job reads as before."""
+    import httpx
+
+    from sftctl import api
+
+    t = tokens("alice", admin="bob")
+    spec = tmp_path / "sleeper.yaml"
+    spec.write_text(SLEEPER)
+    as_user(monkeypatch, server, t["alice"])
+    theirs, mine = (api.run(str(spec), detach=True).id for _ in range(2))
+    for job in (theirs, mine):  # running, its controller alive: the down signals it
+        wait_for(lambda job=job: any(line.text == "started" for line in api.logs(job)), timeout_s=120, what=f"{job} to start")
+    as_user(monkeypatch, server, t["bob"])
+    proc = sftctl("down", theirs, check=True)
+    assert proc.stdout.startswith(f"{theirs}: cancelled by admin bob, "), proc.stdout
+    as_user(monkeypatch, server, t["alice"])
+    sftctl("down", mine, check=True)
+
+    reason = "taken down by admin bob"
+    doc = json.loads(sftctl("status", theirs, "--json", check=True).stdout)
+    assert (doc["status"], doc["failure_reason"]) == ("CANCELLED", reason), doc
+    assert f"reason: {reason}" in sftctl("status", theirs, env={**os.environ, "COLUMNS": "200"}, check=True).stdout
+    events = [(e.kind, e.message) for e in api.events(theirs)]
+    assert ("status", f"RUNNING -> CANCELLED: {reason}") in events, events
+    assert any(k == "down" and m.startswith("sftctl down by admin bob: SIGTERM to the controller (pid ") for k, m in events), events
+    assert reason in sftctl("events", theirs, env={**os.environ, "COLUMNS": "200"}, check=True).stdout
+    page = httpx.Client(base_url=server.url, timeout=30)
+    assert page.post("/ui/login", content=f"token={t['alice']}",
+                     headers={"content-type": "application/x-www-form-urlencoded"}).status_code == 303
+    assert reason in page.get(f"/ui/jobs/{theirs}").text
+
+    view = api.status(mine)  # her own down: as it always read
+    assert (view.status.value, view.failure_reason) == ("CANCELLED", "cancelled by sftctl down")
+    assert not any("admin" in e.message for e in api.events(mine))
+    from sftctl.server.users import audit_events
+
+    assert [(e.actor, e.target, e.detail) for e in audit_events(None) if e.action == "down"] == \
+        [("bob", theirs, "owner alice")]
+    for job in (theirs, mine):
+        wait_for(lambda job=job: job_processes(job) == [], timeout_s=60, what=f"{job}'s processes to end")
+
+
 # A two-node job whose ranks step and checkpoint to a file; past step 3 they wait for the test's
 # go-ahead (a file), so a fault replayed at step 5 comes only once the test allows it.
 LOOP = """\

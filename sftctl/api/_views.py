@@ -738,12 +738,13 @@ class DownResult(Record):
 
 @_typed
 def down(job: str | None = None, *, all: bool = False, purge: bool = False,  # noqa: A002 (the CLI's --all)
-         progress: Progress | None = None) -> list[DownResult]:
+         progress: Progress | None = None, admin: str | None = None) -> list[DownResult]:
     """Cancel a job (or, with ``all``, every job not finished or with nodes left) and remove its
     nodes and processes, also after its controller died; with ``purge``, then remove what sftctl
     wrote for it (its storage prefix, the workdir pack it uploaded, its local directory; never
     the bucket, other objects or a spec's ``train.checkpoint_dir``). Idempotent. Every node of
-    a job is taken down at once; ``progress`` hears one line per stage of a long teardown.
+    a job is taken down at once; ``progress`` hears one line per stage of a long teardown. ``admin``
+    (a server's, never sent to one): the admin taking down another user's job, named in its events and end reason.
 
     Raises:
         NotFoundError: no such job (exit 2).
@@ -767,7 +768,7 @@ def down(job: str | None = None, *, all: bool = False, purge: bool = False,  # n
                if j.status not in TERMINAL or any(n.status != NodeState.TERMINATED for n in store.nodes(j.id))]
     else:
         ids = [_resolve(store, job).id]
-    summaries = [down_job(store, i, progress) for i in ids]
+    summaries = [down_job(store, i, progress, admin) for i in ids]
     purged = [purge_job(store, i) for i in ids] if purge else [None] * len(ids)  # down first, in this call
     return [DownResult(i, store.get_job(i).status.value, s, p) for i, s, p in zip(ids, summaries, purged)]
 

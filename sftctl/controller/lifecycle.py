@@ -57,7 +57,7 @@ from sftctl.providers.base import (
     KeepsAlive, NodeState, Quarantines, SecretStore, UsesChannel, provision_all, terminate_all,
 )
 from sftctl.health.monitor import HealthMonitor
-from sftctl.queue import DOWN_REASON, ControllerBusy, StateOutage, claim_job, record_owner, wait_turn  # shared with the waiting stage
+from sftctl.queue import ControllerBusy, StateOutage, claim_job, down_reason, record_owner, wait_turn  # shared with the waiting stage
 from sftctl.protocol import NodeDir
 from sftctl.spec import JobSpec
 from sftctl.state import JobStatus, Store
@@ -198,8 +198,9 @@ class Controller(Recovery, Draining, RunRecording):
         except (Cancelled, KeyboardInterrupt) as e:
             why = str(e) if isinstance(e, Cancelled) and str(e) else "cancelled by the user (Ctrl-C)"
             if isinstance(e, Cancelled) and e.exit_code is not None:
-                if e.exit_code == ExitCode.TERMINATED and self._down_sent_sigterm():
-                    why = DOWN_REASON
+                down = self._down_sent_sigterm() if e.exit_code == ExitCode.TERMINATED else None
+                if down is not None:
+                    why = down_reason(down)
                 self.error = SftctlError(why, exit_code=e.exit_code)  # `sftctl run` exits 128 + signal
             self.store.transition(self.job_id, JobStatus.CANCELLED, why, code=FailureCode.CANCELLED.value)
             self.store.end_open_attempts(self.job_id, AttemptStatus.CANCELLED, why, FailureCode.CANCELLED.value)
@@ -703,10 +704,12 @@ class Controller(Recovery, Draining, RunRecording):
             return FailureReason(FailureCode.EXIT, line, data)
         return FailureReason(why.code, f"{line}: {why.message}", {**why.data, **data})
 
-    def _down_sent_sigterm(self) -> bool:
-        """True when ``sftctl down`` recorded, before signalling, that it sends this controller SIGTERM."""
-        return any(e.kind == "down" and (e.data or {}).get("signal") == "SIGTERM" and
-                   (e.data or {}).get("controller_pid") == os.getpid() for e in self.store.events(self.job_id))
+    def _down_sent_sigterm(self) -> dict | None:
+        """The data of the "down" event in which ``sftctl down`` recorded, before signalling, that it
+        sends this controller SIGTERM (``admin``: the admin who took down another user's job), or
+        None when it did not."""
+        return next((e.data for e in self.store.events(self.job_id) if e.kind == "down" and e.data
+                     and e.data.get("signal") == "SIGTERM" and e.data.get("controller_pid") == os.getpid()), None)
 
     def _stop_nodes(self) -> None:
         for node in self.nodes:
@@ -730,7 +733,7 @@ class Controller(Recovery, Draining, RunRecording):
 
 
 #: Each signal that cancels a job: its reason and the exit code of ``sftctl run`` (128 + signal).
-#: When ``sftctl down`` sent the SIGTERM (it says so in an event first) the reason is DOWN_REASON.
+#: When ``sftctl down`` sent the SIGTERM (it says so in an event first) the reason is queue.down_reason()'s.
 
 
 def main(argv: list[str] | None = None) -> int:

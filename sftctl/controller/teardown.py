@@ -21,7 +21,7 @@ from sftctl.errors import SftctlError
 from sftctl.paths import CONTROLLER_OWNER, job_dir, sftctl_home
 from sftctl.providers import configured, get_provider, names as provider_names
 from sftctl.providers.base import NodeState, PlacesController, terminate_all
-from sftctl.queue import DOWN_REASON
+from sftctl.queue import down_reason
 from sftctl.spec import JobSpec
 from sftctl.state import TERMINAL, JobStatus, Store, controller_died_reason
 from sftctl.storage import LocalStorage, open_storage
@@ -31,7 +31,7 @@ from sftctl.types import AttemptStatus, FailureCode
 DOWN_GRACE_S = 20.0  # how long `sftctl down` lets a live controller clean up before killing it
 
 
-def down(store: Store, job_id: str, progress: Callable[[str], None] | None = None) -> str:
+def down(store: Store, job_id: str, progress: Callable[[str], None] | None = None, admin: str | None = None) -> str:
     """Cancel a job if it is live and remove every node and process it has. Idempotent: safe to
     run again, also while another ``down`` of it runs or after one was interrupted.
 
@@ -41,12 +41,15 @@ def down(store: Store, job_id: str, progress: Callable[[str], None] | None = Non
     function terminates whatever the state and the provider's tags still show, every node at
     once (:func:`sftctl.providers.base.terminate_all`: 200 local nodes in about a second), and
     SIGKILLs a controller that did not exit. ``progress(line)``, when given, hears what it waits
-    on (the controller; the nodes, with a count every few seconds of a long teardown). Returns
-    a one-line summary.
+    on (the controller; the nodes, with a count every few seconds of a long teardown). ``admin``:
+    the server's admin taking down another user's job, named in the job's "down" events (and their
+    data, ``admin``) and in its end reason (:func:`sftctl.queue.down_reason`). Returns a one-line
+    summary.
     """
     from concurrent.futures import ThreadPoolExecutor
 
     say = progress or (lambda line: None)
+    by, about = (f" by admin {admin}", {"admin": admin}) if admin else ("", {})
     job = store.get_job(job_id)
     if job is None:
         raise KeyError(job_id)
@@ -62,7 +65,8 @@ def down(store: Store, job_id: str, progress: Callable[[str], None] | None = Non
         controller_was_alive = False
         what = where.what
         if not job.status.terminal:
-            store.add_event(job_id, "down", f"sftctl down: SIGTERM to the controller's {what}", {"signal": "SIGTERM"})
+            store.add_event(job_id, "down", f"sftctl down{by}: SIGTERM to the controller's {what}",
+                            {"signal": "SIGTERM", **about})
             say(f"{job_id}: waiting up to {DOWN_GRACE_S:.0f} s for its controller's {what} to stop its nodes")
         found = stop_placed_controller(job, DOWN_GRACE_S)
         for ctl_id in found:  # one that never started leaves its queued lease behind
@@ -70,8 +74,8 @@ def down(store: Store, job_id: str, progress: Callable[[str], None] | None = Non
         controller_was_alive = bool(found) and not job.status.terminal
     elif controller_was_alive:
         # said first, so the controller's reason names sftctl down, not an anonymous SIGTERM
-        store.add_event(job_id, "down", f"sftctl down: SIGTERM to the controller (pid {pid})",
-                        {"signal": "SIGTERM", "controller_pid": pid})
+        store.add_event(job_id, "down", f"sftctl down{by}: SIGTERM to the controller (pid {pid})",
+                        {"signal": "SIGTERM", "controller_pid": pid, **about})
         say(f"{job_id}: waiting up to {DOWN_GRACE_S:.0f} s for its controller (pid {pid}) to stop its nodes")
         os.kill(pid, signal.SIGTERM)
         end = time.monotonic() + DOWN_GRACE_S
@@ -79,7 +83,7 @@ def down(store: Store, job_id: str, progress: Callable[[str], None] | None = Non
             time.sleep(0.1)
         if procs.alive(pid, ticks):
             procs.kill_all([pid], grace_s=0)
-    cancelled = store.transition(job_id, JobStatus.CANCELLED, DOWN_REASON, strict=False,
+    cancelled = store.transition(job_id, JobStatus.CANCELLED, down_reason(about), strict=False,
                                  code=FailureCode.CANCELLED.value)
     provider = job_provider(job)
     up = [n for n in store.nodes(job_id) if n.status not in (NodeState.TERMINATED.value, NodeState.REPLACED)]
@@ -100,7 +104,8 @@ def down(store: Store, job_id: str, progress: Callable[[str], None] | None = Non
         return f"{job_id}: {after.status.value.lower()}, nothing left to take down"
     if after.status == JobStatus.FAILED_CONTROLLER:  # only a reaped controller ends a job so
         store.update_job(job_id, failure_reason=controller_died_reason(job_id, after.controller_pid, nodes_removed=True))
-    parts = [f"{job_id}: " + ("cancelled" if cancelled else after.status.value.lower())]
+    parts = [f"{job_id}: " + ("cancelled" if cancelled else after.status.value.lower())
+             + (by if cancelled or controller_was_alive else "")]
     if running:
         parts.append(f"stopped {running} running node(s)")
     elif controller_was_alive:
@@ -112,7 +117,7 @@ def down(store: Store, job_id: str, progress: Callable[[str], None] | None = Non
     if strays:
         parts.append(f"killed {strays} stray process(es)")
     summary = ", ".join(parts)
-    store.add_event(job_id, "down", summary)
+    store.add_event(job_id, "down", summary, about or None)
     return summary
 
 

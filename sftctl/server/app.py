@@ -453,11 +453,7 @@ def create_app(supervisor):
             todo = [owned(user, str(body.get("job") or ""))]
         results = []
         for j in todo:
-            owner = api.job(j).owner if user.admin else user.name
-            done = [r.to_dict() for r in api.down(j, purge=purge)]
-            results += done
-            if owner != user.name:  # an admin took down another user's job
-                users.record(user.name, "down", j, f"owner {owner}" + (", purge" if purge else ""))
+            results += [r.to_dict() for r in users.down_job(user, j, purge=purge)]
         lists.clear()
         return _json({"down": results})
 

@@ -3,7 +3,7 @@ Postgres: :class:`sftctl.state.Store`'s ``users`` table; a token is kept only as
 with its expiry), which jobs are whose (``jobs.owner``), and the audit of admin actions.
 
 Two layers: the functions on this machine's state (:func:`add_user`, :func:`remove_user`,
-:func:`rotate_token`, :func:`list_users`, :func:`audit_events`; the server's routes call them),
+:func:`rotate_token`, :func:`list_users`, :func:`audit_events`, :func:`down_job`; the server's routes call them),
 and :class:`Users`, what ``sftctl server user ...`` and ``sftctl server audit`` act on: the server
 the config names (its admin routes, with this user's token), or this machine's state when none
 is configured (or ``--local``: the server's own machine).
@@ -248,3 +248,23 @@ def owned_job(user: User, job: str, hint: str = "sftctl status lists your jobs")
     if matches:
         raise NotFoundError(f"{job!r} matches {len(matches)} of your jobs", hint=f"give more of the id: {', '.join(matches[:5])}")
     raise NotFoundError(f"no job {job!r} of yours ({user.name}) on this server", hint=hint)
+
+
+def down_job(user: User, job: str, purge: bool = False, via: str = "") -> list:
+    """``sftctl down`` of ``job`` (a full id :func:`owned_job` gave ``user``) asked by ``user``, the
+    one place the JSON API and the dashboard take a job down: an admin's down of another user's
+    job is recorded in the audit (``down``, the job, ``owner NAME[, purge]`` and ``via``) and names
+    the admin in the job's events and end reason (``taken down by admin NAME``), so its owner
+    sees who took it down. Returns :func:`sftctl.api.down`'s results.
+
+    Raises:
+        what :func:`sftctl.api.down` raises.
+    """
+    from sftctl import api
+
+    owner = api.job(job).owner if user.admin else user.name
+    admin = user.name if owner != user.name else None  # an admin took down another user's job
+    results = api.down(job, purge=purge, admin=admin)
+    if admin:
+        record(admin, "down", job, f"owner {owner}" + (", purge" if purge else "") + via)
+    return results

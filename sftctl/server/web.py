@@ -381,10 +381,7 @@ def mount(app: FastAPI, supervisor, authenticate, render, on_write) -> None:
     @guarded
     def job_down(request, user, token, job: str):
         job_id = owned(user, job)
-        owner = api.job(job_id).owner
-        api.down(job_id)
-        if owner != user.name:  # an admin took down another user's job
-            users.record(user.name, "down", job_id, f"owner {owner} (web)")
+        users.down_job(user, job_id, via=" (web)")
         on_write()
         if request.headers.get("hx-request"):
             return page("_jobs_table.html", **table_context(request, user, token)) \
