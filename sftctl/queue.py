@@ -52,8 +52,9 @@ LIVE_ADMITTED = frozenset({JobStatus.PROVISIONING, JobStatus.LAUNCHING, JobStatu
 #: how long a controller (and a waiting job's first stage) rides out an unreachable state database
 #: (Postgres) at the least: every state call reconnects and retries meanwhile, the job goes on,
 #: its events and metrics are held in memory. 30 min: a database restart, a failover or a
-#: maintenance window fits; past it the controller says so in one line and the job fails once
-#: the database takes that write. ``state.retry_s`` (SFTCTL_STATE_RETRY_S) may only lengthen it.
+#: maintenance window fits; past it (one window per outage) the controller's next write fails: it
+#: removes the job's nodes, says so in one line and exits, and the next read reaps the job
+#: (FAILED_CONTROLLER). ``state.retry_s`` (SFTCTL_STATE_RETRY_S) may only lengthen it.
 STATE_OUTAGE_S = 1800.0
 
 #: how a signal cancels a job (the controller's handlers and the waiter's share these lines)

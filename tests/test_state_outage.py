@@ -98,3 +98,119 @@ def test_a_running_and_a_pending_job_survive_a_postgres_outage(postgres, pg_url,
     assert pending_log.count("the state database is unreachable") == 1, pending_log
     assert "the state database answers again" in pending_log, pending_log
     assert sftctl("wait", running).returncode == 0
+
+
+def test_the_window_is_one_per_outage_not_one_per_call(postgres, pg_url):
+    """Past its window a Store tries each call once (a controller tearing down after an outage
+    outlasted it must not wait a window per write); once the database answered, the next outage
+    gets a whole window again."""
+    import pytest
+
+    from sftctl.errors import StateUnavailable
+    from sftctl.state import Store
+
+    store = Store()
+    store.retry_window_s = 1.0
+    tries: list[int] = []
+    reconnect = store._reconnect
+    store._reconnect = lambda: (tries.append(1), reconnect())[1]  # type: ignore[method-assign]
+
+    def calls_past(n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            before = len(tries)
+            with pytest.raises(StateUnavailable, match="unreachable for more than 1 s"):
+                store.list_jobs()
+            out.append(len(tries) - before)
+        return out
+
+    for _ in range(2):  # a second outage after the database answered again
+        postgres.stop()
+        try:
+            first, *rest = calls_past(3)
+        finally:
+            postgres.start()
+        assert first >= 2 and rest == [1, 1], (first, rest)
+        assert store.list_jobs() == []
+
+
+WINDOW_S = 4.0  # the controller's outage window in the test below (queue.STATE_OUTAGE_S, 1800 s by default)
+
+#: the controller's process only (procs.module_argv's ``runpy.run_module("sftctl.controller")``) rides
+#: out a short outage
+SHORT_WINDOW = f'''
+import sys
+if \'"sftctl.controller"\' in " ".join(sys.orig_argv):
+    import sftctl.queue
+    sftctl.queue.STATE_OUTAGE_S = {WINDOW_S}
+'''
+
+#: node 0 reports 10 steps, waits for GO, leaves a process of its own session behind (out of its
+#: guard's reach: the teardown's terminate_tagged ends it) and fails; node 1 trains on
+FAIL_ON_GO = '''
+import os, subprocess, time
+import sftctl.train as T
+
+if os.environ["SFTCTL_NODE_RANK"] == "1":
+    time.sleep(600)
+for step in range(1, 11):
+    T.report(step, 1.0 / step, step_time_s=0.05)
+while not os.path.exists({go!r}):
+    time.sleep(0.2)
+subprocess.Popen(["sleep", "600"], start_new_session=True)
+raise SystemExit(3)
+'''
+
+
+def test_an_outage_past_the_window_stops_the_nodes_and_the_job_is_reaped(postgres, pg_url, home, tmp_path):
+    """Postgres stays down past the controller's window while the job's node fails (a write the
+    controller must make): the controller removes every process of the job, says in one line
+    that the state database is down and what to do, and exits; once the database is back the
+    job is not left RUNNING without a controller: the next read marks it FAILED_CONTROLLER."""
+    import os
+
+    from conftest import job_processes, status_json
+
+    from sftctl import procs
+    from sftctl.state import JobStatus, Store
+
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SHORT_WINDOW)
+    env = {**os.environ, "SFTCTL_STATE_RETRY_S": "1",  # (the window is the longer of the two)
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")]))}
+    work = tmp_path / "work"
+    work.mkdir()
+    go = tmp_path / "go"
+    (work / "train.py").write_text(FAIL_ON_GO.format(go=str(go)))
+    spec = write_spec(work / "two.yaml", "name: two\nresources: {nodes: 2}\nrun: python3 train.py\n")
+
+    proc = subprocess.run([sys.executable, "-m", "sftctl.cli", "run", str(spec), "--detach", "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=deadline(120), env=env)
+    assert proc.returncode == 0, proc.stderr
+    job_id = json.loads(proc.stdout)["job_id"]
+    store = Store()
+    wait_for(lambda: any(m.step >= 10 for m in store.step_series(job_id)), timeout_s=120,
+             what="the job's tenth step", report=lambda: _controller_log(job_id))
+    job = store.get_job(job_id)
+    pid, ticks = job.controller_pid, job.controller_start_ticks
+    assert job.status == JobStatus.RUNNING and pid is not None, job
+    assert len(job_processes(job_id)) >= 2  # both nodes run
+    store.close()
+
+    postgres.stop()  # and stays down past the window: the controller gives up meanwhile
+    try:
+        go.touch()
+        wait_for(lambda: not procs.alive(pid, ticks), timeout_s=60, interval_s=0.5,
+                 what="the controller to give up and exit", report=lambda: _controller_log(job_id))
+        left = job_processes(job_id)  # every node and the stray: the controller's teardown ended them
+        log = _controller_log(job_id)
+    finally:
+        postgres.start()
+    assert left == [], (left, log)
+    assert "Traceback" not in log, log
+    errors = [line for line in log.splitlines() if "error:" in line]
+    assert len(errors) == 1, log
+    assert "the state database" in errors[0] and "unreachable" in errors[0], errors
+    assert f"sftctl status {job_id}" in errors[0], errors  # what to do once it is back
+    doc = status_json(job_id)  # a read reaps the job whose controller is gone
+    assert doc["status"] == JobStatus.FAILED_CONTROLLER.value, doc

@@ -49,7 +49,7 @@ from sftctl.controller.run_record import RunRecording
 from sftctl.controller.replan import Replanner, Verdict
 from sftctl.controller.spot import SpotGuard
 from sftctl.controller.submit import claim_checkpoint_dir, job_provider
-from sftctl.errors import CapacityError, ExitCode, InfeasibleError, ProviderError, SftctlError
+from sftctl.errors import CapacityError, ExitCode, InfeasibleError, ProviderError, SftctlError, StateUnavailable
 from sftctl.health.telemetry import REPLACE, RESTART
 from sftctl.paths import CONTROLLER_OWNER, controller_lock, job_dir
 from sftctl.providers import workdir_roots
@@ -205,6 +205,9 @@ class Controller(Recovery, Draining, RunRecording):
             self.store.transition(self.job_id, JobStatus.CANCELLED, why, code=FailureCode.CANCELLED.value)
             self.store.end_open_attempts(self.job_id, AttemptStatus.CANCELLED, why, FailureCode.CANCELLED.value)
             self.reporter.event(f"cancelled: {why}")
+        except StateUnavailable as e:  # past its window (queue.STATE_OUTAGE_S): nothing can be recorded;
+            self.error = e  # the nodes go (teardown), main says so, and a read once it is back reaps the job
+            raise
         except SftctlError as e:
             self.error = e
             self.store.transition(self.job_id, JobStatus.FAILED, e.message, code=_error_code(e))
@@ -219,7 +222,8 @@ class Controller(Recovery, Draining, RunRecording):
                 signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut teardown
             for signum in previous:  # nor a SIGHUP or SIGTERM that follows the first one
                 signal.signal(signum, signal.SIG_IGN)
-            self._record_run()
+            if not isinstance(self.error, StateUnavailable):
+                self._record_run()
             try:
                 self._teardown()
             finally:
@@ -716,20 +720,24 @@ class Controller(Recovery, Draining, RunRecording):
             self.provider.stop_attempt(node.handle)
 
     def _teardown(self) -> None:
+        """Remove every node and stray process of the job, then record it (a state database
+        that is unreachable past its window records nothing: the nodes go all the same)."""
         terminate_all(self.provider, [n.handle for n in self.nodes if n.handle is not None],
                       progress=self.reporter.event)  # all at once: a wide job comes down as fast as one node
+        leftover = self.provider.terminate_tagged(self.job_id)
+        release_rendezvous_port(self.rdzv_port)  # its nodes are gone: the port is free again
+        message = f"terminated {len(self.nodes)} node(s)" + (
+            f" and {leftover} stray process(es)" if leftover else ""
+        )
+        self.reporter.event(message)
+        if isinstance(self.error, StateUnavailable):
+            return
         for node in self.nodes:
             if node.handle is not None:
                 node.handle = node.handle.with_(terminated=True)
             self.store.update_node(node.id, status=NodeState.TERMINATED.value,
                                    handle=node.handle.to_dict() if node.handle is not None else {"terminated": True})
-        leftover = self.provider.terminate_tagged(self.job_id)
-        message = f"terminated {len(self.nodes)} node(s)" + (
-            f" and {leftover} stray process(es)" if leftover else ""
-        )
         self.store.add_event(self.job_id, "teardown", message)
-        self.reporter.event(message)
-        release_rendezvous_port(self.rdzv_port)  # its nodes are gone: the port is free again
 
 
 #: Each signal that cancels a job: its reason and the exit code of ``sftctl run`` (128 + signal).
@@ -741,7 +749,9 @@ def main(argv: list[str] | None = None) -> int:
     a job whose controller died under way is taken over, not failed).
 
     Exits 0 when the job succeeded, 1 when it ended otherwise, 2 (one ``error:`` line on stderr,
-    the job untouched) when the job already has a live controller."""
+    the job untouched) when the job already has a live controller, 1 with one ``error:`` line
+    when the state database stayed unreachable past its window (:data:`sftctl.queue.STATE_OUTAGE_S`):
+    the job's nodes are removed, its record is left to the next read's reaper (FAILED_CONTROLLER)."""
     global _LOGS_TO_JOB_DIR
     job_id = (argv or sys.argv[1:])[0]
     os.umask(0o077)  # logs, scripts and checkpoints of the job: owner-only whatever the dir's mode
@@ -752,6 +762,11 @@ def main(argv: list[str] | None = None) -> int:
     except ControllerBusy as e:
         print(f"error: {e.message}\nhint: {e.hint}", file=sys.stderr)
         return int(e.exit_code)
+    except StateUnavailable as e:  # one line, never a traceback
+        print(time.strftime("%H:%M:%S"), f"error: {e.message}; this controller removed the job's nodes and exits: "
+              f"once Postgres is back, sftctl status {job_id} marks the job FAILED_CONTROLLER (sftctl run starts it "
+              "again)", file=sys.stderr, flush=True)
+        return 1
     return 0 if status == JobStatus.SUCCEEDED else 1
 
 

@@ -39,7 +39,9 @@ def _retrying(fn):
         try:
             if self._held:
                 self._flush_held()
-            return fn(self, *args, **kwargs)
+            result = fn(self, *args, **kwargs)
+            self._unreachable_since = None  # it answers: an outage (if any) is over
+            return result
         except self._d.disconnect as e:
             return self._retry(fn, e, args, kwargs)
 
@@ -60,10 +62,13 @@ class _Connection:
         #: retried until it gets the lock (a job must not fail because a reader held state.db).
         self.on_locked: Callable[[Exception], object] | None = None
         #: 0: a lost connection to Postgres is an SftctlError at once (the CLI). A controller sets
-        #: ``SFTCTL_STATE_RETRY_S``: every call reconnects and retries (tenacity) for up to this
-        #: many seconds; events and metrics are held in memory meanwhile (the job goes on) and
-        #: written, in order and with their own times, before the next write once it is back.
+        #: ``SFTCTL_STATE_RETRY_S``: every call reconnects and retries (tenacity) until this many
+        #: seconds after the outage's first retry (one window per outage, not per call: past it
+        #: each call tries once, then raises); events and metrics are held in memory meanwhile
+        #: (the job goes on) and written, in order and with their own times, before the next
+        #: write once it is back.
         self.retry_window_s = 0.0
+        self._unreachable_since: float | None = None  # time.monotonic() of the current outage's first retry
         #: called with the error once per outage while retrying (the controller reports it)
         self.on_unreachable: Callable[[BaseException], object] | None = None
         self._held: list[tuple[str, tuple, dict]] = []
@@ -295,7 +300,11 @@ class _Connection:
 
     def _retry(self, fn, error: BaseException, args: tuple, kwargs: dict):
         """``fn`` failed with a lost connection: hold an event or metrics back, or reconnect
-        and call ``fn`` again until it works or :attr:`retry_window_s` has passed."""
+        and call ``fn`` again until it works or :attr:`retry_window_s` has passed since the
+        outage's first retry (past it: one try).
+
+        Raises:
+            StateUnavailable: the database is still unreachable past the window."""
         from sftctl.errors import StateUnavailable
 
         if not self.retry_window_s:
@@ -307,6 +316,7 @@ class _Connection:
                 try:
                     self._reconnect()
                     self._flush_held()
+                    self._unreachable_since = None
                 except self._d.disconnect:
                     pass
             return None
@@ -314,10 +324,13 @@ class _Connection:
 
         if self.on_unreachable is not None:
             self.on_unreachable(error)
+        if self._unreachable_since is None:
+            self._unreachable_since = time.monotonic()
+        left_s = self._unreachable_since + self.retry_window_s - time.monotonic()
         self._retrying += 1
         try:
             for attempt in tenacity.Retrying(
-                stop=tenacity.stop_after_delay(self.retry_window_s),
+                stop=tenacity.stop_after_delay(max(0.0, left_s)),
                 wait=tenacity.wait_exponential(multiplier=0.2, max=2.0),
                 retry=tenacity.retry_if_exception_type(self._d.disconnect), reraise=True,
             ):
@@ -325,8 +338,9 @@ class _Connection:
                     self._reconnect()
                     self._flush_held()
                     result = fn(self, *args, **kwargs)
+            self._unreachable_since = None
         except self._d.disconnect as e:
-            raise StateUnavailable(f"{self.where}: the state database was unreachable for {self.retry_window_s:g} s: "
+            raise StateUnavailable(f"{self.where}: the state database was unreachable for more than {self.retry_window_s:g} s: "
                               f"{_one_line(e)}", hint="check that Postgres is up (state.retry_s sets the window)") from None
         finally:
             self._retrying -= 1
