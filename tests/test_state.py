@@ -532,6 +532,41 @@ def test_a_waiting_store_and_a_lease_keeper_hold_no_postgres_connection(pg_url):
     store.close()
 
 
+def test_a_lease_keeper_whose_first_connection_fails_still_renews(state_backend, monkeypatch):
+    """The keeper's thread opens its own connection; Postgres unreachable at that moment (a
+    StateUnavailable from Store()) must not end the renewals: the next beat connects and renews,
+    so the lease outlives its first ttl."""
+    from sftctl.errors import StateUnavailable
+    from sftctl.state import LeaseKeeper, store as store_module
+
+    store = Store()
+    job = store.create_job("renews", {})
+    opened = []
+    real = store_module.Store
+
+    def flaky(*a, **kw):
+        opened.append(len(opened))
+        if len(opened) == 1:
+            raise StateUnavailable("postgresql://x: cannot connect to the state database: refused")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(store_module, "Store", flaky)
+    keeper = LeaseKeeper(store, job, ttl_s=1.2)  # a beat every 0.2 s
+    assert keeper.acquire()
+    try:
+        wait_for(lambda: len(opened) >= 2, timeout_s=deadline(30), interval_s=0.05,
+                 what="the keeper to connect again after its first connection failed")
+        first_expiry = time.monotonic() + 1.2
+        wait_for(lambda: time.monotonic() > first_expiry + 0.5, timeout_s=deadline(30), interval_s=0.05,
+                 what="the first ttl to pass")
+        holder, left_s = store.lease(job)
+        assert holder == keeper.holder and left_s > 0, (holder, left_s)  # renewed after the failed open
+    finally:
+        keeper.release()
+    assert store.lease(job) is None
+    store.close()
+
+
 # ---------------------------------------------------------------- Postgres unreachable
 
 

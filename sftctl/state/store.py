@@ -100,22 +100,27 @@ class LeaseKeeper:
         return _dead_here(holder)
 
     def _renew(self) -> None:
-        store = Store(self.store.url or self.store.path)
-        store.retry_window_s = self.store.retry_window_s or settings.get("SFTCTL_STATE_RETRY_S")
-        store.rest()
+        """The renewing thread's loop: a connection of its own, opened at the first beat that
+        reaches the state (a database down when the thread starts must not end the renewals)."""
+        store: Store | None = None
         try:
             while not self._stop.wait(self.ttl_s / 6):
                 try:
+                    if store is None:
+                        store = Store(self.store.url or self.store.path)
+                        store.retry_window_s = self.store.retry_window_s or settings.get("SFTCTL_STATE_RETRY_S")
                     kept = store.renew_lease(self.job_id, self.holder, self.ttl_s)
                 except Exception:  # noqa: BLE001 unreachable past the retry window: try again next beat
                     continue
                 finally:
-                    _quietly(store.rest, swallow=(Exception,))  # no connection held between beats
+                    if store is not None:
+                        _quietly(store.rest, swallow=(Exception,))  # no connection held between beats
                 if not kept:
                     self.on_lost(self)
                     return
         finally:
-            _quietly(store.close)
+            if store is not None:
+                _quietly(store.close)
 
     def release(self, keep: bool = False) -> None:
         """Stop renewing; give the lease up unless ``keep`` (this process execs its successor)."""
