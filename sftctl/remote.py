@@ -181,17 +181,18 @@ class Client:
         return lines()
 
     def riding_out(self, job: str, call: Callable[[], T], told: list[bool] | None = None,
-                   since: float | None = None, reset: bool = True) -> T:
+                   since: float | None = None, reset: bool = True, until: float | None = None) -> T:
         """``call()`` (one or more requests about ``job``), retried while it raises
         :class:`Unreachable`: exponential backoff from :data:`RETRY_FIRST_S` to :data:`RETRY_MAX_S`
         seconds, for at most :attr:`retry_s` seconds from this call (or from ``since``, a
         ``time.monotonic()`` when the outage began; ``call`` is tried once at least). :data:`RETRYING` is logged
         (``sftctl.remote``, WARNING: stderr unless logging is set up) once per outage (``told``: a caller's flag shared by its calls, reset once the
         server answers; ``reset`` False leaves that to the caller, as a follow whose stream may
-        open and then stay silent resets it at its next line).
+        open and then stay silent resets it at its next line). ``until``: a ``time.monotonic()``
+        deadline of the caller's own (``wait --timeout``) that ends the retries sooner.
 
         Raises:
-            ServerLost: still unreachable after :attr:`retry_s` seconds (exit 75).
+            ServerLost: still unreachable after :attr:`retry_s` seconds, or at ``until`` (exit 75).
             SftctlError: any other error of ``call``, at once.
         """
         import time
@@ -200,6 +201,9 @@ class Client:
 
         told = [False] if told is None else told
         window_s = self.retry_s if since is None else max(0.0, self.retry_s - (time.monotonic() - since))
+        cut = until is not None and until - time.monotonic() < window_s  # the caller's deadline comes first
+        if cut:
+            window_s = max(0.0, until - time.monotonic())
 
         def tell(state) -> None:
             import logging
@@ -218,6 +222,10 @@ class Client:
                 with attempt:
                     result = call()
         except Unreachable as e:
+            if cut:
+                raise ServerLost(f"{e.message}; still unreachable at the timeout: job {job} goes on, supervised by "
+                                 "the server", hint=f"sftctl wait {job} again once the server is back",
+                                 job=job, cause=e) from None
             raise self.lost(job, e) from None
         if reset:
             told[0] = False

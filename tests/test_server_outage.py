@@ -306,3 +306,36 @@ def test_wait_json_timeout_rides_out_a_server_lost_at_the_timeout(home, monkeypa
     assert doc["error"].endswith("; gave up after 1 s (server.retry_s): job j-1 goes on, supervised by the server"), doc
     assert doc["hint"] == "sftctl wait j-1 j-2 or sftctl logs -f j-1 follows it again once the server is back", doc
     assert [r.getMessage() for r in caplog.records if r.name == "sftctl.remote"] == [RETRYING]
+
+
+def test_wait_with_a_timeout_gives_up_on_a_lost_server_at_its_timeout(home, monkeypatch):
+    """api.wait's retries of a lost server end at its timeout_s, not server.retry_s later: a
+    `wait --timeout 1` against a server gone for good ends at once with exit 75, saying the
+    server was still unreachable at the timeout (the job's state unknown, not "still RUNNING")."""
+    import threading
+
+    from sftctl import api, remote
+    from test_server import _free_port
+
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    monkeypatch.setenv("SFTCTL_SERVER_URL", url)
+    monkeypatch.setenv("SFTCTL_SERVER_TOKEN", "t")
+    monkeypatch.setenv("SFTCTL_SERVER_RETRY_S", "600")
+    monkeypatch.setattr(remote, "RETRY_FIRST_S", 0.05)
+    raised: list = []
+
+    def wait() -> None:
+        try:
+            api.wait("j-1", timeout_s=1.0)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            raised.append(e)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(deadline(120))  # a bound on a hang (the 600 s window), not a timing
+    assert not waiter.is_alive(), "wait --timeout 1 still retries a lost server"
+    [e] = raised
+    assert isinstance(e, remote.ServerLost) and e.exit_code == 75 and e.job == "j-1", repr(e)
+    assert e.message.startswith(f"the sftctl server at {url} cannot be reached: "), e.message
+    assert e.message.endswith("; still unreachable at the timeout: job j-1 goes on, supervised by the server"), e.message
+    assert e.hint == "sftctl wait j-1 again once the server is back", e.hint

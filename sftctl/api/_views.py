@@ -437,8 +437,9 @@ def wait(job: str, *, timeout_s: float | None = None, poll_s: float = 1.0) -> Jo
         NotFoundError: no such job (exit 2).
         TimeoutError: still running after ``timeout_s`` seconds (an ended job never raises).
         sftctl.remote.ServerLost: through a server, the server could not be reached for
-            ``server.retry_s`` seconds (exit 75; the job goes on there). Shorter outages (a
-            restart) are retried (:meth:`sftctl.remote.Client.riding_out`).
+            ``server.retry_s`` seconds, or was still unreachable at ``timeout_s`` (exit 75; the
+            job goes on there). Shorter outages (a restart) are retried
+            (:meth:`sftctl.remote.Client.riding_out`).
     """
     now = time.monotonic()
     end = None if timeout_s is None else now + timeout_s
@@ -446,7 +447,7 @@ def wait(job: str, *, timeout_s: float | None = None, poll_s: float = 1.0) -> Jo
     remote = _remote()
     told = [False]
     while True:
-        view = status(job) if remote is None else remote.riding_out(job, lambda: status(job), told)
+        view = status(job) if remote is None else remote.riding_out(job, lambda: status(job), told, until=end)
         now = time.monotonic()
         if view.status.terminal:
             teardown_end = teardown_end or now + WAIT_TEARDOWN_S
