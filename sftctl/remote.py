@@ -61,6 +61,11 @@ class Unreachable(errors.ProviderError):
     follower retries it: :meth:`Client.riding_out`)."""
 
 
+class Silent(Unreachable):
+    """The server accepted the connection (a stream: answered) and then said nothing for the read
+    timeout: a follower's outage has begun even though its next open may succeed."""
+
+
 class ServerLost(SftctlError):
     """A follower could not reach the server for ``server.retry_s``; the job goes on there
     (exit 75, EX_TEMPFAIL). ``job``: its id; ``cause``: the last :class:`Unreachable`."""
@@ -206,13 +211,7 @@ class Client:
             window_s = max(0.0, until - time.monotonic())
 
         def tell(state) -> None:
-            import logging
-
-            if not told[0]:
-                told[0] = True
-                # a library's notice: with no logging set up (the CLI's case) Python's last-resort
-                # handler writes the bare line to stderr; a program that sets up logging routes it
-                logging.getLogger("sftctl.remote").warning(RETRYING)
+            _tell(told)
 
         try:
             for attempt in tenacity.Retrying(stop=tenacity.stop_after_delay(window_s),
@@ -244,9 +243,9 @@ class Client:
         from its start each time, each rank's lines already passed on are skipped (a rank's
         lines come in order; notices are never skipped). A stream silent for :data:`FOLLOW_READ_S`
         seconds (not even a keep-alive line) counts as a lost server; the outage runs from the
-        last line received (a keep-alive one too), so a server that answers a request and then
-        nothing gives up after :attr:`retry_s` as one that refuses it, with one :data:`RETRYING`
-        notice however often it reopens. The open of the first stream raises
+        last line received (a keep-alive one too), so a server whose every reopen answers and
+        then says nothing (:class:`Silent`) is given up after :attr:`retry_s` as one that refuses
+        it, with one :data:`RETRYING` notice at its first silence however often it reopens. The open of the first stream raises
         at once, as :meth:`stream_lines`'s; the rest raise as the iterator is read.
 
         Raises:
@@ -280,8 +279,12 @@ class Client:
                             passed[rank] = passed.get(rank, 0) + 1
                         yield d
                     return
-                except Unreachable:
+                except Unreachable as e:
                     outage = time.monotonic() if outage is None else outage
+                    if isinstance(e, Silent):  # said now: its reopen may answer, and then be silent again
+                        _tell(told)
+                    if time.monotonic() - outage >= self.retry_s:  # reopens that answer, then nothing: lost too
+                        raise self.lost(job, e) from None
                     stream = self.riding_out(job, open_stream, told, since=outage, reset=False)
 
         return lines()
@@ -297,9 +300,9 @@ class Client:
         import httpx
 
         if isinstance(e, httpx.ReadTimeout) and read_s is not None:
-            return Unreachable(f"the sftctl server at {self.url} accepted the connection but did not answer "
-                               f"for {read_s:g} s", hint="is it overloaded or stuck? check its log (sftctl server "
-                                                         "start's output); server.url in the config file or SFTCTL_SERVER_URL")
+            return Silent(f"the sftctl server at {self.url} accepted the connection but did not answer "
+                          f"for {read_s:g} s", hint="is it overloaded or stuck? check its log (sftctl server "
+                                                    "start's output); server.url in the config file or SFTCTL_SERVER_URL")
         return Unreachable(f"the sftctl server at {self.url} cannot be reached: {e or type(e).__name__}",
                                     hint="is it running (sftctl server start)? check server.url in the config "
                                          "file or SFTCTL_SERVER_URL")
@@ -332,3 +335,14 @@ class Client:
             raise err
         raise errors.ProviderError(f"the sftctl server at {self.url} answered {r.status_code}: {r.text[:200]}",
                                    hint="is server.url an sftctl server?")
+
+
+def _tell(told: list[bool]) -> None:
+    """Log :data:`RETRYING` (``sftctl.remote``, WARNING) unless ``told[0]``, and set it: once per
+    outage. A library's notice: with no logging set up (the CLI's case) Python's last-resort
+    handler writes the bare line to stderr; a program that sets up logging routes it."""
+    import logging
+
+    if not told[0]:
+        told[0] = True
+        logging.getLogger("sftctl.remote").warning(RETRYING)

@@ -339,3 +339,46 @@ def test_wait_with_a_timeout_gives_up_on_a_lost_server_at_its_timeout(home, monk
     assert e.message.startswith(f"the sftctl server at {url} cannot be reached: "), e.message
     assert e.message.endswith("; still unreachable at the timeout: job j-1 goes on, supervised by the server"), e.message
     assert e.hint == "sftctl wait j-1 again once the server is back", e.hint
+
+
+def test_logs_follow_gives_up_on_a_server_whose_every_reopen_answers_then_goes_silent(home, monkeypatch, caplog):
+    """A server that answers each reopen of the follow and then says nothing (its log reader
+    stuck: no keep-alive line either) is a lost server: one notice at the first silence, and
+    exit 75 once the silence outlasts server.retry_s, however often the reopens succeed."""
+    import threading
+
+    from sftctl import remote
+
+    monkeypatch.setenv("SFTCTL_SERVER_RETRY_S", "0.5")
+    client = remote.Client("http://127.0.0.1:9", "t")
+    opens: list[int] = []
+
+    def answered_then_silent(path, params, read_s):
+        opens.append(1)
+
+        def stream():
+            raise remote.Silent("the sftctl server at http://127.0.0.1:9 accepted the connection but did not "
+                                f"answer for {read_s:g} s", hint=None)
+            yield  # a generator: the silence comes as it is read, after the open answered
+
+        return stream()
+
+    monkeypatch.setattr(client, "_stream", answered_then_silent)
+    raised: list = []
+
+    def follow() -> None:
+        try:
+            list(client.follow_lines("j-1", "/v1/jobs/j-1/logs", {"follow": True}))
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            raised.append(e)
+
+    follower = threading.Thread(target=follow, daemon=True)
+    follower.start()
+    follower.join(deadline(60))  # a bound on a hang, not a timing: a 0.5 s window
+    assert not follower.is_alive(), f"logs -f still reopens a silent server ({len(opens)} opens)"
+    [e] = raised
+    assert isinstance(e, remote.ServerLost) and e.exit_code == 75, repr(e)
+    assert e.message.endswith("did not answer for 30 s; gave up after 0.5 s (server.retry_s): job j-1 goes on, "
+                              "supervised by the server"), e.message
+    assert len(opens) >= 2  # it did ask again
+    assert [r.getMessage() for r in caplog.records if r.name == "sftctl.remote"] == [RETRYING]
