@@ -20,7 +20,9 @@ parser = pytest.importorskip("prometheus_client.parser")
 
 
 def test_metrics_export_jobs_queue_and_cost_to_the_scrape_token_and_admins(server, home):
-    from sftctl.state import JobStatus, Store
+    from sftctl import procs
+    from sftctl.controller.placements import controller_alive
+    from sftctl.state import JobStatus, LeaseKeeper, Store
 
     t = tokens("alice", admin="admin1")
     store = Store()
@@ -30,6 +32,11 @@ def test_metrics_export_jobs_queue_and_cost_to_the_scrape_token_and_admins(serve
     _job(store, "b1", "bob", [(T0, T0 + 3 * H), (T0, T0 + 0.25 * H)], status=JobStatus.CANCELLED)  # $319.54
     waiting = store.create_job("waits", {"name": "waits", "resources": {"nodes": 1}, "run": "true"}, owner="bob")
     store._conn.execute("UPDATE jobs SET created_at = ? WHERE id = ?", (time.time() - 600, waiting))
+    # its "controller" is this test's process, alive by pid and by lease: the running server's
+    # reconcile must not adopt it (CI: it started one, and the job was PROVISIONING when read)
+    store.update_job(waiting, controller_pid=os.getpid(), controller_start_ticks=procs.start_ticks(os.getpid()))
+    assert store.acquire_lease(waiting, LeaseKeeper.holder_of(os.getpid()), 3600.0)
+    assert controller_alive(store.get_job(waiting), store).alive is True  # the server's verdict: not an orphan
     store.close()
 
     scrape = sftctl("server", "metrics-token", check=True)
