@@ -43,6 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -162,7 +163,14 @@ def _prediction(row: dict, got: dict) -> dict:
 
 def halves(records: list[dict], rows: list[dict], seed: int, work: Path) -> list[dict]:
     """One draw: per GPU a random half (``seed``) imported, the other half predicted, then the
-    other way round; each record's out-of-sample prediction, in the records' order."""
+    other way round; each record's out-of-sample prediction, in the records' order. Each half's
+    history is imported through the CLI (:func:`stored_history`, under ``work``)."""
+    return _halves(records, rows, seed, lambda idx, tag: stored_history([rows[i] for i in idx], work, tag))
+
+
+def _halves(records: list[dict], rows: list[dict], seed: int, history_of: Callable[[list[int], str], list]) -> list[dict]:
+    """:func:`halves` with each half's run history ``history_of(indices, tag)`` (the CLI's round
+    trip, or the rows in process: :func:`sweep`)."""
     rng = random.Random(seed)
     by: dict[str, list[int]] = {}
     for i, r in enumerate(records):
@@ -175,7 +183,7 @@ def halves(records: list[dict], rows: list[dict], seed: int, work: Path) -> list
     second = set(range(len(records))) - first
     out: dict[int, dict] = {}
     for tag, known, unknown in (("a", first, second), ("b", second, first)):
-        history = stored_history([rows[i] for i in sorted(known)], work, f"seed{seed}-{tag}")
+        history = history_of(sorted(known), f"seed{seed}-{tag}")
         for i in unknown:
             out[i] = _prediction(rows[i], calibrated(rows[i], history))
     return [out[i] for i in range(len(records))]
@@ -242,24 +250,11 @@ def sweep(records: list[dict], rows: list[dict], draws: int) -> list[dict]:
 
     runs = [RunRecord.from_dict(r) for r in rows]
 
-    def halves_here(seed: int) -> list[dict]:
-        rng = random.Random(seed)
-        by: dict[str, list[int]] = {}
-        for i, r in enumerate(records):
-            by.setdefault(r["gpu"], []).append(i)
-        first: set[int] = set()
-        for gpu in sorted(by):
-            idx = by[gpu][:]
-            rng.shuffle(idx)
-            first |= set(idx[: len(idx) // 2])
-        out: dict[int, dict] = {}
-        for known in (first, set(range(len(records))) - first):
-            hist = [runs[i] for i in sorted(known)]
-            out |= {i: _prediction(rows[i], calibrated(rows[i], hist)) for i in range(len(records)) if i not in known}
-        return [out[i] for i in range(len(records))]
+    def in_process(indices: list[int], tag: str) -> list:
+        return [runs[i] for i in indices]
 
     def figures() -> dict:
-        halves_ev = _mean_over([evaluate(records, halves_here(s)) for s in SEEDS[:draws]])
+        halves_ev = _mean_over([evaluate(records, _halves(records, rows, s, in_process)) for s in SEEDS[:draws]])
         loo = evaluate(records, [_prediction(rows[i], calibrated(rows[i], runs[:i] + runs[i + 1:]))
                                  for i in range(len(records))])
         return {"per_gpu": {g: {"halves": halves_ev["per_gpu"][g]["after"], "leave_one_out": loo["per_gpu"][g]["after"]}
